@@ -1,0 +1,120 @@
+"""Read-only analysis of a captured graph: which matmuls pair up column→row, and how each is cut.
+
+The graph is viewed as a networkx DiGraph of fx nodes. For every parameter matmul R (in graph order) the
+*feeders* of its activation input are the parameter matmuls that reach it without passing through another
+parameter matmul. When all of them are still unassigned they are R's column candidates: the sharding is
+propagated from them to R (:mod:`autotp.propagate`). A region that cannot be sharded exactly is left
+replicated and reported with the reason; a head count that cannot be split raises ``ShardingError``.
+
+Facts are written to ``node.meta["autotp"]``; the planner turns them into a :class:`~autotp.plan.Plan`.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import networkx as nx
+import torch
+import torch.fx as fx
+
+from autotp.matmuls import ParamMatmul, find_param_matmuls, module_path
+from autotp.propagate import Region, Unshardable, column_segments, propagate
+from autotp.shapes import Fingerprinter
+from autotp.shard_spec import Sharding
+
+aten = torch.ops.aten
+
+
+@dataclass
+class PairFacts:
+    name: str  # the module that holds the pair, e.g. ``transformer.h.0.attn``
+    columns: list[ParamMatmul]
+    row: ParamMatmul
+    column_specs: dict[str, Sharding]  # column node name -> output sharding
+    region: Region
+
+
+@dataclass
+class Analysis:
+    tp: int
+    matmuls: list[ParamMatmul]
+    pairs: list[PairFacts] = field(default_factory=list)
+    replicated: list[tuple[str, str]] = field(default_factory=list)  # (module, reason)
+
+
+def dataflow_graph(gm: fx.GraphModule) -> nx.DiGraph:
+    g = nx.DiGraph()
+    for node in gm.graph.nodes:
+        g.add_node(node)
+        for inp in node.all_input_nodes:
+            g.add_edge(inp, node)
+    return g
+
+
+def feeders(g: nx.DiGraph, matmul_nodes: set[fx.Node]) -> dict[fx.Node, frozenset[fx.Node]]:
+    """For each node, the parameter matmuls that reach it with no other parameter matmul in between.
+
+    Shape reads (``sym_size``) carry no data and are not followed.
+    """
+    out: dict[fx.Node, frozenset[fx.Node]] = {}
+    empty: frozenset[fx.Node] = frozenset()
+    for node in nx.topological_sort(g):
+        if node.op != "call_function" or node.target is aten.sym_size.int:
+            out[node] = empty
+            continue
+        acc: set[fx.Node] = set()
+        for inp in g.predecessors(node):
+            if inp in matmul_nodes:
+                acc.add(inp)
+            else:
+                acc |= out[inp]
+        out[node] = frozenset(acc) if acc else empty
+    return out
+
+
+def common_module(paths: list[str]) -> str:
+    parts = os.path.commonprefix([p.split(".") for p in paths if p])
+    return ".".join(parts)
+
+
+def analyze(gm: fx.GraphModule, tp: int) -> Analysis:
+    """Find the column→row pairs of ``gm`` for tensor-parallel size ``tp``."""
+    matmuls = find_param_matmuls(gm)
+    result = Analysis(tp, matmuls)
+    by_node = {m.node: m for m in matmuls}
+    g = dataflow_graph(gm)
+    feed = feeders(g, set(by_node))
+    fp = Fingerprinter()
+    assigned: set[fx.Node] = set()
+    weight_uses: dict[str, int] = {}
+    for m in matmuls:
+        weight_uses[m.weight] = weight_uses.get(m.weight, 0) + 1
+    for row in matmuls:
+        cols = feed[row.x] | ({row.x} if row.x in by_node else frozenset())
+        if not cols or row.node in assigned or cols & assigned:
+            continue
+        columns = [by_node[c] for c in sorted(cols, key=_order(gm))]
+        name = common_module([c.module for c in columns] + [row.module])
+        shared = [m.weight for m in [*columns, row] if weight_uses[m.weight] > 1]
+        if shared:
+            result.replicated.append((name, f"weight {shared[0]} is used by more than one matmul"))
+            continue
+        specs = {}
+        for c in columns:
+            segs = column_segments(c.node, fp, tp, f"{c.module} (out_features={c.out_features})")
+            specs[c.node] = Sharding(c.node.meta["val"].dim() - 1, segs)
+        try:
+            region = propagate(specs, row.node, row.x, fp, tp, name)
+        except Unshardable as e:
+            result.replicated.append((name, f"{e.reason} (at {e.node.name}, {module_path(e.node) or 'top level'})"))
+            continue
+        for n, s in region.specs.items():
+            n.meta["autotp"] = s
+        result.pairs.append(PairFacts(name, columns, row, {c.name: s for c, s in specs.items()}, region))
+        assigned |= set(cols) | {row.node}
+    return result
+
+
+def _order(gm: fx.GraphModule):
+    index = {n: i for i, n in enumerate(gm.graph.nodes)}
+    return lambda n: index[n]

@@ -1,0 +1,511 @@
+"""Sharding propagation through the region between column-parallel and row-parallel matmuls.
+
+Starting from the outputs of the column matmuls (sharded on their last dim), every node that consumes a
+sharded value gets a :class:`Sharding` by a rule for its op; the rule also records which integer
+constants of the node change (a view's head count, a split's sizes, an expand's repeat count). The region
+is valid when every sharded value ends at the row matmul, contracted on its last dim. Anything else —
+an op with no rule, a reduction over the sharded dim, a sharded value that escapes — raises
+:class:`Unshardable`, and the caller replicates the pair instead of guessing.
+"""
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+
+from autotp.errors import ShardingError
+from autotp.shapes import Fingerprinter, is_static, normalize_dim, view_groups
+from autotp.shard_spec import Segment, Sharding
+
+aten = torch.ops.aten
+
+# ops whose output has the input's shape and sharding (besides every op tagged pointwise)
+_SAME_SHAPE = {
+    aten.contiguous.default, aten.clone.default, aten.dropout.default, aten.alias.default, aten.detach.default,
+    aten.to.dtype, aten.to.dtype_layout, aten.to.device, aten._to_copy.default, aten.type_as.default,
+    aten.feature_dropout.default, aten.alpha_dropout.default, aten.lift_fresh_copy.default,
+}
+_SOFTMAX = {aten.softmax.int, aten._softmax.default, aten.log_softmax.int, aten._log_softmax.default}
+_VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
+_SPLITS = {aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default, aten.unbind.int,
+           aten.split.sizes, aten.tensor_split.sections}
+_NO_OUTPUT = {aten._assert_tensor_metadata.default}
+_RANDOM_P_ARG = {aten.dropout.default: 1, aten.feature_dropout.default: 1, aten.alpha_dropout.default: 1,
+                 aten.scaled_dot_product_attention.default: 4}
+
+
+class Unshardable(Exception):
+    def __init__(self, node: fx.Node, reason: str):
+        self.node = node
+        self.reason = reason
+        super().__init__(f"{node.name}: {reason}")
+
+
+@dataclass(frozen=True)
+class Rewrite:
+    """``node.args[arg]`` (or its element ``index`` when the arg is a list) changes from ``old`` to ``new``."""
+
+    node: str
+    arg: int
+    index: int | None
+    old: int
+    new: int
+
+
+@dataclass
+class Region:
+    specs: dict[fx.Node, Sharding | tuple[Sharding | None, ...]] = field(default_factory=dict)
+    rewrites: list[Rewrite] = field(default_factory=list)
+    random_nodes: list[fx.Node] = field(default_factory=list)
+    row_input: Sharding | None = None
+
+
+def _arg(node: fx.Node, idx: int, name: str, default: object = None) -> object:
+    if len(node.args) > idx:
+        return node.args[idx]
+    return node.kwargs.get(name, default)
+
+
+def _ndim(node: object) -> int | None:
+    if isinstance(node, fx.Node) and isinstance(node.meta.get("val"), torch.Tensor):
+        return node.meta["val"].dim()
+    return None
+
+
+def parts_for(units: int, size: int, tp: int, what: str) -> int:
+    """How many blocks a dim of ``units`` heads (or features) is cut into; Megatron's rules."""
+    if units % tp == 0:
+        return tp
+    if tp % units == 0 and size % units == 0:
+        return units  # fewer heads than ranks: each head is replicated on tp // units ranks
+    raise ShardingError(
+        f"{what}: {units} is not divisible by tp={tp} (and tp is not a multiple of it)",
+        hint=f"choose a tp that divides {units}",
+    )
+
+
+class _Propagator:
+    def __init__(self, fp: Fingerprinter, tp: int, where: str):
+        self.fp = fp
+        self.tp = tp
+        self.where = where
+        self.region = Region()
+
+    # -- helpers ---------------------------------------------------------------------------------
+    def spec(self, x: object) -> Sharding | None:
+        s = self.region.specs.get(x) if isinstance(x, fx.Node) else None
+        return s if isinstance(s, Sharding) else None
+
+    def rewrite(self, node: fx.Node, arg: int, index: int | None, old: int, new: int) -> None:
+        if old != new:
+            self.region.rewrites.append(Rewrite(node.name, arg, index, old, new))
+
+    # -- rules -----------------------------------------------------------------------------------
+    def visit(self, node: fx.Node) -> None:
+        t = node.target
+        if t in _NO_OUTPUT:
+            return
+        if t is aten.sym_size.int:
+            s = self.spec(node.args[0])
+            if s is not None and normalize_dim(node.args[1], _ndim(node.args[0])) in (s.dim, (s.inner or (None,))[0]):
+                raise Unshardable(node, "the size of the sharded dim is read at run time")
+            return
+        if t is operator.getitem:
+            parent = self.region.specs.get(node.args[0])
+            if isinstance(parent, tuple):
+                out = parent[node.args[1]]
+                if out is not None:
+                    self.region.specs[node] = out
+                return
+            raise Unshardable(node, "indexing a sharded tensor")
+        if t in _RANDOM_P_ARG:
+            p = _arg(node, _RANDOM_P_ARG[t], "dropout_p" if t is aten.scaled_dot_product_attention.default else "p", 0.0)
+            if not (isinstance(p, (int, float)) and p == 0):
+                self.region.random_nodes.append(node)
+        if t in _SAME_SHAPE or (isinstance(t, torch._ops.OpOverload) and torch.Tag.pointwise in t.tags):
+            self.region.specs[node] = self.pointwise(node)
+        elif t in _SOFTMAX:
+            s = self.spec(node.args[0])
+            if normalize_dim(node.args[1], _ndim(node)) == s.dim:
+                raise Unshardable(node, "softmax over the sharded dim")
+            self.region.specs[node] = s
+        elif t in _VIEWS:
+            self.region.specs[node] = self.view(node)
+        elif t is aten.expand.default:
+            self.region.specs[node] = self.expand(node)
+        elif t in (aten.transpose.int, aten.t.default, aten.numpy_T.default, aten.permute.default,
+                   aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default):
+            self.region.specs[node] = self.move(node)
+        elif t is aten.slice.Tensor:
+            self.region.specs[node] = self.slice(node)
+        elif t is aten.select.int:
+            s = self.spec(node.args[0])
+            d = normalize_dim(node.args[1], _ndim(node.args[0]))
+            if d == s.dim or (s.inner and d == s.inner[0]):
+                raise Unshardable(node, "select on the sharded dim")
+            self.region.specs[node] = s.moved(s.dim - (d < s.dim), None if not s.inner else s.inner[0] - (d < s.inner[0]))
+        elif t in _SPLITS:
+            self.region.specs[node] = self.split(node)
+        elif t is aten.cat.default:
+            self.region.specs[node] = self.cat(node)
+        elif t in (aten.matmul.default, aten.bmm.default):
+            self.region.specs[node] = self.batched(node, [node.args[0], node.args[1]], 2)
+        elif t is aten.scaled_dot_product_attention.default:
+            self.region.specs[node] = self.sdpa(node)
+        else:
+            raise Unshardable(node, f"no sharding rule for {t}")
+
+    def pointwise(self, node: fx.Node) -> Sharding:
+        out_nd = _ndim(node)
+        out_shape = self.fp.shape(node)
+        result: Sharding | None = None
+        for a in [*node.args, *node.kwargs.values()]:
+            for x in (a if isinstance(a, (list, tuple)) else [a]):
+                nd = _ndim(x)
+                if nd is None:
+                    continue
+                off = out_nd - nd
+                s = self.spec(x)
+                if s is not None:
+                    aligned = s.moved(s.dim + off, None if not s.inner else s.inner[0] + off)
+                    if result is not None and aligned != result:
+                        raise Unshardable(node, f"operands sharded differently: {result} vs {aligned}")
+                    result = aligned
+        for a in [*node.args, *node.kwargs.values()]:
+            for x in (a if isinstance(a, (list, tuple)) else [a]):
+                nd = _ndim(x)
+                if nd is None or self.spec(x) is not None:
+                    continue
+                shape = self.fp.shape(x)
+                dims = [result.dim] + ([result.inner[0]] if result.inner else [])
+                for d in dims:
+                    xd = d - (out_nd - nd)
+                    if xd >= 0 and shape[xd] != 1 and out_shape[d] != 1:
+                        raise Unshardable(node, f"replicated operand {x.name} spans the sharded dim")
+        return result
+
+    def move(self, node: fx.Node) -> Sharding:
+        s = self.spec(node.args[0])
+        nd_in, nd_out = _ndim(node.args[0]), _ndim(node)
+        t = node.target
+        if t in (aten.transpose.int, aten.t.default, aten.numpy_T.default, aten.permute.default):
+            if t is aten.permute.default:
+                perm = [normalize_dim(d, nd_in) for d in node.args[1]]
+            else:
+                perm = list(range(nd_in))
+                a, b = (0, 1) if t is not aten.transpose.int else (normalize_dim(node.args[1], nd_in), normalize_dim(node.args[2], nd_in))
+                if nd_in >= 2 or t is aten.transpose.int:
+                    perm[a], perm[b] = perm[b], perm[a]
+            where = {src: dst for dst, src in enumerate(perm)}
+            return s.moved(where[s.dim], None if not s.inner else where[s.inner[0]])
+        in_shape = self.fp.shape(node.args[0])
+        if t is aten.unsqueeze.default:
+            d = normalize_dim(node.args[1], nd_out)
+            shift = lambda x: x + (x >= d)  # noqa: E731
+        else:
+            if t is aten.squeeze.default:
+                gone = [i for i, n in enumerate(in_shape) if n == 1]
+            else:
+                dims = node.args[1] if isinstance(node.args[1], (list, tuple)) else [node.args[1]]
+                gone = [normalize_dim(d, nd_in) for d in dims if in_shape[normalize_dim(d, nd_in)] == 1]
+            shift = lambda x: x - sum(g < x for g in gone)  # noqa: E731
+        return s.moved(shift(s.dim), None if not s.inner else shift(s.inner[0]))
+
+    def slice(self, node: fx.Node) -> Sharding:
+        s = self.spec(node.args[0])
+        d = normalize_dim(_arg(node, 1, "dim", 0), _ndim(node.args[0]))
+        if d == s.dim or (s.inner and d == s.inner[0]):
+            start, end, step = _arg(node, 2, "start", None), _arg(node, 3, "end", None), _arg(node, 4, "step", 1)
+            full = self.fp.shape(node.args[0])[d]
+            if (start in (None, 0)) and (end is None or (is_static(end) and end >= full)) and step == 1:
+                return s
+            raise Unshardable(node, "a partial slice of the sharded dim")
+        return s
+
+    def view(self, node: fx.Node) -> Sharding:
+        s = self.spec(node.args[0])
+        src, dst = self.fp.shape(node.args[0]), self.fp.shape(node)
+        shape_arg = list(node.args[1])
+        for gi, gj in view_groups(src, dst):
+            if s.dim not in gi:
+                if s.inner and s.inner[0] in gi:
+                    raise Unshardable(node, "view regroups the broadcast dim of replicated heads")
+                continue
+            gi_real = [i for i in gi if src[i] != 1 or i == s.dim]
+            gj_real = [j for j in gj if dst[j] != 1]
+            if len(gi_real) == 1 and len(gj_real) == 1:  # the sharded dim passes through
+                j = gj_real[0]
+                if s.inner:
+                    raise Unshardable(node, "view moves replicated heads")
+                self._set_view_size(node, shape_arg, j, dst[j], s.local_size)
+                return s.moved(j)
+            if len(gi_real) == 1:  # the sharded dim splits: [.., N, ..] -> [.., n1, n2, ..]
+                return self._view_split(node, s, shape_arg, dst, gj_real)
+            if len(gj_real) == 1:  # dims merge into the sharded one: [.., a, b, ..] -> [.., a*b, ..]
+                return self._view_merge(node, s, shape_arg, src, dst, gi_real, gj_real[0])
+            raise Unshardable(node, "view regroups the sharded dim with others")
+        raise Unshardable(node, "sharded dim lost in view")
+
+    def _set_view_size(self, node, shape_arg, j, old, new) -> None:
+        if is_static(shape_arg[j]) and shape_arg[j] != -1:
+            self.rewrite(node, 1, j, shape_arg[j], new)
+        elif not (isinstance(shape_arg[j], int) and shape_arg[j] == -1):
+            raise Unshardable(node, "the size of the sharded dim is computed at run time")
+
+    def _view_split(self, node, s, shape_arg, dst, gj) -> Sharding:
+        n1 = dst[gj[0]]
+        seg = s.single()
+        if seg is not None:
+            if n1 % seg.parts:
+                raise ShardingError(f"{self.where}: {n1} heads are not divisible into {seg.parts} parts (tp={self.tp})",
+                                    hint=f"choose a tp that divides {n1}")
+            self._set_view_size(node, shape_arg, gj[0], n1, n1 // seg.parts)
+            return Sharding(gj[0], (Segment(n1, seg.parts),))
+        k = len(s.segments)
+        if n1 == k and len(gj) > 1 and len({x for x in s.segments}) == 1:  # [k segments, heads, d]
+            n2 = dst[gj[1]]
+            parts = s.segments[0].parts
+            if n2 % parts:
+                raise ShardingError(f"{self.where}: {n2} heads are not divisible by tp={self.tp}")
+            self._set_view_size(node, shape_arg, gj[1], n2, n2 // parts)
+            return Sharding(gj[1], (Segment(n2, parts),))
+        raise Unshardable(node, "view splits a fused dim across its segments")
+
+    def _view_merge(self, node, s, shape_arg, src, dst, gi, j) -> Sharding:
+        seg = s.single()
+        if seg is None or gi[0] != s.dim:
+            raise Unshardable(node, "view merges the sharded dim under another dim")
+        parts = seg.parts
+        if s.inner:
+            if s.inner[0] != s.dim + 1 or s.inner[0] not in gi:
+                raise Unshardable(node, "replicated heads merged without their repeat dim")
+            parts *= s.inner[1]
+        merged = dst[j]
+        self._set_view_size(node, shape_arg, j, merged, merged // parts)
+        return Sharding(j, (Segment(merged, parts),))
+
+    def expand(self, node: fx.Node) -> Sharding:
+        s = self.spec(node.args[0])
+        sizes = list(node.args[1])
+        off = len(sizes) - _ndim(node.args[0])
+        in_shape = self.fp.shape(node.args[0])
+        d = s.dim + off
+        if is_static(sizes[d]) and sizes[d] != -1:
+            self.rewrite(node, 1, d, sizes[d], s.local_size)
+        seg = s.single()
+        if seg is not None and seg.parts < self.tp and s.inner is None:
+            # replicated kv heads: the repeat dim right after the heads carries the rest of the split
+            e = d + 1
+            q = self.tp // seg.parts
+            if e < len(sizes) and in_shape[e - off] == 1 and is_static(sizes[e]) and sizes[e] > 1:
+                if sizes[e] % q:
+                    raise ShardingError(f"{self.where}: repeat of {sizes[e]} kv groups is not divisible by {q}")
+                self.rewrite(node, 1, e, sizes[e], sizes[e] // q)
+                return Sharding(d, s.segments, (e, q))
+        return s.moved(d, None if not s.inner else s.inner[0] + off)
+
+    def split(self, node: fx.Node) -> tuple[Sharding | None, ...]:
+        s = self.spec(node.args[0])
+        t = node.target
+        nd = _ndim(node.args[0])
+        dim_idx = 1 if t is aten.unbind.int else 2
+        d = normalize_dim(_arg(node, dim_idx, "dim", 0), nd)
+        outs = node.meta["val"]
+        if d != s.dim and not (s.inner and d == s.inner[0]):
+            return tuple(s for _ in outs)
+        if t is aten.unbind.int or s.inner:
+            raise Unshardable(node, "unbind of the sharded dim")
+        sizes = [self.fp.shape(o)[d] for o in outs]
+        if t is aten.chunk.default and len(s.segments) == 1:
+            # equal chunks of a contiguous shard would mix ranks' blocks; segments must follow the chunks
+            raise Unshardable(node, "chunk of a contiguously sharded dim")
+        if tuple(sizes) != tuple(g.size for g in s.segments):
+            raise Unshardable(node, f"split sizes {sizes} do not follow the segments {[g.size for g in s.segments]}")
+        local = [g.local() for g in s.segments]
+        if t is aten.split.Tensor and len(set(local)) == 1:
+            self.rewrite(node, 1, None, node.args[1], local[0])
+        elif t in (aten.split_with_sizes.default, aten.split.sizes):
+            for i, (old, new) in enumerate(zip(node.args[1], local)):
+                self.rewrite(node, 1, i, old, new)
+        elif t is not aten.chunk.default:
+            raise Unshardable(node, f"{t} of the sharded dim with unequal local segments")
+        return tuple(Sharding(d, (g,)) for g in s.segments)
+
+    def cat(self, node: fx.Node) -> Sharding:
+        tensors = node.args[0]
+        d = normalize_dim(_arg(node, 1, "dim", 0), _ndim(node))
+        specs = {self.spec(x) for x in tensors}
+        if len(specs) != 1 or None in specs:
+            raise Unshardable(node, "cat of sharded and replicated tensors")
+        s = specs.pop()
+        if d == s.dim or (s.inner and d == s.inner[0]):
+            raise Unshardable(node, "cat along the sharded dim")
+        return s
+
+    def batched(self, node: fx.Node, operands: list, core: int) -> Sharding:
+        """Matmul-like op: the sharded dim must be a batch dim of the sharded operands."""
+        out_nd = _ndim(node)
+        result = None
+        for x in operands:
+            nd = _ndim(x)
+            s = self.spec(x)
+            if s is None:
+                continue
+            if s.dim >= nd - core or (s.inner and s.inner[0] >= nd - core):
+                raise Unshardable(node, "the sharded dim is contracted outside the row-parallel matmul")
+            aligned = s.moved(s.dim + out_nd - nd, None if not s.inner else s.inner[0] + out_nd - nd)
+            if result is not None and aligned != result:
+                raise Unshardable(node, f"operands sharded differently: {result} vs {aligned}")
+            result = aligned
+        for x in operands:
+            nd = _ndim(x)
+            if nd is None or self.spec(x) is not None:
+                continue
+            xd = result.dim - (out_nd - nd)
+            if xd >= 0 and xd < nd - core and self.fp.shape(x)[xd] != 1:
+                raise Unshardable(node, f"replicated operand {x.name} spans the sharded batch dim")
+        return result
+
+    def sdpa(self, node: fx.Node) -> Sharding:
+        q, k, v = node.args[:3]
+        mask = _arg(node, 3, "attn_mask", None)
+        gqa = bool(node.kwargs.get("enable_gqa", False))
+        sq, sk, sv = self.spec(q), self.spec(k), self.spec(v)
+        if sq is None or sk is None or sv is None:
+            raise Unshardable(node, "attention with replicated q, k or v")
+        nd = _ndim(q)
+        if sq.dim != nd - 3 or sk.dim != nd - 3 or sv.dim != nd - 3 or sk != sv:
+            raise Unshardable(node, "attention not sharded by heads")
+        if sq != sk and not gqa:
+            raise Unshardable(node, f"q and k heads sharded differently: {sq} vs {sk}")
+        if sq.inner or sk.inner:
+            raise Unshardable(node, "attention over unmerged replicated heads")
+        ops = [q] + ([mask] if isinstance(mask, fx.Node) else [])
+        return self.batched(node, ops, 2)
+
+
+def propagate(columns: dict[fx.Node, Sharding], row: fx.Node, row_x: fx.Node, fp: Fingerprinter, tp: int,
+              where: str) -> Region:
+    """Propagate the column shardings to ``row``; raise :class:`Unshardable` if the region leaks."""
+    p = _Propagator(fp, tp, where)
+    p.region.specs.update(columns)
+    started = False
+    for node in row.graph.nodes:
+        if node in columns:
+            started = True
+            continue
+        if not started or node.op != "call_function":
+            continue
+        if node is row:
+            break
+        if any(isinstance(a, fx.Node) and a in p.region.specs for a in node.all_input_nodes):
+            p.visit(node)
+    rs = p.spec(row_x)
+    if rs is None or rs.dim != _ndim(row_x) - 1 or rs.inner:
+        raise Unshardable(row, "the row-parallel input is not sharded on its contracted dim")
+    p.region.row_input = rs
+    for n in list(p.region.specs):
+        for u in n.users:
+            if u in p.region.specs or u is row or u.target in _NO_OUTPUT:
+                continue
+            if u.target is aten.sym_size.int:
+                continue
+            if u.target is operator.getitem and isinstance(p.region.specs[n], tuple):
+                continue
+            raise Unshardable(u, f"sharded value {n.name} escapes the region")
+    return p.region
+
+
+def column_segments(col: fx.Node, fp: Fingerprinter, tp: int, where: str) -> tuple[Segment, ...]:
+    """Decide how a column matmul's output is cut: plain, fused (segments), and heads per segment.
+
+    Looks ahead along the output: a split/chunk of the feature dim gives the segments of a fused
+    projection; the first view that splits each segment into [heads, head_dim] gives the unit of sharding.
+    """
+    n = fp.shape(col)[-1]
+    nd = _ndim(col)
+    found = _probe(col, nd - 1, n, fp, tp, where, 0)
+    if found is not None:
+        return found
+    return (Segment(n, parts_for(n, n, tp, f"{where}: output features")),)
+
+
+def _probe(node: fx.Node, dim: int, size: int, fp, tp, where, depth) -> tuple[Segment, ...] | None:
+    if depth > 12:
+        return None
+    for u in node.users:
+        t = u.target
+        if t in _SPLITS and t is not aten.unbind.int:
+            d = normalize_dim(_arg(u, 2, "dim", 0), _ndim(node))
+            if d != dim:
+                continue
+            segs = []
+            getitems = {g.args[1]: g for g in u.users if g.target is operator.getitem}
+            for i, o in enumerate(u.meta["val"]):
+                sz = fp.shape(o)[d]
+                heads = _probe(getitems[i], d, sz, fp, tp, where, depth + 1) if i in getitems else None
+                segs.append(heads[0] if heads else Segment(sz, parts_for(sz, sz, tp, f"{where}: segment {i}")))
+            return tuple(segs)
+        if t in _VIEWS:
+            src, dst = fp.shape(node), fp.shape(u)
+            for gi, gj in view_groups(src, dst):
+                gj_real = [j for j in gj if dst[j] != 1]
+                if dim in gi and len([i for i in gi if src[i] != 1]) == 1 and len(gj_real) > 1:
+                    n1 = dst[gj_real[0]]
+                    if _is_segment_dim(u, gj_real[0], 0):
+                        n2 = dst[gj_real[1]]
+                        p = parts_for(n2, size // n1, tp, f"{where}: heads")
+                        return tuple(Segment(size // n1, p) for _ in range(n1))
+                    return (Segment(size, parts_for(n1, size, tp, f"{where}: heads")),)
+                if dim in gi and len(gj_real) == 1:
+                    return _probe(u, gj_real[0], size, fp, tp, where, depth + 1)
+            continue
+        if t in (aten.transpose.int, aten.permute.default, aten.unsqueeze.default):
+            nd = _ndim(node)
+            if t is aten.transpose.int:
+                a, b = normalize_dim(u.args[1], nd), normalize_dim(u.args[2], nd)
+                nd2 = b if dim == a else a if dim == b else dim
+            elif t is aten.permute.default:
+                nd2 = [normalize_dim(d, nd) for d in u.args[1]].index(dim)
+            else:
+                nd2 = dim + (dim >= normalize_dim(u.args[1], nd + 1))
+            r = _probe(u, nd2, size, fp, tp, where, depth + 1)
+            if r is not None:
+                return r
+        elif t in _SAME_SHAPE or (isinstance(t, torch._ops.OpOverload) and torch.Tag.pointwise in t.tags):
+            nd_u = _ndim(u)
+            if nd_u is None:
+                continue
+            r = _probe(u, dim + nd_u - _ndim(node), size, fp, tp, where, depth + 1)
+            if r is not None:
+                return r
+    return None
+
+
+def _is_segment_dim(node: fx.Node, dim: int, depth: int) -> bool:
+    """Is ``dim`` of ``node`` later taken apart (unbind/select/split)? Then it indexes q/k/v, not heads."""
+    if depth > 6:
+        return False
+    nd = _ndim(node)
+    for u in node.users:
+        t = u.target
+        if t is aten.unbind.int and normalize_dim(_arg(u, 1, "dim", 0), nd) == dim:
+            return True
+        if t is aten.select.int and normalize_dim(u.args[1], nd) == dim:
+            return True
+        if t in (aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default) and \
+                normalize_dim(_arg(u, 2, "dim", 0), nd) == dim:
+            return True
+        if t is aten.permute.default:
+            if _is_segment_dim(u, [normalize_dim(d, nd) for d in u.args[1]].index(dim), depth + 1):
+                return True
+        elif t is aten.transpose.int:
+            a, b = normalize_dim(u.args[1], nd), normalize_dim(u.args[2], nd)
+            if _is_segment_dim(u, b if dim == a else a if dim == b else dim, depth + 1):
+                return True
+        elif t in _SAME_SHAPE:
+            if _is_segment_dim(u, dim, depth + 1):
+                return True
+    return False

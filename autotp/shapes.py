@@ -1,0 +1,76 @@
+"""Shapes of captured nodes as plain integers, and the dim grouping of a view.
+
+Symbolic sizes (batch, sequence) are replaced by distinct large primes so that products of sizes can be
+compared exactly: two products of dims are equal as numbers only when they are equal as symbols.
+"""
+from __future__ import annotations
+
+import sympy
+import torch
+import torch.fx as fx
+
+_PRIMES = [1_000_003, 1_000_033, 1_000_037, 1_000_039, 1_000_081, 1_000_099, 1_000_117, 1_000_121,
+           1_000_133, 1_000_151, 1_000_159, 1_000_171, 1_000_183, 1_000_187, 1_000_193, 1_000_199]
+
+
+class Fingerprinter:
+    """Maps SymInts to exact integers, consistently within one graph."""
+
+    def __init__(self) -> None:
+        self._sym: dict[sympy.Symbol, int] = {}
+
+    def size(self, s: int | torch.SymInt) -> int:
+        if isinstance(s, int):
+            return s
+        expr = s.node.expr
+        if isinstance(expr, sympy.Integer):
+            return int(expr)
+        subs = {}
+        for sym in sorted(expr.free_symbols, key=str):
+            if sym not in self._sym:
+                self._sym[sym] = _PRIMES[len(self._sym) % len(_PRIMES)] + 2 * (len(self._sym) // len(_PRIMES))
+            subs[sym] = self._sym[sym]
+        return int(expr.subs(subs))
+
+    def shape(self, node: fx.Node | torch.Tensor) -> list[int]:
+        val = node.meta["val"] if isinstance(node, fx.Node) else node
+        return [self.size(s) for s in val.shape]
+
+
+def is_static(s: object) -> bool:
+    return isinstance(s, int) and not isinstance(s, bool)
+
+
+def view_groups(src: list[int], dst: list[int]) -> list[tuple[list[int], list[int]]]:
+    """Pair up runs of source and destination dims whose products are equal.
+
+    ``[b, s, 64] -> [b, s, 4, 16]`` gives ``[([0],[0]), ([1],[1]), ([2],[2,3])]``. Size-1 dims attach to the
+    group before them (or the first group).
+    """
+    groups: list[tuple[list[int], list[int]]] = []
+    i = j = 0
+    while i < len(src) or j < len(dst):
+        gi, gj = [], []
+        pi = pj = 1
+        if i < len(src):
+            gi.append(i); pi = src[i]; i += 1
+        if j < len(dst):
+            gj.append(j); pj = dst[j]; j += 1
+        while pi != pj:
+            if pi < pj and i < len(src):
+                gi.append(i); pi *= src[i]; i += 1
+            elif j < len(dst):
+                gj.append(j); pj *= dst[j]; j += 1
+            else:
+                raise ValueError(f"view {src} -> {dst} does not preserve the number of elements")
+        # trailing size-1 dims join this group
+        while i < len(src) and src[i] == 1 and (j >= len(dst) or dst[j] != 1):
+            gi.append(i); i += 1
+        while j < len(dst) and dst[j] == 1 and (i >= len(src) or src[i] != 1):
+            gj.append(j); j += 1
+        groups.append((gi, gj))
+    return groups
+
+
+def normalize_dim(dim: int, ndim: int) -> int:
+    return dim + ndim if dim < 0 else dim

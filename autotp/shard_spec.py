@@ -1,0 +1,85 @@
+"""How one tensor is split across the tensor-parallel group, and how to cut a rank's slice.
+
+A sharded dimension is a sequence of contiguous *segments* (one for a plain projection; q, k, v for a
+fused one). Every segment is cut into ``parts`` equal blocks. ``parts`` is the tp size, or less when the
+segment has fewer heads than ranks (grouped-query kv heads): then rank r holds block ``r // (tp // parts)``
+and each block is replicated on ``tp // parts`` ranks, as Megatron does.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+
+@dataclass(frozen=True)
+class Segment:
+    size: int  # global length along the sharded dim
+    parts: int  # distinct blocks; == tp unless heads are replicated
+
+    def local(self) -> int:
+        return self.size // self.parts
+
+
+@dataclass(frozen=True)
+class Sharding:
+    """Sharding of one activation or weight: which dim, which segments.
+
+    ``inner`` is ``(dim, parts)`` of a broadcast (expanded) dim that carries the rest of the split when the
+    segments have fewer parts than tp: repeat_kv's ``n_rep`` dim when kv heads are replicated.
+    """
+
+    dim: int
+    segments: tuple[Segment, ...]
+    inner: tuple[int, int] | None = None
+
+    @property
+    def global_size(self) -> int:
+        return sum(s.size for s in self.segments)
+
+    @property
+    def local_size(self) -> int:
+        return sum(s.local() for s in self.segments)
+
+    def moved(self, dim: int, inner_dim: int | None = None) -> Sharding:
+        inner = None if self.inner is None else (inner_dim if inner_dim is not None else self.inner[0], self.inner[1])
+        return replace(self, dim=dim, inner=inner)
+
+    def single(self) -> Segment | None:
+        return self.segments[0] if len(self.segments) == 1 else None
+
+
+def block_index(parts: int, tp: int, rank: int) -> int:
+    """Which of a segment's ``parts`` blocks rank ``rank`` of ``tp`` holds."""
+    return rank // (tp // parts)
+
+
+def local_indices(segments: tuple[Segment, ...], tp: int, rank: int) -> torch.Tensor:
+    """Global indices, along the sharded dim, of the elements rank ``rank`` holds (in local order)."""
+    idx, offset = [], 0
+    for seg in segments:
+        b = block_index(seg.parts, tp, rank)
+        start = offset + b * seg.local()
+        idx.append(torch.arange(start, start + seg.local()))
+        offset += seg.size
+    return torch.cat(idx)
+
+
+def shard_tensor(full: torch.Tensor, dim: int, segments: tuple[Segment, ...], tp: int, rank: int) -> torch.Tensor:
+    """Rank ``rank``'s slice of ``full`` (a fresh contiguous tensor)."""
+    if sum(s.size for s in segments) != full.shape[dim]:
+        raise ValueError(f"segments {segments} do not cover dim {dim} of size {full.shape[dim]}")
+    if len(segments) == 1:
+        seg = segments[0]
+        return full.narrow(dim, block_index(seg.parts, tp, rank) * seg.local(), seg.local()).clone()
+    return full.index_select(dim, local_indices(segments, tp, rank).to(full.device)).contiguous()
+
+
+def unshard_tensor(shards: list[torch.Tensor], dim: int, segments: tuple[Segment, ...], tp: int) -> torch.Tensor:
+    """Inverse of :func:`shard_tensor`: rebuild the full tensor from every rank's slice."""
+    shape = list(shards[0].shape)
+    shape[dim] = sum(s.size for s in segments)
+    full = shards[0].new_empty(shape)
+    for rank, shard in enumerate(shards):
+        full.index_copy_(dim, local_indices(segments, tp, rank).to(full.device), shard)
+    return full

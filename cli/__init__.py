@@ -1,0 +1,1 @@
+"""autotp command-line interface."""

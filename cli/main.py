@@ -1,0 +1,122 @@
+"""The ``autotp`` command: a typer app that further commands register on.
+
+Commands living in other modules register on this ``app`` (``@app.command()``
+or ``app.add_typer(sub_app, name=...)``) and get imported here, so
+``autotp.cli.main:app`` stays the one entry point.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import NoReturn
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from autotp.layout import GROUP_KINDS, RankLayout
+
+app = typer.Typer(
+    name="autotp",
+    help="autotp: automatic tensor parallelism for PyTorch GPT models",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_show_locals=False,
+)
+
+# Exit code for a bad combination of sizes, the same one click uses for usage errors.
+USAGE_ERROR = 2
+
+_GROUP_TITLES = {
+    "tp": "tensor",
+    "dp": "data",
+    "pp": "pipeline",
+    "mp": "model",
+    "embedding": "embedding",
+}
+
+
+@app.callback()
+def main() -> None:
+    """autotp: automatic tensor parallelism for PyTorch GPT models."""
+    # Present so typer keeps subcommand names even while only one command exists.
+
+
+def fail(message: str, code: int = USAGE_ERROR) -> NoReturn:
+    """Print a one-line red error to stderr and exit with ``code``."""
+    # soft_wrap keeps the message on one line whatever the terminal width.
+    Console(stderr=True).print(
+        f"[bold red]error:[/bold red] [red]{escape(message)}[/red]", soft_wrap=True
+    )
+    raise typer.Exit(code=code)
+
+
+def _members(groups: list[list[int]]) -> str:
+    return " ".join("[" + ",".join(str(r) for r in g) + "]" for g in groups)
+
+
+def groups_table(layout: RankLayout) -> Table:
+    """One row per group kind."""
+    title = f"world {layout.world_size}: tp {layout.tp} × dp {layout.dp} × pp {layout.pp}"
+    table = Table(title=title)
+    table.add_column("group", style="bold")
+    table.add_column("count", justify="right")
+    table.add_column("size", justify="right")
+    table.add_column("members", overflow="fold")
+    for kind, groups in layout.groups().items():
+        size = len(groups[0]) if groups else 0
+        title = _GROUP_TITLES[kind]
+        name = title if title == kind else f"{title} ({kind})"
+        table.add_row(name, str(len(groups)), str(size), escape(_members(groups)))
+    return table
+
+
+def rank_grid(layout: RankLayout) -> Table:
+    """One row per rank with its coordinates."""
+    with_node = layout.gpus_per_node is not None
+    table = Table(title="ranks")
+    table.add_column("rank", justify="right", style="bold")
+    for dim in ("tp", "dp", "pp"):
+        table.add_column(dim, justify="right")
+    if with_node:
+        table.add_column("node", justify="right")
+    for rank in range(layout.world_size):
+        c = layout.coords(rank)
+        row = [str(rank), str(c["tp"]), str(c["dp"]), str(c["pp"])]
+        if with_node:
+            row.append(str(c["node"]))
+        table.add_row(*row)
+    return table
+
+
+@app.command()
+def layout(
+    world_size: int = typer.Option(..., "--world-size", "-w", help="Total number of ranks."),
+    tp: int = typer.Option(1, "--tp", help="Tensor-parallel size (innermost, adjacent ranks)."),
+    pp: int = typer.Option(1, "--pp", help="Pipeline-parallel size (outermost)."),
+    dp: int | None = typer.Option(
+        None, "--dp", help="Data-parallel size; default world / (tp × pp)."
+    ),
+    gpus_per_node: int | None = typer.Option(
+        None, "--gpus-per-node", help="GPUs per node; checks TP groups stay inside a node."
+    ),
+    as_json: bool = typer.Option(False, "--json", help="Print the groups as one JSON object."),
+) -> None:
+    """Show which ranks form the tp, dp, pp, model and embedding groups."""
+    try:
+        rank_layout = RankLayout.build(world_size, tp, pp=pp, dp=dp, gpus_per_node=gpus_per_node)
+    except (ValueError, TypeError) as exc:
+        fail(str(exc))
+    groups = rank_layout.groups()
+    if as_json:
+        # Plain print: no rich markup or wrapping may touch machine-readable output.
+        print(json.dumps({kind: groups[kind] for kind in GROUP_KINDS}))
+        return
+    console = Console()
+    console.print(groups_table(rank_layout))
+    console.print(rank_grid(rank_layout))
+
+
+if __name__ == "__main__":
+    app()

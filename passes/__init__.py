@@ -1,0 +1,45 @@
+"""Graph rewrites that execute a Plan. Each pass is a plain function ``(gm, plan) -> gm``.
+
+The runner owns ``lint()`` and ``recompile()`` and, when a pass fails, says which passes ran before it.
+Passes never read the rank or call torch.distributed.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch.fx as fx
+
+from autotp.passes.insert_collectives import insert_collectives
+from autotp.passes.region_rng import region_rng
+from autotp.passes.rewrite_constants import rewrite_constants
+from autotp.passes.row_bias import row_bias_after_reduce
+from autotp.plan import Plan
+
+Pass = Callable[[fx.GraphModule, Plan], fx.GraphModule]
+
+DEFAULT_PASSES: tuple[Pass, ...] = (rewrite_constants, insert_collectives, row_bias_after_reduce, region_rng)
+
+
+class PassError(RuntimeError):
+    pass
+
+
+def run_passes(gm: fx.GraphModule, plan: Plan, passes: Sequence[Pass] = DEFAULT_PASSES) -> fx.GraphModule:
+    done: list[str] = []
+    for p in passes:
+        try:
+            gm = p(gm, plan)
+            gm.graph.lint()
+        except Exception as e:
+            raise PassError(f"pass {p.__name__} failed (after: {', '.join(done) or 'none'}): {e}") from e
+        done.append(p.__name__)
+    gm.recompile()
+    return gm
+
+
+def nodes_by_name(gm: fx.GraphModule) -> dict[str, fx.Node]:
+    return {n.name: n for n in gm.graph.nodes}
+
+
+__all__ = ["DEFAULT_PASSES", "PassError", "insert_collectives", "nodes_by_name", "region_rng",
+           "rewrite_constants", "row_bias_after_reduce", "run_passes"]

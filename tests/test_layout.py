@@ -1,0 +1,200 @@
+"""Unit tests for autotp.layout and the ``autotp layout`` command."""
+
+from __future__ import annotations
+
+import json
+import os
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from autotp.cli.main import app
+from autotp.layout import RankLayout
+
+# DESIGN.md section 3: world 16, tp 2, pp 4 (dp 2).
+TABLE_16 = {
+    "tp": [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9], [10, 11], [12, 13], [14, 15]],
+    "dp": [[0, 2], [1, 3], [4, 6], [5, 7], [8, 10], [9, 11], [12, 14], [13, 15]],
+    "pp": [[0, 4, 8, 12], [1, 5, 9, 13], [2, 6, 10, 14], [3, 7, 11, 15]],
+    "mp": [[0, 1, 4, 5, 8, 9, 12, 13], [2, 3, 6, 7, 10, 11, 14, 15]],
+    "embedding": [[0, 12], [1, 13], [2, 14], [3, 15]],
+}
+
+
+def test_design_table_16_ranks() -> None:
+    layout = RankLayout.build(16, tp=2, pp=4)
+    assert layout.groups() == TABLE_16
+    assert list(layout.groups()) == ["tp", "dp", "pp", "mp", "embedding"]
+    assert layout.tp_groups == TABLE_16["tp"]
+    assert layout.dp_groups == TABLE_16["dp"]
+    assert layout.pp_groups == TABLE_16["pp"]
+    assert layout.mp_groups == TABLE_16["mp"]
+    assert layout.embedding_groups == TABLE_16["embedding"]
+
+
+def test_dp_derived_and_explicit_agree() -> None:
+    derived = RankLayout.build(16, tp=2, pp=4)
+    assert derived.dp == 2
+    assert RankLayout.build(16, tp=2, pp=4, dp=2) == derived
+    assert RankLayout.build(8, tp=8).dp == 1
+    assert RankLayout.build(12, tp=2, pp=3).dp == 2
+
+
+def test_every_group_kind_partitions_the_world() -> None:
+    layout = RankLayout.build(24, tp=2, pp=3, gpus_per_node=4)
+    for kind in ("tp", "dp", "pp", "mp"):
+        flat = sorted(r for g in layout.groups()[kind] for r in g)
+        assert flat == list(range(24)), kind
+
+
+def test_coords() -> None:
+    layout = RankLayout.build(16, tp=2, pp=4, gpus_per_node=8)
+    assert layout.coords(0) == {"tp": 0, "dp": 0, "pp": 0, "node": 0}
+    assert layout.coords(3) == {"tp": 1, "dp": 1, "pp": 0, "node": 0}
+    assert layout.coords(13) == {"tp": 1, "dp": 0, "pp": 3, "node": 1}
+    for r in range(16):
+        c = layout.coords(r)
+        assert layout.rank(c["tp"], c["dp"], c["pp"]) == r
+    assert "node" not in RankLayout.build(16, tp=2, pp=4).coords(5)
+    with pytest.raises(ValueError, match="16"):
+        layout.coords(16)
+
+
+def test_pp1_embedding_is_single_stage() -> None:
+    layout = RankLayout.build(4, tp=2)
+    assert layout.dp == 2
+    assert layout.pp_groups == [[0], [1], [2], [3]]
+    assert layout.embedding_groups == [[0], [1], [2], [3]]
+    assert layout.mp_groups == [[0, 1], [2, 3]]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "numbers"),
+    [
+        (dict(world_size=12, tp=2, pp=4), ["12", "2", "4", "8"]),
+        (dict(world_size=16, tp=2, pp=1, dp=3), ["16", "2", "3", "6"]),
+        (dict(world_size=16, tp=0), ["0", "16"]),
+        (dict(world_size=16, tp=-2), ["-2", "16"]),
+        (dict(world_size=16, tp=2, pp=-1), ["-1"]),
+        (dict(world_size=0, tp=1), ["0"]),
+        (dict(world_size=16, tp=2, dp=0), ["0"]),
+        (dict(world_size=32, tp=16, gpus_per_node=8), ["16", "8"]),
+        (dict(world_size=24, tp=4, gpus_per_node=6), ["4", "6"]),
+    ],
+)
+def test_invalid_combinations_raise_with_numbers(kwargs: dict, numbers: list[str]) -> None:
+    with pytest.raises(ValueError) as info:
+        RankLayout.build(**kwargs)
+    message = str(info.value)
+    for n in numbers:
+        assert n in message, (n, message)
+
+
+def test_direct_construction_is_validated_too() -> None:
+    with pytest.raises(ValueError, match="≠ world size 16"):
+        RankLayout(world_size=16, tp=2, pp=2, dp=2)
+
+
+def test_to_dict_and_json_round_trip() -> None:
+    layout = RankLayout.build(16, tp=2, pp=4, gpus_per_node=8)
+    data = json.loads(layout.to_json())
+    assert data == layout.to_dict()
+    assert data["groups"] == TABLE_16
+    assert (data["world_size"], data["tp"], data["dp"], data["pp"]) == (16, 2, 2, 4)
+
+
+runner = CliRunner()
+
+
+def test_cli_json_matches_table() -> None:
+    args = ["layout", "--world-size", "16", "--tp", "2", "--pp", "4", "--json"]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout) == TABLE_16
+
+
+def test_cli_table_output() -> None:
+    args = ["layout", "--world-size", "16", "--tp", "2", "--pp", "4", "--gpus-per-node", "8"]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert "[0,4,8,12]" in result.stdout
+    assert "node" in result.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "numbers"),
+    [
+        (["--world-size", "12", "--tp", "2", "--pp", "4"], ["12", "8"]),
+        (["--world-size", "16", "--tp", "0"], ["0"]),
+        (["--world-size", "32", "--tp", "16", "--gpus-per-node", "8"], ["16", "8"]),
+    ],
+)
+def test_cli_invalid_exits_2_without_traceback(args: list[str], numbers: list[str]) -> None:
+    result = runner.invoke(app, ["layout", *args])
+    assert result.exit_code == 2
+    assert "Traceback" not in result.output
+    assert "error" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+    for n in numbers:
+        assert n in result.stderr
+    assert result.stdout == ""
+
+
+def test_cli_keeps_subcommand_name() -> None:
+    result = runner.invoke(app, ["--world-size", "16", "--tp", "2"])
+    assert result.exit_code != 0
+    assert runner.invoke(app, []).exit_code in (0, 2)
+    assert "layout" in runner.invoke(app, ["--help"]).stdout
+
+
+def _mesh_worker(rank: int, world_size: int, init_file: str, out_dir: str) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{init_file}",
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=30),
+    )
+    try:
+        layout = RankLayout.build(world_size, tp=2, dp=2)
+        mesh = layout.device_mesh("cpu")
+        got = {
+            kind: dist.get_process_group_ranks(mesh.get_group(kind)) for kind in ("tp", "dp")
+        }
+        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(got))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_device_mesh_matches_layout_gloo(tmp_path: Path) -> None:
+    mp = pytest.importorskip("torch.multiprocessing")
+    dist = pytest.importorskip("torch.distributed")
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is not available")
+    world_size = 4
+    init_file = tmp_path / "store"
+    mp.spawn(
+        _mesh_worker,
+        args=(world_size, os.fspath(init_file), os.fspath(tmp_path)),
+        nprocs=world_size,
+        join=True,
+    )
+    layout = RankLayout.build(world_size, tp=2, dp=2)
+    for rank in range(world_size):
+        got = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert got["tp"] == next(g for g in layout.tp_groups if rank in g)
+        assert got["dp"] == next(g for g in layout.dp_groups if rank in g)
+    assert layout.tp_groups == [[0, 1], [2, 3]]
+    assert layout.dp_groups == [[0, 2], [1, 3]]
+
+
+def test_device_mesh_needs_process_group() -> None:
+    dist = pytest.importorskip("torch.distributed")
+    if dist.is_available() and dist.is_initialized():
+        pytest.skip("a process group is already initialised")
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        RankLayout.build(2, tp=2).device_mesh("cpu")
