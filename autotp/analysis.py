@@ -94,7 +94,7 @@ def analyze(gm: fx.GraphModule, tp: int) -> Analysis:
         if not cols or row.node in assigned or cols & assigned:
             continue
         columns = [by_node[c] for c in sorted(cols, key=_order(gm))]
-        name = common_module([c.module for c in columns] + [row.module])
+        name = common_module([c.module for c in columns] + [row.module]) or row.module or "<root>"
         shared = [m.weight for m in [*columns, row] if weight_uses[m.weight] > 1]
         if shared:
             result.replicated.append((name, f"weight {shared[0]} is used by more than one matmul"))

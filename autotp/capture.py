@@ -61,22 +61,58 @@ def _dynamic_shapes(args: tuple, kwargs: dict):
 
 
 def capture(skeleton: nn.Module, args: tuple, kwargs: dict, device: torch.device) -> fx.GraphModule:
-    """Export ``skeleton(*args, **kwargs)`` and return a GraphModule on ``device`` (weights still meta)."""
-    margs, mkwargs = pytree.tree_map(_to_meta, (args, kwargs))
-    dyn_args, dyn_kwargs = _dynamic_shapes(margs, mkwargs)
+    """Export ``skeleton(*args, **kwargs)`` and return a GraphModule on ``device`` (weights still meta).
+
+    A forward that builds a tensor from Python data on the input's device (``x[:, [-1]]``) leaves a constant
+    whose value a meta capture loses; such a graph is captured again on ``device`` with uninitialised
+    weights of the real size (their values are never read).
+    """
+    gm = _export(skeleton, *pytree.tree_map(_to_meta, (args, kwargs)))
+    if _meta_constants(gm):
+        real = materialized_skeleton(skeleton, device)
+        gm = _export(real, *pytree.tree_map(lambda x: x.to(device) if isinstance(x, torch.Tensor) else x,
+                                            (args, kwargs)))
+        del real
+    retarget_device(gm, torch.device(device))
+    return gm
+
+
+def materialized_skeleton(skeleton: nn.Module, device: torch.device) -> nn.Module:
+    memo: dict[int, object] = {}
+    for t in [*skeleton.parameters(), *skeleton.buffers()]:
+        if id(t) not in memo:
+            e = torch.empty_like(t, device=device)
+            memo[id(t)] = nn.Parameter(e, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else e
+    return copy.deepcopy(skeleton, memo)
+
+
+def _meta_constants(gm: fx.GraphModule) -> list[str]:
+    owned = {n for n, _ in gm.named_parameters(remove_duplicate=False)} | \
+        {n for n, _ in gm.named_buffers(remove_duplicate=False)}
+    found = []
+    for node in gm.graph.nodes:
+        if node.op == "get_attr" and node.target not in owned:
+            attr = gm
+            for part in node.target.split("."):
+                attr = getattr(attr, part)
+            if isinstance(attr, torch.Tensor) and attr.is_meta:
+                found.append(node.target)
+    return found
+
+
+def _export(model: nn.Module, args: tuple, kwargs: dict) -> fx.GraphModule:
+    dyn_args, dyn_kwargs = _dynamic_shapes(args, kwargs)
     try:
         with torch.no_grad():
-            ep = torch.export.export(skeleton, tuple(margs), dict(mkwargs),
-                                     dynamic_shapes=_combine(skeleton, dyn_args, dyn_kwargs), strict=False)
+            ep = torch.export.export(model, tuple(args), dict(kwargs),
+                                     dynamic_shapes=_combine(model, dyn_args, dyn_kwargs), strict=False)
     except Exception as e:  # noqa: BLE001 - every export failure becomes one readable error
         raise CaptureError(
-            f"torch.export could not capture {type(skeleton).__name__}.forward: {_reason(e)}{_user_line(e)}",
+            f"torch.export could not capture {type(model).__name__}.forward: {_reason(e)}{_user_line(e)}",
             hint="make the forward traceable (no data-dependent Python control flow on tensor values), "
                  "or pass example_inputs shaped like a real batch",
         ) from e
-    gm = ep.module()
-    retarget_device(gm, torch.device(device))
-    return gm
+    return ep.module()
 
 
 def _combine(model: nn.Module, dyn_args: tuple, dyn_kwargs: dict):

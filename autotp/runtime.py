@@ -16,7 +16,7 @@ import torch.nn as nn
 
 from autotp.capture import capture, meta_skeleton, signature
 from autotp.collectives import all_reduce, bind_collectives
-from autotp.errors import CaptureError, ProcessGroupError, ShardingError
+from autotp.errors import ProcessGroupError, ShardingError
 from autotp.passes import run_passes
 from autotp.plan import ParamShard, Plan
 from autotp.planner import make_plan
@@ -54,13 +54,23 @@ def _resolve_group(tp_group: dist.ProcessGroup | None) -> dist.ProcessGroup:
     return dist.group.WORLD
 
 
-def _set(root: nn.Module, name: str, value: torch.Tensor, persistent: bool = True) -> None:
-    """Register ``value`` at dotted ``name`` under ``root``, creating empty parent modules as needed."""
+def _container(original: nn.Module | None) -> nn.Module:
+    # keep indexing (``model.h[0]``, ``model.layers["0"]``) working on the mirrored tree
+    if isinstance(original, nn.ModuleList):
+        return nn.ModuleList()
+    if isinstance(original, nn.ModuleDict):
+        return nn.ModuleDict()
+    return nn.Module()
+
+
+def _set(root: nn.Module, name: str, value: torch.Tensor, persistent: bool = True,
+         like: dict[str, nn.Module] | None = None) -> None:
+    """Register ``value`` at dotted ``name`` under ``root``, creating parent modules as needed."""
     *path, leaf = name.split(".")
     mod = root
-    for p in path:
+    for i, p in enumerate(path):
         if p not in mod._modules:
-            mod.add_module(p, nn.Module())
+            mod.add_module(p, _container((like or {}).get(".".join(path[: i + 1]))))
         mod = mod._modules[p]
     if isinstance(value, nn.Parameter):
         mod._buffers.pop(leaf, None)
@@ -136,6 +146,7 @@ class TPModule(nn.Module):
         st = self._autotp
         st["shards"] = dict(plan.params)
         local: dict[int, torch.Tensor] = {}
+        owners = dict(model.named_modules(remove_duplicate=False))
         for name, p in model.named_parameters(remove_duplicate=False):
             if id(p) not in local:
                 shard = st["shards"].get(name) or self._shard_of_alias(model, p)
@@ -145,14 +156,13 @@ class TPModule(nn.Module):
                 local[id(p)] = nn.Parameter(data, requires_grad=p.requires_grad)
                 if shard is not None and shard.replicated_blocks(st["tp"]) and p.requires_grad:
                     self._sum_replicated_grads(local[id(p)], shard)
-            _set(self, name, local[id(p)])
-        owners = dict(model.named_modules(remove_duplicate=False))
+            _set(self, name, local[id(p)], like=owners)
         for name, b in model.named_buffers(remove_duplicate=False):
             if id(b) not in local:
                 local[id(b)] = b.detach().clone()
             mod_name, _, leaf = name.rpartition(".")
             persistent = leaf not in owners[mod_name]._non_persistent_buffers_set
-            _set(self, name, local[id(b)], persistent=persistent)
+            _set(self, name, local[id(b)], persistent=persistent, like=owners)
 
     def _shard_of_alias(self, model: nn.Module, p: torch.Tensor) -> ParamShard | None:
         for other, q in model.named_parameters(remove_duplicate=False):
@@ -193,14 +203,6 @@ class TPModule(nn.Module):
             value = tensors.get(node.target)
             if value is not None:
                 _set(gm, node.target, value)
-            else:
-                attr = gm
-                for part in node.target.split("."):
-                    attr = getattr(attr, part)
-                if isinstance(attr, torch.Tensor) and attr.is_meta:
-                    raise CaptureError(f"{st['model_name']}.forward creates tensor constant {node.target} on the "
-                                       f"input's device; autotp captures on meta tensors and cannot recover it",
-                                       hint="create such constants as registered buffers")
         bind_collectives(gm, st["group"])
         bind_rng(gm, st["rng"])
         st["graphs"][key] = gm

@@ -136,3 +136,27 @@ def example_batch(batch: int = 4, seq: int = 32) -> tuple[torch.Tensor, torch.Te
     idx = torch.randint(0, cfg.vocab_size, (batch, seq), generator=g)
     targets = torch.randint(0, cfg.vocab_size, (batch, seq), generator=g)
     return idx, targets
+
+
+def main(steps: int = 5) -> None:
+    """Train the model tensor-parallel over every rank of the job (gloo on CPU, nccl on GPU)."""
+    import torch.distributed as dist
+
+    import autotp
+
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    model = autotp.parallelize(build_model(), example_inputs=example_batch())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for step in range(steps):
+        idx, targets = example_batch()
+        _, loss = model(idx, targets)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if dist.get_rank() == 0:
+            print(f"step {step}: loss {loss.item():.4f} (tp={model.tp_size})")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -22,6 +23,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@record
 def _entry(fn: Callable, *args):
     sys.path[:0] = [os.path.join(ROOT, "examples"), os.path.join(ROOT, "tests")]
     dist.init_process_group("gloo")

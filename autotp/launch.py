@@ -1,0 +1,272 @@
+"""Start tp × dp ranks with torch's elastic launcher, and find a rank's groups inside a worker.
+
+Launcher side: :class:`LaunchSpec` (validated sizes and rendezvous) and :func:`launch`, which runs a
+function or an executable on ``tp × dp`` processes per node with c10d rendezvous. Every worker gets
+``AUTOTP_TP``, ``AUTOTP_DP``, ``AUTOTP_PP`` and ``AUTOTP_BACKEND`` in its environment.
+
+Worker side: :func:`init_from_env` initialises the default process group if needed and returns a
+:class:`RankContext` (layout, DeviceMesh, ``tp_group()``, ``dp_group()``); :func:`current_tp_group` finds
+the TP group from the environment alone, so ``autotp.parallelize(model)`` can default to it.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from autotp.errors import AutotpError, ProcessGroupError
+from autotp.layout import RankLayout
+
+__all__ = [
+    "ENV_BACKEND", "ENV_DP", "ENV_PP", "ENV_TP", "LaunchError", "LaunchSpec", "RankContext", "RankFailedError",
+    "choose_backend", "current_tp_group", "init_distributed", "init_from_env", "launch",
+]
+
+ENV_TP, ENV_DP, ENV_PP, ENV_BACKEND = "AUTOTP_TP", "AUTOTP_DP", "AUTOTP_PP", "AUTOTP_BACKEND"
+_LAUNCHER_LOGGERS = ("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing")
+
+
+class LaunchError(AutotpError, ValueError):
+    """Sizes or rendezvous settings that cannot start a job."""
+
+
+class RankFailedError(AutotpError, RuntimeError):
+    """A worker process failed; ``message`` is its exception, ``traceback`` its stack when it recorded one."""
+
+    def __init__(self, rank: int, exitcode: int, message: str, traceback: str = ""):
+        self.rank, self.exitcode, self.message, self.traceback = rank, exitcode, message, traceback
+        super().__init__(f"rank {rank} failed (exit code {exitcode}): {message}")
+
+
+def choose_backend(nproc_per_node: int) -> str:
+    """nccl when this node has a GPU for every local rank, else gloo."""
+    if torch.cuda.is_available() and torch.cuda.device_count() >= nproc_per_node:
+        return "nccl"
+    return "gloo"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass(frozen=True)
+class LaunchSpec:
+    """``tp × dp × pp`` processes on each of ``nnodes`` nodes; data parallelism spans nodes (dp × nnodes)."""
+
+    tp: int
+    dp: int = 1
+    pp: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str | None = None
+    master_port: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "dp", "pp", "nnodes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise LaunchError(f"--{name.replace('_', '-')} must be an integer >= 1, got {value!r}")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise LaunchError(f"--node-rank {self.node_rank} is out of range [0, {self.nnodes}) for --nnodes {self.nnodes}")
+        if self.master_port is not None and not 1 <= self.master_port <= 65535:
+            raise LaunchError(f"--master-port {self.master_port} is out of range [1, 65535]")
+        if self.nnodes > 1 and (self.master_addr is None or self.master_port is None):
+            raise LaunchError(f"--nnodes {self.nnodes} needs --master-addr and --master-port "
+                              "(node 0's address and a free port, the same on every node)")
+        self.layout  # validates tp × dp × pp against the world size now, not inside the workers
+
+    @property
+    def nproc_per_node(self) -> int:
+        return self.tp * self.dp * self.pp
+
+    @property
+    def world_size(self) -> int:
+        return self.nproc_per_node * self.nnodes
+
+    @property
+    def layout(self) -> RankLayout:
+        try:
+            return RankLayout.build(self.world_size, self.tp, pp=self.pp, dp=self.dp * self.nnodes,
+                                    gpus_per_node=self.nproc_per_node)
+        except (TypeError, ValueError) as exc:
+            raise LaunchError(str(exc)) from exc
+
+    def env(self, backend: str) -> dict[str, str]:
+        env = {ENV_TP: str(self.tp), ENV_DP: str(self.dp * self.nnodes), ENV_PP: str(self.pp), ENV_BACKEND: backend}
+        if backend == "gloo" and "OMP_NUM_THREADS" not in os.environ:
+            # as torchrun does: N CPU ranks each using every core oversubscribe the machine
+            env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // self.nproc_per_node))
+        return env
+
+
+@contextlib.contextmanager
+def _environ(updates: Mapping[str, str]) -> Iterator[None]:
+    # LaunchConfig has no per-worker env; workers copy the launching process's environment at start
+    saved = {k: os.environ.get(k) for k in updates}
+    os.environ.update(updates)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+@contextlib.contextmanager
+def _quiet_launcher_logs(quiet: bool) -> Iterator[None]:
+    # the agent logs each worker's traceback at ERROR; the CLI shows the failure once, as one line
+    loggers = [logging.getLogger(n) for n in logging.root.manager.loggerDict if n.startswith(_LAUNCHER_LOGGERS)]
+    saved = [lg.level for lg in loggers]
+    if quiet:
+        for lg in loggers:
+            lg.setLevel(logging.CRITICAL + 1)
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, saved):
+            lg.setLevel(level)
+
+
+def launch(spec: LaunchSpec, entrypoint: Callable[..., Any] | str, *args: Any, quiet: bool = True) -> dict[int, Any]:
+    """Run ``entrypoint(*args)`` on this node's ranks; global rank -> return value (functions only).
+
+    A str entrypoint is an executable (``sys.executable``, then the script and its args in ``args``).
+    Raises :class:`RankFailedError` for the first rank that failed.
+    """
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    # importing the launcher registers its loggers, so they can be quietened before it runs
+    backend = choose_backend(spec.nproc_per_node)
+    port = spec.master_port if spec.master_port is not None else _free_port()
+    addr = spec.master_addr or "127.0.0.1"
+    config = LaunchConfig(
+        min_nodes=spec.nnodes, max_nodes=spec.nnodes, nproc_per_node=spec.nproc_per_node,
+        run_id=f"autotp-{addr}-{port}", rdzv_backend="c10d", rdzv_endpoint=f"{addr}:{port}",
+        rdzv_configs={"is_host": spec.node_rank == 0} if spec.nnodes > 1 else {},
+        max_restarts=0, monitor_interval=0.1, start_method="spawn",
+    )
+    with _environ(spec.env(backend)), _quiet_launcher_logs(quiet):
+        try:
+            return elastic_launch(config, entrypoint)(*args)
+        except ChildFailedError as exc:
+            rank, failure = exc.get_first_failure()
+            message = failure.message
+            trace = ""
+            if isinstance(message, dict):
+                trace = message.get("extraInfo", {}).get("py_callstack", "")
+                message = message.get("message", "")
+            raise RankFailedError(rank, failure.exitcode, str(message) or f"exited with code {failure.exitcode}",
+                                  trace) from None
+
+
+@dataclass(frozen=True)
+class RankContext:
+    """This rank's place in the job: its layout coordinates and the DeviceMesh that owns its groups."""
+
+    layout: RankLayout
+    mesh: DeviceMesh
+    rank: int
+    backend: str
+    device: torch.device
+
+    @property
+    def coords(self) -> dict[str, int]:
+        return self.layout.coords(self.rank)
+
+    def tp_group(self) -> dist.ProcessGroup:
+        return self.mesh.get_group("tp")
+
+    def dp_group(self) -> dist.ProcessGroup:
+        return self.mesh.get_group("dp")
+
+    def pp_group(self) -> dist.ProcessGroup:
+        return self.mesh.get_group("pp")
+
+
+def _env_int(name: str, environ: Mapping[str, str]) -> int | None:
+    raw = environ.get(name)
+    if raw is None or raw == "":
+        return None
+    try:
+        return int(raw)
+    except ValueError:
+        raise LaunchError(f"environment variable {name}={raw!r} is not an integer") from None
+
+
+def init_distributed(tp: int, dp: int | None = None, pp: int = 1, backend: str | None = None) -> RankContext:
+    """Initialise the default process group (env://, as the launcher sets it) if needed; build the mesh.
+
+    Collective: every rank of the job must call it, in the same order relative to other group creation.
+    """
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+    if not dist.is_initialized():
+        backend = backend or choose_backend(local_world)
+        if backend == "nccl":
+            torch.cuda.set_device(local_rank)
+        dist.init_process_group(backend)
+    backend = dist.get_backend()
+    try:
+        layout = RankLayout.build(dist.get_world_size(), tp, pp=pp, dp=dp)
+    except (TypeError, ValueError) as exc:
+        raise LaunchError(str(exc)) from exc
+    device_type = "cuda" if backend == "nccl" else "cpu"
+    device = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
+    return RankContext(layout=layout, mesh=layout.device_mesh(device_type), rank=dist.get_rank(),
+                       backend=backend, device=device)
+
+
+def init_from_env(environ: Mapping[str, str] | None = None) -> RankContext:
+    """:func:`init_distributed` with the sizes ``autotp run`` put in the environment."""
+    environ = os.environ if environ is None else environ
+    tp = _env_int(ENV_TP, environ)
+    if tp is None:
+        raise ProcessGroupError(f"{ENV_TP} is not set, so this process was not started by `autotp run`",
+                                hint="start it with `autotp run SCRIPT --tp N [--dp N]`, or call "
+                                     "autotp.launch.init_distributed(tp=N) yourself")
+    return init_distributed(tp, _env_int(ENV_DP, environ), _env_int(ENV_PP, environ) or 1,
+                            environ.get(ENV_BACKEND) or None)
+
+
+def _existing_group(ranks: list[int]) -> dist.ProcessGroup | None:
+    # torch's own registry of live groups; private, hence the getattr guards and the fallback in the caller
+    registry = getattr(getattr(dist.distributed_c10d, "_world", None), "pg_group_ranks", None) or {}
+    matches = [pg for pg, members in registry.items() if sorted(members) == ranks]
+    preferred = [pg for pg in matches if getattr(pg, "group_desc", "") == "mesh_tp"]
+    return (preferred or matches or [None])[0]
+
+
+def current_tp_group(environ: Mapping[str, str] | None = None) -> dist.ProcessGroup | None:
+    """The TP group of this process under ``autotp run``; None when ``AUTOTP_TP`` is not set.
+
+    Reuses the group :func:`init_from_env` created; when there is none yet it calls ``init_from_env``,
+    which is collective: every rank must reach this call (as every rank reaches ``parallelize``).
+    """
+    environ = os.environ if environ is None else environ
+    tp = _env_int(ENV_TP, environ)
+    if tp is None:
+        return None
+    if dist.is_initialized():
+        world = dist.get_world_size()
+        if tp == world:
+            return dist.group.WORLD
+        if world % tp:
+            raise LaunchError(f"{ENV_TP}={tp} does not divide the world size {world}")
+        start = dist.get_rank() // tp * tp
+        found = _existing_group(list(range(start, start + tp)))
+        if found is not None:
+            return found
+    return init_from_env(environ).tp_group()

@@ -1,0 +1,201 @@
+"""Load a user's model file by path, and read the conventions the CLI relies on.
+
+A model file defines ``build_model()`` (or a module-level ``model``) and optionally ``example_batch()``;
+``path.py:factory`` names another callable (or module instance). A batch is a tuple of positional args,
+a dict of keyword args, or ``(args, kwargs)``. The loss is ``out.loss``, ``out["loss"]``, or the last
+element of a tuple output when that element is a 0-dim tensor.
+"""
+from __future__ import annotations
+
+import __future__
+import importlib.util
+import inspect
+import re
+import sys
+import types
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+from autotp.errors import AutotpError
+
+__all__ = [
+    "DEFAULT_FACTORIES",
+    "ModelFile",
+    "ModelFileError",
+    "find_loss",
+    "load_model_file",
+    "output_tensors",
+    "parse_spec",
+    "split_batch",
+]
+
+DEFAULT_FACTORIES: tuple[str, ...] = ("build_model", "model")
+_IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+class ModelFileError(AutotpError, ValueError):
+    """The model file is missing, fails to import, or defines nothing autotp can build a model from."""
+
+
+@dataclass(frozen=True)
+class ModelFile:
+    """A loaded model file: how to build the model and, if the file says, an example batch."""
+
+    path: Path
+    factory_name: str
+    factory: Callable[[], nn.Module] | nn.Module
+    batch_fn: Callable[[], object] | None
+    public_names: tuple[str, ...]
+
+    def build(self) -> nn.Module:
+        """The model: the factory's result, or the module-level instance itself."""
+        if isinstance(self.factory, nn.Module):
+            return self.factory
+        try:
+            model = self.factory()
+        except Exception as exc:
+            raise ModelFileError(f"{self.factory_name}() in {self.path} raised {type(exc).__name__}: {exc}") from exc
+        if not isinstance(model, nn.Module):
+            raise ModelFileError(
+                f"{self.factory_name}() in {self.path} returned {type(model).__name__}, expected a torch.nn.Module"
+            )
+        return model
+
+    def example_batch(self) -> tuple[tuple, dict]:
+        """``example_batch()`` split into (args, kwargs)."""
+        if self.batch_fn is None:
+            raise ModelFileError(
+                f"{self.path} defines no example_batch(); public names it defines: {_names(self.public_names)}",
+                hint="add `def example_batch(): return (inputs, targets)` returning what the model's forward takes",
+            )
+        try:
+            batch = self.batch_fn()
+        except Exception as exc:
+            raise ModelFileError(f"example_batch() in {self.path} raised {type(exc).__name__}: {exc}") from exc
+        return split_batch(batch)
+
+
+def parse_spec(spec: str | Path) -> tuple[Path, str | None]:
+    """``"model.py:factory"`` -> (path, "factory"); a bare path -> (path, None)."""
+    text = str(spec)
+    head, sep, tail = text.rpartition(":")
+    # only an identifier after the colon names a factory; "C:\\models\\m.py" is a path
+    if sep and head and _IDENTIFIER.fullmatch(tail):
+        return Path(head), tail
+    return Path(text), None
+
+
+def load_model_file(spec: str | Path) -> ModelFile:
+    """Import the file named by ``spec`` and find its factory and ``example_batch``."""
+    path, factory_name = parse_spec(spec)
+    if not path.is_file():
+        what = "is a directory, not a file" if path.is_dir() else "does not exist"
+        raise ModelFileError(f"model file {path} {what}",
+                             hint="pass the path of a .py file that defines build_model()")
+    module = _import(path.resolve())
+    public = _public_names(module)
+    names = (factory_name,) if factory_name else DEFAULT_FACTORIES
+    found = next((n for n in names if hasattr(module, n)), None)
+    if found is None:
+        wanted = f"`{factory_name}`" if factory_name else "build_model() nor a module-level `model`"
+        raise ModelFileError(
+            f"{path} defines {'no ' if factory_name else 'neither '}{wanted}; "
+            f"public names it defines: {_names(public)}",
+            hint=f"add `def build_model(): return MyModel(...)`, or name a factory as {path}:NAME",
+        )
+    factory = getattr(module, found)
+    if not isinstance(factory, nn.Module) and not callable(factory):
+        raise ModelFileError(f"`{found}` in {path} is a {type(factory).__name__}, "
+                             "expected a callable returning a torch.nn.Module or an nn.Module instance")
+    batch_fn = getattr(module, "example_batch", None)
+    if batch_fn is not None and not callable(batch_fn):
+        raise ModelFileError(f"`example_batch` in {path} is a {type(batch_fn).__name__}, expected a function")
+    return ModelFile(path=path, factory_name=found, factory=factory, batch_fn=batch_fn, public_names=public)
+
+
+def _import(path: Path) -> types.ModuleType:
+    name = f"_autotp_model_{re.sub(r'[^0-9A-Za-z_]', '_', path.stem)}"
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise ModelFileError(f"cannot import {path}: not a Python source file")
+    module = importlib.util.module_from_spec(spec)
+    # dataclasses and pickling look the defining module up in sys.modules while the file executes
+    sys.modules[name] = module
+    # sibling imports work as they would under `python path.py`
+    folder = str(path.parent)
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
+    try:
+        spec.loader.exec_module(module)
+    except (Exception, SystemExit) as exc:
+        sys.modules.pop(name, None)
+        where = _user_line(exc, path)
+        raise ModelFileError(f"importing {path} failed{where}: {type(exc).__name__}: {exc}") from exc
+    return module
+
+
+def _user_line(exc: BaseException, path: Path) -> str:
+    frames = [f for f in inspect.getinnerframes(exc.__traceback__, context=0) if Path(f.filename) == path] \
+        if exc.__traceback__ else []
+    return f" at line {frames[-1].lineno}" if frames else ""
+
+
+def _public_names(module: types.ModuleType) -> tuple[str, ...]:
+    """Names a user wrote in the file: no underscores, no imported modules or imported functions/classes."""
+    out = []
+    for name, value in vars(module).items():
+        if name.startswith("_") or isinstance(value, (types.ModuleType, __future__._Feature)):
+            continue
+        if (inspect.isclass(value) or inspect.isfunction(value)) and value.__module__ != module.__name__:
+            continue
+        out.append(name)
+    return tuple(sorted(out))
+
+
+def _names(names: tuple[str, ...]) -> str:
+    return ", ".join(names) if names else "(none)"
+
+
+def split_batch(batch: object) -> tuple[tuple, dict]:
+    """A batch as (args, kwargs): a dict is kwargs, ``(tuple_or_list, dict)`` is both, else positional."""
+    if isinstance(batch, Mapping):
+        return (), dict(batch)
+    if isinstance(batch, torch.Tensor):
+        return (batch,), {}
+    if isinstance(batch, (tuple, list)):
+        if len(batch) == 2 and isinstance(batch[0], (tuple, list)) and isinstance(batch[1], Mapping):
+            return tuple(batch[0]), dict(batch[1])
+        return tuple(batch), {}
+    raise ModelFileError(f"example_batch() returned {type(batch).__name__}; expected a tuple of positional "
+                         "args, a dict of keyword args, or (args, kwargs)")
+
+
+def find_loss(out: object) -> torch.Tensor | None:
+    """The loss in a model output, or None when the output carries none."""
+    loss = getattr(out, "loss", None)
+    if isinstance(loss, torch.Tensor):
+        return loss
+    if isinstance(out, Mapping) and isinstance(out.get("loss"), torch.Tensor):
+        return out["loss"]
+    if isinstance(out, (tuple, list)) and out and isinstance(out[-1], torch.Tensor) and out[-1].dim() == 0:
+        return out[-1]
+    if isinstance(out, torch.Tensor) and out.dim() == 0:
+        return out
+    return None
+
+
+def output_tensors(out: object, prefix: str = "out") -> list[tuple[str, torch.Tensor]]:
+    """Every tensor in a (nested) model output, with a path naming where it sits."""
+    if isinstance(out, torch.Tensor):
+        return [(prefix, out)]
+    if isinstance(out, Mapping):
+        items = out.items()
+    elif isinstance(out, (tuple, list)):
+        items = enumerate(out)
+    else:
+        return []
+    return [t for key, value in items for t in output_tensors(value, f"{prefix}[{key!r}]")]

@@ -1,0 +1,123 @@
+"""Functions that run inside each gloo rank of the parity tests and return what the test asserts on."""
+from __future__ import annotations
+
+import copy
+
+import torch
+
+import autotp
+from autotp.shard_spec import shard_tensor
+from distributed import CollectiveLog
+from models import MODELS, loss_and_logits
+
+
+def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a.detach() - b.detach()).abs().max().item() if a.numel() else 0.0
+
+
+def _local(ref: torch.Tensor, name: str, tpm) -> torch.Tensor:
+    shard = tpm.plan.param(name)
+    if shard is None:
+        return ref
+    return shard_tensor(ref, shard.dim, shard.segments, tpm.tp_size, tpm.tp_rank)
+
+
+def training_parity(model_name: str, steps: int = 3) -> dict:
+    """Loss, logits, gradients, AdamW steps and collectives of a parallelized model vs the original."""
+    if model_name in MODELS:
+        ref, args, kwargs = MODELS[model_name]()
+    else:
+        from toy_models import toy
+
+        ref, args, kwargs = toy(model_name)
+    model = copy.deepcopy(ref)
+    tpm = autotp.parallelize(model, example_inputs=(args, kwargs))
+    out: dict = {"tp": tpm.tp_size, "rank": tpm.tp_rank, "plan": tpm.plan.to_dict()}
+
+    log = CollectiveLog()
+    with log:
+        loss, logits = loss_and_logits(tpm(*args, **kwargs))
+    n_fwd = len(log.calls)
+    with log:
+        loss.backward()
+    out["forward_collectives"] = log.calls[:n_fwd]
+    out["backward_collectives"] = log.calls[n_fwd:]
+    rloss, rlogits = loss_and_logits(ref(*args, **kwargs))
+    rloss.backward()
+    out["loss_diff"] = _max_diff(loss, rloss)
+    out["logits_diff"] = _max_diff(logits, rlogits)
+    ref_params = dict(ref.named_parameters())
+    out["grad_diff"] = max(_max_diff(p.grad, _local(ref_params[n].grad, n, tpm)) for n, p in tpm.named_parameters())
+    out["local_numel"] = {n: p.numel() for n, p in tpm.named_parameters()}
+    out["full_numel"] = {n: p.numel() for n, p in ref.named_parameters()}
+    out["names_match"] = [n for n, _ in tpm.named_parameters()] == [n for n, _ in ref.named_parameters()]
+
+    # eps 1e-6, not 1e-8: some gradients are zero analytically (a key bias cannot change a softmax) and
+    # are fp32 noise (~1e-9) in both runs; Adam would scale that noise up to ±lr at eps 1e-8.
+    opt, ropt = (torch.optim.AdamW(m.parameters(), lr=1e-3, eps=1e-6) for m in (tpm, ref))
+    for _ in range(steps):
+        for o, m in ((opt, tpm), (ropt, ref)):
+            o.zero_grad()
+            loss_and_logits(m(*args, **kwargs))[0].backward()
+            o.step()
+    out["param_diff"] = max(_max_diff(p, _local(ref_params[n], n, tpm)) for n, p in tpm.named_parameters())
+    return out
+
+
+def other_calls(model_name: str = "nanogpt") -> dict:
+    """A second input structure, other batch and sequence sizes, and eval mode, after training."""
+    ref, args, kwargs = MODELS[model_name]()
+    tpm = autotp.parallelize(copy.deepcopy(ref), example_inputs=(args, kwargs))
+    idx, targets = args
+    out = {}
+    with torch.no_grad():
+        out["no_targets"] = _max_diff(tpm(idx)[0], ref(idx)[0])
+        g = torch.Generator().manual_seed(5)
+        idx2 = torch.randint(0, 256, (3, 20), generator=g)
+        t2 = torch.randint(0, 256, (3, 20), generator=g)
+        out["other_shape"] = _max_diff(tpm(idx2, t2)[1], ref(idx2, t2)[1])
+        idx1 = idx2[:1, :5]
+        out["batch_one"] = _max_diff(tpm(idx1)[0], ref(idx1)[0])
+        tpm.eval(), ref.eval()
+        out["eval_mode"] = (tpm.training, _max_diff(tpm(idx, targets)[1], ref(idx, targets)[1]))
+    out["graphs"] = len(tpm.graphs())
+    out["shared_params"] = all(
+        gm.get_parameter("transformer.h.0.attn.c_attn.weight") is tpm.transformer.h[0].attn.c_attn.weight
+        for gm in tpm.graphs().values()
+    )
+    return out
+
+
+def dropout_streams() -> dict:
+    """With dropout, replicated activations stay identical across ranks; sharded-region masks differ."""
+    import torch.distributed as dist
+
+    from autotp.rng import RegionRandom
+
+    ref, args, _ = MODELS["nanogpt"](dropout=0.1)
+    torch.manual_seed(1234)
+    tpm = autotp.parallelize(ref, example_inputs=args)
+    masks = []
+    for gm in tpm.graphs().values():
+        for m in gm.modules():
+            if isinstance(m, RegionRandom):
+                m.register_forward_hook(lambda mod, inp, o: masks.append(((o == 0) & (inp[0] != 0), inp[0] != 0)))
+    logits, loss = tpm(*args)
+    loss.backward()
+    state = torch.get_rng_state()
+    world = dist.get_world_size()
+    gathered = [torch.empty_like(logits) for _ in range(world)]
+    dist.all_gather(gathered, logits.detach().contiguous())
+    dropped, live = masks[0]
+    mask = dropped.to(torch.uint8)
+    gm_ = [torch.empty_like(mask) for _ in range(world)]
+    dist.all_gather(gm_, mask)
+    states = [torch.empty_like(state) for _ in range(world)]
+    dist.all_gather(states, state)
+    return {
+        "random_region_ops": len(masks),
+        "logits_identical": all(torch.equal(gathered[0], g) for g in gathered),
+        "default_stream_identical": all(torch.equal(states[0], s) for s in states),
+        "region_masks_differ": not all(torch.equal(gm_[0], m) for m in gm_),
+        "dropped_fraction": (dropped.sum() / live.sum()).item(),
+    }

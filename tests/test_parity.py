@@ -1,0 +1,79 @@
+"""Multi-process parity: a parallelized model gives the unsharded model's numbers (gloo, CPU)."""
+from __future__ import annotations
+
+import pytest
+
+from distributed import launch
+from parity_workers import dropout_streams, other_calls, training_parity
+
+# (model, b·s·h of one layer all-reduce, layers)
+MODELS = {"nanogpt": (4 * 32 * 64, 2), "gpt2": (4 * 16 * 64, 2), "llama": (4 * 16 * 64, 2)}
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize("model", list(MODELS))
+def test_training_parity(model: str, world: int):
+    results = launch(training_parity, world, model)
+    bsh, layers = MODELS[model]
+    for rank, r in results.items():
+        assert r["tp"] == world
+        assert r["names_match"], "parameters keep their original names and order"
+        assert r["loss_diff"] <= 1e-5, (rank, r["loss_diff"])
+        assert r["logits_diff"] <= 1e-5, (rank, r["logits_diff"])
+        assert r["grad_diff"] <= 1e-5, (rank, r["grad_diff"])
+        assert r["param_diff"] <= 1e-4, (rank, r["param_diff"])
+        fwd, bwd = r["forward_collectives"], r["backward_collectives"]
+        if world == 1:
+            assert fwd == [] and bwd == []
+            assert r["plan"]["params"] == {}
+            continue
+        # Megatron: per layer one all-reduce of b·s·h after attention and one after the MLP, forward;
+        # one entering attention and one entering the MLP, backward. Nothing else in the blocks.
+        assert fwd == [("all_reduce", "sum", bsh)] * (2 * layers)
+        activations = [c for c in bwd if c[2] == bsh]
+        assert activations == [("all_reduce", "sum", bsh)] * (2 * layers)
+        params = r["plan"]["params"]
+        assert len(r["plan"]["pairs"]) == 2 * layers
+        replicated_kv = {n for n, p in params.items() if any(s["parts"] < world for s in p["segments"])}
+        # kv heads fewer than tp are replicated on tp / n_kv ranks; only their weight gradients are summed
+        assert sorted(c[2] for c in bwd if c[2] != bsh) == sorted(r["local_numel"][n] for n in replicated_kv)
+        for name, p in params.items():
+            expected = sum(s["size"] // s["parts"] for s in p["segments"])
+            assert r["local_numel"][name] * p["full_shape"][p["dim"]] == r["full_numel"][name] * expected
+            if name not in replicated_kv:
+                assert r["local_numel"][name] * world == r["full_numel"][name], name
+        if model == "llama" and world == 4:
+            assert len(replicated_kv) == 2 * layers  # k_proj and v_proj: 2 kv heads over 4 ranks
+        else:
+            assert not replicated_kv
+
+
+@pytest.mark.parametrize("toy", ["interleaved", "fused_gqa", "handwritten"])
+def test_unseen_layouts_parity(toy: str):
+    results = launch(training_parity, 4, toy)
+    for r in results.values():
+        assert r["plan"]["pairs"], "the block was sharded"
+        assert r["loss_diff"] <= 1e-5 and r["logits_diff"] <= 1e-5 and r["grad_diff"] <= 1e-5
+        assert r["param_diff"] <= 1e-4
+        assert len(r["forward_collectives"]) == 1
+
+
+def test_other_signatures_share_parameters():
+    results = launch(other_calls, 2)
+    for r in results.values():
+        assert r["no_targets"] <= 1e-5
+        assert r["other_shape"] <= 1e-5
+        assert r["batch_one"] <= 1e-5
+        assert r["eval_mode"][0] is False and r["eval_mode"][1] <= 1e-5
+        assert r["graphs"] >= 4  # (idx, targets) train, (idx,) train, batch one, eval
+        assert r["shared_params"]
+
+
+def test_dropout_streams():
+    results = launch(dropout_streams, 2)
+    for r in results.values():
+        assert r["random_region_ops"] == 2  # attention dropout of the 2 layers
+        assert r["logits_identical"]
+        assert r["default_stream_identical"]
+        assert r["region_masks_differ"]
+        assert 0.05 < r["dropped_fraction"] < 0.15

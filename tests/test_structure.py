@@ -1,0 +1,125 @@
+"""Structural tests: run the planner and passes on captured graphs with no process group and inspect
+which collectives were inserted, where, and which constants changed."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.fx as fx
+
+from autotp.capture import capture, meta_skeleton
+from autotp.collectives import EnterTP, LeaveTP
+from autotp.errors import ShardingError
+from autotp.passes import run_passes
+from autotp.planner import make_plan
+from models import MODELS
+from toy_models import toy
+
+aten = torch.ops.aten
+MATMULS = {aten.linear.default, aten.addmm.default, aten.mm.default, aten.matmul.default}
+
+
+def _graph(name: str) -> fx.GraphModule:
+    model, args, kwargs = MODELS[name]() if name in MODELS else toy(name)
+    return capture(meta_skeleton(model), args, kwargs, torch.device("cpu"))
+
+
+def _calls(gm: fx.GraphModule, kind: type) -> list[fx.Node]:
+    return [n for n in gm.graph.nodes if n.op == "call_module" and isinstance(gm.get_submodule(n.target), kind)]
+
+
+@pytest.mark.parametrize("name", ["nanogpt", "gpt2", "llama"])
+@pytest.mark.parametrize("tp", [2, 4])
+def test_two_collectives_per_layer_around_the_pairs(name: str, tp: int):
+    gm = _graph(name)
+    plan = make_plan(gm, tp)
+    gm = run_passes(gm, plan)
+    layers = 2
+    enters, leaves = _calls(gm, EnterTP), _calls(gm, LeaveTP)
+    assert len(enters) == 2 * layers and len(leaves) == 2 * layers
+    assert plan.replicated == () or all(m in ("lm_head", "<root>", "") for m, _ in plan.replicated)
+    for f in enters:  # f feeds only column matmuls of its pair (q, k, v share one f)
+        assert f.users and all(u.target in MATMULS for u in f.users)
+    for g in leaves:  # g follows a row matmul directly
+        (row,) = g.all_input_nodes
+        assert row.target in MATMULS
+    by_name = {n.name: n for n in gm.graph.nodes}
+    for pair in plan.pairs:
+        row = by_name[pair.row]
+        (g,) = row.users
+        if pair.row_bias is not None:  # the bias moved after the all-reduce
+            assert row.target in (aten.linear.default, aten.mm.default) and len(row.args) == 2
+            (add,) = g.users
+            assert add.target is aten.add.Tensor and add.args[1].target == pair.row_bias
+    directions = [c.direction for c in plan.collectives]
+    assert directions.count("forward") == 2 * layers and directions.count("backward") == 2 * layers
+
+
+def test_head_counts_and_split_sizes_are_rewritten():
+    gm = _graph("nanogpt")
+    plan = make_plan(gm, 2)
+    changed = {(r.node, r.old, r.new) for r in plan.rewrites}
+    assert ("split", 64, 32) in changed  # q|k|v split of the fused c_attn: 64 -> 32 per segment
+    assert ("view", 4, 2) in changed  # 4 heads -> 2 per rank
+    assert ("view_3", 64, 32) in changed  # (b, s, h) -> (b, s, h/t) before c_proj
+    gm = run_passes(gm, plan)
+    views = [n.args[1] for n in gm.graph.nodes if n.target is aten.view.default and len(n.args[1]) == 4]
+    assert views and all(v[2] == 2 for v in views)
+
+
+def test_fused_qkv_is_cut_per_segment():
+    plan = make_plan(_graph("gpt2"), 2)
+    shard = plan.param("transformer.h.0.attn.c_attn.weight")
+    assert shard.role == "column" and shard.dim == 1  # Conv1D keeps W as [in, out]
+    assert [(s.size, s.parts) for s in shard.segments] == [(64, 2)] * 3
+    assert shard.local_shape == (64, 96)
+    assert plan.param("transformer.h.0.attn.c_proj.weight").dim == 0
+    assert plan.param("transformer.h.0.attn.c_proj.bias") is None  # row bias stays whole
+
+
+def test_kv_heads_replicate_when_tp_exceeds_them():
+    gm = _graph("llama")
+    plan = make_plan(gm, 4)
+    k = plan.param("model.layers.0.self_attn.k_proj.weight")
+    q = plan.param("model.layers.0.self_attn.q_proj.weight")
+    assert [(s.size, s.parts) for s in k.segments] == [(32, 2)]  # 2 kv heads, each on 2 ranks
+    assert [(s.size, s.parts) for s in q.segments] == [(64, 4)]
+    gm = run_passes(gm, plan)
+    expands = [n.args[1] for n in gm.graph.nodes if n.target is aten.expand.default and len(n.args[1]) == 5]
+    assert expands and all(e[1:3] == [1, 1] for e in expands)  # 1 local kv head, repeated once
+
+
+@pytest.mark.parametrize("name,segments", [
+    ("interleaved", [(192, 2)]),  # [heads, 3, d] per head: a contiguous cut is already right
+    ("fused_gqa", [(64, 2), (32, 2), (32, 2)]),
+    ("handwritten", [(256, 2), (256, 2)]),  # chunked gate|up of x @ W.T
+])
+def test_unseen_layouts(name: str, segments):
+    plan = make_plan(_graph(name), 2)
+    (pair,) = plan.pairs
+    shard = plan.param(pair.column_weights[0])
+    assert [(s.size, s.parts) for s in shard.segments] == segments
+
+
+def test_unshardable_region_is_replicated_with_the_reason():
+    gm = _graph("head_mixing")
+    plan = make_plan(gm, 2)
+    assert plan.pairs == () and plan.params == ()
+    assert any("aten.mean.dim" in reason and module == "block" for module, reason in plan.replicated)
+    gm = run_passes(gm, plan)
+    assert not _calls(gm, EnterTP) and not _calls(gm, LeaveTP)
+
+
+def test_tp_one_plans_nothing():
+    plan = make_plan(_graph("nanogpt"), 1)
+    assert plan.pairs == () and plan.collectives == ()
+
+
+def test_heads_not_divisible_name_module_sizes_and_tp():
+    from nanogpt import GPT, GPTConfig
+
+    model = GPT(GPTConfig(n_head=3, n_embd=48))
+    gm = capture(meta_skeleton(model), (torch.zeros(2, 8, dtype=torch.long),), {}, torch.device("cpu"))
+    with pytest.raises(ShardingError) as e:
+        make_plan(gm, 2)
+    msg = str(e.value)
+    assert "transformer.h.0.attn.c_attn" in msg and "3" in msg and "tp=2" in msg and "144" in msg

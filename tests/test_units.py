@@ -1,0 +1,75 @@
+"""Pure unit tests: shard slicing, view grouping, Megatron's head-count rules, the Plan as data."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from autotp.errors import ShardingError
+from autotp.plan import Plan
+from autotp.propagate import parts_for
+from autotp.shapes import view_groups
+from autotp.shard_spec import Segment, local_indices, shard_tensor, unshard_tensor
+
+
+def test_fused_segments_give_each_rank_its_slice_of_every_segment():
+    w = torch.arange(12.0).repeat_interleave(2).view(12, 2)  # rows 0..11: q=0..3, k=4..7, v=8..11
+    segs = (Segment(4, 2), Segment(4, 2), Segment(4, 2))
+    r0 = shard_tensor(w, 0, segs, 2, 0)[:, 0].tolist()
+    r1 = shard_tensor(w, 0, segs, 2, 1)[:, 0].tolist()
+    assert r0 == [0, 1, 4, 5, 8, 9]
+    assert r1 == [2, 3, 6, 7, 10, 11]
+    assert torch.equal(unshard_tensor([shard_tensor(w, 0, segs, 2, r) for r in range(2)], 0, segs, 2), w)
+
+
+def test_unequal_segments_and_replicated_kv_heads():
+    # 4 query heads of 2, 2 kv heads of 2, tp = 4: each rank one q head; kv head r // 2
+    segs = (Segment(8, 4), Segment(4, 2), Segment(4, 2))
+    got = [local_indices(segs, 4, r).tolist() for r in range(4)]
+    assert got == [[0, 1, 8, 9, 12, 13], [2, 3, 8, 9, 12, 13], [4, 5, 10, 11, 14, 15], [6, 7, 10, 11, 14, 15]]
+
+
+def test_contiguous_shard_is_a_narrow():
+    x = torch.randn(3, 8)
+    assert torch.equal(shard_tensor(x, 1, (Segment(8, 4),), 4, 2), x[:, 4:6])
+
+
+@pytest.mark.parametrize("src,dst,expected", [
+    ([2, 5, 64], [2, 5, 4, 16], [([0], [0]), ([1], [1]), ([2], [2, 3])]),
+    ([2, 4, 5, 16], [2, 4, 80], [([0], [0]), ([1], [1]), ([2, 3], [2])]),
+    ([2, 5, 64], [10, 64], [([0, 1], [0]), ([2], [1])]),
+    ([2, 1, 5, 16], [2, 5, 16], [([0, 1], [0]), ([2], [1]), ([3], [2])]),
+])
+def test_view_groups(src, dst, expected):
+    assert view_groups(src, dst) == expected
+
+
+def test_view_groups_rejects_mismatched_sizes():
+    with pytest.raises(ValueError, match="number of elements"):
+        view_groups([2, 3], [7])
+
+
+def test_head_rules_follow_megatron():
+    assert parts_for(8, 128, 4, "heads") == 4  # split
+    assert parts_for(2, 32, 4, "kv heads") == 2  # fewer kv heads than ranks: replicate
+    with pytest.raises(ShardingError, match=r"attn: 6 is not divisible by tp=4"):
+        parts_for(6, 96, 4, "attn")
+
+
+def test_plan_is_immutable_json_data():
+    from autotp.plan import Collective, PairPlan, ParamShard
+    from autotp.propagate import Rewrite
+
+    shard = ParamShard("column", "h.0.attn.c_attn", 0, (Segment(64, 2),) * 3, (192, 64), (96, 64))
+    plan = Plan(tp=2, params=(("h.0.attn.c_attn.weight", shard),),
+                pairs=(PairPlan("h.0.attn", ("linear",), ("h.0.attn.c_attn.weight",), ("ln",), "linear_1",
+                                "h.0.attn.c_proj.weight", "h.0.attn.c_proj.bias"),),
+                rewrites=(Rewrite("view", 1, 2, 4, 2),),
+                collectives=(Collective("all_reduce", "sum", "forward", "h.0.attn", "linear_1", ("s0", "s1", "64")),),
+                random_nodes=("dropout_1",), replicated=(("lm_head", "reason"),))
+    again = Plan.from_json(plan.to_json())
+    assert again == plan
+    assert again.to_dict()["version"] == 1
+    with pytest.raises(Exception):
+        plan.tp = 4  # frozen
+    with pytest.raises(ValueError, match="version"):
+        Plan.from_dict({**plan.to_dict(), "version": 99})
