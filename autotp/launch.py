@@ -77,7 +77,8 @@ class LaunchSpec:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise LaunchError(f"--{name.replace('_', '-')} must be an integer >= 1, got {value!r}")
         if not 0 <= self.node_rank < self.nnodes:
-            raise LaunchError(f"--node-rank {self.node_rank} is out of range [0, {self.nnodes}) for --nnodes {self.nnodes}")
+            raise LaunchError(f"--node-rank {self.node_rank} is out of range [0, {self.nnodes}) "
+                              f"for --nnodes {self.nnodes}")
         if self.master_port is not None and not 1 <= self.master_port <= 65535:
             raise LaunchError(f"--master-port {self.master_port} is out of range [1, 65535]")
         if self.nnodes > 1 and (self.master_addr is None or self.master_port is None):

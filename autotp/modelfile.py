@@ -30,7 +30,9 @@ __all__ = [
     "load_model_file",
     "output_tensors",
     "parse_spec",
+    "replica_batch",
     "split_batch",
+    "to_device",
 ]
 
 DEFAULT_FACTORIES: tuple[str, ...] = ("build_model", "model")
@@ -199,3 +201,33 @@ def output_tensors(out: object, prefix: str = "out") -> list[tuple[str, torch.Te
     else:
         return []
     return [t for key, value in items for t in output_tensors(value, f"{prefix}[{key!r}]")]
+
+
+def to_device(value, device: torch.device):
+    """Every tensor in a (nested) batch moved to ``device``."""
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, dict):
+        return {k: to_device(v, device) for k, v in value.items()}
+    if isinstance(value, (tuple, list)):
+        return type(value)(to_device(v, device) for v in value)
+    return value
+
+
+def replica_batch(args: tuple, kwargs: dict, dp_rank: int, step: int) -> tuple[tuple, dict]:
+    """The example batch's rows resampled (with replacement), seeded by (step, dp rank).
+
+    Dim 0 is taken as the batch for every tensor whose leading size equals the first input tensor's.
+    """
+    tensors = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor) and t.dim() > 0]
+    if not tensors:
+        return args, kwargs
+    size = tensors[0].shape[0]
+    rows = torch.randint(0, size, (size,), generator=torch.Generator().manual_seed(1_000_003 * step + dp_rank))
+
+    def pick(t):
+        if isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] == size:
+            return t.index_select(0, rows.to(t.device))
+        return t
+
+    return tuple(pick(a) for a in args), {k: pick(v) for k, v in kwargs.items()}

@@ -9,15 +9,18 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 
+import torch
+
 from autotp.propagate import Rewrite
-from autotp.shard_spec import Segment
+from autotp.shard_spec import Segment, VocabLayout, shard_tensor, unshard_tensor, vocab_shard, vocab_unshard
 
 PLAN_VERSION = 1
 
 
 @dataclass(frozen=True)
 class ParamShard:
-    """How one parameter is cut. ``role``: "column" (output features) or "row" (input features)."""
+    """How one parameter is cut. ``role``: "column" (output features), "row" (input features) or
+    "vocab" (rows of an embedding / LM head, see :class:`~autotp.shard_spec.VocabLayout`)."""
 
     role: str
     module: str
@@ -25,6 +28,17 @@ class ParamShard:
     segments: tuple[Segment, ...]
     full_shape: tuple[int, ...]
     local_shape: tuple[int, ...]
+    vocab: VocabLayout | None = None
+
+    def shard(self, full: torch.Tensor, tp: int, rank: int) -> torch.Tensor:
+        if self.vocab is not None:
+            return vocab_shard(full, self.dim, self.vocab, rank)
+        return shard_tensor(full, self.dim, self.segments, tp, rank)
+
+    def unshard(self, shards: list[torch.Tensor], tp: int) -> torch.Tensor:
+        if self.vocab is not None:
+            return vocab_unshard(shards, self.dim, self.vocab)
+        return unshard_tensor(shards, self.dim, self.segments, tp)
 
     def replicated_blocks(self, tp: int) -> bool:
         """Some blocks live on several ranks (kv heads fewer than tp): their gradients are summed."""
@@ -57,6 +71,29 @@ class PairPlan:
 
 
 @dataclass(frozen=True)
+class VocabLoss:
+    """A cross-entropy over vocab-parallel logits, computed without gathering them."""
+
+    node: str  # cross_entropy_loss or nll_loss node
+    logits: str  # its sharded logits (for nll: the log_softmax input)
+    log_softmax: str | None  # the log_softmax node bypassed by an nll_loss
+    reduction: int  # 0 none, 1 mean, 2 sum (aten's enum)
+    ignore_index: int
+    label_smoothing: float
+    layout: VocabLayout
+
+
+@dataclass(frozen=True)
+class VocabPlan:
+    """Vocab-parallel embeddings, LM heads, losses and the logits handed back to the user."""
+
+    embeddings: tuple[tuple[str, VocabLayout], ...] = ()  # embedding node -> layout
+    heads: tuple[tuple[str, str], ...] = ()  # head matmul node -> its input (gets f)
+    losses: tuple[VocabLoss, ...] = ()
+    outputs: tuple[tuple[str, int, VocabLayout], ...] = ()  # returned sharded node, vocab dim, layout
+
+
+@dataclass(frozen=True)
 class Plan:
     tp: int
     params: tuple[tuple[str, ParamShard], ...] = ()
@@ -65,6 +102,7 @@ class Plan:
     collectives: tuple[Collective, ...] = ()
     random_nodes: tuple[str, ...] = ()  # random ops inside sharded regions: per-rank RNG stream
     replicated: tuple[tuple[str, str], ...] = ()  # (module, reason) left unsharded
+    vocab: VocabPlan = field(default_factory=VocabPlan)
     version: int = field(default=PLAN_VERSION)
 
     def param(self, name: str) -> ParamShard | None:
@@ -86,17 +124,27 @@ class Plan:
         def seg(xs):
             return tuple(Segment(**s) for s in xs)
 
+        def layout(x):
+            return None if x is None else VocabLayout(**x)
+
         params = tuple(
             (name, ParamShard(p["role"], p["module"], p["dim"], seg(p["segments"]), tuple(p["full_shape"]),
-                              tuple(p["local_shape"])))
+                              tuple(p["local_shape"]), layout(p.get("vocab"))))
             for name, p in d["params"].items()
+        )
+        v = d.get("vocab", {})
+        vocab = VocabPlan(
+            embeddings=tuple((n, layout(lay)) for n, lay in v.get("embeddings", ())),
+            heads=tuple(tuple(h) for h in v.get("heads", ())),
+            losses=tuple(VocabLoss(**{**x, "layout": layout(x["layout"])}) for x in v.get("losses", ())),
+            outputs=tuple((n, dim, layout(lay)) for n, dim, lay in v.get("outputs", ())),
         )
         pairs = tuple(PairPlan(**{k: tuple(v) if isinstance(v, list) else v for k, v in p.items()}) for p in d["pairs"])
         rewrites = tuple(Rewrite(**r) for r in d["rewrites"])
         collectives = tuple(Collective(**{k: tuple(v) if isinstance(v, list) else v for k, v in c.items()})
                             for c in d["collectives"])
         return cls(d["tp"], params, pairs, rewrites, collectives, tuple(d["random_nodes"]),
-                   tuple(tuple(r) for r in d["replicated"]), d["version"])
+                   tuple(tuple(r) for r in d["replicated"]), vocab, d["version"])
 
     @classmethod
     def from_json(cls, text: str) -> Plan:

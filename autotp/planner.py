@@ -4,9 +4,10 @@ from __future__ import annotations
 import torch.fx as fx
 
 from autotp.analysis import Analysis, analyze
-from autotp.matmuls import ParamMatmul
-from autotp.plan import Collective, PairPlan, ParamShard, Plan
-from autotp.shard_spec import Segment
+from autotp.matmuls import ParamMatmul, module_path
+from autotp.plan import Collective, PairPlan, ParamShard, Plan, VocabLoss, VocabPlan
+from autotp.shard_spec import Segment, VocabLayout
+from autotp.vocab import VocabFacts, analyze_vocab
 
 
 def _shape(node: fx.Node) -> tuple[str, ...]:
@@ -23,7 +24,41 @@ def _weight_shape(gm: fx.GraphModule, m: ParamMatmul) -> tuple[int, ...]:
     return tuple(gm.get_parameter(m.weight).shape)
 
 
-def plan_from_analysis(gm: fx.GraphModule, a: Analysis) -> Plan:
+def _vocab_shard(module: str, full: tuple[int, ...], dim: int, layout: VocabLayout, tp: int) -> ParamShard:
+    local = list(full)
+    local[dim] = layout.local
+    return ParamShard("vocab", module, dim, (Segment(layout.padded(tp), tp),), tuple(full), tuple(local), layout)
+
+
+def _vocab_plan(gm: fx.GraphModule, v: VocabFacts, tp: int, params: dict, rewrites: list,
+                collectives: list) -> VocabPlan:
+    for node, w, layout in v.embeddings:
+        params[w] = _vocab_shard(module_path(node) or w, tuple(gm.get_parameter(w).shape), 0, layout, tp)
+        collectives.append(Collective("all_reduce", "sum", "forward", params[w].module, node.name, _shape(node)))
+    losses, outputs = [], []
+    for h in v.heads:
+        m = h.matmul
+        params[m.weight] = _vocab_shard(m.module, _weight_shape(gm, m), m.out_dim, h.layout, tp)
+        if m.bias is not None:
+            params[m.bias] = _vocab_shard(m.module, tuple(gm.get_parameter(m.bias).shape), 0, h.layout, tp)
+        collectives.append(Collective("all_reduce", "sum", "backward", m.module, m.x.name, _shape(m.x)))
+        rewrites.extend(h.rewrites)
+        for x in h.losses:
+            losses.append(VocabLoss(x.node.name, x.logits.name, x.log_softmax.name if x.log_softmax else None,
+                                    x.reduction, x.ignore_index, float(x.label_smoothing), h.layout))
+            rows = _shape(x.logits)[:1]
+            collectives += [Collective("all_reduce", op, "forward", m.module, x.node.name, rows)
+                            for op in ("max", "sum", "sum")]
+        outputs += [(n.name, dim, h.layout) for n, dim in h.outputs]
+    return VocabPlan(
+        embeddings=tuple((n.name, layout) for n, _, layout in v.embeddings),
+        heads=tuple((h.matmul.node.name, h.matmul.x.name) for h in v.heads),
+        losses=tuple(losses),
+        outputs=tuple(outputs),
+    )
+
+
+def plan_from_analysis(gm: fx.GraphModule, a: Analysis, v: VocabFacts | None = None) -> Plan:
     params: dict[str, ParamShard] = {}
     pairs, rewrites, collectives, random_nodes = [], [], [], []
     for p in a.pairs:
@@ -42,6 +77,7 @@ def plan_from_analysis(gm: fx.GraphModule, a: Analysis) -> Plan:
             collectives.append(Collective("all_reduce", "sum", "backward", p.name, x.name, _shape(x)))
         rewrites.extend(p.region.rewrites)
         random_nodes.extend(n.name for n in p.region.random_nodes)
+    vocab = _vocab_plan(gm, v, a.tp, params, rewrites, collectives) if v is not None else VocabPlan()
     return Plan(
         tp=a.tp,
         params=tuple(params.items()),
@@ -50,11 +86,16 @@ def plan_from_analysis(gm: fx.GraphModule, a: Analysis) -> Plan:
         collectives=tuple(collectives),
         random_nodes=tuple(random_nodes),
         replicated=tuple(a.replicated),
+        vocab=vocab,
     )
 
 
-def make_plan(gm: fx.GraphModule, tp: int) -> Plan:
-    """Analyze ``gm`` and plan its sharding for ``tp`` ranks (tp = 1 gives an empty plan)."""
+def make_plan(gm: fx.GraphModule, tp: int, vocab_multiple: int = 1) -> Plan:
+    """Analyze ``gm`` and plan its sharding for ``tp`` ranks (tp = 1 gives an empty plan).
+
+    ``vocab_multiple``: round each rank's vocab rows up to this multiple (e.g. 64 on GPUs).
+    """
     if tp == 1:
         return Plan(tp=1)
-    return plan_from_analysis(gm, analyze(gm, tp))
+    a = analyze(gm, tp)
+    return plan_from_analysis(gm, a, analyze_vocab(gm, a, tp, vocab_multiple))

@@ -140,6 +140,8 @@ class _Propagator:
             self.region.specs[node] = self.move(node)
         elif t is aten.slice.Tensor:
             self.region.specs[node] = self.slice(node)
+        elif t is aten.flatten.using_ints:
+            self.region.specs[node] = self.flatten(node)
         elif t is aten.select.int:
             s = self.spec(node.args[0])
             d = normalize_dim(node.args[1], _ndim(node.args[0]))
@@ -223,6 +225,14 @@ class _Propagator:
                 return s
             raise Unshardable(node, "a partial slice of the sharded dim")
         return s
+
+    def flatten(self, node: fx.Node) -> Sharding:
+        s = self.spec(node.args[0])
+        nd = _ndim(node.args[0])
+        start, end = normalize_dim(_arg(node, 1, "start_dim", 0), nd), normalize_dim(_arg(node, 2, "end_dim", -1), nd)
+        if s.inner or start <= s.dim <= end and end > start:
+            raise Unshardable(node, "flatten merges the sharded dim")
+        return s.moved(s.dim - (end - start) if s.dim > end else s.dim)
 
     def view(self, node: fx.Node) -> Sharding:
         s = self.spec(node.args[0])

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from autotp.capture import capture, meta_skeleton, signature
 from autotp.collectives import all_reduce, bind_collectives
@@ -21,7 +22,8 @@ from autotp.passes import run_passes
 from autotp.plan import ParamShard, Plan
 from autotp.planner import make_plan
 from autotp.rng import SEED_OFFSET, RegionRNG, bind_rng
-from autotp.shard_spec import block_index, shard_tensor
+from autotp.shard_spec import block_index
+from autotp.vocab_ops import bind_vocab
 
 
 def _default_example() -> tuple[tuple, dict]:
@@ -83,7 +85,8 @@ def _set(root: nn.Module, name: str, value: torch.Tensor, persistent: bool = Tru
 class TPModule(nn.Module):
     """A tensor-parallel model: called exactly like the original, holding only this rank's shards."""
 
-    def __init__(self, model: nn.Module, group: dist.ProcessGroup, example: tuple[tuple, dict]):
+    def __init__(self, model: nn.Module, group: dist.ProcessGroup, example: tuple[tuple, dict],
+                 vocab_multiple: int = 1):
         super().__init__()
         first = next(iter(model.parameters()), None)
         device = first.device if first is not None else torch.device("cpu")
@@ -93,6 +96,8 @@ class TPModule(nn.Module):
             "skeleton": meta_skeleton(model), "graphs": {}, "shards": {}, "plans": {}, "group": group,
             "tp": tp, "rank": rank, "device": device, "model_name": type(model).__name__,
             "rng": RegionRNG(torch.initial_seed() + SEED_OFFSET + rank, device) if tp > 1 else None,
+            "mesh": None,  # built when a plan first returns vocab-parallel logits
+            "vocab_multiple": vocab_multiple,
         }
         self.training = model.training
         gm, plan = self._build(*example, training=model.training)
@@ -132,7 +137,7 @@ class TPModule(nn.Module):
         st = self._autotp
         st["skeleton"].train(training)
         gm = capture(st["skeleton"], args, kwargs, st["device"])
-        plan = make_plan(gm, st["tp"])
+        plan = make_plan(gm, st["tp"], st["vocab_multiple"])
         for name, shard in plan.params:
             known = st["shards"].get(name)
             if known is not None and known != shard:
@@ -151,8 +156,7 @@ class TPModule(nn.Module):
             if id(p) not in local:
                 shard = st["shards"].get(name) or self._shard_of_alias(model, p)
                 with torch.no_grad():
-                    data = p.detach().clone() if shard is None else \
-                        shard_tensor(p.detach(), shard.dim, shard.segments, st["tp"], st["rank"])
+                    data = p.detach().clone() if shard is None else shard.shard(p.detach(), st["tp"], st["rank"])
                 local[id(p)] = nn.Parameter(data, requires_grad=p.requires_grad)
                 if shard is not None and shard.replicated_blocks(st["tp"]) and p.requires_grad:
                     self._sum_replicated_grads(local[id(p)], shard)
@@ -205,18 +209,25 @@ class TPModule(nn.Module):
                 _set(gm, node.target, value)
         bind_collectives(gm, st["group"])
         bind_rng(gm, st["rng"])
+        if plan.vocab.outputs and st["mesh"] is None:
+            st["mesh"] = DeviceMesh.from_group(st["group"], st["device"].type)
+        bind_vocab(gm, st["group"], st["rank"], st["mesh"])
         st["graphs"][key] = gm
         st["plans"][key] = plan
 
 
 def parallelize(model: nn.Module, *, tp_group: dist.ProcessGroup | None = None,
-                example_inputs: object = None) -> TPModule:
+                example_inputs: object = None, vocab_multiple: int = 1) -> TPModule:
     """Shard ``model`` Megatron-style over ``tp_group`` (default: the whole default process group).
 
     ``example_inputs``: positional args as a tuple, keyword args as a dict, or ``(args, kwargs)``; only
     shapes and dtypes matter (capture runs on meta tensors). Default: a (2, 8) batch of token ids.
     The returned module holds its local shards as soon as it returns; calls with another input structure
     are captured and rewritten on first use and share the same parameters.
+
+    Vocab-parallel logits come back as a ``DTensor`` sharded on the vocab dim: ``logits.full_tensor()``
+    gathers them; a step that only uses the loss never does. ``vocab_multiple`` rounds each rank's vocab
+    rows up (e.g. 64 for tensor-core-friendly GEMMs on GPUs); the default pads only to ``ceil(V / tp)``.
     """
     group = _resolve_group(tp_group)
-    return TPModule(model, group, _split_example(example_inputs))
+    return TPModule(model, group, _split_example(example_inputs), vocab_multiple)

@@ -83,3 +83,45 @@ def unshard_tensor(shards: list[torch.Tensor], dim: int, segments: tuple[Segment
     for rank, shard in enumerate(shards):
         full.index_copy_(dim, local_indices(segments, tp, rank).to(full.device), shard)
     return full
+
+
+@dataclass(frozen=True)
+class VocabLayout:
+    """Vocab-parallel rows: rank r owns ids [r·per_rank, min(size, (r+1)·per_rank)) in ``local`` rows.
+
+    ``per_rank = ceil(size / tp)``; rows past the owned ones are padding (the last rank's, and any
+    rounding of ``local`` up to a multiple for fast GEMMs). The owned ranges are exactly torch.chunk's,
+    so the logits a rank holds are its shard of a DTensor ``Shard(-1)`` of the unpadded vocabulary.
+    """
+
+    size: int
+    per_rank: int
+    local: int
+
+    @classmethod
+    def make(cls, size: int, tp: int, multiple: int = 1) -> VocabLayout:
+        if multiple < 1:
+            raise ValueError(f"vocab padding multiple must be >= 1, got {multiple}")
+        per_rank = -(-size // tp)
+        return cls(size, per_rank, -(-per_rank // multiple) * multiple)
+
+    def start(self, rank: int) -> int:
+        return min(rank * self.per_rank, self.size)
+
+    def owned(self, rank: int) -> int:
+        return max(0, min(self.size, (rank + 1) * self.per_rank) - self.start(rank))
+
+    def padded(self, tp: int) -> int:
+        return self.local * tp
+
+
+def vocab_shard(full: torch.Tensor, dim: int, layout: VocabLayout, rank: int) -> torch.Tensor:
+    """Rank ``rank``'s rows of a vocab-parallel tensor, zero-padded to ``layout.local``."""
+    owned = full.narrow(dim, layout.start(rank), layout.owned(rank))
+    pad = list(full.shape)
+    pad[dim] = layout.local - layout.owned(rank)
+    return torch.cat([owned, full.new_zeros(pad)], dim=dim)
+
+
+def vocab_unshard(shards: list[torch.Tensor], dim: int, layout: VocabLayout) -> torch.Tensor:
+    return torch.cat([s.narrow(dim, 0, layout.owned(r)) for r, s in enumerate(shards)], dim=dim)

@@ -118,5 +118,10 @@ def layout(
     console.print(rank_grid(rank_layout))
 
 
+from autotp.cli import run as _run, shard as _shard  # noqa: E402  (they import fail from here at call time)
+
+for _command in (_run, _shard):
+    _command.register(app)
+
 if __name__ == "__main__":
     app()

@@ -13,11 +13,15 @@ from autotp.passes.insert_collectives import insert_collectives
 from autotp.passes.region_rng import region_rng
 from autotp.passes.rewrite_constants import rewrite_constants
 from autotp.passes.row_bias import row_bias_after_reduce
+from autotp.passes.vocab_embedding import vocab_embedding
+from autotp.passes.vocab_loss import vocab_loss
+from autotp.passes.vocab_output import vocab_output
 from autotp.plan import Plan
 
 Pass = Callable[[fx.GraphModule, Plan], fx.GraphModule]
 
-DEFAULT_PASSES: tuple[Pass, ...] = (rewrite_constants, insert_collectives, row_bias_after_reduce, region_rng)
+DEFAULT_PASSES: tuple[Pass, ...] = (rewrite_constants, insert_collectives, row_bias_after_reduce, vocab_embedding,
+                                    vocab_loss, vocab_output, region_rng)
 
 
 class PassError(RuntimeError):
@@ -42,4 +46,5 @@ def nodes_by_name(gm: fx.GraphModule) -> dict[str, fx.Node]:
 
 
 __all__ = ["DEFAULT_PASSES", "PassError", "insert_collectives", "nodes_by_name", "region_rng",
-           "rewrite_constants", "row_bias_after_reduce", "run_passes"]
+           "rewrite_constants", "row_bias_after_reduce", "run_passes", "vocab_embedding", "vocab_loss",
+           "vocab_output"]

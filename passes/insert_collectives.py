@@ -18,7 +18,8 @@ After::
     out_tp = autotp_leave(out)                            # g: all-reduce fwd, identity bwd
     y = aten.add(x, out_tp)
 
-Columns sharing one input share one ``f`` (q, k and v: one all-reduce backward, not three).
+Columns sharing one input share one ``f`` (q, k and v: one all-reduce backward, not three). A
+vocab-parallel LM head is a column too: its input gets ``f``.
 """
 from __future__ import annotations
 
@@ -31,29 +32,38 @@ ENTER = "autotp_enter"
 LEAVE = "autotp_leave"
 
 
-def insert_collectives(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
-    if not plan.pairs:
-        return gm
+def ensure_collective_modules(gm: fx.GraphModule) -> None:
     if not hasattr(gm, ENTER):
         gm.add_submodule(ENTER, EnterTP())
         gm.add_submodule(LEAVE, LeaveTP())
+
+
+def insert_collectives(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
+    if not plan.pairs and not plan.vocab.heads:
+        return gm
+    ensure_collective_modules(gm)
     nodes = {n.name: n for n in gm.graph.nodes}
+    for head, x_name in plan.vocab.heads:
+        _enter(gm, nodes[x_name], [nodes[head]], head)
     for pair in plan.pairs:
         columns = [nodes[c] for c in pair.columns]
         for x_name in pair.enter:
             x = nodes[x_name]
-            users = [c for c in columns if x in c.all_input_nodes]
-            with gm.graph.inserting_before(min(users, key=_position(gm))):
-                f = gm.graph.call_module(ENTER, (x,))
-            f.meta = {**x.meta, "autotp_collective": ("enter", pair.module)}
-            for c in users:
-                c.replace_input_with(x, f)
+            _enter(gm, x, [c for c in columns if x in c.all_input_nodes], pair.module)
         row = nodes[pair.row]
         with gm.graph.inserting_after(row):
             g = gm.graph.call_module(LEAVE, (row,))
         g.meta = {**row.meta, "autotp_collective": ("leave", pair.module)}
         row.replace_all_uses_with(g, delete_user_cb=lambda u: u is not g)
     return gm
+
+
+def _enter(gm: fx.GraphModule, x: fx.Node, users: list[fx.Node], where: str) -> None:
+    with gm.graph.inserting_before(min(users, key=_position(gm))):
+        f = gm.graph.call_module(ENTER, (x,))
+    f.meta = {**x.meta, "autotp_collective": ("enter", where)}
+    for c in users:
+        c.replace_input_with(x, f)
 
 
 def _position(gm: fx.GraphModule):

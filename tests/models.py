@@ -37,11 +37,16 @@ def llama(vocab: int = 128) -> tuple[nn.Module, tuple, dict]:
     return model, (), {"input_ids": ids, "labels": ids, "use_cache": False}
 
 
-MODELS = {"nanogpt": nanogpt, "gpt2": gpt2, "llama": llama}
+def gpt2_real_vocab() -> tuple[nn.Module, tuple, dict]:
+    return gpt2(vocab=50257)  # GPT-2's own vocabulary: not divisible by 2 or 4, so it is padded
+
+
+MODELS = {"nanogpt": nanogpt, "gpt2": gpt2, "gpt2_50257": gpt2_real_vocab, "llama": llama}
 
 
 def loss_and_logits(out) -> tuple[torch.Tensor, torch.Tensor]:
-    if isinstance(out, tuple):
-        logits, loss = out
-        return loss, logits
-    return out.loss, out.logits
+    """(loss, logits as the user reads them: vocab-parallel logits are gathered on demand)."""
+    from torch.distributed.tensor import DTensor
+
+    logits, loss = out if isinstance(out, tuple) else (out.logits, out.loss)
+    return loss, logits.full_tensor() if isinstance(logits, DTensor) else logits

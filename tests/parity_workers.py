@@ -6,7 +6,6 @@ import copy
 import torch
 
 import autotp
-from autotp.shard_spec import shard_tensor
 from distributed import CollectiveLog
 from models import MODELS, loss_and_logits
 
@@ -16,10 +15,19 @@ def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def _local(ref: torch.Tensor, name: str, tpm) -> torch.Tensor:
-    shard = tpm.plan.param(name)
+    shard = tpm.plan.param(name) or _alias_shard(tpm, name)
     if shard is None:
         return ref
-    return shard_tensor(ref, shard.dim, shard.segments, tpm.tp_size, tpm.tp_rank)
+    return shard.shard(ref, tpm.tp_size, tpm.tp_rank)
+
+
+def _alias_shard(tpm, name: str):
+    """The plan names a tied parameter once; find it under its other names."""
+    p = tpm.get_parameter(name)
+    for other, q in tpm.named_parameters(remove_duplicate=False):
+        if q is p and tpm.plan.param(other) is not None:
+            return tpm.plan.param(other)
+    return None
 
 
 def training_parity(model_name: str, steps: int = 3) -> dict:
@@ -36,8 +44,9 @@ def training_parity(model_name: str, steps: int = 3) -> dict:
 
     log = CollectiveLog()
     with log:
-        loss, logits = loss_and_logits(tpm(*args, **kwargs))
+        raw = tpm(*args, **kwargs)
     n_fwd = len(log.calls)
+    loss, logits = loss_and_logits(raw)  # reading the full logits gathers them, outside the step
     with log:
         loss.backward()
     out["forward_collectives"] = log.calls[:n_fwd]
@@ -48,8 +57,8 @@ def training_parity(model_name: str, steps: int = 3) -> dict:
     out["logits_diff"] = _max_diff(logits, rlogits)
     ref_params = dict(ref.named_parameters())
     out["grad_diff"] = max(_max_diff(p.grad, _local(ref_params[n].grad, n, tpm)) for n, p in tpm.named_parameters())
-    out["local_numel"] = {n: p.numel() for n, p in tpm.named_parameters()}
-    out["full_numel"] = {n: p.numel() for n, p in ref.named_parameters()}
+    out["local_numel"] = {n: p.numel() for n, p in tpm.named_parameters(remove_duplicate=False)}
+    out["full_numel"] = {n: p.numel() for n, p in ref.named_parameters(remove_duplicate=False)}
     out["names_match"] = [n for n, _ in tpm.named_parameters()] == [n for n, _ in ref.named_parameters()]
 
     # eps 1e-6, not 1e-8: some gradients are zero analytically (a key bias cannot change a softmax) and
@@ -71,13 +80,13 @@ def other_calls(model_name: str = "nanogpt") -> dict:
     idx, targets = args
     out = {}
     with torch.no_grad():
-        out["no_targets"] = _max_diff(tpm(idx)[0], ref(idx)[0])
+        out["no_targets"] = _max_diff(tpm(idx)[0].full_tensor(), ref(idx)[0])
         g = torch.Generator().manual_seed(5)
         idx2 = torch.randint(0, 256, (3, 20), generator=g)
         t2 = torch.randint(0, 256, (3, 20), generator=g)
         out["other_shape"] = _max_diff(tpm(idx2, t2)[1], ref(idx2, t2)[1])
         idx1 = idx2[:1, :5]
-        out["batch_one"] = _max_diff(tpm(idx1)[0], ref(idx1)[0])
+        out["batch_one"] = _max_diff(tpm(idx1)[0].full_tensor(), ref(idx1)[0])
         tpm.eval(), ref.eval()
         out["eval_mode"] = (tpm.training, _max_diff(tpm(idx, targets)[1], ref(idx, targets)[1]))
     out["graphs"] = len(tpm.graphs())
@@ -92,32 +101,34 @@ def dropout_streams() -> dict:
     """With dropout, replicated activations stay identical across ranks; sharded-region masks differ."""
     import torch.distributed as dist
 
+    from autotp.collectives import EnterTP
     from autotp.rng import RegionRandom
 
     ref, args, _ = MODELS["nanogpt"](dropout=0.1)
     torch.manual_seed(1234)
     tpm = autotp.parallelize(ref, example_inputs=args)
-    masks = []
+    masks, replicated = [], []
     for gm in tpm.graphs().values():
         for m in gm.modules():
             if isinstance(m, RegionRandom):
                 m.register_forward_hook(lambda mod, inp, o: masks.append(((o == 0) & (inp[0] != 0), inp[0] != 0)))
-    logits, loss = tpm(*args)
+            if isinstance(m, EnterTP):  # every input of a column-parallel matmul is a replicated activation
+                m.register_forward_hook(lambda mod, inp, o: replicated.append(inp[0].detach().clone()))
+    _, loss = tpm(*args)
     loss.backward()
-    state = torch.get_rng_state()
     world = dist.get_world_size()
-    gathered = [torch.empty_like(logits) for _ in range(world)]
-    dist.all_gather(gathered, logits.detach().contiguous())
+
+    def same_everywhere(t: torch.Tensor) -> bool:
+        got = [torch.empty_like(t) for _ in range(world)]
+        dist.all_gather(got, t.contiguous())
+        return all(torch.equal(got[0], g) for g in got)
+
     dropped, live = masks[0]
-    mask = dropped.to(torch.uint8)
-    gm_ = [torch.empty_like(mask) for _ in range(world)]
-    dist.all_gather(gm_, mask)
-    states = [torch.empty_like(state) for _ in range(world)]
-    dist.all_gather(states, state)
     return {
         "random_region_ops": len(masks),
-        "logits_identical": all(torch.equal(gathered[0], g) for g in gathered),
-        "default_stream_identical": all(torch.equal(states[0], s) for s in states),
-        "region_masks_differ": not all(torch.equal(gm_[0], m) for m in gm_),
+        "replicated_checked": len(replicated),
+        "replicated_identical": all(same_everywhere(x) for x in replicated),
+        "default_stream_identical": same_everywhere(torch.get_rng_state()),
+        "region_masks_differ": not same_everywhere(dropped.to(torch.uint8)),
         "dropped_fraction": (dropped.sum() / live.sum()).item(),
     }

@@ -6,15 +6,16 @@ import pytest
 from distributed import launch
 from parity_workers import dropout_streams, other_calls, training_parity
 
-# (model, b·s·h of one layer all-reduce, layers)
-MODELS = {"nanogpt": (4 * 32 * 64, 2), "gpt2": (4 * 16 * 64, 2), "llama": (4 * 16 * 64, 2)}
+# model -> (b, s, h, layers)
+MODELS = {"nanogpt": (4, 32, 64, 2), "gpt2": (4, 16, 64, 2), "gpt2_50257": (4, 16, 64, 2), "llama": (4, 16, 64, 2)}
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])
 @pytest.mark.parametrize("model", list(MODELS))
 def test_training_parity(model: str, world: int):
     results = launch(training_parity, world, model)
-    bsh, layers = MODELS[model]
+    b, s, h, layers = MODELS[model]
+    bsh = b * s * h
     for rank, r in results.items():
         assert r["tp"] == world
         assert r["names_match"], "parameters keep their original names and order"
@@ -27,20 +28,29 @@ def test_training_parity(model: str, world: int):
             assert fwd == [] and bwd == []
             assert r["plan"]["params"] == {}
             continue
-        # Megatron: per layer one all-reduce of b·s·h after attention and one after the MLP, forward;
-        # one entering attention and one entering the MLP, backward. Nothing else in the blocks.
-        assert fwd == [("all_reduce", "sum", bsh)] * (2 * layers)
+        # Megatron: forward, the vocab-parallel embedding's all-reduce, per layer one after attention and one
+        # after the MLP (b·s·h each), then the cross-entropy's max, target-logit and exp-sum reductions (b·s).
+        # Backward: per layer one entering attention and one entering the MLP, and one entering the LM head.
+        assert fwd == [("all_reduce", "sum", bsh)] * (2 * layers + 1) + \
+            [("all_reduce", "max", b * s), ("all_reduce", "sum", b * s), ("all_reduce", "sum", b * s)]
         activations = [c for c in bwd if c[2] == bsh]
-        assert activations == [("all_reduce", "sum", bsh)] * (2 * layers)
+        assert activations == [("all_reduce", "sum", bsh)] * (2 * layers + 1)
+        assert all(c[2] < bsh for c in bwd if c[2] != bsh)  # nothing of b·s·V
         params = r["plan"]["params"]
         assert len(r["plan"]["pairs"]) == 2 * layers
+        vocab = r["plan"]["vocab"]
+        assert len(vocab["embeddings"]) == 1 and len(vocab["heads"]) == 1 and len(vocab["losses"]) == 1
+        assert not r["plan"]["replicated"], r["plan"]["replicated"]
         replicated_kv = {n for n, p in params.items() if any(s["parts"] < world for s in p["segments"])}
         # kv heads fewer than tp are replicated on tp / n_kv ranks; only their weight gradients are summed
         assert sorted(c[2] for c in bwd if c[2] != bsh) == sorted(r["local_numel"][n] for n in replicated_kv)
         for name, p in params.items():
             expected = sum(s["size"] // s["parts"] for s in p["segments"])
             assert r["local_numel"][name] * p["full_shape"][p["dim"]] == r["full_numel"][name] * expected
-            if name not in replicated_kv:
+            if p["role"] == "vocab":  # padded V / tp rows
+                v = p["vocab"]
+                assert p["local_shape"][p["dim"]] == v["local"] == -(-v["size"] // world)
+            elif name not in replicated_kv:
                 assert r["local_numel"][name] * world == r["full_numel"][name], name
         if model == "llama" and world == 4:
             assert len(replicated_kv) == 2 * layers  # k_proj and v_proj: 2 kv heads over 4 ranks
@@ -55,7 +65,7 @@ def test_unseen_layouts_parity(toy: str):
         assert r["plan"]["pairs"], "the block was sharded"
         assert r["loss_diff"] <= 1e-5 and r["logits_diff"] <= 1e-5 and r["grad_diff"] <= 1e-5
         assert r["param_diff"] <= 1e-4
-        assert len(r["forward_collectives"]) == 1
+        assert len(r["forward_collectives"]) == 1 + 1 + 3  # embedding, block, cross-entropy
 
 
 def test_other_signatures_share_parameters():
@@ -73,7 +83,7 @@ def test_dropout_streams():
     results = launch(dropout_streams, 2)
     for r in results.values():
         assert r["random_region_ops"] == 2  # attention dropout of the 2 layers
-        assert r["logits_identical"]
+        assert r["replicated_checked"] == 2 * 2 + 1 and r["replicated_identical"]
         assert r["default_stream_identical"]
         assert r["region_masks_differ"]
         assert 0.05 < r["dropped_fraction"] < 0.15

@@ -11,6 +11,7 @@ from autotp.collectives import EnterTP, LeaveTP
 from autotp.errors import ShardingError
 from autotp.passes import run_passes
 from autotp.planner import make_plan
+from autotp.vocab_ops import VocabCrossEntropy, VocabEmbedding, VocabOutput
 from models import MODELS
 from toy_models import toy
 
@@ -35,13 +36,18 @@ def test_two_collectives_per_layer_around_the_pairs(name: str, tp: int):
     gm = run_passes(gm, plan)
     layers = 2
     enters, leaves = _calls(gm, EnterTP), _calls(gm, LeaveTP)
-    assert len(enters) == 2 * layers and len(leaves) == 2 * layers
-    assert plan.replicated == () or all(m in ("lm_head", "<root>", "") for m, _ in plan.replicated)
+    # one f per layer half, plus the LM head's; one g per layer half, plus the vocab-parallel embedding's
+    assert len(enters) == 2 * layers + 1 and len(leaves) == 2 * layers + 1
+    assert plan.replicated == ()
     for f in enters:  # f feeds only column matmuls of its pair (q, k, v share one f)
         assert f.users and all(u.target in MATMULS for u in f.users)
-    for g in leaves:  # g follows a row matmul directly
-        (row,) = g.all_input_nodes
-        assert row.target in MATMULS
+    for g in leaves:  # g follows a row matmul, or the masked vocab lookup
+        (src,) = g.all_input_nodes
+        assert src.target in MATMULS or isinstance(gm.get_submodule(src.target), VocabEmbedding)
+    assert len(_calls(gm, VocabEmbedding)) == 1 and len(_calls(gm, VocabCrossEntropy)) == 1
+    (out,) = _calls(gm, VocabOutput)
+    assert out.next.op == "output"
+    assert not [n for n in gm.graph.nodes if n.target is aten.cross_entropy_loss.default]
     by_name = {n.name: n for n in gm.graph.nodes}
     for pair in plan.pairs:
         row = by_name[pair.row]
@@ -50,8 +56,9 @@ def test_two_collectives_per_layer_around_the_pairs(name: str, tp: int):
             assert row.target in (aten.linear.default, aten.mm.default) and len(row.args) == 2
             (add,) = g.users
             assert add.target is aten.add.Tensor and add.args[1].target == pair.row_bias
-    directions = [c.direction for c in plan.collectives]
-    assert directions.count("forward") == 2 * layers and directions.count("backward") == 2 * layers
+    directions = [(c.direction, c.op) for c in plan.collectives]
+    assert directions.count(("forward", "sum")) == 2 * layers + 1 + 2 and directions.count(("forward", "max")) == 1
+    assert directions.count(("backward", "sum")) == 2 * layers + 1
 
 
 def test_head_counts_and_split_sizes_are_rewritten():
@@ -103,10 +110,11 @@ def test_unseen_layouts(name: str, segments):
 def test_unshardable_region_is_replicated_with_the_reason():
     gm = _graph("head_mixing")
     plan = make_plan(gm, 2)
-    assert plan.pairs == () and plan.params == ()
+    assert plan.pairs == () and not [n for n, _ in plan.params if n.startswith("block.")]
     assert any("aten.mean.dim" in reason and module == "block" for module, reason in plan.replicated)
     gm = run_passes(gm, plan)
-    assert not _calls(gm, EnterTP) and not _calls(gm, LeaveTP)
+    # only the vocab-parallel embedding's g and the LM head's f remain
+    assert len(_calls(gm, EnterTP)) == 1 and len(_calls(gm, LeaveTP)) == 1
 
 
 def test_tp_one_plans_nothing():
@@ -123,3 +131,52 @@ def test_heads_not_divisible_name_module_sizes_and_tp():
         make_plan(gm, 2)
     msg = str(e.value)
     assert "transformer.h.0.attn.c_attn" in msg and "3" in msg and "tp=2" in msg and "144" in msg
+
+
+def test_gpt2_vocab_is_padded_to_equal_shards():
+    plan = make_plan(_graph("gpt2_50257"), 2)
+    shard = plan.param("lm_head.weight")
+    assert shard.role == "vocab" and shard.vocab.size == 50257
+    assert shard.local_shape == (25129, 64)  # ceil(50257 / 2); rank 1 owns 25128 rows + 1 padding row
+    assert (shard.vocab.owned(0), shard.vocab.owned(1)) == (25129, 25128)
+    assert any(r.old == 50257 and r.new == 25129 for r in plan.rewrites)  # logits.view(-1, V)
+    wide = make_plan(_graph("gpt2_50257"), 4, vocab_multiple=64)
+    assert wide.param("lm_head.weight").local_shape == (12608, 64)  # ceil(50257/4)=12565 -> multiple of 64
+
+
+class _Losses(torch.nn.Module):
+    def __init__(self, kind: str):
+        super().__init__()
+        self.kind = kind
+        self.emb = torch.nn.Embedding(96, 32)
+        self.head = torch.nn.Linear(32, 96)
+
+    def forward(self, idx, targets):
+        logits = self.head(self.emb(idx))
+        flat, t = logits.flatten(0, 1), targets.flatten()
+        if self.kind == "nll":
+            return torch.nn.functional.nll_loss(torch.log_softmax(logits, -1).flatten(0, 1), t, reduction="sum")
+        if self.kind == "smoothing":
+            return torch.nn.functional.cross_entropy(flat, t, label_smoothing=0.1, reduction="none")
+        return logits.argmax(-1)  # the logits are read whole: the head must stay replicated
+
+
+@pytest.mark.parametrize("kind,reduction,smoothing", [("nll", 2, 0.0), ("smoothing", 0, 0.1)])
+def test_every_cross_entropy_form_becomes_vocab_parallel(kind, reduction, smoothing):
+    idx = torch.zeros(2, 5, dtype=torch.long)
+    gm = capture(meta_skeleton(_Losses(kind)), (idx, idx + 1), {}, torch.device("cpu"))
+    plan = make_plan(gm, 2)
+    (loss,) = plan.vocab.losses
+    assert (loss.reduction, loss.label_smoothing) == (reduction, smoothing)
+    assert (loss.log_softmax is not None) == (kind == "nll")
+    gm = run_passes(gm, plan)
+    assert not [n for n in gm.graph.nodes if n.target in (aten.log_softmax.int, aten.nll_loss_nd.default)]
+    assert len(_calls(gm, VocabCrossEntropy)) == 1
+
+
+def test_logits_read_whole_keep_the_head_replicated():
+    idx = torch.zeros(2, 5, dtype=torch.long)
+    gm = capture(meta_skeleton(_Losses("argmax")), (idx, idx), {}, torch.device("cpu"))
+    plan = make_plan(gm, 2)
+    assert plan.vocab.heads == () and plan.param("head.weight") is None
+    assert any(m == "head" and "argmax" in reason for m, reason in plan.replicated)

@@ -1,0 +1,149 @@
+"""Run-time pieces of vocab parallelism: masked embedding lookup, vocab-parallel cross-entropy, and the
+logits handed back to the user as a DTensor sharded on the vocab dim.
+
+Each is a graph module that the passes insert unbound (then it computes the plain, unsharded op) and the
+runtime binds to a rank and a group.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+
+from autotp.collectives import all_reduce
+from autotp.shard_spec import VocabLayout
+
+
+class _VocabModule(nn.Module):
+    def __init__(self, layout: VocabLayout):
+        super().__init__()
+        self.layout = layout
+        self.group: dist.ProcessGroup | None = None
+        self.rank = 0
+
+    def bind(self, group: dist.ProcessGroup | None, rank: int) -> None:
+        self.group = group if group is not None and dist.get_world_size(group) > 1 else None
+        self.rank = rank
+
+    @property
+    def start(self) -> int:
+        return self.layout.start(self.rank)
+
+    @property
+    def owned(self) -> int:
+        return self.layout.owned(self.rank)
+
+
+class VocabEmbedding(_VocabModule):
+    """Lookup of the ids this rank owns; other ids give zero rows (the all-reduce after it fills them)."""
+
+    def forward(self, weight: torch.Tensor, ids: torch.Tensor, padding_idx: int = -1, *rest) -> torch.Tensor:
+        if self.group is None:
+            return torch.ops.aten.embedding.default(weight, ids, padding_idx, *rest)
+        local = ids - self.start
+        outside = (local < 0) | (local >= self.owned)
+        # the padding row gets no gradient; only the rank that owns it holds it
+        pad = padding_idx - self.start if 0 <= padding_idx - self.start < self.owned else -1
+        out = torch.ops.aten.embedding.default(weight, local.masked_fill(outside, 0), pad, *rest)  # (b, s, h)
+        return out.masked_fill(outside.unsqueeze(-1), 0.0)
+
+
+class _VocabCE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, target, group, start, owned, vocab, reduction, ignore_index, smoothing):
+        x = logits.float()[:, :owned]  # (n, owned): padding columns never reach the loss
+        local_max = x.max(dim=-1).values if owned else x.new_full((x.shape[0],), float("-inf"))
+        row_max = all_reduce(local_max, group, "max")
+        shifted = x - row_max.unsqueeze(-1)
+        exp = shifted.exp()
+        sum_exp = all_reduce(exp.sum(dim=-1), group)
+        valid = target != ignore_index
+        local_t = target - start
+        mine = valid & (local_t >= 0) & (local_t < owned)
+        picked = shifted.gather(1, local_t.clamp(0, max(owned - 1, 0)).unsqueeze(1)).squeeze(1) if owned \
+            else shifted.new_zeros(target.shape)
+        # target logit and label-smoothing term share one reduction: z = (1-ε)·x_t + ε/V·Σ_j x_j
+        z = torch.where(mine, picked, 0.0) * (1.0 - smoothing)
+        if smoothing:
+            z = z + shifted.sum(dim=-1) * (smoothing / vocab)
+        z = all_reduce(z, group)
+        loss = torch.where(valid, sum_exp.log() - z, 0.0)  # (n,)
+        count = valid.sum()
+        ctx.save_for_backward(exp / sum_exp.unsqueeze(-1), local_t, mine, valid, count)
+        ctx.meta = (logits.shape, logits.dtype, owned, vocab, reduction, smoothing)
+        if reduction == 0:
+            return loss
+        return loss.sum() / count if reduction == 1 else loss.sum()
+
+    @staticmethod
+    def backward(ctx, grad):
+        softmax, local_t, mine, valid, count = ctx.saved_tensors
+        shape, dtype, owned, vocab, reduction, smoothing = ctx.meta
+        per_row = grad.expand(valid.shape) if reduction != 0 else grad
+        if reduction == 1:
+            per_row = per_row / count
+        per_row = torch.where(valid, per_row, 0.0).unsqueeze(-1)  # (n, 1)
+        g = softmax - smoothing / vocab if smoothing else softmax.clone()
+        if owned:
+            rows = mine.nonzero().squeeze(1)
+            g[rows, local_t[rows]] -= 1.0 - smoothing
+        out = torch.zeros(shape, dtype=torch.float32, device=softmax.device)
+        out[:, :owned] = g * per_row
+        return out.to(dtype), None, None, None, None, None, None, None, None
+
+
+class VocabCrossEntropy(_VocabModule):
+    """cross_entropy over vocab-sharded logits (n, local) with global targets (n,); never gathers logits."""
+
+    def __init__(self, layout: VocabLayout, reduction: int, ignore_index: int, label_smoothing: float):
+        super().__init__(layout)
+        self.reduction = reduction
+        self.ignore_index = ignore_index
+        self.label_smoothing = label_smoothing
+
+    def forward(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        if self.group is None:
+            red = ("none", "mean", "sum")[self.reduction]
+            return F.cross_entropy(logits, target, reduction=red, ignore_index=self.ignore_index,
+                                   label_smoothing=self.label_smoothing)
+        return _VocabCE.apply(logits, target, self.group, self.start, self.owned, self.layout.size,
+                              self.reduction, self.ignore_index, self.label_smoothing)
+
+
+class VocabOutput(_VocabModule):
+    """Returns this rank's logits as its shard of a DTensor over the unpadded vocab (``Shard(dim)``).
+
+    Nothing is gathered unless the user asks (``logits.full_tensor()``), so a training step that only
+    uses the loss moves no b·s·V data.
+    """
+
+    def __init__(self, layout: VocabLayout, dim: int):
+        super().__init__(layout)
+        self.dim = dim
+        self.mesh: DeviceMesh | None = None
+
+    def bind_mesh(self, mesh: DeviceMesh | None) -> None:
+        self.mesh = mesh if self.group is not None else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.mesh is None:
+            return x
+        local = x.narrow(self.dim, 0, self.owned)
+        shape = list(x.shape)
+        shape[self.dim] = self.layout.size
+        stride = [1] * len(shape)
+        for i in range(len(shape) - 2, -1, -1):
+            stride[i] = stride[i + 1] * shape[i + 1]
+        return DTensor.from_local(local, self.mesh, [Shard(self.dim)], run_check=False, shape=torch.Size(shape),
+                                  stride=tuple(stride))
+
+
+def bind_vocab(module: nn.Module, group: dist.ProcessGroup | None, rank: int, mesh: DeviceMesh | None) -> None:
+    for m in module.modules():
+        if isinstance(m, _VocabModule):
+            m.bind(group, rank)
+            if isinstance(m, VocabOutput):
+                m.bind_mesh(mesh)

@@ -1,0 +1,88 @@
+"""``autotp run SCRIPT --tp N [--dp N] -- ARGS...``: start a training script on tp × dp ranks.
+
+The script runs as ``python SCRIPT ARGS...`` under torch's elastic launcher, with ``AUTOTP_TP``,
+``AUTOTP_DP``, ``AUTOTP_PP`` and ``AUTOTP_BACKEND`` set. Inside it::
+
+    from autotp.launch import init_from_env
+    ctx = init_from_env()                      # process group + DeviceMesh
+    tpm = autotp.parallelize(model, tp_group=ctx.tp_group())
+    # data parallelism: DistributedDataParallel(tpm, process_group=ctx.dp_group())
+"""
+from __future__ import annotations
+
+import sys
+import traceback
+from pathlib import Path
+from typing import NoReturn
+
+import typer
+from rich.console import Console
+
+from autotp.launch import LaunchError, LaunchSpec, RankFailedError, launch
+
+# Shared by `autotp run` and `autotp shard`; typer reads these at registration time.
+TP = typer.Option(..., "--tp", help="Tensor-parallel size: ranks that share one model replica.")
+DP = typer.Option(1, "--dp", help="Data-parallel replicas per node (world = tp × dp × nnodes).")
+NNODES = typer.Option(1, "--nnodes", help="Number of nodes; run the same command on each.")
+NODE_RANK = typer.Option(0, "--node-rank", help="This node's index in [0, nnodes); node 0 hosts the rendezvous.")
+MASTER_ADDR = typer.Option(None, "--master-addr", help="Address of node 0 (required with --nnodes > 1).")
+MASTER_PORT = typer.Option(None, "--master-port", help="Rendezvous port on node 0 (default: a free local port).")
+DEBUG = typer.Option(False, "--debug", help="Show tracebacks and the launcher's own logs.")
+
+
+def one_line(text: str) -> str:
+    """Collapse a multi-line message (an error and its hint) into one line."""
+    return " ".join(part.strip() for part in str(text).splitlines() if part.strip())
+
+
+def abort(message: str, debug: bool, code: int = 1, trace: str | None = None) -> NoReturn:
+    """One red line (and exit ``code``); with ``--debug`` first ``trace``, by default the exception handled now."""
+    from autotp.cli.main import fail  # late: main imports this module to register the command
+
+    if debug:
+        trace = traceback.format_exc() if trace is None else trace
+        if trace and not trace.startswith("NoneType: None"):
+            print(trace, file=sys.stderr)
+    fail(one_line(message), code=code)
+
+
+def launch_spec(tp: int, dp: int, nnodes: int, node_rank: int, master_addr: str | None,
+                master_port: int | None, debug: bool) -> LaunchSpec:
+    from autotp.cli.main import USAGE_ERROR
+
+    try:
+        return LaunchSpec(tp=tp, dp=dp, nnodes=nnodes, node_rank=node_rank,
+                          master_addr=master_addr, master_port=master_port)
+    except LaunchError as exc:
+        abort(str(exc), debug, code=USAGE_ERROR)
+
+
+def run(
+    script: Path = typer.Argument(..., metavar="SCRIPT", help="Python script to run on every rank."),
+    args: list[str] | None = typer.Argument(None, help="Arguments for the script, after `--`."),
+    tp: int = TP,
+    dp: int = DP,
+    nnodes: int = NNODES,
+    node_rank: int = NODE_RANK,
+    master_addr: str | None = MASTER_ADDR,
+    master_port: int | None = MASTER_PORT,
+    debug: bool = DEBUG,
+) -> None:
+    """Run SCRIPT on tp × dp ranks per node with torch's elastic launcher (c10d rendezvous)."""
+    from autotp.cli.main import USAGE_ERROR
+
+    if not script.is_file():
+        abort(f"script {script} does not exist", debug, code=USAGE_ERROR)
+    spec = launch_spec(tp, dp, nnodes, node_rank, master_addr, master_port, debug)
+    try:
+        launch(spec, sys.executable, str(script), *(args or []), quiet=not debug)
+    except RankFailedError as exc:
+        code = exc.exitcode if 0 < exc.exitcode < 256 else 1
+        abort(f"{script} failed on rank {exc.rank} of {spec.world_size} with exit code {exc.exitcode}",
+              debug, code=code, trace="")  # the script printed its own traceback
+    if debug:
+        Console(stderr=True).print(f"{script}: {spec.world_size} ranks finished")
+
+
+def register(app: typer.Typer) -> None:
+    app.command("run")(run)

@@ -1,0 +1,387 @@
+"""``autotp shard MODEL_PY --tp N``: shard a model file, check it against the unsharded model, train a few
+steps, and write the plan and a sharded checkpoint.
+
+Every rank builds the model with the same seed, keeps an unsharded reference (unless ``--no-verify``),
+parallelizes over its TP group, compares loss and outputs on the example batch, then trains ``--steps``
+AdamW steps (DDP over the DP group when dp > 1) and saves ``plan.json``, ``summary.json`` and
+``checkpoint/`` (torch.distributed.checkpoint) to ``--out``. The launching process prints the summary.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import math
+import statistics
+import time
+import warnings
+from collections import Counter
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import typer
+from rich.console import Console
+from rich.markup import escape
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+import autotp
+from autotp.cli.run import DEBUG, DP, MASTER_ADDR, MASTER_PORT, NNODES, NODE_RANK, TP, abort, launch_spec
+from autotp.errors import AutotpError
+from autotp.plan import Plan
+from autotp.launch import RankContext, RankFailedError, init_from_env, launch
+from autotp.modelfile import (ModelFileError, find_loss, load_model_file, output_tensors, parse_spec,
+                              replica_batch, to_device)
+
+PARITY_TOL = 1e-5
+
+
+@dataclass(frozen=True)
+class ShardJob:
+    model: str  # absolute path, optionally ":factory"
+    steps: int
+    lr: float
+    out: str
+    verify: bool
+
+
+@dataclass(frozen=True)
+class Parity:
+    loss_diff: float | None  # None when the model returns no loss on the example batch
+    output_diff: float
+    note: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.output_diff <= PARITY_TOL and (self.loss_diff is None or self.loss_diff <= PARITY_TOL)
+
+
+@dataclass(frozen=True)
+class RankStats:
+    rank: int
+    tp_rank: int
+    dp_rank: int
+    param_bytes: int
+    step_s: tuple[float, ...]
+
+
+@dataclass(frozen=True)
+class ShardReport:
+    model: str
+    tp: int
+    dp: int
+    backend: str
+    unsharded_bytes: int
+    ranks: tuple[RankStats, ...]
+    collectives: tuple[tuple[str, str, str, int], ...]  # (direction, kind, op, count) per step
+    parity: Parity | None
+    losses: tuple[float, ...]  # dp replica 0, one per step
+    final_loss: float | None  # eval loss on the example batch after training
+    plan_path: str
+    checkpoint_path: str
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["parity"] = None if self.parity is None else {**asdict(self.parity), "ok": self.parity.ok}
+        return d
+
+
+# -- checkpoint ------------------------------------------------------------------------------------------
+def sharded_state_dict(tpm: autotp.TPModule, ctx: RankContext) -> dict[str, torch.Tensor]:
+    """``tpm.state_dict()`` in global coordinates, for torch.distributed.checkpoint.
+
+    Replicated tensors stay plain (DCP keeps one copy). A sharded parameter becomes one DTensor per
+    segment (``name`` for one segment, ``name.segment{i}`` for fused ones), each a view of the local shard,
+    so ``dcp.load`` writes straight into the parameters and a checkpoint can be resharded.
+    """
+    state = tpm.state_dict(keep_vars=True)
+    by_id = {id(state[name]): shard for name, shard in tpm.plan.params if name in state}
+    layout, meshes = ctx.layout, {}
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in state.items():
+        shard = by_id.get(id(tensor))
+        if shard is None:
+            out[name] = tensor.detach()
+            continue
+        if shard.vocab is not None:
+            # rank r owns torch.chunk's r-th block of the vocab rows; the rows after it are padding
+            owned = tensor.detach().narrow(shard.dim, 0, shard.vocab.owned(ctx.coords["tp"]))
+            shape = list(shard.full_shape)
+            shape[shard.dim] = shard.vocab.size
+            out[name] = _dtensor(owned, ctx.mesh, shard.dim, tuple(shape))
+            continue
+        offset = 0
+        for i, seg in enumerate(shard.segments):
+            if seg.parts not in meshes:
+                # kv blocks held by tp/parts ranks each: shard over the blocks, replicate over the copies
+                meshes[seg.parts] = ctx.mesh if seg.parts == layout.tp else init_device_mesh(
+                    ctx.device.type, (layout.pp, layout.dp, seg.parts, layout.tp // seg.parts),
+                    mesh_dim_names=("pp", "dp", "tp_block", "tp_copy"))
+            piece = tensor.detach().narrow(shard.dim, offset, seg.local())
+            shape = list(shard.full_shape)
+            shape[shard.dim] = seg.size
+            key = name if len(shard.segments) == 1 else f"{name}.segment{i}"
+            out[key] = _dtensor(piece, meshes[seg.parts], shard.dim, tuple(shape))
+            offset += seg.local()
+    return out
+
+
+def _dtensor(local: torch.Tensor, mesh, dim: int, shape: tuple[int, ...]) -> DTensor:
+    """``local`` as its block of a tensor of ``shape``: replicated over pp and dp, sharded over the tp dims.
+
+    On a (pp, dp, tp_block, tp_copy) mesh the copies of a block are replicated too.
+    """
+    placements = [Replicate(), Replicate(), Shard(dim)] + [Replicate()] * (mesh.ndim - 3)
+    stride = torch.empty(shape, device="meta").stride()
+    return DTensor.from_local(local, mesh, placements, run_check=False, shape=torch.Size(shape), stride=stride)
+
+
+def load_unsharded(model: torch.nn.Module, plan: Plan, path: Path | str) -> None:
+    """Load a :func:`save_checkpoint` checkpoint into the unsharded ``model``, in one process, no group."""
+    state = model.state_dict(keep_vars=True)
+    by_id = {id(state[name]): shard for name, shard in plan.params if name in state}
+    pieces: dict[str, torch.Tensor] = {}
+    for name, tensor in state.items():
+        shard = by_id.get(id(tensor))
+        if shard is None or shard.vocab is not None or len(shard.segments) == 1:
+            pieces[name] = tensor.detach()
+            continue
+        offset = 0
+        for i, seg in enumerate(shard.segments):
+            pieces[f"{name}.segment{i}"] = tensor.detach().narrow(shard.dim, offset, seg.size)
+            offset += seg.size
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
+        dcp.load({"model": pieces}, checkpoint_id=str(path), no_dist=True)
+
+
+def save_checkpoint(tpm: autotp.TPModule, ctx: RankContext, path: Path | str) -> None:
+    dcp.save({"model": sharded_state_dict(tpm, ctx)}, checkpoint_id=str(path))
+
+
+def load_checkpoint(tpm: autotp.TPModule, ctx: RankContext, path: Path | str) -> None:
+    """Load a :func:`save_checkpoint` checkpoint into ``tpm``'s parameters in place."""
+    dcp.load({"model": sharded_state_dict(tpm, ctx)}, checkpoint_id=str(path))
+
+
+# -- the worker ----------------------------------------------------------------------------------------
+def _param_bytes(module: torch.nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in module.parameters())
+
+
+def _verify(tpm, reference, args: tuple, kwargs: dict, device: torch.device) -> Parity:
+    tpm.eval()
+    reference.eval()
+    with torch.no_grad():
+        got, want = tpm(*args, **kwargs), reference(*args, **kwargs)
+    tpm.train()
+    loss_got, loss_want = find_loss(got), find_loss(want)
+    loss_diff = None if loss_got is None or loss_want is None else (loss_got - loss_want).abs().item()
+    outs_got, outs_want = output_tensors(got), output_tensors(want)
+    shapes_got = [(p, tuple(t.shape)) for p, t in outs_got]
+    shapes_want = [(p, tuple(t.shape)) for p, t in outs_want]
+    note, out_diff = "", 0.0
+    if shapes_got != shapes_want:
+        note, out_diff = f"outputs differ in structure: sharded {shapes_got} vs unsharded {shapes_want}", math.inf
+    else:
+        for (_, g), (_, w) in zip(outs_got, outs_want):
+            if isinstance(g, DTensor):  # vocab-parallel logits; every rank gathers in the same order
+                g = g.full_tensor()
+            if g.numel():
+                out_diff = max(out_diff, (g.double() - w.double()).abs().max().item())
+    # the worst rank decides
+    worst = torch.tensor([loss_diff or 0.0, out_diff], dtype=torch.float64, device=device)
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    return Parity(None if loss_diff is None else worst[0].item(), worst[1].item(), note)
+
+
+def _eval_loss(tpm, args: tuple, kwargs: dict) -> float | None:
+    tpm.eval()
+    with torch.no_grad():
+        loss = find_loss(tpm(*args, **kwargs))
+    tpm.train()
+    return None if loss is None else loss.item()
+
+
+def _train(model, tpm, args: tuple, kwargs: dict, job: ShardJob, ctx: RankContext) -> tuple[list, list]:
+    opt = torch.optim.AdamW(tpm.parameters(), lr=job.lr)
+    losses, times = [], []
+    progress = Progress(TextColumn("[bold]training"), BarColumn(), MofNCompleteColumn(),
+                        TextColumn("loss {task.fields[loss]}"), TimeElapsedColumn()) \
+        if ctx.rank == 0 and job.steps else contextlib.nullcontext()
+    with progress:
+        task = progress.add_task("train", total=job.steps, loss="-") if ctx.rank == 0 and job.steps else None
+        for step in range(job.steps):
+            a, k = replica_batch(args, kwargs, ctx.coords["dp"], step)
+            start = time.perf_counter()
+            loss = find_loss(model(*a, **k))
+            if loss is None:
+                raise ModelFileError("the model's output on the example batch carries no loss (looked for "
+                                     "out.loss, out['loss'], and a 0-dim tensor last in a tuple)",
+                                     hint="make example_batch() include the targets the forward needs")
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if ctx.device.type == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+            losses.append(loss.item())
+            if task is not None:
+                progress.update(task, advance=1, loss=f"{losses[-1]:.4f}")
+    return losses, times
+
+
+def shard_worker(job: ShardJob) -> ShardReport | None:
+    """One rank of ``autotp shard``; rank 0 returns the report, the others None."""
+    ctx = init_from_env()
+    try:
+        return _shard(job, ctx)
+    finally:
+        dist.destroy_process_group()
+
+
+def _shard(job: ShardJob, ctx: RankContext) -> ShardReport | None:
+    mf = load_model_file(job.model)
+    torch.manual_seed(0)
+    model = mf.build().to(ctx.device)
+    args, kwargs = to_device(mf.example_batch(), ctx.device)
+    unsharded_bytes = _param_bytes(model)
+    reference = copy.deepcopy(model) if job.verify else None
+    tpm = autotp.parallelize(model, tp_group=ctx.tp_group(), example_inputs=(args, kwargs))
+    del model
+    parity = _verify(tpm, reference, args, kwargs, ctx.device) if reference is not None else None
+    del reference
+    trained = tpm
+    if ctx.layout.dp > 1:
+        trained = torch.nn.parallel.DistributedDataParallel(
+            tpm, process_group=ctx.dp_group(), device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
+    losses, times = _train(trained, tpm, args, kwargs, job, ctx)
+    final_loss = _eval_loss(tpm, args, kwargs)
+
+    out = Path(job.out)
+    plan_path, ckpt_path = out / "plan.json", out / "checkpoint"
+    if ctx.rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        plan_path.write_text(tpm.plan.to_json())
+    save_checkpoint(tpm, ctx, ckpt_path)
+
+    mine = RankStats(ctx.rank, ctx.coords["tp"], ctx.coords["dp"], _param_bytes(tpm), tuple(times))
+    everyone: list[RankStats | None] = [None] * ctx.layout.world_size
+    dist.all_gather_object(everyone, mine)
+    if ctx.rank != 0:
+        return None
+    counts = Counter((c.direction, c.kind, c.op) for c in tpm.plan.collectives)
+    report = ShardReport(
+        model=job.model, tp=ctx.layout.tp, dp=ctx.layout.dp, backend=ctx.backend, unsharded_bytes=unsharded_bytes,
+        ranks=tuple(everyone), collectives=tuple((*key, n) for key, n in sorted(counts.items())),
+        parity=parity, losses=tuple(losses), final_loss=final_loss,
+        plan_path=str(plan_path), checkpoint_path=str(ckpt_path),
+    )
+    (out / "summary.json").write_text(json.dumps(report.to_dict(), indent=2))
+    return report
+
+
+# -- the command ---------------------------------------------------------------------------------------
+def _size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def _ms(seconds: tuple[float, ...]) -> str:
+    return f"{statistics.median(seconds) * 1e3:.1f} ms" if seconds else "-"
+
+
+def render(report: ShardReport, console: Console) -> None:
+    ranks = Table(title=f"{escape(report.model)}: tp {report.tp} × dp {report.dp} ({report.backend})")
+    for col, justify in (("rank", "right"), ("tp", "right"), ("dp", "right"), ("parameters", "right"),
+                         ("of unsharded", "right"), ("step (median)", "right")):
+        ranks.add_column(col, justify=justify)
+    for r in report.ranks:
+        share = f"{100 * r.param_bytes / report.unsharded_bytes:.0f}%" if report.unsharded_bytes else "-"
+        ranks.add_row(str(r.rank), str(r.tp_rank), str(r.dp_rank), _size(r.param_bytes), share, _ms(r.step_s))
+    console.print(ranks)
+
+    summary = Table(show_header=False, title="summary")
+    summary.add_column(style="bold")
+    summary.add_column()
+    for direction in ("forward", "backward"):
+        items = [f"{n} × {kind}({op})" for d, kind, op, n in report.collectives if d == direction]
+        summary.add_row(f"TP collectives / step, {direction}", ", ".join(items) or "none")
+    summary.add_row("DP gradient sync", f"DDP all-reduce over {report.dp} replicas" if report.dp > 1 else "none (dp 1)")
+    p = report.parity
+    if p is None:
+        summary.add_row("parity vs unsharded", "skipped (--no-verify)")
+    else:
+        loss = "n/a (no loss)" if p.loss_diff is None else f"{p.loss_diff:.2e}"
+        verdict = "[green]pass[/green]" if p.ok else "[red]FAIL[/red]"
+        summary.add_row("parity vs unsharded",
+                        f"{verdict} max |Δloss| {loss}, max |Δoutput| {p.output_diff:.2e} (tol {PARITY_TOL:g})"
+                        + (f" {escape(p.note)}" if p.note else ""))
+    if report.losses:
+        summary.add_row("loss (dp replica 0)", " → ".join(f"{x:.4f}" for x in report.losses))
+    summary.add_row("plan", escape(report.plan_path))
+    summary.add_row("checkpoint", escape(report.checkpoint_path))
+    console.print(summary)
+
+
+def shard(
+    model: str = typer.Argument(..., metavar="MODEL_PY", help="Model file defining build_model() and "
+                                "example_batch(); path.py:NAME names another factory."),
+    tp: int = TP,
+    dp: int = DP,
+    steps: int = typer.Option(3, "--steps", help="AdamW training steps after the parity check."),
+    lr: float = typer.Option(1e-3, "--lr", help="AdamW learning rate."),
+    out: Path = typer.Option(Path("autotp-out"), "--out", help="Folder for plan.json, summary.json, checkpoint/."),
+    verify: bool = typer.Option(True, "--verify/--no-verify", help="Compare with the unsharded model first."),
+    nnodes: int = NNODES,
+    node_rank: int = NODE_RANK,
+    master_addr: str | None = MASTER_ADDR,
+    master_port: int | None = MASTER_PORT,
+    debug: bool = DEBUG,
+) -> None:
+    """Shard MODEL_PY over tp × dp ranks, verify, train a few steps, save plan and checkpoint."""
+    from autotp.cli.main import USAGE_ERROR
+
+    if steps < 0:
+        abort(f"--steps must be >= 0, got {steps}", debug, code=USAGE_ERROR)
+    if not lr > 0:
+        abort(f"--lr must be > 0, got {lr}", debug, code=USAGE_ERROR)
+    if out.exists() and not out.is_dir():
+        abort(f"--out {out} exists and is not a folder", debug, code=USAGE_ERROR)
+    spec = launch_spec(tp, dp, nnodes, node_rank, master_addr, master_port, debug)
+    try:
+        load_model_file(model)  # the file's own problems, before any process starts
+    except ModelFileError as exc:
+        abort(str(exc), debug, code=USAGE_ERROR)
+    path, factory = parse_spec(model)
+    job = ShardJob(model=f"{path.resolve()}:{factory}" if factory else str(path.resolve()),
+                   steps=steps, lr=lr, out=str(out.resolve()), verify=verify)
+    try:
+        results = launch(spec, shard_worker, job, quiet=not debug)
+    except RankFailedError as exc:
+        abort(f"rank {exc.rank}: {exc.message}", debug, trace=exc.traceback)
+    except AutotpError as exc:
+        abort(str(exc), debug)
+    report = results.get(0)
+    console = Console()
+    if report is None:
+        console.print(f"node {node_rank}: {spec.nproc_per_node} ranks finished; the node running rank 0 "
+                      "prints the summary")
+        return
+    render(report, console)
+    if report.parity is not None and not report.parity.ok:
+        p = report.parity
+        abort(f"sharded model differs from the unsharded one: max |Δloss| {p.loss_diff}, max |Δoutput| "
+              f"{p.output_diff} exceed {PARITY_TOL:g}", debug, trace="")
+
+
+def register(app: typer.Typer) -> None:
+    app.command("shard")(shard)

@@ -1,0 +1,35 @@
+"""Pass: vocab-parallel token embeddings.
+
+Before::
+
+    emb = aten.embedding(wte_weight, idx)                     # (b, s, h), wte: (V, h)
+
+After::
+
+    emb_local = autotp_vocab_embedding_emb(wte_weight, idx)   # rows this rank owns, others zero; wte: (V/t, h)
+    emb = autotp_leave(emb_local)                             # all-reduce (sum)
+"""
+from __future__ import annotations
+
+import torch.fx as fx
+
+from autotp.passes.insert_collectives import LEAVE, ensure_collective_modules
+from autotp.plan import Plan
+from autotp.vocab_ops import VocabEmbedding
+
+
+def vocab_embedding(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
+    if not plan.vocab.embeddings:
+        return gm
+    ensure_collective_modules(gm)
+    nodes = {n.name: n for n in gm.graph.nodes}
+    for name, layout in plan.vocab.embeddings:
+        node = nodes[name]
+        target = f"autotp_vocab_embedding_{name}"
+        gm.add_submodule(target, VocabEmbedding(layout))
+        node.op, node.target = "call_module", target
+        with gm.graph.inserting_after(node):
+            g = gm.graph.call_module(LEAVE, (node,))
+        g.meta = {**node.meta, "autotp_collective": ("leave", name)}
+        node.replace_all_uses_with(g, delete_user_cb=lambda u: u is not g)
+    return gm

@@ -1,0 +1,33 @@
+"""Pass: hand vocab-parallel logits back to the user as a DTensor sharded on the vocab dim.
+
+Before::
+
+    return (logits, loss)                                   # logits: (b, s, V/t) local, padded
+
+After::
+
+    logits_out = autotp_vocab_output_logits(logits)         # DTensor (b, s, V), Shard(2); no communication
+    return (logits_out, loss)
+"""
+from __future__ import annotations
+
+import torch.fx as fx
+
+from autotp.plan import Plan
+from autotp.vocab_ops import VocabOutput
+
+
+def vocab_output(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
+    if not plan.vocab.outputs:
+        return gm
+    nodes = {n.name: n for n in gm.graph.nodes}
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    for name, dim, layout in plan.vocab.outputs:
+        node = nodes[name]
+        target = f"autotp_vocab_output_{name}"
+        gm.add_submodule(target, VocabOutput(layout, dim))
+        with gm.graph.inserting_before(output):
+            wrapped = gm.graph.call_module(target, (node,))
+        wrapped.meta = dict(node.meta)
+        output.replace_input_with(node, wrapped)
+    return gm
