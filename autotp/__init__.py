@@ -1,6 +1,7 @@
 """autotp: automatic Megatron-style tensor parallelism for unmodified PyTorch GPT models."""
 from __future__ import annotations
 
+from autotp.checkpoint import full_state_dict, load_full_state_dict
 from autotp.errors import AutotpError, CaptureError, ProcessGroupError, ShardingError
 from autotp.plan import Plan
 from autotp.runtime import TPModule, parallelize
@@ -12,5 +13,7 @@ __all__ = [
     "ProcessGroupError",
     "ShardingError",
     "TPModule",
+    "full_state_dict",
+    "load_full_state_dict",
     "parallelize",
 ]

@@ -64,16 +64,20 @@ def capture(skeleton: nn.Module, args: tuple, kwargs: dict, device: torch.device
     """Export ``skeleton(*args, **kwargs)`` and return a GraphModule on ``device`` (weights still meta).
 
     A forward that builds a tensor from Python data on the input's device (``x[:, [-1]]``) leaves a constant
-    whose value a meta capture loses; such a graph is captured again on ``device`` with uninitialised
-    weights of the real size (their values are never read).
+    whose value a meta capture loses; such a graph is captured again on the CPU with uninitialised weights
+    of the real size. Their values are never read, so the pages behind them are never touched and cost
+    address space, not memory.
     """
     gm = _export(skeleton, *pytree.tree_map(_to_meta, (args, kwargs)))
+    source = torch.device("meta")
     if _meta_constants(gm):
-        real = materialized_skeleton(skeleton, device)
-        gm = _export(real, *pytree.tree_map(lambda x: x.to(device) if isinstance(x, torch.Tensor) else x,
-                                            (args, kwargs)))
+        cpu = torch.device("cpu")
+        real = materialized_skeleton(skeleton, cpu)
+        gm = _export(real, *pytree.tree_map(lambda x: torch.empty_like(x, device=cpu) if isinstance(x, torch.Tensor)
+                                            else x, (args, kwargs)))
         del real
-    retarget_device(gm, torch.device(device))
+        source = cpu
+    retarget_device(gm, torch.device(device), source)
     return gm
 
 
@@ -144,9 +148,11 @@ def _user_line(e: BaseException) -> str:
     return ""
 
 
-def retarget_device(gm: fx.GraphModule, device: torch.device) -> None:
-    """Replace the meta device recorded in factory calls (``arange(..., device=meta)``) by ``device``."""
-    meta = torch.device("meta")
+def retarget_device(gm: fx.GraphModule, device: torch.device, source: torch.device | None = None) -> None:
+    """Replace the capture device recorded in factory calls (``arange(..., device=meta)``) by ``device``."""
+    meta = source or torch.device("meta")
+    if meta == device:
+        return
     for node in gm.graph.nodes:
         if node.op != "call_function":
             continue

@@ -62,6 +62,16 @@ class Region:
     row_input: Sharding | None = None
 
 
+def split_dims(gj: list[int], dst: list[int]) -> list[int]:
+    """The dims a view splits one dim into, outermost first: ``[1, 16]`` is one head of 16 (two dims),
+    ``[16, 1]`` is a plain reshape (one dim)."""
+    real = [j for j in gj if dst[j] != 1]
+    if not real:
+        return gj[:1]
+    lead = [j for j in gj if j < real[0]]
+    return lead[-1:] + real
+
+
 def _arg(node: fx.Node, idx: int, name: str, default: object = None) -> object:
     if len(node.args) > idx:
         return node.args[idx]
@@ -244,7 +254,7 @@ class _Propagator:
                     raise Unshardable(node, "view regroups the broadcast dim of replicated heads")
                 continue
             gi_real = [i for i in gi if src[i] != 1 or i == s.dim]
-            gj_real = [j for j in gj if dst[j] != 1]
+            gj_real = split_dims(gj, dst)
             if len(gi_real) == 1 and len(gj_real) == 1:  # the sharded dim passes through
                 j = gj_real[0]
                 if s.inner:
@@ -461,7 +471,7 @@ def _probe(node: fx.Node, dim: int, size: int, fp, tp, where, depth) -> tuple[Se
         if t in _VIEWS:
             src, dst = fp.shape(node), fp.shape(u)
             for gi, gj in view_groups(src, dst):
-                gj_real = [j for j in gj if dst[j] != 1]
+                gj_real = split_dims(gj, dst)
                 if dim in gi and len([i for i in gi if src[i] != 1]) == 1 and len(gj_real) > 1:
                     n1 = dst[gj_real[0]]
                     if _is_segment_dim(u, gj_real[0], 0):

@@ -45,6 +45,10 @@ def _split_example(example_inputs) -> tuple[tuple, dict]:
 
 
 def _resolve_group(tp_group: dist.ProcessGroup | None) -> dist.ProcessGroup:
+    if tp_group is None:
+        from autotp.launch import current_tp_group  # under `autotp run`/`autotp shard`: the layout's tp group
+
+        tp_group = current_tp_group()
     if tp_group is not None:
         return tp_group
     if not (dist.is_available() and dist.is_initialized()):

@@ -44,13 +44,23 @@ def is_static(s: object) -> bool:
 def view_groups(src: list[int], dst: list[int]) -> list[tuple[list[int], list[int]]]:
     """Pair up runs of source and destination dims whose products are equal.
 
-    ``[b, s, 64] -> [b, s, 4, 16]`` gives ``[([0],[0]), ([1],[1]), ([2],[2,3])]``. Size-1 dims attach to the
-    group before them (or the first group).
+    ``[b, s, 64] -> [b, s, 4, 16]`` gives ``[([0],[0]), ([1],[1]), ([2],[2,3])]``. A size-1 dim on one side
+    only joins the group after it (``[b, s, 16] -> [b, s, 1, 16]``: one head of 16), or the last group.
     """
     groups: list[tuple[list[int], list[int]]] = []
     i = j = 0
     while i < len(src) or j < len(dst):
         gi, gj = [], []
+        while i < len(src) and src[i] == 1 and not (j < len(dst) and dst[j] == 1):
+            gi.append(i); i += 1
+        while j < len(dst) and dst[j] == 1 and not (i < len(src) and src[i] == 1):
+            gj.append(j); j += 1
+        if i >= len(src) and j >= len(dst):
+            if groups:
+                groups[-1][0].extend(gi); groups[-1][1].extend(gj)
+            else:
+                groups.append((gi, gj))
+            break
         pi = pj = 1
         if i < len(src):
             gi.append(i); pi = src[i]; i += 1
@@ -63,11 +73,6 @@ def view_groups(src: list[int], dst: list[int]) -> list[tuple[list[int], list[in
                 gj.append(j); pj *= dst[j]; j += 1
             else:
                 raise ValueError(f"view {src} -> {dst} does not preserve the number of elements")
-        # trailing size-1 dims join this group
-        while i < len(src) and src[i] == 1 and (j >= len(dst) or dst[j] != 1):
-            gi.append(i); i += 1
-        while j < len(dst) and dst[j] == 1 and (i >= len(src) or src[i] != 1):
-            gj.append(j); j += 1
         groups.append((gi, gj))
     return groups
 

@@ -119,8 +119,9 @@ def layout(
 
 
 from autotp.cli import run as _run, shard as _shard  # noqa: E402  (they import fail from here at call time)
+from autotp.cli import plan as _plan  # noqa: E402
 
-for _command in (_run, _shard):
+for _command in (_run, _shard, _plan):
     _command.register(app)
 
 if __name__ == "__main__":

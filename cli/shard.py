@@ -208,6 +208,28 @@ def _eval_loss(tpm, args: tuple, kwargs: dict) -> float | None:
     return None if loss is None else loss.item()
 
 
+def data_parallel(tpm: autotp.TPModule, ctx: RankContext) -> torch.nn.Module:
+    """``tpm`` under DDP over this rank's DP group when dp > 1 (each TP shard's gradients are averaged
+    across the replicas holding the same shard), else ``tpm`` itself."""
+    if ctx.layout.dp == 1:
+        return tpm
+    return torch.nn.parallel.DistributedDataParallel(
+        tpm, process_group=ctx.dp_group(), device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
+
+
+def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> torch.Tensor:
+    """One optimizer step of ``model`` (a :func:`data_parallel` module) on this replica's batch; the loss."""
+    loss = find_loss(model(*args, **kwargs))
+    if loss is None:
+        raise ModelFileError("the model's output on the example batch carries no loss (looked for "
+                             "out.loss, out['loss'], and a 0-dim tensor last in a tuple)",
+                             hint="make example_batch() include the targets the forward needs")
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss.detach()
+
+
 def _train(model, tpm, args: tuple, kwargs: dict, job: ShardJob, ctx: RankContext) -> tuple[list, list]:
     opt = torch.optim.AdamW(tpm.parameters(), lr=job.lr)
     losses, times = [], []
@@ -219,14 +241,7 @@ def _train(model, tpm, args: tuple, kwargs: dict, job: ShardJob, ctx: RankContex
         for step in range(job.steps):
             a, k = replica_batch(args, kwargs, ctx.coords["dp"], step)
             start = time.perf_counter()
-            loss = find_loss(model(*a, **k))
-            if loss is None:
-                raise ModelFileError("the model's output on the example batch carries no loss (looked for "
-                                     "out.loss, out['loss'], and a 0-dim tensor last in a tuple)",
-                                     hint="make example_batch() include the targets the forward needs")
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+            loss = train_step(model, opt, a, k)
             if ctx.device.type == "cuda":
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - start)
@@ -256,11 +271,7 @@ def _shard(job: ShardJob, ctx: RankContext) -> ShardReport | None:
     del model
     parity = _verify(tpm, reference, args, kwargs, ctx.device) if reference is not None else None
     del reference
-    trained = tpm
-    if ctx.layout.dp > 1:
-        trained = torch.nn.parallel.DistributedDataParallel(
-            tpm, process_group=ctx.dp_group(), device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
-    losses, times = _train(trained, tpm, args, kwargs, job, ctx)
+    losses, times = _train(data_parallel(tpm, ctx), tpm, args, kwargs, job, ctx)
     final_loss = _eval_loss(tpm, args, kwargs)
 
     out = Path(job.out)

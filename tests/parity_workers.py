@@ -132,3 +132,32 @@ def dropout_streams() -> dict:
         "region_masks_differ": not same_everywhere(dropped.to(torch.uint8)),
         "dropped_fraction": (dropped.sum() / live.sum()).item(),
     }
+
+
+def checkpoint_round_trip(model_name: str) -> dict:
+    """full_state_dict -> unsharded model -> same numbers; and back into a fresh parallelized model."""
+    ref, args, kwargs = MODELS[model_name]()
+    tpm = autotp.parallelize(copy.deepcopy(ref), example_inputs=(args, kwargs))
+    opt = torch.optim.AdamW(tpm.parameters(), lr=1e-2)
+    for _ in range(2):  # move away from the initial weights so a no-op load would be caught
+        opt.zero_grad()
+        loss_and_logits(tpm(*args, **kwargs))[0].backward()
+        opt.step()
+    full = autotp.full_state_dict(tpm)
+    unsharded = copy.deepcopy(ref)
+    result = unsharded.load_state_dict(full, strict=True)
+    with torch.no_grad():
+        loss, logits = loss_and_logits(tpm(*args, **kwargs))
+        uloss, ulogits = loss_and_logits(unsharded(*args, **kwargs))
+        fresh = autotp.parallelize(copy.deepcopy(ref), example_inputs=(args, kwargs))
+        before = _max_diff(loss_and_logits(fresh(*args, **kwargs))[0], loss)
+        autotp.load_full_state_dict(fresh, full)
+        floss, flogits = loss_and_logits(fresh(*args, **kwargs))
+    return {
+        "keys_match": sorted(full) == sorted(ref.state_dict()),
+        "shapes_match": all(full[k].shape == v.shape for k, v in ref.state_dict().items()),
+        "missing": list(result.missing_keys), "unexpected": list(result.unexpected_keys),
+        "unsharded_loss_diff": _max_diff(loss, uloss), "unsharded_logits_diff": _max_diff(logits, ulogits),
+        "fresh_differed_before": before, "reloaded_loss_diff": _max_diff(loss, floss),
+        "reloaded_logits_diff": _max_diff(logits, flogits),
+    }

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from distributed import launch
-from parity_workers import dropout_streams, other_calls, training_parity
+from parity_workers import checkpoint_round_trip, dropout_streams, other_calls, training_parity
 
 # model -> (b, s, h, layers)
 MODELS = {"nanogpt": (4, 32, 64, 2), "gpt2": (4, 16, 64, 2), "gpt2_50257": (4, 16, 64, 2), "llama": (4, 16, 64, 2)}
@@ -58,7 +58,7 @@ def test_training_parity(model: str, world: int):
             assert not replicated_kv
 
 
-@pytest.mark.parametrize("toy", ["interleaved", "fused_gqa", "handwritten"])
+@pytest.mark.parametrize("toy", ["interleaved", "fused_gqa", "fused_mqa", "handwritten"])
 def test_unseen_layouts_parity(toy: str):
     results = launch(training_parity, 4, toy)
     for r in results.values():
@@ -87,3 +87,13 @@ def test_dropout_streams():
         assert r["default_stream_identical"]
         assert r["region_masks_differ"]
         assert 0.05 < r["dropped_fraction"] < 0.15
+
+
+@pytest.mark.parametrize("model,world", [("nanogpt", 2), ("gpt2_50257", 4), ("llama", 4)])
+def test_full_state_dict_round_trip(model: str, world: int):
+    for r in launch(checkpoint_round_trip, world, model).values():
+        assert r["keys_match"] and r["shapes_match"], "original names, un-padded shapes"
+        assert r["missing"] == [] and r["unexpected"] == []
+        assert r["unsharded_loss_diff"] <= 1e-5 and r["unsharded_logits_diff"] <= 1e-5
+        assert r["fresh_differed_before"] > 1e-3
+        assert r["reloaded_loss_diff"] == 0.0 and r["reloaded_logits_diff"] == 0.0

@@ -98,6 +98,7 @@ def test_kv_heads_replicate_when_tp_exceeds_them():
 @pytest.mark.parametrize("name,segments", [
     ("interleaved", [(192, 2)]),  # [heads, 3, d] per head: a contiguous cut is already right
     ("fused_gqa", [(64, 2), (32, 2), (32, 2)]),
+    ("fused_mqa", [(64, 2), (16, 1), (16, 1)]),  # one kv head: every rank holds it
     ("handwritten", [(256, 2), (256, 2)]),  # chunked gate|up of x @ W.T
 ])
 def test_unseen_layouts(name: str, segments):

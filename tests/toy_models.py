@@ -88,7 +88,8 @@ class Stack(nn.Module):
         return logits, F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
-TOYS = {"interleaved": InterleavedQKV, "fused_gqa": FusedGQA, "handwritten": HandWritten}
+TOYS = {"interleaved": InterleavedQKV, "fused_gqa": FusedGQA, "fused_mqa": lambda: FusedGQA(n_kv=1),
+        "handwritten": HandWritten}
 
 
 def toy(name: str) -> tuple[nn.Module, tuple, dict]:

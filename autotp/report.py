@@ -1,0 +1,400 @@
+"""The numbers behind ``autotp plan``: what a :class:`~autotp.plan.Plan` costs for one concrete batch.
+
+Pure functions over a Plan, the model's named parameters (shapes and dtypes only, meta tensors are fine)
+and a batch size ``b`` and sequence length ``s``. Nothing here prints; the CLI renders the result.
+
+Collective shapes in a Plan are strings of symbolic sizes (``("s95", "s75", "64")``, ``("s75*s95",)``):
+export names the dynamic batch and sequence dims of the capture with its own symbols. They are mapped
+back by position, which holds for every GPT-style graph autotp plans: a symbol that is the first dim of a
+3-D activation (``[b, s, h]``) is the batch, one that is the second dim is the sequence. The first
+classification wins; a symbol neither way (an unbacked size, an unusual model) leaves the element count of
+the collectives that use it unknown (``None``) and is listed in ``notes``.
+"""
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass
+from functools import lru_cache
+
+import sympy
+import torch
+
+from autotp.plan import Plan
+
+# DESIGN.md §4: weights + gradients + Adam moments in mixed precision (or fp32 Adam) ≈ 16 bytes/param.
+TRAIN_BYTES_PER_PARAM = 16
+
+
+@dataclass(frozen=True)
+class ParamRow:
+    name: str  # the plan's name for a sharded parameter, else its first name in the model
+    module: str
+    role: str  # "column" | "row" | "vocab" | "replicated"
+    full_shape: tuple[int, ...]
+    local_shape: tuple[int, ...]
+    dtype: str
+    full_bytes: int
+    local_bytes: int
+    aliases: tuple[str, ...]  # every name the model reaches this tensor by (tied weights have several)
+    reason: str = ""  # why a replicated parameter stays whole
+
+
+@dataclass(frozen=True)
+class CollectiveRow:
+    direction: str
+    kind: str
+    op: str
+    module: str  # the plan's module (a pair, an embedding, an LM head)
+    at: str  # the parameter-owning module it sits next to, for per-layer tables
+    node: str
+    shape: str  # symbolic, with the capture's symbols renamed b and s: "b×s×64"
+    elements: int | None  # for the concrete b and s; None when a size could not be resolved
+    bytes: int | None
+
+
+@dataclass(frozen=True)
+class FormulaTerm:
+    """One term of DESIGN.md §4's per-step communication, for this plan's structure."""
+
+    direction: str
+    op: str
+    what: str
+    count: int
+    each: str  # "b·s·h" or "b·s"
+    elements: int | None  # per collective
+
+
+@dataclass(frozen=True)
+class CommLine:
+    """Measured (the plan's collectives) against the formula, for one (direction, kind, op)."""
+
+    direction: str
+    kind: str
+    op: str
+    count: int
+    formula_count: int
+    elements: int | None
+    formula_elements: int | None
+
+    @property
+    def count_ratio(self) -> float | None:
+        return _ratio(self.count, self.formula_count)
+
+    @property
+    def elements_ratio(self) -> float | None:
+        return _ratio(self.elements, self.formula_elements)
+
+
+@dataclass(frozen=True)
+class Memory:
+    params: int  # every distinct parameter, counted once
+    sharded: int  # P_sharded: full size of the sharded parameters
+    replicated: int  # P_replicated
+    local: int  # parameters one tp rank holds (sharded slices, vocab padding included, + replicated)
+    bytes_full: int  # in the model's own dtypes
+    bytes_per_rank: int
+    train_bytes_full: int  # 16 bytes/param
+    train_bytes_per_rank: int  # 16 · local
+    formula_bytes: int  # 16·P_sharded/t + 16·P_replicated
+    ideal_bytes: int  # 16·P/t: everything sharded, nothing padded
+
+    @property
+    def formula_ratio(self) -> float | None:
+        return _ratio(self.train_bytes_per_rank, self.formula_bytes)
+
+    @property
+    def ideal_ratio(self) -> float | None:
+        return _ratio(self.train_bytes_per_rank, self.ideal_bytes)
+
+
+@dataclass(frozen=True)
+class Report:
+    tp: int
+    batch: int
+    seq: int
+    hidden: int | None
+    layers: float  # L = pairs / 2 (attention + MLP per layer)
+    symbols: dict[str, str]  # capture symbol -> "b" | "s"
+    act_bytes: int  # bytes per activation element (the dominant parameter dtype)
+    params: tuple[ParamRow, ...]
+    collectives: tuple[CollectiveRow, ...]
+    formula: tuple[FormulaTerm, ...]
+    comm: tuple[CommLine, ...]
+    memory: Memory
+    notes: tuple[str, ...] = ()
+
+    def total(self) -> CommLine:
+        """All directions and kinds together."""
+        def add(xs):
+            return None if any(x is None for x in xs) else sum(xs)
+        return CommLine("total", "all", "all", sum(c.count for c in self.comm),
+                        sum(c.formula_count for c in self.comm), add([c.elements for c in self.comm]),
+                        add([c.formula_elements for c in self.comm]))
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        lines = [*self.comm, self.total()]
+        d["comm"] = [{**asdict(c), "count_ratio": c.count_ratio, "elements_ratio": c.elements_ratio} for c in lines]
+        d["memory"] = {**asdict(self.memory), "formula_ratio": self.memory.formula_ratio,
+                       "ideal_ratio": self.memory.ideal_ratio}
+        return d
+
+
+def _ratio(a: int | None, b: int | None) -> float | None:
+    if a is None or b is None or b == 0:
+        return None
+    return a / b
+
+
+# -- symbolic sizes -----------------------------------------------------------------------------------
+@lru_cache(maxsize=4096)
+def _expr(text: str) -> sympy.Expr | None:
+    try:
+        return sympy.sympify(text)
+    except (sympy.SympifyError, TypeError, SyntaxError):
+        return None
+
+
+def symbol_roles(plan: Plan) -> dict[str, str]:
+    """Capture symbol -> "b" or "s", from the dims of 3-D activations (see the module docstring)."""
+    roles: dict[str, str] = {}
+    for c in plan.collectives:
+        if len(c.shape) != 3:
+            continue
+        for dim, role in ((0, "b"), (1, "s")):
+            e = _expr(c.shape[dim])
+            for sym in sorted(e.free_symbols, key=str) if e is not None else ():
+                roles.setdefault(str(sym), role)
+    return roles
+
+
+def _captured(plan: Plan, dim: int) -> int | None:
+    """A batch (dim 0) or sequence (dim 1) size export fixed to a number (it specialises size 1).
+
+    Only when no 3-D activation keeps that dim symbolic: an LM head over the last position alone
+    (``x[:, [-1]]``) has a sequence dim of 1 in a graph whose sequence is dynamic.
+    """
+    dims = [_expr(c.shape[dim]) for c in plan.collectives if len(c.shape) == 3]
+    if not dims or any(e is None or not e.is_Integer for e in dims):
+        return None
+    return int(dims[0])
+
+
+def size_ranges(gm: torch.fx.GraphModule) -> dict[str, tuple[int, int | None]]:
+    """The range export allows for each symbolic input size: symbol -> (low, high or None for unbounded).
+
+    Read from the capture's shape environment; a model's own checks (``assert t <= block_size``) show up
+    as an upper bound. Empty when the graph carries no shape environment.
+    """
+    out: dict[str, tuple[int, int | None]] = {}
+    for node in gm.graph.nodes:
+        val = node.meta.get("val") if node.op == "placeholder" else None
+        for d in val.shape if isinstance(val, torch.Tensor) else ():
+            if not isinstance(d, torch.SymInt) or not isinstance(d.node.expr, sympy.Symbol):
+                continue
+            vr = d.node.shape_env.var_to_range.get(d.node.expr)
+            if vr is not None:
+                out[str(d.node.expr)] = (_int(vr.lower) or 0, _int(vr.upper))
+    return out
+
+
+def _int(x) -> int | None:
+    # int() of torch's int_oo fails inside sympy with an AttributeError: ask for a finite integer first
+    return int(x) if getattr(x, "is_Integer", False) or isinstance(x, int) else None
+
+
+def evaluate(text: str, values: dict[str, int]) -> int | None:
+    e = _expr(text)
+    if e is None:
+        return None
+    v = e.subs({sympy.Symbol(k): n for k, n in values.items()})
+    return int(v) if v.is_Integer else None
+
+
+def display(shape: tuple[str, ...], roles: dict[str, str]) -> str:
+    """``("s95", "s75", "64")`` -> ``"b×s×64"``."""
+    out = []
+    for text in shape:
+        e = _expr(text)
+        if e is None:
+            out.append(text)
+            continue
+        e = e.subs({sympy.Symbol(k): sympy.Symbol(r) for k, r in roles.items()})
+        out.append(str(e).replace("*", "·"))
+    return "×".join(out)
+
+
+def elements(shape: tuple[str, ...], values: dict[str, int]) -> int | None:
+    n = 1
+    for text in shape:
+        v = evaluate(text, values)
+        if v is None:
+            return None
+        n *= v
+    return n
+
+
+# -- parameters ---------------------------------------------------------------------------------------
+def _replicated_reason(name: str, plan: Plan, row_biases: set[str]) -> str:
+    if plan.tp == 1:
+        return "tp 1: nothing is sharded"
+    if name in row_biases:
+        return "row-parallel bias: added once, after the all-reduce"
+    for module, reason in plan.replicated:
+        if name.startswith(module + ".") or module == "<root>":
+            return f"{module} left replicated: {reason}"
+    return "outside every column→row pair and vocab-parallel layer"
+
+
+def param_rows(plan: Plan, named_params: Iterable[tuple[str, torch.Tensor]]) -> tuple[ParamRow, ...]:
+    """One row per distinct tensor (by identity), in the model's order.
+
+    ``named_params`` should list every alias (``named_parameters(remove_duplicate=False)``) so a tied
+    weight is found under whichever name the plan uses, and counted once.
+    """
+    groups: dict[int, list[tuple[str, torch.Tensor]]] = {}
+    for name, p in named_params:
+        groups.setdefault(id(p), []).append((name, p))
+    planned = dict(plan.params)
+    row_biases = {p.row_bias for p in plan.pairs if p.row_bias}
+    rows = []
+    for group in groups.values():
+        names = tuple(n for n, _ in group)
+        t = group[0][1]
+        size = t.element_size()
+        name = next((n for n in names if n in planned), names[0])
+        shard = planned.get(name)
+        full = tuple(t.shape)
+        if shard is None:
+            rows.append(ParamRow(name, _module(name), "replicated", full, full, _dtype(t), t.numel() * size,
+                                 t.numel() * size, names, _replicated_reason(name, plan, row_biases)))
+        else:
+            local = tuple(shard.local_shape)
+            rows.append(ParamRow(name, shard.module, shard.role, full, local, _dtype(t), t.numel() * size,
+                                 math.prod(local) * size, names))
+    return tuple(rows)
+
+
+def _module(name: str) -> str:
+    return name.rpartition(".")[0] or "<root>"
+
+
+def _dtype(t: torch.Tensor) -> str:
+    return str(t.dtype).removeprefix("torch.")
+
+
+def memory(rows: tuple[ParamRow, ...], tp: int) -> Memory:
+    numel = {r.name: math.prod(r.full_shape) for r in rows}
+    sharded = sum(numel[r.name] for r in rows if r.role != "replicated")
+    replicated = sum(numel[r.name] for r in rows if r.role == "replicated")
+    local = sum(math.prod(r.local_shape) for r in rows)
+    k = TRAIN_BYTES_PER_PARAM
+    return Memory(
+        params=sharded + replicated, sharded=sharded, replicated=replicated, local=local,
+        bytes_full=sum(r.full_bytes for r in rows), bytes_per_rank=sum(r.local_bytes for r in rows),
+        train_bytes_full=k * (sharded + replicated), train_bytes_per_rank=k * local,
+        formula_bytes=round(k * sharded / tp + k * replicated), ideal_bytes=round(k * (sharded + replicated) / tp),
+    )
+
+
+# -- communication ------------------------------------------------------------------------------------
+def _attach(plan: Plan) -> dict[tuple[str, str], str]:
+    """(direction, node) -> the parameter-owning module a pair's collective sits next to."""
+    out = {}
+    for p in plan.pairs:
+        row = plan.param(p.row_weight)
+        out[("forward", p.row)] = row.module if row else p.module
+        col = plan.param(p.column_weights[0]) if p.column_weights else None
+        for node in p.enter:
+            out[("backward", node)] = col.module if col else p.module
+    return out
+
+
+def formula_terms(plan: Plan, b: int, s: int, h: int | None) -> tuple[FormulaTerm, ...]:
+    """DESIGN.md §4 for this plan's structure: 2L = one forward and one backward all-reduce per pair, one
+    more each way when the embedding / LM head are vocab-parallel, 3 reductions of b·s per vocab loss."""
+    if plan.tp == 1:
+        return ()
+    bsh = None if h is None else b * s * h
+    two_l = len(plan.pairs)
+    terms = [FormulaTerm("forward", "sum", "2L attention/MLP outputs", two_l, "b·s·h", bsh),
+             FormulaTerm("backward", "sum", "2L attention/MLP inputs", two_l, "b·s·h", bsh)]
+    if plan.vocab.embeddings:
+        terms.append(FormulaTerm("forward", "sum", "vocab-parallel embedding", len(plan.vocab.embeddings),
+                                 "b·s·h", bsh))
+    if plan.vocab.heads:
+        terms.append(FormulaTerm("backward", "sum", "LM-head input", len(plan.vocab.heads), "b·s·h", bsh))
+    if plan.vocab.losses:
+        n = len(plan.vocab.losses)
+        terms += [FormulaTerm("forward", "max", "cross-entropy row max", n, "b·s", b * s),
+                  FormulaTerm("forward", "sum", "cross-entropy target logit + sum exp", 2 * n, "b·s", b * s)]
+    return tuple(t for t in terms if t.count)
+
+
+def comm_lines(rows: tuple[CollectiveRow, ...], terms: tuple[FormulaTerm, ...]) -> tuple[CommLine, ...]:
+    keys = list(dict.fromkeys([*((r.direction, r.kind, r.op) for r in rows),
+                               *((t.direction, "all_reduce", t.op) for t in terms)]))
+    lines = []
+    for key in keys:
+        mine = [r for r in rows if (r.direction, r.kind, r.op) == key]
+        theirs = [t for t in terms if (t.direction, "all_reduce", t.op) == key]
+        el = None if any(r.elements is None for r in mine) else sum(r.elements for r in mine)
+        fel = None if any(t.elements is None for t in theirs) else sum(t.count * t.elements for t in theirs)
+        lines.append(CommLine(*key, len(mine), sum(t.count for t in theirs), el, fel))
+    return tuple(lines)
+
+
+def build_report(plan: Plan, named_params: Iterable[tuple[str, torch.Tensor]], batch: int, seq: int) -> Report:
+    """Everything ``autotp plan`` prints, for a training step on a ``batch`` × ``seq`` batch."""
+    notes = []
+    roles = symbol_roles(plan)
+    # a dim export fixed to a number is what the graph computes, whatever batch was asked for
+    b, s = batch, seq
+    for dim, what in ((0, "batch"), (1, "sequence")):
+        fixed = _captured(plan, dim)
+        if fixed is not None and fixed != (b, s)[dim]:
+            notes.append(f"the {what} dim was fixed at {fixed} during capture (export specialises size 1); "
+                         f"numbers use {fixed}, not {(b, s)[dim]}")
+            b, s = (fixed, s) if dim == 0 else (b, fixed)
+    values = {sym: (b if role == "b" else s) for sym, role in roles.items()}
+    rows = param_rows(plan, named_params)
+    act_bytes = _act_bytes(rows)
+    attach = _attach(plan)
+    collectives = []
+    unknown: set[str] = set()
+    for c in plan.collectives:
+        n = elements(c.shape, values)
+        if n is None:
+            unknown |= {str(x) for t in c.shape if (e := _expr(t)) is not None for x in e.free_symbols} - set(roles)
+        collectives.append(CollectiveRow(c.direction, c.kind, c.op, c.module, attach.get((c.direction, c.node), c.module),
+                                         c.node, display(c.shape, roles), n, None if n is None else n * act_bytes))
+    if unknown:
+        notes.append(f"sizes {', '.join(sorted(unknown))} are neither batch nor sequence: "
+                     "collectives using them have no element count")
+    h = _hidden(plan, values)
+    terms = formula_terms(plan, b, s, h)
+    return Report(plan.tp, b, s, h, len(plan.pairs) / 2, roles, act_bytes, rows, tuple(collectives), terms,
+                  comm_lines(tuple(collectives), terms), memory(rows, plan.tp), tuple(notes))
+
+
+def _hidden(plan: Plan, values: dict[str, int]) -> int | None:
+    """h: the last dim of a row-parallel output (the pair's forward all-reduce), else of the embedding's."""
+    forward = {p.row for p in plan.pairs} | {n for n, _ in plan.vocab.embeddings}
+    for c in plan.collectives:
+        if c.direction == "forward" and c.node in forward and c.shape:
+            return evaluate(c.shape[-1], values)
+    return None
+
+
+def _act_bytes(rows: tuple[ParamRow, ...]) -> int:
+    """Activations are taken to have the dtype holding most floating-point parameters (fp32 by default)."""
+    by_dtype: Counter[str] = Counter()
+    for r in rows:
+        by_dtype[r.dtype] += math.prod(r.full_shape)
+    for name, _ in by_dtype.most_common():
+        dt = getattr(torch, name, None)
+        if isinstance(dt, torch.dtype) and dt.is_floating_point:
+            return torch.empty((), dtype=dt, device="meta").element_size()
+    return 4

@@ -1,0 +1,318 @@
+"""``autotp plan MODEL_PY --tp N``: show what autotp would do to a model, without devices or process groups.
+
+The model is built on the meta device (nothing is materialised) and captured on meta tensors in this one
+process; the plan, the rank grid and the numbers of :mod:`autotp.report` are printed. ``--json`` writes them
+as data, ``--svg`` / ``--html`` the same picture as the terminal shows.
+"""
+from __future__ import annotations
+
+import io
+import json
+import math
+import os
+import re
+from pathlib import Path
+
+import torch
+import typer
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from autotp.capture import capture, meta_skeleton
+from autotp.cli.run import DEBUG, abort
+from autotp.errors import AutotpError
+from autotp.layout import RankLayout
+from autotp.modelfile import ModelFileError, load_model_file
+from autotp.planner import make_plan
+from autotp.report import Report, build_report, size_ranges
+
+_DIR = {"forward": "fwd", "backward": "bwd"}
+# the first numbered path component (``transformer.h.3``) names a layer; tables draw a line between layers
+_LAYER = re.compile(r"^(.*?\.\d+)(\.|$)")
+
+
+class PlanSizeError(AutotpError, ValueError):
+    """--batch / --seq outside the sizes the captured forward accepts."""
+
+
+def _n(x: int | None) -> str:
+    return "?" if x is None else f"{x:,}"
+
+
+def _size(n: int | None) -> str:
+    if n is None:
+        return "?"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n} B" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def _r(x: float | None) -> str:
+    return "—" if x is None else f"{x:.2f}"
+
+
+def _shape(s: tuple[int, ...]) -> str:
+    return "[" + ", ".join(str(d) for d in s) + "]"
+
+
+# -- the tables ----------------------------------------------------------------------------------------
+def rank_grid(layout: RankLayout) -> Table:
+    """One row per TP group (a (pp, dp) coordinate): the global ranks of its tp coordinates, and its node.
+
+    TP groups never straddle a node (RankLayout checks), so a line between rows marks a node boundary.
+    """
+    nodes = layout.gpus_per_node is not None
+    table = Table(title="ranks (one row per tp group)")
+    table.add_column("pp", justify="right")
+    table.add_column("dp", justify="right")
+    wide = layout.tp <= 8
+    for t in range(layout.tp) if wide else ():
+        table.add_column(f"tp {t}", justify="right")
+    if not wide:
+        table.add_column(f"tp 0..{layout.tp - 1}", justify="right")
+    if nodes:
+        table.add_column("node", justify="right")
+    groups = [(p, d) for p in range(layout.pp) for d in range(layout.dp)]
+    for i, (p, d) in enumerate(groups):
+        ranks = [layout.rank(t, d, p) for t in range(layout.tp)]
+        cells = [str(r) for r in ranks] if wide else [f"{ranks[0]}–{ranks[-1]}"]
+        node = layout.coords(ranks[0]).get("node")
+        if i + 1 < len(groups):
+            nxt = layout.coords(layout.rank(0, groups[i + 1][1], groups[i + 1][0])).get("node")
+        else:
+            nxt = node
+        table.add_row(str(p), str(d), *cells, *([str(node)] if nodes else []), end_section=nxt != node)
+    return table
+
+
+def world_line(layout: RankLayout) -> str:
+    line = f"world {layout.world_size} = tp {layout.tp} × dp {layout.dp} × pp {layout.pp}"
+    if layout.gpus_per_node is not None:
+        line += f", {layout.num_nodes} node(s) of {layout.gpus_per_node} GPUs (a line in the grid is a node boundary)"
+    return line
+
+
+def layer_table(report: Report, names: list[str]) -> Table:
+    """One row per module that owns parameters, in the model's order, with the collectives next to it."""
+    by_alias = {a: row for row in report.params for a in row.aliases}
+    modules: dict[str, list[tuple[str, object]]] = {}
+    for name in names:
+        module, _, leaf = name.rpartition(".")
+        modules.setdefault(module or "<root>", []).append((leaf, by_alias[name]))
+    coll: dict[str, list] = {}
+    for c in report.collectives:
+        coll.setdefault(c.at, []).append(c)
+    table = Table(title=f"per layer (tp {report.tp}; collectives per step for b={report.batch}, s={report.seq})")
+    for col, justify in (("module", "left"), ("role", "left"), ("param", "left"), ("full", "right"),
+                         ("local", "right"), ("collectives", "left")):
+        table.add_column(col, justify=justify, overflow="fold")
+    items = list(modules.items()) + [(m, []) for m in coll if m not in modules]
+    for i, (module, params) in enumerate(items):
+        roles = [row.role for _, row in params if row.role != "replicated"]
+        role = roles[0] if roles else ("replicated" if params else "—")
+        leaves = []
+        for leaf, row in params:
+            tied = [a for a in row.aliases if a.rpartition(".")[0] != module]
+            notes = ([row.role] if row.role != role else []) + ([f"tied to {tied[0]}"] if tied else [])
+            leaves.append(escape(leaf + (f" ({', '.join(notes)})" if notes else "")))
+        cs = [f"{_DIR.get(c.direction, c.direction)} {c.kind.replace('_', '-')}({c.op}) {c.shape} = {_n(c.elements)}"
+              for c in coll.get(module, [])]
+        nxt = _LAYER.match(items[i + 1][0]) if i + 1 < len(items) else None
+        here = _LAYER.match(module)
+        table.add_row(escape(module), role, "\n".join(leaves),
+                      "\n".join(_shape(row.full_shape) for _, row in params),
+                      "\n".join(_shape(row.local_shape) for _, row in params),
+                      escape("\n".join(cs)),
+                      end_section=bool(here and nxt and here.group(1) != nxt.group(1)))
+    return table
+
+
+def replicated_table(report: Report, replicated: tuple[tuple[str, str], ...]) -> Table:
+    table = Table(title="left replicated")
+    table.add_column("what", overflow="fold")
+    table.add_column("reason", overflow="fold")
+    table.add_column("parameters", justify="right")
+    for module, reason in replicated:
+        n = sum(math.prod(r.full_shape) for r in report.params if r.name.startswith(module + "."))
+        table.add_row(escape(module), escape(reason), _n(n))
+    reasons: dict[str, list] = {}
+    for r in report.params:
+        if r.role == "replicated" and not any(r.name.startswith(m + ".") for m, _ in replicated):
+            reasons.setdefault(r.reason, []).append(r)
+    for reason, rows in reasons.items():
+        table.add_row(f"{len(rows)} tensor(s), e.g. {escape(rows[0].name)}", escape(reason),
+                      _n(sum(math.prod(r.full_shape) for r in rows)))
+    return table
+
+
+def totals_table(report: Report, layout: RankLayout) -> Table:
+    m = report.memory
+    table = Table(title="totals per tp rank", show_header=False)
+    table.add_column(style="bold")
+    table.add_column(justify="right")
+    table.add_column()
+    table.add_row("parameters", _n(m.local), f"of {_n(m.params)} ({m.sharded:,} sharded, {m.replicated:,} replicated)")
+    table.add_row("parameter bytes", _size(m.bytes_per_rank), f"of {_size(m.bytes_full)} unsharded")
+    table.add_row("training memory (16 B/param)", _size(m.train_bytes_per_rank), f"of {_size(m.train_bytes_full)}")
+    table.add_row("  formula 16·P_sharded/t + 16·P_replicated", _size(m.formula_bytes), f"ratio {_r(m.formula_ratio)}")
+    table.add_row("  ideal 16·P/t", _size(m.ideal_bytes), f"ratio {_r(m.ideal_ratio)}")
+    if layout.dp > 1:
+        table.add_row("dp gradient all-reduce / step", _n(m.local),
+                      f"elements over dp {layout.dp} ({_size(m.local * report.act_bytes)})")
+    if layout.pp > 1:
+        table.add_row("pipeline", "not planned", f"numbers assume every stage holds the whole model (pp {layout.pp})")
+    return table
+
+
+def comm_table(report: Report) -> Table:
+    t = report.tp
+    table = Table(title=f"tp communication per training step, per rank: b={report.batch}, s={report.seq}, "
+                        f"h={_n(report.hidden)}, L={report.layers:g}")
+    for col in ("pass", "collective", "count", "formula", "ratio", "elements", "formula", "ratio", "bytes"):
+        table.add_column(col, justify="left" if col in ("pass", "collective") else "right")
+    lines = [*report.comm, report.total()]
+    for i, c in enumerate(lines):
+        name = "all" if c.kind == "all" else f"{c.kind.replace('_', '-')}({c.op})"
+        direction = _DIR.get(c.direction, c.direction)
+        size = None if c.elements is None else c.elements * report.act_bytes
+        table.add_row(direction, name, str(c.count), str(c.formula_count), _r(c.count_ratio), _n(c.elements),
+                      _n(c.formula_elements), _r(c.elements_ratio), _size(size), end_section=i == len(lines) - 2)
+    terms = "; ".join(f"{x.direction} {x.count}×{x.each} ({x.what})" for x in report.formula)
+    if terms:
+        ring = 2 * (t - 1) / t
+        table.caption = f"formula (DESIGN.md §4): {terms}. A ring all-reduce sends ≈ {ring:.2f}× its bytes per rank."
+    return table
+
+
+# -- building ------------------------------------------------------------------------------------------
+def _batch(mf, batch: int | None, seq: int | None) -> tuple[tuple, dict, int, int]:
+    """The capture's inputs and the (b, s) the numbers are computed for."""
+    if mf.batch_fn is None:
+        if batch is None or seq is None:
+            raise ModelFileError(f"{mf.path} defines no example_batch()",
+                                 hint="add example_batch() to the file, or pass --batch B --seq S to plan "
+                                      "for a (B, S) batch of token ids")
+        # real (tiny) ids, not meta: capture turns them into meta itself, and may need real ones
+        return (torch.zeros(batch, seq, dtype=torch.long),), {}, batch, seq
+    args, kwargs = mf.example_batch()
+    first = next((x for x in (*args, *kwargs.values()) if isinstance(x, torch.Tensor) and x.dim() >= 2), None)
+    if first is None and (batch is None or seq is None):
+        raise ModelFileError(f"example_batch() in {mf.path} has no tensor of at least 2 dims (batch, sequence)",
+                             hint="pass --batch B --seq S")
+    b = batch if batch is not None else first.shape[0]
+    s = seq if seq is not None else first.shape[1]
+    return args, kwargs, int(b), int(s)
+
+
+def make_report(model: str, tp: int, batch: int | None = None, seq: int | None = None,
+                vocab_multiple: int = 1):
+    """Load, build on meta, capture, plan, and compute the report; no printing.
+
+    Returns ``(plan, report, names)``, ``names`` being every parameter name of the model in its order.
+    """
+    mf = load_model_file(model)
+    args, kwargs, b, s = _batch(mf, batch, seq)
+    with torch.device("meta"):
+        net = mf.build()
+    # a module-level instance was built before the meta context: capture a meta copy of it
+    if any(not p.is_meta for p in net.parameters()):
+        net = meta_skeleton(net)
+    gm = capture(net, args, kwargs, torch.device("cpu"))
+    plan = make_plan(gm, tp, vocab_multiple)
+    report = build_report(plan, net.named_parameters(remove_duplicate=False), b, s)
+    _check_sizes(report, size_ranges(gm))
+    names = [n for n, _ in net.named_parameters(remove_duplicate=False)]
+    return plan, report, names
+
+
+def _check_sizes(report: Report, ranges: dict[str, tuple[int, int | None]]) -> None:
+    """The numbers are for --batch / --seq; refuse sizes the model's forward would reject.
+
+    Export's lower bound of 2 is its own (it specialises 0 and 1), not the model's, so only a larger one counts.
+    """
+    for sym, role in report.symbols.items():
+        lo, hi = ranges.get(sym, (0, None))
+        value, what, flag = (report.batch, "batch", "--batch") if role == "b" else (report.seq, "sequence", "--seq")
+        if (hi is not None and value > hi) or (lo > 2 and value < lo):
+            bounds = f"{lo}..{hi if hi is not None else '∞'}"
+            raise PlanSizeError(f"{what} size {value} is outside what the model's forward accepts ({bounds}, "
+                                "found when capturing it)", hint=f"pass a {flag} in {bounds}")
+
+
+def plan(
+    model: str = typer.Argument(..., metavar="MODEL_PY", help="Model file defining build_model() and "
+                                "example_batch(); path.py:NAME names another factory."),
+    tp: int = typer.Option(..., "--tp", help="Tensor-parallel size."),
+    dp: int | None = typer.Option(None, "--dp", help="Data-parallel size; default world / (tp × pp), or 1."),
+    pp: int = typer.Option(1, "--pp", help="Pipeline-parallel size (rank grid only; layers are not split)."),
+    world_size: int | None = typer.Option(None, "--world-size", "-w", help="Total ranks; default tp × dp × pp."),
+    gpus_per_node: int | None = typer.Option(None, "--gpus-per-node", help="GPUs per node: marks node boundaries."),
+    batch: int | None = typer.Option(None, "--batch", help="Batch size the numbers are for (default: the "
+                                     "example batch's)."),
+    seq: int | None = typer.Option(None, "--seq", help="Sequence length the numbers are for."),
+    vocab_multiple: int = typer.Option(1, "--vocab-multiple", help="Round each rank's vocab rows up to this."),
+    json_out: Path | None = typer.Option(None, "--json", help="Write plan, layout and report as JSON here."),
+    svg: Path | None = typer.Option(None, "--svg", help="Write the printed tables as an SVG picture here."),
+    html: Path | None = typer.Option(None, "--html", help="Write the printed tables as HTML here."),
+    debug: bool = DEBUG,
+) -> None:
+    """Show how MODEL_PY would be sharded: rank grid, per-layer plan, memory and communication per step."""
+    from autotp.cli.main import USAGE_ERROR
+
+    for name, value in (("--batch", batch), ("--seq", seq), ("--vocab-multiple", vocab_multiple)):
+        if value is not None and value < 1:
+            abort(f"{name} must be >= 1, got {value}", debug, code=USAGE_ERROR)
+    try:
+        world = world_size if world_size is not None else tp * (dp or 1) * pp
+        layout = RankLayout.build(world, tp, pp=pp, dp=dp, gpus_per_node=gpus_per_node)
+    except (ValueError, TypeError) as exc:
+        abort(str(exc), debug, code=USAGE_ERROR)
+    try:
+        the_plan, report, names = make_report(model, tp, batch, seq, vocab_multiple)
+    except AutotpError as exc:  # model file, capture and sharding problems: the user's to fix
+        abort(str(exc), debug, code=USAGE_ERROR)
+
+    console = _console()
+    render(console, model, the_plan, report, layout, names)
+    if json_out is not None:
+        data = {"plan": the_plan.to_dict(), "layout": layout.groups(),
+                "world": {k: v for k, v in layout.to_dict().items() if k != "groups"},
+                "report": report.to_dict()}
+        json_out.write_text(json.dumps(data, indent=2))
+    if svg is not None or html is not None:
+        # drawn again, off screen and at least 160 columns wide, so a file does not inherit a narrow
+        # (or absent, under a pipe) terminal's wrapping
+        pic = Console(record=True, file=io.StringIO(), width=max(console.width, 160), force_terminal=True)
+        render(pic, model, the_plan, report, layout, names)
+        if svg is not None:  # save_svg clears the recording unless told not to; keep it for the html
+            pic.save_svg(str(svg), title=f"autotp plan {model}", clear=html is None)
+        if html is not None:
+            pic.save_html(str(html))
+
+
+def _console() -> Console:
+    """Rich falls back to 80 columns when stdout is no terminal, which folds the tables' numbers: a pipe or
+    file gets 160 unless COLUMNS says otherwise."""
+    console = Console()
+    if not console.is_terminal and "COLUMNS" not in os.environ:
+        console = Console(width=160)
+    return console
+
+
+def render(console: Console, model: str, the_plan, report: Report, layout: RankLayout, names: list[str]) -> None:
+    console.print(f"[bold]{escape(model)}[/bold]: tp {report.tp}, {len(the_plan.pairs)} column→row pairs, "
+                  f"{len(the_plan.collectives)} collectives per step; {world_line(layout)}")
+    console.print(rank_grid(layout))
+    console.print(layer_table(report, names))
+    console.print(replicated_table(report, the_plan.replicated))
+    console.print(totals_table(report, layout))
+    console.print(comm_table(report))
+    for note in report.notes:
+        console.print(f"[yellow]note:[/yellow] {escape(note)}")
+
+
+def register(app: typer.Typer) -> None:
+    app.command("plan")(plan)

@@ -1,0 +1,130 @@
+"""``autotp plan``: one process, meta tensors, no process group; and the report's numbers."""
+from __future__ import annotations
+
+import json
+import os
+import textwrap
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from autotp.capture import capture
+from autotp.cli.main import app
+from autotp.planner import make_plan
+from autotp.report import build_report, display, symbol_roles
+from distributed import ROOT
+
+NANOGPT = os.path.join(ROOT, "examples", "nanogpt.py")
+runner = CliRunner()
+WIDE = {"COLUMNS": "240"}  # one table row per line, so the assertions can read rows
+
+
+@pytest.fixture(scope="module")
+def planned(tmp_path_factory):
+    out = tmp_path_factory.mktemp("plan")
+    result = runner.invoke(app, ["plan", NANOGPT, "--tp", "2", "--json", str(out / "out.json"),
+                                 "--svg", str(out / "out.svg"), "--html", str(out / "out.html")], env=WIDE)
+    return out, result
+
+
+def _row(output: str, module: str) -> str:
+    return next(line for line in output.splitlines() if f" {module} " in line)
+
+
+def test_plan_nanogpt_tp2(planned) -> None:
+    out, result = planned
+    assert result.exit_code == 0, result.output
+    data = json.loads((out / "out.json").read_text())
+    assert data["plan"]["version"] == 1 and data["plan"]["tp"] == 2
+    assert len(data["plan"]["pairs"]) == 4
+    assert data["layout"]["tp"] == [[0, 1]]
+    assert (out / "out.svg").read_text().startswith("<svg")
+    assert "<html" in (out / "out.html").read_text().lower()
+    text = result.stdout
+    assert "column" in _row(text, "transformer.h.0.attn.c_attn")
+    assert "row" in _row(text, "transformer.h.0.attn.c_proj")
+    assert "vocab" in _row(text, "lm_head") and "vocab" in _row(text, "transformer.wte")
+    # c_attn's weight [192, 64] holds q|k|v: each rank keeps half of each, 96 rows
+    assert "[192, 64]" in _row(text, "transformer.h.0.attn.c_attn") and "[96, 64]" in _row(
+        text, "transformer.h.0.attn.c_attn")
+
+
+def test_plan_communication_matches_formula(planned) -> None:
+    out, result = planned
+    assert result.exit_code == 0, result.output
+    total = next(line for line in result.stdout.splitlines() if line.startswith("│ total "))
+    assert total.count("1.00") == 2  # count ratio and elements ratio
+    comm = {(c["direction"], c["op"]): c for c in json.loads((out / "out.json").read_text())["report"]["comm"]}
+    b, s, h, L = 4, 32, 64, 2  # examples/nanogpt.py's example batch and config
+    assert comm[("forward", "sum")]["elements"] == 2 * L * b * s * h + b * s * h + 2 * b * s
+    assert comm[("backward", "sum")]["elements"] == 2 * L * b * s * h + b * s * h
+    assert comm[("forward", "max")]["count"] == 1
+    assert comm[("total", "all")]["count_ratio"] == 1.0 and comm[("total", "all")]["elements_ratio"] == 1.0
+
+
+def test_report_memory_counts_tied_weight_once() -> None:
+    from nanogpt import GPT, GPTConfig, example_batch
+
+    with torch.device("meta"):
+        model = GPT(GPTConfig())
+    plan = make_plan(capture(model, example_batch(), {}, torch.device("cpu")), 2)
+    report = build_report(plan, model.named_parameters(remove_duplicate=False), 8, 64)
+    unique = {id(p): p for p in model.parameters()}.values()
+    assert report.memory.params == sum(p.numel() for p in unique)
+    tied = next(r for r in report.params if len(r.aliases) == 2)
+    assert tied.role == "vocab" and set(tied.aliases) == {"transformer.wte.weight", "lm_head.weight"}
+    # vocab 256 splits evenly, so the rule 16·P_sharded/t + 16·P_replicated is exact
+    assert report.memory.formula_ratio == 1.0
+    assert report.memory.train_bytes_per_rank == 16 * report.memory.local
+    roles = symbol_roles(plan)
+    assert sorted(roles.values()) == ["b", "s"]
+    assert {c.shape for c in report.collectives} == {"b×s×64", "b·s"}
+    assert display(("7", "3"), roles) == "7×3"
+    assert report.batch == 8 and report.seq == 64 and report.hidden == 64
+
+
+def test_heads_not_divisible_exits_2(tmp_path) -> None:
+    model = tmp_path / "three_heads.py"
+    model.write_text(textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {os.path.join(ROOT, "examples")!r})
+        from nanogpt import GPT, GPTConfig, example_batch
+
+        def build_model():
+            return GPT(GPTConfig(n_head=3, n_embd=48))
+    """))
+    result = runner.invoke(app, ["plan", str(model), "--tp", "2"], env=WIDE)
+    assert result.exit_code == 2, result.output
+    assert "transformer.h.0.attn.c_attn" in result.output and "not divisible" in result.output
+    assert "Traceback" not in result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit)
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--tp", "2", "--seq", "100"], "sequence size 100"),  # nanoGPT asserts t <= block_size (64)
+    (["--tp", "2", "--gpus-per-node", "3"], "gpus per node"),
+    (["--tp", "2", "--world-size", "3"], "does not divide world size"),
+])
+def test_bad_sizes_exit_2(args, message) -> None:
+    result = runner.invoke(app, ["plan", NANOGPT, *args], env=WIDE)
+    assert result.exit_code == 2, result.output
+    assert message in result.output and "Traceback" not in result.output
+
+
+def test_missing_example_batch_needs_batch_and_seq(tmp_path) -> None:
+    model = tmp_path / "no_batch.py"
+    model.write_text(textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {os.path.join(ROOT, "examples")!r})
+        from nanogpt import GPT, GPTConfig
+
+        def build_model():
+            return GPT(GPTConfig())
+    """))
+    result = runner.invoke(app, ["plan", str(model), "--tp", "2"], env=WIDE)
+    assert result.exit_code == 2 and "--batch B --seq S" in result.output
+    result = runner.invoke(app, ["plan", str(model), "--tp", "2", "--batch", "2", "--seq", "16", "--dp", "2",
+                                 "--gpus-per-node", "2"], env=WIDE)
+    assert result.exit_code == 0, result.output
+    assert "2 node(s) of 2" in result.stdout
