@@ -29,8 +29,7 @@ _SAME_SHAPE = {
 }
 _SOFTMAX = {aten.softmax.int, aten._softmax.default, aten.log_softmax.int, aten._log_softmax.default}
 _VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
-_SPLITS = {aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default, aten.unbind.int,
-           aten.split.sizes, aten.tensor_split.sections}
+_SPLITS = {aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default, aten.unbind.int, aten.split.sizes}
 _NO_OUTPUT = {aten._assert_tensor_metadata.default}
 _RANDOM_P_ARG = {aten.dropout.default: 1, aten.feature_dropout.default: 1, aten.alpha_dropout.default: 1,
                  aten.scaled_dot_product_attention.default: 4}

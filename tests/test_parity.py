@@ -68,6 +68,18 @@ def test_unseen_layouts_parity(toy: str):
         assert len(r["forward_collectives"]) == 1 + 1 + 3  # embedding, block, cross-entropy
 
 
+@pytest.mark.parametrize("loss", ["nll_sum", "smoothing_none", "ignore_mean"])
+def test_cross_entropy_forms_parity(loss: str):
+    # vocab 97 at tp 4: 25 rows per rank, the last rank owns 22 and holds 3 padding rows
+    results = launch(training_parity, 4, loss)
+    for r in results.values():
+        assert len(r["plan"]["vocab"]["losses"]) == 1
+        assert r["loss_diff"] <= 1e-5 and r["logits_diff"] <= 1e-5 and r["grad_diff"] <= 1e-5
+        assert r["param_diff"] <= 1e-4
+        ce = [c for c in r["forward_collectives"] if c[2] == 2 * 12]
+        assert [c[1] for c in ce] == ["max", "sum", "sum"]
+
+
 def test_other_signatures_share_parameters():
     results = launch(other_calls, 2)
     for r in results.values():

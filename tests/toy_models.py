@@ -88,12 +88,42 @@ class Stack(nn.Module):
         return logits, F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
+class LossForms(nn.Module):
+    """A small LM whose loss is one of the cross-entropy forms users write (untied head with a bias)."""
+
+    def __init__(self, kind: str, vocab: int = 97):
+        super().__init__()
+        self.kind = kind
+        self.emb = nn.Embedding(vocab, H)
+        self.mlp = nn.Sequential(nn.Linear(H, 4 * H), nn.GELU(), nn.Linear(4 * H, H))
+        self.head = nn.Linear(H, vocab)
+
+    def forward(self, idx, targets):
+        x = self.emb(idx)
+        logits = self.head(x + self.mlp(x))
+        flat, t = logits.flatten(0, 1), targets.flatten()
+        if self.kind == "nll_sum":
+            loss = F.nll_loss(F.log_softmax(logits, dim=-1).flatten(0, 1), t, reduction="sum")
+        elif self.kind == "smoothing_none":
+            loss = F.cross_entropy(flat, t, label_smoothing=0.1, reduction="none").mean()
+        else:  # ignore_index, mean
+            loss = F.cross_entropy(flat, t.masked_fill(t % 3 == 0, -100))
+        return logits, loss
+
+
 TOYS = {"interleaved": InterleavedQKV, "fused_gqa": FusedGQA, "fused_mqa": lambda: FusedGQA(n_kv=1),
         "handwritten": HandWritten}
 
 
+LOSSES = ("nll_sum", "smoothing_none", "ignore_mean")
+
+
 def toy(name: str) -> tuple[nn.Module, tuple, dict]:
     torch.manual_seed(0)
+    if name in LOSSES:
+        model = LossForms(name)
+        g = torch.Generator().manual_seed(1)
+        return model, (torch.randint(0, 97, (2, 12), generator=g), torch.randint(0, 97, (2, 12), generator=g)), {}
     model = Stack(TOYS[name]() if name != "head_mixing" else HeadMixing())
     g = torch.Generator().manual_seed(1)
     idx = torch.randint(0, 96, (2, 12), generator=g)
