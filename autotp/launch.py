@@ -11,6 +11,7 @@ the TP group from the environment alone, so ``autotp.parallelize(model)`` can de
 from __future__ import annotations
 
 import contextlib
+import datetime
 import logging
 import os
 import socket
@@ -26,11 +27,17 @@ from autotp.errors import AutotpError, ProcessGroupError
 from autotp.layout import RankLayout
 
 __all__ = [
-    "ENV_BACKEND", "ENV_DP", "ENV_PP", "ENV_TP", "LaunchError", "LaunchSpec", "RankContext", "RankFailedError",
-    "choose_backend", "current_tp_group", "init_distributed", "init_from_env", "launch",
+    "ENV_BACKEND", "ENV_DP", "ENV_PP", "ENV_TIMEOUT", "ENV_TP", "LaunchError", "LaunchSpec", "RankContext",
+    "RankFailedError", "choose_backend", "current_tp_group", "init_distributed", "init_from_env", "launch",
+    "root_failure",
 ]
 
 ENV_TP, ENV_DP, ENV_PP, ENV_BACKEND = "AUTOTP_TP", "AUTOTP_DP", "AUTOTP_PP", "AUTOTP_BACKEND"
+ENV_TIMEOUT = "AUTOTP_TIMEOUT"  # seconds a collective may wait before the process group gives up
+# a rank that fails because a peer died reports one of these; the peer's own error is the one to show
+_PEER_FAILURE = ("connection closed by peer", "connection reset", "broken pipe", "socket closed",
+                 "timed out", "timeout", "distbackenderror", "checkpointexception", "nccl", "watchdog",
+                 "signal", "sigterm", "sigkill")
 _LAUNCHER_LOGGERS = ("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing")
 
 
@@ -70,6 +77,9 @@ class LaunchSpec:
     node_rank: int = 0
     master_addr: str | None = None
     master_port: int | None = None
+    timeout: float | None = None  # collective timeout in seconds; None: torch's default
+    max_restarts: int = 0
+    device: str = "auto"  # "cuda": one GPU per rank (nccl), "cpu": gloo, "auto": cuda when every rank has a GPU
 
     def __post_init__(self) -> None:
         for name in ("tp", "dp", "pp", "nnodes"):
@@ -81,6 +91,20 @@ class LaunchSpec:
                               f"for --nnodes {self.nnodes}")
         if self.master_port is not None and not 1 <= self.master_port <= 65535:
             raise LaunchError(f"--master-port {self.master_port} is out of range [1, 65535]")
+        if self.timeout is not None and not self.timeout > 0:
+            raise LaunchError(f"--timeout must be > 0 seconds, got {self.timeout!r}")
+        if isinstance(self.max_restarts, bool) or not isinstance(self.max_restarts, int) or self.max_restarts < 0:
+            raise LaunchError(f"--max-restarts must be an integer >= 0, got {self.max_restarts!r}")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise LaunchError(f"--device must be auto, cpu or cuda, got {self.device!r}")
+        if self.device == "cuda":
+            have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            if have < self.nproc_per_node:
+                raise LaunchError(
+                    f"--device cuda: tp {self.tp} × dp {self.dp} × pp {self.pp} = {self.nproc_per_node} ranks "
+                    f"per node "
+                    f"need {self.nproc_per_node} GPUs, this node has {have}",
+                    hint=f"lower --tp/--dp so that tp × dp <= {have}" if have else "run with --device cpu (gloo)")
         if self.nnodes > 1 and (self.master_addr is None or self.master_port is None):
             raise LaunchError(f"--nnodes {self.nnodes} needs --master-addr and --master-port "
                               "(node 0's address and a free port, the same on every node)")
@@ -104,6 +128,8 @@ class LaunchSpec:
 
     def env(self, backend: str) -> dict[str, str]:
         env = {ENV_TP: str(self.tp), ENV_DP: str(self.dp * self.nnodes), ENV_PP: str(self.pp), ENV_BACKEND: backend}
+        if self.timeout is not None:
+            env[ENV_TIMEOUT] = repr(float(self.timeout))
         if backend == "gloo" and "OMP_NUM_THREADS" not in os.environ:
             # as torchrun does: N CPU ranks each using every core oversubscribe the machine
             env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // self.nproc_per_node))
@@ -150,27 +176,48 @@ def launch(spec: LaunchSpec, entrypoint: Callable[..., Any] | str, *args: Any, q
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     # importing the launcher registers its loggers, so they can be quietened before it runs
-    backend = choose_backend(spec.nproc_per_node)
+    backend = {"cpu": "gloo", "cuda": "nccl"}.get(spec.device) or choose_backend(spec.nproc_per_node)
     port = spec.master_port if spec.master_port is not None else _free_port()
     addr = spec.master_addr or "127.0.0.1"
     config = LaunchConfig(
         min_nodes=spec.nnodes, max_nodes=spec.nnodes, nproc_per_node=spec.nproc_per_node,
         run_id=f"autotp-{addr}-{port}", rdzv_backend="c10d", rdzv_endpoint=f"{addr}:{port}",
         rdzv_configs={"is_host": spec.node_rank == 0} if spec.nnodes > 1 else {},
-        max_restarts=0, monitor_interval=0.1, start_method="spawn",
+        max_restarts=spec.max_restarts, monitor_interval=0.1, start_method="spawn",
     )
     with _environ(spec.env(backend)), _quiet_launcher_logs(quiet):
         try:
             return elastic_launch(config, entrypoint)(*args)
         except ChildFailedError as exc:
-            rank, failure = exc.get_first_failure()
-            message = failure.message
-            trace = ""
-            if isinstance(message, dict):
-                trace = message.get("extraInfo", {}).get("py_callstack", "")
-                message = message.get("message", "")
-            raise RankFailedError(rank, failure.exitcode, str(message) or f"exited with code {failure.exitcode}",
+            rank, failure = root_failure(exc.failures)
+            message, trace = _failure_text(failure)
+            raise RankFailedError(rank, failure.exitcode, message or f"exited with code {failure.exitcode}",
                                   trace) from None
+
+
+def _failure_text(failure: Any) -> tuple[str, str]:
+    message, trace = failure.message, ""
+    if isinstance(message, dict):
+        trace = message.get("extraInfo", {}).get("py_callstack", "")
+        message = message.get("message", "")
+    return str(message or ""), trace
+
+
+def root_failure(failures: Mapping[int, Any]) -> tuple[int, Any]:
+    """The failure that caused the others: a rank that recorded its own error beats one killed by a
+    signal, an error that is not a lost peer or a timed-out collective beats one that is, then the earliest.
+
+    When one rank raises, its peers fail too (their collectives lose the peer, or the agent kills them), often
+    within the same second, so the launcher's own "first failure" (by whole-second timestamp) is a coin toss.
+    """
+    def key(item: tuple[int, Any]) -> tuple:
+        rank, failure = item
+        message, _ = _failure_text(failure)
+        recorded = isinstance(failure.message, dict) or bool(getattr(failure, "error_file_data", None))
+        consequence = not message or any(s in message.lower() for s in _PEER_FAILURE) or failure.exitcode < 0
+        return (not recorded, consequence, failure.timestamp, rank)
+
+    return min(failures.items(), key=key)
 
 
 @dataclass(frozen=True)
@@ -218,7 +265,17 @@ def init_distributed(tp: int, dp: int | None = None, pp: int = 1, backend: str |
         backend = backend or choose_backend(local_world)
         if backend == "nccl":
             torch.cuda.set_device(local_rank)
-        dist.init_process_group(backend)
+        timeout = os.environ.get(ENV_TIMEOUT)
+        kwargs: dict[str, Any] = {"timeout": datetime.timedelta(seconds=float(timeout))} if timeout else {}
+        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        if restart not in ("", "0") and "MASTER_ADDR" in os.environ:
+            # after a restart (--max-restarts) the store may still hold the failed attempt's keys (gloo's peer
+            # addresses among them); a prefix per attempt keeps the new ranks from connecting to dead ones
+            store, rank, world = next(dist.rendezvous("env://", **kwargs))
+            dist.init_process_group(backend, store=dist.PrefixStore(f"autotp/attempt-{restart}", store),
+                                    rank=rank, world_size=world, **kwargs)
+        else:
+            dist.init_process_group(backend, **kwargs)
     backend = dist.get_backend()
     try:
         layout = RankLayout.build(dist.get_world_size(), tp, pp=pp, dp=dp)

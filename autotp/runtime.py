@@ -90,7 +90,7 @@ class TPModule(nn.Module):
     """A tensor-parallel model: called exactly like the original, holding only this rank's shards."""
 
     def __init__(self, model: nn.Module, group: dist.ProcessGroup, example: tuple[tuple, dict],
-                 vocab_multiple: int = 1):
+                 vocab_multiple: int = 1, compile: bool = False):
         super().__init__()
         first = next(iter(model.parameters()), None)
         device = first.device if first is not None else torch.device("cpu")
@@ -102,6 +102,7 @@ class TPModule(nn.Module):
             "rng": RegionRNG(torch.initial_seed() + SEED_OFFSET + rank, device) if tp > 1 else None,
             "mesh": None,  # built when a plan first returns vocab-parallel logits
             "vocab_multiple": vocab_multiple,
+            "compile": compile,
         }
         self.training = model.training
         gm, plan = self._build(*example, training=model.training)
@@ -216,12 +217,16 @@ class TPModule(nn.Module):
         if plan.vocab.outputs and st["mesh"] is None:
             st["mesh"] = DeviceMesh.from_group(st["group"], st["device"].type)
         bind_vocab(gm, st["group"], st["rank"], st["mesh"])
+        if st.get("compile"):
+            from autotp.compile import compile_graph
+
+            gm = compile_graph(gm)
         st["graphs"][key] = gm
         st["plans"][key] = plan
 
 
 def parallelize(model: nn.Module, *, tp_group: dist.ProcessGroup | None = None,
-                example_inputs: object = None, vocab_multiple: int = 1) -> TPModule:
+                example_inputs: object = None, vocab_multiple: int = 1, compile: bool = False) -> TPModule:
     """Shard ``model`` Megatron-style over ``tp_group`` (default: the whole default process group).
 
     ``example_inputs``: positional args as a tuple, keyword args as a dict, or ``(args, kwargs)``; only
@@ -232,6 +237,7 @@ def parallelize(model: nn.Module, *, tp_group: dist.ProcessGroup | None = None,
     Vocab-parallel logits come back as a ``DTensor`` sharded on the vocab dim: ``logits.full_tensor()``
     gathers them; a step that only uses the loss never does. ``vocab_multiple`` rounds each rank's vocab
     rows up (e.g. 64 for tensor-core-friendly GEMMs on GPUs); the default pads only to ``ceil(V / tp)``.
+    ``compile=True`` runs each rewritten graph under ``torch.compile`` (see :mod:`autotp.compile`).
     """
     group = _resolve_group(tp_group)
-    return TPModule(model, group, _split_example(example_inputs), vocab_multiple)
+    return TPModule(model, group, _split_example(example_inputs), vocab_multiple, compile=compile)

@@ -87,9 +87,9 @@ class _VocabCE(torch.autograd.Function):
             per_row = per_row / count
         per_row = torch.where(valid, per_row, 0.0).unsqueeze(-1)  # (n, 1)
         g = softmax - smoothing / vocab if smoothing else softmax.clone()
-        if owned:
-            rows = mine.nonzero().squeeze(1)
-            g[rows, local_t[rows]] -= 1.0 - smoothing
+        if owned:  # minus (1-ε) at the target column, on the rank that owns it (no data-dependent shapes)
+            hit = torch.where(mine, smoothing - 1.0, 0.0).unsqueeze(1)
+            g.scatter_add_(1, local_t.clamp(0, owned - 1).unsqueeze(1), hit)
         out = torch.zeros(shape, dtype=torch.float32, device=softmax.device)
         out[:, :owned] = g * per_row
         return out.to(dtype), None, None, None, None, None, None, None, None

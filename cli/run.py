@@ -28,6 +28,13 @@ NODE_RANK = typer.Option(0, "--node-rank", help="This node's index in [0, nnodes
 MASTER_ADDR = typer.Option(None, "--master-addr", help="Address of node 0 (required with --nnodes > 1).")
 MASTER_PORT = typer.Option(None, "--master-port", help="Rendezvous port on node 0 (default: a free local port).")
 DEBUG = typer.Option(False, "--debug", help="Show tracebacks and the launcher's own logs.")
+TIMEOUT = typer.Option(None, "--timeout", metavar="SECONDS",
+                       help="Collective timeout (init_process_group's timeout): a rank waiting longer for its "
+                            "peers fails instead of hanging. Default: torch's.")
+MAX_RESTARTS = typer.Option(0, "--max-restarts", help="Restart the whole job this many times after a rank fails "
+                            "(the elastic launcher's max_restarts).")
+DEVICE = typer.Option("auto", "--device", help="cuda (one GPU per rank, nccl), cpu (gloo), or auto: cuda when "
+                      "this node has a GPU for every rank, else cpu.")
 
 
 def one_line(text: str) -> str:
@@ -47,12 +54,14 @@ def abort(message: str, debug: bool, code: int = 1, trace: str | None = None) ->
 
 
 def launch_spec(tp: int, dp: int, nnodes: int, node_rank: int, master_addr: str | None,
-                master_port: int | None, debug: bool) -> LaunchSpec:
+                master_port: int | None, debug: bool, timeout: float | None = None, max_restarts: int = 0,
+                device: str = "auto") -> LaunchSpec:
     from autotp.cli.main import USAGE_ERROR
 
     try:
         return LaunchSpec(tp=tp, dp=dp, nnodes=nnodes, node_rank=node_rank,
-                          master_addr=master_addr, master_port=master_port)
+                          master_addr=master_addr, master_port=master_port, timeout=timeout,
+                          max_restarts=max_restarts, device=device)
     except LaunchError as exc:
         abort(str(exc), debug, code=USAGE_ERROR)
 
@@ -66,6 +75,9 @@ def run(
     node_rank: int = NODE_RANK,
     master_addr: str | None = MASTER_ADDR,
     master_port: int | None = MASTER_PORT,
+    timeout: float | None = TIMEOUT,
+    max_restarts: int = MAX_RESTARTS,
+    device: str = DEVICE,
     debug: bool = DEBUG,
 ) -> None:
     """Run SCRIPT on tp × dp ranks per node with torch's elastic launcher (c10d rendezvous)."""
@@ -73,7 +85,7 @@ def run(
 
     if not script.is_file():
         abort(f"script {script} does not exist", debug, code=USAGE_ERROR)
-    spec = launch_spec(tp, dp, nnodes, node_rank, master_addr, master_port, debug)
+    spec = launch_spec(tp, dp, nnodes, node_rank, master_addr, master_port, debug, timeout, max_restarts, device)
     try:
         launch(spec, sys.executable, str(script), *(args or []), quiet=not debug)
     except RankFailedError as exc:

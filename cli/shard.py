@@ -3,8 +3,17 @@ steps, and write the plan and a sharded checkpoint.
 
 Every rank builds the model with the same seed, keeps an unsharded reference (unless ``--no-verify``),
 parallelizes over its TP group, compares loss and outputs on the example batch, then trains ``--steps``
-AdamW steps (DDP over the DP group when dp > 1) and saves ``plan.json``, ``summary.json`` and
-``checkpoint/`` (torch.distributed.checkpoint) to ``--out``. The launching process prints the summary.
+AdamW steps (DDP over the DP group when dp > 1) and saves ``plan.json``, ``summary.json`` and a sharded
+checkpoint (torch.distributed.checkpoint) to ``--out``. The launching process prints the summary.
+
+Checkpoints are atomic (:mod:`autotp.ckpt_io`): ``--out/checkpoints/step-N`` folders published by renaming a
+finished temporary folder and replacing the ``checkpoints/latest`` pointer, with ``--out/checkpoint`` a symlink
+to the newest. They hold the model, the optimizer state and the step, so ``--resume`` (and a restart under
+``--max-restarts``) continues where the last complete checkpoint left off; ``--steps`` is the total step count.
+
+Before any rank starts, the launching process imports the model file, builds the model on the meta device,
+captures the example batch and plans the sharding, so a broken file, a batch the model rejects or a size the
+tp degree does not divide fails at once with exit code 2.
 """
 from __future__ import annotations
 
@@ -12,6 +21,7 @@ import contextlib
 import copy
 import json
 import math
+import os
 import statistics
 import time
 import warnings
@@ -31,11 +41,13 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 import autotp
-from autotp.cli.run import DEBUG, DP, MASTER_ADDR, MASTER_PORT, NNODES, NODE_RANK, TP, abort, launch_spec
-from autotp.errors import AutotpError
+from autotp.cli.run import (DEBUG, DEVICE, DP, MASTER_ADDR, MASTER_PORT, MAX_RESTARTS, NNODES, NODE_RANK, TIMEOUT,
+                            TP, abort, launch_spec)
+from autotp.ckpt_io import check_resumable, latest_checkpoint, load_training_state, save_training_state
+from autotp.errors import AutotpError, CaptureError
 from autotp.plan import Plan
 from autotp.launch import RankContext, RankFailedError, init_from_env, launch
-from autotp.modelfile import (ModelFileError, find_loss, load_model_file, output_tensors, parse_spec,
+from autotp.modelfile import (ModelFile, ModelFileError, find_loss, load_model_file, output_tensors, parse_spec,
                               replica_batch, to_device)
 
 PARITY_TOL = 1e-5
@@ -48,6 +60,9 @@ class ShardJob:
     lr: float
     out: str
     verify: bool
+    resume: bool = False
+    save_every: int = 0
+    compile: bool = False
 
 
 @dataclass(frozen=True)
@@ -84,6 +99,8 @@ class ShardReport:
     final_loss: float | None  # eval loss on the example batch after training
     plan_path: str
     checkpoint_path: str
+    start_step: int = 0  # the step training resumed from (0: from scratch); ``losses`` are steps start_step+1...
+    resumed_from: str | None = None
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -230,15 +247,17 @@ def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, args: tuple, 
     return loss.detach()
 
 
-def _train(model, tpm, args: tuple, kwargs: dict, job: ShardJob, ctx: RankContext) -> tuple[list, list]:
-    opt = torch.optim.AdamW(tpm.parameters(), lr=job.lr)
+def _train(model, opt, args: tuple, kwargs: dict, job: ShardJob, ctx: RankContext, start: int = 0,
+           save=None) -> tuple[list, list]:
+    """Steps ``start`` ... ``job.steps - 1``; ``save(step)`` after every ``job.save_every``-th (not the last)."""
     losses, times = [], []
+    show = ctx.rank == 0 and job.steps > start
     progress = Progress(TextColumn("[bold]training"), BarColumn(), MofNCompleteColumn(),
                         TextColumn("loss {task.fields[loss]}"), TimeElapsedColumn()) \
-        if ctx.rank == 0 and job.steps else contextlib.nullcontext()
+        if show else contextlib.nullcontext()
     with progress:
-        task = progress.add_task("train", total=job.steps, loss="-") if ctx.rank == 0 and job.steps else None
-        for step in range(job.steps):
+        task = progress.add_task("train", total=job.steps, completed=start, loss="-") if show else None
+        for step in range(start, job.steps):
             a, k = replica_batch(args, kwargs, ctx.coords["dp"], step)
             start = time.perf_counter()
             loss = train_step(model, opt, a, k)
@@ -248,6 +267,9 @@ def _train(model, tpm, args: tuple, kwargs: dict, job: ShardJob, ctx: RankContex
             losses.append(loss.item())
             if task is not None:
                 progress.update(task, advance=1, loss=f"{losses[-1]:.4f}")
+            done = step + 1
+            if save is not None and job.save_every and done % job.save_every == 0 and done != job.steps:
+                save(done)
     return losses, times
 
 
@@ -267,19 +289,33 @@ def _shard(job: ShardJob, ctx: RankContext) -> ShardReport | None:
     args, kwargs = to_device(mf.example_batch(), ctx.device)
     unsharded_bytes = _param_bytes(model)
     reference = copy.deepcopy(model) if job.verify else None
-    tpm = autotp.parallelize(model, tp_group=ctx.tp_group(), example_inputs=(args, kwargs))
+    tpm = autotp.parallelize(model, tp_group=ctx.tp_group(), example_inputs=(args, kwargs), compile=job.compile)
     del model
     parity = _verify(tpm, reference, args, kwargs, ctx.device) if reference is not None else None
     del reference
-    losses, times = _train(data_parallel(tpm, ctx), tpm, args, kwargs, job, ctx)
-    final_loss = _eval_loss(tpm, args, kwargs)
 
     out = Path(job.out)
-    plan_path, ckpt_path = out / "plan.json", out / "checkpoint"
+    plan_path = out / "plan.json"
     if ctx.rank == 0:
         out.mkdir(parents=True, exist_ok=True)
         plan_path.write_text(tpm.plan.to_json())
-    save_checkpoint(tpm, ctx, ckpt_path)
+    opt = torch.optim.AdamW(tpm.parameters(), lr=job.lr)
+    # views of the local shards: optimizer steps update them in place, so one dict serves every save and load
+    state = sharded_state_dict(tpm, ctx)
+    start, resumed_from = 0, None
+    # a job restarted by --max-restarts resumes from the last complete checkpoint, as --resume does
+    if job.resume or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0:
+        found = latest_checkpoint(out)
+        if found is not None:
+            start = load_training_state(found, state, opt, ctx.coords["tp"])
+            resumed_from = str(found)
+
+    def save(step: int) -> Path:
+        return save_training_state(out, step, state, opt, ctx.coords["tp"], tp_size=ctx.layout.tp)
+
+    losses, times = _train(data_parallel(tpm, ctx), opt, args, kwargs, job, ctx, start, save)
+    final_loss = _eval_loss(tpm, args, kwargs)
+    ckpt_path = Path(resumed_from) if resumed_from is not None and start >= job.steps else save(max(start, job.steps))
 
     mine = RankStats(ctx.rank, ctx.coords["tp"], ctx.coords["dp"], _param_bytes(tpm), tuple(times))
     everyone: list[RankStats | None] = [None] * ctx.layout.world_size
@@ -291,13 +327,65 @@ def _shard(job: ShardJob, ctx: RankContext) -> ShardReport | None:
         model=job.model, tp=ctx.layout.tp, dp=ctx.layout.dp, backend=ctx.backend, unsharded_bytes=unsharded_bytes,
         ranks=tuple(everyone), collectives=tuple((*key, n) for key, n in sorted(counts.items())),
         parity=parity, losses=tuple(losses), final_loss=final_loss,
-        plan_path=str(plan_path), checkpoint_path=str(ckpt_path),
+        plan_path=str(plan_path), checkpoint_path=str(ckpt_path), start_step=start, resumed_from=resumed_from,
     )
     (out / "summary.json").write_text(json.dumps(report.to_dict(), indent=2))
     return report
 
 
 # -- the command ---------------------------------------------------------------------------------------
+def _eager_on_meta(mf: ModelFile, skeleton: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+    """Run ``skeleton`` on meta copies of the batch; a ModelFileError carrying the forward's own exception."""
+    import traceback as tb
+
+    meta = to_device((args, kwargs), torch.device("meta"))
+    try:
+        with torch.no_grad():
+            skeleton(*meta[0], **meta[1])
+    except Exception as exc:  # noqa: BLE001 - the model's own message is the point
+        torch_dir = os.path.dirname(torch.__file__)
+        frames = [f for f in tb.extract_tb(exc.__traceback__)
+                  if not f.filename.startswith(torch_dir) and "site-packages" not in f.filename]
+        where = f" at {frames[-1].filename}:{frames[-1].lineno}" if frames else ""
+        raise ModelFileError(f"the model's forward rejects example_batch(){where}: {type(exc).__name__}: {exc}",
+                             hint="make example_batch() match what the model accepts (e.g. sequence length "
+                                  "<= its block size)") from exc
+
+
+def preflight(mf: ModelFile, tp: int) -> None:
+    """Build the model on the meta device, capture the example batch and plan for ``tp``, in this process.
+
+    Raises the :class:`AutotpError` a rank would raise (the factory's or forward's own message, a size ``tp``
+    does not divide), before any rank starts. Failures that are not autotp's (a model that cannot be built or
+    traced on the meta device for reasons of its own) are left for the ranks to report.
+    """
+    from autotp.capture import capture, meta_skeleton
+    from autotp.planner import make_plan
+
+    try:
+        with torch.device("meta"):
+            model = mf.build()
+    except ModelFileError:
+        model = mf.build()  # the factory may need real tensors; if it fails here too, that is its message
+    args, kwargs = mf.example_batch()
+    skeleton = meta_skeleton(model)
+    try:
+        gm = capture(skeleton, args, kwargs, torch.device("cpu"))
+    except CaptureError:
+        # export reports a model's own check on symbolic sizes ("length s75"); the plain forward on meta
+        # tensors reports it with the real ones
+        _eager_on_meta(mf, skeleton, args, kwargs)
+        raise
+    except Exception:  # noqa: BLE001
+        return
+    try:
+        make_plan(gm, tp)
+    except AutotpError:
+        raise
+    except Exception:  # noqa: BLE001 - not a user error autotp can explain; the ranks will show it in full
+        return
+
+
 def _size(n: int) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if n < 1024 or unit == "GiB":
@@ -336,6 +424,8 @@ def render(report: ShardReport, console: Console) -> None:
         summary.add_row("parity vs unsharded",
                         f"{verdict} max |Δloss| {loss}, max |Δoutput| {p.output_diff:.2e} (tol {PARITY_TOL:g})"
                         + (f" {escape(p.note)}" if p.note else ""))
+    if report.resumed_from is not None:
+        summary.add_row("resumed", f"from step {report.start_step} ({escape(report.resumed_from)})")
     if report.losses:
         summary.add_row("loss (dp replica 0)", " → ".join(f"{x:.4f}" for x in report.losses))
     summary.add_row("plan", escape(report.plan_path))
@@ -350,12 +440,19 @@ def shard(
     dp: int = DP,
     steps: int = typer.Option(3, "--steps", help="AdamW training steps after the parity check."),
     lr: float = typer.Option(1e-3, "--lr", help="AdamW learning rate."),
-    out: Path = typer.Option(Path("autotp-out"), "--out", help="Folder for plan.json, summary.json, checkpoint/."),
+    out: Path = typer.Option(Path("autotp-out"), "--out", help="Folder for plan.json, summary.json, checkpoints."),
     verify: bool = typer.Option(True, "--verify/--no-verify", help="Compare with the unsharded model first."),
+    compile_: bool = typer.Option(False, "--compile", help="torch.compile the rewritten graphs."),
+    resume: bool = typer.Option(False, "--resume", help="Continue from the latest complete checkpoint in --out "
+                                "(model, optimizer, step) up to --steps in total."),
+    save_every: int = typer.Option(0, "--save-every", help="Also checkpoint every N steps (0: only at the end)."),
     nnodes: int = NNODES,
     node_rank: int = NODE_RANK,
     master_addr: str | None = MASTER_ADDR,
     master_port: int | None = MASTER_PORT,
+    timeout: float | None = TIMEOUT,
+    max_restarts: int = MAX_RESTARTS,
+    device: str = DEVICE,
     debug: bool = DEBUG,
 ) -> None:
     """Shard MODEL_PY over tp × dp ranks, verify, train a few steps, save plan and checkpoint."""
@@ -365,20 +462,33 @@ def shard(
         abort(f"--steps must be >= 0, got {steps}", debug, code=USAGE_ERROR)
     if not lr > 0:
         abort(f"--lr must be > 0, got {lr}", debug, code=USAGE_ERROR)
+    if save_every < 0:
+        abort(f"--save-every must be >= 0, got {save_every}", debug, code=USAGE_ERROR)
     if out.exists() and not out.is_dir():
         abort(f"--out {out} exists and is not a folder", debug, code=USAGE_ERROR)
-    spec = launch_spec(tp, dp, nnodes, node_rank, master_addr, master_port, debug)
+    spec = launch_spec(tp, dp, nnodes, node_rank, master_addr, master_port, debug, timeout, max_restarts, device)
     try:
-        load_model_file(model)  # the file's own problems, before any process starts
-    except ModelFileError as exc:
+        preflight(load_model_file(model), tp)  # the file's own problems, before any process starts
+    except AutotpError as exc:
         abort(str(exc), debug, code=USAGE_ERROR)
+    try:
+        resumable = check_resumable(out, tp) if resume else None
+    except AutotpError as exc:
+        abort(str(exc), debug, code=USAGE_ERROR)
+    if resume and node_rank == 0 and resumable is None:
+        Console(stderr=True).print(f"[yellow]note:[/yellow] --resume: no checkpoint in {escape(str(out))} yet; "
+                                   "starting from step 0", soft_wrap=True)
     path, factory = parse_spec(model)
     job = ShardJob(model=f"{path.resolve()}:{factory}" if factory else str(path.resolve()),
-                   steps=steps, lr=lr, out=str(out.resolve()), verify=verify)
+                   steps=steps, lr=lr, out=str(out.resolve()), verify=verify, resume=resume, save_every=save_every,
+                   compile=compile_)
     try:
         results = launch(spec, shard_worker, job, quiet=not debug)
     except RankFailedError as exc:
-        abort(f"rank {exc.rank}: {exc.message}", debug, trace=exc.traceback)
+        why = ""
+        if timeout is not None and "timed out" in exc.message.lower():
+            why = f" (no peer answered within --timeout {timeout:g} s: another rank is hung or dead)"
+        abort(f"rank {exc.rank}: {exc.message}{why}", debug, trace=exc.traceback)
     except AutotpError as exc:
         abort(str(exc), debug)
     report = results.get(0)

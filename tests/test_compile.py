@@ -47,10 +47,14 @@ def compile_worker() -> dict:
     torch._dynamo.reset()
 
     # the real thing: inductor through compile=True, forward and backward
+    from torch._dynamo.utils import counters
+
+    counters.clear()
     logits, loss = tpm(idx, targets)
     loss.backward()
     rlogits, rloss = ref(idx, targets)
     rloss.backward()
+    out["compiled_breaks"] = dict(counters["graph_break"])
     out["loss_diff"] = (loss.detach() - rloss.detach()).abs().item()
     out["logits_is_dtensor"] = type(logits).__name__
     ln = "transformer.h.0.ln_1.weight"  # replicated: gradients compare directly
@@ -62,6 +66,8 @@ def test_compile_no_graph_breaks_and_parity():
     results = launch(compile_worker, 2)
     for rank, r in results.items():
         assert r["breaks"] == 0 and r["graphs"] == 1, (rank, r["reasons"])
+        assert not r["compiled_breaks"], (rank, r["compiled_breaks"])
+        assert r["logits_is_dtensor"] == "DTensor"
         # forward: embedding, attention out, MLP out (sum), cross-entropy max + 2 sums; backward of f:
         # entering attention, MLP, LM head — the backward all-reduces sit in the autograd.Function subgraphs
         assert r["all_reduce"] >= 6, (rank, r)

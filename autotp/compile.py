@@ -1,0 +1,103 @@
+"""``parallelize(..., compile=True)``: ``torch.compile`` over each rewritten graph module.
+
+The rewritten graph already holds everything a compiler needs to see: Megatron's f/g as autograd functions
+over ``torch.distributed._functional_collectives`` (traceable: dynamo puts ``_c10d_functional.all_reduce`` /
+``wait_tensor`` in the graph), the vocab-parallel loss as an autograd function, and the vocab-parallel logits
+as ``DTensor.from_local``. :func:`compile_graph` compiles with ``fullgraph=False`` so a construct dynamo
+cannot trace degrades to a graph break instead of an error; :func:`graph_breaks` counts them (see
+``tests/test_compile.py``).
+"""
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch._dynamo
+import torch.fx as fx
+import torch.nn as nn
+import torch.utils._pytree as pytree
+
+
+# The vocab-parallel cross-entropy's backward picks the target column of the rows this rank owns with
+# ``mine.nonzero()`` (autotp/vocab_ops.py, _VocabCE.backward). Dynamo traces an autograd.Function's backward
+# when it meets ``.apply`` in the forward; a data-dependent output shape there makes the whole Function fall
+# back to eager, splitting the graph in three (2 breaks: "Dynamic shape operator aten.nonzero.default").
+# Letting dynamo capture data-dependent output shapes (unbacked symints) keeps it in one graph.
+DYNAMO_CONFIG = {"capture_dynamic_output_shape_ops": True}
+
+
+class CompiledGraph(nn.Module):
+    """``torch.compile`` of one rewritten graph module, traced under :data:`DYNAMO_CONFIG`.
+
+    Vocab-parallel logits leave the compiled region as plain local tensors and become DTensors outside it:
+    traced in, a DTensor output makes AOTAutograd expect a DTensor tangent for it, and a step that only
+    calls ``loss.backward()`` hands it a plain zero tangent instead ("Expected a DTensor tangent but got a
+    plain Tensor"). The wrapping is metadata only (``DTensor.from_local(run_check=False)``), so nothing is
+    lost by doing it eagerly.
+    """
+
+    def __init__(self, gm: fx.GraphModule, **options) -> None:
+        super().__init__()
+        options.setdefault("fullgraph", False)
+        self.__dict__["graph_module"] = gm  # not a submodule: parameters stay where TPModule put them
+        inner, self._wrap = _local_outputs(gm)
+        self.compiled = torch.compile(inner, **options)
+
+    def forward(self, *args, **kwargs):
+        with torch._dynamo.config.patch(**DYNAMO_CONFIG):
+            out = self.compiled(*args, **kwargs)
+        if not self._wrap:
+            return out
+        leaves, spec = pytree.tree_flatten(out)
+        for i, module in self._wrap.items():
+            leaves[i] = module(leaves[i])
+        return pytree.tree_unflatten(leaves, spec)
+
+
+def _local_outputs(gm: fx.GraphModule) -> tuple[fx.GraphModule, dict[int, nn.Module]]:
+    """A copy of ``gm`` (sharing its submodules and tensors) whose VocabOutput results that are graph
+    outputs are returned unwrapped, and {flat output index: the VocabOutput module to apply outside}."""
+    from autotp.vocab_ops import VocabOutput
+
+    graph = copy.deepcopy(gm.graph)
+    out = graph.output_node()
+    flat = out.args[0] if isinstance(out.args[0], (tuple, list)) else [out.args[0]]
+    wrap: dict[int, nn.Module] = {}
+    for i, node in enumerate(flat):
+        if isinstance(node, fx.Node) and node.op == "call_module" \
+                and isinstance(gm.get_submodule(node.target), VocabOutput) and len(node.users) == 1:
+            wrap[i] = gm.get_submodule(node.target)
+    if not wrap:
+        return gm, {}
+    new_flat = [node.args[0] if i in wrap else node for i, node in enumerate(flat)]
+    removed = [flat[i] for i in wrap]
+    out.args = (type(out.args[0])(new_flat) if isinstance(out.args[0], (tuple, list)) else new_flat[0],)
+    for node in removed:
+        graph.erase_node(node)
+    inner = fx.GraphModule(gm, graph)
+    inner.graph._codegen = copy.deepcopy(gm.graph._codegen)
+    inner.recompile()
+    return inner, wrap
+
+
+def compile_graph(gm: fx.GraphModule, **options) -> nn.Module:
+    """``torch.compile(gm)`` (dynamic batch/sequence, as captured); options go to ``torch.compile``."""
+    return CompiledGraph(gm, **options)
+
+
+def uncompiled(module: nn.Module) -> nn.Module:
+    """The graph module behind a :func:`compile_graph` result (or ``module`` itself)."""
+    return module.__dict__["graph_module"] if isinstance(module, CompiledGraph) else getattr(module, "_orig_mod", module)
+
+
+def graph_breaks(fn, *args, **kwargs) -> dict:
+    """``torch._dynamo.explain`` of ``fn(*args, **kwargs)`` as plain data: graphs, breaks and their reasons."""
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(**DYNAMO_CONFIG):
+        out = torch._dynamo.explain(fn)(*args, **kwargs)
+    return {
+        "graphs": out.graph_count,
+        "breaks": out.graph_break_count,
+        "reasons": [str(getattr(r, "reason", r)) for r in out.break_reasons],
+        "ops": out.op_count,
+    }

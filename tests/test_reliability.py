@@ -1,0 +1,310 @@
+"""Reliability of ``autotp shard`` (issue 6): atomic checkpoints, resume, failing ranks, and the catalog of
+bad inputs that must fail in the launching process, before any rank starts."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from autotp.cli.main import app
+from autotp.ckpt_io import checkpoint_info, latest_checkpoint
+from autotp.launch import ENV_TIMEOUT, LaunchSpec
+from distributed import ROOT
+
+NANOGPT = os.path.join(ROOT, "examples", "nanogpt.py")
+EXAMPLES = os.path.join(ROOT, "examples")
+RUN_TIMEOUT_S = 90
+TOL = 1e-6
+runner = CliRunner()
+
+# nanoGPT behind a wrapper that can crash rank 1 in the middle of its CRASH_AT_SAVE-th checkpoint save (first
+# attempt of the job only): its data files are written, the checkpoint's metadata is not (DCP's coordinator,
+# rank 0, writes it after every rank finished)
+CRASHY = f"""
+import os, sys
+sys.path.insert(0, {EXAMPLES!r})
+from nanogpt import build_model, example_batch
+
+if os.environ.get("CRASH_AT_SAVE") and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+    import torch.distributed as dist
+    from torch.distributed.checkpoint import filesystem
+
+    _write = filesystem.FileSystemWriter.write_data
+    _saves = [0]
+
+    def _crashing_write(self, plan, planner):
+        fut = _write(self, plan, planner)
+        fut.wait()
+        _saves[0] += 1
+        if dist.get_rank() == 1 and _saves[0] == int(os.environ["CRASH_AT_SAVE"]):
+            with open(os.environ["CRASH_MARKER"], "a") as f:
+                f.write("crashed\\n")
+            os._exit(17)
+        return fut
+
+    filesystem.FileSystemWriter.write_data = _crashing_write
+"""
+
+# nanoGPT whose graph ends in a custom op: autotp runs the captured graph, not the user's forward, so a
+# Python `raise` in forward would only run at capture; the op runs every step and fails as told by the env
+FAULTY = f"""
+import os, sys, time
+sys.path.insert(0, {EXAMPLES!r})
+import torch
+import torch.distributed as dist
+from torch import nn
+import nanogpt
+
+_calls = [0]
+
+
+@torch.library.custom_op("autotp_test::fault_point", mutates_args=())
+def fault_point(x: torch.Tensor) -> torch.Tensor:
+    _calls[0] += 1
+    step = _calls[0] - 1  # call 1 is the parity check, then one call per training step
+    rank = dist.get_rank() if dist.is_initialized() else -1
+    first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+    if rank == 1 and step == 2 and first_attempt:
+        if os.environ.get("FAULT") == "hang":
+            time.sleep(600)
+        raise RuntimeError(f"injected fault on rank {{rank}} at step {{step}}")
+    return x.clone()
+
+
+@fault_point.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+fault_point.register_autograd(lambda ctx, g: g)
+
+
+class Faulty(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.gpt = nanogpt.build_model()
+
+    def forward(self, idx, targets):
+        logits, loss = self.gpt(idx, targets)
+        return logits, fault_point(loss)
+
+
+def build_model():
+    return Faulty()
+
+
+example_batch = nanogpt.example_batch
+"""
+
+
+def _shard(model: str | Path, out: Path, *extra: str, env: dict | None = None) -> tuple[int, str, float]:
+    """``autotp shard`` in a fresh process group (session); (exit code, stdout+stderr, seconds)."""
+    cmd = [sys.executable, "-m", "autotp.cli.main", "shard", str(model), "--tp", "2", "--out", str(out), *extra]
+    start = time.monotonic()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
+                            env={**os.environ, "COLUMNS": "200", **(env or {})}, start_new_session=True)
+    try:
+        text, _ = proc.communicate(timeout=RUN_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        text, _ = proc.communicate()
+        pytest.fail(f"autotp shard {extra} did not finish within {RUN_TIMEOUT_S} s\n{text}")
+    return proc.returncode, text, time.monotonic() - start
+
+
+def _summary(out: Path) -> dict:
+    return json.loads((out / "summary.json").read_text())
+
+
+def _params(out: Path, checkpoint: str | Path) -> dict[str, torch.Tensor]:
+    import nanogpt
+
+    from autotp.cli.shard import load_unsharded
+    from autotp.plan import Plan
+
+    model = nanogpt.build_model()
+    load_unsharded(model, Plan.from_json((out / "plan.json").read_text()), checkpoint)
+    return {n: p.detach().clone() for n, p in model.state_dict().items()}
+
+
+# -- 1 and 2: atomic checkpoints and resume ---------------------------------------------------------------
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict:
+    tmp = tmp_path_factory.mktemp("reliability")
+    crashy = tmp / "crashy.py"
+    crashy.write_text(CRASHY)
+    res: dict = {"tmp": tmp}
+    res["full"] = _shard(NANOGPT, tmp / "full", "--steps", "6", "--no-verify")
+    # steps 1-3, checkpoint 3 published, steps 4-6, rank 1 dies while writing checkpoint 6
+    res["crash"] = _shard(crashy, tmp / "resumed", "--steps", "6", "--save-every", "3", "--no-verify",
+                          env={"CRASH_AT_SAVE": "2", "CRASH_MARKER": str(tmp / "crash1")})
+    # what the crash left behind, before the resumed run cleans it up
+    ckpts = tmp / "resumed" / "checkpoints"
+    res["after_crash"] = {
+        "latest": (ckpts / "latest").read_text().strip(),
+        "tmp_files": sorted(p.name for p in (ckpts / ".tmp-step-000006").iterdir()),
+        "found": latest_checkpoint(tmp / "resumed"),
+        "summary": (tmp / "resumed" / "summary.json").exists(),
+    }
+    res["after_crash"]["params"] = _params(tmp / "resumed", res["after_crash"]["found"])
+    # --resume from checkpoint 3; the first attempt dies in its final save again, the elastic launcher restarts
+    # the job (--max-restarts 1), which resumes from checkpoint 3 once more and finishes
+    res["resume"] = _shard(crashy, tmp / "resumed", "--steps", "6", "--resume", "--max-restarts", "1",
+                           "--no-verify", env={"CRASH_AT_SAVE": "1", "CRASH_MARKER": str(tmp / "crash2")})
+    return res
+
+
+def test_crash_during_save_keeps_previous_checkpoint(runs) -> None:
+    code, text, _ = runs["crash"]
+    assert code != 0, text
+    assert (runs["tmp"] / "crash1").read_text() == "crashed\n"
+    after = runs["after_crash"]
+    # rank 1 wrote its shard into the temporary folder, then died: no metadata, never published
+    assert after["tmp_files"] and ".metadata" not in after["tmp_files"], after["tmp_files"]
+    assert after["latest"] == "step-000003"
+    assert after["found"].name == "step-000003" and not after["summary"]
+    # and the previous checkpoint loads, into the unsharded model too (the resumed run loads it on 2 ranks)
+    assert all(torch.isfinite(p).all() for p in after["params"].values())
+
+
+def test_resume_matches_uninterrupted_training(runs) -> None:
+    full_code, full_text, _ = runs["full"]
+    code, text, _ = runs["resume"]
+    assert full_code == 0, full_text
+    assert code == 0, text
+    assert "resumed" in text and "from step 3" in text
+    assert (runs["tmp"] / "crash2").read_text() == "crashed\n", "the first attempt did not crash"
+    full, resumed = _summary(runs["tmp"] / "full"), _summary(runs["tmp"] / "resumed")
+    assert resumed["start_step"] == 3 and len(resumed["losses"]) == 3
+    assert len(full["losses"]) == 6
+    got = resumed["losses"]
+    assert max(abs(a - b) for a, b in zip(got, full["losses"][3:])) <= TOL, (got, full["losses"])
+    assert abs(resumed["final_loss"] - full["final_loss"]) <= TOL
+    want = _params(runs["tmp"] / "full", full["checkpoint_path"])
+    got = _params(runs["tmp"] / "resumed", resumed["checkpoint_path"])
+    assert want.keys() == got.keys()
+    for name in want:
+        assert (want[name] - got[name]).abs().max().item() <= TOL, name
+    # the published checkpoint replaced the old one; the crash's leftovers are gone
+    ckpts = runs["tmp"] / "resumed" / "checkpoints"
+    assert sorted(p.name for p in ckpts.iterdir()) == ["latest", "step-000006"]
+    assert (runs["tmp"] / "resumed" / "checkpoint").resolve() == (ckpts / "step-000006").resolve()
+    assert checkpoint_info(ckpts / "step-000006") == {"step": 6, "tp": 2, "world_size": 2}
+
+
+def test_resume_with_another_tp_fails_before_any_rank(runs, monkeypatch) -> None:
+    import autotp.cli.shard as shard_cli
+
+    monkeypatch.setattr(shard_cli, "launch", lambda *a, **k: pytest.fail("a rank was started"))
+    result = runner.invoke(app, ["shard", NANOGPT, "--tp", "1", "--resume", "--out", str(runs["tmp"] / "resumed")],
+                           env={"COLUMNS": "500"})
+    assert result.exit_code == 2, result.output
+    assert "was saved with --tp 2, this job has --tp 1" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
+# -- 3: faults ------------------------------------------------------------------------------------------------
+@pytest.fixture
+def faulty(tmp_path: Path) -> Path:
+    path = tmp_path / "faulty.py"
+    path.write_text(FAULTY)
+    return path
+
+
+def _first_failure_line(text: str) -> str:
+    lines = [ln for ln in text.splitlines() if ln.strip() and not ln.lstrip().startswith("training")]
+    return lines[0] if lines else ""
+
+
+def test_failing_rank_fails_the_job_fast_and_first(faulty: Path, tmp_path: Path) -> None:
+    code, text, seconds = _shard(faulty, tmp_path / "out", "--steps", "4", "--timeout", "30")
+    assert code != 0, text
+    assert seconds < 60, text
+    assert "Traceback" not in text
+    first = _first_failure_line(text)
+    assert first.startswith("error: rank 1:") and "injected fault on rank 1 at step 2" in first, text
+
+
+def test_hanging_rank_is_bounded_by_timeout(faulty: Path, tmp_path: Path) -> None:
+    # rank 1 never reaches the next collective; rank 0's waits end after --timeout, and with it the job
+    code, text, seconds = _shard(faulty, tmp_path / "out", "--steps", "3", "--timeout", "3",
+                                 env={"FAULT": "hang"})
+    assert code != 0, text
+    assert seconds < 60, text
+    first = _first_failure_line(text)
+    assert first.startswith("error: rank ") and "no peer answered within --timeout 3 s" in first, text
+
+
+def test_timeout_and_restarts_reach_the_launcher() -> None:
+    spec = LaunchSpec(tp=2, timeout=7, max_restarts=3)
+    assert spec.env("gloo")[ENV_TIMEOUT] == "7.0" and spec.max_restarts == 3
+    assert ENV_TIMEOUT not in LaunchSpec(tp=2).env("gloo")
+
+
+# -- 4: the catalog of bad inputs --------------------------------------------------------------------------
+def _write(tmp_path: Path, name: str, body: str) -> str:
+    path = tmp_path / name
+    path.write_text(body)
+    return str(path)
+
+
+GPT = f"import sys\nsys.path.insert(0, {EXAMPLES!r})\nimport torch\nfrom nanogpt import GPT, GPTConfig\n"
+CATALOG = {
+    "missing file": (lambda d: str(d / "nope.py"), [], "does not exist"),
+    "import fails": (lambda d: _write(d, "bad.py", "x = 1\nraise RuntimeError('no weights here')\n"), [],
+                     "importing .* failed at line 2: RuntimeError: no weights here"),
+    "no factory": (lambda d: _write(d, "nofactory.py", "WIDTH = 8\n\ndef helper():\n    return 1\n"), [],
+                   "defines neither build_model.*public names it defines: WIDTH, helper"),
+    "factory raises": (lambda d: _write(d, "raises.py", "def build_model():\n    raise ValueError('bad config')\n"),
+                       [], r"build_model\(\) in .* raised ValueError: bad config"),
+    "no example_batch": (lambda d: _write(d, "nobatch.py", GPT + "def build_model():\n    return GPT(GPTConfig())\n"),
+                         [], "defines no example_batch"),
+    "heads not divisible": (lambda d: _write(
+        d, "heads.py", GPT + "def build_model():\n    return GPT(GPTConfig(n_head=3, n_embd=48))\n"
+        "def example_batch():\n    return torch.zeros(2, 8, dtype=torch.long), torch.zeros(2, 8, dtype=torch.long)\n"),
+        [], "not divisible|divisible by"),
+    "sequence > block_size": (lambda d: _write(
+        d, "long.py", GPT + "def build_model():\n    return GPT(GPTConfig())\n"
+        "def example_batch():\n    idx = torch.zeros(2, 100, dtype=torch.long)\n    return idx, idx\n"),
+        [], "Cannot forward sequence of length 100, block size is only 64"),
+    "tp 0": (lambda d: NANOGPT, ["--tp", "0"], "--tp must be an integer >= 1"),
+    "more ranks than GPUs": (lambda d: NANOGPT, ["--device", "cuda"], r"need 2 GPUs, this node has \d"),
+    "nnodes without master": (lambda d: NANOGPT, ["--nnodes", "2"], "needs --master-addr and --master-port"),
+    "node rank out of range": (lambda d: NANOGPT, ["--nnodes", "2", "--node-rank", "2", "--master-addr", "x",
+                                                   "--master-port", "1"], "out of range"),
+    "timeout 0": (lambda d: NANOGPT, ["--timeout", "0"], "--timeout must be > 0"),
+}
+
+
+@pytest.mark.parametrize("case", list(CATALOG))
+def test_bad_input_fails_before_any_rank(case: str, tmp_path: Path, monkeypatch) -> None:
+    import re
+
+    import autotp.cli.shard as shard_cli
+
+    if case == "more ranks than GPUs" and torch.cuda.is_available() and torch.cuda.device_count() >= 2:
+        pytest.skip("this machine has the GPUs")
+
+    def no_launch(*args, **kwargs):
+        raise AssertionError("a rank was started")
+
+    monkeypatch.setattr(shard_cli, "launch", no_launch)
+    make, extra, pattern = CATALOG[case]
+    args = ["shard", make(tmp_path), "--tp", "2", "--out", str(tmp_path / "out"), *extra]
+    start = time.monotonic()
+    result = runner.invoke(app, args, env={"COLUMNS": "500"})
+    seconds = time.monotonic() - start
+    assert result.exit_code == 2, (result.exit_code, result.output, result.exception)
+    assert "Traceback" not in result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    assert re.search(pattern, lines[0]), lines[0]
+    assert seconds < 30
