@@ -7,6 +7,7 @@ This is the one place where the rank enters: weights are sliced here and collect
 """
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 
 import torch
@@ -102,6 +103,7 @@ class TPModule(nn.Module):
             "rng": RegionRNG(torch.initial_seed() + SEED_OFFSET + rank, device) if tp > 1 else None,
             "mesh": None,  # built when a plan first returns vocab-parallel logits
             "vocab_multiple": vocab_multiple,
+            "warned": set(),
             "compile": compile,
         }
         self.training = model.training
@@ -143,6 +145,11 @@ class TPModule(nn.Module):
         st["skeleton"].train(training)
         gm = capture(st["skeleton"], args, kwargs, st["device"])
         plan = make_plan(gm, st["tp"], st["vocab_multiple"])
+        for module, reason in plan.replicated:
+            if (module, reason) not in st["warned"]:
+                st["warned"].add((module, reason))
+                warnings.warn(f"autotp: {module or '<root>'} left replicated (exact, not sharded): {reason}",
+                              stacklevel=3)
         for name, shard in plan.params:
             known = st["shards"].get(name)
             if known is not None and known != shard:

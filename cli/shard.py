@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+import torch.utils._pytree as pytree
 import typer
 from rich.console import Console
 from rich.markup import escape
@@ -46,6 +47,7 @@ from autotp.cli.run import (DEBUG, DEVICE, DP, MASTER_ADDR, MASTER_PORT, MAX_RES
 from autotp.ckpt_io import check_resumable, latest_checkpoint, load_training_state, save_training_state
 from autotp.errors import AutotpError, CaptureError
 from autotp.plan import Plan
+from autotp.report import build_report
 from autotp.launch import RankContext, RankFailedError, init_from_env, launch
 from autotp.modelfile import (ModelFile, ModelFileError, find_loss, load_model_file, output_tensors, parse_spec,
                               replica_batch, to_device)
@@ -101,6 +103,9 @@ class ShardReport:
     checkpoint_path: str
     start_step: int = 0  # the step training resumed from (0: from scratch); ``losses`` are steps start_step+1...
     resumed_from: str | None = None
+    # TP communication of one step against DESIGN.md's formula:
+    # (direction, op, count, formula count, elements, formula elements, bytes) per kind, then the total
+    comm: tuple[tuple, ...] = ()
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -328,9 +333,20 @@ def _shard(job: ShardJob, ctx: RankContext) -> ShardReport | None:
         ranks=tuple(everyone), collectives=tuple((*key, n) for key, n in sorted(counts.items())),
         parity=parity, losses=tuple(losses), final_loss=final_loss,
         plan_path=str(plan_path), checkpoint_path=str(ckpt_path), start_step=start, resumed_from=resumed_from,
+        comm=_comm_vs_formula(tpm, args, kwargs),
     )
     (out / "summary.json").write_text(json.dumps(report.to_dict(), indent=2))
     return report
+
+
+def _comm_vs_formula(tpm: autotp.TPModule, args: tuple, kwargs: dict) -> tuple[tuple, ...]:
+    """The plan's collectives for this batch against the formula (b, s: the first 2-D+ tensor input)."""
+    first = next((x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor) and x.dim() >= 2), None)
+    if first is None or tpm.tp_size == 1:
+        return ()
+    rep = build_report(tpm.plan, tpm.named_parameters(remove_duplicate=False), first.shape[0], first.shape[1])
+    return tuple((c.direction, c.op, c.count, c.formula_count, c.elements, c.formula_elements,
+                  None if c.elements is None else c.elements * rep.act_bytes) for c in [*rep.comm, rep.total()])
 
 
 # -- the command ---------------------------------------------------------------------------------------
@@ -431,6 +447,19 @@ def render(report: ShardReport, console: Console) -> None:
     summary.add_row("plan", escape(report.plan_path))
     summary.add_row("checkpoint", escape(report.checkpoint_path))
     console.print(summary)
+    if report.comm:
+        comm = Table(title="TP communication per training step, per rank, vs DESIGN.md formula")
+        for col in ("pass", "all-reduce", "count", "formula", "ratio", "elements", "formula", "ratio", "bytes"):
+            comm.add_column(col, justify="left" if col in ("pass", "all-reduce") else "right")
+
+        def ratio(a, b):
+            return "-" if a is None or not b else f"{a / b:.2f}"
+
+        for d, op, n, fn, el, fel, nbytes in report.comm:
+            comm.add_row({"forward": "fwd", "backward": "bwd"}.get(d, d), op, str(n), str(fn), ratio(n, fn),
+                         "-" if el is None else f"{el:,}", "-" if fel is None else f"{fel:,}", ratio(el, fel),
+                         "-" if nbytes is None else _size(nbytes))
+        console.print(comm)
 
 
 def shard(

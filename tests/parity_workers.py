@@ -161,3 +161,18 @@ def checkpoint_round_trip(model_name: str) -> dict:
         "fresh_differed_before": before, "reloaded_loss_diff": _max_diff(loss, floss),
         "reloaded_logits_diff": _max_diff(logits, flogits),
     }
+
+
+def replicated_block() -> dict:
+    """A block autotp cannot shard exactly: replicated with a warning naming the op, numbers unchanged."""
+    import warnings
+
+    from toy_models import toy
+
+    ref, args, kwargs = toy("head_mixing")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        tpm = autotp.parallelize(copy.deepcopy(ref), example_inputs=(args, kwargs))
+    loss, _ = loss_and_logits(tpm(*args))
+    return {"warnings": [str(w.message) for w in caught], "loss_diff": _max_diff(loss, ref(*args)[1]),
+            "block_sharded": any(n.startswith("block.") for n, _ in tpm.plan.params)}

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from distributed import launch
-from parity_workers import checkpoint_round_trip, dropout_streams, other_calls, training_parity
+from parity_workers import checkpoint_round_trip, dropout_streams, other_calls, replicated_block, training_parity
 
 # model -> (b, s, h, layers)
 MODELS = {"nanogpt": (4, 32, 64, 2), "gpt2": (4, 16, 64, 2), "gpt2_50257": (4, 16, 64, 2), "llama": (4, 16, 64, 2)}
@@ -109,3 +109,10 @@ def test_full_state_dict_round_trip(model: str, world: int):
         assert r["unsharded_loss_diff"] <= 1e-5 and r["unsharded_logits_diff"] <= 1e-5
         assert r["fresh_differed_before"] > 1e-3
         assert r["reloaded_loss_diff"] == 0.0 and r["reloaded_logits_diff"] == 0.0
+
+
+def test_unshardable_block_is_replicated_with_a_warning():
+    for r in launch(replicated_block, 2).values():
+        assert not r["block_sharded"]
+        assert any("block left replicated" in w and "aten.mean.dim" in w for w in r["warnings"]), r["warnings"]
+        assert r["loss_diff"] <= 1e-5
