@@ -39,16 +39,12 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultLoadPlanner
 
-from autotp.errors import AutotpError
+from autotp.errors import CheckpointError
 
 __all__ = ["CheckpointError", "checkpoint_info", "check_resumable", "latest_checkpoint", "load_training_state",
            "save_training_state", "step_dir_name"]
 
 CHECKPOINTS, LATEST, LINK, TMP_PREFIX, INFO = "checkpoints", "latest", "checkpoint", ".tmp-", "autotp.json"
-
-
-class CheckpointError(AutotpError, RuntimeError):
-    """No checkpoint to resume from, or one that does not fit the job."""
 
 
 def step_dir_name(step: int) -> str:

@@ -1,4 +1,8 @@
-"""Errors a user can cause, each naming the culprit and how to fix it."""
+"""The error catalog: every failure a user can cause, each a typed error with a one-line cause that names
+the culprit (module path, sizes, tp, file, rank) and a fix hint. The CLI prints ``error: <cause>`` and the
+hint, without a traceback unless ``--debug``; all are raised before any rank communicates, except
+:class:`RankFailedError`, which reports a rank that failed while running.
+"""
 from __future__ import annotations
 
 
@@ -22,3 +26,27 @@ class CaptureError(AutotpError, RuntimeError):
 
 class ProcessGroupError(AutotpError, RuntimeError):
     """No usable process group for tensor parallelism."""
+
+
+class ModelFileError(AutotpError, ValueError):
+    """The model file is missing, fails to import, or defines nothing autotp can build a model from."""
+
+
+class LaunchError(AutotpError, ValueError):
+    """Sizes or rendezvous settings that cannot start a job (tp·dp·pp vs world, devices per node, ...)."""
+
+
+class PlanSizeError(AutotpError, ValueError):
+    """--batch / --seq outside the sizes the captured forward accepts."""
+
+
+class CheckpointError(AutotpError, RuntimeError):
+    """No checkpoint to resume from, or one that does not fit the job."""
+
+
+class RankFailedError(AutotpError, RuntimeError):
+    """A worker process failed; ``message`` is its exception, ``traceback`` its stack when it recorded one."""
+
+    def __init__(self, rank: int, exitcode: int, message: str, traceback: str = ""):
+        self.rank, self.exitcode, self.message, self.traceback = rank, exitcode, message, traceback
+        super().__init__(f"rank {rank} failed (exit code {exitcode}): {message}")

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from autotp.errors import AutotpError, ProcessGroupError
+from autotp.errors import LaunchError, ProcessGroupError, RankFailedError
 from autotp.layout import RankLayout
 
 __all__ = [
@@ -39,18 +39,6 @@ _PEER_FAILURE = ("connection closed by peer", "connection reset", "broken pipe",
                  "timed out", "timeout", "distbackenderror", "checkpointexception", "nccl", "watchdog",
                  "signal", "sigterm", "sigkill")
 _LAUNCHER_LOGGERS = ("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing")
-
-
-class LaunchError(AutotpError, ValueError):
-    """Sizes or rendezvous settings that cannot start a job."""
-
-
-class RankFailedError(AutotpError, RuntimeError):
-    """A worker process failed; ``message`` is its exception, ``traceback`` its stack when it recorded one."""
-
-    def __init__(self, rank: int, exitcode: int, message: str, traceback: str = ""):
-        self.rank, self.exitcode, self.message, self.traceback = rank, exitcode, message, traceback
-        super().__init__(f"rank {rank} failed (exit code {exitcode}): {message}")
 
 
 def choose_backend(nproc_per_node: int) -> str:

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from autotp.errors import AutotpError
+from autotp.errors import ModelFileError
 
 __all__ = [
     "DEFAULT_FACTORIES",
@@ -37,10 +37,6 @@ __all__ = [
 
 DEFAULT_FACTORIES: tuple[str, ...] = ("build_model", "model")
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-
-
-class ModelFileError(AutotpError, ValueError):
-    """The model file is missing, fails to import, or defines nothing autotp can build a model from."""
 
 
 @dataclass(frozen=True)

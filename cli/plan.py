@@ -21,7 +21,7 @@ from rich.table import Table
 
 from autotp.capture import capture, meta_skeleton
 from autotp.cli.run import DEBUG, abort
-from autotp.errors import AutotpError
+from autotp.errors import AutotpError, PlanSizeError
 from autotp.layout import RankLayout
 from autotp.modelfile import ModelFileError, load_model_file
 from autotp.planner import make_plan
@@ -30,10 +30,6 @@ from autotp.report import Report, build_report, size_ranges
 _DIR = {"forward": "fwd", "backward": "bwd"}
 # the first numbered path component (``transformer.h.3``) names a layer; tables draw a line between layers
 _LAYER = re.compile(r"^(.*?\.\d+)(\.|$)")
-
-
-class PlanSizeError(AutotpError, ValueError):
-    """--batch / --seq outside the sizes the captured forward accepts."""
 
 
 def _n(x: int | None) -> str:

@@ -163,20 +163,24 @@ def _dtensor(local: torch.Tensor, mesh, dim: int, shape: tuple[int, ...]) -> DTe
     return DTensor.from_local(local, mesh, placements, run_check=False, shape=torch.Size(shape), stride=stride)
 
 
-def load_unsharded(model: torch.nn.Module, plan: Plan, path: Path | str) -> None:
-    """Load a :func:`save_checkpoint` checkpoint into the unsharded ``model``, in one process, no group."""
+def load_unsharded(model: torch.nn.Module, plan: Plan | None, path: Path | str) -> None:
+    """Load a :func:`save_checkpoint` checkpoint into a model holding full tensors (the unsharded model, or a
+    tp-1 parallelized one), in one process, no group. Fused parameters were saved one key per segment; the
+    segments are read from the checkpoint itself, so any tp's checkpoint loads (``plan`` is not needed)."""
     state = model.state_dict(keep_vars=True)
-    by_id = {id(state[name]): shard for name, shard in plan.params if name in state}
+    meta = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
     pieces: dict[str, torch.Tensor] = {}
     for name, tensor in state.items():
-        shard = by_id.get(id(tensor))
-        if shard is None or shard.vocab is not None or len(shard.segments) == 1:
+        if f"model.{name}" in meta or f"model.{name}.segment0" not in meta:
             pieces[name] = tensor.detach()
             continue
-        offset = 0
-        for i, seg in enumerate(shard.segments):
-            pieces[f"{name}.segment{i}"] = tensor.detach().narrow(shard.dim, offset, seg.size)
-            offset += seg.size
+        i, offset = 0, 0
+        while f"model.{name}.segment{i}" in meta:
+            size = tuple(meta[f"model.{name}.segment{i}"].size)
+            dim = next(d for d, (a, b) in enumerate(zip(size, tensor.shape)) if a != b)
+            pieces[f"{name}.segment{i}"] = tensor.detach().narrow(dim, offset, size[dim])
+            offset += size[dim]
+            i += 1
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
         dcp.load({"model": pieces}, checkpoint_id=str(path), no_dist=True)
