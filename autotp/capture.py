@@ -7,8 +7,11 @@ symbolic unless the model pins them. A size of 1 is specialized by export, so it
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
+import io
+import logging
 import os
 import traceback
 from collections.abc import Hashable
@@ -106,8 +109,12 @@ def _meta_constants(gm: fx.GraphModule) -> list[str]:
 
 def _export(model: nn.Module, args: tuple, kwargs: dict) -> fx.GraphModule:
     dyn_args, dyn_kwargs = _dynamic_shapes(args, kwargs)
+    quiet = logging.getLogger("torch")
+    level = quiet.level
+    quiet.setLevel(logging.CRITICAL)  # a failed export logs its whole graph; the CaptureError says what matters
     try:
-        with torch.no_grad():
+        # export prints the partial graph of a failed trace; the CaptureError below says what matters
+        with torch.no_grad(), contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
             ep = torch.export.export(model, tuple(args), dict(kwargs),
                                      dynamic_shapes=_combine(model, dyn_args, dyn_kwargs), strict=False)
     except Exception as e:  # noqa: BLE001 - every export failure becomes one readable error
@@ -116,6 +123,8 @@ def _export(model: nn.Module, args: tuple, kwargs: dict) -> fx.GraphModule:
             hint="make the forward traceable (no data-dependent Python control flow on tensor values), "
                  "or pass example_inputs shaped like a real batch",
         ) from e
+    finally:
+        quiet.setLevel(level)
     return ep.module()
 
 

@@ -363,6 +363,8 @@ def _eager_on_meta(mf: ModelFile, skeleton: torch.nn.Module, args: tuple, kwargs
         with torch.no_grad():
             skeleton(*meta[0], **meta[1])
     except Exception as exc:  # noqa: BLE001 - the model's own message is the point
+        if "meta" in str(exc):  # the forward needs real values (export's own error says why): not this
+            return
         torch_dir = os.path.dirname(torch.__file__)
         frames = [f for f in tb.extract_tb(exc.__traceback__)
                   if not f.filename.startswith(torch_dir) and "site-packages" not in f.filename]

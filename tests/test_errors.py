@@ -66,3 +66,30 @@ def test_group_of_one_runs_unsharded(single_rank_group):
     idx, targets = example_batch()
     assert torch.equal(tpm(idx, targets)[1], model(idx, targets)[1])
     assert tpm.plan.params == ()
+
+
+def test_cli_shows_export_reason_and_user_line_without_traceback(tmp_path):
+    from typer.testing import CliRunner
+
+    from autotp.cli.main import app
+
+    model_py = tmp_path / "dd.py"
+    model_py.write_text(
+        "import torch, torch.nn as nn\n"
+        "class M(nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__(); self.e = nn.Embedding(32, 16); self.fc = nn.Linear(16, 32)\n"
+        "    def forward(self, idx):\n"
+        "        x = self.e(idx)\n"
+        "        if x.sum() > 0:\n"
+        "            x = x * 2\n"
+        "        return self.fc(x).sum()\n"
+        "def build_model(): return M()\n"
+        "def example_batch(): return (torch.zeros(2, 8, dtype=torch.long),)\n"
+    )
+    result = CliRunner().invoke(app, ["shard", str(model_py), "--tp", "2"], env={"COLUMNS": "300"})
+    assert result.exit_code == 2
+    out = result.output
+    assert out.lstrip().startswith("error: torch.export could not capture M.forward")
+    assert "dd.py:7" in out and "if x.sum() > 0" in out
+    assert "Traceback" not in out and "def forward(self, arg0_1" not in out
