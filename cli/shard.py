@@ -24,29 +24,26 @@ import math
 import os
 import statistics
 import time
-import warnings
 from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 import torch.utils._pytree as pytree
 import typer
 from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor
 
 import autotp
 from autotp.cli.run import (DEBUG, DEVICE, DP, MASTER_ADDR, MASTER_PORT, MAX_RESTARTS, NNODES, NODE_RANK, TIMEOUT,
                             TP, abort, launch_spec)
+from autotp.checkpoint import sharded_state_dict
 from autotp.ckpt_io import check_resumable, latest_checkpoint, load_training_state, save_training_state
 from autotp.errors import AutotpError, CaptureError
-from autotp.plan import Plan
 from autotp.report import build_report
 from autotp.launch import RankContext, RankFailedError, init_from_env, launch
 from autotp.modelfile import (ModelFile, ModelFileError, find_loss, load_model_file, output_tensors, parse_spec,
@@ -111,88 +108,6 @@ class ShardReport:
         d = asdict(self)
         d["parity"] = None if self.parity is None else {**asdict(self.parity), "ok": self.parity.ok}
         return d
-
-
-# -- checkpoint ------------------------------------------------------------------------------------------
-def sharded_state_dict(tpm: autotp.TPModule, ctx: RankContext) -> dict[str, torch.Tensor]:
-    """``tpm.state_dict()`` in global coordinates, for torch.distributed.checkpoint.
-
-    Replicated tensors stay plain (DCP keeps one copy). A sharded parameter becomes one DTensor per
-    segment (``name`` for one segment, ``name.segment{i}`` for fused ones), each a view of the local shard,
-    so ``dcp.load`` writes straight into the parameters and a checkpoint can be resharded.
-    """
-    state = tpm.state_dict(keep_vars=True)
-    by_id = {id(state[name]): shard for name, shard in tpm.plan.params if name in state}
-    layout, meshes = ctx.layout, {}
-    out: dict[str, torch.Tensor] = {}
-    for name, tensor in state.items():
-        shard = by_id.get(id(tensor))
-        if shard is None:
-            out[name] = tensor.detach()
-            continue
-        if shard.vocab is not None:
-            # rank r owns torch.chunk's r-th block of the vocab rows; the rows after it are padding
-            owned = tensor.detach().narrow(shard.dim, 0, shard.vocab.owned(ctx.coords["tp"]))
-            shape = list(shard.full_shape)
-            shape[shard.dim] = shard.vocab.size
-            out[name] = _dtensor(owned, ctx.mesh, shard.dim, tuple(shape))
-            continue
-        offset = 0
-        for i, seg in enumerate(shard.segments):
-            if seg.parts not in meshes:
-                # kv blocks held by tp/parts ranks each: shard over the blocks, replicate over the copies
-                meshes[seg.parts] = ctx.mesh if seg.parts == layout.tp else init_device_mesh(
-                    ctx.device.type, (layout.pp, layout.dp, seg.parts, layout.tp // seg.parts),
-                    mesh_dim_names=("pp", "dp", "tp_block", "tp_copy"))
-            piece = tensor.detach().narrow(shard.dim, offset, seg.local())
-            shape = list(shard.full_shape)
-            shape[shard.dim] = seg.size
-            key = name if len(shard.segments) == 1 else f"{name}.segment{i}"
-            out[key] = _dtensor(piece, meshes[seg.parts], shard.dim, tuple(shape))
-            offset += seg.local()
-    return out
-
-
-def _dtensor(local: torch.Tensor, mesh, dim: int, shape: tuple[int, ...]) -> DTensor:
-    """``local`` as its block of a tensor of ``shape``: replicated over pp and dp, sharded over the tp dims.
-
-    On a (pp, dp, tp_block, tp_copy) mesh the copies of a block are replicated too.
-    """
-    placements = [Replicate(), Replicate(), Shard(dim)] + [Replicate()] * (mesh.ndim - 3)
-    stride = torch.empty(shape, device="meta").stride()
-    return DTensor.from_local(local, mesh, placements, run_check=False, shape=torch.Size(shape), stride=stride)
-
-
-def load_unsharded(model: torch.nn.Module, plan: Plan | None, path: Path | str) -> None:
-    """Load a :func:`save_checkpoint` checkpoint into a model holding full tensors (the unsharded model, or a
-    tp-1 parallelized one), in one process, no group. Fused parameters were saved one key per segment; the
-    segments are read from the checkpoint itself, so any tp's checkpoint loads (``plan`` is not needed)."""
-    state = model.state_dict(keep_vars=True)
-    meta = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
-    pieces: dict[str, torch.Tensor] = {}
-    for name, tensor in state.items():
-        if f"model.{name}" in meta or f"model.{name}.segment0" not in meta:
-            pieces[name] = tensor.detach()
-            continue
-        i, offset = 0, 0
-        while f"model.{name}.segment{i}" in meta:
-            size = tuple(meta[f"model.{name}.segment{i}"].size)
-            dim = next(d for d, (a, b) in enumerate(zip(size, tensor.shape)) if a != b)
-            pieces[f"{name}.segment{i}"] = tensor.detach().narrow(dim, offset, size[dim])
-            offset += size[dim]
-            i += 1
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
-        dcp.load({"model": pieces}, checkpoint_id=str(path), no_dist=True)
-
-
-def save_checkpoint(tpm: autotp.TPModule, ctx: RankContext, path: Path | str) -> None:
-    dcp.save({"model": sharded_state_dict(tpm, ctx)}, checkpoint_id=str(path))
-
-
-def load_checkpoint(tpm: autotp.TPModule, ctx: RankContext, path: Path | str) -> None:
-    """Load a :func:`save_checkpoint` checkpoint into ``tpm``'s parameters in place."""
-    dcp.load({"model": sharded_state_dict(tpm, ctx)}, checkpoint_id=str(path))
 
 
 # -- the worker ----------------------------------------------------------------------------------------

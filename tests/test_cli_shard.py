@@ -54,7 +54,7 @@ def _load_worker(out: str) -> tuple[float, float, torch.Tensor]:
     import nanogpt
 
     import autotp
-    from autotp.cli.shard import load_checkpoint
+    from autotp.checkpoint import load_checkpoint
     from autotp.launch import init_distributed
 
     ctx = init_distributed(tp=2)
@@ -75,7 +75,7 @@ def _load_worker(out: str) -> tuple[float, float, torch.Tensor]:
 def test_checkpoint_loads_back_identically(sharded) -> None:
     import nanogpt
 
-    from autotp.cli.shard import load_unsharded
+    from autotp.checkpoint import load_unsharded
 
     out, result = sharded
     assert result.exit_code == 0, result.output
@@ -110,7 +110,7 @@ class _Shards(nn.Module):
 
 
 def _gqa_worker(out: str) -> bool:
-    from autotp.cli.shard import load_checkpoint, save_checkpoint
+    from autotp.checkpoint import load_checkpoint, save_checkpoint
     from autotp.launch import init_distributed
 
     ctx = init_distributed(tp=2)
@@ -125,7 +125,7 @@ def _gqa_worker(out: str) -> bool:
 
 
 def test_checkpoint_replicated_kv_blocks(tmp_path: Path) -> None:
-    from autotp.cli.shard import load_unsharded
+    from autotp.checkpoint import load_unsharded
 
     assert all(launch(_gqa_worker, 2, str(tmp_path / "ckpt")).values())
     full = _Shards(torch.zeros(16, 3), 1)

@@ -135,7 +135,7 @@ def _kill(proc: subprocess.Popen) -> None:
 def test_shard_two_nodes_on_loopback(tmp_path: Path) -> None:
     import nanogpt
 
-    from autotp.cli.shard import load_unsharded
+    from autotp.checkpoint import load_unsharded
     from autotp.plan import Plan
 
     port, out = free_port(), tmp_path / "out"

@@ -127,7 +127,7 @@ def _summary(out: Path) -> dict:
 def _params(out: Path, checkpoint: str | Path) -> dict[str, torch.Tensor]:
     import nanogpt
 
-    from autotp.cli.shard import load_unsharded
+    from autotp.checkpoint import load_unsharded
     from autotp.plan import Plan
 
     model = nanogpt.build_model()
