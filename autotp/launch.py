@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 
 from autotp.errors import LaunchError, ProcessGroupError, RankFailedError
 from autotp.layout import RankLayout

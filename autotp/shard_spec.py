@@ -34,10 +34,6 @@ class Sharding:
     inner: tuple[int, int] | None = None
 
     @property
-    def global_size(self) -> int:
-        return sum(s.size for s in self.segments)
-
-    @property
     def local_size(self) -> int:
         return sum(s.local() for s in self.segments)
 

@@ -41,10 +41,6 @@ def run_passes(gm: fx.GraphModule, plan: Plan, passes: Sequence[Pass] = DEFAULT_
     return gm
 
 
-def nodes_by_name(gm: fx.GraphModule) -> dict[str, fx.Node]:
-    return {n.name: n for n in gm.graph.nodes}
-
-
-__all__ = ["DEFAULT_PASSES", "PassError", "insert_collectives", "nodes_by_name", "region_rng",
+__all__ = ["DEFAULT_PASSES", "PassError", "insert_collectives", "region_rng",
            "rewrite_constants", "row_bias_after_reduce", "run_passes", "vocab_embedding", "vocab_loss",
            "vocab_output"]

@@ -8,7 +8,6 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
