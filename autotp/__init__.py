@@ -4,16 +4,20 @@ from __future__ import annotations
 from autotp.checkpoint import full_state_dict, load_full_state_dict
 from autotp.errors import AutotpError, CaptureError, ProcessGroupError, ShardingError
 from autotp.plan import Plan
-from autotp.runtime import TPModule, parallelize
+from autotp.gathered import GatheredOnUse
+from autotp.runtime import TPModule, TPState, parallelize, tp_state
 
 __all__ = [
     "AutotpError",
     "CaptureError",
+    "GatheredOnUse",
     "Plan",
     "ProcessGroupError",
     "ShardingError",
     "TPModule",
+    "TPState",
     "full_state_dict",
     "load_full_state_dict",
     "parallelize",
+    "tp_state",
 ]

@@ -21,42 +21,51 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from autotp.launch import RankContext
 from autotp.plan import ParamShard, Plan
-from autotp.runtime import TPModule
+from autotp.gathered import all_gather_flat
+from autotp.runtime import tp_state
 
 
-def _shards_by_name(module: TPModule) -> dict[str, ParamShard]:
+def _shards_by_name(module: torch.nn.Module) -> dict[str, ParamShard]:
     """Every state-dict name of a sharded parameter -> its shard (tied names share one)."""
-    by_id: dict[int, ParamShard] = {}
-    params = dict(module.named_parameters(remove_duplicate=False))
-    for name, shard in module._autotp["shards"].items():
-        by_id[id(params[name])] = shard
-    return {name: by_id[id(p)] for name, p in params.items() if id(p) in by_id}
+    return dict(tp_state(module).shards)
 
 
-def full_state_dict(module: TPModule) -> dict[str, torch.Tensor]:
+def full_state_dict(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The unsharded state dict (CPU tensors) of ``module``; a collective: call it on every TP rank."""
+    st = tp_state(module)
     shards = _shards_by_name(module)
-    st = module._autotp
     gathered: dict[int, torch.Tensor] = {}
     out: dict[str, torch.Tensor] = {}
     for name, tensor in module.state_dict(keep_vars=True).items():
         shard = shards.get(name)
-        if shard is None or st["tp"] == 1:
+        if shard is None or st.tp == 1:
             out[name] = tensor.detach().cpu().clone()
             continue
         if id(tensor) not in gathered:
             local = tensor.detach().contiguous()
-            buf = local.new_empty(st["tp"] * local.numel())
-            dist.all_gather_into_tensor(buf, local.flatten(), group=st["group"])
-            gathered[id(tensor)] = shard.unshard(list(buf.view(st["tp"], *local.shape).unbind(0)), st["tp"]).cpu()
+            buf = local.new_empty(st.tp * local.numel())
+            all_gather_flat(buf, local.flatten(), group=st.group)
+            gathered[id(tensor)] = shard.unshard(list(buf.view(st.tp, *local.shape).unbind(0)), st.tp).cpu()
         out[name] = gathered[id(tensor)]
     return out
 
 
-def load_full_state_dict(module: TPModule, state_dict: Mapping[str, torch.Tensor], strict: bool = True) -> None:
+def save_pretrained_full(self, save_directory, *args, **kwargs):
+    """``save_pretrained`` of a parallelized model: the full, unsharded model (gathered on every rank of
+    the group, a collective), written once by global rank 0 unless ``is_main_process`` says otherwise."""
+    st = tp_state(self)
+    if kwargs.get("state_dict") is None:
+        kwargs["state_dict"] = full_state_dict(self)
+    kwargs.setdefault("is_main_process", dist.get_rank() == 0)
+    out = super(type(self), self).save_pretrained(save_directory, *args, **kwargs)
+    dist.barrier(group=st.group)  # the files are complete when any rank returns
+    return out
+
+
+def load_full_state_dict(module: torch.nn.Module, state_dict: Mapping[str, torch.Tensor], strict: bool = True) -> None:
     """Copy each rank's slice of an unsharded ``state_dict`` into ``module`` (no communication)."""
+    st = tp_state(module)
     shards = _shards_by_name(module)
-    st = module._autotp
     own = module.state_dict(keep_vars=True)
     missing = [k for k in own if k not in state_dict]
     unexpected = [k for k in state_dict if k not in own]
@@ -68,14 +77,14 @@ def load_full_state_dict(module: TPModule, state_dict: Mapping[str, torch.Tensor
                 continue
             full = state_dict[name].to(device=tensor.device, dtype=tensor.dtype)
             shard = shards.get(name)
-            local = full if shard is None else shard.shard(full, st["tp"], st["rank"])
+            local = full if shard is None else shard.shard(full, st.tp, st.rank)
             if local.shape != tensor.shape:
                 raise ValueError(f"{name}: checkpoint shape {tuple(full.shape)} gives a local shard "
-                                 f"{tuple(local.shape)}, the model holds {tuple(tensor.shape)} (tp={st['tp']})")
+                                 f"{tuple(local.shape)}, the model holds {tuple(tensor.shape)} (tp={st.tp})")
             tensor.copy_(local)
 
 
-def sharded_state_dict(tpm: TPModule, ctx: RankContext) -> dict[str, torch.Tensor]:
+def sharded_state_dict(tpm: torch.nn.Module, ctx: RankContext) -> dict[str, torch.Tensor]:
     """``tpm.state_dict()`` in global coordinates, for torch.distributed.checkpoint.
 
     Replicated tensors stay plain (DCP keeps one copy). A sharded parameter becomes one DTensor per
@@ -83,7 +92,7 @@ def sharded_state_dict(tpm: TPModule, ctx: RankContext) -> dict[str, torch.Tenso
     so ``dcp.load`` writes straight into the parameters and a checkpoint can be resharded.
     """
     state = tpm.state_dict(keep_vars=True)
-    by_id = {id(state[name]): shard for name, shard in tpm.plan.params if name in state}
+    by_id = {id(state[name]): shard for name, shard in tp_state(tpm).shards.items() if name in state}
     layout, meshes = ctx.layout, {}
     out: dict[str, torch.Tensor] = {}
     for name, tensor in state.items():
@@ -147,10 +156,10 @@ def load_unsharded(model: torch.nn.Module, plan: Plan | None, path: Path | str) 
         dcp.load({"model": pieces}, checkpoint_id=str(path), no_dist=True)
 
 
-def save_checkpoint(tpm: TPModule, ctx: RankContext, path: Path | str) -> None:
+def save_checkpoint(tpm: torch.nn.Module, ctx: RankContext, path: Path | str) -> None:
     dcp.save({"model": sharded_state_dict(tpm, ctx)}, checkpoint_id=str(path))
 
 
-def load_checkpoint(tpm: TPModule, ctx: RankContext, path: Path | str) -> None:
+def load_checkpoint(tpm: torch.nn.Module, ctx: RankContext, path: Path | str) -> None:
     """Load a :func:`save_checkpoint` checkpoint into ``tpm``'s parameters in place."""
     dcp.load({"model": sharded_state_dict(tpm, ctx)}, checkpoint_id=str(path))

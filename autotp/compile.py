@@ -3,7 +3,7 @@
 The rewritten graph already holds everything a compiler needs to see: Megatron's f/g as autograd functions
 over ``torch.distributed._functional_collectives`` (traceable: dynamo puts ``_c10d_functional.all_reduce`` /
 ``wait_tensor`` in the graph), the vocab-parallel loss as an autograd function, and the vocab-parallel logits
-as ``DTensor.from_local``. :func:`compile_graph` compiles with ``fullgraph=False`` so a construct dynamo
+as a :class:`~autotp.gathered.GatheredOnUse` made outside the compiled region. :func:`compile_graph` compiles with ``fullgraph=False`` so a construct dynamo
 cannot trace degrades to a graph break instead of an error; :func:`graph_breaks` counts them (see
 ``tests/test_compile.py``).
 """
@@ -29,11 +29,10 @@ DYNAMO_CONFIG = {"capture_dynamic_output_shape_ops": True}
 class CompiledGraph(nn.Module):
     """``torch.compile`` of one rewritten graph module, traced under :data:`DYNAMO_CONFIG`.
 
-    Vocab-parallel logits leave the compiled region as plain local tensors and become DTensors outside it:
-    traced in, a DTensor output makes AOTAutograd expect a DTensor tangent for it, and a step that only
-    calls ``loss.backward()`` hands it a plain zero tangent instead ("Expected a DTensor tangent but got a
-    plain Tensor"). The wrapping is metadata only (``DTensor.from_local(run_check=False)``), so nothing is
-    lost by doing it eagerly.
+    Vocab-parallel logits leave the compiled region as plain local tensors and are wrapped outside it: a
+    tensor subclass output traced in would make AOTAutograd expect a subclass tangent for it, and a step
+    that only calls ``loss.backward()`` hands it a plain zero tangent instead. The wrapping moves no data,
+    so nothing is lost by doing it eagerly.
     """
 
     def __init__(self, gm: fx.GraphModule, **options) -> None:
@@ -55,9 +54,9 @@ class CompiledGraph(nn.Module):
 
 
 def _local_outputs(gm: fx.GraphModule) -> tuple[fx.GraphModule, dict[int, nn.Module]]:
-    """A copy of ``gm`` (sharing its submodules and tensors) whose VocabOutput results that are graph
-    outputs are returned unwrapped, and {flat output index: the VocabOutput module to apply outside}."""
-    from autotp.vocab_ops import VocabOutput
+    """A copy of ``gm`` (sharing its submodules and tensors) whose GatherOutput results that are graph
+    outputs are returned unwrapped, and {flat output index: the GatherOutput module to apply outside}."""
+    from autotp.gathered import GatherOutput
 
     graph = copy.deepcopy(gm.graph)
     out = graph.output_node()
@@ -65,7 +64,7 @@ def _local_outputs(gm: fx.GraphModule) -> tuple[fx.GraphModule, dict[int, nn.Mod
     wrap: dict[int, nn.Module] = {}
     for i, node in enumerate(flat):
         if isinstance(node, fx.Node) and node.op == "call_module" \
-                and isinstance(gm.get_submodule(node.target), VocabOutput) and len(node.users) == 1:
+                and isinstance(gm.get_submodule(node.target), GatherOutput) and len(node.users) == 1:
             wrap[i] = gm.get_submodule(node.target)
     if not wrap:
         return gm, {}

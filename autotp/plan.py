@@ -14,7 +14,8 @@ import torch
 from autotp.propagate import Rewrite
 from autotp.shard_spec import Segment, VocabLayout, shard_tensor, unshard_tensor, vocab_shard, vocab_unshard
 
-PLAN_VERSION = 1
+PLAN_VERSION = 2
+_READS = (1, 2)  # version 1 plans have no gathered outputs
 
 
 @dataclass(frozen=True)
@@ -94,6 +95,16 @@ class VocabPlan:
 
 
 @dataclass(frozen=True)
+class GatheredOutput:
+    """A sharded value the graph returns (e.g. a KV cache's keys): handed back full-shape, gathered when
+    read (:class:`~autotp.gathered.GatheredOnUse`)."""
+
+    node: str
+    dim: int
+    segments: tuple[Segment, ...]
+
+
+@dataclass(frozen=True)
 class Plan:
     tp: int
     params: tuple[tuple[str, ParamShard], ...] = ()
@@ -103,6 +114,7 @@ class Plan:
     random_nodes: tuple[str, ...] = ()  # random ops inside sharded regions: per-rank RNG stream
     replicated: tuple[tuple[str, str], ...] = ()  # (module, reason) left unsharded
     vocab: VocabPlan = field(default_factory=VocabPlan)
+    gathered: tuple[GatheredOutput, ...] = ()
     version: int = field(default=PLAN_VERSION)
 
     def param(self, name: str) -> ParamShard | None:
@@ -118,7 +130,7 @@ class Plan:
 
     @classmethod
     def from_dict(cls, d: dict) -> Plan:
-        if d.get("version") != PLAN_VERSION:
+        if d.get("version") not in _READS:
             raise ValueError(f"plan version {d.get('version')} is not supported (expected {PLAN_VERSION})")
 
         def seg(xs):
@@ -143,8 +155,9 @@ class Plan:
         rewrites = tuple(Rewrite(**r) for r in d["rewrites"])
         collectives = tuple(Collective(**{k: tuple(v) if isinstance(v, list) else v for k, v in c.items()})
                             for c in d["collectives"])
+        gathered = tuple(GatheredOutput(g["node"], g["dim"], seg(g["segments"])) for g in d.get("gathered", ()))
         return cls(d["tp"], params, pairs, rewrites, collectives, tuple(d["random_nodes"]),
-                   tuple(tuple(r) for r in d["replicated"]), vocab, d["version"])
+                   tuple(tuple(r) for r in d["replicated"]), vocab, gathered, PLAN_VERSION)
 
     @classmethod
     def from_json(cls, text: str) -> Plan:

@@ -59,6 +59,7 @@ class Region:
     rewrites: list[Rewrite] = field(default_factory=list)
     random_nodes: list[fx.Node] = field(default_factory=list)
     row_input: Sharding | None = None
+    outputs: list[fx.Node] = field(default_factory=list)  # sharded values the graph returns (a KV cache)
 
 
 def split_dims(gj: list[int], dst: list[int]) -> list[int]:
@@ -75,6 +76,11 @@ def _arg(node: fx.Node, idx: int, name: str, default: object = None) -> object:
     if len(node.args) > idx:
         return node.args[idx]
     return node.kwargs.get(name, default)
+
+
+def _legacy_empty(x: object) -> bool:
+    v = x.meta.get("val") if isinstance(x, fx.Node) else None
+    return isinstance(v, torch.Tensor) and v.dim() == 1 and v.shape[0] == 0
 
 
 def _ndim(node: object) -> int | None:
@@ -353,7 +359,8 @@ class _Propagator:
         return tuple(Sharding(d, (g,)) for g in s.segments)
 
     def cat(self, node: fx.Node) -> Sharding:
-        tensors = node.args[0]
+        # torch.cat skips 1-D empty tensors (a cache's lazily made ``torch.tensor([])``): they take no part
+        tensors = [x for x in node.args[0] if not _legacy_empty(x)]
         d = normalize_dim(_arg(node, 1, "dim", 0), _ndim(node))
         specs = {self.spec(x) for x in tensors}
         if len(specs) != 1 or None in specs:
@@ -432,6 +439,12 @@ def propagate(columns: dict[fx.Node, Sharding], row: fx.Node, row_x: fx.Node, fp
             if u.target is aten.sym_size.int:
                 continue
             if u.target is operator.getitem and isinstance(p.region.specs[n], tuple):
+                continue
+            spec = p.region.specs[n]
+            if u.op == "output" and isinstance(spec, Sharding) and spec.inner is None:
+                # returned to the caller (e.g. the keys and values of a KV cache): gathered when read
+                if n not in p.region.outputs:
+                    p.region.outputs.append(n)
                 continue
             raise Unshardable(u, f"sharded value {n.name} escapes the region")
     return p.region

@@ -1,24 +1,29 @@
-"""``autotp.parallelize``: the user-facing module that runs rewritten graphs on local shards.
+"""``autotp.parallelize``: shard the user's model in place and run rewritten graphs on the local shards.
 
-The returned :class:`TPModule` owns the local shards under the original parameter names (ties kept: one
-Parameter per original Parameter). Each distinct call signature (input structure, dtypes, train/eval) is
-captured once, planned, rewritten, and cached; every cached graph reads the same Parameters.
-This is the one place where the rank enters: weights are sliced here and collectives are bound here.
+Like ``fully_shard``, :func:`parallelize` changes the model object itself and returns it: its class becomes
+a subclass of its own class (so ``isinstance``, attributes, methods and the submodule tree stay) whose
+``forward`` runs the rewritten graph of the call; parameters become this rank's shards under their original
+names (ties kept: one Parameter per original Parameter). Each distinct call signature (input structure,
+dtypes, train/eval) is captured once from the model's own forward, planned, rewritten and cached; every
+cached graph reads the same Parameters. This is the one place where the rank enters: weights are sliced
+here and collectives are bound here.
 """
 from __future__ import annotations
 
+import inspect
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Hashable, Mapping
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 import torch.fx as fx
 import torch.nn as nn
-from torch.distributed.device_mesh import DeviceMesh
 
-from autotp.capture import capture, meta_skeleton, signature
+from autotp.capture import OutSpec, capture, signature, stand_ins, unflatten_output
 from autotp.collectives import all_reduce, bind_collectives
 from autotp.errors import ProcessGroupError, ShardingError
+from autotp.gathered import bind_outputs
 from autotp.passes import run_passes
 from autotp.plan import ParamShard, Plan
 from autotp.planner import make_plan
@@ -27,14 +32,52 @@ from autotp.shard_spec import block_index
 from autotp.vocab_ops import bind_vocab
 
 
-def _default_example() -> tuple[tuple, dict]:
-    # capture runs on meta tensors: only shape and dtype matter, a token batch fits GPT-style models
-    return (torch.zeros(2, 8, dtype=torch.long),), {}
+@dataclass
+class TPState:
+    """What :func:`parallelize` keeps on the model (``model.__dict__["_autotp"]``, not a submodule)."""
+
+    group: dist.ProcessGroup
+    tp: int
+    rank: int
+    device: torch.device
+    base: type  # the user's own class
+    forward: Callable | None  # a forward the user set on the instance (partial, bound method), else None
+    vocab_multiple: int = 1
+    compile: bool = False
+    check_inputs: bool = False
+    rng: RegionRNG | None = None
+    shards: dict[str, ParamShard] = field(default_factory=dict)  # every name of a sharded parameter
+    full: dict[str, torch.Tensor] = field(default_factory=dict)  # meta, full size, for later captures
+    graphs: dict[Hashable, tuple[nn.Module, OutSpec]] = field(default_factory=dict)
+    plans: dict[Hashable, Plan] = field(default_factory=dict)
+    checked: set[Hashable] = field(default_factory=set)
+    warned: set[tuple[str, str]] = field(default_factory=set)
+
+    @property
+    def plan(self) -> Plan:
+        """The plan of the first captured call."""
+        return next(iter(self.plans.values()))
 
 
-def _split_example(example_inputs) -> tuple[tuple, dict]:
+def tp_state(model: nn.Module) -> TPState:
+    """The tensor-parallel state of a parallelized model (its group, tp, rank, plans, shards)."""
+    st = model.__dict__.get("_autotp")
+    if not isinstance(st, TPState):
+        raise TypeError(f"{type(model).__name__} is not parallelized: call autotp.parallelize(model) first")
+    return st
+
+
+def _default_example(forward: Callable) -> tuple[tuple, dict]:
+    # capture makes no real compute: only shape and dtype matter, and a token batch fits GPT-style models.
+    # A forward that can return a KV cache is asked not to: training and planning do not use one.
+    params = inspect.signature(forward).parameters
+    kwargs = {"use_cache": False} if "use_cache" in params else {}
+    return (torch.zeros(2, 8, dtype=torch.long),), kwargs
+
+
+def _split_example(example_inputs, forward: Callable) -> tuple[tuple, dict]:
     if example_inputs is None:
-        return _default_example()
+        return _default_example(forward)
     if isinstance(example_inputs, Mapping):
         return (), dict(example_inputs)
     if isinstance(example_inputs, torch.Tensor):
@@ -61,190 +104,210 @@ def _resolve_group(tp_group: dist.ProcessGroup | None) -> dist.ProcessGroup:
     return dist.group.WORLD
 
 
-def _container(original: nn.Module | None) -> nn.Module:
-    # keep indexing (``model.h[0]``, ``model.layers["0"]``) working on the mirrored tree
-    if isinstance(original, nn.ModuleList):
-        return nn.ModuleList()
-    if isinstance(original, nn.ModuleDict):
-        return nn.ModuleDict()
-    return nn.Module()
+class TPModule(nn.Module):
+    """Mixin placed in front of the user's class by :func:`parallelize`; only ``forward`` is replaced."""
+
+    def forward(self, *args, **kwargs):
+        st: TPState = self.__dict__["_autotp"]
+        key = signature(args, kwargs, self.training)
+        entry = st.graphs.get(key)
+        if entry is None:
+            entry = _build(self, st, args, kwargs, key)
+        gm, spec = entry
+        return unflatten_output(gm(*args, **kwargs), spec)
 
 
-def _set(root: nn.Module, name: str, value: torch.Tensor, persistent: bool = True,
-         like: dict[str, nn.Module] | None = None) -> None:
-    """Register ``value`` at dotted ``name`` under ``root``, creating parent modules as needed."""
+def _user_forward(model: nn.Module, st: TPState) -> Callable:
+    return st.forward if st.forward is not None else st.base.forward.__get__(model)
+
+
+def _plan(model: nn.Module, st: TPState, gm: fx.GraphModule) -> Plan:
+    plan = make_plan(gm, st.tp, st.vocab_multiple)
+    for module, reason in plan.replicated:
+        if (module, reason) not in st.warned:
+            st.warned.add((module, reason))
+            warnings.warn(f"autotp: {module or '<root>'} left replicated (exact, not sharded): {reason}",
+                          stacklevel=4)
+    return plan
+
+
+def _check_consistent(st: TPState, plan: Plan) -> None:
+    """A later call signature must cut every parameter exactly as the first one did."""
+    if not st.shards:
+        return
+    sharded = {name for name, _ in plan.params}
+    for name, shard in plan.params:
+        known = st.shards.get(name)
+        if known is None:
+            raise ShardingError(f"parameter {name} is sharded by a later call signature but was replicated")
+        if known != shard:
+            raise ShardingError(f"parameter {name} is sharded as {known} by one call and {shard} by another")
+    first = {n for n, _ in st.plan.params}
+    lost = sorted(first - sharded)
+    if lost:
+        reasons = "; ".join(f"{m}: {r}" for m, r in plan.replicated) or "no reason recorded"
+        raise ShardingError(
+            f"this call leaves {lost[0]} (and {len(lost) - 1} more) unsharded, but the first call sharded it: "
+            f"{reasons}",
+            hint="call the model with inputs whose graph shards the same way, or report the pattern",
+        )
+
+
+def _build(model: nn.Module, st: TPState, args: tuple, kwargs: dict, key: Hashable) -> tuple[nn.Module, OutSpec]:
+    swap = None
+    if st.full:
+        # the model holds shards now: export sees full-size stand-ins for them
+        where = st.device if st.device.type == "cpu" else torch.device("meta")
+        swap = stand_ins(st.full, where)
+        if where.type == "meta":
+            swap.update(stand_ins({n: t for n, t in model.named_parameters(remove_duplicate=False)
+                                   if n not in swap}, where))
+            swap.update(stand_ins(dict(model.named_buffers(remove_duplicate=False)), where))
+    gm, spec = capture(model, args, kwargs, forward=_user_forward(model, st), params=swap, device=st.device)
+    plan = _plan(model, st, gm)
+    _check_consistent(st, plan)
+    gm = run_passes(gm, plan)
+    if not st.shards and plan.params:
+        _shard_in_place(model, st, plan)
+    return _finish(model, st, gm, spec, key, plan)
+
+
+def _shard_in_place(model: nn.Module, st: TPState, plan: Plan) -> None:
+    """Replace every sharded Parameter, in every module that holds it, by this rank's slice."""
+    by_id: dict[int, ParamShard] = {}
+    names: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    own = dict(plan.params)
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if name in own:
+            by_id[id(p)] = own[name]
+    new: dict[int, nn.Parameter] = {}
+    for mod in model.modules():
+        for leaf, p in list(mod._parameters.items()):
+            if p is None or id(p) not in by_id:
+                continue
+            if id(p) not in new:
+                shard = by_id[id(p)]
+                with torch.no_grad():
+                    data = shard.shard(p.detach(), st.tp, st.rank)
+                    if data.is_meta or data.untyped_storage().data_ptr() == p.untyped_storage().data_ptr():
+                        data = data.clone()
+                new[id(p)] = nn.Parameter(data, requires_grad=p.requires_grad)
+                meta = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"), requires_grad=p.requires_grad)
+                for name in names[id(p)]:
+                    st.shards[name] = shard
+                    st.full[name] = meta
+                if shard.replicated_blocks(st.tp) and p.requires_grad:
+                    _sum_replicated_grads(st, new[id(p)], shard)
+            mod._parameters[leaf] = new[id(p)]
+
+
+def _sum_replicated_grads(st: TPState, param: nn.Parameter, shard: ParamShard) -> None:
+    """Blocks held by several ranks (kv heads < tp) get partial gradients there: sum them."""
+    ranks = dist.get_process_group_ranks(st.group)
+    pieces, offset = [], 0
+    for seg in shard.segments:
+        if seg.parts < st.tp:
+            members = [ranks[r] for r in range(st.tp)
+                       if block_index(seg.parts, st.tp, r) == block_index(seg.parts, st.tp, st.rank)]
+            sub = dist.new_group(members, use_local_synchronization=True)
+            pieces.append((offset, seg.local(), sub))
+        offset += seg.local()
+    dim = shard.dim
+
+    def hook(grad: torch.Tensor) -> torch.Tensor:
+        grad = grad.clone()
+        for start, length, sub in pieces:
+            part = grad.narrow(dim, start, length)
+            part.copy_(all_reduce(part.contiguous(), sub))
+        return grad
+
+    param.register_hook(hook)
+
+
+def _set_attr(root: nn.Module, name: str, value: torch.Tensor) -> None:
     *path, leaf = name.split(".")
     mod = root
-    for i, p in enumerate(path):
-        if p not in mod._modules:
-            mod.add_module(p, _container((like or {}).get(".".join(path[: i + 1]))))
-        mod = mod._modules[p]
+    for p in path:
+        mod = getattr(mod, p)
     if isinstance(value, nn.Parameter):
         mod._buffers.pop(leaf, None)
         mod._parameters[leaf] = value
     else:
         mod._parameters.pop(leaf, None)
-        mod.register_buffer(leaf, value, persistent=persistent)
+        mod._buffers[leaf] = value
 
 
-class TPModule(nn.Module):
-    """A tensor-parallel model: called exactly like the original, holding only this rank's shards."""
+def _finish(model: nn.Module, st: TPState, gm: fx.GraphModule, spec: OutSpec, key: Hashable,
+            plan: Plan) -> tuple[nn.Module, OutSpec]:
+    """Point the graph at the model's own tensors (shards, buffers) and bind group, rank and RNG."""
+    tensors = {**dict(model.named_parameters(remove_duplicate=False)),
+               **dict(model.named_buffers(remove_duplicate=False))}
+    for node in gm.graph.nodes:
+        if node.op == "get_attr" and node.target in tensors:
+            _set_attr(gm, node.target, tensors[node.target])
+    bind_collectives(gm, st.group)
+    bind_rng(gm, st.rng)
+    bind_vocab(gm, st.group, st.rank)
+    bind_outputs(gm, st.group, st.rank)
+    run: nn.Module = gm
+    if st.compile:
+        from autotp.compile import compile_graph
 
-    def __init__(self, model: nn.Module, group: dist.ProcessGroup, example: tuple[tuple, dict],
-                 vocab_multiple: int = 1, compile: bool = False):
-        super().__init__()
-        first = next(iter(model.parameters()), None)
-        device = first.device if first is not None else torch.device("cpu")
-        tp, rank = dist.get_world_size(group), dist.get_rank(group)
-        # plain attributes (not submodules): the skeleton and the graphs hold no real weights of their own
-        self.__dict__["_autotp"] = {
-            "skeleton": meta_skeleton(model), "graphs": {}, "shards": {}, "plans": {}, "group": group,
-            "tp": tp, "rank": rank, "device": device, "model_name": type(model).__name__,
-            "rng": RegionRNG(torch.initial_seed() + SEED_OFFSET + rank, device) if tp > 1 else None,
-            "mesh": None,  # built when a plan first returns vocab-parallel logits
-            "vocab_multiple": vocab_multiple,
-            "warned": set(),
-            "compile": compile,
-        }
-        self.training = model.training
-        gm, plan = self._build(*example, training=model.training)
-        self._make_parameters(model, plan)
-        self._finish(gm, signature(*example, model.training), plan)
-
-    # -- public --------------------------------------------------------------------------------------
-    @property
-    def tp_size(self) -> int:
-        return self._autotp["tp"]
-
-    @property
-    def tp_rank(self) -> int:
-        return self._autotp["rank"]
-
-    @property
-    def plan(self) -> Plan:
-        """The plan of the first captured call."""
-        return next(iter(self._autotp["plans"].values()))
-
-    def plans(self) -> dict:
-        return dict(self._autotp["plans"])
-
-    def graphs(self) -> dict:
-        return dict(self._autotp["graphs"])
-
-    def forward(self, *args, **kwargs):
-        key = signature(args, kwargs, self.training)
-        gm = self._autotp["graphs"].get(key)
-        if gm is None:
-            gm, plan = self._build(args, kwargs, training=self.training)
-            self._finish(gm, key, plan)
-        return gm(*args, **kwargs)
-
-    # -- building ----------------------------------------------------------------------------------
-    def _build(self, args: tuple, kwargs: dict, training: bool) -> tuple[fx.GraphModule, Plan]:
-        st = self._autotp
-        st["skeleton"].train(training)
-        gm = capture(st["skeleton"], args, kwargs, st["device"])
-        plan = make_plan(gm, st["tp"], st["vocab_multiple"])
-        for module, reason in plan.replicated:
-            if (module, reason) not in st["warned"]:
-                st["warned"].add((module, reason))
-                warnings.warn(f"autotp: {module or '<root>'} left replicated (exact, not sharded): {reason}",
-                              stacklevel=3)
-        for name, shard in plan.params:
-            known = st["shards"].get(name)
-            if known is not None and known != shard:
-                raise ShardingError(f"parameter {name} is sharded as {known} by one call and {shard} by another")
-        for name, _ in plan.params:
-            if st["shards"] and name not in st["shards"]:
-                raise ShardingError(f"parameter {name} is sharded by a later call signature but was replicated")
-        return run_passes(gm, plan), plan
-
-    def _make_parameters(self, model: nn.Module, plan: Plan) -> None:
-        st = self._autotp
-        st["shards"] = dict(plan.params)
-        local: dict[int, torch.Tensor] = {}
-        owners = dict(model.named_modules(remove_duplicate=False))
-        for name, p in model.named_parameters(remove_duplicate=False):
-            if id(p) not in local:
-                shard = st["shards"].get(name) or self._shard_of_alias(model, p)
-                with torch.no_grad():
-                    data = p.detach().clone() if shard is None else shard.shard(p.detach(), st["tp"], st["rank"])
-                local[id(p)] = nn.Parameter(data, requires_grad=p.requires_grad)
-                if shard is not None and shard.replicated_blocks(st["tp"]) and p.requires_grad:
-                    self._sum_replicated_grads(local[id(p)], shard)
-            _set(self, name, local[id(p)], like=owners)
-        for name, b in model.named_buffers(remove_duplicate=False):
-            if id(b) not in local:
-                local[id(b)] = b.detach().clone()
-            mod_name, _, leaf = name.rpartition(".")
-            persistent = leaf not in owners[mod_name]._non_persistent_buffers_set
-            _set(self, name, local[id(b)], persistent=persistent, like=owners)
-
-    def _shard_of_alias(self, model: nn.Module, p: torch.Tensor) -> ParamShard | None:
-        for other, q in model.named_parameters(remove_duplicate=False):
-            if q is p and other in self._autotp["shards"]:
-                return self._autotp["shards"][other]
-        return None
-
-    def _sum_replicated_grads(self, param: nn.Parameter, shard: ParamShard) -> None:
-        """Blocks held by several ranks (kv heads < tp) get partial gradients there: sum them."""
-        st = self._autotp
-        ranks = dist.get_process_group_ranks(st["group"])
-        pieces, offset = [], 0
-        for seg in shard.segments:
-            if seg.parts < st["tp"]:
-                members = [ranks[r] for r in range(st["tp"])
-                           if block_index(seg.parts, st["tp"], r) == block_index(seg.parts, st["tp"], st["rank"])]
-                sub = dist.new_group(members, use_local_synchronization=True)
-                pieces.append((offset, seg.local(), sub))
-            offset += seg.local()
-        dim = shard.dim
-
-        def hook(grad: torch.Tensor) -> torch.Tensor:
-            grad = grad.clone()
-            for start, length, sub in pieces:
-                part = grad.narrow(dim, start, length)
-                part.copy_(all_reduce(part.contiguous(), sub))
-            return grad
-
-        param.register_hook(hook)
-
-    def _finish(self, gm: fx.GraphModule, key, plan: Plan) -> None:
-        st = self._autotp
-        tensors = {**dict(self.named_parameters(remove_duplicate=False)),
-                   **dict(self.named_buffers(remove_duplicate=False))}
-        for node in gm.graph.nodes:
-            if node.op != "get_attr":
-                continue
-            value = tensors.get(node.target)
-            if value is not None:
-                _set(gm, node.target, value)
-        bind_collectives(gm, st["group"])
-        bind_rng(gm, st["rng"])
-        if plan.vocab.outputs and st["mesh"] is None:
-            st["mesh"] = DeviceMesh.from_group(st["group"], st["device"].type)
-        bind_vocab(gm, st["group"], st["rank"], st["mesh"])
-        if st.get("compile"):
-            from autotp.compile import compile_graph
-
-            gm = compile_graph(gm)
-        st["graphs"][key] = gm
-        st["plans"][key] = plan
+        run = compile_graph(gm)
+    st.graphs[key] = (run, spec)
+    st.plans[key] = plan
+    return run, spec
 
 
-def parallelize(model: nn.Module, *, tp_group: dist.ProcessGroup | None = None,
-                example_inputs: object = None, vocab_multiple: int = 1, compile: bool = False) -> TPModule:
-    """Shard ``model`` Megatron-style over ``tp_group`` (default: the whole default process group).
+def _swap_class(model: nn.Module) -> None:
+    base = type(model)
+    cls = type(base.__name__, (TPModule, base), {"__module__": base.__module__, "__qualname__": base.__qualname__})
+    if hasattr(base, "save_pretrained"):
+        from autotp.checkpoint import save_pretrained_full
 
-    ``example_inputs``: positional args as a tuple, keyword args as a dict, or ``(args, kwargs)``; only
-    shapes and dtypes matter (capture runs on meta tensors). Default: a (2, 8) batch of token ids.
-    The returned module holds its local shards as soon as it returns; calls with another input structure
-    are captured and rewritten on first use and share the same parameters.
+        cls.save_pretrained = save_pretrained_full
+    model.__class__ = cls
 
-    Vocab-parallel logits come back as a ``DTensor`` sharded on the vocab dim: ``logits.full_tensor()``
-    gathers them; a step that only uses the loss never does. ``vocab_multiple`` rounds each rank's vocab
-    rows up (e.g. 64 for tensor-core-friendly GEMMs on GPUs); the default pads only to ``ceil(V / tp)``.
+
+def parallelize(model: nn.Module, *, tp_group: dist.ProcessGroup | None = None, example_inputs: object = None,
+                vocab_multiple: int = 1, compile: bool = False, check_inputs: bool = False) -> nn.Module:
+    """Shard ``model`` Megatron-style over ``tp_group``, in place, and return it.
+
+    The model keeps its class (a subclass of it is swapped in), attributes and methods; its parameters
+    become this rank's shards under their original names, and its ``forward`` runs the rewritten graph.
+    ``tp_group``: default the layout's tensor-parallel group under ``autotp run``, else the whole default
+    process group. ``example_inputs``: positional args as a tuple, keyword args as a dict, or
+    ``(args, kwargs)``; only shapes and dtypes matter (capture computes nothing). Default: a (2, 8) batch
+    of token ids. Other call structures are captured and rewritten on first use and share the parameters.
+
+    Vocab-parallel logits come back as the full tensor, gathered over the group only when something reads
+    them, so a step that only uses the loss moves no b·s·V data. ``vocab_multiple`` rounds each rank's
+    vocab rows up (e.g. 64 for tensor-core-friendly GEMMs on GPUs); the default pads only to ``ceil(V / tp)``.
     ``compile=True`` runs each rewritten graph under ``torch.compile`` (see :mod:`autotp.compile`).
+    ``check_inputs=True`` verifies on every call (not only the first of each signature) that all ranks of
+    the group got the same inputs.
     """
+    if isinstance(model.__dict__.get("_autotp"), TPState):
+        raise ShardingError(f"{type(model).__name__} is already parallelized (tp={model.__dict__['_autotp'].tp})")
     group = _resolve_group(tp_group)
-    return TPModule(model, group, _split_example(example_inputs), vocab_multiple, compile=compile)
+    tp, rank = dist.get_world_size(group), dist.get_rank(group)
+    first = next(iter([*model.parameters(), *model.buffers()]), None)
+    device = first.device if first is not None else torch.device("cpu")
+    st = TPState(group, tp, rank, device, type(model), model.__dict__.get("forward"), vocab_multiple, compile,
+                 check_inputs, RegionRNG(torch.initial_seed() + SEED_OFFSET + rank, device) if tp > 1 else None)
+    args, kwargs = _split_example(example_inputs, _user_forward(model, st))
+    training = model.training
+    _swap_class(model)
+    model.__dict__.pop("forward", None)
+    model.__dict__["_autotp"] = st
+    try:
+        _build(model, st, args, kwargs, signature(args, kwargs, training))
+    except BaseException:
+        model.__class__ = st.base
+        del model.__dict__["_autotp"]
+        if st.forward is not None:
+            model.__dict__["forward"] = st.forward
+        raise
+    return model

@@ -1,5 +1,5 @@
 """Run-time pieces of vocab parallelism: masked embedding lookup, vocab-parallel cross-entropy, and the
-logits handed back to the user as a DTensor sharded on the vocab dim.
+logits handed back to the user as a full-shape tensor gathered on first use.
 
 Each is a graph module that the passes insert unbound (then it computes the plain, unsharded op) and the
 runtime binds to a rank and a group.
@@ -10,11 +10,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
-
 from autotp.collectives import all_reduce
-from autotp.shard_spec import VocabLayout
+from autotp.gathered import GatherOutput
+from autotp.shard_spec import VocabLayout, vocab_shard, vocab_unshard
 
 
 class _VocabModule(nn.Module):
@@ -113,37 +111,19 @@ class VocabCrossEntropy(_VocabModule):
                               self.reduction, self.ignore_index, self.label_smoothing)
 
 
-class VocabOutput(_VocabModule):
-    """Returns this rank's logits as its shard of a DTensor over the unpadded vocab (``Shard(dim)``).
-
-    Nothing is gathered unless the user asks (``logits.full_tensor()``), so a training step that only
-    uses the loss moves no b·s·V data.
-    """
+class VocabOutput(GatherOutput):
+    """This rank's logits, handed back as the full (b, s, V) tensor that is gathered only when read
+    (:class:`~autotp.gathered.GatheredOnUse`): a training step that only uses the loss moves no b·s·V data.
+    Padding rows never reach the user: each rank contributes its owned rows only."""
 
     def __init__(self, layout: VocabLayout, dim: int):
-        super().__init__(layout)
-        self.dim = dim
-        self.mesh: DeviceMesh | None = None
-
-    def bind_mesh(self, mesh: DeviceMesh | None) -> None:
-        self.mesh = mesh if self.group is not None else None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.mesh is None:
-            return x
-        local = x.narrow(self.dim, 0, self.owned)
-        shape = list(x.shape)
-        shape[self.dim] = self.layout.size
-        stride = [1] * len(shape)
-        for i in range(len(shape) - 2, -1, -1):
-            stride[i] = stride[i + 1] * shape[i + 1]
-        return DTensor.from_local(local, self.mesh, [Shard(self.dim)], run_check=False, shape=torch.Size(shape),
-                                  stride=tuple(stride))
+        super().__init__(dim, layout.size,
+                         lambda shards, tp: vocab_unshard(shards, dim, layout),
+                         lambda grad, rank: vocab_shard(grad, dim, layout, rank))
+        self.layout = layout
 
 
-def bind_vocab(module: nn.Module, group: dist.ProcessGroup | None, rank: int, mesh: DeviceMesh | None) -> None:
+def bind_vocab(module: nn.Module, group: dist.ProcessGroup | None, rank: int) -> None:
     for m in module.modules():
-        if isinstance(m, _VocabModule):
+        if isinstance(m, (_VocabModule, GatherOutput)):
             m.bind(group, rank)
-            if isinstance(m, VocabOutput):
-                m.bind_mesh(mesh)

@@ -62,14 +62,14 @@ def gpt2_small_bytes() -> dict[int, int]:
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from autotp.capture import capture, meta_skeleton
+    from autotp.capture import capture
     from autotp.planner import make_plan
     from autotp.report import build_report
 
     with torch.device("meta"):
         model = GPT2LMHeadModel(GPT2Config())
     ids = torch.zeros(2, 16, dtype=torch.long, device="meta")
-    gm = capture(meta_skeleton(model), (), {"input_ids": ids, "labels": ids, "use_cache": False}, torch.device("cpu"))
+    gm = capture(model, (), {"input_ids": ids, "labels": ids, "use_cache": False})[0]
     out = {}
     for tp in (1, 2, 4):
         rep = build_report(make_plan(gm, tp), model.named_parameters(remove_duplicate=False), 8, 1024)

@@ -70,7 +70,7 @@ def main() -> None:
     # real ids are tiny (64 KiB); capture turns them into meta tensors itself
     ids = torch.zeros(opts.batch, opts.seq, dtype=torch.long)
     kwargs = {"input_ids": ids, "labels": ids, "use_cache": False}
-    gm = timed("capture", lambda: capture(model, (), kwargs, torch.device("cpu")))
+    gm = timed("capture", lambda: capture(model, (), kwargs)[0])
     materialised = [n for n, p in gm.named_parameters() if not p.is_meta]
     plan = timed("plan", lambda: make_plan(gm, opts.tp))
     report = timed("report", lambda: build_report(plan, model.named_parameters(remove_duplicate=False),

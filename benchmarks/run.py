@@ -195,7 +195,7 @@ def step_worker(opts: dict) -> dict:
     # CPU seconds of this process per step (all its threads): what the step costs, less time spent descheduled
     out["cpu_ms"] = {k: statistics.median(v) * 1e3 for k, v in cpu.items()}
 
-    report = build_report(tpm.plan, WithLoss(base).named_parameters(remove_duplicate=False), BATCH, SEQ)
+    report = build_report(autotp.tp_state(tpm).plan, WithLoss(base).named_parameters(remove_duplicate=False), BATCH, SEQ)
     f_count = sum(t.count for t in report.formula)
     f_el = sum(t.count * t.elements for t in report.formula) if all(t.elements for t in report.formula) else None
     out["comm"] = {
@@ -257,7 +257,7 @@ def launch(fn, world: int, backend: str, *args) -> dict:
 
 # -- d) planning time -------------------------------------------------------------------------------------
 def plan_times(layers: list[int], tp: int = 2) -> list[dict]:
-    from autotp.capture import capture, meta_skeleton
+    from autotp.capture import capture
     from autotp.passes import run_passes
     from autotp.planner import make_plan
     from nanogpt import GPT, GPTConfig
@@ -268,7 +268,7 @@ def plan_times(layers: list[int], tp: int = 2) -> list[dict]:
             model = GPT(GPTConfig(n_layer=n, n_embd=768, n_head=12, vocab_size=50257, block_size=1024))
         ids = torch.zeros(8, 1024, dtype=torch.long)
         t0 = time.perf_counter()
-        gm = capture(meta_skeleton(model), (ids, ids), {}, torch.device("cpu"))
+        gm = capture(model, (ids, ids), {})[0]
         t1 = time.perf_counter()
         plan = make_plan(gm, tp)
         t2 = time.perf_counter()

@@ -19,7 +19,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from autotp.capture import capture, meta_skeleton
+from autotp.capture import capture
 from autotp.cli.run import DEBUG, abort
 from autotp.errors import AutotpError, PlanSizeError
 from autotp.layout import RankLayout
@@ -213,10 +213,8 @@ def make_report(model: str, tp: int, batch: int | None = None, seq: int | None =
     args, kwargs, b, s = _batch(mf, batch, seq)
     with torch.device("meta"):
         net = mf.build()
-    # a module-level instance was built before the meta context: capture a meta copy of it
-    if any(not p.is_meta for p in net.parameters()):
-        net = meta_skeleton(net)
-    gm = capture(net, args, kwargs, torch.device("cpu"))
+    # a module-level instance was built before the meta context: capture reads it without computing
+    gm, _ = capture(net, args, kwargs, device=torch.device("cpu"))
     plan = make_plan(gm, tp, vocab_multiple)
     report = build_report(plan, net.named_parameters(remove_duplicate=False), b, s)
     _check_sizes(report, size_ranges(gm))

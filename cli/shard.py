@@ -36,7 +36,6 @@ from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
-from torch.distributed.tensor import DTensor
 
 import autotp
 from autotp.cli.run import (DEBUG, DEVICE, DP, MASTER_ADDR, MASTER_PORT, MAX_RESTARTS, NNODES, NODE_RANK, TIMEOUT,
@@ -131,8 +130,6 @@ def _verify(tpm, reference, args: tuple, kwargs: dict, device: torch.device) -> 
         note, out_diff = f"outputs differ in structure: sharded {shapes_got} vs unsharded {shapes_want}", math.inf
     else:
         for (_, g), (_, w) in zip(outs_got, outs_want):
-            if isinstance(g, DTensor):  # vocab-parallel logits; every rank gathers in the same order
-                g = g.full_tensor()
             if g.numel():
                 out_diff = max(out_diff, (g.double() - w.double()).abs().max().item())
     # the worst rank decides
@@ -222,7 +219,7 @@ def _shard(job: ShardJob, ctx: RankContext) -> ShardReport | None:
     plan_path = out / "plan.json"
     if ctx.rank == 0:
         out.mkdir(parents=True, exist_ok=True)
-        plan_path.write_text(tpm.plan.to_json())
+        plan_path.write_text(autotp.tp_state(tpm).plan.to_json())
     opt = torch.optim.AdamW(tpm.parameters(), lr=job.lr)
     # views of the local shards: optimizer steps update them in place, so one dict serves every save and load
     state = sharded_state_dict(tpm, ctx)
@@ -246,7 +243,7 @@ def _shard(job: ShardJob, ctx: RankContext) -> ShardReport | None:
     dist.all_gather_object(everyone, mine)
     if ctx.rank != 0:
         return None
-    counts = Counter((c.direction, c.kind, c.op) for c in tpm.plan.collectives)
+    counts = Counter((c.direction, c.kind, c.op) for c in autotp.tp_state(tpm).plan.collectives)
     report = ShardReport(
         model=job.model, tp=ctx.layout.tp, dp=ctx.layout.dp, backend=ctx.backend, unsharded_bytes=unsharded_bytes,
         ranks=tuple(everyone), collectives=tuple((*key, n) for key, n in sorted(counts.items())),
@@ -261,9 +258,9 @@ def _shard(job: ShardJob, ctx: RankContext) -> ShardReport | None:
 def _comm_vs_formula(tpm: autotp.TPModule, args: tuple, kwargs: dict) -> tuple[tuple, ...]:
     """The plan's collectives for this batch against the formula (b, s: the first 2-D+ tensor input)."""
     first = next((x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor) and x.dim() >= 2), None)
-    if first is None or tpm.tp_size == 1:
+    if first is None or autotp.tp_state(tpm).tp == 1:
         return ()
-    rep = build_report(tpm.plan, tpm.named_parameters(remove_duplicate=False), first.shape[0], first.shape[1])
+    rep = build_report(autotp.tp_state(tpm).plan, tpm.named_parameters(remove_duplicate=False), first.shape[0], first.shape[1])
     return tuple((c.direction, c.op, c.count, c.formula_count, c.elements, c.formula_elements,
                   None if c.elements is None else c.elements * rep.act_bytes) for c in [*rep.comm, rep.total()])
 

@@ -154,7 +154,7 @@ def main(steps: int = 5) -> None:
         loss.backward()
         opt.step()
         if dist.get_rank() == 0:
-            print(f"step {step}: loss {loss.item():.4f} (tp={model.tp_size})")
+            print(f"step {step}: loss {loss.item():.4f} (tp={autotp.tp_state(model).tp})")
     dist.destroy_process_group()
 
 

@@ -9,6 +9,7 @@ from collections.abc import Callable, Sequence
 
 import torch.fx as fx
 
+from autotp.passes.gather_outputs import gather_outputs
 from autotp.passes.insert_collectives import insert_collectives
 from autotp.passes.region_rng import region_rng
 from autotp.passes.rewrite_constants import rewrite_constants
@@ -21,7 +22,7 @@ from autotp.plan import Plan
 Pass = Callable[[fx.GraphModule, Plan], fx.GraphModule]
 
 DEFAULT_PASSES: tuple[Pass, ...] = (rewrite_constants, insert_collectives, row_bias_after_reduce, vocab_embedding,
-                                    vocab_loss, vocab_output, region_rng)
+                                    vocab_loss, vocab_output, gather_outputs, region_rng)
 
 
 class PassError(RuntimeError):
@@ -41,6 +42,6 @@ def run_passes(gm: fx.GraphModule, plan: Plan, passes: Sequence[Pass] = DEFAULT_
     return gm
 
 
-__all__ = ["DEFAULT_PASSES", "PassError", "insert_collectives", "region_rng",
+__all__ = ["DEFAULT_PASSES", "PassError", "gather_outputs", "insert_collectives", "region_rng",
            "rewrite_constants", "row_bias_after_reduce", "run_passes", "vocab_embedding", "vocab_loss",
            "vocab_output"]

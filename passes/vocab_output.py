@@ -1,4 +1,4 @@
-"""Pass: hand vocab-parallel logits back to the user as a DTensor sharded on the vocab dim.
+"""Pass: hand vocab-parallel logits back to the user as the full tensor, gathered only when read.
 
 Before::
 
@@ -6,7 +6,7 @@ Before::
 
 After::
 
-    logits_out = autotp_vocab_output_logits(logits)         # DTensor (b, s, V), Shard(2); no communication
+    logits_out = autotp_vocab_output_logits(logits)         # (b, s, V) gathered on first use; no communication
     return (logits_out, loss)
 """
 from __future__ import annotations

@@ -46,7 +46,5 @@ MODELS = {"nanogpt": nanogpt, "gpt2": gpt2, "gpt2_50257": gpt2_real_vocab, "llam
 
 def loss_and_logits(out) -> tuple[torch.Tensor, torch.Tensor]:
     """(loss, logits as the user reads them: vocab-parallel logits are gathered on demand)."""
-    from torch.distributed.tensor import DTensor
-
     logits, loss = out if isinstance(out, tuple) else (out.logits, out.loss)
-    return loss, logits.full_tensor() if isinstance(logits, DTensor) else logits
+    return loss, logits

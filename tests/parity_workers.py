@@ -15,18 +15,18 @@ def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def _local(ref: torch.Tensor, name: str, tpm) -> torch.Tensor:
-    shard = tpm.plan.param(name) or _alias_shard(tpm, name)
+    shard = autotp.tp_state(tpm).plan.param(name) or _alias_shard(tpm, name)
     if shard is None:
         return ref
-    return shard.shard(ref, tpm.tp_size, tpm.tp_rank)
+    return shard.shard(ref, autotp.tp_state(tpm).tp, autotp.tp_state(tpm).rank)
 
 
 def _alias_shard(tpm, name: str):
     """The plan names a tied parameter once; find it under its other names."""
     p = tpm.get_parameter(name)
     for other, q in tpm.named_parameters(remove_duplicate=False):
-        if q is p and tpm.plan.param(other) is not None:
-            return tpm.plan.param(other)
+        if q is p and autotp.tp_state(tpm).plan.param(other) is not None:
+            return autotp.tp_state(tpm).plan.param(other)
     return None
 
 
@@ -40,7 +40,7 @@ def training_parity(model_name: str, steps: int = 3) -> dict:
         ref, args, kwargs = toy(model_name)
     model = copy.deepcopy(ref)
     tpm = autotp.parallelize(model, example_inputs=(args, kwargs))
-    out: dict = {"tp": tpm.tp_size, "rank": tpm.tp_rank, "plan": tpm.plan.to_dict()}
+    out: dict = {"tp": autotp.tp_state(tpm).tp, "rank": autotp.tp_state(tpm).rank, "plan": autotp.tp_state(tpm).plan.to_dict()}
 
     log = CollectiveLog()
     with log:
@@ -89,10 +89,10 @@ def other_calls(model_name: str = "nanogpt") -> dict:
         out["batch_one"] = _max_diff(tpm(idx1)[0].full_tensor(), ref(idx1)[0])
         tpm.eval(), ref.eval()
         out["eval_mode"] = (tpm.training, _max_diff(tpm(idx, targets)[1], ref(idx, targets)[1]))
-    out["graphs"] = len(tpm.graphs())
+    out["graphs"] = len(autotp.tp_state(tpm).graphs)
     out["shared_params"] = all(
         gm.get_parameter("transformer.h.0.attn.c_attn.weight") is tpm.transformer.h[0].attn.c_attn.weight
-        for gm in tpm.graphs().values()
+        for gm in (g for g, _ in autotp.tp_state(tpm).graphs.values())
     )
     return out
 
@@ -108,7 +108,7 @@ def dropout_streams() -> dict:
     torch.manual_seed(1234)
     tpm = autotp.parallelize(ref, example_inputs=args)
     masks, replicated = [], []
-    for gm in tpm.graphs().values():
+    for gm in (g for g, _ in autotp.tp_state(tpm).graphs.values()):
         for m in gm.modules():
             if isinstance(m, RegionRandom):
                 m.register_forward_hook(lambda mod, inp, o: masks.append(((o == 0) & (inp[0] != 0), inp[0] != 0)))
@@ -175,4 +175,81 @@ def replicated_block() -> dict:
         tpm = autotp.parallelize(copy.deepcopy(ref), example_inputs=(args, kwargs))
     loss, _ = loss_and_logits(tpm(*args))
     return {"warnings": [str(w.message) for w in caught], "loss_diff": _max_diff(loss, ref(*args)[1]),
-            "block_sharded": any(n.startswith("block.") for n, _ in tpm.plan.params)}
+            "block_sharded": any(n.startswith("block.") for n, _ in autotp.tp_state(tpm).plan.params)}
+
+
+def _hf(kind: str):
+    from models import gpt2, llama
+
+    model, _, kw = (gpt2 if kind == "gpt2" else llama)()
+    ids = kw["input_ids"]
+    return model, lambda m: m(input_ids=ids, labels=ids).loss  # use_cache as configured: a cache comes back
+
+
+def _test_transformer():
+    import torch.nn.functional as F
+    from torch.testing._internal.distributed._tensor.common_dtensor import ModelArgs, Transformer
+
+    torch.manual_seed(0)
+    model = Transformer(ModelArgs(n_layers=2, vocab_size=64, max_seq_len=16, dim=64, n_heads=4, dropout_p=0.0))
+    g = torch.Generator().manual_seed(1)
+    ids, tgt = (torch.randint(0, 64, (2, 16), generator=g) for _ in range(2))
+    return model, lambda m: F.cross_entropy(m(ids).flatten(0, 1), tgt.flatten())
+
+
+def default_call_parity(kind: str, steps: int = 3) -> dict:
+    """``parallelize(model)`` with no example, then the user's own training call: 3 AdamW steps."""
+    ref, step_loss = _test_transformer() if kind == "test_transformer" else _hf(kind)
+    model = autotp.parallelize(copy.deepcopy(ref))
+    st = autotp.tp_state(model)
+    opt, ropt = (torch.optim.AdamW(m.parameters(), lr=1e-3, eps=1e-6) for m in (model, ref))
+    losses = []
+    for _ in range(steps):
+        for o, m in ((opt, model), (ropt, ref)):
+            o.zero_grad()
+            loss = step_loss(m)
+            loss.backward()
+            o.step()
+            losses.append(loss.item())
+    ref_params = dict(ref.named_parameters())
+    return {
+        "tp": st.tp, "loss_diff": max(abs(a - b) for a, b in zip(losses[::2], losses[1::2])),
+        "param_diff": max(_max_diff(p, _local(ref_params[n], n, model)) for n, p in model.named_parameters()),
+        "replicated": [list(r) for p in st.plans.values() for r in p.replicated],
+        "sharded": len(st.shards), "calls": len(st.graphs), "same_class": isinstance(model, type(ref)),
+    }
+
+
+def default_calls(kinds: list[str]) -> dict:
+    return {kind: default_call_parity(kind) for kind in kinds}
+
+
+def capture_styles(styles: list[str], steps: int = 3) -> dict:
+    """Each capture style (tests/capture_models.py) trained 3 AdamW steps against the unsharded model."""
+    from capture_models import build
+
+    out = {}
+    for style in styles:
+        ref, args, _ = build(style)
+        # a second instance, not a deep copy: a copied lambda still calls the original's submodules
+        model = autotp.parallelize(build(style)[0], example_inputs=args)
+        opt, ropt = (torch.optim.AdamW(m.parameters(), lr=1e-3, eps=1e-6) for m in (model, ref))
+        loss_diff = 0.0
+        for _ in range(steps):
+            got, want = model(*args), ref(*args)
+            loss_diff = max(loss_diff, _max_diff(got[1], want[1]), _max_diff(got[0], want[0]))
+            for o, (_, loss) in ((opt, got), (ropt, want)):
+                o.zero_grad()
+                loss.backward()
+                o.step()
+        ref_params = dict(ref.named_parameters())
+        rbuf = dict(ref.named_buffers())
+        st = autotp.tp_state(model)
+        out[style] = {
+            "loss_diff": loss_diff,
+            "param_diff": max(_max_diff(p, _local(ref_params[n], n, model)) for n, p in model.named_parameters()),
+            "buffer_diff": max([_max_diff(b.float(), rbuf[n].float()) for n, b in model.named_buffers()] or [0.0]),
+            "replicated": [list(r) for r in st.plan.replicated],
+            "sharded_fraction": sum(p.numel() for p in model.parameters()) / sum(p.numel() for p in ref.parameters()),
+        }
+    return out

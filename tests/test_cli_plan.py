@@ -36,7 +36,7 @@ def test_plan_nanogpt_tp2(planned) -> None:
     out, result = planned
     assert result.exit_code == 0, result.output
     data = json.loads((out / "out.json").read_text())
-    assert data["plan"]["version"] == 1 and data["plan"]["tp"] == 2
+    assert data["plan"]["version"] == 2 and data["plan"]["tp"] == 2
     assert len(data["plan"]["pairs"]) == 4
     assert data["layout"]["tp"] == [[0, 1]]
     assert (out / "out.svg").read_text().startswith("<svg")
@@ -68,7 +68,7 @@ def test_report_memory_counts_tied_weight_once() -> None:
 
     with torch.device("meta"):
         model = GPT(GPTConfig())
-    plan = make_plan(capture(model, example_batch(), {}, torch.device("cpu")), 2)
+    plan = make_plan(capture(model, example_batch(), {})[0], 2)
     report = build_report(plan, model.named_parameters(remove_duplicate=False), 8, 64)
     unique = {id(p): p for p in model.parameters()}.values()
     assert report.memory.params == sum(p.numel() for p in unique)

@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import DTensor
 from typer.testing import CliRunner
 
 from autotp.cli.main import app
@@ -67,8 +66,6 @@ def _load_worker(out: str) -> tuple[float, float, torch.Tensor]:
         before = tpm(idx, targets)[1].item()
         load_checkpoint(tpm, ctx, Path(out, "checkpoint"))
         logits, loss = tpm(idx, targets)
-    if isinstance(logits, DTensor):
-        logits = logits.full_tensor()
     return before, loss.item(), logits
 
 
@@ -181,7 +178,7 @@ def test_autotp_run_script(tmp_path: Path) -> None:
         "ctx = init_from_env()\n"
         "assert current_tp_group() is ctx.tp_group()\n"
         "tpm = autotp.parallelize(GPT(GPTConfig(n_layer=1, n_embd=32, n_head=2)), tp_group=current_tp_group())\n"
-        "print(f'tp rank {tpm.tp_rank} of {tpm.tp_size} args {sys.argv[1:]}', flush=True)\n"
+        "print(f'tp rank {autotp.tp_state(tpm).rank} of {autotp.tp_state(tpm).tp} args {sys.argv[1:]}', flush=True)\n"
         "dist.destroy_process_group()\n"
     )
     cmd = [sys.executable, "-m", "autotp.cli.main", "run", str(script), "--tp", "2", "--", "--data", "x"]

@@ -54,14 +54,14 @@ def _dp_tp_worker(batches: list[tuple[torch.Tensor, torch.Tensor]]) -> dict:
             aliases.setdefault(id(p), []).append(name)
         params = {}
         for name, p in tpm.named_parameters():
-            shard = next((s for s in map(tpm.plan.param, aliases[id(p)]) if s is not None), None)
+            shard = next((s for s in map(autotp.tp_state(tpm).plan.param, aliases[id(p)]) if s is not None), None)
             params[name] = (shard, p.detach().clone())
         groups = {
             "tp": dist.get_process_group_ranks(ctx.tp_group()),
             "dp": dist.get_process_group_ranks(ctx.dp_group()),
             "ddp": dist.get_process_group_ranks(trained.process_group) if trained is not tpm else None,
         }
-        return {"rank": ctx.rank, "coords": ctx.coords, "tp_rank": tpm.tp_rank, "world": dist.get_world_size(),
+        return {"rank": ctx.rank, "coords": ctx.coords, "tp_rank": autotp.tp_state(tpm).rank, "world": dist.get_world_size(),
                 "losses": losses, "params": params, "groups": groups}
     finally:
         dist.destroy_process_group()

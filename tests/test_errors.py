@@ -65,7 +65,7 @@ def test_group_of_one_runs_unsharded(single_rank_group):
     tpm = autotp.parallelize(model, example_inputs=example_batch())
     idx, targets = example_batch()
     assert torch.equal(tpm(idx, targets)[1], model(idx, targets)[1])
-    assert tpm.plan.params == ()
+    assert autotp.tp_state(tpm).plan.params == ()
 
 
 def test_cli_shows_export_reason_and_user_line_without_traceback(tmp_path):

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.fx as fx
 
-from autotp.capture import capture, meta_skeleton
+from autotp.capture import capture
 from autotp.collectives import EnterTP, LeaveTP
 from autotp.errors import ShardingError
 from autotp.passes import run_passes
@@ -21,7 +21,7 @@ MATMULS = {aten.linear.default, aten.addmm.default, aten.mm.default, aten.matmul
 
 def _graph(name: str) -> fx.GraphModule:
     model, args, kwargs = MODELS[name]() if name in MODELS else toy(name)
-    return capture(meta_skeleton(model), args, kwargs, torch.device("cpu"))
+    return capture(model, args, kwargs)[0]
 
 
 def _calls(gm: fx.GraphModule, kind: type) -> list[fx.Node]:
@@ -127,7 +127,7 @@ def test_heads_not_divisible_name_module_sizes_and_tp():
     from nanogpt import GPT, GPTConfig
 
     model = GPT(GPTConfig(n_head=3, n_embd=48))
-    gm = capture(meta_skeleton(model), (torch.zeros(2, 8, dtype=torch.long),), {}, torch.device("cpu"))
+    gm = capture(model, (torch.zeros(2, 8, dtype=torch.long),), {})[0]
     with pytest.raises(ShardingError) as e:
         make_plan(gm, 2)
     msg = str(e.value)
@@ -165,7 +165,7 @@ class _Losses(torch.nn.Module):
 @pytest.mark.parametrize("kind,reduction,smoothing", [("nll", 2, 0.0), ("smoothing", 0, 0.1)])
 def test_every_cross_entropy_form_becomes_vocab_parallel(kind, reduction, smoothing):
     idx = torch.zeros(2, 5, dtype=torch.long)
-    gm = capture(meta_skeleton(_Losses(kind)), (idx, idx + 1), {}, torch.device("cpu"))
+    gm = capture(_Losses(kind), (idx, idx + 1), {})[0]
     plan = make_plan(gm, 2)
     (loss,) = plan.vocab.losses
     assert (loss.reduction, loss.label_smoothing) == (reduction, smoothing)
@@ -177,7 +177,7 @@ def test_every_cross_entropy_form_becomes_vocab_parallel(kind, reduction, smooth
 
 def test_logits_read_whole_keep_the_head_replicated():
     idx = torch.zeros(2, 5, dtype=torch.long)
-    gm = capture(meta_skeleton(_Losses("argmax")), (idx, idx), {}, torch.device("cpu"))
+    gm = capture(_Losses("argmax"), (idx, idx), {})[0]
     plan = make_plan(gm, 2)
     assert plan.vocab.heads == () and plan.param("head.weight") is None
     assert any(m == "head" and "argmax" in reason for m, reason in plan.replicated)

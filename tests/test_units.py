@@ -70,7 +70,7 @@ def test_plan_is_immutable_json_data():
                 random_nodes=("dropout_1",), replicated=(("lm_head", "reason"),))
     again = Plan.from_json(plan.to_json())
     assert again == plan
-    assert again.to_dict()["version"] == 1
+    assert again.to_dict()["version"] == 2
     with pytest.raises(Exception):
         plan.tp = 4  # frozen
     with pytest.raises(ValueError, match="version"):

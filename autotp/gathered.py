@@ -1,0 +1,126 @@
+"""Sharded results handed back to the user as ordinary-looking full tensors, gathered on first use.
+
+A vocab-parallel LM head leaves each rank with its slice of the logits, (b, s, V/t). The user's code reads
+them as the full (b, s, V) tensor (``logits[:, -1, :]``, ``torch.cat``, sampling), but a training step
+usually only calls ``loss.backward()`` and never looks at them. :class:`GatheredOnUse` reports the full
+shape and gathers the slices (one all-gather over the tensor-parallel group) the first time any op reads
+its values, then behaves as the plain full tensor; a step that never reads it moves no b·s·V data.
+
+Gathering is a collective: every rank of the group must read the tensor, as every rank runs the same
+script. Gradients flow back through the gather: the gradient of the full tensor is the same on every rank
+(everything after the gather is replicated), so each rank keeps the slice of it that matches its shard.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.utils._pytree import tree_map
+
+# local shards of every rank, in rank order -> the full tensor
+Unshard = Callable[[list[torch.Tensor]], torch.Tensor]
+# the full tensor's gradient -> this rank's slice of it
+Reslice = Callable[[torch.Tensor], torch.Tensor]
+
+# torch >= 2.10 names it all_gather_single; older releases only have all_gather_into_tensor
+all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+class GatheredOnUse(torch.Tensor):
+    """A full-shape tensor whose values are this rank's shard until something reads them."""
+
+    @staticmethod
+    def __new__(cls, local: torch.Tensor, shape: torch.Size, group: dist.ProcessGroup, unshard: Unshard):
+        return torch.Tensor._make_wrapper_subclass(cls, shape, dtype=local.dtype, device=local.device,
+                                                   requires_grad=False)
+
+    def __init__(self, local: torch.Tensor, shape: torch.Size, group: dist.ProcessGroup, unshard: Unshard):
+        self._local = local
+        self._group = group
+        self._unshard = unshard
+        self._full: torch.Tensor | None = None
+
+    def to_local(self) -> torch.Tensor:
+        """This rank's shard (padded as the graph computed it), without communication."""
+        return self._local
+
+    def full_tensor(self) -> torch.Tensor:
+        """The full tensor (gathered once, then cached), detached from autograd."""
+        if self._full is None:
+            local = self._local.detach().contiguous()
+            tp = dist.get_world_size(self._group)
+            buf = local.new_empty(tp * local.numel())
+            all_gather_flat(buf, local.flatten(), group=self._group)
+            self._full = self._unshard(list(buf.view(tp, *local.shape).unbind(0)))  # t × (b, s, V/t)
+        return self._full
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        def full(x):
+            return x.full_tensor() if isinstance(x, GatheredOnUse) else x
+
+        return func(*tree_map(full, args), **tree_map(full, kwargs or {}))
+
+    def __repr__(self) -> str:  # printing reads the values: gathered like any other use
+        return repr(self.full_tensor())
+
+    def __reduce_ex__(self, protocol):  # pickled (torch.save, returned from a worker) as the full tensor
+        return self.full_tensor().__reduce_ex__(protocol)
+
+
+class _Gather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, local: torch.Tensor, shape: torch.Size, group: dist.ProcessGroup, unshard: Unshard,
+                reslice: Reslice) -> torch.Tensor:
+        ctx.reslice = reslice
+        return GatheredOnUse(local.detach(), shape, group, unshard)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        if isinstance(grad, GatheredOnUse):
+            grad = grad.full_tensor()
+        return ctx.reslice(grad), None, None, None, None
+
+
+def gathered_on_use(local: torch.Tensor, shape: torch.Size, group: dist.ProcessGroup, unshard: Unshard,
+                    reslice: Reslice) -> torch.Tensor:
+    return _Gather.apply(local, shape, group, unshard, reslice)
+
+
+class GatherOutput(nn.Module):
+    """Graph module wrapping a sharded graph output; unbound (no group, or a group of one) the identity.
+
+    ``dim``: the sharded dim; ``size``: its full length; ``unshard``/``reslice`` cut and join it (vocab
+    rows with padding, or per-segment head blocks). Bound by the runtime with the group and this rank.
+    """
+
+    def __init__(self, dim: int, size: int, unshard: Callable[[list[torch.Tensor], int], torch.Tensor],
+                 reslice: Callable[[torch.Tensor, int], torch.Tensor]):
+        super().__init__()
+        self.dim, self.size = dim, size
+        self._unshard, self._reslice = unshard, reslice
+        self.group: dist.ProcessGroup | None = None
+        self.rank = 0
+
+    def bind(self, group: dist.ProcessGroup | None, rank: int) -> None:
+        self.group = group if group is not None and dist.get_world_size(group) > 1 else None
+        self.rank = rank
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.group is None:
+            return x
+        shape = list(x.shape)
+        shape[self.dim] = self.size
+        tp, rank = dist.get_world_size(self.group), self.rank
+        return gathered_on_use(x, torch.Size(shape), self.group, lambda shards: self._unshard(shards, tp),
+                               lambda grad: self._reslice(grad, rank))
+
+
+def bind_outputs(module: nn.Module, group: dist.ProcessGroup | None, rank: int) -> None:
+    for m in module.modules():
+        if isinstance(m, GatherOutput):
+            m.bind(group, rank)
