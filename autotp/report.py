@@ -23,7 +23,7 @@ import torch
 
 from autotp.plan import Plan
 
-# DESIGN.md §4: weights + gradients + Adam moments in mixed precision (or fp32 Adam) ≈ 16 bytes/param.
+# Megatron's accounting (README, "What a step costs"): weights + gradients + Adam moments in mixed precision (or fp32 Adam) ≈ 16 bytes/param.
 TRAIN_BYTES_PER_PARAM = 16
 
 
@@ -56,7 +56,7 @@ class CollectiveRow:
 
 @dataclass(frozen=True)
 class FormulaTerm:
-    """One term of DESIGN.md §4's per-step communication, for this plan's structure."""
+    """One term of Megatron's per-step communication (README, "What a step costs"), for this plan's structure."""
 
     direction: str
     op: str
@@ -313,7 +313,7 @@ def _attach(plan: Plan) -> dict[tuple[str, str], str]:
 
 
 def formula_terms(plan: Plan, b: int, s: int, h: int | None) -> tuple[FormulaTerm, ...]:
-    """DESIGN.md §4 for this plan's structure: 2L = one forward and one backward all-reduce per pair, one
+    """Megatron's per-step communication (README, "What a step costs") for this plan's structure: 2L = one forward and one backward all-reduce per pair, one
     more each way when the embedding / LM head are vocab-parallel, 3 reductions of b·s per vocab loss."""
     if plan.tp == 1:
         return ()

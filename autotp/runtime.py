@@ -24,6 +24,7 @@ from autotp.capture import OutSpec, capture, signature, stand_ins, unflatten_out
 from autotp.collectives import all_reduce, bind_collectives
 from autotp.errors import ProcessGroupError, ShardingError
 from autotp.gathered import bind_outputs
+from autotp.grads import mark_sharded_grad, norm_info
 from autotp.passes import run_passes
 from autotp.plan import ParamShard, Plan
 from autotp.planner import make_plan
@@ -200,6 +201,8 @@ def _shard_in_place(model: nn.Module, st: TPState, plan: Plan) -> None:
                     st.full[name] = meta
                 if shard.replicated_blocks(st.tp) and p.requires_grad:
                     _sum_replicated_grads(st, new[id(p)], shard)
+                if p.requires_grad:  # clip_grad_norm_ in the user's script sees the full gradient's norm
+                    mark_sharded_grad(new[id(p)], norm_info(shard, st.tp, st.group))
             mod._parameters[leaf] = new[id(p)]
 
 

@@ -179,7 +179,7 @@ def comm_table(report: Report) -> Table:
     terms = "; ".join(f"{x.direction} {x.count}×{x.each} ({x.what})" for x in report.formula)
     if terms:
         ring = 2 * (t - 1) / t
-        table.caption = f"formula (DESIGN.md §4): {terms}. A ring all-reduce sends ≈ {ring:.2f}× its bytes per rank."
+        table.caption = f"Megatron formula (Shoeybi et al. 2019; README 'What a step costs'): {terms}. A ring all-reduce sends ≈ {ring:.2f}× its bytes per rank."
     return table
 
 

@@ -99,7 +99,7 @@ class ShardReport:
     checkpoint_path: str
     start_step: int = 0  # the step training resumed from (0: from scratch); ``losses`` are steps start_step+1...
     resumed_from: str | None = None
-    # TP communication of one step against DESIGN.md's formula:
+    # TP communication of one step against Megatron's formula (README, "What a step costs"):
     # (direction, op, count, formula count, elements, formula elements, bytes) per kind, then the total
     comm: tuple[tuple, ...] = ()
 
@@ -267,7 +267,8 @@ def _comm_vs_formula(tpm: autotp.TPModule, args: tuple, kwargs: dict) -> tuple[t
 
 # -- the command ---------------------------------------------------------------------------------------
 def _eager_on_meta(mf: ModelFile, skeleton: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-    """Run ``skeleton`` on meta copies of the batch; a ModelFileError carrying the forward's own exception."""
+    """Run the meta-device ``skeleton`` on meta copies of the batch; a ModelFileError carrying the forward's
+    own exception."""
     import traceback as tb
 
     meta = to_device((args, kwargs), torch.device("meta"))
@@ -293,7 +294,7 @@ def preflight(mf: ModelFile, tp: int) -> None:
     does not divide), before any rank starts. Failures that are not autotp's (a model that cannot be built or
     traced on the meta device for reasons of its own) are left for the ranks to report.
     """
-    from autotp.capture import capture, meta_skeleton
+    from autotp.capture import capture
     from autotp.planner import make_plan
 
     try:
@@ -302,13 +303,13 @@ def preflight(mf: ModelFile, tp: int) -> None:
     except ModelFileError:
         model = mf.build()  # the factory may need real tensors; if it fails here too, that is its message
     args, kwargs = mf.example_batch()
-    skeleton = meta_skeleton(model)
     try:
-        gm = capture(skeleton, args, kwargs, torch.device("cpu"))
+        gm, _ = capture(model, args, kwargs, device=torch.device("cpu"))  # export computes nothing
     except CaptureError:
         # export reports a model's own check on symbolic sizes ("length s75"); the plain forward on meta
         # tensors reports it with the real ones
-        _eager_on_meta(mf, skeleton, args, kwargs)
+        if all(t.is_meta for t in model.parameters()):
+            _eager_on_meta(mf, model, args, kwargs)
         raise
     except Exception:  # noqa: BLE001
         return
@@ -366,7 +367,7 @@ def render(report: ShardReport, console: Console) -> None:
     summary.add_row("checkpoint", escape(report.checkpoint_path))
     console.print(summary)
     if report.comm:
-        comm = Table(title="TP communication per training step, per rank, vs DESIGN.md formula")
+        comm = Table(title="TP communication per training step, per rank, vs Megatron's formula (README: 'What a step costs')")
         for col in ("pass", "all-reduce", "count", "formula", "ratio", "elements", "formula", "ratio", "bytes"):
             comm.add_column(col, justify="left" if col in ("pass", "all-reduce") else "right")
 

@@ -24,7 +24,7 @@ def free_port() -> int:
 
 @record
 def _entry(fn: Callable, *args):
-    sys.path[:0] = [os.path.join(ROOT, "examples"), os.path.join(ROOT, "tests")]
+    sys.path[:0] = [os.path.join(ROOT, "examples"), os.path.join(ROOT, "tests"), os.path.join(ROOT, "tests", "scripts")]
     dist.init_process_group("gloo")
     try:
         return fn(*args)

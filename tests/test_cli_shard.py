@@ -37,7 +37,7 @@ def test_shard_nanogpt_tp2(sharded) -> None:
     summary = json.loads((out / "summary.json").read_text())
     assert summary["parity"]["ok"]
     assert summary["parity"]["loss_diff"] <= 1e-5 and summary["parity"]["output_diff"] <= 1e-5
-    # the step's TP communication sits exactly at DESIGN.md's formula
+    # the step's TP communication sits exactly at Megatron's formula
     *_, total = summary["comm"]
     assert total[0] == "total" and total[2] == total[3] == 13 and total[4] == total[5] > 0
     assert len(summary["losses"]) == 3 and [r["rank"] for r in summary["ranks"]] == [0, 1]

@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 from autotp.cli.main import app
 from autotp.layout import RankLayout
 
-# DESIGN.md section 3: world 16, tp 2, pp 4 (dp 2).
+# Megatron's rank order (README, "Rank layout"): world 16, tp 2, pp 4 (dp 2).
 TABLE_16 = {
     "tp": [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9], [10, 11], [12, 13], [14, 15]],
     "dp": [[0, 2], [1, 3], [4, 6], [5, 7], [8, 10], [9, 11], [12, 14], [13, 15]],
