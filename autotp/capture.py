@@ -3,12 +3,13 @@
 Non-strict export runs the model's real Python code (closures over submodules, plain tensor attributes,
 module-level tensors, hooks on submodules, buffers written in forward) on fake tensors that it makes from
 the parameters and buffers itself: no copy of the model, no memory, no real compute, and the model is left
-as it was. Batch and sequence dims (the first two of every tensor input) are ``Dim.AUTO``: export keeps them
-symbolic unless the model pins them. A size of 1 is specialized by export, so it is part of the cache key.
+as it was. Every dim of every tensor input is ``Dim.AUTO``: export keeps batch, sequence and cache lengths
+symbolic unless the model pins them. Sizes 0 and 1 are specialized by export, so they are part of the
+cache key (:func:`autotp.structure.call_key`).
 
-Outputs are flattened to a tuple of tensors by :func:`flatten_output` before export sees them, so any
-Python object a forward returns (a model-output dataclass, a cache object holding tensors) is captured
-without registering its type anywhere; :func:`unflatten_output` rebuilds it around the graph's results.
+The exported graph takes and returns flat tuples of tensors (:mod:`autotp.structure`), so any Python object
+a forward takes or returns (a model-output dataclass, a cache object holding tensors) is captured without
+registering its type anywhere, and a forward with ``**kwargs`` needs no names matched.
 
 A model whose parameters were already cut to local shards is captured with full-size stand-ins swapped in
 for the duration of the export (``params=``): uninitialised CPU tensors (address space, never touched) or
@@ -17,109 +18,37 @@ meta tensors on other devices.
 from __future__ import annotations
 
 import contextlib
-import functools
-import inspect
 import io
 import logging
 import os
 import traceback
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.fx as fx
 import torch.nn as nn
-import torch.utils._pytree as pytree
 from torch.export import Dim
 from torch.nn.utils.stateless import _reparametrize_module
 
 from autotp.errors import CaptureError
+from autotp.structure import Spec, flatten, unflatten
 
 _HOOK_DICTS = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called",
                "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs")
 
 
-def signature(args: tuple, kwargs: dict, training: bool) -> Hashable:
-    """Cache key of a call: input structure, dtypes, ranks, which dims are 1, non-tensor values."""
-    leaves, spec = pytree.tree_flatten((args, kwargs))
-    key = []
-    for x in leaves:
-        if isinstance(x, torch.Tensor):
-            key.append(("T", x.dtype, x.dim(), tuple(d == 1 for d in x.shape[:2])))
-        else:
-            key.append(("V", type(x).__name__, x if isinstance(x, Hashable) else repr(x)))
-    return (str(spec), tuple(key), training)
-
-
-# -- outputs -------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class OutSpec:
-    """Structure of a forward's output. ``kind``: "tensor" (``value`` = flat index), "const", "tree"
-    (a torch pytree node: ``value`` = its TreeSpec over ``children``) or "object" (``value`` = the class,
-    ``keys`` its ``__dict__`` keys)."""
-
-    kind: str
-    value: object = None
-    keys: tuple[str, ...] = ()
-    children: tuple[OutSpec, ...] = ()
-
-
-def _holds_tensor(x: object, depth: int = 0) -> bool:
-    if isinstance(x, torch.Tensor):
-        return True
-    if depth > 8:
-        return False
-    if isinstance(x, (list, tuple)):
-        return any(_holds_tensor(v, depth + 1) for v in x)
-    if isinstance(x, dict):
-        return any(_holds_tensor(v, depth + 1) for v in x.values())
-    d = getattr(x, "__dict__", None)
-    return isinstance(d, dict) and not isinstance(x, type) and any(_holds_tensor(v, depth + 1) for v in d.values())
-
-
-def flatten_output(out: object) -> tuple[list[torch.Tensor], OutSpec]:
-    tensors: list[torch.Tensor] = []
-
-    def walk(x: object) -> OutSpec:
-        if isinstance(x, torch.Tensor):
-            tensors.append(x)
-            return OutSpec("tensor", len(tensors) - 1)
-        if not pytree.tree_is_leaf(x):  # tuples, lists, dicts, namedtuples, registered output classes
-            leaves, spec = pytree.tree_flatten(x)
-            return OutSpec("tree", spec, children=tuple(walk(c) for c in leaves))
-        if _holds_tensor(x):
-            keys = tuple(vars(x))
-            return OutSpec("object", type(x), keys, tuple(walk(vars(x)[k]) for k in keys))
-        return OutSpec("const", x)
-
-    return tensors, walk(out)
-
-
-def unflatten_output(tensors: tuple | list, spec: OutSpec) -> object:
-    if spec.kind == "tensor":
-        return tensors[spec.value]
-    if spec.kind == "const":
-        return spec.value
-    children = [unflatten_output(tensors, c) for c in spec.children]
-    if spec.kind == "tree":
-        return pytree.tree_unflatten(children, spec.value)
-    obj = spec.value.__new__(spec.value)
-    obj.__dict__.update(zip(spec.keys, children))
-    return obj
-
-
 # -- capture -------------------------------------------------------------------------------------------
 @contextlib.contextmanager
-def _as_plain_forward(model: nn.Module, forward: Callable, box: list) -> Iterator[None]:
-    """Export ``model`` as if ``forward`` were its forward: root hooks off (they run around the rewritten
-    graph at call time, as before), outputs flattened into ``box``."""
+def _as_flat_forward(model: nn.Module, forward: Callable, in_spec: Spec, box: list) -> Iterator[None]:
+    """Export ``model`` as if ``forward`` took and returned flat tensors: root hooks off (they run around
+    the rewritten graph at call time, as before), the output's structure stored in ``box``."""
 
-    @functools.wraps(forward)
-    def flat_forward(*args, **kwargs):
-        tensors, spec = flatten_output(forward(*args, **kwargs))
+    def flat_forward(*tensors):
+        args, kwargs = unflatten(tensors, in_spec)
+        out, spec = flatten(forward(*args, **kwargs))
         box.append(spec)
-        return tuple(tensors)
+        return tuple(out)
 
     saved = {name: getattr(model, name) for name in _HOOK_DICTS if hasattr(model, name)}
     had_forward = "forward" in model.__dict__
@@ -153,7 +82,7 @@ def stand_ins(tensors: dict[str, torch.Tensor], device: torch.device) -> dict[st
 
 def capture(model: nn.Module, args: tuple, kwargs: dict, *, forward: Callable | None = None,
             params: dict[str, torch.Tensor] | None = None,
-            device: torch.device | None = None) -> tuple[fx.GraphModule, OutSpec]:
+            device: torch.device | None = None) -> tuple[fx.GraphModule, Spec]:
     """Export ``model``'s call on ``(args, kwargs)``; returns the graph (flat tensor outputs) and the
     output structure. ``forward`` replaces the model's own forward for the export (default: the class's);
     ``params`` swaps in tensors for named parameters or buffers while exporting (full-size stand-ins for
@@ -186,19 +115,18 @@ def _model_device(model: nn.Module, params: dict[str, torch.Tensor] | None) -> t
 
 
 def _export_on(model: nn.Module, forward: Callable, args: tuple, kwargs: dict,
-               params: dict[str, torch.Tensor] | None, device: torch.device) -> tuple[fx.GraphModule, OutSpec]:
-    def place(x: object) -> object:
-        if isinstance(x, torch.Tensor) and x.device != device:
-            return torch.empty_like(x, device=device)
-        return x
+               params: dict[str, torch.Tensor] | None, device: torch.device) -> tuple[fx.GraphModule, Spec]:
+    def place(x: torch.Tensor) -> torch.Tensor:
+        return x if x.device == device else torch.empty_like(x, device=device)
 
-    args, kwargs = pytree.tree_map(place, (tuple(args), dict(kwargs)))
-    box: list[OutSpec] = []
+    tensors, in_spec = flatten((tuple(args), dict(kwargs)))
+    tensors = [place(t) for t in tensors]
+    box: list[Spec] = []
     swap = _reparametrize_module(model, params) if params else contextlib.nullcontext()
     training = [m.training for m in model.modules()]
     try:
-        with swap, _as_plain_forward(model, forward, box):
-            gm = _export(model, args, kwargs, forward)
+        with swap, _as_flat_forward(model, forward, in_spec, box):
+            gm = _export(model, tensors, forward)
     finally:
         for m, t in zip(model.modules(), training):
             m.training = t
@@ -219,33 +147,16 @@ def _meta_constants(gm: fx.GraphModule) -> list[str]:
     return found
 
 
-def _dynamic_shapes(args: tuple, kwargs: dict, forward: Callable):
-    def dims(x):
-        if isinstance(x, torch.Tensor):
-            return {i: Dim.AUTO for i in range(min(x.dim(), 2))}
-        return None
-
-    dyn_args, dyn_kwargs = pytree.tree_map(dims, args), pytree.tree_map(dims, kwargs)
-    if not dyn_kwargs:
-        return tuple(dyn_args)
-    # export wants dynamic_shapes keyed like forward's signature when kwargs are used
-    names = [n for n, p in inspect.signature(forward).parameters.items()
-             if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
-    spec = {names[i]: d for i, d in enumerate(dyn_args)}
-    spec.update(dyn_kwargs)
-    return spec
-
-
-def _export(model: nn.Module, args: tuple, kwargs: dict, forward: Callable) -> fx.GraphModule:
+def _export(model: nn.Module, tensors: list[torch.Tensor], forward: Callable) -> fx.GraphModule:
     quiet = logging.getLogger("torch")
     level = quiet.level
     quiet.setLevel(logging.CRITICAL)  # a failed export logs its whole graph; the CaptureError says what matters
-    name = f"{type(model).__name__}.forward"
+    name = getattr(forward, "__qualname__", f"{type(model).__name__}.forward")
+    dynamic = tuple({i: Dim.AUTO for i in range(t.dim())} for t in tensors)  # forward(*tensors): one bundle
     try:
         # export prints the partial graph of a failed trace; the CaptureError below says what matters
         with torch.no_grad(), contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-            ep = torch.export.export(model, tuple(args), dict(kwargs),
-                                     dynamic_shapes=_dynamic_shapes(args, kwargs, forward), strict=False)
+            ep = torch.export.export(model, tuple(tensors), dynamic_shapes=(dynamic,), strict=False)
     except Exception as e:  # noqa: BLE001 - every export failure becomes one readable error
         raise CaptureError(
             f"torch.export could not capture {name}: {_reason(e)}{_user_line(e)}",

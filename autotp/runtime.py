@@ -20,7 +20,8 @@ import torch.distributed as dist
 import torch.fx as fx
 import torch.nn as nn
 
-from autotp.capture import OutSpec, capture, signature, stand_ins, unflatten_output
+from autotp.capture import capture, stand_ins
+from autotp.structure import Spec, call_key, flatten, unflatten
 from autotp.collectives import all_reduce, bind_collectives
 from autotp.errors import ProcessGroupError, ShardingError
 from autotp.gathered import bind_outputs
@@ -49,7 +50,7 @@ class TPState:
     rng: RegionRNG | None = None
     shards: dict[str, ParamShard] = field(default_factory=dict)  # every name of a sharded parameter
     full: dict[str, torch.Tensor] = field(default_factory=dict)  # meta, full size, for later captures
-    graphs: dict[Hashable, tuple[nn.Module, OutSpec]] = field(default_factory=dict)
+    graphs: dict[Hashable, tuple[nn.Module, Spec]] = field(default_factory=dict)
     plans: dict[Hashable, Plan] = field(default_factory=dict)
     checked: set[Hashable] = field(default_factory=set)
     warned: set[tuple[str, str]] = field(default_factory=set)
@@ -110,12 +111,12 @@ class TPModule(nn.Module):
 
     def forward(self, *args, **kwargs):
         st: TPState = self.__dict__["_autotp"]
-        key = signature(args, kwargs, self.training)
+        key = call_key(args, kwargs, self.training)
         entry = st.graphs.get(key)
         if entry is None:
             entry = _build(self, st, args, kwargs, key)
         gm, spec = entry
-        return unflatten_output(gm(*args, **kwargs), spec)
+        return unflatten(gm(*flatten((args, kwargs))[0]), spec)
 
 
 def _user_forward(model: nn.Module, st: TPState) -> Callable:
@@ -154,7 +155,7 @@ def _check_consistent(st: TPState, plan: Plan) -> None:
         )
 
 
-def _build(model: nn.Module, st: TPState, args: tuple, kwargs: dict, key: Hashable) -> tuple[nn.Module, OutSpec]:
+def _build(model: nn.Module, st: TPState, args: tuple, kwargs: dict, key: Hashable) -> tuple[nn.Module, Spec]:
     swap = None
     if st.full:
         # the model holds shards now: export sees full-size stand-ins for them
@@ -242,8 +243,8 @@ def _set_attr(root: nn.Module, name: str, value: torch.Tensor) -> None:
         mod._buffers[leaf] = value
 
 
-def _finish(model: nn.Module, st: TPState, gm: fx.GraphModule, spec: OutSpec, key: Hashable,
-            plan: Plan) -> tuple[nn.Module, OutSpec]:
+def _finish(model: nn.Module, st: TPState, gm: fx.GraphModule, spec: Spec, key: Hashable,
+            plan: Plan) -> tuple[nn.Module, Spec]:
     """Point the graph at the model's own tensors (shards, buffers) and bind group, rank and RNG."""
     tensors = {**dict(model.named_parameters(remove_duplicate=False)),
                **dict(model.named_buffers(remove_duplicate=False))}
@@ -306,7 +307,7 @@ def parallelize(model: nn.Module, *, tp_group: dist.ProcessGroup | None = None, 
     model.__dict__.pop("forward", None)
     model.__dict__["_autotp"] = st
     try:
-        _build(model, st, args, kwargs, signature(args, kwargs, training))
+        _build(model, st, args, kwargs, call_key(args, kwargs, training))
     except BaseException:
         model.__class__ = st.base
         del model.__dict__["_autotp"]

@@ -253,3 +253,31 @@ def capture_styles(styles: list[str], steps: int = 3) -> dict:
             "sharded_fraction": sum(p.numel() for p in model.parameters()) / sum(p.numel() for p in ref.parameters()),
         }
     return out
+
+
+def hf_generate(kinds: list[str], use_cache: bool, tmp: str | None = None) -> dict:
+    """Greedy ``generate`` of a parallelized Hugging Face model against the unsharded one; and
+    ``save_pretrained`` -> ``from_pretrained`` of the sharded model."""
+    import os
+
+    import torch.distributed as dist
+
+    out = {}
+    for kind in kinds:
+        ref, _ = _hf(kind)
+        model = autotp.parallelize(copy.deepcopy(ref))
+        prompt = torch.randint(1, 128, (2, 5), generator=torch.Generator().manual_seed(3))
+        mask = torch.ones_like(prompt)
+        kw = dict(max_new_tokens=8, do_sample=False, use_cache=use_cache, attention_mask=mask, pad_token_id=0)
+        got, want = model.generate(prompt, **kw), ref.generate(prompt, **kw)
+        r = {"same_tokens": torch.equal(got, want), "new": got.shape[1] - prompt.shape[1]}
+        if tmp is not None:
+            path = os.path.join(tmp, kind)
+            model.save_pretrained(path)
+            back = type(ref).from_pretrained(path)
+            sd, rsd = back.state_dict(), ref.state_dict()
+            r["round_trip"] = sorted(sd) == sorted(rsd) and all(torch.equal(sd[k], rsd[k]) for k in sd)
+            r["files"] = sorted(os.listdir(path))
+            dist.barrier()
+        out[kind] = r
+    return out

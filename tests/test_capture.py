@@ -9,7 +9,8 @@ from capture_models import STYLES, build
 from distributed import launch
 from parity_workers import capture_styles, default_calls
 
-from autotp.capture import capture, flatten_output, unflatten_output
+from autotp.capture import capture
+from autotp.structure import call_key, flatten, unflatten
 
 
 def _snapshot(model: torch.nn.Module) -> dict:
@@ -55,11 +56,16 @@ def test_output_structure_round_trips():
 
     t = [torch.randn(2) for _ in range(3)]
     out = (t[0], {"cache": Cache(t[1], t[2]), "n": None})
-    tensors, spec = flatten_output(out)
+    tensors, spec = flatten(out)
     assert len(tensors) == 3
-    back = unflatten_output(tensors, spec)
+    back = unflatten(tensors, spec)
     assert back[0] is t[0] and back[1]["n"] is None and back[1]["cache"].seen == 3
     assert back[1]["cache"].layers[0]["v"] is t[2] and isinstance(back[1]["cache"], Cache)
+    # the cache key sees structure, constants and which sizes are 0 or 1, not the values or other sizes
+    other = (torch.randn(3), {"cache": Cache(torch.randn(5), torch.randn(5)), "n": None})
+    assert call_key((out,), {}, True) == call_key((other,), {}, True) != call_key((other,), {}, False)
+    assert call_key((t[0],), {"flag": True}, True) != call_key((t[0],), {"flag": False}, True)
+    assert call_key((torch.randn(1),), {}, True) != call_key((torch.randn(4),), {}, True)
 
 
 def test_capture_styles_train_exactly_at_tp2():
