@@ -15,7 +15,7 @@ from autotp.propagate import Rewrite
 from autotp.shard_spec import Segment, VocabLayout, shard_tensor, unshard_tensor, vocab_shard, vocab_unshard
 
 PLAN_VERSION = 2
-_READS = (1, 2)  # version 1 plans have no gathered outputs
+_READS = (1, 2)  # version 1 plans have no gathered outputs or sharded inputs
 
 
 @dataclass(frozen=True)
@@ -105,6 +105,16 @@ class GatheredOutput:
 
 
 @dataclass(frozen=True)
+class ShardedInput:
+    """A graph input taken as this rank's shard (the KV cache a previous call returned): a
+    :class:`~autotp.gathered.GatheredOnUse` passes its local shard, a full tensor is sliced locally."""
+
+    node: str
+    dim: int
+    segments: tuple[Segment, ...]
+
+
+@dataclass(frozen=True)
 class Plan:
     tp: int
     params: tuple[tuple[str, ParamShard], ...] = ()
@@ -115,6 +125,7 @@ class Plan:
     replicated: tuple[tuple[str, str], ...] = ()  # (module, reason) left unsharded
     vocab: VocabPlan = field(default_factory=VocabPlan)
     gathered: tuple[GatheredOutput, ...] = ()
+    sharded_inputs: tuple[ShardedInput, ...] = ()
     version: int = field(default=PLAN_VERSION)
 
     def param(self, name: str) -> ParamShard | None:
@@ -156,8 +167,9 @@ class Plan:
         collectives = tuple(Collective(**{k: tuple(v) if isinstance(v, list) else v for k, v in c.items()})
                             for c in d["collectives"])
         gathered = tuple(GatheredOutput(g["node"], g["dim"], seg(g["segments"])) for g in d.get("gathered", ()))
+        inputs = tuple(ShardedInput(g["node"], g["dim"], seg(g["segments"])) for g in d.get("sharded_inputs", ()))
         return cls(d["tp"], params, pairs, rewrites, collectives, tuple(d["random_nodes"]),
-                   tuple(tuple(r) for r in d["replicated"]), vocab, gathered, PLAN_VERSION)
+                   tuple(tuple(r) for r in d["replicated"]), vocab, gathered, inputs, PLAN_VERSION)
 
     @classmethod
     def from_json(cls, text: str) -> Plan:

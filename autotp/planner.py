@@ -5,7 +5,7 @@ import torch.fx as fx
 
 from autotp.analysis import Analysis, analyze
 from autotp.matmuls import ParamMatmul, module_path
-from autotp.plan import Collective, GatheredOutput, PairPlan, ParamShard, Plan, VocabLoss, VocabPlan
+from autotp.plan import Collective, GatheredOutput, PairPlan, ParamShard, Plan, ShardedInput, VocabLoss, VocabPlan
 from autotp.shard_spec import Segment, VocabLayout
 from autotp.vocab import VocabFacts, analyze_vocab
 
@@ -60,7 +60,7 @@ def _vocab_plan(gm: fx.GraphModule, v: VocabFacts, tp: int, params: dict, rewrit
 
 def plan_from_analysis(gm: fx.GraphModule, a: Analysis, v: VocabFacts | None = None) -> Plan:
     params: dict[str, ParamShard] = {}
-    pairs, rewrites, collectives, random_nodes, gathered = [], [], [], [], []
+    pairs, rewrites, collectives, random_nodes, gathered, inputs = [], [], [], [], [], []
     for p in a.pairs:
         for c in p.columns:
             segs = p.column_specs[c.node.name].segments
@@ -80,6 +80,9 @@ def plan_from_analysis(gm: fx.GraphModule, a: Analysis, v: VocabFacts | None = N
         for n in p.region.outputs:
             spec = p.region.specs[n]
             gathered.append(GatheredOutput(n.name, spec.dim, spec.segments))
+        for n in p.region.inputs:
+            spec = p.region.specs[n]
+            inputs.append(ShardedInput(n.name, spec.dim, spec.segments))
     vocab = _vocab_plan(gm, v, a.tp, params, rewrites, collectives) if v is not None else VocabPlan()
     return Plan(
         tp=a.tp,
@@ -91,6 +94,7 @@ def plan_from_analysis(gm: fx.GraphModule, a: Analysis, v: VocabFacts | None = N
         replicated=tuple(a.replicated),
         vocab=vocab,
         gathered=tuple(gathered),
+        sharded_inputs=tuple(inputs),
     )
 
 

@@ -60,6 +60,7 @@ class Region:
     random_nodes: list[fx.Node] = field(default_factory=list)
     row_input: Sharding | None = None
     outputs: list[fx.Node] = field(default_factory=list)  # sharded values the graph returns (a KV cache)
+    inputs: list[fx.Node] = field(default_factory=list)  # graph inputs taken as local shards (a KV cache)
 
 
 def split_dims(gj: list[int], dst: list[int]) -> list[int]:
@@ -260,6 +261,8 @@ class _Propagator:
                 continue
             gi_real = [i for i in gi if src[i] != 1 or i == s.dim]
             gj_real = split_dims(gj, dst)
+            if len(gi_real) == 1 and _unflattened_sequence_of_one(gj_real, dst, src[s.dim]):
+                gj_real = gj_real[1:]
             if len(gi_real) == 1 and len(gj_real) == 1:  # the sharded dim passes through
                 j = gj_real[0]
                 if s.inner:
@@ -362,13 +365,28 @@ class _Propagator:
         # torch.cat skips 1-D empty tensors (a cache's lazily made ``torch.tensor([])``): they take no part
         tensors = [x for x in node.args[0] if not _legacy_empty(x)]
         d = normalize_dim(_arg(node, 1, "dim", 0), _ndim(node))
-        specs = {self.spec(x) for x in tensors}
-        if len(specs) != 1 or None in specs:
-            raise Unshardable(node, "cat of sharded and replicated tensors")
+        specs = {self.spec(x) for x in tensors} - {None}
+        if len(specs) != 1:
+            raise Unshardable(node, "cat of tensors sharded differently")
         s = specs.pop()
+        for x in tensors:
+            if self.spec(x) is None:
+                self._local_input(node, x, s)
         if d == s.dim or (s.inner and d == s.inner[0]):
             raise Unshardable(node, "cat along the sharded dim")
         return s
+
+    def _local_input(self, node: fx.Node, x: object, s: Sharding) -> None:
+        """A replicated graph input concatenated with a sharded value (a KV cache's past keys and the new
+        ones) is taken as this rank's shard of it: the cache the graph returned last call, kept local."""
+        if not (isinstance(x, fx.Node) and x.op == "placeholder" and _ndim(x) == _ndim(node)) or s.inner:
+            raise Unshardable(node, "cat of sharded and replicated tensors")
+        for u in x.users:
+            if u is not node and not _is_guard(u) \
+                    and not (u.target is aten.sym_size.int and normalize_dim(u.args[1], _ndim(x)) != s.dim):
+                raise Unshardable(node, f"graph input {x.name} is concatenated with a sharded value and used whole")
+        self.region.specs[x] = s
+        self.region.inputs.append(x)
 
     def batched(self, node: fx.Node, operands: list, core: int) -> Sharding:
         """Matmul-like op: the sharded dim must be a batch dim of the sharded operands."""
@@ -434,7 +452,7 @@ def propagate(columns: dict[fx.Node, Sharding], row: fx.Node, row_x: fx.Node, fp
     p.region.row_input = rs
     for n in list(p.region.specs):
         for u in n.users:
-            if u in p.region.specs or u is row or u.target in _NO_OUTPUT:
+            if u in p.region.specs or u is row or u.target in _NO_OUTPUT or _is_guard(u):
                 continue
             if u.target is aten.sym_size.int:
                 continue
@@ -448,6 +466,17 @@ def propagate(columns: dict[fx.Node, Sharding], row: fx.Node, row_x: fx.Node, fp
                 continue
             raise Unshardable(u, f"sharded value {n.name} escapes the region")
     return p.region
+
+
+def _is_guard(u: fx.Node) -> bool:
+    """The exported module's check of its inputs' shapes (it reads sizes, never values)."""
+    return u.op == "call_module" and str(u.target).startswith("_guards")
+
+
+def _unflattened_sequence_of_one(gj: list[int], dst: list[int], size: int) -> bool:
+    """``[b·s, N] -> [b, s, N]`` with s = 1 looks like one head of N (``[.., 1, N]``); a size-1 dim right
+    after the batch dim is the sequence (heads come after it: ``[b, s, 1, hd]``)."""
+    return len(gj) == 2 and gj[0] == 1 and dst[1] == 1 and dst[gj[1]] == size
 
 
 def column_segments(col: fx.Node, fp: Fingerprinter, tp: int, where: str) -> tuple[Segment, ...]:
@@ -484,6 +513,8 @@ def _probe(node: fx.Node, dim: int, size: int, fp, tp, where, depth) -> tuple[Se
             src, dst = fp.shape(node), fp.shape(u)
             for gi, gj in view_groups(src, dst):
                 gj_real = split_dims(gj, dst)
+                if dim in gi and _unflattened_sequence_of_one(gj_real, dst, size):
+                    return _probe(u, gj_real[1], size, fp, tp, where, depth + 1)
                 if dim in gi and len([i for i in gi if src[i] != 1]) == 1 and len(gj_real) > 1:
                     n1 = dst[gj_real[0]]
                     if _is_segment_dim(u, gj_real[0], 0):

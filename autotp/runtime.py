@@ -24,14 +24,23 @@ from autotp.capture import capture, stand_ins
 from autotp.structure import Spec, call_key, flatten, unflatten
 from autotp.collectives import all_reduce, bind_collectives
 from autotp.errors import ProcessGroupError, ShardingError
-from autotp.gathered import bind_outputs
+from autotp.gathered import GatheredOnUse, bind_outputs
 from autotp.grads import mark_sharded_grad, norm_info
 from autotp.passes import run_passes
-from autotp.plan import ParamShard, Plan
+from autotp.plan import ParamShard, Plan, ShardedInput
 from autotp.planner import make_plan
 from autotp.rng import SEED_OFFSET, RegionRNG, bind_rng
-from autotp.shard_spec import block_index
+from autotp.shard_spec import block_index, shard_tensor
 from autotp.vocab_ops import bind_vocab
+
+
+@dataclass(frozen=True)
+class Captured:
+    """One call signature's rewritten graph: flat tensors in, flat tensors out."""
+
+    module: nn.Module  # the rewritten graph module (compiled when asked)
+    out: Spec  # how to rebuild the forward's output around the graph's results
+    local_inputs: tuple[tuple[int, ShardedInput], ...] = ()  # flat input index -> taken as its local shard
 
 
 @dataclass
@@ -50,7 +59,7 @@ class TPState:
     rng: RegionRNG | None = None
     shards: dict[str, ParamShard] = field(default_factory=dict)  # every name of a sharded parameter
     full: dict[str, torch.Tensor] = field(default_factory=dict)  # meta, full size, for later captures
-    graphs: dict[Hashable, tuple[nn.Module, Spec]] = field(default_factory=dict)
+    graphs: dict[Hashable, Captured] = field(default_factory=dict)
     plans: dict[Hashable, Plan] = field(default_factory=dict)
     checked: set[Hashable] = field(default_factory=set)
     warned: set[tuple[str, str]] = field(default_factory=set)
@@ -112,11 +121,24 @@ class TPModule(nn.Module):
     def forward(self, *args, **kwargs):
         st: TPState = self.__dict__["_autotp"]
         key = call_key(args, kwargs, self.training)
-        entry = st.graphs.get(key)
-        if entry is None:
-            entry = _build(self, st, args, kwargs, key)
-        gm, spec = entry
-        return unflatten(gm(*flatten((args, kwargs))[0]), spec)
+        c = st.graphs.get(key)
+        if c is None:
+            c = _build(self, st, args, kwargs, key)
+        flat = flatten((args, kwargs))[0]
+        for i, s in c.local_inputs:
+            flat[i] = _local_input(flat[i], s, st)
+        return unflatten(c.module(*flat), c.out)
+
+
+def _local_input(x: torch.Tensor, s: ShardedInput, st: TPState) -> torch.Tensor:
+    """This rank's shard of an input the graph takes locally: a value this model returned gathered-on-use
+    passes its shard (no communication); a full tensor is sliced."""
+    if isinstance(x, GatheredOnUse):
+        local = x.to_local()
+        if local.shape[s.dim] == sum(g.local() for g in s.segments):
+            return local
+        x = x.full_tensor()
+    return shard_tensor(x, s.dim, s.segments, st.tp, st.rank)
 
 
 def _user_forward(model: nn.Module, st: TPState) -> Callable:
@@ -155,7 +177,7 @@ def _check_consistent(st: TPState, plan: Plan) -> None:
         )
 
 
-def _build(model: nn.Module, st: TPState, args: tuple, kwargs: dict, key: Hashable) -> tuple[nn.Module, Spec]:
+def _build(model: nn.Module, st: TPState, args: tuple, kwargs: dict, key: Hashable) -> Captured:
     swap = None
     if st.full:
         # the model holds shards now: export sees full-size stand-ins for them
@@ -244,7 +266,7 @@ def _set_attr(root: nn.Module, name: str, value: torch.Tensor) -> None:
 
 
 def _finish(model: nn.Module, st: TPState, gm: fx.GraphModule, spec: Spec, key: Hashable,
-            plan: Plan) -> tuple[nn.Module, Spec]:
+            plan: Plan) -> Captured:
     """Point the graph at the model's own tensors (shards, buffers) and bind group, rank and RNG."""
     tensors = {**dict(model.named_parameters(remove_duplicate=False)),
                **dict(model.named_buffers(remove_duplicate=False))}
@@ -260,9 +282,10 @@ def _finish(model: nn.Module, st: TPState, gm: fx.GraphModule, spec: Spec, key: 
         from autotp.compile import compile_graph
 
         run = compile_graph(gm)
-    st.graphs[key] = (run, spec)
+    index = {n.name: i for i, n in enumerate(n for n in gm.graph.nodes if n.op == "placeholder")}
+    st.graphs[key] = Captured(run, spec, tuple((index[s.node], s) for s in plan.sharded_inputs))
     st.plans[key] = plan
-    return run, spec
+    return st.graphs[key]
 
 
 def _swap_class(model: nn.Module) -> None:

@@ -34,8 +34,11 @@ _ATOMS = (bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.
 def _is_record(x: object) -> bool:
     """A plain Python object (a cache, a small dataclass): walked through its ``__dict__`` and rebuilt fresh,
     so that nothing a forward does to it during capture reaches the caller's object."""
-    return (not isinstance(x, (_ATOMS, type, torch.nn.Module)) and not callable(x)
-            and isinstance(getattr(x, "__dict__", None), dict) and not hasattr(type(x), "__slots__"))
+    if isinstance(x, (_ATOMS, type, torch.nn.Module)) or callable(x) or not isinstance(getattr(x, "__dict__", None), dict):
+        return False
+    slots = (getattr(k, "__slots__", ()) for k in type(x).__mro__)
+    return not any(n not in ("__dict__", "__weakref__") for names in slots
+                   for n in ([names] if isinstance(names, str) else names))  # state in slots would be lost
 
 
 def flatten(obj: object) -> tuple[list[torch.Tensor], Spec]:

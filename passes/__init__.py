@@ -11,6 +11,7 @@ import torch.fx as fx
 
 from autotp.passes.gather_outputs import gather_outputs
 from autotp.passes.insert_collectives import insert_collectives
+from autotp.passes.local_inputs import local_inputs
 from autotp.passes.region_rng import region_rng
 from autotp.passes.rewrite_constants import rewrite_constants
 from autotp.passes.row_bias import row_bias_after_reduce
@@ -22,7 +23,7 @@ from autotp.plan import Plan
 Pass = Callable[[fx.GraphModule, Plan], fx.GraphModule]
 
 DEFAULT_PASSES: tuple[Pass, ...] = (rewrite_constants, insert_collectives, row_bias_after_reduce, vocab_embedding,
-                                    vocab_loss, vocab_output, gather_outputs, region_rng)
+                                    vocab_loss, vocab_output, gather_outputs, local_inputs, region_rng)
 
 
 class PassError(RuntimeError):
@@ -42,6 +43,6 @@ def run_passes(gm: fx.GraphModule, plan: Plan, passes: Sequence[Pass] = DEFAULT_
     return gm
 
 
-__all__ = ["DEFAULT_PASSES", "PassError", "gather_outputs", "insert_collectives", "region_rng",
+__all__ = ["DEFAULT_PASSES", "PassError", "gather_outputs", "insert_collectives", "local_inputs", "region_rng",
            "rewrite_constants", "row_bias_after_reduce", "run_passes", "vocab_embedding", "vocab_loss",
            "vocab_output"]

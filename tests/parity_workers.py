@@ -92,7 +92,7 @@ def other_calls(model_name: str = "nanogpt") -> dict:
     out["graphs"] = len(autotp.tp_state(tpm).graphs)
     out["shared_params"] = all(
         gm.get_parameter("transformer.h.0.attn.c_attn.weight") is tpm.transformer.h[0].attn.c_attn.weight
-        for gm in (g for g, _ in autotp.tp_state(tpm).graphs.values())
+        for gm in (c.module for c in autotp.tp_state(tpm).graphs.values())
     )
     return out
 
@@ -108,7 +108,7 @@ def dropout_streams() -> dict:
     torch.manual_seed(1234)
     tpm = autotp.parallelize(ref, example_inputs=args)
     masks, replicated = [], []
-    for gm in (g for g, _ in autotp.tp_state(tpm).graphs.values()):
+    for gm in (c.module for c in autotp.tp_state(tpm).graphs.values()):
         for m in gm.modules():
             if isinstance(m, RegionRandom):
                 m.register_forward_hook(lambda mod, inp, o: masks.append(((o == 0) & (inp[0] != 0), inp[0] != 0)))
@@ -269,8 +269,21 @@ def hf_generate(kinds: list[str], use_cache: bool, tmp: str | None = None) -> di
         prompt = torch.randint(1, 128, (2, 5), generator=torch.Generator().manual_seed(3))
         mask = torch.ones_like(prompt)
         kw = dict(max_new_tokens=8, do_sample=False, use_cache=use_cache, attention_mask=mask, pad_token_id=0)
-        got, want = model.generate(prompt, **kw), ref.generate(prompt, **kw)
-        r = {"same_tokens": torch.equal(got, want), "new": got.shape[1] - prompt.shape[1]}
+        gathers = []
+        full = autotp.GatheredOnUse.full_tensor
+
+        def counted(self):  # what each step gathers: the last position's logits, never the cache
+            if self._full is None:
+                gathers.append(tuple(self.shape))
+            return full(self)
+
+        autotp.GatheredOnUse.full_tensor = counted
+        try:
+            got = model.generate(prompt, **kw)
+        finally:
+            autotp.GatheredOnUse.full_tensor = full
+        want = ref.generate(prompt, **kw)
+        r = {"same_tokens": torch.equal(got, want), "new": got.shape[1] - prompt.shape[1], "gathers": gathers}
         if tmp is not None:
             path = os.path.join(tmp, kind)
             model.save_pretrained(path)

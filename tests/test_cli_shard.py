@@ -15,6 +15,7 @@ from typer.testing import CliRunner
 from autotp.cli.main import app
 from autotp.modelfile import ModelFileError, find_loss, load_model_file, split_batch
 from autotp.plan import ParamShard, Plan
+from autotp.runtime import TPState
 from autotp.shard_spec import Segment, shard_tensor
 from distributed import ROOT, launch
 
@@ -104,6 +105,9 @@ class _Shards(nn.Module):
         self.w = nn.Parameter(w)
         self.norm = nn.Parameter(torch.arange(3.0))
         self.plan = Plan(tp=tp, params=(("w", _GQA),))
+        st = TPState(group=None, tp=tp, rank=0, device=torch.device("cpu"), base=nn.Module, forward=None)
+        st.shards, st.plans = {"w": _GQA}, {"call": self.plan}
+        self.__dict__["_autotp"] = st
 
 
 def _gqa_worker(out: str) -> bool:
