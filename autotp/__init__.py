@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 from autotp.checkpoint import full_state_dict, load_full_state_dict
-from autotp.errors import AutotpError, CaptureError, ProcessGroupError, ShardingError
+from autotp.data import broadcast_batch, check_same_inputs, dp_rank, dp_sampler, dp_size
+from autotp.errors import AutotpError, CaptureError, InputMismatchError, ProcessGroupError, ShardingError
 from autotp.plan import Plan
 from autotp.gathered import GatheredOnUse
 from autotp.runtime import TPModule, TPState, parallelize, tp_state
@@ -11,11 +12,17 @@ __all__ = [
     "AutotpError",
     "CaptureError",
     "GatheredOnUse",
+    "InputMismatchError",
     "Plan",
     "ProcessGroupError",
     "ShardingError",
     "TPModule",
     "TPState",
+    "broadcast_batch",
+    "check_same_inputs",
+    "dp_rank",
+    "dp_sampler",
+    "dp_size",
     "full_state_dict",
     "load_full_state_dict",
     "parallelize",

@@ -44,6 +44,10 @@ class CheckpointError(AutotpError, RuntimeError):
     """No checkpoint to resume from, or one that does not fit the job."""
 
 
+class InputMismatchError(AutotpError, RuntimeError):
+    """The ranks of one tensor-parallel group were called with different inputs (checked before any step)."""
+
+
 class RankFailedError(AutotpError, RuntimeError):
     """A worker process failed; ``message`` is its exception, ``traceback`` its stack when it recorded one."""
 

@@ -23,6 +23,7 @@ import torch.nn as nn
 from autotp.capture import capture, stand_ins
 from autotp.structure import Spec, call_key, flatten, unflatten
 from autotp.collectives import all_reduce, bind_collectives
+from autotp.data import check_same_inputs
 from autotp.errors import ProcessGroupError, ShardingError
 from autotp.gathered import GatheredOnUse, bind_outputs
 from autotp.grads import mark_sharded_grad, norm_info
@@ -121,6 +122,9 @@ class TPModule(nn.Module):
     def forward(self, *args, **kwargs):
         st: TPState = self.__dict__["_autotp"]
         key = call_key(args, kwargs, self.training)
+        if st.tp > 1 and (st.check_inputs or key not in st.checked):
+            check_same_inputs(args, kwargs, st.group)  # before any rank computes with them
+            st.checked.add(key)
         c = st.graphs.get(key)
         if c is None:
             c = _build(self, st, args, kwargs, key)
