@@ -19,6 +19,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.utils._pytree import tree_map
 
+from autotp.shard_spec import shard_tensor
+
 # local shards of every rank, in rank order -> the full tensor
 Unshard = Callable[[list[torch.Tensor]], torch.Tensor]
 # the full tensor's gradient -> this rank's slice of it
@@ -122,5 +124,23 @@ class GatherOutput(nn.Module):
 
 def bind_outputs(module: nn.Module, group: dist.ProcessGroup | None, rank: int) -> None:
     for m in module.modules():
-        if isinstance(m, GatherOutput):
+        if isinstance(m, (GatherOutput, LocalSliceOp)):
             m.bind(group, rank)
+
+
+class LocalSliceOp(nn.Module):
+    """This rank's slice of a replicated tensor along ``dim`` (per segment); unbound, the identity."""
+
+    def __init__(self, dim: int, segments: tuple):
+        super().__init__()
+        self.dim, self.segments = dim, segments
+        self.tp, self.rank = 1, 0
+
+    def bind(self, group: dist.ProcessGroup | None, rank: int) -> None:
+        self.tp = dist.get_world_size(group) if group is not None else 1
+        self.rank = rank
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp == 1:
+            return x
+        return shard_tensor(x, self.dim, self.segments, self.tp, self.rank)

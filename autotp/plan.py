@@ -69,6 +69,9 @@ class PairPlan:
     row: str  # row matmul node name
     row_weight: str
     row_bias: str | None  # parameter added once, after the all-reduce
+    # (consumer, operand): a replicated value computed from parameters used with sharded ones (a per-head
+    # norm's weight); it gets f too, so its partial gradients are summed
+    also_enter: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -115,6 +118,17 @@ class ShardedInput:
 
 
 @dataclass(frozen=True)
+class LocalSlice:
+    """A replicated operand of ``consumer`` that spans a sharded dim is cut to this rank's slice (no
+    communication): per-head constants such as ALiBi slopes, masks with a head dim."""
+
+    consumer: str
+    operand: str
+    dim: int
+    segments: tuple[Segment, ...]
+
+
+@dataclass(frozen=True)
 class Plan:
     tp: int
     params: tuple[tuple[str, ParamShard], ...] = ()
@@ -126,6 +140,7 @@ class Plan:
     vocab: VocabPlan = field(default_factory=VocabPlan)
     gathered: tuple[GatheredOutput, ...] = ()
     sharded_inputs: tuple[ShardedInput, ...] = ()
+    local_slices: tuple[LocalSlice, ...] = ()
     version: int = field(default=PLAN_VERSION)
 
     def param(self, name: str) -> ParamShard | None:
@@ -162,14 +177,17 @@ class Plan:
             losses=tuple(VocabLoss(**{**x, "layout": layout(x["layout"])}) for x in v.get("losses", ())),
             outputs=tuple((n, dim, layout(lay)) for n, dim, lay in v.get("outputs", ())),
         )
-        pairs = tuple(PairPlan(**{k: tuple(v) if isinstance(v, list) else v for k, v in p.items()}) for p in d["pairs"])
+        pairs = tuple(PairPlan(**{k: tuple(tuple(x) if isinstance(x, list) else x for x in v) if isinstance(v, list)
+                                  else v for k, v in p.items()}) for p in d["pairs"])
         rewrites = tuple(Rewrite(**r) for r in d["rewrites"])
         collectives = tuple(Collective(**{k: tuple(v) if isinstance(v, list) else v for k, v in c.items()})
                             for c in d["collectives"])
         gathered = tuple(GatheredOutput(g["node"], g["dim"], seg(g["segments"])) for g in d.get("gathered", ()))
         inputs = tuple(ShardedInput(g["node"], g["dim"], seg(g["segments"])) for g in d.get("sharded_inputs", ()))
+        slices = tuple(LocalSlice(x["consumer"], x["operand"], x["dim"], seg(x["segments"]))
+                       for x in d.get("local_slices", ()))
         return cls(d["tp"], params, pairs, rewrites, collectives, tuple(d["random_nodes"]),
-                   tuple(tuple(r) for r in d["replicated"]), vocab, gathered, inputs, PLAN_VERSION)
+                   tuple(tuple(r) for r in d["replicated"]), vocab, gathered, inputs, slices, PLAN_VERSION)
 
     @classmethod
     def from_json(cls, text: str) -> Plan:

@@ -5,7 +5,7 @@ import torch.fx as fx
 
 from autotp.analysis import Analysis, analyze
 from autotp.matmuls import ParamMatmul, module_path
-from autotp.plan import Collective, GatheredOutput, PairPlan, ParamShard, Plan, ShardedInput, VocabLoss, VocabPlan
+from autotp.plan import Collective, GatheredOutput, LocalSlice, PairPlan, ParamShard, Plan, ShardedInput, VocabLoss, VocabPlan
 from autotp.shard_spec import Segment, VocabLayout
 from autotp.vocab import VocabFacts, analyze_vocab
 
@@ -60,7 +60,7 @@ def _vocab_plan(gm: fx.GraphModule, v: VocabFacts, tp: int, params: dict, rewrit
 
 def plan_from_analysis(gm: fx.GraphModule, a: Analysis, v: VocabFacts | None = None) -> Plan:
     params: dict[str, ParamShard] = {}
-    pairs, rewrites, collectives, random_nodes, gathered, inputs = [], [], [], [], [], []
+    pairs, rewrites, collectives, random_nodes, gathered, inputs, slices = [], [], [], [], [], [], []
     for p in a.pairs:
         for c in p.columns:
             segs = p.column_specs[c.node.name].segments
@@ -70,8 +70,11 @@ def plan_from_analysis(gm: fx.GraphModule, a: Analysis, v: VocabFacts | None = N
         row_segs = p.region.row_input.segments
         params[p.row.weight] = _shard("row", p.row.module, _weight_shape(gm, p.row), p.row.in_dim, row_segs)
         enter = tuple(dict.fromkeys(c.x.name for c in p.columns))
+        also = tuple((c.name, x.name) for c, x in p.region.entering)
         pairs.append(PairPlan(p.name, tuple(c.node.name for c in p.columns), tuple(c.weight for c in p.columns),
-                              enter, p.row.node.name, p.row.weight, p.row.bias))
+                              enter, p.row.node.name, p.row.weight, p.row.bias, also))
+        for _, x in p.region.entering:
+            collectives.append(Collective("all_reduce", "sum", "backward", p.name, x.name, _shape(x)))
         collectives.append(Collective("all_reduce", "sum", "forward", p.name, p.row.node.name, _shape(p.row.node)))
         for x in dict.fromkeys(c.x for c in p.columns):
             collectives.append(Collective("all_reduce", "sum", "backward", p.name, x.name, _shape(x)))
@@ -80,6 +83,7 @@ def plan_from_analysis(gm: fx.GraphModule, a: Analysis, v: VocabFacts | None = N
         for n in p.region.outputs:
             spec = p.region.specs[n]
             gathered.append(GatheredOutput(n.name, spec.dim, spec.segments))
+        slices.extend(LocalSlice(c.name, x.name, d, segs) for c, x, d, segs in p.region.slices)
         for n in p.region.inputs:
             spec = p.region.specs[n]
             inputs.append(ShardedInput(n.name, spec.dim, spec.segments))
@@ -95,6 +99,7 @@ def plan_from_analysis(gm: fx.GraphModule, a: Analysis, v: VocabFacts | None = N
         vocab=vocab,
         gathered=tuple(gathered),
         sharded_inputs=tuple(inputs),
+        local_slices=tuple(slices),
     )
 
 

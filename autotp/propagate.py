@@ -31,6 +31,9 @@ _SOFTMAX = {aten.softmax.int, aten._softmax.default, aten.log_softmax.int, aten.
 _VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
 _SPLITS = {aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default, aten.unbind.int, aten.split.sizes}
 _NO_OUTPUT = {aten._assert_tensor_metadata.default}
+# reductions (dims, keepdim) that pass a sharding through when they do not reduce the sharded dim
+_REDUCTIONS = {aten.mean.dim, aten.sum.dim_IntList, aten.amax.default, aten.amin.default, aten.var.correction,
+               aten.std.correction, aten.var.dim, aten.std.dim, aten.linalg_vector_norm.default, aten.norm.ScalarOpt_dim}
 _RANDOM_P_ARG = {aten.dropout.default: 1, aten.feature_dropout.default: 1, aten.alpha_dropout.default: 1,
                  aten.scaled_dot_product_attention.default: 4}
 
@@ -61,6 +64,12 @@ class Region:
     row_input: Sharding | None = None
     outputs: list[fx.Node] = field(default_factory=list)  # sharded values the graph returns (a KV cache)
     inputs: list[fx.Node] = field(default_factory=list)  # graph inputs taken as local shards (a KV cache)
+    # replicated operands cut to this rank's slice where a sharded value meets them (per-head constants):
+    # (consumer, operand, operand dim, segments)
+    slices: list[tuple[fx.Node, fx.Node, int, tuple[Segment, ...]]] = field(default_factory=list)
+    # replicated operands computed from parameters, used with sharded values: their gradient comes back
+    # partial on each rank, so they get Megatron's f (all-reduce backward): (consumer, operand)
+    entering: list[tuple[fx.Node, fx.Node]] = field(default_factory=list)
 
 
 def split_dims(gj: list[int], dst: list[int]) -> list[int]:
@@ -168,6 +177,15 @@ class _Propagator:
             self.region.specs[node] = self.split(node)
         elif t is aten.cat.default:
             self.region.specs[node] = self.cat(node)
+        elif t is aten.stack.default:
+            self.region.specs[node] = self.stack(node)
+        elif t in (aten.view_as_complex.default, aten.view_as_real.default):
+            sp = self.spec(node.args[0])
+            if sp.inner or (t is aten.view_as_complex.default and sp.dim == _ndim(node.args[0]) - 1):
+                raise Unshardable(node, "complex view of the sharded dim")
+            self.region.specs[node] = sp
+        elif t in _REDUCTIONS:
+            self.region.specs[node] = self.reduction(node)
         elif t in (aten.matmul.default, aten.bmm.default):
             self.region.specs[node] = self.batched(node, [node.args[0], node.args[1]], 2)
         elif t is aten.scaled_dot_product_attention.default:
@@ -197,12 +215,56 @@ class _Propagator:
                 if nd is None or self.spec(x) is not None:
                     continue
                 shape = self.fp.shape(x)
+                self._enter_if_learned(node, x)
                 dims = [result.dim] + ([result.inner[0]] if result.inner else [])
                 for d in dims:
                     xd = d - (out_nd - nd)
                     if xd >= 0 and shape[xd] != 1 and out_shape[d] != 1:
-                        raise Unshardable(node, f"replicated operand {x.name} spans the sharded dim")
+                        self._slice_locally(node, x, xd, result)
         return result
+
+    def _enter_if_learned(self, node: fx.Node, x: fx.Node) -> None:
+        """A per-head norm's weight (or any value computed from parameters) meets sharded heads: each rank's
+        gradient for it covers only its heads, so it enters through f and its gradient is summed."""
+        if _reads_parameter(x) and (node, x) not in self.region.entering:
+            self.region.entering.append((node, x))
+
+    def _slice_locally(self, node: fx.Node, x: fx.Node, xd: int, s: Sharding) -> None:
+        """A replicated operand that spans the sharded dim (ALiBi slopes, a mask with a head dim) is cut to
+        this rank's slice: Replicate -> Shard costs no communication. Only for values that need no
+        gradient (built from buffers, constants and inputs): a parameter's gradient would come back partial."""
+        if s.inner or xd != s.dim - (_ndim(node) - _ndim(x)) or self.fp.shape(x)[xd] != sum(g.size for g in s.segments):
+            raise Unshardable(node, f"replicated operand {x.name} spans the sharded dim")
+        if _reads_parameter(x):
+            raise Unshardable(node, f"replicated operand {x.name} spans the sharded dim and depends on a parameter")
+        self.region.slices.append((node, x, xd, s.segments))
+
+    def stack(self, node: fx.Node) -> Sharding:
+        tensors = node.args[0]
+        specs = {self.spec(x) for x in tensors}
+        if len(specs) != 1 or None in specs:
+            raise Unshardable(node, "stack of tensors sharded differently")
+        s = specs.pop()
+        d = normalize_dim(_arg(node, 1, "dim", 0), _ndim(node))
+        shift = lambda x: x + (x >= d)  # noqa: E731 - a new dim at d
+        return s.moved(shift(s.dim), None if not s.inner else shift(s.inner[0]))
+
+    def reduction(self, node: fx.Node) -> Sharding:
+        s = self.spec(node.args[0])
+        nd = _ndim(node.args[0])
+        dims = _arg(node, 1, "dim", None)
+        if node.target in (aten.linalg_vector_norm.default, aten.norm.ScalarOpt_dim):
+            dims = _arg(node, 2, "dim", None)
+        dims = list(range(nd)) if dims is None or dims == [] else [dims] if isinstance(dims, int) else list(dims)
+        dims = [normalize_dim(d, nd) for d in dims]
+        keep = _arg(node, 3 if node.target in (aten.linalg_vector_norm.default, aten.norm.ScalarOpt_dim) else 2,
+                    "keepdim", False)
+        if s.dim in dims or (s.inner and s.inner[0] in dims):
+            raise Unshardable(node, f"{node.target} reduces the sharded dim")
+        if keep:
+            return s
+        shift = lambda x: x - sum(d < x for d in dims)  # noqa: E731
+        return s.moved(shift(s.dim), None if not s.inner else shift(s.inner[0]))
 
     def move(self, node: fx.Node) -> Sharding:
         s = self.spec(node.args[0])
@@ -410,6 +472,7 @@ class _Propagator:
             xd = result.dim - (out_nd - nd)
             if xd >= 0 and xd < nd - core and self.fp.shape(x)[xd] != 1:
                 raise Unshardable(node, f"replicated operand {x.name} spans the sharded batch dim")
+            self._enter_if_learned(node, x)
         return result
 
     def sdpa(self, node: fx.Node) -> Sharding:
@@ -466,6 +529,22 @@ def propagate(columns: dict[fx.Node, Sharding], row: fx.Node, row_x: fx.Node, fp
                 continue
             raise Unshardable(u, f"sharded value {n.name} escapes the region")
     return p.region
+
+
+def _reads_parameter(x: fx.Node) -> bool:
+    """Whether ``x`` is computed from a parameter of the graph module (so it would need a gradient)."""
+    gm = x.graph.owning_module
+    params = {n for n, _ in gm.named_parameters(remove_duplicate=False)} if gm is not None else set()
+    seen, todo = set(), [x]
+    while todo:
+        n = todo.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n.op == "get_attr" and n.target in params:
+            return True
+        todo.extend(n.all_input_nodes)
+    return False
 
 
 def _is_guard(u: fx.Node) -> bool:

@@ -19,7 +19,9 @@ After::
     y = aten.add(x, out_tp)
 
 Columns sharing one input share one ``f`` (q, k and v: one all-reduce backward, not three). A
-vocab-parallel LM head is a column too: its input gets ``f``.
+vocab-parallel LM head is a column too: its input gets ``f``. A replicated value computed from parameters
+that meets sharded heads inside the pair (a per-head q/k norm's weight) gets ``f`` as well: each rank's
+gradient for it covers its own heads only.
 """
 from __future__ import annotations
 
@@ -50,6 +52,8 @@ def insert_collectives(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
         for x_name in pair.enter:
             x = nodes[x_name]
             _enter(gm, x, [c for c in columns if x in c.all_input_nodes], pair.module)
+        for consumer, x_name in pair.also_enter:
+            _enter(gm, nodes[x_name], [nodes[consumer]], pair.module)
         row = nodes[pair.row]
         with gm.graph.inserting_after(row):
             g = gm.graph.call_module(LEAVE, (row,))

@@ -294,3 +294,46 @@ def hf_generate(kinds: list[str], use_cache: bool, tmp: str | None = None) -> di
             dist.barrier()
         out[kind] = r
     return out
+
+
+def pattern_parity(kinds: list[str], steps: int = 3) -> dict:
+    """Each attention/MLP spelling of tests/pattern_models.py: 3 AdamW steps against the unsharded model,
+    the collectives of one step, and how much of each weight this rank holds."""
+    import torch.distributed as dist
+
+    from pattern_models import build
+
+    tp = dist.get_world_size()
+    out = {}
+    for kind in kinds:
+        ref, args, _ = build(kind)
+        model = autotp.parallelize(build(kind)[0], example_inputs=args)
+        log = CollectiveLog()
+        with log:
+            _, loss = model(*args)
+        n_fwd = len(log.calls)
+        with log:
+            loss.backward()
+        rloss = ref(*args)[1]
+        rloss.backward()
+        ref_params = dict(ref.named_parameters())
+        grad_diff = max(_max_diff(p.grad, _local(ref_params[n].grad, n, model)) if p.grad is not None
+                        else float(ref_params[n].grad is not None) for n, p in model.named_parameters())
+        opt, ropt = (torch.optim.AdamW(m.parameters(), lr=1e-3, eps=1e-6) for m in (model, ref))
+        diffs = [_max_diff(loss, rloss)]
+        for _ in range(steps):
+            for o, m in ((opt, model), (ropt, ref)):
+                o.zero_grad()
+                m(*args)[1].backward()
+                o.step()
+            diffs.append(_max_diff(model(*args)[1], ref(*args)[1]))
+        st = autotp.tp_state(model)
+        local = {n: p.numel() for n, p in model.named_parameters()}
+        out[kind] = {
+            "loss_diff": max(diffs), "grad_diff": grad_diff,
+            "param_diff": max(_max_diff(p, _local(ref_params[n], n, model)) for n, p in model.named_parameters()),
+            "replicated": [list(r) for r in st.plan.replicated],
+            "forward": log.calls[:n_fwd], "backward": log.calls[n_fwd:],
+            "quarter": sorted(n for n, p in ref.named_parameters() if p.dim() == 2 and local[n] * tp != p.numel()),
+        }
+    return out

@@ -1,0 +1,153 @@
+"""Attention and MLP spellings from public model code, each in a small LM of its own (width 64, 4 query
+heads of 16, vocab 96): the pattern suite of tests/test_patterns.py. Every model is
+``(idx, targets) -> (logits, loss)``."""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+V, H, NH, HD, S = 96, 64, 4, 16, 12
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+def rope_tables(dim: int, s: int = S):
+    inv = 1.0 / (10000 ** (torch.arange(0, dim, 2).float() / dim))
+    freqs = torch.outer(torch.arange(s).float(), inv)  # (s, dim/2)
+    return freqs.cos(), freqs.sin()
+
+
+def rotate_interleaved(x, cos, sin):
+    """GPT-J / Mistral-reference style: rotate pairs (x0, x1), (x2, x3), ... with stack + flatten."""
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
+
+
+def rotate_complex(x, freqs_cis):
+    """Llama-reference style: pairs as complex numbers."""
+    xc = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+    return torch.view_as_real(xc * freqs_cis).flatten(-2).type_as(x)
+
+
+class Attention(nn.Module):
+    """q, k, v projections, one of several spellings of what happens between them and the output."""
+
+    def __init__(self, kind: str):
+        super().__init__()
+        self.kind = kind
+        self.q, self.k, self.v = (nn.Linear(H, H, bias=False) for _ in range(3))
+        self.o = nn.Linear(H, H, bias=False)
+        if kind in ("qk_norm_head", "qk_norm_width"):
+            d = HD if kind == "qk_norm_head" else H
+            self.q_norm, self.k_norm = RMSNorm(d), RMSNorm(d)
+        if kind == "alibi":
+            self.register_buffer("slopes", torch.tensor([2.0 ** (-8 * (i + 1) / NH) for i in range(NH)]))
+        if kind in ("rope_interleaved", "rope_partial"):
+            cos, sin = rope_tables(HD if kind == "rope_interleaved" else HD // 2)
+            self.register_buffer("cos", cos, persistent=False)
+            self.register_buffer("sin", sin, persistent=False)
+        if kind == "rope_complex":
+            cos, sin = rope_tables(HD)
+            self.register_buffer("freqs_cis", torch.polar(torch.ones_like(cos), torch.atan2(sin, cos)),
+                                 persistent=False)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q, k, v = self.q(x), self.k(x), self.v(x)
+        if self.kind == "qk_norm_width":  # OLMo-2 style: the norm spans all heads of the projection
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = (t.view(b, s, NH, HD) for t in (q, k, v))  # (b, s, nh, hd)
+        if self.kind == "qk_norm_head":  # Qwen3 style: one norm per head
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.kind == "rope_interleaved":
+            cos, sin = self.cos[:s, None, :], self.sin[:s, None, :]
+            q, k = rotate_interleaved(q, cos, sin), rotate_interleaved(k, cos, sin)
+        if self.kind == "rope_partial":  # rotary on the first half of each head only (GPT-NeoX rotary_pct)
+            r = HD // 2
+            cos, sin = self.cos[:s, None, :], self.sin[:s, None, :]
+            q = torch.cat((rotate_interleaved(q[..., :r], cos, sin), q[..., r:]), dim=-1)
+            k = torch.cat((rotate_interleaved(k[..., :r], cos, sin), k[..., r:]), dim=-1)
+        if self.kind == "rope_complex":
+            f = self.freqs_cis[:s, None, :]
+            q, k = rotate_complex(q, f), rotate_complex(k, f)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (b, nh, s, hd)
+        if self.kind == "baddbmm":  # GPT-2 / BLOOM style: heads folded into the batch
+            qf, kf, vf = (t.reshape(b * NH, s, HD) for t in (q, k, v))
+            bias = torch.zeros(b * NH, s, s, dtype=x.dtype, device=x.device)
+            att = torch.baddbmm(bias, qf, kf.transpose(1, 2), beta=0.0, alpha=1.0 / math.sqrt(HD))
+            mask = torch.ones(s, s, dtype=torch.bool, device=x.device).tril()
+            att = att.masked_fill(~mask, float("-inf")).softmax(-1)
+            y = torch.bmm(att, vf).view(b, NH, s, HD)
+        else:
+            att = (q @ k.transpose(-2, -1)) / math.sqrt(HD)
+            if self.kind == "alibi":  # per-head slopes times distance
+                pos = torch.arange(s, device=x.device)
+                att = att + self.slopes[:, None, None] * (pos[None, :] - pos[:, None])[None]
+            if self.kind == "softcap":  # Gemma-2 style tanh soft-capping of the scores
+                att = torch.tanh(att / 50.0) * 50.0
+            mask = torch.ones(s, s, dtype=torch.bool, device=x.device).tril()
+            y = att.masked_fill(~mask, float("-inf")).softmax(-1) @ v
+        return self.o(y.transpose(1, 2).reshape(b, s, H))
+
+
+class SwiGLU(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.gate, self.up, self.down = nn.Linear(H, 128, bias=False), nn.Linear(H, 128, bias=False), \
+            nn.Linear(128, H, bias=False)
+
+    def forward(self, x):
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+class Block(nn.Module):
+    def __init__(self, kind: str):
+        super().__init__()
+        self.kind = kind
+        self.n1, self.n2 = RMSNorm(H), RMSNorm(H)
+        self.attn, self.mlp = Attention(kind), SwiGLU()
+
+    def forward(self, x):
+        if self.kind == "parallel":  # GPT-J / Falcon style: one norm feeds attention and MLP side by side
+            h = self.n1(x)
+            return x + self.attn(h) + self.mlp(h)
+        x = x + self.attn(self.n1(x))
+        return x + self.mlp(self.n2(x))
+
+
+class LM(nn.Module):
+    def __init__(self, kind: str):
+        super().__init__()
+        self.emb = nn.Embedding(V, H)
+        self.blocks = nn.ModuleList([Block(kind) for _ in range(2)])
+        self.norm = RMSNorm(H)
+        self.head = nn.Linear(H, V, bias=False)
+
+    def forward(self, idx, targets):
+        x = self.emb(idx)
+        for blk in self.blocks:
+            x = blk(x)
+        logits = self.head(self.norm(x))
+        return logits, F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+KINDS = ("plain", "rope_interleaved", "rope_partial", "rope_complex", "qk_norm_head", "qk_norm_width", "alibi",
+         "softcap", "baddbmm", "parallel")
+
+
+def build(kind: str):
+    torch.manual_seed(0)
+    model = LM(kind)
+    g = torch.Generator().manual_seed(1)
+    return model, (torch.randint(0, V, (2, S), generator=g), torch.randint(0, V, (2, S), generator=g)), {}
