@@ -21,7 +21,7 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 
 from autotp.errors import InputMismatchError
-from autotp.gathered import all_gather_flat
+from autotp.gathered import GatheredOnUse, all_gather_flat
 from autotp.structure import flatten, unflatten
 
 _FIELDS = 4  # per input: exact sum of its bytes, position-weighted sum, byte count, crc of dtype/shape/values
@@ -32,12 +32,14 @@ def _fingerprint(leaf: object) -> list[int]:
     described = [type(leaf).__qualname__]
     total = weighted = count = 0
     for t in tensors:
+        described.append(f"{t.dtype}{tuple(t.shape)}")
+        if isinstance(t, GatheredOnUse):  # this model's own sharded output (a KV cache): reading it would gather
+            continue
         b = t.detach().contiguous().reshape(-1).view(torch.uint8).to(torch.int64)  # bit-exact, any dtype
         w = torch.arange(b.numel(), device=b.device, dtype=torch.int64) % 65521 + 1  # order matters
         total += int(b.sum())
         weighted += int((b * w).sum())
         count += b.numel()
-        described.append(f"{t.dtype}{tuple(t.shape)}")
     if not tensors:
         described.append(repr(leaf))
     return [total, weighted, count, zlib.crc32("|".join(described).encode())]

@@ -297,10 +297,21 @@ class _Propagator:
         s = self.spec(node.args[0])
         d = normalize_dim(_arg(node, 1, "dim", 0), _ndim(node.args[0]))
         if d == s.dim or (s.inner and d == s.inner[0]):
-            start, end, step = _arg(node, 2, "start", None), _arg(node, 3, "end", None), _arg(node, 4, "step", 1)
             full = self.fp.shape(node.args[0])[d]
-            if (start in (None, 0)) and (end is None or (is_static(end) and end >= full)) and step == 1:
+            r = _slice_range(node, full)
+            if r == (0, full):
                 return s
+            # one whole segment of a fused projection (``qkv[..., q_size:q_size + kv_size]``): its local block
+            offset = local = 0
+            for seg in s.segments:
+                if r == (offset, offset + seg.size) and not s.inner:
+                    if r[0] != local:
+                        self.rewrite(node, 2, None, _arg(node, 2, "start", 0), local)
+                    end = _arg(node, 3, "end", None)
+                    if is_static(end) and end < full:
+                        self.rewrite(node, 3, None, end, local + seg.local())
+                    return Sharding(d, (seg,))
+                offset, local = offset + seg.size, local + seg.local()
             raise Unshardable(node, "a partial slice of the sharded dim")
         return s
 
@@ -531,6 +542,17 @@ def propagate(columns: dict[fx.Node, Sharding], row: fx.Node, row_x: fx.Node, fp
     return p.region
 
 
+def _slice_range(node: fx.Node, full: int) -> tuple[int, int] | None:
+    """``[start, end)`` of a step-1 ``aten.slice`` with static bounds, clamped to ``full``; else None."""
+    start, end, step = _arg(node, 2, "start", None), _arg(node, 3, "end", None), _arg(node, 4, "step", 1)
+    start = 0 if start is None else start
+    end = full if end is None else end
+    if step != 1 or not (is_static(start) and is_static(end)):
+        return None
+    start, end = (x + full if x < 0 else x for x in (start, end))
+    return max(0, min(start, full)), max(0, min(end, full))
+
+
 def _reads_parameter(x: fx.Node) -> bool:
     """Whether ``x`` is computed from a parameter of the graph module (so it would need a gradient)."""
     gm = x.graph.owning_module
@@ -575,6 +597,16 @@ def column_segments(col: fx.Node, fp: Fingerprinter, tp: int, where: str) -> tup
 def _probe(node: fx.Node, dim: int, size: int, fp, tp, where, depth) -> tuple[Segment, ...] | None:
     if depth > 12:
         return None
+    nd = _ndim(node)
+    slices = [u for u in node.users if u.target is aten.slice.Tensor and normalize_dim(_arg(u, 1, "dim", 0), nd) == dim]
+    ranges = sorted((_slice_range(u, size), i) for i, u in enumerate(slices) if _slice_range(u, size) is not None)
+    if len(ranges) > 1 and len(ranges) == len(slices) and ranges[0][0][0] == 0 and ranges[-1][0][1] == size \
+            and all(a[0][1] == b[0][0] for a, b in zip(ranges, ranges[1:])):
+        segs = []  # offset slices that tile the dim: the segments of a fused projection, in order
+        for (lo, hi), i in ranges:
+            heads = _probe(slices[i], dim, hi - lo, fp, tp, where, depth + 1)
+            segs.append(heads[0] if heads else Segment(hi - lo, parts_for(hi - lo, hi - lo, tp, f"{where}: segment")))
+        return tuple(segs)
     for u in node.users:
         t = u.target
         if t in _SPLITS and t is not aten.unbind.int:

@@ -173,7 +173,9 @@ def analyze_vocab(gm: fx.GraphModule, a: Analysis, tp: int, multiple: int = 1) -
         try:
             head = _propagate_head(m, layout, fp, tp)
         except Unshardable as e:
-            a.replicated.append((m.module, f"LM head kept whole: {e.reason} (at {e.node.name})"))
+            # a projection of a block already reported replicated is not an LM head: its reason stands
+            if not any(m.module == r or m.module.startswith(r + ".") for r, _ in a.replicated):
+                a.replicated.append((m.module, f"LM head kept whole: {e.reason} (at {e.node.name})"))
             continue
         if not head.losses and not head.outputs:
             continue

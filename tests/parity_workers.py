@@ -334,6 +334,8 @@ def pattern_parity(kinds: list[str], steps: int = 3) -> dict:
             "param_diff": max(_max_diff(p, _local(ref_params[n], n, model)) for n, p in model.named_parameters()),
             "replicated": [list(r) for r in st.plan.replicated],
             "forward": log.calls[:n_fwd], "backward": log.calls[n_fwd:],
+            # 2-D weights not at 1/tp, and those whose kv heads are held by several ranks (fewer than tp)
             "quarter": sorted(n for n, p in ref.named_parameters() if p.dim() == 2 and local[n] * tp != p.numel()),
+            "kv_replicated": sorted(n for n, sh in st.shards.items() if any(g.parts < tp for g in sh.segments)),
         }
     return out

@@ -101,6 +101,44 @@ class Attention(nn.Module):
         return self.o(y.transpose(1, 2).reshape(b, s, H))
 
 
+class FusedAttention(nn.Module):
+    """One q|k|v projection with n_kv key/value heads, read the ways public code reads it."""
+
+    def __init__(self, kind: str, n_kv: int):
+        super().__init__()
+        self.kind, self.n_kv = kind, n_kv
+        self.qkv = nn.Linear(H, (NH + 2 * n_kv) * HD, bias=False)
+        self.o = nn.Linear(H, H, bias=False)
+        if kind == "gqa_qk_norm":
+            self.q_norm, self.k_norm = RMSNorm(HD), RMSNorm(HD)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        qkv = self.qkv(x)
+        q_size, kv_size = NH * HD, self.n_kv * HD
+        if self.kind == "offset_slices":  # vLLM / Phi-3 style
+            q = qkv[..., :q_size]
+            k = qkv[..., q_size:q_size + kv_size]
+            v = qkv[..., q_size + kv_size:]
+        elif self.kind == "grouped_view":  # Falcon style: [b, s, n_kv, group + 2, d]
+            g = NH // self.n_kv
+            qkv = qkv.view(b, s, self.n_kv, g + 2, HD)
+            q = qkv[:, :, :, :g].reshape(b, s, NH * HD)
+            k = qkv[:, :, :, g].reshape(b, s, kv_size)
+            v = qkv[:, :, :, g + 1].reshape(b, s, kv_size)
+        else:  # split with unequal sizes (multi-query: one k and one v head)
+            q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        q = q.view(b, s, NH, HD)
+        k, v = (t.view(b, s, self.n_kv, HD) for t in (k, v))
+        if self.kind == "gqa_qk_norm":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        rep = NH // self.n_kv
+        k, v = (t[:, :, None].expand(b, self.n_kv, rep, s, HD).reshape(b, NH, s, HD) for t in (k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o(y.transpose(1, 2).reshape(b, s, H))
+
+
 class SwiGLU(nn.Module):
     def __init__(self):
         super().__init__()
@@ -116,7 +154,9 @@ class Block(nn.Module):
         super().__init__()
         self.kind = kind
         self.n1, self.n2 = RMSNorm(H), RMSNorm(H)
-        self.attn, self.mlp = Attention(kind), SwiGLU()
+        fused = {"offset_slices": 2, "grouped_view": 2, "fused_mqa": 1, "gqa_qk_norm": 2}
+        self.attn = FusedAttention(kind, fused[kind]) if kind in fused else Attention(kind)
+        self.mlp = SwiGLU()
 
     def forward(self, x):
         if self.kind == "parallel":  # GPT-J / Falcon style: one norm feeds attention and MLP side by side
@@ -143,7 +183,7 @@ class LM(nn.Module):
 
 
 KINDS = ("plain", "rope_interleaved", "rope_partial", "rope_complex", "qk_norm_head", "qk_norm_width", "alibi",
-         "softcap", "baddbmm", "parallel")
+         "softcap", "baddbmm", "parallel", "offset_slices", "grouped_view", "fused_mqa", "gqa_qk_norm")
 
 
 def build(kind: str):
