@@ -32,6 +32,7 @@ from torch.export import Dim
 from torch.nn.utils.stateless import _reparametrize_module
 
 from autotp.errors import CaptureError
+from autotp.gathered import GatheredOnUse
 from autotp.structure import Spec, flatten, unflatten
 
 _HOOK_DICTS = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called",
@@ -117,7 +118,11 @@ def _model_device(model: nn.Module, params: dict[str, torch.Tensor] | None) -> t
 def _export_on(model: nn.Module, forward: Callable, args: tuple, kwargs: dict,
                params: dict[str, torch.Tensor] | None, device: torch.device) -> tuple[fx.GraphModule, Spec]:
     def place(x: torch.Tensor) -> torch.Tensor:
-        return x if x.device == device else torch.empty_like(x, device=device)
+        # export reads shapes, not values: a tensor elsewhere, or a gathered-on-use output fed back (a KV
+        # cache, which reading would gather), is replaced by an uninitialised plain tensor of its shape
+        if x.device == device and not isinstance(x, GatheredOnUse):
+            return x
+        return torch.empty(x.shape, dtype=x.dtype, device=device)
 
     tensors, in_spec = flatten((tuple(args), dict(kwargs)))
     tensors = [place(t) for t in tensors]
