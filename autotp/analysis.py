@@ -86,6 +86,7 @@ def analyze(gm: fx.GraphModule, tp: int) -> Analysis:
     feed = feeders(g, set(by_node))
     fp = Fingerprinter()
     assigned: set[fx.Node] = set()
+    failed: set[fx.Node] = set()
     weight_uses: dict[str, int] = {}
     for m in matmuls:
         weight_uses[m.weight] = weight_uses.get(m.weight, 0) + 1
@@ -100,13 +101,17 @@ def analyze(gm: fx.GraphModule, tp: int) -> Analysis:
             result.replicated.append((name, f"weight {shared[0]} is used by more than one matmul"))
             continue
         specs = {}
-        for c in columns:
-            segs = column_segments(c.node, fp, tp, f"{c.module} (out_features={c.out_features})")
-            specs[c.node] = Sharding(c.node.meta["val"].dim() - 1, segs)
         try:
+            for c in columns:
+                segs = column_segments(c.node, fp, tp, f"{c.module} (out_features={c.out_features})")
+                specs[c.node] = Sharding(c.node.meta["val"].dim() - 1, segs)
             region = propagate(specs, row.node, row.x, fp, tp, name)
         except Unshardable as e:
-            result.replicated.append((name, f"{e.reason} (at {e.node.name}, {module_path(e.node) or 'top level'})"))
+            # a block left whole is reported once: a later attempt that pairs its output projection with
+            # the next block's input fails only because of it
+            if not cols & failed:
+                result.replicated.append((name, f"{e.reason} (at {e.node.name}, {module_path(e.node) or 'top level'})"))
+            failed |= set(cols) | {row.node}
             continue
         for n, s in region.specs.items():
             n.meta["autotp"] = s

@@ -131,9 +131,9 @@ def bind_outputs(module: nn.Module, group: dist.ProcessGroup | None, rank: int) 
 class LocalSliceOp(nn.Module):
     """This rank's slice of a replicated tensor along ``dim`` (per segment); unbound, the identity."""
 
-    def __init__(self, dim: int, segments: tuple):
+    def __init__(self, dim: int, segments: tuple, outer: bool = False):
         super().__init__()
-        self.dim, self.segments = dim, segments
+        self.dim, self.segments, self.outer = dim, segments, outer
         self.tp, self.rank = 1, 0
 
     def bind(self, group: dist.ProcessGroup | None, rank: int) -> None:
@@ -143,4 +143,4 @@ class LocalSliceOp(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp == 1:
             return x
-        return shard_tensor(x, self.dim, self.segments, self.tp, self.rank)
+        return shard_tensor(x, self.dim, self.segments, self.tp, self.rank, self.outer)

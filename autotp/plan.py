@@ -14,8 +14,8 @@ import torch
 from autotp.propagate import Rewrite
 from autotp.shard_spec import Segment, VocabLayout, shard_tensor, unshard_tensor, vocab_shard, vocab_unshard
 
-PLAN_VERSION = 2
-_READS = (1, 2)  # version 1 plans have no gathered outputs or sharded inputs
+PLAN_VERSION = 3
+_READS = (1, 2, 3)  # version 1 plans have no gathered outputs or sharded inputs, 2 no statistics
 
 
 @dataclass(frozen=True)
@@ -126,6 +126,19 @@ class LocalSlice:
     operand: str
     dim: int
     segments: tuple[Segment, ...]
+    outer: bool = False  # the dim is [k, segments] flattened (heads folded under the batch)
+
+
+@dataclass(frozen=True)
+class Stat:
+    """A statistic over a sharded dim, completed by one all-reduce of the ranks' partial values (b·s
+    elements): ``kind`` "mean" or "sum" (a reduction node, all-reduced after it), "rms_norm" or
+    "layer_norm" (a norm over the whole projection width, computed on the local slice). ``scale``
+    multiplies the sum over ranks."""
+
+    node: str
+    kind: str
+    scale: float
 
 
 @dataclass(frozen=True)
@@ -141,6 +154,8 @@ class Plan:
     gathered: tuple[GatheredOutput, ...] = ()
     sharded_inputs: tuple[ShardedInput, ...] = ()
     local_slices: tuple[LocalSlice, ...] = ()
+    stats: tuple[Stat, ...] = ()
+    buffers: tuple[tuple[str, ParamShard], ...] = ()  # module buffers sharded like the values written into them
     version: int = field(default=PLAN_VERSION)
 
     def param(self, name: str) -> ParamShard | None:
@@ -149,6 +164,7 @@ class Plan:
     def to_dict(self) -> dict:
         d = asdict(self)
         d["params"] = {name: asdict(p) for name, p in self.params}
+        d["buffers"] = {name: asdict(p) for name, p in self.buffers}
         return d
 
     def to_json(self, indent: int | None = 2) -> str:
@@ -165,11 +181,14 @@ class Plan:
         def layout(x):
             return None if x is None else VocabLayout(**x)
 
-        params = tuple(
-            (name, ParamShard(p["role"], p["module"], p["dim"], seg(p["segments"]), tuple(p["full_shape"]),
-                              tuple(p["local_shape"]), layout(p.get("vocab"))))
-            for name, p in d["params"].items()
-        )
+        def shards(entries: dict) -> tuple[tuple[str, ParamShard], ...]:
+            return tuple(
+                (name, ParamShard(p["role"], p["module"], p["dim"], seg(p["segments"]), tuple(p["full_shape"]),
+                                  tuple(p["local_shape"]), layout(p.get("vocab"))))
+                for name, p in entries.items()
+            )
+
+        params = shards(d["params"])
         v = d.get("vocab", {})
         vocab = VocabPlan(
             embeddings=tuple((n, layout(lay)) for n, lay in v.get("embeddings", ())),
@@ -184,10 +203,12 @@ class Plan:
                             for c in d["collectives"])
         gathered = tuple(GatheredOutput(g["node"], g["dim"], seg(g["segments"])) for g in d.get("gathered", ()))
         inputs = tuple(ShardedInput(g["node"], g["dim"], seg(g["segments"])) for g in d.get("sharded_inputs", ()))
-        slices = tuple(LocalSlice(x["consumer"], x["operand"], x["dim"], seg(x["segments"]))
+        slices = tuple(LocalSlice(x["consumer"], x["operand"], x["dim"], seg(x["segments"]), x.get("outer", False))
                        for x in d.get("local_slices", ()))
+        stats = tuple(Stat(**x) for x in d.get("stats", ()))
         return cls(d["tp"], params, pairs, rewrites, collectives, tuple(d["random_nodes"]),
-                   tuple(tuple(r) for r in d["replicated"]), vocab, gathered, inputs, slices, PLAN_VERSION)
+                   tuple(tuple(r) for r in d["replicated"]), vocab, gathered, inputs, slices, stats, shards(d.get("buffers", {})),
+                   PLAN_VERSION)
 
     @classmethod
     def from_json(cls, text: str) -> Plan:

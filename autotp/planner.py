@@ -5,7 +5,8 @@ import torch.fx as fx
 
 from autotp.analysis import Analysis, analyze
 from autotp.matmuls import ParamMatmul, module_path
-from autotp.plan import Collective, GatheredOutput, LocalSlice, PairPlan, ParamShard, Plan, ShardedInput, VocabLoss, VocabPlan
+from autotp.plan import (Collective, GatheredOutput, LocalSlice, PairPlan, ParamShard, Plan, ShardedInput, Stat,
+                         VocabLoss, VocabPlan)
 from autotp.shard_spec import Segment, VocabLayout
 from autotp.vocab import VocabFacts, analyze_vocab
 
@@ -60,7 +61,8 @@ def _vocab_plan(gm: fx.GraphModule, v: VocabFacts, tp: int, params: dict, rewrit
 
 def plan_from_analysis(gm: fx.GraphModule, a: Analysis, v: VocabFacts | None = None) -> Plan:
     params: dict[str, ParamShard] = {}
-    pairs, rewrites, collectives, random_nodes, gathered, inputs, slices = [], [], [], [], [], [], []
+    buffers: dict[str, ParamShard] = {}
+    pairs, rewrites, collectives, random_nodes, gathered, inputs, slices, stats = [], [], [], [], [], [], [], []
     for p in a.pairs:
         for c in p.columns:
             segs = p.column_specs[c.node.name].segments
@@ -83,7 +85,16 @@ def plan_from_analysis(gm: fx.GraphModule, a: Analysis, v: VocabFacts | None = N
         for n in p.region.outputs:
             spec = p.region.specs[n]
             gathered.append(GatheredOutput(n.name, spec.dim, spec.segments))
-        slices.extend(LocalSlice(c.name, x.name, d, segs) for c, x, d, segs in p.region.slices)
+        slices.extend(LocalSlice(c.name, x.name, d, sh.segments, sh.outer) for c, x, d, sh in p.region.slices)
+        for x, d, sh in p.region.params:  # a whole-width norm's weight, a KV cache: sharded with the heads
+            shape = tuple(x.meta["val"].shape) if "val" in x.meta else tuple(gm.get_buffer(x.target).shape)
+            into = params if x.target in dict(gm.named_parameters(remove_duplicate=False)) else buffers
+            into[x.target] = _shard("column", x.target.rpartition(".")[0], tuple(int(d_) for d_ in shape), d, sh.segments)
+        for n, (kind, scale) in p.region.stats.items():
+            stats.append(Stat(n.name, kind, scale))
+            rows = _shape(n)[:len(_shape(n)) - len(n.args[1])] if kind in ("rms_norm", "layer_norm") else _shape(n)
+            rows = (*rows, "2") if kind == "layer_norm" else rows  # mean and mean of squares in one
+            collectives += [Collective("all_reduce", "sum", way, p.name, n.name, rows) for way in ("forward", "backward")]
         for n in p.region.inputs:
             spec = p.region.specs[n]
             inputs.append(ShardedInput(n.name, spec.dim, spec.segments))
@@ -100,6 +111,8 @@ def plan_from_analysis(gm: fx.GraphModule, a: Analysis, v: VocabFacts | None = N
         gathered=tuple(gathered),
         sharded_inputs=tuple(inputs),
         local_slices=tuple(slices),
+        stats=tuple(stats),
+        buffers=tuple(buffers.items()),
     )
 
 

@@ -34,6 +34,8 @@ _NO_OUTPUT = {aten._assert_tensor_metadata.default}
 # reductions (dims, keepdim) that pass a sharding through when they do not reduce the sharded dim
 _REDUCTIONS = {aten.mean.dim, aten.sum.dim_IntList, aten.amax.default, aten.amin.default, aten.var.correction,
                aten.std.correction, aten.var.dim, aten.std.dim, aten.linalg_vector_norm.default, aten.norm.ScalarOpt_dim}
+_NORMS = {aten.rms_norm.default: "rms_norm", aten.layer_norm.default: "layer_norm"}
+_FACTORIES = {aten.zeros.default, aten.ones.default, aten.full.default, aten.empty.memory_format}
 _RANDOM_P_ARG = {aten.dropout.default: 1, aten.feature_dropout.default: 1, aten.alpha_dropout.default: 1,
                  aten.scaled_dot_product_attention.default: 4}
 
@@ -47,13 +49,18 @@ class Unshardable(Exception):
 
 @dataclass(frozen=True)
 class Rewrite:
-    """``node.args[arg]`` (or its element ``index`` when the arg is a list) changes from ``old`` to ``new``."""
+    """``node.args[arg]`` (or its element ``index`` when the arg is a list) changes from ``old`` to ``new``.
+
+    ``factor_of``: the element is a size computed at run time, ``factor_of = x * old`` (``b * n_heads``); it
+    becomes a fresh ``x * new`` for this node only (other readers of ``factor_of`` keep the full size).
+    """
 
     node: str
     arg: int
     index: int | None
     old: int
     new: int
+    factor_of: str | None = None
 
 
 @dataclass
@@ -70,6 +77,12 @@ class Region:
     # replicated operands computed from parameters, used with sharded values: their gradient comes back
     # partial on each rank, so they get Megatron's f (all-reduce backward): (consumer, operand)
     entering: list[tuple[fx.Node, fx.Node]] = field(default_factory=list)
+    # statistics over the sharded dim (a norm over the whole projection width): each rank reduces its own
+    # slice, one all-reduce of the b·s statistics completes them: node -> (kind, scale of the sum)
+    stats: dict[fx.Node, tuple[str, float]] = field(default_factory=dict)
+    # parameters that span the sharded dim (that norm's weight) are sharded with it, and so are buffers that
+    # sharded values are written into (a KV cache): (get_attr, dim, sharding)
+    params: list[tuple[fx.Node, int, Sharding]] = field(default_factory=list)
 
 
 def split_dims(gj: list[int], dst: list[int]) -> list[int]:
@@ -185,9 +198,22 @@ class _Propagator:
                 raise Unshardable(node, "complex view of the sharded dim")
             self.region.specs[node] = sp
         elif t in _REDUCTIONS:
-            self.region.specs[node] = self.reduction(node)
+            out = self.reduction(node)
+            if out is not None:
+                self.region.specs[node] = out
+        elif t in _NORMS:
+            self.region.specs[node] = self.norm(node)
         elif t in (aten.matmul.default, aten.bmm.default):
             self.region.specs[node] = self.batched(node, [node.args[0], node.args[1]], 2)
+        elif t is aten.baddbmm.default:
+            self.region.specs[node] = self.baddbmm(node)
+        elif t is aten.repeat_interleave.self_int:
+            self.region.specs[node] = self.repeat_interleave(node)
+        elif t in (aten.index_put_.default, aten.index_put.default):
+            self.region.specs[node] = self.index_put(node, node.args[0], node.args[1], node.args[2])
+        elif t in (aten.index_copy_.default, aten.index_copy.default):  # cache.index_copy_(2, pos, k)
+            d = normalize_dim(node.args[1], _ndim(node))
+            self.region.specs[node] = self.index_put(node, node.args[0], [None] * d + [node.args[2]], node.args[3])
         elif t is aten.scaled_dot_product_attention.default:
             self.region.specs[node] = self.sdpa(node)
         else:
@@ -211,33 +237,146 @@ class _Propagator:
                     result = aligned
         for a in [*node.args, *node.kwargs.values()]:
             for x in (a if isinstance(a, (list, tuple)) else [a]):
-                nd = _ndim(x)
-                if nd is None or self.spec(x) is not None:
-                    continue
-                shape = self.fp.shape(x)
-                self._enter_if_learned(node, x)
-                dims = [result.dim] + ([result.inner[0]] if result.inner else [])
-                for d in dims:
-                    xd = d - (out_nd - nd)
-                    if xd >= 0 and shape[xd] != 1 and out_shape[d] != 1:
-                        self._slice_locally(node, x, xd, result)
+                if _ndim(x) is not None and self.spec(x) is None:
+                    self._replicated_operand(node, x, result)
         return result
+
+    def _replicated_operand(self, node: fx.Node, x: fx.Node, s: Sharding) -> None:
+        """A replicated operand of an op with sharded output ``s``, broadcast against it."""
+        out_nd, nd = _ndim(node), _ndim(x)
+        shape, out_shape = self.fp.shape(x), self.fp.shape(node)
+        for d in [s.dim] + ([s.inner[0]] if s.inner else []):
+            xd = d - (out_nd - nd)
+            if xd >= 0 and shape[xd] != 1 and out_shape[d] != 1:
+                return self._local_operand(node, x, xd, s)
+        self._enter_if_learned(node, x)
 
     def _enter_if_learned(self, node: fx.Node, x: fx.Node) -> None:
         """A per-head norm's weight (or any value computed from parameters) meets sharded heads: each rank's
         gradient for it covers only its heads, so it enters through f and its gradient is summed."""
-        if _reads_parameter(x) and (node, x) not in self.region.entering:
+        if self._learned(x) and (node, x) not in self.region.entering:
             self.region.entering.append((node, x))
 
-    def _slice_locally(self, node: fx.Node, x: fx.Node, xd: int, s: Sharding) -> None:
-        """A replicated operand that spans the sharded dim (ALiBi slopes, a mask with a head dim) is cut to
-        this rank's slice: Replicate -> Shard costs no communication. Only for values that need no
-        gradient (built from buffers, constants and inputs): a parameter's gradient would come back partial."""
-        if s.inner or xd != s.dim - (_ndim(node) - _ndim(x)) or self.fp.shape(x)[xd] != sum(g.size for g in s.segments):
+    def _local_operand(self, node: fx.Node, x: fx.Node, xd: int, s: Sharding) -> None:
+        """A replicated operand that spans the sharded dim becomes this rank's slice (Replicate -> Shard, no
+        communication): a parameter (a whole-width norm's weight) is sharded itself; a constant-filled
+        factory (``zeros(b·heads, s, s)``) is made local-sized; any other value that needs no gradient (ALiBi
+        slopes, a mask with a head dim, built from buffers and inputs) is sliced where it is used."""
+        if s.inner or xd != s.dim - (_ndim(node) - _ndim(x)) or \
+                self.fp.shape(x)[xd] != self.fp.shape(node)[s.dim]:
             raise Unshardable(node, f"replicated operand {x.name} spans the sharded dim")
-        if _reads_parameter(x):
+        if self._parameter(x) is not None and not s.outer:
+            self.region.params.append((x, xd, s))
+            return
+        if x.target in _FACTORIES and len(x.users) == 1:
+            self._set_view_size(x, list(x.args[0]), xd, sum(g.size for g in s.segments), s.local_size, arg=0)
+            return
+        if self._learned(x):
             raise Unshardable(node, f"replicated operand {x.name} spans the sharded dim and depends on a parameter")
-        self.region.slices.append((node, x, xd, s.segments))
+        self.region.slices.append((node, x, xd, s))
+
+    def _parameter(self, x: fx.Node) -> str | None:
+        gm = x.graph.owning_module
+        if x.op == "get_attr" and gm is not None and x.target in dict(gm.named_parameters(remove_duplicate=False)):
+            return x.target
+        return None
+
+    def _learned(self, x: fx.Node) -> bool:
+        """Whether ``x`` is computed from a parameter outside this region (so it needs a gradient that no
+        collective of the region already carries)."""
+        seen, todo = set(), [x]
+        while todo:
+            n = todo.pop()
+            if n in seen or n in self.region.specs or n in self.region.stats:
+                continue
+            seen.add(n)
+            if self._parameter(n) is not None:
+                return True
+            todo.extend(n.all_input_nodes)
+        return False
+
+    def _stat_scale(self, node: fx.Node, s: Sharding, kind: str) -> float:
+        """Summing the ranks' partial statistics: a mean over the sharded dim is the ranks' mean of means (also
+        with blocks held by several ranks, all equal-sized); a sum counts each replicated block once."""
+        if s.inner or s.outer or (len(s.segments) > 1 and any(g.parts != self.tp for g in s.segments)):
+            raise Unshardable(node, f"{node.target} over a sharded dim of unequal blocks")
+        return 1.0 / self.tp if kind != "sum" else s.segments[0].parts / self.tp
+
+    def norm(self, node: fx.Node) -> Sharding:
+        """rms_norm / layer_norm: over unsharded dims (per head) it passes the sharding through and its
+        weight enters through f; over the sharded dim (the whole projection width) each rank normalises its
+        slice with statistics completed by one all-reduce, and the weight is sharded with the heads."""
+        s = self.spec(node.args[0])
+        nd = _ndim(node)
+        nshape = list(node.args[1])
+        first = nd - len(nshape)
+        weights = [w for w in node.args[2:4] if isinstance(w, fx.Node)]
+        if s.dim < first and not (s.inner and s.inner[0] >= first):
+            for w in weights:
+                self._enter_if_learned(node, w)
+            return s
+        self.region.stats[node] = (_NORMS[node.target], self._stat_scale(node, s, "mean"))
+        wd = s.dim - first
+        if is_static(nshape[wd]):
+            self.rewrite(node, 1, wd, nshape[wd], nshape[wd] * s.local_size // sum(g.size for g in s.segments))
+        for w in weights:
+            if self._parameter(w) is None:
+                raise Unshardable(node, f"the weight {w.name} of a norm over the sharded dim is not a parameter")
+            self.region.params.append((w, wd - (len(nshape) - _ndim(w)), s))
+        return s
+
+    def index_put(self, node: fx.Node, dst: fx.Node, indices: list, values: fx.Node) -> Sharding:
+        """``cache[:, :, pos] = k`` (gpt-fast's KV cache), ``cache.index_copy_(2, pos, k)``: sharded keys
+        written into a module buffer make the buffer sharded the same way (each rank caches its kv heads)."""
+        sd, sv = self.spec(dst), self.spec(values)
+        if any(self.spec(i) is not None for i in indices if isinstance(i, fx.Node)):
+            raise Unshardable(node, "indexing with a sharded index")
+        s = sd or sv
+        if s.inner or s.outer or len(indices) > s.dim and indices[s.dim] is not None:
+            raise Unshardable(node, "a write that indexes the sharded dim")
+        if sv is None or _ndim(values) != _ndim(dst):
+            raise Unshardable(node, "a replicated value written into a sharded tensor")
+        if sd is None:
+            if self._buffer(dst) is None or self.fp.shape(dst)[s.dim] != sum(g.size for g in s.segments):
+                raise Unshardable(node, f"sharded values written into {dst.name}, which is not a module buffer")
+            self.region.params.append((dst, s.dim, s))
+            self.region.specs[dst] = s
+        elif sd != sv:
+            raise Unshardable(node, f"operands sharded differently: {sd} vs {sv}")
+        return s
+
+    def repeat_interleave(self, node: fx.Node) -> Sharding:
+        """``k.repeat_interleave(n_rep, dim=1)`` (grouped-query kv heads to query heads): each rank repeats its
+        own kv heads; where kv heads are fewer than tp, a rank holds one and repeats it for its q heads only."""
+        s = self.spec(node.args[0])
+        reps, d = node.args[1], _arg(node, 2, "dim", None)
+        if d is None or s.inner or s.outer or _arg(node, 3, "output_size", None) is not None:
+            raise Unshardable(node, "repeat_interleave of a flattened or merged sharded tensor")
+        if normalize_dim(d, _ndim(node)) != s.dim:
+            return s
+        seg = s.single()
+        q = self.tp // seg.parts if seg else 0
+        if seg is None or not is_static(reps) or reps % q:
+            raise Unshardable(node, "repeat_interleave of the sharded dim that does not split by rank")
+        self.rewrite(node, 1, None, reps, reps // q)
+        return Sharding(s.dim, (Segment(seg.size * reps, self.tp),))
+
+    def _buffer(self, x: fx.Node) -> str | None:
+        gm = x.graph.owning_module
+        if x.op == "get_attr" and gm is not None and x.target in dict(gm.named_buffers(remove_duplicate=False)):
+            return x.target
+        return None
+
+    def baddbmm(self, node: fx.Node) -> Sharding:
+        inp, b1, b2 = node.args[:3]
+        result = self.batched(node, [b1, b2], 2)
+        if isinstance(inp, fx.Node):
+            si = self.spec(inp)
+            if si is None:
+                self._replicated_operand(node, inp, result)
+            elif si.moved(si.dim + 3 - _ndim(inp)) != result:
+                raise Unshardable(node, f"operands sharded differently: {si} vs {result}")
+        return result
 
     def stack(self, node: fx.Node) -> Sharding:
         tensors = node.args[0]
@@ -249,7 +388,7 @@ class _Propagator:
         shift = lambda x: x + (x >= d)  # noqa: E731 - a new dim at d
         return s.moved(shift(s.dim), None if not s.inner else shift(s.inner[0]))
 
-    def reduction(self, node: fx.Node) -> Sharding:
+    def reduction(self, node: fx.Node) -> Sharding | None:
         s = self.spec(node.args[0])
         nd = _ndim(node.args[0])
         dims = _arg(node, 1, "dim", None)
@@ -260,7 +399,11 @@ class _Propagator:
         keep = _arg(node, 3 if node.target in (aten.linalg_vector_norm.default, aten.norm.ScalarOpt_dim) else 2,
                     "keepdim", False)
         if s.dim in dims or (s.inner and s.inner[0] in dims):
-            raise Unshardable(node, f"{node.target} reduces the sharded dim")
+            if node.target not in (aten.mean.dim, aten.sum.dim_IntList):
+                raise Unshardable(node, f"{node.target} reduces the sharded dim")
+            kind = "mean" if node.target is aten.mean.dim else "sum"
+            self.region.stats[node] = (kind, self._stat_scale(node, s, kind))
+            return None  # replicated once the statistics are all-reduced
         if keep:
             return s
         shift = lambda x: x - sum(d < x for d in dims)  # noqa: E731
@@ -304,7 +447,7 @@ class _Propagator:
             # one whole segment of a fused projection (``qkv[..., q_size:q_size + kv_size]``): its local block
             offset = local = 0
             for seg in s.segments:
-                if r == (offset, offset + seg.size) and not s.inner:
+                if r == (offset, offset + seg.size) and not s.inner and not s.outer:
                     if r[0] != local:
                         self.rewrite(node, 2, None, _arg(node, 2, "start", 0), local)
                     end = _arg(node, 3, "end", None)
@@ -334,13 +477,19 @@ class _Propagator:
                 continue
             gi_real = [i for i in gi if src[i] != 1 or i == s.dim]
             gj_real = split_dims(gj, dst)
+            if s.outer:
+                return self._view_outer(node, s, shape_arg, dst, gi_real, gj_real)
             if len(gi_real) == 1 and _unflattened_sequence_of_one(gj_real, dst, src[s.dim]):
                 gj_real = gj_real[1:]
             if len(gi_real) == 1 and len(gj_real) == 1:  # the sharded dim passes through
                 j = gj_real[0]
                 if s.inner:
                     raise Unshardable(node, "view moves replicated heads")
-                self._set_view_size(node, shape_arg, j, dst[j], s.local_size)
+                if is_static(shape_arg[j]):  # the local size itself (a padded vocab's too)
+                    if shape_arg[j] != -1:
+                        self.rewrite(node, 1, j, shape_arg[j], s.local_size)
+                else:
+                    self._set_view_size(node, shape_arg, j, sum(g.size for g in s.segments), s.local_size)
                 return s.moved(j)
             if len(gi_real) == 1:  # the sharded dim splits: [.., N, ..] -> [.., n1, n2, ..]
                 return self._view_split(node, s, shape_arg, dst, gj_real)
@@ -349,11 +498,30 @@ class _Propagator:
             raise Unshardable(node, "view regroups the sharded dim with others")
         raise Unshardable(node, "sharded dim lost in view")
 
-    def _set_view_size(self, node, shape_arg, j, old, new) -> None:
-        if is_static(shape_arg[j]) and shape_arg[j] != -1:
-            self.rewrite(node, 1, j, shape_arg[j], new)
-        elif not (isinstance(shape_arg[j], int) and shape_arg[j] == -1):
+    def _set_view_size(self, node, shape_arg, j, full, local, arg: int = 1) -> None:
+        """Scale size ``shape_arg[j]`` by ``local / full``: a constant, or ``x * c`` computed at run time."""
+        v = shape_arg[j]
+        if is_static(v):
+            if v != -1:
+                if v * local % full:
+                    raise Unshardable(node, f"size {v} does not scale by {local}/{full}")
+                self.rewrite(node, arg, j, v, v * local // full)
+            return
+        c = [a for a in v.args if is_static(a)] if isinstance(v, fx.Node) and v.target is operator.mul else []
+        if len(c) != 1 or c[0] * local % full:
             raise Unshardable(node, "the size of the sharded dim is computed at run time")
+        self.region.rewrites.append(Rewrite(node.name, arg, j, c[0], c[0] * local // full, v.name))
+
+    def _view_outer(self, node, s, shape_arg, dst, gi, gj) -> Sharding:
+        """Views of heads folded under the batch (``[b·h, s, d]``): passed through, or unfolded again."""
+        full, local = sum(g.size for g in s.segments), s.local_size
+        if len(gi) == 1 and len(gj) == 1:
+            self._set_view_size(node, shape_arg, gj[0], full, local)
+            return s.moved(gj[0])
+        if len(gi) == 1 and len(gj) == 2 and dst[gj[1]] == full:  # [b·h, ..] -> [b, h, ..]
+            self._set_view_size(node, shape_arg, gj[1], full, local)
+            return Sharding(gj[1], s.segments)
+        raise Unshardable(node, "view regroups heads folded under the batch")
 
     def _view_split(self, node, s, shape_arg, dst, gj) -> Sharding:
         n1 = dst[gj[0]]
@@ -376,6 +544,9 @@ class _Propagator:
 
     def _view_merge(self, node, s, shape_arg, src, dst, gi, j) -> Sharding:
         seg = s.single()
+        if gi[-1] == s.dim and not s.inner:  # [b, h, ..] -> [b·h, ..]: heads folded under the batch
+            self._set_view_size(node, shape_arg, j, seg.size if seg else sum(g.size for g in s.segments), s.local_size)
+            return Sharding(j, s.segments, outer=True)
         if seg is None or gi[0] != s.dim:
             raise Unshardable(node, "view merges the sharded dim under another dim")
         parts = seg.parts
@@ -389,6 +560,8 @@ class _Propagator:
 
     def expand(self, node: fx.Node) -> Sharding:
         s = self.spec(node.args[0])
+        if s.outer:
+            raise Unshardable(node, "expand of heads folded under the batch")
         sizes = list(node.args[1])
         off = len(sizes) - _ndim(node.args[0])
         in_shape = self.fp.shape(node.args[0])
@@ -416,7 +589,7 @@ class _Propagator:
         outs = node.meta["val"]
         if d != s.dim and not (s.inner and d == s.inner[0]):
             return tuple(s for _ in outs)
-        if t is aten.unbind.int or s.inner:
+        if t is aten.unbind.int or s.inner or s.outer:
             raise Unshardable(node, "unbind of the sharded dim")
         sizes = [self.fp.shape(o)[d] for o in outs]
         if t is aten.chunk.default and len(s.segments) == 1:
@@ -452,7 +625,7 @@ class _Propagator:
     def _local_input(self, node: fx.Node, x: object, s: Sharding) -> None:
         """A replicated graph input concatenated with a sharded value (a KV cache's past keys and the new
         ones) is taken as this rank's shard of it: the cache the graph returned last call, kept local."""
-        if not (isinstance(x, fx.Node) and x.op == "placeholder" and _ndim(x) == _ndim(node)) or s.inner:
+        if not (isinstance(x, fx.Node) and x.op == "placeholder" and _ndim(x) == _ndim(node)) or s.inner or s.outer:
             raise Unshardable(node, "cat of sharded and replicated tensors")
         for u in x.users:
             if u is not node and not _is_guard(u) \
@@ -521,19 +694,23 @@ def propagate(columns: dict[fx.Node, Sharding], row: fx.Node, row_x: fx.Node, fp
         if any(isinstance(a, fx.Node) and a in p.region.specs for a in node.all_input_nodes):
             p.visit(node)
     rs = p.spec(row_x)
-    if rs is None or rs.dim != _ndim(row_x) - 1 or rs.inner:
+    if rs is None or rs.dim != _ndim(row_x) - 1 or rs.inner or rs.outer:
         raise Unshardable(row, "the row-parallel input is not sharded on its contracted dim")
     p.region.row_input = rs
+    for x, _, _ in p.region.params:
+        # a parameter or buffer sharded with the heads must be read nowhere else
+        if any(u not in p.region.specs and u not in p.region.stats for u in x.users):
+            raise Unshardable(x, f"{x.target} spans the sharded dim and is also used outside {where}")
     for n in list(p.region.specs):
         for u in n.users:
-            if u in p.region.specs or u is row or u.target in _NO_OUTPUT or _is_guard(u):
+            if u in p.region.specs or u in p.region.stats or u is row or u.target in _NO_OUTPUT or _is_guard(u):
                 continue
             if u.target is aten.sym_size.int:
                 continue
             if u.target is operator.getitem and isinstance(p.region.specs[n], tuple):
                 continue
             spec = p.region.specs[n]
-            if u.op == "output" and isinstance(spec, Sharding) and spec.inner is None:
+            if u.op == "output" and isinstance(spec, Sharding) and spec.inner is None and not spec.outer:
                 # returned to the caller (e.g. the keys and values of a KV cache): gathered when read
                 if n not in p.region.outputs:
                     p.region.outputs.append(n)
@@ -551,22 +728,6 @@ def _slice_range(node: fx.Node, full: int) -> tuple[int, int] | None:
         return None
     start, end = (x + full if x < 0 else x for x in (start, end))
     return max(0, min(start, full)), max(0, min(end, full))
-
-
-def _reads_parameter(x: fx.Node) -> bool:
-    """Whether ``x`` is computed from a parameter of the graph module (so it would need a gradient)."""
-    gm = x.graph.owning_module
-    params = {n for n, _ in gm.named_parameters(remove_duplicate=False)} if gm is not None else set()
-    seen, todo = set(), [x]
-    while todo:
-        n = todo.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        if n.op == "get_attr" and n.target in params:
-            return True
-        todo.extend(n.all_input_nodes)
-    return False
 
 
 def _is_guard(u: fx.Node) -> bool:
@@ -628,6 +789,10 @@ def _probe(node: fx.Node, dim: int, size: int, fp, tp, where, depth) -> tuple[Se
                     return _probe(u, gj_real[1], size, fp, tp, where, depth + 1)
                 if dim in gi and len([i for i in gi if src[i] != 1]) == 1 and len(gj_real) > 1:
                     n1 = dst[gj_real[0]]
+                    if len(gj_real) > 2 and n1 < tp and _is_segment_dim(u, gj_real[1], 0):
+                        # Falcon's [n_kv, group + 2, d]: each kv group holds its own q heads, k and v
+                        raise Unshardable(u, f"a fused per-group layout {[dst[j] for j in gj_real]} has {n1} kv "
+                                             f"groups, fewer than tp={tp}: it shards at a tp that divides {n1}")
                     if _is_segment_dim(u, gj_real[0], 0):
                         n2 = dst[gj_real[1]]
                         p = parts_for(n2, size // n1, tp, f"{where}: heads")
@@ -672,6 +837,13 @@ def _is_segment_dim(node: fx.Node, dim: int, depth: int) -> bool:
         if t in (aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default) and \
                 normalize_dim(_arg(u, 2, "dim", 0), nd) == dim:
             return True
+        if t is aten.slice.Tensor:
+            full = node.meta["val"].shape[dim]
+            if normalize_dim(_arg(u, 1, "dim", 0), nd) == dim and isinstance(full, int) \
+                    and _slice_range(u, full) not in (None, (0, full)):
+                return True
+            if _is_segment_dim(u, dim, depth + 1):
+                return True
         if t is aten.permute.default:
             if _is_segment_dim(u, [normalize_dim(d, nd) for d in u.args[1]].index(dim), depth + 1):
                 return True

@@ -163,14 +163,14 @@ def _check_consistent(st: TPState, plan: Plan) -> None:
     """A later call signature must cut every parameter exactly as the first one did."""
     if not st.shards:
         return
-    sharded = {name for name, _ in plan.params}
-    for name, shard in plan.params:
+    sharded = {name for name, _ in (*plan.params, *plan.buffers)}
+    for name, shard in (*plan.params, *plan.buffers):
         known = st.shards.get(name)
         if known is None:
-            raise ShardingError(f"parameter {name} is sharded by a later call signature but was replicated")
+            raise ShardingError(f"{name} is sharded by a later call signature but was replicated by the first")
         if known != shard:
-            raise ShardingError(f"parameter {name} is sharded as {known} by one call and {shard} by another")
-    first = {n for n, _ in st.plan.params}
+            raise ShardingError(f"{name} is sharded as {known} by one call and {shard} by another")
+    first = {n for n, _ in (*st.plan.params, *st.plan.buffers)}
     lost = sorted(first - sharded)
     if lost:
         reasons = "; ".join(f"{m}: {r}" for m, r in plan.replicated) or "no reason recorded"
@@ -195,8 +195,9 @@ def _build(model: nn.Module, st: TPState, args: tuple, kwargs: dict, key: Hashab
     plan = _plan(model, st, gm)
     _check_consistent(st, plan)
     gm = run_passes(gm, plan)
-    if not st.shards and plan.params:
+    if not st.shards and (plan.params or plan.buffers):
         _shard_in_place(model, st, plan)
+        _shard_buffers_in_place(model, st, plan)
     return _finish(model, st, gm, spec, key, plan)
 
 
@@ -231,6 +232,28 @@ def _shard_in_place(model: nn.Module, st: TPState, plan: Plan) -> None:
                 if p.requires_grad:  # clip_grad_norm_ in the user's script sees the full gradient's norm
                     mark_sharded_grad(new[id(p)], norm_info(shard, st.tp, st.group))
             mod._parameters[leaf] = new[id(p)]
+
+
+def _shard_buffers_in_place(model: nn.Module, st: TPState, plan: Plan) -> None:
+    """Replace every sharded buffer (a KV cache written with sharded keys) by this rank's slice."""
+    own = dict(plan.buffers)
+    by_id: dict[int, ParamShard] = {}
+    names: dict[int, list[str]] = {}
+    for name, b in model.named_buffers(remove_duplicate=False):
+        names.setdefault(id(b), []).append(name)
+        if name in own:
+            by_id[id(b)] = own[name]
+    new: dict[int, torch.Tensor] = {}
+    for mod in model.modules():
+        for leaf, b in list(mod._buffers.items()):
+            if b is None or id(b) not in by_id:
+                continue
+            if id(b) not in new:
+                new[id(b)] = by_id[id(b)].shard(b, st.tp, st.rank)
+                for name in names[id(b)]:
+                    st.shards[name] = by_id[id(b)]
+                    st.full[name] = torch.empty(b.shape, dtype=b.dtype, device="meta")
+            mod._buffers[leaf] = new[id(b)]
 
 
 def _sum_replicated_grads(st: TPState, param: nn.Parameter, shard: ParamShard) -> None:

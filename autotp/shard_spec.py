@@ -27,11 +27,14 @@ class Sharding:
 
     ``inner`` is ``(dim, parts)`` of a broadcast (expanded) dim that carries the rest of the split when the
     segments have fewer parts than tp: repeat_kv's ``n_rep`` dim when kv heads are replicated.
+    ``outer``: the dim is ``[k, segments]`` flattened with ``k`` whole on every rank: heads folded under the
+    batch (``[b·heads, s, d]``, as baddbmm-style attention writes it); its local size is ``k·local``.
     """
 
     dim: int
     segments: tuple[Segment, ...]
     inner: tuple[int, int] | None = None
+    outer: bool = False
 
     @property
     def local_size(self) -> int:
@@ -43,6 +46,12 @@ class Sharding:
 
     def single(self) -> Segment | None:
         return self.segments[0] if len(self.segments) == 1 else None
+
+    def ratio(self) -> int | None:
+        """full / local size of the dim when every rank holds the same fraction of it, else None."""
+        full = sum(s.size for s in self.segments)
+        return full // self.local_size if full % self.local_size == 0 and \
+            all(s.size * self.local_size == s.local() * full for s in self.segments) else None
 
 
 def block_index(parts: int, tp: int, rank: int) -> int:
@@ -61,8 +70,13 @@ def local_indices(segments: tuple[Segment, ...], tp: int, rank: int) -> torch.Te
     return torch.cat(idx)
 
 
-def shard_tensor(full: torch.Tensor, dim: int, segments: tuple[Segment, ...], tp: int, rank: int) -> torch.Tensor:
-    """Rank ``rank``'s slice of ``full`` (a fresh contiguous tensor)."""
+def shard_tensor(full: torch.Tensor, dim: int, segments: tuple[Segment, ...], tp: int, rank: int,
+                 outer: bool = False) -> torch.Tensor:
+    """Rank ``rank``'s slice of ``full`` (a fresh contiguous tensor); ``outer``: see :class:`Sharding`."""
+    if outer:
+        width = sum(s.size for s in segments)
+        local = shard_tensor(full.unflatten(dim, (-1, width)), dim + 1, segments, tp, rank)
+        return local.flatten(dim, dim + 1)
     if sum(s.size for s in segments) != full.shape[dim]:
         raise ValueError(f"segments {segments} do not cover dim {dim} of size {full.shape[dim]}")
     if len(segments) == 1:

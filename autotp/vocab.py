@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
+from autotp.errors import ShardingError
 from autotp.analysis import Analysis
 from autotp.matmuls import ParamMatmul, module_path
 from autotp.propagate import _SAME_SHAPE, _VIEWS, Unshardable, _arg, _ndim, _Propagator
@@ -172,10 +173,11 @@ def analyze_vocab(gm: fx.GraphModule, a: Analysis, tp: int, multiple: int = 1) -
         layout = VocabLayout.make(m.out_features, tp, multiple)
         try:
             head = _propagate_head(m, layout, fp, tp)
-        except Unshardable as e:
+        except (Unshardable, ShardingError) as e:
             # a projection of a block already reported replicated is not an LM head: its reason stands
             if not any(m.module == r or m.module.startswith(r + ".") for r, _ in a.replicated):
-                a.replicated.append((m.module, f"LM head kept whole: {e.reason} (at {e.node.name})"))
+                why = f"{e.reason} (at {e.node.name})" if isinstance(e, Unshardable) else str(e)
+                a.replicated.append((m.module, f"LM head kept whole: {why}"))
             continue
         if not head.losses and not head.outputs:
             continue

@@ -4,13 +4,19 @@ Before (tp = 2, 4 heads of 16)::
 
     view = aten.view(getitem, [s0, s1, 4, 16])
     split = aten.split(linear, 64, 2)
+    mul = operator.mul(s0, 4)                        # b * n_heads, computed at run time
+    reshape = aten.reshape(transpose, [mul, s1, 16])
 
 After::
 
     view = aten.view(getitem, [s0, s1, 2, 16])
     split = aten.split(linear, 32, 2)
+    mul_local = operator.mul(s0, 2)                  # this view's own copy: other readers keep ``mul``
+    reshape = aten.reshape(transpose, [mul_local, s1, 16])
 """
 from __future__ import annotations
+
+import operator
 
 import torch.fx as fx
 
@@ -28,9 +34,22 @@ def rewrite_constants(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
             args[r.arg] = r.new
         else:
             seq = list(args[r.arg])
-            if seq[r.index] != r.old:
+            if r.factor_of is not None:
+                seq[r.index] = _scaled_size(gm, node, seq[r.index], r.factor_of, r.old, r.new)
+            elif seq[r.index] != r.old:
                 raise ValueError(f"{r.node}: expected {r.old} at arg {r.arg}[{r.index}], found {seq[r.index]}")
-            seq[r.index] = r.new
+            else:
+                seq[r.index] = r.new
             args[r.arg] = seq
         node.args = tuple(args)
     return gm
+
+
+def _scaled_size(gm: fx.GraphModule, user: fx.Node, size: object, name: str, old: int, new: int) -> fx.Node:
+    if not (isinstance(size, fx.Node) and size.name == name and size.target is operator.mul and old in size.args):
+        raise ValueError(f"{user.name}: expected {name} = x * {old}, found {size}")
+    x = size.args[1] if size.args[0] == old else size.args[0]
+    with gm.graph.inserting_before(user):
+        local = gm.graph.call_function(operator.mul, (x, new))
+    local.meta = {k: v for k, v in size.meta.items() if k != "val"}
+    return local

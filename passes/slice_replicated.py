@@ -27,7 +27,7 @@ def slice_replicated(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
     for i, s in enumerate(plan.local_slices):
         consumer, operand = nodes[s.consumer], nodes[s.operand]
         target = f"autotp_local_slice_{i}"
-        gm.add_submodule(target, LocalSliceOp(s.dim, s.segments))
+        gm.add_submodule(target, LocalSliceOp(s.dim, s.segments, s.outer))
         with gm.graph.inserting_before(consumer):
             cut = gm.graph.call_module(target, (operand,))
         consumer.replace_input_with(operand, cut)

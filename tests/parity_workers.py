@@ -339,3 +339,32 @@ def pattern_parity(kinds: list[str], steps: int = 3) -> dict:
             "kv_replicated": sorted(n for n, sh in st.shards.items() if any(g.parts < tp for g in sh.segments)),
         }
     return out
+
+
+def cache_parity(kinds: list[str], prompt_len: int = 5, steps: int = 6) -> dict:
+    """KV caches in module buffers written in place (tests/cache_models.py): a prefill call and one-token
+    decode calls under no_grad against the unsharded model: logits, greedy tokens, the cache's local
+    shape and the collectives of one decode call."""
+    import torch.distributed as dist
+
+    from cache_models import B, build, generate
+
+    out = {}
+    prompt = torch.randint(0, 96, (B, prompt_len), generator=torch.Generator().manual_seed(3))
+    for kind in kinds:
+        ref = build(kind)
+        model = autotp.parallelize(build(kind), example_inputs=(prompt, torch.arange(prompt_len)))
+        ref_logits, ref_tokens = generate(ref, prompt, steps)
+        logits, tokens = generate(model, prompt, steps)
+        log = CollectiveLog()
+        with torch.no_grad(), log:
+            model(tokens[:, -1:], torch.tensor([prompt_len + steps])).full_tensor()
+        out[kind] = {
+            "logits_diff": max(_max_diff(a, b) for a, b in zip(logits, ref_logits)),
+            "tokens_equal": bool(torch.equal(tokens, ref_tokens)),
+            "cache_shape": list(model.attn[0].kv_cache.k_cache.shape),
+            "replicated": [list(r) for r in autotp.tp_state(model).plan.replicated],
+            "decode": log.calls,
+            "tp": dist.get_world_size(),
+        }
+    return out

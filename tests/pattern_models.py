@@ -51,7 +51,13 @@ class Attention(nn.Module):
         if kind in ("qk_norm_head", "qk_norm_width"):
             d = HD if kind == "qk_norm_head" else H
             self.q_norm, self.k_norm = RMSNorm(d), RMSNorm(d)
-        if kind == "alibi":
+        if kind == "qk_rmsnorm_width":  # torch's own RMSNorm over all heads (one fused op)
+            self.q_norm, self.k_norm = nn.RMSNorm(H, eps=1e-6), nn.RMSNorm(H, eps=1e-6)
+        if kind == "qk_layernorm_width":
+            self.q_norm, self.k_norm = nn.LayerNorm(H), nn.LayerNorm(H)
+        if kind == "qk_layernorm_head":  # StableLM / Persimmon style: a LayerNorm per head
+            self.q_norm, self.k_norm = nn.LayerNorm(HD), nn.LayerNorm(HD)
+        if kind in ("alibi", "baddbmm_alibi"):
             self.register_buffer("slopes", torch.tensor([2.0 ** (-8 * (i + 1) / NH) for i in range(NH)]))
         if kind in ("rope_interleaved", "rope_partial"):
             cos, sin = rope_tables(HD if kind == "rope_interleaved" else HD // 2)
@@ -65,10 +71,10 @@ class Attention(nn.Module):
     def forward(self, x):
         b, s, _ = x.shape
         q, k, v = self.q(x), self.k(x), self.v(x)
-        if self.kind == "qk_norm_width":  # OLMo-2 style: the norm spans all heads of the projection
+        if self.kind in ("qk_norm_width", "qk_rmsnorm_width", "qk_layernorm_width"):  # OLMo-2: over all heads
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = (t.view(b, s, NH, HD) for t in (q, k, v))  # (b, s, nh, hd)
-        if self.kind == "qk_norm_head":  # Qwen3 style: one norm per head
+        if self.kind in ("qk_norm_head", "qk_layernorm_head"):  # Qwen3 style: one norm per head
             q, k = self.q_norm(q), self.k_norm(k)
         if self.kind == "rope_interleaved":
             cos, sin = self.cos[:s, None, :], self.sin[:s, None, :]
@@ -89,6 +95,15 @@ class Attention(nn.Module):
             mask = torch.ones(s, s, dtype=torch.bool, device=x.device).tril()
             att = att.masked_fill(~mask, float("-inf")).softmax(-1)
             y = torch.bmm(att, vf).view(b, NH, s, HD)
+        elif self.kind == "baddbmm_alibi":  # BLOOM style: the ALiBi bias is baddbmm's input, [b·heads, 1, s]
+            alibi = (self.slopes[:, None] * torch.arange(s, device=x.device)[None, :]).expand(b, NH, s)
+            alibi = alibi.reshape(b * NH, 1, s)
+            qf, kf, vf = (t.reshape(b * NH, s, HD) for t in (q, k, v))
+            att = alibi.baddbmm(batch1=qf, batch2=kf.transpose(1, 2), beta=1.0, alpha=1.0 / math.sqrt(HD))
+            att = att.view(b, NH, s, s)
+            mask = torch.ones(s, s, dtype=torch.bool, device=x.device).tril()
+            att = F.softmax(att.masked_fill(~mask, torch.finfo(att.dtype).min), dim=-1, dtype=torch.float32)
+            y = torch.bmm(att.view(b * NH, s, s), vf).view(b, NH, s, HD)
         else:
             att = (q @ k.transpose(-2, -1)) / math.sqrt(HD)
             if self.kind == "alibi":  # per-head slopes times distance
@@ -120,7 +135,7 @@ class FusedAttention(nn.Module):
             q = qkv[..., :q_size]
             k = qkv[..., q_size:q_size + kv_size]
             v = qkv[..., q_size + kv_size:]
-        elif self.kind == "grouped_view":  # Falcon style: [b, s, n_kv, group + 2, d]
+        elif self.kind.startswith("grouped_view"):  # Falcon style: [b, s, n_kv, group + 2, d]
             g = NH // self.n_kv
             qkv = qkv.view(b, s, self.n_kv, g + 2, HD)
             q = qkv[:, :, :, :g].reshape(b, s, NH * HD)
@@ -154,7 +169,7 @@ class Block(nn.Module):
         super().__init__()
         self.kind = kind
         self.n1, self.n2 = RMSNorm(H), RMSNorm(H)
-        fused = {"offset_slices": 2, "grouped_view": 2, "fused_mqa": 1, "gqa_qk_norm": 2}
+        fused = {"offset_slices": 2, "grouped_view": 2, "grouped_view_mha": 4, "fused_mqa": 1, "gqa_qk_norm": 2}
         self.attn = FusedAttention(kind, fused[kind]) if kind in fused else Attention(kind)
         self.mlp = SwiGLU()
 
@@ -182,8 +197,9 @@ class LM(nn.Module):
         return logits, F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
-KINDS = ("plain", "rope_interleaved", "rope_partial", "rope_complex", "qk_norm_head", "qk_norm_width", "alibi",
-         "softcap", "baddbmm", "parallel", "offset_slices", "grouped_view", "fused_mqa", "gqa_qk_norm")
+KINDS = ("plain", "rope_interleaved", "rope_partial", "rope_complex", "qk_norm_head", "qk_layernorm_head",
+         "qk_norm_width", "qk_rmsnorm_width", "qk_layernorm_width", "alibi", "softcap", "baddbmm", "baddbmm_alibi",
+         "parallel", "offset_slices", "grouped_view", "grouped_view_mha", "fused_mqa", "gqa_qk_norm")
 
 
 def build(kind: str):

@@ -36,7 +36,7 @@ def test_plan_nanogpt_tp2(planned) -> None:
     out, result = planned
     assert result.exit_code == 0, result.output
     data = json.loads((out / "out.json").read_text())
-    assert data["plan"]["version"] == 2 and data["plan"]["tp"] == 2
+    assert data["plan"]["version"] == 3 and data["plan"]["tp"] == 2
     assert len(data["plan"]["pairs"]) == 4
     assert data["layout"]["tp"] == [[0, 1]]
     assert (out / "out.svg").read_text().startswith("<svg")

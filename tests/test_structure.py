@@ -112,7 +112,8 @@ def test_unshardable_region_is_replicated_with_the_reason():
     gm = _graph("head_mixing")
     plan = make_plan(gm, 2)
     assert plan.pairs == () and not [n for n, _ in plan.params if n.startswith("block.")]
-    assert any("aten.mean.dim" in reason and module == "block" for module, reason in plan.replicated)
+    # the mean over heads is all-reduced fine, but then o's input is whole: no column→row pair
+    assert any("not sharded on its contracted dim" in reason and module == "block" for module, reason in plan.replicated)
     gm = run_passes(gm, plan)
     # only the vocab-parallel embedding's g and the LM head's f remain
     assert len(_calls(gm, EnterTP)) == 1 and len(_calls(gm, LeaveTP)) == 1
@@ -181,3 +182,42 @@ def test_logits_read_whole_keep_the_head_replicated():
     plan = make_plan(gm, 2)
     assert plan.vocab.heads == () and plan.param("head.weight") is None
     assert any(m == "head" and "argmax" in reason for m, reason in plan.replicated)
+
+
+def test_statistics_folded_heads_and_cache_buffers_are_planned_and_inserted():
+    """A whole-width q/k norm gets one statistics all-reduce per norm and its weight sharded; heads folded
+    under the batch get their own local ``b * heads`` size; a cache buffer written with sharded keys is
+    sharded (no process group: structure only)."""
+    import operator
+
+    from autotp.collectives import ShardedNorm, StatAllReduce
+    from cache_models import build as build_cached
+    from pattern_models import build
+
+    model, args, kwargs = build("qk_rmsnorm_width")
+    gm = capture(model, args, kwargs)[0]
+    plan = make_plan(gm, 2)
+    assert not plan.replicated and [s.kind for s in plan.stats] == ["rms_norm"] * 4
+    assert plan.param("blocks.0.attn.q_norm.weight").local_shape == (32,)
+    gm = run_passes(gm, plan)
+    assert len(_calls(gm, ShardedNorm)) == 4 and not [n for n in gm.graph.nodes if n.target is aten.rms_norm.default
+                                                      and n.args[1] == [64]]
+
+    model, args, kwargs = build("qk_norm_width")  # hand-written: x.pow(2).mean(-1) over the width
+    plan = make_plan(capture(model, args, kwargs)[0], 4)
+    assert [(s.kind, s.scale) for s in plan.stats] == [("mean", 0.25)] * 4
+
+    model, args, kwargs = build("baddbmm")
+    gm = capture(model, args, kwargs)[0]
+    plan = make_plan(gm, 2)
+    folded = [r for r in plan.rewrites if r.factor_of]
+    assert not plan.replicated and folded and all((r.old, r.new) == (4, 2) for r in folded)
+    gm = run_passes(gm, plan)
+    assert any(n.target is operator.mul and n.args[1] == 2 for n in gm.graph.nodes)
+
+    with torch.no_grad():
+        gm = capture(build_cached("index_put"), (torch.zeros(2, 5, dtype=torch.long), torch.arange(5)), {})[0]
+    plan = make_plan(gm, 4)
+    assert {n: b.local_shape for n, b in plan.buffers if n.startswith("attn.0")} == {
+        "attn.0.kv_cache.k_cache": (2, 1, 16, 16), "attn.0.kv_cache.v_cache": (2, 1, 16, 16)}
+    assert len([c for c in plan.collectives if c.direction == "forward"]) == 5  # embedding + 2 per layer

@@ -8,7 +8,7 @@ from autotp.errors import ShardingError
 from autotp.plan import Plan
 from autotp.propagate import parts_for
 from autotp.shapes import view_groups
-from autotp.shard_spec import Segment, local_indices, shard_tensor, unshard_tensor
+from autotp.shard_spec import Segment, Sharding, local_indices, shard_tensor, unshard_tensor
 
 
 def test_fused_segments_give_each_rank_its_slice_of_every_segment():
@@ -58,20 +58,34 @@ def test_head_rules_follow_megatron():
 
 
 def test_plan_is_immutable_json_data():
-    from autotp.plan import Collective, PairPlan, ParamShard
+    from autotp.plan import Collective, LocalSlice, PairPlan, ParamShard, Stat
     from autotp.propagate import Rewrite
 
     shard = ParamShard("column", "h.0.attn.c_attn", 0, (Segment(64, 2),) * 3, (192, 64), (96, 64))
     plan = Plan(tp=2, params=(("h.0.attn.c_attn.weight", shard),),
                 pairs=(PairPlan("h.0.attn", ("linear",), ("h.0.attn.c_attn.weight",), ("ln",), "linear_1",
                                 "h.0.attn.c_proj.weight", "h.0.attn.c_proj.bias"),),
-                rewrites=(Rewrite("view", 1, 2, 4, 2),),
+                rewrites=(Rewrite("view", 1, 2, 4, 2), Rewrite("reshape", 1, 0, 4, 2, factor_of="mul_2")),
                 collectives=(Collective("all_reduce", "sum", "forward", "h.0.attn", "linear_1", ("s0", "s1", "64")),),
-                random_nodes=("dropout_1",), replicated=(("lm_head", "reason"),))
+                random_nodes=("dropout_1",), replicated=(("lm_head", "reason"),),
+                local_slices=(LocalSlice("baddbmm", "alibi", 0, (Segment(4, 2),), outer=True),),
+                stats=(Stat("mean_1", "mean", 0.5),),
+                buffers=(("h.0.attn.k_cache", ParamShard("column", "h.0.attn", 1, (Segment(4, 2),), (2, 4, 16, 8),
+                                                         (2, 2, 16, 8))),))
     again = Plan.from_json(plan.to_json())
     assert again == plan
-    assert again.to_dict()["version"] == 2
+    assert again.to_dict()["version"] == 3
     with pytest.raises(Exception):
         plan.tp = 4  # frozen
     with pytest.raises(ValueError, match="version"):
         Plan.from_dict({**plan.to_dict(), "version": 99})
+
+
+def test_outer_sharding_cuts_heads_folded_under_the_batch():
+    """[b·h, s] with h = 4 heads over 2 ranks: rank 1 holds heads 2, 3 of every batch row."""
+    from autotp.shard_spec import shard_tensor
+
+    x = torch.arange(2 * 4).reshape(2 * 4, 1)  # row = batch * 4 + head
+    assert shard_tensor(x, 0, (Segment(4, 2),), 2, 1, outer=True).flatten().tolist() == [2, 3, 6, 7]
+    assert Sharding(0, (Segment(4, 2),), outer=True).ratio() == 2
+    assert Sharding(0, (Segment(64, 4), Segment(16, 1))).ratio() is None  # q split 4 ways, one kv head whole
