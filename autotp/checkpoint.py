@@ -16,9 +16,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from autotp.ckpt_safety import METADATA, read_metadata, safe_load
+from autotp.errors import CheckpointError
 from autotp.launch import RankContext
 from autotp.plan import ParamShard, Plan
 from autotp.gathered import all_gather_flat
@@ -92,35 +95,61 @@ def sharded_state_dict(tpm: torch.nn.Module, ctx: RankContext) -> dict[str, torc
     so ``dcp.load`` writes straight into the parameters and a checkpoint can be resharded.
     """
     state = tpm.state_dict(keep_vars=True)
-    by_id = {id(state[name]): shard for name, shard in tp_state(tpm).shards.items() if name in state}
-    layout, meshes = ctx.layout, {}
+    by_id = {id(state[name]): shard for name, shard in checkpoint_shards(tpm).items() if name in state}
     out: dict[str, torch.Tensor] = {}
     for name, tensor in state.items():
         shard = by_id.get(id(tensor))
         if shard is None:
             out[name] = tensor.detach()
-            continue
-        if shard.vocab is not None:
-            # rank r owns torch.chunk's r-th block of the vocab rows; the rows after it are padding
-            owned = tensor.detach().narrow(shard.dim, 0, shard.vocab.owned(ctx.coords["tp"]))
-            shape = list(shard.full_shape)
-            shape[shard.dim] = shard.vocab.size
-            out[name] = _dtensor(owned, ctx.mesh, shard.dim, tuple(shape))
-            continue
-        offset = 0
-        for i, seg in enumerate(shard.segments):
-            if seg.parts not in meshes:
-                # kv blocks held by tp/parts ranks each: shard over the blocks, replicate over the copies
-                meshes[seg.parts] = ctx.mesh if seg.parts == layout.tp else init_device_mesh(
-                    ctx.device.type, (layout.pp, layout.dp, seg.parts, layout.tp // seg.parts),
-                    mesh_dim_names=("pp", "dp", "tp_block", "tp_copy"))
-            piece = tensor.detach().narrow(shard.dim, offset, seg.local())
-            shape = list(shard.full_shape)
-            shape[shard.dim] = seg.size
-            key = name if len(shard.segments) == 1 else f"{name}.segment{i}"
-            out[key] = _dtensor(piece, meshes[seg.parts], shard.dim, tuple(shape))
-            offset += seg.local()
+        else:
+            out.update(global_views(name, tensor.detach(), shard, ctx))
     return out
+
+
+def checkpoint_shards(tpm: torch.nn.Module) -> dict[str, ParamShard]:
+    """Every parameter name whose checkpoint entries are views: the sharded ones, and at tp 1 the fused ones
+    (their segments are keys of their own at every tp)."""
+    st = tp_state(tpm)
+    return {**st.segments, **st.shards}
+
+
+def global_views(name: str, local: torch.Tensor, shard: ParamShard, ctx: RankContext) -> dict[str, DTensor]:
+    """``local`` (this rank's shard of a parameter, or any tensor of its shape: an optimizer moment) as views
+    in the unsharded parameter's coordinates: ``{name: DTensor}``, or ``{name.segment{i}: DTensor}`` for a
+    fused parameter. The views share ``local``'s memory, so a DCP load writes into it."""
+    if shard.vocab is not None:
+        # rank r owns torch.chunk's r-th block of the vocab rows; the rows after it are padding
+        owned = local.narrow(shard.dim, 0, shard.vocab.owned(ctx.coords["tp"]))
+        shape = list(shard.full_shape)
+        shape[shard.dim] = shard.vocab.size
+        return {name: _dtensor(owned, ctx.mesh, shard.dim, tuple(shape))}
+    out, offset = {}, 0
+    for i, seg in enumerate(shard.segments):
+        piece = local.narrow(shard.dim, offset, seg.local())
+        shape = list(shard.full_shape)
+        shape[shard.dim] = seg.size
+        key = name if len(shard.segments) == 1 else f"{name}.segment{i}"
+        out[key] = _dtensor(piece, _mesh(ctx, seg.parts), shard.dim, tuple(shape))
+        offset += seg.local()
+    return out
+
+
+# (id of the job's mesh, kv blocks) -> (that mesh, kept alive so the id stays its own; the block mesh): made
+# once per job, since making one creates process groups on every rank
+_MESHES: dict[tuple[int, int], tuple[DeviceMesh, DeviceMesh]] = {}
+
+
+def _mesh(ctx: RankContext, parts: int) -> DeviceMesh:
+    """The tp mesh, or for kv blocks held by tp/parts ranks each one that shards over the blocks and
+    replicates over the copies."""
+    if parts == ctx.layout.tp:
+        return ctx.mesh
+    key = (id(ctx.mesh), parts)
+    if key not in _MESHES:
+        layout = ctx.layout
+        _MESHES[key] = ctx.mesh, init_device_mesh(ctx.device.type, (layout.pp, layout.dp, parts, layout.tp // parts),
+                                                  mesh_dim_names=("pp", "dp", "tp_block", "tp_copy"))
+    return _MESHES[key][1]
 
 
 def _dtensor(local: torch.Tensor, mesh, dim: int, shape: tuple[int, ...]) -> DTensor:
@@ -138,7 +167,8 @@ def load_unsharded(model: torch.nn.Module, plan: Plan | None, path: Path | str) 
     tp-1 parallelized one), in one process, no group. Fused parameters were saved one key per segment; the
     segments are read from the checkpoint itself, so any tp's checkpoint loads (``plan`` is not needed)."""
     state = model.state_dict(keep_vars=True)
-    meta = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    metadata = read_metadata(path)
+    meta = metadata.state_dict_metadata
     pieces: dict[str, torch.Tensor] = {}
     for name, tensor in state.items():
         if f"model.{name}" in meta or f"model.{name}.segment0" not in meta:
@@ -146,14 +176,18 @@ def load_unsharded(model: torch.nn.Module, plan: Plan | None, path: Path | str) 
             continue
         i, offset = 0, 0
         while f"model.{name}.segment{i}" in meta:
-            size = tuple(meta[f"model.{name}.segment{i}"].size)
-            dim = next(d for d, (a, b) in enumerate(zip(size, tensor.shape)) if a != b)
+            md = meta[f"model.{name}.segment{i}"]
+            size = tuple(md.size) if isinstance(md, TensorStorageMetadata) else ()
+            dim = next((d for d, (a, b) in enumerate(zip(size, tensor.shape)) if a != b), None)
+            if dim is None or len(size) != tensor.dim() or offset + size[dim] > tensor.shape[dim]:
+                raise CheckpointError(f"{Path(path) / METADATA} does not match this model: segment {i} of "
+                                      f"{name} is {size or 'not a tensor'}, the parameter is {tuple(tensor.shape)}")
             pieces[f"{name}.segment{i}"] = tensor.detach().narrow(dim, offset, size[dim])
             offset += size[dim]
             i += 1
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
-        dcp.load({"model": pieces}, checkpoint_id=str(path), no_dist=True)
+        safe_load({"model": pieces}, path, metadata=metadata, no_dist=True)
 
 
 def save_checkpoint(tpm: torch.nn.Module, ctx: RankContext, path: Path | str) -> None:
@@ -161,5 +195,6 @@ def save_checkpoint(tpm: torch.nn.Module, ctx: RankContext, path: Path | str) ->
 
 
 def load_checkpoint(tpm: torch.nn.Module, ctx: RankContext, path: Path | str) -> None:
-    """Load a :func:`save_checkpoint` checkpoint into ``tpm``'s parameters in place."""
-    dcp.load({"model": sharded_state_dict(tpm, ctx)}, checkpoint_id=str(path))
+    """Load a :func:`save_checkpoint` checkpoint into ``tpm``'s parameters in place (see
+    :mod:`autotp.ckpt_safety`: nothing in the files is unpickled as arbitrary objects)."""
+    safe_load({"model": sharded_state_dict(tpm, ctx)}, path)

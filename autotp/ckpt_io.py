@@ -12,39 +12,45 @@ DCP's coordinator wrote ``.metadata``) rank 0 renames it into place, then points
 ``os.replace`` and only then deletes older steps. A crash at any moment leaves ``latest`` naming a complete
 checkpoint: the previous one until the rename of the pointer, the new one after.
 
-What a training checkpoint holds (one DCP save):
+What a training checkpoint holds (one DCP save, every entry a tensor), all in the unsharded model's
+coordinates, so it resumes at any tp and dp the model's sizes allow (weights and optimizer state resharded):
 
-* ``model``: the caller's (sharded, DTensor-valued) model state dict, reshardable by DCP;
-* ``optim``: the optimizer's own ``state_dict()`` as one ``torch.save`` blob per tensor-parallel rank
-  (key ``tp<r>``). TPModule parameters are plain local tensors, which
-  ``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict`` cannot place in global coordinates,
-  so the optimizer state is not resharded: resuming needs the same tp size. Data-parallel replicas hold
-  identical optimizer state and share the key, so DCP writes it once;
-* ``train``: the step counter (a replicated tensor);
-* ``rng``: each global rank's torch RNG state (``rank<r>``), restored when present.
+* ``model``: the model's state dict, sharded parameters as DTensor views (:func:`autotp.checkpoint.sharded_state_dict`);
+* ``optim``: the optimizer's per-parameter tensors laid out like their parameters (:mod:`autotp.optim_state`);
+* ``train``: the step counter;
+* ``rng``: the default generator's state per data-parallel replica (the ranks of a TP group keep it in step),
+  and each rank's sharded-region stream (:mod:`autotp.rng`), restored where the layout allows.
 
-Next to the DCP files rank 0 writes ``autotp.json`` (step, tp, world size), so a launcher can refuse a resume
-with another tp before any rank starts (:func:`check_resumable`).
+Next to the DCP files rank 0 writes the manifest ``autotp.json``: format, step, tp, dp, world size and the
+optimizer's plain data (class, hyper-parameters). Loading unpickles nothing from the files as arbitrary
+objects: JSON for the manifest, a verified, restricted read of DCP's metadata and ``weights_only`` tensors
+for the rest (:mod:`autotp.ckpt_safety`). A launcher checks a checkpoint before any rank starts
+(:func:`check_resumable`).
 """
 from __future__ import annotations
 
-import io
 import json
 import os
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import DefaultLoadPlanner
 
+from autotp.checkpoint import sharded_state_dict
+from autotp.ckpt_safety import read_metadata, safe_load, verify_files
 from autotp.errors import CheckpointError
+from autotp.launch import RankContext
+from autotp.optim_state import optimizer_state, plain_data, restore
+from autotp.runtime import tp_state
 
-__all__ = ["CheckpointError", "checkpoint_info", "check_resumable", "latest_checkpoint", "load_training_state",
-           "save_training_state", "step_dir_name"]
+__all__ = ["CheckpointError", "Resumed", "checkpoint_info", "check_resumable", "latest_checkpoint",
+           "load_training_state", "read_manifest", "save_training_state", "step_dir_name"]
 
 CHECKPOINTS, LATEST, LINK, TMP_PREFIX, INFO = "checkpoints", "latest", "checkpoint", ".tmp-", "autotp.json"
+FORMAT = 2  # 1: optimizer state and RNG as pickled blobs, per tp rank (never loaded: unpickling runs code)
 
 
 def step_dir_name(step: int) -> str:
@@ -63,22 +69,73 @@ def latest_checkpoint(run_dir: Path | str) -> Path | None:
 
 
 def checkpoint_info(path: Path | str) -> dict:
-    """What :func:`save_training_state` recorded next to the DCP files: step, tp, world size ({} if none)."""
+    """The manifest :func:`save_training_state` wrote next to the DCP files, unchecked ({} if none)."""
     try:
         return json.loads((Path(path) / INFO).read_text())
     except (OSError, ValueError):
         return {}
 
 
-def check_resumable(run_dir: Path | str, tp: int) -> Path | None:
-    """The checkpoint a resume of ``run_dir`` at ``tp`` would load; CheckpointError when its tp differs."""
+def read_manifest(path: Path | str) -> dict:
+    """The checkpoint's manifest, checked to be one this autotp writes; CheckpointError naming it if not."""
+    file = Path(path) / INFO
+    try:
+        info = json.loads(file.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{file} is missing: {path} was not written by autotp shard") from None
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{file} is not a checkpoint manifest: {exc}",
+                              hint="the file is damaged or was tampered with: resume from another checkpoint") from None
+    if not isinstance(info, dict) or info.get("format") != FORMAT:
+        found = info.get("format") if isinstance(info, dict) else None
+        raise CheckpointError(f"{file}: checkpoint format {found!r}, this autotp reads format {FORMAT}",
+                              hint="a checkpoint of an older autotp keeps its optimizer state pickled, which is "
+                                   "never loaded: start afresh in another --out")
+    for key in ("step", "tp", "dp"):
+        if isinstance(info.get(key), bool) or not isinstance(info.get(key), int) or info[key] < 0:
+            raise CheckpointError(f"{file}: {key} is {info.get(key)!r}, not a count",
+                                  hint="the file is damaged or was tampered with: resume from another checkpoint")
+    return info
+
+
+def check_resumable(run_dir: Path | str) -> Path | None:
+    """The checkpoint a resume of ``run_dir`` would load (None when there is none), after checking its
+    manifest and metadata without unpickling anything (CheckpointError naming the file if they are bad).
+    Any tp and dp may resume it; whether the model's sizes allow them is the planner's check."""
     found = latest_checkpoint(run_dir)
-    saved_tp = checkpoint_info(found).get("tp") if found is not None else None
-    if saved_tp is not None and saved_tp != tp:
-        raise CheckpointError(f"checkpoint {found} was saved with --tp {saved_tp}, this job has --tp {tp}: the "
-                              "optimizer state is kept per tensor-parallel rank and cannot be resharded",
-                              hint=f"resume with --tp {saved_tp}, or start afresh in another --out")
+    if found is not None:
+        read_manifest(found)
+        verify_files(found, read_metadata(found))
     return found
+
+
+@dataclass(frozen=True)
+class Resumed:
+    """What :func:`load_training_state` loaded: the checkpoint, its step, and the layout that saved it."""
+
+    path: Path
+    step: int
+    saved_tp: int
+    saved_dp: int
+    tp: int
+    dp: int
+    optimizer: bool = True  # the optimizer's state was loaded too
+
+    @property
+    def resharded(self) -> bool:
+        return (self.saved_tp, self.saved_dp) != (self.tp, self.dp)
+
+    def describe(self) -> str:
+        """One line for the run summary: which layout the state came from, and what was resharded."""
+        what = "weights and optimizer state" if self.optimizer else "weights"
+        if not self.resharded:
+            return f"tp {self.tp} × dp {self.dp}, as saved: nothing resharded"
+        if self.saved_dp == self.dp:
+            return f"resumed from tp {self.saved_tp} → tp {self.tp}: {what} resharded"
+        if self.saved_tp == self.tp:
+            return f"resumed from dp {self.saved_dp} → dp {self.dp} at tp {self.tp}: {what} in every replica"
+        saved, now = f"tp {self.saved_tp} × dp {self.saved_dp}", f"tp {self.tp} × dp {self.dp}"
+        return f"resumed from {saved} → {now}: {what} resharded"
 
 
 def _fsync_dir(path: Path) -> None:
@@ -126,12 +183,33 @@ def _publish(root: Path, tmp: Path, step: int) -> Path:
     return final
 
 
-def save_training_state(run_dir: Path | str, step: int, model_state: dict, optimizer: torch.optim.Optimizer | None,
-                        tp_rank: int, group: dist.ProcessGroup | None = None, tp_size: int | None = None) -> Path:
-    """Save atomically (see the module doc); collective over ``group`` (default: the whole job).
+def _rng_state(tpm: torch.nn.Module, ctx: RankContext) -> dict[str, torch.Tensor]:
+    """This rank's generators as tensors: the default ones (CPU, and the rank's GPU) under its dp replica, the
+    sharded-region stream under its (dp, tp) coordinates."""
+    d, t = ctx.coords["dp"], ctx.coords["tp"]
+    out = {f"dp{d}.cpu": torch.get_rng_state()}
+    if ctx.device.type == "cuda":
+        out[f"dp{d}.cuda"] = torch.cuda.get_rng_state(ctx.device)
+    region = tp_state(tpm).rng
+    if region is not None:
+        out[f"dp{d}.tp{t}.region"] = region.get_state()
+    return out
 
-    Returns the published checkpoint folder (on every rank).
-    """
+
+def _set_rng_state(tpm: torch.nn.Module, ctx: RankContext, loaded: dict[str, torch.Tensor]) -> None:
+    d, t = ctx.coords["dp"], ctx.coords["tp"]
+    if f"dp{d}.cpu" in loaded:
+        torch.set_rng_state(loaded[f"dp{d}.cpu"])
+    if f"dp{d}.cuda" in loaded:
+        torch.cuda.set_rng_state(loaded[f"dp{d}.cuda"], ctx.device)
+    if f"dp{d}.tp{t}.region" in loaded:
+        tp_state(tpm).rng.set_state(loaded[f"dp{d}.tp{t}.region"])
+
+
+def save_training_state(run_dir: Path | str, step: int, tpm: torch.nn.Module,
+                        optimizer: torch.optim.Optimizer | None, ctx: RankContext) -> Path:
+    """Save ``tpm`` (parallelized), ``optimizer`` and the RNG atomically (see the module doc); collective over
+    the whole job. Returns the published checkpoint folder (on every rank)."""
     root = Path(run_dir) / CHECKPOINTS
     rank = dist.get_rank()
     tmp = root / f"{TMP_PREFIX}{step_dir_name(step)}"
@@ -139,49 +217,52 @@ def save_training_state(run_dir: Path | str, step: int, model_state: dict, optim
         root.mkdir(parents=True, exist_ok=True)
         if tmp.exists():
             shutil.rmtree(tmp)  # left by a save that crashed
-    dist.barrier(group=group)
-    state: dict = {"model": model_state, "train": {"step": torch.tensor(step, dtype=torch.int64)},
-                   "rng": {f"rank{rank}": _blob(torch.get_rng_state())}}
+    dist.barrier()
+    state: dict = {"model": sharded_state_dict(tpm, ctx), "train": {"step": torch.tensor(step, dtype=torch.int64)},
+                   "rng": _rng_state(tpm, ctx)}
+    info = {"format": FORMAT, "step": step, "tp": ctx.layout.tp, "dp": ctx.layout.dp,
+            "world_size": ctx.layout.world_size, "optimizer": None}
     if optimizer is not None:
-        state["optim"] = {f"tp{tp_rank}": _blob(optimizer.state_dict())}
-    dcp.save(state, checkpoint_id=str(tmp), process_group=group)
+        ostate = optimizer_state(tpm, optimizer, ctx)
+        state["optim"] = {"state": ostate.tensors}
+        info["optimizer"] = plain_data(ostate)
+    dcp.save(state, checkpoint_id=str(tmp))
     if rank == 0:
-        info = {"step": step, "tp": tp_size, "world_size": dist.get_world_size()}
-        (tmp / INFO).write_text(json.dumps(info) + "\n")
-    dist.barrier(group=group)  # every rank's files and the metadata are on disk
+        (tmp / INFO).write_text(json.dumps(info, indent=1) + "\n")
+    dist.barrier()  # every rank's files and the metadata are on disk
     final = [_publish(root, tmp, step) if rank == 0 else None]
-    dist.broadcast_object_list(final, src=0, group=group)
+    dist.broadcast_object_list(final, src=0)
     return Path(final[0])
 
 
-def load_training_state(path: Path | str, model_state: dict, optimizer: torch.optim.Optimizer | None,
-                        tp_rank: int, group: dist.ProcessGroup | None = None) -> int:
-    """Load a :func:`save_training_state` checkpoint in place: model tensors, optimizer, RNG; the step."""
-    rank = dist.get_rank()
-    state: dict = {"model": model_state, "train": {"step": torch.tensor(0, dtype=torch.int64)},
-                   "rng": {f"rank{rank}": b""}}
+def load_training_state(path: Path | str, tpm: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
+                        ctx: RankContext) -> Resumed:
+    """Load a :func:`save_training_state` checkpoint in place, at this job's tp and dp whatever the saving
+    job's were: weights, optimizer state (resharded), RNG where the layout allows; collective.
+
+    The manifest and DCP's metadata are read and checked on every rank before anything is loaded: a
+    tampered or damaged checkpoint raises CheckpointError naming the file, and nothing in it runs.
+    """
+    path = Path(path)
+    info = read_manifest(path)
+    meta = read_metadata(path)
+    state: dict = {"model": sharded_state_dict(tpm, ctx), "train": {"step": torch.tensor(0, dtype=torch.int64)}}
+    ostate = None
     if optimizer is not None:
-        state["optim"] = {f"tp{tp_rank}": b""}
-    try:
-        # partial: the RNG of a rank that did not exist when it was saved is simply not restored
-        dcp.load(state, checkpoint_id=str(path), process_group=group,
-                 planner=DefaultLoadPlanner(allow_partial_load=True))
-    except Exception as exc:  # noqa: BLE001 - DCP's errors name keys, not the cause a user can act on
-        raise CheckpointError(f"cannot load checkpoint {path}: {type(exc).__name__}: {str(exc).splitlines()[0]}",
-                              hint="resume with the same model file and --tp as the run that saved it") from exc
-    if optimizer is not None:
-        blob = state["optim"][f"tp{tp_rank}"]
-        if not blob:
-            raise CheckpointError(f"checkpoint {path} holds no optimizer state for tp rank {tp_rank}",
-                                  hint="resume with the same --tp as the run that saved it")
-        optimizer.load_state_dict(torch.load(io.BytesIO(blob), weights_only=False))
-    rng = state["rng"][f"rank{rank}"]
+        if not isinstance(info.get("optimizer"), dict):
+            raise CheckpointError(f"{path / INFO}: the checkpoint holds no optimizer state",
+                                  hint="it was saved without an optimizer; resume without one, or start afresh")
+        ostate = optimizer_state(tpm, optimizer, ctx)
+        state["optim"] = {"state": ostate.tensors}
+    # generators the saving layout had for this rank's coordinates; the others keep their own streams
+    rng = {key: value for key, value in _rng_state(tpm, ctx).items()
+           if f"rng.{key}" in meta.state_dict_metadata and (".region" not in key or
+                                                            (info["tp"], info["dp"]) == (ctx.layout.tp, ctx.layout.dp))}
     if rng:
-        torch.set_rng_state(torch.load(io.BytesIO(rng), weights_only=False))
-    return int(state["train"]["step"])
-
-
-def _blob(obj: object) -> bytes:
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    return buf.getvalue()
+        state["rng"] = rng
+    safe_load(state, path, metadata=meta)
+    if ostate is not None:
+        restore(tpm, optimizer, ostate, info["optimizer"], str(path / INFO))
+    _set_rng_state(tpm, ctx, rng)
+    return Resumed(path, int(state["train"]["step"]), info["tp"], info["dp"], ctx.layout.tp, ctx.layout.dp,
+                   optimizer is not None)

@@ -125,3 +125,14 @@ def make_plan(gm: fx.GraphModule, tp: int, vocab_multiple: int = 1) -> Plan:
         return Plan(tp=1)
     a = analyze(gm, tp)
     return plan_from_analysis(gm, a, analyze_vocab(gm, a, tp, vocab_multiple))
+
+
+def fused_segments(gm: fx.GraphModule) -> dict[str, ParamShard]:
+    """The parameters of ``gm`` that are fused projections (more than one segment), as analysis at tp 1
+    finds them. Nothing is cut at tp 1, but checkpoints name a fused parameter's segments at every tp, so that
+    one written at tp 1 reshards like any other; a graph analysis cannot read leaves every parameter whole."""
+    try:
+        plan = plan_from_analysis(gm, analyze(gm, 1))
+    except Exception:  # noqa: BLE001 - only checkpoint key names depend on it
+        return {}
+    return {name: shard for name, shard in plan.params if len(shard.segments) > 1}

@@ -39,6 +39,13 @@ class RegionRNG:
         else:
             torch.set_rng_state(state)
 
+    def get_state(self) -> torch.Tensor:
+        """The stream's generator state (a checkpoint saves it)."""
+        return self._state.clone()
+
+    def set_state(self, state: torch.Tensor) -> None:
+        self._state = state.clone()
+
     @contextlib.contextmanager
     def active(self) -> Iterator[None]:
         outer = self._get()

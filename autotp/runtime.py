@@ -29,7 +29,7 @@ from autotp.gathered import GatheredOnUse, bind_outputs
 from autotp.grads import mark_sharded_grad, norm_info
 from autotp.passes import run_passes
 from autotp.plan import ParamShard, Plan, ShardedInput
-from autotp.planner import make_plan
+from autotp.planner import fused_segments, make_plan
 from autotp.rng import SEED_OFFSET, RegionRNG, bind_rng
 from autotp.shard_spec import block_index, shard_tensor
 from autotp.vocab_ops import bind_vocab
@@ -59,6 +59,8 @@ class TPState:
     check_inputs: bool = False
     rng: RegionRNG | None = None
     shards: dict[str, ParamShard] = field(default_factory=dict)  # every name of a sharded parameter
+    # tp 1 only: how fused parameters divide into segments (q|k|v), which checkpoints name at every tp
+    segments: dict[str, ParamShard] = field(default_factory=dict)
     full: dict[str, torch.Tensor] = field(default_factory=dict)  # meta, full size, for later captures
     graphs: dict[Hashable, Captured] = field(default_factory=dict)
     plans: dict[Hashable, Plan] = field(default_factory=dict)
@@ -193,6 +195,8 @@ def _build(model: nn.Module, st: TPState, args: tuple, kwargs: dict, key: Hashab
             swap.update(stand_ins(dict(model.named_buffers(remove_duplicate=False)), where))
     gm, spec = capture(model, args, kwargs, forward=_user_forward(model, st), params=swap, device=st.device)
     plan = _plan(model, st, gm)
+    if st.tp == 1 and not st.plans:
+        st.segments = fused_segments(gm)
     _check_consistent(st, plan)
     gm = run_passes(gm, plan)
     if not st.shards and (plan.params or plan.buffers):

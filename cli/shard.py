@@ -8,8 +8,11 @@ checkpoint (torch.distributed.checkpoint) to ``--out``. The launching process pr
 
 Checkpoints are atomic (:mod:`autotp.ckpt_io`): ``--out/checkpoints/step-N`` folders published by renaming a
 finished temporary folder and replacing the ``checkpoints/latest`` pointer, with ``--out/checkpoint`` a symlink
-to the newest. They hold the model, the optimizer state and the step, so ``--resume`` (and a restart under
-``--max-restarts``) continues where the last complete checkpoint left off; ``--steps`` is the total step count.
+to the newest. They hold the model, the optimizer state and the step in the unsharded model's coordinates, so
+``--resume`` (and a restart under ``--max-restarts``) continues where the last complete checkpoint left off, at
+any ``--tp`` and ``--dp`` the model's sizes allow (the summary says what was resharded); ``--steps`` is the
+total step count.
+A checkpoint is checked before any rank starts, and loading it unpickles nothing (:mod:`autotp.ckpt_io`).
 
 Before any rank starts, the launching process imports the model file, builds the model on the meta device,
 captures the example batch and plans the sharding, so a broken file, a batch the model rejects or a size the
@@ -40,7 +43,6 @@ from rich.table import Table
 import autotp
 from autotp.cli.run import (DEBUG, DEVICE, DP, MASTER_ADDR, MASTER_PORT, MAX_RESTARTS, NNODES, NODE_RANK, TIMEOUT,
                             TP, abort, launch_spec)
-from autotp.checkpoint import sharded_state_dict
 from autotp.ckpt_io import check_resumable, latest_checkpoint, load_training_state, save_training_state
 from autotp.errors import AutotpError, CaptureError
 from autotp.report import build_report
@@ -99,6 +101,7 @@ class ShardReport:
     checkpoint_path: str
     start_step: int = 0  # the step training resumed from (0: from scratch); ``losses`` are steps start_step+1...
     resumed_from: str | None = None
+    resharded: str = ""  # what resuming did with the saved layout ("resumed from tp 2 → tp 4: ...")
     # TP communication of one step against Megatron's formula (README, "What a step costs"):
     # (direction, op, count, formula count, elements, formula elements, bytes) per kind, then the total
     comm: tuple[tuple, ...] = ()
@@ -221,18 +224,17 @@ def _shard(job: ShardJob, ctx: RankContext) -> ShardReport | None:
         out.mkdir(parents=True, exist_ok=True)
         plan_path.write_text(autotp.tp_state(tpm).plan.to_json())
     opt = torch.optim.AdamW(tpm.parameters(), lr=job.lr)
-    # views of the local shards: optimizer steps update them in place, so one dict serves every save and load
-    state = sharded_state_dict(tpm, ctx)
-    start, resumed_from = 0, None
-    # a job restarted by --max-restarts resumes from the last complete checkpoint, as --resume does
+    start, resumed_from, resharded = 0, None, ""
+    # a job restarted by --max-restarts resumes from the last complete checkpoint, as --resume does; at any tp
+    # and dp: weights and optimizer state are saved in the unsharded model's coordinates
     if job.resume or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0:
         found = latest_checkpoint(out)
         if found is not None:
-            start = load_training_state(found, state, opt, ctx.coords["tp"])
-            resumed_from = str(found)
+            resumed = load_training_state(found, tpm, opt, ctx)
+            start, resumed_from, resharded = resumed.step, str(found), resumed.describe()
 
     def save(step: int) -> Path:
-        return save_training_state(out, step, state, opt, ctx.coords["tp"], tp_size=ctx.layout.tp)
+        return save_training_state(out, step, tpm, opt, ctx)
 
     losses, times = _train(data_parallel(tpm, ctx), opt, args, kwargs, job, ctx, start, save)
     final_loss = _eval_loss(tpm, args, kwargs)
@@ -249,6 +251,7 @@ def _shard(job: ShardJob, ctx: RankContext) -> ShardReport | None:
         ranks=tuple(everyone), collectives=tuple((*key, n) for key, n in sorted(counts.items())),
         parity=parity, losses=tuple(losses), final_loss=final_loss,
         plan_path=str(plan_path), checkpoint_path=str(ckpt_path), start_step=start, resumed_from=resumed_from,
+        resharded=resharded,
         comm=_comm_vs_formula(tpm, args, kwargs),
     )
     (out / "summary.json").write_text(json.dumps(report.to_dict(), indent=2))
@@ -361,6 +364,8 @@ def render(report: ShardReport, console: Console) -> None:
                         + (f" {escape(p.note)}" if p.note else ""))
     if report.resumed_from is not None:
         summary.add_row("resumed", f"from step {report.start_step} ({escape(report.resumed_from)})")
+        if report.resharded:
+            summary.add_row("layout", escape(report.resharded))
     if report.losses:
         summary.add_row("loss (dp replica 0)", " → ".join(f"{x:.4f}" for x in report.losses))
     summary.add_row("plan", escape(report.plan_path))
@@ -420,7 +425,7 @@ def shard(
     except AutotpError as exc:
         abort(str(exc), debug, code=USAGE_ERROR)
     try:
-        resumable = check_resumable(out, tp) if resume else None
+        resumable = check_resumable(out) if resume else None
     except AutotpError as exc:
         abort(str(exc), debug, code=USAGE_ERROR)
     if resume and node_rank == 0 and resumable is None:

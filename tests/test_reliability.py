@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -105,9 +106,9 @@ example_batch = nanogpt.example_batch
 """
 
 
-def _shard(model: str | Path, out: Path, *extra: str, env: dict | None = None) -> tuple[int, str, float]:
+def _shard(model: str | Path, out: Path, *extra: str, env: dict | None = None, tp: int = 2) -> tuple[int, str, float]:
     """``autotp shard`` in a fresh process group (session); (exit code, stdout+stderr, seconds)."""
-    cmd = [sys.executable, "-m", "autotp.cli.main", "shard", str(model), "--tp", "2", "--out", str(out), *extra]
+    cmd = [sys.executable, "-m", "autotp.cli.main", "shard", str(model), "--tp", str(tp), "--out", str(out), *extra]
     start = time.monotonic()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
                             env={**os.environ, "COLUMNS": "200", **(env or {})}, start_new_session=True)
@@ -155,6 +156,9 @@ def runs(tmp_path_factory) -> dict:
         "summary": (tmp / "resumed" / "summary.json").exists(),
     }
     res["after_crash"]["params"] = _params(tmp / "resumed", res["after_crash"]["found"])
+    # the same checkpoint 3, resumed on one rank: weights and optimizer state resharded from tp 2 to tp 1
+    shutil.copytree(tmp / "resumed", tmp / "tp1", symlinks=True)
+    res["tp1"] = _shard(NANOGPT, tmp / "tp1", "--steps", "6", "--resume", "--no-verify", tp=1)
     # --resume from checkpoint 3; the first attempt dies in its final save again, the elastic launcher restarts
     # the job (--max-restarts 1), which resumes from checkpoint 3 once more and finishes
     res["resume"] = _shard(crashy, tmp / "resumed", "--steps", "6", "--resume", "--max-restarts", "1",
@@ -197,18 +201,50 @@ def test_resume_matches_uninterrupted_training(runs) -> None:
     ckpts = runs["tmp"] / "resumed" / "checkpoints"
     assert sorted(p.name for p in ckpts.iterdir()) == ["latest", "step-000006"]
     assert (runs["tmp"] / "resumed" / "checkpoint").resolve() == (ckpts / "step-000006").resolve()
-    assert checkpoint_info(ckpts / "step-000006") == {"step": 6, "tp": 2, "world_size": 2}
+    info = checkpoint_info(ckpts / "step-000006")
+    assert {k: info[k] for k in ("format", "step", "tp", "dp", "world_size")} == \
+        {"format": 2, "step": 6, "tp": 2, "dp": 1, "world_size": 2}
+    assert info["optimizer"]["class"] == "torch.optim.adamw.AdamW"
+    assert info["optimizer"]["param_groups"][0]["lr"] == 1e-3
 
 
-def test_resume_with_another_tp_fails_before_any_rank(runs, monkeypatch) -> None:
+def test_resume_at_another_tp_reshards(runs) -> None:
+    code, text, _ = runs["tp1"]
+    assert code == 0, text
+    assert "from step 3" in text and "resumed from tp 2 → tp 1: weights and optimizer state resharded" in text
+    full, resumed = _summary(runs["tmp"] / "full"), _summary(runs["tmp"] / "tp1")
+    assert resumed["tp"] == 1 and resumed["start_step"] == 3
+    assert max(abs(a - b) for a, b in zip(resumed["losses"], full["losses"][3:])) <= 1e-5
+    want = _params(runs["tmp"] / "full", full["checkpoint_path"])
+    got = _params(runs["tmp"] / "tp1", resumed["checkpoint_path"])
+    assert max((want[n] - got[n]).abs().max().item() for n in want) <= 1e-5
+
+
+class _Payload:
+    def __init__(self, path: Path):
+        self.path = str(path)
+
+    def __reduce__(self):  # unpickling creates the file
+        return open, (self.path, "w")
+
+
+def test_tampered_checkpoint_fails_before_any_rank(runs, monkeypatch, tmp_path: Path) -> None:
+    import pickle
+
     import autotp.cli.shard as shard_cli
 
+    out = tmp_path / "out"
+    shutil.copytree(runs["tmp"] / "full", out, symlinks=True)
+    metadata = latest_checkpoint(out) / ".metadata"
+    marker = tmp_path / "pwned"
+    metadata.write_bytes(pickle.dumps(_Payload(marker)))
     monkeypatch.setattr(shard_cli, "launch", lambda *a, **k: pytest.fail("a rank was started"))
-    result = runner.invoke(app, ["shard", NANOGPT, "--tp", "1", "--resume", "--out", str(runs["tmp"] / "resumed")],
+    result = runner.invoke(app, ["shard", NANOGPT, "--tp", "4", "--resume", "--out", str(out)],
                            env={"COLUMNS": "500"})
     assert result.exit_code == 2, result.output
-    assert "was saved with --tp 2, this job has --tp 1" in result.stderr
+    assert result.stderr.startswith(f"error: {metadata} is not checkpoint metadata"), result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
+    assert not marker.exists()
 
 
 # -- 3: faults ------------------------------------------------------------------------------------------------
