@@ -13,10 +13,21 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.nn as nn
+import torch.nn.functional as F
+
+
+_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
 
 def all_reduce(x: torch.Tensor, group: dist.ProcessGroup, op: str = "sum") -> torch.Tensor:
-    return funcol.wait_tensor(funcol.all_reduce(x, op, group))
+    """``op`` of ``x`` over ``group``, as a new tensor. Under torch.compile the functional collective (Inductor
+    schedules it); eager, one plain c10d all-reduce in place on a copy, with none of the functional
+    collective's wrapping per call."""
+    if torch.compiler.is_compiling():
+        return funcol.wait_tensor(funcol.all_reduce(x, op, group))
+    out = x.clone(memory_format=torch.contiguous_format)
+    dist.all_reduce(out, op=_OPS[op], group=group)
+    return out
 
 
 class _Enter(torch.autograd.Function):
@@ -33,7 +44,12 @@ class _Enter(torch.autograd.Function):
 class _Leave(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-        return all_reduce(x.contiguous(), group)
+        if torch.compiler.is_compiling() or not x.is_contiguous():
+            return all_reduce(x, group)
+        # the row matmul's output, read by nothing else and saved by no backward: summed where it lies
+        ctx.mark_dirty(x)
+        dist.all_reduce(x, group=group)
+        return x
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
@@ -72,6 +88,64 @@ class LeaveTP(_Collective):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x if self.group is None else _Leave.apply(x, self.group)
+
+
+def _column(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, layout: str) -> torch.Tensor:
+    """One column matmul as the graph wrote it: ``linear`` for W stored [out, in], ``addmm``/``matmul`` for
+    W stored [in, out] (GPT-2's Conv1D)."""
+    if layout == "out_in":
+        return F.linear(x, w, b)
+    return torch.addmm(b, x, w) if b is not None else torch.matmul(x, w)
+
+
+class _Columns(torch.autograd.Function):
+    """f fused with the column matmuls that read ``x``. Backward: dX = Σ dYᵢ·Wᵢ is all-reduced
+    asynchronously while the weight gradients are computed, then waited for (Megatron's overlap of the
+    input-gradient all-reduce with the weight-gradient GEMMs)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup, layouts: tuple[str, ...], *wb: torch.Tensor):
+        ws, bs = wb[0::2], wb[1::2]
+        ctx.group, ctx.layouts, ctx.bias = group, layouts, [b is not None for b in bs]
+        ctx.save_for_backward(x, *ws)
+        return tuple(_column(x, w, b, lay) for w, b, lay in zip(ws, bs, layouts))
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor):
+        x, *ws = ctx.saved_tensors
+        dx = work = None
+        if ctx.needs_input_grad[0]:
+            for g, w, lay in zip(grads, ws, ctx.layouts):
+                part = g @ (w if lay == "out_in" else w.t())  # (.., out) @ (out, in)
+                dx = part if dx is None else dx.add_(part)
+            work = dist.all_reduce(dx, group=ctx.group, async_op=True)
+        x2 = x.reshape(-1, x.shape[-1])  # (b·s, in)
+        out: list[torch.Tensor | None] = []
+        for i, (g, lay) in enumerate(zip(grads, ctx.layouts)):
+            g2 = g.reshape(-1, g.shape[-1])  # (b·s, out)
+            need_w, need_b = ctx.needs_input_grad[3 + 2 * i], ctx.needs_input_grad[4 + 2 * i]
+            out.append((g2.t() @ x2 if lay == "out_in" else x2.t() @ g2) if need_w else None)
+            out.append(g2.sum(0) if ctx.bias[i] and need_b else None)
+        if work is not None:
+            work.wait()
+        return (dx, None, None, *out)
+
+
+class ColumnGroup(EnterTP):
+    """f and the column matmuls that share its input, as one module: ``(x, W₀, b₀, W₁, b₁, ..) -> (y₀, y₁,
+    ..)``. Eager, the input gradient's all-reduce overlaps the weight gradients; under torch.compile it
+    is f then the matmuls, for Inductor to schedule."""
+
+    def __init__(self, layouts: tuple[str, ...]) -> None:
+        super().__init__()
+        self.layouts = tuple(layouts)
+
+    def forward(self, x: torch.Tensor, *wb: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+        if self.group is not None and not torch.compiler.is_compiling():
+            return _Columns.apply(x, self.group, self.layouts, *wb)
+        if self.group is not None:
+            x = _Enter.apply(x, self.group)
+        return tuple(_column(x, w, b, lay) for w, b, lay in zip(wb[0::2], wb[1::2], self.layouts))
 
 
 class StatAllReduce(_Collective):

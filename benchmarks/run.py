@@ -48,7 +48,7 @@ BATCH, SEQ = 4, 128
 
 # -- helpers run inside each rank ---------------------------------------------------------------------
 class CollectiveLog(TorchDispatchMode):
-    """Every functional collective as (op, reduce op, elements)."""
+    """Every all-reduce (functional or c10d) and functional collective as (op, reduce op, elements)."""
 
     KINDS = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single")
 
@@ -60,6 +60,8 @@ class CollectiveLog(TorchDispatchMode):
         name = func.__name__.split(".")[0]
         if func.namespace == "_c10d_functional" and name in self.KINDS:
             self.calls.append((name, args[1] if isinstance(args[1], str) else "", args[0].numel()))
+        elif func.namespace == "c10d" and name == "allreduce_":  # eager all-reduces are plain c10d ones
+            self.calls.append(("all_reduce", {0: "sum", 3: "min", 4: "max"}.get(args[2].op(), "?"), args[0][0].numel()))
         return func(*args, **(kwargs or {}))
 
 

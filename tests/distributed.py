@@ -42,9 +42,13 @@ def launch(fn: Callable, world_size: int, *args) -> dict[int, object]:
     return elastic_launch(config, _entry)(fn, *args)
 
 
+_REDUCE_OPS = {0: "sum", 3: "min", 4: "max"}  # c10d's RedOpType
+
+
 @dataclass
 class CollectiveLog(TorchDispatchMode):
-    """Records every functional collective as (op name, reduce op, number of elements)."""
+    """Records every all-reduce (functional or c10d) and functional collective as (op name, reduce op,
+    number of elements)."""
 
     calls: list[tuple[str, str, int]] = field(default_factory=list)
 
@@ -52,9 +56,12 @@ class CollectiveLog(TorchDispatchMode):
         super().__init__()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.namespace == "_c10d_functional" and func.__name__.split(".")[0] in ("all_reduce", "all_gather_into_tensor",
-                                                                                   "reduce_scatter_tensor", "all_to_all_single"):
+        name = func.__name__.split(".")[0]
+        if func.namespace == "_c10d_functional" and name in ("all_reduce", "all_gather_into_tensor",
+                                                             "reduce_scatter_tensor", "all_to_all_single"):
             x = args[0]
             op = args[1] if isinstance(args[1], str) else ""
-            self.calls.append((func.__name__.split(".")[0], op, x.numel()))
+            self.calls.append((name, op, x.numel()))
+        elif func.namespace == "c10d" and name == "allreduce_":  # eager all-reduces are plain c10d ones
+            self.calls.append(("all_reduce", _REDUCE_OPS.get(args[2].op(), "?"), args[0][0].numel()))
         return func(*args, **(kwargs or {}))

@@ -2,12 +2,14 @@
 which collectives were inserted, where, and which constants changed."""
 from __future__ import annotations
 
+import operator
+
 import pytest
 import torch
 import torch.fx as fx
 
 from autotp.capture import capture
-from autotp.collectives import EnterTP, LeaveTP
+from autotp.collectives import ColumnGroup, EnterTP, LeaveTP
 from autotp.errors import ShardingError
 from autotp.passes import run_passes
 from autotp.planner import make_plan
@@ -39,8 +41,10 @@ def test_two_collectives_per_layer_around_the_pairs(name: str, tp: int):
     # one f per layer half, plus the LM head's; one g per layer half, plus the vocab-parallel embedding's
     assert len(enters) == 2 * layers + 1 and len(leaves) == 2 * layers + 1
     assert plan.replicated == ()
-    for f in enters:  # f feeds only column matmuls of its pair (q, k, v share one f)
-        assert f.users and all(u.target in MATMULS for u in f.users)
+    fused = [f for f in enters if isinstance(gm.get_submodule(f.target), ColumnGroup)]
+    assert len(fused) == 2 * layers  # every pair's f is fused with its columns; the LM head's stays plain
+    for f in enters:  # f feeds only column matmuls of its pair (q, k, v share one f), or computes them itself
+        assert f.users and all(u.target in MATMULS or (f in fused and u.target is operator.getitem) for u in f.users)
     for g in leaves:  # g follows a row matmul, or the masked vocab lookup
         (src,) = g.all_input_nodes
         assert src.target in MATMULS or isinstance(gm.get_submodule(src.target), VocabEmbedding)

@@ -1,0 +1,173 @@
+"""Benchmark (not a test): does tensor parallelism pay off? autotp's step time against the unsharded model's.
+
+    python benchmarks/speedup.py [--tp 2] [--steps 20] [--warmup 3] [--compile] [--out benchmarks/results]
+
+Model: the example nanoGPT (4 layers, dim 256, 8 heads, vocab 8192, loss inside the model), batch 4 × 128,
+SGD. ``--tp`` gloo ranks on this machine, one intra-op thread each; every rank runs the unsharded model and
+autotp's, step by step interleaved (a barrier before each step), so both see the same machine load.
+
+Reported (rank 0; medians over ``--steps``):
+- speedup = unsharded step / autotp step, eager (and compiled with ``--compile``);
+- the limit: unsharded step / tp (each rank's share of the compute) + the step's own collectives timed
+  alone in the same run (same kinds and sizes, back to back): the best a step without overlap can do;
+- a breakdown of one autotp step: time blocked in collectives (inside the collective calls and their
+  waits, timed in one forward + backward under a dispatch mode), and everything else (the median step
+  minus that: compute and framework overhead).
+
+Writes ``OUT/speedup.json`` and ``OUT/speedup.md``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT / "examples"), str(ROOT / "tests")]
+
+CONFIG = dict(n_layer=4, n_embd=256, n_head=8, vocab_size=8192, block_size=128, dropout=0.0)
+BATCH, SEQ = 4, 128
+
+
+def _blocked_timer():
+    """A dispatch mode that adds up the wall time spent inside collective ops and waits on them."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Blocked(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seconds, self.calls = 0.0, []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            ns, name = func.namespace, func.__name__.split(".")[0]
+            timed = ns in ("_c10d_functional", "c10d") or name == "wait_tensor"
+            t0 = time.perf_counter()
+            out = func(*args, **(kwargs or {}))
+            if timed:
+                self.seconds += time.perf_counter() - t0
+                if (ns, name) in (("_c10d_functional", "all_reduce"), ("c10d", "allreduce_")):
+                    x = args[0][0] if isinstance(args[0], (list, tuple)) else args[0]
+                    self.calls.append((name, x.numel(), x.dtype))
+            return out
+
+    return Blocked()
+
+
+def worker(opts: dict) -> dict:
+    import copy
+
+    import torch
+    import torch.distributed as dist
+
+    import autotp
+    from nanogpt import GPT, GPTConfig
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    base = GPT(GPTConfig(**CONFIG))
+    g = torch.Generator().manual_seed(1)
+    idx = torch.randint(0, CONFIG["vocab_size"], (BATCH, SEQ), generator=g)
+    tgt = torch.randint(0, CONFIG["vocab_size"], (BATCH, SEQ), generator=g)
+    models = {"unsharded": copy.deepcopy(base),
+              "autotp": autotp.parallelize(copy.deepcopy(base), example_inputs=(idx, tgt))}
+    if opts["compile"]:
+        models["autotp_compiled"] = autotp.parallelize(copy.deepcopy(base), example_inputs=(idx, tgt), compile=True)
+    opt = {k: torch.optim.SGD(m.parameters(), lr=1e-3) for k, m in models.items()}
+
+    def step(name: str) -> float:
+        dist.barrier()
+        t0 = time.perf_counter()
+        _, loss = models[name](idx, tgt)
+        loss.backward()
+        opt[name].step()
+        opt[name].zero_grad(set_to_none=True)
+        return time.perf_counter() - t0
+
+    for _ in range(opts["warmup"]):
+        for name in models:
+            step(name)
+    times: dict[str, list[float]] = {k: [] for k in models}
+    for _ in range(opts["steps"]):
+        for name in models:
+            times[name].append(step(name))
+    # one autotp step with its collectives timed
+    blocked = _blocked_timer()
+    dist.barrier()
+    t0 = time.perf_counter()
+    with blocked:
+        _, loss = models["autotp"](idx, tgt)
+        loss.backward()
+    observed = time.perf_counter() - t0
+    # the same collectives alone, back to back: what the step's communication costs on this machine
+    group = autotp.tp_state(models["autotp"]).group
+    bufs = [torch.randn(n) for _, n, _ in blocked.calls]
+    comm = []
+    for _ in range(max(5, opts["steps"] // 2)):
+        dist.barrier()
+        t0 = time.perf_counter()
+        for b in bufs:
+            dist.all_reduce(b, group=group)
+        comm.append(time.perf_counter() - t0)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    return {
+        "rank": dist.get_rank(), "tp": dist.get_world_size(), "median_s": med,
+        "fastest_s": {k: min(v) for k, v in times.items()},
+        "collectives": len(blocked.calls), "elements": sum(n for _, n, _ in blocked.calls),
+        "blocked_s": blocked.seconds, "observed_fwd_bwd_s": observed, "comm_alone_s": statistics.median(comm),
+    }
+
+
+def _markdown(r: dict, opts: dict) -> str:
+    med, tp = r["median_s"], r["tp"]
+    limit = med["unsharded"] / tp + r["comm_alone_s"]
+    rows = [
+        f"# autotp speedup over the unsharded model (tp {tp}, gloo on CPU, one thread per rank)", "",
+        f"nanoGPT {CONFIG}, batch {BATCH}×{SEQ}, SGD; median of {opts['steps']} interleaved steps after "
+        f"{opts['warmup']} warm-up; rank 0.", "",
+        "| variant | step ms (median) | fastest ms | speedup vs unsharded | of the limit |",
+        "|---|---|---|---|---|",
+    ]
+    for k, v in med.items():
+        rows.append(f"| {k} | {v * 1e3:.1f} | {r['fastest_s'][k] * 1e3:.1f} | {med['unsharded'] / v:.2f}× | "
+                    f"{limit / v:.0%} |")
+    rows += [
+        "", f"Limit without overlap: unsharded / tp + the step's collectives alone = "
+            f"{med['unsharded'] / tp * 1e3:.1f} + {r['comm_alone_s'] * 1e3:.1f} = {limit * 1e3:.1f} ms "
+            f"(speedup {med['unsharded'] / limit:.2f}×).",
+        "", "One autotp forward + backward, broken down:", "",
+        "| part | ms |", "|---|---|",
+        f"| blocked in collectives ({r['collectives']} calls, {r['elements']:,} elements) | {r['blocked_s'] * 1e3:.1f} |",
+        f"| everything else (compute, framework): median step − blocked | "
+        f"{(med['autotp'] - r['blocked_s']) * 1e3:.1f} |",
+        f"| the same collectives alone | {r['comm_alone_s'] * 1e3:.1f} |",
+    ]
+    return "\n".join(rows) + "\n"
+
+
+def main() -> None:
+    from distributed import launch
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tp", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--compile", action="store_true")
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    a = ap.parse_args()
+    opts = {"steps": a.steps, "warmup": a.warmup, "compile": a.compile}
+    r = launch(worker, a.tp, opts)[0]
+    r["load_average"] = os.getloadavg()
+    md = _markdown(r, opts)
+    print(md)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "speedup.json").write_text(json.dumps(r, indent=2))
+    (out / "speedup.md").write_text(md)
+
+
+if __name__ == "__main__":
+    main()
