@@ -33,28 +33,56 @@ CONFIG = dict(n_layer=4, n_embd=256, n_head=8, vocab_size=8192, block_size=128, 
 BATCH, SEQ = 4, 128
 
 
-def _blocked_timer():
-    """A dispatch mode that adds up the wall time spent inside collective ops and waits on them."""
-    from torch.utils._python_dispatch import TorchDispatchMode
+class _Blocked:
+    """Wall time spent blocked in collectives during one step: functional collectives and their waits (a
+    dispatch mode sees them), and plain c10d all-reduces, timed around the call and, for async ones,
+    around ``wait()`` (c10d waits are not dispatcher ops)."""
 
-    class Blocked(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.seconds, self.calls = 0.0, []
+    def __init__(self):
+        self.seconds, self.calls = 0.0, []
 
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            ns, name = func.namespace, func.__name__.split(".")[0]
-            timed = ns in ("_c10d_functional", "c10d") or name == "wait_tensor"
+    def __enter__(self):
+        import torch.distributed as dist
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        outer = self
+        self._dist, self._orig = dist, dist.all_reduce
+
+        class Timed:
+            def __init__(self, work):
+                self.work = work
+
+            def wait(self, *a):
+                t0 = time.perf_counter()
+                r = self.work.wait(*a)
+                outer.seconds += time.perf_counter() - t0
+                return r
+
+        def all_reduce(tensor, *args, **kwargs):
+            outer.calls.append(("all_reduce", tensor.numel()))
             t0 = time.perf_counter()
-            out = func(*args, **(kwargs or {}))
-            if timed:
-                self.seconds += time.perf_counter() - t0
-                if (ns, name) in (("_c10d_functional", "all_reduce"), ("c10d", "allreduce_")):
-                    x = args[0][0] if isinstance(args[0], (list, tuple)) else args[0]
-                    self.calls.append((name, x.numel(), x.dtype))
-            return out
+            work = outer._orig(tensor, *args, **kwargs)
+            outer.seconds += time.perf_counter() - t0
+            return Timed(work) if work is not None else None
 
-    return Blocked()
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                t0 = time.perf_counter()
+                out = func(*args, **(kwargs or {}))
+                if func.namespace == "_c10d_functional":
+                    outer.seconds += time.perf_counter() - t0
+                    if func.__name__.split(".")[0] == "all_reduce":
+                        outer.calls.append(("all_reduce", args[0].numel()))
+                return out
+
+        dist.all_reduce = all_reduce
+        self._mode = Mode()
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._mode.__exit__(*exc)
+        self._dist.all_reduce = self._orig
 
 
 def worker(opts: dict) -> dict:
@@ -95,7 +123,7 @@ def worker(opts: dict) -> dict:
         for name in models:
             times[name].append(step(name))
     # one autotp step with its collectives timed
-    blocked = _blocked_timer()
+    blocked = _Blocked()
     dist.barrier()
     t0 = time.perf_counter()
     with blocked:
@@ -104,7 +132,7 @@ def worker(opts: dict) -> dict:
     observed = time.perf_counter() - t0
     # the same collectives alone, back to back: what the step's communication costs on this machine
     group = autotp.tp_state(models["autotp"]).group
-    bufs = [torch.randn(n) for _, n, _ in blocked.calls]
+    bufs = [torch.randn(n) for _, n in blocked.calls]
     comm = []
     for _ in range(max(5, opts["steps"] // 2)):
         dist.barrier()
@@ -116,7 +144,7 @@ def worker(opts: dict) -> dict:
     return {
         "rank": dist.get_rank(), "tp": dist.get_world_size(), "median_s": med,
         "fastest_s": {k: min(v) for k, v in times.items()},
-        "collectives": len(blocked.calls), "elements": sum(n for _, n, _ in blocked.calls),
+        "collectives": len(blocked.calls), "elements": sum(n for _, n in blocked.calls),
         "blocked_s": blocked.seconds, "observed_fwd_bwd_s": observed, "comm_alone_s": statistics.median(comm),
     }
 
