@@ -10,6 +10,7 @@ an op with no rule, a reduction over the sharded dim, a sharded value that escap
 from __future__ import annotations
 
 import operator
+import sys
 from dataclasses import dataclass, field
 
 import torch
@@ -532,6 +533,12 @@ class _Propagator:
                                     hint=f"choose a tp that divides {n1}")
             self._set_view_size(node, shape_arg, gj[0], n1, n1 // seg.parts)
             return Sharding(gj[0], (Segment(n1, seg.parts),))
+        n2 = dst[gj[-1]] if len(gj) == 2 else 0
+        if n2 and not s.inner and all(g.size % n2 == 0 and (g.size // n2) % g.parts == 0 for g in s.segments) \
+                and n1 == sum(g.size // n2 for g in s.segments):  # [q heads | k | v] -> [heads, d]
+            heads = tuple(Segment(g.size // n2, g.parts) for g in s.segments)
+            self._set_view_size(node, shape_arg, gj[0], n1, sum(g.local() for g in heads))
+            return Sharding(gj[0], heads)
         k = len(s.segments)
         if n1 == k and len(gj) > 1 and len({x for x in s.segments}) == 1:  # [k segments, heads, d]
             n2 = dst[gj[1]]
@@ -566,9 +573,15 @@ class _Propagator:
         off = len(sizes) - _ndim(node.args[0])
         in_shape = self.fp.shape(node.args[0])
         d = s.dim + off
+        seg = s.single()
+        if seg is not None and seg.size == 1 and in_shape[d - off] == 1 and is_static(sizes[d]) and sizes[d] > 1:
+            # one kv head (multi-query) expanded to the query heads: each rank expands to its own q heads
+            if sizes[d] % self.tp:
+                raise Unshardable(node, f"{sizes[d]} heads are not divisible by tp={self.tp}")
+            self.rewrite(node, 1, d, sizes[d], sizes[d] // self.tp)
+            return Sharding(d, (Segment(sizes[d], self.tp),))
         if is_static(sizes[d]) and sizes[d] != -1:
             self.rewrite(node, 1, d, sizes[d], s.local_size)
-        seg = s.single()
         if seg is not None and seg.parts < self.tp and s.inner is None:
             # replicated kv heads: the repeat dim right after the heads carries the rest of the split
             e = d + 1
@@ -787,6 +800,12 @@ def _probe(node: fx.Node, dim: int, size: int, fp, tp, where, depth) -> tuple[Se
                 gj_real = split_dims(gj, dst)
                 if dim in gi and _unflattened_sequence_of_one(gj_real, dst, size):
                     return _probe(u, gj_real[1], size, fp, tp, where, depth + 1)
+                if dim in gi and len([i for i in gi if src[i] != 1]) == 1 and len(gj_real) == 2:
+                    n1, n2 = dst[gj_real[0]], dst[gj_real[1]]
+                    tiles = _tiling(_dim_slices(u, gj_real[0], 0), n1)
+                    if tiles:  # Falcon's multi-query [n_heads + 2, d] read by slices: q heads, one k, one v
+                        return tuple(Segment((hi - lo) * n2, parts_for(hi - lo, (hi - lo) * n2, tp, f"{where}: heads"))
+                                     for lo, hi in tiles)
                 if dim in gi and len([i for i in gi if src[i] != 1]) == 1 and len(gj_real) > 1:
                     n1 = dst[gj_real[0]]
                     if len(gj_real) > 2 and n1 < tp and _is_segment_dim(u, gj_real[1], 0):
@@ -821,6 +840,33 @@ def _probe(node: fx.Node, dim: int, size: int, fp, tp, where, depth) -> tuple[Se
             if r is not None:
                 return r
     return None
+
+
+def _dim_slices(node: fx.Node, dim: int, depth: int) -> list[fx.Node]:
+    """Slices of ``dim`` of ``node``, also behind whole slices of other dims (``f[:, :, :-2]``)."""
+    out, nd = [], _ndim(node)
+    if depth > 4:
+        return out
+    for u in node.users:
+        if u.target is not aten.slice.Tensor:
+            continue
+        d = normalize_dim(_arg(u, 1, "dim", 0), nd)
+        full = node.meta["val"].shape[d]
+        if d == dim:
+            out.append(u)
+        elif _slice_range(u, full) == (0, full) if isinstance(full, int) else _arg(u, 2, "start", 0) in (0, None) \
+                and _arg(u, 3, "end", None) in (None, sys.maxsize):
+            out += _dim_slices(u, dim, depth + 1)
+    return out
+
+
+def _tiling(slices: list[fx.Node], size: int) -> list[tuple[int, int]] | None:
+    """The ranges of step-1 slices that tile ``[0, size)`` into several pieces, in order; else None."""
+    ranges = sorted({_slice_range(u, size) for u in slices})
+    if len(ranges) < 2 or None in ranges or ranges[0][0] != 0 or ranges[-1][1] != size \
+            or any(a[1] != b[0] for a, b in zip(ranges, ranges[1:])):
+        return None
+    return ranges
 
 
 def _is_segment_dim(node: fx.Node, dim: int, depth: int) -> bool:

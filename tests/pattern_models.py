@@ -131,6 +131,12 @@ class FusedAttention(nn.Module):
         b, s, _ = x.shape
         qkv = self.qkv(x)
         q_size, kv_size = NH * HD, self.n_kv * HD
+        if self.kind == "falcon_mqa":  # Falcon-7B: [b, s, n_heads + 2, d], the last two "heads" are k and v
+            f = qkv.view(b, s, NH + 2, HD)
+            q, k, v = (t.transpose(1, 2) for t in (f[:, :, :-2], f[:, :, -2:-1], f[:, :, -1:]))
+            k, v = k.expand(b, NH, s, HD), v.expand(b, NH, s, HD)
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            return self.o(y.transpose(1, 2).reshape(b, s, H))
         if self.kind == "offset_slices":  # vLLM / Phi-3 style
             q = qkv[..., :q_size]
             k = qkv[..., q_size:q_size + kv_size]
@@ -169,7 +175,8 @@ class Block(nn.Module):
         super().__init__()
         self.kind = kind
         self.n1, self.n2 = RMSNorm(H), RMSNorm(H)
-        fused = {"offset_slices": 2, "grouped_view": 2, "grouped_view_mha": 4, "fused_mqa": 1, "gqa_qk_norm": 2}
+        fused = {"offset_slices": 2, "grouped_view": 2, "grouped_view_mha": 4, "fused_mqa": 1, "falcon_mqa": 1,
+                 "gqa_qk_norm": 2}
         self.attn = FusedAttention(kind, fused[kind]) if kind in fused else Attention(kind)
         self.mlp = SwiGLU()
 
@@ -199,7 +206,7 @@ class LM(nn.Module):
 
 KINDS = ("plain", "rope_interleaved", "rope_partial", "rope_complex", "qk_norm_head", "qk_layernorm_head",
          "qk_norm_width", "qk_rmsnorm_width", "qk_layernorm_width", "alibi", "softcap", "baddbmm", "baddbmm_alibi",
-         "parallel", "offset_slices", "grouped_view", "grouped_view_mha", "fused_mqa", "gqa_qk_norm")
+         "parallel", "offset_slices", "grouped_view", "grouped_view_mha", "fused_mqa", "falcon_mqa", "gqa_qk_norm")
 
 
 def build(kind: str):

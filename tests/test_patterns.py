@@ -12,9 +12,9 @@ from pattern_models import HD, NH, H, S
 
 SHARDED = ["plain", "rope_interleaved", "rope_partial", "rope_complex", "qk_norm_head", "qk_layernorm_head",
            "qk_norm_width", "qk_rmsnorm_width", "qk_layernorm_width", "alibi", "softcap", "baddbmm",
-           "baddbmm_alibi", "parallel", "offset_slices", "grouped_view_mha", "fused_mqa", "gqa_qk_norm"]
-# fused projections whose kv heads (2, or 1 for multi-query) are fewer than tp at 4: replicated, Megatron's way
-KV_HEADS = {"offset_slices": 2, "fused_mqa": 1, "gqa_qk_norm": 2}
+           "baddbmm_alibi", "parallel", "offset_slices", "grouped_view_mha", "fused_mqa", "falcon_mqa", "gqa_qk_norm"]
+# fused projections whose kv heads (2, or 1 for multi-query) are fewer than tp: replicated, Megatron's way
+KV_HEADS = {"offset_slices": 2, "fused_mqa": 1, "falcon_mqa": 1, "gqa_qk_norm": 2}
 # a norm over the whole projection width: one all-reduce of its b·s statistics per norm, forward and backward
 # (layer_norm: mean and mean of squares stacked, 2·b·s)
 WIDTH_NORMS = {"qk_norm_width": 1, "qk_rmsnorm_width": 1, "qk_layernorm_width": 2}
