@@ -67,13 +67,14 @@ def find_param_matmuls(gm: fx.GraphModule) -> list[ParamMatmul]:
     for node in gm.graph.nodes:
         if node.op != "call_function":
             continue
-        pm = _match(gm, node, params)
+        pm = match_param_matmul(gm, node, params)
         if pm is not None:
             found.append(pm)
     return found
 
 
-def _match(gm: fx.GraphModule, node: fx.Node, params: set[str]) -> ParamMatmul | None:
+def match_param_matmul(gm: fx.GraphModule, node: fx.Node, params: set[str]) -> ParamMatmul | None:
+    """``node`` as a matmul of an activation by a 2-D parameter (``params``: the graph's parameter names)."""
     t = node.target
     if t is aten.linear.default:
         w = _param(gm, node.args[1], params)

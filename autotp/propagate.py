@@ -131,6 +131,7 @@ class _Propagator:
         self.tp = tp
         self.where = where
         self.region = Region()
+        self._kinds: dict[str, str] | None = None
 
     # -- helpers ---------------------------------------------------------------------------------
     def spec(self, x: object) -> Sharding | None:
@@ -276,11 +277,19 @@ class _Propagator:
             raise Unshardable(node, f"replicated operand {x.name} spans the sharded dim and depends on a parameter")
         self.region.slices.append((node, x, xd, s))
 
+    def _state(self, x: fx.Node) -> str | None:
+        """"parameter" or "buffer" for a module tensor read by ``x`` (names looked up once per region)."""
+        if x.op != "get_attr":
+            return None
+        if self._kinds is None:
+            gm = x.graph.owning_module
+            self._kinds = {} if gm is None else {
+                **{n: "buffer" for n, _ in gm.named_buffers(remove_duplicate=False)},
+                **{n: "parameter" for n, _ in gm.named_parameters(remove_duplicate=False)}}
+        return self._kinds.get(x.target)
+
     def _parameter(self, x: fx.Node) -> str | None:
-        gm = x.graph.owning_module
-        if x.op == "get_attr" and gm is not None and x.target in dict(gm.named_parameters(remove_duplicate=False)):
-            return x.target
-        return None
+        return x.target if self._state(x) == "parameter" else None
 
     def _learned(self, x: fx.Node) -> bool:
         """Whether ``x`` is computed from a parameter outside this region (so it needs a gradient that no
@@ -338,7 +347,7 @@ class _Propagator:
         if sv is None or _ndim(values) != _ndim(dst):
             raise Unshardable(node, "a replicated value written into a sharded tensor")
         if sd is None:
-            if self._buffer(dst) is None or self.fp.shape(dst)[s.dim] != sum(g.size for g in s.segments):
+            if self._state(dst) != "buffer" or self.fp.shape(dst)[s.dim] != sum(g.size for g in s.segments):
                 raise Unshardable(node, f"sharded values written into {dst.name}, which is not a module buffer")
             self.region.params.append((dst, s.dim, s))
             self.region.specs[dst] = s
@@ -361,12 +370,6 @@ class _Propagator:
             raise Unshardable(node, "repeat_interleave of the sharded dim that does not split by rank")
         self.rewrite(node, 1, None, reps, reps // q)
         return Sharding(s.dim, (Segment(seg.size * reps, self.tp),))
-
-    def _buffer(self, x: fx.Node) -> str | None:
-        gm = x.graph.owning_module
-        if x.op == "get_attr" and gm is not None and x.target in dict(gm.named_buffers(remove_duplicate=False)):
-            return x.target
-        return None
 
     def baddbmm(self, node: fx.Node) -> Sharding:
         inp, b1, b2 = node.args[:3]

@@ -205,16 +205,20 @@ def _build(model: nn.Module, st: TPState, args: tuple, kwargs: dict, key: Hashab
     return _finish(model, st, gm, spec, key, plan)
 
 
-def _shard_in_place(model: nn.Module, st: TPState, plan: Plan) -> None:
-    """Replace every sharded Parameter, in every module that holds it, by this rank's slice."""
+def _by_id(named, own: dict[str, ParamShard]) -> tuple[dict[int, ParamShard], dict[int, list[str]]]:
+    """Each tensor's shard and all its names (tied tensors appear under several)."""
     by_id: dict[int, ParamShard] = {}
     names: dict[int, list[str]] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(p), []).append(name)
-    own = dict(plan.params)
-    for name, p in model.named_parameters(remove_duplicate=False):
+    for name, t in named:
+        names.setdefault(id(t), []).append(name)
         if name in own:
-            by_id[id(p)] = own[name]
+            by_id[id(t)] = own[name]
+    return by_id, names
+
+
+def _shard_in_place(model: nn.Module, st: TPState, plan: Plan) -> None:
+    """Replace every sharded Parameter, in every module that holds it, by this rank's slice."""
+    by_id, names = _by_id(model.named_parameters(remove_duplicate=False), dict(plan.params))
     new: dict[int, nn.Parameter] = {}
     for mod in model.modules():
         for leaf, p in list(mod._parameters.items()):
@@ -240,13 +244,7 @@ def _shard_in_place(model: nn.Module, st: TPState, plan: Plan) -> None:
 
 def _shard_buffers_in_place(model: nn.Module, st: TPState, plan: Plan) -> None:
     """Replace every sharded buffer (a KV cache written with sharded keys) by this rank's slice."""
-    own = dict(plan.buffers)
-    by_id: dict[int, ParamShard] = {}
-    names: dict[int, list[str]] = {}
-    for name, b in model.named_buffers(remove_duplicate=False):
-        names.setdefault(id(b), []).append(name)
-        if name in own:
-            by_id[id(b)] = own[name]
+    by_id, names = _by_id(model.named_buffers(remove_duplicate=False), dict(plan.buffers))
     new: dict[int, torch.Tensor] = {}
     for mod in model.modules():
         for leaf, b in list(mod._buffers.items()):

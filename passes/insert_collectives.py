@@ -39,11 +39,10 @@ import torch
 import torch.fx as fx
 
 from autotp.collectives import ColumnGroup, EnterTP, LeaveTP
-from autotp.matmuls import _is_2d_transpose
+from autotp.matmuls import match_param_matmul
 from autotp.plan import Plan
 
 aten = torch.ops.aten
-_TRANSPOSES = {aten.t.default, aten.numpy_T.default, aten.transpose.int, aten.permute.default}
 
 ENTER = "autotp_enter"
 LEAVE = "autotp_leave"
@@ -60,6 +59,7 @@ def insert_collectives(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
         return gm
     ensure_collective_modules(gm)
     nodes = {n.name: n for n in gm.graph.nodes}
+    params = {n for n, _ in gm.named_parameters(remove_duplicate=False)}
     for head, x_name in plan.vocab.heads:
         _enter(gm, nodes[x_name], [nodes[head]], head)
     for pair in plan.pairs:
@@ -67,7 +67,7 @@ def insert_collectives(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
         for x_name in pair.enter:
             x = nodes[x_name]
             users = [c for c in columns if x in c.all_input_nodes]
-            forms = [_form(c, x) for c in users]
+            forms = [_form(gm, c, x, params) for c in users]
             if all(forms):
                 _fuse(gm, x, users, forms, pair.module)
             else:
@@ -90,27 +90,14 @@ def _enter(gm: fx.GraphModule, x: fx.Node, users: list[fx.Node], where: str) -> 
         c.replace_input_with(x, f)
 
 
-def _is_attr(n: object) -> bool:
-    return isinstance(n, fx.Node) and n.op == "get_attr"
-
-
-def _form(c: fx.Node, x: fx.Node) -> tuple[str, fx.Node, fx.Node | None] | None:
-    """(layout, weight, bias) of a column matmul reading ``x``, if it is one ColumnGroup computes as is."""
-    args, t = c.args, c.target
-    if c.kwargs or sum(a is x for a in args) != 1:
+def _form(gm: fx.GraphModule, c: fx.Node, x: fx.Node, params: set[str]) -> tuple[str, fx.Node, object] | None:
+    """(layout, weight node, bias node) of a column matmul reading ``x`` once, as matmuls.py recognises it."""
+    pm = match_param_matmul(gm, c, params)
+    if pm is None or pm.x is not x or c.kwargs or sum(a is x for a in c.args) != 1:
         return None
-    if t is aten.linear.default and args[0] is x and _is_attr(args[1]):
-        bias = args[2] if len(args) > 2 else None
-        return ("out_in", args[1], bias) if bias is None or _is_attr(bias) else None
-    if t is aten.addmm.default and len(args) == 3 and args[1] is x and _is_attr(args[2]) and _is_attr(args[0]):
-        return "in_out", args[2], args[0]
-    if t in (aten.mm.default, aten.matmul.default) and args[0] is x and isinstance(args[1], fx.Node):
-        w = args[1]
-        if _is_attr(w):
-            return "in_out", w, None
-        if w.target in _TRANSPOSES and _is_2d_transpose(w) and len(w.users) == 1 and _is_attr(w.args[0]):
-            return "out_in", w.args[0], None
-    return None
+    weight = pm.transpose.args[0] if pm.transpose is not None else c.args[2 if pm.kind == "addmm" else 1]
+    bias = c.args[0] if pm.kind == "addmm" else c.args[2] if pm.kind == "linear" and len(c.args) > 2 else None
+    return ("out_in" if pm.out_dim == 0 else "in_out"), weight, bias
 
 
 def _fuse(gm: fx.GraphModule, x: fx.Node, columns: list[fx.Node], forms: list, where: str) -> None:
