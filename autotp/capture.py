@@ -106,6 +106,7 @@ def capture(model: nn.Module, args: tuple, kwargs: dict, *, forward: Callable | 
         except CaptureError:
             pass  # the meta constants are the model's own meta tensor attributes: the meta graph is all there is
     retarget_device(gm, device or source, source)
+    index_lists_as_slices(gm)
     return gm, spec
 
 
@@ -204,3 +205,52 @@ def retarget_device(gm: fx.GraphModule, device: torch.device, source: torch.devi
         if any(a == source for a in node.args if isinstance(a, torch.device)):
             node.args = tuple(device if isinstance(a, torch.device) and a == source else a for a in node.args)
     gm.recompile()
+
+
+def index_lists_as_slices(gm: fx.GraphModule) -> None:
+    """Read ``x[..., [-2], :]`` as ``x[..., -2:-1, :]``: an index of one dim by a constant list of consecutive
+    ascending positions is the slice it equals (same values, same gradient). Public code picks a fused
+    projection's key and value heads this way (Falcon's ``qkv[..., [-2], :]``); as a slice, analysis reads
+    the fused layout like any other offset slice."""
+    aten = torch.ops.aten
+    changed = False
+    for node in list(gm.graph.nodes):
+        if node.target is not aten.index.Tensor:
+            continue
+        x, indices = node.args[0], list(node.args[1])
+        picked = [i for i, ix in enumerate(indices) if ix is not None]
+        if len(picked) != 1 or picked[0] != len(indices) - 1:
+            continue
+        d, ix = picked[0], indices[-1]
+        size = x.meta["val"].shape[d] if isinstance(x, fx.Node) and "val" in x.meta else None
+        values = _constant(gm, ix)
+        if not isinstance(size, int) or values is None or values.dim() != 1 or values.numel() == 0 \
+                or values.dtype not in (torch.int64, torch.int32) or ((values < -size) | (values >= size)).any():
+            continue
+        pos = [int(v) % size for v in values]
+        if pos != list(range(pos[0], pos[0] + len(pos))):
+            continue
+        with gm.graph.inserting_before(node):
+            sl = gm.graph.call_function(aten.slice.Tensor, (x, d, pos[0], pos[0] + len(pos)))
+        sl.meta = dict(node.meta)
+        node.replace_all_uses_with(sl)
+        gm.graph.erase_node(node)
+        for dead in (ix, *ix.all_input_nodes):
+            if not dead.users:
+                gm.graph.erase_node(dead)
+        changed = True
+    if changed:
+        gm.recompile()
+
+
+def _constant(gm: fx.GraphModule, node: object) -> torch.Tensor | None:
+    """The value of a constant tensor node (``get_attr``, or ``lift_fresh_copy`` of one); None otherwise, or on
+    meta (a meta capture loses it)."""
+    if isinstance(node, fx.Node) and node.target is torch.ops.aten.lift_fresh_copy.default:
+        node = node.args[0]
+    if not (isinstance(node, fx.Node) and node.op == "get_attr"):
+        return None
+    value = gm
+    for part in node.target.split("."):
+        value = getattr(value, part, None)
+    return value if isinstance(value, torch.Tensor) and not value.is_meta else None

@@ -9,6 +9,8 @@ group, or a group of one) they are the identity, so passes can insert them witho
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
@@ -184,6 +186,34 @@ class ShardedNorm(_Collective):
         if weight is not None:
             y = y * weight
         return y if bias is None else y + bias
+
+
+class ShardedReduction(_Collective):
+    """A reduction over dims one of which is sharded, completed by one all-reduce of the ranks' partial sums:
+    ``var`` / ``std`` (sums of x and x² stacked, 2·b·s elements; the count of reduced elements is the
+    local one times the ranks each block is split over) or a p-norm (the sum of |x|^p). ``scale`` multiplies
+    the sum over ranks so that blocks held by several ranks count once."""
+
+    def __init__(self, kind: str, dims: list[int] | None, keepdim: bool, param: float, scale: float) -> None:
+        super().__init__()
+        self.kind, self.dims, self.keepdim, self.param, self.scale = kind, dims, keepdim, param, scale
+
+    def stat(self, x: torch.Tensor) -> torch.Tensor:
+        return x if self.group is None else _Stat.apply(x, self.group, self.scale)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dims = tuple(range(x.dim())) if self.dims is None else tuple(self.dims)
+        if self.kind == "norm":
+            p = self.param
+            total = self.stat((x * x if p == 2 else x.abs().pow(p)).sum(dims, keepdim=self.keepdim))
+            return total.sqrt() if p == 2 else total.pow(1.0 / p)
+        sums = self.stat(torch.stack([x.sum(dims, keepdim=self.keepdim), (x * x).sum(dims, keepdim=self.keepdim)]))
+        n = math.prod(x.shape[d] for d in dims)
+        if self.group is not None:
+            n = round(n * dist.get_world_size(self.group) * self.scale)
+        mean = sums[0] / n
+        var = (sums[1] / n - mean * mean) * (n / (n - self.param))  # (b, s): E[x²] - E[x]², corrected
+        return var.sqrt() if self.kind == "std" else var
 
 
 def bind_collectives(module: nn.Module, group: dist.ProcessGroup | None) -> None:

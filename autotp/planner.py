@@ -93,7 +93,7 @@ def plan_from_analysis(gm: fx.GraphModule, a: Analysis, v: VocabFacts | None = N
         for n, (kind, scale) in p.region.stats.items():
             stats.append(Stat(n.name, kind, scale))
             rows = _shape(n)[:len(_shape(n)) - len(n.args[1])] if kind in ("rms_norm", "layer_norm") else _shape(n)
-            rows = (*rows, "2") if kind == "layer_norm" else rows  # mean and mean of squares in one
+            rows = (*rows, "2") if kind in ("layer_norm", "var", "std") else rows  # x and x² statistics in one
             collectives += [Collective("all_reduce", "sum", way, p.name, n.name, rows) for way in ("forward", "backward")]
         for n in p.region.inputs:
             spec = p.region.specs[n]

@@ -41,6 +41,37 @@ _RANDOM_P_ARG = {aten.dropout.default: 1, aten.feature_dropout.default: 1, aten.
                  aten.scaled_dot_product_attention.default: 4}
 
 
+# reductions over the sharded dim that one all-reduce of the ranks' partial values completes
+_STAT_KINDS = {aten.mean.dim: "mean", aten.sum.dim_IntList: "sum", aten.var.correction: "var", aten.var.dim: "var",
+               aten.std.correction: "std", aten.std.dim: "std", aten.linalg_vector_norm.default: "norm",
+               aten.norm.ScalarOpt_dim: "norm"}
+
+
+@dataclass(frozen=True)
+class ReductionArgs:
+    dims: list[int] | None  # None: every dim
+    keepdim: bool
+    param: float | None = None  # a norm's order p, a var/std's correction
+
+
+def reduction_args(node: fx.Node) -> ReductionArgs:
+    """The reduced dims, keepdim and order/correction of a reduction node, whichever overload spells them."""
+    t = node.target
+    if t in (aten.linalg_vector_norm.default, aten.norm.ScalarOpt_dim):
+        p = _arg(node, 1, "ord" if t is aten.linalg_vector_norm.default else "p", 2)
+        dims, keep = _arg(node, 2, "dim", None), _arg(node, 3, "keepdim", False)
+        param = 2.0 if p is None else float(p)
+    elif t in (aten.var.dim, aten.std.dim):
+        dims, keep, param = _arg(node, 1, "dim", None), _arg(node, 3, "keepdim", False), float(_arg(node, 2, "unbiased", True))
+    elif t in (aten.var.correction, aten.std.correction):
+        c = node.kwargs.get("correction")
+        dims, keep, param = _arg(node, 1, "dim", None), node.kwargs.get("keepdim", False), 1.0 if c is None else float(c)
+    else:
+        dims, keep, param = _arg(node, 1, "dim", None), _arg(node, 2, "keepdim", False), None
+    dims = None if dims is None or dims == [] else [dims] if isinstance(dims, int) else list(dims)
+    return ReductionArgs(dims, bool(keep), param)
+
+
 class Unshardable(Exception):
     def __init__(self, node: fx.Node, reason: str):
         self.node = node
@@ -173,8 +204,10 @@ class _Propagator:
             self.region.specs[node] = s
         elif t in _VIEWS:
             self.region.specs[node] = self.view(node)
-        elif t is aten.expand.default:
+        elif t is aten.expand.default or (t is aten.broadcast_to.default and self.spec(node.args[0]) is not None):
             self.region.specs[node] = self.expand(node)
+        elif t in (aten.expand_as.default, aten.broadcast_to.default):  # a replicated value broadcast to sharded
+            self.region.specs[node] = self.pointwise(node)
         elif t in (aten.transpose.int, aten.t.default, aten.numpy_T.default, aten.permute.default,
                    aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default):
             self.region.specs[node] = self.move(node)
@@ -395,20 +428,15 @@ class _Propagator:
     def reduction(self, node: fx.Node) -> Sharding | None:
         s = self.spec(node.args[0])
         nd = _ndim(node.args[0])
-        dims = _arg(node, 1, "dim", None)
-        if node.target in (aten.linalg_vector_norm.default, aten.norm.ScalarOpt_dim):
-            dims = _arg(node, 2, "dim", None)
-        dims = list(range(nd)) if dims is None or dims == [] else [dims] if isinstance(dims, int) else list(dims)
-        dims = [normalize_dim(d, nd) for d in dims]
-        keep = _arg(node, 3 if node.target in (aten.linalg_vector_norm.default, aten.norm.ScalarOpt_dim) else 2,
-                    "keepdim", False)
+        r = reduction_args(node)
+        dims = [normalize_dim(d, nd) for d in (range(nd) if r.dims is None else r.dims)]
         if s.dim in dims or (s.inner and s.inner[0] in dims):
-            if node.target not in (aten.mean.dim, aten.sum.dim_IntList):
+            kind = _STAT_KINDS.get(node.target)
+            if kind is None or (kind == "norm" and not (isinstance(r.param, (int, float)) and 0 < r.param < float("inf"))):
                 raise Unshardable(node, f"{node.target} reduces the sharded dim")
-            kind = "mean" if node.target is aten.mean.dim else "sum"
-            self.region.stats[node] = (kind, self._stat_scale(node, s, kind))
+            self.region.stats[node] = (kind, self._stat_scale(node, s, "mean" if kind == "mean" else "sum"))
             return None  # replicated once the statistics are all-reduced
-        if keep:
+        if r.keepdim:
             return s
         shift = lambda x: x - sum(d < x for d in dims)  # noqa: E731
         return s.moved(shift(s.dim), None if not s.inner else shift(s.inner[0]))
@@ -466,9 +494,12 @@ class _Propagator:
         s = self.spec(node.args[0])
         nd = _ndim(node.args[0])
         start, end = normalize_dim(_arg(node, 1, "start_dim", 0), nd), normalize_dim(_arg(node, 2, "end_dim", -1), nd)
-        if s.inner or start <= s.dim <= end and end > start:
-            raise Unshardable(node, "flatten merges the sharded dim")
-        return s.moved(s.dim - (end - start) if s.dim > end else s.dim)
+        if end > start and (start <= s.dim <= end or (s.inner and start <= s.inner[0] <= end)):
+            src = self.fp.shape(node.args[0])  # merges like the equivalent view, which has no sizes to rewrite
+            gi = [i for i in range(start, end + 1) if src[i] != 1 or i == s.dim]
+            return self._view_merge(node, s, None, src, self.fp.shape(node), gi, start)
+        shift = lambda x: x - (end - start) if x > end else x  # noqa: E731
+        return s.moved(shift(s.dim), None if not s.inner else shift(s.inner[0]))
 
     def view(self, node: fx.Node) -> Sharding:
         s = self.spec(node.args[0])
@@ -555,7 +586,8 @@ class _Propagator:
     def _view_merge(self, node, s, shape_arg, src, dst, gi, j) -> Sharding:
         seg = s.single()
         if gi[-1] == s.dim and not s.inner:  # [b, h, ..] -> [b·h, ..]: heads folded under the batch
-            self._set_view_size(node, shape_arg, j, seg.size if seg else sum(g.size for g in s.segments), s.local_size)
+            if shape_arg is not None:
+                self._set_view_size(node, shape_arg, j, seg.size if seg else sum(g.size for g in s.segments), s.local_size)
             return Sharding(j, s.segments, outer=True)
         if seg is None or gi[0] != s.dim:
             raise Unshardable(node, "view merges the sharded dim under another dim")
@@ -565,7 +597,8 @@ class _Propagator:
                 raise Unshardable(node, "replicated heads merged without their repeat dim")
             parts *= s.inner[1]
         merged = dst[j]
-        self._set_view_size(node, shape_arg, j, merged, merged // parts)
+        if shape_arg is not None:
+            self._set_view_size(node, shape_arg, j, merged, merged // parts)
         return Sharding(j, (Segment(merged, parts),))
 
     def expand(self, node: fx.Node) -> Sharding:

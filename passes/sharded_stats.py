@@ -18,6 +18,9 @@ After::
     rsqrt = aten.rsqrt(aten.add(mean_all, eps))
     n = autotp_stat_1(k, k_norm_weight)               # ShardedNorm: local moments, one all-reduce
 
+``var``/``std`` (sums of x and x² in one all-reduce) and p-norms (``F.normalize`` over the width: the sum of
+|x|^p) over the sharded dim are replaced by a :class:`~autotp.collectives.ShardedReduction` the same way.
+
 The weights of such norms are sharded with the heads (plan.params). The modules bind the group at run
 time; the pass never reads it.
 """
@@ -25,8 +28,9 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from autotp.collectives import ShardedNorm, StatAllReduce
+from autotp.collectives import ShardedNorm, ShardedReduction, StatAllReduce
 from autotp.plan import Plan
+from autotp.propagate import reduction_args
 
 
 def sharded_stats(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
@@ -39,6 +43,13 @@ def sharded_stats(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
             with gm.graph.inserting_after(node):
                 done = gm.graph.call_module(target, (node,))
             node.replace_all_uses_with(done, delete_user_cb=lambda u: u is not done)
+        elif st.kind in ("var", "std", "norm"):
+            r = reduction_args(node)
+            gm.add_submodule(target, ShardedReduction(st.kind, r.dims, r.keepdim, r.param, st.scale))
+            with gm.graph.inserting_before(node):
+                done = gm.graph.call_module(target, (node.args[0],))
+            node.replace_all_uses_with(done)
+            gm.graph.erase_node(node)
         else:
             x, shape, weight, bias = (list(node.args) + [None] * 4)[:4]
             eps = node.args[4] if st.kind == "layer_norm" and len(node.args) > 4 else 1e-5

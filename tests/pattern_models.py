@@ -40,6 +40,18 @@ def rotate_complex(x, freqs_cis):
     return torch.view_as_real(xc * freqs_cis).flatten(-2).type_as(x)
 
 
+class VarLayerNorm(nn.Module):
+    """A LayerNorm written out with mean and var, as many research code bases do."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.w, self.b = nn.Parameter(torch.ones(dim) + 0.1 * torch.randn(dim)), nn.Parameter(torch.zeros(dim))
+
+    def forward(self, x):
+        mu = x.mean(-1, keepdim=True)
+        return (x - mu) / torch.sqrt(x.var(-1, keepdim=True, unbiased=False) + 1e-5) * self.w + self.b
+
+
 class Attention(nn.Module):
     """q, k, v projections, one of several spellings of what happens between them and the output."""
 
@@ -55,6 +67,10 @@ class Attention(nn.Module):
             self.q_norm, self.k_norm = nn.RMSNorm(H, eps=1e-6), nn.RMSNorm(H, eps=1e-6)
         if kind == "qk_layernorm_width":
             self.q_norm, self.k_norm = nn.LayerNorm(H), nn.LayerNorm(H)
+        if kind == "qk_varnorm_width":
+            self.q_norm, self.k_norm = VarLayerNorm(H), VarLayerNorm(H)
+        if kind == "qk_l2norm_width":  # cosine attention: q and k scaled to unit length over all heads
+            self.q_norm = self.k_norm = lambda t: F.normalize(t, dim=-1) * 4.0
         if kind == "qk_layernorm_head":  # StableLM / Persimmon style: a LayerNorm per head
             self.q_norm, self.k_norm = nn.LayerNorm(HD), nn.LayerNorm(HD)
         if kind in ("alibi", "baddbmm_alibi"):
@@ -71,7 +87,8 @@ class Attention(nn.Module):
     def forward(self, x):
         b, s, _ = x.shape
         q, k, v = self.q(x), self.k(x), self.v(x)
-        if self.kind in ("qk_norm_width", "qk_rmsnorm_width", "qk_layernorm_width"):  # OLMo-2: over all heads
+        if self.kind in ("qk_norm_width", "qk_rmsnorm_width", "qk_layernorm_width", "qk_varnorm_width",
+                         "qk_l2norm_width"):  # OLMo-2: over all heads
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = (t.view(b, s, NH, HD) for t in (q, k, v))  # (b, s, nh, hd)
         if self.kind in ("qk_norm_head", "qk_layernorm_head"):  # Qwen3 style: one norm per head
@@ -137,6 +154,20 @@ class FusedAttention(nn.Module):
             k, v = k.expand(b, NH, s, HD), v.expand(b, NH, s, HD)
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
             return self.o(y.transpose(1, 2).reshape(b, s, H))
+        if self.kind == "falcon_mqa_index":  # HF Falcon-7B: k and v picked by index lists
+            f = qkv.view(b, s, NH + 2, HD)
+            q, k, v = f[..., :-2, :], f[..., [-2], :], f[..., [-1], :]
+            q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+            k, v = torch.broadcast_to(k, q.shape), torch.broadcast_to(v, q.shape)
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            return self.o(y.transpose(1, 2).reshape(b, s, H))
+        if self.kind == "grouped_index":  # HF Falcon-40B: [b, s, n_kv, group + 2, d], index lists, broadcast_to
+            f = qkv.view(b, s, -1, NH // self.n_kv + 2, HD)
+            q, k, v = f[:, :, :, :-2], f[:, :, :, [-2]], f[:, :, :, [-1]]
+            k, v = torch.broadcast_to(k, q.shape), torch.broadcast_to(v, q.shape)
+            q, k, v = (t.flatten(2, 3).transpose(1, 2) for t in (q, k, v))
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            return self.o(y.transpose(1, 2).reshape(b, s, H))
         if self.kind == "offset_slices":  # vLLM / Phi-3 style
             q = qkv[..., :q_size]
             k = qkv[..., q_size:q_size + kv_size]
@@ -176,7 +207,7 @@ class Block(nn.Module):
         self.kind = kind
         self.n1, self.n2 = RMSNorm(H), RMSNorm(H)
         fused = {"offset_slices": 2, "grouped_view": 2, "grouped_view_mha": 4, "fused_mqa": 1, "falcon_mqa": 1,
-                 "gqa_qk_norm": 2}
+                 "gqa_qk_norm": 2, "falcon_mqa_index": 1, "grouped_index": 2}
         self.attn = FusedAttention(kind, fused[kind]) if kind in fused else Attention(kind)
         self.mlp = SwiGLU()
 
@@ -206,7 +237,8 @@ class LM(nn.Module):
 
 KINDS = ("plain", "rope_interleaved", "rope_partial", "rope_complex", "qk_norm_head", "qk_layernorm_head",
          "qk_norm_width", "qk_rmsnorm_width", "qk_layernorm_width", "alibi", "softcap", "baddbmm", "baddbmm_alibi",
-         "parallel", "offset_slices", "grouped_view", "grouped_view_mha", "fused_mqa", "falcon_mqa", "gqa_qk_norm")
+         "parallel", "offset_slices", "grouped_view", "grouped_view_mha", "fused_mqa", "falcon_mqa", "gqa_qk_norm",
+         "qk_varnorm_width", "qk_l2norm_width", "falcon_mqa_index", "grouped_index")
 
 
 def build(kind: str):

@@ -12,24 +12,26 @@ from pattern_models import HD, NH, H, S
 
 SHARDED = ["plain", "rope_interleaved", "rope_partial", "rope_complex", "qk_norm_head", "qk_layernorm_head",
            "qk_norm_width", "qk_rmsnorm_width", "qk_layernorm_width", "alibi", "softcap", "baddbmm",
-           "baddbmm_alibi", "parallel", "offset_slices", "grouped_view_mha", "fused_mqa", "falcon_mqa", "gqa_qk_norm"]
+           "baddbmm_alibi", "parallel", "offset_slices", "grouped_view_mha", "fused_mqa", "falcon_mqa", "gqa_qk_norm",
+           "qk_varnorm_width", "qk_l2norm_width", "falcon_mqa_index"]
 # fused projections whose kv heads (2, or 1 for multi-query) are fewer than tp: replicated, Megatron's way
-KV_HEADS = {"offset_slices": 2, "fused_mqa": 1, "falcon_mqa": 1, "gqa_qk_norm": 2}
-# a norm over the whole projection width: one all-reduce of its b·s statistics per norm, forward and backward
-# (layer_norm: mean and mean of squares stacked, 2·b·s)
-WIDTH_NORMS = {"qk_norm_width": 1, "qk_rmsnorm_width": 1, "qk_layernorm_width": 2}
+KV_HEADS = {"offset_slices": 2, "fused_mqa": 1, "falcon_mqa": 1, "gqa_qk_norm": 2, "falcon_mqa_index": 1}
+# a norm over the whole projection width: one all-reduce of its b·s statistics per reduction, forward and
+# backward (layer_norm and var: sums of x and x² stacked, 2·b·s; a hand-written LayerNorm: a mean and a var)
+WIDTH_NORMS = {"qk_norm_width": [1], "qk_rmsnorm_width": [1], "qk_layernorm_width": [2], "qk_varnorm_width": [1, 2],
+               "qk_l2norm_width": [1]}
 # per-head norms: each learned vector (weight, and bias for LayerNorm) of q's and k's norm enters through f
 HEAD_NORMS = {"qk_norm_head": 1, "gqa_qk_norm": 1, "qk_layernorm_head": 2}
 
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_patterns_shard_exactly_with_megatron_collectives(world: int):
-    results = launch(pattern_parity, world, SHARDED + ["grouped_view"])
+    results = launch(pattern_parity, world, SHARDED + ["grouped_view", "grouped_index"])
     bsh, layers = 2 * S * NH * HD, 2
     for rank, by_kind in results.items():
         for kind, r in by_kind.items():
             assert r["loss_diff"] <= 1e-5 and r["grad_diff"] <= 1e-5 and r["param_diff"] <= 1e-5, (rank, kind, r)
-            if kind == "grouped_view" and world == 4:
+            if kind in ("grouped_view", "grouped_index") and world == 4:
                 # Falcon's [n_kv, group + 2, d] with 2 kv groups at tp 4: a group's q heads would have to be
                 # split apart from its k and v; it stays whole, exact, and says why (tp 2 shards it)
                 assert [m for m, _ in r["replicated"]] == ["blocks.0.attn", "blocks.1.attn"], r["replicated"]
@@ -41,7 +43,7 @@ def test_patterns_shard_exactly_with_megatron_collectives(world: int):
             assert r["quarter"] == r["kv_replicated"] == (["blocks.0.attn.qkv.weight", "blocks.1.attn.qkv.weight"]
                                                           if replicated_kv else []), (kind, r)  # else 1/tp
             # forward: embedding + 2 per layer (b·s·h), the loss's max and 2 sums (b·s), width-norm statistics
-            stats = [("all_reduce", "sum", 2 * S * WIDTH_NORMS[kind])] * 2 * layers if kind in WIDTH_NORMS else []
+            stats = [("all_reduce", "sum", 2 * S * k) for k in WIDTH_NORMS.get(kind, [])] * 2 * layers
             assert sorted(r["forward"]) == sorted([("all_reduce", "sum", bsh)] * (2 * layers + 1) + stats + [
                 ("all_reduce", "max", 2 * S), ("all_reduce", "sum", 2 * S), ("all_reduce", "sum", 2 * S)]), kind
             # backward: entering attention and the MLP per layer (also in a parallel block), the LM head

@@ -225,3 +225,32 @@ def test_statistics_folded_heads_and_cache_buffers_are_planned_and_inserted():
     assert {n: b.local_shape for n, b in plan.buffers if n.startswith("attn.0")} == {
         "attn.0.kv_cache.k_cache": (2, 1, 16, 16), "attn.0.kv_cache.v_cache": (2, 1, 16, 16)}
     assert len([c for c in plan.collectives if c.direction == "forward"]) == 5  # embedding + 2 per layer
+
+
+def test_index_lists_read_as_slices_and_width_reductions_become_statistics():
+    """``f[..., [-2], :]`` (consecutive positions) is captured as the slice it equals, a scattered list stays an
+    index; var and p-norms over the whole projection width become one statistics all-reduce each."""
+    from autotp.collectives import ShardedReduction
+    from pattern_models import build
+
+    class Pick(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(4, 24)
+
+        def forward(self, x):
+            f = self.proj(x).view(x.shape[0], x.shape[1], 6, 4)  # (b, s, 6 heads, 4)
+            return f[..., [-2], :], f[..., [0, 2], :]
+
+    gm = capture(Pick(), (torch.randn(2, 5, 4),), {})[0]
+    picks = [n for n in gm.graph.nodes if n.target in (aten.slice.Tensor, aten.index.Tensor)]
+    assert [n.args[1:] for n in picks if n.target is aten.slice.Tensor and n.args[1] == 2] == [(2, 4, 5)]
+    assert [n.target for n in picks].count(aten.index.Tensor) == 1
+
+    for kind, stats in (("qk_varnorm_width", ["mean", "var"] * 4), ("qk_l2norm_width", ["norm"] * 4)):
+        model, args, kwargs = build(kind)
+        gm = capture(model, args, kwargs)[0]
+        plan = make_plan(gm, 2)
+        assert not plan.replicated and [s.kind for s in plan.stats] == stats, kind
+        gm = run_passes(gm, plan)
+        assert len(_calls(gm, ShardedReduction)) == stats.count("var") + stats.count("norm")
