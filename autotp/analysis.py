@@ -18,7 +18,9 @@ import torch
 import torch.fx as fx
 
 from autotp.matmuls import ParamMatmul, find_param_matmuls, module_path
-from autotp.propagate import Region, Unshardable, column_segments, propagate
+from autotp.column_layout import column_segments
+from autotp.ops import Unshardable
+from autotp.propagate import Region, propagate
 from autotp.shapes import Fingerprinter
 from autotp.shard_spec import Sharding
 

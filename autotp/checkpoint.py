@@ -24,6 +24,7 @@ from autotp.ckpt_safety import METADATA, read_metadata, safe_load
 from autotp.errors import CheckpointError
 from autotp.launch import RankContext
 from autotp.plan import ParamShard, Plan
+from autotp.shard_spec import Segment
 from autotp.gathered import all_gather_flat
 from autotp.runtime import tp_state
 
@@ -123,14 +124,38 @@ def global_views(name: str, local: torch.Tensor, shard: ParamShard, ctx: RankCon
         shape = list(shard.full_shape)
         shape[shard.dim] = shard.vocab.size
         return {name: _dtensor(owned, ctx.mesh, shard.dim, tuple(shape))}
-    out, offset = {}, 0
-    for i, seg in enumerate(shard.segments):
+    leaves = sum(len(seg.inner) or 1 for seg in shard.segments)
+    out, offset, leaf = {}, 0, 0
+    for seg in shard.segments:
         piece = local.narrow(shard.dim, offset, seg.local())
+        offset += seg.local()
+        if seg.inner:
+            out.update(_group_views(name, piece, shard, seg, leaf, ctx))
+            leaf += len(seg.inner)
+            continue
         shape = list(shard.full_shape)
         shape[shard.dim] = seg.size
-        key = name if len(shard.segments) == 1 else f"{name}.segment{i}"
+        key = name if leaves == 1 else f"{name}.segment{leaf}"
         out[key] = _dtensor(piece, _mesh(ctx, seg.parts), shard.dim, tuple(shape))
-        offset += seg.local()
+        leaf += 1
+    return out
+
+
+def _group_views(name: str, piece: torch.Tensor, shard: ParamShard, seg: Segment, leaf: int,
+                 ctx: RankContext) -> dict[str, DTensor]:
+    """A grouped segment (G groups of [q | k | v]) as one key per inner segment, each of global shape
+    ``[G, inner size, ...]``: sharded over the groups, and over the ranks sharing a group where its heads are
+    split (q), replicated there where they are not (k, v)."""
+    d, copies = shard.dim, ctx.layout.tp // seg.parts
+    grouped = piece.unflatten(d, (seg.groups // seg.parts, -1))  # (groups here, one group's local width, ...)
+    out, start = {}, 0
+    for i, sub in enumerate(seg.inner):
+        view = grouped.narrow(d + 1, start, sub.local())
+        start += sub.local()
+        shape = list(shard.full_shape)
+        shape[d:d + 1] = [seg.groups, sub.size]
+        within = None if copies == 1 else Shard(d + 1) if sub.parts == copies else Replicate()
+        out[f"{name}.segment{leaf + i}"] = _dtensor(view, _mesh(ctx, seg.parts), d, tuple(shape), within)
     return out
 
 
@@ -152,12 +177,13 @@ def _mesh(ctx: RankContext, parts: int) -> DeviceMesh:
     return _MESHES[key][1]
 
 
-def _dtensor(local: torch.Tensor, mesh, dim: int, shape: tuple[int, ...]) -> DTensor:
+def _dtensor(local: torch.Tensor, mesh, dim: int, shape: tuple[int, ...], within: Shard | Replicate | None = None) -> DTensor:
     """``local`` as its block of a tensor of ``shape``: replicated over pp and dp, sharded over the tp dims.
 
-    On a (pp, dp, tp_block, tp_copy) mesh the copies of a block are replicated too.
+    On a (pp, dp, tp_block, tp_copy) mesh the copies of a block are replicated too, unless ``within`` says how
+    they cut the block (a group's q heads split among the ranks sharing it).
     """
-    placements = [Replicate(), Replicate(), Shard(dim)] + [Replicate()] * (mesh.ndim - 3)
+    placements = [Replicate(), Replicate(), Shard(dim)] + [within or Replicate()] * (mesh.ndim - 3)
     stride = torch.empty(shape, device="meta").stride()
     return DTensor.from_local(local, mesh, placements, run_check=False, shape=torch.Size(shape), stride=stride)
 
@@ -178,6 +204,9 @@ def load_unsharded(model: torch.nn.Module, plan: Plan | None, path: Path | str) 
         while f"model.{name}.segment{i}" in meta:
             md = meta[f"model.{name}.segment{i}"]
             size = tuple(md.size) if isinstance(md, TensorStorageMetadata) else ()
+            if len(size) == tensor.dim() + 1:  # a grouped segment: [G, inner size, ...] per inner segment
+                i, offset = _load_group(name, tensor.detach(), meta, i, offset, pieces, path)
+                continue
             dim = next((d for d, (a, b) in enumerate(zip(size, tensor.shape)) if a != b), None)
             if dim is None or len(size) != tensor.dim() or offset + size[dim] > tensor.shape[dim]:
                 raise CheckpointError(f"{Path(path) / METADATA} does not match this model: segment {i} of "
@@ -188,6 +217,29 @@ def load_unsharded(model: torch.nn.Module, plan: Plan | None, path: Path | str) 
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
         safe_load({"model": pieces}, path, metadata=metadata, no_dist=True)
+
+
+def _load_group(name: str, tensor: torch.Tensor, meta: dict, i: int, offset: int, pieces: dict,
+                path: Path | str) -> tuple[int, int]:
+    """The run of grouped keys from segment ``i`` on (same G, one extra dim), as views of ``tensor``."""
+    sizes = []
+    while True:
+        md = meta.get(f"model.{name}.segment{i + len(sizes)}")
+        if not isinstance(md, TensorStorageMetadata) or len(md.size) != tensor.dim() + 1:
+            break
+        sizes.append(tuple(md.size))
+    dim = next((d for d in range(tensor.dim()) if sizes[0][d] != tensor.shape[d]), None)
+    width = sum(s[dim + 1] for s in sizes) if dim is not None else 0
+    if dim is None or any(s[:dim] != sizes[0][:dim] or s[dim] != sizes[0][dim] for s in sizes) \
+            or offset + sizes[0][dim] * width > tensor.shape[dim]:
+        raise CheckpointError(f"{Path(path) / METADATA} does not match this model: grouped segments {i}.. of {name} "
+                              f"are {sizes}, the parameter is {tuple(tensor.shape)}")
+    groups = tensor.narrow(dim, offset, sizes[0][dim] * width).unflatten(dim, (sizes[0][dim], width))
+    start = 0
+    for k, size in enumerate(sizes):
+        pieces[f"{name}.segment{i + k}"] = groups.narrow(dim + 1, start, size[dim + 1])
+        start += size[dim + 1]
+    return i + len(sizes), offset + sizes[0][dim] * width
 
 
 def save_checkpoint(tpm: torch.nn.Module, ctx: RankContext, path: Path | str) -> None:

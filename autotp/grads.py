@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from autotp.plan import ParamShard
+from autotp.shard_spec import local_pieces
 
 
 @dataclass(frozen=True)
@@ -27,11 +28,8 @@ class NormInfo:
 
 
 def norm_info(shard: ParamShard, tp: int, group: dist.ProcessGroup) -> NormInfo:
-    pieces, offset = [], 0
-    for seg in shard.segments if shard.vocab is None else ():
-        pieces.append((offset, seg.local(), seg.parts / tp))
-        offset += seg.local()
-    return NormInfo(group, shard.dim, tuple(pieces))
+    pieces = () if shard.vocab is not None else local_pieces(shard.segments, tp)
+    return NormInfo(group, shard.dim, tuple((p.start, p.length, 1 / p.copies) for p in pieces))
 
 
 class ShardedGrad(torch.Tensor):

@@ -11,11 +11,12 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from autotp.propagate import Rewrite
-from autotp.shard_spec import Segment, VocabLayout, shard_tensor, unshard_tensor, vocab_shard, vocab_unshard
+from autotp.ops import Rewrite
+from autotp.shard_spec import (Segment, VocabLayout, local_pieces, shard_tensor, unshard_tensor, vocab_shard,
+                               vocab_unshard)
 
-PLAN_VERSION = 3
-_READS = (1, 2, 3)  # version 1 plans have no gathered outputs or sharded inputs, 2 no statistics
+PLAN_VERSION = 4
+_READS = (1, 2, 3, 4)  # 1: no gathered outputs or sharded inputs, 2: no statistics, 3: no grouped segments
 
 
 @dataclass(frozen=True)
@@ -43,7 +44,7 @@ class ParamShard:
 
     def replicated_blocks(self, tp: int) -> bool:
         """Some blocks live on several ranks (kv heads fewer than tp): their gradients are summed."""
-        return any(s.parts < tp for s in self.segments)
+        return self.vocab is None and any(p.copies > 1 for p in local_pieces(self.segments, tp))
 
 
 @dataclass(frozen=True)
@@ -176,7 +177,7 @@ class Plan:
             raise ValueError(f"plan version {d.get('version')} is not supported (expected {PLAN_VERSION})")
 
         def seg(xs):
-            return tuple(Segment(**s) for s in xs)
+            return tuple(Segment.from_dict(s) for s in xs)
 
         def layout(x):
             return None if x is None else VocabLayout(**x)

@@ -135,4 +135,4 @@ def fused_segments(gm: fx.GraphModule) -> dict[str, ParamShard]:
         plan = plan_from_analysis(gm, analyze(gm, 1))
     except Exception:  # noqa: BLE001 - only checkpoint key names depend on it
         return {}
-    return {name: shard for name, shard in plan.params if len(shard.segments) > 1}
+    return {name: shard for name, shard in plan.params if len(shard.segments) > 1 or shard.segments[0].inner}

@@ -10,89 +10,19 @@ an op with no rule, a reduction over the sharded dim, a sharded value that escap
 from __future__ import annotations
 
 import operator
-import sys
 from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
 
 from autotp.errors import ShardingError
+from autotp.ops import (FACTORIES, NO_OUTPUT, NORMS, RANDOM_P_ARG, REDUCTIONS, SAME_SHAPE, SOFTMAX, SPLITS, STAT_KINDS,
+                        VIEWS, Rewrite, Unshardable, arg_of, is_guard, legacy_empty, ndim_of, reduction_args,
+                        slice_range, split_dims, unflattened_sequence_of_one)
 from autotp.shapes import Fingerprinter, is_static, normalize_dim, view_groups
 from autotp.shard_spec import Segment, Sharding
 
 aten = torch.ops.aten
-
-# ops whose output has the input's shape and sharding (besides every op tagged pointwise)
-_SAME_SHAPE = {
-    aten.contiguous.default, aten.clone.default, aten.dropout.default, aten.alias.default, aten.detach.default,
-    aten.to.dtype, aten.to.dtype_layout, aten.to.device, aten._to_copy.default, aten.type_as.default,
-    aten.feature_dropout.default, aten.alpha_dropout.default, aten.lift_fresh_copy.default,
-}
-_SOFTMAX = {aten.softmax.int, aten._softmax.default, aten.log_softmax.int, aten._log_softmax.default}
-_VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
-_SPLITS = {aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default, aten.unbind.int, aten.split.sizes}
-_NO_OUTPUT = {aten._assert_tensor_metadata.default}
-# reductions (dims, keepdim) that pass a sharding through when they do not reduce the sharded dim
-_REDUCTIONS = {aten.mean.dim, aten.sum.dim_IntList, aten.amax.default, aten.amin.default, aten.var.correction,
-               aten.std.correction, aten.var.dim, aten.std.dim, aten.linalg_vector_norm.default, aten.norm.ScalarOpt_dim}
-_NORMS = {aten.rms_norm.default: "rms_norm", aten.layer_norm.default: "layer_norm"}
-_FACTORIES = {aten.zeros.default, aten.ones.default, aten.full.default, aten.empty.memory_format}
-_RANDOM_P_ARG = {aten.dropout.default: 1, aten.feature_dropout.default: 1, aten.alpha_dropout.default: 1,
-                 aten.scaled_dot_product_attention.default: 4}
-
-
-# reductions over the sharded dim that one all-reduce of the ranks' partial values completes
-_STAT_KINDS = {aten.mean.dim: "mean", aten.sum.dim_IntList: "sum", aten.var.correction: "var", aten.var.dim: "var",
-               aten.std.correction: "std", aten.std.dim: "std", aten.linalg_vector_norm.default: "norm",
-               aten.norm.ScalarOpt_dim: "norm"}
-
-
-@dataclass(frozen=True)
-class ReductionArgs:
-    dims: list[int] | None  # None: every dim
-    keepdim: bool
-    param: float | None = None  # a norm's order p, a var/std's correction
-
-
-def reduction_args(node: fx.Node) -> ReductionArgs:
-    """The reduced dims, keepdim and order/correction of a reduction node, whichever overload spells them."""
-    t = node.target
-    if t in (aten.linalg_vector_norm.default, aten.norm.ScalarOpt_dim):
-        p = _arg(node, 1, "ord" if t is aten.linalg_vector_norm.default else "p", 2)
-        dims, keep = _arg(node, 2, "dim", None), _arg(node, 3, "keepdim", False)
-        param = 2.0 if p is None else float(p)
-    elif t in (aten.var.dim, aten.std.dim):
-        dims, keep, param = _arg(node, 1, "dim", None), _arg(node, 3, "keepdim", False), float(_arg(node, 2, "unbiased", True))
-    elif t in (aten.var.correction, aten.std.correction):
-        c = node.kwargs.get("correction")
-        dims, keep, param = _arg(node, 1, "dim", None), node.kwargs.get("keepdim", False), 1.0 if c is None else float(c)
-    else:
-        dims, keep, param = _arg(node, 1, "dim", None), _arg(node, 2, "keepdim", False), None
-    dims = None if dims is None or dims == [] else [dims] if isinstance(dims, int) else list(dims)
-    return ReductionArgs(dims, bool(keep), param)
-
-
-class Unshardable(Exception):
-    def __init__(self, node: fx.Node, reason: str):
-        self.node = node
-        self.reason = reason
-        super().__init__(f"{node.name}: {reason}")
-
-
-@dataclass(frozen=True)
-class Rewrite:
-    """``node.args[arg]`` (or its element ``index`` when the arg is a list) changes from ``old`` to ``new``.
-
-    ``factor_of``: the element is a size computed at run time, ``factor_of = x * old`` (``b * n_heads``); it
-    becomes a fresh ``x * new`` for this node only (other readers of ``factor_of`` keep the full size).
-    """
-
-    node: str
-    arg: int
-    index: int | None
-    old: int
-    new: int
-    factor_of: str | None = None
 
 
 @dataclass
@@ -117,45 +47,6 @@ class Region:
     params: list[tuple[fx.Node, int, Sharding]] = field(default_factory=list)
 
 
-def split_dims(gj: list[int], dst: list[int]) -> list[int]:
-    """The dims a view splits one dim into, outermost first: ``[1, 16]`` is one head of 16 (two dims),
-    ``[16, 1]`` is a plain reshape (one dim)."""
-    real = [j for j in gj if dst[j] != 1]
-    if not real:
-        return gj[:1]
-    lead = [j for j in gj if j < real[0]]
-    return lead[-1:] + real
-
-
-def _arg(node: fx.Node, idx: int, name: str, default: object = None) -> object:
-    if len(node.args) > idx:
-        return node.args[idx]
-    return node.kwargs.get(name, default)
-
-
-def _legacy_empty(x: object) -> bool:
-    v = x.meta.get("val") if isinstance(x, fx.Node) else None
-    return isinstance(v, torch.Tensor) and v.dim() == 1 and v.shape[0] == 0
-
-
-def _ndim(node: object) -> int | None:
-    if isinstance(node, fx.Node) and isinstance(node.meta.get("val"), torch.Tensor):
-        return node.meta["val"].dim()
-    return None
-
-
-def parts_for(units: int, size: int, tp: int, what: str) -> int:
-    """How many blocks a dim of ``units`` heads (or features) is cut into; Megatron's rules."""
-    if units % tp == 0:
-        return tp
-    if tp % units == 0 and size % units == 0:
-        return units  # fewer heads than ranks: each head is replicated on tp // units ranks
-    raise ShardingError(
-        f"{what}: {units} is not divisible by tp={tp} (and tp is not a multiple of it)",
-        hint=f"choose a tp that divides {units}",
-    )
-
-
 class _Propagator:
     def __init__(self, fp: Fingerprinter, tp: int, where: str):
         self.fp = fp
@@ -176,11 +67,14 @@ class _Propagator:
     # -- rules -----------------------------------------------------------------------------------
     def visit(self, node: fx.Node) -> None:
         t = node.target
-        if t in _NO_OUTPUT:
+        if t in NO_OUTPUT:
             return
+        grouped = [self.spec(a) for a in node.all_input_nodes if self.spec(a) is not None and self.spec(a).group]
+        if grouped:
+            return self.group_read(node, grouped[0])
         if t is aten.sym_size.int:
             s = self.spec(node.args[0])
-            if s is not None and normalize_dim(node.args[1], _ndim(node.args[0])) in (s.dim, (s.inner or (None,))[0]):
+            if s is not None and normalize_dim(node.args[1], ndim_of(node.args[0])) in (s.dim, (s.inner or (None,))[0]):
                 raise Unshardable(node, "the size of the sharded dim is read at run time")
             return
         if t is operator.getitem:
@@ -191,18 +85,18 @@ class _Propagator:
                     self.region.specs[node] = out
                 return
             raise Unshardable(node, "indexing a sharded tensor")
-        if t in _RANDOM_P_ARG:
-            p = _arg(node, _RANDOM_P_ARG[t], "dropout_p" if t is aten.scaled_dot_product_attention.default else "p", 0.0)
+        if t in RANDOM_P_ARG:
+            p = arg_of(node, RANDOM_P_ARG[t], "dropout_p" if t is aten.scaled_dot_product_attention.default else "p", 0.0)
             if not (isinstance(p, (int, float)) and p == 0):
                 self.region.random_nodes.append(node)
-        if t in _SAME_SHAPE or (isinstance(t, torch._ops.OpOverload) and torch.Tag.pointwise in t.tags):
+        if t in SAME_SHAPE or (isinstance(t, torch._ops.OpOverload) and torch.Tag.pointwise in t.tags):
             self.region.specs[node] = self.pointwise(node)
-        elif t in _SOFTMAX:
+        elif t in SOFTMAX:
             s = self.spec(node.args[0])
-            if normalize_dim(node.args[1], _ndim(node)) == s.dim:
+            if normalize_dim(node.args[1], ndim_of(node)) == s.dim:
                 raise Unshardable(node, "softmax over the sharded dim")
             self.region.specs[node] = s
-        elif t in _VIEWS:
+        elif t in VIEWS:
             self.region.specs[node] = self.view(node)
         elif t is aten.expand.default or (t is aten.broadcast_to.default and self.spec(node.args[0]) is not None):
             self.region.specs[node] = self.expand(node)
@@ -217,11 +111,11 @@ class _Propagator:
             self.region.specs[node] = self.flatten(node)
         elif t is aten.select.int:
             s = self.spec(node.args[0])
-            d = normalize_dim(node.args[1], _ndim(node.args[0]))
+            d = normalize_dim(node.args[1], ndim_of(node.args[0]))
             if d == s.dim or (s.inner and d == s.inner[0]):
                 raise Unshardable(node, "select on the sharded dim")
             self.region.specs[node] = s.moved(s.dim - (d < s.dim), None if not s.inner else s.inner[0] - (d < s.inner[0]))
-        elif t in _SPLITS:
+        elif t in SPLITS:
             self.region.specs[node] = self.split(node)
         elif t is aten.cat.default:
             self.region.specs[node] = self.cat(node)
@@ -229,14 +123,14 @@ class _Propagator:
             self.region.specs[node] = self.stack(node)
         elif t in (aten.view_as_complex.default, aten.view_as_real.default):
             sp = self.spec(node.args[0])
-            if sp.inner or (t is aten.view_as_complex.default and sp.dim == _ndim(node.args[0]) - 1):
+            if sp.inner or (t is aten.view_as_complex.default and sp.dim == ndim_of(node.args[0]) - 1):
                 raise Unshardable(node, "complex view of the sharded dim")
             self.region.specs[node] = sp
-        elif t in _REDUCTIONS:
+        elif t in REDUCTIONS:
             out = self.reduction(node)
             if out is not None:
                 self.region.specs[node] = out
-        elif t in _NORMS:
+        elif t in NORMS:
             self.region.specs[node] = self.norm(node)
         elif t in (aten.matmul.default, aten.bmm.default):
             self.region.specs[node] = self.batched(node, [node.args[0], node.args[1]], 2)
@@ -247,7 +141,7 @@ class _Propagator:
         elif t in (aten.index_put_.default, aten.index_put.default):
             self.region.specs[node] = self.index_put(node, node.args[0], node.args[1], node.args[2])
         elif t in (aten.index_copy_.default, aten.index_copy.default):  # cache.index_copy_(2, pos, k)
-            d = normalize_dim(node.args[1], _ndim(node))
+            d = normalize_dim(node.args[1], ndim_of(node))
             self.region.specs[node] = self.index_put(node, node.args[0], [None] * d + [node.args[2]], node.args[3])
         elif t is aten.scaled_dot_product_attention.default:
             self.region.specs[node] = self.sdpa(node)
@@ -255,12 +149,11 @@ class _Propagator:
             raise Unshardable(node, f"no sharding rule for {t}")
 
     def pointwise(self, node: fx.Node) -> Sharding:
-        out_nd = _ndim(node)
-        out_shape = self.fp.shape(node)
+        out_nd = ndim_of(node)
         result: Sharding | None = None
         for a in [*node.args, *node.kwargs.values()]:
             for x in (a if isinstance(a, (list, tuple)) else [a]):
-                nd = _ndim(x)
+                nd = ndim_of(x)
                 if nd is None:
                     continue
                 off = out_nd - nd
@@ -272,13 +165,13 @@ class _Propagator:
                     result = aligned
         for a in [*node.args, *node.kwargs.values()]:
             for x in (a if isinstance(a, (list, tuple)) else [a]):
-                if _ndim(x) is not None and self.spec(x) is None:
+                if ndim_of(x) is not None and self.spec(x) is None:
                     self._replicated_operand(node, x, result)
         return result
 
     def _replicated_operand(self, node: fx.Node, x: fx.Node, s: Sharding) -> None:
         """A replicated operand of an op with sharded output ``s``, broadcast against it."""
-        out_nd, nd = _ndim(node), _ndim(x)
+        out_nd, nd = ndim_of(node), ndim_of(x)
         shape, out_shape = self.fp.shape(x), self.fp.shape(node)
         for d in [s.dim] + ([s.inner[0]] if s.inner else []):
             xd = d - (out_nd - nd)
@@ -297,13 +190,13 @@ class _Propagator:
         communication): a parameter (a whole-width norm's weight) is sharded itself; a constant-filled
         factory (``zeros(b·heads, s, s)``) is made local-sized; any other value that needs no gradient (ALiBi
         slopes, a mask with a head dim, built from buffers and inputs) is sliced where it is used."""
-        if s.inner or xd != s.dim - (_ndim(node) - _ndim(x)) or \
+        if s.inner or xd != s.dim - (ndim_of(node) - ndim_of(x)) or \
                 self.fp.shape(x)[xd] != self.fp.shape(node)[s.dim]:
             raise Unshardable(node, f"replicated operand {x.name} spans the sharded dim")
         if self._parameter(x) is not None and not s.outer:
             self.region.params.append((x, xd, s))
             return
-        if x.target in _FACTORIES and len(x.users) == 1:
+        if x.target in FACTORIES and len(x.users) == 1:
             self._set_view_size(x, list(x.args[0]), xd, sum(g.size for g in s.segments), s.local_size, arg=0)
             return
         if self._learned(x):
@@ -350,7 +243,7 @@ class _Propagator:
         weight enters through f; over the sharded dim (the whole projection width) each rank normalises its
         slice with statistics completed by one all-reduce, and the weight is sharded with the heads."""
         s = self.spec(node.args[0])
-        nd = _ndim(node)
+        nd = ndim_of(node)
         nshape = list(node.args[1])
         first = nd - len(nshape)
         weights = [w for w in node.args[2:4] if isinstance(w, fx.Node)]
@@ -358,14 +251,14 @@ class _Propagator:
             for w in weights:
                 self._enter_if_learned(node, w)
             return s
-        self.region.stats[node] = (_NORMS[node.target], self._stat_scale(node, s, "mean"))
+        self.region.stats[node] = (NORMS[node.target], self._stat_scale(node, s, "mean"))
         wd = s.dim - first
         if is_static(nshape[wd]):
             self.rewrite(node, 1, wd, nshape[wd], nshape[wd] * s.local_size // sum(g.size for g in s.segments))
         for w in weights:
             if self._parameter(w) is None:
                 raise Unshardable(node, f"the weight {w.name} of a norm over the sharded dim is not a parameter")
-            self.region.params.append((w, wd - (len(nshape) - _ndim(w)), s))
+            self.region.params.append((w, wd - (len(nshape) - ndim_of(w)), s))
         return s
 
     def index_put(self, node: fx.Node, dst: fx.Node, indices: list, values: fx.Node) -> Sharding:
@@ -377,7 +270,7 @@ class _Propagator:
         s = sd or sv
         if s.inner or s.outer or len(indices) > s.dim and indices[s.dim] is not None:
             raise Unshardable(node, "a write that indexes the sharded dim")
-        if sv is None or _ndim(values) != _ndim(dst):
+        if sv is None or ndim_of(values) != ndim_of(dst):
             raise Unshardable(node, "a replicated value written into a sharded tensor")
         if sd is None:
             if self._state(dst) != "buffer" or self.fp.shape(dst)[s.dim] != sum(g.size for g in s.segments):
@@ -392,10 +285,10 @@ class _Propagator:
         """``k.repeat_interleave(n_rep, dim=1)`` (grouped-query kv heads to query heads): each rank repeats its
         own kv heads; where kv heads are fewer than tp, a rank holds one and repeats it for its q heads only."""
         s = self.spec(node.args[0])
-        reps, d = node.args[1], _arg(node, 2, "dim", None)
-        if d is None or s.inner or s.outer or _arg(node, 3, "output_size", None) is not None:
+        reps, d = node.args[1], arg_of(node, 2, "dim", None)
+        if d is None or s.inner or s.outer or arg_of(node, 3, "output_size", None) is not None:
             raise Unshardable(node, "repeat_interleave of a flattened or merged sharded tensor")
-        if normalize_dim(d, _ndim(node)) != s.dim:
+        if normalize_dim(d, ndim_of(node)) != s.dim:
             return s
         seg = s.single()
         q = self.tp // seg.parts if seg else 0
@@ -411,7 +304,7 @@ class _Propagator:
             si = self.spec(inp)
             if si is None:
                 self._replicated_operand(node, inp, result)
-            elif si.moved(si.dim + 3 - _ndim(inp)) != result:
+            elif si.moved(si.dim + 3 - ndim_of(inp)) != result:
                 raise Unshardable(node, f"operands sharded differently: {si} vs {result}")
         return result
 
@@ -421,17 +314,17 @@ class _Propagator:
         if len(specs) != 1 or None in specs:
             raise Unshardable(node, "stack of tensors sharded differently")
         s = specs.pop()
-        d = normalize_dim(_arg(node, 1, "dim", 0), _ndim(node))
+        d = normalize_dim(arg_of(node, 1, "dim", 0), ndim_of(node))
         shift = lambda x: x + (x >= d)  # noqa: E731 - a new dim at d
         return s.moved(shift(s.dim), None if not s.inner else shift(s.inner[0]))
 
     def reduction(self, node: fx.Node) -> Sharding | None:
         s = self.spec(node.args[0])
-        nd = _ndim(node.args[0])
+        nd = ndim_of(node.args[0])
         r = reduction_args(node)
         dims = [normalize_dim(d, nd) for d in (range(nd) if r.dims is None else r.dims)]
         if s.dim in dims or (s.inner and s.inner[0] in dims):
-            kind = _STAT_KINDS.get(node.target)
+            kind = STAT_KINDS.get(node.target)
             if kind is None or (kind == "norm" and not (isinstance(r.param, (int, float)) and 0 < r.param < float("inf"))):
                 raise Unshardable(node, f"{node.target} reduces the sharded dim")
             self.region.stats[node] = (kind, self._stat_scale(node, s, "mean" if kind == "mean" else "sum"))
@@ -443,7 +336,7 @@ class _Propagator:
 
     def move(self, node: fx.Node) -> Sharding:
         s = self.spec(node.args[0])
-        nd_in, nd_out = _ndim(node.args[0]), _ndim(node)
+        nd_in, nd_out = ndim_of(node.args[0]), ndim_of(node)
         t = node.target
         if t in (aten.transpose.int, aten.t.default, aten.numpy_T.default, aten.permute.default):
             if t is aten.permute.default:
@@ -470,10 +363,10 @@ class _Propagator:
 
     def slice(self, node: fx.Node) -> Sharding:
         s = self.spec(node.args[0])
-        d = normalize_dim(_arg(node, 1, "dim", 0), _ndim(node.args[0]))
+        d = normalize_dim(arg_of(node, 1, "dim", 0), ndim_of(node.args[0]))
         if d == s.dim or (s.inner and d == s.inner[0]):
             full = self.fp.shape(node.args[0])[d]
-            r = _slice_range(node, full)
+            r = slice_range(node, full)
             if r == (0, full):
                 return s
             # one whole segment of a fused projection (``qkv[..., q_size:q_size + kv_size]``): its local block
@@ -481,8 +374,8 @@ class _Propagator:
             for seg in s.segments:
                 if r == (offset, offset + seg.size) and not s.inner and not s.outer:
                     if r[0] != local:
-                        self.rewrite(node, 2, None, _arg(node, 2, "start", 0), local)
-                    end = _arg(node, 3, "end", None)
+                        self.rewrite(node, 2, None, arg_of(node, 2, "start", 0), local)
+                    end = arg_of(node, 3, "end", None)
                     if is_static(end) and end < full:
                         self.rewrite(node, 3, None, end, local + seg.local())
                     return Sharding(d, (seg,))
@@ -492,8 +385,8 @@ class _Propagator:
 
     def flatten(self, node: fx.Node) -> Sharding:
         s = self.spec(node.args[0])
-        nd = _ndim(node.args[0])
-        start, end = normalize_dim(_arg(node, 1, "start_dim", 0), nd), normalize_dim(_arg(node, 2, "end_dim", -1), nd)
+        nd = ndim_of(node.args[0])
+        start, end = normalize_dim(arg_of(node, 1, "start_dim", 0), nd), normalize_dim(arg_of(node, 2, "end_dim", -1), nd)
         if end > start and (start <= s.dim <= end or (s.inner and start <= s.inner[0] <= end)):
             src = self.fp.shape(node.args[0])  # merges like the equivalent view, which has no sizes to rewrite
             gi = [i for i in range(start, end + 1) if src[i] != 1 or i == s.dim]
@@ -514,7 +407,7 @@ class _Propagator:
             gj_real = split_dims(gj, dst)
             if s.outer:
                 return self._view_outer(node, s, shape_arg, dst, gi_real, gj_real)
-            if len(gi_real) == 1 and _unflattened_sequence_of_one(gj_real, dst, src[s.dim]):
+            if len(gi_real) == 1 and unflattened_sequence_of_one(gj_real, dst, src[s.dim]):
                 gj_real = gj_real[1:]
             if len(gi_real) == 1 and len(gj_real) == 1:  # the sharded dim passes through
                 j = gj_real[0]
@@ -561,6 +454,8 @@ class _Propagator:
     def _view_split(self, node, s, shape_arg, dst, gj) -> Sharding:
         n1 = dst[gj[0]]
         seg = s.single()
+        if seg is not None and seg.inner:
+            return self._view_groups(node, seg, shape_arg, dst, gj)
         if seg is not None:
             if n1 % seg.parts:
                 raise ShardingError(f"{self.where}: {n1} heads are not divisible into {seg.parts} parts (tp={self.tp})",
@@ -582,6 +477,70 @@ class _Propagator:
             self._set_view_size(node, shape_arg, gj[1], n2, n2 // parts)
             return Sharding(gj[1], (Segment(n2, parts),))
         raise Unshardable(node, "view splits a fused dim across its segments")
+
+    def _view_groups(self, node, seg: Segment, shape_arg, dst, gj) -> Sharding:
+        """``[.., G·w] -> [.., G, w/d, d]`` of a grouped segment: each rank's groups, and the per-group dim
+        with its inner segments in units of it (q heads, k, v)."""
+        width = seg.size // seg.groups
+        unit = width // dst[gj[1]] if len(gj) > 1 and width % dst[gj[1]] == 0 else 0
+        if dst[gj[0]] != seg.groups or not unit or any(i.size % unit for i in seg.inner):
+            raise Unshardable(node, f"view {[dst[j] for j in gj]} cuts across the groups of a fused per-group layout")
+        units = tuple(Segment(i.size // unit, i.parts) for i in seg.inner)
+        self._set_view_size(node, shape_arg, gj[0], seg.groups, seg.groups // seg.parts)
+        self._set_view_size(node, shape_arg, gj[1], dst[gj[1]], sum(u.local() for u in units))
+        return Sharding(gj[0], (Segment(seg.groups, seg.parts),), group=(gj[1], units))
+
+    def group_read(self, node: fx.Node, s: Sharding) -> None:
+        """Reads of a grouped view: a slice, select or split that picks one inner segment of every group
+        gives the q heads (split among the ranks sharing a group), the k or the v head; whole slices of other
+        dims keep the layout. Anything else cannot tell q from k and v apart."""
+        gd, units = s.group
+        t, nd = node.target, ndim_of(node.args[0])
+        d = normalize_dim(arg_of(node, 2 if t in SPLITS else 1, "dim", 0), nd) if t in (aten.slice.Tensor, aten.select.int, *SPLITS) else None
+        if t is aten.slice.Tensor and d != gd and d != s.dim:
+            self.region.specs[node] = s
+            return
+        if d != gd or t is aten.unbind.int or t is aten.chunk.default:
+            raise Unshardable(node, f"{t} of a fused per-group layout before its q, k and v are read apart")
+        starts = [sum(u.size for u in units[:i]) for i in range(len(units))]
+        local = [sum(u.local() for u in units[:i]) for i in range(len(units))]
+        if t in SPLITS:
+            sizes = [self.fp.shape(o)[gd] for o in node.meta["val"]]
+            if sizes != [u.size for u in units] or t is not aten.split_with_sizes.default:
+                raise Unshardable(node, f"split {sizes} of a fused per-group layout {[u.size for u in units]}")
+            for i, (old, u) in enumerate(zip(node.args[1], units)):
+                self.rewrite(node, 1, i, old, u.local())
+            self.region.specs[node] = tuple(self._picked(s, gd, u, keep=True) for u in units)
+            return
+        full = sum(u.size for u in units)
+        if t is aten.select.int:
+            i = node.args[2] % full if isinstance(node.args[2], int) else None
+            k = starts.index(i) if i in starts else None
+            if k is None or units[k].size != 1:
+                raise Unshardable(node, "select inside the q heads of a fused per-group layout")
+            self.rewrite(node, 2, None, node.args[2], local[k])
+            self.region.specs[node] = self._picked(s, gd, units[k], keep=False)
+            return
+        r = slice_range(node, full)
+        k = next((k for k, u in enumerate(units) if r == (starts[k], starts[k] + u.size)), None)
+        if k is None:
+            raise Unshardable(node, f"slice {r} of a fused per-group layout {[u.size for u in units]}")
+        start, end = arg_of(node, 2, "start", None), arg_of(node, 3, "end", None)
+        if not isinstance(start, int) or len(node.args) < 3:
+            raise Unshardable(node, "a slice of a fused per-group layout without a static start")
+        self.rewrite(node, 2, None, start, local[k])
+        if is_static(end):
+            self.rewrite(node, 3, None, end, local[k] + units[k].local())
+        self.region.specs[node] = self._picked(s, gd, units[k], keep=True)
+
+    def _picked(self, s: Sharding, gd: int, u: Segment, keep: bool) -> Sharding:
+        """One inner segment of every group: sharded by groups, and where a group is shared by several ranks
+        its heads (q) carry the rest of the split on the per-group dim (k and v: held whole there)."""
+        copies = self.tp // s.segments[0].parts
+        dim = s.dim if keep or gd > s.dim else s.dim - 1
+        if keep and copies > 1 and u.parts == copies:
+            return Sharding(dim, s.segments, inner=(gd, copies))
+        return Sharding(dim, s.segments)
 
     def _view_merge(self, node, s, shape_arg, src, dst, gi, j) -> Sharding:
         seg = s.single()
@@ -606,7 +565,7 @@ class _Propagator:
         if s.outer:
             raise Unshardable(node, "expand of heads folded under the batch")
         sizes = list(node.args[1])
-        off = len(sizes) - _ndim(node.args[0])
+        off = len(sizes) - ndim_of(node.args[0])
         in_shape = self.fp.shape(node.args[0])
         d = s.dim + off
         seg = s.single()
@@ -632,9 +591,9 @@ class _Propagator:
     def split(self, node: fx.Node) -> tuple[Sharding | None, ...]:
         s = self.spec(node.args[0])
         t = node.target
-        nd = _ndim(node.args[0])
+        nd = ndim_of(node.args[0])
         dim_idx = 1 if t is aten.unbind.int else 2
-        d = normalize_dim(_arg(node, dim_idx, "dim", 0), nd)
+        d = normalize_dim(arg_of(node, dim_idx, "dim", 0), nd)
         outs = node.meta["val"]
         if d != s.dim and not (s.inner and d == s.inner[0]):
             return tuple(s for _ in outs)
@@ -658,8 +617,8 @@ class _Propagator:
 
     def cat(self, node: fx.Node) -> Sharding:
         # torch.cat skips 1-D empty tensors (a cache's lazily made ``torch.tensor([])``): they take no part
-        tensors = [x for x in node.args[0] if not _legacy_empty(x)]
-        d = normalize_dim(_arg(node, 1, "dim", 0), _ndim(node))
+        tensors = [x for x in node.args[0] if not legacy_empty(x)]
+        d = normalize_dim(arg_of(node, 1, "dim", 0), ndim_of(node))
         specs = {self.spec(x) for x in tensors} - {None}
         if len(specs) != 1:
             raise Unshardable(node, "cat of tensors sharded differently")
@@ -674,21 +633,21 @@ class _Propagator:
     def _local_input(self, node: fx.Node, x: object, s: Sharding) -> None:
         """A replicated graph input concatenated with a sharded value (a KV cache's past keys and the new
         ones) is taken as this rank's shard of it: the cache the graph returned last call, kept local."""
-        if not (isinstance(x, fx.Node) and x.op == "placeholder" and _ndim(x) == _ndim(node)) or s.inner or s.outer:
+        if not (isinstance(x, fx.Node) and x.op == "placeholder" and ndim_of(x) == ndim_of(node)) or s.inner or s.outer:
             raise Unshardable(node, "cat of sharded and replicated tensors")
         for u in x.users:
-            if u is not node and not _is_guard(u) \
-                    and not (u.target is aten.sym_size.int and normalize_dim(u.args[1], _ndim(x)) != s.dim):
+            if u is not node and not is_guard(u) \
+                    and not (u.target is aten.sym_size.int and normalize_dim(u.args[1], ndim_of(x)) != s.dim):
                 raise Unshardable(node, f"graph input {x.name} is concatenated with a sharded value and used whole")
         self.region.specs[x] = s
         self.region.inputs.append(x)
 
     def batched(self, node: fx.Node, operands: list, core: int) -> Sharding:
         """Matmul-like op: the sharded dim must be a batch dim of the sharded operands."""
-        out_nd = _ndim(node)
+        out_nd = ndim_of(node)
         result = None
         for x in operands:
-            nd = _ndim(x)
+            nd = ndim_of(x)
             s = self.spec(x)
             if s is None:
                 continue
@@ -699,7 +658,7 @@ class _Propagator:
                 raise Unshardable(node, f"operands sharded differently: {result} vs {aligned}")
             result = aligned
         for x in operands:
-            nd = _ndim(x)
+            nd = ndim_of(x)
             if nd is None or self.spec(x) is not None:
                 continue
             xd = result.dim - (out_nd - nd)
@@ -710,12 +669,12 @@ class _Propagator:
 
     def sdpa(self, node: fx.Node) -> Sharding:
         q, k, v = node.args[:3]
-        mask = _arg(node, 3, "attn_mask", None)
+        mask = arg_of(node, 3, "attn_mask", None)
         gqa = bool(node.kwargs.get("enable_gqa", False))
         sq, sk, sv = self.spec(q), self.spec(k), self.spec(v)
         if sq is None or sk is None or sv is None:
             raise Unshardable(node, "attention with replicated q, k or v")
-        nd = _ndim(q)
+        nd = ndim_of(q)
         if sq.dim != nd - 3 or sk.dim != nd - 3 or sv.dim != nd - 3 or sk != sv:
             raise Unshardable(node, "attention not sharded by heads")
         if sq != sk and not gqa:
@@ -743,8 +702,13 @@ def propagate(columns: dict[fx.Node, Sharding], row: fx.Node, row_x: fx.Node, fp
         if any(isinstance(a, fx.Node) and a in p.region.specs for a in node.all_input_nodes):
             p.visit(node)
     rs = p.spec(row_x)
-    if rs is None or rs.dim != _ndim(row_x) - 1 or rs.inner or rs.outer:
+    if rs is None or rs.dim != ndim_of(row_x) - 1 or rs.inner or rs.outer:
         raise Unshardable(row, "the row-parallel input is not sharded on its contracted dim")
+    if any(g.parts < tp for g in rs.segments):
+        # heads fewer than ranks reach the row matmul: the ranks holding a copy would each add it
+        raise ShardingError(f"{where}: the {sum(g.size for g in rs.segments)} features entering the row-parallel "
+                            f"matmul come in {min(g.parts for g in rs.segments)} blocks of heads, fewer than "
+                            f"tp={tp}", hint="choose a tp that divides the number of query heads")
     p.region.row_input = rs
     for x, _, _ in p.region.params:
         # a parameter or buffer sharded with the heads must be read nowhere else
@@ -752,7 +716,7 @@ def propagate(columns: dict[fx.Node, Sharding], row: fx.Node, row_x: fx.Node, fp
             raise Unshardable(x, f"{x.target} spans the sharded dim and is also used outside {where}")
     for n in list(p.region.specs):
         for u in n.users:
-            if u in p.region.specs or u in p.region.stats or u is row or u.target in _NO_OUTPUT or _is_guard(u):
+            if u in p.region.specs or u in p.region.stats or u is row or u.target in NO_OUTPUT or is_guard(u):
                 continue
             if u.target is aten.sym_size.int:
                 continue
@@ -766,174 +730,3 @@ def propagate(columns: dict[fx.Node, Sharding], row: fx.Node, row_x: fx.Node, fp
                 continue
             raise Unshardable(u, f"sharded value {n.name} escapes the region")
     return p.region
-
-
-def _slice_range(node: fx.Node, full: int) -> tuple[int, int] | None:
-    """``[start, end)`` of a step-1 ``aten.slice`` with static bounds, clamped to ``full``; else None."""
-    start, end, step = _arg(node, 2, "start", None), _arg(node, 3, "end", None), _arg(node, 4, "step", 1)
-    start = 0 if start is None else start
-    end = full if end is None else end
-    if step != 1 or not (is_static(start) and is_static(end)):
-        return None
-    start, end = (x + full if x < 0 else x for x in (start, end))
-    return max(0, min(start, full)), max(0, min(end, full))
-
-
-def _is_guard(u: fx.Node) -> bool:
-    """The exported module's check of its inputs' shapes (it reads sizes, never values)."""
-    return u.op == "call_module" and str(u.target).startswith("_guards")
-
-
-def _unflattened_sequence_of_one(gj: list[int], dst: list[int], size: int) -> bool:
-    """``[b·s, N] -> [b, s, N]`` with s = 1 looks like one head of N (``[.., 1, N]``); a size-1 dim right
-    after the batch dim is the sequence (heads come after it: ``[b, s, 1, hd]``)."""
-    return len(gj) == 2 and gj[0] == 1 and dst[1] == 1 and dst[gj[1]] == size
-
-
-def column_segments(col: fx.Node, fp: Fingerprinter, tp: int, where: str) -> tuple[Segment, ...]:
-    """Decide how a column matmul's output is cut: plain, fused (segments), and heads per segment.
-
-    Looks ahead along the output: a split/chunk of the feature dim gives the segments of a fused
-    projection; the first view that splits each segment into [heads, head_dim] gives the unit of sharding.
-    """
-    n = fp.shape(col)[-1]
-    nd = _ndim(col)
-    found = _probe(col, nd - 1, n, fp, tp, where, 0)
-    if found is not None:
-        return found
-    return (Segment(n, parts_for(n, n, tp, f"{where}: output features")),)
-
-
-def _probe(node: fx.Node, dim: int, size: int, fp, tp, where, depth) -> tuple[Segment, ...] | None:
-    if depth > 12:
-        return None
-    nd = _ndim(node)
-    slices = [u for u in node.users if u.target is aten.slice.Tensor and normalize_dim(_arg(u, 1, "dim", 0), nd) == dim]
-    ranges = sorted((_slice_range(u, size), i) for i, u in enumerate(slices) if _slice_range(u, size) is not None)
-    if len(ranges) > 1 and len(ranges) == len(slices) and ranges[0][0][0] == 0 and ranges[-1][0][1] == size \
-            and all(a[0][1] == b[0][0] for a, b in zip(ranges, ranges[1:])):
-        segs = []  # offset slices that tile the dim: the segments of a fused projection, in order
-        for (lo, hi), i in ranges:
-            heads = _probe(slices[i], dim, hi - lo, fp, tp, where, depth + 1)
-            segs.append(heads[0] if heads else Segment(hi - lo, parts_for(hi - lo, hi - lo, tp, f"{where}: segment")))
-        return tuple(segs)
-    for u in node.users:
-        t = u.target
-        if t in _SPLITS and t is not aten.unbind.int:
-            d = normalize_dim(_arg(u, 2, "dim", 0), _ndim(node))
-            if d != dim:
-                continue
-            segs = []
-            getitems = {g.args[1]: g for g in u.users if g.target is operator.getitem}
-            for i, o in enumerate(u.meta["val"]):
-                sz = fp.shape(o)[d]
-                heads = _probe(getitems[i], d, sz, fp, tp, where, depth + 1) if i in getitems else None
-                segs.append(heads[0] if heads else Segment(sz, parts_for(sz, sz, tp, f"{where}: segment {i}")))
-            return tuple(segs)
-        if t in _VIEWS:
-            src, dst = fp.shape(node), fp.shape(u)
-            for gi, gj in view_groups(src, dst):
-                gj_real = split_dims(gj, dst)
-                if dim in gi and _unflattened_sequence_of_one(gj_real, dst, size):
-                    return _probe(u, gj_real[1], size, fp, tp, where, depth + 1)
-                if dim in gi and len([i for i in gi if src[i] != 1]) == 1 and len(gj_real) == 2:
-                    n1, n2 = dst[gj_real[0]], dst[gj_real[1]]
-                    tiles = _tiling(_dim_slices(u, gj_real[0], 0), n1)
-                    if tiles:  # Falcon's multi-query [n_heads + 2, d] read by slices: q heads, one k, one v
-                        return tuple(Segment((hi - lo) * n2, parts_for(hi - lo, (hi - lo) * n2, tp, f"{where}: heads"))
-                                     for lo, hi in tiles)
-                if dim in gi and len([i for i in gi if src[i] != 1]) == 1 and len(gj_real) > 1:
-                    n1 = dst[gj_real[0]]
-                    if len(gj_real) > 2 and n1 < tp and _is_segment_dim(u, gj_real[1], 0):
-                        # Falcon's [n_kv, group + 2, d]: each kv group holds its own q heads, k and v
-                        raise Unshardable(u, f"a fused per-group layout {[dst[j] for j in gj_real]} has {n1} kv "
-                                             f"groups, fewer than tp={tp}: it shards at a tp that divides {n1}")
-                    if _is_segment_dim(u, gj_real[0], 0):
-                        n2 = dst[gj_real[1]]
-                        p = parts_for(n2, size // n1, tp, f"{where}: heads")
-                        return tuple(Segment(size // n1, p) for _ in range(n1))
-                    return (Segment(size, parts_for(n1, size, tp, f"{where}: heads")),)
-                if dim in gi and len(gj_real) == 1:
-                    return _probe(u, gj_real[0], size, fp, tp, where, depth + 1)
-            continue
-        if t in (aten.transpose.int, aten.permute.default, aten.unsqueeze.default):
-            nd = _ndim(node)
-            if t is aten.transpose.int:
-                a, b = normalize_dim(u.args[1], nd), normalize_dim(u.args[2], nd)
-                nd2 = b if dim == a else a if dim == b else dim
-            elif t is aten.permute.default:
-                nd2 = [normalize_dim(d, nd) for d in u.args[1]].index(dim)
-            else:
-                nd2 = dim + (dim >= normalize_dim(u.args[1], nd + 1))
-            r = _probe(u, nd2, size, fp, tp, where, depth + 1)
-            if r is not None:
-                return r
-        elif t in _SAME_SHAPE or (isinstance(t, torch._ops.OpOverload) and torch.Tag.pointwise in t.tags):
-            nd_u = _ndim(u)
-            if nd_u is None:
-                continue
-            r = _probe(u, dim + nd_u - _ndim(node), size, fp, tp, where, depth + 1)
-            if r is not None:
-                return r
-    return None
-
-
-def _dim_slices(node: fx.Node, dim: int, depth: int) -> list[fx.Node]:
-    """Slices of ``dim`` of ``node``, also behind whole slices of other dims (``f[:, :, :-2]``)."""
-    out, nd = [], _ndim(node)
-    if depth > 4:
-        return out
-    for u in node.users:
-        if u.target is not aten.slice.Tensor:
-            continue
-        d = normalize_dim(_arg(u, 1, "dim", 0), nd)
-        full = node.meta["val"].shape[d]
-        if d == dim:
-            out.append(u)
-        elif _slice_range(u, full) == (0, full) if isinstance(full, int) else _arg(u, 2, "start", 0) in (0, None) \
-                and _arg(u, 3, "end", None) in (None, sys.maxsize):
-            out += _dim_slices(u, dim, depth + 1)
-    return out
-
-
-def _tiling(slices: list[fx.Node], size: int) -> list[tuple[int, int]] | None:
-    """The ranges of step-1 slices that tile ``[0, size)`` into several pieces, in order; else None."""
-    ranges = sorted({_slice_range(u, size) for u in slices})
-    if len(ranges) < 2 or None in ranges or ranges[0][0] != 0 or ranges[-1][1] != size \
-            or any(a[1] != b[0] for a, b in zip(ranges, ranges[1:])):
-        return None
-    return ranges
-
-
-def _is_segment_dim(node: fx.Node, dim: int, depth: int) -> bool:
-    """Is ``dim`` of ``node`` later taken apart (unbind/select/split)? Then it indexes q/k/v, not heads."""
-    if depth > 6:
-        return False
-    nd = _ndim(node)
-    for u in node.users:
-        t = u.target
-        if t is aten.unbind.int and normalize_dim(_arg(u, 1, "dim", 0), nd) == dim:
-            return True
-        if t is aten.select.int and normalize_dim(u.args[1], nd) == dim:
-            return True
-        if t in (aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default) and \
-                normalize_dim(_arg(u, 2, "dim", 0), nd) == dim:
-            return True
-        if t is aten.slice.Tensor:
-            full = node.meta["val"].shape[dim]
-            if normalize_dim(_arg(u, 1, "dim", 0), nd) == dim and isinstance(full, int) \
-                    and _slice_range(u, full) not in (None, (0, full)):
-                return True
-            if _is_segment_dim(u, dim, depth + 1):
-                return True
-        if t is aten.permute.default:
-            if _is_segment_dim(u, [normalize_dim(d, nd) for d in u.args[1]].index(dim), depth + 1):
-                return True
-        elif t is aten.transpose.int:
-            a, b = normalize_dim(u.args[1], nd), normalize_dim(u.args[2], nd)
-            if _is_segment_dim(u, b if dim == a else a if dim == b else dim, depth + 1):
-                return True
-        elif t in _SAME_SHAPE:
-            if _is_segment_dim(u, dim, depth + 1):
-                return True
-    return False

@@ -31,7 +31,7 @@ from autotp.passes import run_passes
 from autotp.plan import ParamShard, Plan, ShardedInput
 from autotp.planner import fused_segments, make_plan
 from autotp.rng import SEED_OFFSET, RegionRNG, bind_rng
-from autotp.shard_spec import block_index, shard_tensor
+from autotp.shard_spec import local_indices, local_pieces, shard_tensor
 from autotp.vocab_ops import bind_vocab
 
 
@@ -259,16 +259,14 @@ def _shard_buffers_in_place(model: nn.Module, st: TPState, plan: Plan) -> None:
 
 
 def _sum_replicated_grads(st: TPState, param: nn.Parameter, shard: ParamShard) -> None:
-    """Blocks held by several ranks (kv heads < tp) get partial gradients there: sum them."""
+    """Blocks held by several ranks (kv heads < tp) get partial gradients there: sum them over those ranks."""
     ranks = dist.get_process_group_ranks(st.group)
-    pieces, offset = [], 0
-    for seg in shard.segments:
-        if seg.parts < st.tp:
-            members = [ranks[r] for r in range(st.tp)
-                       if block_index(seg.parts, st.tp, r) == block_index(seg.parts, st.tp, st.rank)]
-            sub = dist.new_group(members, use_local_synchronization=True)
-            pieces.append((offset, seg.local(), sub))
-        offset += seg.local()
+    first = [local_indices(shard.segments, st.tp, r) for r in range(st.tp)]  # global index of each local element
+    pieces = []
+    for p in local_pieces(shard.segments, st.tp):
+        if p.copies > 1:
+            members = [ranks[r] for r in range(st.tp) if first[r][p.start] == first[st.rank][p.start]]
+            pieces.append((p.start, p.length, dist.new_group(members, use_local_synchronization=True)))
     dim = shard.dim
 
     def hook(grad: torch.Tensor) -> torch.Tensor:

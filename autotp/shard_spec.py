@@ -4,6 +4,11 @@ A sharded dimension is a sequence of contiguous *segments* (one for a plain proj
 fused one). Every segment is cut into ``parts`` equal blocks. ``parts`` is the tp size, or less when the
 segment has fewer heads than ranks (grouped-query kv heads): then rank r holds block ``r // (tp // parts)``
 and each block is replicated on ``tp // parts`` ranks, as Megatron does.
+
+A *grouped* segment (``inner`` set) is G equal groups laid out alike, each the concatenation of the inner
+segments (Falcon's fused ``[n_kv, q heads of the group | k | v, d]``). Its blocks are whole groups; when the
+groups are fewer than the ranks, each group is held by ``tp // parts`` ranks that cut its inner segments
+among themselves (its q heads split, its k and v head on each of them).
 """
 from __future__ import annotations
 
@@ -16,9 +21,20 @@ import torch
 class Segment:
     size: int  # global length along the sharded dim
     parts: int  # distinct blocks; == tp unless heads are replicated
+    inner: tuple[Segment, ...] = ()  # a grouped segment: one group's layout, cut among the ranks sharing it
+
+    @property
+    def groups(self) -> int:
+        return self.size // sum(i.size for i in self.inner) if self.inner else 1
 
     def local(self) -> int:
+        if self.inner:
+            return self.groups // self.parts * sum(i.local() for i in self.inner)
         return self.size // self.parts
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Segment:
+        return cls(d["size"], d["parts"], tuple(cls.from_dict(i) for i in d.get("inner", ())))
 
 
 @dataclass(frozen=True)
@@ -35,6 +51,9 @@ class Sharding:
     segments: tuple[Segment, ...]
     inner: tuple[int, int] | None = None
     outer: bool = False
+    # a grouped layout viewed [.., groups, per-group width, d]: the per-group dim and its inner segments (in
+    # units of that dim), until slices read the q heads, k and v apart
+    group: tuple[int, tuple[Segment, ...]] | None = None
 
     @property
     def local_size(self) -> int:
@@ -64,10 +83,46 @@ def local_indices(segments: tuple[Segment, ...], tp: int, rank: int) -> torch.Te
     idx, offset = [], 0
     for seg in segments:
         b = block_index(seg.parts, tp, rank)
-        start = offset + b * seg.local()
-        idx.append(torch.arange(start, start + seg.local()))
+        if seg.inner:  # whole groups, or one group cut among the tp // parts ranks that share it
+            width, copies = seg.size // seg.groups, tp // seg.parts
+            per_block = seg.groups // seg.parts
+            inner = local_indices(seg.inner, copies, rank % copies)
+            idx += [offset + (b * per_block + g) * width + inner for g in range(per_block)]
+        else:
+            start = offset + b * seg.local()
+            idx.append(torch.arange(start, start + seg.local()))
         offset += seg.size
     return torch.cat(idx)
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A run of a rank's local slice that is one block of one (inner) segment: ``copies`` ranks hold it."""
+
+    start: int  # along the local dim
+    length: int
+    copies: int
+    leaf: int  # which (inner) segment, numbered in layout order across the segments
+
+
+def local_pieces(segments: tuple[Segment, ...], tp: int) -> list[Piece]:
+    """The blocks of a rank's local slice in local order, and how many ranks hold each (the same on every
+    rank). Norms count a block held by several ranks once; their gradients are summed over those ranks."""
+    out: list[Piece] = []
+    start = leaf = 0
+    for seg in segments:
+        if seg.inner:
+            copies = tp // seg.parts
+            for _ in range(seg.groups // seg.parts):
+                for i, sub in enumerate(local_pieces(seg.inner, copies)):
+                    out.append(Piece(start, sub.length, sub.copies, leaf + i))
+                    start += sub.length
+            leaf += len(seg.inner)
+        else:
+            out.append(Piece(start, seg.local(), tp // seg.parts, leaf))
+            start += seg.local()
+            leaf += 1
+    return out
 
 
 def shard_tensor(full: torch.Tensor, dim: int, segments: tuple[Segment, ...], tp: int, rank: int,
@@ -79,7 +134,7 @@ def shard_tensor(full: torch.Tensor, dim: int, segments: tuple[Segment, ...], tp
         return local.flatten(dim, dim + 1)
     if sum(s.size for s in segments) != full.shape[dim]:
         raise ValueError(f"segments {segments} do not cover dim {dim} of size {full.shape[dim]}")
-    if len(segments) == 1:
+    if len(segments) == 1 and not segments[0].inner:
         seg = segments[0]
         return full.narrow(dim, block_index(seg.parts, tp, rank) * seg.local(), seg.local()).clone()
     return full.index_select(dim, local_indices(segments, tp, rank).to(full.device)).contiguous()

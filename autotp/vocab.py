@@ -19,13 +19,14 @@ import torch.fx as fx
 from autotp.errors import ShardingError
 from autotp.analysis import Analysis
 from autotp.matmuls import ParamMatmul, module_path
-from autotp.propagate import _SAME_SHAPE, _VIEWS, Unshardable, _arg, _ndim, _Propagator
+from autotp.ops import SAME_SHAPE, VIEWS, Unshardable, arg_of, ndim_of
+from autotp.propagate import _Propagator
 from autotp.shapes import Fingerprinter, normalize_dim
 from autotp.shard_spec import Segment, Sharding, VocabLayout
 
 aten = torch.ops.aten
 
-_LAYOUT_OPS = _VIEWS | _SAME_SHAPE | {aten.flatten.using_ints, aten.slice.Tensor, aten.transpose.int,
+_LAYOUT_OPS = VIEWS | SAME_SHAPE | {aten.flatten.using_ints, aten.slice.Tensor, aten.transpose.int,
                                       aten.permute.default, aten.unsqueeze.default, aten.squeeze.dim}
 _NLL = {aten.nll_loss_nd.default, aten.nll_loss.default}
 
@@ -69,22 +70,22 @@ class _VocabPropagator(_Propagator):
         src = node.args[0] if node.args else None
         if t is aten.cross_entropy_loss.default:
             s = self.spec(src)
-            if s is None or _ndim(src) != 2 or s.dim != 1 or _arg(node, 2, "weight") is not None:
+            if s is None or ndim_of(src) != 2 or s.dim != 1 or arg_of(node, 2, "weight") is not None:
                 raise Unshardable(node, "cross-entropy is not over 2-D logits sharded on the class dim, or is weighted")
-            self.losses.append(LossFact(node, src, None, _arg(node, 3, "reduction", 1),
-                                        _arg(node, 4, "ignore_index", -100), _arg(node, 5, "label_smoothing", 0.0)))
+            self.losses.append(LossFact(node, src, None, arg_of(node, 3, "reduction", 1),
+                                        arg_of(node, 4, "ignore_index", -100), arg_of(node, 5, "label_smoothing", 0.0)))
             return
         if t in _NLL:
             s = self.spec(src)
             origin = self._log_softmax_of(src)
-            if s is None or origin is None or _ndim(src) != 2 or s.dim != 1 or _arg(node, 2, "weight") is not None:
+            if s is None or origin is None or ndim_of(src) != 2 or s.dim != 1 or arg_of(node, 2, "weight") is not None:
                 raise Unshardable(node, "nll_loss not over a log_softmax of the sharded logits")
-            self.losses.append(LossFact(node, origin.args[0], origin, _arg(node, 3, "reduction", 1),
-                                        _arg(node, 4, "ignore_index", -100), 0.0))
+            self.losses.append(LossFact(node, origin.args[0], origin, arg_of(node, 3, "reduction", 1),
+                                        arg_of(node, 4, "ignore_index", -100), 0.0))
             return
         if t in (aten.log_softmax.int, aten._log_softmax.default):
             s = self.spec(src)
-            if normalize_dim(node.args[1], _ndim(node)) == s.dim:
+            if normalize_dim(node.args[1], ndim_of(node)) == s.dim:
                 self.logprobs.add(node)
                 self.region.specs[node] = s
                 return
@@ -122,7 +123,7 @@ def _from_data(ids: fx.Node) -> bool:
 
 def _propagate_head(m: ParamMatmul, layout: VocabLayout, fp: Fingerprinter, tp: int) -> HeadFact:
     p = _VocabPropagator(fp, tp, m.module)
-    spec = Sharding(_ndim(m.node) - 1, (Segment(layout.padded(tp), tp),))
+    spec = Sharding(ndim_of(m.node) - 1, (Segment(layout.padded(tp), tp),))
     p.region.specs[m.node] = spec
     started = False
     output = None

@@ -30,7 +30,7 @@ import torch.fx as fx
 
 from autotp.collectives import ShardedNorm, ShardedReduction, StatAllReduce
 from autotp.plan import Plan
-from autotp.propagate import reduction_args
+from autotp.ops import reduction_args
 
 
 def sharded_stats(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:

@@ -15,10 +15,11 @@ from autotp.cli.shard import data_parallel, train_step
 from autotp.ckpt_io import latest_checkpoint, load_training_state, save_training_state
 from autotp.launch import init_distributed
 from models import gpt2, llama
+from pattern_models import build
 
 # GPT-2 with a vocabulary no tp divides (127 rows: padded at tp 2 and 4); Llama with 2 kv heads (replicated
-# at tp 4)
-MODELS = {"gpt2_padded": lambda: gpt2(vocab=127), "llama_gqa": llama}
+# at tp 4); Falcon's fused [2 kv groups, q heads + k + v, d] (whole groups at tp 2, split groups at tp 4)
+MODELS = {"gpt2_padded": lambda: gpt2(vocab=127), "llama_gqa": llama, "falcon_grouped": lambda: build("grouped_index")}
 SAVE_TP, BEFORE, AFTER = 2, 3, 3
 
 

@@ -138,6 +138,13 @@ def test_heads_not_divisible_name_module_sizes_and_tp():
     msg = str(e.value)
     assert "transformer.h.0.attn.c_attn" in msg and "3" in msg and "tp=2" in msg and "144" in msg
 
+    # fewer query heads than ranks (4 heads, tp 8): copies of a head would each be added by the row matmul
+    from pattern_models import build
+
+    model, args, kwargs = build("plain")
+    with pytest.raises(ShardingError, match=r"blocks.0.attn: the 64 features .* 4 blocks of heads, fewer than tp=8"):
+        make_plan(capture(model, args, kwargs)[0], 8)
+
 
 def test_gpt2_vocab_is_padded_to_equal_shards():
     plan = make_plan(_graph("gpt2_50257"), 2)

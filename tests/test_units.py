@@ -1,12 +1,14 @@
 """Pure unit tests: shard slicing, view grouping, Megatron's head-count rules, the Plan as data."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from autotp.errors import ShardingError
 from autotp.plan import Plan
-from autotp.propagate import parts_for
+from autotp.ops import parts_for
 from autotp.shapes import view_groups
 from autotp.shard_spec import Segment, Sharding, local_indices, shard_tensor, unshard_tensor
 
@@ -59,7 +61,7 @@ def test_head_rules_follow_megatron():
 
 def test_plan_is_immutable_json_data():
     from autotp.plan import Collective, LocalSlice, PairPlan, ParamShard, Stat
-    from autotp.propagate import Rewrite
+    from autotp.ops import Rewrite
 
     shard = ParamShard("column", "h.0.attn.c_attn", 0, (Segment(64, 2),) * 3, (192, 64), (96, 64))
     plan = Plan(tp=2, params=(("h.0.attn.c_attn.weight", shard),),
@@ -72,13 +74,35 @@ def test_plan_is_immutable_json_data():
                 stats=(Stat("mean_1", "mean", 0.5),),
                 buffers=(("h.0.attn.k_cache", ParamShard("column", "h.0.attn", 1, (Segment(4, 2),), (2, 4, 16, 8),
                                                          (2, 2, 16, 8))),))
+    grouped = ParamShard("column", "h.1.attn.qkv", 0, (Segment(192, 2, (Segment(64, 1), Segment(16, 1), Segment(16, 1))),),
+                         (192, 64), (96, 64))
+    plan = dataclasses.replace(plan, params=plan.params + (("h.1.attn.qkv.weight", grouped),))
     again = Plan.from_json(plan.to_json())
     assert again == plan
-    assert again.to_dict()["version"] == 3
+    assert again.to_dict()["version"] == 4
     with pytest.raises(Exception):
         plan.tp = 4  # frozen
     with pytest.raises(ValueError, match="version"):
         Plan.from_dict({**plan.to_dict(), "version": 99})
+
+
+def test_grouped_segments_cut_whole_groups_or_split_one_group_among_its_ranks():
+    """Falcon's [n_kv groups, 4 q heads + k + v, d=1]: at tp 4 each of the 2 groups is held by 2 ranks that split
+    its q heads and both hold its k and v; at tp 2 and 1 ranks hold whole groups."""
+    from autotp.shard_spec import Piece, local_indices, local_pieces
+
+    def grouped(parts, inner_parts):
+        return (Segment(12, parts, (Segment(4, inner_parts), Segment(1, 1), Segment(1, 1))),)
+
+    assert [local_indices(grouped(2, 2), 4, r).tolist() for r in range(4)] == [
+        [0, 1, 4, 5], [2, 3, 4, 5], [6, 7, 10, 11], [8, 9, 10, 11]]
+    assert [local_indices(grouped(2, 1), 2, r).tolist() for r in range(2)] == [list(range(6)), list(range(6, 12))]
+    assert local_indices(grouped(1, 1), 1, 0).tolist() == list(range(12))
+    assert grouped(2, 2)[0].local() == 4 and grouped(1, 1)[0].local() == 12
+    assert local_pieces(grouped(2, 2), 4) == [Piece(0, 2, 1, 0), Piece(2, 1, 2, 1), Piece(3, 1, 2, 2)]
+    assert [p.leaf for p in local_pieces(grouped(1, 1), 1)] == [0, 1, 2, 0, 1, 2]
+    w = torch.arange(12.0)
+    assert torch.equal(unshard_tensor([shard_tensor(w, 0, grouped(2, 2), 4, r) for r in range(4)], 0, grouped(2, 2), 4), w)
 
 
 def test_outer_sharding_cuts_heads_folded_under_the_batch():

@@ -1,0 +1,204 @@
+"""How a column matmul's output is cut: plain, fused into segments, and heads per segment.
+
+Read ahead of propagation along the projection's output: a split, chunk or offset slices of the feature
+dim give the segments of a fused projection (q | k | v, gate | up); the first view that splits a segment
+into ``[heads, head_dim]`` gives the unit of sharding; a view into ``[groups, per-group layout, d]`` read
+apart by slices gives a grouped segment (Falcon's ``[n_kv, q heads + k + v, d]``).
+"""
+from __future__ import annotations
+
+import operator
+import sys
+
+import torch
+import torch.fx as fx
+
+from autotp.errors import ShardingError
+from autotp.ops import (SAME_SHAPE, SPLITS, VIEWS, arg_of, ndim_of, slice_range,
+                        unflattened_sequence_of_one, parts_for, split_dims)
+from autotp.shapes import Fingerprinter, normalize_dim, view_groups
+from autotp.shard_spec import Segment
+
+aten = torch.ops.aten
+
+
+def column_segments(col: fx.Node, fp: Fingerprinter, tp: int, where: str) -> tuple[Segment, ...]:
+    """Decide how a column matmul's output is cut: plain, fused (segments), and heads per segment.
+
+    Looks ahead along the output: a split/chunk of the feature dim gives the segments of a fused
+    projection; the first view that splits each segment into [heads, head_dim] gives the unit of sharding.
+    """
+    n = fp.shape(col)[-1]
+    nd = ndim_of(col)
+    found = _probe(col, nd - 1, n, fp, tp, where, 0)
+    if found is not None:
+        return found
+    return (Segment(n, parts_for(n, n, tp, f"{where}: output features")),)
+
+
+def _probe(node: fx.Node, dim: int, size: int, fp, tp, where, depth) -> tuple[Segment, ...] | None:
+    if depth > 12:
+        return None
+    nd = ndim_of(node)
+    slices = [u for u in node.users if u.target is aten.slice.Tensor and normalize_dim(arg_of(u, 1, "dim", 0), nd) == dim]
+    ranges = sorted((slice_range(u, size), i) for i, u in enumerate(slices) if slice_range(u, size) is not None)
+    if len(ranges) > 1 and len(ranges) == len(slices) and ranges[0][0][0] == 0 and ranges[-1][0][1] == size \
+            and all(a[0][1] == b[0][0] for a, b in zip(ranges, ranges[1:])):
+        segs = []  # offset slices that tile the dim: the segments of a fused projection, in order
+        for (lo, hi), i in ranges:
+            heads = _probe(slices[i], dim, hi - lo, fp, tp, where, depth + 1)
+            segs.append(heads[0] if heads else Segment(hi - lo, parts_for(hi - lo, hi - lo, tp, f"{where}: segment")))
+        return tuple(segs)
+    for u in node.users:
+        t = u.target
+        if t in SPLITS and t is not aten.unbind.int:
+            d = normalize_dim(arg_of(u, 2, "dim", 0), ndim_of(node))
+            if d != dim:
+                continue
+            segs = []
+            getitems = {g.args[1]: g for g in u.users if g.target is operator.getitem}
+            for i, o in enumerate(u.meta["val"]):
+                sz = fp.shape(o)[d]
+                heads = _probe(getitems[i], d, sz, fp, tp, where, depth + 1) if i in getitems else None
+                segs.append(heads[0] if heads else Segment(sz, parts_for(sz, sz, tp, f"{where}: segment {i}")))
+            return tuple(segs)
+        if t in VIEWS:
+            src, dst = fp.shape(node), fp.shape(u)
+            for gi, gj in view_groups(src, dst):
+                gj_real = split_dims(gj, dst)
+                if dim in gi and unflattened_sequence_of_one(gj_real, dst, size):
+                    return _probe(u, gj_real[1], size, fp, tp, where, depth + 1)
+                if dim in gi and len([i for i in gi if src[i] != 1]) == 1 and len(gj_real) == 2:
+                    n1, n2 = dst[gj_real[0]], dst[gj_real[1]]
+                    tiles = _tiling(_dim_reads(u, gj_real[0], n1, 0), n1)
+                    if tiles:  # Falcon's multi-query [n_heads + 2, d] read by slices: q heads, one k, one v
+                        return tuple(Segment((hi - lo) * n2, parts_for(hi - lo, (hi - lo) * n2, tp, f"{where}: heads"))
+                                     for lo, hi in tiles)
+                if dim in gi and len([i for i in gi if src[i] != 1]) == 1 and len(gj_real) > 1:
+                    n1 = dst[gj_real[0]]
+                    grouped = _grouped(u, [dst[j] for j in gj_real], gj_real[1], size, tp, where) \
+                        if len(gj_real) > 2 and _is_segment_dim(u, gj_real[1], 0) else None
+                    if grouped is not None:  # Falcon's [n_kv, group + 2, d]: each kv group's q heads, k and v
+                        return (grouped,)
+                    if _is_segment_dim(u, gj_real[0], 0):
+                        n2 = dst[gj_real[1]]
+                        p = parts_for(n2, size // n1, tp, f"{where}: heads")
+                        return tuple(Segment(size // n1, p) for _ in range(n1))
+                    return (Segment(size, parts_for(n1, size, tp, f"{where}: heads")),)
+                if dim in gi and len(gj_real) == 1:
+                    return _probe(u, gj_real[0], size, fp, tp, where, depth + 1)
+            continue
+        if t in (aten.transpose.int, aten.permute.default, aten.unsqueeze.default):
+            nd = ndim_of(node)
+            if t is aten.transpose.int:
+                a, b = normalize_dim(u.args[1], nd), normalize_dim(u.args[2], nd)
+                nd2 = b if dim == a else a if dim == b else dim
+            elif t is aten.permute.default:
+                nd2 = [normalize_dim(d, nd) for d in u.args[1]].index(dim)
+            else:
+                nd2 = dim + (dim >= normalize_dim(u.args[1], nd + 1))
+            r = _probe(u, nd2, size, fp, tp, where, depth + 1)
+            if r is not None:
+                return r
+        elif t in SAME_SHAPE or (isinstance(t, torch._ops.OpOverload) and torch.Tag.pointwise in t.tags):
+            nd_u = ndim_of(u)
+            if nd_u is None:
+                continue
+            r = _probe(u, dim + nd_u - ndim_of(node), size, fp, tp, where, depth + 1)
+            if r is not None:
+                return r
+    return None
+
+
+def _grouped(view: fx.Node, dims: list[int], within: int, size: int, tp: int, where: str) -> Segment | None:
+    """A view ``[groups, per-group width, d]`` whose per-group dim is read apart by slices (several q heads, k,
+    v): a grouped segment. Ranks hold whole groups when tp divides the groups; with fewer groups than ranks
+    each group is held by tp / groups ranks that split its q heads and each hold its k and v. None when each
+    group is one head of each (``[n_heads, 3, d]``, also read by unbind): a contiguous cut by heads is already
+    right (and any other reading of a group reaches the row matmul as blocks fewer than tp, an error)."""
+    groups, width = dims[0], dims[1]
+    unit = size // (groups * width)  # elements per unit of the per-group dim (the head dim)
+    tiles = _tiling(_dim_reads(view, within, width, 0), width)
+    if tiles is None or all(hi - lo == 1 for lo, hi in tiles):
+        return None
+    parts = parts_for(groups, size, tp, f"{where}: kv groups")
+    copies = tp // parts
+    inner = []
+    for lo, hi in tiles:
+        n = hi - lo
+        if n % copies and n != 1:
+            raise ShardingError(f"{where}: {n} heads of each of {groups} kv groups do not divide among the "
+                                f"{copies} ranks that share a group (tp={tp})", hint=f"choose a tp that divides {groups}")
+        inner.append(Segment(n * unit, copies if n % copies == 0 else 1))
+    return Segment(size, parts, tuple(inner))
+
+
+def _dim_reads(node: fx.Node, dim: int, size: int, depth: int) -> list[tuple[int, int] | None]:
+    """The ranges of ``dim`` of ``node`` that slices, selects and splits read (None for one that is not a
+    static range), also behind whole slices of other dims (``f[:, :, :, :-2]``, ``f[:, :, :, g]``)."""
+    out, nd = [], ndim_of(node)
+    if depth > 4:
+        return out
+    for u in node.users:
+        t = u.target
+        if t is aten.select.int and normalize_dim(u.args[1], nd) == dim:
+            i = u.args[2]
+            out.append((i % size, i % size + 1) if isinstance(i, int) else None)
+        elif t in (aten.split.Tensor, aten.split_with_sizes.default) and normalize_dim(arg_of(u, 2, "dim", 0), nd) == dim:
+            start = 0
+            for o in u.meta["val"]:
+                out.append((start, start + o.shape[dim]) if isinstance(o.shape[dim], int) else None)
+                start += o.shape[dim]
+        if t is not aten.slice.Tensor:
+            continue
+        d = normalize_dim(arg_of(u, 1, "dim", 0), nd)
+        full = node.meta["val"].shape[d]
+        if d == dim:
+            out.append(slice_range(u, size))
+        elif slice_range(u, full) == (0, full) if isinstance(full, int) else arg_of(u, 2, "start", 0) in (0, None) \
+                and arg_of(u, 3, "end", None) in (None, sys.maxsize):
+            out += _dim_reads(u, dim, size, depth + 1)
+    return out
+
+
+def _tiling(reads: list[tuple[int, int] | None], size: int) -> list[tuple[int, int]] | None:
+    """The ranges read that tile ``[0, size)`` into several pieces, in order; else None."""
+    ranges = sorted(set(reads), key=lambda r: (-1, -1) if r is None else r)
+    if len(ranges) < 2 or None in ranges or ranges[0][0] != 0 or ranges[-1][1] != size \
+            or any(a[1] != b[0] for a, b in zip(ranges, ranges[1:])):
+        return None
+    return ranges
+
+
+def _is_segment_dim(node: fx.Node, dim: int, depth: int) -> bool:
+    """Is ``dim`` of ``node`` later taken apart (unbind/select/split)? Then it indexes q/k/v, not heads."""
+    if depth > 6:
+        return False
+    nd = ndim_of(node)
+    for u in node.users:
+        t = u.target
+        if t is aten.unbind.int and normalize_dim(arg_of(u, 1, "dim", 0), nd) == dim:
+            return True
+        if t is aten.select.int and normalize_dim(u.args[1], nd) == dim:
+            return True
+        if t in (aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default) and \
+                normalize_dim(arg_of(u, 2, "dim", 0), nd) == dim:
+            return True
+        if t is aten.slice.Tensor:
+            full = node.meta["val"].shape[dim]
+            if normalize_dim(arg_of(u, 1, "dim", 0), nd) == dim and isinstance(full, int) \
+                    and slice_range(u, full) not in (None, (0, full)):
+                return True
+            if _is_segment_dim(u, dim, depth + 1):
+                return True
+        if t is aten.permute.default:
+            if _is_segment_dim(u, [normalize_dim(d, nd) for d in u.args[1]].index(dim), depth + 1):
+                return True
+        elif t is aten.transpose.int:
+            a, b = normalize_dim(u.args[1], nd), normalize_dim(u.args[2], nd)
+            if _is_segment_dim(u, b if dim == a else a if dim == b else dim, depth + 1):
+                return True
+        elif t in SAME_SHAPE:
+            if _is_segment_dim(u, dim, depth + 1):
+                return True
+    return False
