@@ -321,12 +321,14 @@ def pattern_parity(kinds: list[str], steps: int = 3) -> dict:
                         else float(ref_params[n].grad is not None) for n, p in model.named_parameters())
         opt, ropt = (torch.optim.AdamW(m.parameters(), lr=1e-3, eps=1e-6) for m in (model, ref))
         diffs = [_max_diff(loss, rloss)]
-        for _ in range(steps):
+        for _ in range(steps):  # the loss of each step's forward, after the previous step's update
+            losses = []
             for o, m in ((opt, model), (ropt, ref)):
                 o.zero_grad()
-                m(*args)[1].backward()
+                losses.append(m(*args)[1])
+                losses[-1].backward()
                 o.step()
-            diffs.append(_max_diff(model(*args)[1], ref(*args)[1]))
+            diffs.append(_max_diff(*losses))
         st = autotp.tp_state(model)
         local = {n: p.numel() for n, p in model.named_parameters()}
         out[kind] = {
