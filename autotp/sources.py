@@ -5,8 +5,9 @@ dim into destination tensors (views into this rank's shards), so that a rank rea
 
 - :class:`SafetensorsSource`: a Hugging Face checkpoint folder (``model.safetensors``, or shards listed in
   ``model.safetensors.index.json``) or one ``.safetensors`` file. ``safe_open(...).get_slice(name)[...]``
-  copies a range out of the memory-mapped file; the file is opened per tensor, so the pages a read maps are
-  let go as soon as the tensor is done (a handle kept open keeps every page it touched in the process's RSS).
+  copies a range out of the memory-mapped file, :data:`CHUNK_BYTES` of the file's rows at a time, the file
+  opened for each: the pages a read maps are let go as soon as it is done (a handle kept open keeps every
+  page it touched in the process's RSS; a whole tensor's would add up to the largest tensor).
 - :class:`TorchFileSource`: a ``torch.save``'d state dict, opened with ``torch.load(mmap=True,
   weights_only=True)``: nothing is unpickled but tensors, and nothing is read until a slice is copied. The
   mapping is renewed after every :data:`REMAP_BYTES` read, for the same reason.
@@ -37,6 +38,7 @@ __all__ = ["DcpSource", "Piece", "SafetensorsSource", "Source", "TensorInfo", "T
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 REMAP_BYTES = 256 << 20
+CHUNK_BYTES = 16 << 20
 _ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
               "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
               "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
@@ -148,14 +150,22 @@ class SafetensorsSource(Source):
 
     def read(self, name: str, dim: int, pieces: list[Piece]) -> None:
         info = self._info[name]
-        # opened per tensor: closing it unmaps the pages this read touched
-        with self._open(str(self._files[name]), framework="pt") as f:
-            if not info.shape:
+        file = str(self._files[name])
+        if not info.shape:
+            with self._open(file, framework="pt") as f:
                 pieces[0].out.copy_(f.get_tensor(name))
-            else:
-                sl = f.get_slice(name)
-                for p in pieces:
-                    p.out.copy_(sl[_index(len(info.shape), dim, p)])
+        # a few rows at a time, the file opened for each: closing it unmaps the pages that read touched (the
+        # kernel maps whole pages and their neighbours, so a strided slice maps most of the rows it crosses)
+        row = info.dtype.itemsize * torch.Size(info.shape[1:]).numel()
+        step = max(1, CHUNK_BYTES // max(row, 1))
+        for p in pieces if info.shape else ():
+            lo, hi = (p.start, p.start + p.length) if dim == 0 else (0, info.shape[0])
+            for a in range(lo, hi, step):
+                b = min(a + step, hi)
+                index = list(_index(len(info.shape), dim, p))
+                index[0] = slice(a, b)
+                with self._open(file, framework="pt") as f:
+                    p.out.narrow(0, a - lo, b - a).copy_(f.get_slice(name)[tuple(index)])
         self._count(pieces, info.dtype)
 
 

@@ -123,3 +123,23 @@ def test_mismatched_checkpoints_fail_naming_the_keys(root) -> None:
         autotp.load_weights(bare, os.path.join(root, "llama", "hf"))
     with pytest.raises(CheckpointError, match="do not exist"):
         autotp.load_weights(llama, os.path.join(root, "nowhere"))
+
+
+def test_cli_shard_loads_weights_and_checks_them_before_launching(root, tmp_path) -> None:
+    import json
+
+    from typer.testing import CliRunner
+
+    from autotp.cli.main import app
+    from distributed import ROOT
+
+    nanogpt = os.path.join(ROOT, "examples", "nanogpt.py")
+    bad = CliRunner().invoke(app, ["shard", nanogpt, "--tp", "2", "--weights", os.path.join(root, "llama", "state.pt")])
+    assert bad.exit_code == 2 and "does not match the model" in bad.output and "missing" in bad.output, bad.output
+    out = tmp_path / "out"
+    result = CliRunner().invoke(app, ["shard", nanogpt, "--tp", "2", "--steps", "1", "--out", str(out), "--verify",
+                                      "--weights", os.path.join(root, "nanogpt", "model.safetensors")],
+                                env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["parity"]["ok"] and "(safetensors)" in summary["weights"], summary["weights"]
