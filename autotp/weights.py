@@ -12,7 +12,9 @@ prefix more or less than the model's (a Hugging Face base-model checkpoint, ``h.
 ``transformer.h.0...``); a fused parameter may be stored one key per segment (``name.segment{i}``, as
 autotp's checkpoints store it). Tied weights need one of their names. Any persistent tensor without a key,
 or a key that names nothing in the model, fails with one :class:`~autotp.errors.CheckpointError` listing
-both; so does a shape that differs. Non-persistent buffers keep the values the model's own code computed
+both; so does a shape that differs. Keys a model declares it does not own are skipped: Hugging Face models
+list them as patterns in ``_keys_to_ignore_on_load_unexpected`` (GPT-2's ``attn.bias`` masks, which
+checkpoints on the Hub still hold). Non-persistent buffers keep the values the model's own code computed
 (:mod:`autotp.empty`), unless the model was built wholly on meta and the checkpoint holds them.
 """
 from __future__ import annotations
@@ -117,9 +119,18 @@ def _names(items: list[str], limit: int = 8) -> str:
     return ", ".join(items[:limit]) + more
 
 
-def match(targets: list[Target], info: dict[str, TensorInfo], where: str) -> None:
+def _ignored(model: nn.Module) -> tuple[str, ...]:
+    """Patterns of checkpoint keys the model says it does not own (Hugging Face's declaration)."""
+    found: list[str] = []
+    for mod in model.modules():
+        found += [p for p in getattr(mod, "_keys_to_ignore_on_load_unexpected", None) or () if isinstance(p, str)]
+    return tuple(dict.fromkeys(found))
+
+
+def match(targets: list[Target], info: dict[str, TensorInfo], where: str, ignore: tuple[str, ...] = ()) -> None:
     """Set each target's checkpoint key and read dim; one CheckpointError for every name or shape that does
-    not fit."""
+    not fit. A key that names nothing in the model is not unexpected if it matches a pattern of ``ignore``
+    (``re.search``, as Hugging Face applies them)."""
     keys = set(info)
     segs = _segment_keys(keys)
     names = [n for t in targets for n in t.names]
@@ -134,7 +145,7 @@ def match(targets: list[Target], info: dict[str, TensorInfo], where: str) -> Non
         mapped = {rename(n) for n in t.names}
         used |= mapped | {k for m in mapped for k in segs.get(m, ())}
     missing = [t.names[0] for t in targets if t.key is None and t.persistent]
-    unexpected = sorted(keys - used)
+    unexpected = sorted(k for k in keys - used if not any(re.search(p, k) for p in ignore))
     if missing or unexpected:
         raise CheckpointError(
             f"{where} does not match the model: {len(missing)} missing"
@@ -161,6 +172,9 @@ def match(targets: list[Target], info: dict[str, TensorInfo], where: str) -> Non
 def _concat(shapes: list[tuple[int, ...]], t: Target) -> tuple[tuple[int, ...], int]:
     """The shape of segments joined along the fused dim (the plan's, else the one the model's shape shows)."""
     if t.fused is not None:
+        if len(shapes) != len(t.fused.segments) or \
+                any(len(s) <= t.fused.dim or s[t.fused.dim] != g.size for s, g in zip(shapes, t.fused.segments)):
+            return (len(shapes), *shapes[0]), 0  # segments other than the model's: reported as a mismatch
         dims = [t.fused.dim]
     else:
         dims = [d for d in range(len(t.full)) if sum(s[d] for s in shapes) == t.full[d]]
@@ -228,7 +242,7 @@ def check_weights(model: nn.Module, path: Path | str) -> Source:
     """Open ``path`` and match its names and shapes against ``model`` (any device, meta included); the
     source, or the CheckpointError loading would raise. Reads no tensor data."""
     source = open_source(path)
-    match(_targets(model), source.tensors(), str(path))
+    match(_targets(model), source.tensors(), str(path), _ignored(model))
     return source
 
 
@@ -250,7 +264,7 @@ def load_weights(model: nn.Module, path: Path | str, *, device: torch.device | s
     targets = _targets(model)
     source = open_source(path)
     info = source.tensors()
-    match(targets, info, str(path))
+    match(targets, info, str(path), _ignored(model))
     loaded = 0
     with torch.no_grad():
         for t in targets:

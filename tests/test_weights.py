@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from safetensors.torch import load_file, save_model
+from safetensors.torch import load_file, save_file, save_model
 
 import autotp
 from autotp.errors import CheckpointError
@@ -99,7 +99,11 @@ def test_unsharded_meta_model_reads_autotp_segments_and_hf_base_checkpoints(root
     loaded = autotp.load_weights(model, os.path.join(root, "nanogpt", "autotp"))  # q|k|v stored per segment
     assert loaded.kind == "dcp" and all(torch.equal(model.state_dict()[k], want[k]) for k in want)
     hub = build("gpt2")[0]
-    save_model(hub.transformer, str(tmp_path / "base.safetensors"))  # keys h.0..., no "transformer."
+    # as the Hub's GPT-2 stores it: base-model keys (h.0..., no "transformer."), and the causal masks the model
+    # no longer holds and declares it does not own (attn.bias)
+    state = {k: v.clone() for k, v in hub.transformer.state_dict().items()}
+    state.update({f"h.{i}.attn.bias": torch.ones(1, 1, 64, 64).tril() for i in range(2)})
+    save_file(state, str(tmp_path / "base.safetensors"))
     with autotp.empty_weights():
         fresh = build("gpt2", seed=3)[0]
     autotp.load_weights(fresh, tmp_path / "base.safetensors")
