@@ -11,8 +11,9 @@ Hugging Face's ``init_empty_weights(include_buffers=False)`` does for ``from_pre
 :func:`autotp.parallelize` of such a model (or of one built entirely under ``torch.device("meta")``)
 plans it on meta and allocates, uninitialised, only the local shard of each sharded parameter and the
 full replicated ones (:func:`allocate_meta`); :func:`autotp.load_weights` then fills them from a
-checkpoint, reading only this rank's slices. Buffers a model built wholly on meta left on meta must come
-from the checkpoint; until they have, the model refuses to run (:func:`check_materialized`).
+checkpoint, reading only this rank's slices. Until a load has given every tensor its values (and buffers a
+model built wholly on meta left on meta came from the checkpoint), the model refuses to run rather than
+compute with uninitialised memory (:func:`check_materialized`, :func:`mark_loaded`).
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ import torch.nn as nn
 from autotp.errors import ShardingError
 from autotp.plan import ParamShard
 
-__all__ = ["allocate_meta", "check_materialized", "empty_shard", "empty_weights"]
+__all__ = ["allocate_meta", "check_materialized", "empty_shard", "empty_weights", "mark_loaded"]
 
 
 @contextlib.contextmanager
@@ -81,12 +82,23 @@ def allocate_meta(model: nn.Module, device: torch.device) -> tuple[str, ...]:
     return tuple(n for n, b in model.named_buffers(remove_duplicate=False) if b.is_meta)
 
 
+def mark_loaded(model: nn.Module, names: set[str] | None = None) -> None:
+    """A load gave ``names`` (default: every tensor) of a model built on meta their values; buffers still on
+    meta keep waiting."""
+    st = model.__dict__.get("_autotp")
+    if st is None or not st.unloaded:
+        return
+    meta = {n for n, b in model.named_buffers(remove_duplicate=False) if b.is_meta}
+    st.unloaded = tuple(n for n in st.unloaded if n in meta or (names is not None and n not in names))
+
+
 def check_materialized(names: tuple[str, ...]) -> None:
-    """Refuse to run a model whose buffers are still on meta (built wholly on meta, not loaded yet)."""
+    """Refuse to run a model built on meta whose tensors have no values yet (not loaded, or buffers that
+    are still on meta)."""
     if names:
         more = f" (and {len(names) - 1} more)" if len(names) > 1 else ""
         raise ShardingError(
-            f"buffer {names[0]}{more} is still on the meta device: the model was built on meta and its "
-            "buffers have no values yet",
-            hint="build the model inside `with autotp.empty_weights():` so that its own code computes its buffers "
-                 "(rotary tables, masks), or load a checkpoint holding them with autotp.load_weights(model, path)")
+            f"{names[0]}{more} has no values yet: the model was built on the meta device and no checkpoint "
+            "gave it values (a buffer still on the meta device is not in the checkpoint)",
+            hint="load its weights with autotp.load_weights(model, path); build the model inside "
+                 "`with autotp.empty_weights():` so that its own code computes its buffers (rotary tables, masks)")

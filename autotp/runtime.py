@@ -67,7 +67,7 @@ class TPState:
     plans: dict[Hashable, Plan] = field(default_factory=dict)
     checked: set[Hashable] = field(default_factory=set)
     warned: set[tuple[str, str]] = field(default_factory=set)
-    unloaded: tuple[str, ...] = ()  # buffers of a model built wholly on meta that no checkpoint filled yet
+    unloaded: tuple[str, ...] = ()  # tensors of a model built on meta that no load gave values yet
 
     @property
     def plan(self) -> Plan:
@@ -210,7 +210,8 @@ def _build(model: nn.Module, st: TPState, args: tuple, kwargs: dict, key: Hashab
     if not st.shards and (plan.params or plan.buffers):
         _shard_in_place(model, st, plan)
         _shard_buffers_in_place(model, st, plan)
-    st.unloaded = allocate_meta(model, st.device)
+    # a model built on meta holds uninitialised memory until a load fills it: every name it had on meta
+    st.unloaded = tuple(dict.fromkeys([*st.unloaded, *empty, *allocate_meta(model, st.device)]))
     return _finish(model, st, gm, spec, key, plan)
 
 

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from autotp.empty import allocate_meta, check_materialized
+from autotp.empty import allocate_meta, check_materialized, mark_loaded
 from autotp.errors import CheckpointError, ShardingError
 from autotp.plan import ParamShard
 from autotp.shard_spec import block_index
@@ -278,9 +278,8 @@ def load_weights(model: nn.Module, path: Path | str, *, device: torch.device | s
             _read(source, t, _pieces(t, local, tp, rank), info)
             loaded += 1
         source.finish()
+    mark_loaded(model)
     unloaded = tuple(n for n, b in model.named_buffers(remove_duplicate=False) if b.is_meta)
-    if st is not None:
-        st.unloaded = unloaded
     try:
         check_materialized(unloaded)
     except ShardingError as exc:

@@ -92,6 +92,11 @@ def load_formats(root: str) -> dict:
         held = sum(p.numel() for p in model.parameters())  # allocated by parallelize, before any load
         r = {"tp": st.tp, "held": held, "full": sum(p.numel() for p in ref.parameters()), "formats": {},
              "kv_replicated": sorted(n for n, s in st.shards.items() if s.replicated_blocks(st.tp))}
+        try:  # uninitialised memory until a load: refused, not computed with
+            model(*args, **kwargs)
+            r["refused"] = ""
+        except autotp.ShardingError as exc:
+            r["refused"] = str(exc)
         for fmt, path in _formats(root, name):
             _scramble(model)
             loaded = autotp.load_weights(model, path)
