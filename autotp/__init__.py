@@ -2,11 +2,14 @@
 from __future__ import annotations
 
 from autotp.checkpoint import full_state_dict, load_full_state_dict
+from autotp.empty import empty_weights
 from autotp.data import broadcast_batch, check_same_inputs, dp_rank, dp_sampler, dp_size
+from autotp.export import save_weights
 from autotp.errors import AutotpError, CaptureError, InputMismatchError, ProcessGroupError, ShardingError
 from autotp.plan import Plan
 from autotp.gathered import GatheredOnUse
 from autotp.runtime import TPModule, TPState, parallelize, tp_state
+from autotp.weights import load_weights
 
 __all__ = [
     "AutotpError",
@@ -23,8 +26,11 @@ __all__ = [
     "dp_rank",
     "dp_sampler",
     "dp_size",
+    "empty_weights",
     "full_state_dict",
     "load_full_state_dict",
+    "load_weights",
     "parallelize",
+    "save_weights",
     "tp_state",
 ]

@@ -21,6 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from autotp.ckpt_safety import METADATA, read_metadata, safe_load
+from autotp.empty import mark_loaded
 from autotp.errors import CheckpointError
 from autotp.launch import RankContext
 from autotp.plan import ParamShard, Plan
@@ -86,6 +87,7 @@ def load_full_state_dict(module: torch.nn.Module, state_dict: Mapping[str, torch
                 raise ValueError(f"{name}: checkpoint shape {tuple(full.shape)} gives a local shard "
                                  f"{tuple(local.shape)}, the model holds {tuple(tensor.shape)} (tp={st.tp})")
             tensor.copy_(local)
+    mark_loaded(module, set(state_dict))
 
 
 def sharded_state_dict(tpm: torch.nn.Module, ctx: RankContext) -> dict[str, torch.Tensor]:
@@ -250,3 +252,4 @@ def load_checkpoint(tpm: torch.nn.Module, ctx: RankContext, path: Path | str) ->
     """Load a :func:`save_checkpoint` checkpoint into ``tpm``'s parameters in place (see
     :mod:`autotp.ckpt_safety`: nothing in the files is unpickled as arbitrary objects)."""
     safe_load({"model": sharded_state_dict(tpm, ctx)}, path)
+    mark_loaded(tpm)

@@ -41,6 +41,7 @@ import torch.distributed.checkpoint as dcp
 
 from autotp.checkpoint import sharded_state_dict
 from autotp.ckpt_safety import read_metadata, safe_load, verify_files
+from autotp.empty import mark_loaded
 from autotp.errors import CheckpointError
 from autotp.launch import RankContext
 from autotp.optim_state import optimizer_state, plain_data, restore
@@ -261,6 +262,7 @@ def load_training_state(path: Path | str, tpm: torch.nn.Module, optimizer: torch
     if rng:
         state["rng"] = rng
     safe_load(state, path, metadata=meta)
+    mark_loaded(tpm)
     if ostate is not None:
         restore(tpm, optimizer, ostate, info["optimizer"], str(path / INFO))
     _set_rng_state(tpm, ctx, rng)

@@ -4,6 +4,10 @@ A model file defines ``build_model()`` (or a module-level ``model``) and optiona
 ``path.py:factory`` names another callable (or module instance). A batch is a tuple of positional args,
 a dict of keyword args, or ``(args, kwargs)``. The loss is ``out.loss``, ``out["loss"]``, or the last
 element of a tuple output when that element is a 0-dim tensor.
+
+Models too big for one device use the same file: with ``autotp shard --weights PATH`` the ranks call the
+factory inside :func:`autotp.empty_weights` (parameters on meta, buffers computed by the model's own code),
+so a factory builds the model from its config and leaves the weights to ``--weights``.
 """
 from __future__ import annotations
 

@@ -24,6 +24,7 @@ from autotp.capture import capture, stand_ins
 from autotp.structure import Spec, call_key, flatten, unflatten
 from autotp.collectives import all_reduce, bind_collectives
 from autotp.data import check_same_inputs
+from autotp.empty import allocate_meta, check_materialized, empty_shard
 from autotp.errors import ProcessGroupError, ShardingError
 from autotp.gathered import GatheredOnUse, bind_outputs
 from autotp.grads import mark_sharded_grad, norm_info
@@ -66,6 +67,7 @@ class TPState:
     plans: dict[Hashable, Plan] = field(default_factory=dict)
     checked: set[Hashable] = field(default_factory=set)
     warned: set[tuple[str, str]] = field(default_factory=set)
+    unloaded: tuple[str, ...] = ()  # tensors of a model built on meta that no load gave values yet
 
     @property
     def plan(self) -> Plan:
@@ -123,6 +125,8 @@ class TPModule(nn.Module):
 
     def forward(self, *args, **kwargs):
         st: TPState = self.__dict__["_autotp"]
+        if st.unloaded:
+            check_materialized(st.unloaded)
         key = call_key(args, kwargs, self.training)
         if st.tp > 1 and (st.check_inputs or key not in st.checked):
             check_same_inputs(args, kwargs, st.group)  # before any rank computes with them
@@ -185,10 +189,14 @@ def _check_consistent(st: TPState, plan: Plan) -> None:
 
 def _build(model: nn.Module, st: TPState, args: tuple, kwargs: dict, key: Hashable) -> Captured:
     swap = None
-    if st.full:
-        # the model holds shards now: export sees full-size stand-ins for them
-        where = st.device if st.device.type == "cpu" else torch.device("meta")
-        swap = stand_ins(st.full, where)
+    # built on meta (autotp.empty_weights): no weights allocated yet
+    empty = {n: p for n, p in model.named_parameters(remove_duplicate=False) if p.is_meta}
+    if st.full or empty:
+        # the model holds shards (or no weights) now: export sees full-size stand-ins for them; on the CPU
+        # unless some buffer has no values (a model built wholly on meta)
+        on_cpu = st.device.type == "cpu" and not any(b.is_meta for b in model.buffers())
+        where = st.device if on_cpu else torch.device("meta")
+        swap = stand_ins({**st.full, **empty}, where)
         if where.type == "meta":
             swap.update(stand_ins({n: t for n, t in model.named_parameters(remove_duplicate=False)
                                    if n not in swap}, where))
@@ -202,6 +210,8 @@ def _build(model: nn.Module, st: TPState, args: tuple, kwargs: dict, key: Hashab
     if not st.shards and (plan.params or plan.buffers):
         _shard_in_place(model, st, plan)
         _shard_buffers_in_place(model, st, plan)
+    # a model built on meta holds uninitialised memory until a load fills it: every name it had on meta
+    st.unloaded = tuple(dict.fromkeys([*st.unloaded, *empty, *allocate_meta(model, st.device)]))
     return _finish(model, st, gm, spec, key, plan)
 
 
@@ -227,9 +237,12 @@ def _shard_in_place(model: nn.Module, st: TPState, plan: Plan) -> None:
             if id(p) not in new:
                 shard = by_id[id(p)]
                 with torch.no_grad():
-                    data = shard.shard(p.detach(), st.tp, st.rank)
-                    if data.is_meta or data.untyped_storage().data_ptr() == p.untyped_storage().data_ptr():
-                        data = data.clone()
+                    if p.is_meta:  # a model built on meta: this rank's shard, allocated, not initialised
+                        data = empty_shard(shard, p.dtype, st.device, st.rank)
+                    else:
+                        data = shard.shard(p.detach(), st.tp, st.rank)
+                        if data.untyped_storage().data_ptr() == p.untyped_storage().data_ptr():
+                            data = data.clone()
                 new[id(p)] = nn.Parameter(data, requires_grad=p.requires_grad)
                 meta = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"), requires_grad=p.requires_grad)
                 for name in names[id(p)]:
@@ -251,7 +264,8 @@ def _shard_buffers_in_place(model: nn.Module, st: TPState, plan: Plan) -> None:
             if b is None or id(b) not in by_id:
                 continue
             if id(b) not in new:
-                new[id(b)] = by_id[id(b)].shard(b, st.tp, st.rank)
+                new[id(b)] = by_id[id(b)].shard(b, st.tp, st.rank) if not b.is_meta else \
+                    torch.empty(by_id[id(b)].local_shape, dtype=b.dtype, device="meta")
                 for name in names[id(b)]:
                     st.shards[name] = by_id[id(b)]
                     st.full[name] = torch.empty(b.shape, dtype=b.dtype, device="meta")
@@ -325,8 +339,22 @@ def _swap_class(model: nn.Module) -> None:
     model.__class__ = cls
 
 
+def _device(model: nn.Module, group: dist.ProcessGroup, device: torch.device | str | None) -> torch.device:
+    """Where the model's tensors live; for a model built on meta, where its shards are allocated: ``device``,
+    else this rank's GPU when the group runs on nccl, else the CPU."""
+    first = next(iter([*model.parameters(), *model.buffers()]), None)
+    if first is not None and not first.is_meta:
+        return first.device
+    if device is not None:
+        return torch.device(device)
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def parallelize(model: nn.Module, *, tp_group: dist.ProcessGroup | None = None, example_inputs: object = None,
-                vocab_multiple: int = 1, compile: bool = False, check_inputs: bool = False) -> nn.Module:
+                vocab_multiple: int = 1, compile: bool = False, check_inputs: bool = False,
+                device: torch.device | str | None = None) -> nn.Module:
     """Shard ``model`` Megatron-style over ``tp_group``, in place, and return it.
 
     The model keeps its class (a subclass of it is swapped in), attributes and methods; its parameters
@@ -342,13 +370,16 @@ def parallelize(model: nn.Module, *, tp_group: dist.ProcessGroup | None = None, 
     ``compile=True`` runs each rewritten graph under ``torch.compile`` (see :mod:`autotp.compile`).
     ``check_inputs=True`` verifies on every call (not only the first of each signature) that all ranks of
     the group got the same inputs.
+
+    A model built on the meta device (inside :func:`autotp.empty_weights`, see :mod:`autotp.empty`) is
+    planned on meta; only this rank's shards and the replicated parameters are allocated, uninitialised,
+    on ``device`` (default: this rank's GPU under nccl, else the CPU), for :func:`autotp.load_weights`.
     """
     if isinstance(model.__dict__.get("_autotp"), TPState):
         raise ShardingError(f"{type(model).__name__} is already parallelized (tp={model.__dict__['_autotp'].tp})")
     group = _resolve_group(tp_group)
     tp, rank = dist.get_world_size(group), dist.get_rank(group)
-    first = next(iter([*model.parameters(), *model.buffers()]), None)
-    device = first.device if first is not None else torch.device("cpu")
+    device = _device(model, group, device)
     st = TPState(group, tp, rank, device, type(model), model.__dict__.get("forward"), vocab_multiple, compile,
                  check_inputs, RegionRNG(torch.initial_seed() + SEED_OFFSET + rank, device) if tp > 1 else None)
     args, kwargs = _split_example(example_inputs, _user_forward(model, st))

@@ -17,6 +17,12 @@ A checkpoint is checked before any rank starts, and loading it unpickles nothing
 Before any rank starts, the launching process imports the model file, builds the model on the meta device,
 captures the example batch and plans the sharding, so a broken file, a batch the model rejects or a size the
 tp degree does not divide fails at once with exit code 2.
+
+``--weights PATH`` is for models that do not fit one device: every rank calls ``build_model()`` inside
+``autotp.empty_weights()`` (parameters on meta, buffers computed by the model's own code), ``parallelize``
+allocates only its shards, and ``autotp.load_weights`` reads only its slices of PATH (a Hugging Face
+safetensors folder or file, an autotp/DCP checkpoint, a torch state-dict file). Names and shapes are checked
+against the model before any rank starts. No unsharded reference is built unless ``--verify`` is given.
 """
 from __future__ import annotations
 
@@ -63,6 +69,7 @@ class ShardJob:
     resume: bool = False
     save_every: int = 0
     compile: bool = False
+    weights: str | None = None  # load from this checkpoint into a model built on meta
 
 
 @dataclass(frozen=True)
@@ -102,6 +109,7 @@ class ShardReport:
     start_step: int = 0  # the step training resumed from (0: from scratch); ``losses`` are steps start_step+1...
     resumed_from: str | None = None
     resharded: str = ""  # what resuming did with the saved layout ("resumed from tp 2 → tp 4: ...")
+    weights: str = ""  # where the weights came from and what loading them cost (--weights)
     # TP communication of one step against Megatron's formula (README, "What a step costs"):
     # (direction, op, count, formula count, elements, formula elements, bytes) per kind, then the total
     comm: tuple[tuple, ...] = ()
@@ -206,15 +214,35 @@ def shard_worker(job: ShardJob) -> ShardReport | None:
         dist.destroy_process_group()
 
 
+def _build(mf: ModelFile, job: ShardJob, ctx: RankContext, args: tuple, kwargs: dict):
+    """(parallelized model, unsharded reference or None, unsharded bytes, what loading the weights cost)."""
+    torch.manual_seed(0)
+    if job.weights is None:
+        model = mf.build().to(ctx.device)
+        unsharded_bytes = _param_bytes(model)
+        reference = copy.deepcopy(model) if job.verify else None
+        tpm = autotp.parallelize(model, tp_group=ctx.tp_group(), example_inputs=(args, kwargs), compile=job.compile)
+        return tpm, reference, unsharded_bytes, ""
+    with autotp.empty_weights():  # parameters on meta: only this rank's shards are ever allocated
+        model = mf.build()
+    unsharded_bytes = _param_bytes(model)
+    reference = None
+    if job.verify:  # the unsharded model, whole on every rank: only for models that fit
+        reference = mf.build().to(ctx.device)
+        autotp.load_weights(reference, job.weights, device=ctx.device)
+    tpm = autotp.parallelize(model, tp_group=ctx.tp_group(), example_inputs=(args, kwargs), compile=job.compile,
+                             device=ctx.device)
+    loaded = autotp.load_weights(tpm, job.weights)
+    most = torch.tensor([loaded.bytes_read, loaded.seconds], dtype=torch.float64)
+    dist.all_reduce(most, op=dist.ReduceOp.MAX)
+    note = f"{job.weights} ({loaded.kind}): {_size(int(most[0]))} read per rank (most), {most[1]:.1f} s"
+    return tpm, reference, unsharded_bytes, note
+
+
 def _shard(job: ShardJob, ctx: RankContext) -> ShardReport | None:
     mf = load_model_file(job.model)
-    torch.manual_seed(0)
-    model = mf.build().to(ctx.device)
     args, kwargs = to_device(mf.example_batch(), ctx.device)
-    unsharded_bytes = _param_bytes(model)
-    reference = copy.deepcopy(model) if job.verify else None
-    tpm = autotp.parallelize(model, tp_group=ctx.tp_group(), example_inputs=(args, kwargs), compile=job.compile)
-    del model
+    tpm, reference, unsharded_bytes, weights = _build(mf, job, ctx, args, kwargs)
     parity = _verify(tpm, reference, args, kwargs, ctx.device) if reference is not None else None
     del reference
 
@@ -251,7 +279,7 @@ def _shard(job: ShardJob, ctx: RankContext) -> ShardReport | None:
         ranks=tuple(everyone), collectives=tuple((*key, n) for key, n in sorted(counts.items())),
         parity=parity, losses=tuple(losses), final_loss=final_loss,
         plan_path=str(plan_path), checkpoint_path=str(ckpt_path), start_step=start, resumed_from=resumed_from,
-        resharded=resharded,
+        resharded=resharded, weights=weights,
         comm=_comm_vs_formula(tpm, args, kwargs),
     )
     (out / "summary.json").write_text(json.dumps(report.to_dict(), indent=2))
@@ -290,11 +318,11 @@ def _eager_on_meta(mf: ModelFile, skeleton: torch.nn.Module, args: tuple, kwargs
                                   "<= its block size)") from exc
 
 
-def preflight(mf: ModelFile, tp: int) -> None:
+def preflight(mf: ModelFile, tp: int, weights: Path | None = None) -> None:
     """Build the model on the meta device, capture the example batch and plan for ``tp``, in this process.
 
     Raises the :class:`AutotpError` a rank would raise (the factory's or forward's own message, a size ``tp``
-    does not divide), before any rank starts. Failures that are not autotp's (a model that cannot be built or
+    does not divide, ``weights`` whose names or shapes do not fit the model), before any rank starts. Failures that are not autotp's (a model that cannot be built or
     traced on the meta device for reasons of its own) are left for the ranks to report.
     """
     from autotp.capture import capture
@@ -305,6 +333,10 @@ def preflight(mf: ModelFile, tp: int) -> None:
             model = mf.build()
     except ModelFileError:
         model = mf.build()  # the factory may need real tensors; if it fails here too, that is its message
+    if weights is not None:
+        from autotp.weights import check_weights
+
+        check_weights(model, weights)  # headers and metadata only
     args, kwargs = mf.example_batch()
     try:
         gm, _ = capture(model, args, kwargs, device=torch.device("cpu"))  # export computes nothing
@@ -355,7 +387,8 @@ def render(report: ShardReport, console: Console) -> None:
     summary.add_row("DP gradient sync", f"DDP all-reduce over {report.dp} replicas" if report.dp > 1 else "none (dp 1)")
     p = report.parity
     if p is None:
-        summary.add_row("parity vs unsharded", "skipped (--no-verify)")
+        why = "--weights: no whole copy of the model per rank unless --verify" if report.weights else "--no-verify"
+        summary.add_row("parity vs unsharded", f"skipped ({why})")
     else:
         loss = "n/a (no loss)" if p.loss_diff is None else f"{p.loss_diff:.2e}"
         verdict = "[green]pass[/green]" if p.ok else "[red]FAIL[/red]"
@@ -366,6 +399,8 @@ def render(report: ShardReport, console: Console) -> None:
         summary.add_row("resumed", f"from step {report.start_step} ({escape(report.resumed_from)})")
         if report.resharded:
             summary.add_row("layout", escape(report.resharded))
+    if report.weights:
+        summary.add_row("weights", escape(report.weights))
     if report.losses:
         summary.add_row("loss (dp replica 0)", " → ".join(f"{x:.4f}" for x in report.losses))
     summary.add_row("plan", escape(report.plan_path))
@@ -394,7 +429,11 @@ def shard(
     steps: int = typer.Option(3, "--steps", help="AdamW training steps after the parity check."),
     lr: float = typer.Option(1e-3, "--lr", help="AdamW learning rate."),
     out: Path = typer.Option(Path("autotp-out"), "--out", help="Folder for plan.json, summary.json, checkpoints."),
-    verify: bool = typer.Option(True, "--verify/--no-verify", help="Compare with the unsharded model first."),
+    verify: bool | None = typer.Option(None, "--verify/--no-verify", help="Compare with the unsharded model "
+                                       "first (default: yes, except with --weights)."),
+    weights: Path | None = typer.Option(None, "--weights", metavar="PATH", help="Build the model on the meta "
+                                        "device and load each rank's slices from PATH: a Hugging Face "
+                                        "safetensors folder or file, an autotp/DCP checkpoint, a torch file."),
     compile_: bool = typer.Option(False, "--compile", help="torch.compile the rewritten graphs."),
     resume: bool = typer.Option(False, "--resume", help="Continue from the latest complete checkpoint in --out "
                                 "(model, optimizer, step) up to --steps in total."),
@@ -421,7 +460,7 @@ def shard(
         abort(f"--out {out} exists and is not a folder", debug, code=USAGE_ERROR)
     spec = launch_spec(tp, dp, nnodes, node_rank, master_addr, master_port, debug, timeout, max_restarts, device)
     try:
-        preflight(load_model_file(model), tp)  # the file's own problems, before any process starts
+        preflight(load_model_file(model), tp, weights)  # the file's (and weights') problems, before any rank starts
     except AutotpError as exc:
         abort(str(exc), debug, code=USAGE_ERROR)
     try:
@@ -433,8 +472,9 @@ def shard(
                                    "starting from step 0", soft_wrap=True)
     path, factory = parse_spec(model)
     job = ShardJob(model=f"{path.resolve()}:{factory}" if factory else str(path.resolve()),
-                   steps=steps, lr=lr, out=str(out.resolve()), verify=verify, resume=resume, save_every=save_every,
-                   compile=compile_)
+                   steps=steps, lr=lr, out=str(out.resolve()), verify=weights is None if verify is None else verify,
+                   resume=resume, save_every=save_every, compile=compile_,
+                   weights=None if weights is None else str(weights.resolve()))
     try:
         results = launch(spec, shard_worker, job, quiet=not debug)
     except RankFailedError as exc:

@@ -1,0 +1,104 @@
+"""Models too big for one device: built without their weights, then given only this rank's shards.
+
+A model is built inside :func:`empty_weights`: its parameters are created on the meta device (no memory,
+and the model's initialisers, running on meta, compute nothing), while its buffers and plain tensor
+attributes (rotary tables, causal masks, ALiBi slopes) are computed for real, on the CPU, by the model's
+own ``__init__``. Buffers are small next to the weights, they are never in a checkpoint when they are
+non-persistent, and no rule outside the model's own code can rebuild them in general (a rotary table
+depends on the model's config and scaling scheme), so the model's code computes them. This is what
+Hugging Face's ``init_empty_weights(include_buffers=False)`` does for ``from_pretrained``.
+
+:func:`autotp.parallelize` of such a model (or of one built entirely under ``torch.device("meta")``)
+plans it on meta and allocates, uninitialised, only the local shard of each sharded parameter and the
+full replicated ones (:func:`allocate_meta`); :func:`autotp.load_weights` then fills them from a
+checkpoint, reading only this rank's slices. Until a load has given every tensor its values (and buffers a
+model built wholly on meta left on meta came from the checkpoint), the model refuses to run rather than
+compute with uninitialised memory (:func:`check_materialized`, :func:`mark_loaded`).
+"""
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+import torch.nn as nn
+
+from autotp.errors import ShardingError
+from autotp.plan import ParamShard
+
+__all__ = ["allocate_meta", "check_materialized", "empty_shard", "empty_weights", "mark_loaded"]
+
+
+@contextlib.contextmanager
+def empty_weights() -> Iterator[None]:
+    """Modules built inside get their parameters on the meta device; everything else is real.
+
+    ``with autotp.empty_weights(): model = LlamaForCausalLM(config)`` costs the buffers' memory only.
+    Parameters are moved to meta as they are registered (tied ones keep their identity), so any
+    initialiser that runs after registration runs on meta. While the block runs,
+    ``nn.Module.register_parameter`` is wrapped: build models in it from one thread at a time.
+    """
+    register = nn.Module.register_parameter
+
+    def on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        register(module, name, param)
+        if param is not None and not param.is_meta:
+            module._parameters[name] = type(param)(param.to("meta"), requires_grad=param.requires_grad)
+
+    nn.Module.register_parameter = on_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register
+
+
+def empty_shard(shard: ParamShard, dtype: torch.dtype, device: torch.device, rank: int) -> torch.Tensor:
+    """This rank's shard of a parameter, allocated and not initialised; vocab padding rows are zero (as
+    :func:`~autotp.shard_spec.vocab_shard` makes them), the owned rows are left for a loader to fill."""
+    data = torch.empty(shard.local_shape, dtype=dtype, device=device)
+    if shard.vocab is not None:
+        owned = shard.vocab.owned(rank)
+        data.narrow(shard.dim, owned, shard.local_shape[shard.dim] - owned).zero_()
+    return data
+
+
+def allocate_meta(model: nn.Module, device: torch.device) -> tuple[str, ...]:
+    """Give every parameter still on meta (the replicated ones of a meta model) an uninitialised tensor
+    of its full size on ``device``, ties kept; move such a model's real buffers to ``device``. Returns
+    the names of buffers still on meta (a model built wholly on meta: they must come from a checkpoint)."""
+    made: dict[int, nn.Parameter] = {}
+    for mod in model.modules():
+        for leaf, p in list(mod._parameters.items()):
+            if p is not None and p.is_meta:
+                if id(p) not in made:
+                    made[id(p)] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device),
+                                               requires_grad=p.requires_grad)
+                mod._parameters[leaf] = made[id(p)]
+    moved: dict[int, torch.Tensor] = {}
+    for mod in model.modules() if made else ():
+        for leaf, b in list(mod._buffers.items()):
+            if b is not None and not b.is_meta and b.device != device:
+                mod._buffers[leaf] = moved.setdefault(id(b), b.to(device))
+    return tuple(n for n, b in model.named_buffers(remove_duplicate=False) if b.is_meta)
+
+
+def mark_loaded(model: nn.Module, names: set[str] | None = None) -> None:
+    """A load gave ``names`` (default: every tensor) of a model built on meta their values; buffers still on
+    meta keep waiting."""
+    st = model.__dict__.get("_autotp")
+    if st is None or not st.unloaded:
+        return
+    meta = {n for n, b in model.named_buffers(remove_duplicate=False) if b.is_meta}
+    st.unloaded = tuple(n for n in st.unloaded if n in meta or (names is not None and n not in names))
+
+
+def check_materialized(names: tuple[str, ...]) -> None:
+    """Refuse to run a model built on meta whose tensors have no values yet (not loaded, or buffers that
+    are still on meta)."""
+    if names:
+        more = f" (and {len(names) - 1} more)" if len(names) > 1 else ""
+        raise ShardingError(
+            f"{names[0]}{more} has no values yet: the model was built on the meta device and no checkpoint "
+            "gave it values (a buffer still on the meta device is not in the checkpoint)",
+            hint="load its weights with autotp.load_weights(model, path); build the model inside "
+                 "`with autotp.empty_weights():` so that its own code computes its buffers (rotary tables, masks)")

@@ -1,0 +1,150 @@
+"""Models built on meta and loaded straight into their shards (issue 12): Hugging Face safetensors (one file,
+a folder, a sharded index), torch.distributed.checkpoint and torch files, at tp 4, 2 and 1; outputs and one
+AdamW step against the unsharded model loaded the ordinary way; exports reloaded bit-identically."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from safetensors.torch import load_file, save_file, save_model
+
+import autotp
+from autotp.errors import CheckpointError
+from distributed import launch
+from models import gpt2
+from weights_workers import HF, MODELS, TOL, build, load_formats, reload_exports
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory) -> str:
+    """Each model (seed 0) saved the ordinary ways: Hugging Face ``save_pretrained`` (GPT-2 in 32 KiB shards
+    with an index, Llama in one file) or safetensors' ``save_model`` (nanoGPT, one file), ``torch.save`` of
+    its state dict, and ``dcp.save`` of it."""
+    root = tmp_path_factory.mktemp("weights")
+    for name in MODELS:
+        model = build(name)[0]
+        base = root / name
+        base.mkdir()
+        if name in HF:
+            model.save_pretrained(base / "hf", max_shard_size="32KB" if name == "gpt2" else "1GB")
+        else:
+            save_model(model, str(base / "model.safetensors"))
+        torch.save(model.state_dict(), base / "state.pt")
+        dcp.save(model.state_dict(), checkpoint_id=str(base / "dcp"), no_dist=True)
+    assert (root / "gpt2" / "hf" / "model.safetensors.index.json").is_file()
+    assert (root / "llama" / "hf" / "model.safetensors").is_file()
+    return str(root)
+
+
+@pytest.fixture(scope="module")
+def at_tp4(root) -> dict:
+    return launch(load_formats, 4, root)
+
+
+def test_meta_model_loads_every_format_at_tp4(at_tp4) -> None:
+    for rank, results in at_tp4.items():
+        for name, r in results.items():
+            assert r["tp"] == 4
+            assert r["held"] < r["full"] / 3, (name, r["held"], r["full"])  # only the local shards were allocated
+            assert "has no values yet" in r["refused"], r["refused"]
+            assert set(r["formats"]) == {"safetensors", "torch", "dcp"}
+            for fmt, f in r["formats"].items():
+                assert f["differ"] == [], (rank, name, fmt, f["differ"])
+                assert f["outputs"] <= TOL, (rank, name, fmt, f["outputs"])
+            bytes_read = {f["bytes"] for f in r["formats"].values()}
+            assert len(bytes_read) == 1, bytes_read  # each format reads exactly this rank's slices
+            assert r["step"]["loss"] <= TOL and r["step"]["params"] <= 1e-4, (rank, name, r["step"])
+            # 2 kv heads over 4 ranks: each k/v block is read (and held) by two ranks
+            assert (len(r["kv_replicated"]) == 4) == (name == "llama"), r["kv_replicated"]
+
+
+def test_exports_are_the_full_trained_model(root, at_tp4) -> None:
+    from transformers import AutoConfig
+
+    for name in MODELS:
+        base = os.path.join(root, name)
+        want = torch.load(os.path.join(base, "trained.pt"), weights_only=True)
+        files = sorted(os.listdir(os.path.join(base, "export")))
+        assert "model.safetensors.index.json" in files and len(files) > 2, files
+        written = {}
+        for f in files:
+            if f.endswith(".safetensors"):
+                written.update(load_file(os.path.join(base, "export", f)))
+        tied = {k for k in want if k not in written}
+        assert tied == ({"lm_head.weight"} if name != "llama" else set()), tied  # tied weights written once
+        assert all(torch.equal(written[k], want[k]) for k in written)
+        state = torch.load(os.path.join(base, "export.pt"), weights_only=True)
+        assert state.keys() == want.keys() and all(torch.equal(state[k], want[k]) for k in want)
+        if name in HF:  # Hugging Face reads the export as its own
+            AutoConfig.from_pretrained(os.path.join(base, "hf")).save_pretrained(os.path.join(base, "export"))
+            model = type(build(name)[0]).from_pretrained(os.path.join(base, "export"))
+            assert all(torch.equal(v, want[k]) for k, v in model.state_dict().items())
+
+
+def test_checkpoint_and_exports_reload_at_tp2_and_tp1(root, at_tp4) -> None:
+    for rank, results in launch(reload_exports, 2, root).items():
+        assert {tp for _, tp, _ in results} == {1, 2}
+        for (name, tp, fmt), r in results.items():
+            assert r["kind"] == {"autotp": "dcp", "export": "safetensors", "export.pt": "torch"}[fmt]
+            assert r["differ"] == [], (rank, name, tp, fmt, r["differ"])
+            assert r["outputs"] <= TOL, (rank, name, tp, fmt, r["outputs"])
+
+
+# -- one process, no group: unsharded models, names, errors ---------------------------------------------
+def test_unsharded_meta_model_reads_autotp_segments_and_hf_base_checkpoints(root, at_tp4, tmp_path) -> None:
+    want = torch.load(os.path.join(root, "nanogpt", "trained.pt"), weights_only=True)
+    with autotp.empty_weights():
+        model = build("nanogpt")[0]
+    loaded = autotp.load_weights(model, os.path.join(root, "nanogpt", "autotp"))  # q|k|v stored per segment
+    assert loaded.kind == "dcp" and all(torch.equal(model.state_dict()[k], want[k]) for k in want)
+    hub = build("gpt2")[0]
+    # as the Hub's GPT-2 stores it: base-model keys (h.0..., no "transformer."), and the causal masks the model
+    # no longer holds and declares it does not own (attn.bias)
+    state = {k: v.clone() for k, v in hub.transformer.state_dict().items()}
+    state.update({f"h.{i}.attn.bias": torch.ones(1, 1, 64, 64).tril() for i in range(2)})
+    save_file(state, str(tmp_path / "base.safetensors"))
+    with autotp.empty_weights():
+        fresh = build("gpt2", seed=3)[0]
+    autotp.load_weights(fresh, tmp_path / "base.safetensors")
+    assert all(torch.equal(v, hub.state_dict()[k]) for k, v in fresh.state_dict().items())
+
+
+def test_mismatched_checkpoints_fail_naming_the_keys(root) -> None:
+    with autotp.empty_weights():
+        llama = build("llama")[0]
+    with pytest.raises(CheckpointError) as e:
+        autotp.load_weights(llama, os.path.join(root, "nanogpt", "state.pt"))
+    text = str(e.value)
+    assert "missing (model.embed_tokens.weight" in text and "unexpected (transformer.h.0.attn.c_attn.bias" in text
+    with autotp.empty_weights():
+        wider = gpt2(vocab=128)[0]
+    with pytest.raises(CheckpointError, match=r"transformer.wte.weight is \(97, 64\) in the checkpoint, \(128, 64\)"):
+        autotp.load_weights(wider, os.path.join(root, "gpt2", "hf"))
+    with torch.device("meta"):  # wholly on meta: the rotary table has no values, and no checkpoint holds it
+        bare = build("llama")[0]
+    with pytest.raises(CheckpointError, match="model.rotary_emb.inv_freq .* has no values yet"):
+        autotp.load_weights(bare, os.path.join(root, "llama", "hf"))
+    with pytest.raises(CheckpointError, match="do not exist"):
+        autotp.load_weights(llama, os.path.join(root, "nowhere"))
+
+
+def test_cli_shard_loads_weights_and_checks_them_before_launching(root, tmp_path) -> None:
+    import json
+
+    from typer.testing import CliRunner
+
+    from autotp.cli.main import app
+    from distributed import ROOT
+
+    nanogpt = os.path.join(ROOT, "examples", "nanogpt.py")
+    bad = CliRunner().invoke(app, ["shard", nanogpt, "--tp", "2", "--weights", os.path.join(root, "llama", "state.pt")])
+    assert bad.exit_code == 2 and "does not match the model" in bad.output and "missing" in bad.output, bad.output
+    out = tmp_path / "out"
+    result = CliRunner().invoke(app, ["shard", nanogpt, "--tp", "2", "--steps", "1", "--out", str(out), "--verify",
+                                      "--weights", os.path.join(root, "nanogpt", "model.safetensors")],
+                                env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["parity"]["ok"] and "(safetensors)" in summary["weights"], summary["weights"]
