@@ -95,6 +95,18 @@ def local_indices(segments: tuple[Segment, ...], tp: int, rank: int) -> torch.Te
     return torch.cat(idx)
 
 
+def global_runs(segments: tuple[Segment, ...], tp: int, rank: int) -> list[tuple[int, int, int]]:
+    """Rank ``rank``'s slice as contiguous runs ``(global start, length, local start)``, in local order."""
+    idx = local_indices(segments, tp, rank).tolist()
+    runs: list[tuple[int, int, int]] = []
+    for at, i in enumerate(idx):
+        if runs and runs[-1][0] + runs[-1][1] == i:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1, runs[-1][2])
+        else:
+            runs.append((i, 1, at))
+    return runs
+
+
 @dataclass(frozen=True)
 class Piece:
     """A run of a rank's local slice that is one block of one (inner) segment: ``copies`` ranks hold it."""

@@ -31,7 +31,7 @@ import torch.nn as nn
 from autotp.empty import allocate_meta, check_materialized, mark_loaded
 from autotp.errors import CheckpointError, ShardingError
 from autotp.plan import ParamShard
-from autotp.shard_spec import block_index
+from autotp.shard_spec import global_runs
 from autotp.sources import Piece, Source, TensorInfo, open_source
 
 __all__ = ["Loaded", "Target", "check_weights", "load_weights", "match"]
@@ -195,13 +195,8 @@ def _pieces(t: Target, local: torch.Tensor, tp: int, rank: int) -> list[Piece]:
         owned = cut.vocab.owned(rank)
         local.narrow(cut.dim, owned, local.shape[cut.dim] - owned).zero_()
         return [Piece(cut.vocab.start(rank), owned, local.narrow(cut.dim, 0, owned))] if owned else []
-    pieces, offset, at = [], 0, 0
-    for seg in cut.segments:
-        start = offset + block_index(seg.parts, tp, rank) * seg.local()
-        pieces.append(Piece(start, seg.local(), local.narrow(cut.dim, at, seg.local())))
-        offset += seg.size
-        at += seg.local()
-    return pieces
+    return [Piece(start, length, local.narrow(cut.dim, at, length))
+            for start, length, at in global_runs(cut.segments, tp, rank)]
 
 
 def _read(source: Source, t: Target, pieces: list[Piece], info: dict[str, TensorInfo]) -> None:
