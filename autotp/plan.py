@@ -16,6 +16,8 @@ from autotp.shard_spec import Segment, VocabLayout, shard_tensor, unshard_tensor
 
 PLAN_VERSION = 4
 _READS = (1, 2, 3, 4)  # version 1 plans have no gathered outputs or sharded inputs, 2 no statistics, 3 no sequence
+# the module the one gradient all-reduce of parameters applied to sequence slices is reported under
+SEQ_PARAMS = "(sequence-parallel parameters)"
 
 
 @dataclass(frozen=True)

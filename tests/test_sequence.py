@@ -10,7 +10,8 @@ import torch.fx as fx
 from autotp.capture import capture
 from autotp.collectives import ColumnGroup, EnterTP, LeaveTP
 from autotp.passes import run_passes
-from autotp.planner import SEQ_PARAMS, make_plan
+from autotp.plan import SEQ_PARAMS
+from autotp.planner import make_plan
 from autotp.seq_ops import AllGatherSeq, GatherSeq, ReduceScatterSeq, SeqColumnGroup, SliceSeq, SumGrads
 from distributed import launch
 from models import MODELS
