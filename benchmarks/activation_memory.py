@@ -26,17 +26,20 @@ Recomputed here for what is measured (:func:`formulas`):
   keeps the scaled float noise for backward, 4 bytes per element (CUDA's native_dropout keeps a 1-byte mask);
 - ``sdpa``: nanoGPT with ``F.scaled_dot_product_attention(is_causal=True)`` (attention dropout 0: CPU's fused
   kernel has none and falls back to the math path with it), which keeps no s×s scores: the 5·a·s/h term
-  goes, and it keeps its output O (4·s·b·h) and the log-sum-exp (4·a·s·b) instead;
+  goes, and it keeps its output O and the log-sum-exp (4·a·s·b) instead. O is laid out (b, s, a, d), so
+  ``y.transpose(1, 2).contiguous().view(B, T, C)`` copies nothing and the output projection's input is O
+  itself: the paper's projection-input term covers it;
 - ``matmul``: the example nanoGPT (attention written out, attention dropout 0.1): softmax output, dropout
   noise and dropout output, 4 + 4 + 4 = 12·a·s²·b, plus the bool causal mask masked_fill keeps (s² bytes,
   built in each layer, replicated);
 - LayerNorm keeps mean and rstd (2 · 4·s·b per norm), which the paper leaves out: included.
 
-So per layer, fp32, t ranks:
+So per layer, fp32, t ranks (72 = 2·32 + 4·2: the paper's 34 with its 2-byte terms doubled and its two
+masks at 4 bytes; TP keeps 24 = 2·8 + 4·2 of it whole, the paper's 10, and splits 48 = 2·24, its 24/t):
 
-    sdpa     unsharded  76·sbh + 4·asb + 16·sb
-             TP         24·sbh + 52·sbh/t + 4·asb/t + 16·sb
-             TP + SP    (76·sbh + 4·asb + 16·sb) / t
+    sdpa     unsharded  72·sbh + 4·asb + 16·sb
+             TP         24·sbh + 48·sbh/t + 4·asb/t + 16·sb
+             TP + SP    (72·sbh + 4·asb + 16·sb) / t
     matmul   unsharded  72·sbh + 12·as²b + s² + 16·sb
              TP         24·sbh + 48·sbh/t + 12·as²b/t + s² + 16·sb
              TP + SP    (72·sbh + 12·as²b + 16·sb) / t + s²
@@ -141,11 +144,11 @@ def formulas(b: int, s: int, h: int, a: int, t: int) -> dict[str, float]:
     """Per-layer bytes of the paper, recomputed for fp32, CPU dropout noise, fused or written-out attention
     (see the module docstring); t = 1 is the unsharded model."""
     sbh, asb, sb = s * b * h, a * s * b, s * b
-    sdpa_all = 76 * sbh + 4 * asb + 16 * sb
+    sdpa_all = 72 * sbh + 4 * asb + 16 * sb
     matmul_all = 72 * sbh + 12 * a * s * s * b + 16 * sb
     return {
         "sdpa/unsharded": sdpa_all,
-        "sdpa/tp": 24 * sbh + 52 * sbh / t + 4 * asb / t + 16 * sb,
+        "sdpa/tp": 24 * sbh + 48 * sbh / t + 4 * asb / t + 16 * sb,
         "sdpa/tp+sp": sdpa_all / t,
         "matmul/unsharded": matmul_all + s * s,
         "matmul/tp": 24 * sbh + 48 * sbh / t + 12 * a * s * s * b / t + s * s + 16 * sb,
