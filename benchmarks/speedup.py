@@ -1,13 +1,15 @@
 """Benchmark (not a test): does tensor parallelism pay off? autotp's step time against the unsharded model's.
 
-    python benchmarks/speedup.py [--tp 2] [--steps 20] [--warmup 3] [--compile] [--out benchmarks/results]
+    python benchmarks/speedup.py [--tp 2] [--steps 20] [--warmup 3] [--compile] [--sequence-parallel]
+                                 [--out benchmarks/results]
 
 Model: the example nanoGPT (4 layers, dim 256, 8 heads, vocab 8192, loss inside the model), batch 4 × 128,
 SGD. ``--tp`` gloo ranks on this machine, one intra-op thread each; every rank runs the unsharded model and
 autotp's, step by step interleaved (a barrier before each step), so both see the same machine load.
 
 Reported (rank 0; medians over ``--steps``):
-- speedup = unsharded step / autotp step, eager (and compiled with ``--compile``);
+- speedup = unsharded step / autotp step, eager (and compiled with ``--compile``, and with sequence
+  parallelism with ``--sequence-parallel``);
 - the limit: unsharded step / tp (each rank's share of the compute) + the step's own collectives timed
   alone in the same run (same kinds and sizes, back to back): the best a step without overlap can do;
 - a breakdown of one autotp step: time blocked in collectives (inside the collective calls and their
@@ -104,6 +106,9 @@ def worker(opts: dict) -> dict:
               "autotp": autotp.parallelize(copy.deepcopy(base), example_inputs=(idx, tgt))}
     if opts["compile"]:
         models["autotp_compiled"] = autotp.parallelize(copy.deepcopy(base), example_inputs=(idx, tgt), compile=True)
+    if opts.get("sequence_parallel"):
+        models["autotp_sp"] = autotp.parallelize(copy.deepcopy(base), example_inputs=(idx, tgt),
+                                                 sequence_parallel=True)
     opt = {k: torch.optim.SGD(m.parameters(), lr=1e-3) for k, m in models.items()}
 
     def step(name: str) -> float:
@@ -184,9 +189,10 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--compile", action="store_true")
+    ap.add_argument("--sequence-parallel", action="store_true")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     a = ap.parse_args()
-    opts = {"steps": a.steps, "warmup": a.warmup, "compile": a.compile}
+    opts = {"steps": a.steps, "warmup": a.warmup, "compile": a.compile, "sequence_parallel": a.sequence_parallel}
     r = launch(worker, a.tp, opts)[0]
     r["load_average"] = os.getloadavg()
     md = _markdown(r, opts)
