@@ -185,9 +185,14 @@ class _Sequence:
             if n in self.inside:
                 self.gather(n, f"read inside the tensor-parallel region of {self.inside[n]}")
                 continue
+            f = self.facts
+            marks = [len(x) for x in (f.slices, f.grads, f.enter_grads, f.sizes, f.random_nodes)]
             try:
                 d = self.visit(n)
-            except _Whole as e:
+            except _Whole as e:  # undo what the rule recorded before it gave up: n computes replicated
+                for x, m in zip((f.slices, f.grads, f.enter_grads, f.sizes, f.random_nodes), marks):
+                    del x[m:]
+                self.tuples.pop(n, None)
                 self.gather(n, str(e))
                 continue
             if d is not None:

@@ -296,7 +296,7 @@ def hf_generate(kinds: list[str], use_cache: bool, tmp: str | None = None) -> di
     return out
 
 
-def pattern_parity(kinds: list[str], steps: int = 3) -> dict:
+def pattern_parity(kinds: list[str], steps: int = 3, sequence_parallel: bool = False) -> dict:
     """Each attention/MLP spelling of tests/pattern_models.py: 3 AdamW steps against the unsharded model,
     the collectives of one step, and how much of each weight this rank holds."""
     import torch.distributed as dist
@@ -307,7 +307,7 @@ def pattern_parity(kinds: list[str], steps: int = 3) -> dict:
     out = {}
     for kind in kinds:
         ref, args, _ = build(kind)
-        model = autotp.parallelize(build(kind)[0], example_inputs=args)
+        model = autotp.parallelize(build(kind)[0], example_inputs=args, sequence_parallel=sequence_parallel)
         log = CollectiveLog()
         with log:
             _, loss = model(*args)
@@ -397,7 +397,13 @@ def sequence_parallel_parity(models: list[str], extras: bool = True) -> dict:
         "warnings": [str(w.message) for w in caught], "graphs": len(st.graphs),
     }
     out["dropout"] = _sequence_dropout()
+    out["patterns"] = pattern_parity(SEQUENCE_PATTERNS, sequence_parallel=True)
     return out
+
+
+# attention spellings whose pairs sequence parallelism must find the sequence of: rotary as complex numbers,
+# heads folded under the batch with ALiBi, q/k norms with grouped kv heads, attention and MLP side by side
+SEQUENCE_PATTERNS = ["rope_complex", "baddbmm_alibi", "gqa_qk_norm", "parallel"]
 
 
 def _sequence_dropout() -> dict:

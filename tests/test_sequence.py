@@ -15,6 +15,7 @@ from autotp.planner import make_plan
 from autotp.seq_ops import AllGatherSeq, GatherSeq, ReduceScatterSeq, SeqColumnGroup, SliceSeq, SumGrads
 from distributed import launch
 from models import MODELS
+from pattern_models import KINDS, S
 
 # model -> (b, s, h, layers, parameters applied to sequence slices: norms and row biases)
 SHAPES = {"nanogpt": (4, 32, 64, 2, (5 * 2 + 4) * 64), "gpt2": (4, 16, 64, 2, (5 * 2 + 4) * 64),
@@ -68,6 +69,20 @@ def test_plan_and_graph(name: str):
     if name != "llama":  # learned positions: this rank's slice
         (cut,) = _calls(gm, SliceSeq)
         assert cut.args[0].target is torch.ops.aten.embedding.default or cut.args[0].target.__name__.startswith("to")
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_attention_spellings_find_the_sequence(kind: str):
+    from pattern_models import build
+
+    model, args, _ = build(kind)
+    plan = make_plan(capture(model, args, {})[0], 2, sequence_parallel=True)
+    seq = plan.sequence
+    assert not seq.notes and not seq.gathers, (seq.notes, seq.gathers)
+    assert len(seq.leaves) == len(plan.pairs) + 1  # every pair's output and the embedding reduce-scatter
+    # every pair's input is gathered (side by side, attention and MLP each gather the one norm's output)
+    assert len(seq.enters) == sum(len(p.enter) for p in plan.pairs) + 1
+    assert {d for x in seq.leaves for d in [x.dim]} == {1}
 
 
 def test_without_sequence_parallel_the_plan_is_unchanged():
@@ -129,6 +144,10 @@ def test_sequence_parallel_parity(world: int):
         assert any("index" in g for g in o["gathers"])
         assert any("not divisible by tp" in w for w in o["warnings"])
         assert o["odd_length_calls"] and all(k == "all_reduce" for k, _, _ in o["odd_length_calls"])
+        for kind, p in r["patterns"].items():
+            assert p["loss_diff"] <= 1e-5 and p["grad_diff"] <= 1e-5 and p["param_diff"] <= 1e-5, (kind, p)
+            assert not p["replicated"], (kind, p["replicated"])
+            assert not [c for c in p["forward"] if c[0] == "all_reduce" and c[2] > 2 * S]  # only b·s-sized
         d = r["dropout"]
         assert d["split_random_ops"] == 1 + 2 * 2  # embedding dropout and two residual dropouts per layer
         assert d["masks_differ"] and d["default_stream_identical"]
