@@ -304,8 +304,8 @@ class Plan:
         stats = tuple(Stat(**x) for x in d.get("stats", ()))
         sequence = None if d.get("sequence") is None else SequencePlan.from_dict(d["sequence"])
         return cls(d["tp"], params, pairs, rewrites, collectives, tuple(d["random_nodes"]),
-                   tuple(tuple(r) for r in d["replicated"]), vocab, gathered, inputs, slices, stats, shards(d.get("buffers", {})),
-                   sequence, PLAN_VERSION)
+                   tuple(tuple(r) for r in d["replicated"]), vocab, gathered, inputs, slices, stats,
+                   shards(d.get("buffers", {})), sequence, PLAN_VERSION)
 
     @classmethod
     def from_json(cls, text: str) -> Plan:

@@ -7,8 +7,8 @@ import dataclasses
 
 from autotp.analysis import Analysis, analyze
 from autotp.matmuls import ParamMatmul, column_form, module_path
-from autotp.plan import (SEQ_PARAMS, Collective, GatheredOutput, LocalSlice, PairPlan, ParamShard, Plan, SeqEnter, SeqGather,
-                         SeqLeave, SeqSlice, SequencePlan, ShardedInput, Stat, VocabLoss, VocabPlan)
+from autotp.plan import (SEQ_PARAMS, Collective, GatheredOutput, LocalSlice, PairPlan, ParamShard, Plan, SeqEnter,
+                         SeqGather, SeqLeave, SeqSlice, SequencePlan, ShardedInput, Stat, VocabLoss, VocabPlan)
 from autotp.sequence import analyze_sequence
 from autotp.shard_spec import Segment, VocabLayout
 from autotp.vocab import VocabFacts, analyze_vocab

@@ -207,8 +207,8 @@ class _SeqColumns(torch.autograd.Function):
 
 
 class SeqColumnGroup(_Collective):
-    """The all-gather before column matmuls fused with them: ``(x, W₀, b₀, W₁, b₁, ..) -> (y₀, y₁, ..)`` with
-    x this rank's sequence slice. ``flatten``: the columns read the gathered input as (b·s, h) (GPT-2's
+    """The all-gather before column matmuls fused with them: ``(x, W₀, b₀, W₁, b₁, ..) -> (y₀, y₁, ..)``
+    with x this rank's sequence slice. ``flatten``: the columns read the gathered input as (b·s, h) (GPT-2's
     Conv1D). Under torch.compile: the all-gather then the matmuls, for Inductor to schedule."""
 
     def __init__(self, layouts: tuple[str, ...], dim: int, flatten: bool) -> None:

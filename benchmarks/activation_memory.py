@@ -221,7 +221,8 @@ def main() -> None:
     result = {
         "options": opts, "hidden": HIDDEN, "heads": HEADS, "dropout": DROPOUT, "rows": rows, "tp": tp,
         "within_tolerance": all(abs(r["ratio"] - 1) <= TOLERANCE for r in rows),
-        "sp_fraction": {str(r["t"]): r["vs_unsharded"] for r in rows if r["attention"] == "sdpa" and r["mode"] == "tp+sp"},
+        "sp_fraction": {str(r["t"]): r["vs_unsharded"] for r in rows
+                        if r["attention"] == "sdpa" and r["mode"] == "tp+sp"},
         "paper": {str(t): paper(a.batch, a.seq, HIDDEN, HEADS, t) for t in a.tp},
     }
     out = Path(a.out)

@@ -184,7 +184,8 @@ def comm_table(report: Report) -> Table:
     terms = "; ".join(f"{x.direction} {x.count}×{x.each} ({x.what})" for x in report.formula)
     if terms and any(x.kind != "all_reduce" for x in report.formula):
         table.caption = (f"Megatron-SP formula (Korthikanti et al. 2022; README 'Sequence parallelism'): {terms}. "
-                         f"A ring reduce-scatter or all-gather sends ≈ {(t - 1) / t:.2f}× the full tensor's bytes per rank.")
+                         f"A ring reduce-scatter or all-gather sends ≈ {(t - 1) / t:.2f}× the full tensor's bytes "
+                         "per rank.")
     elif terms:
         ring = 2 * (t - 1) / t
         table.caption = f"Megatron formula (Shoeybi et al. 2019; README 'What a step costs'): {terms}. A ring all-reduce sends ≈ {ring:.2f}× its bytes per rank."

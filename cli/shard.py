@@ -352,7 +352,8 @@ def render(report: ShardReport, console: Console) -> None:
     summary.add_column(style="bold")
     summary.add_column()
     for direction in ("forward", "backward"):
-        items = [f"{n} × {kind}" + (f"({op})" if op else "") for d, kind, op, n in report.collectives if d == direction]
+        items = [f"{n} × {kind}" + (f"({op})" if op else "")
+                 for d, kind, op, n in report.collectives if d == direction]
         summary.add_row(f"TP collectives / step, {direction}", ", ".join(items) or "none")
     summary.add_row("DP gradient sync", f"DDP all-reduce over {report.dp} replicas" if report.dp > 1 else "none (dp 1)")
     p = report.parity

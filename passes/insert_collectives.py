@@ -30,6 +30,16 @@ A
 vocab-parallel LM head is a column too: its input gets ``f``. A replicated value computed from parameters
 that meets sharded heads inside the pair (a per-head q/k norm's weight) gets ``f`` as well: each rank's
 gradient for it covers its own heads only.
+
+With sequence parallelism (``plan.sequence``) ``g`` is a reduce-scatter along the sequence, after the row or
+after the view that restores a flat row output's sequence dim, and ``f`` an all-gather of the sequence
+slice, fused with the columns (each keeps the name of the matmul it replaces, so an LM head's logits keep
+theirs)::
+
+    cols = autotp_seq_columns_0(ln, q_weight, None, k_weight, None, v_weight, None)   # ln: (b, s/t, h)
+    q, k, v = cols[0], cols[1], cols[2]                                               # (b, s, h/t) each
+    ...
+    out_sp = autotp_seq_leave_1(out)                                                  # (b, s/t, h)
 """
 from __future__ import annotations
 
