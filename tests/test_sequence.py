@@ -120,7 +120,7 @@ def test_sequence_parallel_parity(world: int):
         for name, (b, s, h, layers, sp_params) in SHAPES.items():
             m = r[name]
             assert m["loss_diff"] <= 1e-5 and m["logits_diff"] <= 1e-5 and m["grad_diff"] <= 1e-5, (name, m)
-            assert m["param_diff"] <= 1e-4, (name, m["param_diff"])
+            assert m["param_diff"] <= 1e-5, (name, m["param_diff"])  # after 3 AdamW steps
             bsh = b * s * h
             fwd = [c for c in m["forward_collectives"] if c[2] == bsh]
             bwd = [c for c in m["backward_collectives"] if c[2] == bsh]
