@@ -107,3 +107,15 @@ def _make(gm, node, kind, x, w, out_dim, b, tr) -> ParamMatmul | None:
     if weight.dim() != 2:
         return None
     return ParamMatmul(node, kind, x, w, out_dim, weight.shape[1 - out_dim], weight.shape[out_dim], b, tr)
+
+
+def column_form(gm: fx.GraphModule, c: fx.Node, x: fx.Node, params: set[str]) -> tuple[str, fx.Node, object] | None:
+    """(layout, weight node, bias node) of a column matmul reading ``x`` once in a plain form that a fused
+    column group computes itself (``linear``, ``addmm``, ``mm``/``matmul`` by a parameter or its transpose);
+    layout ``"out_in"`` for W stored [out, in], ``"in_out"`` for [in, out]. None otherwise."""
+    pm = match_param_matmul(gm, c, params)
+    if pm is None or pm.x is not x or c.kwargs or sum(a is x for a in c.args) != 1:
+        return None
+    weight = pm.transpose.args[0] if pm.transpose is not None else c.args[2 if pm.kind == "addmm" else 1]
+    bias = c.args[0] if pm.kind == "addmm" else c.args[2] if pm.kind == "linear" and len(c.args) > 2 else None
+    return ("out_in" if pm.out_dim == 0 else "in_out"), weight, bias

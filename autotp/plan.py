@@ -16,7 +16,10 @@ from autotp.shard_spec import (Segment, VocabLayout, local_pieces, shard_tensor,
                                vocab_unshard)
 
 PLAN_VERSION = 4
-_READS = (1, 2, 3, 4)  # 1: no gathered outputs or sharded inputs, 2: no statistics, 3: no grouped segments
+_READS = (1, 2, 3, 4)  # 1: no gathered outputs or sharded inputs, 2: no statistics, 3: no sequence parallelism
+# or grouped segments
+# the module the one gradient all-reduce of parameters applied to sequence slices is reported under
+SEQ_PARAMS = "(sequence-parallel parameters)"
 
 
 @dataclass(frozen=True)
@@ -51,8 +54,8 @@ class ParamShard:
 class Collective:
     """One collective of a forward/backward pass. ``elements`` is symbolic in batch and sequence."""
 
-    kind: str  # "all_reduce"
-    op: str  # "sum" | "max"
+    kind: str  # "all_reduce" | "reduce_scatter" | "all_gather"
+    op: str  # "sum" | "max" ("" for all_gather)
     direction: str  # "forward" | "backward"
     module: str
     node: str  # graph node the operator wraps
@@ -143,6 +146,99 @@ class Stat:
 
 
 @dataclass(frozen=True)
+class SeqLeave:
+    """A reduce-scatter along the sequence (all-gather backward) in place of ``source``'s all-reduce: after
+    ``node``, the row matmul or vocab-parallel embedding itself, or the view that gives a flat row output
+    its sequence dim back (GPT-2's ``[b·s, h] -> [b, s, h]``)."""
+
+    module: str
+    source: str
+    node: str
+    dim: int
+
+
+@dataclass(frozen=True)
+class SeqEnter:
+    """An all-gather along the sequence (reduce-scatter backward) of ``node`` in place of the ``f`` on ``x``,
+    the input of a pair's column matmuls or of an LM head: ``x`` is ``node`` itself or, with ``flatten``, its
+    ``[.., h] -> [N, h]`` view. ``regather``: fused with the matmuls, only the local slice is kept for
+    backward and gathered again there (one more all-gather backward)."""
+
+    module: str
+    x: str
+    node: str
+    dim: int
+    matmuls: tuple[str, ...] = ()  # the column / LM-head matmul nodes reading x
+    flatten: bool = False
+    regather: bool = False
+
+
+@dataclass(frozen=True)
+class SeqGather:
+    """``value`` (sequence-sharded) is all-gathered for ``consumers``, which need the whole sequence; from there
+    on they compute replicated (plain tensor parallelism). Backward: this rank's slice, no communication."""
+
+    value: str
+    dim: int
+    consumers: tuple[str, ...]
+    reason: str
+
+
+@dataclass(frozen=True)
+class SeqSlice:
+    """A replicated ``value`` meets sequence-sharded ones at ``consumer``: cut to this rank's slice along
+    ``dim``; its gradient is all-gathered backward when ``grad``."""
+
+    consumer: str
+    value: str
+    dim: int
+    grad: bool
+
+
+@dataclass(frozen=True)
+class SequencePlan:
+    """Sequence parallelism (Megatron-SP, Korthikanti et al. 2022) over the regions between the pairs.
+
+    ``length``: the graph input and dim that carry the sequence length (a call whose length tp does not
+    divide runs a plan without sequence parallelism). ``grads``: (consumer, parameter node) uses of
+    parameters on sequence slices, whose gradients are summed by one all-reduce; ``enter_grads``: the same
+    for values computed from parameters, each through its own ``f``. ``sizes``: (node, arg index, entry, dim)
+    sequence sizes of views and expands inside the regions, which become the local size (read from dim
+    ``dim`` of the node's input; -1 for expand's "keep"). ``notes``: where and why plain tensor parallelism
+    stays."""
+
+    length: tuple[str, int] | None = None
+    leaves: tuple[SeqLeave, ...] = ()
+    enters: tuple[SeqEnter, ...] = ()
+    gathers: tuple[SeqGather, ...] = ()
+    slices: tuple[SeqSlice, ...] = ()
+    grads: tuple[tuple[str, str], ...] = ()
+    enter_grads: tuple[tuple[str, str], ...] = ()
+    sizes: tuple[tuple[str, int, int, int], ...] = ()
+    notes: tuple[str, ...] = ()
+
+    def leave(self, source: str) -> SeqLeave | None:
+        return next((x for x in self.leaves if x.source == source), None)
+
+    def enter(self, x: str, matmul: str) -> SeqEnter | None:
+        return next((e for e in self.enters if e.x == x and matmul in e.matmuls), None)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> SequencePlan:
+        return cls(
+            length=None if d.get("length") is None else tuple(d["length"]),
+            leaves=tuple(SeqLeave(**x) for x in d.get("leaves", ())),
+            enters=tuple(SeqEnter(**{**x, "matmuls": tuple(x["matmuls"])}) for x in d.get("enters", ())),
+            gathers=tuple(SeqGather(**{**x, "consumers": tuple(x["consumers"])}) for x in d.get("gathers", ())),
+            slices=tuple(SeqSlice(**x) for x in d.get("slices", ())),
+            grads=tuple(tuple(x) for x in d.get("grads", ())),
+            enter_grads=tuple(tuple(x) for x in d.get("enter_grads", ())),
+            sizes=tuple(tuple(x) for x in d.get("sizes", ())),
+            notes=tuple(d.get("notes", ())),
+        )
+
+
+@dataclass(frozen=True)
 class Plan:
     tp: int
     params: tuple[tuple[str, ParamShard], ...] = ()
@@ -157,6 +253,7 @@ class Plan:
     local_slices: tuple[LocalSlice, ...] = ()
     stats: tuple[Stat, ...] = ()
     buffers: tuple[tuple[str, ParamShard], ...] = ()  # module buffers sharded like the values written into them
+    sequence: SequencePlan | None = None  # sequence parallelism, when asked for
     version: int = field(default=PLAN_VERSION)
 
     def param(self, name: str) -> ParamShard | None:
@@ -207,9 +304,10 @@ class Plan:
         slices = tuple(LocalSlice(x["consumer"], x["operand"], x["dim"], seg(x["segments"]), x.get("outer", False))
                        for x in d.get("local_slices", ()))
         stats = tuple(Stat(**x) for x in d.get("stats", ()))
+        sequence = None if d.get("sequence") is None else SequencePlan.from_dict(d["sequence"])
         return cls(d["tp"], params, pairs, rewrites, collectives, tuple(d["random_nodes"]),
-                   tuple(tuple(r) for r in d["replicated"]), vocab, gathered, inputs, slices, stats, shards(d.get("buffers", {})),
-                   PLAN_VERSION)
+                   tuple(tuple(r) for r in d["replicated"]), vocab, gathered, inputs, slices, stats,
+                   shards(d.get("buffers", {})), sequence, PLAN_VERSION)
 
     @classmethod
     def from_json(cls, text: str) -> Plan:

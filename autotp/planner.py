@@ -3,12 +3,16 @@ from __future__ import annotations
 
 import torch.fx as fx
 
+import dataclasses
+
 from autotp.analysis import Analysis, analyze
-from autotp.matmuls import ParamMatmul, module_path
-from autotp.plan import (Collective, GatheredOutput, LocalSlice, PairPlan, ParamShard, Plan, ShardedInput, Stat,
-                         VocabLoss, VocabPlan)
+from autotp.matmuls import ParamMatmul, column_form, module_path
+from autotp.plan import (SEQ_PARAMS, Collective, GatheredOutput, LocalSlice, PairPlan, ParamShard, Plan, SeqEnter,
+                         SeqGather, SeqLeave, SeqSlice, SequencePlan, ShardedInput, Stat, VocabLoss, VocabPlan)
+from autotp.sequence import analyze_sequence
 from autotp.shard_spec import Segment, VocabLayout
 from autotp.vocab import VocabFacts, analyze_vocab
+
 
 
 def _shape(node: fx.Node) -> tuple[str, ...]:
@@ -116,15 +120,75 @@ def plan_from_analysis(gm: fx.GraphModule, a: Analysis, v: VocabFacts | None = N
     )
 
 
-def make_plan(gm: fx.GraphModule, tp: int, vocab_multiple: int = 1) -> Plan:
+def sequence_plan(gm: fx.GraphModule, a: Analysis, v: VocabFacts, plan: Plan) -> Plan:
+    """``plan`` with sequence parallelism: the pairs' and the embedding's all-reduces become reduce-scatters,
+    the inputs of column matmuls and LM heads are all-gathered (see :mod:`autotp.sequence`)."""
+    f = analyze_sequence(gm, a, v)
+    params = {n for n, _ in gm.named_parameters(remove_duplicate=False)}
+    rows = {p.row.node: p for p in a.pairs}
+    matmuls = {p.name: [c.node for c in p.columns] for p in a.pairs}
+    for h in v.heads:
+        matmuls[h.matmul.module] = [h.matmul.node]
+    dropped: set[tuple[str, str, str]] = set()  # (direction, module, node) of all-reduces that go
+    added: list[Collective] = []
+    leaves, enters, grads = [], [], [(c.name, x.name) for c, x in f.grads]
+    for module, source, node, dim in f.leaves:
+        leaves.append(SeqLeave(module, source.name, node.name, dim))
+        dropped.add(("forward", module, source.name))
+        added += [Collective("reduce_scatter", "sum", "forward", module, node.name, _shape(node)),
+                  Collective("all_gather", "", "backward", module, node.name, _shape(node))]
+        pair = rows.get(source)
+        if pair is not None and pair.row.bias is not None:  # added after the reduce-scatter, to s/t positions
+            bias = next(x for x in source.all_input_nodes if x.op == "get_attr" and x.target == pair.row.bias)
+            grads.append((source.name, bias.name))
+    for module, x, node, dim, flatten in f.enters:
+        users = [c for c in matmuls[module] if x in c.all_input_nodes]
+        regather = all(column_form(gm, c, x, params) for c in users)
+        enters.append(SeqEnter(module, x.name, node.name, dim, tuple(c.name for c in users), flatten, regather))
+        dropped.add(("backward", module, x.name))
+        added += [Collective("all_gather", "", "forward", module, node.name, _shape(node)),
+                  Collective("reduce_scatter", "sum", "backward", module, node.name, _shape(node))]
+        if regather:  # the input is gathered again for the weight gradients (Megatron keeps only s/t of it)
+            added.append(Collective("all_gather", "", "backward", module, node.name, _shape(node)))
+    gathers = []
+    for value, (dim, consumers, why) in f.gathers.items():
+        module = module_path(consumers[0]) or module_path(value) or "<root>"
+        gathers.append(SeqGather(value.name, dim, tuple(c.name for c in consumers), why))
+        added.append(Collective("all_gather", "", "forward", module, value.name, _shape(value)))
+    for consumer, value, dim, grad in f.slices:
+        if grad:
+            added.append(Collective("all_gather", "", "backward", module_path(value) or module_path(consumer),
+                                    value.name, _shape(value)))
+    if grads:
+        by_name = {n.name: n for n in gm.graph.nodes}
+        numel = sum(gm.get_parameter(by_name[g].target).numel() for g in dict.fromkeys(g for _, g in grads))
+        added.append(Collective("all_reduce", "sum", "backward", SEQ_PARAMS, grads[0][1], (str(numel),)))
+    for consumer, x in f.enter_grads:
+        added.append(Collective("all_reduce", "sum", "backward", module_path(consumer), x.name, _shape(x)))
+    kept = [c for c in plan.collectives if not (c.kind == "all_reduce" and (c.direction, c.module, c.node) in dropped)]
+    seq = SequencePlan(
+        length=(f.length[0].name, f.length[1]) if f.length is not None else None,
+        leaves=tuple(leaves), enters=tuple(enters), gathers=tuple(gathers),
+        slices=tuple(SeqSlice(c.name, x.name, d, g) for c, x, d, g in f.slices),
+        grads=tuple(grads), enter_grads=tuple((c.name, x.name) for c, x in f.enter_grads),
+        sizes=tuple((n.name, arg, i, d) for n, arg, i, d in f.sizes), notes=tuple(f.notes),
+    )
+    return dataclasses.replace(plan, collectives=tuple(kept + added), sequence=seq,
+                               random_nodes=plan.random_nodes + tuple(n.name for n in f.random_nodes))
+
+
+def make_plan(gm: fx.GraphModule, tp: int, vocab_multiple: int = 1, sequence_parallel: bool = False) -> Plan:
     """Analyze ``gm`` and plan its sharding for ``tp`` ranks (tp = 1 gives an empty plan).
 
     ``vocab_multiple``: round each rank's vocab rows up to this multiple (e.g. 64 on GPUs).
+    ``sequence_parallel``: split the regions between the pairs along the sequence (Megatron-SP).
     """
     if tp == 1:
         return Plan(tp=1)
     a = analyze(gm, tp)
-    return plan_from_analysis(gm, a, analyze_vocab(gm, a, tp, vocab_multiple))
+    v = analyze_vocab(gm, a, tp, vocab_multiple)
+    plan = plan_from_analysis(gm, a, v)
+    return sequence_plan(gm, a, v, plan) if sequence_parallel else plan
 
 
 def fused_segments(gm: fx.GraphModule) -> dict[str, ParamShard]:

@@ -21,7 +21,7 @@ from functools import lru_cache
 import sympy
 import torch
 
-from autotp.plan import Plan
+from autotp.plan import SEQ_PARAMS, Plan
 
 # Megatron's accounting (README, "What a step costs"): weights + gradients + Adam moments in mixed precision (or fp32 Adam) ≈ 16 bytes/param.
 TRAIN_BYTES_PER_PARAM = 16
@@ -64,6 +64,7 @@ class FormulaTerm:
     count: int
     each: str  # "b·s·h" or "b·s"
     elements: int | None  # per collective
+    kind: str = "all_reduce"  # "reduce_scatter" / "all_gather" with sequence parallelism
 
 
 @dataclass(frozen=True)
@@ -240,6 +241,8 @@ def elements(shape: tuple[str, ...], values: dict[str, int]) -> int | None:
 def _replicated_reason(name: str, plan: Plan, row_biases: set[str]) -> str:
     if plan.tp == 1:
         return "tp 1: nothing is sharded"
+    if name in row_biases and plan.sequence is not None and plan.sequence.leaves:
+        return "row-parallel bias: added once, after the reduce-scatter (its gradient summed over the group)"
     if name in row_biases:
         return "row-parallel bias: added once, after the all-reduce"
     for module, reason in plan.replicated:
@@ -303,12 +306,18 @@ def memory(rows: tuple[ParamRow, ...], tp: int) -> Memory:
 def _attach(plan: Plan) -> dict[tuple[str, str], str]:
     """(direction, node) -> the parameter-owning module a pair's collective sits next to."""
     out = {}
+    seq = plan.sequence
     for p in plan.pairs:
         row = plan.param(p.row_weight)
         out[("forward", p.row)] = row.module if row else p.module
         col = plan.param(p.column_weights[0]) if p.column_weights else None
         for node in p.enter:
             out[("backward", node)] = col.module if col else p.module
+        leave = seq.leave(p.row) if seq is not None else None
+        for e in [e for e in seq.enters if e.module == p.module and e.x in p.enter] if seq is not None else ():
+            out[("forward", e.node)] = out[("backward", e.node)] = col.module if col else p.module
+        if leave is not None:  # sequence parallelism: reduce-scatter forward, all-gather backward
+            out[("forward", leave.node)] = out[("backward", leave.node)] = row.module if row else p.module
     return out
 
 
@@ -318,6 +327,8 @@ def formula_terms(plan: Plan, b: int, s: int, h: int | None) -> tuple[FormulaTer
     if plan.tp == 1:
         return ()
     bsh = None if h is None else b * s * h
+    if plan.sequence is not None and plan.sequence.leaves:
+        return _sequence_terms(plan, b, s, bsh)
     two_l = len(plan.pairs)
     terms = [FormulaTerm("forward", "sum", "2L attention/MLP outputs", two_l, "b·s·h", bsh),
              FormulaTerm("backward", "sum", "2L attention/MLP inputs", two_l, "b·s·h", bsh)]
@@ -333,13 +344,39 @@ def formula_terms(plan: Plan, b: int, s: int, h: int | None) -> tuple[FormulaTer
     return tuple(t for t in terms if t.count)
 
 
+def _sequence_terms(plan: Plan, b: int, s: int, bsh: int | None) -> tuple[FormulaTerm, ...]:
+    """With sequence parallelism (Korthikanti et al. 2022): each all-reduce of b·s·h becomes a reduce-scatter
+    and an all-gather of the same tensor, in both passes; a column group that keeps only s/t of its input
+    gathers it again backward; the parameters applied to s/t positions have their gradients summed once."""
+    two_l = len(plan.pairs)
+    emb, heads = len(plan.vocab.embeddings), len(plan.vocab.heads)
+    regather = sum(e.regather for e in plan.sequence.enters)
+    terms = [FormulaTerm("forward", "sum", "2L attention/MLP outputs + embedding", two_l + emb, "b·s·h", bsh,
+                         "reduce_scatter"),
+             FormulaTerm("forward", "", "2L attention/MLP inputs + LM head", two_l + heads, "b·s·h", bsh, "all_gather"),
+             FormulaTerm("backward", "sum", "2L attention/MLP input gradients + LM head", two_l + heads, "b·s·h", bsh,
+                         "reduce_scatter"),
+             FormulaTerm("backward", "", "2L attention/MLP output gradients + embedding", two_l + emb, "b·s·h", bsh,
+                         "all_gather"),
+             FormulaTerm("backward", "", "inputs gathered again for the weight gradients", regather, "b·s·h", bsh,
+                         "all_gather")]
+    if plan.sequence.grads:
+        terms.append(FormulaTerm("backward", "sum", "gradients of parameters applied to s/t positions", 1,
+                                 "P_seq", None))
+    if plan.vocab.losses:
+        n = len(plan.vocab.losses)
+        terms += [FormulaTerm("forward", "max", "cross-entropy row max", n, "b·s", b * s),
+                  FormulaTerm("forward", "sum", "cross-entropy target logit + sum exp", 2 * n, "b·s", b * s)]
+    return tuple(t for t in terms if t.count)
+
+
 def comm_lines(rows: tuple[CollectiveRow, ...], terms: tuple[FormulaTerm, ...]) -> tuple[CommLine, ...]:
     keys = list(dict.fromkeys([*((r.direction, r.kind, r.op) for r in rows),
-                               *((t.direction, "all_reduce", t.op) for t in terms)]))
+                               *((t.direction, t.kind, t.op) for t in terms)]))
     lines = []
     for key in keys:
         mine = [r for r in rows if (r.direction, r.kind, r.op) == key]
-        theirs = [t for t in terms if (t.direction, "all_reduce", t.op) == key]
+        theirs = [t for t in terms if (t.direction, t.kind, t.op) == key]
         el = None if any(r.elements is None for r in mine) else sum(r.elements for r in mine)
         fel = None if any(t.elements is None for t in theirs) else sum(t.count * t.elements for t in theirs)
         lines.append(CommLine(*key, len(mine), sum(t.count for t in theirs), el, fel))
@@ -374,14 +411,23 @@ def build_report(plan: Plan, named_params: Iterable[tuple[str, torch.Tensor]], b
         notes.append(f"sizes {', '.join(sorted(unknown))} are neither batch nor sequence: "
                      "collectives using them have no element count")
     h = _hidden(plan, values)
-    terms = formula_terms(plan, b, s, h)
+    terms = _sized(formula_terms(plan, b, s, h), collectives)
     return Report(plan.tp, b, s, h, len(plan.pairs) / 2, roles, act_bytes, rows, tuple(collectives), terms,
                   comm_lines(tuple(collectives), terms), memory(rows, plan.tp), tuple(notes))
+
+
+def _sized(terms: tuple[FormulaTerm, ...], rows: list[CollectiveRow]) -> tuple[FormulaTerm, ...]:
+    """The size of the sequence-parallel parameters' gradient sum is the plan's own (norm widths and biases)."""
+    grads = [r.elements for r in rows if r.kind == "all_reduce" and r.module == SEQ_PARAMS]
+    return tuple(FormulaTerm(t.direction, t.op, t.what, t.count, t.each, grads[0] if grads else None, t.kind)
+                 if t.each == "P_seq" else t for t in terms)
 
 
 def _hidden(plan: Plan, values: dict[str, int]) -> int | None:
     """h: the last dim of a row-parallel output (the pair's forward all-reduce), else of the embedding's."""
     forward = {p.row for p in plan.pairs} | {n for n, _ in plan.vocab.embeddings}
+    if plan.sequence is not None:  # a reduce-scatter may follow a view of the row
+        forward |= {x.node for x in plan.sequence.leaves}
     for c in plan.collectives:
         if c.direction == "forward" and c.node in forward and c.shape:
             return evaluate(c.shape[-1], values)

@@ -43,6 +43,7 @@ class Captured:
     module: nn.Module  # the rewritten graph module (compiled when asked)
     out: Spec  # how to rebuild the forward's output around the graph's results
     local_inputs: tuple[tuple[int, ShardedInput], ...] = ()  # flat input index -> taken as its local shard
+    seq_length: tuple[int, int] | None = None  # sequence parallel: (flat input index, dim) of the length
 
 
 @dataclass
@@ -58,6 +59,7 @@ class TPState:
     vocab_multiple: int = 1
     compile: bool = False
     check_inputs: bool = False
+    sequence_parallel: bool = False
     rng: RegionRNG | None = None
     shards: dict[str, ParamShard] = field(default_factory=dict)  # every name of a sharded parameter
     # tp 1 only: how fused parameters divide into segments (q|k|v), which checkpoints name at every tp
@@ -135,9 +137,23 @@ class TPModule(nn.Module):
         if c is None:
             c = _build(self, st, args, kwargs, key)
         flat = flatten((args, kwargs))[0]
+        if c.seq_length is not None and flat[c.seq_length[0]].shape[c.seq_length[1]] % st.tp:
+            c = _whole_sequence(self, st, args, kwargs, key, flat[c.seq_length[0]].shape[c.seq_length[1]])
         for i, s in c.local_inputs:
             flat[i] = _local_input(flat[i], s, st)
         return unflatten(c.module(*flat), c.out)
+
+
+def _whole_sequence(model: nn.Module, st: TPState, args: tuple, kwargs: dict, key: Hashable, length: int) -> Captured:
+    """A call whose sequence length tp does not divide runs a plan without sequence parallelism (same
+    numbers, plain tensor parallelism's collectives), captured once for the signature."""
+    whole = (key, "whole sequence")
+    c = st.graphs.get(whole)
+    if c is None:
+        warnings.warn(f"autotp: sequence length {length} is not divisible by tp={st.tp}: calls like this one run "
+                      "without sequence parallelism (plain tensor parallelism, the same numbers)", stacklevel=3)
+        c = _build(model, st, args, kwargs, whole, sequence_parallel=False)
+    return c
 
 
 def _local_input(x: torch.Tensor, s: ShardedInput, st: TPState) -> torch.Tensor:
@@ -155,13 +171,17 @@ def _user_forward(model: nn.Module, st: TPState) -> Callable:
     return st.forward if st.forward is not None else st.base.forward.__get__(model)
 
 
-def _plan(model: nn.Module, st: TPState, gm: fx.GraphModule) -> Plan:
-    plan = make_plan(gm, st.tp, st.vocab_multiple)
+def _plan(model: nn.Module, st: TPState, gm: fx.GraphModule, sequence_parallel: bool) -> Plan:
+    plan = make_plan(gm, st.tp, st.vocab_multiple, sequence_parallel=sequence_parallel)
     for module, reason in plan.replicated:
         if (module, reason) not in st.warned:
             st.warned.add((module, reason))
             warnings.warn(f"autotp: {module or '<root>'} left replicated (exact, not sharded): {reason}",
                           stacklevel=4)
+    for note in plan.sequence.notes if plan.sequence is not None else ():
+        if ("sequence", note) not in st.warned:
+            st.warned.add(("sequence", note))
+            warnings.warn(f"autotp: sequence parallelism: {note}", stacklevel=4)
     return plan
 
 
@@ -187,7 +207,8 @@ def _check_consistent(st: TPState, plan: Plan) -> None:
         )
 
 
-def _build(model: nn.Module, st: TPState, args: tuple, kwargs: dict, key: Hashable) -> Captured:
+def _build(model: nn.Module, st: TPState, args: tuple, kwargs: dict, key: Hashable,
+           sequence_parallel: bool | None = None) -> Captured:
     swap = None
     # built on meta (autotp.empty_weights): no weights allocated yet
     empty = {n: p for n, p in model.named_parameters(remove_duplicate=False) if p.is_meta}
@@ -202,7 +223,7 @@ def _build(model: nn.Module, st: TPState, args: tuple, kwargs: dict, key: Hashab
                                    if n not in swap}, where))
             swap.update(stand_ins(dict(model.named_buffers(remove_duplicate=False)), where))
     gm, spec = capture(model, args, kwargs, forward=_user_forward(model, st), params=swap, device=st.device)
-    plan = _plan(model, st, gm)
+    plan = _plan(model, st, gm, st.sequence_parallel if sequence_parallel is None else sequence_parallel)
     if st.tp == 1 and not st.plans:
         st.segments = fused_segments(gm)
     _check_consistent(st, plan)
@@ -324,7 +345,9 @@ def _finish(model: nn.Module, st: TPState, gm: fx.GraphModule, spec: Spec, key: 
 
         run = compile_graph(gm)
     index = {n.name: i for i, n in enumerate(n for n in gm.graph.nodes if n.op == "placeholder")}
-    st.graphs[key] = Captured(run, spec, tuple((index[s.node], s) for s in plan.sharded_inputs))
+    seq = plan.sequence
+    length = (index[seq.length[0]], seq.length[1]) if seq is not None and seq.length and seq.leaves else None
+    st.graphs[key] = Captured(run, spec, tuple((index[s.node], s) for s in plan.sharded_inputs), length)
     st.plans[key] = plan
     return st.graphs[key]
 
@@ -354,7 +377,7 @@ def _device(model: nn.Module, group: dist.ProcessGroup, device: torch.device | s
 
 def parallelize(model: nn.Module, *, tp_group: dist.ProcessGroup | None = None, example_inputs: object = None,
                 vocab_multiple: int = 1, compile: bool = False, check_inputs: bool = False,
-                device: torch.device | str | None = None) -> nn.Module:
+                sequence_parallel: bool = False, device: torch.device | str | None = None) -> nn.Module:
     """Shard ``model`` Megatron-style over ``tp_group``, in place, and return it.
 
     The model keeps its class (a subclass of it is swapped in), attributes and methods; its parameters
@@ -368,6 +391,9 @@ def parallelize(model: nn.Module, *, tp_group: dist.ProcessGroup | None = None, 
     them, so a step that only uses the loss moves no b·s·V data. ``vocab_multiple`` rounds each rank's
     vocab rows up (e.g. 64 for tensor-core-friendly GEMMs on GPUs); the default pads only to ``ceil(V / tp)``.
     ``compile=True`` runs each rewritten graph under ``torch.compile`` (see :mod:`autotp.compile`).
+    ``sequence_parallel=True`` splits the regions between the column→row pairs (norms, dropout, residual
+    adds) along the sequence (Megatron-SP): reduce-scatter and all-gather in place of the all-reduces, the
+    activations there 1/tp the size; a call whose sequence length tp does not divide runs without it.
     ``check_inputs=True`` verifies on every call (not only the first of each signature) that all ranks of
     the group got the same inputs.
 
@@ -381,7 +407,7 @@ def parallelize(model: nn.Module, *, tp_group: dist.ProcessGroup | None = None, 
     tp, rank = dist.get_world_size(group), dist.get_rank(group)
     device = _device(model, group, device)
     st = TPState(group, tp, rank, device, type(model), model.__dict__.get("forward"), vocab_multiple, compile,
-                 check_inputs, RegionRNG(torch.initial_seed() + SEED_OFFSET + rank, device) if tp > 1 else None)
+                 check_inputs, sequence_parallel, RegionRNG(torch.initial_seed() + SEED_OFFSET + rank, device) if tp > 1 else None)
     args, kwargs = _split_example(example_inputs, _user_forward(model, st))
     training = model.training
     _swap_class(model)

@@ -1,6 +1,7 @@
 """Benchmark (not a test): does tensor parallelism pay off? autotp's step time against the unsharded model's.
 
-    python benchmarks/speedup.py [--tp 2] [--steps 20] [--warmup 3] [--compile] [--reorder] [--out benchmarks/results]
+    python benchmarks/speedup.py [--tp 2] [--steps 20] [--warmup 3] [--compile] [--reorder] [--sequence-parallel]
+                                 [--out benchmarks/results]
 
 Model: the example nanoGPT (4 layers, dim 256, 8 heads, vocab 8192, loss inside the model), batch 4 × 128,
 SGD. ``--tp`` gloo ranks on this machine, one intra-op thread each; every rank runs the unsharded model and
@@ -8,8 +9,9 @@ autotp's, step by step interleaved (a barrier before each step), so both see the
 
 Reported (rank 0; medians over ``--steps``):
 - speedup = unsharded step / autotp step, eager; with ``--compile`` also both compiled (the compiled
-  unsharded model is the compiled variant's baseline), and with ``--reorder`` autotp compiled with
-  Inductor's compute/communication reordering (``reorder_for_compute_comm_overlap``);
+  unsharded model is the compiled variant's baseline), with ``--reorder`` autotp compiled with Inductor's
+  compute/communication reordering (``reorder_for_compute_comm_overlap``), and with ``--sequence-parallel``
+  autotp with sequence parallelism;
 - the limit: unsharded step / tp (each rank's share of the compute) + the step's own collectives timed
   alone in the same run (same kinds and sizes, back to back): the best a step without overlap can do;
 - a breakdown of one autotp step: time blocked in collectives (inside the collective calls and their
@@ -116,6 +118,9 @@ def worker(opts: dict) -> dict:
             step_ready = models["autotp_compiled_reordered"]
             step_ready(idx, tgt)[1].backward()  # compile inside the patch (compilation is lazy)
             step_ready.zero_grad(set_to_none=True)
+    if opts.get("sequence_parallel"):
+        models["autotp_sp"] = autotp.parallelize(copy.deepcopy(base), example_inputs=(idx, tgt),
+                                                 sequence_parallel=True)
     opt = {k: torch.optim.SGD(m.parameters(), lr=1e-3) for k, m in models.items()}
 
     def step(name: str) -> float:
@@ -198,9 +203,11 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--compile", action="store_true")
     ap.add_argument("--reorder", action="store_true")
+    ap.add_argument("--sequence-parallel", action="store_true")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     a = ap.parse_args()
-    opts = {"steps": a.steps, "warmup": a.warmup, "compile": a.compile or a.reorder, "reorder": a.reorder}
+    opts = {"steps": a.steps, "warmup": a.warmup, "compile": a.compile or a.reorder, "reorder": a.reorder,
+            "sequence_parallel": a.sequence_parallel}
     r = launch(worker, a.tp, opts)[0]
     r["load_average"] = os.getloadavg()
     md = _markdown(r, opts)

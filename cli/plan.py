@@ -50,6 +50,11 @@ def _r(x: float | None) -> str:
     return "—" if x is None else f"{x:.2f}"
 
 
+def _kind(kind: str, op: str) -> str:
+    """``all-reduce(sum)``, ``reduce-scatter(sum)``, ``all-gather``."""
+    return kind.replace("_", "-") + (f"({op})" if op else "")
+
+
 def _shape(s: tuple[int, ...]) -> str:
     return "[" + ", ".join(str(d) for d in s) + "]"
 
@@ -114,7 +119,7 @@ def layer_table(report: Report, names: list[str]) -> Table:
             tied = [a for a in row.aliases if a.rpartition(".")[0] != module]
             notes = ([row.role] if row.role != role else []) + ([f"tied to {tied[0]}"] if tied else [])
             leaves.append(escape(leaf + (f" ({', '.join(notes)})" if notes else "")))
-        cs = [f"{_DIR.get(c.direction, c.direction)} {c.kind.replace('_', '-')}({c.op}) {c.shape} = {_n(c.elements)}"
+        cs = [f"{_DIR.get(c.direction, c.direction)} {_kind(c.kind, c.op)} {c.shape} = {_n(c.elements)}"
               for c in coll.get(module, [])]
         nxt = _LAYER.match(items[i + 1][0]) if i + 1 < len(items) else None
         here = _LAYER.match(module)
@@ -171,13 +176,17 @@ def comm_table(report: Report) -> Table:
         table.add_column(col, justify="left" if col in ("pass", "collective") else "right")
     lines = [*report.comm, report.total()]
     for i, c in enumerate(lines):
-        name = "all" if c.kind == "all" else f"{c.kind.replace('_', '-')}({c.op})"
+        name = "all" if c.kind == "all" else _kind(c.kind, c.op)
         direction = _DIR.get(c.direction, c.direction)
         size = None if c.elements is None else c.elements * report.act_bytes
         table.add_row(direction, name, str(c.count), str(c.formula_count), _r(c.count_ratio), _n(c.elements),
                       _n(c.formula_elements), _r(c.elements_ratio), _size(size), end_section=i == len(lines) - 2)
     terms = "; ".join(f"{x.direction} {x.count}×{x.each} ({x.what})" for x in report.formula)
-    if terms:
+    if terms and any(x.kind != "all_reduce" for x in report.formula):
+        table.caption = (f"Megatron-SP formula (Korthikanti et al. 2022; README 'Sequence parallelism'): {terms}. "
+                         f"A ring reduce-scatter or all-gather sends ≈ {(t - 1) / t:.2f}× the full tensor's bytes "
+                         "per rank.")
+    elif terms:
         ring = 2 * (t - 1) / t
         table.caption = f"Megatron formula (Shoeybi et al. 2019; README 'What a step costs'): {terms}. A ring all-reduce sends ≈ {ring:.2f}× its bytes per rank."
     return table
@@ -204,7 +213,7 @@ def _batch(mf, batch: int | None, seq: int | None) -> tuple[tuple, dict, int, in
 
 
 def make_report(model: str, tp: int, batch: int | None = None, seq: int | None = None,
-                vocab_multiple: int = 1):
+                vocab_multiple: int = 1, sequence_parallel: bool = False):
     """Load, build on meta, capture, plan, and compute the report; no printing.
 
     Returns ``(plan, report, names)``, ``names`` being every parameter name of the model in its order.
@@ -215,7 +224,7 @@ def make_report(model: str, tp: int, batch: int | None = None, seq: int | None =
         net = mf.build()
     # a module-level instance was built before the meta context: capture reads it without computing
     gm, _ = capture(net, args, kwargs, device=torch.device("cpu"))
-    plan = make_plan(gm, tp, vocab_multiple)
+    plan = make_plan(gm, tp, vocab_multiple, sequence_parallel=sequence_parallel)
     report = build_report(plan, net.named_parameters(remove_duplicate=False), b, s)
     _check_sizes(report, size_ranges(gm))
     names = [n for n, _ in net.named_parameters(remove_duplicate=False)]
@@ -248,6 +257,8 @@ def plan(
                                      "example batch's)."),
     seq: int | None = typer.Option(None, "--seq", help="Sequence length the numbers are for."),
     vocab_multiple: int = typer.Option(1, "--vocab-multiple", help="Round each rank's vocab rows up to this."),
+    sequence_parallel: bool = typer.Option(False, "--sequence-parallel", help="Split the norm/dropout/residual "
+                                           "regions along the sequence (Megatron-SP)."),
     json_out: Path | None = typer.Option(None, "--json", help="Write plan, layout and report as JSON here."),
     svg: Path | None = typer.Option(None, "--svg", help="Write the printed tables as an SVG picture here."),
     html: Path | None = typer.Option(None, "--html", help="Write the printed tables as HTML here."),
@@ -265,7 +276,7 @@ def plan(
     except (ValueError, TypeError) as exc:
         abort(str(exc), debug, code=USAGE_ERROR)
     try:
-        the_plan, report, names = make_report(model, tp, batch, seq, vocab_multiple)
+        the_plan, report, names = make_report(model, tp, batch, seq, vocab_multiple, sequence_parallel)
     except AutotpError as exc:  # model file, capture and sharding problems: the user's to fix
         abort(str(exc), debug, code=USAGE_ERROR)
 
@@ -296,12 +307,50 @@ def _console() -> Console:
     return console
 
 
+def sequence_table(the_plan, report: Report) -> Table | None:
+    """Where sequence parallelism splits, gathers and slices, beyond the pairs' own collectives."""
+    seq = the_plan.sequence
+    if seq is None:
+        return None
+    table = Table(title="sequence parallelism: regions between the pairs hold s/t positions per rank")
+    table.add_column("what", overflow="fold")
+    table.add_column("where", overflow="fold")
+    table.add_column("note", overflow="fold")
+    by_node = {(c.direction, c.kind, c.node): c for c in report.collectives}
+    for e in seq.enters:
+        c = by_node.get(("forward", "all_gather", e.node))
+        table.add_row("all-gather → columns", escape(f"{e.module} ({e.node})"),
+                      (f"{c.shape} = {_n(c.elements)}; " if c else "") + "reduce-scatter backward"
+                      + ("; only s/t kept, gathered again backward" if e.regather else ""))
+    for x in seq.leaves:
+        c = by_node.get(("forward", "reduce_scatter", x.node))
+        table.add_row("reduce-scatter", escape(f"{x.module} ({x.node})"),
+                      (f"{c.shape} = {_n(c.elements)}; " if c else "") + "all-gather backward")
+    for g in seq.gathers:
+        c = by_node.get(("forward", "all_gather", g.value))
+        table.add_row("all-gather → whole sequence", escape(f"{g.value} for {', '.join(g.consumers)}"),
+                      escape(g.reason + (f"; {c.shape} = {_n(c.elements)}" if c else "")))
+    for x in seq.slices:
+        table.add_row("slice (no communication)", escape(f"{x.value} at {x.consumer}, dim {x.dim}"),
+                      "all-gather of its gradient backward" if x.grad else "")
+    if seq.grads:
+        table.add_row("gradient all-reduce", f"{len(dict.fromkeys(p for _, p in seq.grads))} parameters",
+                      "norm weights and row biases see s/t positions: one all-reduce of all their gradients")
+    for note in seq.notes:
+        table.add_row("plain tensor parallelism", "", escape(note))
+    return table
+
+
 def render(console: Console, model: str, the_plan, report: Report, layout: RankLayout, names: list[str]) -> None:
-    console.print(f"[bold]{escape(model)}[/bold]: tp {report.tp}, {len(the_plan.pairs)} column→row pairs, "
+    sp = ", sequence parallel" if the_plan.sequence is not None and the_plan.sequence.leaves else ""
+    console.print(f"[bold]{escape(model)}[/bold]: tp {report.tp}{sp}, {len(the_plan.pairs)} column→row pairs, "
                   f"{len(the_plan.collectives)} collectives per step; {world_line(layout)}")
     console.print(rank_grid(layout))
     console.print(layer_table(report, names))
     console.print(replicated_table(report, the_plan.replicated))
+    seq = sequence_table(the_plan, report)
+    if seq is not None:
+        console.print(seq)
     console.print(totals_table(report, layout))
     console.print(comm_table(report))
     for note in report.notes:

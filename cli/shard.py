@@ -70,6 +70,7 @@ class ShardJob:
     save_every: int = 0
     compile: bool = False
     weights: str | None = None  # load from this checkpoint into a model built on meta
+    sequence_parallel: bool = False
 
 
 @dataclass(frozen=True)
@@ -111,7 +112,7 @@ class ShardReport:
     resharded: str = ""  # what resuming did with the saved layout ("resumed from tp 2 → tp 4: ...")
     weights: str = ""  # where the weights came from and what loading them cost (--weights)
     # TP communication of one step against Megatron's formula (README, "What a step costs"):
-    # (direction, op, count, formula count, elements, formula elements, bytes) per kind, then the total
+    # (direction, kind, op, count, formula count, elements, formula elements, bytes) per kind, then the total
     comm: tuple[tuple, ...] = ()
 
     def to_dict(self) -> dict:
@@ -221,7 +222,8 @@ def _build(mf: ModelFile, job: ShardJob, ctx: RankContext, args: tuple, kwargs: 
         model = mf.build().to(ctx.device)
         unsharded_bytes = _param_bytes(model)
         reference = copy.deepcopy(model) if job.verify else None
-        tpm = autotp.parallelize(model, tp_group=ctx.tp_group(), example_inputs=(args, kwargs), compile=job.compile)
+        tpm = autotp.parallelize(model, tp_group=ctx.tp_group(), example_inputs=(args, kwargs), compile=job.compile,
+                                 sequence_parallel=job.sequence_parallel)
         return tpm, reference, unsharded_bytes, ""
     with autotp.empty_weights():  # parameters on meta: only this rank's shards are ever allocated
         model = mf.build()
@@ -231,7 +233,7 @@ def _build(mf: ModelFile, job: ShardJob, ctx: RankContext, args: tuple, kwargs: 
         reference = mf.build().to(ctx.device)
         autotp.load_weights(reference, job.weights, device=ctx.device)
     tpm = autotp.parallelize(model, tp_group=ctx.tp_group(), example_inputs=(args, kwargs), compile=job.compile,
-                             device=ctx.device)
+                             sequence_parallel=job.sequence_parallel, device=ctx.device)
     loaded = autotp.load_weights(tpm, job.weights)
     most = torch.tensor([loaded.bytes_read, loaded.seconds], dtype=torch.float64)
     dist.all_reduce(most, op=dist.ReduceOp.MAX)
@@ -292,7 +294,7 @@ def _comm_vs_formula(tpm: autotp.TPModule, args: tuple, kwargs: dict) -> tuple[t
     if first is None or autotp.tp_state(tpm).tp == 1:
         return ()
     rep = build_report(autotp.tp_state(tpm).plan, tpm.named_parameters(remove_duplicate=False), first.shape[0], first.shape[1])
-    return tuple((c.direction, c.op, c.count, c.formula_count, c.elements, c.formula_elements,
+    return tuple((c.direction, c.kind, c.op, c.count, c.formula_count, c.elements, c.formula_elements,
                   None if c.elements is None else c.elements * rep.act_bytes) for c in [*rep.comm, rep.total()])
 
 
@@ -318,7 +320,7 @@ def _eager_on_meta(mf: ModelFile, skeleton: torch.nn.Module, args: tuple, kwargs
                                   "<= its block size)") from exc
 
 
-def preflight(mf: ModelFile, tp: int, weights: Path | None = None) -> None:
+def preflight(mf: ModelFile, tp: int, weights: Path | None = None, sequence_parallel: bool = False) -> None:
     """Build the model on the meta device, capture the example batch and plan for ``tp``, in this process.
 
     Raises the :class:`AutotpError` a rank would raise (the factory's or forward's own message, a size ``tp``
@@ -349,7 +351,7 @@ def preflight(mf: ModelFile, tp: int, weights: Path | None = None) -> None:
     except Exception:  # noqa: BLE001
         return
     try:
-        make_plan(gm, tp)
+        make_plan(gm, tp, sequence_parallel=sequence_parallel)
     except AutotpError:
         raise
     except Exception:  # noqa: BLE001 - not a user error autotp can explain; the ranks will show it in full
@@ -382,7 +384,8 @@ def render(report: ShardReport, console: Console) -> None:
     summary.add_column(style="bold")
     summary.add_column()
     for direction in ("forward", "backward"):
-        items = [f"{n} × {kind}({op})" for d, kind, op, n in report.collectives if d == direction]
+        items = [f"{n} × {kind}" + (f"({op})" if op else "")
+                 for d, kind, op, n in report.collectives if d == direction]
         summary.add_row(f"TP collectives / step, {direction}", ", ".join(items) or "none")
     summary.add_row("DP gradient sync", f"DDP all-reduce over {report.dp} replicas" if report.dp > 1 else "none (dp 1)")
     p = report.parity
@@ -408,14 +411,15 @@ def render(report: ShardReport, console: Console) -> None:
     console.print(summary)
     if report.comm:
         comm = Table(title="TP communication per training step, per rank, vs Megatron's formula (README: 'What a step costs')")
-        for col in ("pass", "all-reduce", "count", "formula", "ratio", "elements", "formula", "ratio", "bytes"):
-            comm.add_column(col, justify="left" if col in ("pass", "all-reduce") else "right")
+        for col in ("pass", "collective", "count", "formula", "ratio", "elements", "formula", "ratio", "bytes"):
+            comm.add_column(col, justify="left" if col in ("pass", "collective") else "right")
 
         def ratio(a, b):
             return "-" if a is None or not b else f"{a / b:.2f}"
 
-        for d, op, n, fn, el, fel, nbytes in report.comm:
-            comm.add_row({"forward": "fwd", "backward": "bwd"}.get(d, d), op, str(n), str(fn), ratio(n, fn),
+        for d, kind, op, n, fn, el, fel, nbytes in report.comm:
+            name = "all" if kind == "all" else kind.replace("_", "-") + (f"({op})" if op else "")
+            comm.add_row({"forward": "fwd", "backward": "bwd"}.get(d, d), name, str(n), str(fn), ratio(n, fn),
                          "-" if el is None else f"{el:,}", "-" if fel is None else f"{fel:,}", ratio(el, fel),
                          "-" if nbytes is None else _size(nbytes))
         console.print(comm)
@@ -435,6 +439,8 @@ def shard(
                                         "device and load each rank's slices from PATH: a Hugging Face "
                                         "safetensors folder or file, an autotp/DCP checkpoint, a torch file."),
     compile_: bool = typer.Option(False, "--compile", help="torch.compile the rewritten graphs."),
+    sequence_parallel: bool = typer.Option(False, "--sequence-parallel", help="Split the norm/dropout/residual "
+                                           "regions along the sequence (Megatron-SP)."),
     resume: bool = typer.Option(False, "--resume", help="Continue from the latest complete checkpoint in --out "
                                 "(model, optimizer, step) up to --steps in total."),
     save_every: int = typer.Option(0, "--save-every", help="Also checkpoint every N steps (0: only at the end)."),
@@ -460,7 +466,7 @@ def shard(
         abort(f"--out {out} exists and is not a folder", debug, code=USAGE_ERROR)
     spec = launch_spec(tp, dp, nnodes, node_rank, master_addr, master_port, debug, timeout, max_restarts, device)
     try:
-        preflight(load_model_file(model), tp, weights)  # the file's (and weights') problems, before any rank starts
+        preflight(load_model_file(model), tp, weights, sequence_parallel)  # before any rank starts
     except AutotpError as exc:
         abort(str(exc), debug, code=USAGE_ERROR)
     try:
@@ -473,7 +479,7 @@ def shard(
     path, factory = parse_spec(model)
     job = ShardJob(model=f"{path.resolve()}:{factory}" if factory else str(path.resolve()),
                    steps=steps, lr=lr, out=str(out.resolve()), verify=weights is None if verify is None else verify,
-                   resume=resume, save_every=save_every, compile=compile_,
+                   resume=resume, save_every=save_every, compile=compile_, sequence_parallel=sequence_parallel,
                    weights=None if weights is None else str(weights.resolve()))
     try:
         results = launch(spec, shard_worker, job, quiet=not debug)

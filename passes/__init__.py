@@ -14,6 +14,8 @@ from autotp.passes.insert_collectives import insert_collectives
 from autotp.passes.local_inputs import local_inputs
 from autotp.passes.region_rng import region_rng
 from autotp.passes.rewrite_constants import rewrite_constants
+from autotp.passes.sequence_grads import sequence_grads
+from autotp.passes.sequence_split import sequence_split
 from autotp.passes.sharded_stats import sharded_stats
 from autotp.passes.slice_replicated import slice_replicated
 from autotp.passes.row_bias import row_bias_after_reduce
@@ -24,7 +26,8 @@ from autotp.plan import Plan
 
 Pass = Callable[[fx.GraphModule, Plan], fx.GraphModule]
 
-DEFAULT_PASSES: tuple[Pass, ...] = (rewrite_constants, insert_collectives, sharded_stats, row_bias_after_reduce,
+DEFAULT_PASSES: tuple[Pass, ...] = (rewrite_constants, sequence_split, sequence_grads, insert_collectives,
+                                    sharded_stats, row_bias_after_reduce,
                                     vocab_embedding, vocab_loss, vocab_output, gather_outputs, local_inputs,
                                     slice_replicated, region_rng)
 
@@ -47,5 +50,6 @@ def run_passes(gm: fx.GraphModule, plan: Plan, passes: Sequence[Pass] = DEFAULT_
 
 
 __all__ = ["DEFAULT_PASSES", "PassError", "gather_outputs", "insert_collectives", "local_inputs", "region_rng",
-           "rewrite_constants", "row_bias_after_reduce", "run_passes", "sharded_stats", "slice_replicated",
+           "rewrite_constants", "row_bias_after_reduce", "run_passes", "sequence_grads", "sequence_split",
+           "sharded_stats", "slice_replicated",
            "vocab_embedding", "vocab_loss", "vocab_output"]

@@ -30,6 +30,16 @@ A
 vocab-parallel LM head is a column too: its input gets ``f``. A replicated value computed from parameters
 that meets sharded heads inside the pair (a per-head q/k norm's weight) gets ``f`` as well: each rank's
 gradient for it covers its own heads only.
+
+With sequence parallelism (``plan.sequence``) ``g`` is a reduce-scatter along the sequence, after the row or
+after the view that restores a flat row output's sequence dim, and ``f`` an all-gather of the sequence
+slice, fused with the columns (each keeps the name of the matmul it replaces, so an LM head's logits keep
+theirs)::
+
+    cols = autotp_seq_columns_0(ln, q_weight, None, k_weight, None, v_weight, None)   # ln: (b, s/t, h)
+    q, k, v = cols[0], cols[1], cols[2]                                               # (b, s, h/t) each
+    ...
+    out_sp = autotp_seq_leave_1(out)                                                  # (b, s/t, h)
 """
 from __future__ import annotations
 
@@ -39,8 +49,9 @@ import torch
 import torch.fx as fx
 
 from autotp.collectives import ColumnGroup, EnterTP, LeaveTP
-from autotp.matmuls import match_param_matmul
+from autotp.matmuls import column_form
 from autotp.plan import Plan
+from autotp.seq_ops import AllGatherSeq, ReduceScatterSeq, SeqColumnGroup
 
 aten = torch.ops.aten
 
@@ -60,13 +71,22 @@ def insert_collectives(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
     ensure_collective_modules(gm)
     nodes = {n.name: n for n in gm.graph.nodes}
     params = {n for n, _ in gm.named_parameters(remove_duplicate=False)}
+    seq = plan.sequence
     for head, x_name in plan.vocab.heads:
-        _enter(gm, nodes[x_name], [nodes[head]], head)
+        e = seq.enter(x_name, head) if seq is not None else None
+        if e is not None:
+            _seq_enter(gm, e, [nodes[head]], params, nodes)
+        else:
+            _enter(gm, nodes[x_name], [nodes[head]], head)
     for pair in plan.pairs:
         columns = [nodes[c] for c in pair.columns]
         for x_name in pair.enter:
             x = nodes[x_name]
             users = [c for c in columns if x in c.all_input_nodes]
+            e = seq.enter(x_name, users[0].name) if seq is not None else None
+            if e is not None:
+                _seq_enter(gm, e, users, params, nodes)
+                continue
             forms = [_form(gm, c, x, params) for c in users]
             if all(forms):
                 _fuse(gm, x, users, forms, pair.module)
@@ -74,12 +94,61 @@ def insert_collectives(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
                 _enter(gm, x, users, pair.module)
         for consumer, x_name in pair.also_enter:
             _enter(gm, nodes[x_name], [nodes[consumer]], pair.module)
+        leave = seq.leave(pair.row) if seq is not None else None
+        if leave is not None:
+            seq_leave(gm, nodes[leave.node], leave.dim, pair.module)
+            continue
         row = nodes[pair.row]
         with gm.graph.inserting_after(row):
             g = gm.graph.call_module(LEAVE, (row,))
         g.meta = {**row.meta, "autotp_collective": ("leave", pair.module)}
         row.replace_all_uses_with(g, delete_user_cb=lambda u: u is not g)
     return gm
+
+
+def seq_leave(gm: fx.GraphModule, node: fx.Node, dim: int, where: str) -> fx.Node:
+    """g with sequence parallelism: a reduce-scatter along ``dim`` after ``node``."""
+    target = f"autotp_seq_leave_{dim}"
+    if not hasattr(gm, target):
+        gm.add_submodule(target, ReduceScatterSeq(dim))
+    with gm.graph.inserting_after(node):
+        g = gm.graph.call_module(target, (node,))
+    g.meta = {**node.meta, "autotp_collective": ("leave", where)}
+    node.replace_all_uses_with(g, delete_user_cb=lambda u: u is not g)
+    return g
+
+
+def _seq_enter(gm: fx.GraphModule, e, users: list[fx.Node], params: set[str], nodes: dict) -> None:
+    """f with sequence parallelism: the all-gather of ``e.node`` along the sequence, fused with the matmuls
+    when they are plain (``e.regather``), else an :class:`AllGatherSeq` in front of them (or of the view
+    that flattens their input)."""
+    x, source = nodes[e.x], nodes[e.node]
+    if e.regather:
+        forms = [_form(gm, c, x, params) for c in users]
+        target = f"autotp_seq_columns_{sum(isinstance(m, SeqColumnGroup) for m in gm.modules())}"
+        gm.add_submodule(target, SeqColumnGroup(tuple(f[0] for f in forms), e.dim, e.flatten))
+        with gm.graph.inserting_before(min(users, key=_position(gm))):
+            group = gm.graph.call_module(target, (source, *[a for _, w, b in forms for a in (w, b)]))
+        group.meta = {**source.meta, "autotp_collective": ("enter", e.module),
+                      "val": tuple(c.meta.get("val") for c in users)}
+        for i, (c, (_, w, _)) in enumerate(zip(users, forms)):
+            # each matmul becomes the group's i-th output under its own name (an LM head's logits keep theirs)
+            weight_view = c.args[1] if c.target in (aten.mm.default, aten.matmul.default) else None
+            c.op, c.target, c.args, c.kwargs = "call_function", operator.getitem, (group, i), {}
+            if weight_view is not None and weight_view is not w and not weight_view.users:
+                gm.graph.erase_node(weight_view)
+        if e.flatten and not x.users:
+            gm.graph.erase_node(x)
+        return
+    target = f"autotp_seq_enter_{e.dim}"
+    if not hasattr(gm, target):
+        gm.add_submodule(target, AllGatherSeq(e.dim))
+    readers = [x] if e.flatten else users
+    with gm.graph.inserting_before(min(readers, key=_position(gm))):
+        f = gm.graph.call_module(target, (source,))
+    f.meta = {**source.meta, "autotp_collective": ("enter", e.module)}
+    for c in readers:
+        c.replace_input_with(source, f)
 
 
 def _enter(gm: fx.GraphModule, x: fx.Node, users: list[fx.Node], where: str) -> None:
@@ -91,13 +160,7 @@ def _enter(gm: fx.GraphModule, x: fx.Node, users: list[fx.Node], where: str) -> 
 
 
 def _form(gm: fx.GraphModule, c: fx.Node, x: fx.Node, params: set[str]) -> tuple[str, fx.Node, object] | None:
-    """(layout, weight node, bias node) of a column matmul reading ``x`` once, as matmuls.py recognises it."""
-    pm = match_param_matmul(gm, c, params)
-    if pm is None or pm.x is not x or c.kwargs or sum(a is x for a in c.args) != 1:
-        return None
-    weight = pm.transpose.args[0] if pm.transpose is not None else c.args[2 if pm.kind == "addmm" else 1]
-    bias = c.args[0] if pm.kind == "addmm" else c.args[2] if pm.kind == "linear" and len(c.args) > 2 else None
-    return ("out_in" if pm.out_dim == 0 else "in_out"), weight, bias
+    return column_form(gm, c, x, params)
 
 
 def _fuse(gm: fx.GraphModule, x: fx.Node, columns: list[fx.Node], forms: list, where: str) -> None:

@@ -10,6 +10,9 @@ After::
     out = aten.linear(act, w)             # or aten.mm(act, w)
     out_tp = autotp_leave(out)
     out_b = aten.add(out_tp, b)
+
+With sequence parallelism the reduce-scatter may follow a view of the row's output (GPT-2's flat
+``[b·s, h] -> [b, s, h]``); the bias is added after it, to this rank's s/t positions.
 """
 from __future__ import annotations
 
@@ -36,7 +39,9 @@ def row_bias_after_reduce(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
             row.args = (row.args[1], row.args[2])
         else:
             raise ValueError(f"{row.name}: cannot detach a bias from {row.target}")
-        (leave,) = row.users
+        leave = row
+        while "autotp_collective" not in leave.meta:  # g, or a reduce-scatter after a view of the row
+            (leave,) = leave.users
         with gm.graph.inserting_after(leave):
             add = gm.graph.call_function(aten.add.Tensor, (leave, bias))
         add.meta = dict(leave.meta)

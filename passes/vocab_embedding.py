@@ -8,12 +8,14 @@ After::
 
     emb_local = autotp_vocab_embedding_emb(wte_weight, idx)   # rows this rank owns, others zero; wte: (V/t, h)
     emb = autotp_leave(emb_local)                             # all-reduce (sum)
+    # or, with sequence parallelism:
+    emb = autotp_seq_leave_1(emb_local)                       # reduce-scatter: (b, s/t, h)
 """
 from __future__ import annotations
 
 import torch.fx as fx
 
-from autotp.passes.insert_collectives import LEAVE, ensure_collective_modules
+from autotp.passes.insert_collectives import LEAVE, ensure_collective_modules, seq_leave
 from autotp.plan import Plan
 from autotp.vocab_ops import VocabEmbedding
 
@@ -28,6 +30,10 @@ def vocab_embedding(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
         target = f"autotp_vocab_embedding_{name}"
         gm.add_submodule(target, VocabEmbedding(layout))
         node.op, node.target = "call_module", target
+        leave = plan.sequence.leave(name) if plan.sequence is not None else None
+        if leave is not None:  # sequence parallelism: reduce-scatter along the sequence
+            seq_leave(gm, node, leave.dim, name)
+            continue
         with gm.graph.inserting_after(node):
             g = gm.graph.call_module(LEAVE, (node,))
         g.meta = {**node.meta, "autotp_collective": ("leave", name)}

@@ -47,8 +47,9 @@ _REDUCE_OPS = {0: "sum", 3: "min", 4: "max"}  # c10d's RedOpType
 
 @dataclass
 class CollectiveLog(TorchDispatchMode):
-    """Records every all-reduce (functional or c10d) and functional collective as (op name, reduce op,
-    number of elements)."""
+    """Records every all-reduce, reduce-scatter and all-gather (functional or c10d) as (op name, reduce op,
+    number of elements). A reduce-scatter counts its input, an all-gather its output: the full tensor. The
+    input check's all-gather of integer fingerprints (first call of a signature) is not part of a step."""
 
     calls: list[tuple[str, str, int]] = field(default_factory=list)
 
@@ -57,11 +58,16 @@ class CollectiveLog(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.__name__.split(".")[0]
-        if func.namespace == "_c10d_functional" and name in ("all_reduce", "all_gather_into_tensor",
-                                                             "reduce_scatter_tensor", "all_to_all_single"):
-            x = args[0]
-            op = args[1] if isinstance(args[1], str) else ""
-            self.calls.append((name, op, x.numel()))
+        if func.namespace == "_c10d_functional" and name in ("all_reduce", "all_to_all_single"):
+            self.calls.append((name, args[1] if isinstance(args[1], str) else "", args[0].numel()))
+        elif func.namespace == "_c10d_functional" and name == "reduce_scatter_tensor":
+            self.calls.append(("reduce_scatter", args[1], args[0].numel()))
+        elif func.namespace == "_c10d_functional" and name == "all_gather_into_tensor":
+            self.calls.append(("all_gather", "", args[0].numel() * args[1]))
         elif func.namespace == "c10d" and name == "allreduce_":  # eager all-reduces are plain c10d ones
             self.calls.append(("all_reduce", _REDUCE_OPS.get(args[2].op(), "?"), args[0][0].numel()))
+        elif func.namespace == "c10d" and name == "_reduce_scatter_base_":  # (output, input, group, op, ..)
+            self.calls.append(("reduce_scatter", _REDUCE_OPS.get(args[3].op(), "?"), args[1].numel()))
+        elif func.namespace == "c10d" and name == "_allgather_base_" and args[0].is_floating_point():
+            self.calls.append(("all_gather", "", args[0].numel()))  # (output, input, group, ..)
         return func(*args, **(kwargs or {}))

@@ -30,7 +30,7 @@ def _alias_shard(tpm, name: str):
     return None
 
 
-def training_parity(model_name: str, steps: int = 3) -> dict:
+def training_parity(model_name: str, steps: int = 3, sequence_parallel: bool = False) -> dict:
     """Loss, logits, gradients, AdamW steps and collectives of a parallelized model vs the original."""
     if model_name in MODELS:
         ref, args, kwargs = MODELS[model_name]()
@@ -39,7 +39,7 @@ def training_parity(model_name: str, steps: int = 3) -> dict:
 
         ref, args, kwargs = toy(model_name)
     model = copy.deepcopy(ref)
-    tpm = autotp.parallelize(model, example_inputs=(args, kwargs))
+    tpm = autotp.parallelize(model, example_inputs=(args, kwargs), sequence_parallel=sequence_parallel)
     out: dict = {"tp": autotp.tp_state(tpm).tp, "rank": autotp.tp_state(tpm).rank, "plan": autotp.tp_state(tpm).plan.to_dict()}
 
     log = CollectiveLog()
@@ -296,7 +296,7 @@ def hf_generate(kinds: list[str], use_cache: bool, tmp: str | None = None) -> di
     return out
 
 
-def pattern_parity(kinds: list[str], steps: int = 3) -> dict:
+def pattern_parity(kinds: list[str], steps: int = 3, sequence_parallel: bool = False) -> dict:
     """Each attention/MLP spelling of tests/pattern_models.py: 3 AdamW steps against the unsharded model,
     the collectives of one step, and how much of each weight this rank holds."""
     import torch.distributed as dist
@@ -307,7 +307,7 @@ def pattern_parity(kinds: list[str], steps: int = 3) -> dict:
     out = {}
     for kind in kinds:
         ref, args, _ = build(kind)
-        model = autotp.parallelize(build(kind)[0], example_inputs=args)
+        model = autotp.parallelize(build(kind)[0], example_inputs=args, sequence_parallel=sequence_parallel)
         log = CollectiveLog()
         with log:
             _, loss = model(*args)
@@ -370,3 +370,72 @@ def cache_parity(kinds: list[str], prompt_len: int = 5, steps: int = 6) -> dict:
             "tp": dist.get_world_size(),
         }
     return out
+
+
+def sequence_parallel_parity(models: list[str], extras: bool = True) -> dict:
+    """``sequence_parallel=True``: training parity and collectives of each model (one launch for all), then
+    (``extras``) on nanoGPT, calls that need the whole sequence or whose length tp does not divide, and
+    dropout streams."""
+    import warnings
+
+    out = {name: training_parity(name, sequence_parallel=True) for name in models}
+    if not extras:
+        return out
+    ref, (idx, targets), _ = MODELS["nanogpt"]()
+    tpm = autotp.parallelize(copy.deepcopy(ref), example_inputs=(idx, targets), sequence_parallel=True)
+    with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        last = _max_diff(tpm(idx)[0].full_tensor(), ref(idx)[0])  # x[:, [-1]] before the LM head
+        short = (idx[:, :-1].contiguous(), targets[:, :-1].contiguous())  # 31 positions
+        log = CollectiveLog()
+        with log:
+            odd = tpm(*short)[1]
+        odd_diff = _max_diff(odd, ref(*short)[1])
+    st = autotp.tp_state(tpm)
+    plans = list(st.plans.values())
+    out["other_calls"] = {
+        "last_position_diff": last, "odd_length_diff": odd_diff, "odd_length_calls": log.calls,
+        "gathers": [g.reason for p in plans if p.sequence is not None for g in p.sequence.gathers],
+        "warnings": [str(w.message) for w in caught], "graphs": len(st.graphs),
+    }
+    out["dropout"] = _sequence_dropout()
+    out["patterns"] = pattern_parity(SEQUENCE_PATTERNS, sequence_parallel=True)
+    return out
+
+
+# attention spellings whose pairs sequence parallelism must find the sequence of: rotary as complex numbers,
+# heads folded under the batch with ALiBi, q/k norms with grouped kv heads, attention and MLP side by side
+SEQUENCE_PATTERNS = ["rope_complex", "baddbmm_alibi", "gqa_qk_norm", "parallel"]
+
+
+def _sequence_dropout() -> dict:
+    """With sequence parallelism every dropout outside the pairs draws from the per-rank stream (each rank
+    holds other positions); the default generator stays in step across the group."""
+    import torch.distributed as dist
+
+    from autotp.rng import RegionRandom
+
+    ref, args, _ = MODELS["nanogpt"](dropout=0.1)
+    torch.manual_seed(1234)
+    tpm = autotp.parallelize(ref, example_inputs=args, sequence_parallel=True)
+    masks = []
+    gm = next(iter(autotp.tp_state(tpm).graphs.values())).module
+    split = []
+    for node in gm.graph.nodes:
+        if node.op == "call_module" and isinstance(gm.get_submodule(node.target), RegionRandom):
+            if len(node.meta["val"].shape) == 3:  # (b, s/t, h): the split regions (attention's are 4-D)
+                split.append(node.target)
+                gm.get_submodule(node.target).register_forward_hook(
+                    lambda mod, inp, o: masks.append(((o == 0) & (inp[0] != 0)).to(torch.uint8)))
+    tpm(*args)[1].backward()
+    world = dist.get_world_size()
+
+    def same_everywhere(t: torch.Tensor) -> bool:
+        got = [torch.empty_like(t) for _ in range(world)]
+        dist.all_gather(got, t.contiguous())
+        return all(torch.equal(got[0], g) for g in got)
+
+    return {"split_random_ops": len(split), "random_nodes": len(autotp.tp_state(tpm).plan.random_nodes),
+            "masks_differ": not same_everywhere(masks[0]),
+            "default_stream_identical": same_everywhere(torch.get_rng_state()),
+            "dropped_fraction": masks[0].float().mean().item()}

@@ -36,7 +36,7 @@ def test_plan_nanogpt_tp2(planned) -> None:
     out, result = planned
     assert result.exit_code == 0, result.output
     data = json.loads((out / "out.json").read_text())
-    assert data["plan"]["version"] == 3 and data["plan"]["tp"] == 2
+    assert data["plan"]["version"] == 4 and data["plan"]["tp"] == 2
     assert len(data["plan"]["pairs"]) == 4
     assert data["layout"]["tp"] == [[0, 1]]
     assert (out / "out.svg").read_text().startswith("<svg")
@@ -128,3 +128,25 @@ def test_missing_example_batch_needs_batch_and_seq(tmp_path) -> None:
                                  "--gpus-per-node", "2"], env=WIDE)
     assert result.exit_code == 0, result.output
     assert "2 node(s) of 2" in result.stdout
+
+
+def test_plan_sequence_parallel(tmp_path) -> None:
+    result = runner.invoke(app, ["plan", NANOGPT, "--tp", "2", "--sequence-parallel", "--json", str(tmp_path / "sp.json")],
+                           env=WIDE)
+    assert result.exit_code == 0, result.output
+    data = json.loads((tmp_path / "sp.json").read_text())
+    assert data["plan"]["sequence"]["leaves"] and not data["plan"]["sequence"]["gathers"]
+    comm = {(c["direction"], c["kind"], c["op"]): c for c in data["report"]["comm"]}
+    b, s, h, L = 4, 32, 64, 2
+    # Megatron-SP: the all-reduces of b·s·h become reduce-scatters and all-gathers of the same tensor
+    assert comm[("forward", "reduce_scatter", "sum")]["elements"] == (2 * L + 1) * b * s * h
+    assert comm[("forward", "all_gather", "")]["elements"] == (2 * L + 1) * b * s * h
+    assert comm[("backward", "reduce_scatter", "sum")]["count"] == 2 * L + 1
+    # mirror + inputs gathered again for the weight gradients + the learned positions' gradient (s·h)
+    assert comm[("backward", "all_gather", "")]["elements"] == 2 * (2 * L + 1) * b * s * h + s * h
+    assert ("forward", "all_reduce", "sum") in comm and comm[("forward", "all_reduce", "sum")]["elements"] == 2 * b * s
+    assert comm[("backward", "all_reduce", "sum")]["count"] == 1  # norm weights and row biases, summed at once
+    text = result.stdout
+    assert "tp 2, sequence parallel" in text and "reduce-scatter(sum) b×s×64 = 8,192" in _row(
+        text, "transformer.h.0.attn.c_proj")
+    assert "Korthikanti" in text

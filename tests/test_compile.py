@@ -45,6 +45,17 @@ def compile_worker() -> dict:
         "wait_tensor": _count(explained.graphs, "wait_tensor"),
     }
     torch._dynamo.reset()
+    # with sequence parallelism: reduce-scatter and all-gather as functional collectives in the same one graph
+    sp = autotp.parallelize(copy.deepcopy(ref), example_inputs=(idx, targets), compile=True, sequence_parallel=True)
+    (sp_compiled,) = (c.module for c in autotp.tp_state(sp).graphs.values())
+    with torch._dynamo.config.patch(**DYNAMO_CONFIG):
+        explained = torch._dynamo.explain(_local_outputs(uncompiled(sp_compiled))[0])(idx, targets)
+    out["sequence_parallel"] = {
+        "graphs": explained.graph_count, "breaks": explained.graph_break_count,
+        "reasons": [str(getattr(r, "reason", r)) for r in explained.break_reasons],
+        **{k: _count(explained.graphs, k) for k in ("reduce_scatter", "all_gather", "all_reduce")},
+    }
+    torch._dynamo.reset()
 
     # the real thing: inductor through compile=True, forward and backward
     from torch._dynamo.utils import counters
@@ -74,3 +85,8 @@ def test_compile_no_graph_breaks_and_parity():
         assert r["all_reduce"] >= 6, (rank, r)
         assert r["loss_diff"] <= 1e-5, (rank, r["loss_diff"])
         assert r["grad_diff"] <= 1e-5, (rank, r["grad_diff"])
+        sp = r["sequence_parallel"]
+        assert sp["breaks"] == 0 and sp["graphs"] == 1, (rank, sp["reasons"])
+        # forward: the embedding's and two pairs' reduce-scatters, two column groups' and the LM head's
+        # all-gathers; their backwards sit in the autograd.Function subgraphs
+        assert sp["reduce_scatter"] >= 3 and sp["all_gather"] >= 3, (rank, sp)

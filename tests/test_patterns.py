@@ -58,12 +58,13 @@ def test_patterns_shard_exactly_with_megatron_collectives(world: int):
 def test_kv_cache_buffers_written_in_place_shard_by_kv_head(world: int):
     """gpt-fast's ``cache[:, :, pos] = k`` and torchtune's ``index_copy_``: prefill, then one-token decode
     calls under no_grad, exact; each rank caches its own kv heads (2 kv heads: 1 per rank at tp 2, and at
-    tp 4 each held by 2 ranks); a decode step costs the embedding's and 2 per layer all-reduces of b·h."""
-    from cache_models import B, H as CH, HD as CHD, MAXS
+    tp 4 each held by 2 ranks); a decode step costs the embedding's and 2 per layer all-reduces of b·h, and
+    reading its logits one all-gather of b·V."""
+    from cache_models import B, H as CH, HD as CHD, MAXS, V as CV
 
     for rank, by_kind in launch(cache_parity, world, ["index_put", "index_copy"]).items():
         for kind, r in by_kind.items():
             assert not r["replicated"], (kind, r["replicated"])
             assert r["tokens_equal"] and r["logits_diff"] <= 1e-5, (rank, kind, r)
             assert r["cache_shape"] == [B, 1, MAXS, CHD], (kind, r["cache_shape"])
-            assert r["decode"] == [("all_reduce", "sum", B * CH)] * 5, (kind, r["decode"])
+            assert r["decode"] == [("all_reduce", "sum", B * CH)] * 5 + [("all_gather", "", B * CV)], (kind, r["decode"])

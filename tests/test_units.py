@@ -60,8 +60,9 @@ def test_head_rules_follow_megatron():
 
 
 def test_plan_is_immutable_json_data():
-    from autotp.plan import Collective, LocalSlice, PairPlan, ParamShard, Stat
     from autotp.ops import Rewrite
+    from autotp.plan import (Collective, LocalSlice, PairPlan, ParamShard, SeqEnter, SeqGather, SeqLeave, SeqSlice,
+                             SequencePlan, Stat)
 
     shard = ParamShard("column", "h.0.attn.c_attn", 0, (Segment(64, 2),) * 3, (192, 64), (96, 64))
     plan = Plan(tp=2, params=(("h.0.attn.c_attn.weight", shard),),
@@ -73,13 +74,20 @@ def test_plan_is_immutable_json_data():
                 local_slices=(LocalSlice("baddbmm", "alibi", 0, (Segment(4, 2),), outer=True),),
                 stats=(Stat("mean_1", "mean", 0.5),),
                 buffers=(("h.0.attn.k_cache", ParamShard("column", "h.0.attn", 1, (Segment(4, 2),), (2, 4, 16, 8),
-                                                         (2, 2, 16, 8))),))
+                                                         (2, 2, 16, 8))),),
+                sequence=SequencePlan(length=("tensors_0", 1), leaves=(SeqLeave("h.0.attn", "addmm_1", "view_7", 1),),
+                                      enters=(SeqEnter("h.0.attn", "view_1", "ln", 1, ("addmm",), True, True),),
+                                      gathers=(SeqGather("ln_f", 1, ("index", "output"), "slices the sequence"),),
+                                      slices=(SeqSlice("add", "pos", 0, True),), grads=(("ln", "ln_w"),),
+                                      enter_grads=(("mul", "w1"),), sizes=(("view_23", 1, 1, 1),), notes=("n",)))
     grouped = ParamShard("column", "h.1.attn.qkv", 0, (Segment(192, 2, (Segment(64, 1), Segment(16, 1), Segment(16, 1))),),
                          (192, 64), (96, 64))
     plan = dataclasses.replace(plan, params=plan.params + (("h.1.attn.qkv.weight", grouped),))
     again = Plan.from_json(plan.to_json())
     assert again == plan
     assert again.to_dict()["version"] == 4
+    old = {k: v for k, v in plan.to_dict().items() if k != "sequence"}
+    assert Plan.from_dict({**old, "version": 3}).sequence is None  # plans written before sequence parallelism
     with pytest.raises(Exception):
         plan.tp = 4  # frozen
     with pytest.raises(ValueError, match="version"):

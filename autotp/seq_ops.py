@@ -1,0 +1,259 @@
+"""Megatron's sequence-parallel operators as autograd functions over c10d (eager) and torch's functional
+collectives (under ``torch.compile``).
+
+With sequence parallelism the regions between column→row pairs (norms, dropout, residual adds) hold each
+rank's ``s/t`` slice of the sequence:
+
+- :class:`ReduceScatterSeq` replaces ``g`` after a row-parallel matmul (and after a vocab-parallel
+  embedding): reduce-scatter along the sequence forward, all-gather of the gradient backward;
+- :class:`AllGatherSeq` replaces ``f`` before column-parallel matmuls: all-gather forward, reduce-scatter
+  of the (partial) input gradient backward. :class:`SeqColumnGroup` is it fused with the column matmuls:
+  only the local slice is kept for backward and gathered again there, overlapped with the input
+  gradient's GEMM, whose reduce-scatter then overlaps the weight gradients (Megatron's scheme);
+- :class:`GatherSeq` hands a sequence-sharded value to an op that needs the whole sequence (replicated
+  from there on): all-gather forward, this rank's slice of the (replicated) gradient backward;
+- :class:`SliceSeq` is the converse, a replicated value (position embeddings) meeting sequence-sharded
+  ones: this rank's slice forward, all-gather of the gradient backward;
+- :class:`SumGrads`: parameters applied to sequence slices (norm weights, row biases) get each rank's
+  partial gradient; one all-reduce of all of them, flattened together, sums them.
+
+The sequence dim of a ``(b, s, h)`` activation is rarely dim 0, where c10d's reduce-scatter and all-gather
+cut: it is moved first (a copy unless the dims before it have size 1, e.g. b = 1) and back.
+Unbound (no group, or a group of one) every operator is the identity.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+
+from autotp.collectives import _Collective, _column, all_reduce
+from autotp.errors import ShardingError
+
+# torch >= 2.10 names them *_single; older releases only have the *_tensor spellings
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def _check(x: torch.Tensor, dim: int, tp: int) -> None:
+    if x.shape[dim] % tp:
+        raise ShardingError(f"sequence parallelism: a sequence of {x.shape[dim]} (dim {dim} of a "
+                            f"{tuple(x.shape)} activation) is not divisible by tp={tp}",
+                            hint=f"use sequence lengths divisible by {tp}, or sequence_parallel=False")
+
+
+def gather(x: torch.Tensor, dim: int, group: dist.ProcessGroup, async_op: bool = False):
+    """All-gather of ``x`` along ``dim``: (.., s/t, ..) -> (.., s, ..). With ``async_op``: (result, work),
+    the result valid after ``work.wait()``."""
+    tp = dist.get_world_size(group)
+    if torch.compiler.is_compiling():
+        return funcol.wait_tensor(funcol.all_gather_tensor(x.contiguous(), dim, group))
+    lead = x.movedim(dim, 0).contiguous()  # (s/t, ..): c10d gathers along dim 0
+    out = lead.new_empty((lead.shape[0] * tp, *lead.shape[1:]))
+    work = _all_gather(out, lead, group=group, async_op=async_op)
+    full = out.movedim(0, dim)
+    return (full, work) if async_op else full
+
+
+def reduce_scatter(x: torch.Tensor, dim: int, group: dist.ProcessGroup, async_op: bool = False):
+    """Sum over ranks, this rank's slice along ``dim``: (.., s, ..) -> (.., s/t, ..). With ``async_op``:
+    (result, work)."""
+    tp = dist.get_world_size(group)
+    _check(x, dim, tp)
+    if torch.compiler.is_compiling():
+        return funcol.wait_tensor(funcol.reduce_scatter_tensor(x.contiguous(), "sum", dim, group))
+    lead = x.movedim(dim, 0).contiguous()  # (s, ..)
+    out = lead.new_empty((lead.shape[0] // tp, *lead.shape[1:]))
+    work = _reduce_scatter(out, lead, group=group, async_op=async_op)
+    local = out.movedim(0, dim)
+    return (local, work) if async_op else local
+
+
+def local_slice(x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
+    """This rank's contiguous slice of ``x`` along ``dim`` (no communication)."""
+    tp = dist.get_world_size(group)
+    _check(x, dim, tp)
+    n = x.shape[dim] // tp
+    return x.narrow(dim, dist.get_rank(group) * n, n)
+
+
+class _ReduceScatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.dim, ctx.group = dim, group
+        return reduce_scatter(x, dim, group).contiguous()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return gather(grad, ctx.dim, ctx.group), None, None
+
+
+class _AllGather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.dim, ctx.group = dim, group
+        return gather(x, dim, group).contiguous()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return reduce_scatter(grad, ctx.dim, ctx.group).contiguous(), None, None
+
+
+class _Gather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.dim, ctx.group = dim, group
+        return gather(x, dim, group).contiguous()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        # everything after the gather is replicated: its gradient is whole on every rank
+        return local_slice(grad, ctx.dim, ctx.group).contiguous(), None, None
+
+
+class _Slice(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.dim, ctx.group = dim, group
+        return local_slice(x, dim, group).contiguous()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return gather(grad, ctx.dim, ctx.group).contiguous(), None, None
+
+
+class _SeqOp(_Collective):
+    fn: type[torch.autograd.Function]
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.dim = dim
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x if self.group is None else self.fn.apply(x, self.dim, self.group)
+
+    def extra_repr(self) -> str:
+        return f"dim={self.dim}"
+
+
+class ReduceScatterSeq(_SeqOp):
+    """g with sequence parallelism: reduce-scatter along the sequence forward, all-gather backward."""
+
+    fn = _ReduceScatter
+
+
+class AllGatherSeq(_SeqOp):
+    """f with sequence parallelism: all-gather along the sequence forward, reduce-scatter backward."""
+
+    fn = _AllGather
+
+
+class GatherSeq(_SeqOp):
+    """A sequence-sharded value for an op that needs the whole sequence: all-gather forward, this rank's
+    slice of the replicated gradient backward."""
+
+    fn = _Gather
+
+
+class SliceSeq(_SeqOp):
+    """A replicated value meeting sequence-sharded ones: this rank's slice forward, all-gather backward."""
+
+    fn = _Slice
+
+
+class _SeqColumns(torch.autograd.Function):
+    """All-gather of the local input slice fused with the column matmuls that read it.
+
+    Forward keeps only the local slice (b, s/t, h) for backward. Backward gathers it again while dX = Σ dYᵢ·Wᵢ
+    is computed, then reduce-scatters dX while the weight gradients are computed (Megatron's overlap)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup, dim: int, flatten: bool, layouts: tuple[str, ...],
+                *wb: torch.Tensor):
+        ws, bs = wb[0::2], wb[1::2]
+        ctx.group, ctx.dim, ctx.flatten, ctx.layouts = group, dim, flatten, layouts
+        ctx.bias = [b is not None for b in bs]
+        ctx.save_for_backward(x, *ws)
+        full = gather(x, dim, group)  # (b, s, h)
+        xin = full.reshape(-1, full.shape[-1]) if flatten else full  # (b·s, h) when the columns read it flat
+        return tuple(_column(xin, w, b, lay) for w, b, lay in zip(ws, bs, layouts))
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor):
+        x, *ws = ctx.saved_tensors
+        full, gathering = gather(x, ctx.dim, ctx.group, async_op=True)
+        dx = None
+        if ctx.needs_input_grad[0]:
+            for g, w, lay in zip(grads, ws, ctx.layouts):
+                part = g @ (w if lay == "out_in" else w.t())  # (.., out) @ (out, in)
+                dx = part if dx is None else dx.add_(part)
+        gathering.wait()
+        local = work = None
+        if dx is not None:
+            shape = list(x.shape)
+            shape[ctx.dim] *= dist.get_world_size(ctx.group)
+            local, work = reduce_scatter(dx.reshape(shape), ctx.dim, ctx.group, async_op=True)
+        x2 = full.reshape(-1, full.shape[-1])  # (b·s, in)
+        out: list[torch.Tensor | None] = []
+        for i, (g, lay) in enumerate(zip(grads, ctx.layouts)):
+            g2 = g.reshape(-1, g.shape[-1])  # (b·s, out)
+            need_w, need_b = ctx.needs_input_grad[5 + 2 * i], ctx.needs_input_grad[6 + 2 * i]
+            out.append((g2.t() @ x2 if lay == "out_in" else x2.t() @ g2) if need_w else None)
+            out.append(g2.sum(0) if ctx.bias[i] and need_b else None)
+        if work is not None:
+            work.wait()
+            local = local.contiguous()
+        return (local, None, None, None, None, *out)
+
+
+class SeqColumnGroup(_Collective):
+    """The all-gather before column matmuls fused with them: ``(x, W₀, b₀, W₁, b₁, ..) -> (y₀, y₁, ..)``
+    with x this rank's sequence slice. ``flatten``: the columns read the gathered input as (b·s, h) (GPT-2's
+    Conv1D). Under torch.compile: the all-gather then the matmuls, for Inductor to schedule."""
+
+    def __init__(self, layouts: tuple[str, ...], dim: int, flatten: bool) -> None:
+        super().__init__()
+        self.layouts, self.dim, self.flatten = tuple(layouts), dim, flatten
+
+    def forward(self, x: torch.Tensor, *wb: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+        if self.group is not None and not torch.compiler.is_compiling():
+            return _SeqColumns.apply(x, self.group, self.dim, self.flatten, self.layouts, *wb)
+        if self.group is not None:
+            x = _AllGather.apply(x, self.dim, self.group)
+        if self.flatten:
+            x = x.reshape(-1, x.shape[-1])
+        return tuple(_column(x, w, b, lay) for w, b, lay in zip(wb[0::2], wb[1::2], self.layouts))
+
+    def extra_repr(self) -> str:
+        return f"dim={self.dim}, flatten={self.flatten}"
+
+
+class _SumGrads(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, group: dist.ProcessGroup, *xs: torch.Tensor):
+        ctx.group = group
+        return tuple(x.view_as(x) for x in xs)
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor):
+        out: list[torch.Tensor | None] = [None] * len(grads)
+        by_dtype: dict[torch.dtype, list[int]] = {}
+        for i, g in enumerate(grads):
+            if ctx.needs_input_grad[1 + i]:
+                by_dtype.setdefault(g.dtype, []).append(i)
+        for idx in by_dtype.values():  # one all-reduce per dtype (one in all for a model in one dtype)
+            flat = all_reduce(torch.cat([grads[i].reshape(-1) for i in idx]), ctx.group)
+            for i, part in zip(idx, flat.split([grads[i].numel() for i in idx])):
+                out[i] = part.view_as(grads[i])
+        return (None, *out)
+
+
+class SumGrads(_Collective):
+    """Parameters applied to sequence slices: identity forward; backward, their partial gradients summed over
+    the group by one all-reduce of them all, flattened together (Megatron's all-reduce of sequence-parallel
+    parameters' gradients)."""
+
+    def forward(self, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if self.group is None:
+            return xs
+        return _SumGrads.apply(self.group, *xs)
