@@ -1,15 +1,15 @@
 """autotp: automatic Megatron-style tensor parallelism for unmodified PyTorch GPT models."""
 from __future__ import annotations
 
-from autotp.checkpoint import full_state_dict, load_full_state_dict
-from autotp.empty import empty_weights
-from autotp.data import broadcast_batch, check_same_inputs, dp_rank, dp_sampler, dp_size
-from autotp.export import save_weights
+from autotp.io.checkpoint import full_state_dict, load_full_state_dict
+from autotp.capture.empty import empty_weights
+from autotp.runtime.data import broadcast_batch, check_same_inputs, dp_rank, dp_sampler, dp_size
+from autotp.io.export import save_weights
 from autotp.errors import AutotpError, CaptureError, InputMismatchError, ProcessGroupError, ShardingError
-from autotp.plan import Plan
-from autotp.gathered import GatheredOnUse
-from autotp.runtime import TPModule, TPState, parallelize, tp_state
-from autotp.weights import load_weights
+from autotp.plan.plan import Plan
+from autotp.runtime.gathered import GatheredOnUse
+from autotp.runtime.parallelize import TPModule, TPState, parallelize, tp_state
+from autotp.io.weights import load_weights
 
 __all__ = [
     "AutotpError",

@@ -62,9 +62,9 @@ def gpt2_small_bytes() -> dict[int, int]:
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from autotp.capture import capture
-    from autotp.planner import make_plan
-    from autotp.report import build_report
+    from autotp.capture.tracer import capture
+    from autotp.plan.planner import make_plan
+    from autotp.plan.report import build_report
 
     with torch.device("meta"):
         model = GPT2LMHeadModel(GPT2Config())

@@ -24,11 +24,11 @@ import torch  # noqa: E402  (timed: importing torch and transformers is part of 
 from rich.console import Console  # noqa: E402
 from transformers import GPT2Config, GPT2LMHeadModel  # noqa: E402
 
-from autotp.capture import capture  # noqa: E402
+from autotp.capture.tracer import capture  # noqa: E402
 from autotp.cli.plan import render  # noqa: E402
-from autotp.layout import RankLayout  # noqa: E402
-from autotp.planner import make_plan  # noqa: E402
-from autotp.report import build_report, size_ranges  # noqa: E402
+from autotp.distributed.layout import RankLayout  # noqa: E402
+from autotp.plan.planner import make_plan  # noqa: E402
+from autotp.plan.report import build_report, size_ranges  # noqa: E402
 
 IMPORT_S = time.perf_counter() - T0
 RESULTS = Path(__file__).resolve().parent / "results" / "plan_gpt2_xl.json"

@@ -15,7 +15,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from autotp.layout import GROUP_KINDS, RankLayout
+from autotp.distributed.layout import GROUP_KINDS, RankLayout
 
 app = typer.Typer(
     name="autotp",

@@ -1,7 +1,7 @@
 """``autotp plan MODEL_PY --tp N``: show what autotp would do to a model, without devices or process groups.
 
 The model is built on the meta device (nothing is materialised) and captured on meta tensors in this one
-process; the plan, the rank grid and the numbers of :mod:`autotp.report` are printed. ``--json`` writes them
+process; the plan, the rank grid and the numbers of :mod:`autotp.plan.report` are printed. ``--json`` writes them
 as data, ``--svg`` / ``--html`` the same picture as the terminal shows.
 """
 from __future__ import annotations
@@ -19,13 +19,13 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from autotp.capture import capture
+from autotp.capture.tracer import capture
 from autotp.cli.run import DEBUG, abort
 from autotp.errors import AutotpError, PlanSizeError
-from autotp.layout import RankLayout
-from autotp.modelfile import ModelFileError, load_model_file
-from autotp.planner import make_plan
-from autotp.report import Report, build_report, size_ranges
+from autotp.distributed.layout import RankLayout
+from autotp.capture.modelfile import ModelFileError, load_model_file
+from autotp.plan.planner import make_plan
+from autotp.plan.report import Report, build_report, size_ranges
 
 _DIR = {"forward": "fwd", "backward": "bwd"}
 # the first numbered path component (``transformer.h.3``) names a layer; tables draw a line between layers

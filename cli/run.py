@@ -3,7 +3,7 @@
 The script runs as ``python SCRIPT ARGS...`` under torch's elastic launcher, with ``AUTOTP_TP``,
 ``AUTOTP_DP``, ``AUTOTP_PP`` and ``AUTOTP_BACKEND`` set. Inside it::
 
-    from autotp.launch import init_from_env
+    from autotp.distributed.launch import init_from_env
     ctx = init_from_env()                      # process group + DeviceMesh
     tpm = autotp.parallelize(model, tp_group=ctx.tp_group())
     # data parallelism: DistributedDataParallel(tpm, process_group=ctx.dp_group())
@@ -18,7 +18,7 @@ from typing import NoReturn
 import typer
 from rich.console import Console
 
-from autotp.launch import LaunchError, LaunchSpec, RankFailedError, launch
+from autotp.distributed.launch import LaunchError, LaunchSpec, RankFailedError, launch
 
 # Shared by `autotp run` and `autotp shard`; typer reads these at registration time.
 TP = typer.Option(..., "--tp", help="Tensor-parallel size: ranks that share one model replica.")

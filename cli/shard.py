@@ -6,13 +6,13 @@ parallelizes over its TP group, compares loss and outputs on the example batch, 
 AdamW steps (DDP over the DP group when dp > 1) and saves ``plan.json``, ``summary.json`` and a sharded
 checkpoint (torch.distributed.checkpoint) to ``--out``. The launching process prints the summary.
 
-Checkpoints are atomic (:mod:`autotp.ckpt_io`): ``--out/checkpoints/step-N`` folders published by renaming a
+Checkpoints are atomic (:mod:`autotp.io.ckpt_io`): ``--out/checkpoints/step-N`` folders published by renaming a
 finished temporary folder and replacing the ``checkpoints/latest`` pointer, with ``--out/checkpoint`` a symlink
 to the newest. They hold the model, the optimizer state and the step in the unsharded model's coordinates, so
 ``--resume`` (and a restart under ``--max-restarts``) continues where the last complete checkpoint left off, at
 any ``--tp`` and ``--dp`` the model's sizes allow (the summary says what was resharded); ``--steps`` is the
 total step count.
-A checkpoint is checked before any rank starts, and loading it unpickles nothing (:mod:`autotp.ckpt_io`).
+A checkpoint is checked before any rank starts, and loading it unpickles nothing (:mod:`autotp.io.ckpt_io`).
 
 Before any rank starts, the launching process imports the model file, builds the model on the meta device,
 captures the example batch and plans the sharding, so a broken file, a batch the model rejects or a size the
@@ -49,11 +49,11 @@ from rich.table import Table
 import autotp
 from autotp.cli.run import (DEBUG, DEVICE, DP, MASTER_ADDR, MASTER_PORT, MAX_RESTARTS, NNODES, NODE_RANK, TIMEOUT,
                             TP, abort, launch_spec)
-from autotp.ckpt_io import check_resumable, latest_checkpoint, load_training_state, save_training_state
+from autotp.io.ckpt_io import check_resumable, latest_checkpoint, load_training_state, save_training_state
 from autotp.errors import AutotpError, CaptureError
-from autotp.report import build_report
-from autotp.launch import RankContext, RankFailedError, init_from_env, launch
-from autotp.modelfile import (ModelFile, ModelFileError, find_loss, load_model_file, output_tensors, parse_spec,
+from autotp.plan.report import build_report
+from autotp.distributed.launch import RankContext, RankFailedError, init_from_env, launch
+from autotp.capture.modelfile import (ModelFile, ModelFileError, find_loss, load_model_file, output_tensors, parse_spec,
                               replica_batch, to_device)
 
 PARITY_TOL = 1e-5
@@ -327,8 +327,8 @@ def preflight(mf: ModelFile, tp: int, weights: Path | None = None, sequence_para
     does not divide, ``weights`` whose names or shapes do not fit the model), before any rank starts. Failures that are not autotp's (a model that cannot be built or
     traced on the meta device for reasons of its own) are left for the ranks to report.
     """
-    from autotp.capture import capture
-    from autotp.planner import make_plan
+    from autotp.capture.tracer import capture
+    from autotp.plan.planner import make_plan
 
     try:
         with torch.device("meta"):
@@ -336,7 +336,7 @@ def preflight(mf: ModelFile, tp: int, weights: Path | None = None, sequence_para
     except ModelFileError:
         model = mf.build()  # the factory may need real tensors; if it fails here too, that is its message
     if weights is not None:
-        from autotp.weights import check_weights
+        from autotp.io.weights import check_weights
 
         check_weights(model, weights)  # headers and metadata only
     args, kwargs = mf.example_batch()

@@ -22,7 +22,7 @@ from autotp.passes.row_bias import row_bias_after_reduce
 from autotp.passes.vocab_embedding import vocab_embedding
 from autotp.passes.vocab_loss import vocab_loss
 from autotp.passes.vocab_output import vocab_output
-from autotp.plan import Plan
+from autotp.plan.plan import Plan
 
 Pass = Callable[[fx.GraphModule, Plan], fx.GraphModule]
 

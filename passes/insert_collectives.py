@@ -19,7 +19,7 @@ After::
     y = aten.add(x, out_tp)
 
 Columns sharing one input share one ``f`` (q, k and v: one all-reduce backward, not three), fused with
-them into one :class:`~autotp.collectives.ColumnGroup` where their forms are plain (``linear``, ``addmm``,
+them into one :class:`~autotp.runtime.collectives.ColumnGroup` where their forms are plain (``linear``, ``addmm``,
 ``mm``/``matmul`` by a parameter or its transpose), so that the input gradient's all-reduce overlaps the
 weight gradients::
 
@@ -48,10 +48,10 @@ import operator
 import torch
 import torch.fx as fx
 
-from autotp.collectives import ColumnGroup, EnterTP, LeaveTP
-from autotp.matmuls import column_form
-from autotp.plan import Plan
-from autotp.seq_ops import AllGatherSeq, ReduceScatterSeq, SeqColumnGroup
+from autotp.runtime.collectives import ColumnGroup, EnterTP, LeaveTP
+from autotp.analysis.matmuls import column_form
+from autotp.plan.plan import Plan
+from autotp.runtime.seq_ops import AllGatherSeq, ReduceScatterSeq, SeqColumnGroup
 
 aten = torch.ops.aten
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from autotp.plan import Plan
-from autotp.rng import RegionRandom
+from autotp.plan.plan import Plan
+from autotp.runtime.rng import RegionRandom
 
 
 def region_rng(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:

@@ -20,7 +20,7 @@ import operator
 
 import torch.fx as fx
 
-from autotp.plan import Plan
+from autotp.plan.plan import Plan
 
 
 def rewrite_constants(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:

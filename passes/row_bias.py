@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from autotp.plan import Plan
+from autotp.plan.plan import Plan
 
 aten = torch.ops.aten
 

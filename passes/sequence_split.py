@@ -25,8 +25,8 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from autotp.plan import Plan
-from autotp.seq_ops import GatherSeq, SliceSeq
+from autotp.plan.plan import Plan
+from autotp.runtime.seq_ops import GatherSeq, SliceSeq
 
 aten = torch.ops.aten
 

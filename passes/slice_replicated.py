@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from autotp.gathered import LocalSliceOp
-from autotp.plan import Plan
+from autotp.runtime.gathered import LocalSliceOp
+from autotp.plan.plan import Plan
 
 
 def slice_replicated(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:

@@ -16,8 +16,8 @@ from __future__ import annotations
 import torch.fx as fx
 
 from autotp.passes.insert_collectives import LEAVE, ensure_collective_modules, seq_leave
-from autotp.plan import Plan
-from autotp.vocab_ops import VocabEmbedding
+from autotp.plan.plan import Plan
+from autotp.runtime.vocab_ops import VocabEmbedding
 
 
 def vocab_embedding(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:

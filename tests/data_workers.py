@@ -60,7 +60,7 @@ def mismatch_and_broadcast() -> dict:
 def dp_sampling() -> dict:
     """tp 2 × dp 2 under the layout ``autotp run`` sets up."""
     os.environ.update({"AUTOTP_TP": "2", "AUTOTP_DP": "2"})
-    from autotp.launch import current_tp_group
+    from autotp.distributed.launch import current_tp_group
 
     group = current_tp_group()
     sampler = autotp.dp_sampler(list(range(16)), shuffle=True, seed=3)

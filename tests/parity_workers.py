@@ -101,8 +101,8 @@ def dropout_streams() -> dict:
     """With dropout, replicated activations stay identical across ranks; sharded-region masks differ."""
     import torch.distributed as dist
 
-    from autotp.collectives import EnterTP
-    from autotp.rng import RegionRandom
+    from autotp.runtime.collectives import EnterTP
+    from autotp.runtime.rng import RegionRandom
 
     ref, args, _ = MODELS["nanogpt"](dropout=0.1)
     torch.manual_seed(1234)
@@ -413,7 +413,7 @@ def _sequence_dropout() -> dict:
     holds other positions); the default generator stays in step across the group."""
     import torch.distributed as dist
 
-    from autotp.rng import RegionRandom
+    from autotp.runtime.rng import RegionRandom
 
     ref, args, _ = MODELS["nanogpt"](dropout=0.1)
     torch.manual_seed(1234)

@@ -12,8 +12,8 @@ import torch.distributed as dist
 
 import autotp
 from autotp.cli.shard import data_parallel, train_step
-from autotp.ckpt_io import latest_checkpoint, load_training_state, save_training_state
-from autotp.launch import init_distributed
+from autotp.io.ckpt_io import latest_checkpoint, load_training_state, save_training_state
+from autotp.distributed.launch import init_distributed
 from models import gpt2, llama
 from pattern_models import build
 

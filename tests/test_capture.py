@@ -9,8 +9,8 @@ from capture_models import STYLES, build
 from distributed import launch
 from parity_workers import capture_styles, default_calls
 
-from autotp.capture import capture
-from autotp.structure import call_key, flatten, unflatten
+from autotp.capture.tracer import capture
+from autotp.capture.structure import call_key, flatten, unflatten
 
 
 def _snapshot(model: torch.nn.Module) -> dict:

@@ -9,10 +9,10 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from autotp.capture import capture
+from autotp.capture.tracer import capture
 from autotp.cli.main import app
-from autotp.planner import make_plan
-from autotp.report import build_report, display, symbol_roles
+from autotp.plan.planner import make_plan
+from autotp.plan.report import build_report, display, symbol_roles
 from distributed import ROOT
 
 NANOGPT = os.path.join(ROOT, "examples", "nanogpt.py")

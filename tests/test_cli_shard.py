@@ -13,10 +13,10 @@ import torch.nn as nn
 from typer.testing import CliRunner
 
 from autotp.cli.main import app
-from autotp.modelfile import ModelFileError, find_loss, load_model_file, split_batch
-from autotp.plan import ParamShard, Plan
-from autotp.runtime import TPState
-from autotp.shard_spec import Segment, shard_tensor
+from autotp.capture.modelfile import ModelFileError, find_loss, load_model_file, split_batch
+from autotp.plan.plan import ParamShard, Plan
+from autotp.runtime.parallelize import TPState
+from autotp.plan.shard_spec import Segment, shard_tensor
 from distributed import ROOT, launch
 
 NANOGPT = os.path.join(ROOT, "examples", "nanogpt.py")
@@ -54,8 +54,8 @@ def _load_worker(out: str) -> tuple[float, float, torch.Tensor]:
     import nanogpt
 
     import autotp
-    from autotp.checkpoint import load_checkpoint
-    from autotp.launch import init_distributed
+    from autotp.io.checkpoint import load_checkpoint
+    from autotp.distributed.launch import init_distributed
 
     ctx = init_distributed(tp=2)
     idx, targets = nanogpt.example_batch()
@@ -73,7 +73,7 @@ def _load_worker(out: str) -> tuple[float, float, torch.Tensor]:
 def test_checkpoint_loads_back_identically(sharded) -> None:
     import nanogpt
 
-    from autotp.checkpoint import load_unsharded
+    from autotp.io.checkpoint import load_unsharded
 
     out, result = sharded
     assert result.exit_code == 0, result.output
@@ -111,8 +111,8 @@ class _Shards(nn.Module):
 
 
 def _gqa_worker(out: str) -> bool:
-    from autotp.checkpoint import load_checkpoint, save_checkpoint
-    from autotp.launch import init_distributed
+    from autotp.io.checkpoint import load_checkpoint, save_checkpoint
+    from autotp.distributed.launch import init_distributed
 
     ctx = init_distributed(tp=2)
     full = torch.arange(48.0).view(16, 3)
@@ -126,7 +126,7 @@ def _gqa_worker(out: str) -> bool:
 
 
 def test_checkpoint_replicated_kv_blocks(tmp_path: Path) -> None:
-    from autotp.checkpoint import load_unsharded
+    from autotp.io.checkpoint import load_unsharded
 
     assert all(launch(_gqa_worker, 2, str(tmp_path / "ckpt")).values())
     full = _Shards(torch.zeros(16, 3), 1)
@@ -176,7 +176,7 @@ def test_autotp_run_script(tmp_path: Path) -> None:
     script = tmp_path / "train.py"
     script.write_text(
         "import sys\nimport torch.distributed as dist\nimport autotp\n"
-        "from autotp.launch import current_tp_group, init_from_env\n"
+        "from autotp.distributed.launch import current_tp_group, init_from_env\n"
         f"sys.path.insert(0, {os.path.join(ROOT, 'examples')!r})\n"
         "from nanogpt import GPT, GPTConfig\n"
         "ctx = init_from_env()\n"

@@ -22,7 +22,7 @@ def compile_worker() -> dict:
     import torch._dynamo
 
     import autotp
-    from autotp.compile import DYNAMO_CONFIG, _local_outputs, uncompiled
+    from autotp.runtime.compile import DYNAMO_CONFIG, _local_outputs, uncompiled
     from nanogpt import GPT, GPTConfig
 
     torch.manual_seed(0)

@@ -7,7 +7,7 @@ import torch
 from data_workers import dp_sampling, mismatch_and_broadcast
 from distributed import launch
 
-from autotp.data import _fingerprint
+from autotp.runtime.data import _fingerprint
 
 
 def test_fingerprints_are_bit_exact_and_order_sensitive():

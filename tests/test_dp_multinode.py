@@ -14,8 +14,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from autotp.launch import LaunchSpec, launch
-from autotp.layout import RankLayout
+from autotp.distributed.launch import LaunchSpec, launch
+from autotp.distributed.layout import RankLayout
 from distributed import ROOT, free_port
 
 NANOGPT = os.path.join(ROOT, "examples", "nanogpt.py")
@@ -37,7 +37,7 @@ def _dp_tp_worker(batches: list[tuple[torch.Tensor, torch.Tensor]]) -> dict:
 
     import autotp
     from autotp.cli.shard import data_parallel, train_step
-    from autotp.launch import init_from_env
+    from autotp.distributed.launch import init_from_env
 
     ctx = init_from_env()
     try:
@@ -135,8 +135,8 @@ def _kill(proc: subprocess.Popen) -> None:
 def test_shard_two_nodes_on_loopback(tmp_path: Path) -> None:
     import nanogpt
 
-    from autotp.checkpoint import load_unsharded
-    from autotp.plan import Plan
+    from autotp.io.checkpoint import load_unsharded
+    from autotp.plan.plan import Plan
 
     port, out = free_port(), tmp_path / "out"
     env = {**os.environ, "COLUMNS": "200"}

@@ -1,4 +1,4 @@
-"""Unit tests for autotp.layout and the ``autotp layout`` command."""
+"""Unit tests for autotp.distributed.layout and the ``autotp layout`` command."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 from typer.testing import CliRunner
 
 from autotp.cli.main import app
-from autotp.layout import RankLayout
+from autotp.distributed.layout import RankLayout
 
 # Megatron's rank order (README, "Rank layout"): world 16, tp 2, pp 4 (dp 2).
 TABLE_16 = {

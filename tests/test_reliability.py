@@ -16,8 +16,8 @@ import torch
 from typer.testing import CliRunner
 
 from autotp.cli.main import app
-from autotp.ckpt_io import checkpoint_info, latest_checkpoint
-from autotp.launch import ENV_TIMEOUT, LaunchSpec
+from autotp.io.ckpt_io import checkpoint_info, latest_checkpoint
+from autotp.distributed.launch import ENV_TIMEOUT, LaunchSpec
 from distributed import ROOT
 
 NANOGPT = os.path.join(ROOT, "examples", "nanogpt.py")
@@ -128,8 +128,8 @@ def _summary(out: Path) -> dict:
 def _params(out: Path, checkpoint: str | Path) -> dict[str, torch.Tensor]:
     import nanogpt
 
-    from autotp.checkpoint import load_unsharded
-    from autotp.plan import Plan
+    from autotp.io.checkpoint import load_unsharded
+    from autotp.plan.plan import Plan
 
     model = nanogpt.build_model()
     load_unsharded(model, Plan.from_json((out / "plan.json").read_text()), checkpoint)

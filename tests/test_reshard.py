@@ -19,8 +19,8 @@ def _load_at(out: str, tp: int) -> dict:
     import nanogpt
 
     import autotp
-    from autotp.checkpoint import load_checkpoint, load_unsharded
-    from autotp.launch import init_distributed
+    from autotp.io.checkpoint import load_checkpoint, load_unsharded
+    from autotp.distributed.launch import init_distributed
 
     ctx = init_distributed(tp=tp)
     idx, targets = nanogpt.example_batch()
@@ -39,7 +39,7 @@ def _load_at(out: str, tp: int) -> dict:
 def test_tp4_checkpoint_loads_at_tp2_tp1_and_unsharded(tmp_path):
     import nanogpt
 
-    from autotp.checkpoint import load_unsharded
+    from autotp.io.checkpoint import load_unsharded
 
     out = tmp_path / "out"
     result = CliRunner().invoke(app, ["shard", NANOGPT, "--tp", "4", "--steps", "2", "--out", str(out)],

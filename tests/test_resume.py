@@ -69,8 +69,8 @@ def saved(tmp_path_factory):
     import nanogpt
 
     import autotp
-    from autotp.ckpt_io import latest_checkpoint, save_training_state
-    from autotp.launch import init_distributed
+    from autotp.io.ckpt_io import latest_checkpoint, save_training_state
+    from autotp.distributed.launch import init_distributed
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
@@ -96,7 +96,7 @@ def _copy(saved, name: str) -> Path:
 
 
 def _refused(saved, path: Path) -> CheckpointError:
-    from autotp.ckpt_io import load_training_state
+    from autotp.io.ckpt_io import load_training_state
 
     _, _, tpm, opt, ctx = saved
     with pytest.raises(CheckpointError) as e:
@@ -106,7 +106,7 @@ def _refused(saved, path: Path) -> CheckpointError:
 
 
 def test_malicious_metadata_pickle_runs_nothing(saved, tmp_path: Path) -> None:
-    from autotp.ckpt_safety import read_metadata
+    from autotp.io.ckpt_safety import read_metadata
 
     probe = tmp_path / "probe"
     pickle.loads(pickle.dumps(_Payload(probe)))  # the payload is live: plain unpickling runs it
@@ -129,7 +129,7 @@ def test_malicious_metadata_pickle_runs_nothing(saved, tmp_path: Path) -> None:
 def test_pickled_entry_is_refused(saved) -> None:
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
-    from autotp.ckpt_safety import read_metadata
+    from autotp.io.ckpt_safety import read_metadata
 
     # DCP's own planner would torch.load(weights_only=False) an entry its metadata calls bytes
     path = _copy(saved, "bytes")
@@ -162,7 +162,7 @@ def test_metadata_of_another_model_is_refused(saved) -> None:
 
 
 def test_untouched_copy_loads(saved) -> None:
-    from autotp.ckpt_io import load_training_state
+    from autotp.io.ckpt_io import load_training_state
 
     _, _, tpm, opt, ctx = saved
     resumed = load_training_state(_copy(saved, "intact"), tpm, opt, ctx)

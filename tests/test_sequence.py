@@ -7,12 +7,12 @@ import pytest
 import torch
 import torch.fx as fx
 
-from autotp.capture import capture
-from autotp.collectives import ColumnGroup, EnterTP, LeaveTP
+from autotp.capture.tracer import capture
+from autotp.runtime.collectives import ColumnGroup, EnterTP, LeaveTP
 from autotp.passes import run_passes
-from autotp.plan import SEQ_PARAMS
-from autotp.planner import make_plan
-from autotp.seq_ops import AllGatherSeq, GatherSeq, ReduceScatterSeq, SeqColumnGroup, SliceSeq, SumGrads
+from autotp.plan.plan import SEQ_PARAMS
+from autotp.plan.planner import make_plan
+from autotp.runtime.seq_ops import AllGatherSeq, GatherSeq, ReduceScatterSeq, SeqColumnGroup, SliceSeq, SumGrads
 from distributed import launch
 from models import MODELS
 from pattern_models import KINDS, S

@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from autotp.errors import ShardingError
-from autotp.plan import Plan
-from autotp.ops import parts_for
-from autotp.shapes import view_groups
-from autotp.shard_spec import Segment, Sharding, local_indices, shard_tensor, unshard_tensor
+from autotp.plan.plan import Plan
+from autotp.analysis.ops import parts_for
+from autotp.analysis.shapes import view_groups
+from autotp.plan.shard_spec import Segment, Sharding, local_indices, shard_tensor, unshard_tensor
 
 
 def test_fused_segments_give_each_rank_its_slice_of_every_segment():
@@ -60,8 +60,8 @@ def test_head_rules_follow_megatron():
 
 
 def test_plan_is_immutable_json_data():
-    from autotp.ops import Rewrite
-    from autotp.plan import (Collective, LocalSlice, PairPlan, ParamShard, SeqEnter, SeqGather, SeqLeave, SeqSlice,
+    from autotp.analysis.ops import Rewrite
+    from autotp.plan.plan import (Collective, LocalSlice, PairPlan, ParamShard, SeqEnter, SeqGather, SeqLeave, SeqSlice,
                              SequencePlan, Stat)
 
     shard = ParamShard("column", "h.0.attn.c_attn", 0, (Segment(64, 2),) * 3, (192, 64), (96, 64))
@@ -97,7 +97,7 @@ def test_plan_is_immutable_json_data():
 def test_grouped_segments_cut_whole_groups_or_split_one_group_among_its_ranks():
     """Falcon's [n_kv groups, 4 q heads + k + v, d=1]: at tp 4 each of the 2 groups is held by 2 ranks that split
     its q heads and both hold its k and v; at tp 2 and 1 ranks hold whole groups."""
-    from autotp.shard_spec import Piece, local_indices, local_pieces
+    from autotp.plan.shard_spec import Piece, local_indices, local_pieces
 
     def grouped(parts, inner_parts):
         return (Segment(12, parts, (Segment(4, inner_parts), Segment(1, 1), Segment(1, 1))),)
@@ -115,7 +115,7 @@ def test_grouped_segments_cut_whole_groups_or_split_one_group_among_its_ranks():
 
 def test_outer_sharding_cuts_heads_folded_under_the_batch():
     """[b·h, s] with h = 4 heads over 2 ranks: rank 1 holds heads 2, 3 of every batch row."""
-    from autotp.shard_spec import shard_tensor
+    from autotp.plan.shard_spec import shard_tensor
 
     x = torch.arange(2 * 4).reshape(2 * 4, 1)  # row = batch * 4 + head
     assert shard_tensor(x, 0, (Segment(4, 2),), 2, 1, outer=True).flatten().tolist() == [2, 3, 6, 7]

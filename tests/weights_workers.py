@@ -80,8 +80,8 @@ def _meta_model(name: str, args, kwargs, group=None):
 def load_formats(root: str) -> dict:
     """tp = world: every format into a meta-built model, then one training step, then the exports and an
     autotp checkpoint (for the next launch to load at another tp)."""
-    from autotp.checkpoint import save_checkpoint
-    from autotp.launch import init_distributed
+    from autotp.io.checkpoint import save_checkpoint
+    from autotp.distributed.launch import init_distributed
 
     ctx = init_distributed(tp=dist.get_world_size())
     out = {}

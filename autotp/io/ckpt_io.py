@@ -15,16 +15,16 @@ checkpoint: the previous one until the rename of the pointer, the new one after.
 What a training checkpoint holds (one DCP save, every entry a tensor), all in the unsharded model's
 coordinates, so it resumes at any tp and dp the model's sizes allow (weights and optimizer state resharded):
 
-* ``model``: the model's state dict, sharded parameters as DTensor views (:func:`autotp.checkpoint.sharded_state_dict`);
-* ``optim``: the optimizer's per-parameter tensors laid out like their parameters (:mod:`autotp.optim_state`);
+* ``model``: the model's state dict, sharded parameters as DTensor views (:func:`autotp.io.checkpoint.sharded_state_dict`);
+* ``optim``: the optimizer's per-parameter tensors laid out like their parameters (:mod:`autotp.io.optim_state`);
 * ``train``: the step counter;
 * ``rng``: the default generator's state per data-parallel replica (the ranks of a TP group keep it in step),
-  and each rank's sharded-region stream (:mod:`autotp.rng`), restored where the layout allows.
+  and each rank's sharded-region stream (:mod:`autotp.runtime.rng`), restored where the layout allows.
 
 Next to the DCP files rank 0 writes the manifest ``autotp.json``: format, step, tp, dp, world size and the
 optimizer's plain data (class, hyper-parameters). Loading unpickles nothing from the files as arbitrary
 objects: JSON for the manifest, a verified, restricted read of DCP's metadata and ``weights_only`` tensors
-for the rest (:mod:`autotp.ckpt_safety`). A launcher checks a checkpoint before any rank starts
+for the rest (:mod:`autotp.io.ckpt_safety`). A launcher checks a checkpoint before any rank starts
 (:func:`check_resumable`).
 """
 from __future__ import annotations
@@ -39,13 +39,13 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from autotp.checkpoint import sharded_state_dict
-from autotp.ckpt_safety import read_metadata, safe_load, verify_files
-from autotp.empty import mark_loaded
+from autotp.io.checkpoint import sharded_state_dict
+from autotp.io.ckpt_safety import read_metadata, safe_load, verify_files
+from autotp.capture.empty import mark_loaded
 from autotp.errors import CheckpointError
-from autotp.launch import RankContext
-from autotp.optim_state import optimizer_state, plain_data, restore
-from autotp.runtime import tp_state
+from autotp.distributed.launch import RankContext
+from autotp.io.optim_state import optimizer_state, plain_data, restore
+from autotp.runtime.parallelize import tp_state
 
 __all__ = ["CheckpointError", "Resumed", "checkpoint_info", "check_resumable", "latest_checkpoint",
            "load_training_state", "read_manifest", "save_training_state", "step_dir_name"]

@@ -5,9 +5,9 @@ module-level tensors, hooks on submodules, buffers written in forward) on fake t
 the parameters and buffers itself: no copy of the model, no memory, no real compute, and the model is left
 as it was. Every dim of every tensor input is ``Dim.AUTO``: export keeps batch, sequence and cache lengths
 symbolic unless the model pins them. Sizes 0 and 1 are specialized by export, so they are part of the
-cache key (:func:`autotp.structure.call_key`).
+cache key (:func:`autotp.capture.structure.call_key`).
 
-The exported graph takes and returns flat tuples of tensors (:mod:`autotp.structure`), so any Python object
+The exported graph takes and returns flat tuples of tensors (:mod:`autotp.capture.structure`), so any Python object
 a forward takes or returns (a model-output dataclass, a cache object holding tensors) is captured without
 registering its type anywhere, and a forward with ``**kwargs`` needs no names matched.
 
@@ -32,8 +32,8 @@ from torch.export import Dim
 from torch.nn.utils.stateless import _reparametrize_module
 
 from autotp.errors import CaptureError
-from autotp.gathered import GatheredOnUse
-from autotp.structure import Spec, flatten, unflatten
+from autotp.runtime.gathered import GatheredOnUse
+from autotp.capture.structure import Spec, flatten, unflatten
 
 _HOOK_DICTS = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called",
                "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs")

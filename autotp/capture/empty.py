@@ -24,7 +24,7 @@ import torch
 import torch.nn as nn
 
 from autotp.errors import ShardingError
-from autotp.plan import ParamShard
+from autotp.plan.plan import ParamShard
 
 __all__ = ["allocate_meta", "check_materialized", "empty_shard", "empty_weights", "mark_loaded"]
 
@@ -54,7 +54,7 @@ def empty_weights() -> Iterator[None]:
 
 def empty_shard(shard: ParamShard, dtype: torch.dtype, device: torch.device, rank: int) -> torch.Tensor:
     """This rank's shard of a parameter, allocated and not initialised; vocab padding rows are zero (as
-    :func:`~autotp.shard_spec.vocab_shard` makes them), the owned rows are left for a loader to fill."""
+    :func:`~autotp.plan.shard_spec.vocab_shard` makes them), the owned rows are left for a loader to fill."""
     data = torch.empty(shard.local_shape, dtype=dtype, device=device)
     if shard.vocab is not None:
         owned = shard.vocab.owned(rank)

@@ -1,17 +1,17 @@
-"""Turn the analysis of a captured graph into a :class:`~autotp.plan.Plan`."""
+"""Turn the analysis of a captured graph into a :class:`~autotp.plan.plan.Plan`."""
 from __future__ import annotations
 
 import torch.fx as fx
 
 import dataclasses
 
-from autotp.analysis import Analysis, analyze
-from autotp.matmuls import ParamMatmul, column_form, module_path
-from autotp.plan import (SEQ_PARAMS, Collective, GatheredOutput, LocalSlice, PairPlan, ParamShard, Plan, SeqEnter,
+from autotp.analysis.pairs import Analysis, analyze
+from autotp.analysis.matmuls import ParamMatmul, column_form, module_path
+from autotp.plan.plan import (SEQ_PARAMS, Collective, GatheredOutput, LocalSlice, PairPlan, ParamShard, Plan, SeqEnter,
                          SeqGather, SeqLeave, SeqSlice, SequencePlan, ShardedInput, Stat, VocabLoss, VocabPlan)
-from autotp.sequence import analyze_sequence
-from autotp.shard_spec import Segment, VocabLayout
-from autotp.vocab import VocabFacts, analyze_vocab
+from autotp.analysis.sequence import analyze_sequence
+from autotp.plan.shard_spec import Segment, VocabLayout
+from autotp.analysis.vocab import VocabFacts, analyze_vocab
 
 
 
@@ -122,7 +122,7 @@ def plan_from_analysis(gm: fx.GraphModule, a: Analysis, v: VocabFacts | None = N
 
 def sequence_plan(gm: fx.GraphModule, a: Analysis, v: VocabFacts, plan: Plan) -> Plan:
     """``plan`` with sequence parallelism: the pairs' and the embedding's all-reduces become reduce-scatters,
-    the inputs of column matmuls and LM heads are all-gathered (see :mod:`autotp.sequence`)."""
+    the inputs of column matmuls and LM heads are all-gathered (see :mod:`autotp.analysis.sequence`)."""
     f = analyze_sequence(gm, a, v)
     params = {n for n, _ in gm.named_parameters(remove_duplicate=False)}
     rows = {p.row.node: p for p in a.pairs}

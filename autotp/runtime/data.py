@@ -21,8 +21,8 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 
 from autotp.errors import InputMismatchError
-from autotp.gathered import GatheredOnUse, all_gather_flat
-from autotp.structure import flatten, unflatten
+from autotp.runtime.gathered import GatheredOnUse, all_gather_flat
+from autotp.capture.structure import flatten, unflatten
 
 _FIELDS = 4  # per input: exact sum of its bytes, position-weighted sum, byte count, crc of dtype/shape/values
 
@@ -86,7 +86,7 @@ def _name(path: tuple) -> str:
 def _tp_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
     if group is not None:
         return group
-    from autotp.launch import current_tp_group
+    from autotp.distributed.launch import current_tp_group
 
     return current_tp_group() or dist.group.WORLD
 
@@ -114,8 +114,8 @@ def broadcast_batch(batch: object, group: dist.ProcessGroup | None = None, src: 
 
 
 def _layout():
-    from autotp.launch import ENV_DP, ENV_PP, ENV_TP, _env_int
-    from autotp.layout import RankLayout
+    from autotp.distributed.launch import ENV_DP, ENV_PP, ENV_TP, _env_int
+    from autotp.distributed.layout import RankLayout
 
     tp = _env_int(ENV_TP, os.environ)
     if tp is None:  # not under `autotp run`: parallelize's default group is the whole job

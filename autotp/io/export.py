@@ -2,7 +2,7 @@
 
 The writer is global rank 0. For each tensor its TP group gathers the shards to the writer (one
 ``gather`` per sharded tensor; replicated ones are already whole there), which cuts the vocab padding,
-joins fused segments and kv blocks (:meth:`~autotp.plan.ParamShard.unshard`) and writes it; no rank ever
+joins fused segments and kv blocks (:meth:`~autotp.plan.plan.ParamShard.unshard`) and writes it; no rank ever
 holds the whole model. Ranks outside the writer's TP group (data-parallel replicas) only wait.
 
 - ``format="safetensors"``: Hugging Face's layout, in the folder ``path``: ``model.safetensors`` when it
@@ -13,7 +13,7 @@ holds the whole model. Ranks outside the writer's TP group (data-parallel replic
 - ``format="torch"``: one ``torch.save`` file holding every state-dict name (tied names share storage), as
   ``torch.load`` + ``load_state_dict`` expect. It is written with ``torch.serialization.skip_data`` (the
   layout, no bytes), then each tensor is copied into the file through a shared memory map, renewed every
-  :data:`~autotp.sources.REMAP_BYTES` so that the written pages do not pile up in the writer's RSS.
+  :data:`~autotp.io.sources.REMAP_BYTES` so that the written pages do not pile up in the writer's RSS.
 
 Every file is written under a temporary name and renamed when complete (the index last), so a crash
 leaves the previous export whole; old shard files the new index does not name are removed after it.
@@ -30,8 +30,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from autotp.plan import ParamShard
-from autotp.sources import INDEX, REMAP_BYTES, SINGLE
+from autotp.plan.plan import ParamShard
+from autotp.io.sources import INDEX, REMAP_BYTES, SINGLE
 
 __all__ = ["save_weights"]
 

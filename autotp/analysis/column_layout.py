@@ -14,10 +14,10 @@ import torch
 import torch.fx as fx
 
 from autotp.errors import ShardingError
-from autotp.ops import (SAME_SHAPE, SPLITS, VIEWS, arg_of, ndim_of, slice_range,
+from autotp.analysis.ops import (SAME_SHAPE, SPLITS, VIEWS, arg_of, ndim_of, slice_range,
                         unflattened_sequence_of_one, parts_for, split_dims)
-from autotp.shapes import Fingerprinter, normalize_dim, view_groups
-from autotp.shard_spec import Segment
+from autotp.analysis.shapes import Fingerprinter, normalize_dim, view_groups
+from autotp.plan.shard_spec import Segment
 
 aten = torch.ops.aten
 

@@ -4,7 +4,7 @@ torch's ``get_optimizer_state_dict`` gives the state keyed by parameter name (an
 optimizer has not stepped yet), but autotp's parameters are plain local shards, so each tensor is only this
 rank's slice. :func:`optimizer_state` gives every state tensor of a parameter's shape (AdamW's ``exp_avg``
 and ``exp_avg_sq``, any other optimizer's per-element moments) the parameter's own views
-(:func:`autotp.checkpoint.global_views`): a DTensor per segment, padding rows of a vocab-parallel weight
+(:func:`autotp.io.checkpoint.global_views`): a DTensor per segment, padding rows of a vocab-parallel weight
 left out, kv blocks replicated like the weight's. torch.distributed.checkpoint then saves and loads it at
 any tp and dp, exactly as the weights. Scalar tensors (AdamW's ``step``) and the state of replicated
 parameters stay plain tensors (DCP writes one copy).
@@ -22,9 +22,9 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
-from autotp.checkpoint import checkpoint_shards, global_views
+from autotp.io.checkpoint import checkpoint_shards, global_views
 from autotp.errors import CheckpointError
-from autotp.launch import RankContext
+from autotp.distributed.launch import RankContext
 
 __all__ = ["OptimizerState", "optimizer_state", "plain_data", "restore"]
 

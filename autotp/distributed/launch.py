@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from autotp.errors import LaunchError, ProcessGroupError, RankFailedError
-from autotp.layout import RankLayout
+from autotp.distributed.layout import RankLayout
 
 __all__ = [
     "ENV_BACKEND", "ENV_DP", "ENV_PP", "ENV_TIMEOUT", "ENV_TP", "LaunchError", "LaunchSpec", "RankContext",
@@ -282,7 +282,7 @@ def init_from_env(environ: Mapping[str, str] | None = None) -> RankContext:
     if tp is None:
         raise ProcessGroupError(f"{ENV_TP} is not set, so this process was not started by `autotp run`",
                                 hint="start it with `autotp run SCRIPT --tp N [--dp N]`, or call "
-                                     "autotp.launch.init_distributed(tp=N) yourself")
+                                     "autotp.distributed.launch.init_distributed(tp=N) yourself")
     return init_distributed(tp, _env_int(ENV_DP, environ), _env_int(ENV_PP, environ) or 1,
                             environ.get(ENV_BACKEND) or None)
 

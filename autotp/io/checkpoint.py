@@ -20,14 +20,14 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from autotp.ckpt_safety import METADATA, read_metadata, safe_load
-from autotp.empty import mark_loaded
+from autotp.io.ckpt_safety import METADATA, read_metadata, safe_load
+from autotp.capture.empty import mark_loaded
 from autotp.errors import CheckpointError
-from autotp.launch import RankContext
-from autotp.plan import ParamShard, Plan
-from autotp.shard_spec import Segment
-from autotp.gathered import all_gather_flat
-from autotp.runtime import tp_state
+from autotp.distributed.launch import RankContext
+from autotp.plan.plan import ParamShard, Plan
+from autotp.plan.shard_spec import Segment
+from autotp.runtime.gathered import all_gather_flat
+from autotp.runtime.parallelize import tp_state
 
 
 def _shards_by_name(module: torch.nn.Module) -> dict[str, ParamShard]:
@@ -250,6 +250,6 @@ def save_checkpoint(tpm: torch.nn.Module, ctx: RankContext, path: Path | str) ->
 
 def load_checkpoint(tpm: torch.nn.Module, ctx: RankContext, path: Path | str) -> None:
     """Load a :func:`save_checkpoint` checkpoint into ``tpm``'s parameters in place (see
-    :mod:`autotp.ckpt_safety`: nothing in the files is unpickled as arbitrary objects)."""
+    :mod:`autotp.io.ckpt_safety`: nothing in the files is unpickled as arbitrary objects)."""
     safe_load({"model": sharded_state_dict(tpm, ctx)}, path)
     mark_loaded(tpm)

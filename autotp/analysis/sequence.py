@@ -19,7 +19,7 @@ norms, dropout, the embedding sums. With sequence parallelism (Korthikanti et al
   the batch, a returned value) gets it gathered first and computes replicated, as plain tensor
   parallelism does: correct numbers, with the reason recorded.
 
-Read-only: the planner turns :class:`SeqFacts` into a :class:`~autotp.plan.SequencePlan`.
+Read-only: the planner turns :class:`SeqFacts` into a :class:`~autotp.plan.plan.SequencePlan`.
 """
 from __future__ import annotations
 
@@ -32,12 +32,12 @@ import sympy
 import torch
 import torch.fx as fx
 
-from autotp.analysis import Analysis
-from autotp.matmuls import module_path
-from autotp.ops import (NO_OUTPUT, NORMS, RANDOM_P_ARG, REDUCTIONS, SAME_SHAPE, SOFTMAX, SPLITS, VIEWS, arg_of,
+from autotp.analysis.pairs import Analysis
+from autotp.analysis.matmuls import module_path
+from autotp.analysis.ops import (NO_OUTPUT, NORMS, RANDOM_P_ARG, REDUCTIONS, SAME_SHAPE, SOFTMAX, SPLITS, VIEWS, arg_of,
                         is_guard, ndim_of)
-from autotp.shapes import Fingerprinter, normalize_dim, view_groups
-from autotp.vocab import VocabFacts
+from autotp.analysis.shapes import Fingerprinter, normalize_dim, view_groups
+from autotp.analysis.vocab import VocabFacts
 
 aten = torch.ops.aten
 

@@ -16,11 +16,11 @@ import torch
 import torch.fx as fx
 
 from autotp.errors import ShardingError
-from autotp.ops import (FACTORIES, NO_OUTPUT, NORMS, RANDOM_P_ARG, REDUCTIONS, SAME_SHAPE, SOFTMAX, SPLITS, STAT_KINDS,
+from autotp.analysis.ops import (FACTORIES, NO_OUTPUT, NORMS, RANDOM_P_ARG, REDUCTIONS, SAME_SHAPE, SOFTMAX, SPLITS, STAT_KINDS,
                         VIEWS, Rewrite, Unshardable, arg_of, is_guard, legacy_empty, ndim_of, reduction_args,
                         slice_range, split_dims, unflattened_sequence_of_one)
-from autotp.shapes import Fingerprinter, is_static, normalize_dim, view_groups
-from autotp.shard_spec import Segment, Sharding
+from autotp.analysis.shapes import Fingerprinter, is_static, normalize_dim, view_groups
+from autotp.plan.shard_spec import Segment, Sharding
 
 aten = torch.ops.aten
 

@@ -3,7 +3,7 @@
 The rewritten graph already holds everything a compiler needs to see: Megatron's f/g as autograd functions
 over ``torch.distributed._functional_collectives`` (traceable: dynamo puts ``_c10d_functional.all_reduce`` /
 ``wait_tensor`` in the graph), the vocab-parallel loss as an autograd function, and the vocab-parallel logits
-as a :class:`~autotp.gathered.GatheredOnUse` made outside the compiled region. :func:`compile_graph` compiles with ``fullgraph=False`` so a construct dynamo
+as a :class:`~autotp.runtime.gathered.GatheredOnUse` made outside the compiled region. :func:`compile_graph` compiles with ``fullgraph=False`` so a construct dynamo
 cannot trace degrades to a graph break instead of an error; :func:`graph_breaks` counts them (see
 ``tests/test_compile.py``).
 """
@@ -19,7 +19,7 @@ import torch.utils._pytree as pytree
 
 
 # The vocab-parallel cross-entropy's backward picks the target column of the rows this rank owns with
-# ``mine.nonzero()`` (autotp/vocab_ops.py, _VocabCE.backward). Dynamo traces an autograd.Function's backward
+# ``mine.nonzero()`` (autotp/runtime/vocab_ops.py, _VocabCE.backward). Dynamo traces an autograd.Function's backward
 # when it meets ``.apply`` in the forward; a data-dependent output shape there makes the whole Function fall
 # back to eager, splitting the graph in three (2 breaks: "Dynamic shape operator aten.nonzero.default").
 # Letting dynamo capture data-dependent output shapes (unbacked symints) keeps it in one graph.
@@ -56,7 +56,7 @@ class CompiledGraph(nn.Module):
 def _local_outputs(gm: fx.GraphModule) -> tuple[fx.GraphModule, dict[int, nn.Module]]:
     """A copy of ``gm`` (sharing its submodules and tensors) whose GatherOutput results that are graph
     outputs are returned unwrapped, and {flat output index: the GatherOutput module to apply outside}."""
-    from autotp.gathered import GatherOutput
+    from autotp.runtime.gathered import GatherOutput
 
     graph = copy.deepcopy(gm.graph)
     out = graph.output_node()

@@ -10,9 +10,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from autotp.collectives import all_reduce
-from autotp.gathered import GatherOutput
-from autotp.shard_spec import VocabLayout, vocab_shard, vocab_unshard
+from autotp.runtime.collectives import all_reduce
+from autotp.runtime.gathered import GatherOutput
+from autotp.plan.shard_spec import VocabLayout, vocab_shard, vocab_unshard
 
 
 class _VocabModule(nn.Module):
@@ -113,7 +113,7 @@ class VocabCrossEntropy(_VocabModule):
 
 class VocabOutput(GatherOutput):
     """This rank's logits, handed back as the full (b, s, V) tensor that is gathered only when read
-    (:class:`~autotp.gathered.GatheredOnUse`): a training step that only uses the loss moves no b·s·V data.
+    (:class:`~autotp.runtime.gathered.GatheredOnUse`): a training step that only uses the loss moves no b·s·V data.
     Padding rows never reach the user: each rank contributes its owned rows only."""
 
     def __init__(self, layout: VocabLayout, dim: int):

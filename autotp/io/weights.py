@@ -1,11 +1,11 @@
 """``autotp.load_weights``: fill a model's tensors from a checkpoint, each rank reading only its slices.
 
-For a parallelized model each tensor is read as this rank holds it (:class:`~autotp.plan.ParamShard`): the
+For a parallelized model each tensor is read as this rank holds it (:class:`~autotp.plan.plan.ParamShard`): the
 rank's block of every segment of a fused projection (q|k|v stored as one tensor, cut per segment), along
 the dim the graph analysis chose (GPT-2's Conv1D keeps W as [in, out], so its column dim is 1), kv blocks
 held by several ranks read by each of them, the owned vocab rows followed by zero padding rows, tied
 weights read once. A model that is not parallelized reads every tensor whole. The sources are in
-:mod:`autotp.sources`.
+:mod:`autotp.io.sources`.
 
 Names are matched before anything is read: the checkpoint's keys as they are, or all under one top-level
 prefix more or less than the model's (a Hugging Face base-model checkpoint, ``h.0...``, for
@@ -15,7 +15,7 @@ or a key that names nothing in the model, fails with one :class:`~autotp.errors.
 both; so does a shape that differs. Keys a model declares it does not own are skipped: Hugging Face models
 list them as patterns in ``_keys_to_ignore_on_load_unexpected`` (GPT-2's ``attn.bias`` masks, which
 checkpoints on the Hub still hold). Non-persistent buffers keep the values the model's own code computed
-(:mod:`autotp.empty`), unless the model was built wholly on meta and the checkpoint holds them.
+(:mod:`autotp.capture.empty`), unless the model was built wholly on meta and the checkpoint holds them.
 """
 from __future__ import annotations
 
@@ -28,11 +28,11 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from autotp.empty import allocate_meta, check_materialized, mark_loaded
+from autotp.capture.empty import allocate_meta, check_materialized, mark_loaded
 from autotp.errors import CheckpointError, ShardingError
-from autotp.plan import ParamShard
-from autotp.shard_spec import global_runs
-from autotp.sources import Piece, Source, TensorInfo, open_source
+from autotp.plan.plan import ParamShard
+from autotp.plan.shard_spec import global_runs
+from autotp.io.sources import Piece, Source, TensorInfo, open_source
 
 __all__ = ["Loaded", "Target", "check_weights", "load_weights", "match"]
 

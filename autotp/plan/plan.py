@@ -11,8 +11,8 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from autotp.ops import Rewrite
-from autotp.shard_spec import (Segment, VocabLayout, local_pieces, shard_tensor, unshard_tensor, vocab_shard,
+from autotp.analysis.ops import Rewrite
+from autotp.plan.shard_spec import (Segment, VocabLayout, local_pieces, shard_tensor, unshard_tensor, vocab_shard,
                                vocab_unshard)
 
 PLAN_VERSION = 4
@@ -25,7 +25,7 @@ SEQ_PARAMS = "(sequence-parallel parameters)"
 @dataclass(frozen=True)
 class ParamShard:
     """How one parameter is cut. ``role``: "column" (output features), "row" (input features) or
-    "vocab" (rows of an embedding / LM head, see :class:`~autotp.shard_spec.VocabLayout`)."""
+    "vocab" (rows of an embedding / LM head, see :class:`~autotp.plan.shard_spec.VocabLayout`)."""
 
     role: str
     module: str
@@ -104,7 +104,7 @@ class VocabPlan:
 @dataclass(frozen=True)
 class GatheredOutput:
     """A sharded value the graph returns (e.g. a KV cache's keys): handed back full-shape, gathered when
-    read (:class:`~autotp.gathered.GatheredOnUse`)."""
+    read (:class:`~autotp.runtime.gathered.GatheredOnUse`)."""
 
     node: str
     dim: int
@@ -114,7 +114,7 @@ class GatheredOutput:
 @dataclass(frozen=True)
 class ShardedInput:
     """A graph input taken as this rank's shard (the KV cache a previous call returned): a
-    :class:`~autotp.gathered.GatheredOnUse` passes its local shard, a full tensor is sliced locally."""
+    :class:`~autotp.runtime.gathered.GatheredOnUse` passes its local shard, a full tensor is sliced locally."""
 
     node: str
     dim: int

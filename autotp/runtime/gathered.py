@@ -19,7 +19,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.utils._pytree import tree_map
 
-from autotp.shard_spec import shard_tensor
+from autotp.plan.shard_spec import shard_tensor
 
 # local shards of every rank, in rank order -> the full tensor
 Unshard = Callable[[list[torch.Tensor]], torch.Tensor]

@@ -12,7 +12,7 @@ dim into destination tensors (views into this rank's shards), so that a rank rea
   weights_only=True)``: nothing is unpickled but tensors, and nothing is read until a slice is copied. The
   mapping is renewed after every :data:`REMAP_BYTES` read, for the same reason.
 - :class:`DcpSource`: a torch.distributed.checkpoint folder (autotp's, whose weights sit under ``model.``,
-  or any other). Its metadata is read by :mod:`autotp.ckpt_safety` (nothing unpickled as arbitrary
+  or any other). Its metadata is read by :mod:`autotp.io.ckpt_safety` (nothing unpickled as arbitrary
   objects); the reads are queued and run by one ``dcp.load`` per rank (``no_dist``: no collective), whose
   planner asks for exactly the requested boxes, so DCP reads only the stored chunks that overlap them.
 
@@ -30,7 +30,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorStorageMetadata
 
-from autotp.ckpt_safety import METADATA, _TensorsOnlyPlanner, _VerifiedReader, read_metadata, verify_files
+from autotp.io.ckpt_safety import METADATA, _TensorsOnlyPlanner, _VerifiedReader, read_metadata, verify_files
 from autotp.errors import CheckpointError
 
 __all__ = ["DcpSource", "Piece", "SafetensorsSource", "Source", "TensorInfo", "TorchFileSource", "open_source"]

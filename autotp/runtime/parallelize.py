@@ -20,20 +20,20 @@ import torch.distributed as dist
 import torch.fx as fx
 import torch.nn as nn
 
-from autotp.capture import capture, stand_ins
-from autotp.structure import Spec, call_key, flatten, unflatten
-from autotp.collectives import all_reduce, bind_collectives
-from autotp.data import check_same_inputs
-from autotp.empty import allocate_meta, check_materialized, empty_shard
+from autotp.capture.tracer import capture, stand_ins
+from autotp.capture.structure import Spec, call_key, flatten, unflatten
+from autotp.runtime.collectives import all_reduce, bind_collectives
+from autotp.runtime.data import check_same_inputs
+from autotp.capture.empty import allocate_meta, check_materialized, empty_shard
 from autotp.errors import ProcessGroupError, ShardingError
-from autotp.gathered import GatheredOnUse, bind_outputs
-from autotp.grads import mark_sharded_grad, norm_info
+from autotp.runtime.gathered import GatheredOnUse, bind_outputs
+from autotp.runtime.grads import mark_sharded_grad, norm_info
 from autotp.passes import run_passes
-from autotp.plan import ParamShard, Plan, ShardedInput
-from autotp.planner import fused_segments, make_plan
-from autotp.rng import SEED_OFFSET, RegionRNG, bind_rng
-from autotp.shard_spec import local_indices, local_pieces, shard_tensor
-from autotp.vocab_ops import bind_vocab
+from autotp.plan.plan import ParamShard, Plan, ShardedInput
+from autotp.plan.planner import fused_segments, make_plan
+from autotp.runtime.rng import SEED_OFFSET, RegionRNG, bind_rng
+from autotp.plan.shard_spec import local_indices, local_pieces, shard_tensor
+from autotp.runtime.vocab_ops import bind_vocab
 
 
 @dataclass(frozen=True)
@@ -108,7 +108,7 @@ def _split_example(example_inputs, forward: Callable) -> tuple[tuple, dict]:
 
 def _resolve_group(tp_group: dist.ProcessGroup | None) -> dist.ProcessGroup:
     if tp_group is None:
-        from autotp.launch import current_tp_group  # under `autotp run`/`autotp shard`: the layout's tp group
+        from autotp.distributed.launch import current_tp_group  # under `autotp run`/`autotp shard`: the layout's tp group
 
         tp_group = current_tp_group()
     if tp_group is not None:
@@ -341,7 +341,7 @@ def _finish(model: nn.Module, st: TPState, gm: fx.GraphModule, spec: Spec, key: 
     bind_outputs(gm, st.group, st.rank)
     run: nn.Module = gm
     if st.compile:
-        from autotp.compile import compile_graph
+        from autotp.runtime.compile import compile_graph
 
         run = compile_graph(gm)
     index = {n.name: i for i, n in enumerate(n for n in gm.graph.nodes if n.op == "placeholder")}
@@ -356,7 +356,7 @@ def _swap_class(model: nn.Module) -> None:
     base = type(model)
     cls = type(base.__name__, (TPModule, base), {"__module__": base.__module__, "__qualname__": base.__qualname__})
     if hasattr(base, "save_pretrained"):
-        from autotp.checkpoint import save_pretrained_full
+        from autotp.io.checkpoint import save_pretrained_full
 
         cls.save_pretrained = save_pretrained_full
     model.__class__ = cls
@@ -390,14 +390,14 @@ def parallelize(model: nn.Module, *, tp_group: dist.ProcessGroup | None = None, 
     Vocab-parallel logits come back as the full tensor, gathered over the group only when something reads
     them, so a step that only uses the loss moves no b·s·V data. ``vocab_multiple`` rounds each rank's
     vocab rows up (e.g. 64 for tensor-core-friendly GEMMs on GPUs); the default pads only to ``ceil(V / tp)``.
-    ``compile=True`` runs each rewritten graph under ``torch.compile`` (see :mod:`autotp.compile`).
+    ``compile=True`` runs each rewritten graph under ``torch.compile`` (see :mod:`autotp.runtime.compile`).
     ``sequence_parallel=True`` splits the regions between the column→row pairs (norms, dropout, residual
     adds) along the sequence (Megatron-SP): reduce-scatter and all-gather in place of the all-reduces, the
     activations there 1/tp the size; a call whose sequence length tp does not divide runs without it.
     ``check_inputs=True`` verifies on every call (not only the first of each signature) that all ranks of
     the group got the same inputs.
 
-    A model built on the meta device (inside :func:`autotp.empty_weights`, see :mod:`autotp.empty`) is
+    A model built on the meta device (inside :func:`autotp.empty_weights`, see :mod:`autotp.capture.empty`) is
     planned on meta; only this rank's shards and the replicated parameters are allocated, uninitialised,
     on ``device`` (default: this rank's GPU under nccl, else the CPU), for :func:`autotp.load_weights`.
     """

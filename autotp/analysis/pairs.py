@@ -3,10 +3,10 @@
 The graph is viewed as a networkx DiGraph of fx nodes. For every parameter matmul R (in graph order) the
 *feeders* of its activation input are the parameter matmuls that reach it without passing through another
 parameter matmul. When all of them are still unassigned they are R's column candidates: the sharding is
-propagated from them to R (:mod:`autotp.propagate`). A region that cannot be sharded exactly is left
+propagated from them to R (:mod:`autotp.analysis.propagate`). A region that cannot be sharded exactly is left
 replicated and reported with the reason; a head count that cannot be split raises ``ShardingError``.
 
-Facts are written to ``node.meta["autotp"]``; the planner turns them into a :class:`~autotp.plan.Plan`.
+Facts are written to ``node.meta["autotp"]``; the planner turns them into a :class:`~autotp.plan.plan.Plan`.
 """
 from __future__ import annotations
 
@@ -17,12 +17,12 @@ import networkx as nx
 import torch
 import torch.fx as fx
 
-from autotp.matmuls import ParamMatmul, find_param_matmuls, module_path
-from autotp.column_layout import column_segments
-from autotp.ops import Unshardable
-from autotp.propagate import Region, propagate
-from autotp.shapes import Fingerprinter
-from autotp.shard_spec import Sharding
+from autotp.analysis.matmuls import ParamMatmul, find_param_matmuls, module_path
+from autotp.analysis.column_layout import column_segments
+from autotp.analysis.ops import Unshardable
+from autotp.analysis.propagate import Region, propagate
+from autotp.analysis.shapes import Fingerprinter
+from autotp.plan.shard_spec import Sharding
 
 aten = torch.ops.aten
 

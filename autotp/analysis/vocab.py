@@ -17,12 +17,12 @@ import torch
 import torch.fx as fx
 
 from autotp.errors import ShardingError
-from autotp.analysis import Analysis
-from autotp.matmuls import ParamMatmul, module_path
-from autotp.ops import SAME_SHAPE, VIEWS, Unshardable, arg_of, ndim_of
-from autotp.propagate import _Propagator
-from autotp.shapes import Fingerprinter, normalize_dim
-from autotp.shard_spec import Segment, Sharding, VocabLayout
+from autotp.analysis.pairs import Analysis
+from autotp.analysis.matmuls import ParamMatmul, module_path
+from autotp.analysis.ops import SAME_SHAPE, VIEWS, Unshardable, arg_of, ndim_of
+from autotp.analysis.propagate import _Propagator
+from autotp.analysis.shapes import Fingerprinter, normalize_dim
+from autotp.plan.shard_spec import Segment, Sharding, VocabLayout
 
 aten = torch.ops.aten
 

@@ -12,7 +12,7 @@ import torch
 import torch.fx as fx
 
 from autotp.errors import ShardingError
-from autotp.shapes import is_static
+from autotp.analysis.shapes import is_static
 
 aten = torch.ops.aten
 

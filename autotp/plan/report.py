@@ -1,4 +1,4 @@
-"""The numbers behind ``autotp plan``: what a :class:`~autotp.plan.Plan` costs for one concrete batch.
+"""The numbers behind ``autotp plan``: what a :class:`~autotp.plan.plan.Plan` costs for one concrete batch.
 
 Pure functions over a Plan, the model's named parameters (shapes and dtypes only, meta tensors are fine)
 and a batch size ``b`` and sequence length ``s``. Nothing here prints; the CLI renders the result.
@@ -21,7 +21,7 @@ from functools import lru_cache
 import sympy
 import torch
 
-from autotp.plan import SEQ_PARAMS, Plan
+from autotp.plan.plan import SEQ_PARAMS, Plan
 
 # Megatron's accounting (README, "What a step costs"): weights + gradients + Adam moments in mixed precision (or fp32 Adam) ≈ 16 bytes/param.
 TRAIN_BYTES_PER_PARAM = 16

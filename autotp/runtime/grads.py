@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from autotp.plan import ParamShard
-from autotp.shard_spec import local_pieces
+from autotp.plan.plan import ParamShard
+from autotp.plan.shard_spec import local_pieces
 
 
 @dataclass(frozen=True)

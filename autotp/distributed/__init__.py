@@ -1,0 +1,1 @@
+"""Distributed: the rank layout (TP x DP x PP) and the launcher."""

@@ -1,0 +1,1 @@
+"""Runtime: parallelize() and what the rewritten graph runs (collectives, RNG, gathered outputs, compile)."""
