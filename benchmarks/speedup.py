@@ -9,9 +9,9 @@ autotp's, step by step interleaved (a barrier before each step), so both see the
 
 Reported (rank 0; medians over ``--steps``):
 - speedup = unsharded step / autotp step, eager; with ``--compile`` also both compiled (the compiled
-  unsharded model is the compiled variant's baseline), with ``--reorder`` autotp compiled with Inductor's
-  compute/communication reordering (``reorder_for_compute_comm_overlap``), and with ``--sequence-parallel``
-  autotp with sequence parallelism;
+  unsharded model is the compiled variant's baseline; ``compile=True`` compiles with Inductor's
+  compute/communication reordering), with ``--reorder`` also autotp compiled without that reordering, and
+  with ``--sequence-parallel`` autotp with sequence parallelism;
 - the limit: unsharded step / tp (each rank's share of the compute) + the step's own collectives timed
   alone in the same run (same kinds and sizes, back to back): the best a step without overlap can do;
 - a breakdown of one autotp step: time blocked in collectives (inside the collective calls and their
@@ -28,6 +28,7 @@ import os
 import statistics
 import sys
 import time
+import unittest.mock
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -109,15 +110,12 @@ def worker(opts: dict) -> dict:
     if opts["compile"]:
         models["unsharded_compiled"] = torch.compile(copy.deepcopy(base))
         models["autotp_compiled"] = autotp.parallelize(copy.deepcopy(base), example_inputs=(idx, tgt), compile=True)
-    if opts["reorder"]:
-        import torch._inductor.config as inductor
+    if opts["reorder"]:  # compile=True without Inductor's compute/communication reordering, for comparison
+        from autotp.runtime import compile as compile_mod
 
-        with inductor.patch(reorder_for_compute_comm_overlap=True):
-            models["autotp_compiled_reordered"] = autotp.parallelize(copy.deepcopy(base), example_inputs=(idx, tgt),
-                                                                     compile=True)
-            step_ready = models["autotp_compiled_reordered"]
-            step_ready(idx, tgt)[1].backward()  # compile inside the patch (compilation is lazy)
-            step_ready.zero_grad(set_to_none=True)
+        with unittest.mock.patch.dict(compile_mod.INDUCTOR_CONFIG, {"reorder_for_compute_comm_overlap": False}):
+            models["autotp_compiled_no_reorder"] = autotp.parallelize(copy.deepcopy(base), example_inputs=(idx, tgt),
+                                                                      compile=True)
     if opts.get("sequence_parallel"):
         models["autotp_sp"] = autotp.parallelize(copy.deepcopy(base), example_inputs=(idx, tgt),
                                                  sequence_parallel=True)
