@@ -1,0 +1,357 @@
+"""Propagation rules for the ops that move, regroup, cut or join the sharded dim: transposes, views (heads
+split, merged, folded under the batch, a grouped layout read apart), slices, splits, concatenation, expand
+and repeats. Each rule gives the output's :class:`Sharding` and records the integer constants that change
+(:class:`~autotp.analysis.ops.Rewrite`); :class:`~autotp.analysis.propagate._Propagator` mixes them in.
+"""
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+
+from autotp.analysis.ops import (SPLITS, Rewrite, Unshardable, arg_of, is_guard, legacy_empty, ndim_of, slice_range,
+                                 split_dims, unflattened_sequence_of_one)
+from autotp.analysis.shapes import is_static, normalize_dim, view_groups
+from autotp.errors import ShardingError
+from autotp.plan.shard_spec import Segment, Sharding
+
+aten = torch.ops.aten
+
+
+class ShapeRules:
+    """Rules of :class:`~autotp.analysis.propagate._Propagator` that change where the sharded dim is."""
+
+    def move(self, node: fx.Node) -> Sharding:
+        s = self.spec(node.args[0])
+        nd_in, nd_out = ndim_of(node.args[0]), ndim_of(node)
+        t = node.target
+        if t in (aten.transpose.int, aten.t.default, aten.numpy_T.default, aten.permute.default):
+            if t is aten.permute.default:
+                perm = [normalize_dim(d, nd_in) for d in node.args[1]]
+            else:
+                perm = list(range(nd_in))
+                a, b = (0, 1) if t is not aten.transpose.int else (normalize_dim(node.args[1], nd_in), normalize_dim(node.args[2], nd_in))
+                if nd_in >= 2 or t is aten.transpose.int:
+                    perm[a], perm[b] = perm[b], perm[a]
+            where = {src: dst for dst, src in enumerate(perm)}
+            return s.moved(where[s.dim], None if not s.inner else where[s.inner[0]])
+        in_shape = self.fp.shape(node.args[0])
+        if t is aten.unsqueeze.default:
+            d = normalize_dim(node.args[1], nd_out)
+            shift = lambda x: x + (x >= d)  # noqa: E731
+        else:
+            if t is aten.squeeze.default:
+                gone = [i for i, n in enumerate(in_shape) if n == 1]
+            else:
+                dims = node.args[1] if isinstance(node.args[1], (list, tuple)) else [node.args[1]]
+                gone = [normalize_dim(d, nd_in) for d in dims if in_shape[normalize_dim(d, nd_in)] == 1]
+            shift = lambda x: x - sum(g < x for g in gone)  # noqa: E731
+        return s.moved(shift(s.dim), None if not s.inner else shift(s.inner[0]))
+
+    def slice(self, node: fx.Node) -> Sharding:
+        s = self.spec(node.args[0])
+        d = normalize_dim(arg_of(node, 1, "dim", 0), ndim_of(node.args[0]))
+        if d == s.dim or (s.inner and d == s.inner[0]):
+            full = self.fp.shape(node.args[0])[d]
+            r = slice_range(node, full)
+            if r == (0, full):
+                return s
+            # one whole segment of a fused projection (``qkv[..., q_size:q_size + kv_size]``): its local block
+            offset = local = 0
+            for seg in s.segments:
+                if r == (offset, offset + seg.size) and not s.inner and not s.outer:
+                    if r[0] != local:
+                        self.rewrite(node, 2, None, arg_of(node, 2, "start", 0), local)
+                    end = arg_of(node, 3, "end", None)
+                    if is_static(end) and end < full:
+                        self.rewrite(node, 3, None, end, local + seg.local())
+                    return Sharding(d, (seg,))
+                offset, local = offset + seg.size, local + seg.local()
+            raise Unshardable(node, "a partial slice of the sharded dim")
+        return s
+
+    def flatten(self, node: fx.Node) -> Sharding:
+        s = self.spec(node.args[0])
+        nd = ndim_of(node.args[0])
+        start, end = normalize_dim(arg_of(node, 1, "start_dim", 0), nd), normalize_dim(arg_of(node, 2, "end_dim", -1), nd)
+        if end > start and (start <= s.dim <= end or (s.inner and start <= s.inner[0] <= end)):
+            src = self.fp.shape(node.args[0])  # merges like the equivalent view, which has no sizes to rewrite
+            gi = [i for i in range(start, end + 1) if src[i] != 1 or i == s.dim]
+            return self._view_merge(node, s, None, src, self.fp.shape(node), gi, start)
+        shift = lambda x: x - (end - start) if x > end else x  # noqa: E731
+        return s.moved(shift(s.dim), None if not s.inner else shift(s.inner[0]))
+
+    def view(self, node: fx.Node) -> Sharding:
+        s = self.spec(node.args[0])
+        src, dst = self.fp.shape(node.args[0]), self.fp.shape(node)
+        shape_arg = list(node.args[1])
+        for gi, gj in view_groups(src, dst):
+            if s.dim not in gi:
+                if s.inner and s.inner[0] in gi:
+                    raise Unshardable(node, "view regroups the broadcast dim of replicated heads")
+                continue
+            gi_real = [i for i in gi if src[i] != 1 or i == s.dim]
+            gj_real = split_dims(gj, dst)
+            if s.outer:
+                return self._view_outer(node, s, shape_arg, dst, gi_real, gj_real)
+            if len(gi_real) == 1 and unflattened_sequence_of_one(gj_real, dst, src[s.dim]):
+                gj_real = gj_real[1:]
+            if len(gi_real) == 1 and len(gj_real) == 1:  # the sharded dim passes through
+                j = gj_real[0]
+                if s.inner:
+                    raise Unshardable(node, "view moves replicated heads")
+                if is_static(shape_arg[j]):  # the local size itself (a padded vocab's too)
+                    if shape_arg[j] != -1:
+                        self.rewrite(node, 1, j, shape_arg[j], s.local_size)
+                else:
+                    self._set_view_size(node, shape_arg, j, sum(g.size for g in s.segments), s.local_size)
+                return s.moved(j)
+            if len(gi_real) == 1:  # the sharded dim splits: [.., N, ..] -> [.., n1, n2, ..]
+                return self._view_split(node, s, shape_arg, dst, gj_real)
+            if len(gj_real) == 1:  # dims merge into the sharded one: [.., a, b, ..] -> [.., a*b, ..]
+                return self._view_merge(node, s, shape_arg, src, dst, gi_real, gj_real[0])
+            raise Unshardable(node, "view regroups the sharded dim with others")
+        raise Unshardable(node, "sharded dim lost in view")
+
+    def _set_view_size(self, node, shape_arg, j, full, local, arg: int = 1) -> None:
+        """Scale size ``shape_arg[j]`` by ``local / full``: a constant, or ``x * c`` computed at run time."""
+        v = shape_arg[j]
+        if is_static(v):
+            if v != -1:
+                if v * local % full:
+                    raise Unshardable(node, f"size {v} does not scale by {local}/{full}")
+                self.rewrite(node, arg, j, v, v * local // full)
+            return
+        c = [a for a in v.args if is_static(a)] if isinstance(v, fx.Node) and v.target is operator.mul else []
+        if len(c) != 1 or c[0] * local % full:
+            raise Unshardable(node, "the size of the sharded dim is computed at run time")
+        self.region.rewrites.append(Rewrite(node.name, arg, j, c[0], c[0] * local // full, v.name))
+
+    def _view_outer(self, node, s, shape_arg, dst, gi, gj) -> Sharding:
+        """Views of heads folded under the batch (``[b·h, s, d]``): passed through, or unfolded again."""
+        full, local = sum(g.size for g in s.segments), s.local_size
+        if len(gi) == 1 and len(gj) == 1:
+            self._set_view_size(node, shape_arg, gj[0], full, local)
+            return s.moved(gj[0])
+        if len(gi) == 1 and len(gj) == 2 and dst[gj[1]] == full:  # [b·h, ..] -> [b, h, ..]
+            self._set_view_size(node, shape_arg, gj[1], full, local)
+            return Sharding(gj[1], s.segments)
+        raise Unshardable(node, "view regroups heads folded under the batch")
+
+    def _view_split(self, node, s, shape_arg, dst, gj) -> Sharding:
+        n1 = dst[gj[0]]
+        seg = s.single()
+        if seg is not None and seg.inner:
+            return self._view_groups(node, seg, shape_arg, dst, gj)
+        if seg is not None:
+            if n1 % seg.parts:
+                raise ShardingError(f"{self.where}: {n1} heads are not divisible into {seg.parts} parts (tp={self.tp})",
+                                    hint=f"choose a tp that divides {n1}")
+            self._set_view_size(node, shape_arg, gj[0], n1, n1 // seg.parts)
+            return Sharding(gj[0], (Segment(n1, seg.parts),))
+        n2 = dst[gj[-1]] if len(gj) == 2 else 0
+        if n2 and not s.inner and all(g.size % n2 == 0 and (g.size // n2) % g.parts == 0 for g in s.segments) \
+                and n1 == sum(g.size // n2 for g in s.segments):  # [q heads | k | v] -> [heads, d]
+            heads = tuple(Segment(g.size // n2, g.parts) for g in s.segments)
+            self._set_view_size(node, shape_arg, gj[0], n1, sum(g.local() for g in heads))
+            return Sharding(gj[0], heads)
+        k = len(s.segments)
+        if n1 == k and len(gj) > 1 and len({x for x in s.segments}) == 1:  # [k segments, heads, d]
+            n2 = dst[gj[1]]
+            parts = s.segments[0].parts
+            if n2 % parts:
+                raise ShardingError(f"{self.where}: {n2} heads are not divisible by tp={self.tp}")
+            self._set_view_size(node, shape_arg, gj[1], n2, n2 // parts)
+            return Sharding(gj[1], (Segment(n2, parts),))
+        raise Unshardable(node, "view splits a fused dim across its segments")
+
+    def _view_groups(self, node, seg: Segment, shape_arg, dst, gj) -> Sharding:
+        """``[.., G·w] -> [.., G, w/d, d]`` of a grouped segment: each rank's groups, and the per-group dim
+        with its inner segments in units of it (q heads, k, v)."""
+        width = seg.size // seg.groups
+        unit = width // dst[gj[1]] if len(gj) > 1 and width % dst[gj[1]] == 0 else 0
+        if dst[gj[0]] != seg.groups or not unit or any(i.size % unit for i in seg.inner):
+            raise Unshardable(node, f"view {[dst[j] for j in gj]} cuts across the groups of a fused per-group layout")
+        units = tuple(Segment(i.size // unit, i.parts) for i in seg.inner)
+        self._set_view_size(node, shape_arg, gj[0], seg.groups, seg.groups // seg.parts)
+        self._set_view_size(node, shape_arg, gj[1], dst[gj[1]], sum(u.local() for u in units))
+        return Sharding(gj[0], (Segment(seg.groups, seg.parts),), group=(gj[1], units))
+
+    def group_read(self, node: fx.Node, s: Sharding) -> None:
+        """Reads of a grouped view: a slice, select or split that picks one inner segment of every group
+        gives the q heads (split among the ranks sharing a group), the k or the v head; whole slices of other
+        dims keep the layout. Anything else cannot tell q from k and v apart."""
+        gd, units = s.group
+        t, nd = node.target, ndim_of(node.args[0])
+        d = normalize_dim(arg_of(node, 2 if t in SPLITS else 1, "dim", 0), nd) if t in (aten.slice.Tensor, aten.select.int, *SPLITS) else None
+        if t is aten.slice.Tensor and d != gd and d != s.dim:
+            self.region.specs[node] = s
+            return
+        if d != gd or t is aten.unbind.int or t is aten.chunk.default:
+            raise Unshardable(node, f"{t} of a fused per-group layout before its q, k and v are read apart")
+        starts = [sum(u.size for u in units[:i]) for i in range(len(units))]
+        local = [sum(u.local() for u in units[:i]) for i in range(len(units))]
+        if t in SPLITS:
+            sizes = [self.fp.shape(o)[gd] for o in node.meta["val"]]
+            if sizes != [u.size for u in units] or t is not aten.split_with_sizes.default:
+                raise Unshardable(node, f"split {sizes} of a fused per-group layout {[u.size for u in units]}")
+            for i, (old, u) in enumerate(zip(node.args[1], units)):
+                self.rewrite(node, 1, i, old, u.local())
+            self.region.specs[node] = tuple(self._picked(s, gd, u, keep=True) for u in units)
+            return
+        full = sum(u.size for u in units)
+        if t is aten.select.int:
+            i = node.args[2] % full if isinstance(node.args[2], int) else None
+            k = starts.index(i) if i in starts else None
+            if k is None or units[k].size != 1:
+                raise Unshardable(node, "select inside the q heads of a fused per-group layout")
+            self.rewrite(node, 2, None, node.args[2], local[k])
+            self.region.specs[node] = self._picked(s, gd, units[k], keep=False)
+            return
+        r = slice_range(node, full)
+        k = next((k for k, u in enumerate(units) if r == (starts[k], starts[k] + u.size)), None)
+        if k is None:
+            raise Unshardable(node, f"slice {r} of a fused per-group layout {[u.size for u in units]}")
+        start, end = arg_of(node, 2, "start", None), arg_of(node, 3, "end", None)
+        if not isinstance(start, int) or len(node.args) < 3:
+            raise Unshardable(node, "a slice of a fused per-group layout without a static start")
+        self.rewrite(node, 2, None, start, local[k])
+        if is_static(end):
+            self.rewrite(node, 3, None, end, local[k] + units[k].local())
+        self.region.specs[node] = self._picked(s, gd, units[k], keep=True)
+
+    def _picked(self, s: Sharding, gd: int, u: Segment, keep: bool) -> Sharding:
+        """One inner segment of every group: sharded by groups, and where a group is shared by several ranks
+        its heads (q) carry the rest of the split on the per-group dim (k and v: held whole there)."""
+        copies = self.tp // s.segments[0].parts
+        dim = s.dim if keep or gd > s.dim else s.dim - 1
+        if keep and copies > 1 and u.parts == copies:
+            return Sharding(dim, s.segments, inner=(gd, copies))
+        return Sharding(dim, s.segments)
+
+    def _view_merge(self, node, s, shape_arg, src, dst, gi, j) -> Sharding:
+        seg = s.single()
+        if gi[-1] == s.dim and not s.inner:  # [b, h, ..] -> [b·h, ..]: heads folded under the batch
+            if shape_arg is not None:
+                self._set_view_size(node, shape_arg, j, seg.size if seg else sum(g.size for g in s.segments), s.local_size)
+            return Sharding(j, s.segments, outer=True)
+        if seg is None or gi[0] != s.dim:
+            raise Unshardable(node, "view merges the sharded dim under another dim")
+        parts = seg.parts
+        if s.inner:
+            if s.inner[0] != s.dim + 1 or s.inner[0] not in gi:
+                raise Unshardable(node, "replicated heads merged without their repeat dim")
+            parts *= s.inner[1]
+        merged = dst[j]
+        if shape_arg is not None:
+            self._set_view_size(node, shape_arg, j, merged, merged // parts)
+        return Sharding(j, (Segment(merged, parts),))
+
+    def expand(self, node: fx.Node) -> Sharding:
+        s = self.spec(node.args[0])
+        if s.outer:
+            raise Unshardable(node, "expand of heads folded under the batch")
+        sizes = list(node.args[1])
+        off = len(sizes) - ndim_of(node.args[0])
+        in_shape = self.fp.shape(node.args[0])
+        d = s.dim + off
+        seg = s.single()
+        if seg is not None and seg.size == 1 and in_shape[d - off] == 1 and is_static(sizes[d]) and sizes[d] > 1:
+            # one kv head (multi-query) expanded to the query heads: each rank expands to its own q heads
+            if sizes[d] % self.tp:
+                raise Unshardable(node, f"{sizes[d]} heads are not divisible by tp={self.tp}")
+            self.rewrite(node, 1, d, sizes[d], sizes[d] // self.tp)
+            return Sharding(d, (Segment(sizes[d], self.tp),))
+        if is_static(sizes[d]) and sizes[d] != -1:
+            self.rewrite(node, 1, d, sizes[d], s.local_size)
+        if seg is not None and seg.parts < self.tp and s.inner is None:
+            # replicated kv heads: the repeat dim right after the heads carries the rest of the split
+            e = d + 1
+            q = self.tp // seg.parts
+            if e < len(sizes) and in_shape[e - off] == 1 and is_static(sizes[e]) and sizes[e] > 1:
+                if sizes[e] % q:
+                    raise ShardingError(f"{self.where}: repeat of {sizes[e]} kv groups is not divisible by {q}")
+                self.rewrite(node, 1, e, sizes[e], sizes[e] // q)
+                return Sharding(d, s.segments, (e, q))
+        return s.moved(d, None if not s.inner else s.inner[0] + off)
+
+    def split(self, node: fx.Node) -> tuple[Sharding | None, ...]:
+        s = self.spec(node.args[0])
+        t = node.target
+        nd = ndim_of(node.args[0])
+        dim_idx = 1 if t is aten.unbind.int else 2
+        d = normalize_dim(arg_of(node, dim_idx, "dim", 0), nd)
+        outs = node.meta["val"]
+        if d != s.dim and not (s.inner and d == s.inner[0]):
+            return tuple(s for _ in outs)
+        if t is aten.unbind.int or s.inner or s.outer:
+            raise Unshardable(node, "unbind of the sharded dim")
+        sizes = [self.fp.shape(o)[d] for o in outs]
+        if t is aten.chunk.default and len(s.segments) == 1:
+            # equal chunks of a contiguous shard would mix ranks' blocks; segments must follow the chunks
+            raise Unshardable(node, "chunk of a contiguously sharded dim")
+        if tuple(sizes) != tuple(g.size for g in s.segments):
+            raise Unshardable(node, f"split sizes {sizes} do not follow the segments {[g.size for g in s.segments]}")
+        local = [g.local() for g in s.segments]
+        if t is aten.split.Tensor and len(set(local)) == 1:
+            self.rewrite(node, 1, None, node.args[1], local[0])
+        elif t in (aten.split_with_sizes.default, aten.split.sizes):
+            for i, (old, new) in enumerate(zip(node.args[1], local)):
+                self.rewrite(node, 1, i, old, new)
+        elif t is not aten.chunk.default:
+            raise Unshardable(node, f"{t} of the sharded dim with unequal local segments")
+        return tuple(Sharding(d, (g,)) for g in s.segments)
+
+    def cat(self, node: fx.Node) -> Sharding:
+        # torch.cat skips 1-D empty tensors (a cache's lazily made ``torch.tensor([])``): they take no part
+        tensors = [x for x in node.args[0] if not legacy_empty(x)]
+        d = normalize_dim(arg_of(node, 1, "dim", 0), ndim_of(node))
+        specs = {self.spec(x) for x in tensors} - {None}
+        if len(specs) != 1:
+            raise Unshardable(node, "cat of tensors sharded differently")
+        s = specs.pop()
+        for x in tensors:
+            if self.spec(x) is None:
+                self._local_input(node, x, s)
+        if d == s.dim or (s.inner and d == s.inner[0]):
+            raise Unshardable(node, "cat along the sharded dim")
+        return s
+
+    def _local_input(self, node: fx.Node, x: object, s: Sharding) -> None:
+        """A replicated graph input concatenated with a sharded value (a KV cache's past keys and the new
+        ones) is taken as this rank's shard of it: the cache the graph returned last call, kept local."""
+        if not (isinstance(x, fx.Node) and x.op == "placeholder" and ndim_of(x) == ndim_of(node)) or s.inner or s.outer:
+            raise Unshardable(node, "cat of sharded and replicated tensors")
+        for u in x.users:
+            if u is not node and not is_guard(u) \
+                    and not (u.target is aten.sym_size.int and normalize_dim(u.args[1], ndim_of(x)) != s.dim):
+                raise Unshardable(node, f"graph input {x.name} is concatenated with a sharded value and used whole")
+        self.region.specs[x] = s
+        self.region.inputs.append(x)
+
+    def stack(self, node: fx.Node) -> Sharding:
+        tensors = node.args[0]
+        specs = {self.spec(x) for x in tensors}
+        if len(specs) != 1 or None in specs:
+            raise Unshardable(node, "stack of tensors sharded differently")
+        s = specs.pop()
+        d = normalize_dim(arg_of(node, 1, "dim", 0), ndim_of(node))
+        shift = lambda x: x + (x >= d)  # noqa: E731 - a new dim at d
+        return s.moved(shift(s.dim), None if not s.inner else shift(s.inner[0]))
+
+    def repeat_interleave(self, node: fx.Node) -> Sharding:
+        """``k.repeat_interleave(n_rep, dim=1)`` (grouped-query kv heads to query heads): each rank repeats its
+        own kv heads; where kv heads are fewer than tp, a rank holds one and repeats it for its q heads only."""
+        s = self.spec(node.args[0])
+        reps, d = node.args[1], arg_of(node, 2, "dim", None)
+        if d is None or s.inner or s.outer or arg_of(node, 3, "output_size", None) is not None:
+            raise Unshardable(node, "repeat_interleave of a flattened or merged sharded tensor")
+        if normalize_dim(d, ndim_of(node)) != s.dim:
+            return s
+        seg = s.single()
+        q = self.tp // seg.parts if seg else 0
+        if seg is None or not is_static(reps) or reps % q:
+            raise Unshardable(node, "repeat_interleave of the sharded dim that does not split by rank")
+        self.rewrite(node, 1, None, reps, reps // q)
+        return Sharding(s.dim, (Segment(seg.size * reps, self.tp),))
