@@ -69,7 +69,7 @@ class _Propagator(ShapeRules):
         t = node.target
         if t in NO_OUTPUT:
             return
-        grouped = [self.spec(a) for a in node.all_input_nodes if self.spec(a) is not None and self.spec(a).group]
+        grouped = [s for a in node.all_input_nodes if (s := self.spec(a)) is not None and s.group]
         if grouped:
             return self.group_read(node, grouped[0])
         if t is aten.sym_size.int:

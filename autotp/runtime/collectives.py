@@ -100,6 +100,27 @@ def _column(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, layout: st
     return torch.addmm(b, x, w) if b is not None else torch.matmul(x, w)
 
 
+def column_input_grad(grads, ws, layouts: tuple[str, ...]) -> torch.Tensor:
+    """dX = Σ dYᵢ·Wᵢ over the column matmuls that read X."""
+    dx = None
+    for g, w, lay in zip(grads, ws, layouts):
+        part = g @ (w if lay == "out_in" else w.t())  # (.., out) @ (out, in)
+        dx = part if dx is None else dx.add_(part)
+    return dx
+
+
+def column_param_grads(x: torch.Tensor, grads, layouts: tuple[str, ...], bias: list[bool],
+                       needs: tuple[bool, ...]) -> list[torch.Tensor | None]:
+    """(dWᵢ, dbᵢ) of each column matmul, flat; ``needs``: needs_input_grad of (W₀, b₀, W₁, b₁, ..)."""
+    x2 = x.reshape(-1, x.shape[-1])  # (b·s, in)
+    out: list[torch.Tensor | None] = []
+    for i, (g, lay) in enumerate(zip(grads, layouts)):
+        g2 = g.reshape(-1, g.shape[-1])  # (b·s, out)
+        out.append((g2.t() @ x2 if lay == "out_in" else x2.t() @ g2) if needs[2 * i] else None)
+        out.append(g2.sum(0) if bias[i] and needs[2 * i + 1] else None)
+    return out
+
+
 class _Columns(torch.autograd.Function):
     """f fused with the column matmuls that read ``x``. Backward: dX = Σ dYᵢ·Wᵢ is all-reduced
     asynchronously while the weight gradients are computed, then waited for (Megatron's overlap of the
@@ -117,17 +138,9 @@ class _Columns(torch.autograd.Function):
         x, *ws = ctx.saved_tensors
         dx = work = None
         if ctx.needs_input_grad[0]:
-            for g, w, lay in zip(grads, ws, ctx.layouts):
-                part = g @ (w if lay == "out_in" else w.t())  # (.., out) @ (out, in)
-                dx = part if dx is None else dx.add_(part)
+            dx = column_input_grad(grads, ws, ctx.layouts)
             work = dist.all_reduce(dx, group=ctx.group, async_op=True)
-        x2 = x.reshape(-1, x.shape[-1])  # (b·s, in)
-        out: list[torch.Tensor | None] = []
-        for i, (g, lay) in enumerate(zip(grads, ctx.layouts)):
-            g2 = g.reshape(-1, g.shape[-1])  # (b·s, out)
-            need_w, need_b = ctx.needs_input_grad[3 + 2 * i], ctx.needs_input_grad[4 + 2 * i]
-            out.append((g2.t() @ x2 if lay == "out_in" else x2.t() @ g2) if need_w else None)
-            out.append(g2.sum(0) if ctx.bias[i] and need_b else None)
+        out = column_param_grads(x, grads, ctx.layouts, ctx.bias, ctx.needs_input_grad[3:])
         if work is not None:
             work.wait()
         return (dx, None, None, *out)

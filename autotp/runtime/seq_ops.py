@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
-from autotp.runtime.collectives import _Collective, _column, all_reduce
+from autotp.runtime.collectives import _Collective, _column, all_reduce, column_input_grad, column_param_grads
 from autotp.errors import ShardingError
 
 # torch >= 2.10 names them *_single; older releases only have the *_tensor spellings
@@ -182,24 +182,14 @@ class _SeqColumns(torch.autograd.Function):
     def backward(ctx, *grads: torch.Tensor):
         x, *ws = ctx.saved_tensors
         full, gathering = gather(x, ctx.dim, ctx.group, async_op=True)
-        dx = None
-        if ctx.needs_input_grad[0]:
-            for g, w, lay in zip(grads, ws, ctx.layouts):
-                part = g @ (w if lay == "out_in" else w.t())  # (.., out) @ (out, in)
-                dx = part if dx is None else dx.add_(part)
+        dx = column_input_grad(grads, ws, ctx.layouts) if ctx.needs_input_grad[0] else None
         gathering.wait()
         local = work = None
         if dx is not None:
             shape = list(x.shape)
             shape[ctx.dim] *= dist.get_world_size(ctx.group)
             local, work = reduce_scatter(dx.reshape(shape), ctx.dim, ctx.group, async_op=True)
-        x2 = full.reshape(-1, full.shape[-1])  # (b·s, in)
-        out: list[torch.Tensor | None] = []
-        for i, (g, lay) in enumerate(zip(grads, ctx.layouts)):
-            g2 = g.reshape(-1, g.shape[-1])  # (b·s, out)
-            need_w, need_b = ctx.needs_input_grad[5 + 2 * i], ctx.needs_input_grad[6 + 2 * i]
-            out.append((g2.t() @ x2 if lay == "out_in" else x2.t() @ g2) if need_w else None)
-            out.append(g2.sum(0) if ctx.bias[i] and need_b else None)
+        out = column_param_grads(full, grads, ctx.layouts, ctx.bias, ctx.needs_input_grad[5:])
         if work is not None:
             work.wait()
             local = local.contiguous()
