@@ -27,7 +27,7 @@ weight gradients::
     q, k, v = cols[0], cols[1], cols[2]
 
 A
-vocab-parallel LM head is a column too: its input gets ``f``. A replicated value computed from parameters
+vocab-parallel LM head is a column too: its input gets ``f``, fused with it the same way. A replicated value computed from parameters
 that meets sharded heads inside the pair (a per-head q/k norm's weight) gets ``f`` as well: each rank's
 gradient for it covers its own heads only.
 
@@ -76,6 +76,10 @@ def insert_collectives(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
         e = seq.enter(x_name, head) if seq is not None else None
         if e is not None:
             _seq_enter(gm, e, [nodes[head]], params, nodes)
+            continue
+        form = _form(gm, nodes[head], nodes[x_name], params)
+        if form:
+            _fuse(gm, nodes[x_name], [nodes[head]], [form], head)
         else:
             _enter(gm, nodes[x_name], [nodes[head]], head)
     for pair in plan.pairs:
@@ -166,19 +170,14 @@ def _form(gm: fx.GraphModule, c: fx.Node, x: fx.Node, params: set[str]) -> tuple
 def _fuse(gm: fx.GraphModule, x: fx.Node, columns: list[fx.Node], forms: list, where: str) -> None:
     target = f"autotp_columns_{sum(isinstance(m, ColumnGroup) for m in gm.modules())}"
     gm.add_submodule(target, ColumnGroup(tuple(f[0] for f in forms)))
-    first = min(columns, key=_position(gm))
-    with gm.graph.inserting_before(first):
+    with gm.graph.inserting_before(min(columns, key=_position(gm))):
         group = gm.graph.call_module(target, (x, *[a for _, w, b in forms for a in (w, b)]))
-        group.meta = {**x.meta, "autotp_collective": ("enter", where),
-                      "val": tuple(c.meta.get("val") for c in columns)}
-        outs = []
-        for i, c in enumerate(columns):
-            outs.append(gm.graph.call_function(operator.getitem, (group, i)))
-            outs[-1].meta = dict(c.meta)
-    for c, o, (_, w, _) in zip(columns, outs, forms):
-        c.replace_all_uses_with(o)
+    group.meta = {**x.meta, "autotp_collective": ("enter", where),
+                  "val": tuple(c.meta.get("val") for c in columns)}
+    for i, (c, (_, w, _)) in enumerate(zip(columns, forms)):
+        # each matmul becomes the group's i-th output under its own name (the plan names an LM head's logits)
         weight_view = c.args[1] if c.target in (aten.mm.default, aten.matmul.default) else None
-        gm.graph.erase_node(c)
+        c.op, c.target, c.args, c.kwargs = "call_function", operator.getitem, (group, i), {}
         if weight_view is not None and weight_view is not w and not weight_view.users:
             gm.graph.erase_node(weight_view)
 

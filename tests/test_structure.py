@@ -42,7 +42,8 @@ def test_two_collectives_per_layer_around_the_pairs(name: str, tp: int):
     assert len(enters) == 2 * layers + 1 and len(leaves) == 2 * layers + 1
     assert plan.replicated == ()
     fused = [f for f in enters if isinstance(gm.get_submodule(f.target), ColumnGroup)]
-    assert len(fused) == 2 * layers  # every pair's f is fused with its columns; the LM head's stays plain
+    # every pair's f is fused with its columns, and the LM head's with it (its all-reduce overlaps dW)
+    assert len(fused) == 2 * layers + 1
     for f in enters:  # f feeds only column matmuls of its pair (q, k, v share one f), or computes them itself
         assert f.users and all(u.target in MATMULS or (f in fused and u.target is operator.getitem) for u in f.users)
     for g in leaves:  # g follows a row matmul, or the masked vocab lookup

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
-from autotp.runtime.collectives import _Collective, _column, all_reduce, column_input_grad, column_param_grads
+from autotp.runtime.collectives import _Collective, _column, all_reduce, column_input_grad, column_param_grads, finish
 from autotp.errors import ShardingError
 
 # torch >= 2.10 names them *_single; older releases only have the *_tensor spellings
@@ -44,20 +44,24 @@ def _check(x: torch.Tensor, dim: int, tp: int) -> None:
 
 def gather(x: torch.Tensor, dim: int, group: dist.ProcessGroup, async_op: bool = False):
     """All-gather of ``x`` along ``dim``: (.., s/t, ..) -> (.., s, ..). With ``async_op``: (result, work),
-    the result valid after ``work.wait()``."""
+    the result valid after ``finish(work, ...)``."""
     tp = dist.get_world_size(group)
     if torch.compiler.is_compiling():
         return funcol.wait_tensor(funcol.all_gather_tensor(x.contiguous(), dim, group))
     lead = x.movedim(dim, 0).contiguous()  # (s/t, ..): c10d gathers along dim 0
     out = lead.new_empty((lead.shape[0] * tp, *lead.shape[1:]))
-    work = _all_gather(out, lead, group=group, async_op=async_op)
+    work = _all_gather(out, lead, group=group, async_op=True)
     full = out.movedim(0, dim)
-    return (full, work) if async_op else full
+    if async_op:
+        return full, work
+    finish(work, out)
+    return full
 
 
 def reduce_scatter(x: torch.Tensor, dim: int, group: dist.ProcessGroup, async_op: bool = False):
     """Sum over ranks, this rank's slice along ``dim``: (.., s, ..) -> (.., s/t, ..). With ``async_op``:
-    (result, work)."""
+    (result, work), the result valid after ``work.wait()`` (gloo's reduce-scatter work reports completion
+    only from ``wait()``: it cannot be polled)."""
     tp = dist.get_world_size(group)
     _check(x, dim, tp)
     if torch.compiler.is_compiling():
@@ -183,7 +187,7 @@ class _SeqColumns(torch.autograd.Function):
         x, *ws = ctx.saved_tensors
         full, gathering = gather(x, ctx.dim, ctx.group, async_op=True)
         dx = column_input_grad(grads, ws, ctx.layouts) if ctx.needs_input_grad[0] else None
-        gathering.wait()
+        finish(gathering, full)
         local = work = None
         if dx is not None:
             shape = list(x.shape)

@@ -50,27 +50,31 @@ class VocabEmbedding(_VocabModule):
 
 
 class _VocabCE(torch.autograd.Function):
+    """Megatron's vocab-parallel cross-entropy: three all-reduces of n (row max, Σ exp, the target term).
+    Two passes over the local logits forward (max; exp of the shifted logits, kept for backward) and one
+    backward (the exps scaled per row into the gradient)."""
+
     @staticmethod
     def forward(ctx, logits, target, group, start, owned, vocab, reduction, ignore_index, smoothing):
         x = logits.float()[:, :owned]  # (n, owned): padding columns never reach the loss
-        local_max = x.max(dim=-1).values if owned else x.new_full((x.shape[0],), float("-inf"))
-        row_max = all_reduce(local_max, group, "max")
-        shifted = x - row_max.unsqueeze(-1)
-        exp = shifted.exp()
+        local_max = x.amax(dim=-1) if owned else x.new_full((x.shape[0],), float("-inf"))
+        row_max = all_reduce(local_max, group, "max")  # (n,)
+        exp = (x - row_max.unsqueeze(-1)).exp_()  # (n, owned)
         sum_exp = all_reduce(exp.sum(dim=-1), group)
         valid = target != ignore_index
         local_t = target - start
         mine = valid & (local_t >= 0) & (local_t < owned)
-        picked = shifted.gather(1, local_t.clamp(0, max(owned - 1, 0)).unsqueeze(1)).squeeze(1) if owned \
-            else shifted.new_zeros(target.shape)
-        # target logit and label-smoothing term share one reduction: z = (1-ε)·x_t + ε/V·Σ_j x_j
-        z = torch.where(mine, picked, 0.0) * (1.0 - smoothing)
+        picked = x.gather(1, local_t.clamp(0, max(owned - 1, 0)).unsqueeze(1)).squeeze(1) if owned \
+            else x.new_zeros(target.shape)
+        # target logit and label-smoothing term share one reduction, on logits shifted by the row max:
+        # z = (1-ε)·x_t + ε/V·Σ_j x_j
+        z = torch.where(mine, picked - row_max, 0.0) * (1.0 - smoothing)
         if smoothing:
-            z = z + shifted.sum(dim=-1) * (smoothing / vocab)
+            z = z + (x.sum(dim=-1) - owned * row_max) * (smoothing / vocab)
         z = all_reduce(z, group)
         loss = torch.where(valid, sum_exp.log() - z, 0.0)  # (n,)
         count = valid.sum()
-        ctx.save_for_backward(exp / sum_exp.unsqueeze(-1), local_t, mine, valid, count)
+        ctx.save_for_backward(exp, sum_exp, local_t, mine, valid, count)
         ctx.meta = (logits.shape, logits.dtype, owned, vocab, reduction, smoothing)
         if reduction == 0:
             return loss
@@ -78,19 +82,21 @@ class _VocabCE(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        softmax, local_t, mine, valid, count = ctx.saved_tensors
+        exp, sum_exp, local_t, mine, valid, count = ctx.saved_tensors
         shape, dtype, owned, vocab, reduction, smoothing = ctx.meta
         per_row = grad.expand(valid.shape) if reduction != 0 else grad
         if reduction == 1:
             per_row = per_row / count
-        per_row = torch.where(valid, per_row, 0.0).unsqueeze(-1)  # (n, 1)
-        g = softmax - smoothing / vocab if smoothing else softmax.clone()
+        per_row = torch.where(valid, per_row, 0.0)  # (n,)
+        g = exp * (per_row / sum_exp).unsqueeze(-1)  # softmax · dL/dloss, (n, owned)
+        if smoothing:
+            g.sub_((per_row * (smoothing / vocab)).unsqueeze(-1))
         if owned:  # minus (1-ε) at the target column, on the rank that owns it (no data-dependent shapes)
-            hit = torch.where(mine, smoothing - 1.0, 0.0).unsqueeze(1)
+            hit = torch.where(mine, (smoothing - 1.0) * per_row, 0.0).unsqueeze(1)
             g.scatter_add_(1, local_t.clamp(0, owned - 1).unsqueeze(1), hit)
-        out = torch.zeros(shape, dtype=torch.float32, device=softmax.device)
-        out[:, :owned] = g * per_row
-        return out.to(dtype), None, None, None, None, None, None, None, None
+        if owned < shape[1]:  # padded vocab rows: zero gradient
+            g = torch.cat([g, g.new_zeros(shape[0], shape[1] - owned)], dim=1)
+        return g.to(dtype), None, None, None, None, None, None, None, None
 
 
 class VocabCrossEntropy(_VocabModule):
