@@ -15,7 +15,8 @@ Reported (rank 0; medians over ``--steps``):
   with ``--block`` also eager autotp whose waits sleep until gloo wakes them (the runtime polls), and
   with ``--sequence-parallel`` autotp with sequence parallelism;
 - the limit: unsharded step / tp (each rank's share of the compute) + the step's own collectives timed
-  alone in the same run (same kinds and sizes, back to back): the best a step without overlap can do;
+  alone (same kinds and sizes, back to back, waited for as the runtime waits, once in every round): the
+  best a step without overlap can do;
 - a breakdown of the autotp step: its compute and framework time alone (the same step with every
   collective skipped), the communication left exposed (the step minus that), and the time blocked in
   collectives (from each call to its completion, waiting for the other ranks included; medians over
@@ -38,6 +39,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT / "examples"), str(ROOT / "tests")]
 
+COMM = "collectives_alone"
 CONFIG = dict(n_layer=4, n_embd=256, n_head=8, vocab_size=8192, block_size=128, dropout=0.0)
 BATCH, SEQ = 4, 128
 
@@ -171,28 +173,33 @@ def worker(opts: dict) -> dict:
     for _ in range(opts["warmup"]):
         for name in models:
             step(name)
-    times: dict[str, list[float]] = {k: [] for k in models}
+    # the step's collectives (kinds and sizes), replayed alone back to back and waited for as the runtime
+    # waits, timed in every round like the variants
+    b = _Blocked()
+    step("autotp", b)
+    calls, group = b.calls, autotp.tp_state(models["autotp"]).group
+    bufs = [torch.randn(n) for _, n in calls]
+
+    def replay() -> float:
+        dist.barrier()
+        t0 = time.perf_counter()
+        for buf in bufs:
+            collectives.finish(dist.all_reduce(buf, group=group, async_op=True), buf)
+        return time.perf_counter() - t0
+
+    names = [*models, COMM]
+    times: dict[str, list[float]] = {k: [] for k in names}
     for i in range(opts["steps"]):
         # every other round in reverse: the step after the unsharded one runs ~2.5 ms slower here
-        for name in list(models)[::1 if i % 2 == 0 else -1]:
-            times[name].append(step(name))
+        for name in names[::1 if i % 2 == 0 else -1]:
+            times[name].append(replay() if name == COMM else step(name))
     # autotp steps with their collectives timed: blocked = from each call (or first poll) to completion
-    blocked, calls = [], []
+    blocked = []
     for _ in range(max(5, opts["steps"] // 2)):
         b = _Blocked()
         step("autotp", b)
         blocked.append(b.seconds)
-        calls = b.calls
-    # the same collectives alone, back to back, waited for as the runtime waits
-    group = autotp.tp_state(models["autotp"]).group
-    bufs = [torch.randn(n) for _, n in calls]
-    comm = []
-    for _ in range(max(5, opts["steps"] // 2)):
-        dist.barrier()
-        t0 = time.perf_counter()
-        for b in bufs:
-            collectives.finish(dist.all_reduce(b, group=group, async_op=True), b)
-        comm.append(time.perf_counter() - t0)
+    comm = times.pop(COMM)
     return {
         "rank": dist.get_rank(), "tp": dist.get_world_size(),
         "median_s": {k: statistics.median(v) for k, v in times.items()},
@@ -249,9 +256,6 @@ def main() -> None:
     a = ap.parse_args()
     opts = {"steps": a.steps, "warmup": a.warmup, "compile": a.compile or a.reorder, "reorder": a.reorder,
             "block": a.block, "sequence_parallel": a.sequence_parallel}
-    # Inductor's pool of compile workers outlives the compilation and, with as many ranks as cores, takes turns
-    # with gloo's threads: the collectives timed alone ran 4× slower with it (one compile thread per rank)
-    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
     r = launch(worker, a.tp, opts)[0]
     r["load_average"] = os.getloadavg()
     md = _markdown(r, opts)
