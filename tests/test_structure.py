@@ -202,7 +202,7 @@ def test_statistics_folded_heads_and_cache_buffers_are_planned_and_inserted():
     sharded (no process group: structure only)."""
     import operator
 
-    from autotp.runtime.collectives import ShardedNorm, StatAllReduce
+    from autotp.runtime.collectives import ShardedNorm
     from cache_models import build as build_cached
     from pattern_models import build
 
