@@ -2,7 +2,7 @@
 
 The rewritten graph already holds everything a compiler needs to see: Megatron's f/g as autograd functions
 over ``torch.distributed._functional_collectives`` (traceable: dynamo puts ``_c10d_functional.all_reduce`` /
-``wait_tensor`` in the graph), the vocab-parallel loss as an autograd function, and the vocab-parallel logits
+``wait_tensor`` in the graph; on CPU the all-reduces are ``autotp.all_reduce``, a polled c10d all-reduce), the vocab-parallel loss as an autograd function, and the vocab-parallel logits
 as a :class:`~autotp.runtime.gathered.GatheredOnUse` made outside the compiled region. :func:`compile_graph` compiles with ``fullgraph=False`` so a construct dynamo
 cannot trace degrades to a graph break instead of an error; :func:`graph_breaks` counts them (see
 ``tests/test_compile.py``).
@@ -17,6 +17,8 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
+from autotp.runtime.collectives import define_ops
+
 
 # The vocab-parallel cross-entropy's backward picks the target column of the rows this rank owns with
 # ``mine.nonzero()`` (autotp/runtime/vocab_ops.py, _VocabCE.backward). Dynamo traces an autograd.Function's
@@ -24,8 +26,9 @@ import torch.utils._pytree as pytree
 # back to eager, splitting the graph in three (2 breaks: "Dynamic shape operator aten.nonzero.default").
 # Letting dynamo capture data-dependent output shapes (unbacked symints) keeps it in one graph.
 DYNAMO_CONFIG = {"capture_dynamic_output_shape_ops": True}
-# Inductor moves compute between a collective's launch and its wait where the graph allows (the backward
-# all-reduces of the input gradients): measured 127 -> 121 ms per step at tp 2 (benchmarks/speedup.py --reorder)
+# Inductor moves compute between a functional collective's launch and its wait where the graph allows (the
+# backward all-reduces of the input gradients): measured 127 -> 121 ms per step at tp 2 on CPU before CPU
+# all-reduces became autotp.all_reduce, which Inductor does not move (benchmarks/speedup.py --reorder)
 INDUCTOR_CONFIG = {"reorder_for_compute_comm_overlap": True}
 
 
@@ -43,6 +46,7 @@ class CompiledGraph(nn.Module):
         options.setdefault("fullgraph", False)
         # inductor's options for this compilation only (forward and backward), not the process-wide config
         options["options"] = {**INDUCTOR_CONFIG, **options.get("options", {})}
+        define_ops()
         self.__dict__["graph_module"] = gm  # not a submodule: parameters stay where TPModule put them
         inner, self._wrap = _local_outputs(gm)
         self.compiled = torch.compile(inner, **options)
