@@ -26,276 +26,23 @@ against the model before any rank starts. No unsharded reference is built unless
 """
 from __future__ import annotations
 
-import contextlib
-import copy
-import json
-import math
 import os
 import statistics
-import time
-from collections import Counter
-from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
-import torch.utils._pytree as pytree
 import typer
 from rich.console import Console
 from rich.markup import escape
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-import autotp
 from autotp.cli.run import (DEBUG, DEVICE, DP, MASTER_ADDR, MASTER_PORT, MAX_RESTARTS, NNODES, NODE_RANK, TIMEOUT,
                             TP, abort, launch_spec)
-from autotp.io.ckpt_io import check_resumable, latest_checkpoint, load_training_state, save_training_state
+from autotp.cli.shard_worker import PARITY_TOL, ShardJob, ShardReport, _size, shard_worker
+from autotp.io.ckpt_io import check_resumable
 from autotp.errors import AutotpError, CaptureError
-from autotp.plan.report import build_report
-from autotp.distributed.launch import RankContext, RankFailedError, init_from_env, launch
-from autotp.capture.modelfile import (ModelFile, ModelFileError, find_loss, load_model_file, output_tensors, parse_spec,
-                              replica_batch, to_device)
-
-PARITY_TOL = 1e-5
-
-
-@dataclass(frozen=True)
-class ShardJob:
-    model: str  # absolute path, optionally ":factory"
-    steps: int
-    lr: float
-    out: str
-    verify: bool
-    resume: bool = False
-    save_every: int = 0
-    compile: bool = False
-    weights: str | None = None  # load from this checkpoint into a model built on meta
-    sequence_parallel: bool = False
-
-
-@dataclass(frozen=True)
-class Parity:
-    loss_diff: float | None  # None when the model returns no loss on the example batch
-    output_diff: float
-    note: str = ""
-
-    @property
-    def ok(self) -> bool:
-        return self.output_diff <= PARITY_TOL and (self.loss_diff is None or self.loss_diff <= PARITY_TOL)
-
-
-@dataclass(frozen=True)
-class RankStats:
-    rank: int
-    tp_rank: int
-    dp_rank: int
-    param_bytes: int
-    step_s: tuple[float, ...]
-
-
-@dataclass(frozen=True)
-class ShardReport:
-    model: str
-    tp: int
-    dp: int
-    backend: str
-    unsharded_bytes: int
-    ranks: tuple[RankStats, ...]
-    collectives: tuple[tuple[str, str, str, int], ...]  # (direction, kind, op, count) per step
-    parity: Parity | None
-    losses: tuple[float, ...]  # dp replica 0, one per step
-    final_loss: float | None  # eval loss on the example batch after training
-    plan_path: str
-    checkpoint_path: str
-    start_step: int = 0  # the step training resumed from (0: from scratch); ``losses`` are steps start_step+1...
-    resumed_from: str | None = None
-    resharded: str = ""  # what resuming did with the saved layout ("resumed from tp 2 → tp 4: ...")
-    weights: str = ""  # where the weights came from and what loading them cost (--weights)
-    # TP communication of one step against Megatron's formula (README, "What a step costs"):
-    # (direction, kind, op, count, formula count, elements, formula elements, bytes) per kind, then the total
-    comm: tuple[tuple, ...] = ()
-
-    def to_dict(self) -> dict:
-        d = asdict(self)
-        d["parity"] = None if self.parity is None else {**asdict(self.parity), "ok": self.parity.ok}
-        return d
-
-
-# -- the worker ----------------------------------------------------------------------------------------
-def _param_bytes(module: torch.nn.Module) -> int:
-    return sum(p.numel() * p.element_size() for p in module.parameters())
-
-
-def _verify(tpm, reference, args: tuple, kwargs: dict, device: torch.device) -> Parity:
-    tpm.eval()
-    reference.eval()
-    with torch.no_grad():
-        got, want = tpm(*args, **kwargs), reference(*args, **kwargs)
-    tpm.train()
-    loss_got, loss_want = find_loss(got), find_loss(want)
-    loss_diff = None if loss_got is None or loss_want is None else (loss_got - loss_want).abs().item()
-    outs_got, outs_want = output_tensors(got), output_tensors(want)
-    shapes_got = [(p, tuple(t.shape)) for p, t in outs_got]
-    shapes_want = [(p, tuple(t.shape)) for p, t in outs_want]
-    note, out_diff = "", 0.0
-    if shapes_got != shapes_want:
-        note, out_diff = f"outputs differ in structure: sharded {shapes_got} vs unsharded {shapes_want}", math.inf
-    else:
-        for (_, g), (_, w) in zip(outs_got, outs_want):
-            if g.numel():
-                out_diff = max(out_diff, (g.double() - w.double()).abs().max().item())
-    # the worst rank decides
-    worst = torch.tensor([loss_diff or 0.0, out_diff], dtype=torch.float64, device=device)
-    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-    return Parity(None if loss_diff is None else worst[0].item(), worst[1].item(), note)
-
-
-def _eval_loss(tpm, args: tuple, kwargs: dict) -> float | None:
-    tpm.eval()
-    with torch.no_grad():
-        loss = find_loss(tpm(*args, **kwargs))
-    tpm.train()
-    return None if loss is None else loss.item()
-
-
-def data_parallel(tpm: autotp.TPModule, ctx: RankContext) -> torch.nn.Module:
-    """``tpm`` under DDP over this rank's DP group when dp > 1 (each TP shard's gradients are averaged
-    across the replicas holding the same shard), else ``tpm`` itself."""
-    if ctx.layout.dp == 1:
-        return tpm
-    return torch.nn.parallel.DistributedDataParallel(
-        tpm, process_group=ctx.dp_group(), device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
-
-
-def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> torch.Tensor:
-    """One optimizer step of ``model`` (a :func:`data_parallel` module) on this replica's batch; the loss."""
-    loss = find_loss(model(*args, **kwargs))
-    if loss is None:
-        raise ModelFileError("the model's output on the example batch carries no loss (looked for "
-                             "out.loss, out['loss'], and a 0-dim tensor last in a tuple)",
-                             hint="make example_batch() include the targets the forward needs")
-    loss.backward()
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    return loss.detach()
-
-
-def _train(model, opt, args: tuple, kwargs: dict, job: ShardJob, ctx: RankContext, start: int = 0,
-           save=None) -> tuple[list, list]:
-    """Steps ``start`` ... ``job.steps - 1``; ``save(step)`` after every ``job.save_every``-th (not the last)."""
-    losses, times = [], []
-    show = ctx.rank == 0 and job.steps > start
-    progress = Progress(TextColumn("[bold]training"), BarColumn(), MofNCompleteColumn(),
-                        TextColumn("loss {task.fields[loss]}"), TimeElapsedColumn()) \
-        if show else contextlib.nullcontext()
-    with progress:
-        task = progress.add_task("train", total=job.steps, completed=start, loss="-") if show else None
-        for step in range(start, job.steps):
-            a, k = replica_batch(args, kwargs, ctx.coords["dp"], step)
-            start = time.perf_counter()
-            loss = train_step(model, opt, a, k)
-            if ctx.device.type == "cuda":
-                torch.cuda.synchronize()
-            times.append(time.perf_counter() - start)
-            losses.append(loss.item())
-            if task is not None:
-                progress.update(task, advance=1, loss=f"{losses[-1]:.4f}")
-            done = step + 1
-            if save is not None and job.save_every and done % job.save_every == 0 and done != job.steps:
-                save(done)
-    return losses, times
-
-
-def shard_worker(job: ShardJob) -> ShardReport | None:
-    """One rank of ``autotp shard``; rank 0 returns the report, the others None."""
-    ctx = init_from_env()
-    try:
-        return _shard(job, ctx)
-    finally:
-        dist.destroy_process_group()
-
-
-def _build(mf: ModelFile, job: ShardJob, ctx: RankContext, args: tuple, kwargs: dict):
-    """(parallelized model, unsharded reference or None, unsharded bytes, what loading the weights cost)."""
-    torch.manual_seed(0)
-    if job.weights is None:
-        model = mf.build().to(ctx.device)
-        unsharded_bytes = _param_bytes(model)
-        reference = copy.deepcopy(model) if job.verify else None
-        tpm = autotp.parallelize(model, tp_group=ctx.tp_group(), example_inputs=(args, kwargs), compile=job.compile,
-                                 sequence_parallel=job.sequence_parallel)
-        return tpm, reference, unsharded_bytes, ""
-    with autotp.empty_weights():  # parameters on meta: only this rank's shards are ever allocated
-        model = mf.build()
-    unsharded_bytes = _param_bytes(model)
-    reference = None
-    if job.verify:  # the unsharded model, whole on every rank: only for models that fit
-        reference = mf.build().to(ctx.device)
-        autotp.load_weights(reference, job.weights, device=ctx.device)
-    tpm = autotp.parallelize(model, tp_group=ctx.tp_group(), example_inputs=(args, kwargs), compile=job.compile,
-                             sequence_parallel=job.sequence_parallel, device=ctx.device)
-    loaded = autotp.load_weights(tpm, job.weights)
-    most = torch.tensor([loaded.bytes_read, loaded.seconds], dtype=torch.float64)
-    dist.all_reduce(most, op=dist.ReduceOp.MAX)
-    note = f"{job.weights} ({loaded.kind}): {_size(int(most[0]))} read per rank (most), {most[1]:.1f} s"
-    return tpm, reference, unsharded_bytes, note
-
-
-def _shard(job: ShardJob, ctx: RankContext) -> ShardReport | None:
-    mf = load_model_file(job.model)
-    args, kwargs = to_device(mf.example_batch(), ctx.device)
-    tpm, reference, unsharded_bytes, weights = _build(mf, job, ctx, args, kwargs)
-    parity = _verify(tpm, reference, args, kwargs, ctx.device) if reference is not None else None
-    del reference
-
-    out = Path(job.out)
-    plan_path = out / "plan.json"
-    if ctx.rank == 0:
-        out.mkdir(parents=True, exist_ok=True)
-        plan_path.write_text(autotp.tp_state(tpm).plan.to_json())
-    opt = torch.optim.AdamW(tpm.parameters(), lr=job.lr)
-    start, resumed_from, resharded = 0, None, ""
-    # a job restarted by --max-restarts resumes from the last complete checkpoint, as --resume does; at any tp
-    # and dp: weights and optimizer state are saved in the unsharded model's coordinates
-    if job.resume or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0:
-        found = latest_checkpoint(out)
-        if found is not None:
-            resumed = load_training_state(found, tpm, opt, ctx)
-            start, resumed_from, resharded = resumed.step, str(found), resumed.describe()
-
-    def save(step: int) -> Path:
-        return save_training_state(out, step, tpm, opt, ctx)
-
-    losses, times = _train(data_parallel(tpm, ctx), opt, args, kwargs, job, ctx, start, save)
-    final_loss = _eval_loss(tpm, args, kwargs)
-    ckpt_path = Path(resumed_from) if resumed_from is not None and start >= job.steps else save(max(start, job.steps))
-
-    mine = RankStats(ctx.rank, ctx.coords["tp"], ctx.coords["dp"], _param_bytes(tpm), tuple(times))
-    everyone: list[RankStats | None] = [None] * ctx.layout.world_size
-    dist.all_gather_object(everyone, mine)
-    if ctx.rank != 0:
-        return None
-    counts = Counter((c.direction, c.kind, c.op) for c in autotp.tp_state(tpm).plan.collectives)
-    report = ShardReport(
-        model=job.model, tp=ctx.layout.tp, dp=ctx.layout.dp, backend=ctx.backend, unsharded_bytes=unsharded_bytes,
-        ranks=tuple(everyone), collectives=tuple((*key, n) for key, n in sorted(counts.items())),
-        parity=parity, losses=tuple(losses), final_loss=final_loss,
-        plan_path=str(plan_path), checkpoint_path=str(ckpt_path), start_step=start, resumed_from=resumed_from,
-        resharded=resharded, weights=weights,
-        comm=_comm_vs_formula(tpm, args, kwargs),
-    )
-    (out / "summary.json").write_text(json.dumps(report.to_dict(), indent=2))
-    return report
-
-
-def _comm_vs_formula(tpm: autotp.TPModule, args: tuple, kwargs: dict) -> tuple[tuple, ...]:
-    """The plan's collectives for this batch against the formula (b, s: the first 2-D+ tensor input)."""
-    first = next((x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor) and x.dim() >= 2), None)
-    if first is None or autotp.tp_state(tpm).tp == 1:
-        return ()
-    rep = build_report(autotp.tp_state(tpm).plan, tpm.named_parameters(remove_duplicate=False), first.shape[0], first.shape[1])
-    return tuple((c.direction, c.kind, c.op, c.count, c.formula_count, c.elements, c.formula_elements,
-                  None if c.elements is None else c.elements * rep.act_bytes) for c in [*rep.comm, rep.total()])
+from autotp.distributed.launch import RankFailedError, launch
+from autotp.capture.modelfile import ModelFile, ModelFileError, load_model_file, parse_spec, to_device
 
 
 # -- the command ---------------------------------------------------------------------------------------
@@ -356,14 +103,6 @@ def preflight(mf: ModelFile, tp: int, weights: Path | None = None, sequence_para
         raise
     except Exception:  # noqa: BLE001 - not a user error autotp can explain; the ranks will show it in full
         return
-
-
-def _size(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
 
 
 def _ms(seconds: tuple[float, ...]) -> str:

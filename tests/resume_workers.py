@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 import autotp
-from autotp.cli.shard import data_parallel, train_step
+from autotp.cli.shard_worker import data_parallel, train_step
 from autotp.io.ckpt_io import latest_checkpoint, load_training_state, save_training_state
 from autotp.distributed.launch import init_distributed
 from models import gpt2, llama

@@ -36,7 +36,7 @@ def _dp_tp_worker(batches: list[tuple[torch.Tensor, torch.Tensor]]) -> dict:
     import nanogpt
 
     import autotp
-    from autotp.cli.shard import data_parallel, train_step
+    from autotp.cli.shard_worker import data_parallel, train_step
     from autotp.distributed.launch import init_from_env
 
     ctx = init_from_env()
