@@ -25,7 +25,8 @@ from autotp.errors import AutotpError, PlanSizeError
 from autotp.distributed.layout import RankLayout
 from autotp.capture.modelfile import ModelFileError, load_model_file
 from autotp.plan.planner import make_plan
-from autotp.plan.report import Report, build_report, size_ranges
+from autotp.plan.report import Report, build_report
+from autotp.plan.symbols import size_ranges
 
 _DIR = {"forward": "fwd", "backward": "bwd"}
 # the first numbered path component (``transformer.h.3``) names a layer; tables draw a line between layers

@@ -12,7 +12,8 @@ from typer.testing import CliRunner
 from autotp.capture.tracer import capture
 from autotp.cli.main import app
 from autotp.plan.planner import make_plan
-from autotp.plan.report import build_report, display, symbol_roles
+from autotp.plan.report import build_report
+from autotp.plan.symbols import display, symbol_roles
 from distributed import ROOT
 
 NANOGPT = os.path.join(ROOT, "examples", "nanogpt.py")
