@@ -54,9 +54,7 @@ def define_ops() -> None:
 
     @torch.library.custom_op("autotp::all_reduce", mutates_args=())
     def _polled(x: torch.Tensor, op: str, group_name: str) -> torch.Tensor:
-        out = x.clone(memory_format=torch.contiguous_format)
-        _sync(out, c10d._resolve_process_group(group_name), _OPS[op])
-        return out
+        return all_reduce(x, c10d._resolve_process_group(group_name), op)  # runs eagerly: the polled path
 
     @_polled.register_fake
     def _(x: torch.Tensor, op: str, group_name: str) -> torch.Tensor:

@@ -27,8 +27,8 @@ from autotp.runtime.collectives import define_ops
 # Letting dynamo capture data-dependent output shapes (unbacked symints) keeps it in one graph.
 DYNAMO_CONFIG = {"capture_dynamic_output_shape_ops": True}
 # Inductor moves compute between a functional collective's launch and its wait where the graph allows (the
-# backward all-reduces of the input gradients): measured 127 -> 121 ms per step at tp 2 on CPU before CPU
-# all-reduces became autotp.all_reduce, which Inductor does not move (benchmarks/speedup.py --reorder)
+# backward all-reduces of the input gradients; on accelerators: CPU all-reduces are autotp.all_reduce, which
+# it keeps whole). With functional collectives on CPU it measured 127 -> 121 ms per step at tp 2.
 INDUCTOR_CONFIG = {"reorder_for_compute_comm_overlap": True}
 
 
