@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from autotp.io.checkpoint import full_state_dict, load_full_state_dict
 from autotp.capture.empty import empty_weights
+from autotp.distributed.cpu_binding import bind_cpu_cores
 from autotp.runtime.data import broadcast_batch, check_same_inputs, dp_rank, dp_sampler, dp_size
 from autotp.io.export import save_weights
 from autotp.errors import AutotpError, CaptureError, InputMismatchError, ProcessGroupError, ShardingError
@@ -21,6 +22,7 @@ __all__ = [
     "ShardingError",
     "TPModule",
     "TPState",
+    "bind_cpu_cores",
     "broadcast_batch",
     "check_same_inputs",
     "dp_rank",

@@ -1,10 +1,11 @@
 """Benchmark (not a test): does tensor parallelism pay off? autotp's step time against the unsharded model's.
 
     python benchmarks/speedup.py [--tp 2] [--steps 20] [--warmup 3] [--compile] [--reorder] [--block]
-                                 [--sequence-parallel] [--out benchmarks/results]
+                                 [--sequence-parallel] [--no-bind-cores] [--out benchmarks/results]
 
 Model: the example nanoGPT (4 layers, dim 256, 8 heads, vocab 8192, loss inside the model), batch 4 × 128,
-SGD. ``--tp`` gloo ranks on this machine, one intra-op thread each; every rank runs the unsharded model and
+SGD. ``--tp`` gloo ranks on this machine, one intra-op thread each, each bound to cores of its own as
+``autotp shard`` binds CPU ranks (``--no-bind-cores``: unbound); every rank runs the unsharded model and
 autotp's, step by step interleaved (a barrier before each step, the order reversed every other round), so
 both see the same machine load.
 
@@ -133,6 +134,8 @@ def worker(opts: dict) -> dict:
     from nanogpt import GPT, GPTConfig
 
     torch.set_num_threads(1)
+    # as `autotp shard` / `autotp run` bind CPU ranks (after init_process_group: gloo's threads included)
+    cpus = autotp.bind_cpu_cores() if opts["bind_cores"] else None
     torch.manual_seed(0)
     base = GPT(GPTConfig(**CONFIG))
     g = torch.Generator().manual_seed(1)
@@ -201,7 +204,7 @@ def worker(opts: dict) -> dict:
         blocked.append(b.seconds)
     comm = times.pop(COMM)
     return {
-        "rank": dist.get_rank(), "tp": dist.get_world_size(),
+        "rank": dist.get_rank(), "tp": dist.get_world_size(), "cpus": cpus,
         "median_s": {k: statistics.median(v) for k, v in times.items()},
         "fastest_s": {k: min(v) for k, v in times.items()},
         "collectives": len(calls), "elements": sum(n for _, n in calls),
@@ -216,7 +219,9 @@ def _markdown(r: dict, opts: dict) -> str:
         f"# autotp speedup over the unsharded model (tp {tp}, gloo on CPU, one thread per rank)", "",
         f"nanoGPT {CONFIG}, batch {BATCH}×{SEQ}, SGD; median of {opts['steps']} interleaved steps after "
         f"{opts['warmup']} warm-up; rank 0. `autotp_compute_only`: the same step with every collective "
-        f"skipped (wrong numbers, the compute's time).", "",
+        f"skipped (wrong numbers, the compute's time). Ranks "
+        + (f"bound to cores of their own as `autotp shard` binds them (rank 0: cpus {r['cpus']})." if r["cpus"]
+           else "not bound to cores (`--no-bind-cores`)."), "",
         "| variant | step ms (median) | fastest ms | speedup vs unsharded (compiled vs compiled) | of the eager limit |",
         "|---|---|---|---|---|",
     ]
@@ -252,10 +257,11 @@ def main() -> None:
     ap.add_argument("--reorder", action="store_true")
     ap.add_argument("--block", action="store_true")
     ap.add_argument("--sequence-parallel", action="store_true")
+    ap.add_argument("--no-bind-cores", action="store_true", help="leave the ranks unbound (autotp shard binds them)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     a = ap.parse_args()
     opts = {"steps": a.steps, "warmup": a.warmup, "compile": a.compile or a.reorder, "reorder": a.reorder,
-            "block": a.block, "sequence_parallel": a.sequence_parallel}
+            "block": a.block, "sequence_parallel": a.sequence_parallel, "bind_cores": not a.no_bind_cores}
     r = launch(worker, a.tp, opts)[0]
     r["load_average"] = os.getloadavg()
     md = _markdown(r, opts)

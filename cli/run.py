@@ -33,6 +33,9 @@ TIMEOUT = typer.Option(None, "--timeout", metavar="SECONDS",
                             "peers fails instead of hanging. Default: torch's.")
 MAX_RESTARTS = typer.Option(0, "--max-restarts", help="Restart the whole job this many times after a rank fails "
                             "(the elastic launcher's max_restarts).")
+BIND_CORES = typer.Option(True, "--bind-cores/--no-bind-cores",
+                          help="CPU ranks: bind each to its own share of this node's cores (no effect on GPU "
+                               "ranks, or with fewer cores than ranks per node).")
 DEVICE = typer.Option("auto", "--device", help="cuda (one GPU per rank, nccl), cpu (gloo), or auto: cuda when "
                       "this node has a GPU for every rank, else cpu.")
 
@@ -55,13 +58,13 @@ def abort(message: str, debug: bool, code: int = 1, trace: str | None = None) ->
 
 def launch_spec(tp: int, dp: int, nnodes: int, node_rank: int, master_addr: str | None,
                 master_port: int | None, debug: bool, timeout: float | None = None, max_restarts: int = 0,
-                device: str = "auto") -> LaunchSpec:
+                device: str = "auto", bind_cores: bool = True) -> LaunchSpec:
     from autotp.cli.main import USAGE_ERROR
 
     try:
         return LaunchSpec(tp=tp, dp=dp, nnodes=nnodes, node_rank=node_rank,
                           master_addr=master_addr, master_port=master_port, timeout=timeout,
-                          max_restarts=max_restarts, device=device)
+                          max_restarts=max_restarts, device=device, bind_cores=bind_cores)
     except LaunchError as exc:
         abort(str(exc), debug, code=USAGE_ERROR)
 
@@ -78,6 +81,7 @@ def run(
     timeout: float | None = TIMEOUT,
     max_restarts: int = MAX_RESTARTS,
     device: str = DEVICE,
+    bind_cores: bool = BIND_CORES,
     debug: bool = DEBUG,
 ) -> None:
     """Run SCRIPT on tp × dp ranks per node with torch's elastic launcher (c10d rendezvous)."""
@@ -85,7 +89,8 @@ def run(
 
     if not script.is_file():
         abort(f"script {script} does not exist", debug, code=USAGE_ERROR)
-    spec = launch_spec(tp, dp, nnodes, node_rank, master_addr, master_port, debug, timeout, max_restarts, device)
+    spec = launch_spec(tp, dp, nnodes, node_rank, master_addr, master_port, debug, timeout, max_restarts, device,
+                       bind_cores)
     try:
         launch(spec, sys.executable, str(script), *(args or []), quiet=not debug)
     except RankFailedError as exc:

@@ -36,8 +36,8 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from autotp.cli.run import (DEBUG, DEVICE, DP, MASTER_ADDR, MASTER_PORT, MAX_RESTARTS, NNODES, NODE_RANK, TIMEOUT,
-                            TP, abort, launch_spec)
+from autotp.cli.run import (BIND_CORES, DEBUG, DEVICE, DP, MASTER_ADDR, MASTER_PORT, MAX_RESTARTS, NNODES, NODE_RANK,
+                            TIMEOUT, TP, abort, launch_spec)
 from autotp.cli.shard_worker import PARITY_TOL, ShardJob, ShardReport, _size, shard_worker
 from autotp.io.ckpt_io import check_resumable
 from autotp.errors import AutotpError, CaptureError
@@ -190,6 +190,7 @@ def shard(
     timeout: float | None = TIMEOUT,
     max_restarts: int = MAX_RESTARTS,
     device: str = DEVICE,
+    bind_cores: bool = BIND_CORES,
     debug: bool = DEBUG,
 ) -> None:
     """Shard MODEL_PY over tp × dp ranks, verify, train a few steps, save plan and checkpoint."""
@@ -203,7 +204,8 @@ def shard(
         abort(f"--save-every must be >= 0, got {save_every}", debug, code=USAGE_ERROR)
     if out.exists() and not out.is_dir():
         abort(f"--out {out} exists and is not a folder", debug, code=USAGE_ERROR)
-    spec = launch_spec(tp, dp, nnodes, node_rank, master_addr, master_port, debug, timeout, max_restarts, device)
+    spec = launch_spec(tp, dp, nnodes, node_rank, master_addr, master_port, debug, timeout, max_restarts, device,
+                       bind_cores)
     try:
         preflight(load_model_file(model), tp, weights, sequence_parallel)  # before any rank starts
     except AutotpError as exc:

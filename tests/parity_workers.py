@@ -94,6 +94,15 @@ def other_calls(model_name: str = "nanogpt") -> dict:
         gm.get_parameter("transformer.h.0.attn.c_attn.weight") is tpm.transformer.h[0].attn.c_attn.weight
         for gm in (c.module for c in autotp.tp_state(tpm).graphs.values())
     )
+    # a retained graph run backward twice: the loss's backward must not reuse what the second one reads
+    tpm.train(), ref.train()
+    for m in (tpm, ref):
+        m.zero_grad()
+        loss = m(idx, targets)[1]
+        loss.backward(retain_graph=True)
+        loss.backward()
+    ref_params = dict(ref.named_parameters())
+    out["retained_graph"] = max(_max_diff(p.grad, _local(ref_params[n].grad, n, tpm)) for n, p in tpm.named_parameters())
     return out
 
 

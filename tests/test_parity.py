@@ -89,6 +89,7 @@ def test_other_signatures_share_parameters():
         assert r["eval_mode"][0] is False and r["eval_mode"][1] <= 1e-5
         assert r["graphs"] >= 4  # (idx, targets) train, (idx,) train, batch one, eval
         assert r["shared_params"]
+        assert r["retained_graph"] <= 1e-5
 
 
 def test_dropout_streams():

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from autotp.errors import LaunchError, ProcessGroupError, RankFailedError
+from autotp.distributed.cpu_binding import ENV_BIND, bind_from_env
 from autotp.distributed.layout import RankLayout
 
 __all__ = [
@@ -68,6 +69,7 @@ class LaunchSpec:
     timeout: float | None = None  # collective timeout in seconds; None: torch's default
     max_restarts: int = 0
     device: str = "auto"  # "cuda": one GPU per rank (nccl), "cpu": gloo, "auto": cuda when every rank has a GPU
+    bind_cores: bool = True  # CPU ranks: each bound to its own share of this node's cores (cpu_binding.py)
 
     def __post_init__(self) -> None:
         for name in ("tp", "dp", "pp", "nnodes"):
@@ -121,6 +123,8 @@ class LaunchSpec:
         if backend == "gloo" and "OMP_NUM_THREADS" not in os.environ:
             # as torchrun does: N CPU ranks each using every core oversubscribe the machine
             env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // self.nproc_per_node))
+        if backend == "gloo" and self.bind_cores:
+            env[ENV_BIND] = "1"
         return env
 
 
@@ -265,6 +269,7 @@ def init_distributed(tp: int, dp: int | None = None, pp: int = 1, backend: str |
         else:
             dist.init_process_group(backend, **kwargs)
     backend = dist.get_backend()
+    bind_from_env(backend)  # before the mesh's groups: their gloo threads inherit the binding
     try:
         layout = RankLayout.build(dist.get_world_size(), tp, pp=pp, dp=dp)
     except (TypeError, ValueError) as exc:
@@ -305,7 +310,8 @@ def current_tp_group(environ: Mapping[str, str] | None = None) -> dist.ProcessGr
     tp = _env_int(ENV_TP, environ)
     if tp is None:
         return None
-    if dist.is_initialized():
+    if dist.is_initialized():  # the script made its own group; bind as init_distributed would have
+        bind_from_env(dist.get_backend(), environ)
         world = dist.get_world_size()
         if tp == world:
             return dist.group.WORLD

@@ -74,6 +74,19 @@ def all_reduce(x: torch.Tensor, group: dist.ProcessGroup, op: str = "sum") -> to
     return out
 
 
+def all_reduce_each(xs: list[tuple[torch.Tensor, str]], group: dist.ProcessGroup) -> list[torch.Tensor]:
+    """Independent all-reduces ``(x, op)`` as new tensors, in flight together in eager mode: gloo runs them
+    on its worker threads at once, so the caller waits about one latency instead of one per tensor. Each
+    is still its own collective (the count and sizes do not change). Under torch.compile, one by one."""
+    if torch.compiler.is_compiling():
+        return [all_reduce(x, group, op) for x, op in xs]
+    outs = [x.clone(memory_format=torch.contiguous_format) for x, _ in xs]
+    works = [dist.all_reduce(out, op=_OPS[op], group=group, async_op=True) for out, (_, op) in zip(outs, xs)]
+    for work, out in zip(works, outs):
+        finish(work, out)
+    return outs
+
+
 class _Enter(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:

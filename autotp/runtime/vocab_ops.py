@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from autotp.runtime.collectives import all_reduce
+from autotp.runtime.collectives import all_reduce, all_reduce_each
 from autotp.runtime.gathered import GatherOutput
 from autotp.plan.shard_spec import VocabLayout, vocab_shard, vocab_unshard
 
@@ -50,29 +50,30 @@ class VocabEmbedding(_VocabModule):
 
 
 class _VocabCE(torch.autograd.Function):
-    """Megatron's vocab-parallel cross-entropy: three all-reduces of n (row max, Σ exp, the target term).
-    Two passes over the local logits forward (max; exp of the shifted logits, kept for backward) and one
-    backward (the exps scaled per row into the gradient)."""
+    """Megatron's vocab-parallel cross-entropy: three all-reduces of n (row max, Σ exp, the target term; the
+    first and last in flight together). Two passes over the local logits forward (max; exp of the shifted
+    logits, kept for backward) and one backward (the kept exps scaled per row into the gradient, in place
+    unless the graph is retained)."""
 
     @staticmethod
     def forward(ctx, logits, target, group, start, owned, vocab, reduction, ignore_index, smoothing):
         x = logits.float()[:, :owned]  # (n, owned): padding columns never reach the loss
         local_max = x.amax(dim=-1) if owned else x.new_full((x.shape[0],), float("-inf"))
-        row_max = all_reduce(local_max, group, "max")  # (n,)
-        exp = (x - row_max.unsqueeze(-1)).exp_()  # (n, owned)
-        sum_exp = all_reduce(exp.sum(dim=-1), group)
         valid = target != ignore_index
         local_t = target - start
         mine = valid & (local_t >= 0) & (local_t < owned)
         picked = x.gather(1, local_t.clamp(0, max(owned - 1, 0)).unsqueeze(1)).squeeze(1) if owned \
             else x.new_zeros(target.shape)
-        # target logit and label-smoothing term share one reduction, on logits shifted by the row max:
-        # z = (1-ε)·x_t + ε/V·Σ_j x_j
-        z = torch.where(mine, picked - row_max, 0.0) * (1.0 - smoothing)
+        # the target logit and the label-smoothing term share one reduction, on unshifted logits so that it
+        # needs no row max and travels with it: z = (1-ε)·x_t + ε/V·Σ_j x_j
+        z = torch.where(mine, picked, 0.0) * (1.0 - smoothing)
         if smoothing:
-            z = z + (x.sum(dim=-1) - owned * row_max) * (smoothing / vocab)
-        z = all_reduce(z, group)
-        loss = torch.where(valid, sum_exp.log() - z, 0.0)  # (n,)
+            z = z + x.sum(dim=-1) * (smoothing / vocab)
+        row_max, z = all_reduce_each([(local_max, "max"), (z, "sum")], group)  # (n,), (n,)
+        exp = (x - row_max.unsqueeze(-1)).exp_()  # (n, owned)
+        sum_exp = all_reduce(exp.sum(dim=-1), group)
+        # -Σ_j q_j·log p_j with log p_j = x_j - max - log Σ exp, Σ_j q_j = 1
+        loss = torch.where(valid, sum_exp.log() + row_max - z, 0.0)  # (n,)
         count = valid.sum()
         ctx.save_for_backward(exp, sum_exp, local_t, mine, valid, count)
         ctx.meta = (logits.shape, logits.dtype, owned, vocab, reduction, smoothing)
@@ -88,7 +89,11 @@ class _VocabCE(torch.autograd.Function):
         if reduction == 1:
             per_row = per_row / count
         per_row = torch.where(valid, per_row, 0.0)  # (n,)
-        g = exp * (per_row / sum_exp).unsqueeze(-1)  # softmax · dL/dloss, (n, owned)
+        scale = (per_row / sum_exp).unsqueeze(-1)
+        # softmax · dL/dloss, (n, owned): written over the kept exps when no second backward can read them
+        # (as Megatron does), saving a b·s·V/t buffer
+        reuse = not torch.compiler.is_compiling() and not torch._C._autograd._get_current_graph_task_keep_graph()
+        g = exp.mul_(scale) if reuse else exp * scale
         if smoothing:
             g.sub_((per_row * (smoothing / vocab)).unsqueeze(-1))
         if owned:  # minus (1-ε) at the target column, on the rank that owns it (no data-dependent shapes)
