@@ -4,8 +4,8 @@
 Unbound, N gloo ranks on N cores let the scheduler put two ranks' compute threads on one core for a
 while and gloo's threads wherever there is room; every collective then waits for the slowest rank. Bound,
 each rank's compute thread and its own gloo threads share that rank's cores and nothing else (measured
-with ``benchmarks/speedup.py`` on 2 cores: the median tp-2 step 91 ms bound against 95-105 ms unbound,
-with a far shorter tail).
+with ``benchmarks/speedup.py`` on 2 cores: median tp-2 steps of 91-100 ms bound against 94-106 ms
+unbound over runs, with a far shorter tail).
 
 :func:`bind_cpu_cores` binds the calling process; the launcher asks its workers to bind by setting
 ``AUTOTP_BIND_CORES=1`` and :func:`bind_from_env` does so once the process group exists.
