@@ -220,7 +220,7 @@ def _markdown(r: dict, opts: dict) -> str:
         f"nanoGPT {CONFIG}, batch {BATCH}×{SEQ}, SGD; median of {opts['steps']} interleaved steps after "
         f"{opts['warmup']} warm-up; rank 0. `autotp_compute_only`: the same step with every collective "
         f"skipped (wrong numbers, the compute's time). Ranks "
-        + (f"bound to cores of their own as `autotp shard` binds them (rank 0: cpus {r['cpus']})." if r["cpus"]
+        + (f"bound to cores as `autotp shard` binds them (rank 0: cpus {r['cpus']})." if r["cpus"]
            else "not bound to cores (`--no-bind-cores`)."), "",
         "| variant | step ms (median) | fastest ms | speedup vs unsharded (compiled vs compiled) | of the eager limit |",
         "|---|---|---|---|---|",

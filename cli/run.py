@@ -34,8 +34,8 @@ TIMEOUT = typer.Option(None, "--timeout", metavar="SECONDS",
 MAX_RESTARTS = typer.Option(0, "--max-restarts", help="Restart the whole job this many times after a rank fails "
                             "(the elastic launcher's max_restarts).")
 BIND_CORES = typer.Option(True, "--bind-cores/--no-bind-cores",
-                          help="CPU ranks: bind each to its own share of this node's cores (no effect on GPU "
-                               "ranks, or with fewer cores than ranks per node).")
+                          help="CPU ranks: bind each to its own share of this node's cores (dealt round them "
+                               "when there are fewer cores than ranks; no effect on GPU ranks).")
 DEVICE = typer.Option("auto", "--device", help="cuda (one GPU per rank, nccl), cpu (gloo), or auto: cuda when "
                       "this node has a GPU for every rank, else cpu.")
 

@@ -30,15 +30,21 @@ def test_unknown_topology_counts_each_cpu_as_a_core():
     (2, 2, [[0], [1]]),
     (5, 2, [[0, 1, 2], [3, 4]]),  # the first ranks get the extra core
     (7, 3, [[0, 1, 2], [3, 4], [5, 6]]),
-    (1, 2, [None, None]),  # fewer cores than ranks: nobody is bound
-    (3, 4, [None] * 4),
 ])
 def test_exclusive_contiguous_shares(n_cores: int, world: int, expect: list):
     cores = [[c] for c in range(n_cores)]
     shares = [share_of_cores(r, world, cores) for r in range(world)]
     assert shares == expect
-    bound = [set(s) for s in shares if s is not None]
-    assert sum(map(len, bound)) == len(set().union(*bound))  # disjoint
+    assert sum(map(len, shares)) == len(set().union(*map(set, shares)))  # disjoint
+
+
+@pytest.mark.parametrize("n_cores,world,expect", [
+    (2, 4, [[0], [1], [0], [1]]),  # adjacent ranks (a TP group's) on different cores
+    (3, 4, [[0], [1], [2], [0]]),
+    (1, 2, [[0], [0]]),
+])
+def test_fewer_cores_than_ranks_are_dealt_round(n_cores: int, world: int, expect: list):
+    assert [share_of_cores(r, world, [[c] for c in range(n_cores)]) for r in range(world)] == expect
 
 
 def test_local_rank_out_of_range():
@@ -49,15 +55,18 @@ def test_local_rank_out_of_range():
 def test_binding_needs_the_launcher_and_a_cpu_backend():
     assert bind_from_env("gloo", {}) is None
     assert bind_from_env("nccl", {ENV_BIND: "1"}) is None
+    assert bind_from_env("gloo", {ENV_BIND: "bound"}) is None  # done once already: not split again
 
 
 def _affinity_worker() -> dict:
-    from autotp.distributed.launch import init_from_env
+    from autotp.distributed.launch import current_tp_group, init_from_env
 
     init_from_env()
     try:
+        current_tp_group()  # parallelize's lookup binds too when the script made its own group: not twice
         threads = {int(t): sorted(os.sched_getaffinity(int(t))) for t in os.listdir("/proc/self/task")}
-        return {"main": sorted(os.sched_getaffinity(0)), "threads": threads, "intra_op": torch.get_num_threads()}
+        return {"main": sorted(os.sched_getaffinity(0)), "threads": threads, "intra_op": torch.get_num_threads(),
+                "request": os.environ.get(ENV_BIND)}
     finally:
         dist.destroy_process_group()
 
@@ -68,11 +77,12 @@ def test_launched_cpu_ranks_are_bound(bind: bool):
     allowed = sorted(os.sched_getaffinity(0))
     results = launch(LaunchSpec(tp=2, device="cpu", bind_cores=bind), _affinity_worker)
     expect = [share_of_cores(r, 2, physical_cores(allowed)) for r in range(2)]
-    if not bind or expect[0] is None:
+    assert all(r["request"] == ("bound" if bind else "0") for r in results.values())
+    if not bind:
         assert all(r["main"] == allowed for r in results.values())
         return
     assert [results[r]["main"] for r in range(2)] == expect
-    assert not set(expect[0]) & set(expect[1])
+    assert len(allowed) < 2 or not set(expect[0]) & set(expect[1])
     for rank, r in results.items():
         # gloo's threads (started by init_process_group) and the mesh groups' ones run on the rank's cores
         assert len(r["threads"]) > 1 and all(cpus == expect[rank] for cpus in r["threads"].values())

@@ -123,8 +123,7 @@ class LaunchSpec:
         if backend == "gloo" and "OMP_NUM_THREADS" not in os.environ:
             # as torchrun does: N CPU ranks each using every core oversubscribe the machine
             env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // self.nproc_per_node))
-        if backend == "gloo" and self.bind_cores:
-            env[ENV_BIND] = "1"
+        env[ENV_BIND] = "1" if backend == "gloo" and self.bind_cores else "0"  # "0" overrides an inherited "1"
         return env
 
 
