@@ -4,6 +4,7 @@ from __future__ import annotations
 import copy
 
 import torch
+import torch.distributed as dist
 
 import autotp
 from distributed import CollectiveLog
@@ -103,6 +104,29 @@ def other_calls(model_name: str = "nanogpt") -> dict:
         loss.backward()
     ref_params = dict(ref.named_parameters())
     out["retained_graph"] = max(_max_diff(p.grad, _local(ref_params[n].grad, n, tpm)) for n, p in tpm.named_parameters())
+    return out
+
+
+def large_logits_cross_entropy() -> dict:
+    """Vocab-parallel cross-entropy of logits near 1e4 (rows of 100, ranks own 50 each) vs F.cross_entropy:
+    the loss of each row and the gradient, with and without label smoothing."""
+    import torch.nn.functional as F
+
+    from autotp.runtime.vocab_ops import _VocabCE
+
+    g = torch.Generator().manual_seed(0)
+    full = torch.randn(64, 100, generator=g) * 3 + 1e4
+    target = torch.randint(0, 100, (64,), generator=g)
+    rank, per = dist.get_rank(), 100 // dist.get_world_size()
+    out = {}
+    for smoothing in (0.0, 0.1):
+        ref_in = full.clone().requires_grad_()
+        ref = F.cross_entropy(ref_in, target, reduction="none", label_smoothing=smoothing)
+        ref.sum().backward()
+        local = full[:, rank * per:(rank + 1) * per].clone().requires_grad_()
+        loss = _VocabCE.apply(local, target, dist.group.WORLD, rank * per, per, 100, 0, -100, smoothing)
+        loss.sum().backward()
+        out[smoothing] = (_max_diff(loss, ref), _max_diff(local.grad, ref_in.grad[:, rank * per:(rank + 1) * per]))
     return out
 
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 import pytest
 
 from distributed import launch
-from parity_workers import checkpoint_round_trip, dropout_streams, other_calls, replicated_block, training_parity
+from parity_workers import (checkpoint_round_trip, dropout_streams, large_logits_cross_entropy, other_calls,
+                            replicated_block, training_parity)
 
 # model -> (b, s, h, layers)
 MODELS = {"nanogpt": (4, 32, 64, 2), "gpt2": (4, 16, 64, 2), "gpt2_50257": (4, 16, 64, 2), "llama": (4, 16, 64, 2)}
@@ -78,6 +79,14 @@ def test_cross_entropy_forms_parity(loss: str):
         assert r["param_diff"] <= 1e-4
         ce = [c for c in r["forward_collectives"] if c[2] == 2 * 12]
         assert [c[1] for c in ce] == ["max", "sum", "sum"]
+
+
+def test_cross_entropy_of_large_logits():
+    # the loss is taken from logits shifted by the row max, as log_softmax takes it: logits near 1e4 lose
+    # nothing (unshifted, 1e4's rounding, ~5e-4, would show)
+    for r in launch(large_logits_cross_entropy, 2).values():
+        for smoothing, (loss_diff, grad_diff) in r.items():
+            assert loss_diff <= 1e-5 and grad_diff <= 1e-5, (smoothing, loss_diff, grad_diff)
 
 
 def test_other_signatures_share_parameters():

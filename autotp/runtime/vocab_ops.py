@@ -65,15 +65,17 @@ class _VocabCE(torch.autograd.Function):
         picked = x.gather(1, local_t.clamp(0, max(owned - 1, 0)).unsqueeze(1)).squeeze(1) if owned \
             else x.new_zeros(target.shape)
         # the target logit and the label-smoothing term share one reduction, on unshifted logits so that it
-        # needs no row max and travels with it: z = (1-ε)·x_t + ε/V·Σ_j x_j
-        z = torch.where(mine, picked, 0.0) * (1.0 - smoothing)
+        # needs no row max and travels with it: z = (1-ε)·x_t + ε/V·Σ_j x_j. Σ_j x_j is summed in float64:
+        # in float32 the sum of V logits near 1e4 keeps ~1e-3 of the loss; x_t alone is exact either way
+        z = torch.where(mine, picked, 0.0)
         if smoothing:
-            z = z + x.sum(dim=-1) * (smoothing / vocab)
+            z = z.double() * (1.0 - smoothing) + x.sum(dim=-1, dtype=torch.float64) * (smoothing / vocab)
         row_max, z = all_reduce_each([(local_max, "max"), (z, "sum")], group)  # (n,), (n,)
         exp = (x - row_max.unsqueeze(-1)).exp_()  # (n, owned)
         sum_exp = all_reduce(exp.sum(dim=-1), group)
-        # -Σ_j q_j·log p_j with log p_j = x_j - max - log Σ exp, Σ_j q_j = 1
-        loss = torch.where(valid, sum_exp.log() + row_max - z, 0.0)  # (n,)
+        # -Σ_j q_j·log p_j with log p_j = x_j - max - log Σ exp, Σ_j q_j = 1; z - max first, as log_softmax
+        # shifts before it subtracts (large logits keep their precision)
+        loss = torch.where(valid, sum_exp.log() - (z - row_max).to(sum_exp.dtype), 0.0)  # (n,)
         count = valid.sum()
         ctx.save_for_backward(exp, sum_exp, local_t, mine, valid, count)
         ctx.meta = (logits.shape, logits.dtype, owned, vocab, reduction, smoothing)
