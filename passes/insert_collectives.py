@@ -26,10 +26,9 @@ weight gradients::
     cols = autotp_columns_0(ln, q_weight, None, k_weight, None, v_weight, None)   # f + q, k, v
     q, k, v = cols[0], cols[1], cols[2]
 
-A
-vocab-parallel LM head is a column too: its input gets ``f``, fused with it the same way. A replicated value computed from parameters
-that meets sharded heads inside the pair (a per-head q/k norm's weight) gets ``f`` as well: each rank's
-gradient for it covers its own heads only.
+A vocab-parallel LM head is a column too: its input gets ``f``, fused with it the same way. A replicated
+value computed from parameters that meets sharded heads inside the pair (a per-head q/k norm's weight) gets
+``f`` as well: each rank's gradient for it covers its own heads only.
 
 With sequence parallelism (``plan.sequence``) ``g`` is a reduce-scatter along the sequence, after the row or
 after the view that restores a flat row output's sequence dim, and ``f`` an all-gather of the sequence

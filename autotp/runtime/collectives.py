@@ -61,25 +61,25 @@ def define_ops() -> None:
         return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
+def _traced_all_reduce(x: torch.Tensor, group: dist.ProcessGroup, op: str) -> torch.Tensor:
+    if x.device.type == "cpu":
+        return torch.ops.autotp.all_reduce(x, op, group.group_name)
+    return funcol.wait_tensor(funcol.all_reduce(x, op, group))
+
+
 def all_reduce(x: torch.Tensor, group: dist.ProcessGroup, op: str = "sum") -> torch.Tensor:
-    """``op`` of ``x`` over ``group``, as a new tensor. Under torch.compile the functional collective (Inductor
-    schedules it), or on CPU ``torch.ops.autotp.all_reduce`` (:func:`define_ops`); eager, one plain c10d
-    all-reduce in place on a copy, with none of the functional collective's wrapping per call."""
-    if torch.compiler.is_compiling():
-        if x.device.type == "cpu":
-            return torch.ops.autotp.all_reduce(x, op, group.group_name)
-        return funcol.wait_tensor(funcol.all_reduce(x, op, group))
-    out = x.clone(memory_format=torch.contiguous_format)
-    _sync(out, group, _OPS[op])
-    return out
+    """``op`` of ``x`` over ``group``, as a new tensor (:func:`all_reduce_each` of one)."""
+    return all_reduce_each([(x, op)], group)[0]
 
 
 def all_reduce_each(xs: list[tuple[torch.Tensor, str]], group: dist.ProcessGroup) -> list[torch.Tensor]:
-    """Independent all-reduces ``(x, op)`` as new tensors, in flight together in eager mode: gloo runs them
-    on its worker threads at once, so the caller waits about one latency instead of one per tensor. Each
-    is still its own collective (the count and sizes do not change). Under torch.compile, one by one."""
+    """Independent all-reduces ``(x, op)`` as new tensors. Eager: plain c10d all-reduces in place on copies,
+    with none of the functional collective's wrapping per call, in flight together (gloo runs them on its
+    worker threads at once, so the caller waits about one latency instead of one per tensor; each is still
+    its own collective). Under torch.compile, one by one: the functional collective (Inductor schedules
+    it), or on CPU ``torch.ops.autotp.all_reduce`` (:func:`define_ops`)."""
     if torch.compiler.is_compiling():
-        return [all_reduce(x, group, op) for x, op in xs]
+        return [_traced_all_reduce(x, group, op) for x, op in xs]
     outs = [x.clone(memory_format=torch.contiguous_format) for x, _ in xs]
     works = [dist.all_reduce(out, op=_OPS[op], group=group, async_op=True) for out, (_, op) in zip(outs, xs)]
     for work, out in zip(works, outs):

@@ -2,10 +2,11 @@
 
 The rewritten graph already holds everything a compiler needs to see: Megatron's f/g as autograd functions
 over ``torch.distributed._functional_collectives`` (traceable: dynamo puts ``_c10d_functional.all_reduce`` /
-``wait_tensor`` in the graph; on CPU the all-reduces are ``autotp.all_reduce``, a polled c10d all-reduce), the vocab-parallel loss as an autograd function, and the vocab-parallel logits
-as a :class:`~autotp.runtime.gathered.GatheredOnUse` made outside the compiled region. :func:`compile_graph` compiles with ``fullgraph=False`` so a construct dynamo
-cannot trace degrades to a graph break instead of an error; :func:`graph_breaks` counts them (see
-``tests/test_compile.py``).
+``wait_tensor`` in the graph; on CPU the all-reduces are ``autotp.all_reduce``, a polled c10d all-reduce),
+the vocab-parallel loss as an autograd function, and the vocab-parallel logits as a
+:class:`~autotp.runtime.gathered.GatheredOnUse` made outside the compiled region. :func:`compile_graph`
+compiles with ``fullgraph=False`` so a construct dynamo cannot trace degrades to a graph break instead of an
+error; :func:`graph_breaks` counts them (see ``tests/test_compile.py``).
 """
 from __future__ import annotations
 

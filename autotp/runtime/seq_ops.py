@@ -27,7 +27,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
-from autotp.runtime.collectives import _Collective, _column, all_reduce, column_input_grad, column_param_grads, finish
+from autotp.runtime.collectives import (_Collective, _column, all_reduce, column_input_grad, column_param_grads,
+                                         finish)
 from autotp.errors import ShardingError
 
 # torch >= 2.10 names them *_single; older releases only have the *_tensor spellings
