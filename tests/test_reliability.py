@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 from autotp.cli.main import app
 from autotp.io.ckpt_io import checkpoint_info, latest_checkpoint
 from autotp.distributed.launch import ENV_TIMEOUT, LaunchSpec
-from distributed import ROOT
+from distributed import ROOT, free_port
 
 NANOGPT = os.path.join(ROOT, "examples", "nanogpt.py")
 EXAMPLES = os.path.join(ROOT, "examples")
@@ -344,3 +344,20 @@ def test_bad_input_fails_before_any_rank(case: str, tmp_path: Path, monkeypatch)
     assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
     assert re.search(pattern, lines[0]), lines[0]
     assert seconds < 30
+
+
+def test_group_made_for_the_script_is_destroyed_at_exit(tmp_path: Path) -> None:
+    # a one-rank job whose script never touches torch.distributed: autotp makes the group, and tears it down
+    # at exit (left alive, gloo's threads can abort the rank after its last line)
+    script = tmp_path / "script.py"
+    script.write_text(
+        "import atexit, torch.distributed as dist\n"
+        "from autotp.distributed.launch import init_from_env\n"
+        "atexit.register(lambda: print('INITIALIZED AT EXIT', dist.is_initialized()))  # runs after autotp's\n"
+        "init_from_env()\n"
+    )
+    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(free_port()), "AUTOTP_TP": "1"}
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "INITIALIZED AT EXIT False" in proc.stdout

@@ -10,6 +10,7 @@ the TP group from the environment alone, so ``autotp.parallelize(model)`` can de
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import datetime
 import logging
@@ -267,6 +268,7 @@ def init_distributed(tp: int, dp: int | None = None, pp: int = 1, backend: str |
                                     rank=rank, world_size=world, **kwargs)
         else:
             dist.init_process_group(backend, **kwargs)
+        atexit.register(_destroy_at_exit)
     backend = dist.get_backend()
     bind_from_env(backend)  # before the mesh's groups: their gloo threads inherit the binding
     try:
@@ -277,6 +279,14 @@ def init_distributed(tp: int, dp: int | None = None, pp: int = 1, backend: str |
     device = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
     return RankContext(layout=layout, mesh=layout.device_mesh(device_type), rank=dist.get_rank(),
                        backend=backend, device=device)
+
+
+def _destroy_at_exit() -> None:
+    # the group made for a script that never made one (`autotp run` + parallelize): torch leaves it alive at
+    # exit, and gloo's threads outliving the interpreter can abort the rank after its last line ran
+    # ("terminate called without an active exception"), failing a job that succeeded
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def init_from_env(environ: Mapping[str, str] | None = None) -> RankContext:
