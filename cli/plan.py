@@ -1,8 +1,10 @@
 """``autotp plan MODEL_PY --tp N``: show what autotp would do to a model, without devices or process groups.
 
 The model is built on the meta device (nothing is materialised) and captured on meta tensors in this one
-process; the plan, the rank grid and the numbers of :mod:`autotp.plan.report` are printed. ``--json`` writes them
-as data, ``--svg`` / ``--html`` the same picture as the terminal shows.
+process; the plan, the rank grid and the numbers of :mod:`autotp.plan.report` are printed. A file without
+``example_batch()`` is planned on ``autotp.parallelize``'s default batch of token ids (sizes from ``--batch``
+and ``--seq`` when given), and the output says so. ``--json`` writes them as data, ``--svg`` / ``--html`` the
+same picture as the terminal shows.
 """
 from __future__ import annotations
 
@@ -19,11 +21,13 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from autotp.capture.tracer import capture
+import contextlib
+
+from autotp.capture.tracer import capture, stand_ins
 from autotp.cli.run import DEBUG, abort
 from autotp.errors import AutotpError, PlanSizeError
 from autotp.distributed.layout import RankLayout
-from autotp.capture.modelfile import ModelFileError, load_model_file
+from autotp.capture.modelfile import DEFAULT_BATCH_SHAPE, ModelFile, ModelFileError, default_example, load_model_file
 from autotp.plan.planner import make_plan
 from autotp.plan.report import Report, build_report
 from autotp.plan.symbols import size_ranges
@@ -179,9 +183,8 @@ def comm_table(report: Report) -> Table:
     for i, c in enumerate(lines):
         name = "all" if c.kind == "all" else _kind(c.kind, c.op)
         direction = _DIR.get(c.direction, c.direction)
-        size = None if c.elements is None else c.elements * report.act_bytes
         table.add_row(direction, name, str(c.count), str(c.formula_count), _r(c.count_ratio), _n(c.elements),
-                      _n(c.formula_elements), _r(c.elements_ratio), _size(size), end_section=i == len(lines) - 2)
+                      _n(c.formula_elements), _r(c.elements_ratio), _size(c.bytes), end_section=i == len(lines) - 2)
     terms = "; ".join(f"{x.direction} {x.count}×{x.each} ({x.what})" for x in report.formula)
     if terms and any(x.kind != "all_reduce" for x in report.formula):
         table.caption = (f"Megatron-SP formula (Korthikanti et al. 2022; README 'Sequence parallelism'): {terms}. "
@@ -194,15 +197,19 @@ def comm_table(report: Report) -> Table:
 
 
 # -- building ------------------------------------------------------------------------------------------
-def _batch(mf, batch: int | None, seq: int | None) -> tuple[tuple, dict, int, int]:
-    """The capture's inputs and the (b, s) the numbers are computed for."""
+def _batch(mf: ModelFile, net: torch.nn.Module, batch: int | None,
+           seq: int | None) -> tuple[tuple, dict, int, int, str]:
+    """The capture's inputs, the (b, s) the numbers are computed for, and a note when the default batch stands
+    in for a missing example_batch()."""
     if mf.batch_fn is None:
-        if batch is None or seq is None:
-            raise ModelFileError(f"{mf.path} defines no example_batch()",
-                                 hint="add example_batch() to the file, or pass --batch B --seq S to plan "
-                                      "for a (B, S) batch of token ids")
-        # real (tiny) ids, not meta: capture turns them into meta itself, and may need real ones
-        return (torch.zeros(batch, seq, dtype=torch.long),), {}, batch, seq
+        # autotp.parallelize's own default (use_cache=False included), at --batch / --seq when given; real (tiny)
+        # ids, not meta: capture turns them into meta itself, and may need real ones
+        b = batch if batch is not None else DEFAULT_BATCH_SHAPE[0]
+        s = seq if seq is not None else DEFAULT_BATCH_SHAPE[1]
+        args, kwargs = default_example(net.forward, shape=(b, s))
+        sizes = " (sizes from --batch/--seq)" if batch is not None or seq is not None else ""
+        return args, kwargs, b, s, (f"{mf.path} defines no example_batch(): planned on the default batch, "
+                                    f"({b}, {s}) token ids{sizes}, as autotp.parallelize without example_inputs")
     args, kwargs = mf.example_batch()
     first = next((x for x in (*args, *kwargs.values()) if isinstance(x, torch.Tensor) and x.dim() >= 2), None)
     if first is None and (batch is None or seq is None):
@@ -210,26 +217,39 @@ def _batch(mf, batch: int | None, seq: int | None) -> tuple[tuple, dict, int, in
                              hint="pass --batch B --seq S")
     b = batch if batch is not None else first.shape[0]
     s = seq if seq is not None else first.shape[1]
-    return args, kwargs, int(b), int(s)
+    return args, kwargs, int(b), int(s), ""
+
+
+AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def make_report(model: str, tp: int, batch: int | None = None, seq: int | None = None,
-                vocab_multiple: int = 1, sequence_parallel: bool = False):
-    """Load, build on meta, capture, plan, and compute the report; no printing.
+                vocab_multiple: int = 1, sequence_parallel: bool = False, autocast: str | None = None):
+    """Load, build on meta, capture, plan, and compute the report; no printing. ``autocast`` ("bf16" or
+    "fp16"): capture under ``torch.autocast`` as a training script runs the forward, so the collectives are
+    counted in the dtypes that travel then (the parameters are CPU stand-ins for that capture: address
+    space, never written).
 
-    Returns ``(plan, report, names)``, ``names`` being every parameter name of the model in its order.
+    Returns ``(plan, report, names, batch_note)``, ``names`` being every parameter name of the model in its
+    order and ``batch_note`` saying when the default batch was used ("" otherwise).
     """
     mf = load_model_file(model)
-    args, kwargs, b, s = _batch(mf, batch, seq)
     with torch.device("meta"):
         net = mf.build()
+    args, kwargs, b, s, batch_note = _batch(mf, net, batch, seq)
     # a module-level instance was built before the meta context: capture reads it without computing
-    gm, _ = capture(net, args, kwargs, device=torch.device("cpu"))
+    cpu, swap, amp = torch.device("cpu"), None, contextlib.nullcontext()
+    if autocast is not None:  # autocast acts on CPU tensors, not on meta ones
+        swap = stand_ins({**dict(net.named_parameters(remove_duplicate=False)),
+                          **dict(net.named_buffers(remove_duplicate=False))}, cpu)
+        amp = torch.autocast("cpu", dtype=AUTOCAST[autocast])
+    with amp:
+        gm, _ = capture(net, args, kwargs, params=swap, device=cpu)
     plan = make_plan(gm, tp, vocab_multiple, sequence_parallel=sequence_parallel)
     report = build_report(plan, net.named_parameters(remove_duplicate=False), b, s)
     _check_sizes(report, size_ranges(gm))
     names = [n for n, _ in net.named_parameters(remove_duplicate=False)]
-    return plan, report, names
+    return plan, report, names, batch_note
 
 
 def _check_sizes(report: Report, ranges: dict[str, tuple[int, int | None]]) -> None:
@@ -248,7 +268,7 @@ def _check_sizes(report: Report, ranges: dict[str, tuple[int, int | None]]) -> N
 
 def plan(
     model: str = typer.Argument(..., metavar="MODEL_PY", help="Model file defining build_model() and "
-                                "example_batch(); path.py:NAME names another factory."),
+                                "optionally example_batch(); path.py:NAME names another factory."),
     tp: int = typer.Option(..., "--tp", help="Tensor-parallel size."),
     dp: int | None = typer.Option(None, "--dp", help="Data-parallel size; default world / (tp × pp), or 1."),
     pp: int = typer.Option(1, "--pp", help="Pipeline-parallel size (rank grid only; layers are not split)."),
@@ -260,6 +280,8 @@ def plan(
     vocab_multiple: int = typer.Option(1, "--vocab-multiple", help="Round each rank's vocab rows up to this."),
     sequence_parallel: bool = typer.Option(False, "--sequence-parallel", help="Split the norm/dropout/residual "
                                            "regions along the sequence (Megatron-SP)."),
+    autocast: str | None = typer.Option(None, "--autocast", help="bf16 or fp16: count the collectives' bytes "
+                                        "as a forward under torch.autocast moves them."),
     json_out: Path | None = typer.Option(None, "--json", help="Write plan, layout and report as JSON here."),
     svg: Path | None = typer.Option(None, "--svg", help="Write the printed tables as an SVG picture here."),
     html: Path | None = typer.Option(None, "--html", help="Write the printed tables as HTML here."),
@@ -276,13 +298,16 @@ def plan(
         layout = RankLayout.build(world, tp, pp=pp, dp=dp, gpus_per_node=gpus_per_node)
     except (ValueError, TypeError) as exc:
         abort(str(exc), debug, code=USAGE_ERROR)
+    if autocast is not None and autocast not in AUTOCAST:
+        abort(f"--autocast must be one of {', '.join(AUTOCAST)}, got {autocast}", debug, code=USAGE_ERROR)
     try:
-        the_plan, report, names = make_report(model, tp, batch, seq, vocab_multiple, sequence_parallel)
+        the_plan, report, names, batch_note = make_report(model, tp, batch, seq, vocab_multiple, sequence_parallel,
+                                                          autocast)
     except AutotpError as exc:  # model file, capture and sharding problems: the user's to fix
         abort(str(exc), debug, code=USAGE_ERROR)
 
     console = _console()
-    render(console, model, the_plan, report, layout, names)
+    render(console, model, the_plan, report, layout, names, batch_note)
     if json_out is not None:
         data = {"plan": the_plan.to_dict(), "layout": layout.groups(),
                 "world": {k: v for k, v in layout.to_dict().items() if k != "groups"},
@@ -292,7 +317,7 @@ def plan(
         # drawn again, off screen and at least 160 columns wide, so a file does not inherit a narrow
         # (or absent, under a pipe) terminal's wrapping
         pic = Console(record=True, file=io.StringIO(), width=max(console.width, 160), force_terminal=True)
-        render(pic, model, the_plan, report, layout, names)
+        render(pic, model, the_plan, report, layout, names, batch_note)
         if svg is not None:  # save_svg clears the recording unless told not to; keep it for the html
             pic.save_svg(str(svg), title=f"autotp plan {model}", clear=html is None)
         if html is not None:
@@ -342,10 +367,13 @@ def sequence_table(the_plan, report: Report) -> Table | None:
     return table
 
 
-def render(console: Console, model: str, the_plan, report: Report, layout: RankLayout, names: list[str]) -> None:
+def render(console: Console, model: str, the_plan, report: Report, layout: RankLayout, names: list[str],
+           batch_note: str = "") -> None:
     sp = ", sequence parallel" if the_plan.sequence is not None and the_plan.sequence.leaves else ""
     console.print(f"[bold]{escape(model)}[/bold]: tp {report.tp}{sp}, {len(the_plan.pairs)} column→row pairs, "
                   f"{len(the_plan.collectives)} collectives per step; {world_line(layout)}")
+    if batch_note:
+        console.print(f"[yellow]note:[/yellow] {escape(batch_note)}")
     console.print(rank_grid(layout))
     console.print(layer_table(report, names))
     console.print(replicated_table(report, the_plan.replicated))

@@ -6,6 +6,10 @@ parallelizes over its TP group, compares loss and outputs on the example batch, 
 AdamW steps (DDP over the DP group when dp > 1) and saves ``plan.json``, ``summary.json`` and a sharded
 checkpoint (torch.distributed.checkpoint) to ``--out``. The launching process prints the summary.
 
+The batch is built on TP rank 0 and broadcast to its group (:mod:`autotp.cli.shard_worker`). A file without
+``example_batch()`` runs on ``autotp.parallelize``'s default (2, 8) batch of token ids; an output without a
+loss (no targets) has nothing to train, so training is skipped, and the summary says so.
+
 Checkpoints are atomic (:mod:`autotp.io.ckpt_io`): ``--out/checkpoints/step-N`` folders published by renaming a
 finished temporary folder and replacing the ``checkpoints/latest`` pointer, with ``--out/checkpoint`` a symlink
 to the newest. They hold the model, the optimizer state and the step in the unsharded model's coordinates, so
@@ -42,7 +46,8 @@ from autotp.cli.shard_worker import PARITY_TOL, ShardJob, ShardReport, _size, sh
 from autotp.io.ckpt_io import check_resumable
 from autotp.errors import AutotpError, CaptureError
 from autotp.distributed.launch import RankFailedError, launch
-from autotp.capture.modelfile import ModelFile, ModelFileError, load_model_file, parse_spec, to_device
+from autotp.capture.modelfile import (DEFAULT_BATCH_SHAPE, ModelFile, ModelFileError, default_example,
+                                     load_model_file, parse_spec, to_device)
 
 
 # -- the command ---------------------------------------------------------------------------------------
@@ -62,9 +67,14 @@ def _eager_on_meta(mf: ModelFile, skeleton: torch.nn.Module, args: tuple, kwargs
         frames = [f for f in tb.extract_tb(exc.__traceback__)
                   if not f.filename.startswith(torch_dir) and "site-packages" not in f.filename]
         where = f" at {frames[-1].filename}:{frames[-1].lineno}" if frames else ""
-        raise ModelFileError(f"the model's forward rejects example_batch(){where}: {type(exc).__name__}: {exc}",
-                             hint="make example_batch() match what the model accepts (e.g. sequence length "
-                                  "<= its block size)") from exc
+        if mf.batch_fn is None:
+            what, hint = (f"the default batch ({DEFAULT_BATCH_SHAPE} token ids; the file defines no example_batch())",
+                          "define example_batch() returning what the model's forward takes")
+        else:
+            what, hint = "example_batch()", ("make example_batch() match what the model accepts (e.g. sequence "
+                                             "length <= its block size)")
+        raise ModelFileError(f"the model's forward rejects {what}{where}: {type(exc).__name__}: {exc}",
+                             hint=hint) from exc
 
 
 def preflight(mf: ModelFile, tp: int, weights: Path | None = None, sequence_parallel: bool = False) -> None:
@@ -86,7 +96,8 @@ def preflight(mf: ModelFile, tp: int, weights: Path | None = None, sequence_para
         from autotp.io.weights import check_weights
 
         check_weights(model, weights)  # headers and metadata only
-    args, kwargs = mf.example_batch()
+    # only shapes matter to capture: the default batch's zeros stand for the ids the ranks will draw
+    args, kwargs = mf.example_batch() if mf.batch_fn is not None else default_example(model.forward)
     try:
         gm, _ = capture(model, args, kwargs, device=torch.device("cpu"))  # export computes nothing
     except CaptureError:
@@ -143,6 +154,11 @@ def render(report: ShardReport, console: Console) -> None:
             summary.add_row("layout", escape(report.resharded))
     if report.weights:
         summary.add_row("weights", escape(report.weights))
+    if report.batch:
+        summary.add_row("batch", escape(report.batch))
+    if report.training_skipped:
+        summary.add_row("training", f"[yellow]skipped[/yellow]: {escape(report.training_skipped)}; the checkpoint "
+                        f"holds the weights at step {report.start_step}")
     if report.losses:
         summary.add_row("loss (dp replica 0)", " → ".join(f"{x:.4f}" for x in report.losses))
     summary.add_row("plan", escape(report.plan_path))
@@ -166,7 +182,7 @@ def render(report: ShardReport, console: Console) -> None:
 
 def shard(
     model: str = typer.Argument(..., metavar="MODEL_PY", help="Model file defining build_model() and "
-                                "example_batch(); path.py:NAME names another factory."),
+                                "optionally example_batch(); path.py:NAME names another factory."),
     tp: int = TP,
     dp: int = DP,
     steps: int = typer.Option(3, "--steps", help="AdamW training steps after the parity check."),

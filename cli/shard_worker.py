@@ -1,6 +1,11 @@
 """One rank of ``autotp shard``: build the model, parallelize it, check it against the unsharded model, train,
 save, and (rank 0) report.
 
+The CLI owns this training loop, so it owns its data: each TP group's rank 0 builds the batch
+(``example_batch()``, or :func:`~autotp.capture.modelfile.default_example` when the file has none) and
+broadcasts it to its group, as Megatron's ``get_batch_on_this_tp_rank`` does; each DP replica's TP rank 0
+builds its own. An ``example_batch()`` that draws without a seed therefore runs as it would on one device.
+
 :func:`shard_worker` is what the launcher runs on every rank; the report (:class:`ShardReport`, plain data) comes
 back to the launching process, which renders it (:mod:`autotp.cli.shard`).
 """
@@ -12,6 +17,7 @@ import json
 import math
 import os
 import time
+import warnings
 from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -25,8 +31,8 @@ import autotp
 from autotp.io.ckpt_io import latest_checkpoint, load_training_state, save_training_state
 from autotp.plan.report import build_report
 from autotp.distributed.launch import RankContext, init_from_env
-from autotp.capture.modelfile import (ModelFile, ModelFileError, find_loss, load_model_file, output_tensors,
-                                     replica_batch, to_device)
+from autotp.capture.modelfile import (DEFAULT_BATCH_SHAPE, ModelFile, ModelFileError, default_example,
+                                     find_loss, load_model_file, output_tensors, replica_batch, to_device)
 
 PARITY_TOL = 1e-5
 
@@ -86,6 +92,8 @@ class ShardReport:
     # TP communication of one step against Megatron's formula (README, "What a step costs"):
     # (direction, kind, op, count, formula count, elements, formula elements, bytes) per kind, then the total
     comm: tuple[tuple, ...] = ()
+    batch: str = ""  # where the batch came from: the file's example_batch() or the default one
+    training_skipped: str = ""  # why no step was trained ("": trained, or nothing left to train)
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -186,36 +194,81 @@ def shard_worker(job: ShardJob) -> ShardReport | None:
         dist.destroy_process_group()
 
 
-def _build(mf: ModelFile, job: ShardJob, ctx: RankContext, args: tuple, kwargs: dict):
-    """(parallelized model, unsharded reference or None, unsharded bytes, what loading the weights cost)."""
+def _tp_batch(make, ctx: RankContext) -> tuple[tuple, dict]:
+    """TP rank 0's ``make()`` (an (args, kwargs) batch) on every rank of its TP group, on this rank's device.
+
+    Only rank 0 of the group calls ``make``: a batch drawn without a seed (or read from a stream) would
+    otherwise differ across the group, which the model refuses (``InputMismatchError``)."""
+    if ctx.layout.tp == 1:
+        return to_device(make(), ctx.device)
+    batch = make() if ctx.coords["tp"] == 0 else None
+    with warnings.catch_warnings():
+        # torch 2.13 warns when unpickling the batch's pytree spec (a LeafSpec) that the receiving ranks get;
+        # nothing the user can act on
+        warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)", category=FutureWarning)
+        sent = autotp.broadcast_batch(batch, group=ctx.tp_group())
+    return to_device(sent, ctx.device)
+
+
+def _token_vocab(tpm: autotp.TPModule) -> int | None:
+    """The smallest vocabulary of the embeddings the plan found indexed by the inputs' ids (position tables
+    index an ``arange`` and are not among them); None when none is vocab-parallel."""
+    sizes = [layout.size for _, layout in autotp.tp_state(tpm).plan.vocab.embeddings]
+    return min(sizes) if sizes else None
+
+
+def _build(mf: ModelFile, job: ShardJob, ctx: RankContext, batch: tuple[tuple, dict] | None):
+    """(parallelized model, unsharded reference or None, unsharded bytes, what loading the weights cost, the
+    batch to run).
+
+    ``batch`` None (the file has no example_batch()): the model is captured on parallelize's own default, and
+    runs on the default batch with ids drawn below its token vocabulary, which only the plan knows."""
     torch.manual_seed(0)
+    reference, note = None, ""
     if job.weights is None:
         model = mf.build().to(ctx.device)
         unsharded_bytes = _param_bytes(model)
         reference = copy.deepcopy(model) if job.verify else None
-        tpm = autotp.parallelize(model, tp_group=ctx.tp_group(), example_inputs=(args, kwargs), compile=job.compile,
-                                 sequence_parallel=job.sequence_parallel)
-        return tpm, reference, unsharded_bytes, ""
-    with autotp.empty_weights():  # parameters on meta: only this rank's shards are ever allocated
-        model = mf.build()
-    unsharded_bytes = _param_bytes(model)
-    reference = None
-    if job.verify:  # the unsharded model, whole on every rank: only for models that fit
-        reference = mf.build().to(ctx.device)
-        autotp.load_weights(reference, job.weights, device=ctx.device)
-    tpm = autotp.parallelize(model, tp_group=ctx.tp_group(), example_inputs=(args, kwargs), compile=job.compile,
-                             sequence_parallel=job.sequence_parallel, device=ctx.device)
-    loaded = autotp.load_weights(tpm, job.weights)
-    most = torch.tensor([loaded.bytes_read, loaded.seconds], dtype=torch.float64)
-    dist.all_reduce(most, op=dist.ReduceOp.MAX)
-    note = f"{job.weights} ({loaded.kind}): {_size(int(most[0]))} read per rank (most), {most[1]:.1f} s"
-    return tpm, reference, unsharded_bytes, note
+    else:
+        with autotp.empty_weights():  # parameters on meta: only this rank's shards are ever allocated
+            model = mf.build()
+        unsharded_bytes = _param_bytes(model)
+        if job.verify:  # the unsharded model, whole on every rank: only for models that fit
+            reference = mf.build().to(ctx.device)
+            autotp.load_weights(reference, job.weights, device=ctx.device)
+    forward = model.forward  # the user's: its keywords shape the default batch, and parallelize replaces it
+    tpm = autotp.parallelize(model, tp_group=ctx.tp_group(), example_inputs=batch, compile=job.compile,
+                             sequence_parallel=job.sequence_parallel,
+                             device=None if job.weights is None else ctx.device)
+    if job.weights is not None:
+        loaded = autotp.load_weights(tpm, job.weights)
+        most = torch.tensor([loaded.bytes_read, loaded.seconds], dtype=torch.float64)
+        dist.all_reduce(most, op=dist.ReduceOp.MAX)
+        note = f"{job.weights} ({loaded.kind}): {_size(int(most[0]))} read per rank (most), {most[1]:.1f} s"
+    if batch is None:
+        vocab = _token_vocab(tpm)
+        batch = _tp_batch(lambda: default_example(forward, vocab), ctx)
+    return tpm, reference, unsharded_bytes, note, batch
+
+
+def _describe_batch(mf: ModelFile, tpm: autotp.TPModule, args: tuple, kwargs: dict, tp: int) -> str:
+    where = ", built on tp rank 0 and broadcast to its group" if tp > 1 else ""
+    if mf.batch_fn is not None:
+        shapes = ", ".join(str(tuple(t.shape)) for t in pytree.tree_leaves((args, kwargs))
+                           if isinstance(t, torch.Tensor))
+        return f"example_batch(): {shapes}{where}"
+    vocab = _token_vocab(tpm)
+    ids = "zeros" if vocab is None else f"ids < {vocab}, seed 0"
+    return (f"default, as autotp.parallelize without example_inputs (the file defines no example_batch()): "
+            f"{DEFAULT_BATCH_SHAPE} token ids ({ids}){where}")
 
 
 def _shard(job: ShardJob, ctx: RankContext) -> ShardReport | None:
     mf = load_model_file(job.model)
-    args, kwargs = to_device(mf.example_batch(), ctx.device)
-    tpm, reference, unsharded_bytes, weights = _build(mf, job, ctx, args, kwargs)
+    # the file's example_batch() runs before the seeded build, so whatever it draws from the global generator
+    # (on TP rank 0 only) is forgotten: the ranks of a group keep equal generators, which replicated dropout needs
+    batch = _tp_batch(mf.example_batch, ctx) if mf.batch_fn is not None else None
+    tpm, reference, unsharded_bytes, weights, (args, kwargs) = _build(mf, job, ctx, batch)
     parity = _verify(tpm, reference, args, kwargs, ctx.device) if reference is not None else None
     del reference
 
@@ -237,9 +290,20 @@ def _shard(job: ShardJob, ctx: RankContext) -> ShardReport | None:
     def save(step: int) -> Path:
         return save_training_state(out, step, tpm, opt, ctx)
 
-    losses, times = _train(data_parallel(tpm, ctx), opt, args, kwargs, job, ctx, start, save)
-    final_loss = _eval_loss(tpm, args, kwargs)
-    ckpt_path = Path(resumed_from) if resumed_from is not None and start >= job.steps else save(max(start, job.steps))
+    # training minimises the output's loss: with none (a batch of inputs only, no targets, as the default batch
+    # is) there is nothing to train; the summary says so, and the checkpoint holds the step actually reached
+    skipped = ""
+    if start < job.steps and _eval_loss(tpm, args, kwargs) is None:
+        skipped = ("the default batch holds token ids only, no targets, so the output carries no loss; define "
+                   "example_batch() with the targets to train" if mf.batch_fn is None else
+                   "the output on example_batch() carries no loss (looked for out.loss, out['loss'] and a 0-dim "
+                   "tensor last in a tuple); add the targets the forward needs to train")
+    if skipped:
+        losses, times, final_loss, done = [], [], None, start
+    else:
+        losses, times = _train(data_parallel(tpm, ctx), opt, args, kwargs, job, ctx, start, save)
+        final_loss, done = _eval_loss(tpm, args, kwargs), max(start, job.steps)
+    ckpt_path = Path(resumed_from) if resumed_from is not None and start >= done else save(done)
 
     mine = RankStats(ctx.rank, ctx.coords["tp"], ctx.coords["dp"], _param_bytes(tpm), tuple(times))
     everyone: list[RankStats | None] = [None] * ctx.layout.world_size
@@ -253,7 +317,9 @@ def _shard(job: ShardJob, ctx: RankContext) -> ShardReport | None:
         parity=parity, losses=tuple(losses), final_loss=final_loss,
         plan_path=str(plan_path), checkpoint_path=str(ckpt_path), start_step=start, resumed_from=resumed_from,
         resharded=resharded, weights=weights,
-        comm=_comm_vs_formula(tpm, args, kwargs),
+        # the formula is a training step's (with the loss's backward); untrained, there was none
+        comm=() if skipped else _comm_vs_formula(tpm, args, kwargs),
+        batch=_describe_batch(mf, tpm, args, kwargs, ctx.layout.tp), training_skipped=skipped,
     )
     (out / "summary.json").write_text(json.dumps(report.to_dict(), indent=2))
     return report
@@ -266,7 +332,7 @@ def _comm_vs_formula(tpm: autotp.TPModule, args: tuple, kwargs: dict) -> tuple[t
         return ()
     rep = build_report(autotp.tp_state(tpm).plan, tpm.named_parameters(remove_duplicate=False), first.shape[0], first.shape[1])
     return tuple((c.direction, c.kind, c.op, c.count, c.formula_count, c.elements, c.formula_elements,
-                  None if c.elements is None else c.elements * rep.act_bytes) for c in [*rep.comm, rep.total()])
+                  c.bytes) for c in [*rep.comm, rep.total()])
 
 
 def _size(n: int) -> str:

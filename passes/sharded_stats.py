@@ -26,11 +26,18 @@ time; the pass never reads it.
 """
 from __future__ import annotations
 
+import torch
 import torch.fx as fx
 
 from autotp.runtime.collectives import ShardedNorm, ShardedReduction, StatAllReduce
 from autotp.plan.plan import Plan
 from autotp.analysis.ops import reduction_args
+
+
+def _dtype(node: fx.Node) -> torch.dtype | None:
+    """The replaced op's output dtype as captured (under autocast, its policy's)."""
+    val = node.meta.get("val")
+    return val.dtype if isinstance(val, torch.Tensor) else None
 
 
 def sharded_stats(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
@@ -45,7 +52,7 @@ def sharded_stats(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
             node.replace_all_uses_with(done, delete_user_cb=lambda u: u is not done)
         elif st.kind in ("var", "std", "norm"):
             r = reduction_args(node)
-            gm.add_submodule(target, ShardedReduction(st.kind, r.dims, r.keepdim, r.param, st.scale))
+            gm.add_submodule(target, ShardedReduction(st.kind, r.dims, r.keepdim, r.param, st.scale, _dtype(node)))
             with gm.graph.inserting_before(node):
                 done = gm.graph.call_module(target, (node.args[0],))
             node.replace_all_uses_with(done)
@@ -55,7 +62,7 @@ def sharded_stats(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
             eps = node.args[4] if st.kind == "layer_norm" and len(node.args) > 4 else 1e-5
             if st.kind == "rms_norm":
                 bias, eps = None, node.args[3] if len(node.args) > 3 else node.kwargs.get("eps")
-            gm.add_submodule(target, ShardedNorm(st.kind, len(shape), eps, st.scale))
+            gm.add_submodule(target, ShardedNorm(st.kind, len(shape), eps, st.scale, _dtype(node)))
             with gm.graph.inserting_before(node):
                 done = gm.graph.call_module(target, (x, weight, bias))
             node.replace_all_uses_with(done)

@@ -37,7 +37,7 @@ def test_plan_nanogpt_tp2(planned) -> None:
     out, result = planned
     assert result.exit_code == 0, result.output
     data = json.loads((out / "out.json").read_text())
-    assert data["plan"]["version"] == 4 and data["plan"]["tp"] == 2
+    assert data["plan"]["version"] == 5 and data["plan"]["tp"] == 2
     assert len(data["plan"]["pairs"]) == 4
     assert data["layout"]["tp"] == [[0, 1]]
     assert (out / "out.svg").read_text().startswith("<svg")
@@ -113,7 +113,7 @@ def test_bad_sizes_exit_2(args, message) -> None:
     assert message in result.output and "Traceback" not in result.output
 
 
-def test_missing_example_batch_needs_batch_and_seq(tmp_path) -> None:
+def test_missing_example_batch_uses_default(tmp_path, planned) -> None:
     model = tmp_path / "no_batch.py"
     model.write_text(textwrap.dedent(f"""
         import sys
@@ -123,12 +123,19 @@ def test_missing_example_batch_needs_batch_and_seq(tmp_path) -> None:
         def build_model():
             return GPT(GPTConfig())
     """))
-    result = runner.invoke(app, ["plan", str(model), "--tp", "2"], env=WIDE)
-    assert result.exit_code == 2 and "--batch B --seq S" in result.output
+    # autotp.parallelize's default batch, (2, 8) token ids, as earlier versions planned such files
+    result = runner.invoke(app, ["plan", str(model), "--tp", "2", "--json", str(tmp_path / "p.json")], env=WIDE)
+    assert result.exit_code == 0, result.output
+    assert "defines no example_batch(): planned on the default batch, (2, 8) token ids" in result.stdout
+    report = json.loads((tmp_path / "p.json").read_text())["report"]
+    assert (report["batch"], report["seq"]) == (2, 8)
+    assert json.loads((tmp_path / "p.json").read_text())["plan"]["pairs"]
     result = runner.invoke(app, ["plan", str(model), "--tp", "2", "--batch", "2", "--seq", "16", "--dp", "2",
                                  "--gpus-per-node", "2"], env=WIDE)
     assert result.exit_code == 0, result.output
     assert "2 node(s) of 2" in result.stdout
+    assert "(2, 16) token ids (sizes from --batch/--seq)" in result.stdout
+    assert "default batch" not in planned[1].stdout  # nanogpt.py has example_batch()
 
 
 def test_plan_sequence_parallel(tmp_path) -> None:
@@ -151,3 +158,21 @@ def test_plan_sequence_parallel(tmp_path) -> None:
     assert "tp 2, sequence parallel" in text and "reduce-scatter(sum) b×s×64 = 8,192" in _row(
         text, "transformer.h.0.attn.c_proj")
     assert "Korthikanti" in text
+
+
+def test_plan_autocast_counts_bytes_as_they_travel(tmp_path) -> None:
+    """``--autocast bf16``: the pairs' all-reduces in bf16, the embedding's and the loss's in fp32; the same
+    element counts as without it."""
+    out = {}
+    for flag in ([], ["--autocast", "bf16"]):
+        path = tmp_path / f"{len(flag)}.json"
+        result = runner.invoke(app, ["plan", NANOGPT, "--tp", "2", "--json", str(path), *flag], env=WIDE)
+        assert result.exit_code == 0, result.output
+        out[bool(flag)] = json.loads(path.read_text())["report"]
+    total = {k: r["comm"][-1] for k, r in out.items()}
+    assert total[False]["elements"] == total[True]["elements"] == 82_304
+    bsh, bs = 4 * 32 * 64, 4 * 32
+    assert total[False]["bytes"] == 4 * total[False]["elements"]
+    assert total[True]["bytes"] == 2 * 9 * bsh + 4 * (bsh + 3 * bs)  # 2L + 2L + 1 pair/head ones in bf16
+    bad = runner.invoke(app, ["plan", NANOGPT, "--tp", "2", "--autocast", "fp8"], env=WIDE)
+    assert bad.exit_code == 2 and "--autocast" in bad.output

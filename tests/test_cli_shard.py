@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,7 @@ import torch.nn as nn
 from typer.testing import CliRunner
 
 from autotp.cli.main import app
-from autotp.capture.modelfile import ModelFileError, find_loss, load_model_file, split_batch
+from autotp.capture.modelfile import ModelFileError, default_example, find_loss, load_model_file, split_batch
 from autotp.plan.plan import ParamShard, Plan
 from autotp.runtime.parallelize import TPState
 from autotp.plan.shard_spec import Segment, shard_tensor
@@ -170,6 +171,76 @@ def test_batch_and_loss_conventions() -> None:
     assert find_loss((x, loss)) is loss
     assert find_loss({"loss": loss}) is loss
     assert find_loss((x, x)) is None
+
+
+def _tiny_gpt_file(path: Path, batch: str) -> Path:
+    """A one-layer nanoGPT model file (vocab 256) with ``batch`` as its example_batch() source, if any."""
+    path.write_text(textwrap.dedent(f"""
+        import sys
+        import torch
+        sys.path.insert(0, {os.path.join(ROOT, "examples")!r})
+        from nanogpt import GPT, GPTConfig
+
+        CONFIG = GPTConfig(n_layer=1, n_embd=32, n_head=2)
+
+        def build_model():
+            return GPT(CONFIG)
+    """) + textwrap.dedent(batch))
+    return path
+
+
+def test_shard_unseeded_example_batch(tmp_path: Path) -> None:
+    # each rank drawing its own ids would be refused (InputMismatchError): tp rank 0's batch is broadcast
+    model = _tiny_gpt_file(tmp_path / "unseeded.py", """
+        def example_batch():
+            ids = torch.randint(0, CONFIG.vocab_size, (2, 16))
+            return ids, torch.randint(0, CONFIG.vocab_size, (2, 16))
+    """)
+    out = tmp_path / "out"
+    result = runner.invoke(app, ["shard", str(model), "--tp", "2", "--steps", "2", "--out", str(out)],
+                           env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["parity"]["ok"] and summary["parity"]["loss_diff"] is not None
+    assert len(summary["losses"]) == 2 and summary["final_loss"] is not None and not summary["training_skipped"]
+    assert summary["batch"].startswith("example_batch(): (2, 16), (2, 16)") and "broadcast" in summary["batch"]
+    assert summary["checkpoint_path"].endswith("step-000002")
+
+
+def test_shard_without_example_batch(tmp_path: Path) -> None:
+    model = _tiny_gpt_file(tmp_path / "no_batch.py", "")
+    out = tmp_path / "out"
+    result = runner.invoke(app, ["shard", str(model), "--tp", "2", "--steps", "2", "--out", str(out)],
+                           env={"COLUMNS": "300"})
+    assert result.exit_code == 0, result.output
+    assert "default" in result.stdout and "(2, 8) token ids (ids < 256, seed 0)" in result.stdout
+    assert "skipped" in result.stdout and "no targets" in result.stdout
+    summary = json.loads((out / "summary.json").read_text())
+    # the parity check ran on the default batch: nanoGPT returns logits and no loss without targets
+    assert summary["parity"]["ok"] and summary["parity"]["loss_diff"] is None
+    assert summary["parity"]["output_diff"] <= 1e-5
+    assert summary["losses"] == [] and summary["final_loss"] is None and summary["training_skipped"]
+    assert all(r["step_s"] == [] for r in summary["ranks"])
+    assert summary["comm"] == []  # no training step to compare with the formula
+    assert Plan.from_json((out / "plan.json").read_text()).tp == 2
+    # the checkpoint is the step reached, 0, not --steps: resuming would train from the start
+    assert summary["checkpoint_path"].endswith("step-000000")
+    assert json.loads(Path(summary["checkpoint_path"], "autotp.json").read_text())["step"] == 0
+
+
+def test_default_example_is_parallelize_default() -> None:
+    from autotp.runtime import parallelize
+
+    assert parallelize._default_example is default_example  # one definition for the API and the CLI
+
+    def forward(idx, use_cache=True):
+        return idx
+
+    (ids,), kwargs = default_example(forward)
+    assert ids.shape == (2, 8) and ids.dtype == torch.long and not ids.any() and kwargs == {"use_cache": False}
+    (drawn,), kwargs = default_example(lambda idx: idx, vocab=256)
+    assert kwargs == {} and drawn.shape == (2, 8) and 0 <= drawn.min() and drawn.max() < 256
+    assert drawn.unique().numel() > 1 and torch.equal(drawn, default_example(lambda idx: idx, vocab=256)[0][0])
 
 
 def test_autotp_run_script(tmp_path: Path) -> None:

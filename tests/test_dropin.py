@@ -118,3 +118,29 @@ def test_hf_generate_and_save_pretrained(world: int, use_cache: bool, tmp_path: 
             if use_cache:
                 assert r["round_trip"], (rank, kind)
                 assert "model.safetensors" in r["files"], r["files"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_autocast_training_script_under_autotp_run(tmp_path: Path, dtype: str):
+    """nanoGPT's GPU recipe — ``ctx = torch.autocast(...)``, a GradScaler for float16, unscale, clip, step,
+    then the model's own generate() under ctx — with one added line, under ``autotp run --tp 2``: the
+    single-device run's losses (within 4·eps of the dtype, see tests/test_amp.py), scales and tokens."""
+    src = Path(SCRIPTS, "train_amp.py").read_text()
+    assert "model = GPT(config)\n" in src
+    (tmp_path / "train_tp.py").write_text(src.replace("model = GPT(config)\n", f"model = GPT(config)\n{ADDED}\n"))
+    env = {**os.environ, "PYTHONPATH": SCRIPTS, "AMP_DTYPE": dtype}
+    single = subprocess.run([sys.executable, str(Path(SCRIPTS, "train_amp.py"))], capture_output=True, text=True,
+                            timeout=300, env=env)
+    assert single.returncode == 0, single.stderr[-2000:]
+    (want,) = _results(single.stdout)
+    cmd = [sys.executable, "-m", "autotp.cli.main", "run", str(tmp_path / "train_tp.py"), "--tp", "2"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    got = _results(proc.stdout)
+    assert len(got) == 2
+    tol = 4 * torch.finfo(getattr(torch, dtype)).eps
+    for r in got:
+        assert max(abs(a - b) / abs(b) for a, b in zip(r["losses"], want["losses"])) <= tol, (r["losses"], want["losses"])
+        assert r["scales"] == want["scales"]
+        assert r["sample"] == want["sample"], (r["sample"], want["sample"])

@@ -1,9 +1,10 @@
 """Load a user's model file by path, and read the conventions the CLI relies on.
 
 A model file defines ``build_model()`` (or a module-level ``model``) and optionally ``example_batch()``;
-``path.py:factory`` names another callable (or module instance). A batch is a tuple of positional args,
-a dict of keyword args, or ``(args, kwargs)``. The loss is ``out.loss``, ``out["loss"]``, or the last
-element of a tuple output when that element is a 0-dim tensor.
+``path.py:factory`` names another callable (or module instance). A batch is a tuple of positional args, a
+dict of keyword args, or ``(args, kwargs)``; a file without ``example_batch()`` gets :func:`default_example`,
+the batch ``autotp.parallelize`` captures when given no ``example_inputs``. The loss is ``out.loss``,
+``out["loss"]``, or the last element of a tuple output when that element is a 0-dim tensor.
 
 Models too big for one device use the same file: with ``autotp shard --weights PATH`` the ranks call the
 factory inside :func:`autotp.empty_weights` (parameters on meta, buffers computed by the model's own code),
@@ -27,9 +28,11 @@ import torch.nn as nn
 from autotp.errors import ModelFileError
 
 __all__ = [
+    "DEFAULT_BATCH_SHAPE",
     "DEFAULT_FACTORIES",
     "ModelFile",
     "ModelFileError",
+    "default_example",
     "find_loss",
     "load_model_file",
     "output_tensors",
@@ -40,6 +43,7 @@ __all__ = [
 ]
 
 DEFAULT_FACTORIES: tuple[str, ...] = ("build_model", "model")
+DEFAULT_BATCH_SHAPE: tuple[int, int] = (2, 8)
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
@@ -160,6 +164,24 @@ def _public_names(module: types.ModuleType) -> tuple[str, ...]:
 
 def _names(names: tuple[str, ...]) -> str:
     return ", ".join(names) if names else "(none)"
+
+
+def default_example(forward: Callable, vocab: int | None = None,
+                    shape: tuple[int, int] = DEFAULT_BATCH_SHAPE) -> tuple[tuple, dict]:
+    """The inputs used where none are given (``autotp.parallelize`` without ``example_inputs``, a model file
+    without ``example_batch()``): a (2, 8) batch of token ids, as (args, kwargs).
+
+    A token batch fits GPT-style models. A forward that can return a KV cache is asked not to
+    (``use_cache=False``): training and planning do not use one. Capture computes nothing, so zeros serve it;
+    a batch that is run (``autotp shard``'s parity check) passes ``vocab`` and gets ids drawn below it from a
+    fixed seed instead, so that every rank's rows of a vocab-parallel embedding are looked up and every rank
+    and every run gets the same batch.
+    """
+    params = inspect.signature(forward).parameters
+    kwargs = {"use_cache": False} if "use_cache" in params else {}
+    if vocab is None:
+        return (torch.zeros(shape, dtype=torch.long),), kwargs
+    return (torch.randint(0, vocab, shape, generator=torch.Generator().manual_seed(0)),), kwargs
 
 
 def split_batch(batch: object) -> tuple[tuple, dict]:

@@ -87,9 +87,18 @@ def _spec_key(spec: Spec) -> Hashable:
     return (spec.kind, head, spec.keys, tuple(_spec_key(c) for c in spec.children))
 
 
+def _autocast_key(tensors: list[torch.Tensor]) -> Hashable:
+    """The autocast dtype in force for each device the inputs are on (None where autocast is off): a call
+    under ``torch.autocast`` is captured under it, so the graph's recorded dtypes (what its collectives
+    carry) are the ones that run."""
+    devices = sorted({t.device.type for t in tensors} | {"cpu"})
+    return tuple((d, torch.get_autocast_dtype(d) if torch.is_autocast_enabled(d) else None) for d in devices)
+
+
 def call_key(args: tuple, kwargs: dict, training: bool) -> Hashable:
     """Cache key of a call: its structure, constants, and per tensor the dtype, rank and which dims are 0
-    or 1 (export specializes those sizes); other sizes are dynamic in the captured graph."""
+    or 1 (export specializes those sizes); other sizes are dynamic in the captured graph; and the autocast
+    state."""
     tensors, spec = flatten((args, kwargs))
     metas = tuple((t.dtype, t.dim(), tuple(d <= 1 for d in t.shape)) for t in tensors)
-    return (_spec_key(spec), metas, training)
+    return (_spec_key(spec), metas, training, _autocast_key(tensors))

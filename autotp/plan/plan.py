@@ -15,9 +15,9 @@ from autotp.analysis.ops import Rewrite
 from autotp.plan.shard_spec import (Segment, VocabLayout, local_pieces, shard_tensor, unshard_tensor, vocab_shard,
                                vocab_unshard)
 
-PLAN_VERSION = 4
-_READS = (1, 2, 3, 4)  # 1: no gathered outputs or sharded inputs, 2: no statistics, 3: no sequence parallelism
-# or grouped segments
+PLAN_VERSION = 5
+_READS = (1, 2, 3, 4, 5)  # 1: no gathered outputs or sharded inputs, 2: no statistics, 3: no sequence parallelism
+# or grouped segments, 4: no collective dtypes
 # the module the one gradient all-reduce of parameters applied to sequence slices is reported under
 SEQ_PARAMS = "(sequence-parallel parameters)"
 
@@ -60,6 +60,7 @@ class Collective:
     module: str
     node: str  # graph node the operator wraps
     shape: tuple[str, ...]
+    dtype: str = ""  # what travels ("bfloat16" under bf16 autocast, "float32" for the loss's statistics); "": unknown
 
 
 @dataclass(frozen=True)

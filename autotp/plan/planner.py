@@ -1,9 +1,10 @@
 """Turn the analysis of a captured graph into a :class:`~autotp.plan.plan.Plan`."""
 from __future__ import annotations
 
-import torch.fx as fx
-
 import dataclasses
+
+import torch
+import torch.fx as fx
 
 from autotp.analysis.pairs import Analysis, analyze
 from autotp.analysis.matmuls import ParamMatmul, column_form, module_path
@@ -17,6 +18,23 @@ from autotp.analysis.vocab import VocabFacts, analyze_vocab
 
 def _shape(node: fx.Node) -> tuple[str, ...]:
     return tuple(str(s) for s in node.meta["val"].shape)
+
+
+def _dtype(node: fx.Node) -> str:
+    """The dtype a value has as captured: under ``torch.autocast`` a matmul's output is the low dtype."""
+    val = node.meta.get("val")
+    return str(val.dtype).removeprefix("torch.") if isinstance(val, torch.Tensor) else ""
+
+
+def _compute_dtype(x: fx.Node, matmuls: list[fx.Node]) -> str:
+    """What the gradient entering column matmuls at ``x`` carries: their compute dtype (the input is cast to it
+    first, as autocast casts a matmul's inputs), else ``x``'s own."""
+    return next((d for d in map(_dtype, matmuls) if d), _dtype(x))
+
+
+# the vocab-parallel loss computes in float32 (as cross_entropy does under autocast); its target term is summed
+# in float64 with label smoothing (see autotp.runtime.vocab_ops)
+_LOSS_FLOAT = "float32"
 
 
 def _shard(role: str, module: str, full: tuple[int, ...], dim: int, segs: tuple[Segment, ...]) -> ParamShard:
@@ -39,21 +57,24 @@ def _vocab_plan(gm: fx.GraphModule, v: VocabFacts, tp: int, params: dict, rewrit
                 collectives: list) -> VocabPlan:
     for node, w, layout in v.embeddings:
         params[w] = _vocab_shard(module_path(node) or w, tuple(gm.get_parameter(w).shape), 0, layout, tp)
-        collectives.append(Collective("all_reduce", "sum", "forward", params[w].module, node.name, _shape(node)))
+        collectives.append(Collective("all_reduce", "sum", "forward", params[w].module, node.name, _shape(node),
+                                      _dtype(node)))
     losses, outputs = [], []
     for h in v.heads:
         m = h.matmul
         params[m.weight] = _vocab_shard(m.module, _weight_shape(gm, m), m.out_dim, h.layout, tp)
         if m.bias is not None:
             params[m.bias] = _vocab_shard(m.module, tuple(gm.get_parameter(m.bias).shape), 0, h.layout, tp)
-        collectives.append(Collective("all_reduce", "sum", "backward", m.module, m.x.name, _shape(m.x)))
+        collectives.append(Collective("all_reduce", "sum", "backward", m.module, m.x.name, _shape(m.x),
+                                      _compute_dtype(m.x, [m.node])))
         rewrites.extend(h.rewrites)
         for x in h.losses:
             losses.append(VocabLoss(x.node.name, x.logits.name, x.log_softmax.name if x.log_softmax else None,
                                     x.reduction, x.ignore_index, float(x.label_smoothing), h.layout))
             rows = _shape(x.logits)[:1]
-            collectives += [Collective("all_reduce", op, "forward", m.module, x.node.name, rows)
-                            for op in ("max", "sum", "sum")]
+            target = "float64" if x.label_smoothing else _LOSS_FLOAT
+            collectives += [Collective("all_reduce", op, "forward", m.module, x.node.name, rows, dtype)
+                            for op, dtype in (("max", _LOSS_FLOAT), ("sum", target), ("sum", _LOSS_FLOAT))]
         outputs += [(n.name, dim, h.layout) for n, dim in h.outputs]
     return VocabPlan(
         embeddings=tuple((n.name, layout) for n, _, layout in v.embeddings),
@@ -80,10 +101,12 @@ def plan_from_analysis(gm: fx.GraphModule, a: Analysis, v: VocabFacts | None = N
         pairs.append(PairPlan(p.name, tuple(c.node.name for c in p.columns), tuple(c.weight for c in p.columns),
                               enter, p.row.node.name, p.row.weight, p.row.bias, also))
         for _, x in p.region.entering:
-            collectives.append(Collective("all_reduce", "sum", "backward", p.name, x.name, _shape(x)))
-        collectives.append(Collective("all_reduce", "sum", "forward", p.name, p.row.node.name, _shape(p.row.node)))
+            collectives.append(Collective("all_reduce", "sum", "backward", p.name, x.name, _shape(x), _dtype(x)))
+        collectives.append(Collective("all_reduce", "sum", "forward", p.name, p.row.node.name, _shape(p.row.node),
+                                      _dtype(p.row.node)))
         for x in dict.fromkeys(c.x for c in p.columns):
-            collectives.append(Collective("all_reduce", "sum", "backward", p.name, x.name, _shape(x)))
+            collectives.append(Collective("all_reduce", "sum", "backward", p.name, x.name, _shape(x),
+                                          _compute_dtype(x, [c.node for c in p.columns if c.x is x])))
         rewrites.extend(p.region.rewrites)
         random_nodes.extend(n.name for n in p.region.random_nodes)
         for n in p.region.outputs:
@@ -98,7 +121,11 @@ def plan_from_analysis(gm: fx.GraphModule, a: Analysis, v: VocabFacts | None = N
             stats.append(Stat(n.name, kind, scale))
             rows = _shape(n)[:len(_shape(n)) - len(n.args[1])] if kind in ("rms_norm", "layer_norm") else _shape(n)
             rows = (*rows, "2") if kind in ("layer_norm", "var", "std") else rows  # x and x² statistics in one
-            collectives += [Collective("all_reduce", "sum", way, p.name, n.name, rows) for way in ("forward", "backward")]
+            # a fused norm's or reduction's statistics are computed in float32 or wider (ShardedNorm, ShardedReduction)
+            wide = str(torch.promote_types(n.meta["val"].dtype, torch.float32)).removeprefix("torch.")
+            dtype = _dtype(n) if kind in ("mean", "sum") else wide
+            collectives += [Collective("all_reduce", "sum", way, p.name, n.name, rows, dtype)
+                            for way in ("forward", "backward")]
         for n in p.region.inputs:
             spec = p.region.specs[n]
             inputs.append(ShardedInput(n.name, spec.dim, spec.segments))
@@ -135,8 +162,8 @@ def sequence_plan(gm: fx.GraphModule, a: Analysis, v: VocabFacts, plan: Plan) ->
     for module, source, node, dim in f.leaves:
         leaves.append(SeqLeave(module, source.name, node.name, dim))
         dropped.add(("forward", module, source.name))
-        added += [Collective("reduce_scatter", "sum", "forward", module, node.name, _shape(node)),
-                  Collective("all_gather", "", "backward", module, node.name, _shape(node))]
+        added += [Collective("reduce_scatter", "sum", "forward", module, node.name, _shape(node), _dtype(node)),
+                  Collective("all_gather", "", "backward", module, node.name, _shape(node), _dtype(node))]
         pair = rows.get(source)
         if pair is not None and pair.row.bias is not None:  # added after the reduce-scatter, to s/t positions
             bias = next(x for x in source.all_input_nodes if x.op == "get_attr" and x.target == pair.row.bias)
@@ -146,25 +173,27 @@ def sequence_plan(gm: fx.GraphModule, a: Analysis, v: VocabFacts, plan: Plan) ->
         regather = all(column_form(gm, c, x, params) for c in users)
         enters.append(SeqEnter(module, x.name, node.name, dim, tuple(c.name for c in users), flatten, regather))
         dropped.add(("backward", module, x.name))
-        added += [Collective("all_gather", "", "forward", module, node.name, _shape(node)),
-                  Collective("reduce_scatter", "sum", "backward", module, node.name, _shape(node))]
+        dtype = _compute_dtype(node, users)  # gathered, and its gradient scattered, in the columns' dtype
+        added += [Collective("all_gather", "", "forward", module, node.name, _shape(node), dtype),
+                  Collective("reduce_scatter", "sum", "backward", module, node.name, _shape(node), dtype)]
         if regather:  # the input is gathered again for the weight gradients (Megatron keeps only s/t of it)
-            added.append(Collective("all_gather", "", "backward", module, node.name, _shape(node)))
+            added.append(Collective("all_gather", "", "backward", module, node.name, _shape(node), dtype))
     gathers = []
     for value, (dim, consumers, why) in f.gathers.items():
         module = module_path(consumers[0]) or module_path(value) or "<root>"
         gathers.append(SeqGather(value.name, dim, tuple(c.name for c in consumers), why))
-        added.append(Collective("all_gather", "", "forward", module, value.name, _shape(value)))
+        added.append(Collective("all_gather", "", "forward", module, value.name, _shape(value), _dtype(value)))
     for consumer, value, dim, grad in f.slices:
         if grad:
             added.append(Collective("all_gather", "", "backward", module_path(value) or module_path(consumer),
-                                    value.name, _shape(value)))
+                                    value.name, _shape(value), _dtype(value)))
     if grads:
         by_name = {n.name: n for n in gm.graph.nodes}
         numel = sum(gm.get_parameter(by_name[g].target).numel() for g in dict.fromkeys(g for _, g in grads))
-        added.append(Collective("all_reduce", "sum", "backward", SEQ_PARAMS, grads[0][1], (str(numel),)))
+        dtype = str(gm.get_parameter(by_name[grads[0][1]].target).dtype).removeprefix("torch.")
+        added.append(Collective("all_reduce", "sum", "backward", SEQ_PARAMS, grads[0][1], (str(numel),), dtype))
     for consumer, x in f.enter_grads:
-        added.append(Collective("all_reduce", "sum", "backward", module_path(consumer), x.name, _shape(x)))
+        added.append(Collective("all_reduce", "sum", "backward", module_path(consumer), x.name, _shape(x), _dtype(x)))
     kept = [c for c in plan.collectives if not (c.kind == "all_reduce" and (c.direction, c.module, c.node) in dropped)]
     seq = SequencePlan(
         length=(f.length[0].name, f.length[1]) if f.length is not None else None,

@@ -74,6 +74,7 @@ class CommLine:
     formula_count: int
     elements: int | None
     formula_elements: int | None
+    bytes: int | None = None  # in the dtypes that travel
 
     @property
     def count_ratio(self) -> float | None:
@@ -128,7 +129,7 @@ class Report:
             return None if any(x is None for x in xs) else sum(xs)
         return CommLine("total", "all", "all", sum(c.count for c in self.comm),
                         sum(c.formula_count for c in self.comm), add([c.elements for c in self.comm]),
-                        add([c.formula_elements for c in self.comm]))
+                        add([c.formula_elements for c in self.comm]), add([c.bytes for c in self.comm]))
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -287,7 +288,8 @@ def comm_lines(rows: tuple[CollectiveRow, ...], terms: tuple[FormulaTerm, ...]) 
         theirs = [t for t in terms if (t.direction, t.kind, t.op) == key]
         el = None if any(r.elements is None for r in mine) else sum(r.elements for r in mine)
         fel = None if any(t.elements is None for t in theirs) else sum(t.count * t.elements for t in theirs)
-        lines.append(CommLine(*key, len(mine), sum(t.count for t in theirs), el, fel))
+        size = None if any(r.bytes is None for r in mine) else sum(r.bytes for r in mine)
+        lines.append(CommLine(*key, len(mine), sum(t.count for t in theirs), el, fel, size))
     return tuple(lines)
 
 
@@ -314,7 +316,8 @@ def build_report(plan: Plan, named_params: Iterable[tuple[str, torch.Tensor]], b
         if n is None:
             unknown |= {str(x) for t in c.shape if (e := parse(t)) is not None for x in e.free_symbols} - set(roles)
         collectives.append(CollectiveRow(c.direction, c.kind, c.op, c.module, attach.get((c.direction, c.node), c.module),
-                                         c.node, display(c.shape, roles), n, None if n is None else n * act_bytes))
+                                         c.node, display(c.shape, roles), n,
+                                         None if n is None else n * _itemsize(c.dtype, act_bytes)))
     if unknown:
         notes.append(f"sizes {', '.join(sorted(unknown))} are neither batch nor sequence: "
                      "collectives using them have no element count")
@@ -340,6 +343,12 @@ def _hidden(plan: Plan, values: dict[str, int]) -> int | None:
         if c.direction == "forward" and c.node in forward and c.shape:
             return evaluate(c.shape[-1], values)
     return None
+
+
+def _itemsize(dtype: str, default: int) -> int:
+    """Bytes per element of a collective's dtype as the plan records it; ``default`` for plans without one."""
+    dt = getattr(torch, dtype, None) if dtype else None
+    return torch.empty((), dtype=dt, device="meta").element_size() if isinstance(dt, torch.dtype) else default
 
 
 def _act_bytes(rows: tuple[ParamRow, ...]) -> int:

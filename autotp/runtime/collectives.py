@@ -19,6 +19,8 @@ import torch.distributed.distributed_c10d as c10d
 import torch.nn as nn
 import torch.nn.functional as F
 
+from autotp.runtime.amp import amp_bwd, amp_fwd, matmul_input
+
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
@@ -89,17 +91,20 @@ def all_reduce_each(xs: list[tuple[torch.Tensor, str]], group: dist.ProcessGroup
 
 class _Enter(torch.autograd.Function):
     @staticmethod
+    @amp_fwd
     def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
         ctx.group = group
         return x.view_as(x)
 
     @staticmethod
+    @amp_bwd
     def backward(ctx, grad: torch.Tensor):
         return all_reduce(grad.contiguous(), ctx.group), None
 
 
 class _Leave(torch.autograd.Function):
     @staticmethod
+    @amp_fwd
     def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
         if torch.compiler.is_compiling() or not x.is_contiguous():
             return all_reduce(x, group)
@@ -109,17 +114,20 @@ class _Leave(torch.autograd.Function):
         return x
 
     @staticmethod
+    @amp_bwd
     def backward(ctx, grad: torch.Tensor):
         return grad, None
 
 
 class _Stat(torch.autograd.Function):
     @staticmethod
+    @amp_fwd
     def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup, scale: float) -> torch.Tensor:
         ctx.group, ctx.scale = group, scale
         return all_reduce(x.contiguous(), group) * scale
 
     @staticmethod
+    @amp_bwd
     def backward(ctx, grad: torch.Tensor):
         return all_reduce(grad.contiguous(), ctx.group) * ctx.scale, None, None
 
@@ -182,6 +190,7 @@ class _Columns(torch.autograd.Function):
     input-gradient all-reduce with the weight-gradient GEMMs)."""
 
     @staticmethod
+    @amp_fwd(cast="low")
     def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup, layouts: tuple[str, ...], *wb: torch.Tensor):
         ws, bs = wb[0::2], wb[1::2]
         ctx.group, ctx.layouts, ctx.bias = group, layouts, [b is not None for b in bs]
@@ -189,6 +198,7 @@ class _Columns(torch.autograd.Function):
         return tuple(_column(x, w, b, lay) for w, b, lay in zip(ws, bs, layouts))
 
     @staticmethod
+    @amp_bwd
     def backward(ctx, *grads: torch.Tensor):
         x, *ws = ctx.saved_tensors
         dx = work = None
@@ -213,7 +223,7 @@ class ColumnGroup(EnterTP):
         if self.group is not None and not torch.compiler.is_compiling():
             return _Columns.apply(x, self.group, self.layouts, *wb)
         if self.group is not None:
-            x = _Enter.apply(x, self.group)
+            x = _Enter.apply(matmul_input(x), self.group)
         return tuple(_column(x, w, b, lay) for w, b, lay in zip(wb[0::2], wb[1::2], self.layouts))
 
 
@@ -229,14 +239,21 @@ class StatAllReduce(_Collective):
         return x if self.group is None else _Stat.apply(x, self.group, self.scale)
 
 
+def _wide(x: torch.Tensor) -> torch.Tensor:
+    """Statistics of a half-precision tensor are computed in float32 (as the fused norm kernels accumulate,
+    and as autocast runs norms on CUDA)."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
 class ShardedNorm(_Collective):
     """``rms_norm`` / ``layer_norm`` over the last ``ndim`` dims, one of them sharded: the local slice's
     moments, completed by one all-reduce of the b·s statistics (layer_norm: mean and mean of squares
-    stacked in one), then the local slice normalised with the local weight and bias."""
+    stacked in one), then the local slice normalised with the local weight and bias. ``dtype``: the
+    output's, as the replaced op gave it (under autocast, its policy's), else the input's."""
 
-    def __init__(self, kind: str, ndim: int, eps: float | None, scale: float) -> None:
+    def __init__(self, kind: str, ndim: int, eps: float | None, scale: float, dtype: torch.dtype | None = None) -> None:
         super().__init__()
-        self.kind, self.ndim, self.eps, self.scale = kind, ndim, eps, scale
+        self.kind, self.ndim, self.eps, self.scale, self.dtype = kind, ndim, eps, scale, dtype
 
     def stat(self, x: torch.Tensor) -> torch.Tensor:
         return x if self.group is None else _Stat.apply(x, self.group, self.scale)
@@ -245,6 +262,7 @@ class ShardedNorm(_Collective):
                 bias: torch.Tensor | None = None) -> torch.Tensor:
         dims = tuple(range(-self.ndim, 0))
         eps = torch.finfo(x.dtype).eps if self.eps is None else self.eps
+        out, x = self.dtype or x.dtype, _wide(x)
         if self.kind == "rms_norm":
             y = x * torch.rsqrt(self.stat(x.pow(2).mean(dims, keepdim=True)) + eps)  # (b, s, 1)
         else:
@@ -252,7 +270,7 @@ class ShardedNorm(_Collective):
             y = (x - m[0]) * torch.rsqrt(m[1] - m[0] * m[0] + eps)
         if weight is not None:
             y = y * weight
-        return y if bias is None else y + bias
+        return (y if bias is None else y + bias).to(out)
 
 
 class ShardedReduction(_Collective):
@@ -261,26 +279,29 @@ class ShardedReduction(_Collective):
     local one times the ranks each block is split over) or a p-norm (the sum of |x|^p). ``scale`` multiplies
     the sum over ranks so that blocks held by several ranks count once."""
 
-    def __init__(self, kind: str, dims: list[int] | None, keepdim: bool, param: float, scale: float) -> None:
+    def __init__(self, kind: str, dims: list[int] | None, keepdim: bool, param: float, scale: float,
+                 dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.kind, self.dims, self.keepdim, self.param, self.scale = kind, dims, keepdim, param, scale
+        self.dtype = dtype  # the output's, as the replaced op gave it
 
     def stat(self, x: torch.Tensor) -> torch.Tensor:
         return x if self.group is None else _Stat.apply(x, self.group, self.scale)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dims = tuple(range(x.dim())) if self.dims is None else tuple(self.dims)
+        out, x = self.dtype or x.dtype, _wide(x)
         if self.kind == "norm":
             p = self.param
             total = self.stat((x * x if p == 2 else x.abs().pow(p)).sum(dims, keepdim=self.keepdim))
-            return total.sqrt() if p == 2 else total.pow(1.0 / p)
+            return (total.sqrt() if p == 2 else total.pow(1.0 / p)).to(out)
         sums = self.stat(torch.stack([x.sum(dims, keepdim=self.keepdim), (x * x).sum(dims, keepdim=self.keepdim)]))
         n = math.prod(x.shape[d] for d in dims)
         if self.group is not None:
             n = round(n * dist.get_world_size(self.group) * self.scale)
         mean = sums[0] / n
         var = (sums[1] / n - mean * mean) * (n / (n - self.param))  # (b, s): E[x²] - E[x]², corrected
-        return var.sqrt() if self.kind == "std" else var
+        return (var.sqrt() if self.kind == "std" else var).to(out)
 
 
 def bind_collectives(module: nn.Module, group: dist.ProcessGroup | None) -> None:

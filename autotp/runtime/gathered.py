@@ -19,6 +19,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.utils._pytree import tree_map
 
+from autotp.runtime.amp import amp_bwd, amp_fwd
 from autotp.plan.shard_spec import shard_tensor
 
 # local shards of every rank, in rank order -> the full tensor
@@ -49,7 +50,13 @@ class GatheredOnUse(torch.Tensor):
         return self._local
 
     def full_tensor(self) -> torch.Tensor:
-        """The full tensor (gathered once, then cached), detached from autograd."""
+        """The full tensor, as a plain tensor (gathered once, then cached). Differentiable, as DTensor's
+        ``full_tensor()`` is: a loss computed from it sends its gradient back through the gather."""
+        if torch.is_grad_enabled() and self.requires_grad:
+            return _Unwrap.apply(self)
+        return self._gathered()
+
+    def _gathered(self) -> torch.Tensor:
         if self._full is None:
             local = self._local.detach().contiguous()
             tp = dist.get_world_size(self._group)
@@ -63,28 +70,44 @@ class GatheredOnUse(torch.Tensor):
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         def full(x):
-            return x.full_tensor() if isinstance(x, GatheredOnUse) else x
+            return x._gathered() if isinstance(x, GatheredOnUse) else x
 
         return func(*tree_map(full, args), **tree_map(full, kwargs or {}))
 
     def __repr__(self) -> str:  # printing reads the values: gathered like any other use
-        return repr(self.full_tensor())
+        return repr(self._gathered())
 
     def __reduce_ex__(self, protocol):  # pickled (torch.save, returned from a worker) as the full tensor
-        return self.full_tensor().__reduce_ex__(protocol)
+        return self._gathered().__reduce_ex__(protocol)
+
+
+class _Unwrap(torch.autograd.Function):
+    """The gathered values as a plain tensor; its gradient is the gradient of the full-shape wrapper."""
+
+    @staticmethod
+    @amp_fwd
+    def forward(ctx, x: GatheredOnUse) -> torch.Tensor:
+        return x._gathered().view_as(x._gathered())
+
+    @staticmethod
+    @amp_bwd
+    def backward(ctx, grad: torch.Tensor):
+        return grad
 
 
 class _Gather(torch.autograd.Function):
     @staticmethod
+    @amp_fwd
     def forward(ctx, local: torch.Tensor, shape: torch.Size, group: dist.ProcessGroup, unshard: Unshard,
                 reslice: Reslice) -> torch.Tensor:
         ctx.reslice = reslice
         return GatheredOnUse(local.detach(), shape, group, unshard)
 
     @staticmethod
+    @amp_bwd
     def backward(ctx, grad: torch.Tensor):
         if isinstance(grad, GatheredOnUse):
-            grad = grad.full_tensor()
+            grad = grad._gathered()
         return ctx.reslice(grad), None, None, None, None
 
 

@@ -6,7 +6,11 @@ the clip factor, would differ from the single-device run on every rank — silen
 gradient of a sharded parameter is marked as a :class:`ShardedGrad`: the same storage, the same values,
 a plain tensor to every op, except that a norm of the whole tensor (``torch.linalg.vector_norm``,
 ``torch.norm``, ``Tensor.norm``) is the norm of the full gradient, summed over the tensor-parallel group
-(one all-reduce of one element). Blocks held by several ranks (kv heads fewer than tp) are counted once.
+(one all-reduce of one element; ``torch._foreach_norm``, which clip_grad_norm_ uses on CUDA, sums them all in one).
+Blocks held by several ranks (kv heads fewer than tp) are counted once.
+
+A ``torch.amp.GradScaler`` checks the gradients for inf/nan before it steps; with shards, each rank checks only
+its own, so the result is made to agree over the group (:func:`_agree_found_inf`).
 """
 from __future__ import annotations
 
@@ -44,11 +48,54 @@ class ShardedGrad(torch.Tensor):
             p, dim = _norm_args(func, args, kwargs)
             if dim is None and not kwargs.get("keepdim", False):
                 return _global_norm(args[0], p)
+        if func is torch._foreach_norm:  # clip_grad_norm_ on CUDA: one norm per gradient, in one kernel
+            return _foreach_global_norms(*args, **kwargs)
         with torch._C.DisableTorchFunctionSubclass():
-            return func(*args, **kwargs)
+            out = func(*args, **kwargs)
+        if func is torch._amp_foreach_non_finite_check_and_unscale_:
+            _agree_found_inf(args[0], args[1] if len(args) > 1 else kwargs["found_inf"])
+        return out
 
 
 _NORMS = {torch.linalg.vector_norm, torch.norm, torch.Tensor.norm, torch.linalg.norm}
+
+
+def _agree_found_inf(grads: list[torch.Tensor], found_inf: torch.Tensor) -> None:
+    """GradScaler's inf/nan check over gradients some of which are shards: an overflow in one rank's shard
+    must skip the step on every rank holding the model, or the shards diverge. ``found_inf`` (1 where this
+    rank found one) is all-reduced (max) over the group, as Megatron all-reduces it over the model-parallel
+    group: one element per (device, dtype) the scaler checks."""
+    for group in dict.fromkeys(g._autotp_norm.group for g in grads if isinstance(g, ShardedGrad)):
+        dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=group)
+
+
+def _foreach_global_norms(tensors, ord=2, dtype=None) -> list[torch.Tensor]:
+    """``torch._foreach_norm`` where shards' norms are the full gradients': their local p-th power sums go
+    in one all-reduce per group (max for the inf-norm)."""
+    p = float(2 if ord is None else ord)
+    with torch._C.DisableTorchFunctionSubclass():
+        norms = list(torch._foreach_norm(tensors, ord, dtype=dtype))
+    by_group: dict[dist.ProcessGroup, list[int]] = {}
+    for i, t in enumerate(tensors):
+        if isinstance(t, ShardedGrad):
+            by_group.setdefault(t._autotp_norm.group, []).append(i)
+    for group, idx in by_group.items():
+        with torch._C.DisableTorchFunctionSubclass():
+            local = torch.stack([_local_power(tensors[i], p) for i in idx])
+            dist.all_reduce(local, op=dist.ReduceOp.MAX if math.isinf(p) else dist.ReduceOp.SUM, group=group)
+            for i, v in zip(idx, local if math.isinf(p) else local ** (1.0 / p)):
+                norms[i] = v.to(norms[i].dtype)
+    return norms
+
+
+def _local_power(g: ShardedGrad, p: float) -> torch.Tensor:
+    """This rank's part of Σ|g|^p (max |g| for p = inf) in float64, blocks held by several ranks weighted once."""
+    info = g._autotp_norm
+    x = g.detach().double()
+    pieces = info.pieces or ((0, x.shape[info.dim], 1.0),)
+    if math.isinf(p):
+        return torch.stack([x.narrow(info.dim, s, n).abs().amax() for s, n, _ in pieces]).amax()
+    return sum((x.narrow(info.dim, s, n).abs() ** p).sum() * w for s, n, w in pieces)
 
 
 def _norm_args(func, args: tuple, kwargs: dict) -> tuple[float, object]:
@@ -62,13 +109,10 @@ def _norm_args(func, args: tuple, kwargs: dict) -> tuple[float, object]:
 def _global_norm(g: ShardedGrad, p: float) -> torch.Tensor:
     info = g._autotp_norm
     with torch._C.DisableTorchFunctionSubclass():
-        x = g.detach().double()
-        pieces = info.pieces or ((0, x.shape[info.dim], 1.0),)
+        local = _local_power(g, p)
         if math.isinf(p):
-            local = torch.stack([x.narrow(info.dim, s, n).abs().amax() for s, n, _ in pieces]).amax()
             dist.all_reduce(local, op=dist.ReduceOp.MAX, group=info.group)
             return local.to(g.dtype)
-        local = sum((x.narrow(info.dim, s, n).abs() ** p).sum() * w for s, n, w in pieces)
         dist.all_reduce(local, group=info.group)
         return (local ** (1.0 / p)).to(g.dtype)
 

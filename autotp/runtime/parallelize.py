@@ -10,7 +10,6 @@ here and collectives are bound here.
 """
 from __future__ import annotations
 
-import inspect
 import warnings
 from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, field
@@ -25,6 +24,7 @@ from autotp.capture.structure import Spec, call_key, flatten, unflatten
 from autotp.runtime.collectives import all_reduce, bind_collectives
 from autotp.runtime.data import check_same_inputs
 from autotp.capture.empty import allocate_meta, check_materialized, empty_shard
+from autotp.capture.modelfile import default_example as _default_example
 from autotp.errors import ProcessGroupError, ShardingError
 from autotp.runtime.gathered import GatheredOnUse, bind_outputs
 from autotp.runtime.grads import mark_sharded_grad, norm_info
@@ -83,14 +83,6 @@ def tp_state(model: nn.Module) -> TPState:
     if not isinstance(st, TPState):
         raise TypeError(f"{type(model).__name__} is not parallelized: call autotp.parallelize(model) first")
     return st
-
-
-def _default_example(forward: Callable) -> tuple[tuple, dict]:
-    # capture makes no real compute: only shape and dtype matter, and a token batch fits GPT-style models.
-    # A forward that can return a KV cache is asked not to: training and planning do not use one.
-    params = inspect.signature(forward).parameters
-    kwargs = {"use_cache": False} if "use_cache" in params else {}
-    return (torch.zeros(2, 8, dtype=torch.long),), kwargs
 
 
 def _split_example(example_inputs, forward: Callable) -> tuple[tuple, dict]:

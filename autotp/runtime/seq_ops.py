@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
+from autotp.runtime.amp import amp_bwd, amp_fwd, matmul_input
 from autotp.runtime.collectives import (_Collective, _column, all_reduce, column_input_grad, column_param_grads,
                                          finish)
 from autotp.errors import ShardingError
@@ -84,33 +85,39 @@ def local_slice(x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Te
 
 class _ReduceScatter(torch.autograd.Function):
     @staticmethod
+    @amp_fwd
     def forward(ctx, x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
         ctx.dim, ctx.group = dim, group
         return reduce_scatter(x, dim, group).contiguous()
 
     @staticmethod
+    @amp_bwd
     def backward(ctx, grad: torch.Tensor):
         return gather(grad, ctx.dim, ctx.group), None, None
 
 
 class _AllGather(torch.autograd.Function):
     @staticmethod
+    @amp_fwd
     def forward(ctx, x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
         ctx.dim, ctx.group = dim, group
         return gather(x, dim, group).contiguous()
 
     @staticmethod
+    @amp_bwd
     def backward(ctx, grad: torch.Tensor):
         return reduce_scatter(grad, ctx.dim, ctx.group).contiguous(), None, None
 
 
 class _Gather(torch.autograd.Function):
     @staticmethod
+    @amp_fwd
     def forward(ctx, x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
         ctx.dim, ctx.group = dim, group
         return gather(x, dim, group).contiguous()
 
     @staticmethod
+    @amp_bwd
     def backward(ctx, grad: torch.Tensor):
         # everything after the gather is replicated: its gradient is whole on every rank
         return local_slice(grad, ctx.dim, ctx.group).contiguous(), None, None
@@ -118,11 +125,13 @@ class _Gather(torch.autograd.Function):
 
 class _Slice(torch.autograd.Function):
     @staticmethod
+    @amp_fwd
     def forward(ctx, x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
         ctx.dim, ctx.group = dim, group
         return local_slice(x, dim, group).contiguous()
 
     @staticmethod
+    @amp_bwd
     def backward(ctx, grad: torch.Tensor):
         return gather(grad, ctx.dim, ctx.group).contiguous(), None, None
 
@@ -173,6 +182,7 @@ class _SeqColumns(torch.autograd.Function):
     is computed, then reduce-scatters dX while the weight gradients are computed (Megatron's overlap)."""
 
     @staticmethod
+    @amp_fwd(cast="low")
     def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup, dim: int, flatten: bool, layouts: tuple[str, ...],
                 *wb: torch.Tensor):
         ws, bs = wb[0::2], wb[1::2]
@@ -184,6 +194,7 @@ class _SeqColumns(torch.autograd.Function):
         return tuple(_column(xin, w, b, lay) for w, b, lay in zip(ws, bs, layouts))
 
     @staticmethod
+    @amp_bwd
     def backward(ctx, *grads: torch.Tensor):
         x, *ws = ctx.saved_tensors
         full, gathering = gather(x, ctx.dim, ctx.group, async_op=True)
@@ -214,7 +225,7 @@ class SeqColumnGroup(_Collective):
         if self.group is not None and not torch.compiler.is_compiling():
             return _SeqColumns.apply(x, self.group, self.dim, self.flatten, self.layouts, *wb)
         if self.group is not None:
-            x = _AllGather.apply(x, self.dim, self.group)
+            x = _AllGather.apply(matmul_input(x), self.dim, self.group)
         if self.flatten:
             x = x.reshape(-1, x.shape[-1])
         return tuple(_column(x, w, b, lay) for w, b, lay in zip(wb[0::2], wb[1::2], self.layouts))
@@ -225,11 +236,13 @@ class SeqColumnGroup(_Collective):
 
 class _SumGrads(torch.autograd.Function):
     @staticmethod
+    @amp_fwd
     def forward(ctx, group: dist.ProcessGroup, *xs: torch.Tensor):
         ctx.group = group
         return tuple(x.view_as(x) for x in xs)
 
     @staticmethod
+    @amp_bwd
     def backward(ctx, *grads: torch.Tensor):
         out: list[torch.Tensor | None] = [None] * len(grads)
         by_dtype: dict[torch.dtype, list[int]] = {}

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from autotp.runtime.amp import amp_bwd, amp_fwd
 from autotp.runtime.collectives import all_reduce, all_reduce_each
 from autotp.runtime.gathered import GatherOutput
 from autotp.plan.shard_spec import VocabLayout, vocab_shard, vocab_unshard
@@ -56,6 +57,7 @@ class _VocabCE(torch.autograd.Function):
     unless the graph is retained)."""
 
     @staticmethod
+    @amp_fwd(cast=torch.float32)
     def forward(ctx, logits, target, group, start, owned, vocab, reduction, ignore_index, smoothing):
         x = logits.float()[:, :owned]  # (n, owned): padding columns never reach the loss
         local_max = x.amax(dim=-1) if owned else x.new_full((x.shape[0],), float("-inf"))
@@ -84,6 +86,7 @@ class _VocabCE(torch.autograd.Function):
         return loss.sum() / count if reduction == 1 else loss.sum()
 
     @staticmethod
+    @amp_bwd
     def backward(ctx, grad):
         exp, sum_exp, local_t, mine, valid, count = ctx.saved_tensors
         shape, dtype, owned, vocab, reduction, smoothing = ctx.meta
