@@ -303,18 +303,18 @@ def hf_generate(kinds: list[str], use_cache: bool, tmp: str | None = None) -> di
         mask = torch.ones_like(prompt)
         kw = dict(max_new_tokens=8, do_sample=False, use_cache=use_cache, attention_mask=mask, pad_token_id=0)
         gathers = []
-        full = autotp.GatheredOnUse.full_tensor
+        full = autotp.GatheredOnUse._gathered
 
         def counted(self):  # what each step gathers: the last position's logits, never the cache
             if self._full is None:
                 gathers.append(tuple(self.shape))
             return full(self)
 
-        autotp.GatheredOnUse.full_tensor = counted
+        autotp.GatheredOnUse._gathered = counted
         try:
             got = model.generate(prompt, **kw)
         finally:
-            autotp.GatheredOnUse.full_tensor = full
+            autotp.GatheredOnUse._gathered = full
         want = ref.generate(prompt, **kw)
         r = {"same_tokens": torch.equal(got, want), "new": got.shape[1] - prompt.shape[1], "gathers": gathers}
         if tmp is not None:
