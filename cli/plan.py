@@ -154,6 +154,19 @@ def replicated_table(report: Report, replicated: tuple[tuple[str, str], ...]) ->
     return table
 
 
+def not_sharded_table(report: Report, whole) -> Table:
+    """Every weight of a linear, embedding or matmul that each rank holds whole, and why: the gaps."""
+    by_alias = {a: r for r in report.params for a in r.aliases}
+    table = Table(title=f"not sharded: {len(whole)} weight(s) every rank holds whole")
+    for col, justify in (("parameter", "left"), ("shape", "right"), ("elements", "right"), ("reason", "left")):
+        table.add_column(col, justify=justify, overflow="fold")
+    for w in whole:
+        row = by_alias.get(w.name)
+        shape = row.full_shape if row is not None else ()
+        table.add_row(escape(w.name), _shape(shape), _n(math.prod(shape)) if shape else "", escape(w.reason))
+    return table
+
+
 def totals_table(report: Report, layout: RankLayout) -> Table:
     m = report.memory
     table = Table(title="totals per tp rank", show_header=False)
@@ -377,6 +390,10 @@ def render(console: Console, model: str, the_plan, report: Report, layout: RankL
     console.print(rank_grid(layout))
     console.print(layer_table(report, names))
     console.print(replicated_table(report, the_plan.replicated))
+    if the_plan.whole:
+        console.print(not_sharded_table(report, the_plan.whole))
+    elif report.tp > 1:
+        console.print("every weight of a linear, embedding or matmul is sharded")
     seq = sequence_table(the_plan, report)
     if seq is not None:
         console.print(seq)

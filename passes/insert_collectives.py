@@ -86,12 +86,15 @@ def insert_collectives(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
         for x_name in pair.enter:
             x = nodes[x_name]
             users = [c for c in columns if x in c.all_input_nodes]
+            via = [nodes[r] for r, root in pair.enter_via if root == x_name]
             e = seq.enter(x_name, users[0].name) if seq is not None else None
             if e is not None:
                 _seq_enter(gm, e, users, params, nodes)
                 continue
             forms = [_form(gm, c, x, params) for c in users]
-            if all(forms):
+            if via:  # what is derived from x for other columns reads x through the same f
+                _enter(gm, x, users + via, pair.module)
+            elif all(forms):
                 _fuse(gm, x, users, forms, pair.module)
             else:
                 _enter(gm, x, users, pair.module)
@@ -132,6 +135,7 @@ def _seq_enter(gm: fx.GraphModule, e, users: list[fx.Node], params: set[str], no
         gm.add_submodule(target, SeqColumnGroup(tuple(f[0] for f in forms), e.dim, e.flatten))
         with gm.graph.inserting_before(min(users, key=_position(gm))):
             group = gm.graph.call_module(target, (source, *[a for _, w, b in forms for a in (w, b)]))
+        _hoist(group, [a for _, w, b in forms for a in (w, b)])
         group.meta = {**source.meta, "autotp_collective": ("enter", e.module),
                       "val": tuple(c.meta.get("val") for c in users)}
         for i, (c, (_, w, _)) in enumerate(zip(users, forms)):
@@ -171,6 +175,7 @@ def _fuse(gm: fx.GraphModule, x: fx.Node, columns: list[fx.Node], forms: list, w
     gm.add_submodule(target, ColumnGroup(tuple(f[0] for f in forms)))
     with gm.graph.inserting_before(min(columns, key=_position(gm))):
         group = gm.graph.call_module(target, (x, *[a for _, w, b in forms for a in (w, b)]))
+    _hoist(group, [a for _, w, b in forms for a in (w, b)])
     group.meta = {**x.meta, "autotp_collective": ("enter", where),
                   "val": tuple(c.meta.get("val") for c in columns)}
     for i, (c, (_, w, _)) in enumerate(zip(columns, forms)):
@@ -179,6 +184,20 @@ def _fuse(gm: fx.GraphModule, x: fx.Node, columns: list[fx.Node], forms: list, w
         c.op, c.target, c.args, c.kwargs = "call_function", operator.getitem, (group, i), {}
         if weight_view is not None and weight_view is not w and not weight_view.users:
             gm.graph.erase_node(weight_view)
+
+
+def _hoist(group: fx.Node, operands: list) -> None:
+    """Move what the group reads and the graph computes later (a weight's cast before a later column matmul)
+    in front of it, inputs first."""
+    _hoist_into(group, operands, {n: i for i, n in enumerate(group.graph.nodes)})
+
+
+def _hoist_into(group: fx.Node, operands: list, index: dict) -> None:
+    for x in operands:
+        if isinstance(x, fx.Node) and x.op == "call_function" and index[x] > index[group]:
+            _hoist_into(group, list(x.all_input_nodes), index)
+            group.prepend(x)
+            index[x] = index[group] - 0.5  # now in front of the group (and after what was hoisted before it)
 
 
 def _position(gm: fx.GraphModule):

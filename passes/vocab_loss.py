@@ -13,6 +13,9 @@ After::
     # or
     lp2 = aten.flatten(logits, 0, 1)                                # log_softmax folded into the loss
     loss = autotp_vocab_ce_loss(lp2, targets)
+
+Logits of a padded head cropped in the model (``lm_head(x)[..., :V]``): the loss's layout knows the V classes and
+leaves each rank's columns at class ids >= V out of the row max, the exp-sum and the target term.
 """
 from __future__ import annotations
 

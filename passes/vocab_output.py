@@ -8,6 +8,10 @@ After::
 
     logits_out = autotp_vocab_output_logits(logits)         # (b, s, V) gathered on first use; no communication
     return (logits_out, loss)
+
+A head padded past the vocabulary and cropped in the model (``lm_head(x)[..., :V]``) returns the crop, which the
+plan made the identity on the local logits: each rank's columns at class ids >= V are padding, and the gathered
+tensor has V classes, as the unsharded model's has.
 """
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
 """Decoders that keep their KV cache in module buffers written in place, the way gpt-fast and torchtune
 write them: a prefill call and one-token decode calls, both ``(idx, input_pos) -> logits`` under
-``torch.no_grad()``. The pattern suite's KV-cache rows (tests/test_patterns.py)."""
+``torch.no_grad()``. The pattern suite's KV-cache rows (tests/test_patterns.py). Kind ``mqa``: one kv head
+(multi-query) in the fused projection, cached gpt-fast's way and broadcast over the query heads by attention."""
 from __future__ import annotations
 
 import torch
@@ -31,7 +32,7 @@ class KVCache(nn.Module):
 class Attention(nn.Module):
     def __init__(self, kind: str, n_kv: int):
         super().__init__()
-        self.n_kv = n_kv
+        self.kind, self.n_kv = kind, n_kv
         self.wqkv = nn.Linear(H, (NH + 2 * n_kv) * HD, bias=False)
         self.wo = nn.Linear(H, H, bias=False)
         self.kv_cache = KVCache(kind, n_kv)
@@ -43,7 +44,8 @@ class Attention(nn.Module):
         q = q.view(b, s, NH, HD).transpose(1, 2)
         k, v = (t.view(b, s, self.n_kv, HD).transpose(1, 2) for t in (k, v))
         k, v = self.kv_cache.update(input_pos, k, v)
-        k, v = (t.repeat_interleave(NH // self.n_kv, dim=1) for t in (k, v))
+        if self.kind != "mqa":  # multi-query: (b, 1, MAXS, hd) keys and values broadcast over the heads
+            k, v = (t.repeat_interleave(NH // self.n_kv, dim=1) for t in (k, v))
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (b, nh, s, hd)
         return self.wo(y.transpose(1, 2).contiguous().view(b, s, H))
 
@@ -70,7 +72,7 @@ class CachedLM(nn.Module):
 
 def build(kind: str) -> CachedLM:
     torch.manual_seed(0)
-    return CachedLM(kind)
+    return CachedLM(kind, n_kv=1 if kind == "mqa" else 2)
 
 
 @torch.no_grad()

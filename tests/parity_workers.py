@@ -71,6 +71,7 @@ def training_parity(model_name: str, steps: int = 3, sequence_parallel: bool = F
             loss_and_logits(m(*args, **kwargs))[0].backward()
             o.step()
     out["param_diff"] = max(_max_diff(p, _local(ref_params[n], n, tpm)) for n, p in tpm.named_parameters())
+    out.update(_coverage(ref, tpm, autotp.tp_state(tpm)))
     return out
 
 
@@ -329,12 +330,16 @@ def hf_generate(kinds: list[str], use_cache: bool, tmp: str | None = None) -> di
     return out
 
 
-def pattern_parity(kinds: list[str], steps: int = 3, sequence_parallel: bool = False) -> dict:
-    """Each attention/MLP spelling of tests/pattern_models.py: 3 AdamW steps against the unsharded model,
-    the collectives of one step, and how much of each weight this rank holds."""
+def pattern_parity(kinds: list[str], steps: int = 3, sequence_parallel: bool = False,
+                   models: str = "pattern_models") -> dict:
+    """Each spelling of ``models``'s ``build(kind)`` (tests/pattern_models.py by default): 3 AdamW steps
+    against the unsharded model, the collectives of one step, how much of each weight this rank holds, and
+    the 2-D parameters left whole with the plan's reason (``whole``) or without one (``unexplained``)."""
+    import importlib
+
     import torch.distributed as dist
 
-    from pattern_models import build
+    build = importlib.import_module(models).build
 
     tp = dist.get_world_size()
     out = {}
@@ -372,8 +377,20 @@ def pattern_parity(kinds: list[str], steps: int = 3, sequence_parallel: bool = F
             # 2-D weights not at 1/tp, and those whose kv heads are held by several ranks (fewer than tp)
             "quarter": sorted(n for n, p in ref.named_parameters() if p.dim() == 2 and local[n] * tp != p.numel()),
             "kv_replicated": sorted(n for n, sh in st.shards.items() if any(g.parts < tp for g in sh.segments)),
+            **_coverage(ref, model, st),
+            "fraction": sum(local.values()) / sum(p.numel() for p in ref.parameters()),  # of the model, per rank
         }
     return out
+
+
+def _coverage(ref, model, st) -> dict:
+    """The 2-D parameters this rank holds whole and the plan does not cut (kv heads held whole by design are
+    cut by the plan): with the plan's reason, and without one (a gap)."""
+    local = {n: p.numel() for n, p in model.named_parameters()}
+    listed = {w.name: w.reason for w in getattr(st.plan, "whole", ())}
+    kept = sorted(n for n, p in ref.named_parameters()
+                  if p.dim() >= 2 and local.get(n) == p.numel() and n not in st.shards)
+    return {"whole": {n: listed[n] for n in kept if n in listed}, "unexplained": [n for n in kept if n not in listed]}
 
 
 def cache_parity(kinds: list[str], prompt_len: int = 5, steps: int = 6) -> dict:

@@ -191,6 +191,60 @@ class FusedAttention(nn.Module):
         return self.o(y.transpose(1, 2).reshape(b, s, H))
 
 
+class MQAttention(nn.Module):
+    """Multi-query attention: one fused projection of the query heads and one key and one value head
+    (``q | k | v`` of widths ``(n·d, d, d)``, or Falcon-7B's ``[b, s, n + 2, d]``), the key and value
+    broadcast over the query heads the ways public code spells it. A ``_bias`` suffix gives the projection
+    a bias."""
+
+    def __init__(self, kind: str):
+        super().__init__()
+        self.kind = kind.removesuffix("_bias")
+        self.qkv = nn.Linear(H, (NH + 2) * HD, bias=kind.endswith("_bias"))
+        self.o = nn.Linear(H, H, bias=False)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        kind, qkv = self.kind, self.qkv(x)
+        if kind.startswith("falcon"):
+            f = qkv.view(b, s, NH + 2, HD)
+            if kind == "falcon_select":  # one k and one v position, (b, s, d), given back a head dim of 1
+                q, k, v = f[:, :, :-2].transpose(1, 2), f[..., -2, :].unsqueeze(1), f[..., -1, :].unsqueeze(1)
+            elif kind == "falcon_matmul":  # slices
+                q, k, v = (t.transpose(1, 2) for t in (f[:, :, :-2], f[:, :, -2:-1], f[:, :, -1:]))
+            else:  # index lists
+                q, k, v = (t.transpose(1, 2) for t in (f[..., :-2, :], f[..., [-2], :], f[..., [-1], :]))
+        elif kind == "bigcode":  # GPTBigCode: split after an unsqueeze, (b, 1, s, hd) keys and values
+            q, k, v = qkv.unsqueeze(1).split([NH * HD, HD, HD], dim=3)
+            q = q.view(b, s, -1, HD).transpose(1, 2)
+        else:
+            q, k, v = qkv.split([NH * HD, HD, HD], dim=-1)
+            q = q.view(b, s, NH, HD).transpose(1, 2)  # (b, nh, s, hd)
+            if kind in ("mqa_unsqueeze", "mqa_matmul"):  # the one head kept as (b, s, hd)
+                k, v = k.unsqueeze(1), v.unsqueeze(1)
+            else:
+                k, v = (t.view(b, s, 1, HD).transpose(1, 2) for t in (k, v))  # (b, 1, s, hd)
+        if kind in ("mqa_expand_as", "falcon_select"):
+            k, v = k.expand_as(q), v.expand_as(q)
+        elif kind == "mqa_repeat":
+            k, v = k.repeat(1, NH, 1, 1), v.repeat(1, NH, 1, 1)
+        elif kind == "mqa_unsqueeze":
+            k, v = k.expand(-1, NH, -1, -1), v.expand(-1, NH, -1, -1)
+        elif kind == "bigcode":  # Hugging Face's repeat_kv
+            k, v = (t[:, :, None].expand(b, 1, NH, s, HD).reshape(b, NH, s, HD) for t in (k, v))
+        if kind.endswith("matmul"):  # written out: (b, 1, s, hd) keys and values broadcast over the heads
+            att = (q @ k.transpose(-2, -1)) / math.sqrt(HD)
+            mask = torch.ones(s, s, dtype=torch.bool, device=x.device).tril()
+            y = att.masked_fill(~mask, float("-inf")).softmax(-1) @ v
+        else:  # mqa_bcast, falcon_bcast: (b, 1, s, hd) keys and values broadcast by attention itself
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o(y.transpose(1, 2).reshape(b, s, H))
+
+
+MQA = ("mqa_bcast", "mqa_bcast_bias", "mqa_expand_as", "mqa_repeat", "mqa_unsqueeze", "mqa_matmul", "falcon_bcast",
+       "falcon_bcast_bias", "falcon_matmul", "falcon_select", "bigcode_bias")
+
+
 class SwiGLU(nn.Module):
     def __init__(self):
         super().__init__()
@@ -208,7 +262,8 @@ class Block(nn.Module):
         self.n1, self.n2 = RMSNorm(H), RMSNorm(H)
         fused = {"offset_slices": 2, "grouped_view": 2, "grouped_view_mha": 4, "fused_mqa": 1, "falcon_mqa": 1,
                  "gqa_qk_norm": 2, "falcon_mqa_index": 1, "grouped_index": 2}
-        self.attn = FusedAttention(kind, fused[kind]) if kind in fused else Attention(kind)
+        self.attn = MQAttention(kind) if kind in MQA else FusedAttention(kind, fused[kind]) if kind in fused \
+            else Attention(kind)
         self.mlp = SwiGLU()
 
     def forward(self, x):
@@ -238,7 +293,7 @@ class LM(nn.Module):
 KINDS = ("plain", "rope_interleaved", "rope_partial", "rope_complex", "qk_norm_head", "qk_layernorm_head",
          "qk_norm_width", "qk_rmsnorm_width", "qk_layernorm_width", "alibi", "softcap", "baddbmm", "baddbmm_alibi",
          "parallel", "offset_slices", "grouped_view", "grouped_view_mha", "fused_mqa", "falcon_mqa", "gqa_qk_norm",
-         "qk_varnorm_width", "qk_l2norm_width", "falcon_mqa_index", "grouped_index")
+         "qk_varnorm_width", "qk_l2norm_width", "falcon_mqa_index", "grouped_index", *MQA)
 
 
 def build(kind: str):

@@ -42,6 +42,10 @@ def test_training_parity(model: str, world: int):
         vocab = r["plan"]["vocab"]
         assert len(vocab["embeddings"]) == 1 and len(vocab["heads"]) == 1 and len(vocab["losses"]) == 1
         assert not r["plan"]["replicated"], r["plan"]["replicated"]
+        # the completeness check: every 2-D weight is cut, or listed with its reason (GPT-2's position
+        # embedding, whole as in Megatron)
+        assert r["unexplained"] == [], r["unexplained"]
+        assert all("position embedding" in why for why in r["whole"].values()), r["whole"]
         replicated_kv = {n for n, p in params.items() if any(s["parts"] < world for s in p["segments"])}
         # kv heads fewer than tp are replicated on tp / n_kv ranks; only their weight gradients are summed
         assert sorted(c[2] for c in bwd if c[2] != bsh) == sorted(r["local_numel"][n] for n in replicated_kv)

@@ -2,23 +2,27 @@
 collectives: rotary (interleaved with stack/flatten, partial, complex), q/k norms per head and over the whole
 width, ALiBi slopes, baddbmm over [b·heads, s, d], tanh soft-capping, parallel attention + MLP blocks, fused
 projections read by split, offset slices, index lists and per-group views (also with fewer kv groups than
-ranks), var and p-norms over the width, and KV caches kept in module buffers."""
+ranks), multi-query keys and values of one head broadcast over the query heads, var and p-norms over the width,
+and KV caches kept in module buffers."""
 from __future__ import annotations
 
 import pytest
 
 from distributed import launch
 from parity_workers import cache_parity, pattern_parity
-from pattern_models import HD, NH, H, S
+from pattern_models import HD, MQA, NH, H, S
 
 SHARDED = ["plain", "rope_interleaved", "rope_partial", "rope_complex", "qk_norm_head", "qk_layernorm_head",
            "qk_norm_width", "qk_rmsnorm_width", "qk_layernorm_width", "alibi", "softcap", "baddbmm",
            "baddbmm_alibi", "parallel", "offset_slices", "grouped_view_mha", "fused_mqa", "falcon_mqa", "gqa_qk_norm",
-           "qk_varnorm_width", "qk_l2norm_width", "falcon_mqa_index", "grouped_view", "grouped_index"]
+           "qk_varnorm_width", "qk_l2norm_width", "falcon_mqa_index", "grouped_view", "grouped_index", *MQA]
 # fused projections whose kv heads (2, or 1 for multi-query) are fewer than tp: replicated, Megatron's way
 # (grouped: Falcon's [2 kv groups, 2 q heads + k + v, d]; at tp 4 each group's q heads are split over 2 ranks)
+# (multi-query: its one k and v head, broadcast over the q heads unexpanded, expanded, repeated or written out)
 KV_HEADS = {"offset_slices": 2, "fused_mqa": 1, "falcon_mqa": 1, "gqa_qk_norm": 2, "falcon_mqa_index": 1,
-            "grouped_view": 2, "grouped_index": 2}
+            "grouped_view": 2, "grouped_index": 2, **{kind: 1 for kind in MQA}}
+# fused projections with a bias: its kv blocks, replicated like the weight's, get their gradients summed too
+BIASED = {"mqa_bcast_bias", "falcon_bcast_bias", "bigcode_bias"}
 # a norm over the whole projection width: one all-reduce of its b·s statistics per reduction, forward and
 # backward (layer_norm and var: sums of x and x² stacked, 2·b·s; a hand-written LayerNorm: a mean and a var)
 WIDTH_NORMS = {"qk_norm_width": [1], "qk_rmsnorm_width": [1], "qk_layernorm_width": [2], "qk_varnorm_width": [1, 2],
@@ -35,9 +39,12 @@ def test_patterns_shard_exactly_with_megatron_collectives(world: int):
         for kind, r in by_kind.items():
             assert r["loss_diff"] <= 1e-5 and r["grad_diff"] <= 1e-5 and r["param_diff"] <= 1e-5, (rank, kind, r)
             assert not r["replicated"], (kind, r["replicated"])
+            assert r["whole"] == {} and r["unexplained"] == [], (kind, r["whole"], r["unexplained"])
             replicated_kv = KV_HEADS.get(kind, NH) < world
-            assert r["quarter"] == r["kv_replicated"] == (["blocks.0.attn.qkv.weight", "blocks.1.attn.qkv.weight"]
-                                                          if replicated_kv else []), (kind, r)  # else 1/tp
+            qkv = [f"blocks.{i}.attn.qkv.{p}" for i in range(layers) for p in ("bias", "weight")
+                   if p == "weight" or kind in BIASED] if replicated_kv else []
+            assert r["quarter"] == [n for n in qkv if n.endswith("weight")], (kind, r)  # else 1/tp
+            assert r["kv_replicated"] == qkv, (kind, r)
             # forward: embedding + 2 per layer (b·s·h), the loss's max and 2 sums (b·s), width-norm statistics
             stats = [("all_reduce", "sum", 2 * S * k) for k in WIDTH_NORMS.get(kind, [])] * 2 * layers
             assert sorted(r["forward"]) == sorted([("all_reduce", "sum", bsh)] * (2 * layers + 1) + stats + [
@@ -51,6 +58,7 @@ def test_patterns_shard_exactly_with_megatron_collectives(world: int):
             norms = [("all_reduce", "sum", HD)] * 2 * layers * HEAD_NORMS.get(kind, 0)
             # kv blocks held by several ranks: their weight gradients are summed over those ranks
             kv = [("all_reduce", "sum", HD * H)] * 2 * layers if replicated_kv else []  # k and v: one head each
+            kv += [("all_reduce", "sum", HD)] * 2 * layers if replicated_kv and kind in BIASED else []  # their biases
             assert sorted(small) == sorted(norms + kv + stats), (kind, small)
 
 
@@ -58,11 +66,11 @@ def test_patterns_shard_exactly_with_megatron_collectives(world: int):
 def test_kv_cache_buffers_written_in_place_shard_by_kv_head(world: int):
     """gpt-fast's ``cache[:, :, pos] = k`` and torchtune's ``index_copy_``: prefill, then one-token decode
     calls under no_grad, exact; each rank caches its own kv heads (2 kv heads: 1 per rank at tp 2, and at
-    tp 4 each held by 2 ranks); a decode step costs the embedding's and 2 per layer all-reduces of b·h, and
-    reading its logits one all-gather of b·V."""
+    tp 4 each held by 2 ranks; one kv head of multi-query attention: held by every rank); a decode step costs
+    the embedding's and 2 per layer all-reduces of b·h, and reading its logits one all-gather of b·V."""
     from cache_models import B, H as CH, HD as CHD, MAXS, V as CV
 
-    for rank, by_kind in launch(cache_parity, world, ["index_put", "index_copy"]).items():
+    for rank, by_kind in launch(cache_parity, world, ["index_put", "index_copy", "mqa"]).items():
         for kind, r in by_kind.items():
             assert not r["replicated"], (kind, r["replicated"])
             assert r["tokens_equal"] and r["logits_diff"] <= 1e-5, (rank, kind, r)

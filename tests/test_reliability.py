@@ -301,8 +301,10 @@ CATALOG = {
                    "defines neither build_model.*public names it defines: WIDTH, helper"),
     "factory raises": (lambda d: _write(d, "raises.py", "def build_model():\n    raise ValueError('bad config')\n"),
                        [], r"build_model\(\) in .* raised ValueError: bad config"),
-    "no example_batch": (lambda d: _write(d, "nobatch.py", GPT + "def build_model():\n    return GPT(GPTConfig())\n"),
-                         [], "defines no example_batch"),
+    "example_batch raises": (lambda d: _write(
+        d, "badbatch.py", GPT + "def build_model():\n    return GPT(GPTConfig())\n"
+        "def example_batch():\n    raise OSError('tokens.bin not found')\n"),
+        [], r"example_batch\(\) in .* raised OSError: tokens.bin not found"),
     "heads not divisible": (lambda d: _write(
         d, "heads.py", GPT + "def build_model():\n    return GPT(GPTConfig(n_head=3, n_embd=48))\n"
         "def example_batch():\n    return torch.zeros(2, 8, dtype=torch.long), torch.zeros(2, 8, dtype=torch.long)\n"),

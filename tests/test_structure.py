@@ -100,6 +100,43 @@ def test_kv_heads_replicate_when_tp_exceeds_them():
     assert expands and all(e[1:3] == [1, 1] for e in expands)  # 1 local kv head, repeated once
 
 
+def test_one_kv_head_broadcast_over_query_heads_is_replicated_on_every_rank():
+    """Multi-query attention fused with the queries (``q | k | v`` of widths ``(n·d, d, d)``, Falcon-7B's
+    ``[b, s, n + 2, d]``), its one k and v head broadcast over the q heads: unexpanded into attention, in a
+    written-out ``q @ k.transpose(-2, -1)``, by ``expand_as``, ``repeat`` or ``expand(-1, n, -1, -1)``, kept as
+    ``(b, s, d)`` and unsqueezed, picked by ``f[..., -2, :]``, or split after an unsqueeze and repeated as Hugging
+    Face's repeat_kv does (GPTBigCode). The q heads are split, the k and v head is held whole by every rank (its
+    weight and bias blocks too: their gradients are summed), and an expand or repeat makes only this rank's q
+    heads. A KV cache of that head is held whole too."""
+    import copy
+
+    from cache_models import build as build_cached
+    from pattern_models import MQA, NH, build
+
+    for kind in MQA:
+        model, args, kwargs = build(kind)
+        gm = capture(model, args, kwargs)[0]
+        for tp in (2, 4):
+            plan = make_plan(gm, tp)
+            assert not plan.replicated and len(plan.pairs) == 4, (kind, tp, plan.replicated)
+            for p in ("weight", "bias") if kind.endswith("_bias") else ("weight",):
+                shard = plan.param(f"blocks.0.attn.qkv.{p}")
+                assert [(s.size, s.parts) for s in shard.segments] == [(64, tp), (16, 1), (16, 1)], (kind, tp, p)
+                assert shard.replicated_blocks(tp) and shard.local_shape[0] == 64 // tp + 2 * 16, (kind, tp, p)
+            local = run_passes(copy.deepcopy(gm), plan)
+            grown = [n.args[1][-3] for n in local.graph.nodes  # the heads of (b, [1,] heads, s, d)
+                     if n.target in (aten.expand.default, aten.repeat.default) and len(n.args[1]) >= 4]
+            made = kind in ("mqa_repeat", "mqa_unsqueeze", "bigcode_bias")
+            assert grown == ([NH // tp] * 4 if made else []), (kind, tp, grown)
+
+    with torch.no_grad():
+        gm = capture(build_cached("mqa"), (torch.zeros(2, 5, dtype=torch.long), torch.arange(5)), {})[0]
+    for tp in (2, 4):
+        plan = make_plan(gm, tp)
+        assert not plan.replicated and {n: b.local_shape for n, b in plan.buffers if n.startswith("attn.0")} == {
+            "attn.0.kv_cache.k_cache": (2, 1, 16, 16), "attn.0.kv_cache.v_cache": (2, 1, 16, 16)}
+
+
 @pytest.mark.parametrize("name,segments", [
     ("interleaved", [(192, 2)]),  # [heads, 3, d] per head: a contiguous cut is already right
     ("fused_gqa", [(64, 2), (32, 2), (32, 2)]),
@@ -262,3 +299,24 @@ def test_index_lists_read_as_slices_and_width_reductions_become_statistics():
         assert not plan.replicated and [s.kind for s in plan.stats] == stats, kind
         gm = run_passes(gm, plan)
         assert len(_calls(gm, ShardedReduction)) == stats.count("var") + stats.count("norm")
+
+
+@pytest.mark.parametrize("kind", ["grouped_index", "falcon_select", "mqa_unsqueeze", "offset_slices"])
+def test_fused_segments_named_at_tp1_are_those_cut_at_tp2_and_4(kind: str):
+    """A checkpoint names a fused projection's segments at every tp, so a tp-1 run must see the segments
+    tp 2 and 4 cut: a group of kv heads and a single kv head look alike at tp 1 (one block each)."""
+    from pattern_models import build
+
+    from autotp.plan.planner import fused_segments
+
+    def layout(seg):
+        return seg.size, tuple(layout(i) for i in seg.inner)
+
+    gm, _ = capture(*build(kind)[:2], {})
+    at_1 = fused_segments(gm)
+    assert at_1 and all(s.parts == 1 and all(i.parts == 1 for i in s.inner)
+                        for shard in at_1.values() for s in shard.segments)
+    for tp in (2, 4):
+        cut = {n: shard for n, shard in make_plan(gm, tp).params if n in at_1}
+        assert cut.keys() == at_1.keys()
+        assert all(tuple(map(layout, cut[n].segments)) == tuple(map(layout, at_1[n].segments)) for n in at_1), kind

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from autotp.errors import ShardingError
+from autotp.analysis.coverage import WholeParam
 from autotp.plan.plan import Plan
 from autotp.analysis.ops import parts_for
 from autotp.analysis.shapes import view_groups
@@ -82,10 +83,13 @@ def test_plan_is_immutable_json_data():
                                       enter_grads=(("mul", "w1"),), sizes=(("view_23", 1, 1, 1),), notes=("n",)))
     grouped = ParamShard("column", "h.1.attn.qkv", 0, (Segment(192, 2, (Segment(64, 1), Segment(16, 1), Segment(16, 1))),),
                          (192, 64), (96, 64))
-    plan = dataclasses.replace(plan, params=plan.params + (("h.1.attn.qkv.weight", grouped),))
+    plan = dataclasses.replace(plan, params=plan.params + (("h.1.attn.qkv.weight", grouped),),
+                               whole=(WholeParam("wpe.weight", "wpe", "position embedding"),))
     again = Plan.from_json(plan.to_json())
     assert again == plan
-    assert again.to_dict()["version"] == 5
+    assert again.to_dict()["version"] == 6
+    v5 = {k: v for k, v in plan.to_dict().items() if k != "whole"}  # written before the completeness check
+    assert Plan.from_dict({**v5, "version": 5}).whole == ()
     v4 = {**plan.to_dict(), "version": 4}  # written before collectives recorded their dtype
     v4["collectives"] = [{k: v for k, v in c.items() if k != "dtype"} for c in v4["collectives"]]
     assert all(c.dtype == "" for c in Plan.from_dict(v4).collectives)

@@ -36,6 +36,65 @@ def column_segments(col: fx.Node, fp: Fingerprinter, tp: int, where: str) -> tup
     return (Segment(n, parts_for(n, n, tp, f"{where}: output features")),)
 
 
+def _fused(found: list[tuple[tuple[Segment, ...] | None, fx.Node | None, int, str]], dim: int, fp: Fingerprinter,
+           tp: int) -> tuple[Segment, ...]:
+    """The segments of a fused projection from what probing each one's reader found: ``(heads, reader, size,
+    what)``. A segment that no view splits into heads is plain features; beside segments split into heads, it
+    is one head where attention reads it as the per-head dim (multi-query keys kept as ``(b, s, d)`` and
+    unsqueezed to ``(b, 1, s, d)``): every rank holds it."""
+    beside_heads = any(heads for heads, _, _, _ in found)
+    out = []
+    for heads, reader, n, what in found:
+        if heads:
+            out.append(heads[0])
+            continue
+        one = beside_heads and reader is not None and _per_head_dim(reader, dim, fp, 0)
+        out.append(Segment(n, parts_for(1 if one else n, n, tp, what)))
+    return tuple(out)
+
+
+# ops that broadcast their first operand to more (or larger) dims, aligned from the right
+_BROADCASTS = {aten.expand.default, aten.expand_as.default, aten.broadcast_to.default, aten.repeat.default}
+
+
+def _per_head_dim(node: fx.Node, dim: int, fp: Fingerprinter, depth: int) -> bool:
+    """Is ``dim`` of ``node`` the per-head dim of attention: the last dim of scaled_dot_product_attention's
+    q, k or v, or a matrix dim of a batched matmul of activations (``q @ k.transpose(-2, -1)``, ``att @ v``;
+    a parameter's matmul has a 2-D operand)? Followed through transposes, unsqueezes, slices of other dims,
+    views that keep it, broadcasts and elementwise ops (repeat_kv's ``k[:, :, None].expand(..).reshape(..)``)."""
+    if depth > 12:
+        return False
+    nd = ndim_of(node)
+    for u in node.users:
+        t = u.target
+        if t is aten.scaled_dot_product_attention.default and node in u.args[:3] and dim == nd - 1:
+            return True
+        if t in (aten.matmul.default, aten.bmm.default) and node in u.args[:2] and dim >= nd - 2 \
+                and all((ndim_of(a) or 0) >= 3 for a in u.args[:2]):
+            return True
+        moved = None
+        if t is aten.transpose.int:
+            a, b = normalize_dim(u.args[1], nd), normalize_dim(u.args[2], nd)
+            moved = b if dim == a else a if dim == b else dim
+        elif t is aten.permute.default:
+            moved = [normalize_dim(d, nd) for d in u.args[1]].index(dim)
+        elif t is aten.unsqueeze.default:
+            moved = dim + (dim >= normalize_dim(u.args[1], nd + 1))
+        elif t is aten.slice.Tensor:
+            moved = dim if normalize_dim(arg_of(u, 1, "dim", 0), nd) != dim else None
+        elif t in VIEWS:
+            src, dst = fp.shape(node), fp.shape(u)
+            kept = [[j for j in gj if dst[j] != 1] for gi, gj in view_groups(src, dst)
+                    if [i for i in gi if src[i] != 1] == [dim]]
+            moved = kept[0][0] if kept and len(kept[0]) == 1 and dst[kept[0][0]] == src[dim] else None
+        elif t in SAME_SHAPE or (t in _BROADCASTS and u.args[0] is node) \
+                or (isinstance(t, torch._ops.OpOverload) and torch.Tag.pointwise in t.tags):
+            moved = dim + ndim_of(u) - nd if ndim_of(u) is not None else None
+        if moved is not None and _per_head_dim(u, moved, fp, depth + 1):
+            return True
+    return False
+
+
 def _probe(node: fx.Node, dim: int, size: int, fp, tp, where, depth) -> tuple[Segment, ...] | None:
     if depth > 12:
         return None
@@ -44,24 +103,22 @@ def _probe(node: fx.Node, dim: int, size: int, fp, tp, where, depth) -> tuple[Se
     ranges = sorted((slice_range(u, size), i) for i, u in enumerate(slices) if slice_range(u, size) is not None)
     if len(ranges) > 1 and len(ranges) == len(slices) and ranges[0][0][0] == 0 and ranges[-1][0][1] == size \
             and all(a[0][1] == b[0][0] for a, b in zip(ranges, ranges[1:])):
-        segs = []  # offset slices that tile the dim: the segments of a fused projection, in order
-        for (lo, hi), i in ranges:
-            heads = _probe(slices[i], dim, hi - lo, fp, tp, where, depth + 1)
-            segs.append(heads[0] if heads else Segment(hi - lo, parts_for(hi - lo, hi - lo, tp, f"{where}: segment")))
-        return tuple(segs)
+        # offset slices that tile the dim: the segments of a fused projection, in order
+        return _fused([(_probe(slices[i], dim, hi - lo, fp, tp, where, depth + 1), slices[i], hi - lo,
+                        f"{where}: segment") for (lo, hi), i in ranges], dim, fp, tp)
     for u in node.users:
         t = u.target
         if t in SPLITS and t is not aten.unbind.int:
             d = normalize_dim(arg_of(u, 2, "dim", 0), ndim_of(node))
             if d != dim:
                 continue
-            segs = []
+            found = []
             getitems = {g.args[1]: g for g in u.users if g.target is operator.getitem}
             for i, o in enumerate(u.meta["val"]):
                 sz = fp.shape(o)[d]
                 heads = _probe(getitems[i], d, sz, fp, tp, where, depth + 1) if i in getitems else None
-                segs.append(heads[0] if heads else Segment(sz, parts_for(sz, sz, tp, f"{where}: segment {i}")))
-            return tuple(segs)
+                found.append((heads, getitems.get(i), sz, f"{where}: segment {i}"))
+            return _fused(found, d, fp, tp)
         if t in VIEWS:
             src, dst = fp.shape(node), fp.shape(u)
             for gi, gj in view_groups(src, dst):

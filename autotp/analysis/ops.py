@@ -12,7 +12,8 @@ import torch
 import torch.fx as fx
 
 from autotp.errors import ShardingError
-from autotp.analysis.shapes import is_static
+from autotp.analysis.shapes import is_static, normalize_dim
+from autotp.plan.shard_spec import Sharding
 
 aten = torch.ops.aten
 
@@ -26,6 +27,11 @@ SOFTMAX = {aten.softmax.int, aten._softmax.default, aten.log_softmax.int, aten._
 VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
 SPLITS = {aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default, aten.unbind.int, aten.split.sizes}
 NO_OUTPUT = {aten._assert_tensor_metadata.default}
+# ops that only reorder dims, however the model spells them (``k.mT``, ``swapaxes(-2, -1)``, ``movedim``,
+# ``permute(0, 1, -1, -2)``, ``adjoint()``): one rule each visitor shares, through :func:`permutation`
+TRANSPOSES = {aten.transpose.int, aten.swapaxes.default, aten.swapdims.default, aten.t.default,
+              aten.numpy_T.default, aten.mT.default, aten.mH.default, aten.adjoint.default, aten.permute.default,
+              aten.movedim.int, aten.movedim.intlist}
 # reductions (dims, keepdim) that pass a sharding through when they do not reduce the sharded dim
 REDUCTIONS = {aten.mean.dim, aten.sum.dim_IntList, aten.amax.default, aten.amin.default, aten.var.correction,
                aten.std.correction, aten.var.dim, aten.std.dim, aten.linalg_vector_norm.default, aten.norm.ScalarOpt_dim}
@@ -89,6 +95,13 @@ class Rewrite:
     factor_of: str | None = None
 
 
+def held_whole(s: object) -> bool:
+    """Every rank holds all of ``s``: each segment is one block (a single kv head, replicated Megatron's way),
+    so its size is the same on every rank and no dim of it is cut, whichever dim ``s`` names."""
+    return isinstance(s, Sharding) and s.inner is None and not s.outer and s.group is None \
+        and all(g.parts == 1 and not g.inner for g in s.segments)
+
+
 def split_dims(gj: list[int], dst: list[int]) -> list[int]:
     """The dims a view splits one dim into, outermost first: ``[1, 16]`` is one head of 16 (two dims),
     ``[16, 1]`` is a plain reshape (one dim)."""
@@ -97,6 +110,34 @@ def split_dims(gj: list[int], dst: list[int]) -> list[int]:
         return gj[:1]
     lead = [j for j in gj if j < real[0]]
     return lead[-1:] + real
+
+
+def permutation(node: fx.Node) -> list[int]:
+    """The dims a :data:`TRANSPOSES` node reorders, as a permutation of its input's: output dim ``j`` is input
+    dim ``perm[j]``. ``k.mT`` of ``(b, nh, s, hd)`` is ``[0, 1, 3, 2]``; ``x.movedim(1, 0)`` of ``(b, s, h)`` is
+    ``[1, 0, 2]``. mH and adjoint also conjugate complex values, which moves no sharding."""
+    t, nd = node.target, ndim_of(node.args[0])
+    arg = lambda i: arg_of(node, i, t._schema.arguments[i].name)  # noqa: E731 - swapaxes says axis0, ..
+    perm = list(range(nd))
+    if t is aten.permute.default:
+        return [normalize_dim(d, nd) for d in arg(1)]
+    if t is aten.numpy_T.default:  # ``x.T``: all dims reversed
+        return perm[::-1]
+    if t in (aten.movedim.int, aten.movedim.intlist):
+        src, dst = arg(1), arg(2)
+        src, dst = ([src], [dst]) if isinstance(src, int) else (list(src), list(dst))
+        src, dst = [normalize_dim(d, nd) for d in src], [normalize_dim(d, nd) for d in dst]
+        rest = iter(d for d in perm if d not in src)
+        placed = dict(zip(dst, src))
+        return [placed[j] if j in placed else next(rest) for j in range(nd)]
+    if t in (aten.transpose.int, aten.swapaxes.default, aten.swapdims.default):
+        a, b = normalize_dim(arg(1), nd), normalize_dim(arg(2), nd)
+    elif t is aten.t.default:  # 0-D and 1-D: unchanged
+        a, b = (0, 1) if nd == 2 else (0, 0)
+    else:  # mT, mH, adjoint: the last two dims
+        a, b = nd - 2, nd - 1
+    perm[a], perm[b] = perm[b], perm[a]
+    return perm
 
 
 def arg_of(node: fx.Node, idx: int, name: str, default: object = None) -> object:

@@ -17,7 +17,7 @@ import networkx as nx
 import torch
 import torch.fx as fx
 
-from autotp.analysis.matmuls import ParamMatmul, find_param_matmuls, module_path
+from autotp.analysis.matmuls import ParamMatmul, find_param_embeddings, find_param_matmuls, module_path
 from autotp.analysis.column_layout import column_segments
 from autotp.analysis.ops import Unshardable
 from autotp.analysis.propagate import Region, propagate
@@ -82,22 +82,27 @@ def common_module(paths: list[str]) -> str:
 def analyze(gm: fx.GraphModule, tp: int) -> Analysis:
     """Find the column→row pairs of ``gm`` for tensor-parallel size ``tp``."""
     matmuls = find_param_matmuls(gm)
+    embeddings = {e.node: e for e in find_param_embeddings(gm)}
     result = Analysis(tp, matmuls)
     by_node = {m.node: m for m in matmuls}
     g = dataflow_graph(gm)
-    feed = feeders(g, set(by_node))
+    feed = feeders(g, set(by_node) | set(embeddings))
     fp = Fingerprinter()
     assigned: set[fx.Node] = set()
     failed: set[fx.Node] = set()
+    attempts: list[tuple[fx.Node, str, str]] = []  # (row, module, reason) of the pairs that failed
     weight_uses: dict[str, int] = {}
-    for m in matmuls:
+    for m in [*matmuls, *embeddings.values()]:
         weight_uses[m.weight] = weight_uses.get(m.weight, 0) + 1
     for row in matmuls:
         cols = feed[row.x] | ({row.x} if row.x in by_node else frozenset())
-        if not cols or row.node in assigned or cols & assigned:
+        # an embedding of the ids joins a pair beside its column matmuls (a value embedding added to v: cut
+        # by its feature columns like v), never starts one (the token embedding before the first block)
+        if not cols - set(embeddings) or row.node in assigned or cols & assigned:
             continue
-        columns = [by_node[c] for c in sorted(cols, key=_order(gm))]
-        name = common_module([c.module for c in columns] + [row.module]) or row.module or "<root>"
+        columns = [by_node.get(c) or embeddings[c] for c in sorted(cols, key=_order(gm))]
+        name = common_module([c.module for c in columns if c.kind != "embedding"] + [row.module]) or row.module \
+            or "<root>"
         shared = [m.weight for m in [*columns, row] if weight_uses[m.weight] > 1]
         if shared:
             result.replicated.append((name, f"weight {shared[0]} is used by more than one matmul"))
@@ -112,13 +117,16 @@ def analyze(gm: fx.GraphModule, tp: int) -> Analysis:
             # a block left whole is reported once: a later attempt that pairs its output projection with
             # the next block's input fails only because of it
             if not cols & failed:
-                result.replicated.append((name, f"{e.reason} (at {e.node.name}, {module_path(e.node) or 'top level'})"))
+                attempts.append((row.node, name, f"{e.reason} (at {e.node.name}, {module_path(e.node) or 'top level'})"))
             failed |= set(cols) | {row.node}
             continue
         for n, s in region.specs.items():
             n.meta["autotp"] = s
         result.pairs.append(PairFacts(name, columns, row, {c.name: s for c, s in specs.items()}, region))
         assigned |= set(cols) | {row.node}
+    # a failed attempt whose row matmul was then paired another way (a gate of the block input tried as the
+    # column of q) says nothing about what is left whole
+    result.replicated += [(name, why) for row, name, why in attempts if row not in assigned]
     return result
 
 

@@ -16,7 +16,8 @@ import torch
 import torch.fx as fx
 
 from autotp.analysis.ops import (FACTORIES, NO_OUTPUT, NORMS, RANDOM_P_ARG, REDUCTIONS, SAME_SHAPE, SOFTMAX, SPLITS,
-                                 STAT_KINDS, VIEWS, Rewrite, Unshardable, arg_of, is_guard, ndim_of, reduction_args)
+                                 STAT_KINDS, TRANSPOSES, VIEWS, Rewrite, Unshardable, arg_of, held_whole, is_guard,
+                                 ndim_of, reduction_args)
 from autotp.analysis.shape_rules import ShapeRules
 from autotp.analysis.shapes import Fingerprinter, is_static, normalize_dim
 from autotp.errors import ShardingError
@@ -54,10 +55,11 @@ class _Propagator(ShapeRules):
         self.where = where
         self.region = Region()
         self._kinds: dict[str, str] | None = None
+        self._broadcast: frozenset[fx.Node] = frozenset()  # operands of the node being visited read as replicated
 
     # -- helpers ---------------------------------------------------------------------------------
     def spec(self, x: object) -> Sharding | None:
-        s = self.region.specs.get(x) if isinstance(x, fx.Node) else None
+        s = self.region.specs.get(x) if isinstance(x, fx.Node) and x not in self._broadcast else None
         return s if isinstance(s, Sharding) else None
 
     def rewrite(self, node: fx.Node, arg: int, index: int | None, old: int, new: int) -> None:
@@ -66,9 +68,36 @@ class _Propagator(ShapeRules):
 
     # -- rules -----------------------------------------------------------------------------------
     def visit(self, node: fx.Node) -> None:
-        t = node.target
-        if t in NO_OUTPUT:
+        if node.target in NO_OUTPUT:
             return
+        self._broadcast = self.broadcast_whole(node)
+        try:
+            self._visit(node)
+        finally:
+            self._broadcast = frozenset()
+
+    def broadcast_whole(self, node: fx.Node) -> frozenset[fx.Node]:
+        """Operands that every rank holds whole (a single kv head: Megatron replicates it on every rank) and
+        that meet a split operand of ``node`` with size 1 on its sharded dims (``(b, 1, s, d)`` keys against
+        ``(b, n/t, s, d)`` queries, broadcast by the op): each rank broadcasts them over its own heads, so the
+        op's rule reads them as replicated operands. Their gradient on each rank covers only its heads; the
+        weight block they come from is held by every rank and its gradient is summed over the group."""
+        specs = {x: s for x in node.all_input_nodes if (s := self.spec(x)) is not None}
+        split = [(x, s) for x, s in specs.items() if not held_whole(s)]
+        whole = [x for x, s in specs.items() if held_whole(s)]
+        if not split or not whole:
+            return frozenset()
+        out = []
+        for x in whole:
+            shape, nd = self.fp.shape(x), ndim_of(x)
+            # broadcasting aligns dims from the right (batch dims of a matmul and attention too)
+            at = [d - ndim_of(y) + nd for y, s in split for d in [s.dim, *([s.inner[0]] if s.inner else [])]]
+            if all(d < 0 or shape[d] == 1 for d in at):
+                out.append(x)
+        return frozenset(out)
+
+    def _visit(self, node: fx.Node) -> None:
+        t = node.target
         grouped = [s for a in node.all_input_nodes if (s := self.spec(a)) is not None and s.group]
         if grouped:
             return self.group_read(node, grouped[0])
@@ -89,6 +118,8 @@ class _Propagator(ShapeRules):
             p = arg_of(node, RANDOM_P_ARG[t], "dropout_p" if t is aten.scaled_dot_product_attention.default else "p", 0.0)
             if not (isinstance(p, (int, float)) and p == 0):
                 self.region.random_nodes.append(node)
+        if t is aten.type_as.default and self.spec(node.args[0]) is None:
+            return  # reads only the dtype of the sharded value (``W.type_as(x)``: a weight cast for the matmul)
         if t in SAME_SHAPE or (isinstance(t, torch._ops.OpOverload) and torch.Tag.pointwise in t.tags):
             self.region.specs[node] = self.pointwise(node)
         elif t in SOFTMAX:
@@ -102,19 +133,15 @@ class _Propagator(ShapeRules):
             self.region.specs[node] = self.expand(node)
         elif t in (aten.expand_as.default, aten.broadcast_to.default):  # a replicated value broadcast to sharded
             self.region.specs[node] = self.pointwise(node)
-        elif t in (aten.transpose.int, aten.t.default, aten.numpy_T.default, aten.permute.default,
-                   aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default):
+        elif t in TRANSPOSES or t in (aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims,
+                                      aten.squeeze.default):
             self.region.specs[node] = self.move(node)
         elif t is aten.slice.Tensor:
             self.region.specs[node] = self.slice(node)
         elif t is aten.flatten.using_ints:
             self.region.specs[node] = self.flatten(node)
         elif t is aten.select.int:
-            s = self.spec(node.args[0])
-            d = normalize_dim(node.args[1], ndim_of(node.args[0]))
-            if d == s.dim or (s.inner and d == s.inner[0]):
-                raise Unshardable(node, "select on the sharded dim")
-            self.region.specs[node] = s.moved(s.dim - (d < s.dim), None if not s.inner else s.inner[0] - (d < s.inner[0]))
+            self.region.specs[node] = self.select(node)
         elif t in SPLITS:
             self.region.specs[node] = self.split(node)
         elif t is aten.cat.default:
@@ -138,6 +165,8 @@ class _Propagator(ShapeRules):
             self.region.specs[node] = self.baddbmm(node)
         elif t is aten.repeat_interleave.self_int:
             self.region.specs[node] = self.repeat_interleave(node)
+        elif t is aten.repeat.default:
+            self.region.specs[node] = self.repeat(node)
         elif t in (aten.index_put_.default, aten.index_put.default):
             self.region.specs[node] = self.index_put(node, node.args[0], node.args[1], node.args[2])
         elif t in (aten.index_copy_.default, aten.index_copy.default):  # cache.index_copy_(2, pos, k)
@@ -334,19 +363,27 @@ class _Propagator(ShapeRules):
         return result
 
     def sdpa(self, node: fx.Node) -> Sharding:
+        """Attention per head: q, k and v sharded alike by heads; or one k and v head broadcast over the q
+        heads (``(b, 1, s, d)``, multi-query), which every rank holds whole."""
         q, k, v = node.args[:3]
         mask = arg_of(node, 3, "attn_mask", None)
         gqa = bool(node.kwargs.get("enable_gqa", False))
         sq, sk, sv = self.spec(q), self.spec(k), self.spec(v)
-        if sq is None or sk is None or sv is None:
-            raise Unshardable(node, "attention with replicated q, k or v")
         nd = ndim_of(q)
-        if sq.dim != nd - 3 or sk.dim != nd - 3 or sv.dim != nd - 3 or sk != sv:
+        if sq is None:
+            raise Unshardable(node, "attention with replicated q")
+        broadcast = [x for x, s in ((k, sk), (v, sv)) if s is None]
+        if any(self.fp.shape(x)[nd - 3] != 1 for x in broadcast):
+            raise Unshardable(node, "attention with replicated k or v of several heads")
+        if sq.dim != nd - 3 or any(s is not None and s.dim != nd - 3 for s in (sk, sv)) \
+                or (sk is not None and sv is not None and sk != sv):
             raise Unshardable(node, "attention not sharded by heads")
-        if sq != sk and not gqa:
+        if sk is not None and sq != sk and not gqa:
             raise Unshardable(node, f"q and k heads sharded differently: {sq} vs {sk}")
-        if sq.inner or sk.inner:
+        if sq.inner or (sk is not None and sk.inner):
             raise Unshardable(node, "attention over unmerged replicated heads")
+        for x in broadcast:
+            self._enter_if_learned(node, x)
         ops = [q] + ([mask] if isinstance(mask, fx.Node) else [])
         return self.batched(node, ops, 2)
 
@@ -384,8 +421,8 @@ def propagate(columns: dict[fx.Node, Sharding], row: fx.Node, row_x: fx.Node, fp
         for u in n.users:
             if u in p.region.specs or u in p.region.stats or u is row or u.target in NO_OUTPUT or is_guard(u):
                 continue
-            if u.target is aten.sym_size.int:
-                continue
+            if u.target is aten.sym_size.int or (u.target is aten.type_as.default and u.args[0] is not n):
+                continue  # reads a size or the dtype
             if u.target is operator.getitem and isinstance(p.region.specs[n], tuple):
                 continue
             spec = p.region.specs[n]

@@ -34,15 +34,14 @@ import torch.fx as fx
 
 from autotp.analysis.pairs import Analysis
 from autotp.analysis.matmuls import module_path
-from autotp.analysis.ops import (NO_OUTPUT, NORMS, RANDOM_P_ARG, REDUCTIONS, SAME_SHAPE, SOFTMAX, SPLITS, VIEWS, arg_of,
-                        is_guard, ndim_of)
+from autotp.analysis.ops import (NO_OUTPUT, NORMS, RANDOM_P_ARG, REDUCTIONS, SAME_SHAPE, SOFTMAX, SPLITS, TRANSPOSES,
+                                 VIEWS, arg_of, is_guard, ndim_of, permutation)
 from autotp.analysis.shapes import Fingerprinter, normalize_dim, view_groups
 from autotp.analysis.vocab import VocabFacts
 
 aten = torch.ops.aten
 
-_MOVES = {aten.transpose.int, aten.t.default, aten.numpy_T.default, aten.permute.default, aten.unsqueeze.default,
-          aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default}
+_MOVES = TRANSPOSES | {aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default}
 
 
 class _Whole(Exception):
@@ -336,16 +335,8 @@ class _Sequence:
     def move(self, n: fx.Node) -> int:
         x, t = n.args[0], n.target
         d, nd = self.facts.dims[x], ndim_of(x)
-        if t in (aten.transpose.int, aten.t.default, aten.numpy_T.default, aten.permute.default):
-            perm = list(range(nd))
-            if t is aten.permute.default:
-                perm = [normalize_dim(i, nd) for i in n.args[1]]
-            elif t is aten.transpose.int:
-                i, j = normalize_dim(n.args[1], nd), normalize_dim(n.args[2], nd)
-                perm[i], perm[j] = perm[j], perm[i]
-            elif nd == 2:
-                perm = [1, 0]
-            return perm.index(d)
+        if t in TRANSPOSES:
+            return permutation(n).index(d)
         if t is aten.unsqueeze.default:
             u = normalize_dim(n.args[1], nd + 1)
             return d + (u <= d)

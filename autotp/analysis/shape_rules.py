@@ -10,8 +10,8 @@ import operator
 import torch
 import torch.fx as fx
 
-from autotp.analysis.ops import (SPLITS, Rewrite, Unshardable, arg_of, is_guard, legacy_empty, ndim_of, slice_range,
-                                 split_dims, unflattened_sequence_of_one)
+from autotp.analysis.ops import (SPLITS, TRANSPOSES, Rewrite, Unshardable, arg_of, held_whole, is_guard, legacy_empty, ndim_of,
+                                 permutation, slice_range, split_dims, unflattened_sequence_of_one)
 from autotp.analysis.shapes import is_static, normalize_dim, view_groups
 from autotp.errors import ShardingError
 from autotp.plan.shard_spec import Segment, Sharding
@@ -26,15 +26,8 @@ class ShapeRules:
         s = self.spec(node.args[0])
         nd_in, nd_out = ndim_of(node.args[0]), ndim_of(node)
         t = node.target
-        if t in (aten.transpose.int, aten.t.default, aten.numpy_T.default, aten.permute.default):
-            if t is aten.permute.default:
-                perm = [normalize_dim(d, nd_in) for d in node.args[1]]
-            else:
-                perm = list(range(nd_in))
-                a, b = (0, 1) if t is not aten.transpose.int else (normalize_dim(node.args[1], nd_in), normalize_dim(node.args[2], nd_in))
-                if nd_in >= 2 or t is aten.transpose.int:
-                    perm[a], perm[b] = perm[b], perm[a]
-            where = {src: dst for dst, src in enumerate(perm)}
+        if t in TRANSPOSES:
+            where = {src: dst for dst, src in enumerate(permutation(node))}
             return s.moved(where[s.dim], None if not s.inner else where[s.inner[0]])
         in_shape = self.fp.shape(node.args[0])
         if t is aten.unsqueeze.default:
@@ -70,6 +63,23 @@ class ShapeRules:
                 offset, local = offset + seg.size, local + seg.local()
             raise Unshardable(node, "a partial slice of the sharded dim")
         return s
+
+    def select(self, node: fx.Node) -> Sharding:
+        """``f[:, :, -2]`` of Falcon's ``[b, s, n_heads + 2, d]``: the one k (or v) head, a segment every rank
+        holds, at its local position; the result is held whole. A select inside split heads cannot be local."""
+        s = self.spec(node.args[0])
+        d = normalize_dim(node.args[1], ndim_of(node.args[0]))
+        if d != s.dim and not (s.inner and d == s.inner[0]):
+            return s.moved(s.dim - (d < s.dim), None if not s.inner else s.inner[0] - (d < s.inner[0]))
+        i, full, out = node.args[2], self.fp.shape(node.args[0])[d], self.fp.shape(node)
+        offset = local = 0
+        for seg in s.segments if isinstance(i, int) and out and not (s.inner or s.outer) else ():
+            if offset <= i % full < offset + seg.size and seg.parts == 1 and not seg.inner:
+                at = local + i % full - offset
+                self.rewrite(node, 2, None, i, at if i >= 0 else at - s.local_size)
+                return Sharding(len(out) - 1, (Segment(out[-1], 1),))
+            offset, local = offset + seg.size, local + seg.local()
+        raise Unshardable(node, "select on the sharded dim")
 
     def flatten(self, node: fx.Node) -> Sharding:
         s = self.spec(node.args[0])
@@ -257,12 +267,9 @@ class ShapeRules:
         in_shape = self.fp.shape(node.args[0])
         d = s.dim + off
         seg = s.single()
-        if seg is not None and seg.size == 1 and in_shape[d - off] == 1 and is_static(sizes[d]) and sizes[d] > 1:
-            # one kv head (multi-query) expanded to the query heads: each rank expands to its own q heads
-            if sizes[d] % self.tp:
-                raise Unshardable(node, f"{sizes[d]} heads are not divisible by tp={self.tp}")
-            self.rewrite(node, 1, d, sizes[d], sizes[d] // self.tp)
-            return Sharding(d, (Segment(sizes[d], self.tp),))
+        grown = self._grown(node, s, in_shape, sizes, off)
+        if grown is not None:
+            return grown
         if is_static(sizes[d]) and sizes[d] != -1:
             self.rewrite(node, 1, d, sizes[d], s.local_size)
         if seg is not None and seg.parts < self.tp and s.inner is None:
@@ -275,6 +282,36 @@ class ShapeRules:
                 self.rewrite(node, 1, e, sizes[e], sizes[e] // q)
                 return Sharding(d, s.segments, (e, q))
         return s.moved(d, None if not s.inner else s.inner[0] + off)
+
+    def repeat(self, node: fx.Node) -> Sharding:
+        """``k.repeat(1, n, 1, 1)`` of one kv head held whole: as its expand; other dims tile locally."""
+        s = self.spec(node.args[0])
+        reps = list(node.args[1])
+        in_shape = self.fp.shape(node.args[0])
+        off = len(reps) - len(in_shape)
+        tiled = [j for j, n in enumerate(reps) if not (is_static(n) and n == 1) and j >= off and in_shape[j - off] != 1]
+        grown = None if tiled else self._grown(node, s, in_shape, reps, off)
+        if grown is not None:
+            return grown
+        dims = [s.dim + off, *([s.inner[0] + off] if s.inner else [])]
+        if s.outer or any(not (is_static(reps[d]) and reps[d] == 1) for d in dims):
+            raise Unshardable(node, "repeat of the sharded dim")
+        return s.moved(s.dim + off, None if not s.inner else s.inner[0] + off)
+
+    def _grown(self, node: fx.Node, s: Sharding, in_shape: list[int], sizes: list, off: int) -> Sharding | None:
+        """A value held whole (one kv head) expanded or repeated along one size-1 dim to ``n`` (the query
+        heads): each rank makes only its own n / tp copies, so that dim is split like the queries' heads.
+        ``sizes``: the expand's sizes or the repeat's counts (the same where the input has size 1)."""
+        if not held_whole(s):
+            return None
+        grown = [j for j, n in enumerate(sizes) if is_static(n) and n > 1 and (j < off or in_shape[j - off] == 1)]
+        if len(grown) != 1:
+            return None
+        j = grown[0]
+        if sizes[j] % self.tp:
+            raise Unshardable(node, f"{sizes[j]} heads are not divisible by tp={self.tp}")
+        self.rewrite(node, 1, j, sizes[j], sizes[j] // self.tp)
+        return Sharding(j, (Segment(sizes[j], self.tp),))
 
     def split(self, node: fx.Node) -> tuple[Sharding | None, ...]:
         s = self.spec(node.args[0])

@@ -7,11 +7,17 @@
   or in the graph's outputs. Anything else that reads the logits (an argmax, a sampling step) keeps the
   head replicated, with the reason.
 - A weight used by an embedding and a head (tied, found by identity) gets one layout for both.
+- A head padded past the vocabulary and cropped in the model (``lm_head(x)[..., :vocab_size]``, ``narrow``)
+  keeps all its rows vocab-parallel: the crop is the vocab padding already there, so it becomes the identity on
+  each rank's logits and the layout records the classes (``VocabLayout.classes``) that the loss and the
+  returned logits keep.
+- An unpaired matmul that is not an LM head is reported as what its dataflow says it is: a gate (a few
+  features read by sigmoid, softmax or a multiply), a router (read by topk), else a linear outside every pair.
 """
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.fx as fx
@@ -19,9 +25,9 @@ import torch.fx as fx
 from autotp.errors import ShardingError
 from autotp.analysis.pairs import Analysis
 from autotp.analysis.matmuls import ParamMatmul, module_path
-from autotp.analysis.ops import SAME_SHAPE, VIEWS, Unshardable, arg_of, ndim_of
+from autotp.analysis.ops import SAME_SHAPE, VIEWS, Unshardable, arg_of, ndim_of, slice_range
 from autotp.analysis.propagate import _Propagator
-from autotp.analysis.shapes import Fingerprinter, normalize_dim
+from autotp.analysis.shapes import Fingerprinter, is_static, normalize_dim
 from autotp.plan.shard_spec import Segment, Sharding, VocabLayout
 
 aten = torch.ops.aten
@@ -29,6 +35,7 @@ aten = torch.ops.aten
 _LAYOUT_OPS = VIEWS | SAME_SHAPE | {aten.flatten.using_ints, aten.slice.Tensor, aten.transpose.int,
                                       aten.permute.default, aten.unsqueeze.default, aten.squeeze.dim}
 _NLL = {aten.nll_loss_nd.default, aten.nll_loss.default}
+_CROPS = {aten.slice.Tensor, aten.narrow.default}
 
 
 @dataclass
@@ -64,10 +71,30 @@ class _VocabPropagator(_Propagator):
         super().__init__(fp, tp, where)
         self.logprobs: set[fx.Node] = set()
         self.losses: list[LossFact] = []
+        self.crop: fx.Node | None = None  # the slice that crops a padded head to its classes
+        self.classes: int | None = None
+        self.cropped: set[fx.Node] = set()  # the crop and every value computed from it
 
     def visit(self, node: fx.Node) -> None:
+        after_crop = any(a in self.cropped for a in node.all_input_nodes)
+        self._read(node)
+        if after_crop or node is self.crop:
+            self.cropped.add(node)
+
+    def _read(self, node: fx.Node) -> None:
         t = node.target
         src = node.args[0] if node.args else None
+        if t in _CROPS and self.spec(src) is not None:
+            s = self.spec(src)
+            if normalize_dim(arg_of(node, 1, "dim", 0), ndim_of(src)) == s.dim:
+                if src in self.logprobs:
+                    raise Unshardable(node, "log-probabilities cut along the vocab dim: the rows cut off took part "
+                                            "in the softmax, so they are not padding")
+                self.region.specs[node] = self._crop(node, s)
+                return
+            if t is aten.narrow.default:  # along another dim: the sharding is unchanged
+                self.region.specs[node] = s
+                return
         if t is aten.cross_entropy_loss.default:
             s = self.spec(src)
             if s is None or ndim_of(src) != 2 or s.dim != 1 or arg_of(node, 2, "weight") is not None:
@@ -97,6 +124,35 @@ class _VocabPropagator(_Propagator):
             return
         super().visit(node)
 
+    def _crop(self, node: fx.Node, s: Sharding) -> Sharding:
+        """``logits[..., :V]`` / ``logits.narrow(-1, 0, V)`` of the (padded) vocab dim: the rows past V are
+        vocab padding, so the crop is the identity on each rank's ``local`` columns (its end is rewritten to
+        ``local``) and V is recorded as the classes. Before any softmax: the crop decides what is normalised."""
+        full = self.fp.shape(node.args[0])[s.dim]
+        if node.target is aten.narrow.default:
+            start, length = node.args[2], node.args[3]
+            if not (is_static(start) and is_static(length)):
+                raise Unshardable(node, "the vocab dim is narrowed to a size known only at run time")
+            start = start + full if start < 0 else start
+            r, old = (start, start + length), length
+        else:
+            r, old = slice_range(node, full), arg_of(node, 3, "end", None)
+            if r is None:
+                raise Unshardable(node, "the vocab dim is sliced with a step or at a size known only at run time")
+        if r == (0, full):
+            return s
+        if r[0] != 0 or r[1] <= 0:
+            raise Unshardable(node, f"the logits keep classes [{r[0]}, {r[1]}) of {full}: only a crop to the first "
+                                    "classes ([..., :vocab_size]) folds into the vocab padding")
+        if self.classes is not None and self.classes != r[1]:
+            raise Unshardable(node, f"the logits are cropped to {r[1]} classes here and to {self.classes} at "
+                                    f"{self.crop.name}")
+        if len(node.args) < 4:  # the end (slice) or length (narrow) is args[3]
+            raise Unshardable(node, "a crop of the vocab dim whose size is not a positional argument")
+        self.crop, self.classes = node, r[1]
+        self.rewrite(node, 3, None, old, s.local_size)  # [..., :100] -> [..., :64] on 64 local columns
+        return s
+
     def _log_softmax_of(self, node: fx.Node) -> fx.Node | None:
         while node in self.logprobs:
             if node.target in (aten.log_softmax.int, aten._log_softmax.default):
@@ -121,6 +177,64 @@ def _from_data(ids: fx.Node) -> bool:
     return False
 
 
+# what a matmul's output passes through before it is read: layout and casts (logits.float()[..., :V])
+_THROUGH = _LAYOUT_OPS | {aten.narrow.default, aten.select.int, aten.expand.default, aten.squeeze.dims,
+                          aten.squeeze.default, aten.t.default, operator.getitem}
+_LOSSES = {aten.cross_entropy_loss.default, aten.log_softmax.int, aten._log_softmax.default, *_NLL}
+# what reads a gate's few outputs: an activation, a weighting of other values, a choice among them
+_ACTIVATIONS = {aten.sigmoid.default, aten.softmax.int, aten._softmax.default, aten.tanh.default, aten.silu.default}
+_GATE_READS = _ACTIVATIONS | {aten.mul.Tensor, aten.topk.default}
+# read only for their shape (``zeros_like(router_logits)``)
+_SHAPE_ONLY = {aten._assert_tensor_metadata.default, aten.sym_size.int, aten.zeros_like.default,
+               aten.ones_like.default, aten.empty_like.default, aten.full_like.default, aten.new_zeros.default,
+               aten.new_ones.default, aten.new_empty.default, aten.new_full.default}
+
+
+def _readers(node: fx.Node) -> list[fx.Node]:
+    """The first ops that compute with ``node``'s values, looking through views, casts and slices."""
+    out, todo, seen = [], [node], set()
+    while todo:
+        n = todo.pop()
+        for u in n.users:
+            if u in seen or u.target in _SHAPE_ONLY:
+                continue
+            seen.add(u)
+            (todo if u.target in _THROUGH else out).append(u)
+    return out
+
+
+def _op_name(n: fx.Node) -> str:
+    if n.op == "output":
+        return "the graph's output"
+    return getattr(n.target, "__name__", str(n.target)).split(".")[0].lstrip("_")
+
+
+def _kept_whole(m: ParamMatmul, why: str) -> str:
+    """Why an unpaired matmul that could not be made vocab-parallel stays whole, named by what it is: its
+    dataflow and shapes decide (a loss or the output reads an LM head; a gate maps to fewer features than it
+    reads, and they are read by an activation, a multiply or topk; a router's are chosen among by topk)."""
+    readers = _readers(m.node)
+    shape = f"{m.in_features}→{m.out_features}"
+    if any(u.op == "output" or u.target in _LOSSES for u in readers):
+        return f"LM head kept whole: {why}"
+    if m.out_features < m.in_features and readers and all(u.target in _GATE_READS for u in readers):
+        then = [v for u in readers if u.target in _ACTIVATIONS for v in _readers(u)]  # sigmoid -> mul, softmax -> topk
+        reads = " then ".join(", ".join(sorted({_op_name(u) for u in us})) for us in (readers, then) if us)
+        if any(u.target is aten.topk.default for u in [*readers, *then]):
+            return (f"router kept whole: its {shape} linear is read by {reads}, which chooses among all "
+                    f"{m.out_features} of its outputs on every rank; cutting them would only add a gather, and "
+                    f"its weight is small")
+        feats = f"{m.out_features} feature{'s' if m.out_features > 1 else ''}"
+        return (f"gate kept whole: its {shape} linear is read by {reads}, which weights replicated activations "
+                f"with its whole output ({feats}) on every rank; cutting it would only add a gather, and its weight "
+                f"is small")
+    if m.out_features >= m.in_features:
+        return f"LM head kept whole: {why}"
+    reads = ", ".join(sorted({_op_name(u) for u in readers})) or "nothing"
+    return (f"linear kept whole: its {shape} linear is outside every column→row pair and is not an LM head "
+            f"(its output is read by {reads})")
+
+
 def _propagate_head(m: ParamMatmul, layout: VocabLayout, fp: Fingerprinter, tp: int) -> HeadFact:
     p = _VocabPropagator(fp, tp, m.module)
     spec = Sharding(ndim_of(m.node) - 1, (Segment(layout.padded(tp), tp),))
@@ -138,6 +252,11 @@ def _propagate_head(m: ParamMatmul, layout: VocabLayout, fp: Fingerprinter, tp: 
             continue
         if node.op == "call_function" and any(a in p.region.specs for a in node.all_input_nodes):
             p.visit(node)
+    if p.region.slices or p.region.params:  # replicated operands spanning the vocab: not planned for heads
+        x = (p.region.slices or p.region.params)[0]
+        raise Unshardable(x[0], f"{x[1].name if p.region.slices else x[0].name} spans the vocab dim of the logits")
+    if p.classes is not None:
+        layout = replace(layout, classes=p.classes)
     head = HeadFact(m, layout, p.losses, specs={n: s for n, s in p.region.specs.items() if isinstance(s, Sharding)},
                     rewrites=p.region.rewrites)
     loss_nodes = {x.node for x in p.losses}
@@ -152,6 +271,12 @@ def _propagate_head(m: ParamMatmul, layout: VocabLayout, fp: Fingerprinter, tp: 
             if u.target is operator.getitem:
                 continue
             raise Unshardable(u, f"the logits {n.name} are read by {u.target}")
+    if p.crop is not None:  # every loss and returned value must see the classes only, as the crop gives them
+        whole = [(x.node, f"the loss {x.node.name} reads") for x in p.losses if x.logits not in p.cropped] + \
+                [(n, f"the graph returns {n.name} with") for n, _ in head.outputs if n not in p.cropped]
+        if whole:
+            raise Unshardable(whole[0][0], f"the logits are cropped to {p.classes} classes at {p.crop.name}, but "
+                                           f"{whole[0][1]} all {layout.size} rows")
     return head
 
 
@@ -178,24 +303,27 @@ def analyze_vocab(gm: fx.GraphModule, a: Analysis, tp: int, multiple: int = 1) -
             # a projection of a block already reported replicated is not an LM head: its reason stands
             if not any(m.module == r or m.module.startswith(r + ".") for r, _ in a.replicated):
                 why = f"{e.reason} (at {e.node.name})" if isinstance(e, Unshardable) else str(e)
-                a.replicated.append((m.module, f"LM head kept whole: {why}"))
+                a.replicated.append((m.module, _kept_whole(m, why)))
             continue
         if not head.losses and not head.outputs:
             continue
-        others = [u for u in uses[m.weight] if u is not m.node and u.target is not aten.embedding.default]
+        others = [u for u in uses[m.weight] if u is not m.node and u not in m.chain
+                  and u.target not in (aten.embedding.default, aten._assert_tensor_metadata.default)]
         if others:
             a.replicated.append((m.module, f"LM head kept whole: its weight is also used by {others[0].name}"))
             continue
         facts.heads.append(head)
         layouts[m.weight] = layout
     head_nodes = {h.matmul.node for h in facts.heads}
+    head_chains = {n for h in facts.heads for n in h.matmul.chain}
     for node in gm.graph.nodes:
         if node.target is not aten.embedding.default or not isinstance(node.args[0], fx.Node):
             continue
         w = node.args[0].target
-        if w not in params or params[w].dim() != 2 or not _from_data(node.args[1]):
+        if node in paired or w not in params or params[w].dim() != 2 or not _from_data(node.args[1]):
             continue
-        others = [u for u in uses[w] if u.target is not aten.embedding.default and u not in head_nodes]
+        others = [u for u in uses[w] if u.target not in (aten.embedding.default, aten._assert_tensor_metadata.default)
+                  and u not in head_nodes and u not in head_chains]
         if others:
             a.replicated.append((module_path(node) or w,
                                  f"embedding kept whole: its weight is also used by {others[0].name}"))

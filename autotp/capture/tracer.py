@@ -5,7 +5,8 @@ module-level tensors, hooks on submodules, buffers written in forward) on fake t
 the parameters and buffers itself: no copy of the model, no memory, no real compute, and the model is left
 as it was. Every dim of every tensor input is ``Dim.AUTO``: export keeps batch, sequence and cache lengths
 symbolic unless the model pins them. Sizes 0 and 1 are specialized by export, so they are part of the
-cache key (:func:`autotp.capture.structure.call_key`).
+cache key (:func:`autotp.capture.structure.call_key`); any other size a graph is guarded on (a sequence
+length compared with a mask buffer's) is asked of the graph itself (:func:`input_guard`).
 
 The exported graph takes and returns flat tuples of tensors (:mod:`autotp.capture.structure`), so any Python object
 a forward takes or returns (a model-output dataclass, a cache object holding tensors) is captured without
@@ -23,16 +24,19 @@ import logging
 import os
 import traceback
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
+from types import SimpleNamespace
 
 import torch
 import torch.fx as fx
 import torch.nn as nn
+import torch.utils._pytree as pytree
 from torch.export import Dim
 from torch.nn.utils.stateless import _reparametrize_module
 
 from autotp.errors import CaptureError
 from autotp.runtime.gathered import GatheredOnUse
+from autotp.capture.canonical import canonicalize
 from autotp.capture.structure import Spec, flatten, unflatten
 
 _HOOK_DICTS = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called",
@@ -106,7 +110,7 @@ def capture(model: nn.Module, args: tuple, kwargs: dict, *, forward: Callable | 
         except CaptureError:
             pass  # the meta constants are the model's own meta tensor attributes: the meta graph is all there is
     retarget_device(gm, device or source, source)
-    index_lists_as_slices(gm)
+    canonicalize(gm)
     return gm, spec
 
 
@@ -174,6 +178,46 @@ def _export(model: nn.Module, tensors: list[torch.Tensor], forward: Callable) ->
     return ep.module()
 
 
+def input_guard(gm: fx.GraphModule) -> Callable[[Sequence[torch.Tensor]], bool]:
+    """Whether the graph :func:`capture` returned (taken before any rewrite) accepts these flat inputs.
+
+    Export keeps a size symbolic only as far as the model's code lets it. A causal mask buffer sliced to the
+    sequence (``bias[:, :, :T, :T]`` of a (1, 1, 8, 8) buffer) makes it tell ``T == 8`` (the whole buffer)
+    from ``T < 8``: captured at T = 5 the graph is guarded with ``T != 8``, captured at T = 8 it is pinned to
+    8. Those guards refine :func:`~autotp.capture.structure.call_key`, which keeps sizes other than 0 and 1
+    out of the key: a sampling loop whose context grows to block_size reaches a size its signature's graph
+    rejects. The exported module's guard function (sizes specialized or bounded, relations between them,
+    the tracer's own guards) answers; a module without one (older torch) gets the shape and range check its
+    input pre-hook runs, on the shapes recorded at capture.
+    """
+    guards = getattr(gm, "_guards_fn", None)
+    if guards is not None:
+        def accepts(flat: Sequence[torch.Tensor]) -> bool:
+            try:
+                guards(*flat)  # torch._assert per guard: reads sizes only, never values
+            except AssertionError:
+                return False
+            return True
+
+        return accepts
+    from torch._export.utils import _check_input_constraints_for_graph
+
+    # the check reads node.meta["val"]; passes later give sharded inputs their local shapes, so keep the
+    # captured ones
+    placeholders = [SimpleNamespace(meta={"val": n.meta.get("val")}) for n in gm.graph.find_nodes(op="placeholder")]
+    ranges = dict(getattr(gm, "range_constraints", None) or {})
+
+    def accepts(flat: Sequence[torch.Tensor]) -> bool:
+        try:
+            _check_input_constraints_for_graph(
+                placeholders, [((pytree.SequenceKey(i),), t) for i, t in enumerate(flat)], ranges)
+        except RuntimeError:
+            return False
+        return True
+
+    return accepts
+
+
 def _reason(e: Exception) -> str:
     text = str(e).strip().splitlines()
     return text[0] if text else type(e).__name__
@@ -205,52 +249,3 @@ def retarget_device(gm: fx.GraphModule, device: torch.device, source: torch.devi
         if any(a == source for a in node.args if isinstance(a, torch.device)):
             node.args = tuple(device if isinstance(a, torch.device) and a == source else a for a in node.args)
     gm.recompile()
-
-
-def index_lists_as_slices(gm: fx.GraphModule) -> None:
-    """Read ``x[..., [-2], :]`` as ``x[..., -2:-1, :]``: an index of one dim by a constant list of consecutive
-    ascending positions is the slice it equals (same values, same gradient). Public code picks a fused
-    projection's key and value heads this way (Falcon's ``qkv[..., [-2], :]``); as a slice, analysis reads
-    the fused layout like any other offset slice."""
-    aten = torch.ops.aten
-    changed = False
-    for node in list(gm.graph.nodes):
-        if node.target is not aten.index.Tensor:
-            continue
-        x, indices = node.args[0], list(node.args[1])
-        picked = [i for i, ix in enumerate(indices) if ix is not None]
-        if len(picked) != 1 or picked[0] != len(indices) - 1:
-            continue
-        d, ix = picked[0], indices[-1]
-        size = x.meta["val"].shape[d] if isinstance(x, fx.Node) and "val" in x.meta else None
-        values = _constant(gm, ix)
-        if not isinstance(size, int) or values is None or values.dim() != 1 or values.numel() == 0 \
-                or values.dtype not in (torch.int64, torch.int32) or ((values < -size) | (values >= size)).any():
-            continue
-        pos = [int(v) % size for v in values]
-        if pos != list(range(pos[0], pos[0] + len(pos))):
-            continue
-        with gm.graph.inserting_before(node):
-            sl = gm.graph.call_function(aten.slice.Tensor, (x, d, pos[0], pos[0] + len(pos)))
-        sl.meta = dict(node.meta)
-        node.replace_all_uses_with(sl)
-        gm.graph.erase_node(node)
-        for dead in (ix, *ix.all_input_nodes):
-            if not dead.users:
-                gm.graph.erase_node(dead)
-        changed = True
-    if changed:
-        gm.recompile()
-
-
-def _constant(gm: fx.GraphModule, node: object) -> torch.Tensor | None:
-    """The value of a constant tensor node (``get_attr``, or ``lift_fresh_copy`` of one); None otherwise, or on
-    meta (a meta capture loses it)."""
-    if isinstance(node, fx.Node) and node.target is torch.ops.aten.lift_fresh_copy.default:
-        node = node.args[0]
-    if not (isinstance(node, fx.Node) and node.op == "get_attr"):
-        return None
-    value = gm
-    for part in node.target.split("."):
-        value = getattr(value, part, None)
-    return value if isinstance(value, torch.Tensor) and not value.is_meta else None

@@ -11,13 +11,14 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from autotp.analysis.coverage import WholeParam
 from autotp.analysis.ops import Rewrite
 from autotp.plan.shard_spec import (Segment, VocabLayout, local_pieces, shard_tensor, unshard_tensor, vocab_shard,
                                vocab_unshard)
 
-PLAN_VERSION = 5
-_READS = (1, 2, 3, 4, 5)  # 1: no gathered outputs or sharded inputs, 2: no statistics, 3: no sequence parallelism
-# or grouped segments, 4: no collective dtypes
+PLAN_VERSION = 6
+_READS = (1, 2, 3, 4, 5, 6)  # 1: no gathered outputs or sharded inputs, 2: no statistics, 3: no sequence
+# parallelism or grouped segments, 4: no collective dtypes, 5: no list of the weights left whole
 # the module the one gradient all-reduce of parameters applied to sequence slices is reported under
 SEQ_PARAMS = "(sequence-parallel parameters)"
 
@@ -77,6 +78,9 @@ class PairPlan:
     # (consumer, operand): a replicated value computed from parameters used with sharded ones (a per-head
     # norm's weight); it gets f too, so its partial gradients are summed
     also_enter: tuple[tuple[str, str], ...] = ()
+    # (reader, x): a node that reads the entering value x on its way to a column (``x[..., :12]`` into a
+    # gate): it reads x through x's f, so one all-reduce sums the gradient of x and of what is derived from it
+    enter_via: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -255,6 +259,8 @@ class Plan:
     stats: tuple[Stat, ...] = ()
     buffers: tuple[tuple[str, ParamShard], ...] = ()  # module buffers sharded like the values written into them
     sequence: SequencePlan | None = None  # sequence parallelism, when asked for
+    # every parameter of two or more dims that no rank holds a slice of, and why (the completeness check)
+    whole: tuple[WholeParam, ...] = ()
     version: int = field(default=PLAN_VERSION)
 
     def param(self, name: str) -> ParamShard | None:
@@ -308,7 +314,8 @@ class Plan:
         sequence = None if d.get("sequence") is None else SequencePlan.from_dict(d["sequence"])
         return cls(d["tp"], params, pairs, rewrites, collectives, tuple(d["random_nodes"]),
                    tuple(tuple(r) for r in d["replicated"]), vocab, gathered, inputs, slices, stats,
-                   shards(d.get("buffers", {})), sequence, PLAN_VERSION)
+                   shards(d.get("buffers", {})), sequence, tuple(WholeParam(**w) for w in d.get("whole", ())),
+                   PLAN_VERSION)
 
     @classmethod
     def from_json(cls, text: str) -> Plan:

@@ -6,6 +6,7 @@ import dataclasses
 import torch
 import torch.fx as fx
 
+from autotp.analysis.coverage import whole_params
 from autotp.analysis.pairs import Analysis, analyze
 from autotp.analysis.matmuls import ParamMatmul, column_form, module_path
 from autotp.plan.plan import (SEQ_PARAMS, Collective, GatheredOutput, LocalSlice, PairPlan, ParamShard, Plan, SeqEnter,
@@ -13,6 +14,8 @@ from autotp.plan.plan import (SEQ_PARAMS, Collective, GatheredOutput, LocalSlice
 from autotp.analysis.sequence import analyze_sequence
 from autotp.plan.shard_spec import Segment, VocabLayout
 from autotp.analysis.vocab import VocabFacts, analyze_vocab
+
+aten = torch.ops.aten
 
 
 
@@ -24,6 +27,36 @@ def _dtype(node: fx.Node) -> str:
     """The dtype a value has as captured: under ``torch.autocast`` a matmul's output is the low dtype."""
     val = node.meta.get("val")
     return str(val.dtype).removeprefix("torch.") if isinstance(val, torch.Tensor) else ""
+
+
+def _value(gm: fx.GraphModule, node: fx.Node) -> torch.Tensor:
+    """A parameter node's tensor, or the captured value of what it became (its cast)."""
+    return gm.get_parameter(node.target) if node.op == "get_attr" else node.meta["val"]
+
+
+# ops that take part of a value or change its layout: what is derived from an entering value on its way to a column
+_DERIVE = {aten.slice.Tensor, aten.select.int, aten.view.default, aten.reshape.default, aten._unsafe_view.default,
+           aten.unsqueeze.default, aten.squeeze.dim, aten.transpose.int, aten.permute.default, aten.to.dtype,
+           aten._to_copy.default, aten.contiguous.default, aten.clone.default, aten.alias.default}
+
+
+def _entering_via(xs: list[fx.Node], columns: set[fx.Node]) -> dict[fx.Node, tuple[fx.Node, fx.Node]]:
+    """Column inputs derived from another column input ``root`` of the pair (a gate of ``x[..., :12]`` beside
+    q, k and v of ``x``) through ops read by nothing else: ``{derived: (reader of root, root)}``. Entering at
+    ``root`` alone, one all-reduce sums both gradients (each rank's covers only its own columns)."""
+    out = {}
+    for x in xs:
+        if any(u not in columns for u in x.users):
+            continue
+        node, reader = x, None
+        while node.op == "call_function" and node.target in _DERIVE and isinstance(node.args[0], fx.Node):
+            node, reader = node.args[0], node
+            if node in xs and node is not x:
+                out[x] = (reader, node)
+                break
+            if len([u for u in node.users if u.target is not aten._assert_tensor_metadata.default]) != 1:
+                break
+    return out
 
 
 def _compute_dtype(x: fx.Node, matmuls: list[fx.Node]) -> str:
@@ -84,7 +117,9 @@ def _vocab_plan(gm: fx.GraphModule, v: VocabFacts, tp: int, params: dict, rewrit
     )
 
 
-def plan_from_analysis(gm: fx.GraphModule, a: Analysis, v: VocabFacts | None = None) -> Plan:
+def plan_from_analysis(gm: fx.GraphModule, a: Analysis, v: VocabFacts | None = None, fold: bool = True) -> Plan:
+    """``fold``: a column input derived from another one enters through its f (see :func:`_entering_via`);
+    with sequence parallelism each is gathered itself instead."""
     params: dict[str, ParamShard] = {}
     buffers: dict[str, ParamShard] = {}
     pairs, rewrites, collectives, random_nodes, gathered, inputs, slices, stats = [], [], [], [], [], [], [], []
@@ -96,17 +131,22 @@ def plan_from_analysis(gm: fx.GraphModule, a: Analysis, v: VocabFacts | None = N
                 params[c.bias] = _shard("column", c.module, tuple(gm.get_parameter(c.bias).shape), 0, segs)
         row_segs = p.region.row_input.segments
         params[p.row.weight] = _shard("row", p.row.module, _weight_shape(gm, p.row), p.row.in_dim, row_segs)
-        enter = tuple(dict.fromkeys(c.x.name for c in p.columns))
+        matmuls = [c for c in p.columns if c.kind != "embedding"]  # an embedding's ids need no gradient
+        xs = list(dict.fromkeys(c.x for c in matmuls))
+        via = _entering_via(xs, {c.node for c in matmuls}) if fold else {}
+        xs = [x for x in xs if x not in via]
+        enter = tuple(x.name for x in xs)
         also = tuple((c.name, x.name) for c, x in p.region.entering)
         pairs.append(PairPlan(p.name, tuple(c.node.name for c in p.columns), tuple(c.weight for c in p.columns),
-                              enter, p.row.node.name, p.row.weight, p.row.bias, also))
+                              enter, p.row.node.name, p.row.weight, p.row.bias, also,
+                              tuple((reader.name, root.name) for reader, root in via.values())))
         for _, x in p.region.entering:
             collectives.append(Collective("all_reduce", "sum", "backward", p.name, x.name, _shape(x), _dtype(x)))
         collectives.append(Collective("all_reduce", "sum", "forward", p.name, p.row.node.name, _shape(p.row.node),
                                       _dtype(p.row.node)))
-        for x in dict.fromkeys(c.x for c in p.columns):
+        for x in xs:
             collectives.append(Collective("all_reduce", "sum", "backward", p.name, x.name, _shape(x),
-                                          _compute_dtype(x, [c.node for c in p.columns if c.x is x])))
+                                          _compute_dtype(x, [c.node for c in matmuls if c.x is x])))
         rewrites.extend(p.region.rewrites)
         random_nodes.extend(n.name for n in p.region.random_nodes)
         for n in p.region.outputs:
@@ -166,7 +206,7 @@ def sequence_plan(gm: fx.GraphModule, a: Analysis, v: VocabFacts, plan: Plan) ->
                   Collective("all_gather", "", "backward", module, node.name, _shape(node), _dtype(node))]
         pair = rows.get(source)
         if pair is not None and pair.row.bias is not None:  # added after the reduce-scatter, to s/t positions
-            bias = next(x for x in source.all_input_nodes if x.op == "get_attr" and x.target == pair.row.bias)
+            bias = source.args[2 if pair.row.kind == "linear" else 0]  # the parameter, or its cast
             grads.append((source.name, bias.name))
     for module, x, node, dim, flatten in f.enters:
         users = [c for c in matmuls[module] if x in c.all_input_nodes]
@@ -189,8 +229,8 @@ def sequence_plan(gm: fx.GraphModule, a: Analysis, v: VocabFacts, plan: Plan) ->
                                     value.name, _shape(value), _dtype(value)))
     if grads:
         by_name = {n.name: n for n in gm.graph.nodes}
-        numel = sum(gm.get_parameter(by_name[g].target).numel() for g in dict.fromkeys(g for _, g in grads))
-        dtype = str(gm.get_parameter(by_name[grads[0][1]].target).dtype).removeprefix("torch.")
+        vals = [_value(gm, by_name[g]) for g in dict.fromkeys(g for _, g in grads)]
+        numel, dtype = sum(v.numel() for v in vals), str(vals[0].dtype).removeprefix("torch.")
         added.append(Collective("all_reduce", "sum", "backward", SEQ_PARAMS, grads[0][1], (str(numel),), dtype))
     for consumer, x in f.enter_grads:
         added.append(Collective("all_reduce", "sum", "backward", module_path(consumer), x.name, _shape(x), _dtype(x)))
@@ -216,16 +256,30 @@ def make_plan(gm: fx.GraphModule, tp: int, vocab_multiple: int = 1, sequence_par
         return Plan(tp=1)
     a = analyze(gm, tp)
     v = analyze_vocab(gm, a, tp, vocab_multiple)
-    plan = plan_from_analysis(gm, a, v)
+    plan = plan_from_analysis(gm, a, v, fold=not sequence_parallel)
+    plan = dataclasses.replace(plan, whole=whole_params(gm, a, {name for name, _ in plan.params}))
     return sequence_plan(gm, a, v, plan) if sequence_parallel else plan
 
 
+def _uncut(seg: Segment) -> Segment:
+    return Segment(seg.size, 1, tuple(_uncut(i) for i in seg.inner))
+
+
 def fused_segments(gm: fx.GraphModule) -> dict[str, ParamShard]:
-    """The parameters of ``gm`` that are fused projections (more than one segment), as analysis at tp 1
-    finds them. Nothing is cut at tp 1, but checkpoints name a fused parameter's segments at every tp, so that
-    one written at tp 1 reshards like any other; a graph analysis cannot read leaves every parameter whole."""
-    try:
-        plan = plan_from_analysis(gm, analyze(gm, 1))
-    except Exception:  # noqa: BLE001 - only checkpoint key names depend on it
-        return {}
-    return {name: shard for name, shard in plan.params if len(shard.segments) > 1 or shard.segments[0].inner}
+    """The parameters of ``gm`` that are fused projections (more than one segment), with nothing cut.
+
+    Checkpoints name a fused parameter's segments at every tp, so that one written at tp 1 reshards like any
+    other. The segments are read from the analysis at the smallest tp that cuts the model (2, else 3): at tp 1
+    every segment is one block, so a single kv head (held whole at any tp) and a group of heads (cut at
+    tp > 1) look alike there and attention reads them differently. A graph analysis cannot read leaves every
+    parameter whole."""
+    for tp in (2, 3, 1):
+        try:
+            plan = plan_from_analysis(gm, analyze(gm, tp))
+        except Exception:  # noqa: BLE001 - only checkpoint key names depend on it
+            continue
+        fused = {name: shard for name, shard in plan.params if len(shard.segments) > 1 or shard.segments[0].inner}
+        if fused or tp == 1:
+            return {name: _shard(shard.role, shard.module, shard.full_shape, shard.dim,
+                                 tuple(_uncut(seg) for seg in shard.segments)) for name, shard in fused.items()}
+    return {}

@@ -147,16 +147,21 @@ def _ratio(a: int | None, b: int | None) -> float | None:
 
 
 # -- parameters ---------------------------------------------------------------------------------------
-def _replicated_reason(name: str, plan: Plan, row_biases: set[str]) -> str:
+def _replicated_reason(name: str, plan: Plan, row_biases: set[str], ndim: int = 2) -> str:
     if plan.tp == 1:
         return "tp 1: nothing is sharded"
     if name in row_biases and plan.sequence is not None and plan.sequence.leaves:
         return "row-parallel bias: added once, after the reduce-scatter (its gradient summed over the group)"
     if name in row_biases:
         return "row-parallel bias: added once, after the all-reduce"
+    for w in plan.whole:
+        if w.name == name:
+            return w.reason
     for module, reason in plan.replicated:
         if name.startswith(module + ".") or module == "<root>":
             return f"{module} left replicated: {reason}"
+    if ndim < 2:
+        return "a vector outside the sharded regions (a norm's weight or bias): applied whole, as Megatron does"
     return "outside every column→row pair and vocab-parallel layer"
 
 
@@ -181,7 +186,7 @@ def param_rows(plan: Plan, named_params: Iterable[tuple[str, torch.Tensor]]) -> 
         full = tuple(t.shape)
         if shard is None:
             rows.append(ParamRow(name, _module(name), "replicated", full, full, _dtype(t), t.numel() * size,
-                                 t.numel() * size, names, _replicated_reason(name, plan, row_biases)))
+                                 t.numel() * size, names, _replicated_reason(name, plan, row_biases, t.dim())))
         else:
             local = tuple(shard.local_shape)
             rows.append(ParamRow(name, shard.module, shard.role, full, local, _dtype(t), t.numel() * size,

@@ -169,11 +169,16 @@ class VocabLayout:
     ``per_rank = ceil(size / tp)``; rows past the owned ones are padding (the last rank's, and any
     rounding of ``local`` up to a multiple for fast GEMMs). The owned ranges are exactly torch.chunk's,
     so the logits a rank holds are its shard of a DTensor ``Shard(-1)`` of the unpadded vocabulary.
+
+    ``classes``: the model crops its logits to the first ``classes`` of its ``size`` rows (a head padded to a
+    multiple of 64, ``lm_head(x)[..., :vocab_size]``). The rows past it are real parameters, stored and
+    stepped like the others; only the logits (:meth:`logits`) treat them as padding. None: every row is a class.
     """
 
     size: int
     per_rank: int
     local: int
+    classes: int | None = None  # a default, so that plans written before it read back
 
     @classmethod
     def make(cls, size: int, tp: int, multiple: int = 1) -> VocabLayout:
@@ -190,6 +195,11 @@ class VocabLayout:
 
     def padded(self, tp: int) -> int:
         return self.local * tp
+
+    def logits(self) -> VocabLayout:
+        """The layout of the logits' classes: the same rows per rank, with the cropped rows as padding.
+        (size 128 cropped to 100 at tp 2: rank 0 owns classes [0, 64), rank 1 [64, 100) and 28 padding.)"""
+        return self if self.classes is None else VocabLayout(self.classes, self.per_rank, self.local)
 
 
 def vocab_shard(full: torch.Tensor, dim: int, layout: VocabLayout, rank: int) -> torch.Tensor:

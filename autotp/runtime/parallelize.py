@@ -19,7 +19,7 @@ import torch.distributed as dist
 import torch.fx as fx
 import torch.nn as nn
 
-from autotp.capture.tracer import capture, stand_ins
+from autotp.capture.tracer import capture, input_guard, stand_ins
 from autotp.capture.structure import Spec, call_key, flatten, unflatten
 from autotp.runtime.collectives import all_reduce, bind_collectives
 from autotp.runtime.data import check_same_inputs
@@ -44,6 +44,8 @@ class Captured:
     out: Spec  # how to rebuild the forward's output around the graph's results
     local_inputs: tuple[tuple[int, ShardedInput], ...] = ()  # flat input index -> taken as its local shard
     seq_length: tuple[int, int] | None = None  # sequence parallel: (flat input index, dim) of the length
+    # whether the graph takes these flat inputs (as called, before local shards): the sizes export guarded it on
+    accepts: Callable[[list[torch.Tensor]], bool] | None = None
 
 
 @dataclass
@@ -125,27 +127,42 @@ class TPModule(nn.Module):
         if st.tp > 1 and (st.check_inputs or key not in st.checked):
             check_same_inputs(args, kwargs, st.group)  # before any rank computes with them
             st.checked.add(key)
-        c = st.graphs.get(key)
-        if c is None:
-            c = _build(self, st, args, kwargs, key)
         flat = flatten((args, kwargs))[0]
+        c = _graph_for(self, st, args, kwargs, key, flat)
         if c.seq_length is not None and flat[c.seq_length[0]].shape[c.seq_length[1]] % st.tp:
-            c = _whole_sequence(self, st, args, kwargs, key, flat[c.seq_length[0]].shape[c.seq_length[1]])
+            c = _whole_sequence(self, st, args, kwargs, key, flat, flat[c.seq_length[0]].shape[c.seq_length[1]])
         for i, s in c.local_inputs:
             flat[i] = _local_input(flat[i], s, st)
         return unflatten(c.module(*flat), c.out)
 
 
-def _whole_sequence(model: nn.Module, st: TPState, args: tuple, kwargs: dict, key: Hashable, length: int) -> Captured:
+def _graph_for(model: nn.Module, st: TPState, args: tuple, kwargs: dict, key: Hashable, flat: list[torch.Tensor],
+               sequence_parallel: bool | None = None) -> Captured:
+    """The graph of this call signature whose guards take ``flat``; captured when none does yet.
+
+    The key leaves sizes other than 0 and 1 dynamic, but export may tell sizes of one signature apart and
+    guard each graph to its own: with a causal mask buffer sliced to the sequence, the graph captured at
+    T < block_size rejects T == block_size, which a sampling loop reaches as its context grows. Such a call
+    gets a graph of its own, cached beside the first as ``(key, "guards", n)``.
+    """
+    variant, n = key, 0
+    while (c := st.graphs.get(variant)) is not None:
+        if c.accepts is None or c.accepts(flat):
+            return c
+        n += 1
+        variant = (key, "guards", n)
+    return _build(model, st, args, kwargs, variant, sequence_parallel=sequence_parallel)
+
+
+def _whole_sequence(model: nn.Module, st: TPState, args: tuple, kwargs: dict, key: Hashable,
+                    flat: list[torch.Tensor], length: int) -> Captured:
     """A call whose sequence length tp does not divide runs a plan without sequence parallelism (same
     numbers, plain tensor parallelism's collectives), captured once for the signature."""
     whole = (key, "whole sequence")
-    c = st.graphs.get(whole)
-    if c is None:
+    if whole not in st.graphs:
         warnings.warn(f"autotp: sequence length {length} is not divisible by tp={st.tp}: calls like this one run "
                       "without sequence parallelism (plain tensor parallelism, the same numbers)", stacklevel=3)
-        c = _build(model, st, args, kwargs, whole, sequence_parallel=False)
-    return c
+    return _graph_for(model, st, args, kwargs, whole, flat, sequence_parallel=False)
 
 
 def _local_input(x: torch.Tensor, s: ShardedInput, st: TPState) -> torch.Tensor:
@@ -215,6 +232,7 @@ def _build(model: nn.Module, st: TPState, args: tuple, kwargs: dict, key: Hashab
                                    if n not in swap}, where))
             swap.update(stand_ins(dict(model.named_buffers(remove_duplicate=False)), where))
     gm, spec = capture(model, args, kwargs, forward=_user_forward(model, st), params=swap, device=st.device)
+    accepts = input_guard(gm)  # before the passes give sharded inputs their local shapes
     plan = _plan(model, st, gm, st.sequence_parallel if sequence_parallel is None else sequence_parallel)
     if st.tp == 1 and not st.plans:
         st.segments = fused_segments(gm)
@@ -225,7 +243,7 @@ def _build(model: nn.Module, st: TPState, args: tuple, kwargs: dict, key: Hashab
         _shard_buffers_in_place(model, st, plan)
     # a model built on meta holds uninitialised memory until a load fills it: every name it had on meta
     st.unloaded = tuple(dict.fromkeys([*st.unloaded, *empty, *allocate_meta(model, st.device)]))
-    return _finish(model, st, gm, spec, key, plan)
+    return _finish(model, st, gm, spec, key, plan, accepts)
 
 
 def _by_id(named, own: dict[str, ParamShard]) -> tuple[dict[int, ParamShard], dict[int, list[str]]]:
@@ -320,7 +338,7 @@ def _set_attr(root: nn.Module, name: str, value: torch.Tensor) -> None:
 
 
 def _finish(model: nn.Module, st: TPState, gm: fx.GraphModule, spec: Spec, key: Hashable,
-            plan: Plan) -> Captured:
+            plan: Plan, accepts: Callable[[list[torch.Tensor]], bool] | None = None) -> Captured:
     """Point the graph at the model's own tensors (shards, buffers) and bind group, rank and RNG."""
     tensors = {**dict(model.named_parameters(remove_duplicate=False)),
                **dict(model.named_buffers(remove_duplicate=False))}
@@ -339,7 +357,7 @@ def _finish(model: nn.Module, st: TPState, gm: fx.GraphModule, spec: Spec, key: 
     index = {n.name: i for i, n in enumerate(n for n in gm.graph.nodes if n.op == "placeholder")}
     seq = plan.sequence
     length = (index[seq.length[0]], seq.length[1]) if seq is not None and seq.length and seq.leaves else None
-    st.graphs[key] = Captured(run, spec, tuple((index[s.node], s) for s in plan.sharded_inputs), length)
+    st.graphs[key] = Captured(run, spec, tuple((index[s.node], s) for s in plan.sharded_inputs), length, accepts)
     st.plans[key] = plan
     return st.graphs[key]
 

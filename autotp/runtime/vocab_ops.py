@@ -110,10 +110,11 @@ class _VocabCE(torch.autograd.Function):
 
 
 class VocabCrossEntropy(_VocabModule):
-    """cross_entropy over vocab-sharded logits (n, local) with global targets (n,); never gathers logits."""
+    """cross_entropy over vocab-sharded logits (n, local) with global targets (n,); never gathers logits.
+    Only the classes count: rows of a head cropped in the model (``classes``) are padding, as the crop made them."""
 
     def __init__(self, layout: VocabLayout, reduction: int, ignore_index: int, label_smoothing: float):
-        super().__init__(layout)
+        super().__init__(layout.logits())
         self.reduction = reduction
         self.ignore_index = ignore_index
         self.label_smoothing = label_smoothing
@@ -130,12 +131,14 @@ class VocabCrossEntropy(_VocabModule):
 class VocabOutput(GatherOutput):
     """This rank's logits, handed back as the full (b, s, V) tensor that is gathered only when read
     (:class:`~autotp.runtime.gathered.GatheredOnUse`): a training step that only uses the loss moves no b·s·V data.
-    Padding rows never reach the user: each rank contributes its owned rows only."""
+    Padding rows never reach the user: each rank contributes its owned classes only, so a head cropped in the
+    model (``layout.classes``) gives ``classes`` of them, as the unsharded model's crop does."""
 
     def __init__(self, layout: VocabLayout, dim: int):
-        super().__init__(dim, layout.size,
-                         lambda shards, tp: vocab_unshard(shards, dim, layout),
-                         lambda grad, rank: vocab_shard(grad, dim, layout, rank))
+        classes = layout.logits()
+        super().__init__(dim, classes.size,
+                         lambda shards, tp: vocab_unshard(shards, dim, classes),
+                         lambda grad, rank: vocab_shard(grad, dim, classes, rank))
         self.layout = layout
 
 

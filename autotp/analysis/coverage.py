@@ -1,0 +1,126 @@
+"""Every weight left whole, with the reason: the completeness check of a plan.
+
+A parameter of two or more dims that no column→row pair, vocab-parallel layer or head-sharded region cuts
+is a gap (memory every rank pays in full) unless there is a reason for it. Each one is classified by what
+reads it in the graph, through casts and transposes:
+
+- the weight of a matmul: the reason its module was left replicated (analysis recorded it), else what its
+  output feeds;
+- the table of an embedding: indexed by positions (Megatron keeps position embeddings whole), or the
+  reason its vocab-parallel layout was refused;
+- anything else: the op that reads it, which no sharding rule reads as a weight.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from autotp.analysis.matmuls import ParamMatmul, module_path
+from autotp.analysis.pairs import Analysis
+
+aten = torch.ops.aten
+
+_PASS_THROUGH = {aten.to.dtype, aten.to.dtype_layout, aten.to.device, aten._to_copy.default, aten.type_as.default,
+                 aten.contiguous.default, aten.clone.default, aten.alias.default, aten.t.default,
+                 aten.numpy_T.default, aten.transpose.int, aten.permute.default, aten.mT.default}
+_NO_OUTPUT = {aten._assert_tensor_metadata.default}
+
+
+@dataclass(frozen=True)
+class WholeParam:
+    """A parameter of a linear, embedding or matmul that every rank holds whole, and why."""
+
+    name: str
+    module: str
+    reason: str
+
+
+def _readers(node: fx.Node) -> list[fx.Node]:
+    """What reads a parameter, looking through casts and transposes."""
+    out, todo = [], [node]
+    while todo:
+        n = todo.pop()
+        for u in n.users:
+            if u.target in _NO_OUTPUT:
+                continue
+            if u.target in _PASS_THROUGH and u.args[0] is n:
+                todo.append(u)
+            else:
+                out.append(u)
+    return out
+
+
+def _replicated_reason(module: str, a: Analysis) -> str | None:
+    for where, reason in a.replicated:
+        if where == "<root>" or module == where or module.startswith(where + "."):
+            return reason if module == where else f"{where} left replicated: {reason}"
+    return None
+
+
+def _from_data(ids: fx.Node) -> bool:
+    seen, todo = set(), [ids]
+    while todo:
+        n = todo.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n.op == "placeholder":
+            return True
+        if n.target is not aten.sym_size.int:
+            todo.extend(n.all_input_nodes)
+    return False
+
+
+def _matmul_reason(m: ParamMatmul, a: Analysis) -> str:
+    known = _replicated_reason(m.module, a)
+    if known is not None:
+        return known
+    readers = sorted({str(getattr(u.target, "__name__", u.target)) for u in m.node.users if u.target not in _NO_OUTPUT})
+    return (f"a {m.in_features}→{m.out_features} matmul outside every column→row pair whose output is read by "
+            f"{', '.join(readers) or 'nothing'}: no row-parallel matmul or loss consumes it sharded")
+
+
+def whole_params(gm: fx.GraphModule, a: Analysis, cut: set[str]) -> tuple[WholeParam, ...]:
+    """The parameters of two or more dims of ``gm`` not in ``cut`` (the plan's sharded names), each with its
+    reason; tied names count once."""
+    if a.tp == 1:
+        return ()
+    matmuls = {m.weight: m for m in a.matmuls}
+    nodes = {n.target: n for n in gm.graph.nodes if n.op == "get_attr"}
+    named = list(gm.named_parameters(remove_duplicate=False))
+    seen = {id(p) for name, p in named if name in cut}  # a tied weight is cut under any of its names
+    out = []
+    for name, p in named:
+        if p.dim() < 2 or id(p) in seen:
+            continue
+        seen.add(id(p))
+        node = nodes.get(name)
+        if node is None:
+            out.append(WholeParam(name, name.rpartition(".")[0], "not read by this call's graph"))
+            continue
+        if name in matmuls:
+            m = matmuls[name]
+            out.append(WholeParam(name, m.module, _matmul_reason(m, a)))
+            continue
+        readers = _readers(node)
+        first = readers[0] if readers else None
+        module = (module_path(first) if first is not None else "") or name.rpartition(".")[0]
+        if first is not None and first.target is aten.embedding.default:
+            known = _replicated_reason(module, a)
+            if known is not None:
+                reason = known
+            elif not _from_data(first.args[1]):
+                reason = ("position embedding: indexed by positions, not token ids; every rank reads every row "
+                          "(Megatron keeps it whole)")
+            else:
+                reason = "embedding of token ids not made vocab-parallel"
+        elif first is None:
+            reason = "read by nothing in this call's graph"
+        else:
+            op = str(getattr(first.target, "__name__", first.target))
+            known = _replicated_reason(module, a)
+            reason = known or f"read by {op} (at {first.name}), which no sharding rule reads as a weight"
+        out.append(WholeParam(name, module, reason))
+    return tuple(out)
