@@ -18,7 +18,8 @@ After::
     out_tp = autotp_leave(out)                            # g: all-reduce fwd, identity bwd
     y = aten.add(x, out_tp)
 
-Columns sharing one input share one ``f`` (q, k and v: one all-reduce backward, not three), fused with
+Columns sharing one input share one ``f`` (q, k and v: one all-reduce backward, not three; so do the
+experts of one MoE layer, ``pair.enter_with``), fused with
 them into one :class:`~autotp.runtime.collectives.ColumnGroup` where their forms are plain (``linear``, ``addmm``,
 ``mm``/``matmul`` by a parameter or its transpose), so that the input gradient's all-reduce overlaps the
 weight gradients::
@@ -81,11 +82,18 @@ def insert_collectives(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
             _fuse(gm, nodes[x_name], [nodes[head]], [form], head)
         else:
             _enter(gm, nodes[x_name], [nodes[head]], head)
+    # columns of later pairs that read an input through an earlier pair's f (experts reading the same tokens)
+    joined: dict[str, list[fx.Node]] = {}
+    for pair in plan.pairs:
+        for x_name in pair.enter_with:
+            x = nodes[x_name]
+            joined.setdefault(x_name, []).extend(nodes[c] for c in pair.columns if x in nodes[c].all_input_nodes)
+    shared: set[str | None] = set()  # leave_at nodes that have their g
     for pair in plan.pairs:
         columns = [nodes[c] for c in pair.columns]
         for x_name in pair.enter:
             x = nodes[x_name]
-            users = [c for c in columns if x in c.all_input_nodes]
+            users = [c for c in columns if x in c.all_input_nodes] + joined.get(x_name, [])
             via = [nodes[r] for r, root in pair.enter_via if root == x_name]
             e = seq.enter(x_name, users[0].name) if seq is not None else None
             if e is not None:
@@ -98,13 +106,19 @@ def insert_collectives(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
                 _fuse(gm, x, users, forms, pair.module)
             else:
                 _enter(gm, x, users, pair.module)
-        for consumer, x_name in pair.also_enter:
-            _enter(gm, nodes[x_name], [nodes[consumer]], pair.module)
+        readers: dict[str, list[fx.Node]] = {}
+        for consumer, x_name in pair.also_enter:  # one f for all readers of a value
+            readers.setdefault(x_name, []).append(nodes[consumer])
+        for x_name, consumers in readers.items():
+            _enter(gm, nodes[x_name], consumers, pair.module)
         leave = seq.leave(pair.row) if seq is not None else None
         if leave is not None:
             seq_leave(gm, nodes[leave.node], leave.dim, pair.module)
             continue
-        row = nodes[pair.row]
+        row = nodes[pair.leave_at or pair.row]
+        if pair.leave_at is not None and pair.leave_at in shared:
+            continue  # another expert's pair inserted the one all-reduce of the combined sum
+        shared.add(pair.leave_at)
         with gm.graph.inserting_after(row):
             g = gm.graph.call_module(LEAVE, (row,))
         g.meta = {**row.meta, "autotp_collective": ("leave", pair.module)}

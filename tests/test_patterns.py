@@ -49,8 +49,9 @@ def test_patterns_shard_exactly_with_megatron_collectives(world: int):
             stats = [("all_reduce", "sum", 2 * S * k) for k in WIDTH_NORMS.get(kind, [])] * 2 * layers
             assert sorted(r["forward"]) == sorted([("all_reduce", "sum", bsh)] * (2 * layers + 1) + stats + [
                 ("all_reduce", "max", 2 * S), ("all_reduce", "sum", 2 * S), ("all_reduce", "sum", 2 * S)]), kind
-            # backward: entering attention and the MLP per layer (also in a parallel block), the LM head
-            entering = 2 * layers + 1
+            # backward: entering attention and the MLP per layer, the LM head
+            # (a parallel block's attention and MLP read one input: they share its f, one all-reduce per layer)
+            entering = (layers if kind == "parallel" else 2 * layers) + 1
             assert [c for c in r["backward"] if c[2] == bsh] == [("all_reduce", "sum", bsh)] * entering, kind
             # per-head q/k norm weights see only this rank's heads: their gradients are summed (Megatron
             # all-reduces q/k layernorm gradients over the TP group too)

@@ -85,9 +85,10 @@ def test_cuts_that_are_not_vocab_padding_keep_the_head_whole(kind: str):
     assert reason.startswith("LM head kept whole: ") and re.search(NOT_CROPS[kind], reason), reason
 
 
-# at tp 4 the crops only (two ranks hold no class of crop_past_ranks); what a gate or router is called does not
-# depend on tp, so they run at tp 2 only (keeps the suite cheap)
-WORLDS = {2: (list(KINDS), list(CLASSES)), 4: (list(CLASSES), ["crop_narrow_tied", "crop_past_ranks"])}
+# at tp 4 the crops (two ranks hold no class of crop_past_ranks) and one MoE model (its experts' one all-reduce
+# of the router-weighted sum); what a gate or router is called does not depend on tp (keeps the suite cheap)
+WORLDS = {2: (list(KINDS), list(CLASSES)),
+          4: ([*CLASSES, "router_softmax_topk"], ["crop_narrow_tied", "crop_past_ranks"])}
 
 
 @pytest.mark.parametrize("world", list(WORLDS))
@@ -102,11 +103,15 @@ def test_cropped_heads_train_exactly_and_gates_are_named(world: int):
         for kind, r in res["parity"].items():
             assert r["loss_diff"] <= 1e-5 and r["grad_diff"] <= 1e-5 and r["param_diff"] <= 1e-5, (rank, kind, r)
             assert not [x for x in r["replicated"] if "LM head" in x[1]], (kind, r["replicated"])
-            pairs = LAYERS * (2 + (EXPERTS if kind in ROUTERS else 0))  # attention, MLP (and the experts)
-            # forward: the embedding's all-reduce and one per pair, then the vocab-parallel loss's max and two sums
-            assert sorted(r["forward"]) == sorted([("all_reduce", "sum", bsh)] * (pairs + 1) + loss), kind
-            # backward: one entering each pair, and the LM head's input
-            assert r["backward"] == [("all_reduce", "sum", bsh)] * (pairs + 1), (kind, r["backward"])
+            # attention, MLP (and the experts of a MoE layer: one all-reduce of their router-weighted sum forward,
+            # one of their shared input's gradient backward, and one of the router weights' gradient, b·s·E)
+            blocks = LAYERS * (3 if kind in ROUTERS else 2)
+            # forward: the embedding's all-reduce and one per block, then the vocab-parallel loss's max and two sums
+            assert sorted(r["forward"]) == sorted([("all_reduce", "sum", bsh)] * (blocks + 1) + loss), kind
+            # backward: one entering each block, and the LM head's input
+            router = [("all_reduce", "sum", rows * EXPERTS)] * LAYERS if kind in ROUTERS else []
+            assert sorted(r["backward"]) == sorted([("all_reduce", "sum", bsh)] * (blocks + 1) + router), \
+                (kind, r["backward"])
             if kind in CLASSES:  # every 2-D weight at 1/tp, the padded head's 128 rows included
                 assert r["quarter"] == [] and r["replicated"] == [] and r["unexplained"] == [], (kind, r)
                 continue

@@ -20,6 +20,7 @@ import torch.fx as fx
 from autotp.analysis.matmuls import ParamMatmul, find_param_embeddings, find_param_matmuls, module_path
 from autotp.analysis.column_layout import column_segments
 from autotp.analysis.ops import Unshardable
+from autotp.analysis.partial import deferred
 from autotp.analysis.propagate import Region, propagate
 from autotp.analysis.shapes import Fingerprinter
 from autotp.plan.shard_spec import Sharding
@@ -42,6 +43,10 @@ class Analysis:
     matmuls: list[ParamMatmul]
     pairs: list[PairFacts] = field(default_factory=list)
     replicated: list[tuple[str, str]] = field(default_factory=list)  # (module, reason)
+    # row -> the node after which its all-reduce runs, shared with other rows (experts summed by the router)
+    leave_at: dict[fx.Node, fx.Node] = field(default_factory=dict)
+    # that node -> (reader, value): learned factors of its partial sums (the router's weights), entering f
+    partial_enter: dict[fx.Node, list[tuple[fx.Node, fx.Node]]] = field(default_factory=dict)
 
 
 def dataflow_graph(gm: fx.GraphModule) -> nx.DiGraph:
@@ -127,6 +132,9 @@ def analyze(gm: fx.GraphModule, tp: int) -> Analysis:
     # a failed attempt whose row matmul was then paired another way (a gate of the block input tried as the
     # column of q) says nothing about what is left whole
     result.replicated += [(name, why) for row, name, why in attempts if row not in assigned]
+    params = {n for n, _ in gm.named_parameters(remove_duplicate=False)}
+    d = deferred([p.row.node for p in result.pairs if p.row.bias is None], params)
+    result.leave_at, result.partial_enter = d.leave_at, d.enter
     return result
 
 

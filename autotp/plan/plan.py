@@ -81,6 +81,12 @@ class PairPlan:
     # (reader, x): a node that reads the entering value x on its way to a column (``x[..., :12]`` into a
     # gate): it reads x through x's f, so one all-reduce sums the gradient of x and of what is derived from it
     enter_via: tuple[tuple[str, str], ...] = ()
+    # inputs this pair's columns read through the f of an earlier pair that enters them (experts of one MoE
+    # layer reading the same tokens): one all-reduce of the input gradient for all of them
+    enter_with: tuple[str, ...] = ()
+    # the node after which g runs when it is not the row (the router-weighted sum of a MoE layer's experts,
+    # whose partial sums one all-reduce completes); pairs naming the same node share it
+    leave_at: str | None = None
 
 
 @dataclass(frozen=True)

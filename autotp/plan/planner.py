@@ -7,7 +7,7 @@ import torch
 import torch.fx as fx
 
 from autotp.analysis.coverage import whole_params
-from autotp.analysis.pairs import Analysis, analyze
+from autotp.analysis.pairs import Analysis, analyze, common_module
 from autotp.analysis.matmuls import ParamMatmul, column_form, module_path
 from autotp.plan.plan import (SEQ_PARAMS, Collective, GatheredOutput, LocalSlice, PairPlan, ParamShard, Plan, SeqEnter,
                          SeqGather, SeqLeave, SeqSlice, SequencePlan, ShardedInput, Stat, VocabLoss, VocabPlan)
@@ -123,6 +123,8 @@ def plan_from_analysis(gm: fx.GraphModule, a: Analysis, v: VocabFacts | None = N
     params: dict[str, ParamShard] = {}
     buffers: dict[str, ParamShard] = {}
     pairs, rewrites, collectives, random_nodes, gathered, inputs, slices, stats = [], [], [], [], [], [], [], []
+    owner: dict[fx.Node, object] = {}  # column input -> the pair whose f it enters through
+    left: set[fx.Node] = set()  # shared all-reduces already planned
     for p in a.pairs:
         for c in p.columns:
             segs = p.column_specs[c.node.name].segments
@@ -135,15 +137,32 @@ def plan_from_analysis(gm: fx.GraphModule, a: Analysis, v: VocabFacts | None = N
         xs = list(dict.fromkeys(c.x for c in matmuls))
         via = _entering_via(xs, {c.node for c in matmuls}) if fold else {}
         xs = [x for x in xs if x not in via]
+        roots = {root for _, root in via.values()}
+        # an input another pair already enters (experts of one MoE layer reading the same tokens) shares its f:
+        # one all-reduce of the summed input gradient
+        joined = [x for x in xs if x in owner and x not in roots] if fold else []
+        leave = a.leave_at.get(p.row.node) if fold else None
+        xs = [x for x in xs if x not in joined]
+        owner.update((x, p) for x in xs)
         enter = tuple(x.name for x in xs)
-        also = tuple((c.name, x.name) for c, x in p.region.entering)
+        entering = list(p.region.entering)
+        if leave is not None and leave not in left:  # the router's weights of the experts' partial sums
+            entering += a.partial_enter.get(leave, [])
+        also = tuple((c.name, x.name) for c, x in entering)
         pairs.append(PairPlan(p.name, tuple(c.node.name for c in p.columns), tuple(c.weight for c in p.columns),
                               enter, p.row.node.name, p.row.weight, p.row.bias, also,
-                              tuple((reader.name, root.name) for reader, root in via.values())))
-        for _, x in p.region.entering:
+                              tuple((reader.name, root.name) for reader, root in via.values()),
+                              tuple(x.name for x in joined), leave.name if leave is not None else None))
+        for x in dict.fromkeys(x for _, x in entering):  # one f for all readers of x
             collectives.append(Collective("all_reduce", "sum", "backward", p.name, x.name, _shape(x), _dtype(x)))
-        collectives.append(Collective("all_reduce", "sum", "forward", p.name, p.row.node.name, _shape(p.row.node),
-                                      _dtype(p.row.node)))
+        if leave is None:
+            collectives.append(Collective("all_reduce", "sum", "forward", p.name, p.row.node.name,
+                                          _shape(p.row.node), _dtype(p.row.node)))
+        elif leave not in left:  # one all-reduce of the combined partial sums
+            left.add(leave)
+            module = common_module([q.name for q in a.pairs if a.leave_at.get(q.row.node) is leave])
+            collectives.append(Collective("all_reduce", "sum", "forward", module or p.name, leave.name,
+                                          _shape(leave), _dtype(leave)))
         for x in xs:
             collectives.append(Collective("all_reduce", "sum", "backward", p.name, x.name, _shape(x),
                                           _compute_dtype(x, [c.node for c in matmuls if c.x is x])))

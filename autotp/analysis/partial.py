@@ -1,0 +1,146 @@
+"""Where a row-parallel output's all-reduce can wait: the partial sums of several rows combined linearly.
+
+Each rank's row-parallel matmul gives a partial sum of the full output. Ops linear in it keep it partial
+(DTensor's ``Partial`` placement): a product with a replicated value, a sum of partial values, a view. The
+experts of a mixture-of-experts layer are rows whose outputs are weighted by the router and summed::
+
+    moe = 0 + w0 * down_0(..) + w1 * down_1(..) + ...     # (b, s, h), partial on every rank
+    x = x + moe                                           # the residual is replicated: reduce before it
+
+so one all-reduce after the sum replaces one per expert. A row's all-reduce moves to the single node where
+its partial region ends; rows with a bias (added once, after the reduction) keep theirs. A learned factor
+of a partial value (the router's weights) then gets a partial gradient on each rank: it enters through f
+(all-reduce backward), once where the factors come from (b·s·E elements for all experts, against the
+(E - 1)·b·s·h saved forward).
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.fx as fx
+
+from autotp.analysis.ops import NO_OUTPUT, is_guard
+
+aten = torch.ops.aten
+
+# ops whose output is partial when their one tensor operand is (views and layout of a partial sum)
+_UNARY = {aten.neg.default, aten.view.default, aten.reshape.default, aten._unsafe_view.default,
+          aten.unsqueeze.default, aten.squeeze.dim, aten.transpose.int, aten.permute.default, aten.flatten.using_ints}
+
+
+def _linear_in(u: fx.Node, partial: set[fx.Node]) -> bool:
+    """Is ``u`` linear in its partial operands, so that its output is partial too?"""
+    tensors = [a for a in u.args if isinstance(a, fx.Node)]
+    mine = [a for a in tensors if a in partial]
+    if u.target in _UNARY:
+        return u.args[0] in partial and len(mine) == 1
+    if u.target is aten.mul.Tensor or u.target is aten.div.Tensor:
+        # one partial factor (the numerator), the rest replicated: (a1 + .. + at)·w = a1·w + .. + at·w
+        return len(mine) == 1 and (u.target is aten.mul.Tensor or u.args[0] in partial) and not u.kwargs
+    if u.target in (aten.add.Tensor, aten.sub.Tensor):
+        # partial + partial; python's sum() starts from 0, which adds nothing
+        others = [a for a in u.args[:2] if a not in partial]
+        return all(not isinstance(a, fx.Node) and a == 0 for a in others) and u.kwargs.get("alpha", 1) == 1
+    return False
+
+
+class Deferred(NamedTuple):
+    leave_at: dict[fx.Node, fx.Node]  # row -> the node after which its (shared) all-reduce runs
+    # that node -> (reader, value): the learned factors of its partial sums, entering through f at their reader
+    enter: dict[fx.Node, list[tuple[fx.Node, fx.Node]]]
+
+
+# ops a factor passes through from where it is computed to the product (``dense[..., e, None]``)
+_PICK = {aten.select.int, aten.unsqueeze.default, aten.slice.Tensor, aten.view.default, aten.reshape.default,
+         aten.squeeze.dim, aten.expand.default}
+
+
+def _learned(node: fx.Node, params: set[str]) -> bool:
+    seen, todo = set(), [node]
+    while todo:
+        n = todo.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n.op == "get_attr" and n.target in params:
+            return True
+        todo.extend(n.all_input_nodes)
+    return False
+
+
+def _factor_root(r: fx.Node) -> tuple[fx.Node, fx.Node]:
+    """(reader, root): ``r`` followed back through picks read by nothing else, to the value it is taken from."""
+    reader, node = None, r
+    while node.op == "call_function" and node.target in _PICK and isinstance(node.args[0], fx.Node) \
+            and len(node.users) == 1:
+        reader, node = node, node.args[0]
+    return (reader, node) if reader is not None else (r, r)
+
+
+def deferred(rows: list[fx.Node], params: set[str]) -> Deferred:
+    """:func:`deferred_leave`, and the learned factors the deferred rows' partial values are multiplied by."""
+    leave_at = deferred_leave(rows)
+    enter: dict[fx.Node, list[tuple[fx.Node, fx.Node]]] = {}
+    for exit_ in dict.fromkeys(leave_at.values()):
+        region = _region([r for r, e in leave_at.items() if e is exit_])
+        found: dict[tuple[fx.Node, fx.Node], None] = {}
+        for n in sorted(region, key=_order(region)):
+            if n.target is not aten.mul.Tensor and n.target is not aten.div.Tensor:
+                continue
+            for r in n.all_input_nodes:
+                if r not in region and _learned(r, params):
+                    reader, root = _factor_root(r)
+                    found[(reader, root) if reader is not r else (n, r)] = None
+        enter[exit_] = list(found)
+    return Deferred(leave_at, enter)
+
+
+def _order(nodes):
+    nodes = list(nodes)
+    index = {n: i for i, n in enumerate(nodes[0].graph.nodes)} if nodes else {}
+    return index.__getitem__
+
+
+def _region(rows: list[fx.Node]) -> set[fx.Node]:
+    partial: set[fx.Node] = set(rows)
+    grown = True
+    while grown:
+        grown = False
+        for n in list(partial):
+            for u in n.users:
+                if u not in partial and u.op == "call_function" and _linear_in(u, partial):
+                    partial.add(u)
+                    grown = True
+    return partial
+
+
+def deferred_leave(rows: list[fx.Node]) -> dict[fx.Node, fx.Node]:
+    """For rows (row-parallel matmuls without bias) whose outputs flow, through ops linear in them, into one
+    node read by anything else: ``{row: that node}``. Rows that end apart, or whose region has more than one
+    way out, are left out (their all-reduce stays after them)."""
+    if not rows:
+        return {}
+    frontier = sorted(rows, key=_order(rows))
+    partial = _region(rows)
+    exits = {n for n in partial
+             if any(u not in partial and u.target not in NO_OUTPUT and not is_guard(u) for u in n.users)}
+    out: dict[fx.Node, fx.Node] = {}
+    for row in frontier:
+        # the exits this row's partial value reaches
+        seen, todo, reached = set(), [row], set()
+        while todo:
+            n = todo.pop()
+            if n in seen:
+                continue
+            seen.add(n)
+            if n in exits:
+                reached.add(n)
+            todo.extend(u for u in n.users if u in partial)
+        if len(reached) == 1 and reached != {row}:
+            out[row] = reached.pop()
+    # an exit that only one row reaches gains nothing: its all-reduce stays after the row
+    counts: dict[fx.Node, int] = {}
+    for e in out.values():
+        counts[e] = counts.get(e, 0) + 1
+    return {r: e for r, e in out.items() if counts[e] > 1}
