@@ -17,7 +17,6 @@ import json
 import math
 import os
 import time
-import warnings
 from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -202,12 +201,7 @@ def _tp_batch(make, ctx: RankContext) -> tuple[tuple, dict]:
     if ctx.layout.tp == 1:
         return to_device(make(), ctx.device)
     batch = make() if ctx.coords["tp"] == 0 else None
-    with warnings.catch_warnings():
-        # torch 2.13 warns when unpickling the batch's pytree spec (a LeafSpec) that the receiving ranks get;
-        # nothing the user can act on
-        warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)", category=FutureWarning)
-        sent = autotp.broadcast_batch(batch, group=ctx.tp_group())
-    return to_device(sent, ctx.device)
+    return to_device(autotp.broadcast_batch(batch, group=ctx.tp_group()), ctx.device)
 
 
 def _token_vocab(tpm: autotp.TPModule) -> int | None:

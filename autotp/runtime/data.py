@@ -14,6 +14,7 @@ Megatron has tensor-parallel rank 0 read the batch and broadcast it to its group
 from __future__ import annotations
 
 import os
+import warnings
 import zlib
 
 import torch
@@ -99,7 +100,11 @@ def broadcast_batch(batch: object, group: dist.ProcessGroup | None = None, src: 
     is_src = dist.get_rank() == root
     tensors, spec = flatten(batch) if is_src else ([], None)
     meta = [(spec, [(tuple(t.shape), t.dtype) for t in tensors])] if is_src else [None]
-    dist.broadcast_object_list(meta, src=root, group=group)
+    with warnings.catch_warnings():
+        # torch 2.13's own unpickling of a pytree LeafSpec (inside the batch's structure) warns that
+        # isinstance(treespec, LeafSpec) is deprecated: nothing the caller can act on
+        warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)", category=FutureWarning)
+        dist.broadcast_object_list(meta, src=root, group=group)
     spec, shapes = meta[0]
     if dist.get_backend(group) == "nccl":
         device = torch.device("cuda", torch.cuda.current_device())
