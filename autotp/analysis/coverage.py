@@ -17,14 +17,13 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from autotp.analysis.matmuls import ParamMatmul, module_path
+from autotp.analysis.matmuls import CASTS, TRANSPOSES_2D, ParamMatmul, module_path
+from autotp.analysis.ops import from_inputs
 from autotp.analysis.pairs import Analysis
 
 aten = torch.ops.aten
 
-_PASS_THROUGH = {aten.to.dtype, aten.to.dtype_layout, aten.to.device, aten._to_copy.default, aten.type_as.default,
-                 aten.contiguous.default, aten.clone.default, aten.alias.default, aten.t.default,
-                 aten.numpy_T.default, aten.transpose.int, aten.permute.default, aten.mT.default}
+_PASS_THROUGH = CASTS | TRANSPOSES_2D  # what a weight passes through on its way to its reader
 _NO_OUTPUT = {aten._assert_tensor_metadata.default}
 
 
@@ -57,20 +56,6 @@ def _replicated_reason(module: str, a: Analysis) -> str | None:
         if where == "<root>" or module == where or module.startswith(where + "."):
             return reason if module == where else f"{where} left replicated: {reason}"
     return None
-
-
-def _from_data(ids: fx.Node) -> bool:
-    seen, todo = set(), [ids]
-    while todo:
-        n = todo.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        if n.op == "placeholder":
-            return True
-        if n.target is not aten.sym_size.int:
-            todo.extend(n.all_input_nodes)
-    return False
 
 
 def _matmul_reason(m: ParamMatmul, a: Analysis) -> str:
@@ -111,7 +96,7 @@ def whole_params(gm: fx.GraphModule, a: Analysis, cut: set[str]) -> tuple[WholeP
             known = _replicated_reason(module, a)
             if known is not None:
                 reason = known
-            elif not _from_data(first.args[1]):
+            elif not from_inputs(first.args[1]):
                 reason = ("position embedding: indexed by positions, not token ids; every rank reads every row "
                           "(Megatron keeps it whole)")
             else:

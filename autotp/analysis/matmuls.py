@@ -19,9 +19,9 @@ import torch.fx as fx
 aten = torch.ops.aten
 
 # what a weight may pass through on its way to the matmul: ops that keep its values (or round them) and shape
-_CASTS = {aten.to.dtype, aten.to.dtype_layout, aten.to.device, aten._to_copy.default, aten.type_as.default,
+CASTS = {aten.to.dtype, aten.to.dtype_layout, aten.to.device, aten._to_copy.default, aten.type_as.default,
           aten.contiguous.default, aten.clone.default, aten.alias.default}
-_TRANSPOSES = {aten.t.default, aten.numpy_T.default, aten.transpose.int, aten.permute.default, aten.mT.default,
+TRANSPOSES_2D = {aten.t.default, aten.numpy_T.default, aten.transpose.int, aten.permute.default, aten.mT.default,
                aten.adjoint.default, aten.swapaxes.default, aten.swapdims.default}
 _NO_OUTPUT = {aten._assert_tensor_metadata.default}
 
@@ -82,9 +82,9 @@ def weight_source(gm: fx.GraphModule, node: object, params: set[str]) -> WeightS
     chain: list[fx.Node] = []
     flips = 0
     while isinstance(node, fx.Node) and node.op == "call_function":
-        if node.target in _TRANSPOSES and _is_2d_transpose(node):
+        if node.target in TRANSPOSES_2D and _is_2d_transpose(node):
             flips += 1
-        elif node.target not in _CASTS:
+        elif node.target not in CASTS:
             return None
         if chain and only_user(node) is not chain[0]:
             return None
@@ -173,7 +173,7 @@ def column_form(gm: fx.GraphModule, c: fx.Node, x: fx.Node, params: set[str]) ->
         return None
     operand = c.args[2 if pm.kind == "addmm" else 1]
     layout = "out_in" if pm.kind == "linear" else "in_out"
-    if len(pm.chain) == 1 and pm.chain[0].target in _TRANSPOSES:
+    if len(pm.chain) == 1 and pm.chain[0].target in TRANSPOSES_2D:
         operand, layout = pm.chain[0].args[0], "out_in" if pm.out_dim == 0 else "in_out"
     bias = c.args[0] if pm.kind == "addmm" else c.args[2] if pm.kind == "linear" and len(c.args) > 2 else None
     return layout, operand, bias

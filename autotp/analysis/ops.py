@@ -140,6 +140,25 @@ def permutation(node: fx.Node) -> list[int]:
     return perm
 
 
+def reaches(node: fx.Node, hit, skip=lambda n: False) -> bool:
+    """Whether ``node`` or anything it is computed from satisfies ``hit`` (not looking past ``skip`` nodes)."""
+    seen, todo = set(), [node]
+    while todo:
+        n = todo.pop()
+        if n in seen or skip(n):
+            continue
+        seen.add(n)
+        if hit(n):
+            return True
+        todo.extend(n.all_input_nodes)
+    return False
+
+
+def from_inputs(ids: fx.Node) -> bool:
+    """Do ``ids`` come from the call's inputs (token ids), not only from shapes (positions)?"""
+    return reaches(ids, lambda n: n.op == "placeholder", lambda n: n.target is aten.sym_size.int)
+
+
 def arg_of(node: fx.Node, idx: int, name: str, default: object = None) -> object:
     if len(node.args) > idx:
         return node.args[idx]

@@ -20,7 +20,7 @@ from typing import NamedTuple
 import torch
 import torch.fx as fx
 
-from autotp.analysis.ops import NO_OUTPUT, is_guard
+from autotp.analysis.ops import NO_OUTPUT, is_guard, reaches
 
 aten = torch.ops.aten
 
@@ -56,19 +56,6 @@ _PICK = {aten.select.int, aten.unsqueeze.default, aten.slice.Tensor, aten.view.d
          aten.squeeze.dim, aten.expand.default}
 
 
-def _learned(node: fx.Node, params: set[str]) -> bool:
-    seen, todo = set(), [node]
-    while todo:
-        n = todo.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        if n.op == "get_attr" and n.target in params:
-            return True
-        todo.extend(n.all_input_nodes)
-    return False
-
-
 def _factor_root(r: fx.Node) -> tuple[fx.Node, fx.Node]:
     """(reader, root): ``r`` followed back through picks read by nothing else, to the value it is taken from."""
     reader, node = None, r
@@ -89,7 +76,7 @@ def deferred(rows: list[fx.Node], params: set[str]) -> Deferred:
             if n.target is not aten.mul.Tensor and n.target is not aten.div.Tensor:
                 continue
             for r in n.all_input_nodes:
-                if r not in region and _learned(r, params):
+                if r not in region and reaches(r, lambda x: x.op == "get_attr" and x.target in params):
                     reader, root = _factor_root(r)
                     found[(reader, root) if reader is not r else (n, r)] = None
         enter[exit_] = list(found)

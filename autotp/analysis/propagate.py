@@ -17,7 +17,7 @@ import torch.fx as fx
 
 from autotp.analysis.ops import (FACTORIES, NO_OUTPUT, NORMS, RANDOM_P_ARG, REDUCTIONS, SAME_SHAPE, SOFTMAX, SPLITS,
                                  STAT_KINDS, TRANSPOSES, VIEWS, Rewrite, Unshardable, arg_of, held_whole, is_guard,
-                                 ndim_of, reduction_args)
+                                 ndim_of, reaches, reduction_args)
 from autotp.analysis.shape_rules import ShapeRules
 from autotp.analysis.shapes import Fingerprinter, is_static, normalize_dim
 from autotp.errors import ShardingError
@@ -249,16 +249,8 @@ class _Propagator(ShapeRules):
     def _learned(self, x: fx.Node) -> bool:
         """Whether ``x`` is computed from a parameter outside this region (so it needs a gradient that no
         collective of the region already carries)."""
-        seen, todo = set(), [x]
-        while todo:
-            n = todo.pop()
-            if n in seen or n in self.region.specs or n in self.region.stats:
-                continue
-            seen.add(n)
-            if self._parameter(n) is not None:
-                return True
-            todo.extend(n.all_input_nodes)
-        return False
+        return reaches(x, lambda n: self._parameter(n) is not None,
+                       lambda n: n in self.region.specs or n in self.region.stats)
 
     def _stat_scale(self, node: fx.Node, s: Sharding, kind: str) -> float:
         """Summing the ranks' partial statistics: a mean over the sharded dim is the ranks' mean of means (also

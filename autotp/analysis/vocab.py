@@ -25,7 +25,7 @@ import torch.fx as fx
 from autotp.errors import ShardingError
 from autotp.analysis.pairs import Analysis
 from autotp.analysis.matmuls import ParamMatmul, module_path
-from autotp.analysis.ops import SAME_SHAPE, VIEWS, Unshardable, arg_of, ndim_of, slice_range
+from autotp.analysis.ops import SAME_SHAPE, VIEWS, Unshardable, arg_of, from_inputs, ndim_of, slice_range
 from autotp.analysis.propagate import _Propagator
 from autotp.analysis.shapes import Fingerprinter, is_static, normalize_dim
 from autotp.plan.shard_spec import Segment, Sharding, VocabLayout
@@ -159,22 +159,6 @@ class _VocabPropagator(_Propagator):
                 return node
             node = node.args[0]
         return None
-
-
-def _from_data(ids: fx.Node) -> bool:
-    """Do the ids come from the call's inputs (token ids), not only from shapes (positions)?"""
-    seen, stack = set(), [ids]
-    while stack:
-        n = stack.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        if n.op == "placeholder":
-            return True
-        if n.target is aten.sym_size.int:
-            continue
-        stack.extend(n.all_input_nodes)
-    return False
 
 
 # what a matmul's output passes through before it is read: layout and casts (logits.float()[..., :V])
@@ -320,7 +304,7 @@ def analyze_vocab(gm: fx.GraphModule, a: Analysis, tp: int, multiple: int = 1) -
         if node.target is not aten.embedding.default or not isinstance(node.args[0], fx.Node):
             continue
         w = node.args[0].target
-        if node in paired or w not in params or params[w].dim() != 2 or not _from_data(node.args[1]):
+        if node in paired or w not in params or params[w].dim() != 2 or not from_inputs(node.args[1]):
             continue
         others = [u for u in uses[w] if u.target not in (aten.embedding.default, aten._assert_tensor_metadata.default)
                   and u not in head_nodes and u not in head_chains]
