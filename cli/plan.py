@@ -101,8 +101,14 @@ def world_line(layout: RankLayout) -> str:
     return line
 
 
-def layer_table(report: Report, names: list[str]) -> Table:
-    """One row per module that owns parameters, in the model's order, with the collectives next to it."""
+# what a weight whole by design is (the plan's reason names it first): shown as its role
+_WHOLE_ROLES = {"router kept whole": "router (whole)", "gate kept whole": "gate (whole)",
+                "down-projection kept whole": "latent down-proj (whole)"}
+
+
+def layer_table(report: Report, names: list[str], whole: dict[str, str] | None = None) -> Table:
+    """One row per module that owns parameters, in the model's order, with the collectives next to it.
+    ``whole``: the plan's reasons for weights every rank holds whole (a router's names its role)."""
     by_alias = {a: row for row in report.params for a in row.aliases}
     modules: dict[str, list[tuple[str, object]]] = {}
     for name in names:
@@ -118,7 +124,12 @@ def layer_table(report: Report, names: list[str]) -> Table:
     items = list(modules.items()) + [(m, []) for m in coll if m not in modules]
     for i, (module, params) in enumerate(items):
         roles = [row.role for _, row in params if row.role != "replicated"]
+        designed = [r for _, row in params for key, r in _WHOLE_ROLES.items()
+                    if (whole or {}).get(row.name, "").startswith(key)]
         role = roles[0] if roles else ("replicated" if params else "—")
+        shown = designed[0] if designed and not roles else role
+        if any(len(row.full_shape) == 3 and row.role != "replicated" for _, row in params):
+            shown += f" ({params[0][1].full_shape[0]} experts)"
         leaves = []
         for leaf, row in params:
             tied = [a for a in row.aliases if a.rpartition(".")[0] != module]
@@ -128,7 +139,7 @@ def layer_table(report: Report, names: list[str]) -> Table:
               for c in coll.get(module, [])]
         nxt = _LAYER.match(items[i + 1][0]) if i + 1 < len(items) else None
         here = _LAYER.match(module)
-        table.add_row(escape(module), role, "\n".join(leaves),
+        table.add_row(escape(module), shown, "\n".join(leaves),
                       "\n".join(_shape(row.full_shape) for _, row in params),
                       "\n".join(_shape(row.local_shape) for _, row in params),
                       escape("\n".join(cs)),
@@ -388,7 +399,7 @@ def render(console: Console, model: str, the_plan, report: Report, layout: RankL
     if batch_note:
         console.print(f"[yellow]note:[/yellow] {escape(batch_note)}")
     console.print(rank_grid(layout))
-    console.print(layer_table(report, names))
+    console.print(layer_table(report, names, {w.name: w.reason for w in the_plan.whole}))
     console.print(replicated_table(report, the_plan.replicated))
     if the_plan.whole:
         console.print(not_sharded_table(report, the_plan.whole))

@@ -88,6 +88,7 @@ def insert_collectives(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
         for x_name in pair.enter_with:
             x = nodes[x_name]
             joined.setdefault(x_name, []).extend(nodes[c] for c in pair.columns if x in nodes[c].all_input_nodes)
+            joined[x_name].extend(nodes[r] for r, root in pair.enter_via if root == x_name)
     shared: set[str | None] = set()  # leave_at nodes that have their g
     for pair in plan.pairs:
         columns = [nodes[c] for c in pair.columns]

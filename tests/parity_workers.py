@@ -344,15 +344,16 @@ def pattern_parity(kinds: list[str], steps: int = 3, sequence_parallel: bool = F
     tp = dist.get_world_size()
     out = {}
     for kind in kinds:
-        ref, args, _ = build(kind)
-        model = autotp.parallelize(build(kind)[0], example_inputs=args, sequence_parallel=sequence_parallel)
+        ref, args, kwargs = build(kind)
+        model = autotp.parallelize(build(kind)[0], example_inputs=(args, kwargs) if kwargs else args,
+                                   sequence_parallel=sequence_parallel)
         log = CollectiveLog()
         with log:
-            _, loss = model(*args)
+            loss = loss_and_logits(model(*args, **kwargs))[0]
         n_fwd = len(log.calls)
         with log:
             loss.backward()
-        rloss = ref(*args)[1]
+        rloss = loss_and_logits(ref(*args, **kwargs))[0]
         rloss.backward()
         ref_params = dict(ref.named_parameters())
         grad_diff = max(_max_diff(p.grad, _local(ref_params[n].grad, n, model)) if p.grad is not None
@@ -363,7 +364,7 @@ def pattern_parity(kinds: list[str], steps: int = 3, sequence_parallel: bool = F
             losses = []
             for o, m in ((opt, model), (ropt, ref)):
                 o.zero_grad()
-                losses.append(m(*args)[1])
+                losses.append(loss_and_logits(m(*args, **kwargs))[0])
                 losses[-1].backward()
                 o.step()
             diffs.append(_max_diff(*losses))

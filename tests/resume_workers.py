@@ -15,11 +15,14 @@ from autotp.cli.shard_worker import data_parallel, train_step
 from autotp.io.ckpt_io import latest_checkpoint, load_training_state, save_training_state
 from autotp.distributed.launch import init_distributed
 from models import gpt2, llama
+from moe_models import build as moe
 from pattern_models import build
 
 # GPT-2 with a vocabulary no tp divides (127 rows: padded at tp 2 and 4); Llama with 2 kv heads (replicated
-# at tp 4); Falcon's fused [2 kv groups, q heads + k + v, d] (whole groups at tp 2, split groups at tp 4)
-MODELS = {"gpt2_padded": lambda: gpt2(vocab=127), "llama_gqa": llama, "falcon_grouped": lambda: build("grouped_index")}
+# at tp 4); Falcon's fused [2 kv groups, q heads + k + v, d] (whole groups at tp 2, split groups at tp 4);
+# experts fused as 3-D parameters with gate | up stacked (each segment cut per expert)
+MODELS = {"gpt2_padded": lambda: gpt2(vocab=127), "llama_gqa": llama, "falcon_grouped": lambda: build("grouped_index"),
+          "moe_gate_up": lambda: moe("gathered_bmm")}
 SAVE_TP, BEFORE, AFTER = 2, 3, 3
 
 

@@ -118,9 +118,11 @@ def test_cropped_heads_train_exactly_and_gates_are_named(world: int):
             word, (where, op) = ("gate", GATES[kind]) if kind in GATES else ("router", ROUTERS[kind])
             # what is whole is exactly the gates or the routers, each with its own reason
             assert r["quarter"] == sorted(m + ".weight" for m in where) and r["unexplained"] == [], (kind, r)
-            reasons = dict(map(tuple, r["replicated"]))
+            # whole by design, not a gap: no warning, nothing in plan.replicated, the reason in plan.whole
+            assert r["replicated"] == [], (kind, r["replicated"])
             for m in where:
-                assert reasons[m].startswith(f"{word} kept whole: its ") and op in reasons[m], reasons
+                reason = r["whole"][m + ".weight"]
+                assert reason.startswith(f"{word} kept whole: its ") and op in reason, r["whole"]
         for kind, g in res["gathered"].items():
             tp, classes = world, CLASSES[kind]
             assert g["shape"] == g["ref_shape"] == [2, S, classes] and g["last_shape"] == [2, classes], (kind, g)

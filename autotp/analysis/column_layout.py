@@ -22,15 +22,17 @@ from autotp.plan.shard_spec import Segment
 aten = torch.ops.aten
 
 
-def column_segments(col: fx.Node, fp: Fingerprinter, tp: int, where: str) -> tuple[Segment, ...]:
+def column_segments(col: fx.Node, fp: Fingerprinter, tp: int, where: str, dim: int | None = None
+                    ) -> tuple[Segment, ...]:
     """Decide how a column matmul's output is cut: plain, fused (segments), and heads per segment.
 
     Looks ahead along the output: a split/chunk of the feature dim gives the segments of a fused
     projection; the first view that splits each segment into [heads, head_dim] gives the unit of sharding.
     """
-    n = fp.shape(col)[-1]
     nd = ndim_of(col)
-    found = _probe(col, nd - 1, n, fp, tp, where, 0)
+    dim = nd - 1 if dim is None else dim  # the output features (last, but a batched matmul's may be another)
+    n = fp.shape(col)[dim]
+    found = _probe(col, dim, n, fp, tp, where, 0)
     if found is not None:
         return found
     return (Segment(n, parts_for(n, n, tp, f"{where}: output features")),)
@@ -145,13 +147,18 @@ def _probe(node: fx.Node, dim: int, size: int, fp, tp, where, depth) -> tuple[Se
                 if dim in gi and len(gj_real) == 1:
                     return _probe(u, gj_real[0], size, fp, tp, where, depth + 1)
             continue
-        if t in (aten.transpose.int, aten.permute.default, aten.unsqueeze.default):
+        if t in (aten.transpose.int, aten.permute.default, aten.unsqueeze.default, aten.squeeze.dim):
             nd = ndim_of(node)
             if t is aten.transpose.int:
                 a, b = normalize_dim(u.args[1], nd), normalize_dim(u.args[2], nd)
                 nd2 = b if dim == a else a if dim == b else dim
             elif t is aten.permute.default:
                 nd2 = [normalize_dim(d, nd) for d in u.args[1]].index(dim)
+            elif t is aten.squeeze.dim:
+                gone = normalize_dim(u.args[1], nd)
+                if gone == dim:
+                    continue
+                nd2 = dim - (dim > gone and fp.shape(node)[gone] == 1)
             else:
                 nd2 = dim + (dim >= normalize_dim(u.args[1], nd + 1))
             r = _probe(u, nd2, size, fp, tp, where, depth + 1)

@@ -52,7 +52,7 @@ def _readers(node: fx.Node) -> list[fx.Node]:
 
 
 def _replicated_reason(module: str, a: Analysis) -> str | None:
-    for where, reason in a.replicated:
+    for where, reason in [*a.by_design, *a.replicated]:
         if where == "<root>" or module == where or module.startswith(where + "."):
             return reason if module == where else f"{where} left replicated: {reason}"
     return None
@@ -65,6 +65,17 @@ def _matmul_reason(m: ParamMatmul, a: Analysis) -> str:
     readers = sorted({str(getattr(u.target, "__name__", u.target)) for u in m.node.users if u.target not in _NO_OUTPUT})
     return (f"a {m.in_features}→{m.out_features} matmul outside every column→row pair whose output is read by "
             f"{', '.join(readers) or 'nothing'}: no row-parallel matmul or loss consumes it sharded")
+
+
+def _row_bias_of(reader: fx.Node, a: Analysis) -> ParamMatmul | None:
+    """The row matmul whose output ``reader`` (``bias[ids]``: an expert's bias per token slot) is added to."""
+    rows = {p.row.node: p.row for p in a.pairs}
+    if reader.target is not aten.index.Tensor or len(reader.users) != 1:
+        return None
+    (add,) = reader.users
+    if add.target not in (aten.add.Tensor, aten.add_.Tensor):
+        return None
+    return next((rows[x] for x in add.all_input_nodes if x in rows), None)
 
 
 def whole_params(gm: fx.GraphModule, a: Analysis, cut: set[str]) -> tuple[WholeParam, ...]:
@@ -103,6 +114,9 @@ def whole_params(gm: fx.GraphModule, a: Analysis, cut: set[str]) -> tuple[WholeP
                 reason = "embedding of token ids not made vocab-parallel"
         elif first is None:
             reason = "read by nothing in this call's graph"
+        elif (row := _row_bias_of(first, a)) is not None:
+            reason = (f"bias of the row-parallel {row.module} (picked per token by {first.name}): added once, after "
+                      "the all-reduce of its partial sums, on every rank (as Megatron adds a row-parallel bias)")
         else:
             op = str(getattr(first.target, "__name__", first.target))
             known = _replicated_reason(module, a)

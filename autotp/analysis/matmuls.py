@@ -8,6 +8,14 @@ Between the parameter and the matmul the weight may pass through casts and layou
 (``W.to(x.dtype)``, ``W.type_as(x)``, ``W.contiguous()``: mixed-precision ``Linear`` subclasses do this) and
 2-D transposes (``W.t()``, ``W.T``, ``W.mT``, ``W.transpose(0, 1)``), each read by nothing else; the bias
 may be cast too. A cast of a shard is the shard of the cast: the parameter is cut and the chain runs on it.
+
+Experts stored as one 3-D parameter ``W [E, a, b]`` are matmuls of that parameter too:
+
+- ``W[e]`` (``select(W, 0, e)``) then any form above: one expert of a loop over experts;
+- ``W[ids]`` (``index(W, [ids])``: a weight per token or per (token, k) slot) read by ``bmm``, a batched
+  ``matmul`` or ``einsum`` (Hugging Face's batched_mm, gpt-fast's ConditionalFeedForward);
+- a grouped GEMM ``grouped_mm(x [S, K], W' [E, K, N], offsets)`` of tokens sorted by expert, W' being W or
+  its transpose (Hugging Face's grouped_mm, ``torch._grouped_mm``).
 """
 from __future__ import annotations
 
@@ -37,10 +45,19 @@ class ParamMatmul:
     out_features: int
     bias: str | None
     chain: tuple[fx.Node, ...] = ()  # casts and transposes between W and the matmul, W's side first
+    in_axis: int | None = None  # dim of the stored weight that indexes input features (default: the other one)
+    expert: int | None = None  # ``W[expert]`` of a 3-D parameter read one expert at a time
+    x_dim: int = -1  # dim of ``x`` that is contracted
+    y_dim: int = -1  # dim of the output that indexes output features
 
     @property
     def in_dim(self) -> int:
-        return 1 - self.out_dim
+        return 1 - self.out_dim if self.in_axis is None else self.in_axis
+
+    @property
+    def key(self) -> tuple[str, int | None]:
+        """What one use of a weight is: the parameter, or one expert of it."""
+        return self.weight, self.expert
 
     @property
     def module(self) -> str:
@@ -59,6 +76,7 @@ class WeightSource:
     param: str
     chain: tuple[fx.Node, ...]  # W's side first
     flips: int  # transposes on the way
+    expert: int | None = None  # the chain starts with ``W[expert]`` of a 3-D parameter W
 
 
 def _is_2d_transpose(node: fx.Node) -> bool:
@@ -77,34 +95,69 @@ def only_user(node: fx.Node) -> fx.Node | None:
     return users[0] if len(users) == 1 else None
 
 
-def weight_source(gm: fx.GraphModule, node: object, params: set[str]) -> WeightSource | None:
-    """The parameter a matmul operand is, through casts and 2-D transposes each read by nothing else."""
+def _chain(node: object, flip, stop) -> tuple[fx.Node, tuple[fx.Node, ...], int] | None:
+    """Follow a matmul operand back through casts and transposes (those ``flip`` accepts), each read by
+    nothing else, to the first node ``stop`` accepts: (that node, the chain W's side first, transposes)."""
     chain: list[fx.Node] = []
     flips = 0
-    while isinstance(node, fx.Node) and node.op == "call_function":
-        if node.target in TRANSPOSES_2D and _is_2d_transpose(node):
+    while isinstance(node, fx.Node):
+        if chain and only_user(node) is not chain[0]:
+            return None
+        if stop(node):
+            return node, tuple(chain), flips
+        if node.op != "call_function":
+            return None
+        if node.target in TRANSPOSES_2D and flip(node):
             flips += 1
         elif node.target not in CASTS:
             return None
-        if chain and only_user(node) is not chain[0]:
-            return None
         chain.insert(0, node)
         node = node.args[0]
-    if not (isinstance(node, fx.Node) and node.op == "get_attr" and node.target in params):
+    return None
+
+
+def weight_source(gm: fx.GraphModule, node: object, params: set[str]) -> WeightSource | None:
+    """The parameter a matmul operand is, through casts and 2-D transposes each read by nothing else; or one
+    expert ``W[e]`` of a 3-D parameter (the other experts read W too)."""
+    found = _chain(node, _is_2d_transpose, lambda n: (n.op == "get_attr" and n.target in params)
+                   or _expert_of(n, params) is not None)
+    if found is None:
         return None
-    if chain and only_user(node) is not chain[0]:
+    top, chain, flips = found
+    if top.op == "get_attr":
+        return WeightSource(str(top.target), chain, flips)
+    return WeightSource(str(top.args[0].target), (top, *chain), flips, _expert_of(top, params))
+
+
+def _param_node(node: object, params: set[str], ndim: int) -> bool:
+    return isinstance(node, fx.Node) and node.op == "get_attr" and node.target in params \
+        and getattr(node.meta.get("val"), "ndim", _ndim(node)) == ndim
+
+
+def _ndim(node: fx.Node) -> int | None:
+    gm = node.graph.owning_module
+    try:
+        return gm.get_parameter(node.target).dim()
+    except (AttributeError, TypeError):
         return None
-    return WeightSource(str(node.target), tuple(chain), flips)
+
+
+def _expert_of(node: fx.Node, params: set[str]) -> int | None:
+    """``e`` for ``W[e]`` (``select(W, 0, e)``) of a 3-D parameter W."""
+    if node.target is aten.select.int and _param_node(node.args[0], params, 3) and node.args[1] in (0, -3) \
+            and isinstance(node.args[2], int):
+        return node.args[2] % node.graph.owning_module.get_parameter(node.args[0].target).shape[0]
+    return None
 
 
 def find_param_matmuls(gm: fx.GraphModule) -> list[ParamMatmul]:
-    """Every matmul of an activation by a 2-D parameter, in graph order."""
+    """Every matmul of an activation by a 2-D parameter (or an expert's 3-D one), in graph order."""
     params = {n for n, _ in gm.named_parameters(remove_duplicate=False)}
     found = []
     for node in gm.graph.nodes:
         if node.op != "call_function":
             continue
-        pm = match_param_matmul(gm, node, params)
+        pm = match_param_matmul(gm, node, params) or match_expert_matmul(gm, node, params)
         if pm is not None:
             found.append(pm)
     return found
@@ -156,11 +209,116 @@ def match_param_matmul(gm: fx.GraphModule, node: fx.Node, params: set[str]) -> P
             return None
         bias = bsrc.param
     weight = gm.get_parameter(src.param)
-    if weight.dim() != 2:
+    if weight.dim() != (2 if src.expert is None else 3):
         return None
     out_dim ^= src.flips % 2
-    return ParamMatmul(node, kind, x, src.param, out_dim, weight.shape[1 - out_dim], weight.shape[out_dim], bias,
-                       src.chain)
+    lead = weight.dim() - 2  # the expert dim of W [E, a, b]
+    return ParamMatmul(node, kind, x, src.param, out_dim + lead, weight.shape[lead + 1 - out_dim],
+                       weight.shape[lead + out_dim], bias, src.chain, lead + 1 - out_dim if lead else None, src.expert)
+
+
+def _gathered(gm: fx.GraphModule, node: object, params: set[str]) -> tuple[str, tuple[fx.Node, ...], int, int] | None:
+    """(parameter, chain, leading dims, flips) for ``W[ids]`` of a 3-D parameter, possibly cast and with its
+    two matrix dims transposed, each read by nothing else: a weight per token (slot) of a mixture of experts."""
+    found = _chain(node, _swaps_last_two, lambda n: n.target is aten.index.Tensor and _param_node(n.args[0], params, 3)
+                   and len(n.args[1]) == 1 and isinstance(n.args[1][0], fx.Node))
+    if found is None:
+        return None
+    top, chain, flips = found
+    return str(top.args[0].target), (top, *chain), top.args[1][0].meta["val"].dim(), flips
+
+
+def _swaps_last_two(node: fx.Node) -> bool:
+    """Does a transpose or permute swap the last two dims of its input and keep the others?"""
+    nd = node.args[0].meta["val"].dim()
+    if node.target in (aten.t.default, aten.numpy_T.default):
+        return nd == 2
+    if node.target in (aten.mT.default, aten.adjoint.default):
+        return True
+    if node.target in (aten.transpose.int, aten.swapaxes.default, aten.swapdims.default):
+        return {d % nd for d in node.args[1:3]} == {nd - 2, nd - 1}
+    perm = [d % nd for d in node.args[1]]
+    return perm == [*range(nd - 2), nd - 1, nd - 2]
+
+
+def _plain_3d(gm: fx.GraphModule, node: object, params: set[str]) -> tuple[str, tuple[fx.Node, ...], int] | None:
+    """(parameter, chain, flips) for a 3-D parameter read whole, possibly with its matrix dims transposed."""
+    found = _chain(node, _swaps_last_two, lambda n: _param_node(n, params, 3))
+    return None if found is None else (str(found[0].target), found[1], found[2])
+
+
+def is_grouped_mm(node: fx.Node) -> bool:
+    """A grouped GEMM ``(x [S, K], W [E, K, N], offsets [E]) -> [S, N]``: ``torch._grouped_mm`` or a library's
+    fallback op of that name and signature."""
+    name = getattr(node.target, "__name__", "")
+    return node.op == "call_function" and name.split(".")[0].startswith(("_grouped_mm", "grouped_mm"))
+
+
+def match_expert_matmul(gm: fx.GraphModule, node: fx.Node, params: set[str]) -> ParamMatmul | None:
+    """``node`` as a matmul of activations by a 3-D expert parameter read whole or per token."""
+    t = node.target
+    if is_grouped_mm(node) and len(node.args) >= 3 and isinstance(node.args[0], fx.Node):
+        src = _plain_3d(gm, node.args[1], params)
+        if src is None or node.args[0].meta["val"].dim() != 2:
+            return None
+        w = gm.get_parameter(src[0])
+        out_axis = 2 - src[2] % 2  # W' [E, K, N]: N is W's dim 2, or dim 1 when W is read transposed
+        return ParamMatmul(node, "grouped_mm", node.args[0], src[0], out_axis, w.shape[3 - out_axis],
+                           w.shape[out_axis], None, src[1], 3 - out_axis, None, 1, 1)
+    if t in (aten.bmm.default, aten.matmul.default) and all(isinstance(a, fx.Node) for a in node.args[:2]):
+        a, b = node.args[:2]
+        for wi, (wn, xn) in enumerate(((a, b), (b, a))):
+            src = _gathered(gm, wn, params)
+            if src is None or xn.meta["val"].dim() != wn.meta["val"].dim():
+                continue
+            param, chain, _, flips = src
+            w = gm.get_parameter(param)
+            nd = wn.meta["val"].dim()
+            rows, cols = (2, 1) if flips % 2 else (1, 2)  # W's dims that the matrix's rows and columns are
+            if wi == 0:  # Wg [.., R, C] @ x [.., C, n] -> [.., R, n]
+                out_axis, x_dim, y_dim = rows, nd - 2, nd - 2
+            else:  # x [.., n, R] @ Wg [.., R, C] -> [.., n, C]
+                out_axis, x_dim, y_dim = cols, nd - 1, nd - 1
+            return ParamMatmul(node, "bmm", xn, param, out_axis, w.shape[3 - out_axis], w.shape[out_axis], None,
+                               chain, 3 - out_axis, None, x_dim, y_dim)
+        return None
+    if t is aten.einsum.default and len(node.args[1]) == 2 and isinstance(node.args[0], str):
+        return _einsum_matmul(gm, node, params)
+    return None
+
+
+def _einsum_matmul(gm: fx.GraphModule, node: fx.Node, params: set[str]) -> ParamMatmul | None:
+    """``einsum("ti,taoi->tao", x, W[ids])``: one letter of the weight's matrix dims contracted with x, the
+    other kept in the output; the weight's leading (per-token) letters are batch letters of the output."""
+    eq = node.args[0].replace(" ", "")
+    if "..." in eq or "->" not in eq:
+        return None
+    ins, out = eq.split("->")
+    subs = ins.split(",")
+    if len(subs) != 2:
+        return None
+    for wi in (0, 1):
+        wn, xn = node.args[1][wi], node.args[1][1 - wi]
+        src = _gathered(gm, wn, params) if isinstance(wn, fx.Node) else None
+        if src is None or not isinstance(xn, fx.Node):
+            continue
+        param, chain, lead, flips = src
+        ws, xs = subs[wi], subs[1 - wi]
+        if len(ws) != lead + 2 or len(set(ws)) != len(ws) or len(set(xs)) != len(xs):
+            return None
+        r, c = ws[-2], ws[-1]
+        if not all(ch in out for ch in ws[:-2]):
+            return None
+        if r in xs and r not in out and c in out and c not in xs:
+            contracted, kept, out_axis = r, c, 2 if not flips % 2 else 1
+        elif c in xs and c not in out and r in out and r not in xs:
+            contracted, kept, out_axis = c, r, 1 if not flips % 2 else 2
+        else:
+            return None
+        w = gm.get_parameter(param)
+        return ParamMatmul(node, "einsum", xn, param, out_axis, w.shape[3 - out_axis], w.shape[out_axis], None,
+                           chain, 3 - out_axis, None, xs.index(contracted), out.index(kept))
+    return None
 
 
 def column_form(gm: fx.GraphModule, c: fx.Node, x: fx.Node, params: set[str]) -> tuple[str, fx.Node, object] | None:

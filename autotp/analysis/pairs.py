@@ -42,9 +42,13 @@ class Analysis:
     tp: int
     matmuls: list[ParamMatmul]
     pairs: list[PairFacts] = field(default_factory=list)
-    replicated: list[tuple[str, str]] = field(default_factory=list)  # (module, reason)
+    replicated: list[tuple[str, str]] = field(default_factory=list)  # (module, reason): what could not be cut
+    # (module, reason): matmuls whole by design, not gaps (a router or a gate: every rank needs all its outputs)
+    by_design: list[tuple[str, str]] = field(default_factory=list)
     # row -> the node after which its all-reduce runs, shared with other rows (experts summed by the router)
     leave_at: dict[fx.Node, fx.Node] = field(default_factory=dict)
+    # (module, reason) of a failed pair -> its row matmul (a row later made an LM head says nothing is whole)
+    failed_rows: dict[tuple[str, str], fx.Node] = field(default_factory=dict)
     # that node -> (reader, value): learned factors of its partial sums (the router's weights), entering f
     partial_enter: dict[fx.Node, list[tuple[fx.Node, fx.Node]]] = field(default_factory=dict)
 
@@ -61,12 +65,15 @@ def dataflow_graph(gm: fx.GraphModule) -> nx.DiGraph:
 def feeders(g: nx.DiGraph, matmul_nodes: set[fx.Node]) -> dict[fx.Node, frozenset[fx.Node]]:
     """For each node, the parameter matmuls that reach it with no other parameter matmul in between.
 
-    Shape reads (``sym_size``) carry no data and are not followed.
+    Shape reads (``sym_size``) carry no data and are not followed, nor are integer and boolean values (a
+    router's choice of experts indexes their weights and tokens; it is no input of theirs to cut).
     """
     out: dict[fx.Node, frozenset[fx.Node]] = {}
     empty: frozenset[fx.Node] = frozenset()
     for node in nx.topological_sort(g):
-        if node.op != "call_function" or node.target is aten.sym_size.int:
+        val = node.meta.get("val")
+        if node.op != "call_function" or node.target is aten.sym_size.int \
+                or (isinstance(val, torch.Tensor) and not (val.dtype.is_floating_point or val.dtype.is_complex)):
             out[node] = empty
             continue
         acc: set[fx.Node] = set()
@@ -96,11 +103,16 @@ def analyze(gm: fx.GraphModule, tp: int) -> Analysis:
     assigned: set[fx.Node] = set()
     failed: set[fx.Node] = set()
     attempts: list[tuple[fx.Node, str, str]] = []  # (row, module, reason) of the pairs that failed
-    weight_uses: dict[str, int] = {}
+    weight_uses: dict[tuple[str, int | None], int] = {}  # one expert W[e] of a 3-D W is a weight of its own
     for m in [*matmuls, *embeddings.values()]:
-        weight_uses[m.weight] = weight_uses.get(m.weight, 0) + 1
-    for row in matmuls:
+        weight_uses[m.key] = weight_uses.get(m.key, 0) + 1
+    # attention first: its output projection's pair is the one to keep where a low-rank projection (DeepSeek's
+    # q_a -> q_b) could otherwise pair with the up-projection that attention reads
+    for row in sorted(matmuls, key=lambda m: not _after_attention(m, by_node.keys() | embeddings.keys())):
         cols = feed[row.x] | ({row.x} if row.x in by_node else frozenset())
+        # a matmul that feeds another candidate's input is no column of this pair (a column's input is whole):
+        # DeepSeek's kv down-projection feeds the kv up-projection, and its rotary key part reaches attention
+        cols = frozenset(c for c in cols if not any(c in feed[by_node[d].x] for d in cols if d in by_node))
         # an embedding of the ids joins a pair beside its column matmuls (a value embedding added to v: cut
         # by its feature columns like v), never starts one (the token embedding before the first block)
         if not cols - set(embeddings) or row.node in assigned or cols & assigned:
@@ -108,16 +120,17 @@ def analyze(gm: fx.GraphModule, tp: int) -> Analysis:
         columns = [by_node.get(c) or embeddings[c] for c in sorted(cols, key=_order(gm))]
         name = common_module([c.module for c in columns if c.kind != "embedding"] + [row.module]) or row.module \
             or "<root>"
-        shared = [m.weight for m in [*columns, row] if weight_uses[m.weight] > 1]
+        shared = [m.weight for m in [*columns, row] if weight_uses[m.key] > 1]
         if shared:
             result.replicated.append((name, f"weight {shared[0]} is used by more than one matmul"))
             continue
         specs = {}
         try:
             for c in columns:
-                segs = column_segments(c.node, fp, tp, f"{c.module} (out_features={c.out_features})")
-                specs[c.node] = Sharding(c.node.meta["val"].dim() - 1, segs)
-            region = propagate(specs, row.node, row.x, fp, tp, name)
+                nd = c.node.meta["val"].dim()
+                segs = column_segments(c.node, fp, tp, f"{c.module} (out_features={c.out_features})", c.y_dim % nd)
+                specs[c.node] = Sharding(c.y_dim % nd, segs)
+            region = propagate(specs, row.node, row.x, fp, tp, name, row.x_dim)
         except Unshardable as e:
             # a block left whole is reported once: a later attempt that pairs its output projection with
             # the next block's input fails only because of it
@@ -129,13 +142,66 @@ def analyze(gm: fx.GraphModule, tp: int) -> Analysis:
             n.meta["autotp"] = s
         result.pairs.append(PairFacts(name, columns, row, {c.name: s for c, s in specs.items()}, region))
         assigned |= set(cols) | {row.node}
+    _whole_experts(result, matmuls, assigned)
+    order = _order(gm)
+    result.pairs.sort(key=lambda p: order(p.row.node))  # graph order, whichever was paired first
     # a failed attempt whose row matmul was then paired another way (a gate of the block input tried as the
     # column of q) says nothing about what is left whole
     result.replicated += [(name, why) for row, name, why in attempts if row not in assigned]
+    result.failed_rows = {(name, why): row for row, name, why in attempts}
     params = {n for n, _ in gm.named_parameters(remove_duplicate=False)}
     d = deferred([p.row.node for p in result.pairs if p.row.bias is None], params)
     result.leave_at, result.partial_enter = d.leave_at, d.enter
     return result
+
+
+def _after_attention(row: ParamMatmul, matmuls: set[fx.Node]) -> bool:
+    """Does ``row`` read attention's output: scaled_dot_product_attention, or a product of two activations,
+    between it and the matmuls that feed it?"""
+    seen, todo = set(), [row.x]
+    while todo:
+        n = todo.pop()
+        if n in seen or n in matmuls or n.op != "call_function":
+            continue
+        seen.add(n)
+        if n.target is aten.scaled_dot_product_attention.default:
+            return True
+        if n.target in (aten.matmul.default, aten.bmm.default, aten.baddbmm.default) \
+                and not any(a.op == "get_attr" for a in n.all_input_nodes):
+            return True
+        todo.extend(n.all_input_nodes)
+    return False
+
+
+def _whole_experts(result: Analysis, matmuls: list[ParamMatmul], assigned: set[fx.Node]) -> None:
+    """A 3-D parameter read one expert at a time (``W[e]``) is cut once for all experts: every expert's matmul
+    must be in a pair that cuts it the same way, else the pairs of all its experts are undone (left whole)."""
+    while True:
+        cuts: dict[str, set] = {}
+        for p in result.pairs:
+            for m, segs, role in [*((c, p.column_specs[c.node.name].segments, "column") for c in p.columns),
+                                  (p.row, p.region.row_input.segments, "row")]:
+                if m.expert is not None:
+                    cuts.setdefault(m.weight, set()).add((role, m.out_dim if role == "column" else m.in_dim, segs))
+        bad = {}
+        for m in matmuls:
+            if m.expert is None:
+                continue
+            if m.node not in assigned:
+                bad.setdefault(m.weight, f"expert {m.expert} of {m.weight} (at {m.node.name}) is in no column→row "
+                                         "pair, and the experts share one parameter")
+            elif len(cuts.get(m.weight, ())) > 1:
+                bad.setdefault(m.weight, f"the experts of {m.weight} would be cut in different ways")
+        undo = [p for p in result.pairs if any(m.weight in bad for m in [*p.columns, p.row])]
+        if not undo:
+            return
+        for p in undo:
+            result.pairs.remove(p)
+            for n in p.region.specs:
+                n.meta.pop("autotp", None)
+            assigned -= {m.node for m in [*p.columns, p.row]}
+            why = next(bad[m.weight] for m in [*p.columns, p.row] if m.weight in bad)
+            result.replicated.append((p.name, why))
 
 
 def _order(gm: fx.GraphModule):

@@ -17,32 +17,48 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+import sympy
 import torch
 import torch.fx as fx
 
+from autotp.analysis.matmuls import CASTS
 from autotp.analysis.ops import NO_OUTPUT, is_guard, reaches
 
 aten = torch.ops.aten
 
 # ops whose output is partial when their one tensor operand is (views and layout of a partial sum)
 _UNARY = {aten.neg.default, aten.view.default, aten.reshape.default, aten._unsafe_view.default,
-          aten.unsqueeze.default, aten.squeeze.dim, aten.transpose.int, aten.permute.default, aten.flatten.using_ints}
+          aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default, aten.transpose.int,
+          aten.permute.default, aten.flatten.using_ints, aten.sum.dim_IntList, aten.index.Tensor}
 
 
 def _linear_in(u: fx.Node, partial: set[fx.Node]) -> bool:
     """Is ``u`` linear in its partial operands, so that its output is partial too?"""
     tensors = [a for a in u.args if isinstance(a, fx.Node)]
     mine = [a for a in tensors if a in partial]
-    if u.target in _UNARY:
+    if u.target in _UNARY:  # (a sum over other dims, a gather of rows by replicated indices: linear too)
         return u.args[0] in partial and len(mine) == 1
+    if u.target is aten.einsum.default:  # a contraction with replicated operands: (Σ a_r)·w = Σ a_r·w
+        return sum(a in partial for a in u.args[1]) == 1
     if u.target is aten.mul.Tensor or u.target is aten.div.Tensor:
         # one partial factor (the numerator), the rest replicated: (a1 + .. + at)·w = a1·w + .. + at·w
         return len(mine) == 1 and (u.target is aten.mul.Tensor or u.args[0] in partial) and not u.kwargs
     if u.target in (aten.add.Tensor, aten.sub.Tensor):
-        # partial + partial; python's sum() starts from 0, which adds nothing
+        # partial + partial; python's sum() starts from 0 and a loop from zeros, which add nothing
         others = [a for a in u.args[:2] if a not in partial]
-        return all(not isinstance(a, fx.Node) and a == 0 for a in others) and u.kwargs.get("alpha", 1) == 1
+        return all(_zero(a) for a in others) and u.kwargs.get("alpha", 1) == 1
     return False
+
+
+_ZEROS = {aten.zeros.default, aten.zeros_like.default, aten.new_zeros.default}
+
+
+def _zero(a: object) -> bool:
+    """``0``, or a tensor of zeros made for the sum (``x.new_zeros(x.shape)``, ``torch.zeros_like(x)``)."""
+    if isinstance(a, fx.Node):
+        return a.target in _ZEROS or (a.target in (aten.fill_.Scalar, aten.full.default, aten.full_like.default,
+                                                    aten.new_full.default) and a.args[-1] == 0)
+    return not isinstance(a, (list, tuple)) and a == 0
 
 
 class Deferred(NamedTuple):
@@ -56,29 +72,54 @@ _PICK = {aten.select.int, aten.unsqueeze.default, aten.slice.Tensor, aten.view.d
          aten.squeeze.dim, aten.expand.default}
 
 
-def _factor_root(r: fx.Node) -> tuple[fx.Node, fx.Node]:
-    """(reader, root): ``r`` followed back through picks read by nothing else, to the value it is taken from."""
+def _factor_root(r: fx.Node, learned) -> tuple[fx.Node | None, fx.Node]:
+    """(reader, root): ``r`` followed back, through ops read by nothing else and linear in their one learned
+    operand (picks, casts, sums, products with masks: ``(w * (sel == e)).sum(-1)``), to the value it is
+    taken from (the routing weights of all experts); reader None when ``r`` is that value."""
     reader, node = None, r
-    while node.op == "call_function" and node.target in _PICK and isinstance(node.args[0], fx.Node) \
-            and len(node.users) == 1:
-        reader, node = node, node.args[0]
-    return (reader, node) if reader is not None else (r, r)
+    while node.op == "call_function" and len(node.users) == 1:
+        src = _linear_source(node, learned)
+        if src is None:
+            break
+        reader, node = node, src
+    return reader, node
+
+
+def _linear_source(node: fx.Node, learned) -> fx.Node | None:
+    """The one learned operand ``node`` is linear in, or None."""
+    t, args = node.target, node.args
+    if t in _PICK or t in CASTS or t is aten.sum.dim_IntList:
+        return args[0] if isinstance(args[0], fx.Node) else None
+    tensors = [a for a in args if isinstance(a, fx.Node)]
+    if t in (aten.mul.Tensor, aten.div.Tensor):
+        mine = [a for a in tensors if learned(a)]
+        return mine[0] if len(mine) == 1 and (t is aten.mul.Tensor or mine[0] is args[0]) else None
+    if t is aten.where.self and isinstance(args[1], fx.Node) and not learned(args[0]) \
+            and (_zero(args[2]) or not learned(args[2])):
+        return args[1] if learned(args[1]) else None
+    return None
 
 
 def deferred(rows: list[fx.Node], params: set[str]) -> Deferred:
     """:func:`deferred_leave`, and the learned factors the deferred rows' partial values are multiplied by."""
     leave_at = deferred_leave(rows)
     enter: dict[fx.Node, list[tuple[fx.Node, fx.Node]]] = {}
+
+    def learned(x: object) -> bool:  # a floating value computed from parameters (a mask of the choice is not)
+        val = x.meta.get("val") if isinstance(x, fx.Node) else None
+        return isinstance(val, torch.Tensor) and val.dtype.is_floating_point \
+            and reaches(x, lambda n: n.op == "get_attr" and n.target in params)
+
     for exit_ in dict.fromkeys(leave_at.values()):
         region = _region([r for r, e in leave_at.items() if e is exit_])
         found: dict[tuple[fx.Node, fx.Node], None] = {}
         for n in sorted(region, key=_order(region)):
-            if n.target is not aten.mul.Tensor and n.target is not aten.div.Tensor:
+            if n in leave_at or n.target not in (aten.mul.Tensor, aten.div.Tensor, aten.einsum.default):
                 continue
             for r in n.all_input_nodes:
-                if r not in region and reaches(r, lambda x: x.op == "get_attr" and x.target in params):
-                    reader, root = _factor_root(r)
-                    found[(reader, root) if reader is not r else (n, r)] = None
+                if r not in region and learned(r):
+                    reader, root = _factor_root(r, learned)
+                    found[(reader, root) if reader is not None else (n, r)] = None
         enter[exit_] = list(found)
     return Deferred(leave_at, enter)
 
@@ -126,8 +167,18 @@ def deferred_leave(rows: list[fx.Node]) -> dict[fx.Node, fx.Node]:
             todo.extend(u for u in n.users if u in partial)
         if len(reached) == 1 and reached != {row}:
             out[row] = reached.pop()
-    # an exit that only one row reaches gains nothing: its all-reduce stays after the row
+    # an exit that only one row reaches gains nothing unless it is smaller (the k slots of each token summed)
     counts: dict[fx.Node, int] = {}
     for e in out.values():
         counts[e] = counts.get(e, 0) + 1
-    return {r: e for r, e in out.items() if counts[e] > 1}
+    return {r: e for r, e in out.items() if counts[e] > 1 or _smaller(e, r)}
+
+
+def _smaller(a: fx.Node, b: fx.Node) -> bool:
+    """Does ``a`` hold fewer elements than ``b`` at every size (a constant ratio above 1)?"""
+    def expr(n: fx.Node):
+        numel = n.meta["val"].numel()
+        return numel.node.expr if isinstance(numel, torch.SymInt) else sympy.Integer(numel)
+
+    ratio = sympy.simplify(expr(b) / expr(a))
+    return bool(ratio.is_number and ratio > 1)

@@ -48,6 +48,11 @@ class Region:
     params: list[tuple[fx.Node, int, Sharding]] = field(default_factory=list)
 
 
+# what a per-head parameter passes through on its way to meet the heads
+_PARAM_VIEWS = {aten.view.default, aten.reshape.default, aten.expand.default, aten.unsqueeze.default,
+                aten._unsafe_view.default}
+
+
 class _Propagator(ShapeRules):
     def __init__(self, fp: Fingerprinter, tp: int, where: str):
         self.fp = fp
@@ -174,8 +179,57 @@ class _Propagator(ShapeRules):
             self.region.specs[node] = self.index_put(node, node.args[0], [None] * d + [node.args[2]], node.args[3])
         elif t is aten.scaled_dot_product_attention.default:
             self.region.specs[node] = self.sdpa(node)
+        elif t in (aten.max.dim, aten.min.dim):  # (values, indices) along an unsharded dim: softmax's shift
+            sp, nd = self.spec(node.args[0]), ndim_of(node.args[0])
+            d, keep = normalize_dim(node.args[1], nd), arg_of(node, 2, "keepdim", False)
+            if d == sp.dim or sp.inner:
+                raise Unshardable(node, f"{t} over the sharded dim")
+            out = sp if keep else sp.moved(sp.dim - (d < sp.dim))
+            self.region.specs[node] = (out, out)
+        elif t in (aten.new_empty.default, aten.new_zeros.default, aten.new_ones.default):
+            self.region.specs[node] = self.new_like(node)
+        elif t is aten.copy_.default:
+            self.region.specs[node] = self.copy_into(node)
         else:
             raise Unshardable(node, f"no sharding rule for {t}")
+
+    def new_like(self, node: fx.Node) -> Sharding:
+        """``x.new_empty([b, n, s, d])`` of a tensor sharded by heads on dim ``i``, with ``n`` its heads: a
+        buffer of this rank's heads (DeepSeek's key, filled by in-place copies of the per-head parts)."""
+        s, size = self.spec(node.args[0]), list(node.args[1])
+        full = sum(g.size for g in s.segments)
+        if s.inner or s.outer or len(size) != ndim_of(node.args[0]) or not is_static(size[s.dim]) \
+                or size[s.dim] != self.fp.shape(node.args[0])[s.dim]:
+            raise Unshardable(node, "a new tensor whose sharded dim is not its input's")
+        self._set_view_size(node, size, s.dim, full, s.local_size)
+        return s
+
+    def copy_into(self, node: fx.Node) -> Sharding:
+        """``dst.copy_(src)`` into a sharded buffer (or a slice of it): the source sharded alike; or one head
+        broadcast to all (``k_rot.expand(-1, n, -1, -1)``, a part shared by the heads) that each rank expands
+        to its own heads, its gradient then summed over the ranks (f)."""
+        dst, src = node.args[:2]
+        sd, ss = self.spec(dst), self.spec(src)
+        if sd is None:
+            raise Unshardable(node, "a sharded value copied into a replicated tensor")
+        if ss is not None:
+            if ss != sd:
+                raise Unshardable(node, f"operands sharded differently: {sd} vs {ss}")
+            return sd
+        if ndim_of(src) != ndim_of(dst) or not self.expanded_head(src, sd):
+            self._replicated_operand(node, src, sd)
+        return sd
+
+    def expanded_head(self, x: object, s: Sharding) -> bool:
+        """``k_rot.expand(-1, n, -1, -1)``: one replicated head (a rotary key part shared by all heads) expanded
+        to all heads, read only where it meets heads sharded by ``s``: each rank expands it to its own heads
+        (the expand's size rewritten), and its gradient, partial on each rank, is summed (f)."""
+        if not (isinstance(x, fx.Node) and x.target is aten.expand.default and len(x.users) == 1) \
+                or s.inner or s.outer or ndim_of(x) != ndim_of(x.args[0]) or self.fp.shape(x.args[0])[s.dim] != 1:
+            return False
+        self._set_view_size(x, list(x.args[1]), s.dim, sum(g.size for g in s.segments), s.local_size)
+        self._enter_if_learned(x, x.args[0])
+        return True
 
     def pointwise(self, node: fx.Node) -> Sharding:
         out_nd = ndim_of(node)
@@ -225,12 +279,52 @@ class _Propagator(ShapeRules):
         if self._parameter(x) is not None and not s.outer:
             self.region.params.append((x, xd, s))
             return
+        picked = self._gathered_parameter(x)
+        if picked is not None and not s.outer and xd >= picked[1]:  # bias[ids]: one expert's bias per slot
+            self.region.params.append((picked[0], xd - picked[1] + 1, s))
+            self.region.specs[x] = s.moved(xd)
+            return
+        if self.viewed_parameter(x, s.moved(xd)):
+            return
         if x.target in FACTORIES and len(x.users) == 1:
             self._set_view_size(x, list(x.args[0]), xd, sum(g.size for g in s.segments), s.local_size, arg=0)
             return
         if self._learned(x):
             raise Unshardable(node, f"replicated operand {x.name} spans the sharded dim and depends on a parameter")
         self.region.slices.append((node, x, xd, s))
+
+    def viewed_parameter(self, x: object, s: Sharding) -> bool:
+        """A parameter with one entry per head, reshaped and expanded to meet the heads on dim ``s.dim`` of
+        ``x`` (GPT-OSS's attention sinks: ``sinks.reshape(1, -1, 1, 1).expand(b, -1, s, -1)`` concatenated
+        to the scores): the parameter is sharded with the heads, and the sizes on the way become local."""
+        if not isinstance(x, fx.Node) or s.inner or s.outer:
+            return False
+        full = sum(g.size for g in s.segments)
+        chain, node, d = [], x, s.dim
+        while node.op == "call_function" and node.target in _PARAM_VIEWS and len(node.users) == 1:
+            src = node.args[0]
+            at = [i for i, n in enumerate(self.fp.shape(src)) if n == full] if isinstance(src, fx.Node) else []
+            if len(at) != 1 or self.fp.shape(node)[d] != full:
+                return False
+            chain.append((node, d))
+            node, d = src, at[0]
+        if not chain or self._parameter(node) is None or len(node.users) != 1:
+            return False
+        for n, dim in chain:
+            size = list(n.args[1]) if len(n.args) > 1 and isinstance(n.args[1], (list, tuple)) else None
+            if size is not None and is_static(size[dim]) and size[dim] != -1:
+                self._set_view_size(n, size, dim, full, s.local_size)
+            self.region.specs[n] = Sharding(dim, s.segments)
+        self.region.params.append((node, d, Sharding(d, s.segments)))
+        return True
+
+    def _gathered_parameter(self, x: fx.Node) -> tuple[fx.Node, int] | None:
+        """(P, leading dims) for ``P[ids]``, a parameter's rows picked by replicated indices (an expert's bias for
+        each token slot), read by nothing else."""
+        if x.target is aten.index.Tensor and self._parameter(x.args[0]) is not None and len(x.args[1]) == 1 \
+                and isinstance(x.args[1][0], fx.Node) and self.spec(x.args[1][0]) is None and len(x.users) == 1:
+            return x.args[0], ndim_of(x.args[1][0])
+        return None
 
     def _state(self, x: fx.Node) -> str | None:
         """"parameter" or "buffer" for a module tensor read by ``x`` (names looked up once per region)."""
@@ -381,8 +475,9 @@ class _Propagator(ShapeRules):
 
 
 def propagate(columns: dict[fx.Node, Sharding], row: fx.Node, row_x: fx.Node, fp: Fingerprinter, tp: int,
-              where: str) -> Region:
-    """Propagate the column shardings to ``row``; raise :class:`Unshardable` if the region leaks."""
+              where: str, x_dim: int = -1) -> Region:
+    """Propagate the column shardings to ``row`` (which contracts ``x_dim`` of ``row_x``); raise
+    :class:`Unshardable` if the region leaks."""
     p = _Propagator(fp, tp, where)
     p.region.specs.update(columns)
     started = False
@@ -397,7 +492,7 @@ def propagate(columns: dict[fx.Node, Sharding], row: fx.Node, row_x: fx.Node, fp
         if any(isinstance(a, fx.Node) and a in p.region.specs for a in node.all_input_nodes):
             p.visit(node)
     rs = p.spec(row_x)
-    if rs is None or rs.dim != ndim_of(row_x) - 1 or rs.inner or rs.outer:
+    if rs is None or rs.dim != x_dim % ndim_of(row_x) or rs.inner or rs.outer:
         raise Unshardable(row, "the row-parallel input is not sharded on its contracted dim")
     if any(g.parts < tp for g in rs.segments):
         # heads fewer than ranks reach the row matmul: the ranks holding a copy would each add it

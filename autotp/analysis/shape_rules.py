@@ -47,6 +47,9 @@ class ShapeRules:
         d = normalize_dim(arg_of(node, 1, "dim", 0), ndim_of(node.args[0]))
         if d == s.dim or (s.inner and d == s.inner[0]):
             full = self.fp.shape(node.args[0])[d]
+            step = arg_of(node, 4, "step", 1)
+            if step != 1:
+                return self._strided(node, s, full, step)
             r = slice_range(node, full)
             if r == (0, full):
                 return s
@@ -63,6 +66,18 @@ class ShapeRules:
                 offset, local = offset + seg.size, local + seg.local()
             raise Unshardable(node, "a partial slice of the sharded dim")
         return s
+
+    def _strided(self, node: fx.Node, s: Sharding, full: int, step: object) -> Sharding:
+        """``h[..., 0::2]`` / ``h[..., 1::2]`` of the sharded dim (gate and up interleaved, GPT-OSS's experts):
+        each rank's blocks start at a multiple of the step and hold a multiple of it, so the rank's own
+        elements of the pick are its local ``0::2`` / ``1::2``."""
+        start, end = arg_of(node, 2, "start", 0) or 0, arg_of(node, 3, "end", None)
+        ok = is_static(step) and step > 1 and is_static(start) and 0 <= start < step \
+            and (end is None or (is_static(end) and end >= full)) and not s.inner and not s.outer \
+            and all(g.size % (g.parts * step) == 0 and not g.inner for g in s.segments)
+        if not ok:
+            raise Unshardable(node, "a strided slice of the sharded dim that does not stay within each rank's block")
+        return Sharding(s.dim, tuple(Segment(g.size // step, g.parts) for g in s.segments))
 
     def select(self, node: fx.Node) -> Sharding:
         """``f[:, :, -2]`` of Falcon's ``[b, s, n_heads + 2, d]``: the one k (or v) head, a segment every rank
@@ -349,11 +364,21 @@ class ShapeRules:
             raise Unshardable(node, "cat of tensors sharded differently")
         s = specs.pop()
         for x in tensors:
-            if self.spec(x) is None:
+            if self.spec(x) is None and not self.expanded_head(x, s) and not self.viewed_parameter(x, s):
                 self._local_input(node, x, s)
         if d == s.dim or (s.inner and d == s.inner[0]):
             raise Unshardable(node, "cat along the sharded dim")
         return s
+
+    def expanded_head(self, x: object, s: Sharding) -> bool:
+        """Is ``x`` one replicated head expanded to all heads, which each rank expands to its own instead
+        (see :meth:`autotp.analysis.propagate._Propagator.expanded_head`)?"""
+        return False
+
+    def viewed_parameter(self, x: object, s: Sharding) -> bool:
+        """Is ``x`` a parameter per head, viewed and expanded to meet the heads ``s`` shards (made this
+        rank's; see :meth:`autotp.analysis.propagate._Propagator.viewed_parameter`)?"""
+        return False
 
     def _local_input(self, node: fx.Node, x: object, s: Sharding) -> None:
         """A replicated graph input concatenated with a sharded value (a KV cache's past keys and the new

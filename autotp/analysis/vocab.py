@@ -193,7 +193,50 @@ def _op_name(n: fx.Node) -> str:
     return getattr(n.target, "__name__", str(n.target)).split(".")[0].lstrip("_")
 
 
-def _kept_whole(m: ParamMatmul, why: str) -> str:
+_BY_DESIGN = ("router kept whole", "gate kept whole", "down-projection kept whole")
+_CHOICES = {aten.topk.default, aten.sort.default, aten.argmax.default, aten.argsort.default}
+
+
+def _latent_of(m: ParamMatmul, a) -> str | None:
+    """The pair whose column matmuls read ``m``'s output through ops of it alone (norms, splits, views; no
+    other activation joins in, no other matmul in between), when ``m`` maps to fewer features than it reads: a
+    low-rank down-projection (DeepSeek's q_a_proj, kv_a_proj_with_mqa) whose latent every rank computes whole
+    for the head-parallel up-projections."""
+    if m.out_features >= m.in_features:
+        return None
+    matmuls = {x.node for x in a.matmuls}
+    columns = {c.node: p.name for p in a.pairs for c in p.columns}
+    mine, started = {m.node}, False
+    for n in m.node.graph.nodes:
+        started |= n is m.node
+        if not started or n in mine or not any(x in mine for x in n.all_input_nodes):
+            continue
+        if n in columns:
+            return columns[n]
+        val = n.meta.get("val")
+        val = val[0] if isinstance(val, (tuple, list)) and val else val  # a split's pieces
+        if n in matmuls or not isinstance(val, torch.Tensor) or not val.dtype.is_floating_point:
+            continue  # a choice (topk's indices) reaches the experts as indices, not as their input
+        if all(x in mine or not from_inputs(x) for x in n.all_input_nodes):
+            mine.add(n)
+    return None
+
+
+def _chooses(node: fx.Node, depth: int = 8) -> bool:
+    """Is what ``node`` computes chosen among by topk (or sort, argmax) within a few ops: a router's scores?"""
+    todo, seen = [(node, 0)], set()
+    while todo:
+        n, d = todo.pop()
+        if n in seen or d > depth:
+            continue
+        seen.add(n)
+        if n.target in _CHOICES:
+            return True
+        todo.extend((u, d + 1) for u in n.users)
+    return False
+
+
+def _kept_whole(m: ParamMatmul, why: str, latent_of: str | None = None) -> str:
     """Why an unpaired matmul that could not be made vocab-parallel stays whole, named by what it is: its
     dataflow and shapes decide (a loss or the output reads an LM head; a gate maps to fewer features than it
     reads, and they are read by an activation, a multiply or topk; a router's are chosen among by topk)."""
@@ -201,10 +244,14 @@ def _kept_whole(m: ParamMatmul, why: str) -> str:
     shape = f"{m.in_features}→{m.out_features}"
     if any(u.op == "output" or u.target in _LOSSES for u in readers):
         return f"LM head kept whole: {why}"
+    if latent_of is not None and not _chooses(m.node):
+        return (f"down-projection kept whole: its {shape} linear computes the latent that the column matmuls of "
+                f"{latent_of} read; every rank computes it whole (cutting it would add an all-reduce of the "
+                f"latent), and its weight is small")
     if m.out_features < m.in_features and readers and all(u.target in _GATE_READS for u in readers):
         then = [v for u in readers if u.target in _ACTIVATIONS for v in _readers(u)]  # sigmoid -> mul, softmax -> topk
         reads = " then ".join(", ".join(sorted({_op_name(u) for u in us})) for us in (readers, then) if us)
-        if any(u.target is aten.topk.default for u in [*readers, *then]):
+        if any(u.target is aten.topk.default for u in [*readers, *then]) or _chooses(m.node):
             return (f"router kept whole: its {shape} linear is read by {reads}, which chooses among all "
                     f"{m.out_features} of its outputs on every rank; cutting them would only add a gather, and "
                     f"its weight is small")
@@ -278,7 +325,7 @@ def analyze_vocab(gm: fx.GraphModule, a: Analysis, tp: int, multiple: int = 1) -
             uses.setdefault(node.target, []).extend(node.users)
     layouts: dict[str, VocabLayout] = {}
     for m in a.matmuls:
-        if m.node in paired:
+        if m.node in paired or m.in_axis is not None:  # an expert's 3-D weight is no LM head
             continue
         layout = VocabLayout.make(m.out_features, tp, multiple)
         try:
@@ -287,7 +334,8 @@ def analyze_vocab(gm: fx.GraphModule, a: Analysis, tp: int, multiple: int = 1) -
             # a projection of a block already reported replicated is not an LM head: its reason stands
             if not any(m.module == r or m.module.startswith(r + ".") for r, _ in a.replicated):
                 why = f"{e.reason} (at {e.node.name})" if isinstance(e, Unshardable) else str(e)
-                a.replicated.append((m.module, _kept_whole(m, why)))
+                why = _kept_whole(m, why, _latent_of(m, a))
+                (a.by_design if why.startswith(_BY_DESIGN) else a.replicated).append((m.module, why))
             continue
         if not head.losses and not head.outputs:
             continue
@@ -299,6 +347,8 @@ def analyze_vocab(gm: fx.GraphModule, a: Analysis, tp: int, multiple: int = 1) -
         facts.heads.append(head)
         layouts[m.weight] = layout
     head_nodes = {h.matmul.node for h in facts.heads}
+    # a failed pair whose row is an LM head after all (a gate of the last block tried as its column)
+    a.replicated[:] = [e for e in a.replicated if a.failed_rows.get(e) not in head_nodes]
     head_chains = {n for h in facts.heads for n in h.matmul.chain}
     for node in gm.graph.nodes:
         if node.target is not aten.embedding.default or not isinstance(node.args[0], fx.Node):

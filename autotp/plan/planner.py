@@ -40,22 +40,31 @@ _DERIVE = {aten.slice.Tensor, aten.select.int, aten.view.default, aten.reshape.d
            aten._to_copy.default, aten.contiguous.default, aten.clone.default, aten.alias.default}
 
 
+# ops that gather rows of a value (tokens dispatched to experts, one row per (token, k) slot): the value they
+# are gathered from is smaller, so f goes there
+_GATHER = {aten.index.Tensor, aten.repeat_interleave.self_int, aten.expand.default}
+
+
 def _entering_via(xs: list[fx.Node], columns: set[fx.Node]) -> dict[fx.Node, tuple[fx.Node, fx.Node]]:
     """Column inputs derived from another column input ``root`` of the pair (a gate of ``x[..., :12]`` beside
-    q, k and v of ``x``) through ops read by nothing else: ``{derived: (reader of root, root)}``. Entering at
-    ``root`` alone, one all-reduce sums both gradients (each rank's covers only its own columns)."""
+    q, k and v of ``x``), or gathered from a smaller value ``root`` (the tokens of a MoE layer, gathered per
+    expert slot), through ops read by nothing else: ``{derived: (reader of root, root)}``. Entering at
+    ``root`` alone, one all-reduce sums the gradients (each rank's covers only its own columns)."""
     out = {}
     for x in xs:
-        if any(u not in columns for u in x.users):
+        if any(u not in columns and u.target is not aten._assert_tensor_metadata.default for u in x.users):
             continue
-        node, reader = x, None
-        while node.op == "call_function" and node.target in _DERIVE and isinstance(node.args[0], fx.Node):
+        node, reader, gathered = x, None, False
+        while node.op == "call_function" and node.target in _DERIVE | _GATHER and isinstance(node.args[0], fx.Node):
+            gathered |= node.target in _GATHER
             node, reader = node.args[0], node
             if node in xs and node is not x:
                 out[x] = (reader, node)
                 break
             if len([u for u in node.users if u.target is not aten._assert_tensor_metadata.default]) != 1:
                 break
+        if gathered and x not in out:
+            out[x] = (reader, node)
     return out
 
 
@@ -137,10 +146,10 @@ def plan_from_analysis(gm: fx.GraphModule, a: Analysis, v: VocabFacts | None = N
         xs = list(dict.fromkeys(c.x for c in matmuls))
         via = _entering_via(xs, {c.node for c in matmuls}) if fold else {}
         xs = [x for x in xs if x not in via]
-        roots = {root for _, root in via.values()}
+        xs += [root for _, root in via.values() if root not in xs]  # tokens gathered for the experts
         # an input another pair already enters (experts of one MoE layer reading the same tokens) shares its f:
         # one all-reduce of the summed input gradient
-        joined = [x for x in xs if x in owner and x not in roots] if fold else []
+        joined = [x for x in xs if x in owner] if fold else []
         leave = a.leave_at.get(p.row.node) if fold else None
         xs = [x for x in xs if x not in joined]
         owner.update((x, p) for x in xs)

@@ -236,16 +236,18 @@ def _attach(plan: Plan) -> dict[tuple[str, str], str]:
 
 
 def formula_terms(plan: Plan, b: int, s: int, h: int | None) -> tuple[FormulaTerm, ...]:
-    """Megatron's per-step communication (README, "What a step costs") for this plan's structure: 2L = one forward and one backward all-reduce per pair, one
+    """Megatron's per-step communication (README, "What a step costs") for this plan's structure: 2L = one forward and one backward all-reduce per pair (per MoE layer for its experts), one
     more each way when the embedding / LM head are vocab-parallel, 3 reductions of b·s per vocab loss."""
     if plan.tp == 1:
         return ()
     bsh = None if h is None else b * s * h
     if plan.sequence is not None and plan.sequence.leaves:
         return _sequence_terms(plan, b, s, bsh)
-    two_l = len(plan.pairs)
-    terms = [FormulaTerm("forward", "sum", "2L attention/MLP outputs", two_l, "b·s·h", bsh),
-             FormulaTerm("backward", "sum", "2L attention/MLP inputs", two_l, "b·s·h", bsh)]
+    # the experts of a MoE layer are pairs that share one all-reduce each way (their summed output, their input)
+    outputs = len({p.leave_at or p.row for p in plan.pairs})
+    inputs = sum(1 for p in plan.pairs if p.enter)
+    terms = [FormulaTerm("forward", "sum", "2L attention/MLP outputs", outputs, "b·s·h", bsh),
+             FormulaTerm("backward", "sum", "2L attention/MLP inputs", inputs, "b·s·h", bsh)]
     if plan.vocab.embeddings:
         terms.append(FormulaTerm("forward", "sum", "vocab-parallel embedding", len(plan.vocab.embeddings),
                                  "b·s·h", bsh))

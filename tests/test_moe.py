@@ -1,0 +1,185 @@
+"""Expert tensor parallelism: every expert's FFN cut column→row (its 3-D fused weights too: per expert in a
+loop, gathered per token for bmm/einsum, or whole for a grouped GEMM), one all-reduce of the router-weighted
+sum per MoE layer, the router whole and the same on every rank, a shared expert cut like a dense MLP beside
+them and its sigmoid gate whole; in the spellings of tests/moe_models.py and in Hugging Face's own classes."""
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+
+from autotp.capture.tracer import capture
+from autotp.plan.planner import make_plan
+from distributed import launch
+from moe_models import AUX, DR, E, GATE_GRAD, KINDS, KR, QR, ROUTER_GRAD, TOP, H, S, build
+from parity_workers import pattern_parity
+
+LAYERS = 2
+# how each kind stores its experts: parameter (under blocks.N.moe) -> (dim cut, segments)
+FUSED = {"fused_loop": {"w1": (1, 1), "w3": (1, 1), "w2": (2, 1)},
+         "fused_loop_t": {"w1": (2, 1), "w3": (2, 1), "w2": (1, 1)},
+         "gathered_bmm": {"gate_up": (1, 2), "down": (2, 1)},
+         "gathered_einsum": {"w1": (1, 1), "w3": (1, 1), "w2": (2, 1)}}
+FUSED["shared_sigmoid"] = FUSED["top1_aux"] = FUSED["capacity"] = FUSED["mla_cat"] = FUSED["mla_copy"] = FUSED["fused_loop"]
+# latent attention: the down-projections whole by design, the up-projections cut by heads (each head's
+# non-rotary | rotary q and its k | v), the output projection by rows
+MLA = {"q_down": None, "kv_down": None, "q_up": (0, "column"), "kv_up": (0, "column"), "o": (1, "row")}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_expert_weights_are_cut_and_the_router_kept_whole_by_design(kind: str):
+    """No process group: every expert weight at 1/tp on the dim of its features (gate | up as two segments),
+    the router (and a gate) whole with a reason that names it, nothing left replicated, one all-reduce per
+    MoE layer forward."""
+    model, args, _ = build(kind)
+    gm = capture(model, args, {})[0]
+    for tp in (2, 4):
+        plan = make_plan(gm, tp)
+        assert plan.replicated == (), plan.replicated
+        whole = {w.name: w.reason for w in plan.whole}
+        for i in range(LAYERS):
+            moe = f"blocks.{i}.moe"
+            assert whole.pop(f"{moe}.router.weight").startswith("router kept whole: its 64→4 linear")
+            for name, cut in MLA.items() if kind.startswith("mla") else ():
+                if cut is None:
+                    assert whole.pop(f"blocks.{i}.attn.{name}.weight").startswith("down-projection kept whole: ")
+                    continue
+                shard = plan.param(f"blocks.{i}.attn.{name}.weight")
+                assert (shard.dim, shard.role) == cut and math.prod(shard.local_shape) * tp == math.prod(shard.full_shape)
+            if kind == "shared_sigmoid":
+                assert whole.pop(f"{moe}.shared_gate.weight").startswith("gate kept whole: its 64→1 linear")
+            for name, (dim, segments) in FUSED.get(kind, {}).items():
+                shard = plan.param(f"{moe}.{name}")
+                assert shard.dim == dim and len(shard.segments) == segments, (name, shard)
+                assert math.prod(shard.local_shape) * tp == math.prod(shard.full_shape) and shard.full_shape[0] == E
+            for e in range(E) if kind.startswith("list") else ():
+                for w, role in (("w1", "column"), ("w3", "column"), ("w2", "row")):
+                    shard = plan.param(f"{moe}.experts.{e}.{w}.weight")
+                    assert shard.role == role and shard.dim == (0 if role == "column" else 1), shard
+        assert whole == {}, whole
+        # forward all-reduces of activations (b, s, h): the embedding's, then one per attention and MoE layer
+        forward = [c for c in plan.collectives if c.direction == "forward" and c.shape[-1:] == (str(H),)]
+        assert len(forward) == 1 + 2 * LAYERS, [(c.module, c.node, c.shape) for c in forward]
+        assert sum(c.module.startswith(f"blocks.{i}.moe") for c in forward for i in range(LAYERS)) == LAYERS, forward
+
+
+def test_an_expert_that_cannot_be_cut_keeps_all_experts_of_its_weights_whole():
+    """The experts of a loop share their 3-D parameters: when one expert's pair cannot be cut (a softmax over
+    its hidden features), the others are not cut either, and the plan says which expert and why."""
+    model, args, _ = build("fused_loop_odd")
+    plan = make_plan(capture(model, args, {})[0], 2)
+    for i in range(LAYERS):
+        for w in ("w1", "w2", "w3"):
+            assert plan.param(f"blocks.{i}.moe.{w}") is None
+    reasons = [r for m, r in plan.replicated if m == "blocks.0.moe"]
+    assert any("softmax over the sharded dim" in r for r in reasons), plan.replicated
+    assert any(f"expert {E - 1} of blocks.0.moe.w1" in r or f"expert {E - 1} of blocks.0.moe.w3" in r
+               for r in reasons), plan.replicated
+    whole = {w.name: w.reason for w in plan.whole}
+    assert "blocks.0.moe.w1" in whole and "expert" in whole["blocks.0.moe.w1"], whole
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 4])
+def test_moe_spellings_shard_exactly_with_one_all_reduce_per_layer(world: int):
+    """3 AdamW steps within 1e-5 of the unsharded model (load-balancing losses included), every expert
+    weight at 1/tp, and exactly: forward one all-reduce per attention and per MoE layer (b·s·h); backward one
+    entering each, plus the router's weights once per layer (b·s·k, or b·s·E for a dense routing matrix)."""
+    results = launch(pattern_parity, world, [*KINDS], 3, False, "moe_models")
+    bsh, rows = 2 * S * H, 2 * S
+    loss = [("all_reduce", "max", rows), ("all_reduce", "sum", rows), ("all_reduce", "sum", rows)]
+    for rank, by_kind in results.items():
+        for kind, r in by_kind.items():
+            assert r["loss_diff"] <= 1e-5 and r["grad_diff"] <= 1e-5 and r["param_diff"] <= 1e-5, (rank, kind, r)
+            assert r["replicated"] == [] and r["unexplained"] == [], (kind, r)
+            # what is whole: the routers, gates and latent attention's down-projections (each with its reason);
+            # every other 2-D or 3-D weight 1/tp
+            small = {f"blocks.{i}.{m}.weight" for i in range(LAYERS)
+                     for m in ("moe.router", "moe.shared_gate", "attn.q_down", "attn.kv_down")}
+            assert set(r["quarter"]) <= small and set(r["whole"]) <= small, (kind, r["quarter"], r["whole"])
+            assert sorted(r["forward"]) == sorted([("all_reduce", "sum", bsh)] * (2 * LAYERS + 1) + loss), kind
+            router = [("all_reduce", "sum", rows * ROUTER_GRAD.get(kind, TOP.get(kind, 2)))] * LAYERS
+            gate = [("all_reduce", "sum", rows * GATE_GRAD[kind])] * LAYERS if kind in GATE_GRAD else []
+            if kind.startswith("mla"):  # attention's f on its latents (b·s·QR, b·s·KR) and the rotary key head
+                latent = [("all_reduce", "sum", rows * n) for n in (QR, KR, DR)] * LAYERS
+                mlp = [("all_reduce", "sum", bsh)] * (LAYERS + 1)
+                assert sorted(r["backward"]) == sorted(mlp + latent + router), (kind, r["backward"])
+                continue
+            assert sorted(r["backward"]) == sorted([("all_reduce", "sum", bsh)] * (2 * LAYERS + 1) + router + gate), \
+                (kind, r["backward"])
+            assert kind not in AUX or r["loss_diff"] <= 1e-5
+
+
+HF = ["mixtral", "mixtral:batched_mm", "qwen2_moe", "deepseek_v3", "gpt_oss"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 4])
+def test_hugging_face_moe_models_shard_their_fused_experts(world: int):
+    """Mixtral (grouped GEMM, Hugging Face's default, and batched_mm), Qwen2-MoE (a shared expert with a
+    sigmoid gate) and DeepSeek-V3 (latent attention, a dense first layer, then routed and shared experts),
+    built from configs: exact, about half (tp 2) or a quarter (tp 4) of the model per rank, one all-reduce per
+    attention and MoE layer forward; backward the routing weights (b·s·k) once per MoE layer (and Qwen2's
+    shared-expert gate, b·s), and for DeepSeek attention's f on its latents (b·s·24, b·s·16) and on the rotary
+    key head (b·s·8). GPT-OSS (experts with biases, gate and up interleaved; attention sinks): its experts'
+    bias is added per (token, k) slot before the routing weights, so their all-reduce is of b·s·k·h, after the
+    down-projection, where the bias is added once."""
+    # (at tp 4 one model per expert form: grouped GEMM, grouped with latent attention, grouped with biases)
+    kinds = HF if world == 2 else ["mixtral", "deepseek_v3", "gpt_oss"]
+    results = launch(pattern_parity, world, kinds, 3, False, "hf_moe_models")
+    bsh, rows = 2 * 8 * 64, 2 * 8
+    for rank, by_kind in results.items():
+        for kind, r in by_kind.items():
+            assert r["loss_diff"] <= 1e-5 and r["grad_diff"] <= 1e-5 and r["param_diff"] <= 1e-5, (rank, kind, r)
+            assert r["replicated"] == [] and r["unexplained"] == [], (kind, r)
+            # (at tp 4 the 2 kv heads of Mixtral and Qwen2 are each held by 2 ranks, Megatron's way; DeepSeek's
+            # latent down-projections are whole by design)
+            assert r["fraction"] < 1 / world + (0.075 if kind == "deepseek_v3" else 0.04), (kind, r["fraction"])
+            slots = [("all_reduce", "sum", 2 * bsh)] * LAYERS if kind == "gpt_oss" else []
+            layers = LAYERS + 1 if kind == "gpt_oss" else 2 * LAYERS + 1
+            assert sorted(c for c in r["forward"] if c[2] >= bsh) == sorted([("all_reduce", "sum", bsh)] * layers + slots), \
+                (kind, r["forward"])
+            small = sorted(c for c in r["backward"] if c[2] != bsh)
+            entering = len([c for c in r["backward"] if c[2] == bsh])
+            if kind == "deepseek_v3":
+                # b·s·h entering the dense MLP, the MoE layer (routed and shared experts), the LM head
+                latent = [("all_reduce", "sum", rows * n) for n in (24, 16, 8)] * LAYERS
+                assert small == sorted(latent + [("all_reduce", "sum", rows * 2)]), (kind, small)
+                assert entering == LAYERS + 1, (kind, r["backward"])
+                continue
+            gate = [("all_reduce", "sum", rows)] * LAYERS if kind == "qwen2_moe" else []
+            # (Qwen2's and GPT-OSS's k and v biases held by 2 ranks each at tp 4: gradients summed, 16 elements each)
+            bias = [("all_reduce", "sum", 16)] * 2 * LAYERS if kind in ("qwen2_moe", "gpt_oss") and world > 2 else []
+            # the routing weights multiply the experts' reduced output in GPT-OSS: no f for them
+            router = [("all_reduce", "sum", rows * 2)] * LAYERS if kind != "gpt_oss" else []
+            assert small == sorted(router + gate + bias), (kind, small)
+            # entering attention and the MoE layer, the LM head; at tp 4 the k and v weight blocks of the 2 kv
+            # heads held by 2 ranks each get their gradients summed (16·64 elements each, per layer)
+            kv = 2 * LAYERS if world > 2 else 0
+            assert entering == 2 * LAYERS + 1 + kv, (kind, r["backward"])
+
+
+def test_autotp_plan_shows_experts_router_and_latent_down_projections(tmp_path):
+    """``autotp plan`` of a model file with latent attention and fused experts: the router and the
+    down-projections named by role, the experts' 3-D weights with their cut, the formula counting one
+    all-reduce each way per MoE layer (not per expert)."""
+    from typer.testing import CliRunner
+
+    from autotp.cli.main import app
+    from distributed import ROOT
+
+    model_py = tmp_path / "moe_model.py"
+    model_py.write_text(f"import sys\nsys.path.insert(0, {os.path.join(ROOT, 'tests')!r})\n"
+                        "from moe_models import build\n"
+                        "def build_model():\n    return build('mla_copy')[0]\n"
+                        "def example_batch():\n    return build('mla_copy')[1]\n")
+    result = CliRunner().invoke(app, ["plan", str(model_py), "--tp", "2"], env={"COLUMNS": "240"})
+    assert result.exit_code == 0, result.output
+    rows = {line.split("│")[1].strip(): line for line in result.output.splitlines() if line.count("│") > 5}
+    assert "router (whole)" in rows["blocks.0.moe.router"], rows["blocks.0.moe.router"]
+    assert "latent down-proj (whole)" in rows["blocks.0.attn.q_down"]
+    assert "column (4 experts)" in rows["blocks.0.moe"] and "[4, 16, 64]" in rows["blocks.0.moe"], rows["blocks.0.moe"]
+    # forward sums: the embedding, per layer attention and the MoE layer, the loss's two: 7, as the formula counts
+    fwd = next(line for line in result.output.splitlines() if line.startswith("│ fwd ") and "all-reduce(sum)" in line)
+    assert [c.strip() for c in fwd.split("│")[3:6]] == ["7", "7", "1.00"], fwd
