@@ -9,7 +9,23 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import autotp
-from models import MODELS, loss_and_logits
+from models import MODELS as _MODELS, loss_and_logits
+
+
+def _moe_bmm():
+    from moe_models import build
+
+    return build("gathered_bmm")
+
+
+def _mixtral():
+    from hf_moe_models import build
+
+    return build("mixtral")
+
+
+# experts gathered per slot (bmm) and Hugging Face's Mixtral (grouped GEMM) beside the dense models
+MODELS = {**_MODELS, "moe_bmm": _moe_bmm, "mixtral": _mixtral}
 from parity_workers import _local
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
