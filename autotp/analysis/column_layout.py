@@ -75,13 +75,8 @@ def _per_head_dim(node: fx.Node, dim: int, fp: Fingerprinter, depth: int) -> boo
                 and all((ndim_of(a) or 0) >= 3 for a in u.args[:2]):
             return True
         moved = None
-        if t is aten.transpose.int:
-            a, b = normalize_dim(u.args[1], nd), normalize_dim(u.args[2], nd)
-            moved = b if dim == a else a if dim == b else dim
-        elif t is aten.permute.default:
-            moved = [normalize_dim(d, nd) for d in u.args[1]].index(dim)
-        elif t is aten.unsqueeze.default:
-            moved = dim + (dim >= normalize_dim(u.args[1], nd + 1))
+        if t in (aten.transpose.int, aten.permute.default, aten.unsqueeze.default):
+            moved = _moved(node, u, dim, fp)
         elif t is aten.slice.Tensor:
             moved = dim if normalize_dim(arg_of(u, 1, "dim", 0), nd) != dim else None
         elif t in VIEWS:
@@ -95,6 +90,25 @@ def _per_head_dim(node: fx.Node, dim: int, fp: Fingerprinter, depth: int) -> boo
         if moved is not None and _per_head_dim(u, moved, fp, depth + 1):
             return True
     return False
+
+
+# ops that only move dims (or add or drop one of size 1): where a dim of their input is in their output
+_MOVES = {aten.transpose.int, aten.permute.default, aten.unsqueeze.default, aten.squeeze.dim}
+
+
+def _moved(node: fx.Node, u: fx.Node, dim: int, fp: Fingerprinter) -> int | None:
+    """The dim of ``u`` (a :data:`_MOVES` op reading ``node``) that ``dim`` of ``node`` becomes; None when
+    ``u`` squeezes it away."""
+    t, nd = u.target, ndim_of(node)
+    if t is aten.transpose.int:
+        a, b = normalize_dim(u.args[1], nd), normalize_dim(u.args[2], nd)
+        return b if dim == a else a if dim == b else dim
+    if t is aten.permute.default:
+        return [normalize_dim(d, nd) for d in u.args[1]].index(dim)
+    if t is aten.squeeze.dim:
+        gone = normalize_dim(u.args[1], nd)
+        return None if gone == dim else dim - (dim > gone and fp.shape(node)[gone] == 1)
+    return dim + (dim >= normalize_dim(u.args[1], nd + 1))
 
 
 def _probe(node: fx.Node, dim: int, size: int, fp, tp, where, depth) -> tuple[Segment, ...] | None:
@@ -147,21 +161,9 @@ def _probe(node: fx.Node, dim: int, size: int, fp, tp, where, depth) -> tuple[Se
                 if dim in gi and len(gj_real) == 1:
                     return _probe(u, gj_real[0], size, fp, tp, where, depth + 1)
             continue
-        if t in (aten.transpose.int, aten.permute.default, aten.unsqueeze.default, aten.squeeze.dim):
-            nd = ndim_of(node)
-            if t is aten.transpose.int:
-                a, b = normalize_dim(u.args[1], nd), normalize_dim(u.args[2], nd)
-                nd2 = b if dim == a else a if dim == b else dim
-            elif t is aten.permute.default:
-                nd2 = [normalize_dim(d, nd) for d in u.args[1]].index(dim)
-            elif t is aten.squeeze.dim:
-                gone = normalize_dim(u.args[1], nd)
-                if gone == dim:
-                    continue
-                nd2 = dim - (dim > gone and fp.shape(node)[gone] == 1)
-            else:
-                nd2 = dim + (dim >= normalize_dim(u.args[1], nd + 1))
-            r = _probe(u, nd2, size, fp, tp, where, depth + 1)
+        if t in _MOVES:
+            nd2 = _moved(node, u, dim, fp)
+            r = _probe(u, nd2, size, fp, tp, where, depth + 1) if nd2 is not None else None
             if r is not None:
                 return r
         elif t in SAME_SHAPE or (isinstance(t, torch._ops.OpOverload) and torch.Tag.pointwise in t.tags):

@@ -130,16 +130,9 @@ def weight_source(gm: fx.GraphModule, node: object, params: set[str]) -> WeightS
 
 
 def _param_node(node: object, params: set[str], ndim: int) -> bool:
+    """Is ``node`` a parameter (``params``: the graph's parameter names) of ``ndim`` dims?"""
     return isinstance(node, fx.Node) and node.op == "get_attr" and node.target in params \
-        and getattr(node.meta.get("val"), "ndim", _ndim(node)) == ndim
-
-
-def _ndim(node: fx.Node) -> int | None:
-    gm = node.graph.owning_module
-    try:
-        return gm.get_parameter(node.target).dim()
-    except (AttributeError, TypeError):
-        return None
+        and node.graph.owning_module.get_parameter(node.target).dim() == ndim
 
 
 def _expert_of(node: fx.Node, params: set[str]) -> int | None:

@@ -16,6 +16,7 @@
 """
 from __future__ import annotations
 
+import heapq
 import operator
 from dataclasses import dataclass, field, replace
 
@@ -197,20 +198,24 @@ _BY_DESIGN = ("router kept whole", "gate kept whole", "down-projection kept whol
 _CHOICES = {aten.topk.default, aten.sort.default, aten.argmax.default, aten.argsort.default}
 
 
-def _latent_of(m: ParamMatmul, a) -> str | None:
+def _latent_of(m: ParamMatmul, a, order: dict[fx.Node, int]) -> str | None:
     """The pair whose column matmuls read ``m``'s output through ops of it alone (norms, splits, views; no
     other activation joins in, no other matmul in between), when ``m`` maps to fewer features than it reads: a
     low-rank down-projection (DeepSeek's q_a_proj, kv_a_proj_with_mqa) whose latent every rank computes whole
-    for the head-parallel up-projections."""
+    for the head-parallel up-projections. ``order``: each node's position in the graph."""
     if m.out_features >= m.in_features:
         return None
     matmuls = {x.node for x in a.matmuls}
     columns = {c.node: p.name for p in a.pairs for c in p.columns}
-    mine, started = {m.node}, False
-    for n in m.node.graph.nodes:
-        started |= n is m.node
-        if not started or n in mine or not any(x in mine for x in n.all_input_nodes):
+    mine = {m.node}
+    todo = [(order[u], u) for u in m.node.users]
+    heapq.heapify(todo)
+    seen: set[fx.Node] = set()
+    while todo:  # in graph order, so that every input derived from m is decided before its readers
+        _, n = heapq.heappop(todo)
+        if n in seen:
             continue
+        seen.add(n)
         if n in columns:
             return columns[n]
         val = n.meta.get("val")
@@ -219,6 +224,8 @@ def _latent_of(m: ParamMatmul, a) -> str | None:
             continue  # a choice (topk's indices) reaches the experts as indices, not as their input
         if all(x in mine or not from_inputs(x) for x in n.all_input_nodes):
             mine.add(n)
+            for u in n.users:
+                heapq.heappush(todo, (order[u], u))
     return None
 
 
@@ -324,6 +331,7 @@ def analyze_vocab(gm: fx.GraphModule, a: Analysis, tp: int, multiple: int = 1) -
         if node.op == "get_attr" and node.target in params:
             uses.setdefault(node.target, []).extend(node.users)
     layouts: dict[str, VocabLayout] = {}
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
     for m in a.matmuls:
         if m.node in paired or m.in_axis is not None:  # an expert's 3-D weight is no LM head
             continue
@@ -334,7 +342,7 @@ def analyze_vocab(gm: fx.GraphModule, a: Analysis, tp: int, multiple: int = 1) -
             # a projection of a block already reported replicated is not an LM head: its reason stands
             if not any(m.module == r or m.module.startswith(r + ".") for r, _ in a.replicated):
                 why = f"{e.reason} (at {e.node.name})" if isinstance(e, Unshardable) else str(e)
-                why = _kept_whole(m, why, _latent_of(m, a))
+                why = _kept_whole(m, why, _latent_of(m, a, order))
                 (a.by_design if why.startswith(_BY_DESIGN) else a.replicated).append((m.module, why))
             continue
         if not head.losses and not head.outputs:
