@@ -128,7 +128,10 @@ def layer_table(report: Report, names: list[str], whole: dict[str, str] | None =
                     if (whole or {}).get(row.name, "").startswith(key)]
         role = roles[0] if roles else ("replicated" if params else "—")
         shown = designed[0] if designed and not roles else role
-        if any(len(row.full_shape) == 3 and row.role != "replicated" for _, row in params):
+        if role == "experts":
+            count = params[0][1].full_shape[0]
+            shown = f"experts ({count // report.tp} of {count} whole per rank)"
+        elif any(len(row.full_shape) == 3 and row.role != "replicated" for _, row in params):
             shown += f" ({params[0][1].full_shape[0]} experts)"
         leaves = []
         for leaf, row in params:
@@ -248,7 +251,8 @@ AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def make_report(model: str, tp: int, batch: int | None = None, seq: int | None = None,
-                vocab_multiple: int = 1, sequence_parallel: bool = False, autocast: str | None = None):
+                vocab_multiple: int = 1, sequence_parallel: bool = False, autocast: str | None = None,
+                expert_parallel: bool = False):
     """Load, build on meta, capture, plan, and compute the report; no printing. ``autocast`` ("bf16" or
     "fp16"): capture under ``torch.autocast`` as a training script runs the forward, so the collectives are
     counted in the dtypes that travel then (the parameters are CPU stand-ins for that capture: address
@@ -269,7 +273,7 @@ def make_report(model: str, tp: int, batch: int | None = None, seq: int | None =
         amp = torch.autocast("cpu", dtype=AUTOCAST[autocast])
     with amp:
         gm, _ = capture(net, args, kwargs, params=swap, device=cpu)
-    plan = make_plan(gm, tp, vocab_multiple, sequence_parallel=sequence_parallel)
+    plan = make_plan(gm, tp, vocab_multiple, sequence_parallel=sequence_parallel, expert_parallel=expert_parallel)
     report = build_report(plan, net.named_parameters(remove_duplicate=False), b, s)
     _check_sizes(report, size_ranges(gm))
     names = [n for n, _ in net.named_parameters(remove_duplicate=False)]
@@ -304,6 +308,8 @@ def plan(
     vocab_multiple: int = typer.Option(1, "--vocab-multiple", help="Round each rank's vocab rows up to this."),
     sequence_parallel: bool = typer.Option(False, "--sequence-parallel", help="Split the norm/dropout/residual "
                                            "regions along the sequence (Megatron-SP)."),
+    expert_parallel: bool = typer.Option(False, "--expert-parallel", help="E/tp whole experts of each "
+                                         "mixture-of-experts layer per rank (default: 1/tp of every expert)."),
     autocast: str | None = typer.Option(None, "--autocast", help="bf16 or fp16: count the collectives' bytes "
                                         "as a forward under torch.autocast moves them."),
     json_out: Path | None = typer.Option(None, "--json", help="Write plan, layout and report as JSON here."),
@@ -326,8 +332,8 @@ def plan(
         abort(f"--autocast must be one of {', '.join(AUTOCAST)}, got {autocast}", debug, code=USAGE_ERROR)
     try:
         the_plan, report, names, batch_note = make_report(model, tp, batch, seq, vocab_multiple, sequence_parallel,
-                                                          autocast)
-    except AutotpError as exc:  # model file, capture and sharding problems: the user's to fix
+                                                          autocast, expert_parallel)
+    except (AutotpError, ValueError) as exc:  # a ValueError of the plan names the sizes (experts tp does not divide)  # model file, capture and sharding problems: the user's to fix
         abort(str(exc), debug, code=USAGE_ERROR)
 
     console = _console()
@@ -391,6 +397,27 @@ def sequence_table(the_plan, report: Report) -> Table | None:
     return table
 
 
+def experts_table(the_plan, report: Report) -> Table | None:
+    """Expert parallelism: each layer's experts per rank, and what an all-to-all dispatch would move instead of
+    nothing (the tokens are on every rank of the group already)."""
+    if not the_plan.experts and not the_plan.experts_kept:
+        return None
+    tokens = report.batch * report.seq
+    table = Table(title=f"expert parallelism (tokens per step b·s = {_n(tokens)})")
+    for col in ("layer", "experts per rank", "routed to them", "dispatch, combine"):
+        table.add_column(col, overflow="fold")
+    for x in the_plan.experts:
+        slots = f"b·s·k = {_n(tokens * x.top_k)} token slots" if x.top_k else "the tokens the routing picks"
+        a2a = (f"none: every rank holds the tokens (an all-to-all would send b·s·k·h = {_n(tokens * x.top_k * x.width)} "
+               "elements each way); combined by the layer's one all-reduce" if x.top_k and x.width else
+               "none: every rank holds the tokens; combined by the layer's one all-reduce")
+        table.add_row(escape(x.module), f"{x.count // report.tp} of {x.count} (rank r: [r·{x.count // report.tp}, "
+                      f"(r+1)·{x.count // report.tp}))", slots + f", ~1/{report.tp} on each rank", a2a)
+    for module, reason in the_plan.experts_kept:
+        table.add_row(escape(module), "1/tp of every expert", "", escape("expert tensor parallelism kept: " + reason))
+    return table
+
+
 def render(console: Console, model: str, the_plan, report: Report, layout: RankLayout, names: list[str],
            batch_note: str = "") -> None:
     sp = ", sequence parallel" if the_plan.sequence is not None and the_plan.sequence.leaves else ""
@@ -408,6 +435,9 @@ def render(console: Console, model: str, the_plan, report: Report, layout: RankL
     seq = sequence_table(the_plan, report)
     if seq is not None:
         console.print(seq)
+    experts = experts_table(the_plan, report)
+    if experts is not None:
+        console.print(experts)
     console.print(totals_table(report, layout))
     console.print(comm_table(report))
     for note in report.notes:

@@ -77,7 +77,8 @@ def _eager_on_meta(mf: ModelFile, skeleton: torch.nn.Module, args: tuple, kwargs
                              hint=hint) from exc
 
 
-def preflight(mf: ModelFile, tp: int, weights: Path | None = None, sequence_parallel: bool = False) -> None:
+def preflight(mf: ModelFile, tp: int, weights: Path | None = None, sequence_parallel: bool = False,
+              expert_parallel: bool = False) -> None:
     """Build the model on the meta device, capture the example batch and plan for ``tp``, in this process.
 
     Raises the :class:`AutotpError` a rank would raise (the factory's or forward's own message, a size ``tp``
@@ -109,8 +110,8 @@ def preflight(mf: ModelFile, tp: int, weights: Path | None = None, sequence_para
     except Exception:  # noqa: BLE001
         return
     try:
-        make_plan(gm, tp, sequence_parallel=sequence_parallel)
-    except AutotpError:
+        make_plan(gm, tp, sequence_parallel=sequence_parallel, expert_parallel=expert_parallel)
+    except (AutotpError, ValueError):  # a ValueError of the plan names the sizes (experts tp does not divide)
         raise
     except Exception:  # noqa: BLE001 - not a user error autotp can explain; the ranks will show it in full
         return
@@ -196,6 +197,8 @@ def shard(
     compile_: bool = typer.Option(False, "--compile", help="torch.compile the rewritten graphs."),
     sequence_parallel: bool = typer.Option(False, "--sequence-parallel", help="Split the norm/dropout/residual "
                                            "regions along the sequence (Megatron-SP)."),
+    expert_parallel: bool = typer.Option(False, "--expert-parallel", help="Place E/tp whole experts of each "
+                                         "mixture-of-experts layer on every rank (default: 1/tp of every expert)."),
     resume: bool = typer.Option(False, "--resume", help="Continue from the latest complete checkpoint in --out "
                                 "(model, optimizer, step) up to --steps in total."),
     save_every: int = typer.Option(0, "--save-every", help="Also checkpoint every N steps (0: only at the end)."),
@@ -223,8 +226,8 @@ def shard(
     spec = launch_spec(tp, dp, nnodes, node_rank, master_addr, master_port, debug, timeout, max_restarts, device,
                        bind_cores)
     try:
-        preflight(load_model_file(model), tp, weights, sequence_parallel)  # before any rank starts
-    except AutotpError as exc:
+        preflight(load_model_file(model), tp, weights, sequence_parallel, expert_parallel)  # before any rank starts
+    except (AutotpError, ValueError) as exc:
         abort(str(exc), debug, code=USAGE_ERROR)
     try:
         resumable = check_resumable(out) if resume else None
@@ -237,6 +240,7 @@ def shard(
     job = ShardJob(model=f"{path.resolve()}:{factory}" if factory else str(path.resolve()),
                    steps=steps, lr=lr, out=str(out.resolve()), verify=weights is None if verify is None else verify,
                    resume=resume, save_every=save_every, compile=compile_, sequence_parallel=sequence_parallel,
+                   expert_parallel=expert_parallel,
                    weights=None if weights is None else str(weights.resolve()))
     try:
         results = launch(spec, shard_worker, job, quiet=not debug)

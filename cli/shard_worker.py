@@ -48,6 +48,7 @@ class ShardJob:
     compile: bool = False
     weights: str | None = None  # load from this checkpoint into a model built on meta
     sequence_parallel: bool = False
+    expert_parallel: bool = False
 
 
 @dataclass(frozen=True)
@@ -232,7 +233,7 @@ def _build(mf: ModelFile, job: ShardJob, ctx: RankContext, batch: tuple[tuple, d
             autotp.load_weights(reference, job.weights, device=ctx.device)
     forward = model.forward  # the user's: its keywords shape the default batch, and parallelize replaces it
     tpm = autotp.parallelize(model, tp_group=ctx.tp_group(), example_inputs=batch, compile=job.compile,
-                             sequence_parallel=job.sequence_parallel,
+                             sequence_parallel=job.sequence_parallel, expert_parallel=job.expert_parallel,
                              device=None if job.weights is None else ctx.device)
     if job.weights is not None:
         loaded = autotp.load_weights(tpm, job.weights)

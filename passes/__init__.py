@@ -9,6 +9,7 @@ from collections.abc import Callable, Sequence
 
 import torch.fx as fx
 
+from autotp.passes.expert_parallel import expert_parallel
 from autotp.passes.gather_outputs import gather_outputs
 from autotp.passes.insert_collectives import insert_collectives
 from autotp.passes.local_inputs import local_inputs
@@ -26,7 +27,7 @@ from autotp.plan.plan import Plan
 
 Pass = Callable[[fx.GraphModule, Plan], fx.GraphModule]
 
-DEFAULT_PASSES: tuple[Pass, ...] = (rewrite_constants, sequence_split, sequence_grads, insert_collectives,
+DEFAULT_PASSES: tuple[Pass, ...] = (rewrite_constants, sequence_split, sequence_grads, insert_collectives, expert_parallel,
                                     sharded_stats, row_bias_after_reduce,
                                     vocab_embedding, vocab_loss, vocab_output, gather_outputs, local_inputs,
                                     slice_replicated, region_rng)
@@ -49,7 +50,7 @@ def run_passes(gm: fx.GraphModule, plan: Plan, passes: Sequence[Pass] = DEFAULT_
     return gm
 
 
-__all__ = ["DEFAULT_PASSES", "PassError", "gather_outputs", "insert_collectives", "local_inputs", "region_rng",
+__all__ = ["DEFAULT_PASSES", "PassError", "expert_parallel", "gather_outputs", "insert_collectives", "local_inputs", "region_rng",
            "rewrite_constants", "row_bias_after_reduce", "run_passes", "sequence_grads", "sequence_split",
            "sharded_stats", "slice_replicated",
            "vocab_embedding", "vocab_loss", "vocab_output"]

@@ -90,6 +90,8 @@ def insert_collectives(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
             joined.setdefault(x_name, []).extend(nodes[c] for c in pair.columns if x in nodes[c].all_input_nodes)
             joined[x_name].extend(nodes[r] for r, root in pair.enter_via if root == x_name)
     shared: set[str | None] = set()  # leave_at nodes that have their g
+    # experts that run on no rows where they are another rank's (expert parallelism) read their input apart
+    apart = {n for layer in plan.experts for slot in layer.slots for n in slot.nodes}
     for pair in plan.pairs:
         columns = [nodes[c] for c in pair.columns]
         for x_name in pair.enter:
@@ -103,7 +105,7 @@ def insert_collectives(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
             forms = [_form(gm, c, x, params) for c in users]
             if via:  # what is derived from x for other columns reads x through the same f
                 _enter(gm, x, users + via, pair.module)
-            elif all(forms):
+            elif all(forms) and not any(c.name in apart for c in users):
                 _fuse(gm, x, users, forms, pair.module)
             else:
                 _enter(gm, x, users, pair.module)

@@ -41,13 +41,19 @@ def _config(name: str):
 
 
 def build(kind: str):
-    """``kind``: a model name, optionally ``:batched_mm`` for that experts implementation."""
+    """``kind``: a model name, optionally ``:batched_mm`` for that experts implementation. ``deepseek_v3_idle``:
+    DeepSeek-V3 whose routing bias rules out its second expert group (experts 2 and 3 get no tokens)."""
     name, _, impl = kind.partition(":")
-    cls, cfg = _config(name)
+    idle = name.endswith("_idle")
+    cls, cfg = _config(name.removesuffix("_idle"))
     cfg.loss_type = "ForCausalLM"
     if impl:
         cfg._experts_implementation = impl
     torch.manual_seed(0)
     model = cls(cfg)
+    if idle:  # group-limited routing scores a group by its best experts: -1e4 on one rules the group out
+        for m in model.modules():
+            if isinstance(getattr(m, "e_score_correction_bias", None), torch.Tensor):
+                m.e_score_correction_bias[-1] = -1e4
     ids = torch.randint(0, V, (2, 8), generator=torch.Generator().manual_seed(1))
     return model, (), {"input_ids": ids, "labels": ids, "use_cache": False}

@@ -331,7 +331,7 @@ def hf_generate(kinds: list[str], use_cache: bool, tmp: str | None = None) -> di
 
 
 def pattern_parity(kinds: list[str], steps: int = 3, sequence_parallel: bool = False,
-                   models: str = "pattern_models") -> dict:
+                   models: str = "pattern_models", expert_parallel: bool = False) -> dict:
     """Each spelling of ``models``'s ``build(kind)`` (tests/pattern_models.py by default): 3 AdamW steps
     against the unsharded model, the collectives of one step, how much of each weight this rank holds, and
     the 2-D parameters left whole with the plan's reason (``whole``) or without one (``unexplained``)."""
@@ -346,7 +346,7 @@ def pattern_parity(kinds: list[str], steps: int = 3, sequence_parallel: bool = F
     for kind in kinds:
         ref, args, kwargs = build(kind)
         model = autotp.parallelize(build(kind)[0], example_inputs=(args, kwargs) if kwargs else args,
-                                   sequence_parallel=sequence_parallel)
+                                   sequence_parallel=sequence_parallel, expert_parallel=expert_parallel)
         log = CollectiveLog()
         with log:
             loss = loss_and_logits(model(*args, **kwargs))[0]
@@ -380,6 +380,7 @@ def pattern_parity(kinds: list[str], steps: int = 3, sequence_parallel: bool = F
             "kv_replicated": sorted(n for n, sh in st.shards.items() if any(g.parts < tp for g in sh.segments)),
             **_coverage(ref, model, st),
             "fraction": sum(local.values()) / sum(p.numel() for p in ref.parameters()),  # of the model, per rank
+            "experts": {n: sh.role for n, sh in st.shards.items() if sh.role == "experts"},
         }
     return out
 

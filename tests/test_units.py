@@ -62,8 +62,8 @@ def test_head_rules_follow_megatron():
 
 def test_plan_is_immutable_json_data():
     from autotp.analysis.ops import Rewrite
-    from autotp.plan.plan import (Collective, LocalSlice, PairPlan, ParamShard, SeqEnter, SeqGather, SeqLeave, SeqSlice,
-                             SequencePlan, Stat)
+    from autotp.plan.plan import (Collective, ExpertLayer, ExpertSlot, LocalSlice, PairPlan, ParamShard, SeqEnter,
+                                  SeqGather, SeqLeave, SeqSlice, SequencePlan, Stat)
 
     shard = ParamShard("column", "h.0.attn.c_attn", 0, (Segment(64, 2),) * 3, (192, 64), (96, 64))
     plan = Plan(tp=2, params=(("h.0.attn.c_attn.weight", shard),),
@@ -84,10 +84,16 @@ def test_plan_is_immutable_json_data():
     grouped = ParamShard("column", "h.1.attn.qkv", 0, (Segment(192, 2, (Segment(64, 1), Segment(16, 1), Segment(16, 1))),),
                          (192, 64), (96, 64))
     plan = dataclasses.replace(plan, params=plan.params + (("h.1.attn.qkv.weight", grouped),),
-                               whole=(WholeParam("wpe.weight", "wpe", "position embedding"),))
+                               whole=(WholeParam("wpe.weight", "wpe", "position embedding"),),
+                               experts=(ExpertLayer("h.0.moe", 4, ("h.0.moe.w1",), (("select_1", 1),), ("index_2",),
+                                                    ("grouped_mm",), (ExpertSlot(1, ("mm", "silu"), ("x",), "mm_2"),),
+                                                    2, 64),),
+                               experts_kept=(("h.1.moe", "separate modules"),))
     again = Plan.from_json(plan.to_json())
     assert again == plan
-    assert again.to_dict()["version"] == 6
+    assert again.to_dict()["version"] == 7
+    v6 = {k: v for k, v in plan.to_dict().items() if k not in ("experts", "experts_kept")}  # before expert parallelism
+    assert Plan.from_dict({**v6, "version": 6}).experts == ()
     v5 = {k: v for k, v in plan.to_dict().items() if k != "whole"}  # written before the completeness check
     assert Plan.from_dict({**v5, "version": 5}).whole == ()
     v4 = {**plan.to_dict(), "version": 4}  # written before collectives recorded their dtype

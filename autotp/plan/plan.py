@@ -16,17 +16,19 @@ from autotp.analysis.ops import Rewrite
 from autotp.plan.shard_spec import (Segment, VocabLayout, local_pieces, shard_tensor, unshard_tensor, vocab_shard,
                                vocab_unshard)
 
-PLAN_VERSION = 6
-_READS = (1, 2, 3, 4, 5, 6)  # 1: no gathered outputs or sharded inputs, 2: no statistics, 3: no sequence
-# parallelism or grouped segments, 4: no collective dtypes, 5: no list of the weights left whole
+PLAN_VERSION = 7
+_READS = (1, 2, 3, 4, 5, 6, 7)  # 1: no gathered outputs or sharded inputs, 2: no statistics, 3: no sequence
+# parallelism or grouped segments, 4: no collective dtypes, 5: no list of the weights left whole, 6: no expert
+# parallelism
 # the module the one gradient all-reduce of parameters applied to sequence slices is reported under
 SEQ_PARAMS = "(sequence-parallel parameters)"
 
 
 @dataclass(frozen=True)
 class ParamShard:
-    """How one parameter is cut. ``role``: "column" (output features), "row" (input features) or
-    "vocab" (rows of an embedding / LM head, see :class:`~autotp.plan.shard_spec.VocabLayout`)."""
+    """How one parameter is cut. ``role``: "column" (output features), "row" (input features), "experts"
+    (whole experts: a block of dim 0) or "vocab" (rows of an embedding / LM head, see
+    :class:`~autotp.plan.shard_spec.VocabLayout`)."""
 
     role: str
     module: str
@@ -250,6 +252,41 @@ class SequencePlan:
 
 
 @dataclass(frozen=True)
+class ExpertSlot:
+    """One expert of a per-expert loop: ``nodes`` (its FFN, ending at ``out``) run on no ``rows`` where the
+    expert lives on another rank, and ``out`` is zeros there."""
+
+    expert: int
+    nodes: tuple[str, ...]
+    rows: tuple[str, ...]
+    out: str
+
+
+@dataclass(frozen=True)
+class ExpertLayer:
+    """Expert parallelism in one mixture-of-experts layer: each rank holds ``count / tp`` whole experts (a block
+    of dim 0 of every parameter in ``params``). ``selects``: reads ``W[e]`` (node, e); ``indexes``: reads
+    ``W[ids]``; ``grouped``: grouped GEMMs over tokens sorted by expert (see :mod:`autotp.analysis.experts`)."""
+
+    module: str
+    count: int
+    params: tuple[str, ...]
+    selects: tuple[tuple[str, int], ...] = ()
+    indexes: tuple[str, ...] = ()
+    grouped: tuple[str, ...] = ()
+    slots: tuple[ExpertSlot, ...] = ()
+    top_k: int | None = None  # experts per token (the routing's top-k), for the report
+    width: int = 0  # the experts' output features (h)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> ExpertLayer:
+        return cls(d["module"], d["count"], tuple(d["params"]), tuple(tuple(x) for x in d["selects"]),
+                   tuple(d["indexes"]), tuple(d["grouped"]),
+                   tuple(ExpertSlot(x["expert"], tuple(x["nodes"]), tuple(x["rows"]), x["out"]) for x in d["slots"]),
+                   d.get("top_k"), d.get("width", 0))
+
+
+@dataclass(frozen=True)
 class Plan:
     tp: int
     params: tuple[tuple[str, ParamShard], ...] = ()
@@ -267,6 +304,9 @@ class Plan:
     sequence: SequencePlan | None = None  # sequence parallelism, when asked for
     # every parameter of two or more dims that no rank holds a slice of, and why (the completeness check)
     whole: tuple[WholeParam, ...] = ()
+    experts: tuple[ExpertLayer, ...] = ()  # expert parallelism, when asked for
+    # (module, reason): MoE layers that keep expert tensor parallelism although expert parallelism was asked for
+    experts_kept: tuple[tuple[str, str], ...] = ()
     version: int = field(default=PLAN_VERSION)
 
     def param(self, name: str) -> ParamShard | None:
@@ -321,7 +361,8 @@ class Plan:
         return cls(d["tp"], params, pairs, rewrites, collectives, tuple(d["random_nodes"]),
                    tuple(tuple(r) for r in d["replicated"]), vocab, gathered, inputs, slices, stats,
                    shards(d.get("buffers", {})), sequence, tuple(WholeParam(**w) for w in d.get("whole", ())),
-                   PLAN_VERSION)
+                   tuple(ExpertLayer.from_dict(x) for x in d.get("experts", ())),
+                   tuple(tuple(x) for x in d.get("experts_kept", ())), PLAN_VERSION)
 
     @classmethod
     def from_json(cls, text: str) -> Plan:

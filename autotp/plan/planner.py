@@ -7,9 +7,11 @@ import torch
 import torch.fx as fx
 
 from autotp.analysis.coverage import whole_params
+from autotp.errors import ShardingError
+from autotp.analysis.experts import ExpertFacts, ExpertLayerFacts, analyze_experts
 from autotp.analysis.pairs import Analysis, analyze, common_module
 from autotp.analysis.matmuls import ParamMatmul, column_form, module_path
-from autotp.plan.plan import (SEQ_PARAMS, Collective, GatheredOutput, LocalSlice, PairPlan, ParamShard, Plan, SeqEnter,
+from autotp.plan.plan import (SEQ_PARAMS, Collective, ExpertLayer, ExpertSlot, GatheredOutput, LocalSlice, PairPlan, ParamShard, Plan, SeqEnter,
                          SeqGather, SeqLeave, SeqSlice, SequencePlan, ShardedInput, Stat, VocabLoss, VocabPlan)
 from autotp.analysis.sequence import analyze_sequence
 from autotp.plan.shard_spec import Segment, VocabLayout
@@ -126,15 +128,31 @@ def _vocab_plan(gm: fx.GraphModule, v: VocabFacts, tp: int, params: dict, rewrit
     )
 
 
-def plan_from_analysis(gm: fx.GraphModule, a: Analysis, v: VocabFacts | None = None, fold: bool = True) -> Plan:
+def _experts_shard(gm: fx.GraphModule, name: str, layer: ExpertLayerFacts, tp: int) -> ParamShard:
+    return _shard("experts", layer.module, tuple(gm.get_parameter(name).shape), 0, (Segment(layer.count, tp),))
+
+
+def _expert_layers(facts: ExpertFacts) -> tuple[ExpertLayer, ...]:
+    return tuple(ExpertLayer(
+        x.module, x.count, tuple(x.params), tuple((n.name, e) for n, e in x.selects), tuple(n.name for n in x.indexes),
+        tuple(n.name for n in x.grouped),
+        tuple(ExpertSlot(s.expert, tuple(n.name for n in s.nodes), tuple(n.name for n in s.rows), s.out.name)
+              for s in x.slots), x.top_k, x.width) for x in facts.layers)
+
+
+def plan_from_analysis(gm: fx.GraphModule, a: Analysis, v: VocabFacts | None = None, fold: bool = True,
+                       experts: ExpertFacts | None = None) -> Plan:
     """``fold``: a column input derived from another one enters through its f (see :func:`_entering_via`);
-    with sequence parallelism each is gathered itself instead."""
+    with sequence parallelism each is gathered itself instead. ``experts``: place whole experts on ranks
+    (their pairs' inner dims stay whole: no rewrites, slices or statistics inside them)."""
+    whole_experts = {name: layer for layer in (experts.layers if experts else ()) for name in layer.params}
     params: dict[str, ParamShard] = {}
     buffers: dict[str, ParamShard] = {}
     pairs, rewrites, collectives, random_nodes, gathered, inputs, slices, stats = [], [], [], [], [], [], [], []
     owner: dict[fx.Node, object] = {}  # column input -> the pair whose f it enters through
     left: set[fx.Node] = set()  # shared all-reduces already planned
     for p in a.pairs:
+        ep = any(m.weight in whole_experts for m in (*p.columns, p.row))
         for c in p.columns:
             segs = p.column_specs[c.node.name].segments
             params[c.weight] = _shard("column", c.module, _weight_shape(gm, c), c.out_dim, segs)
@@ -162,6 +180,8 @@ def plan_from_analysis(gm: fx.GraphModule, a: Analysis, v: VocabFacts | None = N
                               enter, p.row.node.name, p.row.weight, p.row.bias, also,
                               tuple((reader.name, root.name) for reader, root in via.values()),
                               tuple(x.name for x in joined), leave.name if leave is not None else None))
+        if ep and p.row.bias in whole_experts:  # each rank adds its own experts' biases
+            pairs[-1] = dataclasses.replace(pairs[-1], row_bias=None)
         for x in dict.fromkeys(x for _, x in entering):  # one f for all readers of x
             collectives.append(Collective("all_reduce", "sum", "backward", p.name, x.name, _shape(x), _dtype(x)))
         if leave is None:
@@ -175,6 +195,8 @@ def plan_from_analysis(gm: fx.GraphModule, a: Analysis, v: VocabFacts | None = N
         for x in xs:
             collectives.append(Collective("all_reduce", "sum", "backward", p.name, x.name, _shape(x),
                                           _compute_dtype(x, [c.node for c in matmuls if c.x is x])))
+        if ep:  # an expert's inner dims are whole: nothing inside it changes
+            continue
         rewrites.extend(p.region.rewrites)
         random_nodes.extend(n.name for n in p.region.random_nodes)
         for n in p.region.outputs:
@@ -197,6 +219,8 @@ def plan_from_analysis(gm: fx.GraphModule, a: Analysis, v: VocabFacts | None = N
         for n in p.region.inputs:
             spec = p.region.specs[n]
             inputs.append(ShardedInput(n.name, spec.dim, spec.segments))
+    for name, layer in whole_experts.items():
+        params[name] = _experts_shard(gm, name, layer, a.tp)
     vocab = _vocab_plan(gm, v, a.tp, params, rewrites, collectives) if v is not None else VocabPlan()
     return Plan(
         tp=a.tp,
@@ -212,6 +236,8 @@ def plan_from_analysis(gm: fx.GraphModule, a: Analysis, v: VocabFacts | None = N
         local_slices=tuple(slices),
         stats=tuple(stats),
         buffers=tuple(buffers.items()),
+        experts=_expert_layers(experts) if experts else (),
+        experts_kept=tuple(experts.kept) if experts else (),
     )
 
 
@@ -274,17 +300,32 @@ def sequence_plan(gm: fx.GraphModule, a: Analysis, v: VocabFacts, plan: Plan) ->
                                random_nodes=plan.random_nodes + tuple(n.name for n in f.random_nodes))
 
 
-def make_plan(gm: fx.GraphModule, tp: int, vocab_multiple: int = 1, sequence_parallel: bool = False) -> Plan:
+def check_expert_counts(experts: ExpertFacts, tp: int) -> None:
+    """Every rank holds E/tp whole experts: tp must divide each layer's E."""
+    for layer in experts.layers:
+        if layer.count % tp:
+            raise ShardingError(f"expert parallelism: {layer.module} has {layer.count} experts, which tp={tp} "
+                                "does not divide (each rank holds E/tp whole experts)",
+                                hint=f"choose a tp that divides {layer.count}, or drop expert_parallel "
+                                     "(1/tp of every expert)")
+
+
+def make_plan(gm: fx.GraphModule, tp: int, vocab_multiple: int = 1, sequence_parallel: bool = False,
+              expert_parallel: bool = False) -> Plan:
     """Analyze ``gm`` and plan its sharding for ``tp`` ranks (tp = 1 gives an empty plan).
 
     ``vocab_multiple``: round each rank's vocab rows up to this multiple (e.g. 64 on GPUs).
     ``sequence_parallel``: split the regions between the pairs along the sequence (Megatron-SP).
+    ``expert_parallel``: E/tp whole experts per rank instead of 1/tp of every expert.
     """
     if tp == 1:
         return Plan(tp=1)
     a = analyze(gm, tp)
     v = analyze_vocab(gm, a, tp, vocab_multiple)
-    plan = plan_from_analysis(gm, a, v, fold=not sequence_parallel)
+    experts = analyze_experts(gm, a) if expert_parallel else None
+    if experts is not None:
+        check_expert_counts(experts, tp)
+    plan = plan_from_analysis(gm, a, v, fold=not sequence_parallel, experts=experts)
     plan = dataclasses.replace(plan, whole=whole_params(gm, a, {name for name, _ in plan.params}))
     return sequence_plan(gm, a, v, plan) if sequence_parallel else plan
 

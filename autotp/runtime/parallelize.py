@@ -63,6 +63,7 @@ class TPState:
     check_inputs: bool = False
     sequence_parallel: bool = False
     rng: RegionRNG | None = None
+    expert_parallel: bool = False
     shards: dict[str, ParamShard] = field(default_factory=dict)  # every name of a sharded parameter
     # tp 1 only: how fused parameters divide into segments (q|k|v), which checkpoints name at every tp
     segments: dict[str, ParamShard] = field(default_factory=dict)
@@ -181,7 +182,13 @@ def _user_forward(model: nn.Module, st: TPState) -> Callable:
 
 
 def _plan(model: nn.Module, st: TPState, gm: fx.GraphModule, sequence_parallel: bool) -> Plan:
-    plan = make_plan(gm, st.tp, st.vocab_multiple, sequence_parallel=sequence_parallel)
+    plan = make_plan(gm, st.tp, st.vocab_multiple, sequence_parallel=sequence_parallel,
+                     expert_parallel=st.expert_parallel)
+    for module, reason in plan.experts_kept:
+        if ("experts", module) not in st.warned:
+            st.warned.add(("experts", module))
+            warnings.warn(f"autotp: {module or '<root>'} keeps expert tensor parallelism (1/tp of every expert), "
+                          f"not whole experts per rank: {reason}", stacklevel=4)
     for module, reason in plan.replicated:
         if (module, reason) not in st.warned:
             st.warned.add((module, reason))
@@ -387,7 +394,8 @@ def _device(model: nn.Module, group: dist.ProcessGroup, device: torch.device | s
 
 def parallelize(model: nn.Module, *, tp_group: dist.ProcessGroup | None = None, example_inputs: object = None,
                 vocab_multiple: int = 1, compile: bool = False, check_inputs: bool = False,
-                sequence_parallel: bool = False, device: torch.device | str | None = None) -> nn.Module:
+                sequence_parallel: bool = False, expert_parallel: bool = False,
+                device: torch.device | str | None = None) -> nn.Module:
     """Shard ``model`` Megatron-style over ``tp_group``, in place, and return it.
 
     The model keeps its class (a subclass of it is swapped in), attributes and methods; its parameters
@@ -404,6 +412,9 @@ def parallelize(model: nn.Module, *, tp_group: dist.ProcessGroup | None = None, 
     ``sequence_parallel=True`` splits the regions between the column→row pairs (norms, dropout, residual
     adds) along the sequence (Megatron-SP): reduce-scatter and all-gather in place of the all-reduces, the
     activations there 1/tp the size; a call whose sequence length tp does not divide runs without it.
+    ``expert_parallel=True`` places E/tp whole experts of each mixture-of-experts layer on every rank, instead
+    of 1/tp of every expert: a rank computes only the tokens routed to its own experts, with the layer's one
+    all-reduce unchanged (the tokens are on every rank of the group, so none are dispatched).
     ``check_inputs=True`` verifies on every call (not only the first of each signature) that all ranks of
     the group got the same inputs.
 
@@ -417,7 +428,8 @@ def parallelize(model: nn.Module, *, tp_group: dist.ProcessGroup | None = None, 
     tp, rank = dist.get_world_size(group), dist.get_rank(group)
     device = _device(model, group, device)
     st = TPState(group, tp, rank, device, type(model), model.__dict__.get("forward"), vocab_multiple, compile,
-                 check_inputs, sequence_parallel, RegionRNG(torch.initial_seed() + SEED_OFFSET + rank, device) if tp > 1 else None)
+                 check_inputs, sequence_parallel, RegionRNG(torch.initial_seed() + SEED_OFFSET + rank, device) if tp > 1 else None,
+                 expert_parallel)
     args, kwargs = _split_example(example_inputs, _user_forward(model, st))
     training = model.training
     _swap_class(model)
