@@ -57,7 +57,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def autocast_parity(model_name: str, dtype_name: str, sequence_parallel: bool = False,
-                    capture_under: bool = False, steps: int = 3) -> dict:
+                    capture_under: bool = False, steps: int = 3, expert_parallel: bool = False) -> dict:
     """Loss, gradients and AdamW steps of a parallelized model under ``torch.autocast`` against the unsharded
     model under the same autocast; the unsharded fp32 run gives the scale of autocast's own error."""
     dtype = DTYPES[dtype_name]
@@ -70,9 +70,11 @@ def autocast_parity(model_name: str, dtype_name: str, sequence_parallel: bool = 
 
     if capture_under:  # parallelize itself called inside the script's autocast region
         with ctx():
-            tpm = autotp.parallelize(model, example_inputs=(args, kwargs), sequence_parallel=sequence_parallel)
+            tpm = autotp.parallelize(model, example_inputs=(args, kwargs), sequence_parallel=sequence_parallel,
+                                     expert_parallel=expert_parallel)
     else:
-        tpm = autotp.parallelize(model, example_inputs=(args, kwargs), sequence_parallel=sequence_parallel)
+        tpm = autotp.parallelize(model, example_inputs=(args, kwargs), sequence_parallel=sequence_parallel,
+                                 expert_parallel=expert_parallel)
     log = DtypeLog()
     with ctx():
         raw = tpm(*args, **kwargs)

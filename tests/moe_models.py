@@ -40,6 +40,19 @@ TOP = {"list_masked": 1, "top1_aux": 1, "capacity": 1}
 AUX = {"list_masked", "top1_aux", "shared_sigmoid", "capacity"}
 
 
+def collectives(kind: str, layers: int = 2) -> tuple[list, list, list]:
+    """What one training step of ``kind`` (not the latent-attention kinds) all-reduces: ``(forward,
+    backward, router)``. Forward: b·s·h once for the embedding and per attention and MoE layer, and the
+    loss's three statistics (b·s); backward: b·s·h entering each, plus ``router``: the routing weights'
+    gradient once per layer (b·s·k, or b·s·E for a dense routing matrix) and a shared expert's gate (b·s)."""
+    bsh, rows = 2 * S * H, 2 * S
+    loss = [("all_reduce", "max", rows), ("all_reduce", "sum", rows), ("all_reduce", "sum", rows)]
+    router = [("all_reduce", "sum", rows * ROUTER_GRAD.get(kind, TOP.get(kind, 2)))] * layers
+    gate = [("all_reduce", "sum", rows * GATE_GRAD[kind])] * layers if kind in GATE_GRAD else []
+    forward = [("all_reduce", "sum", bsh)] * (2 * layers + 1) + loss
+    return forward, [("all_reduce", "sum", bsh)] * (2 * layers + 1) + router + gate, router
+
+
 class Expert(nn.Module):
     def __init__(self):
         super().__init__()

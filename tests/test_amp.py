@@ -68,13 +68,13 @@ def test_autocast_gqa_captured_under_autocast(world: int):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model", ["moe_bmm", "mixtral"])
-def test_autocast_moe(model: str):
-    """Experts under bf16 autocast (gathered per slot with bmm; Hugging Face's grouped GEMM): each rank's
-    partial expert sums in bf16, one all-reduce of the combined sum, as close as the dense models. (A
-    router's top-k may flip on a near-tie when its input rounds differently, as it does between autocast
-    and fp32: these models' batches have none.)"""
-    for rank, r in launch(autocast_parity, 2, model, "bfloat16").items():
+@pytest.mark.parametrize("model,expert_parallel", [("moe_bmm", False), ("mixtral", False), ("mixtral", True)])
+def test_autocast_moe(model: str, expert_parallel: bool):
+    """Experts under bf16 autocast (gathered per slot with bmm; Hugging Face's grouped GEMM, also with whole
+    experts per rank): each rank's partial expert sums in bf16, one all-reduce of the combined sum, as close
+    as the dense models. (A router's top-k may flip on a near-tie when its input rounds differently, as it
+    does between autocast and fp32: these models' batches have none.)"""
+    for rank, r in launch(autocast_parity, 2, model, "bfloat16", False, False, 3, expert_parallel).items():
         _check_close(r, "bfloat16", rank)
 
 

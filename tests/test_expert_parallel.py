@@ -17,7 +17,7 @@ from autotp.errors import ShardingError
 from autotp.plan.planner import check_expert_counts, make_plan
 from autotp.runtime.expert_ops import ExpertGrouped, ExpertIndex, ExpertOut, ExpertRows, ExpertSelect
 from distributed import launch
-from moe_models import E, GATE_GRAD, ROUTER_GRAD, TOP, H, S, build
+from moe_models import E, H, S, build, collectives
 from parity_workers import pattern_parity
 
 LAYERS = 2
@@ -94,19 +94,15 @@ def test_expert_parallel_is_exact_with_one_all_reduce_per_layer(world: int):
     kinds = ["fused_loop", "fused_loop_t", "gathered_bmm", "gathered_einsum", "shared_sigmoid", "top1_aux", "capacity"]
     kinds = kinds if world == 2 else ["gathered_bmm"]  # one expert per rank
     results = launch(pattern_parity, world, kinds, 3, False, "moe_models", True)
-    bsh, rows = 2 * S * H, 2 * S
-    loss = [("all_reduce", "max", rows), ("all_reduce", "sum", rows), ("all_reduce", "sum", rows)]
     for rank, by_kind in results.items():
         for kind, r in by_kind.items():
             assert r["loss_diff"] <= 1e-5 and r["grad_diff"] <= 1e-5 and r["param_diff"] <= 1e-5, (rank, kind, r)
             assert r["replicated"] == [] and r["unexplained"] == [], (kind, r)
             assert len(r["experts"]) == LAYERS * (2 if kind == "gathered_bmm" else 3), r["experts"]
             assert abs(r["fraction"] - 1 / world) < 0.01, (kind, r["fraction"])
-            assert sorted(r["forward"]) == sorted([("all_reduce", "sum", bsh)] * (2 * LAYERS + 1) + loss), kind
-            router = [("all_reduce", "sum", rows * ROUTER_GRAD.get(kind, TOP.get(kind, 2)))] * LAYERS
-            gate = [("all_reduce", "sum", rows * GATE_GRAD[kind])] * LAYERS if kind in GATE_GRAD else []
-            assert sorted(r["backward"]) == sorted([("all_reduce", "sum", bsh)] * (2 * LAYERS + 1) + router + gate), \
-                (kind, r["backward"])
+            forward, backward, _ = collectives(kind, LAYERS)
+            assert sorted(r["forward"]) == sorted(forward), kind
+            assert sorted(r["backward"]) == sorted(backward), (kind, r["backward"])
 
 
 @pytest.mark.slow

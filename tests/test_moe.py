@@ -12,7 +12,7 @@ import pytest
 from autotp.capture.tracer import capture
 from autotp.plan.planner import make_plan
 from distributed import launch
-from moe_models import AUX, DR, E, GATE_GRAD, KINDS, KR, QR, ROUTER_GRAD, TOP, H, S, build
+from moe_models import AUX, DR, E, KINDS, KR, QR, H, S, build, collectives
 from parity_workers import pattern_parity
 
 LAYERS = 2
@@ -88,7 +88,6 @@ def test_moe_spellings_shard_exactly_with_one_all_reduce_per_layer(world: int):
     entering each, plus the router's weights once per layer (b·s·k, or b·s·E for a dense routing matrix)."""
     results = launch(pattern_parity, world, [*KINDS], 3, False, "moe_models")
     bsh, rows = 2 * S * H, 2 * S
-    loss = [("all_reduce", "max", rows), ("all_reduce", "sum", rows), ("all_reduce", "sum", rows)]
     for rank, by_kind in results.items():
         for kind, r in by_kind.items():
             assert r["loss_diff"] <= 1e-5 and r["grad_diff"] <= 1e-5 and r["param_diff"] <= 1e-5, (rank, kind, r)
@@ -98,16 +97,14 @@ def test_moe_spellings_shard_exactly_with_one_all_reduce_per_layer(world: int):
             small = {f"blocks.{i}.{m}.weight" for i in range(LAYERS)
                      for m in ("moe.router", "moe.shared_gate", "attn.q_down", "attn.kv_down")}
             assert set(r["quarter"]) <= small and set(r["whole"]) <= small, (kind, r["quarter"], r["whole"])
-            assert sorted(r["forward"]) == sorted([("all_reduce", "sum", bsh)] * (2 * LAYERS + 1) + loss), kind
-            router = [("all_reduce", "sum", rows * ROUTER_GRAD.get(kind, TOP.get(kind, 2)))] * LAYERS
-            gate = [("all_reduce", "sum", rows * GATE_GRAD[kind])] * LAYERS if kind in GATE_GRAD else []
+            forward, backward, router = collectives(kind, LAYERS)
+            assert sorted(r["forward"]) == sorted(forward), kind
             if kind.startswith("mla"):  # attention's f on its latents (b·s·QR, b·s·KR) and the rotary key head
                 latent = [("all_reduce", "sum", rows * n) for n in (QR, KR, DR)] * LAYERS
                 mlp = [("all_reduce", "sum", bsh)] * (LAYERS + 1)
                 assert sorted(r["backward"]) == sorted(mlp + latent + router), (kind, r["backward"])
                 continue
-            assert sorted(r["backward"]) == sorted([("all_reduce", "sum", bsh)] * (2 * LAYERS + 1) + router + gate), \
-                (kind, r["backward"])
+            assert sorted(r["backward"]) == sorted(backward), (kind, r["backward"])
             assert kind not in AUX or r["loss_diff"] <= 1e-5
 
 

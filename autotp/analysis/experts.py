@@ -22,6 +22,7 @@ down-projection, experts that do not split evenly) keeps expert tensor paralleli
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import networkx as nx
 import torch
@@ -86,14 +87,22 @@ def _layers(gm: fx.GraphModule, a: Analysis) -> list[list[PairFacts]]:
     return sorted(out, key=lambda ps: a.pairs.index(ps[0]))
 
 
-def _read(m: ParamMatmul) -> tuple[str, fx.Node, int | None] | None:
-    """How matmul ``m`` reads its 3-D weight: ``(kind, node, expert)``."""
+class Read(NamedTuple):
+    """How a matmul reads its 3-D expert weight: ``kind`` "select" (``node`` is ``W[expert]``), "index"
+    (``node`` is ``W[ids]``) or "grouped" (``node`` is the grouped GEMM itself)."""
+
+    kind: str
+    node: fx.Node
+    expert: int | None = None
+
+
+def _read(m: ParamMatmul) -> Read | None:
     if m.expert is not None:
-        return "select", m.chain[0], m.expert
+        return Read("select", m.chain[0], m.expert)
     if m.kind == "grouped_mm":
-        return "grouped", m.node, None
+        return Read("grouped", m.node)
     if m.chain and m.chain[0].target is aten.index.Tensor:
-        return "index", m.chain[0], None
+        return Read("index", m.chain[0])
     return None
 
 
@@ -170,14 +179,13 @@ def _layer(gm: fx.GraphModule, pairs: list[PairFacts], module: str, getattrs: di
         r = _read(m)
         if r is None:
             return None, f"{m.weight} is read whole by {m.node.name} (experts need W[e], W[ids] or a grouped GEMM)"
-        kind, node, e = r
-        reads.add(node)
-        if kind == "select":
-            layer.selects.append((node, e))
-        elif kind == "index":
-            layer.indexes.append(node)
+        reads.add(r.node)
+        if r.kind == "select":
+            layer.selects.append((r.node, r.expert))
+        elif r.kind == "index":
+            layer.indexes.append(r.node)
         else:
-            layer.grouped.append(node)
+            layer.grouped.append(r.node)
     chains = {n for m in matmuls for n in (*m.chain, m.node)}
     for w in weights:  # nothing else reads an expert weight
         for n in _casts(getattrs[w]):

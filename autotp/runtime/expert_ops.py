@@ -20,6 +20,11 @@ class _Experts(_Collective):
         """This rank's experts: ``[start, start + n)``."""
         return (0, n) if self.group is None else (dist.get_rank(self.group) * n, n)
 
+    def local(self, expert: int, n: int) -> int | None:
+        """Where ``expert`` is in this rank's block of ``n``; None when it is another rank's."""
+        start, _ = self.owned(n)
+        return expert - start if start <= expert < start + n else None
+
 
 class ExpertSelect(_Experts):
     """``W[e]`` of this rank's block ``W``: the expert, or a zero-strided zero matrix of its shape (no memory)
@@ -30,10 +35,8 @@ class ExpertSelect(_Experts):
         self.expert = expert
 
     def forward(self, w: torch.Tensor) -> torch.Tensor:
-        start, n = self.owned(w.shape[0])
-        if start <= self.expert < start + n:
-            return w[self.expert - start]
-        return w.new_zeros(()).expand(w.shape[1:])
+        at = self.local(self.expert, w.shape[0])
+        return w[at] if at is not None else w.new_zeros(()).expand(w.shape[1:])
 
 
 class ExpertRows(_Experts):
@@ -44,8 +47,8 @@ class ExpertRows(_Experts):
         self.expert, self.count = expert, count
 
     def mine(self) -> bool:
-        start, n = self.owned(self.count // (1 if self.group is None else dist.get_world_size(self.group)))
-        return start <= self.expert < start + n
+        tp = 1 if self.group is None else dist.get_world_size(self.group)
+        return self.local(self.expert, self.count // tp) is not None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x if self.mine() else x[:0]
