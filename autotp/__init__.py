@@ -2,14 +2,15 @@
 from __future__ import annotations
 
 from autotp.io.checkpoint import full_state_dict, load_full_state_dict
-from autotp.capture.empty import empty_weights
+from autotp.io.empty import empty_weights
 from autotp.distributed.cpu_binding import bind_cpu_cores
-from autotp.runtime.data import broadcast_batch, check_same_inputs, dp_rank, dp_sampler, dp_size
+from autotp.parallel.data import broadcast_batch, check_same_inputs, dp_rank, dp_sampler, dp_size
 from autotp.io.export import save_weights
 from autotp.errors import AutotpError, CaptureError, InputMismatchError, ProcessGroupError, ShardingError
 from autotp.plan.plan import Plan
 from autotp.runtime.gathered import GatheredOnUse
-from autotp.runtime.parallelize import TPModule, TPState, parallelize, tp_state
+from autotp.parallel.parallelize import TPModule, parallelize
+from autotp.state import TPState, tp_state
 from autotp.io.weights import load_weights
 
 __all__ = [

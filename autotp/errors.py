@@ -17,7 +17,9 @@ class AutotpError(Exception):
 
 
 class ShardingError(AutotpError, ValueError):
-    """A dimension the plan must split is not divisible by the tensor-parallel size."""
+    """The model cannot be sharded as asked: a size tp does not divide (heads, vocab, experts), a later call
+    signature that would cut a parameter differently from the first, a model parallelized twice, or one
+    built on meta whose tensors have no values yet."""
 
 
 class CaptureError(AutotpError, RuntimeError):
@@ -33,11 +35,18 @@ class ModelFileError(AutotpError, ValueError):
 
 
 class LaunchError(AutotpError, ValueError):
-    """Sizes or rendezvous settings that cannot start a job (tp·dp·pp vs world, devices per node, ...)."""
+    """Sizes or rendezvous settings that cannot start a job (tp·dp·pp vs world, devices per node, ...).
+
+    ``fields`` names the settings at fault as the message spells them (``LaunchSpec``'s field names), so that
+    a front end can name them its own way (the CLI as its flags)."""
+
+    def __init__(self, message: str, hint: str = "", fields: tuple[str, ...] = ()):
+        self.fields = fields
+        super().__init__(message, hint)
 
 
 class PlanSizeError(AutotpError, ValueError):
-    """--batch / --seq outside the sizes the captured forward accepts."""
+    """A batch or sequence size outside the sizes the captured forward accepts."""
 
 
 class CheckpointError(AutotpError, RuntimeError):

@@ -25,7 +25,6 @@ import json
 import os
 import platform
 import resource
-import socket
 import statistics
 import sys
 import time
@@ -37,6 +36,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "examples")]
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from torch.distributed.elastic.utils.distributed import get_free_port  # noqa: E402
 import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
@@ -233,12 +233,6 @@ def step_worker(opts: dict) -> dict:
 
 
 # -- launching --------------------------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _entry(fn, backend, *args):
     sys.path[:0] = [str(ROOT), str(ROOT / "examples")]
     dist.init_process_group(backend)
@@ -252,7 +246,7 @@ def launch(fn, world: int, backend: str, *args) -> dict:
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=world, run_id=uuid.uuid4().hex,
-                          rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{_free_port()}", max_restarts=0,
+                          rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{get_free_port()}", max_restarts=0,
                           monitor_interval=0.1, start_method="spawn")
     return elastic_launch(config, _entry)(fn, backend, *args)
 

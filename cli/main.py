@@ -1,20 +1,26 @@
-"""The ``autotp`` command: a typer app that further commands register on.
+"""The ``autotp`` command (``autotp.cli.main:app``), a typer app with four commands:
 
-Commands living in other modules register on this ``app`` (``@app.command()``
-or ``app.add_typer(sub_app, name=...)``) and get imported here, so
-``autotp.cli.main:app`` stays the one entry point.
+- ``layout``: which ranks form the tp, dp, pp, model and embedding groups (defined here);
+- ``plan``: the sharding plan of a model file, its collectives and memory (:mod:`autotp.cli.plan`);
+- ``shard``: shard a model file over ranks, check it against the unsharded model, train, checkpoint
+  (:mod:`autotp.cli.shard`);
+- ``run``: a training script on every rank with torch's elastic launcher (:mod:`autotp.cli.run`).
+
+Each of those modules has a ``register(app)`` that adds its command; what they share (``fail``,
+``USAGE_ERROR``) is in :mod:`autotp.cli.common`.
 """
 
 from __future__ import annotations
 
 import json
-from typing import NoReturn
 
 import typer
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from autotp.cli import plan as _plan, run as _run, shard as _shard
+from autotp.cli.common import fail
 from autotp.distributed.layout import GROUP_KINDS, RankLayout
 
 app = typer.Typer(
@@ -24,9 +30,6 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_show_locals=False,
 )
-
-# Exit code for a bad combination of sizes, the same one click uses for usage errors.
-USAGE_ERROR = 2
 
 _GROUP_TITLES = {
     "tp": "tensor",
@@ -40,16 +43,6 @@ _GROUP_TITLES = {
 @app.callback()
 def main() -> None:
     """autotp: automatic tensor parallelism for PyTorch GPT models."""
-    # Present so typer keeps subcommand names even while only one command exists.
-
-
-def fail(message: str, code: int = USAGE_ERROR) -> NoReturn:
-    """Print a one-line red error to stderr and exit with ``code``."""
-    # soft_wrap keeps the message on one line whatever the terminal width.
-    Console(stderr=True).print(
-        f"[bold red]error:[/bold red] [red]{escape(message)}[/red]", soft_wrap=True
-    )
-    raise typer.Exit(code=code)
 
 
 def _members(groups: list[list[int]]) -> str:
@@ -117,9 +110,6 @@ def layout(
     console.print(groups_table(rank_layout))
     console.print(rank_grid(rank_layout))
 
-
-from autotp.cli import run as _run, shard as _shard  # noqa: E402  (they import fail from here at call time)
-from autotp.cli import plan as _plan  # noqa: E402
 
 for _command in (_run, _shard, _plan):
     _command.register(app)

@@ -24,6 +24,7 @@ from rich.table import Table
 import contextlib
 
 from autotp.capture.tracer import capture, stand_ins
+from autotp.cli.common import USAGE_ERROR
 from autotp.cli.run import DEBUG, abort
 from autotp.errors import AutotpError, PlanSizeError
 from autotp.distributed.layout import RankLayout
@@ -318,7 +319,6 @@ def plan(
     debug: bool = DEBUG,
 ) -> None:
     """Show how MODEL_PY would be sharded: rank grid, per-layer plan, memory and communication per step."""
-    from autotp.cli.main import USAGE_ERROR
 
     for name, value in (("--batch", batch), ("--seq", seq), ("--vocab-multiple", vocab_multiple)):
         if value is not None and value < 1:

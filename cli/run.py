@@ -10,6 +10,7 @@ The script runs as ``python SCRIPT ARGS...`` under torch's elastic launcher, wit
 """
 from __future__ import annotations
 
+import re
 import sys
 import traceback
 from pathlib import Path
@@ -18,6 +19,7 @@ from typing import NoReturn
 import typer
 from rich.console import Console
 
+from autotp.cli.common import USAGE_ERROR, fail
 from autotp.distributed.launch import LaunchError, LaunchSpec, RankFailedError, launch
 
 # Shared by `autotp run` and `autotp shard`; typer reads these at registration time.
@@ -47,7 +49,6 @@ def one_line(text: str) -> str:
 
 def abort(message: str, debug: bool, code: int = 1, trace: str | None = None) -> NoReturn:
     """One red line (and exit ``code``); with ``--debug`` first ``trace``, by default the exception handled now."""
-    from autotp.cli.main import fail  # late: main imports this module to register the command
 
     if debug:
         trace = traceback.format_exc() if trace is None else trace
@@ -59,14 +60,21 @@ def abort(message: str, debug: bool, code: int = 1, trace: str | None = None) ->
 def launch_spec(tp: int, dp: int, nnodes: int, node_rank: int, master_addr: str | None,
                 master_port: int | None, debug: bool, timeout: float | None = None, max_restarts: int = 0,
                 device: str = "auto", bind_cores: bool = True) -> LaunchSpec:
-    from autotp.cli.main import USAGE_ERROR
 
     try:
         return LaunchSpec(tp=tp, dp=dp, nnodes=nnodes, node_rank=node_rank,
                           master_addr=master_addr, master_port=master_port, timeout=timeout,
                           max_restarts=max_restarts, device=device, bind_cores=bind_cores)
     except LaunchError as exc:
-        abort(str(exc), debug, code=USAGE_ERROR)
+        abort(as_flags(exc), debug, code=USAGE_ERROR)
+
+
+def as_flags(exc: LaunchError) -> str:
+    """The error with the settings it names spelled as this command's flags (``node_rank`` -> ``--node-rank``)."""
+    text = str(exc)
+    for name in exc.fields:
+        text = re.sub(rf"(?<![\w-]){name}\b", "--" + name.replace("_", "-"), text)
+    return text
 
 
 def run(
@@ -85,7 +93,6 @@ def run(
     debug: bool = DEBUG,
 ) -> None:
     """Run SCRIPT on tp × dp ranks per node with torch's elastic launcher (c10d rendezvous)."""
-    from autotp.cli.main import USAGE_ERROR
 
     if not script.is_file():
         abort(f"script {script} does not exist", debug, code=USAGE_ERROR)

@@ -40,6 +40,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from autotp.cli.common import USAGE_ERROR
 from autotp.cli.run import (BIND_CORES, DEBUG, DEVICE, DP, MASTER_ADDR, MASTER_PORT, MAX_RESTARTS, NNODES, NODE_RANK,
                             TIMEOUT, TP, abort, launch_spec)
 from autotp.cli.shard_worker import PARITY_TOL, ShardJob, ShardReport, _size, shard_worker
@@ -213,7 +214,6 @@ def shard(
     debug: bool = DEBUG,
 ) -> None:
     """Shard MODEL_PY over tp × dp ranks, verify, train a few steps, save plan and checkpoint."""
-    from autotp.cli.main import USAGE_ERROR
 
     if steps < 0:
         abort(f"--steps must be >= 0, got {steps}", debug, code=USAGE_ERROR)

@@ -20,7 +20,7 @@ import torch.fx as fx
 
 from autotp.runtime.gathered import GatherOutput
 from autotp.plan.plan import Plan
-from autotp.plan.shard_spec import shard_tensor, unshard_tensor
+from autotp.shard_spec import shard_tensor, unshard_tensor
 
 
 def gather_outputs(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:

@@ -21,8 +21,8 @@ After::
 Columns sharing one input share one ``f`` (q, k and v: one all-reduce backward, not three; so do the
 experts of one MoE layer, ``pair.enter_with``), fused with
 them into one :class:`~autotp.runtime.collectives.ColumnGroup` where their forms are plain (``linear``, ``addmm``,
-``mm``/``matmul`` by a parameter or its transpose), so that the input gradient's all-reduce overlaps the
-weight gradients::
+``mm``/``matmul`` by a parameter or its transpose; ``plan.column_forms`` names each one's weight and bias), so
+that the input gradient's all-reduce overlaps the weight gradients::
 
     cols = autotp_columns_0(ln, q_weight, None, k_weight, None, v_weight, None)   # f + q, k, v
     q, k, v = cols[0], cols[1], cols[2]
@@ -47,10 +47,10 @@ import operator
 
 import torch
 import torch.fx as fx
+import torch.nn as nn
 
 from autotp.runtime.collectives import ColumnGroup, EnterTP, LeaveTP
-from autotp.analysis.matmuls import column_form
-from autotp.plan.plan import Plan
+from autotp.plan.plan import Plan, SeqEnter
 from autotp.runtime.seq_ops import AllGatherSeq, ReduceScatterSeq, SeqColumnGroup
 
 aten = torch.ops.aten
@@ -70,16 +70,15 @@ def insert_collectives(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
         return gm
     ensure_collective_modules(gm)
     nodes = {n.name: n for n in gm.graph.nodes}
-    params = {n for n, _ in gm.named_parameters(remove_duplicate=False)}
     seq = plan.sequence
     for head, x_name in plan.vocab.heads:
         e = seq.enter(x_name, head) if seq is not None else None
         if e is not None:
-            _seq_enter(gm, e, [nodes[head]], params, nodes)
+            _seq_enter(gm, plan, e, [nodes[head]], nodes)
             continue
-        form = _form(gm, nodes[head], nodes[x_name], params)
+        form = _form(plan, nodes, nodes[head], nodes[x_name])
         if form:
-            _fuse(gm, nodes[x_name], [nodes[head]], [form], head)
+            _fuse(gm, "autotp_columns", ColumnGroup((form[0],)), nodes[x_name], [nodes[head]], [form], head)
         else:
             _enter(gm, nodes[x_name], [nodes[head]], head)
     # columns of later pairs that read an input through an earlier pair's f (experts reading the same tokens)
@@ -100,13 +99,13 @@ def insert_collectives(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
             via = [nodes[r] for r, root in pair.enter_via if root == x_name]
             e = seq.enter(x_name, users[0].name) if seq is not None else None
             if e is not None:
-                _seq_enter(gm, e, users, params, nodes)
+                _seq_enter(gm, plan, e, users, nodes)
                 continue
-            forms = [_form(gm, c, x, params) for c in users]
+            forms = [_form(plan, nodes, c, x) for c in users]
             if via:  # what is derived from x for other columns reads x through the same f
                 _enter(gm, x, users + via, pair.module)
             elif all(forms) and not any(c.name in apart for c in users):
-                _fuse(gm, x, users, forms, pair.module)
+                _fuse(gm, "autotp_columns", ColumnGroup(tuple(f[0] for f in forms)), x, users, forms, pair.module)
             else:
                 _enter(gm, x, users, pair.module)
         readers: dict[str, list[fx.Node]] = {}
@@ -141,26 +140,15 @@ def seq_leave(gm: fx.GraphModule, node: fx.Node, dim: int, where: str) -> fx.Nod
     return g
 
 
-def _seq_enter(gm: fx.GraphModule, e, users: list[fx.Node], params: set[str], nodes: dict) -> None:
+def _seq_enter(gm: fx.GraphModule, plan: Plan, e: SeqEnter, users: list[fx.Node], nodes: dict) -> None:
     """f with sequence parallelism: the all-gather of ``e.node`` along the sequence, fused with the matmuls
     when they are plain (``e.regather``), else an :class:`AllGatherSeq` in front of them (or of the view
     that flattens their input)."""
     x, source = nodes[e.x], nodes[e.node]
     if e.regather:
-        forms = [_form(gm, c, x, params) for c in users]
-        target = f"autotp_seq_columns_{sum(isinstance(m, SeqColumnGroup) for m in gm.modules())}"
-        gm.add_submodule(target, SeqColumnGroup(tuple(f[0] for f in forms), e.dim, e.flatten))
-        with gm.graph.inserting_before(min(users, key=_position(gm))):
-            group = gm.graph.call_module(target, (source, *[a for _, w, b in forms for a in (w, b)]))
-        _hoist(group, [a for _, w, b in forms for a in (w, b)])
-        group.meta = {**source.meta, "autotp_collective": ("enter", e.module),
-                      "val": tuple(c.meta.get("val") for c in users)}
-        for i, (c, (_, w, _)) in enumerate(zip(users, forms)):
-            # each matmul becomes the group's i-th output under its own name (an LM head's logits keep theirs)
-            weight_view = c.args[1] if c.target in (aten.mm.default, aten.matmul.default) else None
-            c.op, c.target, c.args, c.kwargs = "call_function", operator.getitem, (group, i), {}
-            if weight_view is not None and weight_view is not w and not weight_view.users:
-                gm.graph.erase_node(weight_view)
+        forms = [_form(plan, nodes, c, x) for c in users]
+        group = SeqColumnGroup(tuple(f[0] for f in forms), e.dim, e.flatten)
+        _fuse(gm, "autotp_seq_columns", group, source, users, forms, e.module)  # source: (b, s/t, h), gathered inside
         if e.flatten and not x.users:
             gm.graph.erase_node(x)
         return
@@ -183,20 +171,30 @@ def _enter(gm: fx.GraphModule, x: fx.Node, users: list[fx.Node], where: str) -> 
         c.replace_input_with(x, f)
 
 
-def _form(gm: fx.GraphModule, c: fx.Node, x: fx.Node, params: set[str]) -> tuple[str, fx.Node, object] | None:
-    return column_form(gm, c, x, params)
+_Form = tuple[str, fx.Node, fx.Node | None]  # (layout, weight node, bias node) of a plain column matmul
 
 
-def _fuse(gm: fx.GraphModule, x: fx.Node, columns: list[fx.Node], forms: list, where: str) -> None:
-    target = f"autotp_columns_{sum(isinstance(m, ColumnGroup) for m in gm.modules())}"
-    gm.add_submodule(target, ColumnGroup(tuple(f[0] for f in forms)))
+def _form(plan: Plan, nodes: dict, c: fx.Node, x: fx.Node) -> _Form | None:
+    """Column matmul ``c`` reading ``x`` in its plain form, as the plan records it; None: a group cannot
+    fuse it."""
+    f = plan.column_form(c.name, x.name)
+    return None if f is None else (f.layout, nodes[f.weight], None if f.bias is None else nodes[f.bias])
+
+
+def _fuse(gm: fx.GraphModule, prefix: str, module: nn.Module, x: fx.Node, columns: list[fx.Node],
+          forms: list[_Form], where: str) -> None:
+    """Replace ``columns`` by one call of ``module`` (a column group, added as ``{prefix}_{i}``) on ``x`` and
+    their weights and biases; each column becomes the group's i-th output under its own name (the plan
+    names an LM head's logits)."""
+    target = f"{prefix}_{sum(isinstance(m, type(module)) for m in gm.modules())}"
+    gm.add_submodule(target, module)
+    operands = [a for _, w, b in forms for a in (w, b)]
     with gm.graph.inserting_before(min(columns, key=_position(gm))):
-        group = gm.graph.call_module(target, (x, *[a for _, w, b in forms for a in (w, b)]))
-    _hoist(group, [a for _, w, b in forms for a in (w, b)])
+        group = gm.graph.call_module(target, (x, *operands))
+    _hoist(group, operands)
     group.meta = {**x.meta, "autotp_collective": ("enter", where),
                   "val": tuple(c.meta.get("val") for c in columns)}
     for i, (c, (_, w, _)) in enumerate(zip(columns, forms)):
-        # each matmul becomes the group's i-th output under its own name (the plan names an LM head's logits)
         weight_view = c.args[1] if c.target in (aten.mm.default, aten.matmul.default) else None
         c.op, c.target, c.args, c.kwargs = "call_function", operator.getitem, (group, i), {}
         if weight_view is not None and weight_view is not w and not weight_view.users:

@@ -11,7 +11,7 @@ After::
     past_k: f32[b, 4/t, p, 16]                 # the runtime passes its local shard
     k = cat([past_k, k_new], 2)                # (b, 4/t, p+s, 16)
 
-The runtime hands the graph the shard (:func:`autotp.runtime.parallelize._local_input`); this pass only changes the
+The runtime hands the graph the shard (:func:`autotp.parallel.parallelize._local_input`); this pass only changes the
 declared shape, from the plan's segments, and never reads the rank. The exported module's guard function
 would compare the shard's head count with the captured one, so this graph drops it; the input check that
 remains (ranks, dtypes, the declared sizes and the ranges of the dynamic ones) still runs on every call.

@@ -31,7 +31,6 @@ import torch.fx as fx
 
 from autotp.runtime.collectives import ShardedNorm, ShardedReduction, StatAllReduce
 from autotp.plan.plan import Plan
-from autotp.analysis.ops import reduction_args
 
 
 def _dtype(node: fx.Node) -> torch.dtype | None:
@@ -51,8 +50,8 @@ def sharded_stats(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
                 done = gm.graph.call_module(target, (node,))
             node.replace_all_uses_with(done, delete_user_cb=lambda u: u is not done)
         elif st.kind in ("var", "std", "norm"):
-            r = reduction_args(node)
-            gm.add_submodule(target, ShardedReduction(st.kind, r.dims, r.keepdim, r.param, st.scale, _dtype(node)))
+            dims = None if st.dims is None else list(st.dims)  # the reduction's, as the plan records them
+            gm.add_submodule(target, ShardedReduction(st.kind, dims, st.keepdim, st.param, st.scale, _dtype(node)))
             with gm.graph.inserting_before(node):
                 done = gm.graph.call_module(target, (node.args[0],))
             node.replace_all_uses_with(done)

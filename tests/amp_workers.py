@@ -92,7 +92,7 @@ def autocast_parity(model_name: str, dtype_name: str, sequence_parallel: bool = 
     st = autotp.tp_state(tpm)
     grads = [(p.grad, _local(ref_params[n].grad, n, tpm), _local(ref32_params[n].grad, n, tpm))
              for n, p in tpm.named_parameters()]
-    plan = next(p for k, p in st.plans.items() if k[-1] != (("cpu", None),))  # the plan captured under autocast
+    plan = next(c.plan for k, c in st.graphs.items() if k[-1] != (("cpu", None),))  # the plan captured under autocast
     out = {
         "loss_dtype": str(loss.dtype), "logits_dtype": str(logits.dtype), "ref_logits_dtype": str(rlogits.dtype),
         "loss_rel": _rel(loss, rloss), "autocast_loss_rel": _rel(rloss, loss32),

@@ -7,3 +7,26 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 for p in (os.path.join(ROOT, "examples"), os.path.join(ROOT, "tests")):
     if p not in sys.path:
         sys.path.insert(0, p)
+
+
+import multiprocessing.process  # noqa: E402
+import subprocess  # noqa: E402
+
+import pytest  # noqa: E402
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """A test not marked ``slow`` belongs to the unit or structural tier: neither it nor its fixtures may
+    launch ranks or other processes, so that ``pytest -m "not slow"`` stays fast."""
+    if item.get_closest_marker("slow") is not None:
+        yield
+        return
+
+    def refuse(*args, **kwargs):
+        pytest.fail(f"{item.nodeid} starts a process: mark it @pytest.mark.slow", pytrace=False)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(multiprocessing.process.BaseProcess, "start", refuse)
+        mp.setattr(subprocess.Popen, "__init__", refuse)
+        yield

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import sys
 import uuid
 from collections.abc import Callable
@@ -11,16 +10,11 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
+from torch.distributed.elastic.utils.distributed import get_free_port
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @record
@@ -40,7 +34,7 @@ def launch(fn: Callable, world_size: int, *args) -> dict[int, object]:
     """Run ``fn(*args)`` on ``world_size`` gloo ranks with torch's elastic launcher; rank -> return value."""
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=world_size, run_id=uuid.uuid4().hex,
-        rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{free_port()}", max_restarts=0,
+        rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{get_free_port()}", max_restarts=0,
         monitor_interval=0.1, start_method="spawn",
     )
     return elastic_launch(config, _entry)(fn, *args)

@@ -249,7 +249,7 @@ def default_call_parity(kind: str, steps: int = 3) -> dict:
     return {
         "tp": st.tp, "loss_diff": max(abs(a - b) for a, b in zip(losses[::2], losses[1::2])),
         "param_diff": max(_max_diff(p, _local(ref_params[n], n, model)) for n, p in model.named_parameters()),
-        "replicated": [list(r) for p in st.plans.values() for r in p.replicated],
+        "replicated": [list(r) for c in st.graphs.values() for r in c.plan.replicated],
         "sharded": len(st.shards), "calls": len(st.graphs), "same_class": isinstance(model, type(ref)),
     }
 
@@ -444,7 +444,7 @@ def sequence_parallel_parity(models: list[str], extras: bool = True) -> dict:
             odd = tpm(*short)[1]
         odd_diff = _max_diff(odd, ref(*short)[1])
     st = autotp.tp_state(tpm)
-    plans = list(st.plans.values())
+    plans = [c.plan for c in st.graphs.values()]
     out["other_calls"] = {
         "last_position_diff": last, "odd_length_diff": odd_diff, "odd_length_calls": log.calls,
         "gathers": [g.reason for p in plans if p.sequence is not None for g in p.sequence.gathers],

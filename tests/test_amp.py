@@ -86,6 +86,7 @@ def test_autocast_sequence_parallel():
         assert ("reduce_scatter", "bfloat16") in kinds and ("all_gather", "bfloat16") in kinds, kinds
 
 
+@pytest.mark.slow
 def test_full_tensor_is_differentiable_and_foreach_norms_are_full():
     for rank, r in launch(full_tensor_grad, 2).items():
         for dtype in ("float32", "bfloat16"):
@@ -97,6 +98,7 @@ def test_full_tensor_is_differentiable_and_foreach_norms_are_full():
         assert r["foreach_norm_rel"] <= 1e-5 and r["foreach_inf_norm_rel"] <= 1e-6, r
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
 def test_grad_scaler_overflow_on_one_rank_skips_every_rank(world: int):
     results = launch(grad_scaler_overflow, world)

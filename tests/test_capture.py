@@ -68,6 +68,7 @@ def test_output_structure_round_trips():
     assert call_key((torch.randn(1),), {}, True) != call_key((torch.randn(4),), {}, True)
 
 
+@pytest.mark.slow
 def test_capture_styles_train_exactly_at_tp2():
     results = launch(capture_styles, 2, list(STYLES))
     for rank, by_style in results.items():
@@ -79,6 +80,7 @@ def test_capture_styles_train_exactly_at_tp2():
             assert r["sharded_fraction"] < 0.6, (style, r)  # every 2-D weight and the embedding at 1/2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
 def test_bare_parallelize_trains_exactly(world: int):
     """``parallelize(model)`` with no example, then the model's own training call (HF: ``use_cache`` as

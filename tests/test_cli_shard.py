@@ -16,8 +16,8 @@ from typer.testing import CliRunner
 from autotp.cli.main import app
 from autotp.capture.modelfile import ModelFileError, default_example, find_loss, load_model_file, split_batch
 from autotp.plan.plan import ParamShard, Plan
-from autotp.runtime.parallelize import TPState
-from autotp.plan.shard_spec import Segment, shard_tensor
+from autotp.state import Captured, TPState, attach_state
+from autotp.shard_spec import Segment, shard_tensor
 from distributed import ROOT, launch
 
 NANOGPT = os.path.join(ROOT, "examples", "nanogpt.py")
@@ -32,6 +32,7 @@ def sharded(tmp_path_factory) -> tuple[Path, object]:
     return out, result
 
 
+@pytest.mark.slow
 def test_shard_nanogpt_tp2(sharded) -> None:
     out, result = sharded
     assert result.exit_code == 0, result.output
@@ -71,6 +72,7 @@ def _load_worker(out: str) -> tuple[float, float, torch.Tensor]:
     return before, loss.item(), logits
 
 
+@pytest.mark.slow
 def test_checkpoint_loads_back_identically(sharded) -> None:
     import nanogpt
 
@@ -107,8 +109,8 @@ class _Shards(nn.Module):
         self.norm = nn.Parameter(torch.arange(3.0))
         self.plan = Plan(tp=tp, params=(("w", _GQA),))
         st = TPState(group=None, tp=tp, rank=0, device=torch.device("cpu"), base=nn.Module, forward=None)
-        st.shards, st.plans = {"w": _GQA}, {"call": self.plan}
-        self.__dict__["_autotp"] = st
+        st.shards, st.graphs = {"w": _GQA}, {"call": Captured(nn.Identity(), self.plan, None)}
+        attach_state(self, st)
 
 
 def _gqa_worker(out: str) -> bool:
@@ -126,6 +128,7 @@ def _gqa_worker(out: str) -> bool:
     return torch.equal(m.w, want)
 
 
+@pytest.mark.slow
 def test_checkpoint_replicated_kv_blocks(tmp_path: Path) -> None:
     from autotp.io.checkpoint import load_unsharded
 
@@ -189,6 +192,7 @@ def _tiny_gpt_file(path: Path, batch: str) -> Path:
     return path
 
 
+@pytest.mark.slow
 def test_shard_unseeded_example_batch(tmp_path: Path) -> None:
     # each rank drawing its own ids would be refused (InputMismatchError): tp rank 0's batch is broadcast
     model = _tiny_gpt_file(tmp_path / "unseeded.py", """
@@ -207,6 +211,7 @@ def test_shard_unseeded_example_batch(tmp_path: Path) -> None:
     assert summary["checkpoint_path"].endswith("step-000002")
 
 
+@pytest.mark.slow
 def test_shard_without_example_batch(tmp_path: Path) -> None:
     model = _tiny_gpt_file(tmp_path / "no_batch.py", "")
     out = tmp_path / "out"
@@ -229,7 +234,7 @@ def test_shard_without_example_batch(tmp_path: Path) -> None:
 
 
 def test_default_example_is_parallelize_default() -> None:
-    from autotp.runtime import parallelize
+    from autotp.parallel import parallelize
 
     assert parallelize._default_example is default_example  # one definition for the API and the CLI
 
@@ -243,6 +248,7 @@ def test_default_example_is_parallelize_default() -> None:
     assert drawn.unique().numel() > 1 and torch.equal(drawn, default_example(lambda idx: idx, vocab=256)[0][0])
 
 
+@pytest.mark.slow
 def test_autotp_run_script(tmp_path: Path) -> None:
     script = tmp_path / "train.py"
     script.write_text(
@@ -263,6 +269,7 @@ def test_autotp_run_script(tmp_path: Path) -> None:
         assert f"tp rank {rank} of 2 args ['--data', 'x']" in proc.stdout
 
 
+@pytest.mark.slow
 def test_autotp_run_failing_script(tmp_path: Path) -> None:
     script = tmp_path / "fails.py"
     script.write_text("import sys\nsys.exit(3)\n")

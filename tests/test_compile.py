@@ -7,6 +7,8 @@ collectives; on CPU the all-reduces are ``autotp.all_reduce``, polled rather tha
 """
 from __future__ import annotations
 
+import pytest
+
 import copy
 
 
@@ -76,6 +78,7 @@ def compile_worker() -> dict:
     return out
 
 
+@pytest.mark.slow
 def test_compile_no_graph_breaks_and_parity():
     results = launch(compile_worker, 2)
     for rank, r in results.items():

@@ -71,6 +71,7 @@ def _affinity_worker() -> dict:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 @needs_affinity
 @pytest.mark.parametrize("bind", [True, False])
 def test_launched_cpu_ranks_are_bound(bind: bool):

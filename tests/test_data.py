@@ -2,12 +2,14 @@
 and sampling over the data-parallel group only."""
 from __future__ import annotations
 
+import pytest
+
 import torch
 
 from data_workers import dp_sampling, mismatch_and_broadcast
 from distributed import launch
 
-from autotp.runtime.data import _fingerprint
+from autotp.parallel.data import _fingerprint
 
 
 def test_fingerprints_are_bit_exact_and_order_sensitive():
@@ -21,6 +23,7 @@ def test_fingerprints_are_bit_exact_and_order_sensitive():
     assert _fingerprint(3) != _fingerprint(4) and _fingerprint(None) == _fingerprint(None)
 
 
+@pytest.mark.slow
 def test_mismatched_tp_inputs_are_refused_and_broadcast_fixes_them():
     for rank, r in launch(mismatch_and_broadcast, 2).items():
         assert r["same_ok"]
@@ -32,6 +35,7 @@ def test_mismatched_tp_inputs_are_refused_and_broadcast_fixes_them():
         assert r["loss_diff"] <= 1e-5, r
 
 
+@pytest.mark.slow
 def test_dp_sampler_and_broadcast_follow_the_layout():
     r = launch(dp_sampling, 4)
     # tp innermost: TP groups [0,1] [2,3]; DP groups [0,2] [1,3]

@@ -16,7 +16,8 @@ import torch.distributed as dist
 
 from autotp.distributed.launch import LaunchSpec, launch
 from autotp.distributed.layout import RankLayout
-from distributed import ROOT, free_port
+from distributed import ROOT
+from torch.distributed.elastic.utils.distributed import get_free_port
 
 NANOGPT = os.path.join(ROOT, "examples", "nanogpt.py")
 TP, DP, STEPS, LR, EPS, TOL = 2, 2, 3, 1e-3, 1e-6, 1e-5
@@ -91,6 +92,7 @@ def _reference(batches: list) -> tuple[list[float], dict[str, torch.Tensor]]:
     return losses, {n: p.detach() for n, p in model.named_parameters(remove_duplicate=False)}
 
 
+@pytest.mark.slow
 def test_dp_tp_training_matches_unsharded_on_concatenated_batches(dp_tp_run) -> None:
     results, batches = dp_tp_run
     assert sorted(results) == list(range(TP * DP))
@@ -114,6 +116,7 @@ def test_dp_tp_training_matches_unsharded_on_concatenated_batches(dp_tp_run) -> 
             assert diff <= TOL, f"rank {rank} {name}: max |Δ| {diff:.3e} after {STEPS} steps"
 
 
+@pytest.mark.slow
 def test_rank_groups_in_running_job_follow_layout(dp_tp_run) -> None:
     results, _ = dp_tp_run
     layout = RankLayout.build(TP * DP, TP)
@@ -132,13 +135,14 @@ def _kill(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
+@pytest.mark.slow
 def test_shard_two_nodes_on_loopback(tmp_path: Path) -> None:
     import nanogpt
 
     from autotp.io.checkpoint import load_unsharded
     from autotp.plan.plan import Plan
 
-    port, out = free_port(), tmp_path / "out"
+    port, out = get_free_port(), tmp_path / "out"
     env = {**os.environ, "COLUMNS": "200"}
     procs, logs = [], []
     for node in (0, 1):

@@ -42,6 +42,7 @@ def _single_and_under_autotp_run(script: str, tmp_path: Path, env: dict[str, str
     return want, got
 
 
+@pytest.mark.slow
 def test_single_device_script_with_one_added_line(tmp_path: Path):
     want, got = _single_and_under_autotp_run("train.py", tmp_path, {})
     for r in got:
@@ -98,6 +99,7 @@ def _raises(fn) -> str:
     return ""
 
 
+@pytest.mark.slow
 def test_parallelize_changes_the_model_in_place():
     results = launch(in_place_worker, 2)
     for rank, r in results.items():
@@ -110,6 +112,7 @@ def test_parallelize_changes_the_model_in_place():
 
 
 # with and without the KV cache, each at one tp (both ways at both tp cost 45 s more and cover nothing new)
+@pytest.mark.slow
 @pytest.mark.parametrize("world,use_cache", [(2, False), (4, True)])
 def test_hf_generate_and_save_pretrained(world: int, use_cache: bool, tmp_path: Path):
     """Greedy ``generate`` gives the unsharded model's tokens, with the model's own KV cache (kept as

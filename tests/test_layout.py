@@ -170,6 +170,7 @@ def _mesh_worker(rank: int, world_size: int, init_file: str, out_dir: str) -> No
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_device_mesh_matches_layout_gloo(tmp_path: Path) -> None:
     mp = pytest.importorskip("torch.multiprocessing")
     dist = pytest.importorskip("torch.distributed")

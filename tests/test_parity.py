@@ -11,6 +11,7 @@ from parity_workers import (checkpoint_round_trip, dropout_streams, large_logits
 MODELS = {"nanogpt": (4, 32, 64, 2), "gpt2": (4, 16, 64, 2), "gpt2_50257": (4, 16, 64, 2), "llama": (4, 16, 64, 2)}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [1, 2, 4])
 @pytest.mark.parametrize("model", list(MODELS))
 def test_training_parity(model: str, world: int):
@@ -63,6 +64,7 @@ def test_training_parity(model: str, world: int):
             assert not replicated_kv
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("toy", ["interleaved", "fused_gqa", "fused_mqa", "handwritten"])
 def test_unseen_layouts_parity(toy: str):
     results = launch(training_parity, 4, toy)
@@ -73,6 +75,7 @@ def test_unseen_layouts_parity(toy: str):
         assert len(r["forward_collectives"]) == 1 + 1 + 3  # embedding, block, cross-entropy
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("loss", ["nll_sum", "smoothing_none", "ignore_mean"])
 def test_cross_entropy_forms_parity(loss: str):
     # vocab 97 at tp 4: 25 rows per rank, the last rank owns 22 and holds 3 padding rows
@@ -85,6 +88,7 @@ def test_cross_entropy_forms_parity(loss: str):
         assert [c[1] for c in ce] == ["max", "sum", "sum"]
 
 
+@pytest.mark.slow
 def test_cross_entropy_of_large_logits():
     # the loss is taken from logits shifted by the row max, as log_softmax takes it: logits near 1e4 lose
     # nothing (unshifted, 1e4's rounding, ~5e-4, would show)
@@ -93,6 +97,7 @@ def test_cross_entropy_of_large_logits():
             assert loss_diff <= 1e-5 and grad_diff <= 1e-5, (smoothing, loss_diff, grad_diff)
 
 
+@pytest.mark.slow
 def test_other_signatures_share_parameters():
     results = launch(other_calls, 2)
     for r in results.values():
@@ -105,6 +110,7 @@ def test_other_signatures_share_parameters():
         assert r["retained_graph"] <= 1e-5
 
 
+@pytest.mark.slow
 def test_dropout_streams():
     results = launch(dropout_streams, 2)
     for r in results.values():
@@ -115,6 +121,7 @@ def test_dropout_streams():
         assert 0.05 < r["dropped_fraction"] < 0.15
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model,world", [("nanogpt", 2), ("gpt2_50257", 4), ("llama", 4)])
 def test_full_state_dict_round_trip(model: str, world: int):
     for r in launch(checkpoint_round_trip, world, model).values():
@@ -125,6 +132,7 @@ def test_full_state_dict_round_trip(model: str, world: int):
         assert r["reloaded_loss_diff"] == 0.0 and r["reloaded_logits_diff"] == 0.0
 
 
+@pytest.mark.slow
 def test_unshardable_block_is_replicated_with_a_warning():
     for r in launch(replicated_block, 2).values():
         assert not r["block_sharded"]

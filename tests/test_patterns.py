@@ -31,6 +31,7 @@ WIDTH_NORMS = {"qk_norm_width": [1], "qk_rmsnorm_width": [1], "qk_layernorm_widt
 HEAD_NORMS = {"qk_norm_head": 1, "gqa_qk_norm": 1, "qk_layernorm_head": 2}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
 def test_patterns_shard_exactly_with_megatron_collectives(world: int):
     results = launch(pattern_parity, world, SHARDED)
@@ -63,6 +64,7 @@ def test_patterns_shard_exactly_with_megatron_collectives(world: int):
             assert sorted(small) == sorted(norms + kv + stats), (kind, small)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
 def test_kv_cache_buffers_written_in_place_shard_by_kv_head(world: int):
     """gpt-fast's ``cache[:, :, pos] = k`` and torchtune's ``index_copy_``: prefill, then one-token decode

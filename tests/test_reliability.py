@@ -17,8 +17,9 @@ from typer.testing import CliRunner
 
 from autotp.cli.main import app
 from autotp.io.ckpt_io import checkpoint_info, latest_checkpoint
-from autotp.distributed.launch import ENV_TIMEOUT, LaunchSpec
-from distributed import ROOT, free_port
+from autotp.distributed.launch import ENV_TIMEOUT, LaunchSpec, launch
+from distributed import ROOT
+from torch.distributed.elastic.utils.distributed import get_free_port
 
 NANOGPT = os.path.join(ROOT, "examples", "nanogpt.py")
 EXAMPLES = os.path.join(ROOT, "examples")
@@ -166,6 +167,7 @@ def runs(tmp_path_factory) -> dict:
     return res
 
 
+@pytest.mark.slow
 def test_crash_during_save_keeps_previous_checkpoint(runs) -> None:
     code, text, _ = runs["crash"]
     assert code != 0, text
@@ -179,6 +181,7 @@ def test_crash_during_save_keeps_previous_checkpoint(runs) -> None:
     assert all(torch.isfinite(p).all() for p in after["params"].values())
 
 
+@pytest.mark.slow
 def test_resume_matches_uninterrupted_training(runs) -> None:
     full_code, full_text, _ = runs["full"]
     code, text, _ = runs["resume"]
@@ -208,6 +211,7 @@ def test_resume_matches_uninterrupted_training(runs) -> None:
     assert info["optimizer"]["param_groups"][0]["lr"] == 1e-3
 
 
+@pytest.mark.slow
 def test_resume_at_another_tp_reshards(runs) -> None:
     code, text, _ = runs["tp1"]
     assert code == 0, text
@@ -228,6 +232,7 @@ class _Payload:
         return open, (self.path, "w")
 
 
+@pytest.mark.slow
 def test_tampered_checkpoint_fails_before_any_rank(runs, monkeypatch, tmp_path: Path) -> None:
     import pickle
 
@@ -260,6 +265,7 @@ def _first_failure_line(text: str) -> str:
     return lines[0] if lines else ""
 
 
+@pytest.mark.slow
 def test_failing_rank_fails_the_job_fast_and_first(faulty: Path, tmp_path: Path) -> None:
     code, text, seconds = _shard(faulty, tmp_path / "out", "--steps", "4", "--timeout", "30")
     assert code != 0, text
@@ -269,6 +275,7 @@ def test_failing_rank_fails_the_job_fast_and_first(faulty: Path, tmp_path: Path)
     assert first.startswith("error: rank 1:") and "injected fault on rank 1 at step 2" in first, text
 
 
+@pytest.mark.slow
 def test_hanging_rank_is_bounded_by_timeout(faulty: Path, tmp_path: Path) -> None:
     # rank 1 never reaches the next collective; rank 0's waits end after --timeout, and with it the job
     code, text, seconds = _shard(faulty, tmp_path / "out", "--steps", "3", "--timeout", "3",
@@ -279,9 +286,19 @@ def test_hanging_rank_is_bounded_by_timeout(faulty: Path, tmp_path: Path) -> Non
     assert first.startswith("error: rank ") and "no peer answered within --timeout 3 s" in first, text
 
 
+def _fails_first_attempt() -> dict[str, str | None]:
+    """Rank 1 dies on the job's first attempt; every rank reports the attempt it finished and its timeout."""
+    attempt = os.environ["TORCHELASTIC_RESTART_COUNT"]
+    if attempt == "0" and os.environ["RANK"] == "1":
+        raise RuntimeError("rank 1 fails its first attempt")
+    return {"attempt": attempt, "timeout": os.environ.get(ENV_TIMEOUT)}
+
+
+@pytest.mark.slow
 def test_timeout_and_restarts_reach_the_launcher() -> None:
-    spec = LaunchSpec(tp=2, timeout=7, max_restarts=3)
-    assert spec.env("gloo")[ENV_TIMEOUT] == "7.0" and spec.max_restarts == 3
+    results = launch(LaunchSpec(tp=2, timeout=7, max_restarts=1, device="cpu"), _fails_first_attempt)
+    # the launcher restarted the whole job once, and its ranks saw the timeout
+    assert results == {r: {"attempt": "1", "timeout": "7.0"} for r in (0, 1)}
     assert ENV_TIMEOUT not in LaunchSpec(tp=2).env("gloo")
 
 
@@ -348,6 +365,7 @@ def test_bad_input_fails_before_any_rank(case: str, tmp_path: Path, monkeypatch)
     assert seconds < 30
 
 
+@pytest.mark.slow
 def test_group_made_for_the_script_is_destroyed_at_exit(tmp_path: Path) -> None:
     # a one-rank job whose script never touches torch.distributed: autotp makes the group, and tears it down
     # at exit (left alive, gloo's threads can abort the rank after its last line)
@@ -359,7 +377,7 @@ def test_group_made_for_the_script_is_destroyed_at_exit(tmp_path: Path) -> None:
         "init_from_env()\n"
     )
     env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(free_port()), "AUTOTP_TP": "1"}
+           "MASTER_PORT": str(get_free_port()), "AUTOTP_TP": "1"}
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "INITIALIZED AT EXIT False" in proc.stdout

@@ -2,6 +2,8 @@
 unsharded model, with identical weights and the same outputs."""
 from __future__ import annotations
 
+import pytest
+
 import json
 import os
 from pathlib import Path
@@ -36,6 +38,7 @@ def _load_at(out: str, tp: int) -> dict:
     return {"loss": loss.item(), "logits": logits, "state": autotp.full_state_dict(tpm)}
 
 
+@pytest.mark.slow
 def test_tp4_checkpoint_loads_at_tp2_tp1_and_unsharded(tmp_path):
     import nanogpt
 

@@ -33,6 +33,7 @@ def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model", ["gpt2_padded", "llama_gqa", "falcon_grouped", "moe_gate_up"])
 def test_resume_at_any_layout_matches_uninterrupted_training(resumed, model) -> None:
     runs = resumed[model]

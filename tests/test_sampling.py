@@ -22,6 +22,7 @@ def _check(results: dict[int, dict], names: list[str], world: int) -> None:
         assert r["cases"] == results[0]["cases"]
 
 
+@pytest.mark.slow
 def test_sampling_loops_tp2():
     names = list(CASES)
     results = launch(sampling_loops, 2, names)
@@ -33,6 +34,7 @@ def test_sampling_loops_tp2():
         assert r["guarded"]["flash"] == 0
 
 
+@pytest.mark.slow
 def test_sampling_loop_tp4():
     names = ["masked/own/train/b2/p5"]  # the default capture (2, 8) rejects T = 5: a second graph
     _check(launch(sampling_loops, 4, names), names, 4)

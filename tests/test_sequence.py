@@ -112,6 +112,7 @@ def test_a_sequence_of_one_plans_plain_tensor_parallelism():
     assert [c.kind for c in plan.collectives if len(c.shape) == 3] == ["all_reduce"] * 2 * (2 * 2 + 1)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
 def test_sequence_parallel_parity(world: int):
     # the other calls and dropout streams at tp 2 only: they are about plans, not the group's size

@@ -44,6 +44,8 @@ def test_two_collectives_per_layer_around_the_pairs(name: str, tp: int):
     fused = [f for f in enters if isinstance(gm.get_submodule(f.target), ColumnGroup)]
     # every pair's f is fused with its columns, and the LM head's with it (its all-reduce overlaps dW)
     assert len(fused) == 2 * layers + 1
+    # the columns a group computes are those whose plain form the plan records (each keeps its name)
+    assert {u.name for f in fused for u in f.users} == {form.node for form in plan.column_forms}
     for f in enters:  # f feeds only column matmuls of its pair (q, k, v share one f), or computes them itself
         assert f.users and all(u.target in MATMULS or (f in fused and u.target is operator.getitem) for u in f.users)
     for g in leaves:  # g follows a row matmul, or the masked vocab lookup
@@ -297,8 +299,14 @@ def test_index_lists_read_as_slices_and_width_reductions_become_statistics():
         gm = capture(model, args, kwargs)[0]
         plan = make_plan(gm, 2)
         assert not plan.replicated and [s.kind for s in plan.stats] == stats, kind
+        # the reductions' arguments travel in the plan: over the last (sharded) dim, kept; a var's correction 0,
+        # a norm's order 2
+        assert {(s.dims, s.keepdim, s.param) for s in plan.stats if s.kind != "mean"} == {
+            ((-1,), True, 0.0 if "var" in stats else 2.0)}, kind
         gm = run_passes(gm, plan)
-        assert len(_calls(gm, ShardedReduction)) == stats.count("var") + stats.count("norm")
+        reductions = [gm.get_submodule(n.target) for n in _calls(gm, ShardedReduction)]
+        assert len(reductions) == stats.count("var") + stats.count("norm")
+        assert all((m.dims, m.keepdim) == ([-1], True) for m in reductions)
 
 
 @pytest.mark.parametrize("kind", ["grouped_index", "falcon_select", "mqa_unsqueeze", "offset_slices"])

@@ -11,7 +11,7 @@ from autotp.analysis.coverage import WholeParam
 from autotp.plan.plan import Plan
 from autotp.analysis.ops import parts_for
 from autotp.analysis.shapes import view_groups
-from autotp.plan.shard_spec import Segment, Sharding, local_indices, shard_tensor, unshard_tensor
+from autotp.shard_spec import Segment, Sharding, local_indices, shard_tensor, unshard_tensor
 
 
 def test_fused_segments_give_each_rank_its_slice_of_every_segment():
@@ -62,8 +62,8 @@ def test_head_rules_follow_megatron():
 
 def test_plan_is_immutable_json_data():
     from autotp.analysis.ops import Rewrite
-    from autotp.plan.plan import (Collective, ExpertLayer, ExpertSlot, LocalSlice, PairPlan, ParamShard, SeqEnter,
-                                  SeqGather, SeqLeave, SeqSlice, SequencePlan, Stat)
+    from autotp.plan.plan import (Collective, ColumnForm, ExpertLayer, ExpertSlot, LocalSlice, PairPlan, ParamShard,
+                                  SeqEnter, SeqGather, SeqLeave, SeqSlice, SequencePlan, Stat)
 
     shard = ParamShard("column", "h.0.attn.c_attn", 0, (Segment(64, 2),) * 3, (192, 64), (96, 64))
     plan = Plan(tp=2, params=(("h.0.attn.c_attn.weight", shard),),
@@ -73,7 +73,10 @@ def test_plan_is_immutable_json_data():
                 collectives=(Collective("all_reduce", "sum", "forward", "h.0.attn", "linear_1", ("s0", "s1", "64")),),
                 random_nodes=("dropout_1",), replicated=(("lm_head", "reason"),),
                 local_slices=(LocalSlice("baddbmm", "alibi", 0, (Segment(4, 2),), outer=True),),
-                stats=(Stat("mean_1", "mean", 0.5),),
+                stats=(Stat("mean_1", "mean", 0.5, (-1,), True), Stat("var_1", "var", 0.5, None, False, 1.0),
+                       Stat("rms_norm", "rms_norm", 1.0)),
+                column_forms=(ColumnForm("linear", "ln", "out_in", "h_0_attn_c_attn_weight", None),
+                              ColumnForm("addmm", "view_1", "in_out", "h_0_mlp_c_fc_weight", "h_0_mlp_c_fc_bias")),
                 buffers=(("h.0.attn.k_cache", ParamShard("column", "h.0.attn", 1, (Segment(4, 2),), (2, 4, 16, 8),
                                                          (2, 2, 16, 8))),),
                 sequence=SequencePlan(length=("tensors_0", 1), leaves=(SeqLeave("h.0.attn", "addmm_1", "view_7", 1),),
@@ -91,7 +94,13 @@ def test_plan_is_immutable_json_data():
                                experts_kept=(("h.1.moe", "separate modules"),))
     again = Plan.from_json(plan.to_json())
     assert again == plan
-    assert again.to_dict()["version"] == 7
+    assert again.to_dict()["version"] == 8
+    assert again.column_form("linear", "ln").weight == "h_0_attn_c_attn_weight"
+    assert again.column_form("linear", "view_1") is None  # a column is fusable only on the input it reads
+    v7 = {k: v for k, v in plan.to_dict().items() if k != "column_forms"}  # before the passes read forms from plans
+    v7["stats"] = [{k: v for k, v in x.items() if k in ("node", "kind", "scale")} for x in v7["stats"]]
+    old7 = Plan.from_dict({**v7, "version": 7})
+    assert old7.column_forms == () and old7.stats[0] == Stat("mean_1", "mean", 0.5)
     v6 = {k: v for k, v in plan.to_dict().items() if k not in ("experts", "experts_kept")}  # before expert parallelism
     assert Plan.from_dict({**v6, "version": 6}).experts == ()
     v5 = {k: v for k, v in plan.to_dict().items() if k != "whole"}  # written before the completeness check
@@ -110,7 +119,7 @@ def test_plan_is_immutable_json_data():
 def test_grouped_segments_cut_whole_groups_or_split_one_group_among_its_ranks():
     """Falcon's [n_kv groups, 4 q heads + k + v, d=1]: at tp 4 each of the 2 groups is held by 2 ranks that split
     its q heads and both hold its k and v; at tp 2 and 1 ranks hold whole groups."""
-    from autotp.plan.shard_spec import Piece, local_indices, local_pieces
+    from autotp.shard_spec import Piece, local_indices, local_pieces
 
     def grouped(parts, inner_parts):
         return (Segment(12, parts, (Segment(4, inner_parts), Segment(1, 1), Segment(1, 1))),)
@@ -128,7 +137,7 @@ def test_grouped_segments_cut_whole_groups_or_split_one_group_among_its_ranks():
 
 def test_outer_sharding_cuts_heads_folded_under_the_batch():
     """[b·h, s] with h = 4 heads over 2 ranks: rank 1 holds heads 2, 3 of every batch row."""
-    from autotp.plan.shard_spec import shard_tensor
+    from autotp.shard_spec import shard_tensor
 
     x = torch.arange(2 * 4).reshape(2 * 4, 1)  # row = batch * 4 + head
     assert shard_tensor(x, 0, (Segment(4, 2),), 2, 1, outer=True).flatten().tolist() == [2, 3, 6, 7]

@@ -18,6 +18,7 @@ from view_gap_models import KINDS, NH, HD, S, build
 aten = torch.ops.aten
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
 def test_view_gaps_shard_exactly_with_megatron_collectives(world: int):
     results = launch(pattern_parity, world, list(KINDS), 3, False, "view_gap_models")

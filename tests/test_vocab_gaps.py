@@ -15,7 +15,7 @@ from autotp.capture.tracer import capture
 from autotp.passes import run_passes
 from autotp.plan.plan import Plan
 from autotp.plan.planner import make_plan
-from autotp.plan.shard_spec import VocabLayout, vocab_shard, vocab_unshard
+from autotp.shard_spec import VocabLayout, vocab_shard, vocab_unshard
 from autotp.runtime.vocab_ops import VocabCrossEntropy, VocabOutput
 from distributed import launch
 from vocab_gap_models import CLASSES, EXPERTS, GATES, H, KINDS, NOT_CROPS, PADDED, ROUTERS, S, build, gap_parity
@@ -91,6 +91,7 @@ WORLDS = {2: (list(KINDS), list(CLASSES)),
           4: ([*CLASSES, "router_softmax_topk"], ["crop_narrow_tied", "crop_past_ranks"])}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", list(WORLDS))
 def test_cropped_heads_train_exactly_and_gates_are_named(world: int):
     """3 AdamW steps against the unsharded model; the cropped heads vocab-parallel with exactly the collectives

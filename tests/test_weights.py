@@ -43,6 +43,7 @@ def at_tp4(root) -> dict:
     return launch(load_formats, 4, root)
 
 
+@pytest.mark.slow
 def test_meta_model_loads_every_format_at_tp4(at_tp4) -> None:
     for rank, results in at_tp4.items():
         for name, r in results.items():
@@ -60,6 +61,7 @@ def test_meta_model_loads_every_format_at_tp4(at_tp4) -> None:
             assert (len(r["kv_replicated"]) == 4) == (name == "llama"), r["kv_replicated"]
 
 
+@pytest.mark.slow
 def test_exports_are_the_full_trained_model(root, at_tp4) -> None:
     from transformers import AutoConfig
 
@@ -83,6 +85,7 @@ def test_exports_are_the_full_trained_model(root, at_tp4) -> None:
             assert all(torch.equal(v, want[k]) for k, v in model.state_dict().items())
 
 
+@pytest.mark.slow
 def test_checkpoint_and_exports_reload_at_tp2_and_tp1(root, at_tp4) -> None:
     for rank, results in launch(reload_exports, 2, root).items():
         assert {tp for _, tp, _ in results} == {1, 2}
@@ -93,6 +96,7 @@ def test_checkpoint_and_exports_reload_at_tp2_and_tp1(root, at_tp4) -> None:
 
 
 # -- one process, no group: unsharded models, names, errors ---------------------------------------------
+@pytest.mark.slow
 def test_unsharded_meta_model_reads_autotp_segments_and_hf_base_checkpoints(root, at_tp4, tmp_path) -> None:
     want = torch.load(os.path.join(root, "nanogpt", "trained.pt"), weights_only=True)
     with autotp.empty_weights():
@@ -130,6 +134,7 @@ def test_mismatched_checkpoints_fail_naming_the_keys(root) -> None:
         autotp.load_weights(llama, os.path.join(root, "nowhere"))
 
 
+@pytest.mark.slow
 def test_cli_shard_loads_weights_and_checks_them_before_launching(root, tmp_path) -> None:
     import json
 

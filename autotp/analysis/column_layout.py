@@ -7,19 +7,16 @@ apart by slices gives a grouped segment (Falcon's ``[n_kv, q heads + k + v, d]``
 """
 from __future__ import annotations
 
-import operator
 import sys
 
-import torch
 import torch.fx as fx
 
 from autotp.errors import ShardingError
-from autotp.analysis.ops import (SAME_SHAPE, SPLITS, VIEWS, arg_of, ndim_of, slice_range,
-                        unflattened_sequence_of_one, parts_for, split_dims)
+from autotp.analysis.op_rules import kind_of, op_rule, permutes
+from autotp.analysis.ops import (arg_named, arg_of, moved_dim, ndim_of, parts_for, permutation, slice_range, split_dims,
+                                 squeezed_dims, unflattened_sequence_of_one)
 from autotp.analysis.shapes import Fingerprinter, normalize_dim, view_groups
-from autotp.plan.shard_spec import Segment
-
-aten = torch.ops.aten
+from autotp.shard_spec import Segment
 
 
 def column_segments(col: fx.Node, fp: Fingerprinter, tp: int, where: str, dim: int | None = None
@@ -55,10 +52,6 @@ def _fused(found: list[tuple[tuple[Segment, ...] | None, fx.Node | None, int, st
     return tuple(out)
 
 
-# ops that broadcast their first operand to more (or larger) dims, aligned from the right
-_BROADCASTS = {aten.expand.default, aten.expand_as.default, aten.broadcast_to.default, aten.repeat.default}
-
-
 def _per_head_dim(node: fx.Node, dim: int, fp: Fingerprinter, depth: int) -> bool:
     """Is ``dim`` of ``node`` the per-head dim of attention: the last dim of scaled_dot_product_attention's
     q, k or v, or a matrix dim of a batched matmul of activations (``q @ k.transpose(-2, -1)``, ``att @ v``;
@@ -68,54 +61,43 @@ def _per_head_dim(node: fx.Node, dim: int, fp: Fingerprinter, depth: int) -> boo
         return False
     nd = ndim_of(node)
     for u in node.users:
-        t = u.target
-        if t is aten.scaled_dot_product_attention.default and node in u.args[:3] and dim == nd - 1:
+        rule = op_rule(u.target)
+        kind = rule.kind if rule is not None else None
+        if kind == "sdpa" and node in u.args[:3] and dim == nd - 1:
             return True
-        if t in (aten.matmul.default, aten.bmm.default) and node in u.args[:2] and dim >= nd - 2 \
+        if kind == "matmul" and node in u.args[:2] and dim >= nd - 2 \
                 and all((ndim_of(a) or 0) >= 3 for a in u.args[:2]):
             return True
         moved = None
-        if t in (aten.transpose.int, aten.permute.default, aten.unsqueeze.default):
+        if kind == "move":
             moved = _moved(node, u, dim, fp)
-        elif t is aten.slice.Tensor:
+        elif kind == "slice":
             moved = dim if normalize_dim(arg_of(u, 1, "dim", 0), nd) != dim else None
-        elif t in VIEWS:
+        elif kind == "view":
             src, dst = fp.shape(node), fp.shape(u)
             kept = [[j for j in gj if dst[j] != 1] for gi, gj in view_groups(src, dst)
                     if [i for i in gi if src[i] != 1] == [dim]]
             moved = kept[0][0] if kept and len(kept[0]) == 1 and dst[kept[0][0]] == src[dim] else None
-        elif t in SAME_SHAPE or (t in _BROADCASTS and u.args[0] is node) \
-                or (isinstance(t, torch._ops.OpOverload) and torch.Tag.pointwise in t.tags):
+        elif kind in ("same_shape", "pointwise") or (rule is not None and rule.broadcasts and u.args[0] is node):
             moved = dim + ndim_of(u) - nd if ndim_of(u) is not None else None
         if moved is not None and _per_head_dim(u, moved, fp, depth + 1):
             return True
     return False
 
 
-# ops that only move dims (or add or drop one of size 1): where a dim of their input is in their output
-_MOVES = {aten.transpose.int, aten.permute.default, aten.unsqueeze.default, aten.squeeze.dim}
-
-
 def _moved(node: fx.Node, u: fx.Node, dim: int, fp: Fingerprinter) -> int | None:
-    """The dim of ``u`` (a :data:`_MOVES` op reading ``node``) that ``dim`` of ``node`` becomes; None when
+    """The dim of ``u`` (an op of kind "move" reading ``node``) that ``dim`` of ``node`` becomes; None when
     ``u`` squeezes it away."""
-    t, nd = u.target, ndim_of(node)
-    if t is aten.transpose.int:
-        a, b = normalize_dim(u.args[1], nd), normalize_dim(u.args[2], nd)
-        return b if dim == a else a if dim == b else dim
-    if t is aten.permute.default:
-        return [normalize_dim(d, nd) for d in u.args[1]].index(dim)
-    if t is aten.squeeze.dim:
-        gone = normalize_dim(u.args[1], nd)
-        return None if gone == dim else dim - (dim > gone and fp.shape(node)[gone] == 1)
-    return dim + (dim >= normalize_dim(u.args[1], nd + 1))
+    shape = fp.shape(node)
+    return None if dim in squeezed_dims(u, shape) else moved_dim(u, dim, shape)
 
 
 def _probe(node: fx.Node, dim: int, size: int, fp, tp, where, depth) -> tuple[Segment, ...] | None:
     if depth > 12:
         return None
     nd = ndim_of(node)
-    slices = [u for u in node.users if u.target is aten.slice.Tensor and normalize_dim(arg_of(u, 1, "dim", 0), nd) == dim]
+    slices = [u for u in node.users
+              if kind_of(u.target) == "slice" and normalize_dim(arg_of(u, 1, "dim", 0), nd) == dim]
     ranges = sorted((slice_range(u, size), i) for i, u in enumerate(slices) if slice_range(u, size) is not None)
     if len(ranges) > 1 and len(ranges) == len(slices) and ranges[0][0][0] == 0 and ranges[-1][0][1] == size \
             and all(a[0][1] == b[0][0] for a, b in zip(ranges, ranges[1:])):
@@ -123,19 +105,20 @@ def _probe(node: fx.Node, dim: int, size: int, fp, tp, where, depth) -> tuple[Se
         return _fused([(_probe(slices[i], dim, hi - lo, fp, tp, where, depth + 1), slices[i], hi - lo,
                         f"{where}: segment") for (lo, hi), i in ranges], dim, fp, tp)
     for u in node.users:
-        t = u.target
-        if t in SPLITS and t is not aten.unbind.int:
-            d = normalize_dim(arg_of(u, 2, "dim", 0), ndim_of(node))
+        rule = op_rule(u.target)
+        kind = rule.kind if rule is not None else None
+        if kind == "split" and rule.form != "unbind":
+            d = normalize_dim(arg_named(u, "dim", 0), ndim_of(node))
             if d != dim:
                 continue
             found = []
-            getitems = {g.args[1]: g for g in u.users if g.target is operator.getitem}
+            getitems = {g.args[1]: g for g in u.users if kind_of(g.target) == "getitem"}
             for i, o in enumerate(u.meta["val"]):
                 sz = fp.shape(o)[d]
                 heads = _probe(getitems[i], d, sz, fp, tp, where, depth + 1) if i in getitems else None
                 found.append((heads, getitems.get(i), sz, f"{where}: segment {i}"))
             return _fused(found, d, fp, tp)
-        if t in VIEWS:
+        if kind == "view":
             src, dst = fp.shape(node), fp.shape(u)
             for gi, gj in view_groups(src, dst):
                 gj_real = split_dims(gj, dst)
@@ -161,12 +144,12 @@ def _probe(node: fx.Node, dim: int, size: int, fp, tp, where, depth) -> tuple[Se
                 if dim in gi and len(gj_real) == 1:
                     return _probe(u, gj_real[0], size, fp, tp, where, depth + 1)
             continue
-        if t in _MOVES:
+        if kind == "move":
             nd2 = _moved(node, u, dim, fp)
             r = _probe(u, nd2, size, fp, tp, where, depth + 1) if nd2 is not None else None
             if r is not None:
                 return r
-        elif t in SAME_SHAPE or (isinstance(t, torch._ops.OpOverload) and torch.Tag.pointwise in t.tags):
+        elif kind in ("same_shape", "pointwise"):
             nd_u = ndim_of(u)
             if nd_u is None:
                 continue
@@ -206,16 +189,17 @@ def _dim_reads(node: fx.Node, dim: int, size: int, depth: int) -> list[tuple[int
     if depth > 4:
         return out
     for u in node.users:
-        t = u.target
-        if t is aten.select.int and normalize_dim(u.args[1], nd) == dim:
+        rule = op_rule(u.target)
+        kind = rule.kind if rule is not None else None
+        if kind == "select" and normalize_dim(u.args[1], nd) == dim:
             i = u.args[2]
             out.append((i % size, i % size + 1) if isinstance(i, int) else None)
-        elif t in (aten.split.Tensor, aten.split_with_sizes.default) and normalize_dim(arg_of(u, 2, "dim", 0), nd) == dim:
-            start = 0
+        elif kind == "split" and rule.form in ("size", "sizes") and normalize_dim(arg_named(u, "dim", 0), nd) == dim:
+            start = 0  # pieces of sizes given (a chunk's follow from its count)
             for o in u.meta["val"]:
                 out.append((start, start + o.shape[dim]) if isinstance(o.shape[dim], int) else None)
                 start += o.shape[dim]
-        if t is not aten.slice.Tensor:
+        if kind != "slice":
             continue
         d = normalize_dim(arg_of(u, 1, "dim", 0), nd)
         full = node.meta["val"].shape[d]
@@ -242,29 +226,20 @@ def _is_segment_dim(node: fx.Node, dim: int, depth: int) -> bool:
         return False
     nd = ndim_of(node)
     for u in node.users:
-        t = u.target
-        if t is aten.unbind.int and normalize_dim(arg_of(u, 1, "dim", 0), nd) == dim:
+        kind = kind_of(u.target)
+        if kind in ("split", "select") and normalize_dim(arg_named(u, "dim", 0), nd) == dim:
             return True
-        if t is aten.select.int and normalize_dim(u.args[1], nd) == dim:
-            return True
-        if t in (aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default) and \
-                normalize_dim(arg_of(u, 2, "dim", 0), nd) == dim:
-            return True
-        if t is aten.slice.Tensor:
+        if kind == "slice":
             full = node.meta["val"].shape[dim]
             if normalize_dim(arg_of(u, 1, "dim", 0), nd) == dim and isinstance(full, int) \
                     and slice_range(u, full) not in (None, (0, full)):
                 return True
             if _is_segment_dim(u, dim, depth + 1):
                 return True
-        if t is aten.permute.default:
-            if _is_segment_dim(u, [normalize_dim(d, nd) for d in u.args[1]].index(dim), depth + 1):
+        if permutes(u.target):
+            if _is_segment_dim(u, permutation(u).index(dim), depth + 1):
                 return True
-        elif t is aten.transpose.int:
-            a, b = normalize_dim(u.args[1], nd), normalize_dim(u.args[2], nd)
-            if _is_segment_dim(u, b if dim == a else a if dim == b else dim, depth + 1):
-                return True
-        elif t in SAME_SHAPE:
+        elif kind == "same_shape":
             if _is_segment_dim(u, dim, depth + 1):
                 return True
     return False

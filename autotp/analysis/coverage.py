@@ -17,14 +17,17 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from autotp.analysis.matmuls import CASTS, TRANSPOSES_2D, ParamMatmul, module_path
+from autotp.analysis.matmuls import ParamMatmul, module_path
+from autotp.analysis.op_rules import is_cast, kind_of, permutes
 from autotp.analysis.ops import from_inputs
 from autotp.analysis.pairs import Analysis
 
 aten = torch.ops.aten
 
-_PASS_THROUGH = CASTS | TRANSPOSES_2D  # what a weight passes through on its way to its reader
-_NO_OUTPUT = {aten._assert_tensor_metadata.default}
+
+def _passes_through(target: object) -> bool:
+    """What a weight passes through on its way to its reader: a cast or a dim reorder."""
+    return is_cast(target) or permutes(target)
 
 
 @dataclass(frozen=True)
@@ -42,9 +45,9 @@ def _readers(node: fx.Node) -> list[fx.Node]:
     while todo:
         n = todo.pop()
         for u in n.users:
-            if u.target in _NO_OUTPUT:
+            if kind_of(u.target) == "no_output":
                 continue
-            if u.target in _PASS_THROUGH and u.args[0] is n:
+            if _passes_through(u.target) and u.args[0] is n:
                 todo.append(u)
             else:
                 out.append(u)
@@ -62,7 +65,8 @@ def _matmul_reason(m: ParamMatmul, a: Analysis) -> str:
     known = _replicated_reason(m.module, a)
     if known is not None:
         return known
-    readers = sorted({str(getattr(u.target, "__name__", u.target)) for u in m.node.users if u.target not in _NO_OUTPUT})
+    readers = sorted({str(getattr(u.target, "__name__", u.target)) for u in m.node.users
+                      if kind_of(u.target) != "no_output"})
     return (f"a {m.in_features}→{m.out_features} matmul outside every column→row pair whose output is read by "
             f"{', '.join(readers) or 'nothing'}: no row-parallel matmul or loss consumes it sharded")
 

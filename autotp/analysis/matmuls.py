@@ -24,14 +24,15 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
+from autotp.analysis.op_rules import OP_RULES, is_cast, kind_of, permutes
+from autotp.analysis.ops import ndim_of, permutation
+
 aten = torch.ops.aten
 
-# what a weight may pass through on its way to the matmul: ops that keep its values (or round them) and shape
-CASTS = {aten.to.dtype, aten.to.dtype_layout, aten.to.device, aten._to_copy.default, aten.type_as.default,
-          aten.contiguous.default, aten.clone.default, aten.alias.default}
-TRANSPOSES_2D = {aten.t.default, aten.numpy_T.default, aten.transpose.int, aten.permute.default, aten.mT.default,
-               aten.adjoint.default, aten.swapaxes.default, aten.swapdims.default}
-_NO_OUTPUT = {aten._assert_tensor_metadata.default}
+# what a weight may pass through on its way to the matmul: ops that keep its values (or round them) and shape,
+# and ops that reorder dims (a 2-D weight's transpose, a 3-D one's matrix dims swapped)
+CASTS = frozenset(op for op in OP_RULES if is_cast(op))
+TRANSPOSES_2D = frozenset(op for op in OP_RULES if permutes(op))
 
 
 @dataclass(frozen=True)
@@ -80,18 +81,13 @@ class WeightSource:
 
 
 def _is_2d_transpose(node: fx.Node) -> bool:
-    if node.target in (aten.t.default, aten.numpy_T.default, aten.mT.default, aten.adjoint.default):
-        return True
-    if node.target in (aten.transpose.int, aten.swapaxes.default, aten.swapdims.default):
-        return {d % 2 for d in node.args[1:3]} == {0, 1}
-    if node.target is aten.permute.default:
-        return [d % 2 for d in node.args[1]] == [1, 0]
-    return False
+    """Does ``node`` transpose a 2-D weight (``W.t()``, ``W.T``, ``W.mT``, ``W.transpose(0, 1)``, ..)?"""
+    return permutes(node.target) and ndim_of(node.args[0]) == 2 and permutation(node) == [1, 0]
 
 
 def only_user(node: fx.Node) -> fx.Node | None:
     """The one node that reads ``node`` (export's dtype assertions aside), or None."""
-    users = [u for u in node.users if u.target not in _NO_OUTPUT]
+    users = [u for u in node.users if kind_of(u.target) != "no_output"]
     return users[0] if len(users) == 1 else None
 
 
@@ -107,9 +103,9 @@ def _chain(node: object, flip, stop) -> tuple[fx.Node, tuple[fx.Node, ...], int]
             return node, tuple(chain), flips
         if node.op != "call_function":
             return None
-        if node.target in TRANSPOSES_2D and flip(node):
+        if permutes(node.target) and flip(node):
             flips += 1
-        elif node.target not in CASTS:
+        elif not is_cast(node.target):
             return None
         chain.insert(0, node)
         node = node.args[0]
@@ -222,16 +218,9 @@ def _gathered(gm: fx.GraphModule, node: object, params: set[str]) -> tuple[str, 
 
 
 def _swaps_last_two(node: fx.Node) -> bool:
-    """Does a transpose or permute swap the last two dims of its input and keep the others?"""
-    nd = node.args[0].meta["val"].dim()
-    if node.target in (aten.t.default, aten.numpy_T.default):
-        return nd == 2
-    if node.target in (aten.mT.default, aten.adjoint.default):
-        return True
-    if node.target in (aten.transpose.int, aten.swapaxes.default, aten.swapdims.default):
-        return {d % nd for d in node.args[1:3]} == {nd - 2, nd - 1}
-    perm = [d % nd for d in node.args[1]]
-    return perm == [*range(nd - 2), nd - 1, nd - 2]
+    """Does a dim reorder swap the last two dims of its input and keep the others?"""
+    nd = ndim_of(node.args[0])
+    return permutation(node) == [*range(nd - 2), nd - 1, nd - 2]
 
 
 def _plain_3d(gm: fx.GraphModule, node: object, params: set[str]) -> tuple[str, tuple[fx.Node, ...], int] | None:

@@ -1,50 +1,29 @@
 """What the sharding rules know about aten ops and their arguments, shared by propagation and layout.
 
-The op families the rules treat alike, how to read a node's arguments whichever way the overload spells
-them, and the two values every rule produces: :class:`Unshardable` (why a region stays replicated) and
+How to read a node's arguments whichever way the overload spells them (the op's facts are in
+:mod:`autotp.analysis.op_rules`), where a dim goes through an op that moves dims, and the two values every
+rule produces: :class:`Unshardable` (why a region stays replicated) and
 :class:`Rewrite` (an integer constant of the graph that changes with the sharding).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import MappingProxyType
 
 import torch
 import torch.fx as fx
 
 from autotp.errors import ShardingError
+from autotp.analysis.op_rules import OP_RULES, OpRule, kind_of, ops_of, permutes
 from autotp.analysis.shapes import is_static, normalize_dim
-from autotp.plan.shard_spec import Sharding
+from autotp.shard_spec import Sharding
 
-aten = torch.ops.aten
-
-# ops whose output has the input's shape and sharding (besides every op tagged pointwise)
-SAME_SHAPE = {
-    aten.contiguous.default, aten.clone.default, aten.dropout.default, aten.alias.default, aten.detach.default,
-    aten.to.dtype, aten.to.dtype_layout, aten.to.device, aten._to_copy.default, aten.type_as.default,
-    aten.feature_dropout.default, aten.alpha_dropout.default, aten.lift_fresh_copy.default,
-}
-SOFTMAX = {aten.softmax.int, aten._softmax.default, aten.log_softmax.int, aten._log_softmax.default}
-VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
-SPLITS = {aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default, aten.unbind.int, aten.split.sizes}
-NO_OUTPUT = {aten._assert_tensor_metadata.default}
-# ops that only reorder dims, however the model spells them (``k.mT``, ``swapaxes(-2, -1)``, ``movedim``,
-# ``permute(0, 1, -1, -2)``, ``adjoint()``): one rule each visitor shares, through :func:`permutation`
-TRANSPOSES = {aten.transpose.int, aten.swapaxes.default, aten.swapdims.default, aten.t.default,
-              aten.numpy_T.default, aten.mT.default, aten.mH.default, aten.adjoint.default, aten.permute.default,
-              aten.movedim.int, aten.movedim.intlist}
-# reductions (dims, keepdim) that pass a sharding through when they do not reduce the sharded dim
-REDUCTIONS = {aten.mean.dim, aten.sum.dim_IntList, aten.amax.default, aten.amin.default, aten.var.correction,
-               aten.std.correction, aten.var.dim, aten.std.dim, aten.linalg_vector_norm.default, aten.norm.ScalarOpt_dim}
-NORMS = {aten.rms_norm.default: "rms_norm", aten.layer_norm.default: "layer_norm"}
-FACTORIES = {aten.zeros.default, aten.ones.default, aten.full.default, aten.empty.memory_format}
-RANDOM_P_ARG = {aten.dropout.default: 1, aten.feature_dropout.default: 1, aten.alpha_dropout.default: 1,
-                 aten.scaled_dot_product_attention.default: 4}
-
-
-# reductions over the sharded dim that one all-reduce of the ranks' partial values completes
-STAT_KINDS = {aten.mean.dim: "mean", aten.sum.dim_IntList: "sum", aten.var.correction: "var", aten.var.dim: "var",
-               aten.std.correction: "std", aten.std.dim: "std", aten.linalg_vector_norm.default: "norm",
-               aten.norm.ScalarOpt_dim: "norm"}
+# views of the table for readers that test membership (see :mod:`autotp.analysis.op_rules`)
+SAME_SHAPE = ops_of("same_shape")  # one input, shape and layout kept: casts, copies, dropout
+NO_OUTPUT = ops_of("no_output")  # export's checks of its inputs: they compute nothing
+TRANSPOSES = frozenset(op for op in ops_of("move") if permutes(op))  # every spelling of a dim reorder
+# reductions over the sharded dim that one all-reduce of the ranks' partial values completes -> statistic
+STAT_KINDS = MappingProxyType({op: r.stat for op, r in OP_RULES.items() if r.kind == "reduction" and r.stat})
 
 
 @dataclass(frozen=True)
@@ -56,20 +35,28 @@ class ReductionArgs:
 
 def reduction_args(node: fx.Node) -> ReductionArgs:
     """The reduced dims, keepdim and order/correction of a reduction node, whichever overload spells them."""
-    t = node.target
-    if t in (aten.linalg_vector_norm.default, aten.norm.ScalarOpt_dim):
-        p = arg_of(node, 1, "ord" if t is aten.linalg_vector_norm.default else "p", 2)
-        dims, keep = arg_of(node, 2, "dim", None), arg_of(node, 3, "keepdim", False)
-        param = 2.0 if p is None else float(p)
-    elif t in (aten.var.dim, aten.std.dim):
-        dims, keep, param = arg_of(node, 1, "dim", None), arg_of(node, 3, "keepdim", False), float(arg_of(node, 2, "unbiased", True))
-    elif t in (aten.var.correction, aten.std.correction):
-        c = node.kwargs.get("correction")
-        dims, keep, param = arg_of(node, 1, "dim", None), node.kwargs.get("keepdim", False), 1.0 if c is None else float(c)
+    param = OP_RULES[node.target].param  # the argument holding the order or correction, if any
+    dims, keep = arg_named(node, "dim"), arg_named(node, "keepdim", False)
+    if param == "unbiased":  # var.dim / std.dim: a Bessel correction of 1 or 0
+        value = float(arg_named(node, param, True))
+    elif param == "correction":
+        c = arg_named(node, param)
+        value = 1.0 if c is None else float(c)
+    elif param is not None:  # a vector norm's order, 2 by default
+        p = arg_named(node, param, 2)
+        value = 2.0 if p is None else float(p)
     else:
-        dims, keep, param = arg_of(node, 1, "dim", None), arg_of(node, 2, "keepdim", False), None
+        value = None
     dims = None if dims is None or dims == [] else [dims] if isinstance(dims, int) else list(dims)
-    return ReductionArgs(dims, bool(keep), param)
+    return ReductionArgs(dims, bool(keep), value)
+
+
+def is_random(node: fx.Node, rule: OpRule) -> bool:
+    """Does ``node`` draw random numbers: a dropout whose probability is not a literal 0?"""
+    if rule.random_p is None:
+        return False
+    p = arg_of(node, rule.random_p, node.target._schema.arguments[rule.random_p].name, 0.0)
+    return not (isinstance(p, (int, float)) and p == 0)
 
 
 class Unshardable(Exception):
@@ -113,31 +100,52 @@ def split_dims(gj: list[int], dst: list[int]) -> list[int]:
 
 
 def permutation(node: fx.Node) -> list[int]:
-    """The dims a :data:`TRANSPOSES` node reorders, as a permutation of its input's: output dim ``j`` is input
-    dim ``perm[j]``. ``k.mT`` of ``(b, nh, s, hd)`` is ``[0, 1, 3, 2]``; ``x.movedim(1, 0)`` of ``(b, s, h)`` is
-    ``[1, 0, 2]``. mH and adjoint also conjugate complex values, which moves no sharding."""
-    t, nd = node.target, ndim_of(node.args[0])
-    arg = lambda i: arg_of(node, i, t._schema.arguments[i].name)  # noqa: E731 - swapaxes says axis0, ..
+    """The dims a dim-reordering node (:func:`~autotp.analysis.op_rules.permutes`) reorders, as a permutation
+    of its input's: output dim ``j`` is input dim ``perm[j]``. ``k.mT`` of ``(b, nh, s, hd)`` is
+    ``[0, 1, 3, 2]``; ``x.movedim(1, 0)`` of ``(b, s, h)`` is ``[1, 0, 2]``. mH and adjoint also conjugate
+    complex values, which moves no sharding."""
+    form, nd = OP_RULES[node.target].form, ndim_of(node.args[0])
+    arg = lambda i: arg_of(node, i, node.target._schema.arguments[i].name)  # noqa: E731 - swapaxes says axis0, ..
     perm = list(range(nd))
-    if t is aten.permute.default:
+    if form == "perm":
         return [normalize_dim(d, nd) for d in arg(1)]
-    if t is aten.numpy_T.default:  # ``x.T``: all dims reversed
+    if form == "reverse":  # ``x.T``: all dims reversed
         return perm[::-1]
-    if t in (aten.movedim.int, aten.movedim.intlist):
+    if form == "movedim":
         src, dst = arg(1), arg(2)
         src, dst = ([src], [dst]) if isinstance(src, int) else (list(src), list(dst))
         src, dst = [normalize_dim(d, nd) for d in src], [normalize_dim(d, nd) for d in dst]
         rest = iter(d for d in perm if d not in src)
         placed = dict(zip(dst, src))
         return [placed[j] if j in placed else next(rest) for j in range(nd)]
-    if t in (aten.transpose.int, aten.swapaxes.default, aten.swapdims.default):
+    if form == "pair":
         a, b = normalize_dim(arg(1), nd), normalize_dim(arg(2), nd)
-    elif t is aten.t.default:  # 0-D and 1-D: unchanged
+    elif form == "t":  # 0-D and 1-D: unchanged
         a, b = (0, 1) if nd == 2 else (0, 0)
-    else:  # mT, mH, adjoint: the last two dims
+    else:  # "last_two": mT, mH, adjoint
         a, b = nd - 2, nd - 1
     perm[a], perm[b] = perm[b], perm[a]
     return perm
+
+
+def squeezed_dims(node: fx.Node, in_shape: list[int]) -> list[int]:
+    """The dims of its input (of shape ``in_shape``) that a squeeze drops: those it names that have size 1."""
+    if OP_RULES[node.target].form == "drop_ones":
+        return [i for i, n in enumerate(in_shape) if n == 1]
+    dims = node.args[1] if isinstance(node.args[1], (list, tuple)) else [node.args[1]]
+    return [normalize_dim(d, len(in_shape)) for d in dims if in_shape[normalize_dim(d, len(in_shape))] == 1]
+
+
+def moved_dim(node: fx.Node, d: int, in_shape: list[int]) -> int:
+    """Where dim ``d`` of a move node's input (of shape ``in_shape``) is in its output: reordered (a transpose),
+    shifted by a new size-1 dim (unsqueeze) or by the size-1 dims dropped before it (squeeze; a dropped
+    ``d`` gives the dim that follows it)."""
+    form = OP_RULES[node.target].form
+    if form == "insert":
+        return d + (d >= normalize_dim(node.args[1], len(in_shape) + 1))
+    if form in ("drop", "drop_ones"):
+        return d - sum(g < d for g in squeezed_dims(node, in_shape))
+    return permutation(node).index(d)
 
 
 def reaches(node: fx.Node, hit, skip=lambda n: False) -> bool:
@@ -156,13 +164,21 @@ def reaches(node: fx.Node, hit, skip=lambda n: False) -> bool:
 
 def from_inputs(ids: fx.Node) -> bool:
     """Do ``ids`` come from the call's inputs (token ids), not only from shapes (positions)?"""
-    return reaches(ids, lambda n: n.op == "placeholder", lambda n: n.target is aten.sym_size.int)
+    return reaches(ids, lambda n: n.op == "placeholder", lambda n: kind_of(n.target) == "sym_size")
 
 
 def arg_of(node: fx.Node, idx: int, name: str, default: object = None) -> object:
     if len(node.args) > idx:
         return node.args[idx]
     return node.kwargs.get(name, default)
+
+
+def arg_named(node: fx.Node, name: str, default: object = None) -> object:
+    """The argument ``name`` of an aten op's node, passed by position or by keyword, as its schema places it."""
+    for i, a in enumerate(node.target._schema.arguments):
+        if a.name == name:
+            return node.kwargs.get(name, default) if a.kwarg_only else arg_of(node, i, name, default)
+    raise KeyError(f"{node.target} has no argument {name}")
 
 
 def legacy_empty(x: object) -> bool:

@@ -23,7 +23,7 @@ from autotp.analysis.ops import Unshardable
 from autotp.analysis.partial import deferred
 from autotp.analysis.propagate import Region, propagate
 from autotp.analysis.shapes import Fingerprinter
-from autotp.plan.shard_spec import Sharding
+from autotp.shard_spec import Sharding
 
 aten = torch.ops.aten
 

@@ -23,10 +23,10 @@ Read-only: the planner turns :class:`SeqFacts` into a :class:`~autotp.plan.plan.
 """
 from __future__ import annotations
 
-import operator
 import sys
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import sympy
 import torch
@@ -34,30 +34,79 @@ import torch.fx as fx
 
 from autotp.analysis.pairs import Analysis
 from autotp.analysis.matmuls import module_path
-from autotp.analysis.ops import (NO_OUTPUT, NORMS, RANDOM_P_ARG, REDUCTIONS, SAME_SHAPE, SOFTMAX, SPLITS, TRANSPOSES,
-                                 VIEWS, arg_of, is_guard, ndim_of, permutation)
+from autotp.analysis.op_rules import OpRule, kind_of, op_rule
+from autotp.analysis.ops import arg_named, arg_of, is_guard, is_random, moved_dim, ndim_of, reduction_args
 from autotp.analysis.shapes import Fingerprinter, normalize_dim, view_groups
 from autotp.analysis.vocab import VocabFacts
-
-aten = torch.ops.aten
-
-_MOVES = TRANSPOSES | {aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default}
 
 
 class _Whole(Exception):
     """The op needs the whole sequence: its sequence-sharded inputs are gathered."""
 
 
+class LeaveFact(NamedTuple):
+    """Where a sequence slice starts: a row output ``(b, s, h)`` reduce-scattered instead of all-reduced."""
+
+    module: str  # the pair (or embedding) whose output it is
+    source: fx.Node  # the row matmul or embedding
+    node: fx.Node  # what is reduce-scattered: ``source``, or the view giving a flat ``[b·s, h]`` its sequence dim
+    dim: int  # the sequence dim of ``node``
+
+
+class EnterFact(NamedTuple):
+    """Where a sequence slice ends: the input of a pair's column matmuls (or an LM head), all-gathered."""
+
+    module: str
+    x: fx.Node  # the matmuls' input
+    source: fx.Node  # the sequence-sharded value gathered: ``x``, or the value a flattening view ``x`` reads
+    dim: int  # the sequence dim of ``source``
+    flatten: bool  # ``x`` is ``source.view(N, h)``: gathered before the view
+
+
+class GatherFact(NamedTuple):
+    """A sequence-sharded value that some ops need whole: gathered for them (they compute replicated)."""
+
+    dim: int  # its sequence dim
+    consumers: list[fx.Node]  # the ops that read it whole
+    reason: str  # why the first of them needs the whole sequence
+
+
+class SliceFact(NamedTuple):
+    """A replicated operand spanning the sequence (position embeddings ``(1, s, h)``), cut to this rank's slice."""
+
+    consumer: fx.Node
+    value: fx.Node
+    dim: int  # the value's sequence dim
+    grad: bool  # it is learned: its gradient slices are all-gathered
+
+
+class SummedGrad(NamedTuple):
+    """A learned value broadcast over the sequence slice (a norm's weight ``(h,)``): each rank's gradient is
+    partial, and is summed over the ranks."""
+
+    consumer: fx.Node
+    value: fx.Node  # a parameter (``grads``) or a value computed from one (``enter_grads``: Megatron's f)
+
+
+class SizeFact(NamedTuple):
+    """A size argument of a view or expand that is the sequence length: it becomes the local length."""
+
+    node: fx.Node
+    arg: int  # which argument (the size list)
+    index: int  # which entry of it
+    dim: int  # the input dim whose run-time size it takes; -1: keep the entry (an expand's)
+
+
 @dataclass
 class SeqFacts:
     length: tuple[fx.Node, int] | None = None  # graph input and dim holding the sequence length
-    leaves: list[tuple[str, fx.Node, fx.Node, int]] = field(default_factory=list)  # module, source, node, dim
-    enters: list[tuple[str, fx.Node, fx.Node, int, bool]] = field(default_factory=list)  # module, x, node, dim, flatten
-    gathers: dict[fx.Node, tuple[int, list[fx.Node], str]] = field(default_factory=dict)  # value -> dim, consumers, why
-    slices: list[tuple[fx.Node, fx.Node, int, bool]] = field(default_factory=list)  # consumer, value, dim, grad
-    grads: list[tuple[fx.Node, fx.Node]] = field(default_factory=list)  # (consumer, parameter): summed gradient
-    enter_grads: list[tuple[fx.Node, fx.Node]] = field(default_factory=list)  # (consumer, learned value): f
-    sizes: list[tuple[fx.Node, int, int, int]] = field(default_factory=list)  # node, arg, entry, input dim (-1: keep)
+    leaves: list[LeaveFact] = field(default_factory=list)
+    enters: list[EnterFact] = field(default_factory=list)
+    gathers: dict[fx.Node, GatherFact] = field(default_factory=dict)  # sequence-sharded value -> its gather
+    slices: list[SliceFact] = field(default_factory=list)
+    grads: list[SummedGrad] = field(default_factory=list)  # parameters
+    enter_grads: list[SummedGrad] = field(default_factory=list)  # learned values that are not parameters
+    sizes: list[SizeFact] = field(default_factory=list)
     random_nodes: list[fx.Node] = field(default_factory=list)
     dims: dict[fx.Node, int] = field(default_factory=dict)  # sequence-sharded value -> its sequence dim
     notes: list[str] = field(default_factory=list)
@@ -80,14 +129,14 @@ def sequence_symbol(a: Analysis) -> sympy.Symbol | None:
     found: Counter[sympy.Symbol] = Counter()
     for p in a.pairs:
         for n in p.region.specs:
-            t, sizes = n.target, []
-            if t in SOFTMAX:
+            kind, sizes = kind_of(n.target), []
+            if kind == "softmax":
                 sizes = [_shape(n)[normalize_dim(n.args[1], ndim_of(n))]]
-            elif t in (aten.matmul.default, aten.bmm.default):
+            elif kind == "matmul":
                 sizes = [_shape(n.args[0])[-1]]
-            elif t is aten.baddbmm.default:
+            elif kind == "baddbmm":
                 sizes = [_shape(n.args[1])[-1]]
-            elif t is aten.scaled_dot_product_attention.default:
+            elif kind == "sdpa":
                 sizes = [_shape(n.args[0])[-2], _shape(n.args[1])[-2]]
             found.update(s for s in map(_symbol, sizes) if s is not None)
     return found.most_common(1)[0][0] if found else None
@@ -148,21 +197,21 @@ class _Sequence:
             row = p.row.node
             d = self.seq_dim(row)
             if d is not None:
-                self.facts.leaves.append((p.name, row, row, d))
+                self.facts.leaves.append(LeaveFact(p.name, row, row, d))
                 at[row] = d
                 continue
             (view, *more) = list(row.users) or [None]
-            d = self.seq_dim(view) if view is not None and not more and view.target in VIEWS else None
+            d = self.seq_dim(view) if view is not None and not more and kind_of(view.target) == "view" else None
             if d is None:
                 self.facts.notes.append(f"{p.name}: the output {row.name} {tuple(_shape(row))} has no sequence dim "
                                         "of its own: all-reduced")
                 continue
-            self.facts.leaves.append((p.name, row, view, d))  # [b·s, h] -> [b, s, h], then reduce-scattered
+            self.facts.leaves.append(LeaveFact(p.name, row, view, d))  # [b·s, h] -> [b, s, h], then reduce-scattered
             at[view] = d
         for node, w, _ in v.embeddings:
             d = self.seq_dim(node)
             if d is not None:
-                self.facts.leaves.append((module_path(node) or w, node, node, d))
+                self.facts.leaves.append(LeaveFact(module_path(node) or w, node, node, d))
                 at[node] = d
         return at
 
@@ -173,7 +222,7 @@ class _Sequence:
             if n in at:
                 dims[n] = at[n]
                 continue
-            if not any(x in dims or x in self.tuples for x in n.all_input_nodes) or n.target in NO_OUTPUT \
+            if not any(x in dims or x in self.tuples for x in n.all_input_nodes) or kind_of(n.target) == "no_output" \
                     or is_guard(n):
                 continue
             if n.op == "output":
@@ -200,8 +249,7 @@ class _Sequence:
     def gather(self, n: fx.Node, why: str) -> None:
         for x in n.all_input_nodes:
             if x in self.facts.dims:
-                d, consumers, reason = self.facts.gathers.setdefault(x, (self.facts.dims[x], [], why))
-                consumers.append(n)
+                self.facts.gathers.setdefault(x, GatherFact(self.facts.dims[x], [], why)).consumers.append(n)
 
     def sink(self, n: fx.Node) -> bool:
         """A column / LM-head matmul reading a sequence slice, or the flattening view in front of it."""
@@ -209,15 +257,15 @@ class _Sequence:
         if n in self.matmul_x and self.matmul_x[n][1] in dims:
             module, x = self.matmul_x[n]
             source, flatten = x, False
-        elif n in self.sinks and n.target in VIEWS and n.args[0] in dims and set(n.users) <= set(self.sinks[n][1]) \
-                and self._flattens(n):
+        elif n in self.sinks and kind_of(n.target) == "view" and n.args[0] in dims \
+                and set(n.users) <= set(self.sinks[n][1]) and self._flattens(n):
             module, x = self.sinks[n][0], n
             source, flatten = n.args[0], True
         else:
             return False
         if (module, x) not in self.entered:
             self.entered.add((module, x))
-            self.facts.enters.append((module, x, source, dims[source], flatten))
+            self.facts.enters.append(EnterFact(module, x, source, dims[source], flatten))
         return True
 
     def _flattens(self, view: fx.Node) -> bool:
@@ -226,44 +274,40 @@ class _Sequence:
         return len(dst) == 2 and dst[-1] == src[-1] and dst[0] * dst[1] == _prod(src)
 
     def visit(self, n: fx.Node) -> int | None:
-        t = n.target
+        """The sequence dim of ``n``'s output by its op's rule (None: not a tensor sliced along it); raises
+        :class:`_Whole` where ``n`` needs the whole sequence."""
         if n.op != "call_function":
-            raise _Whole(f"{n.op} {t}")
-        if t is aten.sym_size.int:
-            if normalize_dim(n.args[1], ndim_of(n.args[0])) == self.facts.dims[n.args[0]]:
-                raise _Whole("reads the length of the sequence")
-            return None
-        if t is operator.getitem:
-            if n.args[0] in self.tuples:
-                return self.tuples[n.args[0]]
-            raise _Whole("indexes a tuple")
-        if t in RANDOM_P_ARG and arg_of(n, RANDOM_P_ARG[t], "p", 0.0) not in (0, 0.0):
+            raise _Whole(f"{n.op} {n.target}")
+        rule = op_rule(n.target)
+        on = getattr(self, f"_on_{rule.kind}", None) if rule is not None else None
+        if on is None:
+            raise _Whole(f"no sequence-parallel rule for {n.target}")
+        if is_random(n, rule):
             self.facts.random_nodes.append(n)  # each rank's tokens differ: a per-rank stream
-        if t in SAME_SHAPE or (isinstance(t, torch._ops.OpOverload) and torch.Tag.pointwise in t.tags):
-            return self.pointwise(n, [*n.args, *n.kwargs.values()])
-        if t in NORMS:
-            return self.norm(n)
-        if t in REDUCTIONS:
-            return self.reduction(n)
-        if t in VIEWS:
-            return self.view(n)
-        if t in _MOVES:
-            return self.move(n)
-        if t is aten.expand.default:
-            return self.expand(n)
-        if t is aten.slice.Tensor:
-            return self.slice(n)
-        if t is aten.select.int:
-            d = self.facts.dims[n.args[0]]
-            s = normalize_dim(n.args[1], ndim_of(n.args[0]))
-            if s == d:
-                raise _Whole("selects one position")
-            return d - (s < d)
-        if t in SPLITS:
-            return self.split(n)
-        if t is aten.cat.default:
-            return self.cat(n)
-        raise _Whole(f"no sequence-parallel rule for {t}")
+        return on(n, rule)
+
+    # -- one handler per kind ------------------------------------------------------------------------------
+    def _on_sym_size(self, n: fx.Node, rule: OpRule) -> None:
+        if normalize_dim(n.args[1], ndim_of(n.args[0])) == self.facts.dims[n.args[0]]:
+            raise _Whole("reads the length of the sequence")
+        return None
+
+    def _on_getitem(self, n: fx.Node, rule: OpRule) -> int:
+        if n.args[0] in self.tuples:
+            return self.tuples[n.args[0]]
+        raise _Whole("indexes a tuple")
+
+    def _on_pointwise(self, n: fx.Node, rule: OpRule) -> int:
+        return self.pointwise(n, [*n.args, *n.kwargs.values()])
+
+    _on_same_shape = _on_pointwise
+
+    def _on_select(self, n: fx.Node, rule: OpRule) -> int:
+        d = self.facts.dims[n.args[0]]
+        s = normalize_dim(n.args[1], ndim_of(n.args[0]))
+        if s == d:
+            raise _Whole("selects one position")
+        return d - (s < d)
 
     # -- rules ---------------------------------------------------------------------------------------------
     def pointwise(self, n: fx.Node, operands: list) -> int:
@@ -285,37 +329,35 @@ class _Sequence:
         if self.spans(x, xd):
             if _symbol(_shape(x)[xd]) != self.seq:
                 raise _Whole(f"operand {x.name} spans the sequence dim with another size")
-            self.facts.slices.append((n, x, xd, self.is_learned(x)))
+            self.facts.slices.append(SliceFact(n, x, xd, self.is_learned(x)))
         elif self.is_learned(x):
             if x.op == "get_attr" and x.target in self.params:
-                self.facts.grads.append((n, x))
+                self.facts.grads.append(SummedGrad(n, x))
             else:
-                self.facts.enter_grads.append((n, x))
+                self.facts.enter_grads.append(SummedGrad(n, x))
 
-    def norm(self, n: fx.Node) -> int:
+    def _on_norm(self, n: fx.Node, rule: OpRule) -> int:
         x = n.args[0]
         d = self.facts.dims.get(x)
         if d is None or d >= ndim_of(n) - len(n.args[1]):
             raise _Whole("normalizes over the sequence")
-        for w in n.args[2:4] if n.target is aten.layer_norm.default else n.args[2:3]:
+        for w in (n.args[i] for i in rule.weights if i < len(n.args)):
             if isinstance(w, fx.Node):
                 self.replicated_operand(n, w, d - (ndim_of(n) - ndim_of(w)))
         return d
 
-    def reduction(self, n: fx.Node) -> int:
+    def _on_reduction(self, n: fx.Node, rule: OpRule) -> int:
         x = n.args[0]
         d, nd = self.facts.dims[x], ndim_of(x)
-        norm = n.target in (aten.linalg_vector_norm.default, aten.norm.ScalarOpt_dim)
-        dims = arg_of(n, 2 if norm else 1, "dim", None)
-        dims = list(range(nd)) if dims is None or dims == [] else [dims] if isinstance(dims, int) else list(dims)
-        dims = [normalize_dim(i, nd) for i in dims]
+        r = reduction_args(n)
+        dims = [normalize_dim(i, nd) for i in (range(nd) if r.dims is None else r.dims)]
         if d in dims:
             raise _Whole("reduces over the sequence")
-        if arg_of(n, 3 if norm else 2, "keepdim", False):
+        if r.keepdim:
             return d
         return d - sum(i < d for i in dims)
 
-    def view(self, n: fx.Node) -> int:
+    def _on_view(self, n: fx.Node, rule: OpRule) -> int:
         x = n.args[0]
         d = self.facts.dims[x]
         src, dst = self.fp.shape(x), self.fp.shape(n)
@@ -328,35 +370,22 @@ class _Sequence:
                 raise _Whole("a view merges or splits the sequence dim")
             j = gj_real[0]
             if n.args[1][j] != -1:
-                self.facts.sizes.append((n, 1, j, d))  # the local length, read from the input
+                self.facts.sizes.append(SizeFact(n, 1, j, d))  # the local length, read from the input
             return j
         raise _Whole("a view loses the sequence dim")
 
-    def move(self, n: fx.Node) -> int:
-        x, t = n.args[0], n.target
-        d, nd = self.facts.dims[x], ndim_of(x)
-        if t in TRANSPOSES:
-            return permutation(n).index(d)
-        if t is aten.unsqueeze.default:
-            u = normalize_dim(n.args[1], nd + 1)
-            return d + (u <= d)
-        shape = self.fp.shape(x)
-        if t is aten.squeeze.default:
-            gone = [i for i, s in enumerate(shape) if s == 1]
-        else:
-            ds = n.args[1] if isinstance(n.args[1], (list, tuple)) else [n.args[1]]
-            gone = [normalize_dim(i, nd) for i in ds if shape[normalize_dim(i, nd)] == 1]
-        return d - sum(g < d for g in gone)
+    def _on_move(self, n: fx.Node, rule: OpRule) -> int:
+        return moved_dim(n, self.facts.dims[n.args[0]], self.fp.shape(n.args[0]))
 
-    def expand(self, n: fx.Node) -> int:
+    def _on_expand(self, n: fx.Node, rule: OpRule) -> int:
         x = n.args[0]
         sizes = n.args[1]
         j = self.facts.dims[x] + len(sizes) - ndim_of(x)
         if sizes[j] != -1:
-            self.facts.sizes.append((n, 1, j, -1))  # keep the local length
+            self.facts.sizes.append(SizeFact(n, 1, j, -1))  # keep the local length
         return j
 
-    def slice(self, n: fx.Node) -> int:
+    def _on_slice(self, n: fx.Node, rule: OpRule) -> int:
         d = self.facts.dims[n.args[0]]
         if normalize_dim(arg_of(n, 1, "dim", 0), ndim_of(n)) != d:
             return d
@@ -365,16 +394,16 @@ class _Sequence:
             return d
         raise _Whole("slices the sequence")
 
-    def split(self, n: fx.Node) -> None:
+    def _on_split(self, n: fx.Node, rule: OpRule) -> None:
         x = n.args[0]
         d, nd = self.facts.dims[x], ndim_of(x)
-        s = normalize_dim(arg_of(n, 1 if n.target is aten.unbind.int else 2, "dim", 0), nd)
+        s = normalize_dim(arg_named(n, "dim", 0), nd)
         if s == d:
             raise _Whole("splits the sequence")
-        self.tuples[n] = d - (s < d) if n.target is aten.unbind.int else d
+        self.tuples[n] = d - (s < d) if rule.form == "unbind" else d
         return None
 
-    def cat(self, n: fx.Node) -> int:
+    def _on_cat(self, n: fx.Node, rule: OpRule) -> int:
         tensors = [x for x in n.args[0] if ndim_of(x) == ndim_of(n)]
         d = self.pointwise(n, tensors)
         if normalize_dim(arg_of(n, 1, "dim", 0), ndim_of(n)) == d:

@@ -1,48 +1,32 @@
 """Propagation rules for the ops that move, regroup, cut or join the sharded dim: transposes, views (heads
 split, merged, folded under the batch, a grouped layout read apart), slices, splits, concatenation, expand
 and repeats. Each rule gives the output's :class:`Sharding` and records the integer constants that change
-(:class:`~autotp.analysis.ops.Rewrite`); :class:`~autotp.analysis.propagate._Propagator` mixes them in.
+(:class:`~autotp.analysis.ops.Rewrite`). Each ``_on_<kind>`` handler serves one kind of
+:mod:`~autotp.analysis.op_rules`; :class:`~autotp.analysis.propagate.Propagator` mixes them in.
 """
 from __future__ import annotations
 
 import operator
 
-import torch
 import torch.fx as fx
 
-from autotp.analysis.ops import (SPLITS, TRANSPOSES, Rewrite, Unshardable, arg_of, held_whole, is_guard, legacy_empty, ndim_of,
-                                 permutation, slice_range, split_dims, unflattened_sequence_of_one)
+from autotp.analysis.op_rules import OpRule, kind_of, op_rule
+from autotp.analysis.ops import (Rewrite, Unshardable, arg_named, arg_of, held_whole, is_guard, legacy_empty, moved_dim,
+                                 ndim_of, slice_range, split_dims, unflattened_sequence_of_one)
 from autotp.analysis.shapes import is_static, normalize_dim, view_groups
 from autotp.errors import ShardingError
-from autotp.plan.shard_spec import Segment, Sharding
-
-aten = torch.ops.aten
+from autotp.shard_spec import Segment, Sharding
 
 
 class ShapeRules:
-    """Rules of :class:`~autotp.analysis.propagate._Propagator` that change where the sharded dim is."""
+    """Rules of :class:`~autotp.analysis.propagate.Propagator` that change where the sharded dim is."""
 
-    def move(self, node: fx.Node) -> Sharding:
-        s = self.spec(node.args[0])
-        nd_in, nd_out = ndim_of(node.args[0]), ndim_of(node)
-        t = node.target
-        if t in TRANSPOSES:
-            where = {src: dst for dst, src in enumerate(permutation(node))}
-            return s.moved(where[s.dim], None if not s.inner else where[s.inner[0]])
-        in_shape = self.fp.shape(node.args[0])
-        if t is aten.unsqueeze.default:
-            d = normalize_dim(node.args[1], nd_out)
-            shift = lambda x: x + (x >= d)  # noqa: E731
-        else:
-            if t is aten.squeeze.default:
-                gone = [i for i, n in enumerate(in_shape) if n == 1]
-            else:
-                dims = node.args[1] if isinstance(node.args[1], (list, tuple)) else [node.args[1]]
-                gone = [normalize_dim(d, nd_in) for d in dims if in_shape[normalize_dim(d, nd_in)] == 1]
-            shift = lambda x: x - sum(g < x for g in gone)  # noqa: E731
-        return s.moved(shift(s.dim), None if not s.inner else shift(s.inner[0]))
+    def _on_move(self, node: fx.Node, rule: OpRule) -> Sharding:
+        """Transposes, unsqueezes and squeezes: the sharded dim (and a repeat dim) go where the op puts them."""
+        s, shape = self.spec(node.args[0]), self.fp.shape(node.args[0])
+        return s.moved(moved_dim(node, s.dim, shape), None if not s.inner else moved_dim(node, s.inner[0], shape))
 
-    def slice(self, node: fx.Node) -> Sharding:
+    def _on_slice(self, node: fx.Node, rule: OpRule) -> Sharding:
         s = self.spec(node.args[0])
         d = normalize_dim(arg_of(node, 1, "dim", 0), ndim_of(node.args[0]))
         if d == s.dim or (s.inner and d == s.inner[0]):
@@ -79,7 +63,7 @@ class ShapeRules:
             raise Unshardable(node, "a strided slice of the sharded dim that does not stay within each rank's block")
         return Sharding(s.dim, tuple(Segment(g.size // step, g.parts) for g in s.segments))
 
-    def select(self, node: fx.Node) -> Sharding:
+    def _on_select(self, node: fx.Node, rule: OpRule) -> Sharding:
         """``f[:, :, -2]`` of Falcon's ``[b, s, n_heads + 2, d]``: the one k (or v) head, a segment every rank
         holds, at its local position; the result is held whole. A select inside split heads cannot be local."""
         s = self.spec(node.args[0])
@@ -96,7 +80,7 @@ class ShapeRules:
             offset, local = offset + seg.size, local + seg.local()
         raise Unshardable(node, "select on the sharded dim")
 
-    def flatten(self, node: fx.Node) -> Sharding:
+    def _on_flatten(self, node: fx.Node, rule: OpRule) -> Sharding:
         s = self.spec(node.args[0])
         nd = ndim_of(node.args[0])
         start, end = normalize_dim(arg_of(node, 1, "start_dim", 0), nd), normalize_dim(arg_of(node, 2, "end_dim", -1), nd)
@@ -107,7 +91,7 @@ class ShapeRules:
         shift = lambda x: x - (end - start) if x > end else x  # noqa: E731
         return s.moved(shift(s.dim), None if not s.inner else shift(s.inner[0]))
 
-    def view(self, node: fx.Node) -> Sharding:
+    def _on_view(self, node: fx.Node, rule: OpRule) -> Sharding:
         s = self.spec(node.args[0])
         src, dst = self.fp.shape(node.args[0]), self.fp.shape(node)
         shape_arg = list(node.args[1])
@@ -208,25 +192,26 @@ class ShapeRules:
         gives the q heads (split among the ranks sharing a group), the k or the v head; whole slices of other
         dims keep the layout. Anything else cannot tell q from k and v apart."""
         gd, units = s.group
-        t, nd = node.target, ndim_of(node.args[0])
-        d = normalize_dim(arg_of(node, 2 if t in SPLITS else 1, "dim", 0), nd) if t in (aten.slice.Tensor, aten.select.int, *SPLITS) else None
-        if t is aten.slice.Tensor and d != gd and d != s.dim:
+        t, nd, rule = node.target, ndim_of(node.args[0]), op_rule(node.target)
+        kind = rule.kind if rule is not None else None
+        d = normalize_dim(arg_named(node, "dim", 0), nd) if kind in ("slice", "select", "split") else None
+        if kind == "slice" and d != gd and d != s.dim:
             self.region.specs[node] = s
             return
-        if d != gd or t is aten.unbind.int or t is aten.chunk.default:
+        if d != gd or rule.form in ("unbind", "chunks"):
             raise Unshardable(node, f"{t} of a fused per-group layout before its q, k and v are read apart")
         starts = [sum(u.size for u in units[:i]) for i in range(len(units))]
         local = [sum(u.local() for u in units[:i]) for i in range(len(units))]
-        if t in SPLITS:
+        if kind == "split":
             sizes = [self.fp.shape(o)[gd] for o in node.meta["val"]]
-            if sizes != [u.size for u in units] or t is not aten.split_with_sizes.default:
+            if sizes != [u.size for u in units] or rule.form != "sizes":
                 raise Unshardable(node, f"split {sizes} of a fused per-group layout {[u.size for u in units]}")
             for i, (old, u) in enumerate(zip(node.args[1], units)):
                 self.rewrite(node, 1, i, old, u.local())
             self.region.specs[node] = tuple(self._picked(s, gd, u, keep=True) for u in units)
             return
         full = sum(u.size for u in units)
-        if t is aten.select.int:
+        if kind == "select":
             i = node.args[2] % full if isinstance(node.args[2], int) else None
             k = starts.index(i) if i in starts else None
             if k is None or units[k].size != 1:
@@ -273,8 +258,10 @@ class ShapeRules:
             self._set_view_size(node, shape_arg, j, merged, merged // parts)
         return Sharding(j, (Segment(merged, parts),))
 
-    def expand(self, node: fx.Node) -> Sharding:
+    def _on_expand(self, node: fx.Node, rule: OpRule) -> Sharding:
         s = self.spec(node.args[0])
+        if s is None:  # a replicated value broadcast to a sharded one's shape (``broadcast_to``)
+            return self.pointwise(node)
         if s.outer:
             raise Unshardable(node, "expand of heads folded under the batch")
         sizes = list(node.args[1])
@@ -298,7 +285,7 @@ class ShapeRules:
                 return Sharding(d, s.segments, (e, q))
         return s.moved(d, None if not s.inner else s.inner[0] + off)
 
-    def repeat(self, node: fx.Node) -> Sharding:
+    def _on_repeat(self, node: fx.Node, rule: OpRule) -> Sharding:
         """``k.repeat(1, n, 1, 1)`` of one kv head held whole: as its expand; other dims tile locally."""
         s = self.spec(node.args[0])
         reps = list(node.args[1])
@@ -328,34 +315,32 @@ class ShapeRules:
         self.rewrite(node, 1, j, sizes[j], sizes[j] // self.tp)
         return Sharding(j, (Segment(sizes[j], self.tp),))
 
-    def split(self, node: fx.Node) -> tuple[Sharding | None, ...]:
+    def _on_split(self, node: fx.Node, rule: OpRule) -> tuple[Sharding | None, ...]:
         s = self.spec(node.args[0])
-        t = node.target
-        nd = ndim_of(node.args[0])
-        dim_idx = 1 if t is aten.unbind.int else 2
-        d = normalize_dim(arg_of(node, dim_idx, "dim", 0), nd)
+        t, form = node.target, rule.form
+        d = normalize_dim(arg_named(node, "dim", 0), ndim_of(node.args[0]))
         outs = node.meta["val"]
         if d != s.dim and not (s.inner and d == s.inner[0]):
             return tuple(s for _ in outs)
-        if t is aten.unbind.int or s.inner or s.outer:
+        if form == "unbind" or s.inner or s.outer:
             raise Unshardable(node, "unbind of the sharded dim")
         sizes = [self.fp.shape(o)[d] for o in outs]
-        if t is aten.chunk.default and len(s.segments) == 1:
+        if form == "chunks" and len(s.segments) == 1:
             # equal chunks of a contiguous shard would mix ranks' blocks; segments must follow the chunks
             raise Unshardable(node, "chunk of a contiguously sharded dim")
         if tuple(sizes) != tuple(g.size for g in s.segments):
             raise Unshardable(node, f"split sizes {sizes} do not follow the segments {[g.size for g in s.segments]}")
         local = [g.local() for g in s.segments]
-        if t is aten.split.Tensor and len(set(local)) == 1:
+        if form == "size" and len(set(local)) == 1:
             self.rewrite(node, 1, None, node.args[1], local[0])
-        elif t in (aten.split_with_sizes.default, aten.split.sizes):
+        elif form == "sizes":
             for i, (old, new) in enumerate(zip(node.args[1], local)):
                 self.rewrite(node, 1, i, old, new)
-        elif t is not aten.chunk.default:
+        elif form != "chunks":
             raise Unshardable(node, f"{t} of the sharded dim with unequal local segments")
         return tuple(Sharding(d, (g,)) for g in s.segments)
 
-    def cat(self, node: fx.Node) -> Sharding:
+    def _on_cat(self, node: fx.Node, rule: OpRule) -> Sharding:
         # torch.cat skips 1-D empty tensors (a cache's lazily made ``torch.tensor([])``): they take no part
         tensors = [x for x in node.args[0] if not legacy_empty(x)]
         d = normalize_dim(arg_of(node, 1, "dim", 0), ndim_of(node))
@@ -372,12 +357,12 @@ class ShapeRules:
 
     def expanded_head(self, x: object, s: Sharding) -> bool:
         """Is ``x`` one replicated head expanded to all heads, which each rank expands to its own instead
-        (see :meth:`autotp.analysis.propagate._Propagator.expanded_head`)?"""
+        (see :meth:`autotp.analysis.propagate.Propagator.expanded_head`)?"""
         return False
 
     def viewed_parameter(self, x: object, s: Sharding) -> bool:
         """Is ``x`` a parameter per head, viewed and expanded to meet the heads ``s`` shards (made this
-        rank's; see :meth:`autotp.analysis.propagate._Propagator.viewed_parameter`)?"""
+        rank's; see :meth:`autotp.analysis.propagate.Propagator.viewed_parameter`)?"""
         return False
 
     def _local_input(self, node: fx.Node, x: object, s: Sharding) -> None:
@@ -387,12 +372,12 @@ class ShapeRules:
             raise Unshardable(node, "cat of sharded and replicated tensors")
         for u in x.users:
             if u is not node and not is_guard(u) \
-                    and not (u.target is aten.sym_size.int and normalize_dim(u.args[1], ndim_of(x)) != s.dim):
+                    and not (kind_of(u.target) == "sym_size" and normalize_dim(u.args[1], ndim_of(x)) != s.dim):
                 raise Unshardable(node, f"graph input {x.name} is concatenated with a sharded value and used whole")
         self.region.specs[x] = s
         self.region.inputs.append(x)
 
-    def stack(self, node: fx.Node) -> Sharding:
+    def _on_stack(self, node: fx.Node, rule: OpRule) -> Sharding:
         tensors = node.args[0]
         specs = {self.spec(x) for x in tensors}
         if len(specs) != 1 or None in specs:
@@ -402,7 +387,7 @@ class ShapeRules:
         shift = lambda x: x + (x >= d)  # noqa: E731 - a new dim at d
         return s.moved(shift(s.dim), None if not s.inner else shift(s.inner[0]))
 
-    def repeat_interleave(self, node: fx.Node) -> Sharding:
+    def _on_repeat_interleave(self, node: fx.Node, rule: OpRule) -> Sharding:
         """``k.repeat_interleave(n_rep, dim=1)`` (grouped-query kv heads to query heads): each rank repeats its
         own kv heads; where kv heads are fewer than tp, a rank holds one and repeats it for its q heads only."""
         s = self.spec(node.args[0])

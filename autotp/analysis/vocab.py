@@ -17,7 +17,6 @@
 from __future__ import annotations
 
 import heapq
-import operator
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -26,17 +25,21 @@ import torch.fx as fx
 from autotp.errors import ShardingError
 from autotp.analysis.pairs import Analysis
 from autotp.analysis.matmuls import ParamMatmul, module_path
-from autotp.analysis.ops import SAME_SHAPE, VIEWS, Unshardable, arg_of, from_inputs, ndim_of, slice_range
-from autotp.analysis.propagate import _Propagator
+from autotp.analysis.op_rules import OpRule, kind_of, op_rule
+from autotp.analysis.ops import Unshardable, arg_of, from_inputs, ndim_of, slice_range
+from autotp.analysis.propagate import Propagator
 from autotp.analysis.shapes import Fingerprinter, is_static, normalize_dim
-from autotp.plan.shard_spec import Segment, Sharding, VocabLayout
+from autotp.shard_spec import Segment, Sharding, VocabLayout
 
 aten = torch.ops.aten
 
-_LAYOUT_OPS = VIEWS | SAME_SHAPE | {aten.flatten.using_ints, aten.slice.Tensor, aten.transpose.int,
-                                      aten.permute.default, aten.unsqueeze.default, aten.squeeze.dim}
-_NLL = {aten.nll_loss_nd.default, aten.nll_loss.default}
-_CROPS = {aten.slice.Tensor, aten.narrow.default}
+# what log-probabilities may pass through on their way to nll_loss: layout ops, casts and copies
+_LAYOUT_KINDS = frozenset({"view", "same_shape", "flatten", "slice", "move"})
+
+
+def _is_log_softmax(target: object) -> bool:
+    rule = op_rule(target)
+    return rule is not None and rule.kind == "softmax" and rule.log
 
 
 @dataclass
@@ -65,11 +68,14 @@ class VocabFacts:
     heads: list[HeadFact] = field(default_factory=list)
 
 
-class _VocabPropagator(_Propagator):
-    """Propagation whose sharded values may end in losses and outputs instead of a row matmul."""
+class _VocabPropagator:
+    """Propagation of a head's vocab-sharded logits, whose sharded values may end in losses and outputs
+    instead of a row matmul: the loss and crop kinds are handled here, every other op by the tensor-parallel
+    :class:`~autotp.analysis.propagate.Propagator` it wraps."""
 
     def __init__(self, fp: Fingerprinter, tp: int, where: str):
-        super().__init__(fp, tp, where)
+        self.prop = Propagator(fp, tp, where)
+        self.fp, self.region, self.spec = fp, self.prop.region, self.prop.spec
         self.logprobs: set[fx.Node] = set()
         self.losses: list[LossFact] = []
         self.crop: fx.Node | None = None  # the slice that crops a padded head to its classes
@@ -83,54 +89,73 @@ class _VocabPropagator(_Propagator):
             self.cropped.add(node)
 
     def _read(self, node: fx.Node) -> None:
-        t = node.target
-        src = node.args[0] if node.args else None
-        if t in _CROPS and self.spec(src) is not None:
-            s = self.spec(src)
-            if normalize_dim(arg_of(node, 1, "dim", 0), ndim_of(src)) == s.dim:
-                if src in self.logprobs:
-                    raise Unshardable(node, "log-probabilities cut along the vocab dim: the rows cut off took part "
-                                            "in the softmax, so they are not padding")
-                self.region.specs[node] = self._crop(node, s)
-                return
-            if t is aten.narrow.default:  # along another dim: the sharding is unchanged
-                self.region.specs[node] = s
-                return
-        if t is aten.cross_entropy_loss.default:
-            s = self.spec(src)
-            if s is None or ndim_of(src) != 2 or s.dim != 1 or arg_of(node, 2, "weight") is not None:
-                raise Unshardable(node, "cross-entropy is not over 2-D logits sharded on the class dim, or is weighted")
-            self.losses.append(LossFact(node, src, None, arg_of(node, 3, "reduction", 1),
-                                        arg_of(node, 4, "ignore_index", -100), arg_of(node, 5, "label_smoothing", 0.0)))
+        rule = op_rule(node.target)
+        on = getattr(self, f"_on_{rule.kind}", None) if rule is not None else None
+        if on is not None and on(node, rule):
             return
-        if t in _NLL:
-            s = self.spec(src)
-            origin = self._log_softmax_of(src)
-            if s is None or origin is None or ndim_of(src) != 2 or s.dim != 1 or arg_of(node, 2, "weight") is not None:
-                raise Unshardable(node, "nll_loss not over a log_softmax of the sharded logits")
-            self.losses.append(LossFact(node, origin.args[0], origin, arg_of(node, 3, "reduction", 1),
-                                        arg_of(node, 4, "ignore_index", -100), 0.0))
-            return
-        if t in (aten.log_softmax.int, aten._log_softmax.default):
-            s = self.spec(src)
-            if normalize_dim(node.args[1], ndim_of(node)) == s.dim:
-                self.logprobs.add(node)
-                self.region.specs[node] = s
-                return
         if any(a in self.logprobs for a in node.all_input_nodes):
-            if t not in _LAYOUT_OPS:
+            if rule is None or rule.kind not in _LAYOUT_KINDS:
                 raise Unshardable(node, "log-probabilities over the sharded vocab used outside nll_loss")
-            super().visit(node)
+            self.prop.visit(node)
             self.logprobs.add(node)
             return
-        super().visit(node)
+        self.prop.visit(node)
+
+    # -- one handler per kind: True when the node is handled ----------------------------------------
+    def _on_slice(self, node: fx.Node, rule: OpRule) -> bool:
+        src = node.args[0]
+        s = self.spec(src)
+        if s is None or normalize_dim(arg_of(node, 1, "dim", 0), ndim_of(src)) != s.dim:
+            return False
+        if src in self.logprobs:
+            raise Unshardable(node, "log-probabilities cut along the vocab dim: the rows cut off took part "
+                                    "in the softmax, so they are not padding")
+        self.region.specs[node] = self._crop(node, s)
+        return True
+
+    def _on_narrow(self, node: fx.Node, rule: OpRule) -> bool:
+        """Along the vocab dim a crop, as a slice; along another dim the sharding is unchanged."""
+        if self._on_slice(node, rule):
+            return True
+        s = self.spec(node.args[0])
+        if s is not None:
+            self.region.specs[node] = s
+        return s is not None
+
+    def _on_cross_entropy(self, node: fx.Node, rule: OpRule) -> bool:
+        src = node.args[0]
+        s = self.spec(src)
+        if s is None or ndim_of(src) != 2 or s.dim != 1 or arg_of(node, 2, "weight") is not None:
+            raise Unshardable(node, "cross-entropy is not over 2-D logits sharded on the class dim, or is weighted")
+        self.losses.append(LossFact(node, src, None, arg_of(node, 3, "reduction", 1),
+                                    arg_of(node, 4, "ignore_index", -100), arg_of(node, 5, "label_smoothing", 0.0)))
+        return True
+
+    def _on_nll_loss(self, node: fx.Node, rule: OpRule) -> bool:
+        src = node.args[0]
+        s = self.spec(src)
+        origin = self._log_softmax_of(src)
+        if s is None or origin is None or ndim_of(src) != 2 or s.dim != 1 or arg_of(node, 2, "weight") is not None:
+            raise Unshardable(node, "nll_loss not over a log_softmax of the sharded logits")
+        self.losses.append(LossFact(node, origin.args[0], origin, arg_of(node, 3, "reduction", 1),
+                                    arg_of(node, 4, "ignore_index", -100), 0.0))
+        return True
+
+    def _on_softmax(self, node: fx.Node, rule: OpRule) -> bool:
+        """A log_softmax over the vocab dim gives log-probabilities, read only by nll_loss (through layout ops)."""
+        s = self.spec(node.args[0])
+        if not rule.log or normalize_dim(node.args[1], ndim_of(node)) != s.dim:
+            return False
+        self.logprobs.add(node)
+        self.region.specs[node] = s
+        return True
 
     def _crop(self, node: fx.Node, s: Sharding) -> Sharding:
         """``logits[..., :V]`` / ``logits.narrow(-1, 0, V)`` of the (padded) vocab dim: the rows past V are
         vocab padding, so the crop is the identity on each rank's ``local`` columns (its end is rewritten to
         ``local``) and V is recorded as the classes. Before any softmax: the crop decides what is normalised."""
         full = self.fp.shape(node.args[0])[s.dim]
-        if node.target is aten.narrow.default:
+        if kind_of(node.target) == "narrow":
             start, length = node.args[2], node.args[3]
             if not (is_static(start) and is_static(length)):
                 raise Unshardable(node, "the vocab dim is narrowed to a size known only at run time")
@@ -151,28 +176,32 @@ class _VocabPropagator(_Propagator):
         if len(node.args) < 4:  # the end (slice) or length (narrow) is args[3]
             raise Unshardable(node, "a crop of the vocab dim whose size is not a positional argument")
         self.crop, self.classes = node, r[1]
-        self.rewrite(node, 3, None, old, s.local_size)  # [..., :100] -> [..., :64] on 64 local columns
+        self.prop.rewrite(node, 3, None, old, s.local_size)  # [..., :100] -> [..., :64] on 64 local columns
         return s
 
     def _log_softmax_of(self, node: fx.Node) -> fx.Node | None:
         while node in self.logprobs:
-            if node.target in (aten.log_softmax.int, aten._log_softmax.default):
+            if _is_log_softmax(node.target):
                 return node
             node = node.args[0]
         return None
 
 
 # what a matmul's output passes through before it is read: layout and casts (logits.float()[..., :V])
-_THROUGH = _LAYOUT_OPS | {aten.narrow.default, aten.select.int, aten.expand.default, aten.squeeze.dims,
-                          aten.squeeze.default, aten.t.default, operator.getitem}
-_LOSSES = {aten.cross_entropy_loss.default, aten.log_softmax.int, aten._log_softmax.default, *_NLL}
-# what reads a gate's few outputs: an activation, a weighting of other values, a choice among them
-_ACTIVATIONS = {aten.sigmoid.default, aten.softmax.int, aten._softmax.default, aten.tanh.default, aten.silu.default}
-_GATE_READS = _ACTIVATIONS | {aten.mul.Tensor, aten.topk.default}
-# read only for their shape (``zeros_like(router_logits)``)
-_SHAPE_ONLY = {aten._assert_tensor_metadata.default, aten.sym_size.int, aten.zeros_like.default,
-               aten.ones_like.default, aten.empty_like.default, aten.full_like.default, aten.new_zeros.default,
-               aten.new_ones.default, aten.new_empty.default, aten.new_full.default}
+_THROUGH_KINDS = _LAYOUT_KINDS | {"narrow", "select", "expand", "getitem"}
+# ops that read only their input's shape (``zeros_like(router_logits)``)
+_SHAPE_KINDS = frozenset({"no_output", "sym_size", "new_like", "like"})
+# what reads a gate's few outputs: an activation (these, or a softmax), a weighting of other values, a choice
+_ACTIVATIONS = frozenset({aten.sigmoid.default, aten.tanh.default, aten.silu.default})
+_WEIGHINGS = frozenset({aten.mul.Tensor, aten.topk.default})
+
+
+def _activates(target: object) -> bool:
+    return target in _ACTIVATIONS or (kind_of(target) == "softmax" and not _is_log_softmax(target))
+
+
+def _is_loss(target: object) -> bool:
+    return kind_of(target) in ("cross_entropy", "nll_loss") or _is_log_softmax(target)
 
 
 def _readers(node: fx.Node) -> list[fx.Node]:
@@ -181,10 +210,10 @@ def _readers(node: fx.Node) -> list[fx.Node]:
     while todo:
         n = todo.pop()
         for u in n.users:
-            if u in seen or u.target in _SHAPE_ONLY:
+            if u in seen or kind_of(u.target) in _SHAPE_KINDS:
                 continue
             seen.add(u)
-            (todo if u.target in _THROUGH else out).append(u)
+            (todo if kind_of(u.target) in _THROUGH_KINDS else out).append(u)
     return out
 
 
@@ -195,7 +224,7 @@ def _op_name(n: fx.Node) -> str:
 
 
 _BY_DESIGN = ("router kept whole", "gate kept whole", "down-projection kept whole")
-_CHOICES = {aten.topk.default, aten.sort.default, aten.argmax.default, aten.argsort.default}
+_CHOICES = frozenset({aten.topk.default, aten.sort.default, aten.argmax.default, aten.argsort.default})
 
 
 def _latent_of(m: ParamMatmul, a, order: dict[fx.Node, int]) -> str | None:
@@ -249,14 +278,15 @@ def _kept_whole(m: ParamMatmul, why: str, latent_of: str | None = None) -> str:
     reads, and they are read by an activation, a multiply or topk; a router's are chosen among by topk)."""
     readers = _readers(m.node)
     shape = f"{m.in_features}→{m.out_features}"
-    if any(u.op == "output" or u.target in _LOSSES for u in readers):
+    if any(u.op == "output" or _is_loss(u.target) for u in readers):
         return f"LM head kept whole: {why}"
     if latent_of is not None and not _chooses(m.node):
         return (f"down-projection kept whole: its {shape} linear computes the latent that the column matmuls of "
                 f"{latent_of} read; every rank computes it whole (cutting it would add an all-reduce of the "
                 f"latent), and its weight is small")
-    if m.out_features < m.in_features and readers and all(u.target in _GATE_READS for u in readers):
-        then = [v for u in readers if u.target in _ACTIVATIONS for v in _readers(u)]  # sigmoid -> mul, softmax -> topk
+    gated = all(_activates(u.target) or u.target in _WEIGHINGS for u in readers)
+    if m.out_features < m.in_features and readers and gated:
+        then = [v for u in readers if _activates(u.target) for v in _readers(u)]  # sigmoid -> mul, softmax -> topk
         reads = " then ".join(", ".join(sorted({_op_name(u) for u in us})) for us in (readers, then) if us)
         if any(u.target is aten.topk.default for u in [*readers, *then]) or _chooses(m.node):
             return (f"router kept whole: its {shape} linear is read by {reads}, which chooses among all "
@@ -290,9 +320,13 @@ def _propagate_head(m: ParamMatmul, layout: VocabLayout, fp: Fingerprinter, tp: 
             continue
         if node.op == "call_function" and any(a in p.region.specs for a in node.all_input_nodes):
             p.visit(node)
-    if p.region.slices or p.region.params:  # replicated operands spanning the vocab: not planned for heads
-        x = (p.region.slices or p.region.params)[0]
-        raise Unshardable(x[0], f"{x[1].name if p.region.slices else x[0].name} spans the vocab dim of the logits")
+    # replicated operands spanning the vocab: not planned for heads
+    if p.region.slices:
+        x = p.region.slices[0]
+        raise Unshardable(x.consumer, f"{x.operand.name} spans the vocab dim of the logits")
+    if p.region.params:
+        x = p.region.params[0]
+        raise Unshardable(x.node, f"{x.node.name} spans the vocab dim of the logits")
     if p.classes is not None:
         layout = replace(layout, classes=p.classes)
     head = HeadFact(m, layout, p.losses, specs={n: s for n, s in p.region.specs.items() if isinstance(s, Sharding)},
@@ -300,13 +334,12 @@ def _propagate_head(m: ParamMatmul, layout: VocabLayout, fp: Fingerprinter, tp: 
     loss_nodes = {x.node for x in p.losses}
     for n, s in p.region.specs.items():
         for u in n.users:
-            if u in p.region.specs or u in loss_nodes or u.target in (aten._assert_tensor_metadata.default,
-                                                                       aten.sym_size.int):
+            if u in p.region.specs or u in loss_nodes or kind_of(u.target) in ("no_output", "sym_size"):
                 continue
             if u is output and n not in p.logprobs and isinstance(s, Sharding):
                 head.outputs.append((n, s.dim))
                 continue
-            if u.target is operator.getitem:
+            if kind_of(u.target) == "getitem":
                 continue
             raise Unshardable(u, f"the logits {n.name} are read by {u.target}")
     if p.crop is not None:  # every loss and returned value must see the classes only, as the crop gives them

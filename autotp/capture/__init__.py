@@ -1,1 +1,1 @@
-"""Capture: the user's call as a graph (torch.export), flat inputs and outputs, model files, meta builds."""
+"""Capture: the user's call as a graph (torch.export), flat inputs and outputs, model files."""

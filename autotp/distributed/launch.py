@@ -15,14 +15,14 @@ import contextlib
 import datetime
 import logging
 import os
-import socket
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.elastic.utils.distributed import get_free_port
 
 from autotp.errors import LaunchError, ProcessGroupError, RankFailedError
 from autotp.distributed.cpu_binding import ENV_BIND, bind_from_env
@@ -50,12 +50,6 @@ def choose_backend(nproc_per_node: int) -> str:
     return "gloo"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @dataclass(frozen=True)
 class LaunchSpec:
     """``tp × dp × pp`` processes on each of ``nnodes`` nodes; data parallelism spans nodes (dp × nnodes)."""
@@ -76,29 +70,31 @@ class LaunchSpec:
         for name in ("tp", "dp", "pp", "nnodes"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise LaunchError(f"--{name.replace('_', '-')} must be an integer >= 1, got {value!r}")
+                raise LaunchError(f"{name} must be an integer >= 1, got {value!r}", fields=(name,))
         if not 0 <= self.node_rank < self.nnodes:
-            raise LaunchError(f"--node-rank {self.node_rank} is out of range [0, {self.nnodes}) "
-                              f"for --nnodes {self.nnodes}")
+            raise LaunchError(f"node_rank {self.node_rank} is out of range [0, {self.nnodes}) "
+                              f"for nnodes {self.nnodes}", fields=("node_rank", "nnodes"))
         if self.master_port is not None and not 1 <= self.master_port <= 65535:
-            raise LaunchError(f"--master-port {self.master_port} is out of range [1, 65535]")
+            raise LaunchError(f"master_port {self.master_port} is out of range [1, 65535]", fields=("master_port",))
         if self.timeout is not None and not self.timeout > 0:
-            raise LaunchError(f"--timeout must be > 0 seconds, got {self.timeout!r}")
+            raise LaunchError(f"timeout must be > 0 seconds, got {self.timeout!r}", fields=("timeout",))
         if isinstance(self.max_restarts, bool) or not isinstance(self.max_restarts, int) or self.max_restarts < 0:
-            raise LaunchError(f"--max-restarts must be an integer >= 0, got {self.max_restarts!r}")
+            raise LaunchError(f"max_restarts must be an integer >= 0, got {self.max_restarts!r}",
+                              fields=("max_restarts",))
         if self.device not in ("auto", "cpu", "cuda"):
-            raise LaunchError(f"--device must be auto, cpu or cuda, got {self.device!r}")
+            raise LaunchError(f"device must be auto, cpu or cuda, got {self.device!r}", fields=("device",))
         if self.device == "cuda":
             have = torch.cuda.device_count() if torch.cuda.is_available() else 0
             if have < self.nproc_per_node:
                 raise LaunchError(
-                    f"--device cuda: tp {self.tp} × dp {self.dp} × pp {self.pp} = {self.nproc_per_node} ranks "
-                    f"per node "
-                    f"need {self.nproc_per_node} GPUs, this node has {have}",
-                    hint=f"lower --tp/--dp so that tp × dp <= {have}" if have else "run with --device cpu (gloo)")
+                    f"device cuda: tp {self.tp} × dp {self.dp} × pp {self.pp} = {self.nproc_per_node} ranks "
+                    f"per node need {self.nproc_per_node} GPUs, this node has {have}",
+                    hint=f"use at most {have} ranks per node (tp × dp × pp)" if have else
+                    "run on the CPU (device cpu: gloo)", fields=("device",))
         if self.nnodes > 1 and (self.master_addr is None or self.master_port is None):
-            raise LaunchError(f"--nnodes {self.nnodes} needs --master-addr and --master-port "
-                              "(node 0's address and a free port, the same on every node)")
+            raise LaunchError(f"nnodes {self.nnodes} needs master_addr and master_port "
+                              "(node 0's address and a free port, the same on every node)",
+                              fields=("nnodes", "master_addr", "master_port"))
         self.layout  # validates tp × dp × pp against the world size now, not inside the workers
 
     @property
@@ -169,7 +165,7 @@ def launch(spec: LaunchSpec, entrypoint: Callable[..., Any] | str, *args: Any, q
 
     # importing the launcher registers its loggers, so they can be quietened before it runs
     backend = {"cpu": "gloo", "cuda": "nccl"}.get(spec.device) or choose_backend(spec.nproc_per_node)
-    port = spec.master_port if spec.master_port is not None else _free_port()
+    port = spec.master_port if spec.master_port is not None else get_free_port()
     addr = spec.master_addr or "127.0.0.1"
     config = LaunchConfig(
         min_nodes=spec.nnodes, max_nodes=spec.nnodes, nproc_per_node=spec.nproc_per_node,
@@ -221,6 +217,7 @@ class RankContext:
     rank: int
     backend: str
     device: torch.device
+    meshes: dict[int, DeviceMesh] = field(default_factory=dict, repr=False, compare=False)  # see block_mesh
 
     @property
     def coords(self) -> dict[str, int]:
@@ -234,6 +231,16 @@ class RankContext:
 
     def pp_group(self) -> dist.ProcessGroup:
         return self.mesh.get_group("pp")
+
+    def block_mesh(self, parts: int) -> DeviceMesh:
+        """The (pp, dp, tp_block, tp_copy) mesh of blocks held by ``tp/parts`` ranks each (kv heads fewer than
+        tp): sharded over ``parts`` blocks, replicated over their copies. Made once per job and kept here,
+        since making one creates process groups on every rank."""
+        if parts not in self.meshes:
+            lay = self.layout
+            self.meshes[parts] = init_device_mesh(self.device.type, (lay.pp, lay.dp, parts, lay.tp // parts),
+                                                  mesh_dim_names=("pp", "dp", "tp_block", "tp_copy"))
+        return self.meshes[parts]
 
 
 def _env_int(name: str, environ: Mapping[str, str]) -> int | None:

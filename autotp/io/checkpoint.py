@@ -17,17 +17,17 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from autotp.io.ckpt_safety import METADATA, read_metadata, safe_load
-from autotp.capture.empty import mark_loaded
+from autotp.io.empty import mark_loaded
 from autotp.errors import CheckpointError
 from autotp.distributed.launch import RankContext
 from autotp.plan.plan import ParamShard, Plan
-from autotp.plan.shard_spec import Segment
+from autotp.shard_spec import Segment
 from autotp.runtime.gathered import all_gather_flat
-from autotp.runtime.parallelize import tp_state
+from autotp.state import tp_state
 
 
 def _shards_by_name(module: torch.nn.Module) -> dict[str, ParamShard]:
@@ -161,22 +161,10 @@ def _group_views(name: str, piece: torch.Tensor, shard: ParamShard, seg: Segment
     return out
 
 
-# (id of the job's mesh, kv blocks) -> (that mesh, kept alive so the id stays its own; the block mesh): made
-# once per job, since making one creates process groups on every rank
-_MESHES: dict[tuple[int, int], tuple[DeviceMesh, DeviceMesh]] = {}
-
-
 def _mesh(ctx: RankContext, parts: int) -> DeviceMesh:
     """The tp mesh, or for kv blocks held by tp/parts ranks each one that shards over the blocks and
     replicates over the copies."""
-    if parts == ctx.layout.tp:
-        return ctx.mesh
-    key = (id(ctx.mesh), parts)
-    if key not in _MESHES:
-        layout = ctx.layout
-        _MESHES[key] = ctx.mesh, init_device_mesh(ctx.device.type, (layout.pp, layout.dp, parts, layout.tp // parts),
-                                                  mesh_dim_names=("pp", "dp", "tp_block", "tp_copy"))
-    return _MESHES[key][1]
+    return ctx.mesh if parts == ctx.layout.tp else ctx.block_mesh(parts)
 
 
 def _dtensor(local: torch.Tensor, mesh, dim: int, shape: tuple[int, ...], within: Shard | Replicate | None = None) -> DTensor:

@@ -41,11 +41,11 @@ import torch.distributed.checkpoint as dcp
 
 from autotp.io.checkpoint import sharded_state_dict
 from autotp.io.ckpt_safety import read_metadata, safe_load, verify_files
-from autotp.capture.empty import mark_loaded
+from autotp.io.empty import mark_loaded
 from autotp.errors import CheckpointError
 from autotp.distributed.launch import RankContext
 from autotp.io.optim_state import optimizer_state, plain_data, restore
-from autotp.runtime.parallelize import tp_state
+from autotp.state import tp_state
 
 __all__ = ["CheckpointError", "Resumed", "checkpoint_info", "check_resumable", "latest_checkpoint",
            "load_training_state", "read_manifest", "save_training_state", "step_dir_name"]
@@ -91,7 +91,7 @@ def read_manifest(path: Path | str) -> dict:
         found = info.get("format") if isinstance(info, dict) else None
         raise CheckpointError(f"{file}: checkpoint format {found!r}, this autotp reads format {FORMAT}",
                               hint="a checkpoint of an older autotp keeps its optimizer state pickled, which is "
-                                   "never loaded: start afresh in another --out")
+                                   "never loaded: start afresh in another run folder")
     for key in ("step", "tp", "dp"):
         if isinstance(info.get(key), bool) or not isinstance(info.get(key), int) or info[key] < 0:
             raise CheckpointError(f"{file}: {key} is {info.get(key)!r}, not a count",

@@ -125,7 +125,7 @@ def _verify(path: Path, meta: Metadata, state: Mapping[str, Any]) -> None:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise CheckpointError(f"{file} does not match this model: it has no {missing[0]}{more}",
                               hint="the checkpoint was written for another model; resume with the model file "
-                                   "that saved it, or start afresh in another --out")
+                                   "that saved it, or start afresh in another run folder")
     for key, value in expected.items():
         md = have[key]
         if not isinstance(md, TensorStorageMetadata):

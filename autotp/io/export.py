@@ -32,6 +32,7 @@ import torch.nn as nn
 
 from autotp.plan.plan import ParamShard
 from autotp.io.sources import INDEX, REMAP_BYTES, SINGLE
+from autotp.state import find_tp_state
 
 __all__ = ["save_weights"]
 
@@ -49,7 +50,7 @@ class _Entry:
 
 
 def _entries(model: nn.Module) -> list[_Entry]:
-    st = model.__dict__.get("_autotp")
+    st = find_tp_state(model)
     shards = st.shards if st is not None and st.tp > 1 else {}
     groups: dict[int, list[str]] = {}
     tensors: dict[int, torch.Tensor] = {}
@@ -163,7 +164,7 @@ def save_weights(model: nn.Module, path: Path | str, *, format: str = "safetenso
     if max_shard_bytes < 1:
         raise ValueError(f"max_shard_bytes must be >= 1, got {max_shard_bytes}")
     path = Path(path)
-    st = model.__dict__.get("_autotp")
+    st = find_tp_state(model)
     distributed = dist.is_available() and dist.is_initialized()
     group = st.group if st is not None else None
     writer = not distributed or dist.get_rank() == 0

@@ -15,7 +15,7 @@ or a key that names nothing in the model, fails with one :class:`~autotp.errors.
 both; so does a shape that differs. Keys a model declares it does not own are skipped: Hugging Face models
 list them as patterns in ``_keys_to_ignore_on_load_unexpected`` (GPT-2's ``attn.bias`` masks, which
 checkpoints on the Hub still hold). Non-persistent buffers keep the values the model's own code computed
-(:mod:`autotp.capture.empty`), unless the model was built wholly on meta and the checkpoint holds them.
+(:mod:`autotp.io.empty`), unless the model was built wholly on meta and the checkpoint holds them.
 """
 from __future__ import annotations
 
@@ -28,11 +28,12 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from autotp.capture.empty import allocate_meta, check_materialized, mark_loaded
+from autotp.io.empty import allocate_meta, check_materialized, mark_loaded, swap_tensors
 from autotp.errors import CheckpointError, ShardingError
 from autotp.plan.plan import ParamShard
-from autotp.plan.shard_spec import global_runs
+from autotp.shard_spec import global_runs
 from autotp.io.sources import Piece, Source, TensorInfo, open_source
+from autotp.state import find_tp_state
 
 __all__ = ["Loaded", "Target", "check_weights", "load_weights", "match"]
 
@@ -64,7 +65,7 @@ class Loaded:
 
 
 def _targets(model: nn.Module) -> list[Target]:
-    st = model.__dict__.get("_autotp")
+    st = find_tp_state(model)
     shards = st.shards if st is not None else {}
     fused = {**st.segments, **shards} if st is not None else {}
     full = st.full if st is not None else {}
@@ -226,10 +227,7 @@ def _materialize_buffer(model: nn.Module, t: Target, device: torch.device) -> to
     """A buffer of a model built wholly on meta, about to be read: allocated on ``device`` in every module."""
     old = _tensor(model, t.names[0])
     new = torch.empty(old.shape, dtype=old.dtype, device=device)
-    for mod in model.modules():
-        for leaf, b in list(mod._buffers.items()):
-            if b is old:
-                mod._buffers[leaf] = new
+    swap_tensors(model, "buffers", lambda b: new if b is old else None)
     return new
 
 
@@ -251,7 +249,7 @@ def load_weights(model: nn.Module, path: Path | str, *, device: torch.device | s
     tensors are allocated, default the CPU). Names and shapes are checked before any data is read.
     """
     begin = time.perf_counter()
-    st = model.__dict__.get("_autotp")
+    st = find_tp_state(model)
     tp, rank = (st.tp, st.rank) if st is not None else (1, 0)
     where = st.device if st is not None else torch.device(device or "cpu")
     if st is None:

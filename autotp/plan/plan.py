@@ -13,13 +13,13 @@ import torch
 
 from autotp.analysis.coverage import WholeParam
 from autotp.analysis.ops import Rewrite
-from autotp.plan.shard_spec import (Segment, VocabLayout, local_pieces, shard_tensor, unshard_tensor, vocab_shard,
+from autotp.shard_spec import (Segment, VocabLayout, local_pieces, shard_tensor, unshard_tensor, vocab_shard,
                                vocab_unshard)
 
-PLAN_VERSION = 7
-_READS = (1, 2, 3, 4, 5, 6, 7)  # 1: no gathered outputs or sharded inputs, 2: no statistics, 3: no sequence
+PLAN_VERSION = 8
+_READS = (1, 2, 3, 4, 5, 6, 7, 8)  # 1: no gathered outputs or sharded inputs, 2: no statistics, 3: no sequence
 # parallelism or grouped segments, 4: no collective dtypes, 5: no list of the weights left whole, 6: no expert
-# parallelism
+# parallelism, 7: no column forms or reduction arguments of statistics (read only for their shards)
 # the module the one gradient all-reduce of parameters applied to sequence slices is reported under
 SEQ_PARAMS = "(sequence-parallel parameters)"
 
@@ -28,7 +28,7 @@ SEQ_PARAMS = "(sequence-parallel parameters)"
 class ParamShard:
     """How one parameter is cut. ``role``: "column" (output features), "row" (input features), "experts"
     (whole experts: a block of dim 0) or "vocab" (rows of an embedding / LM head, see
-    :class:`~autotp.plan.shard_spec.VocabLayout`)."""
+    :class:`~autotp.shard_spec.VocabLayout`)."""
 
     role: str
     module: str
@@ -92,6 +92,20 @@ class PairPlan:
 
 
 @dataclass(frozen=True)
+class ColumnForm:
+    """A column matmul or LM head ``node`` in a plain form that a fused column group computes itself
+    (:class:`~autotp.runtime.collectives.ColumnGroup`): it reads ``x`` once, by ``weight`` (the parameter's
+    node, its cast, or the parameter itself where the matmul reads its lone transpose) laid out as
+    ``layout`` ("out_in": [out, in], "in_out": [in, out]), plus ``bias`` (a node, or None)."""
+
+    node: str
+    x: str
+    layout: str
+    weight: str
+    bias: str | None = None
+
+
+@dataclass(frozen=True)
 class VocabLoss:
     """A cross-entropy over vocab-parallel logits, computed without gathering them."""
 
@@ -149,13 +163,18 @@ class LocalSlice:
 @dataclass(frozen=True)
 class Stat:
     """A statistic over a sharded dim, completed by one all-reduce of the ranks' partial values (b·s
-    elements): ``kind`` "mean" or "sum" (a reduction node, all-reduced after it), "rms_norm" or
-    "layer_norm" (a norm over the whole projection width, computed on the local slice). ``scale``
-    multiplies the sum over ranks."""
+    elements): ``kind`` "mean" or "sum" (a reduction node, all-reduced after it), "var", "std" or "norm" (a
+    reduction computed from local sums), "rms_norm" or "layer_norm" (a norm over the whole projection width,
+    computed on the local slice). ``scale`` multiplies the sum over ranks. A reduction's arguments, whichever
+    overload spells them: ``dims`` (None: every dim), ``keepdim`` and ``param`` (a norm's order p, a var's or
+    std's correction)."""
 
     node: str
     kind: str
     scale: float
+    dims: tuple[int, ...] | None = None
+    keepdim: bool = False
+    param: float | None = None
 
 
 @dataclass(frozen=True)
@@ -307,10 +326,16 @@ class Plan:
     experts: tuple[ExpertLayer, ...] = ()  # expert parallelism, when asked for
     # (module, reason): MoE layers that keep expert tensor parallelism although expert parallelism was asked for
     experts_kept: tuple[tuple[str, str], ...] = ()
+    # the column matmuls and LM heads a column group can fuse (a column that is absent keeps its own matmul)
+    column_forms: tuple[ColumnForm, ...] = ()
     version: int = field(default=PLAN_VERSION)
 
     def param(self, name: str) -> ParamShard | None:
         return dict(self.params).get(name)
+
+    def column_form(self, node: str, x: str) -> ColumnForm | None:
+        """The plain form of column matmul ``node`` reading ``x``; None where a group cannot fuse it."""
+        return next((f for f in self.column_forms if f.node == node and f.x == x), None)
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -356,13 +381,15 @@ class Plan:
         inputs = tuple(ShardedInput(g["node"], g["dim"], seg(g["segments"])) for g in d.get("sharded_inputs", ()))
         slices = tuple(LocalSlice(x["consumer"], x["operand"], x["dim"], seg(x["segments"]), x.get("outer", False))
                        for x in d.get("local_slices", ()))
-        stats = tuple(Stat(**x) for x in d.get("stats", ()))
+        stats = tuple(Stat(**{**x, "dims": None if x.get("dims") is None else tuple(x["dims"])})
+                      for x in d.get("stats", ()))
         sequence = None if d.get("sequence") is None else SequencePlan.from_dict(d["sequence"])
         return cls(d["tp"], params, pairs, rewrites, collectives, tuple(d["random_nodes"]),
                    tuple(tuple(r) for r in d["replicated"]), vocab, gathered, inputs, slices, stats,
                    shards(d.get("buffers", {})), sequence, tuple(WholeParam(**w) for w in d.get("whole", ())),
                    tuple(ExpertLayer.from_dict(x) for x in d.get("experts", ())),
-                   tuple(tuple(x) for x in d.get("experts_kept", ())), PLAN_VERSION)
+                   tuple(tuple(x) for x in d.get("experts_kept", ())),
+                   tuple(ColumnForm(**x) for x in d.get("column_forms", ())), PLAN_VERSION)
 
     @classmethod
     def from_json(cls, text: str) -> Plan:

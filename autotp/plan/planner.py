@@ -11,14 +11,40 @@ from autotp.errors import ShardingError
 from autotp.analysis.experts import ExpertFacts, ExpertLayerFacts, analyze_experts
 from autotp.analysis.pairs import Analysis, analyze, common_module
 from autotp.analysis.matmuls import ParamMatmul, column_form, module_path
-from autotp.plan.plan import (SEQ_PARAMS, Collective, ExpertLayer, ExpertSlot, GatheredOutput, LocalSlice, PairPlan, ParamShard, Plan, SeqEnter,
-                         SeqGather, SeqLeave, SeqSlice, SequencePlan, ShardedInput, Stat, VocabLoss, VocabPlan)
+from autotp.analysis.ops import STAT_KINDS, Rewrite, reduction_args
+from autotp.plan.plan import (SEQ_PARAMS, Collective, ColumnForm, ExpertLayer, ExpertSlot, GatheredOutput, LocalSlice,
+                              PairPlan, ParamShard, Plan, SeqEnter, SeqGather, SeqLeave, SeqSlice, SequencePlan,
+                              ShardedInput, Stat, VocabLoss, VocabPlan)
 from autotp.analysis.sequence import analyze_sequence
-from autotp.plan.shard_spec import Segment, VocabLayout
+from autotp.shard_spec import Segment, VocabLayout
 from autotp.analysis.vocab import VocabFacts, analyze_vocab
 
 aten = torch.ops.aten
 
+
+@dataclasses.dataclass
+class _Planned:
+    """What planning the pairs and the vocab-parallel layers collects for the Plan, in graph order."""
+
+    params: dict[str, ParamShard] = dataclasses.field(default_factory=dict)
+    buffers: dict[str, ParamShard] = dataclasses.field(default_factory=dict)
+    pairs: list[PairPlan] = dataclasses.field(default_factory=list)
+    rewrites: list[Rewrite] = dataclasses.field(default_factory=list)
+    collectives: list[Collective] = dataclasses.field(default_factory=list)
+    random_nodes: list[str] = dataclasses.field(default_factory=list)
+    gathered: list[GatheredOutput] = dataclasses.field(default_factory=list)
+    inputs: list[ShardedInput] = dataclasses.field(default_factory=list)
+    slices: list[LocalSlice] = dataclasses.field(default_factory=list)
+    stats: list[Stat] = dataclasses.field(default_factory=list)
+    column_forms: list[ColumnForm] = dataclasses.field(default_factory=list)
+
+    def add_form(self, gm: fx.GraphModule, m: ParamMatmul, names: set[str]) -> None:
+        """Record the plain form of column matmul ``m`` (the insert_collectives pass fuses such columns)."""
+        form = column_form(gm, m.node, m.x, names)
+        if form is not None:
+            layout, weight, bias = form
+            self.column_forms.append(ColumnForm(m.node.name, m.x.name, layout, weight.name,
+                                                None if bias is None else bias.name))
 
 
 def _shape(node: fx.Node) -> tuple[str, ...]:
@@ -97,28 +123,29 @@ def _vocab_shard(module: str, full: tuple[int, ...], dim: int, layout: VocabLayo
     return ParamShard("vocab", module, dim, (Segment(layout.padded(tp), tp),), tuple(full), tuple(local), layout)
 
 
-def _vocab_plan(gm: fx.GraphModule, v: VocabFacts, tp: int, params: dict, rewrites: list,
-                collectives: list) -> VocabPlan:
+def _vocab_plan(gm: fx.GraphModule, v: VocabFacts, tp: int, acc: _Planned, names: set[str]) -> VocabPlan:
+    """``names``: the graph's parameter names."""
     for node, w, layout in v.embeddings:
-        params[w] = _vocab_shard(module_path(node) or w, tuple(gm.get_parameter(w).shape), 0, layout, tp)
-        collectives.append(Collective("all_reduce", "sum", "forward", params[w].module, node.name, _shape(node),
-                                      _dtype(node)))
+        acc.params[w] = _vocab_shard(module_path(node) or w, tuple(gm.get_parameter(w).shape), 0, layout, tp)
+        acc.collectives.append(Collective("all_reduce", "sum", "forward", acc.params[w].module, node.name,
+                                          _shape(node), _dtype(node)))
     losses, outputs = [], []
     for h in v.heads:
         m = h.matmul
-        params[m.weight] = _vocab_shard(m.module, _weight_shape(gm, m), m.out_dim, h.layout, tp)
+        acc.params[m.weight] = _vocab_shard(m.module, _weight_shape(gm, m), m.out_dim, h.layout, tp)
         if m.bias is not None:
-            params[m.bias] = _vocab_shard(m.module, tuple(gm.get_parameter(m.bias).shape), 0, h.layout, tp)
-        collectives.append(Collective("all_reduce", "sum", "backward", m.module, m.x.name, _shape(m.x),
-                                      _compute_dtype(m.x, [m.node])))
-        rewrites.extend(h.rewrites)
+            acc.params[m.bias] = _vocab_shard(m.module, tuple(gm.get_parameter(m.bias).shape), 0, h.layout, tp)
+        acc.collectives.append(Collective("all_reduce", "sum", "backward", m.module, m.x.name, _shape(m.x),
+                                          _compute_dtype(m.x, [m.node])))
+        acc.rewrites.extend(h.rewrites)
+        acc.add_form(gm, m, names)
         for x in h.losses:
             losses.append(VocabLoss(x.node.name, x.logits.name, x.log_softmax.name if x.log_softmax else None,
                                     x.reduction, x.ignore_index, float(x.label_smoothing), h.layout))
             rows = _shape(x.logits)[:1]
             target = "float64" if x.label_smoothing else _LOSS_FLOAT
-            collectives += [Collective("all_reduce", op, "forward", m.module, x.node.name, rows, dtype)
-                            for op, dtype in (("max", _LOSS_FLOAT), ("sum", target), ("sum", _LOSS_FLOAT))]
+            acc.collectives += [Collective("all_reduce", op, "forward", m.module, x.node.name, rows, dtype)
+                                for op, dtype in (("max", _LOSS_FLOAT), ("sum", target), ("sum", _LOSS_FLOAT))]
         outputs += [(n.name, dim, h.layout) for n, dim in h.outputs]
     return VocabPlan(
         embeddings=tuple((n.name, layout) for n, _, layout in v.embeddings),
@@ -140,26 +167,34 @@ def _expert_layers(facts: ExpertFacts) -> tuple[ExpertLayer, ...]:
               for s in x.slots), x.top_k, x.width) for x in facts.layers)
 
 
+def _stat(n: fx.Node, kind: str, scale: float) -> Stat:
+    """A statistic, with its reduction's arguments where ``n`` is a reduction (not a fused norm)."""
+    if n.target not in STAT_KINDS:
+        return Stat(n.name, kind, scale)
+    r = reduction_args(n)
+    return Stat(n.name, kind, scale, None if r.dims is None else tuple(r.dims), r.keepdim, r.param)
+
+
 def plan_from_analysis(gm: fx.GraphModule, a: Analysis, v: VocabFacts | None = None, fold: bool = True,
                        experts: ExpertFacts | None = None) -> Plan:
     """``fold``: a column input derived from another one enters through its f (see :func:`_entering_via`);
     with sequence parallelism each is gathered itself instead. ``experts``: place whole experts on ranks
     (their pairs' inner dims stay whole: no rewrites, slices or statistics inside them)."""
     whole_experts = {name: layer for layer in (experts.layers if experts else ()) for name in layer.params}
-    params: dict[str, ParamShard] = {}
-    buffers: dict[str, ParamShard] = {}
-    pairs, rewrites, collectives, random_nodes, gathered, inputs, slices, stats = [], [], [], [], [], [], [], []
+    names = {n for n, _ in gm.named_parameters(remove_duplicate=False)}
+    acc = _Planned()
     owner: dict[fx.Node, object] = {}  # column input -> the pair whose f it enters through
     left: set[fx.Node] = set()  # shared all-reduces already planned
     for p in a.pairs:
         ep = any(m.weight in whole_experts for m in (*p.columns, p.row))
         for c in p.columns:
             segs = p.column_specs[c.node.name].segments
-            params[c.weight] = _shard("column", c.module, _weight_shape(gm, c), c.out_dim, segs)
+            acc.params[c.weight] = _shard("column", c.module, _weight_shape(gm, c), c.out_dim, segs)
             if c.bias is not None:
-                params[c.bias] = _shard("column", c.module, tuple(gm.get_parameter(c.bias).shape), 0, segs)
+                acc.params[c.bias] = _shard("column", c.module, tuple(gm.get_parameter(c.bias).shape), 0, segs)
+            acc.add_form(gm, c, names)
         row_segs = p.region.row_input.segments
-        params[p.row.weight] = _shard("row", p.row.module, _weight_shape(gm, p.row), p.row.in_dim, row_segs)
+        acc.params[p.row.weight] = _shard("row", p.row.module, _weight_shape(gm, p.row), p.row.in_dim, row_segs)
         matmuls = [c for c in p.columns if c.kind != "embedding"]  # an embedding's ids need no gradient
         xs = list(dict.fromkeys(c.x for c in matmuls))
         via = _entering_via(xs, {c.node for c in matmuls}) if fold else {}
@@ -176,68 +211,70 @@ def plan_from_analysis(gm: fx.GraphModule, a: Analysis, v: VocabFacts | None = N
         if leave is not None and leave not in left:  # the router's weights of the experts' partial sums
             entering += a.partial_enter.get(leave, [])
         also = tuple((c.name, x.name) for c, x in entering)
-        pairs.append(PairPlan(p.name, tuple(c.node.name for c in p.columns), tuple(c.weight for c in p.columns),
-                              enter, p.row.node.name, p.row.weight, p.row.bias, also,
-                              tuple((reader.name, root.name) for reader, root in via.values()),
-                              tuple(x.name for x in joined), leave.name if leave is not None else None))
+        acc.pairs.append(PairPlan(p.name, tuple(c.node.name for c in p.columns), tuple(c.weight for c in p.columns),
+                                  enter, p.row.node.name, p.row.weight, p.row.bias, also,
+                                  tuple((reader.name, root.name) for reader, root in via.values()),
+                                  tuple(x.name for x in joined), leave.name if leave is not None else None))
         if ep and p.row.bias in whole_experts:  # each rank adds its own experts' biases
-            pairs[-1] = dataclasses.replace(pairs[-1], row_bias=None)
+            acc.pairs[-1] = dataclasses.replace(acc.pairs[-1], row_bias=None)
         for x in dict.fromkeys(x for _, x in entering):  # one f for all readers of x
-            collectives.append(Collective("all_reduce", "sum", "backward", p.name, x.name, _shape(x), _dtype(x)))
+            acc.collectives.append(Collective("all_reduce", "sum", "backward", p.name, x.name, _shape(x),
+                                              _dtype(x)))
         if leave is None:
-            collectives.append(Collective("all_reduce", "sum", "forward", p.name, p.row.node.name,
-                                          _shape(p.row.node), _dtype(p.row.node)))
+            acc.collectives.append(Collective("all_reduce", "sum", "forward", p.name, p.row.node.name,
+                                              _shape(p.row.node), _dtype(p.row.node)))
         elif leave not in left:  # one all-reduce of the combined partial sums
             left.add(leave)
             module = common_module([q.name for q in a.pairs if a.leave_at.get(q.row.node) is leave])
-            collectives.append(Collective("all_reduce", "sum", "forward", module or p.name, leave.name,
-                                          _shape(leave), _dtype(leave)))
+            acc.collectives.append(Collective("all_reduce", "sum", "forward", module or p.name, leave.name,
+                                              _shape(leave), _dtype(leave)))
         for x in xs:
-            collectives.append(Collective("all_reduce", "sum", "backward", p.name, x.name, _shape(x),
-                                          _compute_dtype(x, [c.node for c in matmuls if c.x is x])))
+            acc.collectives.append(Collective("all_reduce", "sum", "backward", p.name, x.name, _shape(x),
+                                              _compute_dtype(x, [c.node for c in matmuls if c.x is x])))
         if ep:  # an expert's inner dims are whole: nothing inside it changes
             continue
-        rewrites.extend(p.region.rewrites)
-        random_nodes.extend(n.name for n in p.region.random_nodes)
+        acc.rewrites.extend(p.region.rewrites)
+        acc.random_nodes.extend(n.name for n in p.region.random_nodes)
         for n in p.region.outputs:
             spec = p.region.specs[n]
-            gathered.append(GatheredOutput(n.name, spec.dim, spec.segments))
-        slices.extend(LocalSlice(c.name, x.name, d, sh.segments, sh.outer) for c, x, d, sh in p.region.slices)
+            acc.gathered.append(GatheredOutput(n.name, spec.dim, spec.segments))
+        acc.slices.extend(LocalSlice(c.name, x.name, d, sh.segments, sh.outer) for c, x, d, sh in p.region.slices)
         for x, d, sh in p.region.params:  # a whole-width norm's weight, a KV cache: sharded with the heads
             shape = tuple(x.meta["val"].shape) if "val" in x.meta else tuple(gm.get_buffer(x.target).shape)
-            into = params if x.target in dict(gm.named_parameters(remove_duplicate=False)) else buffers
+            into = acc.params if x.target in names else acc.buffers
             into[x.target] = _shard("column", x.target.rpartition(".")[0], tuple(int(d_) for d_ in shape), d, sh.segments)
         for n, (kind, scale) in p.region.stats.items():
-            stats.append(Stat(n.name, kind, scale))
+            acc.stats.append(_stat(n, kind, scale))
             rows = _shape(n)[:len(_shape(n)) - len(n.args[1])] if kind in ("rms_norm", "layer_norm") else _shape(n)
             rows = (*rows, "2") if kind in ("layer_norm", "var", "std") else rows  # x and x² statistics in one
             # a fused norm's or reduction's statistics are computed in float32 or wider (ShardedNorm, ShardedReduction)
             wide = str(torch.promote_types(n.meta["val"].dtype, torch.float32)).removeprefix("torch.")
             dtype = _dtype(n) if kind in ("mean", "sum") else wide
-            collectives += [Collective("all_reduce", "sum", way, p.name, n.name, rows, dtype)
-                            for way in ("forward", "backward")]
+            acc.collectives += [Collective("all_reduce", "sum", way, p.name, n.name, rows, dtype)
+                                for way in ("forward", "backward")]
         for n in p.region.inputs:
             spec = p.region.specs[n]
-            inputs.append(ShardedInput(n.name, spec.dim, spec.segments))
+            acc.inputs.append(ShardedInput(n.name, spec.dim, spec.segments))
     for name, layer in whole_experts.items():
-        params[name] = _experts_shard(gm, name, layer, a.tp)
-    vocab = _vocab_plan(gm, v, a.tp, params, rewrites, collectives) if v is not None else VocabPlan()
+        acc.params[name] = _experts_shard(gm, name, layer, a.tp)
+    vocab = _vocab_plan(gm, v, a.tp, acc, names) if v is not None else VocabPlan()
     return Plan(
         tp=a.tp,
-        params=tuple(params.items()),
-        pairs=tuple(pairs),
-        rewrites=tuple(rewrites),
-        collectives=tuple(collectives),
-        random_nodes=tuple(random_nodes),
+        params=tuple(acc.params.items()),
+        pairs=tuple(acc.pairs),
+        rewrites=tuple(acc.rewrites),
+        collectives=tuple(acc.collectives),
+        random_nodes=tuple(acc.random_nodes),
         replicated=tuple(dict.fromkeys(a.replicated)),  # each module and reason once
         vocab=vocab,
-        gathered=tuple(gathered),
-        sharded_inputs=tuple(inputs),
-        local_slices=tuple(slices),
-        stats=tuple(stats),
-        buffers=tuple(buffers.items()),
+        gathered=tuple(acc.gathered),
+        sharded_inputs=tuple(acc.inputs),
+        local_slices=tuple(acc.slices),
+        stats=tuple(acc.stats),
+        buffers=tuple(acc.buffers.items()),
         experts=_expert_layers(experts) if experts else (),
         experts_kept=tuple(experts.kept) if experts else (),
+        column_forms=tuple(acc.column_forms),
     )
 
 
@@ -245,7 +282,6 @@ def sequence_plan(gm: fx.GraphModule, a: Analysis, v: VocabFacts, plan: Plan) ->
     """``plan`` with sequence parallelism: the pairs' and the embedding's all-reduces become reduce-scatters,
     the inputs of column matmuls and LM heads are all-gathered (see :mod:`autotp.analysis.sequence`)."""
     f = analyze_sequence(gm, a, v)
-    params = {n for n, _ in gm.named_parameters(remove_duplicate=False)}
     rows = {p.row.node: p for p in a.pairs}
     matmuls = {p.name: [c.node for c in p.columns] for p in a.pairs}
     for h in v.heads:
@@ -264,7 +300,7 @@ def sequence_plan(gm: fx.GraphModule, a: Analysis, v: VocabFacts, plan: Plan) ->
             grads.append((source.name, bias.name))
     for module, x, node, dim, flatten in f.enters:
         users = [c for c in matmuls[module] if x in c.all_input_nodes]
-        regather = all(column_form(gm, c, x, params) for c in users)
+        regather = all(plan.column_form(c.name, x.name) for c in users)
         enters.append(SeqEnter(module, x.name, node.name, dim, tuple(c.name for c in users), flatten, regather))
         dropped.add(("backward", module, x.name))
         dtype = _compute_dtype(node, users)  # gathered, and its gradient scattered, in the columns' dtype

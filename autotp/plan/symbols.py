@@ -9,16 +9,16 @@ the collectives that use it unknown (``None``).
 """
 from __future__ import annotations
 
-from functools import lru_cache
-
 import sympy
 import torch
 
 from autotp.plan.plan import Plan
 
 
-@lru_cache(maxsize=4096)
 def parse(text: str) -> sympy.Expr | None:
+    factors = text.split("*")
+    if all(f.isdigit() or f.isidentifier() for f in factors):  # "64", "s95", "s75*s95": most sizes, read directly
+        return sympy.Mul(*(sympy.Integer(f) if f.isdigit() else sympy.Symbol(f) for f in factors))
     try:
         return sympy.sympify(text)
     except (sympy.SympifyError, TypeError, SyntaxError):

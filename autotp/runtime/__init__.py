@@ -1,1 +1,2 @@
-"""Runtime: parallelize() and what the rewritten graph runs (collectives, RNG, gathered outputs, compile)."""
+"""Runtime operators: what the rewritten graph runs (collectives, sequence- and vocab-parallel operators,
+expert operators, gathered outputs, RNG streams, autocast) and ``torch.compile`` of it. They know no plan."""

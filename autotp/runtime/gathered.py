@@ -20,7 +20,7 @@ import torch.nn as nn
 from torch.utils._pytree import tree_map
 
 from autotp.runtime.amp import amp_bwd, amp_fwd
-from autotp.plan.shard_spec import shard_tensor
+from autotp.shard_spec import shard_tensor
 
 # local shards of every rank, in rank order -> the full tensor
 Unshard = Callable[[list[torch.Tensor]], torch.Tensor]

@@ -23,6 +23,8 @@ Unbound (no group, or a group of one) every operator is the identity.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
@@ -83,57 +85,32 @@ def local_slice(x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Te
     return x.narrow(dim, dist.get_rank(group) * n, n)
 
 
-class _ReduceScatter(torch.autograd.Function):
-    @staticmethod
-    @amp_fwd
+def _conjugate(name: str, forward_op: Callable[..., torch.Tensor], backward_op: Callable[..., torch.Tensor],
+               contiguous_grad: bool = True) -> type[torch.autograd.Function]:
+    """An autograd Function ``(x, dim, group)`` that runs the collective ``forward_op(x, dim, group)`` and, on
+    the gradient, its conjugate ``backward_op(grad, dim, group)``, both along ``dim``. Outputs are made
+    contiguous (the gradient too unless ``contiguous_grad`` is off: it is then handed on as the collective
+    leaves it)."""
+
     def forward(ctx, x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
         ctx.dim, ctx.group = dim, group
-        return reduce_scatter(x, dim, group).contiguous()
+        return forward_op(x, dim, group).contiguous()
 
-    @staticmethod
-    @amp_bwd
     def backward(ctx, grad: torch.Tensor):
-        return gather(grad, ctx.dim, ctx.group), None, None
+        out = backward_op(grad, ctx.dim, ctx.group)
+        return (out.contiguous() if contiguous_grad else out), None, None
+
+    # built by Function's metaclass under ``name``, so that autograd's node is ``{name}Backward``
+    return type(torch.autograd.Function)(name, (torch.autograd.Function,), {
+        "forward": staticmethod(amp_fwd(forward)), "backward": staticmethod(amp_bwd(backward)),
+        "__module__": __name__, "__qualname__": name})
 
 
-class _AllGather(torch.autograd.Function):
-    @staticmethod
-    @amp_fwd
-    def forward(ctx, x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
-        ctx.dim, ctx.group = dim, group
-        return gather(x, dim, group).contiguous()
-
-    @staticmethod
-    @amp_bwd
-    def backward(ctx, grad: torch.Tensor):
-        return reduce_scatter(grad, ctx.dim, ctx.group).contiguous(), None, None
-
-
-class _Gather(torch.autograd.Function):
-    @staticmethod
-    @amp_fwd
-    def forward(ctx, x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
-        ctx.dim, ctx.group = dim, group
-        return gather(x, dim, group).contiguous()
-
-    @staticmethod
-    @amp_bwd
-    def backward(ctx, grad: torch.Tensor):
-        # everything after the gather is replicated: its gradient is whole on every rank
-        return local_slice(grad, ctx.dim, ctx.group).contiguous(), None, None
-
-
-class _Slice(torch.autograd.Function):
-    @staticmethod
-    @amp_fwd
-    def forward(ctx, x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
-        ctx.dim, ctx.group = dim, group
-        return local_slice(x, dim, group).contiguous()
-
-    @staticmethod
-    @amp_bwd
-    def backward(ctx, grad: torch.Tensor):
-        return gather(grad, ctx.dim, ctx.group).contiguous(), None, None
+_ReduceScatter = _conjugate("_ReduceScatter", reduce_scatter, gather, contiguous_grad=False)
+_AllGather = _conjugate("_AllGather", gather, reduce_scatter)
+# everything after the gather is replicated: its gradient is whole on every rank, so backward takes this rank's slice
+_Gather = _conjugate("_Gather", gather, local_slice)
+_Slice = _conjugate("_Slice", local_slice, gather)
 
 
 class _SeqOp(_Collective):

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from autotp.runtime.amp import amp_bwd, amp_fwd
 from autotp.runtime.collectives import all_reduce, all_reduce_each
 from autotp.runtime.gathered import GatherOutput
-from autotp.plan.shard_spec import VocabLayout, vocab_shard, vocab_unshard
+from autotp.shard_spec import VocabLayout, vocab_shard, vocab_unshard
 
 
 class _VocabModule(nn.Module):

@@ -18,15 +18,17 @@ compute with uninitialised memory (:func:`check_materialized`, :func:`mark_loade
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Literal
 
 import torch
 import torch.nn as nn
 
 from autotp.errors import ShardingError
 from autotp.plan.plan import ParamShard
+from autotp.state import find_tp_state
 
-__all__ = ["allocate_meta", "check_materialized", "empty_shard", "empty_weights", "mark_loaded"]
+__all__ = ["allocate_meta", "check_materialized", "empty_shard", "empty_weights", "mark_loaded", "swap_tensors"]
 
 
 @contextlib.contextmanager
@@ -54,7 +56,7 @@ def empty_weights() -> Iterator[None]:
 
 def empty_shard(shard: ParamShard, dtype: torch.dtype, device: torch.device, rank: int) -> torch.Tensor:
     """This rank's shard of a parameter, allocated and not initialised; vocab padding rows are zero (as
-    :func:`~autotp.plan.shard_spec.vocab_shard` makes them), the owned rows are left for a loader to fill."""
+    :func:`~autotp.shard_spec.vocab_shard` makes them), the owned rows are left for a loader to fill."""
     data = torch.empty(shard.local_shape, dtype=dtype, device=device)
     if shard.vocab is not None:
         owned = shard.vocab.owned(rank)
@@ -62,30 +64,42 @@ def empty_shard(shard: ParamShard, dtype: torch.dtype, device: torch.device, ran
     return data
 
 
+def swap_tensors(model: nn.Module, kind: Literal["parameters", "buffers"],
+                 make: Callable[[torch.Tensor], torch.Tensor | None]) -> int:
+    """Replace tensors in every module that holds them, ties kept: ``make`` is called once per distinct
+    parameter (or buffer) and its result, unless None, takes that tensor's place under all its names.
+    Returns how many were replaced."""
+    made: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}  # id -> (old, kept alive so ids stay its own; new)
+    for mod in model.modules():
+        slots = mod._parameters if kind == "parameters" else mod._buffers
+        for leaf, t in list(slots.items()):
+            if t is None:
+                continue
+            if id(t) not in made:
+                made[id(t)] = t, make(t)
+            if (new := made[id(t)][1]) is not None:
+                slots[leaf] = new
+    return sum(new is not None for _, new in made.values())
+
+
 def allocate_meta(model: nn.Module, device: torch.device) -> tuple[str, ...]:
     """Give every parameter still on meta (the replicated ones of a meta model) an uninitialised tensor
     of its full size on ``device``, ties kept; move such a model's real buffers to ``device``. Returns
     the names of buffers still on meta (a model built wholly on meta: they must come from a checkpoint)."""
-    made: dict[int, nn.Parameter] = {}
-    for mod in model.modules():
-        for leaf, p in list(mod._parameters.items()):
-            if p is not None and p.is_meta:
-                if id(p) not in made:
-                    made[id(p)] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device),
-                                               requires_grad=p.requires_grad)
-                mod._parameters[leaf] = made[id(p)]
-    moved: dict[int, torch.Tensor] = {}
-    for mod in model.modules() if made else ():
-        for leaf, b in list(mod._buffers.items()):
-            if b is not None and not b.is_meta and b.device != device:
-                mod._buffers[leaf] = moved.setdefault(id(b), b.to(device))
+    def allocate(p: torch.Tensor) -> torch.Tensor | None:
+        if not p.is_meta:
+            return None
+        return nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device), requires_grad=p.requires_grad)
+
+    if swap_tensors(model, "parameters", allocate):
+        swap_tensors(model, "buffers", lambda b: b.to(device) if not b.is_meta and b.device != device else None)
     return tuple(n for n, b in model.named_buffers(remove_duplicate=False) if b.is_meta)
 
 
 def mark_loaded(model: nn.Module, names: set[str] | None = None) -> None:
     """A load gave ``names`` (default: every tensor) of a model built on meta their values; buffers still on
     meta keep waiting."""
-    st = model.__dict__.get("_autotp")
+    st = find_tp_state(model)
     if st is None or not st.unloaded:
         return
     meta = {n for n, b in model.named_buffers(remove_duplicate=False) if b.is_meta}

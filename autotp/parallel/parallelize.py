@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Hashable, Mapping
-from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -22,70 +21,19 @@ import torch.nn as nn
 from autotp.capture.tracer import capture, input_guard, stand_ins
 from autotp.capture.structure import Spec, call_key, flatten, unflatten
 from autotp.runtime.collectives import all_reduce, bind_collectives
-from autotp.runtime.data import check_same_inputs
-from autotp.capture.empty import allocate_meta, check_materialized, empty_shard
+from autotp.parallel.data import check_same_inputs
+from autotp.io.empty import allocate_meta, check_materialized, empty_shard, swap_tensors
 from autotp.capture.modelfile import default_example as _default_example
 from autotp.errors import ProcessGroupError, ShardingError
 from autotp.runtime.gathered import GatheredOnUse, bind_outputs
-from autotp.runtime.grads import mark_sharded_grad, norm_info
+from autotp.parallel.grads import mark_sharded_grad, norm_info
 from autotp.passes import run_passes
 from autotp.plan.plan import ParamShard, Plan, ShardedInput
 from autotp.plan.planner import fused_segments, make_plan
 from autotp.runtime.rng import SEED_OFFSET, RegionRNG, bind_rng
-from autotp.plan.shard_spec import local_indices, local_pieces, shard_tensor
+from autotp.shard_spec import local_indices, local_pieces, shard_tensor
 from autotp.runtime.vocab_ops import bind_vocab
-
-
-@dataclass(frozen=True)
-class Captured:
-    """One call signature's rewritten graph: flat tensors in, flat tensors out."""
-
-    module: nn.Module  # the rewritten graph module (compiled when asked)
-    out: Spec  # how to rebuild the forward's output around the graph's results
-    local_inputs: tuple[tuple[int, ShardedInput], ...] = ()  # flat input index -> taken as its local shard
-    seq_length: tuple[int, int] | None = None  # sequence parallel: (flat input index, dim) of the length
-    # whether the graph takes these flat inputs (as called, before local shards): the sizes export guarded it on
-    accepts: Callable[[list[torch.Tensor]], bool] | None = None
-
-
-@dataclass
-class TPState:
-    """What :func:`parallelize` keeps on the model (``model.__dict__["_autotp"]``, not a submodule)."""
-
-    group: dist.ProcessGroup
-    tp: int
-    rank: int
-    device: torch.device
-    base: type  # the user's own class
-    forward: Callable | None  # a forward the user set on the instance (partial, bound method), else None
-    vocab_multiple: int = 1
-    compile: bool = False
-    check_inputs: bool = False
-    sequence_parallel: bool = False
-    rng: RegionRNG | None = None
-    expert_parallel: bool = False
-    shards: dict[str, ParamShard] = field(default_factory=dict)  # every name of a sharded parameter
-    # tp 1 only: how fused parameters divide into segments (q|k|v), which checkpoints name at every tp
-    segments: dict[str, ParamShard] = field(default_factory=dict)
-    full: dict[str, torch.Tensor] = field(default_factory=dict)  # meta, full size, for later captures
-    graphs: dict[Hashable, Captured] = field(default_factory=dict)
-    plans: dict[Hashable, Plan] = field(default_factory=dict)
-    checked: set[Hashable] = field(default_factory=set)
-    warned: set[tuple[str, str]] = field(default_factory=set)
-    unloaded: tuple[str, ...] = ()  # tensors of a model built on meta that no load gave values yet
-
-    @property
-    def plan(self) -> Plan:
-        """The plan of the first captured call."""
-        return next(iter(self.plans.values()))
-
-
-def tp_state(model: nn.Module) -> TPState:
-    """The tensor-parallel state of a parallelized model (its group, tp, rank, plans, shards)."""
-    st = model.__dict__.get("_autotp")
-    if not isinstance(st, TPState):
-        raise TypeError(f"{type(model).__name__} is not parallelized: call autotp.parallelize(model) first")
-    return st
+from autotp.state import Captured, TPState, attach_state, detach_state, find_tp_state, tp_state
 
 
 def _split_example(example_inputs, forward: Callable) -> tuple[tuple, dict]:
@@ -121,7 +69,7 @@ class TPModule(nn.Module):
     """Mixin placed in front of the user's class by :func:`parallelize`; only ``forward`` is replaced."""
 
     def forward(self, *args, **kwargs):
-        st: TPState = self.__dict__["_autotp"]
+        st = tp_state(self)
         if st.unloaded:
             check_materialized(st.unloaded)
         key = call_key(args, kwargs, self.training)
@@ -241,7 +189,7 @@ def _build(model: nn.Module, st: TPState, args: tuple, kwargs: dict, key: Hashab
     gm, spec = capture(model, args, kwargs, forward=_user_forward(model, st), params=swap, device=st.device)
     accepts = input_guard(gm)  # before the passes give sharded inputs their local shapes
     plan = _plan(model, st, gm, st.sequence_parallel if sequence_parallel is None else sequence_parallel)
-    if st.tp == 1 and not st.plans:
+    if st.tp == 1 and not st.graphs:
         st.segments = fused_segments(gm)
     _check_consistent(st, plan)
     gm = run_passes(gm, plan)
@@ -267,47 +215,47 @@ def _by_id(named, own: dict[str, ParamShard]) -> tuple[dict[int, ParamShard], di
 def _shard_in_place(model: nn.Module, st: TPState, plan: Plan) -> None:
     """Replace every sharded Parameter, in every module that holds it, by this rank's slice."""
     by_id, names = _by_id(model.named_parameters(remove_duplicate=False), dict(plan.params))
-    new: dict[int, nn.Parameter] = {}
-    for mod in model.modules():
-        for leaf, p in list(mod._parameters.items()):
-            if p is None or id(p) not in by_id:
-                continue
-            if id(p) not in new:
-                shard = by_id[id(p)]
-                with torch.no_grad():
-                    if p.is_meta:  # a model built on meta: this rank's shard, allocated, not initialised
-                        data = empty_shard(shard, p.dtype, st.device, st.rank)
-                    else:
-                        data = shard.shard(p.detach(), st.tp, st.rank)
-                        if data.untyped_storage().data_ptr() == p.untyped_storage().data_ptr():
-                            data = data.clone()
-                new[id(p)] = nn.Parameter(data, requires_grad=p.requires_grad)
-                meta = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"), requires_grad=p.requires_grad)
-                for name in names[id(p)]:
-                    st.shards[name] = shard
-                    st.full[name] = meta
-                if shard.replicated_blocks(st.tp) and p.requires_grad:
-                    _sum_replicated_grads(st, new[id(p)], shard)
-                if p.requires_grad:  # clip_grad_norm_ in the user's script sees the full gradient's norm
-                    mark_sharded_grad(new[id(p)], norm_info(shard, st.tp, st.group))
-            mod._parameters[leaf] = new[id(p)]
+
+    def local(p: torch.Tensor) -> nn.Parameter | None:
+        shard = by_id.get(id(p))
+        if shard is None:
+            return None
+        with torch.no_grad():
+            if p.is_meta:  # a model built on meta: this rank's shard, allocated, not initialised
+                data = empty_shard(shard, p.dtype, st.device, st.rank)
+            else:
+                data = shard.shard(p.detach(), st.tp, st.rank)
+                if data.untyped_storage().data_ptr() == p.untyped_storage().data_ptr():
+                    data = data.clone()
+        new = nn.Parameter(data, requires_grad=p.requires_grad)
+        meta = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"), requires_grad=p.requires_grad)
+        for name in names[id(p)]:
+            st.shards[name] = shard
+            st.full[name] = meta
+        if shard.replicated_blocks(st.tp) and p.requires_grad:
+            _sum_replicated_grads(st, new, shard)
+        if p.requires_grad:  # clip_grad_norm_ in the user's script sees the full gradient's norm
+            mark_sharded_grad(new, norm_info(shard, st.tp, st.group))
+        return new
+
+    swap_tensors(model, "parameters", local)
 
 
 def _shard_buffers_in_place(model: nn.Module, st: TPState, plan: Plan) -> None:
     """Replace every sharded buffer (a KV cache written with sharded keys) by this rank's slice."""
     by_id, names = _by_id(model.named_buffers(remove_duplicate=False), dict(plan.buffers))
-    new: dict[int, torch.Tensor] = {}
-    for mod in model.modules():
-        for leaf, b in list(mod._buffers.items()):
-            if b is None or id(b) not in by_id:
-                continue
-            if id(b) not in new:
-                new[id(b)] = by_id[id(b)].shard(b, st.tp, st.rank) if not b.is_meta else \
-                    torch.empty(by_id[id(b)].local_shape, dtype=b.dtype, device="meta")
-                for name in names[id(b)]:
-                    st.shards[name] = by_id[id(b)]
-                    st.full[name] = torch.empty(b.shape, dtype=b.dtype, device="meta")
-            mod._buffers[leaf] = new[id(b)]
+
+    def local(b: torch.Tensor) -> torch.Tensor | None:
+        shard = by_id.get(id(b))
+        if shard is None:
+            return None
+        for name in names[id(b)]:
+            st.shards[name] = shard
+            st.full[name] = torch.empty(b.shape, dtype=b.dtype, device="meta")
+        return shard.shard(b, st.tp, st.rank) if not b.is_meta else \
+            torch.empty(shard.local_shape, dtype=b.dtype, device="meta")
+
+    swap_tensors(model, "buffers", local)
 
 
 def _sum_replicated_grads(st: TPState, param: nn.Parameter, shard: ParamShard) -> None:
@@ -364,8 +312,7 @@ def _finish(model: nn.Module, st: TPState, gm: fx.GraphModule, spec: Spec, key: 
     index = {n.name: i for i, n in enumerate(n for n in gm.graph.nodes if n.op == "placeholder")}
     seq = plan.sequence
     length = (index[seq.length[0]], seq.length[1]) if seq is not None and seq.length and seq.leaves else None
-    st.graphs[key] = Captured(run, spec, tuple((index[s.node], s) for s in plan.sharded_inputs), length, accepts)
-    st.plans[key] = plan
+    st.graphs[key] = Captured(run, plan, spec, tuple((index[s.node], s) for s in plan.sharded_inputs), length, accepts)
     return st.graphs[key]
 
 
@@ -418,12 +365,12 @@ def parallelize(model: nn.Module, *, tp_group: dist.ProcessGroup | None = None, 
     ``check_inputs=True`` verifies on every call (not only the first of each signature) that all ranks of
     the group got the same inputs.
 
-    A model built on the meta device (inside :func:`autotp.empty_weights`, see :mod:`autotp.capture.empty`) is
+    A model built on the meta device (inside :func:`autotp.empty_weights`, see :mod:`autotp.io.empty`) is
     planned on meta; only this rank's shards and the replicated parameters are allocated, uninitialised,
     on ``device`` (default: this rank's GPU under nccl, else the CPU), for :func:`autotp.load_weights`.
     """
-    if isinstance(model.__dict__.get("_autotp"), TPState):
-        raise ShardingError(f"{type(model).__name__} is already parallelized (tp={model.__dict__['_autotp'].tp})")
+    if (known := find_tp_state(model)) is not None:
+        raise ShardingError(f"{type(model).__name__} is already parallelized (tp={known.tp})")
     group = _resolve_group(tp_group)
     tp, rank = dist.get_world_size(group), dist.get_rank(group)
     device = _device(model, group, device)
@@ -434,12 +381,12 @@ def parallelize(model: nn.Module, *, tp_group: dist.ProcessGroup | None = None, 
     training = model.training
     _swap_class(model)
     model.__dict__.pop("forward", None)
-    model.__dict__["_autotp"] = st
+    attach_state(model, st)
     try:
         _build(model, st, args, kwargs, call_key(args, kwargs, training))
     except BaseException:
         model.__class__ = st.base
-        del model.__dict__["_autotp"]
+        detach_state(model)
         if st.forward is not None:
             model.__dict__["forward"] = st.forward
         raise

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from autotp.plan.plan import ParamShard
-from autotp.plan.shard_spec import local_pieces
+from autotp.shard_spec import local_pieces
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,62 @@
+"""What tensor-parallel propagation finds in one column→row region (:class:`Region`), and its facts.
+
+Each fact is a NamedTuple: read by name, or unpacked in field order.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import torch.fx as fx
+
+from autotp.analysis.ops import Rewrite
+from autotp.shard_spec import Sharding
+
+
+class OperandSlice(NamedTuple):
+    """A replicated operand cut to this rank's slice where a sharded value meets it (ALiBi slopes
+    ``(n_heads,)``, a mask ``(b, n_heads, s, s)`` with a head dim): no gradient needed, no communication."""
+
+    consumer: fx.Node  # the op where the operand meets the sharded value
+    operand: fx.Node  # the replicated value, whole on every rank
+    dim: int  # the operand's dim that lines up with the sharded dim
+    sharding: Sharding  # how that dim is cut (its segments; ``outer``: heads folded under the batch)
+
+
+class Entering(NamedTuple):
+    """A replicated operand computed from parameters, used with sharded values (a per-head norm's weight
+    ``(head_dim,)``): its gradient comes back partial on each rank, so it enters through Megatron's f."""
+
+    consumer: fx.Node
+    operand: fx.Node
+
+
+class StatFact(NamedTuple):
+    """A statistic over the sharded dim (a norm over the whole projection width): each rank reduces its own
+    slice, one all-reduce of the ``(b, s)`` statistics completes them."""
+
+    kind: str  # "mean", "sum", "var", "std", "norm" (a reduction), "rms_norm", "layer_norm" (a norm)
+    scale: float  # what the sum of the ranks' partial values is multiplied by (1/tp for a mean)
+
+
+class ParamCut(NamedTuple):
+    """A parameter that spans the sharded dim (a whole-width norm's weight ``(n_heads·hd,)``), or a buffer
+    sharded values are written into (a KV cache ``(b, n_kv, s_max, hd)``): sharded with the heads."""
+
+    node: fx.Node  # its get_attr
+    dim: int  # its dim that is cut
+    sharding: Sharding
+
+
+@dataclass
+class Region:
+    specs: dict[fx.Node, Sharding | tuple[Sharding | None, ...]] = field(default_factory=dict)
+    rewrites: list[Rewrite] = field(default_factory=list)
+    random_nodes: list[fx.Node] = field(default_factory=list)
+    row_input: Sharding | None = None
+    outputs: list[fx.Node] = field(default_factory=list)  # sharded values the graph returns (a KV cache)
+    inputs: list[fx.Node] = field(default_factory=list)  # graph inputs taken as local shards (a KV cache)
+    slices: list[OperandSlice] = field(default_factory=list)
+    entering: list[Entering] = field(default_factory=list)
+    stats: dict[fx.Node, StatFact] = field(default_factory=dict)  # reduction or norm node -> its statistic
+    params: list[ParamCut] = field(default_factory=list)

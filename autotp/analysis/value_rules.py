@@ -1,0 +1,240 @@
+"""Propagation rules for the ops that compute with the sharded dim in place: elementwise ops, softmax,
+reductions and norms (over the sharded dim: statistics completed by one all-reduce), batched matmuls and
+attention, writes into buffers and new tensors shaped like a sharded one. Each ``_on_<kind>`` handler
+serves one kind of :mod:`~autotp.analysis.op_rules` and gives the output's :class:`Sharding` (None: the
+node stays unrecorded); :class:`~autotp.analysis.propagate.Propagator` mixes them in.
+"""
+from __future__ import annotations
+
+import torch.fx as fx
+
+from autotp.analysis.op_rules import OpRule
+from autotp.analysis.ops import Unshardable, arg_of, ndim_of, reduction_args
+from autotp.analysis.region import ParamCut, StatFact
+from autotp.analysis.shapes import is_static, normalize_dim
+from autotp.shard_spec import Sharding
+
+
+class ValueRules:
+    """Rules of :class:`~autotp.analysis.propagate.Propagator` that keep the sharded dim where it is."""
+
+    # -- one handler per kind ----------------------------------------------------------------------
+    def _on_pointwise(self, node: fx.Node, rule: OpRule) -> Sharding:
+        return self.pointwise(node)
+
+    _on_expand_as = _on_pointwise  # a replicated value broadcast to a sharded one's shape
+
+    def _on_same_shape(self, node: fx.Node, rule: OpRule) -> Sharding | None:
+        others = [a for i, a in enumerate(node.args) if i != rule.dtype_arg]
+        if rule.dtype_arg is not None and all(self.spec(a) is None for a in others):
+            return None  # reads only the dtype of the sharded value (``W.type_as(x)``: a weight cast for the matmul)
+        return self.pointwise(node)
+
+    def _on_softmax(self, node: fx.Node, rule: OpRule) -> Sharding:
+        s = self.spec(node.args[0])
+        if normalize_dim(node.args[1], ndim_of(node)) == s.dim:
+            raise Unshardable(node, "softmax over the sharded dim")
+        return s
+
+    def _on_complex_view(self, node: fx.Node, rule: OpRule) -> Sharding:
+        """``view_as_complex`` pairs up the last dim, ``view_as_real`` adds one: the sharded dim must be another."""
+        s = self.spec(node.args[0])
+        if s.inner or (rule.form == "complex" and s.dim == ndim_of(node.args[0]) - 1):
+            raise Unshardable(node, "complex view of the sharded dim")
+        return s
+
+    def _on_max_min(self, node: fx.Node, rule: OpRule) -> tuple[Sharding, Sharding]:
+        """(values, indices) along an unsharded dim: softmax's shift."""
+        s, nd = self.spec(node.args[0]), ndim_of(node.args[0])
+        d, keep = normalize_dim(node.args[1], nd), arg_of(node, 2, "keepdim", False)
+        if d == s.dim or s.inner:
+            raise Unshardable(node, f"{node.target} over the sharded dim")
+        out = s if keep else s.moved(s.dim - (d < s.dim))
+        return out, out
+
+    def _on_matmul(self, node: fx.Node, rule: OpRule) -> Sharding:
+        return self.batched(node, [node.args[0], node.args[1]], 2)
+
+    def _on_index_put(self, node: fx.Node, rule: OpRule) -> Sharding:
+        return self.index_put(node, node.args[0], node.args[1], node.args[2])
+
+    def _on_index_copy(self, node: fx.Node, rule: OpRule) -> Sharding:
+        """``cache.index_copy_(2, pos, k)``: ``cache[:, :, pos] = k``."""
+        d = normalize_dim(node.args[1], ndim_of(node))
+        return self.index_put(node, node.args[0], [None] * d + [node.args[2]], node.args[3])
+
+    def _on_new_like(self, node: fx.Node, rule: OpRule) -> Sharding:
+        """``x.new_empty([b, n, s, d])`` of a tensor sharded by heads on dim ``i``, with ``n`` its heads: a
+        buffer of this rank's heads (DeepSeek's key, filled by in-place copies of the per-head parts)."""
+        s, size = self.spec(node.args[0]), list(node.args[1])
+        full = sum(g.size for g in s.segments)
+        if s.inner or s.outer or len(size) != ndim_of(node.args[0]) or not is_static(size[s.dim]) \
+                or size[s.dim] != self.fp.shape(node.args[0])[s.dim]:
+            raise Unshardable(node, "a new tensor whose sharded dim is not its input's")
+        self._set_view_size(node, size, s.dim, full, s.local_size)
+        return s
+
+    def _on_copy(self, node: fx.Node, rule: OpRule) -> Sharding:
+        """``dst.copy_(src)`` into a sharded buffer (or a slice of it): the source sharded alike; or one head
+        broadcast to all (``k_rot.expand(-1, n, -1, -1)``, a part shared by the heads) that each rank expands
+        to its own heads, its gradient then summed over the ranks (f)."""
+        dst, src = node.args[:2]
+        sd, ss = self.spec(dst), self.spec(src)
+        if sd is None:
+            raise Unshardable(node, "a sharded value copied into a replicated tensor")
+        if ss is not None:
+            if ss != sd:
+                raise Unshardable(node, f"operands sharded differently: {sd} vs {ss}")
+            return sd
+        if ndim_of(src) != ndim_of(dst) or not self.expanded_head(src, sd):
+            self._replicated_operand(node, src, sd)
+        return sd
+
+    def pointwise(self, node: fx.Node) -> Sharding:
+        out_nd = ndim_of(node)
+        result: Sharding | None = None
+        for a in [*node.args, *node.kwargs.values()]:
+            for x in (a if isinstance(a, (list, tuple)) else [a]):
+                nd = ndim_of(x)
+                if nd is None:
+                    continue
+                off = out_nd - nd
+                s = self.spec(x)
+                if s is not None:
+                    aligned = s.moved(s.dim + off, None if not s.inner else s.inner[0] + off)
+                    if result is not None and aligned != result:
+                        raise Unshardable(node, f"operands sharded differently: {result} vs {aligned}")
+                    result = aligned
+        for a in [*node.args, *node.kwargs.values()]:
+            for x in (a if isinstance(a, (list, tuple)) else [a]):
+                if ndim_of(x) is not None and self.spec(x) is None:
+                    self._replicated_operand(node, x, result)
+        return result
+
+    def _stat_scale(self, node: fx.Node, s: Sharding, kind: str) -> float:
+        """Summing the ranks' partial statistics: a mean over the sharded dim is the ranks' mean of means (also
+        with blocks held by several ranks, all equal-sized); a sum counts each replicated block once."""
+        if s.inner or s.outer or (len(s.segments) > 1 and any(g.parts != self.tp for g in s.segments)):
+            raise Unshardable(node, f"{node.target} over a sharded dim of unequal blocks")
+        return 1.0 / self.tp if kind != "sum" else s.segments[0].parts / self.tp
+
+    def _on_norm(self, node: fx.Node, rule: OpRule) -> Sharding:
+        """rms_norm / layer_norm: over unsharded dims (per head) it passes the sharding through and its
+        weight enters through f; over the sharded dim (the whole projection width) each rank normalises its
+        slice with statistics completed by one all-reduce, and the weight is sharded with the heads."""
+        s = self.spec(node.args[0])
+        nd = ndim_of(node)
+        nshape = list(node.args[1])
+        first = nd - len(nshape)
+        weights = [w for w in (node.args[i] for i in rule.weights if i < len(node.args)) if isinstance(w, fx.Node)]
+        if s.dim < first and not (s.inner and s.inner[0] >= first):
+            for w in weights:
+                self._enter_if_learned(node, w)
+            return s
+        self.region.stats[node] = StatFact(rule.stat, self._stat_scale(node, s, "mean"))
+        wd = s.dim - first
+        if is_static(nshape[wd]):
+            self.rewrite(node, 1, wd, nshape[wd], nshape[wd] * s.local_size // sum(g.size for g in s.segments))
+        for w in weights:
+            if self._parameter(w) is None:
+                raise Unshardable(node, f"the weight {w.name} of a norm over the sharded dim is not a parameter")
+            self.region.params.append(ParamCut(w, wd - (len(nshape) - ndim_of(w)), s))
+        return s
+
+    def index_put(self, node: fx.Node, dst: fx.Node, indices: list, values: fx.Node) -> Sharding:
+        """``cache[:, :, pos] = k`` (gpt-fast's KV cache), ``cache.index_copy_(2, pos, k)``: sharded keys
+        written into a module buffer make the buffer sharded the same way (each rank caches its kv heads)."""
+        sd, sv = self.spec(dst), self.spec(values)
+        if any(self.spec(i) is not None for i in indices if isinstance(i, fx.Node)):
+            raise Unshardable(node, "indexing with a sharded index")
+        s = sd or sv
+        if s.inner or s.outer or len(indices) > s.dim and indices[s.dim] is not None:
+            raise Unshardable(node, "a write that indexes the sharded dim")
+        if sv is None or ndim_of(values) != ndim_of(dst):
+            raise Unshardable(node, "a replicated value written into a sharded tensor")
+        if sd is None:
+            if self._state(dst) != "buffer" or self.fp.shape(dst)[s.dim] != sum(g.size for g in s.segments):
+                raise Unshardable(node, f"sharded values written into {dst.name}, which is not a module buffer")
+            self.region.params.append(ParamCut(dst, s.dim, s))
+            self.region.specs[dst] = s
+        elif sd != sv:
+            raise Unshardable(node, f"operands sharded differently: {sd} vs {sv}")
+        return s
+
+    def _on_baddbmm(self, node: fx.Node, rule: OpRule) -> Sharding:
+        inp, b1, b2 = node.args[:3]
+        result = self.batched(node, [b1, b2], 2)
+        if isinstance(inp, fx.Node):
+            si = self.spec(inp)
+            if si is None:
+                self._replicated_operand(node, inp, result)
+            elif si.moved(si.dim + 3 - ndim_of(inp)) != result:
+                raise Unshardable(node, f"operands sharded differently: {si} vs {result}")
+        return result
+
+    def _on_reduction(self, node: fx.Node, rule: OpRule) -> Sharding | None:
+        s = self.spec(node.args[0])
+        nd = ndim_of(node.args[0])
+        r = reduction_args(node)
+        dims = [normalize_dim(d, nd) for d in (range(nd) if r.dims is None else r.dims)]
+        if s.dim in dims or (s.inner and s.inner[0] in dims):
+            kind = rule.stat
+            finite = isinstance(r.param, (int, float)) and 0 < r.param < float("inf")
+            if kind is None or (kind == "norm" and not finite):
+                raise Unshardable(node, f"{node.target} reduces the sharded dim")
+            self.region.stats[node] = StatFact(kind, self._stat_scale(node, s, "mean" if kind == "mean" else "sum"))
+            return None  # replicated once the statistics are all-reduced
+        if r.keepdim:
+            return s
+        shift = lambda x: x - sum(d < x for d in dims)  # noqa: E731
+        return s.moved(shift(s.dim), None if not s.inner else shift(s.inner[0]))
+
+    def batched(self, node: fx.Node, operands: list, core: int) -> Sharding:
+        """Matmul-like op: the sharded dim must be a batch dim of the sharded operands."""
+        out_nd = ndim_of(node)
+        result = None
+        for x in operands:
+            nd = ndim_of(x)
+            s = self.spec(x)
+            if s is None:
+                continue
+            if s.dim >= nd - core or (s.inner and s.inner[0] >= nd - core):
+                raise Unshardable(node, "the sharded dim is contracted outside the row-parallel matmul")
+            aligned = s.moved(s.dim + out_nd - nd, None if not s.inner else s.inner[0] + out_nd - nd)
+            if result is not None and aligned != result:
+                raise Unshardable(node, f"operands sharded differently: {result} vs {aligned}")
+            result = aligned
+        for x in operands:
+            nd = ndim_of(x)
+            if nd is None or self.spec(x) is not None:
+                continue
+            xd = result.dim - (out_nd - nd)
+            if xd >= 0 and xd < nd - core and self.fp.shape(x)[xd] != 1:
+                raise Unshardable(node, f"replicated operand {x.name} spans the sharded batch dim")
+            self._enter_if_learned(node, x)
+        return result
+
+    def _on_sdpa(self, node: fx.Node, rule: OpRule) -> Sharding:
+        """Attention per head: q, k and v sharded alike by heads; or one k and v head broadcast over the q
+        heads (``(b, 1, s, d)``, multi-query), which every rank holds whole."""
+        q, k, v = node.args[:3]
+        mask = arg_of(node, 3, "attn_mask", None)
+        gqa = bool(node.kwargs.get("enable_gqa", False))
+        sq, sk, sv = self.spec(q), self.spec(k), self.spec(v)
+        nd = ndim_of(q)
+        if sq is None:
+            raise Unshardable(node, "attention with replicated q")
+        broadcast = [x for x, s in ((k, sk), (v, sv)) if s is None]
+        if any(self.fp.shape(x)[nd - 3] != 1 for x in broadcast):
+            raise Unshardable(node, "attention with replicated k or v of several heads")
+        if sq.dim != nd - 3 or any(s is not None and s.dim != nd - 3 for s in (sk, sv)) \
+                or (sk is not None and sv is not None and sk != sv):
+            raise Unshardable(node, "attention not sharded by heads")
+        if sk is not None and sq != sk and not gqa:
+            raise Unshardable(node, f"q and k heads sharded differently: {sq} vs {sk}")
+        if sq.inner or (sk is not None and sk.inner):
+            raise Unshardable(node, "attention over unmerged replicated heads")
+        for x in broadcast:
+            self._enter_if_learned(node, x)
+        ops = [q] + ([mask] if isinstance(mask, fx.Node) else [])
+        return self.batched(node, ops, 2)

@@ -1,0 +1,89 @@
+"""What a parallelized model carries: :class:`TPState`, reached only through :func:`tp_state`.
+
+:func:`autotp.parallelize` attaches one :class:`TPState` to the model (in its ``__dict__``, not as a
+submodule, so ``state_dict``, ``named_modules`` and ``to()`` never see it). Everything that reads it (the
+forward, checkpoints, weight loading and export) goes through :func:`tp_state` or :func:`find_tp_state`;
+this module alone knows where it is kept.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from autotp.capture.structure import Spec
+from autotp.plan.plan import ParamShard, Plan, ShardedInput
+from autotp.runtime.rng import RegionRNG
+
+__all__ = ["Captured", "TPState", "attach_state", "detach_state", "find_tp_state", "tp_state"]
+
+_KEY = "_autotp"
+
+
+@dataclass(frozen=True)
+class Captured:
+    """One call signature's rewritten graph and the plan it executes: flat tensors in, flat tensors out."""
+
+    module: nn.Module  # the rewritten graph module (compiled when asked)
+    plan: Plan
+    out: Spec  # how to rebuild the forward's output around the graph's results
+    local_inputs: tuple[tuple[int, ShardedInput], ...] = ()  # flat input index -> taken as its local shard
+    seq_length: tuple[int, int] | None = None  # sequence parallel: (flat input index, dim) of the length
+    # whether the graph takes these flat inputs (as called, before local shards): the sizes export guarded it on
+    accepts: Callable[[list[torch.Tensor]], bool] | None = None
+
+
+@dataclass
+class TPState:
+    """What :func:`autotp.parallelize` keeps on the model."""
+
+    group: dist.ProcessGroup
+    tp: int
+    rank: int
+    device: torch.device
+    base: type  # the user's own class
+    forward: Callable | None  # a forward the user set on the instance (partial, bound method), else None
+    vocab_multiple: int = 1
+    compile: bool = False
+    check_inputs: bool = False
+    sequence_parallel: bool = False
+    rng: RegionRNG | None = None
+    expert_parallel: bool = False
+    shards: dict[str, ParamShard] = field(default_factory=dict)  # every name of a sharded parameter
+    # tp 1 only: how fused parameters divide into segments (q|k|v), which checkpoints name at every tp
+    segments: dict[str, ParamShard] = field(default_factory=dict)
+    full: dict[str, torch.Tensor] = field(default_factory=dict)  # meta, full size, for later captures
+    graphs: dict[Hashable, Captured] = field(default_factory=dict)  # call signature -> its graph and plan
+    checked: set[Hashable] = field(default_factory=set)
+    warned: set[tuple[str, str]] = field(default_factory=set)
+    unloaded: tuple[str, ...] = ()  # tensors of a model built on meta that no load gave values yet
+
+    @property
+    def plan(self) -> Plan:
+        """The plan of the first captured call."""
+        return next(iter(self.graphs.values())).plan
+
+
+def find_tp_state(model: nn.Module) -> TPState | None:
+    """The model's :class:`TPState`, or None when it is not parallelized."""
+    st = model.__dict__.get(_KEY)
+    return st if isinstance(st, TPState) else None
+
+
+def tp_state(model: nn.Module) -> TPState:
+    """The tensor-parallel state of a parallelized model (its group, tp, rank, graphs and plans, shards)."""
+    st = find_tp_state(model)
+    if st is None:
+        raise TypeError(f"{type(model).__name__} is not parallelized: call autotp.parallelize(model) first")
+    return st
+
+
+def attach_state(model: nn.Module, st: TPState) -> None:
+    model.__dict__[_KEY] = st
+
+
+def detach_state(model: nn.Module) -> None:
+    model.__dict__.pop(_KEY, None)

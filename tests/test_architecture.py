@@ -1,0 +1,149 @@
+"""The stages import one way, and state lives in one place (read from the source, nothing is imported)."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import networkx as nx
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SOURCES = {"autotp": ROOT / "autotp", "autotp.passes": ROOT / "passes", "autotp.cli": ROOT / "cli"}
+
+# Lowest first: a module may import its own layer and the layers before it, never a later one.
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("autotp.errors", "autotp.shard_spec"),  # the vocabulary: typed errors, how a tensor is cut
+    ("autotp.distributed",),  # rank layout, process groups, the launcher
+    ("autotp.runtime",),  # operators the rewritten graph runs; they know no graph, plan or model
+    ("autotp.capture",),  # the user's call as an exported graph
+    ("autotp.analysis",),  # facts found in the graph
+    ("autotp.plan",),  # the Plan (the contract) and the planner that writes it from the facts
+    ("autotp.passes",),  # graph rewrites that execute a Plan
+    ("autotp.state",),  # what a parallelized model carries (TPState), and its one accessor
+    ("autotp.io",),  # weights and checkpoints in and out of a model, read through the accessor
+    ("autotp.parallel",),  # orchestration: parallelize() runs every stage and binds the result to a rank
+    ("autotp",),  # the public names
+    ("autotp.cli",),  # the command line
+)
+# passes read the Plan and the graph: they never rediscover facts by running analysis or capture
+FORBIDDEN = {"autotp.passes": ("autotp.analysis", "autotp.capture")}
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for package, folder in SOURCES.items():
+        for path in folder.rglob("*.py"):
+            parts = [p for p in path.relative_to(folder).with_suffix("").parts if p != "__init__"]
+            out[".".join([package, *parts])] = path
+    return out
+
+
+def _imports(module: str, path: Path) -> set[str]:
+    """Every autotp module ``module`` imports, at the top or inside a function."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: from the module's own package
+                package = module.split(".")[: len(module.split(".")) - node.level + (path.name == "__init__.py")]
+                base = ".".join([*package, *([node.module] if node.module else [])])
+            names.add(base)
+            names |= {f"{base}.{a.name}" for a in node.names}  # `from autotp.x import y` may import module x.y
+    return {n for n in names if n == "autotp" or n.startswith("autotp.")}
+
+
+def import_graph() -> nx.DiGraph:
+    mods = _modules()
+    g = nx.DiGraph()
+    g.add_nodes_from(mods)
+    for m, path in mods.items():
+        g.add_edges_from((m, t) for t in _imports(m, path) if t in mods and t != m)
+    return g
+
+
+def layer(module: str) -> int:
+    """The layer of ``module``: the longest prefix listed."""
+    best = max((len(p), i) for i, names in enumerate(LAYERS) for p in names
+               if module == p or module.startswith(p + "."))
+    return best[1]
+
+
+def test_every_module_has_a_layer() -> None:
+    for m in _modules():
+        assert LAYERS[layer(m)], m
+
+
+def test_no_stage_imports_a_later_stage() -> None:
+    bad = [f"{a} (layer {layer(a)}) imports {b} (layer {layer(b)})"
+           for a, b in import_graph().edges if layer(b) > layer(a)]
+    assert not bad, "\n".join(bad)
+
+
+def test_passes_read_facts_only() -> None:
+    bad = [f"{a} imports {b}" for a, b in import_graph().edges
+           for src, banned in FORBIDDEN.items() if a.startswith(src) and b.startswith(banned)]
+    assert not bad, "\n".join(bad)
+
+
+def test_no_import_cycles() -> None:
+    cycles = list(nx.simple_cycles(import_graph()))
+    assert not cycles, cycles
+
+
+def test_state_is_reached_through_its_accessor() -> None:
+    where = [f"{path}:{node.lineno}" for m, path in _modules().items() if m != "autotp.state"
+             for node in ast.walk(ast.parse(path.read_text()))
+             if isinstance(node, ast.Constant) and node.value == "_autotp"]
+    assert not where, where
+
+
+_MUTATORS = {"append", "add", "update", "setdefault", "pop", "popitem", "clear", "extend", "insert", "remove",
+             "discard", "__setitem__"}
+
+
+def _module_caches(path: Path) -> list[str]:
+    """Module-level containers that code in the module changes (a cache or registry that outlives a call),
+    and module-level functions wrapped in a memoising decorator."""
+    tree = ast.parse(path.read_text())
+    names = {t.id for n in tree.body if isinstance(n, (ast.Assign, ast.AnnAssign))
+             for t in (n.targets if isinstance(n, ast.Assign) else [n.target]) if isinstance(t, ast.Name)}
+    found = []
+    for node in ast.walk(tree):
+        target = None
+        if isinstance(node, (ast.Assign, ast.AugAssign, ast.Delete)):
+            for t in (node.targets if isinstance(node, (ast.Assign, ast.Delete)) else [node.target]):
+                if isinstance(t, ast.Subscript) and isinstance(t.value, ast.Name):
+                    target = t.value.id
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in _MUTATORS \
+                and isinstance(node.func.value, ast.Name):
+            target = node.func.value.id
+        elif isinstance(node, ast.Global):
+            found += [f"{path}:{node.lineno}: global {', '.join(node.names)}"]
+        if target in names:
+            found.append(f"{path}:{node.lineno}: {target}")
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef):
+            for d in node.decorator_list:
+                text = ast.unparse(d)
+                if "cache" in text:
+                    found.append(f"{path}:{node.lineno}: @{text} {node.name}")
+    return found
+
+
+def test_no_module_level_mutable_caches() -> None:
+    found = [f for path in _modules().values() for f in _module_caches(path)]
+    assert not found, found
+
+
+@pytest.mark.parametrize("source, expected", [
+    ("_SEEN = {}\ndef f(k):\n    _SEEN[k] = 1\n", 1),
+    ("_SEEN = set()\ndef f(k):\n    _SEEN.add(k)\n", 1),
+    ("import functools\n@functools.lru_cache\ndef f(k):\n    return k\n", 1),
+    ("TABLE = {'a': 1}\ndef f(k):\n    d = {}\n    d[k] = TABLE[k]\n    return d\n", 0),
+])
+def test_cache_check_sees_caches(tmp_path: Path, source: str, expected: int) -> None:
+    path = tmp_path / "m.py"
+    path.write_text(source)
+    assert len(_module_caches(path)) == expected

@@ -1,0 +1,468 @@
+"""The table of op rules: one case per entry, each run through the visitor that owns its kind on a one-op
+graph built by hand (meta values from running the op on small real tensors), and checks that no visitor
+keeps an op list of its own."""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import operator
+import pathlib
+import re
+
+import pytest
+import torch
+import torch.fx as fx
+
+from autotp.analysis.op_rules import OP_RULES, POINTWISE, OpRule, op_rule
+from autotp.analysis.ops import Unshardable, moved_dim, permutation, reduction_args
+from autotp.analysis.propagate import Propagator
+from autotp.analysis.sequence import _Sequence
+from autotp.analysis.shapes import Fingerprinter
+from autotp.analysis.vocab import _VocabPropagator
+from autotp.shard_spec import Segment, Sharding
+
+aten = torch.ops.aten
+TP = 2
+ANALYSIS = pathlib.Path(__file__).resolve().parents[1] / "autotp" / "analysis"
+
+
+def _s(dim: int, *sizes: int) -> Sharding:
+    """Sharded on ``dim`` in segments of these sizes, each cut in TP blocks."""
+    return Sharding(dim, tuple(Segment(n, TP) for n in sizes))
+
+
+def _graph(op, *args, **kwargs) -> tuple[fx.Node, list[fx.Node]]:
+    """A graph of one call of ``op``: every tensor argument (also in a list) is a placeholder whose
+    ``meta["val"]`` is the tensor, and the call's is what running the op gives."""
+    g, names = fx.Graph(), itertools.count()
+    inputs: list[fx.Node] = []
+
+    def node_of(v):
+        if isinstance(v, torch.Tensor):
+            inputs.append(g.placeholder(f"x{next(names)}"))
+            inputs[-1].meta["val"] = v
+            return inputs[-1]
+        return type(v)(node_of(a) for a in v) if isinstance(v, (list, tuple)) else v
+
+    node = g.call_function(op, node_of(args), {k: node_of(v) for k, v in kwargs.items()})
+    node.meta["val"] = op(*args, **kwargs)
+    g.output(node)
+    return node, inputs
+
+
+def _propagate(op, shardings: dict[int, Sharding], *args, **kwargs) -> tuple[Propagator, fx.Node]:
+    """Visit one call of ``op`` whose tensor inputs number ``i`` are sharded by ``shardings[i]``."""
+    node, inputs = _graph(op, *args, **kwargs)
+    p = Propagator(Fingerprinter(), TP, "test")
+    p.region.specs.update({inputs[i]: s for i, s in shardings.items()})
+    p.visit(node)
+    return p, node
+
+
+def _out(op, shardings, *args, **kwargs):
+    p, node = _propagate(op, shardings, *args, **kwargs)
+    return p.region.specs.get(node)
+
+
+def _refuses(op, why: str, shardings, *args, **kwargs) -> None:
+    with pytest.raises(Unshardable, match=why):
+        _propagate(op, shardings, *args, **kwargs)
+
+
+def _x(*shape: int, dtype=torch.float32) -> torch.Tensor:
+    return torch.randn(*shape, dtype=dtype)
+
+
+def _arg_name(op, i: int) -> str:
+    return op._schema.arguments[i].name
+
+
+# -- one check per kind ------------------------------------------------------------------------------
+def _same_shape(op, rule: OpRule, *extra, **kw) -> None:
+    x = _x(2, 3, 8)
+    assert op(x, *extra, **kw).shape == x.shape
+    assert _out(op, {0: _s(2, 8)}, x, *extra, **kw) == _s(2, 8)
+    if rule.cast:  # values kept, up to rounding
+        assert torch.allclose(op(x, *extra, **kw).float(), x)
+
+
+def _dropout(op, rule: OpRule) -> None:
+    assert _arg_name(op, rule.random_p) == "p"
+    p, node = _propagate(op, {0: _s(2, 8)}, _x(2, 3, 8), 0.5, True)
+    assert p.region.random_nodes == [node] and p.region.specs[node] == _s(2, 8)
+    p, node = _propagate(op, {0: _s(2, 8)}, _x(2, 3, 8), 0.0, True)
+    assert p.region.random_nodes == []
+
+
+def _type_as(op, rule: OpRule) -> None:
+    _same_shape(op, rule, _x(1, dtype=torch.float64))
+    w, x = _x(3, 8), _x(2, 8)
+    assert rule.dtype_arg == 1 and _arg_name(op, 1) == "other"
+    p, node = _propagate(op, {1: _s(1, 8)}, w, x)  # W.type_as(x): reads only x's dtype
+    assert node not in p.region.specs
+
+
+def _softmax(op, rule: OpRule, *extra) -> None:
+    x = _x(2, 3, 8)
+    assert torch.allclose(op(x, 1, *extra).exp().sum(1) if rule.log else op(x, 1, *extra).sum(1), torch.ones(2, 8))
+    assert _out(op, {0: _s(2, 8)}, x, 1, *extra) == _s(2, 8)
+    _refuses(op, "softmax over the sharded dim", {0: _s(2, 8)}, x, 2, *extra)
+
+
+def _view(op, rule: OpRule) -> None:
+    p, node = _propagate(op, {0: _s(2, 8)}, _x(2, 3, 8), [2, 3, 4, 2])  # 4 heads of 2
+    assert p.region.specs[node] == _s(2, 4)
+    assert [(r.arg, r.index, r.old, r.new) for r in p.region.rewrites] == [(1, 2, 4, 2)]
+
+
+def _flatten(op, rule: OpRule) -> None:
+    assert _out(op, {0: _s(2, 8)}, _x(2, 3, 8), 0, 1) == _s(1, 8)
+
+
+def _expand(op, rule: OpRule) -> None:
+    p, node = _propagate(op, {0: _s(2, 8)}, _x(2, 1, 8), [2, 3, 8])
+    assert p.region.specs[node] == _s(2, 8)
+    assert [(r.arg, r.index, r.old, r.new) for r in p.region.rewrites] == [(1, 2, 8, 4)]  # the local size
+
+
+def _expand_as(op, rule: OpRule) -> None:
+    p, node = _propagate(op, {1: _s(2, 8)}, _x(1, 1, 8), _x(2, 3, 8))  # a replicated value broadcast
+    assert p.region.specs[node] == _s(2, 8)
+    (cut,) = p.region.slices  # ... spans the sharded dim: each rank reads its slice
+    assert (cut.consumer, cut.dim, cut.sharding) == (node, 2, _s(2, 8))
+
+
+def _repeat(op, rule: OpRule) -> None:
+    assert _out(op, {0: _s(2, 8)}, _x(2, 3, 8), [2, 1, 1]) == _s(2, 8)
+    _refuses(op, "repeat of the sharded dim", {0: _s(2, 8)}, _x(2, 3, 8), [1, 1, 2])
+
+
+def _repeat_interleave(op, rule: OpRule) -> None:
+    assert _out(op, {0: _s(1, 4)}, _x(2, 4, 3), 2, 0) == _s(1, 4)
+    assert _out(op, {0: _s(1, 4)}, _x(2, 4, 3), 2, 1) == _s(1, 8)  # each rank repeats its own kv heads
+
+
+def _move(op, rule: OpRule, shape: tuple[int, ...], *extra) -> None:
+    x = torch.arange(torch.Size(shape).numel(), dtype=torch.float32).view(shape)
+    node, _ = _graph(op, x, *extra)
+    out, fp = op(x, *extra), Fingerprinter()
+    d = max(range(len(shape)), key=lambda i: shape[i])  # the largest dim: never squeezed
+    if rule.form in ("insert", "drop", "drop_ones"):  # a size-1 dim added or dropped: the others keep their order
+        assert out.shape[moved_dim(node, d, list(shape))] == shape[d] and out.numel() == x.numel()
+    else:  # a pure reorder: the permutation reproduces it on values
+        assert torch.equal(x.permute(permutation(node)), out)
+    got = _out(op, {0: Sharding(d, (Segment(shape[d], 1),))}, x, *extra)
+    assert got == Sharding(moved_dim(node, d, fp.shape(x)), (Segment(shape[d], 1),))
+
+
+def _complex_view(op, rule: OpRule) -> None:
+    if rule.form == "complex":  # pairs of the last dim become one value
+        x = _x(2, 4, 2)
+        assert _out(op, {0: _s(1, 4)}, x) == _s(1, 4)
+        _refuses(op, "complex view of the sharded dim", {0: _s(2, 2)}, x)
+    else:
+        assert _out(op, {0: _s(1, 4)}, _x(2, 4, dtype=torch.complex64)) == _s(1, 4)
+
+
+def _slice(op, rule: OpRule) -> None:
+    p, node = _propagate(op, {0: _s(2, 4, 4)}, _x(2, 3, 8), 2, 4, 8)  # the second of two fused segments
+    assert p.region.specs[node] == _s(2, 4)
+    assert [(r.arg, r.old, r.new) for r in p.region.rewrites] == [(2, 4, 2)]  # its local start
+    _refuses(op, "a partial slice of the sharded dim", {0: _s(2, 8)}, _x(2, 3, 8), 2, 1, 5)
+
+
+def _narrow(op, rule: OpRule) -> None:
+    assert [a.name for a in op._schema.arguments] == ["self", "dim", "start", "length"]
+    _refuses(op, "no sharding rule", {0: _s(1, 8)}, _x(3, 8), 0, 0, 2)
+    node, (x,) = _graph(op, _x(3, 8), 0, 0, 2)  # a head's logits: the vocab visitor narrows other dims
+    v = _VocabPropagator(Fingerprinter(), TP, "head")
+    v.region.specs[x] = _s(1, 8)
+    v.visit(node)
+    assert v.region.specs[node] == _s(1, 8)
+
+
+def _select(op, rule: OpRule) -> None:
+    assert _out(op, {0: _s(2, 8)}, _x(2, 3, 8), 1, 0) == _s(1, 8)
+    _refuses(op, "select on the sharded dim", {0: _s(2, 8)}, _x(2, 3, 8), 2, 0)
+
+
+def _index(op, rule: OpRule) -> None:  # only read as a parameter's rows picked per token (expert biases)
+    _refuses(op, "no sharding rule", {0: _s(1, 8)}, _x(3, 8), [torch.tensor([0, 2])])
+
+
+_SPLIT_ARGS = {"size": (4, 2), "sizes": ([4, 4], 2), "chunks": (2, 2)}
+
+
+def _split(op, rule: OpRule) -> None:
+    if rule.form == "unbind":
+        x = _x(4, 3, 2)
+        assert _out(op, {0: _s(0, 4)}, x, 1) == (_s(0, 4),) * 3
+        _refuses(op, "unbind of the sharded dim", {0: _s(0, 4)}, x, 0)
+        return
+    x, how = _x(2, 3, 8), op._schema.arguments[1]  # what the form says the pieces are given by
+    assert (how.name == "chunks") == (rule.form == "chunks")
+    assert isinstance(how.type, torch.ListType) == (rule.form == "sizes")
+    p, node = _propagate(op, {0: _s(2, 4, 4)}, x, *_SPLIT_ARGS[rule.form])  # q | k, each rank its half of both
+    assert p.region.specs[node] == (_s(2, 4), _s(2, 4))
+    assert {(r.arg, r.new) for r in p.region.rewrites} == (set() if rule.form == "chunks" else {(1, 2)})
+
+
+def _cat(op, rule: OpRule) -> None:
+    assert _out(op, {0: _s(2, 8), 1: _s(2, 8)}, [_x(2, 3, 8), _x(2, 3, 8)], 0) == _s(2, 8)
+    _refuses(op, "cat along the sharded dim", {0: _s(2, 8), 1: _s(2, 8)}, [_x(2, 3, 8), _x(2, 3, 8)], 2)
+
+
+def _stack(op, rule: OpRule) -> None:
+    assert _out(op, {0: _s(2, 8), 1: _s(2, 8)}, [_x(2, 3, 8), _x(2, 3, 8)], 0) == _s(3, 8)
+
+
+_REDUCTION_ARGS = {  # reduce dim 1 of (2, 3, 8); [2]: the sharded dim instead
+    aten.mean.dim: lambda d: ([d],), aten.sum.dim_IntList: lambda d: ([d],), aten.amax.default: lambda d: ([d],),
+    aten.amin.default: lambda d: ([d],), aten.var.dim: lambda d: ([d], True, False),
+    aten.std.dim: lambda d: ([d], True, False), aten.linalg_vector_norm.default: lambda d: (2, [d]),
+    aten.norm.ScalarOpt_dim: lambda d: (2, [d]),
+}
+
+
+def _reduction(op, rule: OpRule) -> None:
+    args, kw = _REDUCTION_ARGS.get(op, lambda d: ([d],))(1), {"correction": 1} if "correction" in str(op) else {}
+    x = _x(2, 3, 8)
+    assert rule.param is None or rule.param in [a.name for a in op._schema.arguments]
+    node, _ = _graph(op, x, *args, **kw)
+    r = reduction_args(node)
+    assert (r.dims, r.keepdim) == ([1], False) and list(op(x, *args, **kw).shape) == [2, 8]
+    assert _out(op, {0: _s(2, 8)}, x, *args, **kw) == _s(1, 8)
+    over = _REDUCTION_ARGS.get(op, lambda d: ([d],))(2)
+    if rule.stat is None:
+        _refuses(op, "reduces the sharded dim", {0: _s(2, 8)}, x, *over, **kw)
+        return
+    p, node = _propagate(op, {0: _s(2, 8)}, x, *over, **kw)  # each rank's partial statistic, all-reduced
+    assert node not in p.region.specs and p.region.stats[node].kind == rule.stat
+    assert rule.stat == op.__name__.split(".")[0].removeprefix("linalg_vector_")
+
+
+def _max_min(op, rule: OpRule) -> None:
+    assert _out(op, {0: _s(2, 8)}, _x(2, 3, 8), 1) == (_s(1, 8), _s(1, 8))
+    _refuses(op, "over the sharded dim", {0: _s(2, 8)}, _x(2, 3, 8), 2)
+
+
+def _norm(op, rule: OpRule) -> None:
+    assert rule.stat == op.__name__.split(".")[0]
+    affine = [a.name for a in op._schema.arguments if a.name in ("weight", "bias")]
+    assert [_arg_name(op, i) for i in rule.weights] == affine
+    x = _x(2, 4, 8)
+    assert _out(op, {0: _s(1, 4)}, x, [8]) == _s(1, 4)  # per head: the sharding passes
+    p, node = _propagate(op, {0: _s(2, 8)}, x, [8])  # over the whole width: statistics completed by an all-reduce
+    assert p.region.stats[node] == (rule.stat, 1 / TP)
+    assert [(r.arg, r.index, r.old, r.new) for r in p.region.rewrites] == [(1, 0, 8, 4)]
+
+
+def _matmul(op, rule: OpRule) -> None:
+    lead = (2, 4) if op is aten.matmul.default else (4,)
+    a, b = _x(*lead, 3, 5), _x(*lead, 5, 3)
+    s = _s(len(lead) - 1, 4)
+    assert _out(op, {0: s, 1: s}, a, b) == s
+    _refuses(op, "contracted outside the row-parallel matmul", {0: _s(len(lead) + 1, 5)}, a, b)
+
+
+def _baddbmm(op, rule: OpRule) -> None:
+    s = _s(0, 4)
+    assert _out(op, {0: s, 1: s, 2: s}, _x(4, 3, 3), _x(4, 3, 5), _x(4, 5, 3)) == s
+
+
+def _sdpa(op, rule: OpRule) -> None:
+    assert _arg_name(op, rule.random_p) == "dropout_p"
+    q, k, v = _x(2, 4, 3, 8), _x(2, 4, 3, 8), _x(2, 4, 3, 8)
+    p, node = _propagate(op, {0: _s(1, 4), 1: _s(1, 4), 2: _s(1, 4)}, q, k, v, dropout_p=0.0)
+    assert p.region.specs[node] == _s(1, 4) and p.region.random_nodes == []
+    _refuses(op, "attention not sharded by heads", {0: _s(2, 3), 1: _s(2, 3), 2: _s(2, 3)}, q, k, v)
+
+
+def _index_put(op, rule: OpRule) -> None:
+    cache, pos, k = _x(2, 4, 6, 8), torch.tensor([1, 3]), _x(2, 4, 2, 8)
+    assert _out(op, {0: _s(1, 4), 2: _s(1, 4)}, cache, [None, None, pos], k) == _s(1, 4)
+    _refuses(op, "indexes the sharded dim", {0: _s(1, 4), 2: _s(1, 4)}, cache, [None, pos], _x(2, 2, 6, 8))
+
+
+def _index_copy(op, rule: OpRule) -> None:
+    cache, pos, k = _x(2, 4, 6, 8), torch.tensor([1, 3]), _x(2, 4, 2, 8)
+    assert _out(op, {0: _s(1, 4), 2: _s(1, 4)}, cache, 2, pos, k) == _s(1, 4)
+    _refuses(op, "indexes the sharded dim", {0: _s(1, 4), 2: _s(1, 4)}, cache, 1, torch.tensor([0, 1]), _x(2, 2, 6, 8))
+
+
+def _copy(op, rule: OpRule) -> None:
+    assert _out(op, {0: _s(1, 4), 1: _s(1, 4)}, _x(2, 4, 3), _x(2, 4, 3)) == _s(1, 4)
+    _refuses(op, "copied into a replicated tensor", {1: _s(1, 4)}, _x(2, 4, 3), _x(2, 4, 3))
+
+
+def _new_like(op, rule: OpRule) -> None:
+    p, node = _propagate(op, {0: _s(1, 4)}, _x(2, 4, 3), [2, 4, 3])
+    assert p.region.specs[node] == _s(1, 4)
+    assert [(r.arg, r.index, r.old, r.new) for r in p.region.rewrites] == [(1, 1, 4, 2)]  # this rank's heads
+
+
+def _like(op, rule: OpRule) -> None:  # reads no values of its input
+    extra = {aten.new_full.default: ([2, 4, 3], 1.0), aten.full_like.default: (1.0,)}.get(op, ())
+    x = _x(2, 4, 3)
+    a, b = op(x, *extra), op(x * 2, *extra)
+    assert a.shape == b.shape and (op is aten.empty_like.default or torch.equal(a, b))
+    _refuses(op, "no sharding rule", {0: _s(1, 4)}, x, *extra)
+
+
+def _factory(op, rule: OpRule) -> None:
+    """A constant-filled operand spanning the sharded dim is made local-sized (its size list rewritten)."""
+    extra = (1.0,) if op is aten.full.default else ()
+    g = fx.Graph()
+    y = g.placeholder("y")
+    y.meta["val"] = _x(2, 4, 3)
+    z = g.call_function(op, ([2, 4, 3], *extra))
+    z.meta["val"] = op([2, 4, 3], *extra)
+    add = g.call_function(aten.add.Tensor, (y, z))
+    add.meta["val"] = y.meta["val"] + z.meta["val"]
+    p = Propagator(Fingerprinter(), TP, "test")
+    p.region.specs[y] = _s(1, 4)
+    p.visit(add)
+    assert p.region.specs[add] == _s(1, 4)
+    assert [(r.node, r.arg, r.index, r.old, r.new) for r in p.region.rewrites] == [(z.name, 0, 1, 4, 2)]
+
+
+def _losses(op, rule: OpRule) -> None:
+    """The vocab visitor's losses over logits sharded on the class dim."""
+    g, target = fx.Graph(), torch.tensor([1, 5, 7])
+    logits = g.placeholder("logits")
+    logits.meta["val"] = _x(3, 8)
+    t = g.placeholder("target")
+    t.meta["val"] = target
+    x = logits
+    if rule.kind == "nll_loss":
+        x = g.call_function(aten.log_softmax.int, (logits, 1))
+        x.meta["val"] = logits.meta["val"].log_softmax(1)
+    loss = g.call_function(op, (x, t))
+    loss.meta["val"] = op(x.meta["val"], target)
+    v = _VocabPropagator(Fingerprinter(), TP, "head")
+    v.region.specs[logits] = _s(1, 8)
+    for n in [x, loss] if x is not logits else [loss]:
+        v.visit(n)
+    assert [(f.node, f.logits) for f in v.losses] == [(loss, logits)]
+    _refuses(op, "no sharding rule", {0: _s(1, 8)}, _x(3, 8), target)  # tensor-parallel regions end at a row matmul
+
+
+def _getitem(op, rule: OpRule) -> None:
+    g = fx.Graph()
+    x = g.placeholder("x")
+    x.meta["val"] = _x(2, 3, 8)
+    split = g.call_function(aten.split.Tensor, (x, 4, 2))
+    split.meta["val"] = aten.split.Tensor(x.meta["val"], 4, 2)
+    second = g.call_function(op, (split, 1))
+    p = Propagator(Fingerprinter(), TP, "test")
+    p.region.specs[x] = _s(2, 4, 4)
+    p.visit(split)
+    p.visit(second)
+    assert p.region.specs[second] == _s(2, 4)
+
+
+def _sym_size(op, rule: OpRule) -> None:
+    x = _x(2, 3, 8)
+    assert op(x, 1) == 3
+    p, node = _propagate(op, {0: _s(2, 8)}, x, 1)
+    assert node not in p.region.specs
+    _refuses(op, "the size of the sharded dim is read at run time", {0: _s(2, 8)}, x, 2)
+
+
+def _no_output(op, rule: OpRule) -> None:
+    x = _x(2, 3, 8)
+    assert op(x, dtype=torch.float32) is None
+    p, node = _propagate(op, {0: _s(2, 8)}, x, dtype=torch.float32)
+    assert node not in p.region.specs
+
+
+_MOVE_ARGS = {
+    aten.transpose.int: ((2, 3, 4), 0, 2), aten.swapaxes.default: ((2, 3, 4), -1, 1),
+    aten.swapdims.default: ((2, 3, 4), 0, 1), aten.t.default: ((3, 4),), aten.numpy_T.default: ((2, 3, 4),),
+    aten.mT.default: ((2, 3, 4),), aten.mH.default: ((2, 3, 4),), aten.adjoint.default: ((2, 3, 4),),
+    aten.permute.default: ((2, 3, 4), [1, 2, 0]), aten.movedim.int: ((2, 3, 4), 0, 2),
+    aten.movedim.intlist: ((2, 3, 4), [0, 1], [2, 0]), aten.unsqueeze.default: ((2, 3, 4), 1),
+    aten.squeeze.dim: ((2, 1, 4), 1), aten.squeeze.dims: ((1, 3, 1, 4), [0, 2]), aten.squeeze.default: ((2, 1, 4),),
+}
+CHECKS = {
+    **{op: _same_shape for op in (aten.contiguous.default, aten.clone.default, aten.alias.default, aten.detach.default,
+                                   aten.lift_fresh_copy.default)},
+    aten.to.dtype: lambda op, r: _same_shape(op, r, torch.float64),
+    aten.to.dtype_layout: lambda op, r: _same_shape(op, r, dtype=torch.float64),
+    aten.to.device: lambda op, r: _same_shape(op, r, torch.device("cpu"), torch.float64),
+    aten._to_copy.default: lambda op, r: _same_shape(op, r, dtype=torch.float64),
+    aten.type_as.default: _type_as,
+    **dict.fromkeys((aten.dropout.default, aten.feature_dropout.default, aten.alpha_dropout.default), _dropout),
+    aten.softmax.int: _softmax, aten.log_softmax.int: _softmax,
+    aten._softmax.default: lambda op, r: _softmax(op, r, False),
+    aten._log_softmax.default: lambda op, r: _softmax(op, r, False),
+    **{op: (lambda args: lambda op, r: _move(op, r, *args))(args) for op, args in _MOVE_ARGS.items()},
+    **dict.fromkeys((aten.view.default, aten.reshape.default, aten._unsafe_view.default), _view),
+    aten.flatten.using_ints: _flatten, aten.expand.default: _expand, aten.broadcast_to.default: _expand,
+    aten.expand_as.default: _expand_as, aten.repeat.default: _repeat,
+    aten.repeat_interleave.self_int: _repeat_interleave,
+    aten.view_as_complex.default: _complex_view, aten.view_as_real.default: _complex_view,
+    aten.slice.Tensor: _slice, aten.narrow.default: _narrow, aten.select.int: _select, aten.index.Tensor: _index,
+    **{op: _split for op, r in OP_RULES.items() if r.kind == "split"},
+    aten.cat.default: _cat, aten.stack.default: _stack,
+    **{op: _reduction for op, r in OP_RULES.items() if r.kind == "reduction"},
+    aten.max.dim: _max_min, aten.min.dim: _max_min, aten.rms_norm.default: _norm, aten.layer_norm.default: _norm,
+    aten.matmul.default: _matmul, aten.bmm.default: _matmul, aten.baddbmm.default: _baddbmm,
+    aten.scaled_dot_product_attention.default: _sdpa,
+    aten.index_put_.default: _index_put, aten.index_put.default: _index_put,
+    aten.index_copy_.default: _index_copy, aten.index_copy.default: _index_copy, aten.copy_.default: _copy,
+    **{op: _new_like for op, r in OP_RULES.items() if r.kind == "new_like"},
+    **{op: _like for op, r in OP_RULES.items() if r.kind == "like"},
+    **{op: _factory for op, r in OP_RULES.items() if r.kind == "factory"},
+    **{op: _losses for op, r in OP_RULES.items() if r.kind in ("cross_entropy", "nll_loss")},
+    operator.getitem: _getitem, aten.sym_size.int: _sym_size, aten._assert_tensor_metadata.default: _no_output,
+}
+
+
+def _name(op: object) -> str:
+    return getattr(op, "__name__", str(op))
+
+
+@pytest.mark.parametrize("op", list(OP_RULES), ids=[_name(op) for op in OP_RULES])
+def test_rule(op):
+    CHECKS[op](op, OP_RULES[op])
+
+
+def test_every_entry_is_checked():
+    assert set(CHECKS) == set(OP_RULES)
+
+
+def test_pointwise_ops_fall_back_to_their_tag():
+    assert op_rule(aten.add.Tensor) is POINTWISE and op_rule(aten.where.self) is POINTWISE
+    assert op_rule(aten.clone.default) is OP_RULES[aten.clone.default]  # the table first (clone is tagged too)
+    assert op_rule(aten.topk.default) is None and op_rule("output") is None
+    x, y = _x(2, 3, 8), _x(8)
+    p, node = _propagate(aten.add.Tensor, {0: _s(2, 8)}, x, y)  # a replicated (8,) spans the sharded dim
+    assert p.region.specs[node] == _s(2, 8) and [(c.operand.name, c.dim) for c in p.region.slices] == [("x1", 0)]
+
+
+def test_the_table_is_immutable():
+    with pytest.raises(TypeError):
+        OP_RULES[aten.add.Tensor] = POINTWISE  # type: ignore[index]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        OP_RULES[aten.view.default].kind = "move"  # type: ignore[misc]
+
+
+def _kinds(cls: type) -> set[str]:
+    return {m.removeprefix("_on_") for m in dir(cls) if m.startswith("_on_")}
+
+
+def test_visitors_dispatch_on_the_table_only():
+    """Every handler serves a kind of the table; no visitor names an aten op or keeps an op set of its own."""
+    kinds = {r.kind for r in OP_RULES.values()} | {POINTWISE.kind}
+    for cls in (Propagator, _Sequence, _VocabPropagator):
+        assert _kinds(cls) <= kinds, (cls, _kinds(cls) - kinds)
+    assert {"move", "view", "split", "reduction", "norm", "sdpa", "getitem"} <= _kinds(Propagator)
+    for name in ("propagate.py", "sequence.py", "shape_rules.py", "value_rules.py", "column_layout.py"):
+        src = (ANALYSIS / name).read_text()
+        assert "aten." not in src and "torch.ops" not in src and "operator.getitem" not in src, name
+    moves = [f"aten.{op.__name__}" for op, r in OP_RULES.items() if r.kind == "move"]
+    for name in ("vocab.py", "matmuls.py", "coverage.py", "ops.py"):  # one definition of the ops that move a dim
+        src = (ANALYSIS / name).read_text()
+        assert not re.search(r"^_?(MOVES|TRANSPOSES\w*)\s*=\s*\{", src, re.M), name
+        assert not [m for m in moves if re.search(re.escape(m) + r"\b", src)], name
