@@ -24,15 +24,11 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from autotp.analysis.op_rules import OP_RULES, is_cast, kind_of, permutes
+from autotp.analysis.op_rules import is_cast, kind_of, permutes
 from autotp.analysis.ops import ndim_of, permutation
 
 aten = torch.ops.aten
 
-# what a weight may pass through on its way to the matmul: ops that keep its values (or round them) and shape,
-# and ops that reorder dims (a 2-D weight's transpose, a 3-D one's matrix dims swapped)
-CASTS = frozenset(op for op in OP_RULES if is_cast(op))
-TRANSPOSES_2D = frozenset(op for op in OP_RULES if permutes(op))
 
 
 @dataclass(frozen=True)
@@ -313,7 +309,7 @@ def column_form(gm: fx.GraphModule, c: fx.Node, x: fx.Node, params: set[str]) ->
         return None
     operand = c.args[2 if pm.kind == "addmm" else 1]
     layout = "out_in" if pm.kind == "linear" else "in_out"
-    if len(pm.chain) == 1 and pm.chain[0].target in TRANSPOSES_2D:
+    if len(pm.chain) == 1 and permutes(pm.chain[0].target):
         operand, layout = pm.chain[0].args[0], "out_in" if pm.out_dim == 0 else "in_out"
     bias = c.args[0] if pm.kind == "addmm" else c.args[2] if pm.kind == "linear" and len(c.args) > 2 else None
     return layout, operand, bias

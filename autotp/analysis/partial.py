@@ -21,22 +21,22 @@ import sympy
 import torch
 import torch.fx as fx
 
-from autotp.analysis.matmuls import CASTS
+from autotp.analysis.op_rules import is_cast, kind_of, op_rule
 from autotp.analysis.ops import NO_OUTPUT, is_guard, reaches
 
 aten = torch.ops.aten
 
-# ops whose output is partial when their one tensor operand is (views and layout of a partial sum)
-_UNARY = {aten.neg.default, aten.view.default, aten.reshape.default, aten._unsafe_view.default,
-          aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default, aten.transpose.int,
-          aten.permute.default, aten.flatten.using_ints, aten.sum.dim_IntList, aten.index.Tensor}
+def _unary_linear(t: object) -> bool:
+    """Is an op's output partial when its one tensor operand is? Views, moves and row gathers of a partial
+    sum (the op table's kinds), its negation and its sum over other dims."""
+    return kind_of(t) in ("view", "flatten", "move", "index") or t in (aten.neg.default, aten.sum.dim_IntList)
 
 
 def _linear_in(u: fx.Node, partial: set[fx.Node]) -> bool:
     """Is ``u`` linear in its partial operands, so that its output is partial too?"""
     tensors = [a for a in u.args if isinstance(a, fx.Node)]
     mine = [a for a in tensors if a in partial]
-    if u.target in _UNARY:  # (a sum over other dims, a gather of rows by replicated indices: linear too)
+    if _unary_linear(u.target):  # (a sum over other dims, a gather of rows by replicated indices: linear too)
         return u.args[0] in partial and len(mine) == 1
     if u.target is aten.einsum.default:  # a contraction with replicated operands: (Σ a_r)·w = Σ a_r·w
         return sum(a in partial for a in u.args[1]) == 1
@@ -67,9 +67,12 @@ class Deferred(NamedTuple):
     enter: dict[fx.Node, list[tuple[fx.Node, fx.Node]]]
 
 
-# ops a factor passes through from where it is computed to the product (``dense[..., e, None]``)
-_PICK = {aten.select.int, aten.unsqueeze.default, aten.slice.Tensor, aten.view.default, aten.reshape.default,
-         aten.squeeze.dim, aten.expand.default}
+def _picks(t: object) -> bool:
+    """Does a factor pass through ``t`` from where it is computed to the product (``dense[..., e, None]``):
+    a select, slice, view or expand, or a size-1 dim added or dropped?"""
+    rule = op_rule(t)
+    return rule is not None and (rule.kind in ("select", "slice", "view", "expand")
+                                 or (rule.kind == "move" and rule.form in ("insert", "drop", "drop_ones")))
 
 
 def _factor_root(r: fx.Node, learned) -> tuple[fx.Node | None, fx.Node]:
@@ -88,7 +91,7 @@ def _factor_root(r: fx.Node, learned) -> tuple[fx.Node | None, fx.Node]:
 def _linear_source(node: fx.Node, learned) -> fx.Node | None:
     """The one learned operand ``node`` is linear in, or None."""
     t, args = node.target, node.args
-    if t in _PICK or t in CASTS or t is aten.sum.dim_IntList:
+    if _picks(t) or is_cast(t) or t is aten.sum.dim_IntList:
         return args[0] if isinstance(args[0], fx.Node) else None
     tensors = [a for a in args if isinstance(a, fx.Node)]
     if t in (aten.mul.Tensor, aten.div.Tensor):
