@@ -14,7 +14,10 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from torch.distributed.device_mesh import DeviceMesh
+
 from autotp.capture.structure import Spec
+from autotp.distributed.data_parallel import FSDPConfig
 from autotp.plan.plan import ParamShard, Plan, ShardedInput
 from autotp.runtime.rng import RegionRNG
 
@@ -60,6 +63,9 @@ class TPState:
     checked: set[Hashable] = field(default_factory=set)
     warned: set[tuple[str, str]] = field(default_factory=set)
     unloaded: tuple[str, ...] = ()  # tensors of a model built on meta that no load gave values yet
+    mesh: DeviceMesh | None = None  # with fsdp: the device mesh of the dp and tp dims
+    fsdp: FSDPConfig | None = None  # sharded data parallelism over the mesh's dp dim(s)
+    units: tuple[str, ...] | None = None  # with fsdp: the blocks FSDP gathers one at a time, once applied
 
     @property
     def plan(self) -> Plan:

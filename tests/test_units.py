@@ -63,7 +63,7 @@ def test_head_rules_follow_megatron():
 def test_plan_is_immutable_json_data():
     from autotp.analysis.ops import Rewrite
     from autotp.plan.plan import (Collective, ColumnForm, ExpertLayer, ExpertSlot, LocalSlice, PairPlan, ParamShard,
-                                  SeqEnter, SeqGather, SeqLeave, SeqSlice, SequencePlan, Stat)
+                                  SeqEnter, SeqGather, SeqLeave, SeqSlice, SequencePlan, Stat, Unit)
 
     shard = ParamShard("column", "h.0.attn.c_attn", 0, (Segment(64, 2),) * 3, (192, 64), (96, 64))
     plan = Plan(tp=2, params=(("h.0.attn.c_attn.weight", shard),),
@@ -91,10 +91,13 @@ def test_plan_is_immutable_json_data():
                                experts=(ExpertLayer("h.0.moe", 4, ("h.0.moe.w1",), (("select_1", 1),), ("index_2",),
                                                     ("grouped_mm",), (ExpertSlot(1, ("mm", "silu"), ("x",), "mm_2"),),
                                                     2, 64),),
-                               experts_kept=(("h.1.moe", "separate modules"),))
+                               experts_kept=(("h.1.moe", "separate modules"),),
+                               units=(Unit("h.0", ("h.0.attn.c_attn.weight",)), Unit("h.1", ("h.1.attn.qkv.weight",))))
     again = Plan.from_json(plan.to_json())
     assert again == plan
-    assert again.to_dict()["version"] == 8
+    assert again.to_dict()["version"] == 9
+    v8 = {k: v for k, v in plan.to_dict().items() if k != "units"}  # before FSDP units
+    assert Plan.from_dict({**v8, "version": 8}).units == ()
     assert again.column_form("linear", "ln").weight == "h_0_attn_c_attn_weight"
     assert again.column_form("linear", "view_1") is None  # a column is fusable only on the input it reads
     v7 = {k: v for k, v in plan.to_dict().items() if k != "column_forms"}  # before the passes read forms from plans

@@ -338,3 +338,12 @@ def current_tp_group(environ: Mapping[str, str] | None = None) -> dist.ProcessGr
         if found is not None:
             return found
     return init_from_env(environ).tp_group()
+
+
+def current_mesh(environ: Mapping[str, str] | None = None) -> DeviceMesh | None:
+    """The layout's (pp, dp, tp) device mesh under ``autotp run``; None when ``AUTOTP_TP`` is not set.
+    Collective (it builds the mesh's groups): every rank must reach this call."""
+    environ = os.environ if environ is None else environ
+    if _env_int(ENV_TP, environ) is None:
+        return None
+    return init_from_env(environ).mesh

@@ -10,6 +10,8 @@ here and collectives are bound here.
 """
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import warnings
 from collections.abc import Callable, Hashable, Mapping
 
@@ -17,6 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from autotp.capture.tracer import capture, input_guard, stand_ins
 from autotp.capture.structure import Spec, call_key, flatten, unflatten
@@ -27,7 +30,11 @@ from autotp.capture.modelfile import default_example as _default_example
 from autotp.errors import ProcessGroupError, ShardingError
 from autotp.runtime.gathered import GatheredOnUse, bind_outputs
 from autotp.parallel.grads import mark_sharded_grad, norm_info
-from autotp.passes import run_passes
+from autotp.distributed.data_parallel import FSDPConfig
+from autotp.passes import PassError, run_passes
+from autotp.passes.split_units import split_units
+from autotp.parallel.fsdp import apply_fsdp, check_fsdp_plan, fsdp_hooks_off
+from autotp.runtime.units import bind_pieces
 from autotp.plan.plan import ParamShard, Plan, ShardedInput
 from autotp.plan.planner import fused_segments, make_plan
 from autotp.runtime.rng import SEED_OFFSET, RegionRNG, bind_rng
@@ -63,6 +70,23 @@ def _resolve_group(tp_group: dist.ProcessGroup | None) -> dist.ProcessGroup:
                  "e.g. under `torchrun --nproc-per-node 2 train.py`; a group of size 1 is valid and runs unsharded",
         )
     return dist.group.WORLD
+
+
+def _resolve_mesh(mesh: DeviceMesh | None, config: FSDPConfig | None,
+                  tp_group: dist.ProcessGroup | None) -> DeviceMesh | None:
+    if mesh is not None and tp_group is not None:
+        raise ProcessGroupError("pass either mesh or tp_group, not both: the mesh's 'tp' dim is the group")
+    if mesh is not None or config is None:
+        return mesh
+    from autotp.distributed.launch import current_mesh  # under `autotp run`: the layout's (pp, dp, tp) mesh
+
+    found = current_mesh()
+    if found is None:
+        raise ProcessGroupError(
+            "fsdp=True needs a device mesh of the data-parallel and tensor-parallel ranks, and none was given",
+            hint="pass mesh=torch.distributed.device_mesh.init_device_mesh(device, (dp, tp), "
+                 "mesh_dim_names=('dp', 'tp')), or start the script with `autotp run SCRIPT --tp T --dp D`")
+    return found
 
 
 class TPModule(nn.Module):
@@ -186,19 +210,43 @@ def _build(model: nn.Module, st: TPState, args: tuple, kwargs: dict, key: Hashab
             swap.update(stand_ins({n: t for n, t in model.named_parameters(remove_duplicate=False)
                                    if n not in swap}, where))
             swap.update(stand_ins(dict(model.named_buffers(remove_duplicate=False)), where))
-    gm, spec = capture(model, args, kwargs, forward=_user_forward(model, st), params=swap, device=st.device)
+    # once FSDP shards the model, its hooks would gather parameters inside the export: it sees stand-ins
+    hooks_off = fsdp_hooks_off(model) if st.units is not None else contextlib.nullcontext()
+    with hooks_off:
+        gm, spec = capture(model, args, kwargs, forward=_user_forward(model, st), params=swap, device=st.device)
     accepts = input_guard(gm)  # before the passes give sharded inputs their local shapes
     plan = _plan(model, st, gm, st.sequence_parallel if sequence_parallel is None else sequence_parallel)
     if st.tp == 1 and not st.graphs:
         st.segments = fused_segments(gm)
     _check_consistent(st, plan)
+    if st.fsdp is not None:
+        check_fsdp_plan(plan, st.tp)
     gm = run_passes(gm, plan)
+    if st.fsdp is not None:
+        gm, plan = _split_units(gm, plan, st)
     if not st.shards and (plan.params or plan.buffers):
         _shard_in_place(model, st, plan)
         _shard_buffers_in_place(model, st, plan)
+    if st.fsdp is not None and st.units is None:
+        apply_fsdp(model, st, plan)
     # a model built on meta holds uninitialised memory until a load fills it: every name it had on meta
     st.unloaded = tuple(dict.fromkeys([*st.unloaded, *empty, *allocate_meta(model, st.device)]))
     return _finish(model, st, gm, spec, key, plan, accepts)
+
+
+def _split_units(gm: fx.GraphModule, plan: Plan, st: TPState) -> tuple[fx.GraphModule, Plan]:
+    """The graph cut into one piece per FSDP unit (a block), each run as that unit's forward. A graph that
+    cannot be cut makes the whole model one unit (the first call), with a warning that says why."""
+    if st.units is not None:  # FSDP is applied: a later call signature runs the same units
+        plan = dataclasses.replace(plan, units=tuple(u for u in plan.units if u.module in st.units))
+    try:
+        return run_passes(gm, plan, (split_units,)), plan
+    except PassError as e:
+        if st.units:
+            raise ShardingError(f"this call's graph cannot be cut at the blocks FSDP shards: {e.__cause__}") from e
+        warnings.warn(f"autotp: fsdp shards the whole model as one unit (all parameters gathered at once): "
+                      f"{e.__cause__}", stacklevel=4)
+        return gm, dataclasses.replace(plan, units=())
 
 
 def _by_id(named, own: dict[str, ParamShard]) -> tuple[dict[int, ParamShard], dict[int, list[str]]]:
@@ -304,6 +352,7 @@ def _finish(model: nn.Module, st: TPState, gm: fx.GraphModule, spec: Spec, key: 
     bind_rng(gm, st.rng)
     bind_vocab(gm, st.group, st.rank)
     bind_outputs(gm, st.group, st.rank)
+    bind_pieces(gm, model)
     run: nn.Module = gm
     if st.compile:
         from autotp.runtime.compile import compile_graph
@@ -342,7 +391,8 @@ def _device(model: nn.Module, group: dist.ProcessGroup, device: torch.device | s
 def parallelize(model: nn.Module, *, tp_group: dist.ProcessGroup | None = None, example_inputs: object = None,
                 vocab_multiple: int = 1, compile: bool = False, check_inputs: bool = False,
                 sequence_parallel: bool = False, expert_parallel: bool = False,
-                device: torch.device | str | None = None) -> nn.Module:
+                device: torch.device | str | None = None, fsdp: bool | FSDPConfig = False,
+                mesh: DeviceMesh | None = None) -> nn.Module:
     """Shard ``model`` Megatron-style over ``tp_group``, in place, and return it.
 
     The model keeps its class (a subclass of it is swapped in), attributes and methods; its parameters
@@ -365,18 +415,31 @@ def parallelize(model: nn.Module, *, tp_group: dist.ProcessGroup | None = None, 
     ``check_inputs=True`` verifies on every call (not only the first of each signature) that all ranks of
     the group got the same inputs.
 
+    ``fsdp=True`` (or an :class:`~autotp.distributed.data_parallel.FSDPConfig`) also shards every
+    parameter's TP shard over the data-parallel ranks with FSDP2 (``fully_shard``), one unit per repeated
+    block found in the graph plus the root (embeddings, final norm, LM head): each block's parameters are
+    gathered just before it runs and its gradients reduce-scattered when its backward ends. The parameters
+    become DTensors over the mesh (``clip_grad_norm_`` gives the full model's norm); build the optimizer
+    after this call. ``mesh``: a device mesh with ``dp`` and ``tp`` dims (tp innermost), default the
+    layout's under ``autotp run``; its ``tp`` dim is the tensor-parallel group.
+
     A model built on the meta device (inside :func:`autotp.empty_weights`, see :mod:`autotp.io.empty`) is
     planned on meta; only this rank's shards and the replicated parameters are allocated, uninitialised,
     on ``device`` (default: this rank's GPU under nccl, else the CPU), for :func:`autotp.load_weights`.
     """
     if (known := find_tp_state(model)) is not None:
         raise ShardingError(f"{type(model).__name__} is already parallelized (tp={known.tp})")
-    group = _resolve_group(tp_group)
+    config = FSDPConfig() if fsdp is True else fsdp or None
+    if config is not None and compile:
+        raise ShardingError("fsdp with compile=True is not supported yet", hint="drop one of them")
+    mesh = _resolve_mesh(mesh, config, tp_group)
+    group = _resolve_group(tp_group if mesh is None else mesh.get_group("tp"))
     tp, rank = dist.get_world_size(group), dist.get_rank(group)
     device = _device(model, group, device)
     st = TPState(group, tp, rank, device, type(model), model.__dict__.get("forward"), vocab_multiple, compile,
                  check_inputs, sequence_parallel, RegionRNG(torch.initial_seed() + SEED_OFFSET + rank, device) if tp > 1 else None,
                  expert_parallel)
+    st.mesh, st.fsdp = mesh, config
     args, kwargs = _split_example(example_inputs, _user_forward(model, st))
     training = model.training
     _swap_class(model)

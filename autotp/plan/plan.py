@@ -16,10 +16,10 @@ from autotp.analysis.ops import Rewrite
 from autotp.shard_spec import (Segment, VocabLayout, local_pieces, shard_tensor, unshard_tensor, vocab_shard,
                                vocab_unshard)
 
-PLAN_VERSION = 8
-_READS = (1, 2, 3, 4, 5, 6, 7, 8)  # 1: no gathered outputs or sharded inputs, 2: no statistics, 3: no sequence
+PLAN_VERSION = 9
+_READS = (1, 2, 3, 4, 5, 6, 7, 8, 9)  # 1: no gathered outputs or sharded inputs, 2: no statistics, 3: no sequence
 # parallelism or grouped segments, 4: no collective dtypes, 5: no list of the weights left whole, 6: no expert
-# parallelism, 7: no column forms or reduction arguments of statistics (read only for their shards)
+# parallelism, 7: no column forms or reduction arguments of statistics (read only for their shards), 8: no units
 # the module the one gradient all-reduce of parameters applied to sequence slices is reported under
 SEQ_PARAMS = "(sequence-parallel parameters)"
 
@@ -306,6 +306,15 @@ class ExpertLayer:
 
 
 @dataclass(frozen=True)
+class Unit:
+    """One repeated block of the model (``autotp.analysis.units``): data parallelism (FSDP) gathers its
+    parameters just before it runs and frees them after. ``params``: the parameters it owns."""
+
+    module: str
+    params: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class Plan:
     tp: int
     params: tuple[tuple[str, ParamShard], ...] = ()
@@ -328,6 +337,7 @@ class Plan:
     experts_kept: tuple[tuple[str, str], ...] = ()
     # the column matmuls and LM heads a column group can fuse (a column that is absent keeps its own matmul)
     column_forms: tuple[ColumnForm, ...] = ()
+    units: tuple[Unit, ...] = ()  # the repeated blocks, in the order the graph runs them
     version: int = field(default=PLAN_VERSION)
 
     def param(self, name: str) -> ParamShard | None:
@@ -389,7 +399,8 @@ class Plan:
                    shards(d.get("buffers", {})), sequence, tuple(WholeParam(**w) for w in d.get("whole", ())),
                    tuple(ExpertLayer.from_dict(x) for x in d.get("experts", ())),
                    tuple(tuple(x) for x in d.get("experts_kept", ())),
-                   tuple(ColumnForm(**x) for x in d.get("column_forms", ())), PLAN_VERSION)
+                   tuple(ColumnForm(**x) for x in d.get("column_forms", ())),
+                   tuple(Unit(u["module"], tuple(u["params"])) for u in d.get("units", ())), PLAN_VERSION)
 
     @classmethod
     def from_json(cls, text: str) -> Plan:

@@ -14,8 +14,9 @@ from autotp.analysis.matmuls import ParamMatmul, column_form, module_path
 from autotp.analysis.ops import STAT_KINDS, Rewrite, reduction_args
 from autotp.plan.plan import (SEQ_PARAMS, Collective, ColumnForm, ExpertLayer, ExpertSlot, GatheredOutput, LocalSlice,
                               PairPlan, ParamShard, Plan, SeqEnter, SeqGather, SeqLeave, SeqSlice, SequencePlan,
-                              ShardedInput, Stat, VocabLoss, VocabPlan)
+                              ShardedInput, Stat, Unit, VocabLoss, VocabPlan)
 from autotp.analysis.sequence import analyze_sequence
+from autotp.analysis.units import find_units
 from autotp.shard_spec import Segment, VocabLayout
 from autotp.analysis.vocab import VocabFacts, analyze_vocab
 
@@ -354,15 +355,16 @@ def make_plan(gm: fx.GraphModule, tp: int, vocab_multiple: int = 1, sequence_par
     ``sequence_parallel``: split the regions between the pairs along the sequence (Megatron-SP).
     ``expert_parallel``: E/tp whole experts per rank instead of 1/tp of every expert.
     """
+    units = tuple(Unit(u.module, u.params) for u in find_units(gm))
     if tp == 1:
-        return Plan(tp=1)
+        return Plan(tp=1, units=units)
     a = analyze(gm, tp)
     v = analyze_vocab(gm, a, tp, vocab_multiple)
     experts = analyze_experts(gm, a) if expert_parallel else None
     if experts is not None:
         check_expert_counts(experts, tp)
     plan = plan_from_analysis(gm, a, v, fold=not sequence_parallel, experts=experts)
-    plan = dataclasses.replace(plan, whole=whole_params(gm, a, {name for name, _ in plan.params}))
+    plan = dataclasses.replace(plan, whole=whole_params(gm, a, {name for name, _ in plan.params}), units=units)
     return sequence_plan(gm, a, v, plan) if sequence_parallel else plan
 
 

@@ -1,0 +1,99 @@
+"""The repeated blocks of a model, read from the graph: the units data parallelism shards one at a time.
+
+FSDP gathers a unit's parameters just before the unit runs and frees them after; a GPT's natural units are
+its transformer blocks. They are found from what the graph records, never from module or class names:
+
+- every module the forward called is on some node's ``nn_module_stack`` (``transformer.h.3``, ``layers.0``);
+- a module's *signature* is its parameters' names relative to it and their shapes;
+- the blocks are the called children of one parent that share a signature (two at least); of all such
+  parents, the one whose repeated children hold the most parameters (ties: the shallower one). Experts
+  repeat too, inside each block, and hold less; a block stack written as attributes of the root
+  (``self.block1``, ``self.block2``) is the root's children;
+- the units are those children, in the order the graph runs them; when they are the items of one container
+  (a ``ModuleList`` or ``Sequential``: their names are indices), every item of it that owns parameters is a
+  unit, so a dense first block before mixture-of-experts blocks is one too;
+- a block holding a parameter also used outside it (tied) is no unit: FSDP shards a parameter in one unit.
+
+What no unit owns (embeddings, the final norm, the LM head) stays with the root, as torchtitan's root
+``fully_shard`` does.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import NamedTuple
+
+import torch.fx as fx
+
+
+class UnitFacts(NamedTuple):
+    module: str  # the block's module path, e.g. "transformer.h.0"
+    params: tuple[str, ...]  # the parameters it owns (names as the graph reads them), in name order
+
+
+def called_modules(gm: fx.GraphModule) -> list[str]:
+    """Every module path on some node's ``nn_module_stack``, in order of first appearance."""
+    seen: dict[str, None] = {}
+    for node in gm.graph.nodes:
+        for value in (node.meta.get("nn_module_stack") or {}).values():
+            if isinstance(value, tuple) and value and isinstance(value[0], str):
+                seen.setdefault(value[0], None)
+    return [p for p in seen if p]
+
+
+def _parent(path: str) -> str:
+    return path.rsplit(".", 1)[0] if "." in path else ""
+
+
+def _owned(path: str, names: list[str]) -> list[str]:
+    return [n for n in names if n.startswith(path + ".")]
+
+
+def find_units(gm: fx.GraphModule) -> tuple[UnitFacts, ...]:
+    """The repeated blocks of ``gm`` in graph order; () when nothing repeats."""
+    shapes = {n: tuple(p.shape) for n, p in gm.named_parameters(remove_duplicate=False)}
+    names = sorted(shapes)
+    called = called_modules(gm)
+    children: dict[str, list[str]] = defaultdict(list)
+    for path in called:
+        children[_parent(path)].append(path)
+    best: tuple | None = None  # (parameters in the repeated children, -depth, parent, those children)
+    for parent, kids in children.items():
+        by_signature: dict[tuple, list[str]] = defaultdict(list)
+        for kid in kids:
+            owned = _owned(kid, names)
+            if owned:
+                by_signature[tuple((n[len(kid):], shapes[n]) for n in owned)].append(kid)
+        for signature, same in by_signature.items():
+            if len(same) < 2:
+                continue
+            size = len(same) * sum(_numel(s) for _, s in signature)
+            key = (size, -parent.count(".") - bool(parent), parent, same)
+            if best is None or key[:2] > best[:2]:
+                best = key
+    if best is None:
+        return ()
+    parent, repeated = best[2], best[3]
+    indexed = all(k.rsplit(".", 1)[-1].isdigit() for k in repeated)
+    kids = [k for k in children[parent] if _owned(k, names) and (k in repeated or indexed and k.rsplit(".", 1)[-1].isdigit())]
+    tied = _tied_outside(gm, kids)
+    return tuple(UnitFacts(kid, tuple(_owned(kid, names))) for kid in kids if kid not in tied)
+
+
+def _tied_outside(gm: fx.GraphModule, kids: list[str]) -> set[str]:
+    """The blocks among ``kids`` that hold a parameter some name outside the block also holds."""
+    by_id: dict[int, list[str]] = defaultdict(list)
+    for name, p in gm.named_parameters(remove_duplicate=False):
+        by_id[id(p)].append(name)
+    out = set()
+    for group in by_id.values():
+        owners = {next((k for k in kids if n.startswith(k + ".")), None) for n in group}
+        if len(owners) > 1:
+            out |= {k for k in owners if k is not None}
+    return out
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n

@@ -1,0 +1,71 @@
+"""Sharded data parallelism (FSDP2) over the data-parallel ranks: its settings and its meshes.
+
+With ``fsdp``, every parameter's tensor-parallel shard is sharded again over its data-parallel group
+(ZeRO-3, through ``torch.distributed.fsdp.fully_shard``): a rank keeps 1/(t·d) of the training state and
+gathers one block's parameters at a time. HSDP (``replicas`` > 1) shards within groups of d / replicas
+ranks and replicates across them, as one does across nodes: the gathers stay inside a node and only the
+gradients' all-reduce crosses.
+
+FSDP2 sees the tensor-parallel shards as DTensors over the ``tp`` dim of the same device mesh as its
+data-parallel dim(s), so the two compose the way torchtitan composes them: FSDP shards dim 0 of each
+rank's local shard, and a gradient norm over the parameters spans both dims.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+
+from autotp.errors import ProcessGroupError
+
+DP_DIMS = ("dp",)
+HSDP_DIMS = ("dp_replicate", "dp_shard")
+
+
+@dataclass(frozen=True)
+class FSDPConfig:
+    """How ``autotp.parallelize(model, fsdp=...)`` shards over the data-parallel ranks.
+
+    ``reshard_after_forward``: free each block's gathered parameters after its forward and gather them again
+    for its backward (less memory, one more all-gather per block); False keeps them until the backward.
+    ``prefetch``: gather the next block's parameters while this one runs (forward), the previous one's while
+    this one's backward runs. ``param_dtype``/``reduce_dtype``: FSDP's mixed precision (e.g. bf16 compute
+    with fp32 gradient reduction; the sharded master weights stay in their own dtype). ``replicas``: HSDP
+    with this many replica groups (1: plain FSDP). ``offload``: keep the sharded state on the CPU
+    (``CPUOffloadPolicy``).
+    """
+
+    reshard_after_forward: bool = True
+    prefetch: bool = True
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+    replicas: int = 1
+    offload: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.replicas, bool) or not isinstance(self.replicas, int) or self.replicas < 1:
+            raise ValueError(f"fsdp replicas must be an integer >= 1, got {self.replicas!r}")
+
+
+def fsdp_meshes(mesh: DeviceMesh, config: FSDPConfig) -> tuple[DeviceMesh, DeviceMesh]:
+    """(the data-parallel mesh FSDP shards over, the tensor-parallel mesh) of ``mesh``, a device mesh with a
+    ``tp`` dim and a ``dp`` dim (or ``dp_replicate`` and ``dp_shard``). For HSDP a ``dp`` dim is unflattened
+    into (``dp_replicate``, ``dp_shard``) of sizes (replicas, dp / replicas)."""
+    names = mesh.mesh_dim_names or ()
+    if "tp" not in names:
+        raise ProcessGroupError(f"the device mesh for fsdp needs a 'tp' dim; it has {names}",
+                                hint="e.g. init_device_mesh(device, (dp, tp), mesh_dim_names=('dp', 'tp'))")
+    if all(n in names for n in HSDP_DIMS):
+        return mesh[HSDP_DIMS], mesh["tp"]
+    if "dp" not in names:
+        raise ProcessGroupError(f"the device mesh for fsdp needs a 'dp' dim (or 'dp_replicate' and 'dp_shard'); "
+                                f"it has {names}")
+    dp = mesh["dp"].size()
+    if config.replicas == 1:
+        return mesh["dp"], mesh["tp"]
+    if dp % config.replicas:
+        raise ValueError(f"hsdp: {config.replicas} replica groups do not divide the data-parallel size {dp}")
+    split = mesh._unflatten(names.index("dp"), (config.replicas, dp // config.replicas), HSDP_DIMS)
+    return split[HSDP_DIMS], split["tp"]
+

@@ -1,0 +1,106 @@
+"""FSDP2 over the data-parallel ranks, composed with autotp's tensor parallelism inside each TP group.
+
+:func:`apply_fsdp` runs once, after the model holds its tensor-parallel shards:
+
+1. every parameter becomes a DTensor over the mesh's ``tp`` dim: ``Shard(dim)`` for a sharded one (its
+   local tensor is this rank's shard, fused segments and padded vocab rows included: the global view is the
+   shards side by side), ``Replicate()`` for one every TP rank holds whole. FSDP then shards dim 0 of each
+   local shard over the data-parallel ranks, and a norm of the gradients (``clip_grad_norm_``) is the full
+   model's, over both dims;
+2. ``fully_shard`` each unit (the repeated blocks the plan names) and then the root (embeddings, final norm,
+   LM head: what no block owns), with the configured mixed precision, resharding, prefetching and offload;
+3. each unit's FSDP forward method is registered (``register_fsdp_forward_method``): the rewritten graph,
+   split at the units (:func:`autotp.passes.split_units`), runs each block's piece through it, so FSDP
+   gathers the block's parameters just before the piece and reduce-scatters its gradients when the
+   piece's backward ends.
+"""
+from __future__ import annotations
+
+import contextlib
+import types
+from collections.abc import Iterator
+
+import torch
+import torch.nn as nn
+from torch.distributed.fsdp import (CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard,
+                                    register_fsdp_forward_method)
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from autotp.distributed.data_parallel import fsdp_meshes
+from autotp.errors import ShardingError
+from autotp.io.empty import swap_tensors
+from autotp.plan.plan import Plan
+from autotp.runtime.units import UNIT_METHOD, run_unit
+from autotp.state import TPState
+
+
+def check_fsdp_plan(plan: Plan, tp: int) -> None:
+    """What FSDP over the data-parallel ranks cannot take yet, refused before any parameter changes."""
+    copies = [name for name, shard in plan.params if shard.replicated_blocks(tp)]
+    if copies:
+        raise ShardingError(
+            f"fsdp with kv heads held by several ranks (fewer kv heads than tp={tp}) is not supported yet: "
+            f"{copies[0]}" + (f" and {len(copies) - 1} more" if len(copies) > 1 else ""),
+            hint="use a tp that divides the number of kv heads, or data parallelism without fsdp")
+    if plan.sequence is not None:
+        raise ShardingError("fsdp with sequence parallelism is not supported yet",
+                            hint="drop sequence_parallel (--sequence-parallel), or fsdp")
+
+
+def apply_fsdp(model: nn.Module, st: TPState, plan: Plan) -> None:
+    """Shard ``model`` (holding its TP shards) over the data-parallel ranks with FSDP2, unit by unit."""
+    config = st.fsdp
+    dp_mesh, tp_mesh = fsdp_meshes(st.mesh, config)
+    names: dict[int, str] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), name)
+        # later captures see full-size stand-ins of every parameter: FSDP's are DTensors
+        st.full.setdefault(name, nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"),
+                                              requires_grad=p.requires_grad))
+
+    def on_tp_mesh(p: torch.Tensor) -> nn.Parameter:
+        shard = st.shards.get(names[id(p)])
+        placement = Shard(shard.dim) if shard is not None else Replicate()
+        local = p.detach().contiguous()
+        return nn.Parameter(DTensor.from_local(local, tp_mesh, [placement], run_check=False),
+                            requires_grad=p.requires_grad)
+
+    swap_tensors(model, "parameters", on_tp_mesh)
+    options = dict(mesh=dp_mesh, reshard_after_forward=config.reshard_after_forward,
+                   mp_policy=MixedPrecisionPolicy(param_dtype=config.param_dtype, reduce_dtype=config.reduce_dtype),
+                   offload_policy=CPUOffloadPolicy(pin_memory=False) if config.offload else OffloadPolicy())
+    units = [model.get_submodule(u.module) for u in plan.units]
+    for unit in units:
+        fully_shard(unit, **options)
+        unit.__dict__[UNIT_METHOD] = types.MethodType(run_unit, unit)
+        register_fsdp_forward_method(unit, UNIT_METHOD)
+    # the root's parameters (embeddings, LM head) are the first the backward needs: FSDP's default keeps them
+    fully_shard(model, **{**options, "reshard_after_forward": None})
+    if config.prefetch:
+        for before, after in zip(units, units[1:]):
+            before.set_modules_to_forward_prefetch([after])
+            after.set_modules_to_backward_prefetch([before])
+    st.units = tuple(u.module for u in plan.units)
+
+
+@contextlib.contextmanager
+def fsdp_hooks_off(model: nn.Module) -> Iterator[None]:
+    """FSDP's forward hooks taken off every ``fully_shard``-ed module of ``model`` for the duration: a later
+    call signature is exported on the model object, whose forward calls the blocks, and export computes
+    nothing (the parameters are full-size stand-ins), so nothing must be gathered."""
+    saved = []
+    for m in model.modules():
+        if not isinstance(m, FSDPModule):
+            continue
+        state = fully_shard.state(m)
+        for hooks in (m._forward_pre_hooks, m._forward_hooks):
+            saved.append((hooks, dict(hooks)))  # restored whole, in order (FSDP's pre-hook runs first)
+            for key, hook in list(hooks.items()):
+                if getattr(hook, "__self__", None) is state:
+                    del hooks[key]
+    try:
+        yield
+    finally:
+        for hooks, original in saved:
+            hooks.clear()
+            hooks.update(original)

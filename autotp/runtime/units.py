@@ -1,0 +1,76 @@
+"""Pieces of a graph split at unit boundaries, each run as its unit's forward.
+
+FSDP gathers a ``fully_shard``-ed module's parameters when that module's forward runs, and from the
+forward's inputs and outputs it knows when the module's backward starts and ends. A rewritten graph calls no
+module of the user's, so :func:`autotp.passes.split_units` cuts it into pieces, one per unit (a transformer
+block) and one per stretch of root-level code between them, and puts a :class:`PieceCall` where each piece
+was. When it runs, a unit's piece goes through the unit's registered FSDP forward method (``run_unit``, see
+``torch.distributed.fsdp.register_fsdp_forward_method``), so FSDP gathers the block's parameters just before
+it and frees them after (and again around its backward) exactly as it would around the block's own forward.
+
+A piece reads its parameters from the model at the moment it runs (FSDP swaps the gathered parameters into
+the modules and the sharded ones back), never from references kept in the graph: a reference kept across
+calls would hold either a stale tensor or the whole unsharded parameter. Parameters that are DTensors on
+the tensor-parallel mesh (as :mod:`autotp.parallel.fsdp` makes them) run as their local shards.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+UNIT_METHOD = "_autotp_unit"  # the name the unit's FSDP forward method is registered under
+
+
+def run_unit(self: nn.Module, fn: Callable, *args):
+    """A unit's forward method for FSDP: runs one of its graph pieces (``fn``) on ``args``."""
+    return fn(*args)
+
+
+def _local(p: torch.Tensor) -> torch.Tensor:
+    return p.to_local() if isinstance(p, DTensor) else p
+
+
+class PieceCall(nn.Module):
+    """One piece of a split graph. ``layout`` says what each of the piece's inputs is: an index into this
+    call's arguments, or the name of a parameter read from the bound model when the piece runs."""
+
+    def __init__(self, piece: fx.GraphModule, unit: str | None, layout: tuple[int | str, ...]):
+        super().__init__()
+        self.piece = piece
+        self.unit = unit  # the unit's module path; None for root-level code
+        self.layout = layout
+        # (the unit module or None, each parameter's (owner module, attribute)); not registered as submodules
+        self.__dict__["_bound"] = None
+
+    def bind(self, model: nn.Module) -> None:
+        owners = {}
+        for name in self.layout:
+            if isinstance(name, str):
+                path, _, leaf = name.rpartition(".")
+                owners[name] = (model.get_submodule(path), leaf)
+        unit = model.get_submodule(self.unit) if self.unit is not None else None
+        self.__dict__["_bound"] = (unit, owners)
+
+    def forward(self, *args):
+        if self._bound is None:
+            raise RuntimeError("a graph piece ran before bind_pieces() bound it to its model")
+        unit = self._bound[0]
+        method = None if unit is None else unit.__dict__.get(UNIT_METHOD)
+        return self._run(*args) if method is None else method(self._run, *args)
+
+    def _run(self, *args):
+        owners = self._bound[1]
+        inputs = [args[x] if isinstance(x, int) else _local(owners[x][0]._parameters[owners[x][1]])
+                  for x in self.layout]
+        return self.piece(*inputs)
+
+
+def bind_pieces(gm: nn.Module, model: nn.Module) -> None:
+    """Point every :class:`PieceCall` of ``gm`` at ``model``'s modules."""
+    for m in gm.modules():
+        if isinstance(m, PieceCall):
+            m.bind(model)

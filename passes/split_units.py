@@ -1,0 +1,110 @@
+"""Pass: split the graph at unit boundaries, so that data parallelism (FSDP) can gather one block at a time.
+
+Each node belongs to the unit (``plan.units``: the repeated blocks) on its ``nn_module_stack``; a node that
+carries none (one a pass inserted) and sits between two nodes of the same unit belongs to that unit too;
+everything else is root-level code, grouped by where it runs between the units. ``torch.fx``'s
+``split_module`` cuts the graph there, and each piece is replaced by a
+:class:`~autotp.runtime.units.PieceCall` that reads the piece's parameters from the model when it runs (a
+unit's piece through the unit's FSDP forward method), so the top graph keeps no parameter.
+
+Before::
+
+    w0 = get_attr[transformer.h.0.attn.c_attn.weight]
+    h0 = aten.linear(x, w0, ...)                    # ... all of block 0
+    w1 = get_attr[transformer.h.1.attn.c_attn.weight]
+    h1 = aten.linear(y0, w1, ...)                   # ... all of block 1
+    logits = aten.linear(y1, wte)                   # root: final norm, LM head, loss
+
+After::
+
+    y0 = autotp_unit_1(x)                           # PieceCall(unit="transformer.h.0"): reads w0 itself
+    y1 = autotp_unit_3(y0)                          # PieceCall(unit="transformer.h.1")
+    out = autotp_unit_4(y1)                         # PieceCall(unit=None): root-level code after the blocks
+
+A model whose units run interleaved (one block's nodes between another's, a block called twice) or that
+reads a block's parameter outside the block cannot be cut this way: the pass fails and says where.
+"""
+from __future__ import annotations
+
+import torch.fx as fx
+from torch.fx.passes.split_module import split_module
+
+from autotp.plan.plan import Plan
+from autotp.runtime.units import PieceCall
+
+_SKIP = ("placeholder", "get_attr", "output")
+
+
+def _unit_of(node: fx.Node, units: dict[str, int]) -> int | None:
+    for value in (node.meta.get("nn_module_stack") or {}).values():
+        if isinstance(value, tuple) and value and value[0] in units:
+            return units[value[0]]
+    return None
+
+
+def unit_keys(gm: fx.GraphModule, plan: Plan) -> dict[fx.Node, int]:
+    """Each computing node's piece: ``2·i + 1`` for unit i, ``2·i`` for root-level code after unit i − 1
+    (0 before the first unit). Non-decreasing in graph order, so the pieces run one after another."""
+    units = {u.module: i for i, u in enumerate(plan.units)}
+    nodes = [n for n in gm.graph.nodes if n.op not in _SKIP]
+    tags = [_unit_of(n, units) for n in nodes]
+    after: list[int | None] = [None] * len(nodes)  # the next tagged node's unit
+    nxt = None
+    for i in range(len(nodes) - 1, -1, -1):
+        after[i] = nxt
+        nxt = tags[i] if tags[i] is not None else nxt
+    keys, last, before, top = {}, -1, None, 0
+    for i, node in enumerate(nodes):
+        tag = tags[i] if tags[i] is not None else (before if before is not None and before == after[i] else None)
+        key = 2 * tag + 1 if tag is not None else 2 * (last + 1)
+        if key < top:
+            earlier = plan.units[last].module if last >= 0 else "root-level code"
+            raise ValueError(f"{node.name} ({plan.units[tag].module if tag is not None else 'root-level code'}) "
+                             f"runs after {earlier}: the units' code is interleaved, so the graph cannot be "
+                             f"cut into one piece per unit")
+        keys[node], top = key, max(top, key)
+        if tags[i] is not None:
+            before, last = tags[i], tags[i]
+    return keys
+
+
+def split_units(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
+    if not plan.units:
+        return gm
+    keys = unit_keys(gm, plan)
+    top = split_module(gm, gm, lambda n: keys[n])
+    params = {n for n, _ in gm.named_parameters(remove_duplicate=False)}
+    owner = {p: u.module for u in plan.units for p in u.params}
+    for node in list(top.graph.nodes):
+        if node.op != "call_module" or not str(node.target).startswith("submod_"):
+            continue
+        key = int(str(node.target).removeprefix("submod_"))
+        piece = top.get_submodule(node.target)
+        layout: list[int | str] = []
+        kept = []
+        for arg in node.args:
+            if isinstance(arg, fx.Node) and arg.op == "get_attr" and arg.target in params:
+                layout.append(arg.target)
+            else:
+                layout.append(len(kept))
+                kept.append(arg)
+        unit = plan.units[(key - 1) // 2].module if key % 2 else None
+        foreign = [n for n in layout if isinstance(n, str) and owner.get(n, unit) != unit]
+        if foreign:  # FSDP gathers a unit's parameters only while that unit runs
+            raise ValueError(f"{foreign[0]} (of {owner[foreign[0]]}) is read outside its block, by "
+                             f"{unit or 'root-level code'}: the graph cannot be cut into one piece per block")
+        name = f"autotp_unit_{key}"
+        top.add_submodule(name, PieceCall(piece, unit, tuple(layout)))
+        top.delete_submodule(node.target)
+        node.target, node.args = name, tuple(kept)
+    for node in list(top.graph.nodes):
+        if node.op == "get_attr" and node.target in params and not node.users:
+            top.graph.erase_node(node)
+            path, _, leaf = node.target.rpartition(".")
+            owner = top.get_submodule(path) if path else top
+            if leaf in owner._parameters:
+                del owner._parameters[leaf]  # the top graph keeps no parameter: the pieces read the model's
+    top.delete_all_unused_submodules()
+    top.graph.lint()
+    top.recompile()
+    return top

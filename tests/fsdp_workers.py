@@ -1,0 +1,96 @@
+"""Functions that run inside each gloo rank of the FSDP × TP tests and return what the test asserts on."""
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+
+import autotp
+from autotp.distributed.data_parallel import FSDPConfig
+from distributed import CollectiveLog
+from models import MODELS, loss_and_logits
+
+
+def _replica(batch, d: int, dp: int):
+    """Data-parallel replica ``d``'s rows of every batched tensor (dim 0 split in dp equal parts)."""
+    def cut(x):
+        return x.chunk(dp, 0)[d] if isinstance(x, torch.Tensor) and x.dim() >= 1 else x
+    args, kwargs = batch
+    return tuple(cut(a) for a in args), {k: cut(v) for k, v in kwargs.items()}
+
+
+def _side_by_side(ref: torch.Tensor, name: str, model) -> torch.Tensor:
+    """``ref`` as the sharded model's DTensor sees it globally: every TP rank's shard side by side."""
+    st = autotp.tp_state(model)
+    shard = st.shards.get(name)
+    if shard is None:
+        return ref
+    return torch.cat([shard.shard(ref, st.tp, r) for r in range(st.tp)], shard.dim)
+
+
+def _full(p: torch.Tensor) -> torch.Tensor:
+    return p.full_tensor() if isinstance(p, DTensor) else p
+
+
+def _model(name: str):
+    if name in MODELS:
+        return MODELS[name]()
+    from fsdp_models import build
+
+    return build(name)
+
+
+def fsdp_parity(model_name: str, tp: int, steps: int = 3, clip: float = 0.05, reshard: bool = True,
+                prefetch: bool = True, replicas: int = 1) -> dict:
+    """Losses, gradient norms (clipped), parameters after AdamW steps and collectives of a model under
+    FSDP × autotp, each data-parallel replica on its share of the batch, against the unsharded model on the
+    whole batch. ``replicas`` > 1: HSDP."""
+    ref, args, kwargs = _model(model_name)
+    dp = dist.get_world_size() // tp
+    mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+    d = mesh["dp"].get_local_rank()
+    la, lk = _replica((args, kwargs), d, dp)
+    model = autotp.parallelize(copy.deepcopy(ref), example_inputs=(la, lk), fsdp=FSDPConfig(reshard, prefetch, replicas=replicas), mesh=mesh)
+    st = autotp.tp_state(model)
+    opt, ropt = (torch.optim.AdamW(m.parameters(), lr=1e-3, eps=1e-6) for m in (model, ref))
+    out: dict = {"units": list(st.units or ()), "losses": [], "ref_losses": [], "norms": [], "ref_norms": [],
+                 "dtensors": all(isinstance(p, DTensor) for p in model.parameters()),
+                 "same_class": isinstance(model, type(ref))}
+    for step in range(steps):
+        log = CollectiveLog()
+        with log:
+            loss = loss_and_logits(model(*la, **lk))[0]
+        n_fwd = len(log.calls)
+        with log:
+            loss.backward()
+        if step == 0:
+            out["forward_collectives"], out["backward_collectives"] = log.calls[:n_fwd], log.calls[n_fwd:]
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        opt.zero_grad()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean, group=mesh["dp"].get_group())
+        out["losses"].append(mean.item() / dp)
+        out["norms"].append(_full(norm).item())
+        rloss = loss_and_logits(ref(*args, **kwargs))[0]
+        rloss.backward()
+        out["ref_norms"].append(torch.nn.utils.clip_grad_norm_(ref.parameters(), clip).item())
+        ropt.step()
+        ropt.zero_grad()
+        out["ref_losses"].append(rloss.item())
+    out["local_numel"] = sum(p.to_local().numel() for p in model.parameters())  # sharded between steps
+    # a later call signature (eval, another batch size) is captured on the FSDP-sharded model
+    model.eval()
+    ref.eval()
+    with torch.no_grad():
+        few = _replica((args, kwargs), 0, 2 * dp)
+        out["eval_diff"] = (loss_and_logits(model(*few[0], **few[1]))[0] - loss_and_logits(ref(*few[0], **few[1]))[0]).abs().item()
+    out["graphs"] = len(st.graphs)
+    ref_params = dict(ref.named_parameters())
+    out["param_diff"] = max((_full(p).detach() - _side_by_side(ref_params[n].detach(), n, model)).abs().max().item()
+                            for n, p in model.named_parameters())
+    out["full_numel"] = sum(p.numel() for p in ref.parameters())
+    return out

@@ -1,0 +1,193 @@
+"""FSDP2 over the data-parallel ranks × autotp inside each tensor-parallel group.
+
+Structural: the units (repeated blocks) found in several spellings of a block stack, the graph split into one
+piece per unit computing what the model computes, what cannot be split. Multi-process (gloo): 3 AdamW steps
+with gradient clipping against the unsharded model on the whole batch, collectives counted.
+"""
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+import torch.nn as nn
+
+from autotp.capture.structure import flatten, unflatten
+from autotp.capture.tracer import capture
+from autotp.distributed.data_parallel import FSDPConfig
+from autotp.errors import ProcessGroupError, ShardingError
+from autotp.parallel.fsdp import check_fsdp_plan
+from autotp.passes import run_passes
+from autotp.passes.split_units import split_units
+from autotp.plan.plan import Plan
+from autotp.plan.planner import make_plan
+from autotp.runtime.units import PieceCall, bind_pieces
+from distributed import launch
+from fsdp_models import KINDS, build
+from fsdp_workers import fsdp_parity
+from models import MODELS, loss_and_logits
+
+UNITS = {
+    "modulelist": ["layers.0", "layers.1", "layers.2"],
+    "sequential": ["blocks.0", "blocks.1", "blocks.2"],
+    "attributes": ["first", "second", "third"],
+    "dense_first": ["layers.0", "layers.1", "layers.2"],  # the dense block is an item of the same list
+    "nested": ["trunk.stack.0", "trunk.stack.1", "trunk.stack.2"],
+    "nanogpt": ["transformer.h.0", "transformer.h.1"],
+    "llama": ["model.layers.0", "model.layers.1"],
+    "gpt2": ["transformer.h.0", "transformer.h.1"],
+}
+
+
+def _model(name: str):
+    return MODELS[name]() if name in MODELS else build(name)
+
+
+def _captured(name: str, tp: int = 1):
+    model, args, kwargs = _model(name)
+    gm, spec = capture(model, args, kwargs)
+    return model, args, kwargs, gm, make_plan(gm, tp), spec
+
+
+@pytest.mark.parametrize("name", list(UNITS))
+def test_units_are_the_repeated_blocks(name: str):
+    *_, plan, _ = _captured(name)
+    assert [u.module for u in plan.units] == UNITS[name]
+    for u in plan.units:
+        assert u.params and all(p.startswith(u.module + ".") for p in u.params)
+    assert Plan.from_json(plan.to_json()).units == plan.units
+
+
+@pytest.mark.parametrize("name", [*KINDS, "llama"])
+def test_split_graph_computes_what_the_model_computes(name: str):
+    """One piece per block (plus root-level code), each reading its parameters from the model when it runs:
+    same loss and same gradients as the model's own forward."""
+    model, args, kwargs, gm, plan, spec = _captured(name)
+    top = run_passes(run_passes(gm, plan), plan, (split_units,))
+    pieces = [m for m in top.modules() if isinstance(m, PieceCall)]
+    assert [p.unit for p in pieces if p.unit is not None] == UNITS[name]
+    assert not list(top.parameters()), "the top graph keeps no parameter: the pieces read the model's"
+    bind_pieces(top, model)
+    got = loss_and_logits(unflatten(top(*flatten((args, kwargs))[0]), spec))[0]
+    got.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    want = loss_and_logits(model(*args, **kwargs))[0]
+    want.backward()
+    assert torch.equal(got, want)
+    for n, p in model.named_parameters():
+        assert torch.equal(grads[n], p.grad), n
+
+
+class _Twice(nn.Module):
+    """A block stack run twice (weights shared across depth): block 0 runs again after block 1."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(16, 8)
+        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
+
+    def forward(self, ids):
+        x = self.emb(ids)
+        for _ in range(2):
+            for layer in self.layers:
+                x = torch.relu(layer(x))
+        return x.sum()
+
+
+class _ReadOutside(nn.Module):
+    """A block's parameter also read at the root (``x * self.layers[0].scale``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
+        for layer in self.layers:
+            layer.scale = nn.Parameter(torch.ones(8))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x) * layer.scale
+        return (x * self.layers[0].scale).sum()
+
+
+@pytest.mark.parametrize("model, args, says", [
+    (_Twice(), (torch.zeros(2, 4, dtype=torch.long),), "interleaved"),
+    (_ReadOutside(), (torch.zeros(2, 8),), "layers.0.scale"),
+])
+def test_a_graph_that_cannot_be_cut_says_why(model, args, says):
+    gm, _ = capture(model, args, {})
+    plan = make_plan(gm, 1)
+    assert len(plan.units) == 2
+    with pytest.raises(Exception, match=says):
+        run_passes(gm, plan, (split_units,))
+
+
+def test_fsdp_refuses_what_it_cannot_take_yet():
+    plan = _captured("llama", tp=4)[4]  # 2 kv heads at tp 4: each held by two ranks
+    with pytest.raises(ShardingError, match="kv heads"):
+        check_fsdp_plan(plan, 4)
+    with pytest.raises(ValueError, match="replicas"):
+        FSDPConfig(replicas=0)
+
+
+def test_fsdp_without_a_mesh_says_how_to_get_one(monkeypatch):
+    import autotp
+    from autotp.distributed.launch import ENV_TP
+
+    monkeypatch.delenv(ENV_TP, raising=False)
+    model, args, kwargs = _model("nanogpt")
+    with pytest.raises(ProcessGroupError, match="init_device_mesh"):
+        autotp.parallelize(model, example_inputs=(args, kwargs), fsdp=True)
+    assert type(model).__name__ == "GPT" and not hasattr(model, "_autotp")
+
+
+# forward all-reduces of plain TP (embedding, 2 per layer, the loss's 3) and backward (2 per layer, LM head)
+def _tp_all_reduces(layers: int) -> tuple[Counter, Counter]:
+    return Counter({("all_reduce", "sum"): 2 * layers + 3, ("all_reduce", "max"): 1}), \
+        Counter({("all_reduce", "sum"): 2 * layers + 1})
+
+
+def _kinds(calls, *names) -> Counter:
+    return Counter((c[0], c[1]) for c in calls if c[0] in names)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model, tp", [("nanogpt", 2), ("llama", 2), ("nanogpt", 1), ("llama", 1)])
+def test_fsdp_training_parity(model: str, tp: int):
+    """tp × fsdp on 4 ranks: 3 AdamW steps with clip_grad_norm_ as the unsharded model on the whole batch;
+    one all-gather per unit forward (blocks and root), one per block backward (resharded after forward),
+    one reduce-scatter per unit; the tensor-parallel all-reduces unchanged."""
+    results = launch(fsdp_parity, 4, model, tp)
+    units = len(UNITS[model])
+    for rank, r in results.items():
+        assert r["units"] == UNITS[model]
+        assert r["dtensors"] and r["same_class"]
+        for got, want in [(r["losses"], r["ref_losses"]), (r["norms"], r["ref_norms"])]:
+            assert max(abs(a - b) for a, b in zip(got, want)) <= 1e-5, (rank, got, want)
+        assert r["param_diff"] <= 1e-5, (rank, r["param_diff"])
+        assert r["eval_diff"] <= 1e-5 and r["graphs"] == 2, "a later call signature is captured and exact"
+        fwd, bwd = r["forward_collectives"], r["backward_collectives"]
+        assert _kinds(fwd, "all_gather", "reduce_scatter") == Counter({("all_gather", ""): units + 1})
+        assert Counter(c[0] for c in bwd if c[0] != "all_reduce") == \
+            Counter({"all_gather": units, "reduce_scatter": units + 1})
+        want_fwd, want_bwd = _tp_all_reduces(units) if tp > 1 else (Counter(), Counter())
+        assert _kinds(fwd, "all_reduce") == want_fwd and _kinds(bwd, "all_reduce") == want_bwd
+        # each rank keeps 1/(tp·dp) of the parameters (FSDP pads dim 0 to a multiple of dp)
+        assert r["local_numel"] <= r["full_numel"] / 4 * 1.25
+
+
+@pytest.mark.slow
+def test_fsdp_options_and_hsdp():
+    """Keeping the gathered blocks until backward (no all-gather in backward), no prefetch, HSDP (2 replica
+    groups × 2 shards: gradients reduce-scattered in a group, then all-reduced across the groups) on a
+    dense-first mixture-of-experts stack."""
+    kept = launch(fsdp_parity, 4, "modulelist", 2, 3, 0.05, False, False)[0]
+    assert Counter(c[0] for c in kept["backward_collectives"] if c[0] != "all_reduce") == \
+        Counter({"reduce_scatter": 4})
+    hsdp = launch(fsdp_parity, 4, "dense_first", 1, 3, 0.05, True, True, 2)
+    for r in (kept, *hsdp.values()):
+        assert max(abs(a - b) for a, b in zip(r["losses"], r["ref_losses"])) <= 1e-5
+        assert max(abs(a - b) for a, b in zip(r["norms"], r["ref_norms"])) <= 1e-5
+        assert r["param_diff"] <= 1e-5
+    bwd = hsdp[0]["backward_collectives"]
+    assert Counter(c[0] for c in bwd) == Counter({"all_gather": 3, "reduce_scatter": 4, "all_reduce": 4})
