@@ -30,7 +30,7 @@ from autotp.errors import AutotpError, PlanSizeError
 from autotp.distributed.layout import RankLayout
 from autotp.capture.modelfile import DEFAULT_BATCH_SHAPE, ModelFile, ModelFileError, default_example, load_model_file
 from autotp.plan.planner import make_plan
-from autotp.plan.report import Report, build_report
+from autotp.plan.report import ROOT_UNIT, FSDPReport, Report, build_report, fsdp_from_rows
 from autotp.plan.symbols import size_ranges
 
 _DIR = {"forward": "fwd", "backward": "bwd"}
@@ -182,7 +182,8 @@ def not_sharded_table(report: Report, whole) -> Table:
     return table
 
 
-def totals_table(report: Report, layout: RankLayout) -> Table:
+def totals_table(report: Report, layout: RankLayout, ddp: bool = True) -> Table:
+    """``ddp``: data parallelism all-reduces the gradients (False with --fsdp: its own tables say what moves)."""
     m = report.memory
     table = Table(title="totals per tp rank", show_header=False)
     table.add_column(style="bold")
@@ -193,7 +194,7 @@ def totals_table(report: Report, layout: RankLayout) -> Table:
     table.add_row("training memory (16 B/param)", _size(m.train_bytes_per_rank), f"of {_size(m.train_bytes_full)}")
     table.add_row("  formula 16·P_sharded/t + 16·P_replicated", _size(m.formula_bytes), f"ratio {_r(m.formula_ratio)}")
     table.add_row("  ideal 16·P/t", _size(m.ideal_bytes), f"ratio {_r(m.ideal_ratio)}")
-    if layout.dp > 1:
+    if layout.dp > 1 and ddp:
         table.add_row("dp gradient all-reduce / step", _n(m.local),
                       f"elements over dp {layout.dp} ({_size(m.local * report.act_bytes)})")
     if layout.pp > 1:
@@ -221,6 +222,68 @@ def comm_table(report: Report) -> Table:
     elif terms:
         ring = 2 * (t - 1) / t
         table.caption = f"Megatron formula (Shoeybi et al. 2019; README 'What a step costs'): {terms}. A ring all-reduce sends ≈ {ring:.2f}× its bytes per rank."
+    return table
+
+
+def _unit_name(module: str) -> str:
+    return "root (what no block owns)" if module == ROOT_UNIT else escape(module)
+
+
+def fsdp_units_table(fsdp: FSDPReport) -> Table:
+    """One row per FSDP unit: the blocks in the order they run, then the root."""
+    table = Table(title=f"fsdp units: each tp rank's shards cut again over dp {fsdp.dp} (tp {fsdp.tp})")
+    for col, justify in (("unit", "left"), ("tensors", "right"), ("parameters", "right"), ("per tp rank", "right"),
+                         ("gathered / rank", "right"), ("sharded / rank", "right")):
+        table.add_column(col, justify=justify, overflow="fold")
+    for i, u in enumerate(fsdp.units):
+        table.add_row(_unit_name(u.module), str(u.tensors), _n(u.params), _n(u.local), _size(u.gathered_bytes),
+                      _size(u.sharded_bytes), end_section=i == len(fsdp.units) - 1)
+    us = fsdp.units
+    table.add_row("all", str(sum(u.tensors for u in us)), _n(sum(u.params for u in us)),
+                  _n(sum(u.local for u in us)), _size(sum(u.gathered_bytes for u in us)),
+                  _size(sum(u.sharded_bytes for u in us)))
+    table.caption = ("gathered: the unit's tp shards whole, as an all-gather over dp leaves them; sharded: what a "
+                     "rank keeps between gathers (dim 0 of each shard in d pieces, FSDP's padding included)")
+    return table
+
+
+def fsdp_memory_table(fsdp: FSDPReport) -> Table:
+    """FSDP's training memory per rank, term by term, against plain data parallelism's."""
+    t, d = fsdp.tp, fsdp.dp
+    table = Table(title=f"training memory per rank with fsdp (16 B/param, tp {t} × dp {d}, "
+                        "resharded after forward)", show_header=False)
+    table.add_column(style="bold")
+    table.add_column(justify="right")
+    table.add_column()
+    blocks = fsdp.blocks
+    largest = max((u.gathered_bytes for u in blocks), default=0)
+    table.add_row("  state 16·(P/t)/d", _size(fsdp.state_bytes),
+                  f"weights, gradients, Adam: 16 × {_n(fsdp.local)} elements per tp rank / {d}")
+    table.add_row("  root gathered", _size(fsdp.root_bytes), "all-gathered in forward, kept until its backward")
+    table.add_row("  blocks gathered", _size(fsdp.prefetch_bytes),
+                  f"the running block and the prefetched next one (largest block {_size(largest)})"
+                  if len(blocks) > 1 else "the one block, while it runs")
+    table.add_row("fsdp per rank", _size(fsdp.peak_bytes),
+                  "+ activations (not estimated here) + gradients awaiting their reduce-scatter", end_section=True)
+    table.add_row("ddp per rank 16·P/t", _size(fsdp.ddp_bytes),
+                  f"fsdp holds {_r(fsdp.saving)}× less" if fsdp.saving else "")
+    return table
+
+
+def fsdp_traffic_table(fsdp: FSDPReport) -> Table:
+    d = fsdp.dp
+    table = Table(title=f"fsdp communication per training step, per rank, over dp {d}")
+    for col in ("pass", "collective", "count", "what", "bytes", "ring sends"):
+        table.add_column(col, justify="left" if col in ("pass", "collective", "what") else "right")
+    lines = fsdp.traffic
+    for i, x in enumerate(lines):
+        table.add_row(_DIR.get(x.direction, x.direction), _kind(x.kind, "sum" if x.kind == "reduce_scatter" else ""),
+                      str(x.count), x.what, _size(x.bytes), _size(x.sent), end_section=i == len(lines) - 1)
+    table.add_row("all", "all", str(sum(x.count for x in lines)), "", _size(sum(x.bytes for x in lines)),
+                  _size(sum(x.sent for x in lines)))
+    table.caption = ("bytes: the units' tp shards whole, in the parameters' dtypes (no fsdp mixed precision); "
+                     f"a ring all-gather or reduce-scatter sends ≈ (d−1)/d = {(d - 1) / d:.2f}× them per rank. "
+                     "Replaces data parallelism's gradient all-reduce.")
     return table
 
 
@@ -311,6 +374,8 @@ def plan(
                                            "regions along the sequence (Megatron-SP)."),
     expert_parallel: bool = typer.Option(False, "--expert-parallel", help="E/tp whole experts of each "
                                          "mixture-of-experts layer per rank (default: 1/tp of every expert)."),
+    fsdp: bool = typer.Option(False, "--fsdp", help="Shard each tp rank's parameters, gradients and optimizer "
+                              "state over the --dp ranks (FSDP2): show its units, memory and traffic."),
     autocast: str | None = typer.Option(None, "--autocast", help="bf16 or fp16: count the collectives' bytes "
                                         "as a forward under torch.autocast moves them."),
     json_out: Path | None = typer.Option(None, "--json", help="Write plan, layout and report as JSON here."),
@@ -328,6 +393,9 @@ def plan(
         layout = RankLayout.build(world, tp, pp=pp, dp=dp, gpus_per_node=gpus_per_node)
     except (ValueError, TypeError) as exc:
         abort(str(exc), debug, code=USAGE_ERROR)
+    if fsdp and layout.dp < 2:
+        abort(f"--fsdp shards over the data-parallel ranks: it needs --dp 2 or more (dp is {layout.dp})", debug,
+              code=USAGE_ERROR)
     if autocast is not None and autocast not in AUTOCAST:
         abort(f"--autocast must be one of {', '.join(AUTOCAST)}, got {autocast}", debug, code=USAGE_ERROR)
     try:
@@ -335,19 +403,30 @@ def plan(
                                                           autocast, expert_parallel)
     except (AutotpError, ValueError) as exc:  # a ValueError of the plan names the sizes (experts tp does not divide)  # model file, capture and sharding problems: the user's to fix
         abort(str(exc), debug, code=USAGE_ERROR)
+    fsdp_info = None
+    if fsdp:
+        from autotp.parallel.fsdp import check_fsdp_plan  # torch.distributed.fsdp: imported only when asked for
+
+        try:  # what autotp.parallelize(fsdp=True) would refuse for this plan
+            check_fsdp_plan(the_plan, tp)
+        except AutotpError as exc:
+            abort(str(exc), debug, code=USAGE_ERROR)
+        fsdp_info = fsdp_from_rows(the_plan, report.params, layout.dp)
 
     console = _console()
-    render(console, model, the_plan, report, layout, names, batch_note)
+    render(console, model, the_plan, report, layout, names, batch_note, fsdp_info)
     if json_out is not None:
         data = {"plan": the_plan.to_dict(), "layout": layout.groups(),
                 "world": {k: v for k, v in layout.to_dict().items() if k != "groups"},
                 "report": report.to_dict()}
+        if fsdp_info is not None:
+            data["fsdp"] = fsdp_info.to_dict()
         json_out.write_text(json.dumps(data, indent=2))
     if svg is not None or html is not None:
         # drawn again, off screen and at least 160 columns wide, so a file does not inherit a narrow
         # (or absent, under a pipe) terminal's wrapping
         pic = Console(record=True, file=io.StringIO(), width=max(console.width, 160), force_terminal=True)
-        render(pic, model, the_plan, report, layout, names, batch_note)
+        render(pic, model, the_plan, report, layout, names, batch_note, fsdp_info)
         if svg is not None:  # save_svg clears the recording unless told not to; keep it for the html
             pic.save_svg(str(svg), title=f"autotp plan {model}", clear=html is None)
         if html is not None:
@@ -419,7 +498,7 @@ def experts_table(the_plan, report: Report) -> Table | None:
 
 
 def render(console: Console, model: str, the_plan, report: Report, layout: RankLayout, names: list[str],
-           batch_note: str = "") -> None:
+           batch_note: str = "", fsdp: FSDPReport | None = None) -> None:
     sp = ", sequence parallel" if the_plan.sequence is not None and the_plan.sequence.leaves else ""
     console.print(f"[bold]{escape(model)}[/bold]: tp {report.tp}{sp}, {len(the_plan.pairs)} column→row pairs, "
                   f"{len(the_plan.collectives)} collectives per step; {world_line(layout)}")
@@ -438,8 +517,12 @@ def render(console: Console, model: str, the_plan, report: Report, layout: RankL
     experts = experts_table(the_plan, report)
     if experts is not None:
         console.print(experts)
-    console.print(totals_table(report, layout))
+    console.print(totals_table(report, layout, ddp=fsdp is None))
     console.print(comm_table(report))
+    if fsdp is not None:
+        console.print(fsdp_units_table(fsdp))
+        console.print(fsdp_memory_table(fsdp))
+        console.print(fsdp_traffic_table(fsdp))
     for note in report.notes:
         console.print(f"[yellow]note:[/yellow] {escape(note)}")
 

@@ -7,6 +7,9 @@ The script runs as ``python SCRIPT ARGS...`` under torch's elastic launcher, wit
     ctx = init_from_env()                      # process group + DeviceMesh
     tpm = autotp.parallelize(model, tp_group=ctx.tp_group())
     # data parallelism: DistributedDataParallel(tpm, process_group=ctx.dp_group())
+
+With ``--fsdp`` (``--hsdp GROUPS``) a plain ``autotp.parallelize(model)`` shards over the layout's mesh with
+FSDP2 as well (no DDP then); build the optimizer after it.
 """
 from __future__ import annotations
 
@@ -38,6 +41,10 @@ MAX_RESTARTS = typer.Option(0, "--max-restarts", help="Restart the whole job thi
 BIND_CORES = typer.Option(True, "--bind-cores/--no-bind-cores",
                           help="CPU ranks: bind each to its own share of this node's cores (dealt round them "
                                "when there are fewer cores than ranks; no effect on GPU ranks).")
+FSDP = typer.Option(False, "--fsdp", help="Also shard every parameter's TP shard over the data-parallel ranks "
+                    "(FSDP2, one unit per transformer block): 1/(tp·dp) of the training state per rank.")
+HSDP = typer.Option(1, "--hsdp", metavar="GROUPS", help="With --fsdp: shard within GROUPS replica groups of "
+                    "dp / GROUPS ranks and replicate across them (HSDP; e.g. the number of nodes).")
 DEVICE = typer.Option("auto", "--device", help="cuda (one GPU per rank, nccl), cpu (gloo), or auto: cuda when "
                       "this node has a GPU for every rank, else cpu.")
 
@@ -59,12 +66,12 @@ def abort(message: str, debug: bool, code: int = 1, trace: str | None = None) ->
 
 def launch_spec(tp: int, dp: int, nnodes: int, node_rank: int, master_addr: str | None,
                 master_port: int | None, debug: bool, timeout: float | None = None, max_restarts: int = 0,
-                device: str = "auto", bind_cores: bool = True) -> LaunchSpec:
+                device: str = "auto", bind_cores: bool = True, fsdp: bool = False, hsdp: int = 1) -> LaunchSpec:
 
     try:
         return LaunchSpec(tp=tp, dp=dp, nnodes=nnodes, node_rank=node_rank,
                           master_addr=master_addr, master_port=master_port, timeout=timeout,
-                          max_restarts=max_restarts, device=device, bind_cores=bind_cores)
+                          max_restarts=max_restarts, device=device, bind_cores=bind_cores, fsdp=fsdp, hsdp=hsdp)
     except LaunchError as exc:
         abort(as_flags(exc), debug, code=USAGE_ERROR)
 
@@ -90,6 +97,8 @@ def run(
     max_restarts: int = MAX_RESTARTS,
     device: str = DEVICE,
     bind_cores: bool = BIND_CORES,
+    fsdp: bool = FSDP,
+    hsdp: int = HSDP,
     debug: bool = DEBUG,
 ) -> None:
     """Run SCRIPT on tp × dp ranks per node with torch's elastic launcher (c10d rendezvous)."""
@@ -97,7 +106,7 @@ def run(
     if not script.is_file():
         abort(f"script {script} does not exist", debug, code=USAGE_ERROR)
     spec = launch_spec(tp, dp, nnodes, node_rank, master_addr, master_port, debug, timeout, max_restarts, device,
-                       bind_cores)
+                       bind_cores, fsdp, hsdp)
     try:
         launch(spec, sys.executable, str(script), *(args or []), quiet=not debug)
     except RankFailedError as exc:

@@ -3,7 +3,8 @@ steps, and write the plan and a sharded checkpoint.
 
 Every rank builds the model with the same seed, keeps an unsharded reference (unless ``--no-verify``),
 parallelizes over its TP group, compares loss and outputs on the example batch, then trains ``--steps``
-AdamW steps (DDP over the DP group when dp > 1) and saves ``plan.json``, ``summary.json`` and a sharded
+AdamW steps (DDP over the DP group when dp > 1; with ``--fsdp`` FSDP2 instead, each TP shard sharded over
+the DP group block by block) and saves ``plan.json``, ``summary.json`` and a sharded
 checkpoint (torch.distributed.checkpoint) to ``--out``. The launching process prints the summary.
 
 The batch is built on TP rank 0 and broadcast to its group (:mod:`autotp.cli.shard_worker`). A file without
@@ -41,8 +42,8 @@ from rich.markup import escape
 from rich.table import Table
 
 from autotp.cli.common import USAGE_ERROR
-from autotp.cli.run import (BIND_CORES, DEBUG, DEVICE, DP, MASTER_ADDR, MASTER_PORT, MAX_RESTARTS, NNODES, NODE_RANK,
-                            TIMEOUT, TP, abort, launch_spec)
+from autotp.cli.run import (BIND_CORES, DEBUG, DEVICE, DP, FSDP, HSDP, MASTER_ADDR, MASTER_PORT, MAX_RESTARTS, NNODES,
+                            NODE_RANK, TIMEOUT, TP, abort, launch_spec)
 from autotp.cli.shard_worker import PARITY_TOL, ShardJob, ShardReport, _size, shard_worker
 from autotp.io.ckpt_io import check_resumable
 from autotp.errors import AutotpError, CaptureError
@@ -79,7 +80,7 @@ def _eager_on_meta(mf: ModelFile, skeleton: torch.nn.Module, args: tuple, kwargs
 
 
 def preflight(mf: ModelFile, tp: int, weights: Path | None = None, sequence_parallel: bool = False,
-              expert_parallel: bool = False) -> None:
+              expert_parallel: bool = False, fsdp: bool = False) -> None:
     """Build the model on the meta device, capture the example batch and plan for ``tp``, in this process.
 
     Raises the :class:`AutotpError` a rank would raise (the factory's or forward's own message, a size ``tp``
@@ -111,7 +112,11 @@ def preflight(mf: ModelFile, tp: int, weights: Path | None = None, sequence_para
     except Exception:  # noqa: BLE001
         return
     try:
-        make_plan(gm, tp, sequence_parallel=sequence_parallel, expert_parallel=expert_parallel)
+        plan = make_plan(gm, tp, sequence_parallel=sequence_parallel, expert_parallel=expert_parallel)
+        if fsdp:
+            from autotp.parallel.fsdp import check_fsdp_plan
+
+            check_fsdp_plan(plan, tp)
     except (AutotpError, ValueError):  # a ValueError of the plan names the sizes (experts tp does not divide)
         raise
     except Exception:  # noqa: BLE001 - not a user error autotp can explain; the ranks will show it in full
@@ -139,7 +144,15 @@ def render(report: ShardReport, console: Console) -> None:
         items = [f"{n} × {kind}" + (f"({op})" if op else "")
                  for d, kind, op, n in report.collectives if d == direction]
         summary.add_row(f"TP collectives / step, {direction}", ", ".join(items) or "none")
-    summary.add_row("DP gradient sync", f"DDP all-reduce over {report.dp} replicas" if report.dp > 1 else "none (dp 1)")
+    if report.fsdp_units:
+        groups = f", HSDP: {report.fsdp} replica groups" if report.fsdp > 1 else ""
+        summary.add_row("DP sharding", f"FSDP2 over {report.dp} ranks{groups}: {len(report.fsdp_units)} blocks + the "
+                        f"root as units ({report.fsdp_units[0]} … {report.fsdp_units[-1]}); per step one all-gather "
+                        "per unit forward, one per block backward, one reduce-scatter per unit")
+    elif report.fsdp:
+        summary.add_row("DP sharding", f"FSDP2 over {report.dp} ranks, the whole model one unit (no repeated blocks)")
+    else:
+        summary.add_row("DP gradient sync", f"DDP all-reduce over {report.dp} replicas" if report.dp > 1 else "none (dp 1)")
     p = report.parity
     if p is None:
         why = "--weights: no whole copy of the model per rank unless --verify" if report.weights else "--no-verify"
@@ -211,6 +224,8 @@ def shard(
     max_restarts: int = MAX_RESTARTS,
     device: str = DEVICE,
     bind_cores: bool = BIND_CORES,
+    fsdp: bool = FSDP,
+    hsdp: int = HSDP,
     debug: bool = DEBUG,
 ) -> None:
     """Shard MODEL_PY over tp × dp ranks, verify, train a few steps, save plan and checkpoint."""
@@ -224,9 +239,13 @@ def shard(
     if out.exists() and not out.is_dir():
         abort(f"--out {out} exists and is not a folder", debug, code=USAGE_ERROR)
     spec = launch_spec(tp, dp, nnodes, node_rank, master_addr, master_port, debug, timeout, max_restarts, device,
-                       bind_cores)
+                       bind_cores, fsdp, hsdp)
+    if fsdp and (compile_ or sequence_parallel or weights is not None):
+        used = [f for f, on in (("--compile", compile_), ("--sequence-parallel", sequence_parallel),
+                                ("--weights", weights is not None)) if on]
+        abort(f"--fsdp with {', '.join(used)} is not supported yet", debug, code=USAGE_ERROR)
     try:
-        preflight(load_model_file(model), tp, weights, sequence_parallel, expert_parallel)  # before any rank starts
+        preflight(load_model_file(model), tp, weights, sequence_parallel, expert_parallel, fsdp)  # before any rank starts
     except (AutotpError, ValueError) as exc:
         abort(str(exc), debug, code=USAGE_ERROR)
     try:
@@ -240,7 +259,7 @@ def shard(
     job = ShardJob(model=f"{path.resolve()}:{factory}" if factory else str(path.resolve()),
                    steps=steps, lr=lr, out=str(out.resolve()), verify=weights is None if verify is None else verify,
                    resume=resume, save_every=save_every, compile=compile_, sequence_parallel=sequence_parallel,
-                   expert_parallel=expert_parallel,
+                   expert_parallel=expert_parallel, fsdp=spec.hsdp if fsdp else 0,
                    weights=None if weights is None else str(weights.resolve()))
     try:
         results = launch(spec, shard_worker, job, quiet=not debug)

@@ -24,9 +24,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
+from torch.distributed.tensor import DTensor
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 import autotp
+from autotp.distributed.data_parallel import FSDPConfig
 from autotp.io.ckpt_io import latest_checkpoint, load_training_state, save_training_state
 from autotp.plan.report import build_report
 from autotp.distributed.launch import RankContext, init_from_env
@@ -49,6 +51,7 @@ class ShardJob:
     weights: str | None = None  # load from this checkpoint into a model built on meta
     sequence_parallel: bool = False
     expert_parallel: bool = False
+    fsdp: int = 0  # FSDP replica groups (1: FSDP, > 1: HSDP); 0: DDP when dp > 1
 
 
 @dataclass(frozen=True)
@@ -94,6 +97,8 @@ class ShardReport:
     comm: tuple[tuple, ...] = ()
     batch: str = ""  # where the batch came from: the file's example_batch() or the default one
     training_skipped: str = ""  # why no step was trained ("": trained, or nothing left to train)
+    fsdp: int = 0  # FSDP replica groups (0: no FSDP)
+    fsdp_units: tuple[str, ...] = ()  # the blocks FSDP gathers one at a time
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -102,7 +107,8 @@ class ShardReport:
 
 
 def _param_bytes(module: torch.nn.Module) -> int:
-    return sum(p.numel() * p.element_size() for p in module.parameters())
+    """Bytes of parameters this rank holds (an FSDP-sharded parameter: its local piece)."""
+    return sum((p.to_local() if isinstance(p, DTensor) else p).numel() * p.element_size() for p in module.parameters())
 
 
 def _verify(tpm, reference, args: tuple, kwargs: dict, device: torch.device) -> Parity:
@@ -139,8 +145,8 @@ def _eval_loss(tpm, args: tuple, kwargs: dict) -> float | None:
 
 def data_parallel(tpm: autotp.TPModule, ctx: RankContext) -> torch.nn.Module:
     """``tpm`` under DDP over this rank's DP group when dp > 1 (each TP shard's gradients are averaged
-    across the replicas holding the same shard), else ``tpm`` itself."""
-    if ctx.layout.dp == 1:
+    across the replicas holding the same shard), else (or when FSDP shards it already) ``tpm`` itself."""
+    if ctx.layout.dp == 1 or autotp.tp_state(tpm).fsdp is not None:
         return tpm
     return torch.nn.parallel.DistributedDataParallel(
         tpm, process_group=ctx.dp_group(), device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
@@ -232,9 +238,11 @@ def _build(mf: ModelFile, job: ShardJob, ctx: RankContext, batch: tuple[tuple, d
             reference = mf.build().to(ctx.device)
             autotp.load_weights(reference, job.weights, device=ctx.device)
     forward = model.forward  # the user's: its keywords shape the default batch, and parallelize replaces it
-    tpm = autotp.parallelize(model, tp_group=ctx.tp_group(), example_inputs=batch, compile=job.compile,
+    fsdp = dict(fsdp=FSDPConfig(replicas=job.fsdp), mesh=ctx.mesh) if job.fsdp else \
+        dict(fsdp=False, tp_group=ctx.tp_group())
+    tpm = autotp.parallelize(model, example_inputs=batch, compile=job.compile,
                              sequence_parallel=job.sequence_parallel, expert_parallel=job.expert_parallel,
-                             device=None if job.weights is None else ctx.device)
+                             device=None if job.weights is None else ctx.device, **fsdp)
     if job.weights is not None:
         loaded = autotp.load_weights(tpm, job.weights)
         most = torch.tensor([loaded.bytes_read, loaded.seconds], dtype=torch.float64)
@@ -315,6 +323,7 @@ def _shard(job: ShardJob, ctx: RankContext) -> ShardReport | None:
         # the formula is a training step's (with the loss's backward); untrained, there was none
         comm=() if skipped else _comm_vs_formula(tpm, args, kwargs),
         batch=_describe_batch(mf, tpm, args, kwargs, ctx.layout.tp), training_skipped=skipped,
+        fsdp=job.fsdp, fsdp_units=autotp.tp_state(tpm).units or (),
     )
     (out / "summary.json").write_text(json.dumps(report.to_dict(), indent=2))
     return report
@@ -325,9 +334,22 @@ def _comm_vs_formula(tpm: autotp.TPModule, args: tuple, kwargs: dict) -> tuple[t
     first = next((x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor) and x.dim() >= 2), None)
     if first is None or autotp.tp_state(tpm).tp == 1:
         return ()
-    rep = build_report(autotp.tp_state(tpm).plan, tpm.named_parameters(remove_duplicate=False), first.shape[0], first.shape[1])
+    rep = build_report(autotp.tp_state(tpm).plan, _tp_local(tpm.named_parameters(remove_duplicate=False)),
+                       first.shape[0], first.shape[1])
     return tuple((c.direction, c.kind, c.op, c.count, c.formula_count, c.elements, c.formula_elements,
                   c.bytes) for c in [*rep.comm, rep.total()])
+
+
+def _tp_local(named):
+    """Each parameter as this rank's TP shard (shape only): an FSDP DTensor's TP placement is its last."""
+    made: dict[int, torch.Tensor] = {}
+    for name, p in named:
+        if isinstance(p, DTensor) and id(p) not in made:
+            shape = list(p.shape)
+            if p.placements[-1].is_shard():
+                shape[p.placements[-1].dim] //= p.device_mesh.size(-1)
+            made[id(p)] = torch.empty(shape, dtype=p.dtype, device="meta")
+        yield name, made.get(id(p), p)
 
 
 def _size(n: int) -> str:

@@ -94,3 +94,47 @@ def fsdp_parity(model_name: str, tp: int, steps: int = 3, clip: float = 0.05, re
                             for n, p in model.named_parameters())
     out["full_numel"] = sum(p.numel() for p in ref.parameters())
     return out
+
+
+def _job(name: str, tp: int, fsdp: bool):
+    from autotp.cli.shard_worker import data_parallel
+    from autotp.distributed.launch import init_distributed
+
+    ctx = init_distributed(tp=tp)
+    model, args, kwargs = _model(name)
+    where = dict(fsdp=True, mesh=ctx.mesh) if fsdp else dict(fsdp=False, tp_group=ctx.tp_group())
+    tpm = autotp.parallelize(model, example_inputs=(args, kwargs), **where)
+    opt = torch.optim.AdamW(tpm.parameters(), lr=1e-3, eps=1e-6)
+    return ctx, tpm, opt, data_parallel(tpm, ctx), args, kwargs
+
+
+def _train(model, opt, args, kwargs, steps: int) -> None:
+    from autotp.cli.shard_worker import train_step
+
+    for _ in range(steps):
+        train_step(model, opt, args, kwargs)
+
+
+def fsdp_resume_matrix(out: str, names: list[str]) -> dict:
+    """Saved at tp 2 × fsdp 2 after 3 steps (every replica on the same batch, so any dp follows one
+    trajectory), trained 3 more as the reference; resumed at tp 4 × dp 1, tp 1 × fsdp 4 and tp 2 × dp 2
+    (DDP) for the same 3 steps. Rank 0 returns each model's full state dicts."""
+    from pathlib import Path
+
+    from autotp.io.ckpt_io import latest_checkpoint, load_training_state, save_training_state
+
+    results = {}
+    for name in names:
+        run = Path(out) / name
+        ctx, tpm, opt, model, args, kwargs = _job(name, 2, True)
+        _train(model, opt, args, kwargs, 3)
+        save_training_state(run, 3, tpm, opt, ctx)
+        _train(model, opt, args, kwargs, 3)
+        results[name] = {"reference": autotp.full_state_dict(tpm)}
+        for tp, fsdp in ((4, False), (1, True), (2, False)):
+            ctx, tpm, opt, model, args, kwargs = _job(name, tp, fsdp)
+            resumed = load_training_state(latest_checkpoint(run), tpm, opt, ctx)
+            _train(model, opt, args, kwargs, 3)
+            results[name][(tp, fsdp)] = {"step": resumed.step, "note": resumed.describe(),
+                                         "state": autotp.full_state_dict(tpm)}
+    return results if dist.get_rank() == 0 else {}

@@ -179,3 +179,103 @@ def test_plan_autocast_counts_bytes_as_they_travel(tmp_path) -> None:
     assert total[True]["bytes"] == 2 * 9 * bsh + 4 * (bsh + 3 * bs)  # 2L + 2L + 1 pair/head ones in bf16
     bad = runner.invoke(app, ["plan", NANOGPT, "--tp", "2", "--autocast", "fp8"], env=WIDE)
     assert bad.exit_code == 2 and "--autocast" in bad.output
+
+
+# -- --fsdp: FSDP2 over the data-parallel ranks ----------------------------------------------------------------
+@pytest.fixture(scope="module")
+def fsdp_planned(tmp_path_factory):
+    out = tmp_path_factory.mktemp("fsdp") / "fsdp.json"
+    result = runner.invoke(app, ["plan", NANOGPT, "--tp", "2", "--dp", "2", "--fsdp", "--json", str(out)], env=WIDE)
+    assert result.exit_code == 0, result.output
+    return json.loads(out.read_text()), result.stdout
+
+
+def test_plan_fsdp_units_cover_the_model_once(fsdp_planned) -> None:
+    from nanogpt import GPT, GPTConfig
+
+    data, text = fsdp_planned
+    fsdp = data["fsdp"]
+    assert [u["module"] for u in fsdp["units"]] == ["transformer.h.0", "transformer.h.1", "<root>"]
+    with torch.device("meta"):
+        model = GPT(GPTConfig())
+    unique = {id(p): p for p in model.parameters()}.values()  # wte and lm_head are one tensor
+    total = sum(p.numel() for p in unique)
+    assert sum(u["params"] for u in fsdp["units"]) == total == data["report"]["memory"]["params"]
+    assert sum(u["tensors"] for u in fsdp["units"]) == len(list(unique))
+    # each unit's elements per tp rank add up to the rank's, and one all-gather over dp 2 restores them (fp32)
+    assert sum(u["local"] for u in fsdp["units"]) == data["report"]["memory"]["local"] == fsdp["local"]
+    for u in fsdp["units"]:
+        assert u["gathered_bytes"] == 4 * u["local"] and u["sharded_bytes"] == u["gathered_bytes"] // 2
+    # root: the tied embedding / LM head, the positions and the final norm
+    root = fsdp["units"][-1]
+    assert root["tensors"] == 4 and root["params"] == 256 * 64 + 64 * 64 + 2 * 64
+    assert "root (what no block owns)" in text and "fsdp units" in text
+
+
+def test_plan_fsdp_memory(fsdp_planned) -> None:
+    data, text = fsdp_planned
+    fsdp, memory = data["fsdp"], data["report"]["memory"]
+    local = memory["local"]  # elements one tp rank holds, the replicated ones whole
+    assert fsdp["state_bytes"] == 16 * local / 2
+    assert fsdp["ddp_bytes"] == memory["train_bytes_per_rank"] == 16 * local
+    blocks = [u for u in fsdp["units"] if u["module"] != "<root>"]
+    assert fsdp["prefetch_bytes"] == 2 * max(u["gathered_bytes"] for u in blocks)
+    assert fsdp["root_bytes"] == fsdp["units"][-1]["gathered_bytes"]
+    assert fsdp["peak_bytes"] == fsdp["state_bytes"] + fsdp["root_bytes"] + fsdp["prefetch_bytes"]
+    assert fsdp["peak_bytes"] < fsdp["ddp_bytes"]
+    assert "activations (not estimated here)" in text and "ddp per rank 16·P/t" in text
+    # FSDP's reduce-scatter replaces the gradient all-reduce of plain data parallelism
+    assert "dp gradient all-reduce" not in text
+
+
+def test_plan_fsdp_traffic(fsdp_planned) -> None:
+    data, text = fsdp_planned
+    fsdp = data["fsdp"]
+    units, blocks = len(fsdp["units"]), len(fsdp["units"]) - 1
+    traffic = {(x["direction"], x["kind"]): x for x in fsdp["traffic"]}
+    assert set(traffic) == {("forward", "all_gather"), ("backward", "all_gather"), ("backward", "reduce_scatter")}
+    assert traffic[("forward", "all_gather")]["count"] == units == 3
+    assert traffic[("backward", "all_gather")]["count"] == blocks == 2
+    assert traffic[("backward", "reduce_scatter")]["count"] == units
+    every = 4 * fsdp["local"]  # fp32: every unit's tp shards, gathered whole
+    assert traffic[("forward", "all_gather")]["bytes"] == traffic[("backward", "reduce_scatter")]["bytes"] == every
+    assert traffic[("backward", "all_gather")]["bytes"] == every - fsdp["units"][-1]["gathered_bytes"]
+    for x in traffic.values():  # a ring over d = 2 ranks sends half of it
+        assert x["sent"] == x["bytes"] // 2
+    assert "reduce-scatter(sum)" in text and "fsdp communication per training step" in text
+
+
+def test_plan_without_fsdp_has_no_fsdp_key(planned) -> None:
+    out, result = planned
+    assert "fsdp" not in json.loads((out / "out.json").read_text())
+    assert "fsdp units" not in result.stdout
+
+
+@pytest.mark.parametrize("args", [["--tp", "2", "--fsdp"], ["--tp", "2", "--dp", "1", "--fsdp"],
+                                  ["--tp", "2", "--world-size", "2", "--fsdp"]])
+def test_plan_fsdp_needs_dp(args) -> None:
+    result = runner.invoke(app, ["plan", NANOGPT, *args], env=WIDE)
+    assert result.exit_code == 2, result.output
+    assert "--fsdp" in result.output and "--dp 2 or more" in result.output and "Traceback" not in result.output
+
+
+def test_plan_fsdp_refuses_what_parallelize_refuses() -> None:
+    result = runner.invoke(app, ["plan", NANOGPT, "--tp", "2", "--dp", "2", "--fsdp", "--sequence-parallel"],
+                           env=WIDE)
+    assert result.exit_code == 2, result.output
+    assert "fsdp with sequence parallelism is not supported" in result.output
+
+
+def test_fsdp_report_pads_uneven_rows() -> None:
+    """FSDP2 cuts dim 0 of a tp shard into d chunks of ceil(n/d) rows: a 3-row tensor over dp 2 keeps 2 rows."""
+    from autotp.plan.plan import Plan, Unit
+    from autotp.plan.report import fsdp_report
+
+    block, head = torch.nn.Linear(4, 3), torch.nn.Linear(3, 5, bias=False)
+    named = [("block.weight", block.weight), ("block.bias", block.bias), ("head.weight", head.weight)]
+    fsdp = fsdp_report(Plan(tp=1, units=(Unit("block", ("block.weight", "block.bias")),)), named, 2)
+    assert [u.module for u in fsdp.units] == ["block", "<root>"]
+    b, root = fsdp.units
+    assert (b.params, b.gathered_bytes, b.sharded_bytes) == (15, 60, 4 * (2 * 4 + 2))
+    assert (root.params, root.sharded_bytes) == (15, 4 * 3 * 3)
+    assert fsdp.prefetch_bytes == 60  # one block: nothing to prefetch

@@ -36,6 +36,7 @@ __all__ = [
 
 ENV_TP, ENV_DP, ENV_PP, ENV_BACKEND = "AUTOTP_TP", "AUTOTP_DP", "AUTOTP_PP", "AUTOTP_BACKEND"
 ENV_TIMEOUT = "AUTOTP_TIMEOUT"  # seconds a collective may wait before the process group gives up
+ENV_FSDP = "AUTOTP_FSDP"  # FSDP replica groups under `autotp run --fsdp` (1: FSDP, R > 1: HSDP); unset: none
 # a rank that fails because a peer died reports one of these; the peer's own error is the one to show
 _PEER_FAILURE = ("connection closed by peer", "connection reset", "broken pipe", "socket closed",
                  "timed out", "timeout", "distbackenderror", "checkpointexception", "nccl", "watchdog",
@@ -65,6 +66,8 @@ class LaunchSpec:
     max_restarts: int = 0
     device: str = "auto"  # "cuda": one GPU per rank (nccl), "cpu": gloo, "auto": cuda when every rank has a GPU
     bind_cores: bool = True  # CPU ranks: each bound to its own share of this node's cores (cpu_binding.py)
+    fsdp: bool = False  # shard each TP shard over the data-parallel ranks (FSDP2)
+    hsdp: int = 1  # with fsdp: replica groups (HSDP: shard within a group of dp / hsdp ranks, replicate across)
 
     def __post_init__(self) -> None:
         for name in ("tp", "dp", "pp", "nnodes"):
@@ -96,6 +99,30 @@ class LaunchSpec:
                               "(node 0's address and a free port, the same on every node)",
                               fields=("nnodes", "master_addr", "master_port"))
         self.layout  # validates tp × dp × pp against the world size now, not inside the workers
+        self._check_fsdp()
+
+    def _check_fsdp(self) -> None:
+        dp = self.dp * self.nnodes
+        if isinstance(self.hsdp, bool) or not isinstance(self.hsdp, int) or self.hsdp < 1:
+            raise LaunchError(f"hsdp must be an integer >= 1, got {self.hsdp!r}", fields=("hsdp",))
+        if self.hsdp > 1 and not self.fsdp:
+            raise LaunchError(f"hsdp {self.hsdp} shards within replica groups: it needs fsdp", fields=("hsdp", "fsdp"))
+        if not self.fsdp:
+            return
+        if dp == 1:
+            raise LaunchError(f"fsdp shards the parameters over the data-parallel ranks, and there is one "
+                              f"(dp {self.dp} × nnodes {self.nnodes})", fields=("fsdp", "dp"),
+                              hint="use dp > 1 (world = tp × dp × nnodes), or drop fsdp")
+        if dp % self.hsdp:
+            raise LaunchError(f"hsdp {self.hsdp} replica groups do not divide the {dp} data-parallel ranks "
+                              f"(dp {self.dp} × nnodes {self.nnodes})", fields=("hsdp", "dp"))
+        shard = dp // self.hsdp
+        if self.nnodes > 1 and self.dp % shard:
+            raise LaunchError(f"hsdp {self.hsdp}: a shard group of {shard} data-parallel ranks would span nodes "
+                              f"({self.dp} per node), so every all-gather would cross them",
+                              fields=("hsdp", "dp", "nnodes"),
+                              hint=f"use hsdp {self.nnodes} (or a multiple that divides {dp}): shard within a "
+                                   f"node, replicate across nodes")
 
     @property
     def nproc_per_node(self) -> int:
@@ -121,6 +148,8 @@ class LaunchSpec:
             # as torchrun does: N CPU ranks each using every core oversubscribe the machine
             env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // self.nproc_per_node))
         env[ENV_BIND] = "1" if backend == "gloo" and self.bind_cores else "0"  # "0" overrides an inherited "1"
+        if self.fsdp:
+            env[ENV_FSDP] = str(self.hsdp)
         return env
 
 
@@ -338,6 +367,12 @@ def current_tp_group(environ: Mapping[str, str] | None = None) -> dist.ProcessGr
         if found is not None:
             return found
     return init_from_env(environ).tp_group()
+
+
+def fsdp_from_env(environ: Mapping[str, str] | None = None) -> int | None:
+    """The FSDP replica groups ``autotp run --fsdp [--hsdp R]`` asked for (1: plain FSDP); None: no FSDP."""
+    environ = os.environ if environ is None else environ
+    return _env_int(ENV_FSDP, environ)
 
 
 def current_mesh(environ: Mapping[str, str] | None = None) -> DeviceMesh | None:

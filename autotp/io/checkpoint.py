@@ -6,6 +6,12 @@
 - Sharded (torch.distributed.checkpoint): ``sharded_state_dict`` views each rank's shards as DTensors in
   the unsharded model's coordinates (one key per segment of a fused parameter), so a checkpoint written at
   one tp loads at another (``load_checkpoint``) and into full tensors (``load_unsharded``).
+
+Under FSDP a parameter (and each optimizer moment) is a DTensor over the (dp, tp) mesh, its TP shard cut
+again over dp. FSDP's own state dict would name the different TP shards under one key, so the contract stays
+autotp's: each rank's TP shard is gathered over its dp group (:func:`tp_local`) and written in the same
+global per-segment layout; a load fills those gathered copies and :class:`WriteBack` copies each rank's
+dp chunk back into FSDP's shards. So a checkpoint moves between FSDP, DDP and plain TP at any tp.
 """
 from __future__ import annotations
 
@@ -18,6 +24,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from autotp.io.ckpt_safety import METADATA, read_metadata, safe_load
@@ -28,6 +35,46 @@ from autotp.plan.plan import ParamShard, Plan
 from autotp.shard_spec import Segment
 from autotp.runtime.gathered import all_gather_flat
 from autotp.state import tp_state
+
+
+def reshard(model: torch.nn.Module) -> None:
+    """Free whatever FSDP still holds gathered (the root's parameters after a forward that no backward
+    followed), so that the module's parameters are FSDP's shards again, those the optimizer steps."""
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
+
+
+def tp_local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's tensor-parallel shard of ``t``: ``t`` itself, or for a DTensor over a (dp, ..., tp) mesh
+    (FSDP's parameters and optimizer moments) its local tensor gathered over every dim but the last (tp)."""
+    if not isinstance(t, DTensor):
+        return t
+    whole = [Replicate()] * (t.device_mesh.ndim - 1) + [t.placements[-1]]
+    return t.redistribute(t.device_mesh, whole).to_local()
+
+
+class WriteBack:
+    """The gathered copies :func:`tp_local` made for a load, and the FSDP-sharded tensors they belong to:
+    :meth:`apply` writes each rank's dp chunk of the loaded copy into its shard. One copy per tensor (ties)."""
+
+    def __init__(self) -> None:
+        self.pairs: dict[int, tuple[DTensor, torch.Tensor]] = {}
+
+    def local(self, t: torch.Tensor) -> torch.Tensor:
+        if not isinstance(t, DTensor):
+            return t
+        if id(t) not in self.pairs:
+            self.pairs[id(t)] = (t, tp_local(t.detach()))
+        return self.pairs[id(t)][1]
+
+    def apply(self) -> None:
+        with torch.no_grad():
+            for t, local in self.pairs.values():
+                whole = [Replicate()] * (t.device_mesh.ndim - 1) + [t.placements[-1]]
+                full = DTensor.from_local(local, t.device_mesh, whole, run_check=False, shape=t.shape,
+                                          stride=t.stride())
+                t.to_local().copy_(full.redistribute(t.device_mesh, t.placements).to_local())
 
 
 def _shards_by_name(module: torch.nn.Module) -> dict[str, ParamShard]:
@@ -41,7 +88,10 @@ def full_state_dict(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     shards = _shards_by_name(module)
     gathered: dict[int, torch.Tensor] = {}
     out: dict[str, torch.Tensor] = {}
+    copies = WriteBack()  # under FSDP: each rank's TP shard, gathered over dp
+    reshard(module)
     for name, tensor in module.state_dict(keep_vars=True).items():
+        tensor = copies.local(tensor)
         shard = shards.get(name)
         if shard is None or st.tp == 1:
             out[name] = tensor.detach().cpu().clone()
@@ -90,14 +140,18 @@ def load_full_state_dict(module: torch.nn.Module, state_dict: Mapping[str, torch
     mark_loaded(module, set(state_dict))
 
 
-def sharded_state_dict(tpm: torch.nn.Module, ctx: RankContext) -> dict[str, torch.Tensor]:
+def sharded_state_dict(tpm: torch.nn.Module, ctx: RankContext,
+                       copies: WriteBack | None = None) -> dict[str, torch.Tensor]:
     """``tpm.state_dict()`` in global coordinates, for torch.distributed.checkpoint.
 
     Replicated tensors stay plain (DCP keeps one copy). A sharded parameter becomes one DTensor per
     segment (``name`` for one segment, ``name.segment{i}`` for fused ones), each a view of the local shard,
-    so ``dcp.load`` writes straight into the parameters and a checkpoint can be resharded.
+    so ``dcp.load`` writes straight into the parameters and a checkpoint can be resharded. Under FSDP the
+    views are of each rank's gathered TP shard (``copies``, whose ``apply`` writes a load back).
     """
-    state = tpm.state_dict(keep_vars=True)
+    copies = WriteBack() if copies is None else copies
+    reshard(tpm)
+    state = {name: copies.local(t) for name, t in tpm.state_dict(keep_vars=True).items()}
     by_id = {id(state[name]): shard for name, shard in checkpoint_shards(tpm).items() if name in state}
     out: dict[str, torch.Tensor] = {}
     for name, tensor in state.items():
@@ -239,5 +293,7 @@ def save_checkpoint(tpm: torch.nn.Module, ctx: RankContext, path: Path | str) ->
 def load_checkpoint(tpm: torch.nn.Module, ctx: RankContext, path: Path | str) -> None:
     """Load a :func:`save_checkpoint` checkpoint into ``tpm``'s parameters in place (see
     :mod:`autotp.io.ckpt_safety`: nothing in the files is unpickled as arbitrary objects)."""
-    safe_load({"model": sharded_state_dict(tpm, ctx)}, path)
+    copies = WriteBack()
+    safe_load({"model": sharded_state_dict(tpm, ctx, copies)}, path)
+    copies.apply()
     mark_loaded(tpm)

@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from autotp.io.checkpoint import sharded_state_dict
+from autotp.io.checkpoint import WriteBack, sharded_state_dict
 from autotp.io.ckpt_safety import read_metadata, safe_load, verify_files
 from autotp.io.empty import mark_loaded
 from autotp.errors import CheckpointError
@@ -247,13 +247,15 @@ def load_training_state(path: Path | str, tpm: torch.nn.Module, optimizer: torch
     path = Path(path)
     info = read_manifest(path)
     meta = read_metadata(path)
-    state: dict = {"model": sharded_state_dict(tpm, ctx), "train": {"step": torch.tensor(0, dtype=torch.int64)}}
+    copies = WriteBack()  # under FSDP: gathered TP shards, written back into FSDP's shards after the load
+    state: dict = {"model": sharded_state_dict(tpm, ctx, copies),
+                   "train": {"step": torch.tensor(0, dtype=torch.int64)}}
     ostate = None
     if optimizer is not None:
         if not isinstance(info.get("optimizer"), dict):
             raise CheckpointError(f"{path / INFO}: the checkpoint holds no optimizer state",
                                   hint="it was saved without an optimizer; resume without one, or start afresh")
-        ostate = optimizer_state(tpm, optimizer, ctx)
+        ostate = optimizer_state(tpm, optimizer, ctx, copies)
         state["optim"] = {"state": ostate.tensors}
     # generators the saving layout had for this rank's coordinates; the others keep their own streams
     rng = {key: value for key, value in _rng_state(tpm, ctx).items()
@@ -262,6 +264,7 @@ def load_training_state(path: Path | str, tpm: torch.nn.Module, optimizer: torch
     if rng:
         state["rng"] = rng
     safe_load(state, path, metadata=meta)
+    copies.apply()
     mark_loaded(tpm)
     if ostate is not None:
         restore(tpm, optimizer, ostate, info["optimizer"], str(path / INFO))

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
-from autotp.io.checkpoint import checkpoint_shards, global_views
+from autotp.io.checkpoint import WriteBack, checkpoint_shards, global_views, reshard
 from autotp.errors import CheckpointError
 from autotp.distributed.launch import RankContext
 
@@ -44,13 +44,17 @@ def _kind(optimizer: torch.optim.Optimizer) -> str:
     return f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
 
 
-def optimizer_state(tpm: torch.nn.Module, optimizer: torch.optim.Optimizer, ctx: RankContext) -> OptimizerState:
+def optimizer_state(tpm: torch.nn.Module, optimizer: torch.optim.Optimizer, ctx: RankContext,
+                    copies: WriteBack | None = None) -> OptimizerState:
     """The state of ``optimizer`` (over ``tpm``'s parameters) in global coordinates; a fresh optimizer's
     state is initialised first (torch's helper takes a zero-learning-rate step), so there is something to
-    load into."""
+    load into. Under FSDP each moment is this rank's TP shard gathered over dp (``copies`` writes a load
+    back into the optimizer's own shards)."""
+    copies = WriteBack() if copies is None else copies
+    reshard(tpm)  # the module's parameters must be the optimizer's (FSDP's shards)
     osd = get_optimizer_state_dict(tpm, optimizer)
     shards = checkpoint_shards(tpm)
-    params = dict(tpm.named_parameters())
+    params = {name: copies.local(p) for name, p in tpm.named_parameters()}
     tensors: dict[str, dict[str, torch.Tensor]] = {}
     for name, entries in osd["state"].items():
         param, shard = params[name], shards.get(name)
@@ -58,6 +62,7 @@ def optimizer_state(tpm: torch.nn.Module, optimizer: torch.optim.Optimizer, ctx:
         for key, value in entries.items():
             if not isinstance(value, torch.Tensor):
                 continue  # plain data: the manifest carries it
+            value = copies.local(value)
             if shard is None or value.dim() == 0:
                 views[key] = value.detach()
             elif value.shape == param.shape:

@@ -47,6 +47,13 @@ def check_fsdp_plan(plan: Plan, tp: int) -> None:
                             hint="drop sequence_parallel (--sequence-parallel), or fsdp")
 
 
+def _free_root_without_backward(model: nn.Module, args, output) -> None:
+    """FSDP keeps the root's gathered parameters for the backward; a call with gradients off (evaluation,
+    sampling) has none, so they are freed at once and ``model.parameters()`` are the shards again."""
+    if not torch.is_grad_enabled():
+        model.reshard()
+
+
 def apply_fsdp(model: nn.Module, st: TPState, plan: Plan) -> None:
     """Shard ``model`` (holding its TP shards) over the data-parallel ranks with FSDP2, unit by unit."""
     config = st.fsdp
@@ -76,6 +83,7 @@ def apply_fsdp(model: nn.Module, st: TPState, plan: Plan) -> None:
         register_fsdp_forward_method(unit, UNIT_METHOD)
     # the root's parameters (embeddings, LM head) are the first the backward needs: FSDP's default keeps them
     fully_shard(model, **{**options, "reshard_after_forward": None})
+    model.register_forward_hook(_free_root_without_backward)  # after FSDP's own post-forward hook
     if config.prefetch:
         for before, after in zip(units, units[1:]):
             before.set_modules_to_forward_prefetch([after])

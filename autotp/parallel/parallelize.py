@@ -72,6 +72,15 @@ def _resolve_group(tp_group: dist.ProcessGroup | None) -> dist.ProcessGroup:
     return dist.group.WORLD
 
 
+def _fsdp_config(fsdp: bool | FSDPConfig | None) -> FSDPConfig | None:
+    if fsdp is None:  # under `autotp run --fsdp`: the launcher's choice
+        from autotp.distributed.launch import fsdp_from_env
+
+        replicas = fsdp_from_env()
+        return None if replicas is None else FSDPConfig(replicas=replicas)
+    return FSDPConfig() if fsdp is True else fsdp or None
+
+
 def _resolve_mesh(mesh: DeviceMesh | None, config: FSDPConfig | None,
                   tp_group: dist.ProcessGroup | None) -> DeviceMesh | None:
     if mesh is not None and tp_group is not None:
@@ -391,7 +400,7 @@ def _device(model: nn.Module, group: dist.ProcessGroup, device: torch.device | s
 def parallelize(model: nn.Module, *, tp_group: dist.ProcessGroup | None = None, example_inputs: object = None,
                 vocab_multiple: int = 1, compile: bool = False, check_inputs: bool = False,
                 sequence_parallel: bool = False, expert_parallel: bool = False,
-                device: torch.device | str | None = None, fsdp: bool | FSDPConfig = False,
+                device: torch.device | str | None = None, fsdp: bool | FSDPConfig | None = None,
                 mesh: DeviceMesh | None = None) -> nn.Module:
     """Shard ``model`` Megatron-style over ``tp_group``, in place, and return it.
 
@@ -420,8 +429,9 @@ def parallelize(model: nn.Module, *, tp_group: dist.ProcessGroup | None = None, 
     block found in the graph plus the root (embeddings, final norm, LM head): each block's parameters are
     gathered just before it runs and its gradients reduce-scattered when its backward ends. The parameters
     become DTensors over the mesh (``clip_grad_norm_`` gives the full model's norm); build the optimizer
-    after this call. ``mesh``: a device mesh with ``dp`` and ``tp`` dims (tp innermost), default the
-    layout's under ``autotp run``; its ``tp`` dim is the tensor-parallel group.
+    after this call. Default: what ``autotp run --fsdp [--hsdp GROUPS]`` asked for, else no FSDP. ``mesh``: a
+    device mesh with ``dp`` and ``tp`` dims (tp innermost), default the layout's under ``autotp run``; its
+    ``tp`` dim is the tensor-parallel group.
 
     A model built on the meta device (inside :func:`autotp.empty_weights`, see :mod:`autotp.io.empty`) is
     planned on meta; only this rank's shards and the replicated parameters are allocated, uninitialised,
@@ -429,7 +439,7 @@ def parallelize(model: nn.Module, *, tp_group: dist.ProcessGroup | None = None, 
     """
     if (known := find_tp_state(model)) is not None:
         raise ShardingError(f"{type(model).__name__} is already parallelized (tp={known.tp})")
-    config = FSDPConfig() if fsdp is True else fsdp or None
+    config = _fsdp_config(fsdp)
     if config is not None and compile:
         raise ShardingError("fsdp with compile=True is not supported yet", hint="drop one of them")
     mesh = _resolve_mesh(mesh, config, tp_group)

@@ -368,3 +368,134 @@ def _act_bytes(rows: tuple[ParamRow, ...]) -> int:
         if isinstance(dt, torch.dtype) and dt.is_floating_point:
             return torch.empty((), dtype=dt, device="meta").element_size()
     return 4
+
+
+# -- FSDP over the data-parallel ranks ------------------------------------------------------------------
+ROOT_UNIT = "<root>"  # FSDP's last unit: the model itself, holding every parameter no block owns
+
+
+@dataclass(frozen=True)
+class FSDPUnitRow:
+    """One FSDP unit: a repeated block of the plan, or the root (embeddings, final norm, LM head...)."""
+
+    module: str  # the block's module name, or ROOT_UNIT
+    tensors: int  # distinct tensors, a tied one once
+    params: int  # elements of the full (unsharded) tensors
+    local: int  # elements one TP rank holds: what FSDP all-gathers over dp
+    gathered_bytes: int  # this TP rank's shards whole, in the parameters' dtypes: one all-gather's output
+    # what one rank keeps between gathers: dim 0 of each TP shard cut in d, FSDP's padding included
+    sharded_bytes: int
+
+
+@dataclass(frozen=True)
+class FSDPTraffic:
+    """One kind of FSDP collective in one training step, per rank, over the d data-parallel ranks."""
+
+    direction: str  # "forward" | "backward"
+    kind: str  # "all_gather" | "reduce_scatter"
+    what: str
+    count: int
+    bytes: int  # the gathered (or reduced) size of all of them, in the parameters' dtypes
+    sent: int  # what a ring sends per rank: (d−1)/d × bytes
+
+
+@dataclass(frozen=True)
+class FSDPReport:
+    """What FSDP (``autotp.parallelize(model, fsdp=True)``, resharding after forward, prefetching one unit)
+    adds to tensor parallelism at tp ``t`` and dp ``d``, per rank and per training step."""
+
+    tp: int
+    dp: int
+    units: tuple[FSDPUnitRow, ...]  # the blocks in the order they run, then the root
+    local: int  # elements per TP rank (Memory.local): P/t with replicated parameters counted whole
+    state_bytes: int  # 16·(P/t)/d: weights, gradients and Adam state, sharded over dp
+    root_bytes: int  # the root gathered in forward and kept until its backward
+    # the blocks gathered at once: the one running and the next, prefetched (2 × the largest, for equal blocks)
+    prefetch_bytes: int
+    ddp_bytes: int  # 16·P/t: the same rank under plain data parallelism (DDP), every rank holding it all
+    traffic: tuple[FSDPTraffic, ...]
+
+    @property
+    def blocks(self) -> tuple[FSDPUnitRow, ...]:
+        return tuple(u for u in self.units if u.module != ROOT_UNIT)
+
+    @property
+    def peak_bytes(self) -> int:
+        """Per rank, activations and the gradients awaiting their reduce-scatter not included."""
+        return self.state_bytes + self.root_bytes + self.prefetch_bytes
+
+    @property
+    def saving(self) -> float | None:
+        """How many times less than DDP a rank holds."""
+        return _ratio(self.ddp_bytes, self.peak_bytes)
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "peak_bytes": self.peak_bytes, "saving": self.saving}
+
+
+def fsdp_units(plan: Plan, rows: tuple[ParamRow, ...], dp: int) -> tuple[FSDPUnitRow, ...]:
+    """The plan's blocks, then the root with every tensor no block owns; a tensor under several names (tied)
+    belongs to the first unit that names it under any of them, and is counted once."""
+    owner: dict[str, str] = {}
+    for unit in plan.units:
+        for name in unit.params:
+            owner.setdefault(name, unit.module)
+    members: dict[str, list[ParamRow]] = {u.module: [] for u in plan.units}
+    members[ROOT_UNIT] = []
+    for r in rows:
+        module = next((owner[a] for a in r.aliases if a in owner), ROOT_UNIT)
+        members[module].append(r)
+    return tuple(FSDPUnitRow(module, len(rs), sum(math.prod(r.full_shape) for r in rs),
+                             sum(math.prod(r.local_shape) for r in rs), sum(r.local_bytes for r in rs),
+                             sum(_fsdp_shard_bytes(r, dp) for r in rs))
+                 for module, rs in members.items() if rs or module != ROOT_UNIT)
+
+
+def _in_flight(blocks: list[FSDPUnitRow]) -> int:
+    """The most gathered block bytes held at once: a block and its neighbour (the next one is prefetched in
+    forward, the previous one in backward); one block alone when there is only one."""
+    sizes = [u.gathered_bytes for u in blocks]
+    return max((a + b for a, b in zip(sizes, sizes[1:])), default=max(sizes, default=0))
+
+
+def _fsdp_shard_bytes(r: ParamRow, dp: int) -> int:
+    """FSDP2 cuts dim 0 of the (TP-local) tensor in d chunks of ceil(n/d) rows and pads the last ones."""
+    shape = r.local_shape or (1,)
+    n = math.prod(shape)
+    if n == 0:
+        return 0
+    return -(-shape[0] // dp) * (n // shape[0]) * (r.local_bytes // n)
+
+
+def fsdp_report(plan: Plan, named_params: Iterable[tuple[str, torch.Tensor]], dp: int) -> FSDPReport:
+    """FSDP's units, memory and traffic per rank for ``plan`` (at its tp) over ``dp`` data-parallel ranks;
+    ``named_params`` as for :func:`param_rows`: every alias, shapes and dtypes only."""
+    return fsdp_from_rows(plan, param_rows(plan, named_params), dp)
+
+
+def fsdp_from_rows(plan: Plan, rows: tuple[ParamRow, ...], dp: int) -> FSDPReport:
+    """:func:`fsdp_report` from the rows a :class:`Report` already holds (``report.params``).
+
+    Follows ``autotp.parallel.fsdp.apply_fsdp`` with its defaults: each block is gathered for its forward,
+    freed, gathered again for its backward, and its gradients reduce-scattered; the root is gathered once in
+    forward (FSDP keeps the root's parameters until the backward) and reduce-scattered once. No mixed
+    precision policy: gathers and reductions travel in the parameters' own dtypes.
+    """
+    if dp < 1:
+        raise ValueError(f"dp must be >= 1, got {dp}")
+    units = fsdp_units(plan, rows, dp)
+    local = sum(math.prod(r.local_shape) for r in rows)
+    blocks = [u for u in units if u.module != ROOT_UNIT]
+    root = next((u for u in units if u.module == ROOT_UNIT), None)
+    k = TRAIN_BYTES_PER_PARAM
+
+    def line(direction: str, kind: str, what: str, of: list[FSDPUnitRow]) -> FSDPTraffic:
+        size = sum(u.gathered_bytes for u in of)
+        return FSDPTraffic(direction, kind, what, len(of), size, round(size * (dp - 1) / dp))
+
+    traffic = (line("forward", "all_gather", "every unit's parameters (blocks + root)", list(units)),
+               line("backward", "all_gather", "every block's parameters again (resharded after forward)", blocks),
+               line("backward", "reduce_scatter", "every unit's gradients", list(units)))
+    return FSDPReport(plan.tp, dp, units, local, round(k * local / dp), root.gathered_bytes if root else 0,
+                      _in_flight(blocks), k * local,
+                      tuple(t for t in traffic if t.count))
