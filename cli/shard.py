@@ -240,9 +240,8 @@ def shard(
         abort(f"--out {out} exists and is not a folder", debug, code=USAGE_ERROR)
     spec = launch_spec(tp, dp, nnodes, node_rank, master_addr, master_port, debug, timeout, max_restarts, device,
                        bind_cores, fsdp, hsdp)
-    if fsdp and (compile_ or sequence_parallel or weights is not None):
-        used = [f for f, on in (("--compile", compile_), ("--sequence-parallel", sequence_parallel),
-                                ("--weights", weights is not None)) if on]
+    if fsdp and (compile_ or sequence_parallel):
+        used = [f for f, on in (("--compile", compile_), ("--sequence-parallel", sequence_parallel)) if on]
         abort(f"--fsdp with {', '.join(used)} is not supported yet", debug, code=USAGE_ERROR)
     try:
         preflight(load_model_file(model), tp, weights, sequence_parallel, expert_parallel, fsdp)  # before any rank starts

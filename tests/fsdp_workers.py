@@ -1,6 +1,7 @@
 """Functions that run inside each gloo rank of the FSDP × TP tests and return what the test asserts on."""
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import torch
@@ -138,3 +139,67 @@ def fsdp_resume_matrix(out: str, names: list[str]) -> dict:
             results[name][(tp, fsdp)] = {"step": resumed.step, "note": resumed.describe(),
                                          "state": autotp.full_state_dict(tpm)}
     return results if dist.get_rank() == 0 else {}
+
+
+def fsdp_mixed_precision(model_name: str, tp: int, steps: int = 3) -> dict:
+    """FSDP's mixed precision (bf16 parameters for compute, fp32 gradient reduction and master weights)
+    under bf16 autocast, every replica on the same batch, against the unsharded model in fp32 (exact) and
+    under autocast alone (what a single-device bf16 run gives): relative errors of losses and updates."""
+    from amp_workers import DtypeLog, _rel
+
+    ref, args, kwargs = _model(model_name)
+    amp = copy.deepcopy(ref)
+    dp = dist.get_world_size() // tp
+    mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+    config = FSDPConfig(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    model = autotp.parallelize(copy.deepcopy(ref), example_inputs=(args, kwargs), fsdp=config, mesh=mesh)
+    start = {n: _full(p).detach().clone() for n, p in model.named_parameters()}
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-3, eps=1e-6) for m in (model, ref, amp)]
+    out: dict = {"loss_rel": [], "amp_loss_rel": []}
+    log = DtypeLog()
+    for step in range(steps):
+        losses = []
+        for m, opt, cast in ((model, opts[0], True), (ref, opts[1], False), (amp, opts[2], True)):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cast), (log if m is model and step == 0
+                                                                              else contextlib.nullcontext()):
+                loss = loss_and_logits(m(*args, **kwargs))[0]
+                loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.detach().float())
+        out["loss_rel"].append(_rel(losses[0], losses[1]))
+        out["amp_loss_rel"].append(_rel(losses[2], losses[1]))
+    ref_params, amp_params = dict(ref.named_parameters()), dict(amp.named_parameters())
+
+    def update(n):
+        return _side_by_side(ref_params[n].detach(), n, model) - _side_by_side(start_ref[n], n, model)
+
+    start_ref = {n: p.detach() for n, p in copy.deepcopy(_model(model_name)[0]).named_parameters()}
+    got = torch.cat([(_full(p).detach() - start[n]).flatten() for n, p in model.named_parameters()])
+    want = torch.cat([update(n).flatten() for n, _ in model.named_parameters()])
+    amp_got = torch.cat([(_side_by_side(amp_params[n].detach(), n, model) - _side_by_side(start_ref[n], n, model))
+                         .flatten() for n, _ in model.named_parameters()])
+    out["update_rel"], out["amp_update_rel"] = _rel(got, want), _rel(amp_got, want)
+    out["master_dtypes"] = sorted({str(p.dtype) for p in model.parameters()})
+    # what FSDP moves (the input check's int64 fingerprints aside)
+    out["travel"] = sorted({(k, dtype) for k, dtype, _ in log.dtypes if k != "all_reduce" and dtype != "int64"})
+    return out
+
+
+def fsdp_load_weights(name: str, path: str, tp: int) -> dict:
+    """A model built on meta, parallelized with FSDP (only this rank's pieces allocated), filled by
+    ``autotp.load_weights`` from a torch state-dict file: the unsharded model's loss and parameters."""
+    ref, args, kwargs = _model(name)
+    dp = dist.get_world_size() // tp
+    mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+    with autotp.empty_weights():
+        model = _model(name)[0]
+    model = autotp.parallelize(model, example_inputs=(args, kwargs), fsdp=True, mesh=mesh)
+    loaded = autotp.load_weights(model, path)
+    ref_params = dict(ref.named_parameters())
+    with torch.no_grad():
+        loss = loss_and_logits(model(*args, **kwargs))[0]
+        want = loss_and_logits(ref(*args, **kwargs))[0]
+    return {"tensors": loaded.tensors, "loss_diff": (loss - want).abs().item(),
+            "param_diff": max((_full(p).detach() - _side_by_side(ref_params[n].detach(), n, model)).abs().max().item()
+                              for n, p in model.named_parameters())}

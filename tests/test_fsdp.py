@@ -24,6 +24,7 @@ from autotp.plan.planner import make_plan
 from autotp.runtime.units import PieceCall, bind_pieces
 from distributed import launch
 from fsdp_models import KINDS, build
+from fsdp_workers import fsdp_mixed_precision as fsdp_workers_mp
 from fsdp_workers import fsdp_parity
 from models import MODELS, loss_and_logits
 
@@ -254,3 +255,68 @@ def test_fsdp_bad_flags_fail_before_any_rank(flags, says):
                                 env={"COLUMNS": "300"})
     assert result.exit_code == 2, result.output
     assert says in result.output
+
+
+@pytest.mark.slow
+def test_fsdp_mixed_precision_under_autocast():
+    """bf16 parameters for compute (all-gathered in bf16), gradients reduce-scattered in fp32 into fp32 master
+    weights, under bf16 autocast: as close to the fp32 model as the single-device autocast run is."""
+    for rank, r in launch(fsdp_workers_mp, 4, "nanogpt", 2).items():
+        assert r["master_dtypes"] == ["torch.float32"]
+        assert r["travel"] == [("all_gather", "bfloat16"), ("reduce_scatter", "float32")], r["travel"]
+        bf16 = 2 ** -8
+        assert max(r["loss_rel"]) <= max(2 * max(r["amp_loss_rel"]), 4 * bf16), (rank, r)
+        assert r["update_rel"] <= max(2 * r["amp_update_rel"], 0.05), (rank, r["update_rel"], r["amp_update_rel"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, tp, kind", [("nanogpt", 2, "dcp"), ("llama", 1, "torch")])
+def test_fsdp_model_built_on_meta_loads_its_weights(tmp_path, name: str, tp: int, kind: str):
+    """A torch state-dict file (read tensor by tensor) or a DCP folder (read in one go at the end)."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    from fsdp_workers import fsdp_load_weights
+
+    state = _model(name)[0].state_dict()
+    path = tmp_path / ("weights.pt" if kind == "torch" else "weights")
+    if kind == "torch":
+        torch.save(state, path)
+    else:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "assuming the intent is to save in a single process"
+            dcp.save(state, checkpoint_id=str(path))
+    for rank, r in launch(fsdp_load_weights, 4, name, str(path), tp).items():
+        assert r["tensors"] > 0 and r["loss_diff"] <= 1e-5 and r["param_diff"] == 0.0, (rank, r)
+
+
+def test_hsdp_at_tp2_on_8_ranks_structure():
+    """tp 2 × HSDP (2 replica groups × 2 shards) needs 8 ranks: built on torch's fake process group (one
+    process, no communication), every parameter is a DTensor over (dp_replicate, dp_shard, tp): replicated
+    across the groups, dim 0 of its TP shard cut over the shard group, cut (or whole) over tp."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    import autotp
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=8)
+    try:
+        model, args, kwargs = _model("nanogpt")
+        full = {n: p.shape for n, p in model.named_parameters()}
+        mesh = init_device_mesh("cpu", (4, 2), mesh_dim_names=("dp", "tp"))
+        model = autotp.parallelize(model, example_inputs=(args, kwargs), fsdp=FSDPConfig(replicas=2), mesh=mesh)
+        st = autotp.tp_state(model)
+        assert st.units == tuple(UNITS["nanogpt"])
+        for name, p in model.named_parameters():
+            assert p.device_mesh.mesh_dim_names == ("dp_replicate", "dp_shard", "tp"), name
+            # dim 0 of the TP shard over dp_shard: Shard(0), or _StridedShard(0) where tp cuts dim 0 too
+            assert p.placements[0] == Replicate() and getattr(p.placements[1], "dim", None) == 0, (name, p.placements)
+            shard = st.shards.get(name)
+            assert p.placements[2] == (Shard(shard.dim) if shard else Replicate()), (name, p.placements)
+            tp_rows = full[name][0] // (2 if shard is not None and shard.dim == 0 else 1)
+            assert p.to_local().shape[0] == -(-tp_rows // 2), name  # this rank's half of its TP shard's rows
+    finally:
+        dist.destroy_process_group()

@@ -69,12 +69,25 @@ class WriteBack:
         return self.pairs[id(t)][1]
 
     def apply(self) -> None:
-        with torch.no_grad():
-            for t, local in self.pairs.values():
-                whole = [Replicate()] * (t.device_mesh.ndim - 1) + [t.placements[-1]]
-                full = DTensor.from_local(local, t.device_mesh, whole, run_check=False, shape=t.shape,
-                                          stride=t.stride())
-                t.to_local().copy_(full.redistribute(t.device_mesh, t.placements).to_local())
+        for t, local in self.pairs.values():
+            write_tp_local(t, local)
+
+
+def tp_local_empty(t: DTensor) -> torch.Tensor:
+    """An uninitialised tensor shaped like this rank's TP shard of FSDP-sharded ``t``."""
+    shape = list(t.shape)
+    if t.placements[-1].is_shard():
+        shape[t.placements[-1].dim] //= t.device_mesh.size(t.device_mesh.ndim - 1)
+    return torch.empty(shape, dtype=t.dtype, device=t.device)
+
+
+def write_tp_local(t: DTensor, local: torch.Tensor) -> None:
+    """Write this rank's whole TP shard ``local`` into FSDP-sharded ``t``: only its dp piece is kept (a local
+    cut, no communication)."""
+    whole = [Replicate()] * (t.device_mesh.ndim - 1) + [t.placements[-1]]
+    full = DTensor.from_local(local, t.device_mesh, whole, run_check=False, shape=t.shape, stride=t.stride())
+    with torch.no_grad():
+        t.to_local().copy_(full.redistribute(t.device_mesh, t.placements).to_local())
 
 
 def _shards_by_name(module: torch.nn.Module) -> dict[str, ParamShard]:

@@ -27,7 +27,9 @@ from pathlib import Path
 
 import torch
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
+from autotp.io.checkpoint import tp_local_empty, write_tp_local
 from autotp.io.empty import allocate_meta, check_materialized, mark_loaded, swap_tensors
 from autotp.errors import CheckpointError, ShardingError
 from autotp.plan.plan import ParamShard
@@ -245,7 +247,8 @@ def load_weights(model: nn.Module, path: Path | str, *, device: torch.device | s
     ``path``: a Hugging Face checkpoint folder or file (safetensors, one file or sharded with
     ``model.safetensors.index.json``), an autotp or other torch.distributed.checkpoint folder, or a
     ``torch.save``'d state dict (memory-mapped). On a parallelized model each rank reads only its slices and
-    no collective runs; a model that is not parallelized reads whole tensors (``device``: where its meta
+    no collective runs (under FSDP each rank reads its whole TP shard, one tensor at a time, and keeps its
+    data-parallel piece); a model that is not parallelized reads whole tensors (``device``: where its meta
     tensors are allocated, default the CPU). Names and shapes are checked before any data is read.
     """
     begin = time.perf_counter()
@@ -259,6 +262,7 @@ def load_weights(model: nn.Module, path: Path | str, *, device: torch.device | s
     info = source.tensors()
     match(targets, info, str(path), _ignored(model))
     loaded = 0
+    wholes: list[tuple[DTensor, torch.Tensor]] = []
     with torch.no_grad():
         for t in targets:
             if t.key is None:
@@ -268,9 +272,14 @@ def load_weights(model: nn.Module, path: Path | str, *, device: torch.device | s
                 continue  # computed by the model's own code
             if local.is_meta:
                 local = _materialize_buffer(model, t, where)
+            if isinstance(local, DTensor):  # FSDP: this rank's TP shard read whole, its dp piece kept
+                wholes.append((local, tp_local_empty(local)))
+                local = wholes[-1][1]
             _read(source, t, _pieces(t, local, tp, rank), info)
             loaded += 1
-        source.finish()
+        source.finish()  # a DCP source reads everything asked for here
+        for sharded, whole in wholes:
+            write_tp_local(sharded, whole)
     mark_loaded(model)
     unloaded = tuple(n for n, b in model.named_buffers(remove_duplicate=False) if b.is_meta)
     try:

@@ -236,10 +236,10 @@ def _build(model: nn.Module, st: TPState, args: tuple, kwargs: dict, key: Hashab
     if not st.shards and (plan.params or plan.buffers):
         _shard_in_place(model, st, plan)
         _shard_buffers_in_place(model, st, plan)
-    if st.fsdp is not None and st.units is None:
-        apply_fsdp(model, st, plan)
     # a model built on meta holds uninitialised memory until a load fills it: every name it had on meta
     st.unloaded = tuple(dict.fromkeys([*st.unloaded, *empty, *allocate_meta(model, st.device)]))
+    if st.fsdp is not None and st.units is None:
+        apply_fsdp(model, st, plan)  # on allocated shards: FSDP keeps the tensors it is given
     return _finish(model, st, gm, spec, key, plan, accepts)
 
 
