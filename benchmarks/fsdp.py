@@ -1,7 +1,7 @@
 """Benchmark (not a test): memory per rank and step time of tensor parallelism × FSDP2 against tensor
 parallelism × DDP, measured against the per-rank memory formula.
 
-    python benchmarks/fsdp.py [--steps 5] [--mem-steps 3] [--layers 8] [--malloc glibc mmap]
+    python benchmarks/fsdp.py [--steps 8] [--mem-steps 3] [--layers 8] [--malloc glibc mmap]
                               [--configs fsdp fsdp_keep fsdp_nopf ddp] [--out benchmarks/results]
 
 Model: the example nanoGPT (examples/nanogpt.py: 8 layers, dim 1024, 16 heads, vocab 8192 with the LM head
@@ -177,25 +177,28 @@ def _tp_local(p) -> int:
 
 
 def _accounting(model, fsdp: bool) -> dict:
-    """L (TP-local elements) and, with FSDP, each unit's TP-local elements (the blocks, then the root)."""
+    """L (TP-local elements) and, with FSDP, each unit's TP-local elements: FSDP's own parameter groups, one
+    per ``fully_shard`` call (autotp's units, ``autotp.tp_state(model).units``, then the root, ``<root>``),
+    labelled by the modules that share it."""
+    from torch.distributed.fsdp import FSDPModule
+
+    local = sum(_tp_local(p) for p in model.parameters())  # parameters() yields a tied tensor once
+    units: dict[str, int] = {}
+    if fsdp:
+        groups: dict[int, list] = {}
+        for name, m in model.named_modules():
+            if not isinstance(m, FSDPModule):
+                continue
+            state = m._get_fsdp_state()
+            group = state._fsdp_param_group
+            if group is None:
+                continue
+            entry = groups.setdefault(id(state), [[], sum(_tp_local(fp.sharded_param) for fp in group.fsdp_params)])
+            entry[0].append(name or "<root>")
+        units = {"+".join(labels): n for labels, n in groups.values()}
     import autotp
 
-    seen: set[int] = set()
-    owner: dict[int, str] = {}
-    units = list(autotp.tp_state(model).units or ()) if fsdp else []
-    for u in units:
-        for p in model.get_submodule(u).parameters():
-            owner.setdefault(id(p), u)
-    per_unit = {u: 0 for u in units} | {"<root>": 0}
-    local = 0
-    for p in model.parameters():
-        if id(p) in seen:
-            continue
-        seen.add(id(p))
-        n = _tp_local(p)
-        local += n
-        per_unit[owner.get(id(p), "<root>")] += n
-    return {"local": local, "units": per_unit if fsdp else {}}
+    return {"local": local, "units": units, "autotp_units": list(autotp.tp_state(model).units or ())}
 
 
 def _state_bytes(model, opt) -> dict:
@@ -312,6 +315,7 @@ def _markdown(res: dict) -> str:
     modes = o["malloc"]
     head = {"glibc": "glibc default", "mmap": "≥128 KiB mmapped"}
     fs = next(r for r in rows if r["name"] == "fsdp")
+    ddp = next(r for r in rows if r["name"] == "ddp")
     lines = [
         "# Tensor parallelism × FSDP2 vs × DDP: memory per rank and step time",
         "",
@@ -340,8 +344,10 @@ def _markdown(res: dict) -> str:
         + (f", fsdp with prefetch / without {fs['step_s'] / nopf['step_s']:.2f}." if nopf else "."),
         "",
         f"Formula terms, MiB (L: TP-local elements, d = {DP}; U: the largest unit's gathered bytes, "
-        f"{fs['largest_unit'] / MiB:.1f} MiB, a block; the root, kept gathered from its forward to its "
-        f"backward and not in the formula, is {res['root_gathered'] / MiB:.1f} MiB; A: activations):",
+        f"{fs['largest_unit'] / MiB:.1f} MiB ({max(fs['units'], key=fs['units'].get)}); A: activations). FSDP's "
+        f"units, gathered MiB: " + ", ".join(f"{u} {4 * n / MiB:.1f}" for u, n in fs["units"].items())
+        + f" (sum {4 * sum(fs['units'].values()) / MiB:.1f} = 4·L {4 * fs['local'] / MiB:.1f}). The root stays "
+        "gathered from its forward to its backward (FSDP's default for the root), which the formula leaves out.",
         "",
         "| config | allocator | formula terms | state after a step: params + grads + Adam (exact) | "
         f"peak of step {o['mem_steps']} alone | RSS after setup | setup peak | setup s |",
@@ -362,9 +368,26 @@ def _markdown(res: dict) -> str:
         f"{a['cold']['forward'] / MiB:.1f} MiB; bytes autograd saves for backward {a['warm']['saved'] / MiB:.1f} MiB; "
         f"peak over forward and backward {a['warm']['peak'] / MiB:.1f} MiB.",
         "",
+        "Notes:",
+        "",
+        *([f"- glibc's malloc as it comes: fsdp's peak is {fs['peak']['glibc'] / fs['peak']['mmap']:.2f}× its peak with "
+           f"tensors mmapped, ddp's {ddp['peak']['glibc'] / ddp['peak']['mmap']:.2f}×. FSDP frees and allocates unit-sized "
+           "buffers (gathered parameters, unsharded gradients, collective staging) several times a step; once glibc's "
+           "dynamic mmap threshold has risen past their sizes they come from its heaps, which keep the freed memory "
+           "and fragment."] if "mmap" in modes else []),
+        "- prefetch=False sets no explicit prefetching; FSDP2 then still prefetches one unit in backward by default "
+        "(``FSDPState._pre_backward``: default_prefetch when no backward prefetch is set), so two blocks are gathered at "
+        "once in backward either way: the formula's U for fsdp_nopf counts one block fewer than backward holds.",
+        "- Not in the formulas: the root kept gathered, the running unit's unsharded gradients before their "
+        "reduce-scatter, FSDP's staging buffers, what parallelize leaves behind (RSS after setup − the parameters).",
+        "",
         "Step times, s (slowest rank per step, glibc default): "
         + "; ".join(f"{r['name']} " + ", ".join(f"{t:.2f}" for t in r["times"]) for r in rows) + ".",
         *([f"Environment given to the ranks besides: {res['environment']}."] if res["environment"] else []),
+        "",
+        f"autotp at {res['source']['commit'][:12]}"
+        + (f" with uncommitted changes (digest {res['source']['uncommitted']})" if res["source"]["uncommitted"] else "")
+        + (": the package changed during the run." if res["source_changed_during_run"] else "."),
         "",
         "Reproduce: `python benchmarks/fsdp.py" + "".join(
             f" --{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else v}"
@@ -374,7 +397,7 @@ def _markdown(res: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-DEFAULTS = {"steps": 5, "mem_steps": 3, "layers": CONFIG["n_layer"], "malloc": list(MALLOC), "configs": list(CONFIGS)}
+DEFAULTS = {"steps": 8, "mem_steps": 3, "layers": CONFIG["n_layer"], "malloc": list(MALLOC), "configs": list(CONFIGS)}
 
 
 def _launch(mode: str, fn, *args) -> dict:
@@ -391,6 +414,22 @@ def _launch(mode: str, fn, *args) -> dict:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+def _source_version() -> dict:
+    """The commit and a digest of the uncommitted changes to the package (others may edit it meanwhile)."""
+    import hashlib
+    import subprocess
+
+    def git(*args: str) -> str:
+        try:
+            return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+        except (OSError, subprocess.CalledProcessError):
+            return ""
+
+    diff = git("diff", "HEAD", "--", "autotp", "passes")
+    return {"commit": git("rev-parse", "HEAD").strip(),
+            "uncommitted": hashlib.sha1(diff.encode()).hexdigest()[:12] if diff else None}
 
 
 def main() -> None:
@@ -414,6 +453,7 @@ def main() -> None:
 
     console = Console(width=160)
     start = time.perf_counter()
+    source = _source_version()
     console.print("[bold]activations[/] (TP-only model) …")
     act_ranks = _launch("mmap", activations, opts)
     act = {rnd: {k: max(r[rnd][k] for r in act_ranks.values()) for k in act_ranks[0][rnd]}
@@ -451,6 +491,7 @@ def main() -> None:
             }
         rows.append({"name": name, "label": label, "formula": f["total"], "terms": f["terms"],
                      "largest_unit": f["largest_unit"], "local": r0["local"], "units": r0["units"],
+                     "autotp_units": r0["autotp_units"],
                      "peak": {m: d["peak"] for m, d in detail.items()},
                      "times": detail["glibc"]["times"], "step_s": detail["glibc"]["step_s"], "detail": detail})
     ddp = next(r for r in rows if r["name"] == "ddp")
@@ -462,10 +503,11 @@ def main() -> None:
     result = {
         "options": opts, "model": {**CONFIG, "n_layer": a.layers}, "batch": [BATCH, SEQ], "tp": TP, "dp": DP,
         "params": runs["fsdp"]["glibc"][0]["params"], "local": fs["local"],
-        "root_gathered": 4 * fs["units"]["<root>"], "activations": act,
+        "root_gathered": 4 * fs["units"].get("<root>", 0), "activations": act,
         "activations_per_rank": {str(k): v for k, v in act_ranks.items()}, "rows": rows, "goal": GOAL,
         "goal_met": {m: r <= GOAL for m, r in fs["ratio"].items()}, "wall_s": time.perf_counter() - start,
         "environment": {k: v for k, v in os.environ.items() if k.startswith("MALLOC_")},
+        "source": source, "source_changed_during_run": _source_version() != source,
     }
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)

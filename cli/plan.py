@@ -30,7 +30,7 @@ from autotp.errors import AutotpError, PlanSizeError
 from autotp.distributed.layout import RankLayout
 from autotp.capture.modelfile import DEFAULT_BATCH_SHAPE, ModelFile, ModelFileError, default_example, load_model_file
 from autotp.plan.planner import make_plan
-from autotp.plan.report import ROOT_UNIT, FSDPReport, Report, build_report, fsdp_from_rows
+from autotp.plan.report import FSDPReport, FSDPUnitRow, Report, build_report, fsdp_from_rows
 from autotp.plan.symbols import size_ranges
 
 _DIR = {"forward": "fwd", "backward": "bwd"}
@@ -225,25 +225,33 @@ def comm_table(report: Report) -> Table:
     return table
 
 
-def _unit_name(module: str) -> str:
-    return "root (what no block owns)" if module == ROOT_UNIT else escape(module)
+def _unit_name(u: FSDPUnitRow) -> str:
+    return "what no unit owns" if u.kind == "root" else escape(" + ".join(u.modules or (u.module,)))
+
+
+_KEEPS = {"first": "fwd, bwd", "block": "fwd, bwd", "last": "fwd, kept", "root": "fwd, kept"}
 
 
 def fsdp_units_table(fsdp: FSDPReport) -> Table:
-    """One row per FSDP unit: the blocks in the order they run, then the root."""
+    """One row per FSDP unit, in the order they run: first (embeddings), the blocks, last (final norm, LM
+    head), then the root."""
     table = Table(title=f"fsdp units: each tp rank's shards cut again over dp {fsdp.dp} (tp {fsdp.tp})")
-    for col, justify in (("unit", "left"), ("tensors", "right"), ("parameters", "right"), ("per tp rank", "right"),
-                         ("gathered / rank", "right"), ("sharded / rank", "right")):
+    for col, justify in (("kind", "left"), ("unit", "left"), ("gathered in", "left"), ("tensors", "right"),
+                         ("parameters", "right"), ("per tp rank", "right"), ("gathered / rank", "right"),
+                         ("sharded / rank", "right")):
         table.add_column(col, justify=justify, overflow="fold")
     for i, u in enumerate(fsdp.units):
-        table.add_row(_unit_name(u.module), str(u.tensors), _n(u.params), _n(u.local), _size(u.gathered_bytes),
-                      _size(u.sharded_bytes), end_section=i == len(fsdp.units) - 1)
+        table.add_row(u.kind, _unit_name(u), _KEEPS.get(u.kind, ""), str(u.tensors), _n(u.params), _n(u.local),
+                      _size(u.gathered_bytes), _size(u.sharded_bytes), end_section=i == len(fsdp.units) - 1)
     us = fsdp.units
-    table.add_row("all", str(sum(u.tensors for u in us)), _n(sum(u.params for u in us)),
+    table.add_row("all", "", "", str(sum(u.tensors for u in us)), _n(sum(u.params for u in us)),
                   _n(sum(u.local for u in us)), _size(sum(u.gathered_bytes for u in us)),
                   _size(sum(u.sharded_bytes for u in us)))
-    table.caption = ("gathered: the unit's tp shards whole, as an all-gather over dp leaves them; sharded: what a "
-                     "rank keeps between gathers (dim 0 of each shard in d pieces, FSDP's padding included)")
+    table.caption = ("first: the modules read only before the blocks; last: only after them; root: what no unit "
+                     "owns (a tied embedding / LM head). gathered in: fwd, bwd = freed after forward and gathered "
+                     "again for backward; fwd, kept = kept from forward into backward. gathered: the unit's tp "
+                     "shards whole, as an all-gather over dp leaves them; sharded: what a rank keeps between "
+                     "gathers (dim 0 of each shard in d pieces, FSDP's padding included)")
     return table
 
 
@@ -255,14 +263,22 @@ def fsdp_memory_table(fsdp: FSDPReport) -> Table:
     table.add_column(style="bold")
     table.add_column(justify="right")
     table.add_column()
-    blocks = fsdp.blocks
-    largest = max((u.gathered_bytes for u in blocks), default=0)
     table.add_row("  state 16·(P/t)/d", _size(fsdp.state_bytes),
                   f"weights, gradients, Adam: 16 × {_n(fsdp.local)} elements per tp rank / {d}")
-    table.add_row("  root gathered", _size(fsdp.root_bytes), "all-gathered in forward, kept until its backward")
-    table.add_row("  blocks gathered", _size(fsdp.prefetch_bytes),
-                  f"the running block and the prefetched next one (largest block {_size(largest)})"
-                  if len(blocks) > 1 else "the one block, while it runs")
+    kept = {u.kind for u in fsdp.kept}
+    if kept:
+        what = ("root and last unit gathered, kept until their backward" if kept == {"root", "last"} else
+                f"{'root' if 'root' in kept else 'last unit'} gathered, kept until its backward")
+        table.add_row("  kept gathered", _size(fsdp.kept_bytes), what)
+    resharded = fsdp.resharded
+    sizes = [u.gathered_bytes for u in resharded]
+    if len(resharded) > 1:
+        i = max(range(len(sizes) - 1), key=lambda j: sizes[j] + sizes[j + 1])
+        pair = f"{_unit_name(resharded[i])} + {_unit_name(resharded[i + 1])}"
+        table.add_row("  units gathered", _size(fsdp.prefetch_bytes),
+                      f"the running unit and the prefetched next one (largest pair: {pair})")
+    elif resharded:
+        table.add_row("  units gathered", _size(fsdp.prefetch_bytes), "the one resharded unit, while it runs")
     table.add_row("fsdp per rank", _size(fsdp.peak_bytes),
                   "+ activations (not estimated here) + gradients awaiting their reduce-scatter", end_section=True)
     table.add_row("ddp per rank 16·P/t", _size(fsdp.ddp_bytes),

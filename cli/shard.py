@@ -146,9 +146,9 @@ def render(report: ShardReport, console: Console) -> None:
         summary.add_row(f"TP collectives / step, {direction}", ", ".join(items) or "none")
     if report.fsdp_units:
         groups = f", HSDP: {report.fsdp} replica groups" if report.fsdp > 1 else ""
-        summary.add_row("DP sharding", f"FSDP2 over {report.dp} ranks{groups}: {len(report.fsdp_units)} blocks + the "
-                        f"root as units ({report.fsdp_units[0]} … {report.fsdp_units[-1]}); per step one all-gather "
-                        "per unit forward, one per block backward, one reduce-scatter per unit")
+        summary.add_row("DP sharding", f"FSDP2 over {report.dp} ranks{groups}: {len(report.fsdp_units)} units "
+                        f"({report.fsdp_units[0]} … {report.fsdp_units[-1]}) and the root; per step one all-gather "
+                        "per unit forward, one per unit backward but the last, one reduce-scatter per unit")
     elif report.fsdp:
         summary.add_row("DP sharding", f"FSDP2 over {report.dp} ranks, the whole model one unit (no repeated blocks)")
     else:

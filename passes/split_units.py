@@ -1,8 +1,10 @@
 """Pass: split the graph at unit boundaries, so that data parallelism (FSDP) can gather one block at a time.
 
-Each node belongs to the unit (``plan.units``: the repeated blocks) on its ``nn_module_stack``; a node that
-carries none (one a pass inserted) and sits between two nodes of the same unit belongs to that unit too;
-everything else is root-level code, grouped by where it runs between the units. ``torch.fx``'s
+Each node belongs to the block (``plan.units`` of kind "block") on its ``nn_module_stack``; a node that
+carries none (one a pass inserted) and sits between two nodes of the same block belongs to that block too;
+everything else is root-level code, grouped by where it runs between the blocks: the code before the first
+block runs as the "first" unit (the embeddings), the code after the last as the "last" (final norm, LM
+head), where the plan has them. ``torch.fx``'s
 ``split_module`` cuts the graph there, and each piece is replaced by a
 :class:`~autotp.runtime.units.PieceCall` that reads the piece's parameters from the model when it runs (a
 unit's piece through the unit's FSDP forward method), so the top graph keeps no parameter.
@@ -19,7 +21,7 @@ After::
 
     y0 = autotp_unit_1(x)                           # PieceCall(unit="transformer.h.0"): reads w0 itself
     y1 = autotp_unit_3(y0)                          # PieceCall(unit="transformer.h.1")
-    out = autotp_unit_4(y1)                         # PieceCall(unit=None): root-level code after the blocks
+    out = autotp_unit_4(y1)                         # PieceCall(unit="transformer.ln_f"): code after the blocks
 
 A model whose units run interleaved (one block's nodes between another's, a block called twice) or that
 reads a block's parameter outside the block cannot be cut this way: the pass fails and says where.
@@ -43,9 +45,10 @@ def _unit_of(node: fx.Node, units: dict[str, int]) -> int | None:
 
 
 def unit_keys(gm: fx.GraphModule, plan: Plan) -> dict[fx.Node, int]:
-    """Each computing node's piece: ``2·i + 1`` for unit i, ``2·i`` for root-level code after unit i − 1
-    (0 before the first unit). Non-decreasing in graph order, so the pieces run one after another."""
-    units = {u.module: i for i, u in enumerate(plan.units)}
+    """Each computing node's piece: ``2·i + 1`` for block i, ``2·i`` for root-level code after block i − 1
+    (0 before the first block). Non-decreasing in graph order, so the pieces run one after another."""
+    blocks = [u for u in plan.units if u.kind == "block"]
+    units = {u.module: i for i, u in enumerate(blocks)}
     nodes = [n for n in gm.graph.nodes if n.op not in _SKIP]
     tags = [_unit_of(n, units) for n in nodes]
     after: list[int | None] = [None] * len(nodes)  # the next tagged node's unit
@@ -58,8 +61,8 @@ def unit_keys(gm: fx.GraphModule, plan: Plan) -> dict[fx.Node, int]:
         tag = tags[i] if tags[i] is not None else (before if before is not None and before == after[i] else None)
         key = 2 * tag + 1 if tag is not None else 2 * (last + 1)
         if key < top:
-            earlier = plan.units[last].module if last >= 0 else "root-level code"
-            raise ValueError(f"{node.name} ({plan.units[tag].module if tag is not None else 'root-level code'}) "
+            earlier = blocks[last].module if last >= 0 else "root-level code"
+            raise ValueError(f"{node.name} ({blocks[tag].module if tag is not None else 'root-level code'}) "
                              f"runs after {earlier}: the units' code is interleaved, so the graph cannot be "
                              f"cut into one piece per unit")
         keys[node], top = key, max(top, key)
@@ -75,6 +78,10 @@ def split_units(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
     top = split_module(gm, gm, lambda n: keys[n])
     params = {n for n, _ in gm.named_parameters(remove_duplicate=False)}
     owner = {p: u.module for u in plan.units for p in u.params}
+    blocks = [u.module for u in plan.units if u.kind == "block"]
+    # root-level code before the first block and after the last runs as the edge units, where there are any
+    edges = {0: next((u.module for u in plan.units if u.kind == "first"), None),
+             2 * len(blocks): next((u.module for u in plan.units if u.kind == "last"), None)}
     for node in list(top.graph.nodes):
         if node.op != "call_module" or not str(node.target).startswith("submod_"):
             continue
@@ -88,7 +95,7 @@ def split_units(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
             else:
                 layout.append(len(kept))
                 kept.append(arg)
-        unit = plan.units[(key - 1) // 2].module if key % 2 else None
+        unit = blocks[(key - 1) // 2] if key % 2 else edges.get(key)
         foreign = [n for n in layout if isinstance(n, str) and owner.get(n, unit) != unit]
         if foreign:  # FSDP gathers a unit's parameters only while that unit runs
             raise ValueError(f"{foreign[0]} (of {owner[foreign[0]]}) is read outside its block, by "

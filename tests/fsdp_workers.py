@@ -57,7 +57,11 @@ def fsdp_parity(model_name: str, tp: int, steps: int = 3, clip: float = 0.05, re
     model = autotp.parallelize(copy.deepcopy(ref), example_inputs=(la, lk), fsdp=FSDPConfig(reshard, prefetch, replicas=replicas), mesh=mesh)
     st = autotp.tp_state(model)
     opt, ropt = (torch.optim.AdamW(m.parameters(), lr=1e-3, eps=1e-6) for m in (model, ref))
-    out: dict = {"units": list(st.units or ()), "losses": [], "ref_losses": [], "norms": [], "ref_norms": [],
+    from torch.distributed.fsdp import fully_shard
+
+    out: dict = {"units": list(st.units or ()), "losses": [],
+                 "root_params": fully_shard.state(model)._fsdp_param_group is not None,
+                 "last_kept": any(u.kind == "last" for u in st.plan.units) and reshard, "ref_losses": [], "norms": [], "ref_norms": [],
                  "dtensors": all(isinstance(p, DTensor) for p in model.parameters()),
                  "same_class": isinstance(model, type(ref))}
     for step in range(steps):

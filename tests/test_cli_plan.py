@@ -195,7 +195,15 @@ def test_plan_fsdp_units_cover_the_model_once(fsdp_planned) -> None:
 
     data, text = fsdp_planned
     fsdp = data["fsdp"]
-    assert [u["module"] for u in fsdp["units"]] == ["transformer.h.0", "transformer.h.1", "<root>"]
+    # in the order they run: the positions (only the code before the first block reads them), the blocks, the
+    # final norm (only after the last), then the root: the token embedding, tied to the LM head, read at both ends
+    assert [(u["kind"], u["module"]) for u in fsdp["units"]] == [
+        ("first", "transformer.wpe"), ("block", "transformer.h.0"), ("block", "transformer.h.1"),
+        ("last", "transformer.ln_f"), ("root", "<root>")]
+    assert [u["modules"] for u in fsdp["units"]] == [
+        ["transformer.wpe"], ["transformer.h.0"], ["transformer.h.1"], ["transformer.ln_f"], []]
+    assert [(u["kind"], u["module"]) for u in data["plan"]["units"]] == [
+        (u["kind"], u["module"]) for u in fsdp["units"][:-1]]
     with torch.device("meta"):
         model = GPT(GPTConfig())
     unique = {id(p): p for p in model.parameters()}.values()  # wte and lm_head are one tensor
@@ -206,10 +214,12 @@ def test_plan_fsdp_units_cover_the_model_once(fsdp_planned) -> None:
     assert sum(u["local"] for u in fsdp["units"]) == data["report"]["memory"]["local"] == fsdp["local"]
     for u in fsdp["units"]:
         assert u["gathered_bytes"] == 4 * u["local"] and u["sharded_bytes"] == u["gathered_bytes"] // 2
-    # root: the tied embedding / LM head, the positions and the final norm
-    root = fsdp["units"][-1]
-    assert root["tensors"] == 4 and root["params"] == 256 * 64 + 64 * 64 + 2 * 64
-    assert "root (what no block owns)" in text and "fsdp units" in text
+    first, *_, last, root = fsdp["units"]
+    assert (first["tensors"], first["params"]) == (1, 64 * 64)  # wpe: block_size × n_embd
+    assert (last["tensors"], last["params"]) == (2, 2 * 64)  # ln_f: weight and bias
+    assert (root["tensors"], root["params"]) == (1, 256 * 64)  # wte, counted once with lm_head
+    assert root["local"] == 256 * 64 // 2  # vocab-parallel over tp 2
+    assert "what no unit owns" in text and "fsdp units" in text and "fwd, kept" in text
 
 
 def test_plan_fsdp_memory(fsdp_planned) -> None:
@@ -218,11 +228,14 @@ def test_plan_fsdp_memory(fsdp_planned) -> None:
     local = memory["local"]  # elements one tp rank holds, the replicated ones whole
     assert fsdp["state_bytes"] == 16 * local / 2
     assert fsdp["ddp_bytes"] == memory["train_bytes_per_rank"] == 16 * local
-    blocks = [u for u in fsdp["units"] if u["module"] != "<root>"]
-    assert fsdp["prefetch_bytes"] == 2 * max(u["gathered_bytes"] for u in blocks)
-    assert fsdp["root_bytes"] == fsdp["units"][-1]["gathered_bytes"]
-    assert fsdp["peak_bytes"] == fsdp["state_bytes"] + fsdp["root_bytes"] + fsdp["prefetch_bytes"]
+    units = {u["module"]: u["gathered_bytes"] for u in fsdp["units"]}
+    # the root and the last unit stay gathered from their forward into their backward
+    assert fsdp["kept_bytes"] == units["<root>"] + units["transformer.ln_f"]
+    # the resharded units (wpe, then the blocks) in run order: the largest neighbouring pair is the two blocks
+    assert fsdp["prefetch_bytes"] == units["transformer.h.0"] + units["transformer.h.1"] == 2 * 4 * 25_184
+    assert fsdp["peak_bytes"] == fsdp["state_bytes"] + fsdp["kept_bytes"] + fsdp["prefetch_bytes"]
     assert fsdp["peak_bytes"] < fsdp["ddp_bytes"]
+    assert "root and last unit gathered, kept until their backward" in text
     assert "activations (not estimated here)" in text and "ddp per rank 16·P/t" in text
     # FSDP's reduce-scatter replaces the gradient all-reduce of plain data parallelism
     assert "dp gradient all-reduce" not in text
@@ -231,18 +244,20 @@ def test_plan_fsdp_memory(fsdp_planned) -> None:
 def test_plan_fsdp_traffic(fsdp_planned) -> None:
     data, text = fsdp_planned
     fsdp = data["fsdp"]
-    units, blocks = len(fsdp["units"]), len(fsdp["units"]) - 1
+    units = {u["module"]: u["gathered_bytes"] for u in fsdp["units"]}
     traffic = {(x["direction"], x["kind"]): x for x in fsdp["traffic"]}
     assert set(traffic) == {("forward", "all_gather"), ("backward", "all_gather"), ("backward", "reduce_scatter")}
-    assert traffic[("forward", "all_gather")]["count"] == units == 3
-    assert traffic[("backward", "all_gather")]["count"] == blocks == 2
-    assert traffic[("backward", "reduce_scatter")]["count"] == units
+    assert traffic[("forward", "all_gather")]["count"] == 5  # every unit and the root
+    assert traffic[("backward", "all_gather")]["count"] == 3  # wpe and the two blocks: resharded after forward
+    assert traffic[("backward", "reduce_scatter")]["count"] == 5
     every = 4 * fsdp["local"]  # fp32: every unit's tp shards, gathered whole
     assert traffic[("forward", "all_gather")]["bytes"] == traffic[("backward", "reduce_scatter")]["bytes"] == every
-    assert traffic[("backward", "all_gather")]["bytes"] == every - fsdp["units"][-1]["gathered_bytes"]
+    assert traffic[("backward", "all_gather")]["bytes"] == every - fsdp["kept_bytes"] == (
+        units["transformer.wpe"] + units["transformer.h.0"] + units["transformer.h.1"])
     for x in traffic.values():  # a ring over d = 2 ranks sends half of it
         assert x["sent"] == x["bytes"] // 2
     assert "reduce-scatter(sum)" in text and "fsdp communication per training step" in text
+    assert "first + 2 blocks + last + root" in text
 
 
 def test_plan_without_fsdp_has_no_fsdp_key(planned) -> None:
@@ -271,11 +286,25 @@ def test_fsdp_report_pads_uneven_rows() -> None:
     from autotp.plan.plan import Plan, Unit
     from autotp.plan.report import fsdp_report
 
-    block, head = torch.nn.Linear(4, 3), torch.nn.Linear(3, 5, bias=False)
-    named = [("block.weight", block.weight), ("block.bias", block.bias), ("head.weight", head.weight)]
-    fsdp = fsdp_report(Plan(tp=1, units=(Unit("block", ("block.weight", "block.bias")),)), named, 2)
-    assert [u.module for u in fsdp.units] == ["block", "<root>"]
-    b, root = fsdp.units
+    embed, block, head = torch.nn.Embedding(7, 4), torch.nn.Linear(4, 3), torch.nn.Linear(3, 5, bias=False)
+    norm = torch.nn.LayerNorm(3)
+    named = [("embed.weight", embed.weight), ("block.weight", block.weight), ("block.bias", block.bias),
+             ("norm.weight", norm.weight), ("norm.bias", norm.bias), ("head.weight", head.weight)]
+    units = (Unit("embed", ("embed.weight",), "first", ("embed",)), Unit("block", ("block.weight", "block.bias")),
+             Unit("norm", ("norm.weight", "norm.bias"), "last", ("norm",)))
+    fsdp = fsdp_report(Plan(tp=1, units=units), named, 2)
+    assert [(u.kind, u.module) for u in fsdp.units] == [
+        ("first", "embed"), ("block", "block"), ("last", "norm"), ("root", "<root>")]
+    e, b, n, root = fsdp.units
+    assert (e.params, e.gathered_bytes, e.sharded_bytes) == (28, 112, 4 * 4 * 4)  # 7 rows: 4 kept
     assert (b.params, b.gathered_bytes, b.sharded_bytes) == (15, 60, 4 * (2 * 4 + 2))
+    assert (n.params, n.gathered_bytes, n.sharded_bytes) == (6, 24, 4 * (2 + 2))
     assert (root.params, root.sharded_bytes) == (15, 4 * 3 * 3)
-    assert fsdp.prefetch_bytes == 60  # one block: nothing to prefetch
+    assert fsdp.prefetch_bytes == 112 + 60  # the embedding and the one block, both resharded
+    assert fsdp.kept_bytes == 24 + 60  # the last unit and the root
+    assert [(x.direction, x.kind, x.count) for x in fsdp.traffic] == [
+        ("forward", "all_gather", 4), ("backward", "all_gather", 2), ("backward", "reduce_scatter", 4)]
+    # one block alone, nothing else: nothing to prefetch, and no root without tensors
+    alone = fsdp_report(Plan(tp=1, units=(Unit("block", ("block.weight", "block.bias")),)), named[1:3], 2)
+    assert [u.kind for u in alone.units] == ["block"]
+    assert (alone.prefetch_bytes, alone.kept_bytes) == (60, 0)

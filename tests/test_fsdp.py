@@ -38,6 +38,24 @@ UNITS = {
     "llama": ["model.layers.0", "model.layers.1"],
     "gpt2": ["transformer.h.0", "transformer.h.1"],
 }
+# the modules read only before the blocks (a unit of their own) and only after them; a tied embedding and
+# LM head, read on both sides, stay with the root; so do norms between the blocks ("nested")
+EDGES = {
+    "modulelist": ((), ("norm",)),
+    "sequential": (("wte",), ("norm", "head")),
+    "attributes": (("wte",), ("norm", "head")),
+    "dense_first": (("wte",), ("norm", "head")),
+    "nested": (("wte",), ("post.2", "norm", "head")),
+    "nanogpt": (("transformer.wpe",), ("transformer.ln_f",)),
+    "llama": (("model.embed_tokens",), ("model.norm", "lm_head")),
+    "gpt2": (("transformer.wpe",), ("transformer.ln_f",)),
+}
+
+
+def _all_units(name: str) -> list[str]:
+    """Every unit in the order it runs, each named by its first module."""
+    first, last = EDGES[name]
+    return [*first[:1], *UNITS[name], *last[:1]]
 
 
 def _model(name: str):
@@ -53,9 +71,13 @@ def _captured(name: str, tp: int = 1):
 @pytest.mark.parametrize("name", list(UNITS))
 def test_units_are_the_repeated_blocks(name: str):
     *_, plan, _ = _captured(name)
-    assert [u.module for u in plan.units] == UNITS[name]
+    assert [u.module for u in plan.units if u.kind == "block"] == UNITS[name]
+    edges = tuple(tuple(u.members) for u in plan.units if u.kind == "first"), \
+        tuple(tuple(u.members) for u in plan.units if u.kind == "last")
+    assert edges == tuple((e,) if e else () for e in EDGES[name])
+    assert [u.kind for u in plan.units] == ["first"] * bool(EDGES[name][0]) + ["block"] * len(UNITS[name]) + ["last"]
     for u in plan.units:
-        assert u.params and all(p.startswith(u.module + ".") for p in u.params)
+        assert u.params and all(any(p.startswith(m + ".") for m in u.members) for p in u.params)
     assert Plan.from_json(plan.to_json()).units == plan.units
 
 
@@ -66,7 +88,7 @@ def test_split_graph_computes_what_the_model_computes(name: str):
     model, args, kwargs, gm, plan, spec = _captured(name)
     top = run_passes(run_passes(gm, plan), plan, (split_units,))
     pieces = [m for m in top.modules() if isinstance(m, PieceCall)]
-    assert [p.unit for p in pieces if p.unit is not None] == UNITS[name]
+    assert [p.unit for p in pieces if p.unit is not None] == _all_units(name)
     assert not list(top.parameters()), "the top graph keeps no parameter: the pieces read the model's"
     bind_pieces(top, model)
     got = loss_and_logits(unflatten(top(*flatten((args, kwargs))[0]), spec))[0]
@@ -118,7 +140,7 @@ class _ReadOutside(nn.Module):
 def test_a_graph_that_cannot_be_cut_says_why(model, args, says):
     gm, _ = capture(model, args, {})
     plan = make_plan(gm, 1)
-    assert len(plan.units) == 2
+    assert len([u for u in plan.units if u.kind == "block"]) == 2
     with pytest.raises(Exception, match=says):
         run_passes(gm, plan, (split_units,))
 
@@ -156,22 +178,25 @@ def _kinds(calls, *names) -> Counter:
 @pytest.mark.parametrize("model, tp", [("nanogpt", 2), ("llama", 2), ("nanogpt", 1), ("llama", 1)])
 def test_fsdp_training_parity(model: str, tp: int):
     """tp × fsdp on 4 ranks: 3 AdamW steps with clip_grad_norm_ as the unsharded model on the whole batch;
-    one all-gather per unit forward (blocks and root), one per block backward (resharded after forward),
-    one reduce-scatter per unit; the tensor-parallel all-reduces unchanged."""
+    one all-gather per unit forward (embeddings, blocks, final norm and head, and the root where a tied
+    embedding keeps parameters there), one per unit backward but the last (kept gathered, as its backward
+    starts at once), one reduce-scatter per unit; the tensor-parallel all-reduces unchanged."""
     results = launch(fsdp_parity, 4, model, tp)
-    units = len(UNITS[model])
+    units, layers = len(_all_units(model)), len(UNITS[model])
     for rank, r in results.items():
-        assert r["units"] == UNITS[model]
+        assert r["units"] == _all_units(model)
+        assert r["root_params"] == (model == "nanogpt") and r["last_kept"]  # nanoGPT ties wte and lm_head
         assert r["dtensors"] and r["same_class"]
         for got, want in [(r["losses"], r["ref_losses"]), (r["norms"], r["ref_norms"])]:
             assert max(abs(a - b) for a, b in zip(got, want)) <= 1e-5, (rank, got, want)
         assert r["param_diff"] <= 1e-5, (rank, r["param_diff"])
         assert r["eval_diff"] <= 1e-5 and r["graphs"] == 2, "a later call signature is captured and exact"
         fwd, bwd = r["forward_collectives"], r["backward_collectives"]
-        assert _kinds(fwd, "all_gather", "reduce_scatter") == Counter({("all_gather", ""): units + 1})
+        root = int(r["root_params"])
+        assert _kinds(fwd, "all_gather", "reduce_scatter") == Counter({("all_gather", ""): units + root})
         assert Counter(c[0] for c in bwd if c[0] != "all_reduce") == \
-            Counter({"all_gather": units, "reduce_scatter": units + 1})
-        want_fwd, want_bwd = _tp_all_reduces(units) if tp > 1 else (Counter(), Counter())
+            Counter({"all_gather": units - 1, "reduce_scatter": units + root})
+        want_fwd, want_bwd = _tp_all_reduces(layers) if tp > 1 else (Counter(), Counter())
         assert _kinds(fwd, "all_reduce") == want_fwd and _kinds(bwd, "all_reduce") == want_bwd
         # each rank keeps 1/(tp·dp) of the parameters (FSDP pads dim 0 to a multiple of dp)
         assert r["local_numel"] <= r["full_numel"] / 4 * 1.25
@@ -183,15 +208,18 @@ def test_fsdp_options_and_hsdp():
     groups × 2 shards: gradients reduce-scattered in a group, then all-reduced across the groups) on a
     dense-first mixture-of-experts stack."""
     kept = launch(fsdp_parity, 4, "modulelist", 2, 3, 0.05, False, False)[0]
+    assert kept["root_params"]  # the tied embedding and head
     assert Counter(c[0] for c in kept["backward_collectives"] if c[0] != "all_reduce") == \
-        Counter({"reduce_scatter": 4})
+        Counter({"reduce_scatter": len(_all_units("modulelist")) + 1})
     hsdp = launch(fsdp_parity, 4, "dense_first", 1, 3, 0.05, True, True, 2)
     for r in (kept, *hsdp.values()):
         assert max(abs(a - b) for a, b in zip(r["losses"], r["ref_losses"])) <= 1e-5
         assert max(abs(a - b) for a, b in zip(r["norms"], r["ref_norms"])) <= 1e-5
         assert r["param_diff"] <= 1e-5
-    bwd = hsdp[0]["backward_collectives"]
-    assert Counter(c[0] for c in bwd) == Counter({"all_gather": 3, "reduce_scatter": 4, "all_reduce": 4})
+    bwd, units = hsdp[0]["backward_collectives"], len(_all_units("dense_first"))
+    assert not hsdp[0]["root_params"]
+    assert Counter(c[0] for c in bwd) == Counter({"all_gather": units - 1, "reduce_scatter": units,
+                                                  "all_reduce": units})
 
 
 @pytest.mark.slow
@@ -228,7 +256,7 @@ def test_autotp_shard_fsdp_runs_as_is(tmp_path):
     assert result.exit_code == 0, result.output
     summary = json.loads((out / "summary.json").read_text())
     assert summary["parity"]["ok"] and summary["fsdp"] == 1
-    assert summary["fsdp_units"] == ["transformer.h.0", "transformer.h.1"]
+    assert summary["fsdp_units"] == _all_units("nanogpt")
     assert len(summary["losses"]) == 3 and summary["losses"][-1] < summary["losses"][0]
     assert "FSDP2 over 2 ranks" in result.stdout and (out / "checkpoints" / "step-000003" / ".metadata").is_file()
     # each rank holds about a quarter of the parameters (tp 2 × fsdp 2), not half as under DDP
@@ -309,7 +337,7 @@ def test_hsdp_at_tp2_on_8_ranks_structure():
         mesh = init_device_mesh("cpu", (4, 2), mesh_dim_names=("dp", "tp"))
         model = autotp.parallelize(model, example_inputs=(args, kwargs), fsdp=FSDPConfig(replicas=2), mesh=mesh)
         st = autotp.tp_state(model)
-        assert st.units == tuple(UNITS["nanogpt"])
+        assert st.units == tuple(_all_units("nanogpt"))
         for name, p in model.named_parameters():
             assert p.device_mesh.mesh_dim_names == ("dp_replicate", "dp_shard", "tp"), name
             # dim 0 of the TP shard over dp_shard: Shard(0), or _StridedShard(0) where tp cuts dim 0 too

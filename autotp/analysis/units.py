@@ -14,8 +14,10 @@ its transformer blocks. They are found from what the graph records, never from m
   unit, so a dense first block before mixture-of-experts blocks is one too;
 - a block holding a parameter also used outside it (tied) is no unit: FSDP shards a parameter in one unit.
 
-What no unit owns (embeddings, the final norm, the LM head) stays with the root, as torchtitan's root
-``fully_shard`` does.
+Around the blocks, as torchtitan groups them: the modules whose parameters only code before the first
+block reads (the embeddings) are one unit, those only code after the last block reads (the final norm and
+the LM head) another; a parameter read on both sides (an LM head tied to the token embedding) or between
+the blocks stays with the root, which FSDP gathers for the whole step.
 """
 from __future__ import annotations
 
@@ -26,8 +28,10 @@ import torch.fx as fx
 
 
 class UnitFacts(NamedTuple):
-    module: str  # the block's module path, e.g. "transformer.h.0"
+    module: str  # the block's module path, e.g. "transformer.h.0"; an edge unit's first module
     params: tuple[str, ...]  # the parameters it owns (names as the graph reads them), in name order
+    kind: str = "block"  # "block", or "first" / "last": the modules read only before / after the blocks
+    modules: tuple[str, ...] = ()  # an edge unit's modules (a block is its one module)
 
 
 def called_modules(gm: fx.GraphModule) -> list[str]:
@@ -76,7 +80,46 @@ def find_units(gm: fx.GraphModule) -> tuple[UnitFacts, ...]:
     indexed = all(k.rsplit(".", 1)[-1].isdigit() for k in repeated)
     kids = [k for k in children[parent] if _owned(k, names) and (k in repeated or indexed and k.rsplit(".", 1)[-1].isdigit())]
     tied = _tied_outside(gm, kids)
-    return tuple(UnitFacts(kid, tuple(_owned(kid, names))) for kid in kids if kid not in tied)
+    blocks = tuple(UnitFacts(kid, tuple(_owned(kid, names))) for kid in kids if kid not in tied)
+    return _with_edges(gm, blocks) if blocks else blocks
+
+
+def _with_edges(gm: fx.GraphModule, blocks: tuple[UnitFacts, ...]) -> tuple[UnitFacts, ...]:
+    """``blocks`` with the unit of the modules read only before them first and the one of those read only
+    after them last (where there are such modules)."""
+    paths = {b.module for b in blocks}
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    in_blocks = [order[n] for n in gm.graph.nodes
+                 if any(isinstance(v, tuple) and v and v[0] in paths for v in (n.meta.get("nn_module_stack") or {}).values())]
+    start, end = min(in_blocks), max(in_blocks)
+    names: dict[int, list[str]] = defaultdict(list)
+    for name, p in gm.named_parameters(remove_duplicate=False):
+        names[id(p)].append(name)
+    owned = {n for b in blocks for n in b.params}
+    readers = defaultdict(list)  # parameter name -> graph positions of what reads it
+    for node in gm.graph.nodes:
+        if node.op == "get_attr":
+            readers[node.target] += [order[u] for u in node.users]
+    side: dict[str, str] = {}  # every name of a root parameter -> "first", "last" or "root"
+    for group in names.values():
+        if any(n in owned for n in group):
+            continue
+        at = [i for n in group for i in readers.get(n, ())]
+        where = "first" if at and max(at) < start else "last" if at and min(at) > end else "root"
+        side.update({n: where for n in group})
+    modules: dict[str, list[str]] = defaultdict(list)
+    for name in side:
+        modules[name.rpartition(".")[0]].append(name)
+    out = []
+    for kind in ("first", "last"):
+        # a module joins when every parameter it holds is read on that side only (the root itself never)
+        mods = [m for m, ns in modules.items() if m and all(side[n] == kind for n in ns)]
+        if mods:
+            params = tuple(sorted(n for m in mods for n in modules[m]))
+            out.append(UnitFacts(mods[0], params, kind, tuple(mods)))
+    first = [u for u in out if u.kind == "first"]
+    last = [u for u in out if u.kind == "last"]
+    return (*first, *blocks, *last)
 
 
 def _tied_outside(gm: fx.GraphModule, kids: list[str]) -> set[str]:

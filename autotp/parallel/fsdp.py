@@ -7,8 +7,9 @@
    shards side by side), ``Replicate()`` for one every TP rank holds whole. FSDP then shards dim 0 of each
    local shard over the data-parallel ranks, and a norm of the gradients (``clip_grad_norm_``) is the full
    model's, over both dims;
-2. ``fully_shard`` each unit (the repeated blocks the plan names) and then the root (embeddings, final norm,
-   LM head: what no block owns), with the configured mixed precision, resharding, prefetching and offload;
+2. ``fully_shard`` each unit the plan names, in the order they run (the embeddings, each repeated block, the
+   final norm with the LM head), then the root (whatever no unit owns: an LM head tied to the embedding),
+   with the configured mixed precision, resharding, prefetching and offload;
 3. each unit's FSDP forward method is registered (``register_fsdp_forward_method``): the rewritten graph,
    split at the units (:func:`autotp.passes.split_units`), runs each block's piece through it, so FSDP
    gathers the block's parameters just before the piece and reduce-scatters its gradients when the
@@ -48,10 +49,13 @@ def check_fsdp_plan(plan: Plan, tp: int) -> None:
 
 
 def _free_root_without_backward(model: nn.Module, args, output) -> None:
-    """FSDP keeps the root's gathered parameters for the backward; a call with gradients off (evaluation,
-    sampling) has none, so they are freed at once and ``model.parameters()`` are the shards again."""
+    """FSDP keeps the root's (and the last unit's) gathered parameters for the backward; a call with
+    gradients off (evaluation, sampling) has none, so they are freed at once and ``model.parameters()`` are
+    the shards again."""
     if not torch.is_grad_enabled():
-        model.reshard()
+        for m in model.modules():
+            if isinstance(m, FSDPModule):
+                m.reshard()
 
 
 def apply_fsdp(model: nn.Module, st: TPState, plan: Plan) -> None:
@@ -59,11 +63,15 @@ def apply_fsdp(model: nn.Module, st: TPState, plan: Plan) -> None:
     config = st.fsdp
     dp_mesh, tp_mesh = fsdp_meshes(st.mesh, config)
     names: dict[int, str] = {}
+    stand_in: dict[int, nn.Parameter] = {}  # one per tensor: later captures must see ties as ties
     for name, p in model.named_parameters(remove_duplicate=False):
         names.setdefault(id(p), name)
         # later captures see full-size stand-ins of every parameter: FSDP's are DTensors
-        st.full.setdefault(name, nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"),
-                                              requires_grad=p.requires_grad))
+        if id(p) not in stand_in:
+            known = st.full.get(name)  # a sharded parameter's full-size stand-in, made when it was cut
+            stand_in[id(p)] = known if known is not None else nn.Parameter(
+                torch.empty(p.shape, dtype=p.dtype, device="meta"), requires_grad=p.requires_grad)
+        st.full.setdefault(name, stand_in[id(p)])
 
     def on_tp_mesh(p: torch.Tensor) -> nn.Parameter:
         shard = st.shards.get(names[id(p)])
@@ -76,12 +84,19 @@ def apply_fsdp(model: nn.Module, st: TPState, plan: Plan) -> None:
     options = dict(mesh=dp_mesh, reshard_after_forward=config.reshard_after_forward,
                    mp_policy=MixedPrecisionPolicy(param_dtype=config.param_dtype, reduce_dtype=config.reduce_dtype),
                    offload_policy=CPUOffloadPolicy(pin_memory=False) if config.offload else OffloadPolicy())
-    units = [model.get_submodule(u.module) for u in plan.units]
-    for unit in units:
-        fully_shard(unit, **options)
+    units = []
+    for u in plan.units:  # in the order they run: the embeddings, the blocks, the final norm and LM head
+        members = [model.get_submodule(m) for m in u.members]
+        # the last unit's backward starts as soon as its forward ends: keep it gathered (torchtitan does)
+        keep = u.kind == "last" and config.reshard_after_forward
+        fully_shard(members if len(members) > 1 else members[0],
+                    **{**options, "reshard_after_forward": False} if keep else options)
+        unit = members[0]  # the unit's FSDP forward method runs the graph's piece (a group shares one state)
         unit.__dict__[UNIT_METHOD] = types.MethodType(run_unit, unit)
         register_fsdp_forward_method(unit, UNIT_METHOD)
-    # the root's parameters (embeddings, LM head) are the first the backward needs: FSDP's default keeps them
+        units.append(unit)
+    # the root's parameters (a tied embedding / LM head, code between the blocks) are the first the backward
+    # needs: FSDP's default keeps them
     fully_shard(model, **{**options, "reshard_after_forward": None})
     model.register_forward_hook(_free_root_without_backward)  # after FSDP's own post-forward hook
     if config.prefetch:
@@ -96,19 +111,20 @@ def fsdp_hooks_off(model: nn.Module) -> Iterator[None]:
     """FSDP's forward hooks taken off every ``fully_shard``-ed module of ``model`` for the duration: a later
     call signature is exported on the model object, whose forward calls the blocks, and export computes
     nothing (the parameters are full-size stand-ins), so nothing must be gathered."""
-    saved = []
+    saved: dict[int, tuple[dict, dict]] = {}  # each hooks dict touched -> (it, its entries before)
     for m in model.modules():
         if not isinstance(m, FSDPModule):
             continue
         state = fully_shard.state(m)
-        for hooks in (m._forward_pre_hooks, m._forward_hooks):
-            saved.append((hooks, dict(hooks)))  # restored whole, in order (FSDP's pre-hook runs first)
-            for key, hook in list(hooks.items()):
-                if getattr(hook, "__self__", None) is state:
-                    del hooks[key]
+        for handle in (state._pre_forward_hook_handle, state._post_forward_hook_handle):
+            for h in getattr(handle, "handles", (handle,)):  # a unit of several modules: one handle each
+                hooks = h.hooks_dict_ref() if h is not None else None
+                if hooks is not None and h.id in hooks:
+                    saved.setdefault(id(hooks), (hooks, dict(hooks)))
+                    del hooks[h.id]
     try:
         yield
     finally:
-        for hooks, original in saved:
+        for hooks, original in saved.values():  # restored whole, in order (FSDP's pre-hook runs first)
             hooks.clear()
             hooks.update(original)

@@ -246,8 +246,8 @@ def _build(model: nn.Module, st: TPState, args: tuple, kwargs: dict, key: Hashab
 def _split_units(gm: fx.GraphModule, plan: Plan, st: TPState) -> tuple[fx.GraphModule, Plan]:
     """The graph cut into one piece per FSDP unit (a block), each run as that unit's forward. A graph that
     cannot be cut makes the whole model one unit (the first call), with a warning that says why."""
-    if st.units is not None:  # FSDP is applied: a later call signature runs the same units
-        plan = dataclasses.replace(plan, units=tuple(u for u in plan.units if u.module in st.units))
+    if st.units is not None:  # FSDP is applied: a later call signature runs the same units (the pass checks
+        plan = dataclasses.replace(plan, units=st.plan.units)  # that each piece reads only its unit's)
     try:
         return run_passes(gm, plan, (split_units,)), plan
     except PassError as e:
@@ -426,8 +426,9 @@ def parallelize(model: nn.Module, *, tp_group: dist.ProcessGroup | None = None, 
 
     ``fsdp=True`` (or an :class:`~autotp.distributed.data_parallel.FSDPConfig`) also shards every
     parameter's TP shard over the data-parallel ranks with FSDP2 (``fully_shard``), one unit per repeated
-    block found in the graph plus the root (embeddings, final norm, LM head): each block's parameters are
-    gathered just before it runs and its gradients reduce-scattered when its backward ends. The parameters
+    block found in the graph, one for the embeddings and one for the final norm with the LM head, the root
+    keeping the rest (a tied embedding): each unit's parameters are gathered just before it runs and its
+    gradients reduce-scattered when its backward ends. The parameters
     become DTensors over the mesh (``clip_grad_norm_`` gives the full model's norm); build the optimizer
     after this call. Default: what ``autotp run --fsdp [--hsdp GROUPS]`` asked for, else no FSDP. ``mesh``: a
     device mesh with ``dp`` and ``tp`` dims (tp innermost), default the layout's under ``autotp run``; its

@@ -307,11 +307,19 @@ class ExpertLayer:
 
 @dataclass(frozen=True)
 class Unit:
-    """One repeated block of the model (``autotp.analysis.units``): data parallelism (FSDP) gathers its
-    parameters just before it runs and frees them after. ``params``: the parameters it owns."""
+    """One unit data parallelism (FSDP) gathers at a time (``autotp.analysis.units``): a repeated block, or
+    the modules read only before the blocks (``kind`` "first": the embeddings) or only after them ("last":
+    the final norm and LM head). ``params``: the parameters it owns; ``modules``: an edge unit's modules."""
 
     module: str
     params: tuple[str, ...]
+    kind: str = "block"
+    modules: tuple[str, ...] = ()
+
+    @property
+    def members(self) -> tuple[str, ...]:
+        """The modules FSDP shards as this unit."""
+        return self.modules or (self.module,)
 
 
 @dataclass(frozen=True)
@@ -400,7 +408,8 @@ class Plan:
                    tuple(ExpertLayer.from_dict(x) for x in d.get("experts", ())),
                    tuple(tuple(x) for x in d.get("experts_kept", ())),
                    tuple(ColumnForm(**x) for x in d.get("column_forms", ())),
-                   tuple(Unit(u["module"], tuple(u["params"])) for u in d.get("units", ())), PLAN_VERSION)
+                   tuple(Unit(u["module"], tuple(u["params"]), u.get("kind", "block"), tuple(u.get("modules", ())))
+                         for u in d.get("units", ())), PLAN_VERSION)
 
     @classmethod
     def from_json(cls, text: str) -> Plan:

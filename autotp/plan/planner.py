@@ -355,7 +355,7 @@ def make_plan(gm: fx.GraphModule, tp: int, vocab_multiple: int = 1, sequence_par
     ``sequence_parallel``: split the regions between the pairs along the sequence (Megatron-SP).
     ``expert_parallel``: E/tp whole experts per rank instead of 1/tp of every expert.
     """
-    units = tuple(Unit(u.module, u.params) for u in find_units(gm))
+    units = tuple(Unit(u.module, u.params, u.kind, u.modules) for u in find_units(gm))
     if tp == 1:
         return Plan(tp=1, units=units)
     a = analyze(gm, tp)

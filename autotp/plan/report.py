@@ -371,20 +371,29 @@ def _act_bytes(rows: tuple[ParamRow, ...]) -> int:
 
 
 # -- FSDP over the data-parallel ranks ------------------------------------------------------------------
-ROOT_UNIT = "<root>"  # FSDP's last unit: the model itself, holding every parameter no block owns
+ROOT_UNIT = "<root>"  # FSDP's outermost unit: the model itself, holding every parameter no unit owns
+RESHARDED = ("first", "block")  # the kinds of unit FSDP frees after forward and gathers again for backward
 
 
 @dataclass(frozen=True)
 class FSDPUnitRow:
-    """One FSDP unit: a repeated block of the plan, or the root (embeddings, final norm, LM head...)."""
+    """One FSDP unit: a unit of the plan (``kind`` "first": the embeddings, "block": a repeated block, "last":
+    the final norm and LM head) or the root ("root": what no unit owns, e.g. a tied embedding / LM head)."""
 
-    module: str  # the block's module name, or ROOT_UNIT
+    module: str  # the unit's (first) module name, or ROOT_UNIT
+    kind: str  # "first" | "block" | "last" | "root"
     tensors: int  # distinct tensors, a tied one once
     params: int  # elements of the full (unsharded) tensors
     local: int  # elements one TP rank holds: what FSDP all-gathers over dp
     gathered_bytes: int  # this TP rank's shards whole, in the parameters' dtypes: one all-gather's output
     # what one rank keeps between gathers: dim 0 of each TP shard cut in d, FSDP's padding included
     sharded_bytes: int
+    modules: tuple[str, ...] = ()  # the modules FSDP shards as this unit (none for the root: the model)
+
+    @property
+    def resharded(self) -> bool:
+        """Freed after its forward and gathered again for its backward (the last unit and the root are kept)."""
+        return self.kind in RESHARDED
 
 
 @dataclass(frozen=True)
@@ -406,23 +415,33 @@ class FSDPReport:
 
     tp: int
     dp: int
-    units: tuple[FSDPUnitRow, ...]  # the blocks in the order they run, then the root
+    units: tuple[FSDPUnitRow, ...]  # in the order they run: first, blocks, last, then the root
     local: int  # elements per TP rank (Memory.local): P/t with replicated parameters counted whole
     state_bytes: int  # 16·(P/t)/d: weights, gradients and Adam state, sharded over dp
-    root_bytes: int  # the root gathered in forward and kept until its backward
-    # the blocks gathered at once: the one running and the next, prefetched (2 × the largest, for equal blocks)
+    kept_bytes: int  # the root and the last unit, gathered in forward and kept until their backward
+    # the resharded units gathered at once: the one running and its neighbour, prefetched (the largest such pair)
     prefetch_bytes: int
     ddp_bytes: int  # 16·P/t: the same rank under plain data parallelism (DDP), every rank holding it all
     traffic: tuple[FSDPTraffic, ...]
 
     @property
     def blocks(self) -> tuple[FSDPUnitRow, ...]:
-        return tuple(u for u in self.units if u.module != ROOT_UNIT)
+        return tuple(u for u in self.units if u.kind == "block")
+
+    @property
+    def resharded(self) -> tuple[FSDPUnitRow, ...]:
+        """The units gathered twice a step (first and blocks), in the order they run."""
+        return tuple(u for u in self.units if u.resharded)
+
+    @property
+    def kept(self) -> tuple[FSDPUnitRow, ...]:
+        """The units gathered once a step and kept from their forward into their backward (last, root)."""
+        return tuple(u for u in self.units if not u.resharded)
 
     @property
     def peak_bytes(self) -> int:
         """Per rank, activations and the gradients awaiting their reduce-scatter not included."""
-        return self.state_bytes + self.root_bytes + self.prefetch_bytes
+        return self.state_bytes + self.kept_bytes + self.prefetch_bytes
 
     @property
     def saving(self) -> float | None:
@@ -434,28 +453,37 @@ class FSDPReport:
 
 
 def fsdp_units(plan: Plan, rows: tuple[ParamRow, ...], dp: int) -> tuple[FSDPUnitRow, ...]:
-    """The plan's blocks, then the root with every tensor no block owns; a tensor under several names (tied)
-    belongs to the first unit that names it under any of them, and is counted once."""
-    owner: dict[str, str] = {}
-    for unit in plan.units:
+    """The plan's units in the order they run (first, blocks, last), then the root with every tensor no unit
+    owns (only when there is one); a tensor under several names (tied) belongs to the first unit that names it
+    under any of them, and is counted once."""
+    owner: dict[str, int] = {}
+    for i, unit in enumerate(plan.units):
         for name in unit.params:
-            owner.setdefault(name, unit.module)
-    members: dict[str, list[ParamRow]] = {u.module: [] for u in plan.units}
-    members[ROOT_UNIT] = []
+            owner.setdefault(name, i)
+    root = len(plan.units)
+    members: list[list[ParamRow]] = [[] for _ in range(root + 1)]
     for r in rows:
-        module = next((owner[a] for a in r.aliases if a in owner), ROOT_UNIT)
-        members[module].append(r)
-    return tuple(FSDPUnitRow(module, len(rs), sum(math.prod(r.full_shape) for r in rs),
+        members[next((owner[a] for a in r.aliases if a in owner), root)].append(r)
+    heads = [(u.module, u.kind, u.members) for u in plan.units] + [(ROOT_UNIT, "root", ())]
+    return tuple(FSDPUnitRow(module, kind, len(rs), sum(math.prod(r.full_shape) for r in rs),
                              sum(math.prod(r.local_shape) for r in rs), sum(r.local_bytes for r in rs),
-                             sum(_fsdp_shard_bytes(r, dp) for r in rs))
-                 for module, rs in members.items() if rs or module != ROOT_UNIT)
+                             sum(_fsdp_shard_bytes(r, dp) for r in rs), modules)
+                 for (module, kind, modules), rs in zip(heads, members) if rs or kind != "root")
 
 
-def _in_flight(blocks: list[FSDPUnitRow]) -> int:
-    """The most gathered block bytes held at once: a block and its neighbour (the next one is prefetched in
-    forward, the previous one in backward); one block alone when there is only one."""
-    sizes = [u.gathered_bytes for u in blocks]
+def _in_flight(units: list[FSDPUnitRow]) -> int:
+    """The most gathered bytes of resharded units held at once: a unit and its neighbour in run order (the next
+    one is prefetched in forward, the previous one in backward); one unit alone when there is only one."""
+    sizes = [u.gathered_bytes for u in units]
     return max((a + b for a, b in zip(sizes, sizes[1:])), default=max(sizes, default=0))
+
+
+def unit_kinds(units: Iterable[FSDPUnitRow]) -> str:
+    """``units`` in words, by kind in run order: "first + 2 blocks + last + root"."""
+    counts = Counter(u.kind for u in units)
+    words = {"first": "first", "last": "last", "root": "root"}
+    return " + ".join(words[k] if k in words else f"{counts[k]} block{'s' if counts[k] > 1 else ''}"
+                      for k in ("first", "block", "last", "root") if counts[k])
 
 
 def _fsdp_shard_bytes(r: ParamRow, dp: int) -> int:
@@ -476,26 +504,31 @@ def fsdp_report(plan: Plan, named_params: Iterable[tuple[str, torch.Tensor]], dp
 def fsdp_from_rows(plan: Plan, rows: tuple[ParamRow, ...], dp: int) -> FSDPReport:
     """:func:`fsdp_report` from the rows a :class:`Report` already holds (``report.params``).
 
-    Follows ``autotp.parallel.fsdp.apply_fsdp`` with its defaults: each block is gathered for its forward,
-    freed, gathered again for its backward, and its gradients reduce-scattered; the root is gathered once in
-    forward (FSDP keeps the root's parameters until the backward) and reduce-scattered once. No mixed
-    precision policy: gathers and reductions travel in the parameters' own dtypes.
+    Follows ``autotp.parallel.fsdp.apply_fsdp`` with its defaults (resharding after forward): every unit and
+    the root are gathered once in forward; the first unit and the blocks are freed after their forward and
+    gathered again for their backward, while the last unit (its backward starts as its forward ends) and the
+    root are kept gathered from their forward into their backward; every unit's gradients and the root's are
+    reduce-scattered once. No mixed precision policy: gathers and reductions travel in the parameters' own
+    dtypes.
     """
     if dp < 1:
         raise ValueError(f"dp must be >= 1, got {dp}")
     units = fsdp_units(plan, rows, dp)
     local = sum(math.prod(r.local_shape) for r in rows)
-    blocks = [u for u in units if u.module != ROOT_UNIT]
-    root = next((u for u in units if u.module == ROOT_UNIT), None)
+    resharded = [u for u in units if u.resharded]
+    kept = [u for u in units if not u.resharded]
     k = TRAIN_BYTES_PER_PARAM
 
     def line(direction: str, kind: str, what: str, of: list[FSDPUnitRow]) -> FSDPTraffic:
         size = sum(u.gathered_bytes for u in of)
         return FSDPTraffic(direction, kind, what, len(of), size, round(size * (dp - 1) / dp))
 
-    traffic = (line("forward", "all_gather", "every unit's parameters (blocks + root)", list(units)),
-               line("backward", "all_gather", "every block's parameters again (resharded after forward)", blocks),
-               line("backward", "reduce_scatter", "every unit's gradients", list(units)))
-    return FSDPReport(plan.tp, dp, units, local, round(k * local / dp), root.gathered_bytes if root else 0,
-                      _in_flight(blocks), k * local,
+    again = f"{unit_kinds(resharded)}: gathered again (resharded after forward)"
+    if kept:
+        again += f"; {unit_kinds(kept)} kept since forward"
+    traffic = (line("forward", "all_gather", f"every unit's parameters ({unit_kinds(units)})", list(units)),
+               line("backward", "all_gather", again, resharded),
+               line("backward", "reduce_scatter", f"every unit's gradients ({unit_kinds(units)})", list(units)))
+    return FSDPReport(plan.tp, dp, units, local, round(k * local / dp), sum(u.gathered_bytes for u in kept),
+                      _in_flight(resharded), k * local,
                       tuple(t for t in traffic if t.count))
