@@ -29,6 +29,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 import autotp
 from autotp.distributed.data_parallel import FSDPConfig
+from autotp.io.checkpoint import tp_local_shape
 from autotp.io.ckpt_io import latest_checkpoint, load_training_state, save_training_state
 from autotp.plan.report import build_report
 from autotp.distributed.launch import RankContext, init_from_env
@@ -345,10 +346,7 @@ def _tp_local(named):
     made: dict[int, torch.Tensor] = {}
     for name, p in named:
         if isinstance(p, DTensor) and id(p) not in made:
-            shape = list(p.shape)
-            if p.placements[-1].is_shard():
-                shape[p.placements[-1].dim] //= p.device_mesh.size(-1)
-            made[id(p)] = torch.empty(shape, dtype=p.dtype, device="meta")
+            made[id(p)] = torch.empty(tp_local_shape(p), dtype=p.dtype, device="meta")
         yield name, made.get(id(p), p)
 
 

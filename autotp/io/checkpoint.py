@@ -73,12 +73,18 @@ class WriteBack:
             write_tp_local(t, local)
 
 
-def tp_local_empty(t: DTensor) -> torch.Tensor:
-    """An uninitialised tensor shaped like this rank's TP shard of FSDP-sharded ``t``."""
+def tp_local_shape(t: DTensor) -> torch.Size:
+    """The shape of this rank's TP shard of FSDP-sharded ``t`` (its global view holds the TP shards side by
+    side along a ``Shard`` on the last mesh dim)."""
     shape = list(t.shape)
     if t.placements[-1].is_shard():
         shape[t.placements[-1].dim] //= t.device_mesh.size(t.device_mesh.ndim - 1)
-    return torch.empty(shape, dtype=t.dtype, device=t.device)
+    return torch.Size(shape)
+
+
+def tp_local_empty(t: DTensor) -> torch.Tensor:
+    """An uninitialised tensor shaped like this rank's TP shard of FSDP-sharded ``t``."""
+    return torch.empty(tp_local_shape(t), dtype=t.dtype, device=t.device)
 
 
 def write_tp_local(t: DTensor, local: torch.Tensor) -> None:

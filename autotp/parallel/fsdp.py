@@ -29,6 +29,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from autotp.distributed.data_parallel import fsdp_meshes
 from autotp.errors import ShardingError
+from autotp.io.checkpoint import reshard
 from autotp.io.empty import swap_tensors
 from autotp.plan.plan import Plan
 from autotp.runtime.units import UNIT_METHOD, run_unit
@@ -53,9 +54,7 @@ def _free_root_without_backward(model: nn.Module, args, output) -> None:
     gradients off (evaluation, sampling) has none, so they are freed at once and ``model.parameters()`` are
     the shards again."""
     if not torch.is_grad_enabled():
-        for m in model.modules():
-            if isinstance(m, FSDPModule):
-                m.reshard()
+        reshard(model)
 
 
 def apply_fsdp(model: nn.Module, st: TPState, plan: Plan) -> None:
