@@ -1,7 +1,7 @@
 """Benchmark (not a test): memory per rank and step time of tensor parallelism × FSDP2 against tensor
 parallelism × DDP, measured against the per-rank memory formula.
 
-    python benchmarks/fsdp.py [--steps 8] [--mem-steps 3] [--layers 8] [--malloc glibc mmap]
+    python benchmarks/fsdp.py [--steps 10] [--mem-steps 3] [--layers 8] [--malloc glibc mmap]
                               [--configs fsdp fsdp_keep fsdp_nopf ddp] [--out benchmarks/results]
 
 Model: the example nanoGPT (examples/nanogpt.py: 8 layers, dim 1024, 16 heads, vocab 8192 with the LM head
@@ -28,17 +28,18 @@ just before it), the RSS and peak after setup, and the exact bytes of the traini
 (the local parameter tensors, their gradients, AdamW's state).
 
 Each configuration runs twice (``--malloc``): ``glibc``, the allocator as it comes: what a user's process
-shows, with glibc's retention (its mmap threshold rises to 32 MiB after the first large free, and the
-buffers freed after that stay in its heaps) and fragmentation; and ``mmap``, the ranks started with
-``MALLOC_MMAP_THRESHOLD_=131072``: every allocation of 128 KiB or more (every tensor that matters) gets a
-mapping of its own, returned to the system when freed, so the RSS follows the live tensors: the
-allocator-independent measure, comparable with the formula. Step times come from the ``glibc`` launches
-(``--steps`` steps); the ``mmap`` launches run ``--mem-steps`` steps.
+shows, with glibc's retention (its mmap threshold rises to the size of each large block freed, up to
+32 MiB, and blocks below it come from its heaps, which keep what is freed) and fragmentation; and
+``mmap``, the ranks started with ``MALLOC_MMAP_THRESHOLD_=131072``: every allocation of 128 KiB or more
+(every tensor that matters) gets a mapping of its own, returned to the system when freed, so the RSS
+follows the live tensors: the allocator-independent measure, comparable with the formula. The memory
+launches run ``--mem-steps`` steps.
 
 The formula, per rank (t = 2, d = 2; L = the elements one TP rank holds: the sum over parameters of their
 TP-local sizes, replicated parameters counted whole, a tied one once; U = the largest FSDP unit's gathered
-bytes, 4 × its TP-local elements, the units being ``autotp.tp_state(model).units`` (the blocks) and the
-root (whatever no block owns: embeddings, final norm)):
+bytes, 4 × its TP-local elements, over FSDP's own parameter groups: one per unit of
+``autotp.tp_state(model).units`` (the blocks, and the modules read before and after them) and the root
+(whatever no unit owns: here the embedding tied to the LM head)):
 
     fsdp          16·L/d + 2·U + A       weights, gradients, Adam's two moments sharded; the running unit and
                                          the prefetched one gathered
@@ -59,10 +60,12 @@ rewrite). Reported next to it as a check: the bytes autograd keeps for backward 
 storage a ``saved_tensors_hooks`` pack sees, once, the parameters' own left out: allocator-independent),
 the same RSS difference on the cold first forward, and the peak over that forward and its backward.
 
-Speed: each configuration's step (forward, backward, ``opt.step()``, ``zero_grad()``), timed on every rank
-from a barrier to its end; a step's time is the slowest rank's; the median over steps 2..``--steps``
-(step 1 allocates Adam's state and first-call caches). Ratios between configurations come from the same
-script run, one launch after another (the machine is shared: compare only within one run).
+Speed: a launch of its own (glibc as it comes) builds fsdp, fsdp_nopf and ddp side by side on each rank
+and steps them in turns, ``--steps`` rounds (a barrier before each step, the order reversed every other
+round), so that the three see the same machine load (the machine is shared and noisy: compare only
+ratios from one run). A step (forward, backward, ``opt.step()``, ``zero_grad()``) is timed on every rank
+from its barrier to its end, its time the slowest rank's; the median over rounds 2..``--steps`` (round 1
+allocates Adam's state and first-call caches). The memory launches' own step times are reported too.
 
 Writes ``OUT/fsdp.json`` and ``OUT/fsdp.md``.
 """
@@ -254,6 +257,37 @@ def train(name: str, opts: dict) -> dict:
             "state": state, "times": times, "losses": losses, "params": total, **acct}
 
 
+TIMED = ("fsdp", "fsdp_nopf", "ddp")
+
+
+def timing(opts: dict) -> dict:
+    """Step times of the ``TIMED`` configurations, built side by side in this process and stepped in turns
+    (a barrier before each step, the order reversed every other round), so that all see the same load."""
+    import torch
+    import torch.distributed as dist
+
+    mesh, (ids, targets), base, _ = _setup(opts)
+    runs = {}
+    for name in TIMED:
+        fsdp = CONFIGS[name][0]
+        model, _ = _build(opts, mesh, (ids, targets), fsdp)
+        if fsdp is None:
+            model = torch.nn.parallel.DistributedDataParallel(model, process_group=mesh["dp"].get_group())
+        runs[name] = (model, torch.optim.AdamW(model.parameters(), lr=1e-4))
+    times: dict[str, list[float]] = {name: [] for name in TIMED}
+    for rnd in range(opts["steps"]):
+        for name in (TIMED if rnd % 2 == 0 else TIMED[::-1]):
+            model, opt = runs[name]
+            dist.barrier()
+            t = time.perf_counter()
+            loss = model(ids, targets)[1]
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            times[name].append(time.perf_counter() - t)
+    return {"times": times, "peak": peak() - base}
+
+
 def activations(opts: dict) -> dict:
     """A: the TP-only model's RSS growth over one forward (after a warm-up step), saved-for-backward bytes."""
     import torch
@@ -324,18 +358,23 @@ def _markdown(res: dict) -> str:
         f"mesh, one thread each, {os.cpu_count()} cores. Peak per rank: ru_maxrss at the end of {o['mem_steps']} "
         "training steps − RSS just before the model is built, the largest over the ranks, with glibc's malloc as "
         "it comes and with MALLOC_MMAP_THRESHOLD_=131072 (each allocation of ≥ 128 KiB mapped on its own and "
-        "unmapped when freed: the RSS then follows the live tensors instead of what malloc keeps). Step: median "
-        f"of steps 2..{o['steps']} (glibc default launches), each step's time the slowest rank's.",
+        "unmapped when freed: the RSS then follows the live tensors instead of what malloc keeps). Step: "
+        f"{', '.join(TIMED)} built side by side in one launch and stepped in turns, median of rounds 2..{o['steps']}, "
+        f"each step's time the slowest rank's (that launch's peak RSS per rank: {res['timing_peak'] / MiB:.0f} MiB); "
+        f"own launch: median of steps 2..{o['mem_steps']} of the memory launch (glibc), load not shared.",
         "",
         "| config | " + " | ".join(f"peak/rank MiB ({head[m]})" for m in modes) + " | formula MiB | "
-        + " | ".join(f"measured / formula ({head[m]})" for m in modes) + " | peak vs DDP | step s | step vs DDP |",
-        "|---|" + "---|" * (2 * len(modes) + 4),
+        + " | ".join(f"measured / formula ({head[m]})" for m in modes)
+        + " | peak vs DDP | step s (in turns) | step vs DDP | step s (own launch) |",
+        "|---|" + "---|" * (2 * len(modes) + 5),
     ]
     for row in rows:
         lines.append(f"| {row['label']} | " + " | ".join(_mib(row["peak"][m]) for m in modes)
                      + f" | {_mib(row['formula'])} | " + " | ".join(f"{row['ratio'][m]:.3f}" for m in modes)
                      + " | " + " / ".join(f"{row['vs_ddp'][m]:.2f}" for m in modes)
-                     + f" | {row['step_s']:.2f} | {row['vs_ddp_step']:.2f} |")
+                     + (f" | {row['step_s']:.2f} | {row['vs_ddp_step']:.2f}" if row["step_s"] is not None
+                        else " | – | –")
+                     + f" | {row['own_step_s']:.2f} |")
     nopf = next((r for r in rows if r["name"] == "fsdp_nopf"), None)
     lines += [
         "",
@@ -370,24 +409,25 @@ def _markdown(res: dict) -> str:
         "",
         "Notes:",
         "",
-        *([f"- glibc's malloc as it comes: fsdp's peak is {fs['peak']['glibc'] / fs['peak']['mmap']:.2f}× its peak with "
-           f"tensors mmapped, ddp's {ddp['peak']['glibc'] / ddp['peak']['mmap']:.2f}×. FSDP frees and allocates unit-sized "
-           "buffers (gathered parameters, unsharded gradients, collective staging) several times a step; once glibc's "
-           "dynamic mmap threshold has risen past their sizes they come from its heaps, which keep the freed memory "
-           "and fragment."] if "mmap" in modes else []),
+        *([f"- glibc's malloc as it comes: fsdp's peak is {fs['peak']['glibc'] / fs['peak']['mmap']:.2f}× its peak "
+           f"with tensors mmapped, ddp's {ddp['peak']['glibc'] / ddp['peak']['mmap']:.2f}×. FSDP frees and allocates "
+           "unit-sized buffers (gathered parameters, unsharded gradients, collective staging) several times a step; "
+           "once glibc's dynamic mmap threshold has risen past their sizes they come from its heaps, which keep "
+           "the freed memory and fragment."] if "mmap" in modes else []),
         "- prefetch=False sets no explicit prefetching; FSDP2 then still prefetches one unit in backward by default "
-        "(``FSDPState._pre_backward``: default_prefetch when no backward prefetch is set), so two blocks are gathered at "
-        "once in backward either way: the formula's U for fsdp_nopf counts one block fewer than backward holds.",
+        "(``FSDPState._pre_backward``: default_prefetch when no backward prefetch is set), so two blocks are "
+        "gathered at once in backward either way: the formula's U for fsdp_nopf counts one block fewer than "
+        "backward holds.",
         "- Not in the formulas: the root kept gathered, the running unit's unsharded gradients before their "
         "reduce-scatter, FSDP's staging buffers, what parallelize leaves behind (RSS after setup − the parameters).",
         "",
-        "Step times, s (slowest rank per step, glibc default): "
-        + "; ".join(f"{r['name']} " + ", ".join(f"{t:.2f}" for t in r["times"]) for r in rows) + ".",
+        "Step times in turns, s (slowest rank per step): "
+        + "; ".join(f"{r['name']} " + ", ".join(f"{t:.2f}" for t in r["times"]) for r in rows if r["times"]) + ".",
         *([f"Environment given to the ranks besides: {res['environment']}."] if res["environment"] else []),
         "",
-        f"autotp at {res['source']['commit'][:12]}"
-        + (f" with uncommitted changes (digest {res['source']['uncommitted']})" if res["source"]["uncommitted"] else "")
-        + (": the package changed during the run." if res["source_changed_during_run"] else "."),
+        f"autotp: HEAD {res['source']['commit'][:12]} when the run began, sources digest {res['source']['sources']}"
+        + (" (the sources changed during the run)." if res["source_changed_during_run"] else
+           " (unchanged during the run)."),
         "",
         "Reproduce: `python benchmarks/fsdp.py" + "".join(
             f" --{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else v}"
@@ -397,7 +437,7 @@ def _markdown(res: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-DEFAULTS = {"steps": 8, "mem_steps": 3, "layers": CONFIG["n_layer"], "malloc": list(MALLOC), "configs": list(CONFIGS)}
+DEFAULTS = {"steps": 10, "mem_steps": 3, "layers": CONFIG["n_layer"], "malloc": list(MALLOC), "configs": list(CONFIGS)}
 
 
 def _launch(mode: str, fn, *args) -> dict:
@@ -417,19 +457,19 @@ def _launch(mode: str, fn, *args) -> dict:
 
 
 def _source_version() -> dict:
-    """The commit and a digest of the uncommitted changes to the package (others may edit it meanwhile)."""
+    """The commit, and a digest of the package's sources as they are on disk (others may edit them meanwhile)."""
     import hashlib
     import subprocess
 
-    def git(*args: str) -> str:
-        try:
-            return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=True).stdout
-        except (OSError, subprocess.CalledProcessError):
-            return ""
-
-    diff = git("diff", "HEAD", "--", "autotp", "passes")
-    return {"commit": git("rev-parse", "HEAD").strip(),
-            "uncommitted": hashlib.sha1(diff.encode()).hexdigest()[:12] if diff else None}
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                                check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        commit = ""
+    digest = hashlib.sha1()
+    for path in sorted([*ROOT.glob("autotp/**/*.py"), *ROOT.glob("passes/**/*.py")]):
+        digest.update(str(path.relative_to(ROOT)).encode() + b"\0" + path.read_bytes())
+    return {"commit": commit, "sources": digest.hexdigest()[:12]}
 
 
 def main() -> None:
@@ -441,10 +481,10 @@ def main() -> None:
     ap.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=DEFAULTS["configs"])
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     a = ap.parse_args()
-    if not 2 <= a.mem_steps <= a.steps:
-        ap.error("need 2 <= --mem-steps <= --steps")
-    if not {"fsdp", "ddp"} <= set(a.configs) or "glibc" not in a.malloc:
-        ap.error("--configs needs fsdp and ddp, --malloc needs glibc")
+    if a.mem_steps < 2 or a.steps < 2:
+        ap.error("need --mem-steps >= 2 and --steps >= 2")
+    if not set(TIMED) <= set(a.configs) or "glibc" not in a.malloc:
+        ap.error(f"--configs needs {', '.join(TIMED)}, --malloc needs glibc")
     opts = {"steps": a.steps, "mem_steps": a.mem_steps, "layers": a.layers,
             "malloc": [m for m in MALLOC if m in a.malloc], "configs": [c for c in CONFIGS if c in a.configs]}
 
@@ -463,12 +503,15 @@ def main() -> None:
     for name in opts["configs"]:
         for mode in opts["malloc"]:
             console.print(f"[bold]{name}[/] ({mode}): {CONFIGS[name][1]} …")
-            # timed under glibc's default; the other settings measure memory only: mem_steps steps
-            run_opts = opts if mode == "glibc" else {**opts, "steps": opts["mem_steps"]}
-            ranks = runs.setdefault(name, {})[mode] = _launch(mode, train, name, run_opts)
+            ranks = runs.setdefault(name, {})[mode] = _launch(mode, train, name, {**opts, "steps": opts["mem_steps"]})
             console.print(f"  peak {max(r['peak'] for r in ranks.values()) / MiB:.0f} MiB, steps "
                           f"{', '.join(f'{t:.2f}' for t in ranks[0]['times'])} s, losses "
                           f"{', '.join(f'{x:.3f}' for x in ranks[0]['losses'])}")
+    console.print(f"[bold]timing[/]: {', '.join(TIMED)} side by side, {opts['steps']} rounds …")
+    timed_ranks = _launch("glibc", timing, opts)
+    timed = {name: [max(r["times"][name][i] for r in timed_ranks.values()) for i in range(opts["steps"])]
+             for name in TIMED}
+    console.print("  " + "; ".join(f"{n} " + ", ".join(f"{t:.2f}" for t in ts) for n, ts in timed.items()))
     A = act["warm"]["forward"]
     rows = []
     for name in opts["configs"]:
@@ -493,12 +536,14 @@ def main() -> None:
                      "largest_unit": f["largest_unit"], "local": r0["local"], "units": r0["units"],
                      "autotp_units": r0["autotp_units"],
                      "peak": {m: d["peak"] for m, d in detail.items()},
-                     "times": detail["glibc"]["times"], "step_s": detail["glibc"]["step_s"], "detail": detail})
+                     "times": timed.get(name), "step_s": statistics.median(timed[name][1:]) if name in timed else None,
+                     "own_step_s": detail["glibc"]["step_s"], "detail": detail})
     ddp = next(r for r in rows if r["name"] == "ddp")
     for row in rows:
         row["ratio"] = {m: p / row["formula"] for m, p in row["peak"].items()}
         row["vs_ddp"] = {m: p / ddp["peak"][m] for m, p in row["peak"].items()}
-        row["vs_ddp_step"] = row["step_s"] / ddp["step_s"]
+        row["vs_ddp_step"] = row["step_s"] / ddp["step_s"] if row["step_s"] is not None else None
+        row["own_vs_ddp_step"] = row["own_step_s"] / ddp["own_step_s"]
     fs = next(r for r in rows if r["name"] == "fsdp")
     result = {
         "options": opts, "model": {**CONFIG, "n_layer": a.layers}, "batch": [BATCH, SEQ], "tp": TP, "dp": DP,
@@ -507,7 +552,8 @@ def main() -> None:
         "activations_per_rank": {str(k): v for k, v in act_ranks.items()}, "rows": rows, "goal": GOAL,
         "goal_met": {m: r <= GOAL for m, r in fs["ratio"].items()}, "wall_s": time.perf_counter() - start,
         "environment": {k: v for k, v in os.environ.items() if k.startswith("MALLOC_")},
-        "source": source, "source_changed_during_run": _source_version() != source,
+        "source": source, "source_changed_during_run": _source_version()["sources"] != source["sources"],
+        "timing_peak": max(r["peak"] for r in timed_ranks.values()),
     }
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)

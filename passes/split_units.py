@@ -72,9 +72,7 @@ def unit_keys(gm: fx.GraphModule, plan: Plan) -> dict[fx.Node, int]:
 
 
 def split_units(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
-    if not plan.units:
-        return gm
-    keys = unit_keys(gm, plan)
+    keys = unit_keys(gm, plan)  # with no units: one piece, which still reads its parameters when it runs
     top = split_module(gm, gm, lambda n: keys[n])
     params = {n for n, _ in gm.named_parameters(remove_duplicate=False)}
     owner = {p: u.module for u in plan.units for p in u.params}

@@ -96,8 +96,25 @@ class LM(nn.Module):
         return logits, F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
+class Twice(LM):
+    """The ``modulelist`` stack run twice (weights shared across depth): its blocks cannot be FSDP units."""
+
+    def __init__(self):
+        super().__init__("modulelist", n=2)
+
+    def forward(self, ids, targets):
+        x = self.wte(ids)
+        for _ in range(2):
+            for layer in self.layers:
+                x = layer(x)
+        logits = self.head(self.norm(x))
+        return logits, F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
 def build(kind: str) -> tuple[nn.Module, tuple, dict]:
+    """One of KINDS, "single" (one block: nothing repeats) or "twice" (see :class:`Twice`)."""
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(1)
     ids, targets = (torch.randint(0, V, (B, S), generator=g) for _ in range(2))
-    return LM(kind), (ids, targets), {}
+    model = Twice() if kind == "twice" else LM("modulelist", n=1) if kind == "single" else LM(kind)
+    return model, (ids, targets), {}

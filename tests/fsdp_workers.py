@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -54,12 +55,15 @@ def fsdp_parity(model_name: str, tp: int, steps: int = 3, clip: float = 0.05, re
     mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
     d = mesh["dp"].get_local_rank()
     la, lk = _replica((args, kwargs), d, dp)
-    model = autotp.parallelize(copy.deepcopy(ref), example_inputs=(la, lk), fsdp=FSDPConfig(reshard, prefetch, replicas=replicas), mesh=mesh)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = autotp.parallelize(copy.deepcopy(ref), example_inputs=(la, lk),
+                                   fsdp=FSDPConfig(reshard, prefetch, replicas=replicas), mesh=mesh)
     st = autotp.tp_state(model)
     opt, ropt = (torch.optim.AdamW(m.parameters(), lr=1e-3, eps=1e-6) for m in (model, ref))
     from torch.distributed.fsdp import fully_shard
 
-    out: dict = {"units": list(st.units or ()), "losses": [],
+    out: dict = {"units": list(st.units or ()), "losses": [], "warnings": [str(w.message) for w in caught],
                  "root_params": fully_shard.state(model)._fsdp_param_group is not None,
                  "last_kept": any(u.kind == "last" for u in st.plan.units) and reshard, "ref_losses": [], "norms": [], "ref_norms": [],
                  "dtensors": all(isinstance(p, DTensor) for p in model.parameters()),

@@ -102,40 +102,47 @@ def test_split_graph_computes_what_the_model_computes(name: str):
         assert torch.equal(grads[n], p.grad), n
 
 
+class _Layer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin, self.norm = nn.Linear(8, 8), nn.LayerNorm(8)
+
+    def forward(self, x):
+        return self.norm(torch.relu(self.lin(x)))
+
+
 class _Twice(nn.Module):
     """A block stack run twice (weights shared across depth): block 0 runs again after block 1."""
 
     def __init__(self):
         super().__init__()
         self.emb = nn.Embedding(16, 8)
-        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
+        self.layers = nn.ModuleList(_Layer() for _ in range(2))
 
     def forward(self, ids):
         x = self.emb(ids)
         for _ in range(2):
             for layer in self.layers:
-                x = torch.relu(layer(x))
+                x = layer(x)
         return x.sum()
 
 
 class _ReadOutside(nn.Module):
-    """A block's parameter also read at the root (``x * self.layers[0].scale``)."""
+    """A block's parameter also read at the root (``x * self.layers[0].norm.weight``)."""
 
     def __init__(self):
         super().__init__()
-        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
-        for layer in self.layers:
-            layer.scale = nn.Parameter(torch.ones(8))
+        self.layers = nn.ModuleList(_Layer() for _ in range(2))
 
     def forward(self, x):
         for layer in self.layers:
-            x = layer(x) * layer.scale
-        return (x * self.layers[0].scale).sum()
+            x = layer(x)
+        return (x * self.layers[0].norm.weight).sum()
 
 
 @pytest.mark.parametrize("model, args, says", [
     (_Twice(), (torch.zeros(2, 4, dtype=torch.long),), "interleaved"),
-    (_ReadOutside(), (torch.zeros(2, 8),), "layers.0.scale"),
+    (_ReadOutside(), (torch.zeros(2, 8),), "layers.0.norm.weight"),
 ])
 def test_a_graph_that_cannot_be_cut_says_why(model, args, says):
     gm, _ = capture(model, args, {})
@@ -348,3 +355,18 @@ def test_hsdp_at_tp2_on_8_ranks_structure():
             assert p.to_local().shape[0] == -(-tp_rows // 2), name  # this rank's half of its TP shard's rows
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_fsdp_without_units_shards_the_whole_model():
+    """Nothing repeats (one block), or the blocks cannot be cut apart (a stack run twice): the whole model is
+    one FSDP unit (said once, for the stack run twice), exact, its parameters read when the graph runs."""
+    for kind in ("single", "twice"):
+        for rank, r in launch(fsdp_parity, 4, kind, 2).items():
+            assert r["units"] == [] and r["root_params"], (kind, r["units"])
+            assert max(abs(a - b) for a, b in zip(r["losses"], r["ref_losses"])) <= 1e-5, (kind, rank)
+            assert max(abs(a - b) for a, b in zip(r["norms"], r["ref_norms"])) <= 1e-5, (kind, rank)
+            assert r["param_diff"] <= 1e-5 and r["eval_diff"] <= 1e-5, (kind, rank)
+            assert Counter(c[0] for c in r["backward_collectives"] if c[0] != "all_reduce") == \
+                Counter({"reduce_scatter": 1}), kind
+            assert any("one unit" in w for w in r["warnings"]) == (kind == "twice"), r["warnings"]

@@ -4,11 +4,12 @@ FSDP gathers a unit's parameters just before the unit runs and frees them after;
 its transformer blocks. They are found from what the graph records, never from module or class names:
 
 - every module the forward called is on some node's ``nn_module_stack`` (``transformer.h.3``, ``layers.0``);
-- a module's *signature* is its parameters' names relative to it and their shapes;
+- a module's *signature* is its parameters' names relative to it and their shapes; a block holds the
+  parameters of several modules (a lone ``Linear`` or norm repeated is none);
 - the blocks are the called children of one parent that share a signature (two at least); of all such
-  parents, the one whose repeated children hold the most parameters (ties: the shallower one). Experts
-  repeat too, inside each block, and hold less; a block stack written as attributes of the root
-  (``self.block1``, ``self.block2``) is the root's children;
+  parents, the one whose repeated children hold the most parameters (ties: the shallower one), and at
+  least a tenth of the model's. Experts repeat too, inside each block, and hold less; a block stack
+  written as attributes of the root (``self.block1``, ``self.block2``) is the root's children;
 - the units are those children, in the order the graph runs them; when they are the items of one container
   (a ``ModuleList`` or ``Sequential``: their names are indices), every item of it that owns parameters is a
   unit, so a dense first block before mixture-of-experts blocks is one too;
@@ -25,6 +26,9 @@ from collections import defaultdict
 from typing import NamedTuple
 
 import torch.fx as fx
+
+
+MIN_SHARE = 0.1  # the repeated blocks must hold at least this share of the parameters to be FSDP's units
 
 
 class UnitFacts(NamedTuple):
@@ -65,7 +69,8 @@ def find_units(gm: fx.GraphModule) -> tuple[UnitFacts, ...]:
         by_signature: dict[tuple, list[str]] = defaultdict(list)
         for kid in kids:
             owned = _owned(kid, names)
-            if owned:
+            # a block holds several layers (attention, MLP, norms): a lone Linear or norm repeated is no block
+            if len({n.rpartition(".")[0] for n in owned}) > 1:
                 by_signature[tuple((n[len(kid):], shapes[n]) for n in owned)].append(kid)
         for signature, same in by_signature.items():
             if len(same) < 2:
@@ -74,7 +79,8 @@ def find_units(gm: fx.GraphModule) -> tuple[UnitFacts, ...]:
             key = (size, -parent.count(".") - bool(parent), parent, same)
             if best is None or key[:2] > best[:2]:
                 best = key
-    if best is None:
+    # blocks hold most of a GPT; two repeated norms inside a single block hold next to nothing
+    if best is None or best[0] < MIN_SHARE * sum(_numel(s) for s in shapes.values()):
         return ()
     parent, repeated = best[2], best[3]
     indexed = all(k.rsplit(".", 1)[-1].isdigit() for k in repeated)

@@ -249,13 +249,19 @@ def _split_units(gm: fx.GraphModule, plan: Plan, st: TPState) -> tuple[fx.GraphM
     if st.units is not None:  # FSDP is applied: a later call signature runs the same units (the pass checks
         plan = dataclasses.replace(plan, units=st.plan.units)  # that each piece reads only its unit's)
     try:
-        return run_passes(gm, plan, (split_units,)), plan
+        top = run_passes(gm, plan, (split_units,))
     except PassError as e:
         if st.units:
             raise ShardingError(f"this call's graph cannot be cut at the blocks FSDP shards: {e.__cause__}") from e
         warnings.warn(f"autotp: fsdp shards the whole model as one unit (all parameters gathered at once): "
                       f"{e.__cause__}", stacklevel=4)
-        return gm, dataclasses.replace(plan, units=())
+        plan = dataclasses.replace(plan, units=())
+        top = run_passes(gm, plan, (split_units,))  # one piece: it still reads the parameters when it runs
+    # the pieces read the model's parameters; the captured graph's stand-ins (full size) are dropped
+    for name, _ in list(gm.named_parameters(remove_duplicate=False)):
+        path, _, leaf = name.rpartition(".")
+        (gm.get_submodule(path) if path else gm)._parameters.pop(leaf, None)
+    return top, plan
 
 
 def _by_id(named, own: dict[str, ParamShard]) -> tuple[dict[int, ParamShard], dict[int, list[str]]]:
