@@ -444,16 +444,10 @@ def _launch(mode: str, fn, *args) -> dict:
     """``fn(*args)`` on the ranks with allocator setting ``mode``."""
     from distributed import launch
 
-    saved = {k: os.environ.get(k) for k in MALLOC["mmap"]}
-    os.environ.update(MALLOC[mode])
-    try:
+    from autotp.distributed.launch import _environ  # the launcher's own: workers copy this environment
+
+    with _environ(MALLOC[mode]):
         return launch(fn, TP * DP, *args)
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def _source_version() -> dict:
