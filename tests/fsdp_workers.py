@@ -40,6 +40,10 @@ def _full(p: torch.Tensor) -> torch.Tensor:
 def _model(name: str):
     if name in MODELS:
         return MODELS[name]()
+    if name.startswith("pattern:"):  # tests/pattern_models.py's spellings (q/k norms, fused q|k|v, ...)
+        from pattern_models import build as pattern
+
+        return pattern(name.removeprefix("pattern:"))
     from fsdp_models import build
 
     return build(name)
@@ -211,3 +215,8 @@ def fsdp_load_weights(name: str, path: str, tp: int) -> dict:
     return {"tensors": loaded.tensors, "loss_diff": (loss - want).abs().item(),
             "param_diff": max((_full(p).detach() - _side_by_side(ref_params[n].detach(), n, model)).abs().max().item()
                               for n, p in model.named_parameters())}
+
+
+def fsdp_parity_many(names: list[str], tp: int) -> dict:
+    """:func:`fsdp_parity` for each model, in one launch."""
+    return {name: fsdp_parity(name, tp) for name in names}

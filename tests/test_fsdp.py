@@ -370,3 +370,20 @@ def test_fsdp_without_units_shards_the_whole_model():
             assert Counter(c[0] for c in r["backward_collectives"] if c[0] != "all_reduce") == \
                 Counter({"reduce_scatter": 1}), kind
             assert any("one unit" in w for w in r["warnings"]) == (kind == "twice"), r["warnings"]
+
+
+SPELLINGS = ["pattern:qk_norm_width", "pattern:parallel", "pattern:gqa_qk_norm", "pattern:offset_slices"]
+
+
+@pytest.mark.slow
+def test_fsdp_parity_across_spellings():
+    """q/k norms over the whole width (their statistics completed over tp in the graph), parallel attention
+    and MLP, grouped-query attention with q/k norms, q|k|v read by offset slices: tp 2 × fsdp 2 exact."""
+    from fsdp_workers import fsdp_parity_many
+
+    for rank, results in launch(fsdp_parity_many, 4, SPELLINGS, 2).items():
+        for name, r in results.items():
+            assert r["units"] == ["emb", "blocks.0", "blocks.1", "norm"], (name, r["units"])
+            for got, want in [(r["losses"], r["ref_losses"]), (r["norms"], r["ref_norms"])]:
+                assert max(abs(a - b) for a, b in zip(got, want)) <= 1e-5, (name, rank, got, want)
+            assert r["param_diff"] <= 1e-5 and r["eval_diff"] <= 1e-5, (name, rank, r["param_diff"])
