@@ -23,9 +23,10 @@ def _results(stdout: str) -> list[dict]:
     return [decode(part)[0] for part in stdout.split("RESULT ")[1:]]
 
 
-def _single_and_under_autotp_run(script: str, tmp_path: Path, env: dict[str, str]) -> tuple[dict, list[dict]]:
-    """``script`` run as is on one device, and with the one added line under ``autotp run --tp 2``: the
-    single run's result and both ranks' (each rank runs the whole script)."""
+def _single_and_under_autotp_run(script: str, tmp_path: Path, env: dict[str, str],
+                                 flags: tuple[str, ...] = ()) -> tuple[dict, list[dict]]:
+    """``script`` run as is on one device, and with the one added line under ``autotp run --tp 2`` (and
+    ``flags``): the single run's result and every rank's (each rank runs the whole script)."""
     src = Path(SCRIPTS, script).read_text()
     assert "model = GPT(config)\n" in src
     (tmp_path / "train_tp.py").write_text(src.replace("model = GPT(config)\n", f"model = GPT(config)\n{ADDED}\n"))
@@ -34,11 +35,11 @@ def _single_and_under_autotp_run(script: str, tmp_path: Path, env: dict[str, str
                             timeout=300, env=env)
     assert single.returncode == 0, single.stderr[-2000:]
     (want,) = _results(single.stdout)
-    cmd = [sys.executable, "-m", "autotp.cli.main", "run", str(tmp_path / "train_tp.py"), "--tp", "2"]
+    cmd = [sys.executable, "-m", "autotp.cli.main", "run", str(tmp_path / "train_tp.py"), "--tp", "2", *flags]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     got = _results(proc.stdout)
-    assert len(got) == 2
+    assert len(got) == (4 if "--fsdp" in flags else 2)
     return want, got
 
 
@@ -51,6 +52,18 @@ def test_single_device_script_with_one_added_line(tmp_path: Path):
         assert r["sample"] == want["sample"]
         assert r["is_gpt"] and r["block_size"] == want["block_size"] and r["mfu"]
         assert r["params"] < want["params"]  # get_num_params counts this rank's shards
+
+
+@pytest.mark.slow
+def test_single_device_script_under_autotp_run_fsdp(tmp_path: Path):
+    """The same one added line under ``autotp run --tp 2 --dp 2 --fsdp``: FSDP2 over the data-parallel ranks,
+    the script's own optimizer groups, clip_grad_norm_ (the full model's norm) and sampling loop unchanged."""
+    want, got = _single_and_under_autotp_run("train.py", tmp_path, {}, ("--dp", "2", "--fsdp"))
+    for r in got:
+        assert max(abs(a - b) for a, b in zip(r["losses"], want["losses"])) <= 1e-5, (r["losses"], want["losses"])
+        assert r["sample"] == want["sample"]
+        assert r["is_gpt"] and r["block_size"] == want["block_size"] and r["mfu"]
+        assert r["params"] == want["params"]  # FSDP's DTensors count the whole model
 
 
 def in_place_worker() -> dict:
