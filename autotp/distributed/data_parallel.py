@@ -29,8 +29,9 @@ class FSDPConfig:
 
     ``reshard_after_forward``: free each block's gathered parameters after its forward and gather them again
     for its backward (less memory, one more all-gather per block); False keeps them until the backward.
-    ``prefetch``: gather the next block's parameters while this one runs (forward), the previous one's while
-    this one's backward runs. ``param_dtype``/``reduce_dtype``: FSDP's mixed precision (e.g. bf16 compute
+    ``prefetch``: gather the next unit's parameters while this one runs (forward), the previous one's while
+    this one's backward runs (False: no explicit prefetching; FSDP2 still prefetches one unit in backward
+    by itself). ``param_dtype``/``reduce_dtype``: FSDP's mixed precision (e.g. bf16 compute
     with fp32 gradient reduction; the sharded master weights stay in their own dtype). ``replicas``: HSDP
     with this many replica groups (1: plain FSDP). ``offload``: keep the sharded state on the CPU
     (``CPUOffloadPolicy``).
