@@ -135,21 +135,28 @@ def _kill(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
-@pytest.mark.slow
-def test_shard_two_nodes_on_loopback(tmp_path: Path) -> None:
-    import nanogpt
+def _free_ipv4_port() -> int:
+    """A port free on 127.0.0.1, the address both nodes are given: torch's ``get_free_port`` may pick one
+    free on another of localhost's addresses (::1), and then node 0's rendezvous store can hang both."""
+    import socket
 
-    from autotp.io.checkpoint import load_unsharded
-    from autotp.plan.plan import Plan
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
-    port, out = get_free_port(), tmp_path / "out"
+
+def _two_nodes(where: Path):
+    """``autotp shard`` as node 0 and node 1 on this host: (processes, logs, their text, which timed out,
+    the output folder)."""
+    where.mkdir()
+    port, out = _free_ipv4_port(), where / "out"
     env = {**os.environ, "COLUMNS": "200"}
     procs, logs = [], []
     for node in (0, 1):
         cmd = [sys.executable, "-m", "autotp.cli.main", "shard", NANOGPT, "--tp", str(TP), "--steps", "2",
                "--nnodes", "2", "--node-rank", str(node), "--master-addr", "127.0.0.1",
                "--master-port", str(port), "--out", str(out)]
-        logs.append(tmp_path / f"node{node}.log")
+        logs.append(where / f"node{node}.log")
         with open(logs[-1], "w") as log:
             procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
                                           start_new_session=True))
@@ -163,7 +170,22 @@ def test_shard_two_nodes_on_loopback(tmp_path: Path) -> None:
         timed_out = [p.poll() is None for p in procs]
         for proc in procs:
             _kill(proc)
-    text = [log.read_text() for log in logs]
+    return procs, logs, [log.read_text() for log in logs], timed_out, out
+
+
+@pytest.mark.slow
+def test_shard_two_nodes_on_loopback(tmp_path: Path) -> None:
+    import nanogpt
+
+    from autotp.io.checkpoint import load_unsharded
+    from autotp.plan.plan import Plan
+
+    # two launchers rendezvousing on one host at the same instant at times both wait forever (seen about one
+    # run in three, nothing printed by either): one more attempt on a fresh port before failing
+    for attempt in range(2):
+        procs, logs, text, timed_out, out = _two_nodes(tmp_path / f"attempt{attempt}")
+        if not all(timed_out) or any(text):
+            break
     shown = "\n".join(f"--- node {n} ---\n{t}" for n, t in enumerate(text))
     assert not any(timed_out), f"not finished within {TWO_NODE_TIMEOUT_S} s\n{shown}"
     assert [p.returncode for p in procs] == [0, 0], shown
