@@ -63,3 +63,8 @@ class RankFailedError(AutotpError, RuntimeError):
     def __init__(self, rank: int, exitcode: int, message: str, traceback: str = ""):
         self.rank, self.exitcode, self.message, self.traceback = rank, exitcode, message, traceback
         super().__init__(f"rank {rank} failed (exit code {exitcode}): {message}")
+
+
+class PipelineError(AutotpError, ValueError):
+    """The pipeline cannot be arranged as asked: more stages than blocks, a split point that is no block,
+    micro-batches that do not divide the batch, a schedule that needs another number of stages per rank."""

@@ -19,6 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from autotp.capture.structure import Spec
 from autotp.distributed.data_parallel import FSDPConfig
 from autotp.plan.plan import ParamShard, Plan, ShardedInput
+from autotp.plan.stages import StageRequest
 from autotp.runtime.rng import RegionRNG
 
 __all__ = ["Captured", "TPState", "attach_state", "detach_state", "find_tp_state", "tp_state"]
@@ -66,6 +67,8 @@ class TPState:
     mesh: DeviceMesh | None = None  # with fsdp: the device mesh of the dp and tp dims
     fsdp: FSDPConfig | None = None  # sharded data parallelism over the mesh's dp dim(s)
     units: tuple[str, ...] | None = None  # with fsdp: the blocks FSDP gathers one at a time, once applied
+    pipeline: StageRequest | None = None  # pipelined: every graph is cut into these stages
+    dropped: frozenset[str] = frozenset()  # pipelined: parameters of other ranks' stages (meta here)
 
     @property
     def plan(self) -> Plan:

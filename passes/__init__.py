@@ -19,6 +19,7 @@ from autotp.passes.sequence_grads import sequence_grads
 from autotp.passes.sequence_split import sequence_split
 from autotp.passes.sharded_stats import sharded_stats
 from autotp.passes.slice_replicated import slice_replicated
+from autotp.passes.split_stages import split_stages
 from autotp.passes.split_units import split_units
 from autotp.passes.row_bias import row_bias_after_reduce
 from autotp.passes.vocab_embedding import vocab_embedding
@@ -53,5 +54,5 @@ def run_passes(gm: fx.GraphModule, plan: Plan, passes: Sequence[Pass] = DEFAULT_
 
 __all__ = ["DEFAULT_PASSES", "PassError", "expert_parallel", "gather_outputs", "insert_collectives", "local_inputs", "region_rng",
            "rewrite_constants", "row_bias_after_reduce", "run_passes", "sequence_grads", "sequence_split",
-           "sharded_stats", "slice_replicated", "split_units",
+           "sharded_stats", "slice_replicated", "split_stages", "split_units",
            "vocab_embedding", "vocab_loss", "vocab_output"]

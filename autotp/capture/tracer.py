@@ -87,11 +87,13 @@ def stand_ins(tensors: dict[str, torch.Tensor], device: torch.device) -> dict[st
 
 def capture(model: nn.Module, args: tuple, kwargs: dict, *, forward: Callable | None = None,
             params: dict[str, torch.Tensor] | None = None,
-            device: torch.device | None = None) -> tuple[fx.GraphModule, Spec]:
+            device: torch.device | None = None, static: bool = False) -> tuple[fx.GraphModule, Spec]:
     """Export ``model``'s call on ``(args, kwargs)``; returns the graph (flat tensor outputs) and the
     output structure. ``forward`` replaces the model's own forward for the export (default: the class's);
     ``params`` swaps in tensors for named parameters or buffers while exporting (full-size stand-ins for
-    shards); ``device``: where the graph will run (factory calls are moved there), default the capture's.
+    shards); ``device``: where the graph will run (factory calls are moved there), default the capture's;
+    ``static``: every size as given (a pipeline stage sends and receives tensors of fixed shapes), not
+    ``Dim.AUTO``.
 
     The model's device decides the capture: meta models are captured on meta inputs; a graph that then
     holds a constant whose value a meta capture loses (``x[:, [-1]]`` builds one from Python data) is
@@ -99,13 +101,13 @@ def capture(model: nn.Module, args: tuple, kwargs: dict, *, forward: Callable | 
     """
     forward = forward or type(model).forward.__get__(model)
     source = _model_device(model, params)
-    gm, spec = _export_on(model, forward, args, kwargs, params, source)
+    gm, spec = _export_on(model, forward, args, kwargs, params, source, static)
     if source.type == "meta" and _meta_constants(gm):
         cpu = torch.device("cpu")
         state = {**dict(model.named_parameters(remove_duplicate=False)),
                  **{n: b for n, b in model.named_buffers(remove_duplicate=False) if b.is_meta}, **(params or {})}
         try:
-            gm, spec = _export_on(model, forward, args, kwargs, stand_ins(state, cpu), cpu)
+            gm, spec = _export_on(model, forward, args, kwargs, stand_ins(state, cpu), cpu, static)
             source = cpu
         except CaptureError:
             pass  # the meta constants are the model's own meta tensor attributes: the meta graph is all there is
@@ -121,7 +123,8 @@ def _model_device(model: nn.Module, params: dict[str, torch.Tensor] | None) -> t
 
 
 def _export_on(model: nn.Module, forward: Callable, args: tuple, kwargs: dict,
-               params: dict[str, torch.Tensor] | None, device: torch.device) -> tuple[fx.GraphModule, Spec]:
+               params: dict[str, torch.Tensor] | None, device: torch.device,
+               static: bool = False) -> tuple[fx.GraphModule, Spec]:
     def place(x: torch.Tensor) -> torch.Tensor:
         # export reads shapes, not values: a tensor elsewhere, or a gathered-on-use output fed back (a KV
         # cache, which reading would gather), is replaced by an uninitialised plain tensor of its shape
@@ -136,7 +139,7 @@ def _export_on(model: nn.Module, forward: Callable, args: tuple, kwargs: dict,
     training = [m.training for m in model.modules()]
     try:
         with swap, _as_flat_forward(model, forward, in_spec, box):
-            gm = _export(model, tensors, forward)
+            gm = _export(model, tensors, forward, static)
     finally:
         for m, t in zip(model.modules(), training):
             m.training = t
@@ -157,12 +160,13 @@ def _meta_constants(gm: fx.GraphModule) -> list[str]:
     return found
 
 
-def _export(model: nn.Module, tensors: list[torch.Tensor], forward: Callable) -> fx.GraphModule:
+def _export(model: nn.Module, tensors: list[torch.Tensor], forward: Callable, static: bool = False) -> fx.GraphModule:
     quiet = logging.getLogger("torch")
     level = quiet.level
     quiet.setLevel(logging.CRITICAL)  # a failed export logs its whole graph; the CaptureError says what matters
     name = getattr(forward, "__qualname__", f"{type(model).__name__}.forward")
-    dynamic = tuple({i: Dim.AUTO for i in range(t.dim())} for t in tensors)  # forward(*tensors): one bundle
+    # forward(*tensors): one bundle
+    dynamic = tuple({i: Dim.STATIC if static else Dim.AUTO for i in range(t.dim())} for t in tensors)
     try:
         # export prints the partial graph of a failed trace; the CaptureError below says what matters
         with torch.no_grad(), contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):

@@ -82,12 +82,15 @@ def swap_tensors(model: nn.Module, kind: Literal["parameters", "buffers"],
     return sum(new is not None for _, new in made.values())
 
 
-def allocate_meta(model: nn.Module, device: torch.device) -> tuple[str, ...]:
+def allocate_meta(model: nn.Module, device: torch.device, keep: frozenset[str] = frozenset()) -> tuple[str, ...]:
     """Give every parameter still on meta (the replicated ones of a meta model) an uninitialised tensor
     of its full size on ``device``, ties kept; move such a model's real buffers to ``device``. Returns
-    the names of buffers still on meta (a model built wholly on meta: they must come from a checkpoint)."""
+    the names of buffers still on meta (a model built wholly on meta: they must come from a checkpoint).
+    Parameters named in ``keep`` stay on meta (other pipeline stages' parameters)."""
+    kept = {id(p) for n, p in model.named_parameters(remove_duplicate=False) if n in keep}
+
     def allocate(p: torch.Tensor) -> torch.Tensor | None:
-        if not p.is_meta:
+        if not p.is_meta or id(p) in kept:
             return None
         return nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device), requires_grad=p.requires_grad)
 

@@ -27,16 +27,18 @@ from autotp.runtime.collectives import all_reduce, bind_collectives
 from autotp.parallel.data import check_same_inputs
 from autotp.io.empty import allocate_meta, check_materialized, empty_shard, swap_tensors
 from autotp.capture.modelfile import default_example as _default_example
-from autotp.errors import ProcessGroupError, ShardingError
+from autotp.errors import PipelineError, ProcessGroupError, ShardingError
 from autotp.runtime.gathered import GatheredOnUse, bind_outputs
 from autotp.parallel.grads import mark_sharded_grad, norm_info
 from autotp.distributed.data_parallel import FSDPConfig
 from autotp.passes import PassError, run_passes
+from autotp.passes.split_stages import split_stages
 from autotp.passes.split_units import split_units
 from autotp.parallel.fsdp import apply_fsdp, check_fsdp_plan, fsdp_hooks_off
 from autotp.runtime.units import bind_pieces
 from autotp.plan.plan import ParamShard, Plan, ShardedInput
 from autotp.plan.planner import fused_segments, make_plan
+from autotp.plan.stages import StageRequest
 from autotp.runtime.rng import SEED_OFFSET, RegionRNG, bind_rng
 from autotp.shard_spec import local_indices, local_pieces, shard_tensor
 from autotp.runtime.vocab_ops import bind_vocab
@@ -103,6 +105,11 @@ class TPModule(nn.Module):
 
     def forward(self, *args, **kwargs):
         st = tp_state(self)
+        if st.pipeline is not None:
+            raise ShardingError(f"{type(self).__name__} is cut into pipeline stages: this rank holds only its own "
+                                "stages' parameters, so the whole forward cannot run here",
+                                hint="train with pipe.step(...) and evaluate with pipe.eval_step(...) of the "
+                                     "autotp.pipeline(...) that cut it")
         if st.unloaded:
             check_materialized(st.unloaded)
         key = call_key(args, kwargs, self.training)
@@ -164,7 +171,9 @@ def _user_forward(model: nn.Module, st: TPState) -> Callable:
 
 def _plan(model: nn.Module, st: TPState, gm: fx.GraphModule, sequence_parallel: bool) -> Plan:
     plan = make_plan(gm, st.tp, st.vocab_multiple, sequence_parallel=sequence_parallel,
-                     expert_parallel=st.expert_parallel)
+                     expert_parallel=st.expert_parallel, stages=st.pipeline if not st.graphs else None)
+    if st.pipeline is not None and st.graphs:  # a later call signature runs the first one's stages
+        plan = dataclasses.replace(plan, stages=st.plan.stages)
     for module, reason in plan.experts_kept:
         if ("experts", module) not in st.warned:
             st.warned.add(("experts", module))
@@ -209,12 +218,13 @@ def _build(model: nn.Module, st: TPState, args: tuple, kwargs: dict, key: Hashab
     swap = None
     # built on meta (autotp.empty_weights): no weights allocated yet
     empty = {n: p for n, p in model.named_parameters(remove_duplicate=False) if p.is_meta}
+    fresh = [n for n in empty if n not in st.dropped]  # not the other stages' parameters a pipeline dropped
     if st.full or empty:
         # the model holds shards (or no weights) now: export sees full-size stand-ins for them; on the CPU
         # unless some buffer has no values (a model built wholly on meta)
         on_cpu = st.device.type == "cpu" and not any(b.is_meta for b in model.buffers())
         where = st.device if on_cpu else torch.device("meta")
-        swap = stand_ins({**st.full, **empty}, where)
+        swap = stand_ins({**empty, **st.full}, where)  # full-size: a dropped shard's too
         if where.type == "meta":
             swap.update(stand_ins({n: t for n, t in model.named_parameters(remove_duplicate=False)
                                    if n not in swap}, where))
@@ -222,7 +232,8 @@ def _build(model: nn.Module, st: TPState, args: tuple, kwargs: dict, key: Hashab
     # once FSDP shards the model, its hooks would gather parameters inside the export: it sees stand-ins
     hooks_off = fsdp_hooks_off(model) if st.units is not None else contextlib.nullcontext()
     with hooks_off:
-        gm, spec = capture(model, args, kwargs, forward=_user_forward(model, st), params=swap, device=st.device)
+        gm, spec = capture(model, args, kwargs, forward=_user_forward(model, st), params=swap, device=st.device,
+                           static=st.pipeline is not None)
     accepts = input_guard(gm)  # before the passes give sharded inputs their local shapes
     plan = _plan(model, st, gm, st.sequence_parallel if sequence_parallel is None else sequence_parallel)
     if st.tp == 1 and not st.graphs:
@@ -233,11 +244,13 @@ def _build(model: nn.Module, st: TPState, args: tuple, kwargs: dict, key: Hashab
     gm = run_passes(gm, plan)
     if st.fsdp is not None:
         gm, plan = _split_units(gm, plan, st)
+    if st.pipeline is not None:
+        gm = _split_stages(gm, plan)
     if not st.shards and (plan.params or plan.buffers):
         _shard_in_place(model, st, plan)
         _shard_buffers_in_place(model, st, plan)
     # a model built on meta holds uninitialised memory until a load fills it: every name it had on meta
-    st.unloaded = tuple(dict.fromkeys([*st.unloaded, *empty, *allocate_meta(model, st.device)]))
+    st.unloaded = tuple(dict.fromkeys([*st.unloaded, *fresh, *allocate_meta(model, st.device, keep=st.dropped)]))
     if st.fsdp is not None and st.units is None:
         apply_fsdp(model, st, plan)  # on allocated shards: FSDP keeps the tensors it is given
     return _finish(model, st, gm, spec, key, plan, accepts)
@@ -262,6 +275,19 @@ def _split_units(gm: fx.GraphModule, plan: Plan, st: TPState) -> tuple[fx.GraphM
         path, _, leaf = name.rpartition(".")
         (gm.get_submodule(path) if path else gm)._parameters.pop(leaf, None)
     return top, plan
+
+
+def _split_stages(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
+    """The graph cut into one piece per pipeline stage, each reading the model's parameters when it runs."""
+    try:
+        top = run_passes(gm, plan, (split_stages,))
+    except PassError as e:
+        raise PipelineError(f"the graph cannot be cut into pipeline stages at the blocks "
+                            f"{', '.join(s.blocks[0] for s in plan.stages)}: {e.__cause__}") from e
+    for name, _ in list(gm.named_parameters(remove_duplicate=False)):
+        path, _, leaf = name.rpartition(".")
+        (gm.get_submodule(path) if path else gm)._parameters.pop(leaf, None)
+    return top
 
 
 def _by_id(named, own: dict[str, ParamShard]) -> tuple[dict[int, ParamShard], dict[int, list[str]]]:
@@ -444,6 +470,18 @@ def parallelize(model: nn.Module, *, tp_group: dist.ProcessGroup | None = None, 
     planned on meta; only this rank's shards and the replicated parameters are allocated, uninitialised,
     on ``device`` (default: this rank's GPU under nccl, else the CPU), for :func:`autotp.load_weights`.
     """
+    return parallelize_state(model, tp_group=tp_group, example_inputs=example_inputs, vocab_multiple=vocab_multiple,
+                             compile=compile, check_inputs=check_inputs, sequence_parallel=sequence_parallel,
+                             expert_parallel=expert_parallel, device=device, fsdp=fsdp, mesh=mesh)
+
+
+def parallelize_state(model: nn.Module, *, tp_group: dist.ProcessGroup | None = None, example_inputs: object = None,
+                      vocab_multiple: int = 1, compile: bool = False, check_inputs: bool = False,
+                      sequence_parallel: bool = False, expert_parallel: bool = False,
+                      device: torch.device | str | None = None, fsdp: bool | FSDPConfig | None = None,
+                      mesh: DeviceMesh | None = None, pipeline: StageRequest | None = None) -> nn.Module:
+    """:func:`parallelize`, and for :func:`autotp.parallel.pipeline.pipeline` every graph cut into the
+    stages ``pipeline`` asks for (captured with static shapes)."""
     if (known := find_tp_state(model)) is not None:
         raise ShardingError(f"{type(model).__name__} is already parallelized (tp={known.tp})")
     config = _fsdp_config(fsdp)
@@ -456,7 +494,7 @@ def parallelize(model: nn.Module, *, tp_group: dist.ProcessGroup | None = None, 
     st = TPState(group, tp, rank, device, type(model), model.__dict__.get("forward"), vocab_multiple, compile,
                  check_inputs, sequence_parallel, RegionRNG(torch.initial_seed() + SEED_OFFSET + rank, device) if tp > 1 else None,
                  expert_parallel)
-    st.mesh, st.fsdp = mesh, config
+    st.mesh, st.fsdp, st.pipeline = mesh, config, pipeline
     args, kwargs = _split_example(example_inputs, _user_forward(model, st))
     training = model.training
     _swap_class(model)

@@ -16,10 +16,11 @@ from autotp.analysis.ops import Rewrite
 from autotp.shard_spec import (Segment, VocabLayout, local_pieces, shard_tensor, unshard_tensor, vocab_shard,
                                vocab_unshard)
 
-PLAN_VERSION = 9
-_READS = (1, 2, 3, 4, 5, 6, 7, 8, 9)  # 1: no gathered outputs or sharded inputs, 2: no statistics, 3: no sequence
+PLAN_VERSION = 10
+_READS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10)  # 1: no gathered outputs or sharded inputs, 2: no statistics, 3: no sequence
 # parallelism or grouped segments, 4: no collective dtypes, 5: no list of the weights left whole, 6: no expert
-# parallelism, 7: no column forms or reduction arguments of statistics (read only for their shards), 8: no units
+# parallelism, 7: no column forms or reduction arguments of statistics (read only for their shards), 8: no units,
+# 9: no pipeline stages
 # the module the one gradient all-reduce of parameters applied to sequence slices is reported under
 SEQ_PARAMS = "(sequence-parallel parameters)"
 
@@ -323,6 +324,18 @@ class Unit:
 
 
 @dataclass(frozen=True)
+class Stage:
+    """One pipeline stage (``autotp.plan.stages``): the blocks it runs, in order, every parameter it reads (a
+    tied embedding in the first and the last stage), and its forward FLOPs and parameter bytes per rank at
+    the captured shapes. The first stage also runs the code before the blocks, the last the code after."""
+
+    blocks: tuple[str, ...]
+    params: tuple[str, ...] = ()
+    flops: int = 0
+    param_bytes: int = 0
+
+
+@dataclass(frozen=True)
 class Plan:
     tp: int
     params: tuple[tuple[str, ParamShard], ...] = ()
@@ -346,6 +359,7 @@ class Plan:
     # the column matmuls and LM heads a column group can fuse (a column that is absent keeps its own matmul)
     column_forms: tuple[ColumnForm, ...] = ()
     units: tuple[Unit, ...] = ()  # the repeated blocks, in the order the graph runs them
+    stages: tuple[Stage, ...] = ()  # pipeline stages, in order (empty without pipelining)
     version: int = field(default=PLAN_VERSION)
 
     def param(self, name: str) -> ParamShard | None:
@@ -409,7 +423,9 @@ class Plan:
                    tuple(tuple(x) for x in d.get("experts_kept", ())),
                    tuple(ColumnForm(**x) for x in d.get("column_forms", ())),
                    tuple(Unit(u["module"], tuple(u["params"]), u.get("kind", "block"), tuple(u.get("modules", ())))
-                         for u in d.get("units", ())), PLAN_VERSION)
+                         for u in d.get("units", ())),
+                   tuple(Stage(tuple(x["blocks"]), tuple(x.get("params", ())), x.get("flops", 0),
+                               x.get("param_bytes", 0)) for x in d.get("stages", ())), PLAN_VERSION)
 
     @classmethod
     def from_json(cls, text: str) -> Plan:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 import torch.fx as fx
@@ -17,6 +18,7 @@ from autotp.plan.plan import (SEQ_PARAMS, Collective, ColumnForm, ExpertLayer, E
                               ShardedInput, Stat, Unit, VocabLoss, VocabPlan)
 from autotp.analysis.sequence import analyze_sequence
 from autotp.analysis.units import find_units
+from autotp.plan.stages import StageRequest, plan_stages
 from autotp.shard_spec import Segment, VocabLayout
 from autotp.analysis.vocab import VocabFacts, analyze_vocab
 
@@ -348,13 +350,28 @@ def check_expert_counts(experts: ExpertFacts, tp: int) -> None:
 
 
 def make_plan(gm: fx.GraphModule, tp: int, vocab_multiple: int = 1, sequence_parallel: bool = False,
-              expert_parallel: bool = False) -> Plan:
+              expert_parallel: bool = False, stages: StageRequest | None = None) -> Plan:
     """Analyze ``gm`` and plan its sharding for ``tp`` ranks (tp = 1 gives an empty plan).
 
     ``vocab_multiple``: round each rank's vocab rows up to this multiple (e.g. 64 on GPUs).
     ``sequence_parallel``: split the regions between the pairs along the sequence (Megatron-SP).
     ``expert_parallel``: E/tp whole experts per rank instead of 1/tp of every expert.
+    ``stages``: cut the blocks into this many pipeline stages (:mod:`autotp.plan.stages`).
     """
+    plan = _make_plan(gm, tp, vocab_multiple, sequence_parallel, expert_parallel)
+    if stages is None:
+        return plan
+    local = {name: math.prod(shard.local_shape) * _param(gm, name).element_size() for name, shard in plan.params}
+    return dataclasses.replace(plan, stages=plan_stages(gm, plan.units, stages, local))
+
+
+def _param(gm: fx.GraphModule, name: str):
+    path, _, leaf = name.rpartition(".")
+    return getattr(gm.get_submodule(path) if path else gm, leaf)
+
+
+def _make_plan(gm: fx.GraphModule, tp: int, vocab_multiple: int, sequence_parallel: bool,
+               expert_parallel: bool) -> Plan:
     units = tuple(Unit(u.module, u.params, u.kind, u.modules) for u in find_units(gm))
     if tp == 1:
         return Plan(tp=1, units=units)

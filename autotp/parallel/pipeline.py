@@ -1,0 +1,417 @@
+"""``autotp.pipeline``: pipeline stages cut from the captured graph, run by ``torch.distributed.pipelining``.
+
+The model is captured once at the micro-batch's shapes, sharded by its TP plan (:func:`parallelize_state`),
+and its rewritten graph cut at block boundaries into ``pp × v`` stages balanced by FLOPs
+(:mod:`autotp.plan.stages`, :func:`autotp.passes.split_stages`). Each rank keeps the stages the schedule
+places on it (stage s on pipeline rank s mod pp; the V schedules fold the second half back) and drops every
+other parameter (meta). torch's ``PipelineStage`` sends the values that cross a cut; a schedule by name
+(GPipe, 1F1B, Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble) runs the micro-batches.
+
+Megatron's layout (:mod:`autotp.distributed.layout`): TP inside a node, then DP, then PP. With dp > 1 each
+stage is wrapped in DDP over its data-parallel group (``PipelineStage`` defers its gradient all-reduce to
+the last micro-batch). A parameter read by stages on several pipeline ranks (an LM head tied to the token
+embedding: Megatron's embedding group) has its gradient summed over those ranks after each step, so its
+copies stay identical. Gradients are the mean over micro-batches (each micro-batch's loss a mean over its
+tokens), as one step on the whole batch gives.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.pipelining import PipelineStage, schedules
+
+from autotp.capture.modelfile import find_loss
+from autotp.capture.structure import call_key, flatten, unflatten
+from autotp.errors import PipelineError, ProcessGroupError
+from autotp.io.empty import swap_tensors
+from autotp.parallel.data import check_same_inputs
+from autotp.parallel.parallelize import _split_example, _user_forward, parallelize_state
+from autotp.plan.stages import StageRequest
+from autotp.runtime.stages import StageModule, StageWiring, input_name, wire_stages
+from autotp.runtime.units import PieceCall
+from autotp.state import Captured, tp_state
+
+
+@dataclass(frozen=True)
+class ScheduleKind:
+    cls: type
+    placement: str  # "single": one stage per rank; "loop": stage s on rank s mod pp; "v": V-shaped, 2 per rank
+
+
+SCHEDULES: dict[str, ScheduleKind] = {
+    "GPipe": ScheduleKind(schedules.ScheduleGPipe, "single"),
+    "1F1B": ScheduleKind(schedules.Schedule1F1B, "single"),
+    "Interleaved1F1B": ScheduleKind(schedules.ScheduleInterleaved1F1B, "loop"),
+    "LoopedBFS": ScheduleKind(schedules.ScheduleLoopedBFS, "loop"),
+    "InterleavedZeroBubble": ScheduleKind(schedules.ScheduleInterleavedZeroBubble, "loop"),
+    "ZBVZeroBubble": ScheduleKind(schedules.ScheduleZBVZeroBubble, "v"),
+}
+
+
+def schedule_kind(name: str) -> tuple[str, ScheduleKind]:
+    """The schedule of ``name`` (any case), or PipelineError listing the known ones."""
+    found = {k.lower(): k for k in SCHEDULES}.get(name.lower())
+    if found is None:
+        raise PipelineError(f"unknown pipeline schedule {name!r}", hint=f"use one of {', '.join(SCHEDULES)}")
+    return found, SCHEDULES[found]
+
+
+def check_pipeline(pp: int, schedule: str, virtual_stages: int | None, microbatches: int,
+                   batch: int | None = None) -> tuple[str, int]:
+    """Validate the pipeline's sizes before any rank works; returns the schedule's name and v."""
+    name, kind = schedule_kind(schedule)
+    v = virtual_stages if virtual_stages is not None else (1 if kind.placement == "single" else 2)
+    for what, value in (("pp", pp), ("microbatches", microbatches), ("virtual_stages", v)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise PipelineError(f"{what} must be an integer >= 1, got {value!r}")
+    if kind.placement == "single" and v != 1:
+        raise PipelineError(f"schedule {name} runs one stage per rank, and virtual_stages is {v}",
+                            hint="use Interleaved1F1B, LoopedBFS or InterleavedZeroBubble for several stages "
+                                 "per rank, or virtual_stages 1")
+    if kind.placement == "loop" and v < 2:
+        raise PipelineError(f"schedule {name} interleaves several stages per rank, and virtual_stages is {v}",
+                            hint="use virtual_stages >= 2, or GPipe / 1F1B for one stage per rank")
+    if kind.placement == "v" and v != 2:
+        raise PipelineError(f"schedule {name} places exactly 2 stages per rank (a V), and virtual_stages is {v}",
+                            hint="use virtual_stages 2")
+    if name in ("1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble") and microbatches < pp:
+        raise PipelineError(f"schedule {name} needs at least as many micro-batches as pipeline ranks: "
+                            f"microbatches {microbatches} < pp {pp}", hint=f"use microbatches >= {pp}")
+    if batch is not None and batch % microbatches:
+        raise PipelineError(f"{microbatches} micro-batches do not divide the batch of {batch}",
+                            hint=f"use a number of micro-batches that divides {batch}")
+    return name, v
+
+
+def stage_ranks(pp: int, count: int, placement: str) -> list[int]:
+    """The pipeline rank of each of ``count`` stages."""
+    if placement == "v":
+        return [s if s < pp else 2 * pp - 1 - s for s in range(count)]
+    return [s % pp for s in range(count)]
+
+
+@dataclass(frozen=True)
+class _Whole:
+    """A step input that is not cut into micro-batches (no batch dim): every micro-batch gets all of it."""
+
+    tensor: torch.Tensor
+
+
+def _batch_size(flat: list[torch.Tensor]) -> int:
+    first = next((t for t in flat if t.dim() > 0), None)
+    if first is None:
+        raise PipelineError("a pipeline step needs a batched tensor input to cut into micro-batches; "
+                            "every input is a scalar")
+    return first.shape[0]
+
+
+def _microbatch(flat: list[torch.Tensor], m: int) -> list[torch.Tensor]:
+    """The first of ``m`` micro-batches of ``flat`` (tensors whose dim 0 is the batch are cut)."""
+    b = _batch_size(flat)
+    return [t.narrow(0, 0, b // m) if t.dim() > 0 and t.shape[0] == b else t for t in flat]
+
+
+def _loss_index(c: Captured) -> int:
+    """Which flat output of the graph is the loss (as :func:`find_loss` reads the model's output)."""
+    outs = next(n for n in c.module.graph.nodes if n.op == "output").args[0]
+    outs = outs if isinstance(outs, (tuple, list)) else (outs,)
+    marks = []
+    for node in outs:
+        val = node.meta.get("val") if hasattr(node, "meta") else None
+        marks.append(torch.empty((1,) * (val.dim() if isinstance(val, torch.Tensor) else 0), device="meta"))
+    loss = find_loss(unflatten(marks, c.out))
+    if loss is None:
+        raise PipelineError("the model's output carries no loss (looked for out.loss, out['loss'] and a 0-dim "
+                            "tensor last in a tuple): the last pipeline stage must end in the loss",
+                            hint="give example_inputs (and each step) the targets the forward computes the loss from")
+    return next(i for i, t in enumerate(marks) if t is loss)
+
+
+def _resolve_mesh(mesh: DeviceMesh | None, pp: int | None, tp: int | None) -> DeviceMesh:
+    if mesh is None:
+        from autotp.distributed.launch import current_mesh, init_distributed
+
+        mesh = current_mesh()  # under `autotp run`: the layout's (pp, dp, tp) mesh
+        if mesh is None:
+            if pp is None:
+                raise ProcessGroupError("autotp.pipeline needs the pipeline size: pass pp=... (and tp=...), a "
+                                        "(pp, dp, tp) device mesh, or start the script with `autotp run --pp P`")
+            mesh = init_distributed(tp or 1, pp=pp).mesh
+    names = mesh.mesh_dim_names or ()
+    if "pp" not in names or "tp" not in names:
+        raise ProcessGroupError(f"the device mesh has dims {names}; a pipeline needs 'pp' and 'tp' (and 'dp')",
+                                hint="build it as init_device_mesh(device, (pp, dp, tp), "
+                                     "mesh_dim_names=('pp', 'dp', 'tp'))")
+    if pp is not None and mesh.size(names.index("pp")) != pp:
+        raise PipelineError(f"pp={pp}, but the device mesh has {mesh.size(names.index('pp'))} pipeline ranks")
+    return mesh
+
+
+class Pipeline:
+    """A pipelined model's training step. ``step(*args, **kwargs)``: the model's own call (inputs and
+    targets) on the whole batch, on every rank; returns the loss (the mean over micro-batches) on every rank.
+    ``parameters()``: this rank's stages' parameters, for the optimizer."""
+
+    def __init__(self, model: nn.Module, mesh: DeviceMesh, schedule: str, v: int, microbatches: int,
+                 captured: Captured, key, stage_modules: list[StageModule], indices: list[int], count: int,
+                 tied: list[tuple[nn.Parameter, dist.ProcessGroup]], first_inputs: dict[str, object]):
+        self.model = model
+        self.mesh = mesh
+        self.schedule_name = schedule
+        self.virtual_stages = v
+        self.microbatches = microbatches
+        self.stage_indices = tuple(indices)
+        self.num_stages = count
+        self.modules = stage_modules
+        self._captured, self._key, self._tied = captured, key, tied
+        self._checked = False
+        names = mesh.mesh_dim_names
+        self.pp_group = mesh.get_group("pp")
+        self.pp = mesh.size(names.index("pp"))
+        self.dp = mesh.size(names.index("dp")) if "dp" in names else 1
+        device = tp_state(model).device
+        kind = SCHEDULES[schedule]
+        ranks = stage_ranks(self.pp, count, kind.placement)
+        metas = _probe(model, dict(zip(indices, stage_modules)), ranks, self.pp_group, first_inputs)
+        wrapped = [self._data_parallel(m) for m in stage_modules]
+        self.stages = [PipelineStage(m, s, count, device, input_args=metas[s][0], output_args=metas[s][1],
+                                     group=self.pp_group) for m, s in zip(wrapped, indices)]
+
+        def loss_fn(out: torch.Tensor, _index: torch.Tensor) -> torch.Tensor:
+            return out.sum()  # the last stage returns the micro-batch's loss, shape (1,); not a view (detach_)
+
+        if kind.placement == "single":
+            self.schedule = kind.cls(self.stages[0], microbatches, loss_fn=loss_fn)
+        else:
+            self.schedule = kind.cls(self.stages, microbatches, loss_fn=loss_fn)
+        self.last_rank = ranks[count - 1]
+
+    def _data_parallel(self, module: StageModule) -> nn.Module:
+        if self.dp == 1:
+            return module
+        device = tp_state(self.model).device
+        return nn.parallel.DistributedDataParallel(
+            module, process_group=self.mesh.get_group("dp"),
+            device_ids=[device.index] if device.type == "cuda" else None)
+
+    def parameters(self):
+        """This rank's stages' parameters (each once)."""
+        seen: set[int] = set()
+        for m in self.modules:
+            for p in m.parameters():
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    yield p
+
+    def named_parameters(self):
+        """This rank's stages' parameters under the model's names (each once)."""
+        mine = {id(p) for p in self.parameters()}
+        for name, p in self.model.named_parameters():
+            if id(p) in mine:
+                yield name, p
+
+    def _inputs(self, args: tuple, kwargs: dict) -> dict[str, object]:
+        flat = flatten((args, kwargs))[0]
+        key = call_key(args, kwargs, self.model.training)
+        if key != self._key:
+            raise PipelineError("this step's inputs differ in structure, dtype or shape from example_inputs: the "
+                                "pipeline's stages send tensors of the shapes captured from them",
+                                hint="step with batches shaped like example_inputs (the same batch size and "
+                                     "sequence length), in the same train/eval mode")
+        st = tp_state(self.model)
+        if st.tp > 1 and not self._checked:
+            check_same_inputs(args, kwargs, st.group)
+            self._checked = True
+        b = _batch_size(flat)
+        if b % self.microbatches:
+            raise PipelineError(f"{self.microbatches} micro-batches do not divide the batch of {b}")
+        return {input_name(i): t if t.dim() > 0 and t.shape[0] == b else _Whole(t) for i, t in enumerate(flat)}
+
+    def _loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
+        device = tp_state(self.model).device
+        loss = torch.stack([x.detach().float() for x in losses]).mean() if losses else \
+            torch.zeros((), device=device)
+        ranks = dist.get_process_group_ranks(self.pp_group)
+        dist.broadcast(loss, src=ranks[self.last_rank], group=self.pp_group)
+        return loss
+
+    def step(self, *args, **kwargs) -> torch.Tensor:
+        """One forward and backward of the whole batch through the schedule; gradients accumulate into
+        ``parameters()`` (the micro-batches' mean). Returns the loss on every rank."""
+        inputs = self._inputs(args, kwargs)
+        losses: list[torch.Tensor] = []
+        # the schedule's loss_fn takes a target per micro-batch; the loss is the stage's own output
+        index = torch.arange(self.microbatches, device=tp_state(self.model).device)
+        self.schedule.step(target=index, losses=losses, return_outputs=False, **inputs)
+        for p, group in self._tied:  # Megatron's embedding group: the copies of a tied weight get one gradient
+            if p.grad is not None:
+                dist.all_reduce(p.grad, group=group)
+        return self._loss(losses)
+
+    @torch.no_grad()
+    def eval_step(self, *args, **kwargs) -> torch.Tensor:
+        """The loss of the whole batch, forward only (no gradients), on every rank."""
+        if SCHEDULES[self.schedule_name].placement == "v":
+            raise PipelineError(f"{self.schedule_name} cannot run forward only: torch's V schedules hand the "
+                                "backward between a rank's two stages even in eval",
+                                hint="evaluate with the training step's loss, or pipeline with Interleaved1F1B")
+        inputs = self._inputs(args, kwargs)
+        losses: list[torch.Tensor] = []
+        index = torch.arange(self.microbatches, device=tp_state(self.model).device)
+        self.schedule.eval(target=index, losses=losses, **inputs)
+        return self._loss(losses)
+
+
+def pipeline(model: nn.Module, *, example_inputs: object, microbatches: int, schedule: str = "1F1B",
+             virtual_stages: int | None = None, split_points: list[str] | tuple[str, ...] | None = None,
+             pp: int | None = None, tp: int | None = None, mesh: DeviceMesh | None = None,
+             vocab_multiple: int = 1, device: torch.device | str | None = None) -> Pipeline:
+    """Cut ``model`` into ``pp × virtual_stages`` pipeline stages, each sharded by autotp's TP plan, and return
+    the :class:`Pipeline` that trains it.
+
+    ``example_inputs``: a whole batch as each step will get it (the model's own call: inputs and targets,
+    a tuple of args, a dict of kwargs, or ``(args, kwargs)``); the stages are captured at its micro-batch
+    shapes. ``schedule``: GPipe, 1F1B, Interleaved1F1B, LoopedBFS, InterleavedZeroBubble or ZBVZeroBubble;
+    ``virtual_stages`` default 1 (2 for the interleaved and V schedules). ``split_points``: the blocks that
+    start stages 1, 2, ... (default: balanced by FLOPs). ``mesh``: a (pp, dp, tp) device mesh, default the
+    layout's under ``autotp run``, else one made from ``pp`` and ``tp`` (dp the rest of the world).
+
+    The model keeps its class and names; its parameters become this rank's TP shards of its own stages
+    (those of other ranks' stages go to the meta device), and calling it directly is refused.
+    """
+    mesh = _resolve_mesh(mesh, pp, tp)
+    names = mesh.mesh_dim_names
+    pp = mesh.size(names.index("pp"))
+    args, kwargs = _split_example(example_inputs, model.forward)
+    flat, in_spec = flatten((args, kwargs))
+    name, v = check_pipeline(pp, schedule, virtual_stages, microbatches, _batch_size(flat))
+    kind = SCHEDULES[name]
+    count = pp * v
+    micro_args, micro_kwargs = unflatten(_microbatch(flat, microbatches), in_spec)
+    request = StageRequest(count, tuple(split_points or ()))
+    parallelize_state(model, tp_group=mesh.get_group("tp"), example_inputs=(tuple(micro_args), dict(micro_kwargs)),
+                      vocab_multiple=vocab_multiple, device=device, fsdp=False, pipeline=request)
+    st = tp_state(model)
+    key = call_key(args, kwargs, model.training)
+    micro_key = call_key(tuple(micro_args), dict(micro_kwargs), model.training)
+    captured = st.graphs[micro_key]
+    wirings = wire_stages(captured.module, _loss_index(captured))
+    ranks = stage_ranks(pp, count, kind.placement)
+    me = mesh.get_local_rank("pp")
+    indices = [s for s in range(count) if ranks[s] == me]
+    by_name = dict(model.named_parameters(remove_duplicate=False))
+    reads = [_reads(captured.module, w) for w in wirings]
+    held = {id(by_name[n]) for s in indices for n in reads[s]}
+    modules = [StageModule(captured.module, wirings[s],
+                           _unique([by_name[n] for n in reads[s]]), s == count - 1) for s in indices]
+    _drop_others(model, held)
+    tied = _tied_groups(model, reads, ranks, me, mesh)
+    first = {input_name(i): t for i, t in enumerate(flatten((tuple(micro_args), dict(micro_kwargs)))[0])}
+    return Pipeline(model, mesh, name, v, microbatches, captured, key, modules, indices, count, tied, first)
+
+
+class _Meta(NamedTuple):
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    requires_grad: bool
+
+
+def _metas(values) -> list[_Meta]:
+    values = values if isinstance(values, tuple) else (values,)
+    return [_Meta(tuple(v.shape), v.dtype, v.requires_grad) for v in values]
+
+
+def _example(m: _Meta, device: torch.device | str) -> torch.Tensor:
+    t = torch.zeros(m.shape, dtype=m.dtype, device=device)
+    return t.requires_grad_(m.requires_grad) if t.is_floating_point() else t
+
+
+def _probe(model: nn.Module, mine: dict[int, StageModule], ranks: list[int], group: dist.ProcessGroup,
+           inputs: dict[str, object]) -> dict[int, tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]]:
+    """The shapes, dtypes and requires_grad of what each of this rank's stages receives and returns: one
+    forward of the first micro-batch through the stages in order, each rank sending the next the metadata of
+    what it returns. ``PipelineStage`` then runs static (its own inference would run a backward too, which
+    DDP's first-iteration bookkeeping counts). The random streams are restored afterwards."""
+    st = tp_state(model)
+    pp_ranks = dist.get_process_group_ranks(group)
+    me = dist.get_group_rank(group, dist.get_rank())
+    out: dict[int, tuple] = {}
+    local: list[_Meta] = []
+    region = st.rng.get_state() if st.rng is not None else None
+    devices = [st.device] if st.device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices), torch.enable_grad():
+        for s in sorted(mine):
+            if s == 0:
+                received: list[_Meta] = []
+            elif ranks[s - 1] == me:
+                received = local
+            else:
+                box: list = [None]
+                dist.recv_object_list(box, src=pp_ranks[ranks[s - 1]], group=group, device=st.device)
+                received = box[0]
+            result = _metas(mine[s](*(_example(m, st.device) for m in received), **inputs))
+            meta = "meta"
+            out[s] = (tuple(_example(m, meta) for m in received), tuple(_example(m, meta) for m in result))
+            if s + 1 < len(ranks) and ranks[s + 1] != me:
+                dist.send_object_list([result], dst=pp_ranks[ranks[s + 1]], group=group, device=st.device)
+            local = result
+    if region is not None:
+        st.rng.set_state(region)
+    return out
+
+
+def _reads(top: nn.Module, w: StageWiring) -> list[str]:
+    piece = top.get_submodule(w.piece)
+    assert isinstance(piece, PieceCall)
+    return [x for x in piece.layout if isinstance(x, str)]
+
+
+def _unique(params: list[nn.Parameter]) -> list[nn.Parameter]:
+    return list({id(p): p for p in params}.values())
+
+
+def _drop_others(model: nn.Module, held: set[int]) -> None:
+    """Every parameter no stage of this rank reads goes to the meta device (its memory freed)."""
+    st = tp_state(model)
+    dropped = {n for n, p in model.named_parameters(remove_duplicate=False) if id(p) not in held}
+
+    def meta(p: torch.Tensor) -> nn.Parameter | None:
+        if id(p) in held or p.is_meta:
+            return None
+        return nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"), requires_grad=p.requires_grad)
+
+    swap_tensors(model, "parameters", meta)
+    st.dropped = frozenset(dropped)
+
+
+def _tied_groups(model: nn.Module, reads: list[list[str]], ranks: list[int], me: int,
+                 mesh: DeviceMesh) -> list[tuple[nn.Parameter, dist.ProcessGroup]]:
+    """For each parameter this rank holds that stages on other pipeline ranks read too: the group of those
+    ranks (same tp and dp coordinates), whose gradients are summed after each step."""
+    names: dict[int, str] = {}
+    by_id: dict[int, nn.Parameter] = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), n)
+        by_id[id(p)] = p
+    params = dict(model.named_parameters(remove_duplicate=False))
+    where: dict[int, set[int]] = {}
+    for s, names_read in enumerate(reads):
+        for n in names_read:
+            where.setdefault(id(params[n]), set()).add(ranks[s])
+    pp_ranks = dist.get_process_group_ranks(mesh.get_group("pp"))
+    out = []
+    for pid in sorted((i for i, rs in where.items() if len(rs) > 1), key=lambda i: names[i]):
+        members = sorted(where[pid])
+        if me not in members:
+            continue
+        group = dist.new_group([pp_ranks[r] for r in members], use_local_synchronization=True)
+        out.append((by_id[pid], group))
+    return out
+
+
+__all__ = ["Pipeline", "SCHEDULES", "check_pipeline", "pipeline", "stage_ranks"]

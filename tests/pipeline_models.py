@@ -1,0 +1,31 @@
+"""Models for the pipeline tests: four blocks (so pp 2 × v 2 has a block per stage), loss in the forward."""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+
+def nanogpt(layers: int = 4) -> tuple[nn.Module, tuple, dict]:
+    from nanogpt import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=layers, dropout=0.0))
+    g = torch.Generator().manual_seed(1)
+    idx = torch.randint(0, 256, (8, 16), generator=g)
+    targets = torch.randint(0, 256, (8, 16), generator=g)
+    return model, (idx, targets), {}
+
+
+def llama(layers: int = 4) -> tuple[nn.Module, tuple, dict]:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, bos_token_id=0,
+                      eos_token_id=0, pad_token_id=0, loss_type="ForCausalLM", tie_word_embeddings=False)
+    model = LlamaForCausalLM(cfg)
+    ids = torch.randint(0, 128, (8, 16), generator=torch.Generator().manual_seed(1))
+    return model, (), {"input_ids": ids, "labels": ids, "use_cache": False}
+
+
+MODELS = {"nanogpt": nanogpt, "llama": llama}
