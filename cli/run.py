@@ -1,4 +1,4 @@
-"""``autotp run SCRIPT --tp N [--dp N] -- ARGS...``: start a training script on tp × dp ranks.
+"""``autotp run SCRIPT --tp N [--dp N] [--pp N] -- ARGS...``: start a training script on tp × dp × pp ranks.
 
 The script runs as ``python SCRIPT ARGS...`` under torch's elastic launcher, with ``AUTOTP_TP``,
 ``AUTOTP_DP``, ``AUTOTP_PP`` and ``AUTOTP_BACKEND`` set. Inside it::
@@ -9,7 +9,9 @@ The script runs as ``python SCRIPT ARGS...`` under torch's elastic launcher, wit
     # data parallelism: DistributedDataParallel(tpm, process_group=ctx.dp_group())
 
 With ``--fsdp`` (``--hsdp GROUPS``) a plain ``autotp.parallelize(model)`` shards over the layout's mesh with
-FSDP2 as well (no DDP then); build the optimizer after it.
+FSDP2 as well (no DDP then); build the optimizer after it. With ``--pp P``,
+``pipe = autotp.pipeline(model, example_inputs=batch, microbatches=M)`` cuts it into stages over the layout's
+pipeline ranks (``pipe.step(x, y)`` trains, ``pipe.parameters()`` for the optimizer).
 """
 from __future__ import annotations
 
@@ -27,7 +29,8 @@ from autotp.distributed.launch import LaunchError, LaunchSpec, RankFailedError, 
 
 # Shared by `autotp run` and `autotp shard`; typer reads these at registration time.
 TP = typer.Option(..., "--tp", help="Tensor-parallel size: ranks that share one model replica.")
-DP = typer.Option(1, "--dp", help="Data-parallel replicas per node (world = tp × dp × nnodes).")
+DP = typer.Option(1, "--dp", help="Data-parallel replicas per node (world = tp × dp × pp × nnodes).")
+PP = typer.Option(1, "--pp", help="Pipeline stages' ranks (outermost; Megatron's order tp, dp, pp).")
 NNODES = typer.Option(1, "--nnodes", help="Number of nodes; run the same command on each.")
 NODE_RANK = typer.Option(0, "--node-rank", help="This node's index in [0, nnodes); node 0 hosts the rendezvous.")
 MASTER_ADDR = typer.Option(None, "--master-addr", help="Address of node 0 (required with --nnodes > 1).")
@@ -66,10 +69,11 @@ def abort(message: str, debug: bool, code: int = 1, trace: str | None = None) ->
 
 def launch_spec(tp: int, dp: int, nnodes: int, node_rank: int, master_addr: str | None,
                 master_port: int | None, debug: bool, timeout: float | None = None, max_restarts: int = 0,
-                device: str = "auto", bind_cores: bool = True, fsdp: bool = False, hsdp: int = 1) -> LaunchSpec:
+                device: str = "auto", bind_cores: bool = True, fsdp: bool = False, hsdp: int = 1,
+                pp: int = 1) -> LaunchSpec:
 
     try:
-        return LaunchSpec(tp=tp, dp=dp, nnodes=nnodes, node_rank=node_rank,
+        return LaunchSpec(tp=tp, dp=dp, pp=pp, nnodes=nnodes, node_rank=node_rank,
                           master_addr=master_addr, master_port=master_port, timeout=timeout,
                           max_restarts=max_restarts, device=device, bind_cores=bind_cores, fsdp=fsdp, hsdp=hsdp)
     except LaunchError as exc:
@@ -89,6 +93,7 @@ def run(
     args: list[str] | None = typer.Argument(None, help="Arguments for the script, after `--`."),
     tp: int = TP,
     dp: int = DP,
+    pp: int = PP,
     nnodes: int = NNODES,
     node_rank: int = NODE_RANK,
     master_addr: str | None = MASTER_ADDR,
@@ -101,12 +106,12 @@ def run(
     hsdp: int = HSDP,
     debug: bool = DEBUG,
 ) -> None:
-    """Run SCRIPT on tp × dp ranks per node with torch's elastic launcher (c10d rendezvous)."""
+    """Run SCRIPT on tp × dp × pp ranks per node with torch's elastic launcher (c10d rendezvous)."""
 
     if not script.is_file():
         abort(f"script {script} does not exist", debug, code=USAGE_ERROR)
     spec = launch_spec(tp, dp, nnodes, node_rank, master_addr, master_port, debug, timeout, max_restarts, device,
-                       bind_cores, fsdp, hsdp)
+                       bind_cores, fsdp, hsdp, pp)
     try:
         launch(spec, sys.executable, str(script), *(args or []), quiet=not debug)
     except RankFailedError as exc:

@@ -36,6 +36,7 @@ import statistics
 from pathlib import Path
 
 import torch
+import torch.utils._pytree as pytree
 import typer
 from rich.console import Console
 from rich.markup import escape
@@ -43,10 +44,12 @@ from rich.table import Table
 
 from autotp.cli.common import USAGE_ERROR
 from autotp.cli.run import (BIND_CORES, DEBUG, DEVICE, DP, FSDP, HSDP, MASTER_ADDR, MASTER_PORT, MAX_RESTARTS, NNODES,
-                            NODE_RANK, TIMEOUT, TP, abort, launch_spec)
+                            NODE_RANK, PP, TIMEOUT, TP, abort, launch_spec)
 from autotp.cli.shard_worker import PARITY_TOL, ShardJob, ShardReport, _size, shard_worker
 from autotp.io.ckpt_io import check_resumable
-from autotp.errors import AutotpError, CaptureError
+from autotp.errors import AutotpError, CaptureError, PipelineError
+from autotp.parallel.pipeline import check_pipeline
+from autotp.plan.stages import StageRequest
 from autotp.distributed.launch import RankFailedError, launch
 from autotp.capture.modelfile import (DEFAULT_BATCH_SHAPE, ModelFile, ModelFileError, default_example,
                                      load_model_file, parse_spec, to_device)
@@ -79,13 +82,25 @@ def _eager_on_meta(mf: ModelFile, skeleton: torch.nn.Module, args: tuple, kwargs
                              hint=hint) from exc
 
 
+def _check_batch(mf: ModelFile, args: tuple, kwargs: dict, microbatches: int) -> None:
+    """Pipeline stages end in the loss: the batch must carry the targets and divide into the micro-batches."""
+    if mf.batch_fn is None:
+        raise ModelFileError("--pp: pipeline stages end in the loss, and the file defines no example_batch() to "
+                             "compute one from", hint="define example_batch() returning the inputs and the targets")
+    first = next((t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.dim() > 0), None)
+    if first is not None and first.shape[0] % microbatches:
+        raise PipelineError(f"--microbatches {microbatches} does not divide example_batch()'s batch of "
+                            f"{first.shape[0]}", hint=f"use a number of micro-batches that divides {first.shape[0]}")
+
+
 def preflight(mf: ModelFile, tp: int, weights: Path | None = None, sequence_parallel: bool = False,
-              expert_parallel: bool = False, fsdp: bool = False) -> None:
+              expert_parallel: bool = False, fsdp: bool = False, stages: tuple[int, int] | None = None) -> None:
     """Build the model on the meta device, capture the example batch and plan for ``tp``, in this process.
 
     Raises the :class:`AutotpError` a rank would raise (the factory's or forward's own message, a size ``tp``
     does not divide, ``weights`` whose names or shapes do not fit the model), before any rank starts. Failures that are not autotp's (a model that cannot be built or
-    traced on the meta device for reasons of its own) are left for the ranks to report.
+    traced on the meta device for reasons of its own) are left for the ranks to report. ``stages``: (pipeline
+    stages, micro-batches): the batch must divide into the micro-batches and the blocks into the stages.
     """
     from autotp.capture.tracer import capture
     from autotp.plan.planner import make_plan
@@ -101,6 +116,8 @@ def preflight(mf: ModelFile, tp: int, weights: Path | None = None, sequence_para
         check_weights(model, weights)  # headers and metadata only
     # only shapes matter to capture: the default batch's zeros stand for the ids the ranks will draw
     args, kwargs = mf.example_batch() if mf.batch_fn is not None else default_example(model.forward)
+    if stages is not None:
+        _check_batch(mf, args, kwargs, stages[1])
     try:
         gm, _ = capture(model, args, kwargs, device=torch.device("cpu"))  # export computes nothing
     except CaptureError:
@@ -112,7 +129,8 @@ def preflight(mf: ModelFile, tp: int, weights: Path | None = None, sequence_para
     except Exception:  # noqa: BLE001
         return
     try:
-        plan = make_plan(gm, tp, sequence_parallel=sequence_parallel, expert_parallel=expert_parallel)
+        plan = make_plan(gm, tp, sequence_parallel=sequence_parallel, expert_parallel=expert_parallel,
+                         stages=None if stages is None else StageRequest(stages[0]))
         if fsdp:
             from autotp.parallel.fsdp import check_fsdp_plan
 
@@ -128,18 +146,24 @@ def _ms(seconds: tuple[float, ...]) -> str:
 
 
 def render(report: ShardReport, console: Console) -> None:
-    ranks = Table(title=f"{escape(report.model)}: tp {report.tp} × dp {report.dp} ({report.backend})")
-    for col, justify in (("rank", "right"), ("tp", "right"), ("dp", "right"), ("parameters", "right"),
-                         ("of unsharded", "right"), ("step (median)", "right")):
+    pp = f" × pp {report.pp}" if report.pp > 1 else ""
+    ranks = Table(title=f"{escape(report.model)}: tp {report.tp} × dp {report.dp}{pp} ({report.backend})")
+    cols = (("rank", "right"), ("tp", "right"), ("dp", "right"), *((("pp", "right"),) if pp else ()),
+            ("parameters", "right"), ("of unsharded", "right"), ("step (median)", "right"))
+    for col, justify in cols:
         ranks.add_column(col, justify=justify)
     for r in report.ranks:
         share = f"{100 * r.param_bytes / report.unsharded_bytes:.0f}%" if report.unsharded_bytes else "-"
-        ranks.add_row(str(r.rank), str(r.tp_rank), str(r.dp_rank), _size(r.param_bytes), share, _ms(r.step_s))
+        ranks.add_row(str(r.rank), str(r.tp_rank), str(r.dp_rank), *((str(r.pp_rank),) if pp else ()),
+                      _size(r.param_bytes), share, _ms(r.step_s))
     console.print(ranks)
 
     summary = Table(show_header=False, title="summary")
     summary.add_column(style="bold")
     summary.add_column()
+    if report.pp > 1:
+        cuts = " | ".join(f"{b[0]} … {b[-1]}" if len(b) > 1 else b[0] for b in report.stages)
+        summary.add_row("pipeline", f"{escape(report.pipeline)}; stages: {escape(cuts)}")
     for direction in ("forward", "backward"):
         items = [f"{n} × {kind}" + (f"({op})" if op else "")
                  for d, kind, op, n in report.collectives if d == direction]
@@ -200,6 +224,13 @@ def shard(
                                 "optionally example_batch(); path.py:NAME names another factory."),
     tp: int = TP,
     dp: int = DP,
+    pp: int = PP,
+    schedule: str = typer.Option("1F1B", "--schedule", help="With --pp: the pipeline schedule (GPipe, 1F1B, "
+                                 "Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble)."),
+    microbatches: int | None = typer.Option(None, "--microbatches", help="With --pp: micro-batches per step "
+                                            "(default: pp); they must divide the batch."),
+    virtual_stages: int | None = typer.Option(None, "--virtual-stages", help="With --pp: stages per rank "
+                                              "(default 1; 2 for the interleaved and V schedules)."),
     steps: int = typer.Option(3, "--steps", help="AdamW training steps after the parity check."),
     lr: float = typer.Option(1e-3, "--lr", help="AdamW learning rate."),
     out: Path = typer.Option(Path("autotp-out"), "--out", help="Folder for plan.json, summary.json, checkpoints."),
@@ -228,7 +259,7 @@ def shard(
     hsdp: int = HSDP,
     debug: bool = DEBUG,
 ) -> None:
-    """Shard MODEL_PY over tp × dp ranks, verify, train a few steps, save plan and checkpoint."""
+    """Shard MODEL_PY over tp × dp × pp ranks, verify, train a few steps, save plan and checkpoint."""
 
     if steps < 0:
         abort(f"--steps must be >= 0, got {steps}", debug, code=USAGE_ERROR)
@@ -239,12 +270,24 @@ def shard(
     if out.exists() and not out.is_dir():
         abort(f"--out {out} exists and is not a folder", debug, code=USAGE_ERROR)
     spec = launch_spec(tp, dp, nnodes, node_rank, master_addr, master_port, debug, timeout, max_restarts, device,
-                       bind_cores, fsdp, hsdp)
+                       bind_cores, fsdp, hsdp, pp)
     if fsdp and (compile_ or sequence_parallel):
         used = [f for f, on in (("--compile", compile_), ("--sequence-parallel", sequence_parallel)) if on]
         abort(f"--fsdp with {', '.join(used)} is not supported yet", debug, code=USAGE_ERROR)
+    if pp > 1 and (fsdp or compile_ or sequence_parallel or weights is not None):
+        used = [f for f, on in (("--fsdp", fsdp), ("--compile", compile_), ("--sequence-parallel", sequence_parallel),
+                                ("--weights", weights is not None)) if on]
+        abort(f"--pp with {', '.join(used)} is not supported yet", debug, code=USAGE_ERROR)
+    stages = None
+    if pp > 1:
+        try:
+            schedule, v = check_pipeline(pp, schedule, virtual_stages, microbatches or pp)
+        except AutotpError as exc:
+            abort(str(exc), debug, code=USAGE_ERROR)
+        stages = (pp * v, microbatches or pp)
     try:
-        preflight(load_model_file(model), tp, weights, sequence_parallel, expert_parallel, fsdp)  # before any rank starts
+        # before any rank starts
+        preflight(load_model_file(model), tp, weights, sequence_parallel, expert_parallel, fsdp, stages)
     except (AutotpError, ValueError) as exc:
         abort(str(exc), debug, code=USAGE_ERROR)
     try:
@@ -258,7 +301,8 @@ def shard(
     job = ShardJob(model=f"{path.resolve()}:{factory}" if factory else str(path.resolve()),
                    steps=steps, lr=lr, out=str(out.resolve()), verify=weights is None if verify is None else verify,
                    resume=resume, save_every=save_every, compile=compile_, sequence_parallel=sequence_parallel,
-                   expert_parallel=expert_parallel, fsdp=spec.hsdp if fsdp else 0,
+                   expert_parallel=expert_parallel, fsdp=spec.hsdp if fsdp else 0, schedule=schedule,
+                   microbatches=microbatches or pp, virtual_stages=virtual_stages,
                    weights=None if weights is None else str(weights.resolve()))
     try:
         results = launch(spec, shard_worker, job, quiet=not debug)

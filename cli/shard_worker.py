@@ -53,6 +53,9 @@ class ShardJob:
     sequence_parallel: bool = False
     expert_parallel: bool = False
     fsdp: int = 0  # FSDP replica groups (1: FSDP, > 1: HSDP); 0: DDP when dp > 1
+    schedule: str = "1F1B"  # with pp > 1: the pipeline schedule
+    microbatches: int = 0  # with pp > 1: micro-batches per step (0: pp)
+    virtual_stages: int | None = None  # with pp > 1: stages per rank (None: the schedule's default)
 
 
 @dataclass(frozen=True)
@@ -73,6 +76,7 @@ class RankStats:
     dp_rank: int
     param_bytes: int
     step_s: tuple[float, ...]
+    pp_rank: int = 0
 
 
 @dataclass(frozen=True)
@@ -100,6 +104,10 @@ class ShardReport:
     training_skipped: str = ""  # why no step was trained ("": trained, or nothing left to train)
     fsdp: int = 0  # FSDP replica groups (0: no FSDP)
     fsdp_units: tuple[str, ...] = ()  # the blocks FSDP gathers one at a time
+    pp: int = 1
+    # with pp > 1: the schedule, micro-batches, stages per rank, and each stage's blocks
+    pipeline: str = ""
+    stages: tuple[tuple[str, ...], ...] = ()
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -272,6 +280,8 @@ def _shard(job: ShardJob, ctx: RankContext) -> ShardReport | None:
     # the file's example_batch() runs before the seeded build, so whatever it draws from the global generator
     # (on TP rank 0 only) is forgotten: the ranks of a group keep equal generators, which replicated dropout needs
     batch = _tp_batch(mf.example_batch, ctx) if mf.batch_fn is not None else None
+    if ctx.layout.pp > 1:
+        return _shard_pipeline(job, ctx, mf, batch)
     tpm, reference, unsharded_bytes, weights, (args, kwargs) = _build(mf, job, ctx, batch)
     parity = _verify(tpm, reference, args, kwargs, ctx.device) if reference is not None else None
     del reference
@@ -356,3 +366,88 @@ def _size(n: int) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return str(n)
+
+
+def _shard_pipeline(job: ShardJob, ctx: RankContext, mf: ModelFile, batch: tuple[tuple, dict] | None) -> ShardReport | None:
+    """``_shard`` with pipeline stages: parity of the loss (eval, whole batch), training through the schedule,
+    checkpoints of every stage into the one global layout."""
+    if batch is None:
+        raise ModelFileError("pipeline stages end in the loss, and the file defines no example_batch() to "
+                             "compute one from", hint="define example_batch() returning the inputs and targets")
+    args, kwargs = batch
+    torch.manual_seed(0)
+    model = mf.build().to(ctx.device)
+    unsharded_bytes = _param_bytes(model)
+    reference = copy.deepcopy(model) if job.verify else None
+    pipe = autotp.pipeline(model, example_inputs=(args, kwargs), microbatches=job.microbatches or ctx.layout.pp,
+                           schedule=job.schedule, virtual_stages=job.virtual_stages, mesh=ctx.mesh)
+    st = autotp.tp_state(model)
+    parity = None
+    if reference is not None:
+        note = "the loss, on the whole batch through the pipeline (forward only)"
+        try:
+            got = pipe.eval_step(*args, **kwargs).item()
+        except autotp.PipelineError as exc:
+            got, note = None, str(exc).splitlines()[0]
+        with torch.no_grad():
+            want = find_loss(reference.eval()(*args, **kwargs))
+        if got is not None and want is not None:
+            parity = Parity(abs(got - want.item()), 0.0, note)
+    del reference
+    out = Path(job.out)
+    plan_path = out / "plan.json"
+    if ctx.rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        plan_path.write_text(st.plan.to_json())
+    opt = torch.optim.AdamW(list(pipe.parameters()), lr=job.lr)
+    start, resumed_from, resharded = 0, None, ""
+    if job.resume or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0:
+        found = latest_checkpoint(out)
+        if found is not None:
+            resumed = load_training_state(found, model, opt, ctx)
+            start, resumed_from, resharded = resumed.step, str(found), resumed.describe()
+    losses, times = [], []
+    show = ctx.rank == 0 and job.steps > start
+    progress = Progress(TextColumn("[bold]training"), BarColumn(), MofNCompleteColumn(),
+                        TextColumn("loss {task.fields[loss]}"), TimeElapsedColumn()) if show else contextlib.nullcontext()
+    with progress:
+        task = progress.add_task("train", total=job.steps, completed=start, loss="-") if show else None
+        for step in range(start, job.steps):
+            a, k = replica_batch(args, kwargs, ctx.coords["dp"], step)
+            began = time.perf_counter()
+            loss = pipe.step(*a, **k)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            times.append(time.perf_counter() - began)
+            losses.append(loss.item())
+            if task is not None:
+                progress.update(task, advance=1, loss=f"{losses[-1]:.4f}")
+            done = step + 1
+            if job.save_every and done % job.save_every == 0 and done != job.steps:
+                save_training_state(out, done, model, opt, ctx)
+    done = max(start, job.steps)
+    final_loss = None
+    try:
+        final_loss = pipe.eval_step(*args, **kwargs).item()
+    except autotp.PipelineError:
+        pass
+    ckpt_path = Path(resumed_from) if resumed_from is not None and start >= done else \
+        save_training_state(out, done, model, opt, ctx)
+    held = sum(p.numel() * p.element_size() for p in pipe.parameters())
+    mine = RankStats(ctx.rank, ctx.coords["tp"], ctx.coords["dp"], held, tuple(times), ctx.coords["pp"])
+    everyone: list[RankStats | None] = [None] * ctx.layout.world_size
+    dist.all_gather_object(everyone, mine)
+    if ctx.rank != 0:
+        return None
+    counts = Counter((c.direction, c.kind, c.op) for c in st.plan.collectives)
+    report = ShardReport(
+        model=job.model, tp=ctx.layout.tp, dp=ctx.layout.dp, backend=ctx.backend, unsharded_bytes=unsharded_bytes,
+        ranks=tuple(everyone), collectives=tuple((*key, n) for key, n in sorted(counts.items())),
+        parity=parity, losses=tuple(losses), final_loss=final_loss, plan_path=str(plan_path),
+        checkpoint_path=str(ckpt_path), start_step=start, resumed_from=resumed_from, resharded=resharded,
+        batch=_describe_batch(mf, model, args, kwargs, ctx.layout.tp), pp=ctx.layout.pp,
+        pipeline=f"{pipe.schedule_name}, {pipe.microbatches} micro-batches, {pipe.virtual_stages} stage(s) per rank",
+        stages=tuple(s.blocks for s in st.plan.stages),
+    )
+    (out / "summary.json").write_text(json.dumps(report.to_dict(), indent=2))
+    return report

@@ -32,9 +32,9 @@ def pipeline_parity(model_name: str, tp: int, pp: int, schedule: str, microbatch
     pipe = autotp.pipeline(model, example_inputs=(la, lk), microbatches=microbatches, schedule=schedule,
                            virtual_stages=virtual_stages, mesh=mesh)
     st = autotp.tp_state(model)
-    opt = torch.optim.AdamW(list(pipe.parameters()), lr=1e-2, eps=1e-6)
-    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, eps=1e-6)
-    out: dict = {"losses": [], "ref_losses": [], "stages": list(pipe.stage_indices),
+    opt = torch.optim.AdamW(list(pipe.parameters()), lr=1e-3, eps=1e-6)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-3, eps=1e-6)
+    out: dict = {"losses": [], "ref_losses": [], "stages": list(pipe.stage_indices), "count": pipe.num_stages,
                  "blocks": [list(s.blocks) for s in st.plan.stages], "same_class": isinstance(model, type(ref))}
     for _ in range(steps):
         loss = pipe.step(*la, **lk)
@@ -47,24 +47,102 @@ def pipeline_parity(model_name: str, tp: int, pp: int, schedule: str, microbatch
         ropt.step()
         ropt.zero_grad(set_to_none=True)
         out["ref_losses"].append(rloss.item())
-    refs = dict(ref.named_parameters())
-    worst, names, sums = 0.0, [], {}
+    refs = dict(ref.named_parameters(remove_duplicate=False))
+    worst, sums = 0.0, {}
     for name, p in pipe.named_parameters():
         shard = st.shards.get(name)
         want = refs[name].detach()
         want = shard.shard(want, st.tp, st.rank) if shard is not None else want
         worst = max(worst, (p.detach() - want).abs().max().item())
-        names.append(name)
         sums[name] = p.detach().double().sum().item()
-    out.update(param_diff=worst, held=names, sums=sums, eval_loss=pipe.eval_step(*la, **lk).item(),
-               ref_eval=loss_and_logits(ref(*args, **kwargs))[0].item() if dp == 1 else None,
-               dropped=len(st.dropped))
+    held = {n for n, p in model.named_parameters(remove_duplicate=False) if not p.is_meta}
+    out.update(param_diff=worst, held=sorted(held), sums=sums, dropped=len(st.dropped),
+               held_numel=sum(p.numel() for p in pipe.parameters()),
+               full_numel=sum(p.numel() for p in ref.parameters()))
+    if schedule != "ZBVZeroBubble":
+        out["eval_loss"] = pipe.eval_step(*la, **lk).item()
+        with torch.no_grad():
+            out["ref_eval"] = loss_and_logits(ref(*la, **lk))[0].item()
     try:
         model(*la, **lk)
         out["direct_call"] = "ran"
     except autotp.ShardingError as e:
         out["direct_call"] = str(e)
     return out
+
+
+def pipeline_parity_many(configs: list[tuple], refused: list[tuple] = ()) -> list[dict]:
+    """:func:`pipeline_parity` for each (model, tp, pp, schedule, microbatches, virtual stages), in turn; then
+    each of ``refused``'s PipelineError (its first sentence)."""
+    out = [pipeline_parity(*c) for c in configs]
+    for c in refused:
+        try:
+            pipeline_parity(*c)
+            out.append({"refused": None})
+        except autotp.PipelineError as e:
+            out.append({"refused": str(e).split(":")[0]})
+    return out
+
+
+def _gathered(model, ctx) -> dict:
+    """The whole model's unsharded state on rank 0 (each rank holds its stages'; {} elsewhere)."""
+    mine = autotp.full_state_dict(model)
+    parts: list = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, mine)
+    out = {}
+    for part in parts:
+        out.update(part)
+    return out if dist.get_rank() == 0 else {}
+
+
+def _job(name: str, tp: int, pp: int):
+    """(ctx, model, a step function, optimizer, batch): pipelined at pp > 1 (1F1B, pp micro-batches), plainly
+    parallelized at pp 1."""
+    from autotp.distributed.launch import init_distributed
+
+    ctx = init_distributed(tp=tp, pp=pp)
+    model, args, kwargs = MODELS[name]()
+    if pp > 1:
+        pipe = autotp.pipeline(model, example_inputs=(args, kwargs), microbatches=pp, mesh=ctx.mesh)
+        params, step = list(pipe.parameters()), pipe.step
+    else:
+        autotp.parallelize(model, example_inputs=(args, kwargs), tp_group=ctx.tp_group())
+        params = list(model.parameters())
+
+        def step(*a, **k):
+            loss = loss_and_logits(model(*a, **k))[0]
+            loss.backward()
+            return loss
+    opt = torch.optim.AdamW(params, lr=1e-3, eps=1e-6)
+    return ctx, model, step, opt, args, kwargs
+
+
+def _train(step, opt, args, kwargs, steps: int) -> None:
+    for _ in range(steps):
+        step(*args, **kwargs)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+
+def pipeline_resume_matrix(out: str, name: str) -> dict:
+    """Saved at tp 2 × pp 2 after 3 steps, trained 3 more as the reference; resumed at tp 4 × pp 1 and
+    tp 1 × pp 4 for the same 3 steps. Rank 0 returns each run's whole unsharded state."""
+    from pathlib import Path
+
+    from autotp.io.ckpt_io import latest_checkpoint, load_training_state, save_training_state
+
+    run = Path(out) / name
+    ctx, model, step, opt, args, kwargs = _job(name, 2, 2)
+    _train(step, opt, args, kwargs, 3)
+    save_training_state(run, 3, model, opt, ctx)
+    _train(step, opt, args, kwargs, 3)
+    results: dict = {"reference": _gathered(model, ctx)}
+    for tp, pp in ((4, 1), (1, 4)):
+        ctx, model, step, opt, args, kwargs = _job(name, tp, pp)
+        resumed = load_training_state(latest_checkpoint(run), model, opt, ctx)
+        _train(step, opt, args, kwargs, 3)
+        results[(tp, pp)] = {"step": resumed.step, "note": resumed.describe(), "state": _gathered(model, ctx)}
+    return results if dist.get_rank() == 0 else {}
 
 
 def debug(fn_name: str, *args):

@@ -102,7 +102,8 @@ def _shards_by_name(module: torch.nn.Module) -> dict[str, ParamShard]:
 
 
 def full_state_dict(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The unsharded state dict (CPU tensors) of ``module``; a collective: call it on every TP rank."""
+    """The unsharded state dict (CPU tensors) of ``module``; a collective: call it on every TP rank. Of a
+    model cut into pipeline stages: this rank's stages' entries."""
     st = tp_state(module)
     shards = _shards_by_name(module)
     gathered: dict[int, torch.Tensor] = {}
@@ -110,6 +111,8 @@ def full_state_dict(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     copies = WriteBack()  # under FSDP: each rank's TP shard, gathered over dp
     reshard(module)
     for name, tensor in module.state_dict(keep_vars=True).items():
+        if name in st.dropped:
+            continue
         tensor = copies.local(tensor)
         shard = shards.get(name)
         if shard is None or st.tp == 1:
@@ -170,7 +173,8 @@ def sharded_state_dict(tpm: torch.nn.Module, ctx: RankContext,
     """
     copies = WriteBack() if copies is None else copies
     reshard(tpm)
-    state = {name: copies.local(t) for name, t in tpm.state_dict(keep_vars=True).items()}
+    dropped = tp_state(tpm).dropped  # pipelined: the parameters of other ranks' stages, which they save
+    state = {name: copies.local(t) for name, t in tpm.state_dict(keep_vars=True).items() if name not in dropped}
     by_id = {id(state[name]): shard for name, shard in checkpoint_shards(tpm).items() if name in state}
     out: dict[str, torch.Tensor] = {}
     for name, tensor in state.items():

@@ -44,7 +44,7 @@ from autotp.io.ckpt_safety import read_metadata, safe_load, verify_files
 from autotp.io.empty import mark_loaded
 from autotp.errors import CheckpointError
 from autotp.distributed.launch import RankContext
-from autotp.io.optim_state import optimizer_state, plain_data, restore
+from autotp.io.optim_state import merge_plain_data, optimizer_state, plain_data, restore
 from autotp.state import tp_state
 
 __all__ = ["CheckpointError", "Resumed", "checkpoint_info", "check_resumable", "latest_checkpoint",
@@ -121,14 +121,19 @@ class Resumed:
     tp: int
     dp: int
     optimizer: bool = True  # the optimizer's state was loaded too
+    saved_pp: int = 1
+    pp: int = 1
 
     @property
     def resharded(self) -> bool:
-        return (self.saved_tp, self.saved_dp) != (self.tp, self.dp)
+        return (self.saved_tp, self.saved_dp, self.saved_pp) != (self.tp, self.dp, self.pp)
 
     def describe(self) -> str:
         """One line for the run summary: which layout the state came from, and what was resharded."""
         what = "weights and optimizer state" if self.optimizer else "weights"
+        if self.saved_pp != self.pp:
+            saved = f"tp {self.saved_tp} × dp {self.saved_dp} × pp {self.saved_pp}"
+            return f"resumed from {saved} → tp {self.tp} × dp {self.dp} × pp {self.pp}: {what} resharded"
         if not self.resharded:
             return f"tp {self.tp} × dp {self.dp}, as saved: nothing resharded"
         if self.saved_dp == self.dp:
@@ -184,27 +189,33 @@ def _publish(root: Path, tmp: Path, step: int) -> Path:
     return final
 
 
+def _replica(ctx: RankContext) -> str:
+    """The generators' key prefix: the dp replica, and with pipeline stages the pipeline rank (each stage draws
+    its own stream)."""
+    return f"pp{ctx.coords['pp']}.dp{ctx.coords['dp']}" if ctx.layout.pp > 1 else f"dp{ctx.coords['dp']}"
+
+
 def _rng_state(tpm: torch.nn.Module, ctx: RankContext) -> dict[str, torch.Tensor]:
-    """This rank's generators as tensors: the default ones (CPU, and the rank's GPU) under its dp replica, the
-    sharded-region stream under its (dp, tp) coordinates."""
-    d, t = ctx.coords["dp"], ctx.coords["tp"]
-    out = {f"dp{d}.cpu": torch.get_rng_state()}
+    """This rank's generators as tensors: the default ones (CPU, and the rank's GPU) under its dp replica (and
+    pipeline rank), the sharded-region stream under its (dp, tp) coordinates."""
+    d, t = _replica(ctx), ctx.coords["tp"]
+    out = {f"{d}.cpu": torch.get_rng_state()}
     if ctx.device.type == "cuda":
-        out[f"dp{d}.cuda"] = torch.cuda.get_rng_state(ctx.device)
+        out[f"{d}.cuda"] = torch.cuda.get_rng_state(ctx.device)
     region = tp_state(tpm).rng
     if region is not None:
-        out[f"dp{d}.tp{t}.region"] = region.get_state()
+        out[f"{d}.tp{t}.region"] = region.get_state()
     return out
 
 
 def _set_rng_state(tpm: torch.nn.Module, ctx: RankContext, loaded: dict[str, torch.Tensor]) -> None:
-    d, t = ctx.coords["dp"], ctx.coords["tp"]
-    if f"dp{d}.cpu" in loaded:
-        torch.set_rng_state(loaded[f"dp{d}.cpu"])
-    if f"dp{d}.cuda" in loaded:
-        torch.cuda.set_rng_state(loaded[f"dp{d}.cuda"], ctx.device)
-    if f"dp{d}.tp{t}.region" in loaded:
-        tp_state(tpm).rng.set_state(loaded[f"dp{d}.tp{t}.region"])
+    d, t = _replica(ctx), ctx.coords["tp"]
+    if f"{d}.cpu" in loaded:
+        torch.set_rng_state(loaded[f"{d}.cpu"])
+    if f"{d}.cuda" in loaded:
+        torch.cuda.set_rng_state(loaded[f"{d}.cuda"], ctx.device)
+    if f"{d}.tp{t}.region" in loaded:
+        tp_state(tpm).rng.set_state(loaded[f"{d}.tp{t}.region"])
 
 
 def save_training_state(run_dir: Path | str, step: int, tpm: torch.nn.Module,
@@ -221,12 +232,16 @@ def save_training_state(run_dir: Path | str, step: int, tpm: torch.nn.Module,
     dist.barrier()
     state: dict = {"model": sharded_state_dict(tpm, ctx), "train": {"step": torch.tensor(step, dtype=torch.int64)},
                    "rng": _rng_state(tpm, ctx)}
-    info = {"format": FORMAT, "step": step, "tp": ctx.layout.tp, "dp": ctx.layout.dp,
+    info = {"format": FORMAT, "step": step, "tp": ctx.layout.tp, "dp": ctx.layout.dp, "pp": ctx.layout.pp,
             "world_size": ctx.layout.world_size, "optimizer": None}
     if optimizer is not None:
         ostate = optimizer_state(tpm, optimizer, ctx)
         state["optim"] = {"state": ostate.tensors}
         info["optimizer"] = plain_data(ostate)
+        if ctx.layout.pp > 1:  # each stage's optimizer holds its own parameters: the manifest names them all
+            parts: list = [None] * dist.get_world_size(ctx.pp_group())
+            dist.all_gather_object(parts, info["optimizer"], group=ctx.pp_group())
+            info["optimizer"] = merge_plain_data(parts)
     dcp.save(state, checkpoint_id=str(tmp))
     if rank == 0:
         (tmp / INFO).write_text(json.dumps(info, indent=1) + "\n")
@@ -260,14 +275,15 @@ def load_training_state(path: Path | str, tpm: torch.nn.Module, optimizer: torch
     # generators the saving layout had for this rank's coordinates; the others keep their own streams
     rng = {key: value for key, value in _rng_state(tpm, ctx).items()
            if f"rng.{key}" in meta.state_dict_metadata and (".region" not in key or
-                                                            (info["tp"], info["dp"]) == (ctx.layout.tp, ctx.layout.dp))}
+                                                            (info["tp"], info["dp"], info.get("pp", 1)) ==
+                                                            (ctx.layout.tp, ctx.layout.dp, ctx.layout.pp))}
     if rng:
         state["rng"] = rng
     safe_load(state, path, metadata=meta)
     copies.apply()
     mark_loaded(tpm)
     if ostate is not None:
-        restore(tpm, optimizer, ostate, info["optimizer"], str(path / INFO))
+        restore(tpm, optimizer, ostate, info["optimizer"], str(path / INFO), stage=ctx.layout.pp > 1)
     _set_rng_state(tpm, ctx, rng)
     return Resumed(path, int(state["train"]["step"]), info["tp"], info["dp"], ctx.layout.tp, ctx.layout.dp,
-                   optimizer is not None)
+                   optimizer is not None, int(info.get("pp", 1)), ctx.layout.pp)

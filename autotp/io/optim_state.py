@@ -122,10 +122,21 @@ def plain_data(state: OptimizerState) -> dict[str, Any]:
     return {"class": state.kind, "param_groups": groups, "values": {n: v for n, v in values.items() if v}}
 
 
+def merge_plain_data(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """The plain data of one optimizer split over pipeline stages (each rank's over its own parameters) as
+    one: every group's parameter names joined, the values of all of them."""
+    first = parts[0]
+    groups = [{**g, "params": sorted({n for part in parts for n in part["param_groups"][i]["params"]})}
+              for i, g in enumerate(first["param_groups"])]
+    values = {n: v for part in parts for n, v in part["values"].items()}
+    return {**first, "param_groups": groups, "values": values}
+
+
 def restore(tpm: torch.nn.Module, optimizer: torch.optim.Optimizer, state: OptimizerState, saved: Any,
-            where: str) -> None:
+            where: str, stage: bool = False) -> None:
     """Hand the loaded tensors (already in ``state.live``) and the manifest's plain data ``saved`` to torch's
-    ``set_optimizer_state_dict``. ``where`` names the manifest in errors."""
+    ``set_optimizer_state_dict``. ``where`` names the manifest in errors. ``stage``: the optimizer holds one
+    pipeline stage's parameters, a part of each saved group's."""
     if not isinstance(saved, dict) or not isinstance(saved.get("param_groups"), list):
         raise CheckpointError(f"{where} holds no optimizer state",
                               hint="the checkpoint was saved without an optimizer; resume without one, or start afresh")
@@ -135,6 +146,8 @@ def restore(tpm: torch.nn.Module, optimizer: torch.optim.Optimizer, state: Optim
     groups = saved["param_groups"]
     ours = [sorted(g["params"]) for g in state.groups]
     theirs = [sorted(g.get("params", [])) if isinstance(g, dict) else None for g in groups]
+    if stage and len(ours) == len(theirs) and all(t is not None and set(o) <= set(t) for o, t in zip(ours, theirs)):
+        theirs = ours
     if ours != theirs:
         raise CheckpointError(f"{where}: the optimizer's param groups differ from the checkpoint's "
                               f"({len(theirs)} groups of {[len(t or ()) for t in theirs]} parameters there, "

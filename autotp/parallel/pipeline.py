@@ -306,6 +306,8 @@ def pipeline(model: nn.Module, *, example_inputs: object, microbatches: int, sch
     indices = [s for s in range(count) if ranks[s] == me]
     by_name = dict(model.named_parameters(remove_duplicate=False))
     reads = [_reads(captured.module, w) for w in wirings]
+    if kind.placement == "v":
+        _check_v_ties(by_name, reads, ranks, name)
     held = {id(by_name[n]) for s in indices for n in reads[s]}
     modules = [StageModule(captured.module, wirings[s],
                            _unique([by_name[n] for n in reads[s]]), s == count - 1) for s in indices]
@@ -369,6 +371,23 @@ def _reads(top: nn.Module, w: StageWiring) -> list[str]:
     piece = top.get_submodule(w.piece)
     assert isinstance(piece, PieceCall)
     return [x for x in piece.layout if isinstance(x, str)]
+
+
+def _check_v_ties(by_name: dict[str, nn.Parameter], reads: list[list[str]], ranks: list[int], schedule: str) -> None:
+    """A V schedule puts the first and the last stage on one rank: its split backward (inputs, then weights)
+    computes a parameter read by two stages of one rank (an LM head tied to the embedding) wrong."""
+    for a in range(len(reads)):
+        for b in range(a + 1, len(reads)):
+            if ranks[a] != ranks[b]:
+                continue
+            shared = {id(by_name[n]) for n in reads[a]} & {id(by_name[n]) for n in reads[b]}
+            if shared:
+                name = next(n for n in reads[a] if id(by_name[n]) in shared)
+                raise PipelineError(f"{schedule} places stages {a} and {b} on pipeline rank {ranks[a]}, and both read "
+                                    f"{name} (a tied weight): torch's zero-bubble weight pass gets a parameter "
+                                    "shared by two stages of one rank wrong",
+                                    hint="use InterleavedZeroBubble or Interleaved1F1B (the tied stages on "
+                                         "different ranks), or untie the weight")
 
 
 def _unique(params: list[nn.Parameter]) -> list[nn.Parameter]:

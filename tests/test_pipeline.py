@@ -1,0 +1,199 @@
+"""Pipeline parallelism: stages cut from the captured graph, run by torch.distributed.pipelining.
+
+Tiers: the stage planner and the schedule checks (pure); the stage split on a captured graph (structural,
+no process group); gloo parity against the unsharded model and resume across pipeline sizes (slow).
+"""
+from __future__ import annotations
+
+import pytest
+
+from autotp.capture.tracer import capture
+from autotp.errors import PipelineError
+from autotp.parallel.pipeline import check_pipeline, stage_ranks
+from autotp.passes import run_passes, split_stages
+from autotp.plan.planner import make_plan
+from autotp.plan.stages import StageRequest, _split
+from autotp.runtime.stages import wire_stages
+from distributed import launch
+from pipeline_models import MODELS
+
+
+# -- pure: schedules, placement, balance ----------------------------------------------------------------
+@pytest.mark.parametrize("pp, schedule, v, m, batch, message", [
+    (2, "Zigzag", None, 2, 8, "unknown pipeline schedule 'Zigzag'"),
+    (2, "GPipe", 2, 2, 8, "GPipe runs one stage per rank, and virtual_stages is 2"),
+    (2, "Interleaved1F1B", 1, 2, 8, "Interleaved1F1B interleaves several stages per rank, and virtual_stages is 1"),
+    (2, "ZBVZeroBubble", 3, 2, 8, "ZBVZeroBubble places exactly 2 stages per rank (a V), and virtual_stages is 3"),
+    (4, "1F1B", None, 2, 8, "1F1B needs at least as many micro-batches as pipeline ranks: microbatches 2 < pp 4"),
+    (2, "1F1B", None, 3, 8, "3 micro-batches do not divide the batch of 8"),
+    (2, "1F1B", None, 0, 8, "microbatches must be an integer >= 1, got 0"),
+])
+def test_bad_pipeline_sizes_are_named(pp, schedule, v, m, batch, message):
+    with pytest.raises(PipelineError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        check_pipeline(pp, schedule, v, m, batch)
+
+
+def test_schedule_defaults_and_names():
+    assert check_pipeline(2, "1f1b", None, 2, 8) == ("1F1B", 1)  # any case
+    assert check_pipeline(2, "Interleaved1F1B", None, 2, 8) == ("Interleaved1F1B", 2)
+    assert check_pipeline(4, "GPipe", None, 2, 8) == ("GPipe", 1)  # GPipe fills and drains: any m
+
+
+def test_stage_placement():
+    assert stage_ranks(2, 4, "loop") == [0, 1, 0, 1]  # Interleaved1F1B: stage s on rank s mod pp
+    assert stage_ranks(2, 4, "v") == [0, 1, 1, 0]  # ZBV: rank r holds stages r and 2p - 1 - r
+    assert stage_ranks(4, 4, "single") == [0, 1, 2, 3]
+
+
+def test_balance_minimises_the_largest_stage():
+    even = [(10, 1)] * 8
+    assert _split(even, (0, 0), 4) == [0, 2, 4, 6]
+    # an LM head worth two blocks in the last stage: it takes fewer blocks
+    assert _split(even, (20, 0), 2) == [0, 5]
+    # equal FLOPs: the parameter bytes decide
+    assert _split([(10, 5), (10, 1), (10, 1), (10, 1)], (0, 0), 2) == [0, 2]
+
+
+# -- structural: the split of a captured graph --------------------------------------------------------
+def _captured(name: str):
+    model, args, kwargs = MODELS[name]()
+    gm, spec = capture(model, args, kwargs, static=True)
+    return gm
+
+
+@pytest.mark.parametrize("count, blocks", [(2, [2, 2]), (4, [1, 1, 1, 1])])
+def test_stages_cover_the_blocks_in_order(count, blocks):
+    plan = make_plan(_captured("nanogpt"), 1, stages=StageRequest(count))
+    assert [len(s.blocks) for s in plan.stages] == blocks
+    assert [b for s in plan.stages for b in s.blocks] == [f"transformer.h.{i}" for i in range(4)]
+    # the tied embedding / LM head (one parameter, under the name the graph reads) by the first stage and the last
+    assert set(plan.stages[0].params) & set(plan.stages[-1].params) == {"lm_head.weight"}
+    assert "transformer.ln_f.weight" in plan.stages[-1].params and "transformer.wpe.weight" in plan.stages[0].params
+    assert all(s.flops > 0 and s.param_bytes > 0 for s in plan.stages)
+
+
+def test_more_stages_than_blocks_is_an_error():
+    with pytest.raises(PipelineError, match=r"5 pipeline stages .* need a block each, and the graph has 4 repeated "
+                                            r"blocks \(transformer.h.0 ... transformer.h.3\)"):
+        make_plan(_captured("nanogpt"), 1, stages=StageRequest(5))
+
+
+def test_split_points_override_the_balance():
+    gm = _captured("nanogpt")
+    plan = make_plan(gm, 1, stages=StageRequest(2, ("transformer.h.3",)))
+    assert [s.blocks for s in plan.stages] == [("transformer.h.0", "transformer.h.1", "transformer.h.2"),
+                                               ("transformer.h.3",)]
+    with pytest.raises(PipelineError, match="split point 'h.3' is not one of the model's blocks"):
+        make_plan(gm, 1, stages=StageRequest(2, ("h.3",)))
+    with pytest.raises(PipelineError, match="split_points names 2 blocks, but 2 stages start at 1"):
+        make_plan(gm, 1, stages=StageRequest(2, ("transformer.h.1", "transformer.h.2")))
+
+
+@pytest.mark.parametrize("name, sent", [("nanogpt", 1), ("llama", 4)])
+def test_split_stages_sends_what_crosses_the_cut(name, sent):
+    """nanoGPT sends the hidden state only; Llama also its rotary cos/sin and the rest made once before the
+    blocks. Graph inputs (ids, targets) are never sent: every stage takes them locally."""
+    gm = _captured(name)
+    plan = make_plan(gm, 1, stages=StageRequest(2))
+    top = run_passes(gm, plan, (split_stages,))
+    calls = [n for n in top.graph.nodes if n.op == "call_module"]
+    assert [str(c.target) for c in calls] == ["autotp_stage_0", "autotp_stage_1"]
+    assert not dict(top.named_parameters())  # the pieces read the model's parameters when they run
+    outputs = next(n for n in top.graph.nodes if n.op == "output").args[0]
+    loss = len(outputs) - 1 if name == "nanogpt" else 0
+    first, last = wire_stages(top, loss)
+    assert len(first.send) == sent and first.recv == () and last.recv == first.send
+    assert len(last.send) == 1  # the loss
+    assert not any(a.startswith("in") for a in first.send)
+
+
+# -- gloo: parity with the unsharded model -------------------------------------------------------------
+def _check(results: list[dict], configs: list[tuple]) -> None:
+    for config, r in zip(configs, results):
+        assert r["same_class"], config
+        assert max(abs(a - b) for a, b in zip(r["losses"], r["ref_losses"])) <= 1e-5, (config, r["losses"])
+        assert r["param_diff"] <= 1e-5, (config, r["param_diff"])
+        if "eval_loss" in r:
+            assert abs(r["eval_loss"] - r["ref_eval"]) <= 1e-5, config
+        assert r["direct_call"].startswith(f"{'GPT' if config[0] == 'nanogpt' else 'LlamaForCausalLM'} is cut "
+                                           "into pipeline stages"), config
+
+
+def _by_rank(results: dict[int, list[dict]], i: int) -> list[dict]:
+    return [results[r][i] for r in sorted(results)]
+
+
+@pytest.mark.slow
+def test_pipeline_two_ranks_matches_one_device():
+    """(tp 1, pp 2): 1F1B, GPipe, Interleaved1F1B (v 2), ZBVZeroBubble; nanoGPT (tied LM head) and Llama."""
+    configs = [("nanogpt", 1, 2, "1F1B", 2, None), ("llama", 1, 2, "GPipe", 2, None),
+               ("nanogpt", 1, 2, "Interleaved1F1B", 2, 2), ("llama", 1, 2, "Interleaved1F1B", 4, 2),
+               ("nanogpt", 1, 2, "InterleavedZeroBubble", 2, 2), ("llama", 1, 2, "ZBVZeroBubble", 2, 2)]
+    from pipeline_workers import pipeline_parity_many
+
+    results = launch(pipeline_parity_many, 2, configs, [("nanogpt", 1, 2, "ZBVZeroBubble", 2, 2)])
+    for i, config in enumerate(configs):
+        per_rank = _by_rank(results, i)
+        _check(per_rank, [config] * len(per_rank))
+        count = per_rank[0]["count"]
+        placement = "v" if config[3] == "ZBVZeroBubble" else "loop"
+        assert [r["stages"] for r in per_rank] == [[s for s in range(count) if stage_ranks(2, count, placement)[s] == r]
+                                                   for r in range(2)]
+        # each rank holds its own stages' parameters only, together the whole model (a tied one on both ends)
+        assert all(r["held_numel"] < r["full_numel"] for r in per_rank)
+    nano = _by_rank(results, 0)
+    # the tied embedding / LM head: the same weights on the first and the last stage after 3 steps
+    assert nano[0]["sums"]["transformer.wte.weight"] == nano[1]["sums"]["transformer.wte.weight"]
+    # ZBV puts the first and last stage on one rank: a weight tied between them is refused, not trained wrong
+    assert results[0][-1] == {"refused": "ZBVZeroBubble places stages 0 and 3 on pipeline rank 0, and both read "
+                                          "lm_head.weight (a tied weight)"}
+
+
+@pytest.mark.slow
+def test_pipeline_with_tensor_parallelism_matches_one_device():
+    """(tp 2, pp 2): each stage TP-sharded by autotp's plan."""
+    configs = [("nanogpt", 2, 2, "1F1B", 2, None), ("llama", 2, 2, "1F1B", 4, None)]
+    from pipeline_workers import pipeline_parity_many
+
+    results = launch(pipeline_parity_many, 4, configs)
+    for i, config in enumerate(configs):
+        _check(_by_rank(results, i), [config] * 4)
+    nano = _by_rank(results, 0)
+    # ranks 0, 1: stage 0 (tp 0, 1); ranks 2, 3: stage 1; the tied weight's TP shards agree end to end
+    assert [r["stages"] for r in nano] == [[0], [0], [1], [1]]
+    assert nano[0]["sums"]["transformer.wte.weight"] == nano[2]["sums"]["transformer.wte.weight"]
+    assert nano[1]["sums"]["transformer.wte.weight"] == nano[3]["sums"]["transformer.wte.weight"]
+
+
+@pytest.mark.slow
+def test_pipeline_tensor_and_data_parallel_eight_ranks():
+    """Megatron's 3-D layout (tp 2, dp 2, pp 2) on 8 ranks: DDP per stage over dp, each replica on its half."""
+    configs = [("nanogpt", 2, 2, "1F1B", 2, None), ("llama", 2, 2, "GPipe", 2, None)]
+    from pipeline_workers import pipeline_parity_many
+
+    results = launch(pipeline_parity_many, 8, configs)
+    for i, config in enumerate(configs):
+        per_rank = _by_rank(results, i)
+        for r in per_rank:
+            r.pop("eval_loss", None)  # each replica evaluates its own half: compared in the other tests
+        _check(per_rank, [config] * 8)
+        assert [r["stages"] for r in per_rank] == [[0]] * 4 + [[1]] * 4
+
+
+@pytest.mark.slow
+def test_pipeline_checkpoint_resumes_at_other_pipeline_sizes(tmp_path):
+    """Saved at (tp 2, pp 2), resumed at (tp 4, pp 1) and (tp 1, pp 4), optimizer included: as if uninterrupted."""
+    from pipeline_workers import pipeline_resume_matrix
+
+    for name in ("nanogpt", "llama"):
+        results = launch(pipeline_resume_matrix, 4, str(tmp_path), name)[0]
+        reference = results.pop("reference")
+        assert set(results) == {(4, 1), (1, 4)}
+        for layout, run in results.items():
+            assert run["step"] == 3
+            assert set(run["state"]) == set(reference)
+            diff = max((run["state"][k] - v).abs().max().item() for k, v in reference.items())
+            assert diff <= 1e-6, (name, layout, diff)
+        assert results[(1, 4)]["note"] == ("resumed from tp 2 × dp 1 × pp 2 → tp 1 × dp 1 × pp 4: weights and "
+                                           "optimizer state resharded")
+
