@@ -20,9 +20,9 @@ def _replica(batch, d: int, dp: int):
 
 
 def pipeline_parity(model_name: str, tp: int, pp: int, schedule: str, microbatches: int,
-                    virtual_stages: int | None = None, steps: int = 3) -> dict:
-    """Losses and parameters after AdamW steps of the pipelined model (each data-parallel replica on its
-    share of the batch) against the unsharded model on the whole batch."""
+                    virtual_stages: int | None = None, steps: int = 3, clip: float = 0.05) -> dict:
+    """Losses, clipped gradient norms and parameters after AdamW steps of the pipelined model (each
+    data-parallel replica on its share of the batch) against the unsharded model on the whole batch."""
     ref, args, kwargs = MODELS[model_name]()
     dp = dist.get_world_size() // (tp * pp)
     mesh = init_device_mesh("cpu", (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
@@ -34,16 +34,18 @@ def pipeline_parity(model_name: str, tp: int, pp: int, schedule: str, microbatch
     st = autotp.tp_state(model)
     opt = torch.optim.AdamW(list(pipe.parameters()), lr=1e-3, eps=1e-6)
     ropt = torch.optim.AdamW(ref.parameters(), lr=1e-3, eps=1e-6)
-    out: dict = {"losses": [], "ref_losses": [], "stages": list(pipe.stage_indices), "count": pipe.num_stages,
+    out: dict = {"losses": [], "ref_losses": [], "norms": [], "ref_norms": [], "stages": list(pipe.stage_indices), "count": pipe.num_stages,
                  "blocks": [list(s.blocks) for s in st.plan.stages], "same_class": isinstance(model, type(ref))}
     for _ in range(steps):
         loss = pipe.step(*la, **lk)
         dist.all_reduce(loss, group=mesh.get_group("dp"))
         out["losses"].append(loss.item() / dp)
+        out["norms"].append(pipe.clip_grad_norm_(clip).item())
         opt.step()
         opt.zero_grad(set_to_none=True)
         rloss = loss_and_logits(ref(*args, **kwargs))[0]
         rloss.backward()
+        out["ref_norms"].append(torch.nn.utils.clip_grad_norm_(ref.parameters(), clip).item())
         ropt.step()
         ropt.zero_grad(set_to_none=True)
         out["ref_losses"].append(rloss.item())
@@ -143,13 +145,3 @@ def pipeline_resume_matrix(out: str, name: str) -> dict:
         _train(step, opt, args, kwargs, 3)
         results[(tp, pp)] = {"step": resumed.step, "note": resumed.describe(), "state": _gathered(model, ctx)}
     return results if dist.get_rank() == 0 else {}
-
-
-def debug(fn_name: str, *args):
-    import traceback
-    try:
-        return globals()[fn_name](*args)
-    except BaseException:
-        with open(f"/tmp/notes/err{dist.get_rank()}.txt", "w") as f:
-            f.write(traceback.format_exc())
-        raise

@@ -308,3 +308,220 @@ def test_fsdp_report_pads_uneven_rows() -> None:
     alone = fsdp_report(Plan(tp=1, units=(Unit("block", ("block.weight", "block.bias")),)), named[1:3], 2)
     assert [u.kind for u in alone.units] == ["block"]
     assert (alone.prefetch_bytes, alone.kept_bytes) == (60, 0)
+
+
+# -- --pp: pipeline stages, what crosses each cut, the bubble ---------------------------------------------------
+def _model_file(tmp_path, name: str, body: str) -> str:
+    path = tmp_path / f"{name}.py"
+    path.write_text(textwrap.dedent(f"""
+        import sys
+        sys.path[:0] = [{os.path.join(ROOT, "examples")!r}, {os.path.join(ROOT, "tests")!r}]
+        import torch
+    """) + textwrap.dedent(body))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def gpt4(tmp_path_factory) -> str:
+    """examples/nanogpt.py with 4 blocks, a batch of 8 × 16 (tests/pipeline_models.py's)."""
+    return _model_file(tmp_path_factory.mktemp("gpt4"), "gpt4", """
+        from nanogpt import GPT, GPTConfig
+
+        def build_model():
+            return GPT(GPTConfig(n_layer=4))
+
+        def example_batch():
+            g = torch.Generator().manual_seed(1)
+            return torch.randint(0, 256, (8, 16), generator=g), torch.randint(0, 256, (8, 16), generator=g)
+    """)
+
+
+def _pipeline(tmp_path, model: str, *args: str) -> tuple[dict, str]:
+    out = tmp_path / "pp.json"
+    result = runner.invoke(app, ["plan", model, "--tp", "2", *args, "--json", str(out)], env=WIDE)
+    assert result.exit_code == 0, result.output
+    return json.loads(out.read_text()), result.stdout
+
+
+@pytest.fixture(scope="module")
+def gpt4_pp2(tmp_path_factory, gpt4) -> tuple[dict, str]:
+    return _pipeline(tmp_path_factory.mktemp("pp2"), gpt4, "--pp", "2")
+
+
+def test_plan_pp_stages_table(gpt4_pp2) -> None:
+    data, text = gpt4_pp2
+    pipe, memory = data["pipeline"], data["report"]["memory"]
+    assert (pipe["pp"], pipe["virtual_stages"], pipe["microbatches"], pipe["schedule"]) == (2, 1, 2, "1F1B")
+    stages = pipe["stages"]
+    # the blocks split in two contiguous halves (balanced by FLOPs: the LM head weighs on the last stage)
+    assert [s["blocks"] for s in stages] == [["transformer.h.0", "transformer.h.1"],
+                                             ["transformer.h.2", "transformer.h.3"]]
+    assert [s["blocks"] for s in stages] == [s["blocks"] for s in data["plan"]["stages"]]
+    assert [(s["rank"], s["first"], s["last"]) for s in stages] == [(0, True, False), (1, False, True)]
+    # per tp rank, the stages cover the model: the tied wte / lm_head is held by both ends, so once too many
+    assert len(pipe["shared"]) == 1 and pipe["shared"][0] in ("transformer.wte.weight", "lm_head.weight")
+    tied = 256 * 64 // 2  # vocab-parallel over tp 2
+    assert sum(s["params"] for s in stages) == memory["local"] + tied
+    assert sum(s["param_bytes"] for s in stages) == memory["bytes_per_rank"] + 4 * tied
+    assert [s["param_bytes"] for s in stages] == [s["param_bytes"] for s in data["plan"]["stages"]]
+    # one rank's params per stage here, the tied tensor once
+    assert [r["params"] for r in pipe["ranks"]] == [s["params"] for s in stages]
+    # Korthikanti et al. per block at b = 8/2, s 16, h 64, a 4, t 2, fp32 without dropout, s×s scores kept:
+    # s·b·h·(16 + 48/t) + 4·a·s²·b/t
+    b, s, h, a, t = 4, 16, 64, 4, 2
+    block = s * b * h * 16 + (s * b * h * 48 + 4 * a * s * s * b) // t
+    assert pipe["activations"]["layer_bytes"] == block == 172_032
+    assert [x["activation_bytes"] for x in stages] == [2 * block, 2 * block]
+    # 1F1B keeps min(m, p − r) micro-batches on rank r
+    assert [(r["in_flight"], r["activation_bytes"]) for r in pipe["ranks"]] == [(2, 4 * block), (1, 2 * block)]
+    # forward FLOPs per micro-batch: the last stage's LM head (2·b·s·h·V) on top of equal blocks
+    assert stages[1]["flops"] - stages[0]["flops"] == 2 * b * s * h * 256
+    assert "pipeline stages: pp 2 × v 1, 1F1B, 2 micro-batches of b=4, s=16 (tp 2)" in text
+    assert "embeddings" in _row(text, "transformer.h.0 … transformer.h.1 (2)")
+    assert "final norm, LM head, loss" in _row(text, "transformer.h.2 … transformer.h.3 (2)")
+    assert "1F1B keeps min(m, p − r) on pipeline rank r" in text
+
+
+def test_plan_pp_p2p_nanogpt_hidden_state_only(gpt4_pp2) -> None:
+    data, text = gpt4_pp2
+    pipe = data["pipeline"]
+    (cut,) = pipe["cuts"]
+    assert (cut["after"], cut["src"], cut["dst"], cut["sent"]) == (0, 0, 1, True)
+    # the hidden state (b/m, s, h) alone: token ids and targets are inputs of every stage, wte a parameter
+    (value,) = cut["values"]
+    assert value["shape"] == [4, 16, 64] and value["dtype"] == "float32" and value["grad"]
+    assert value["module"] == "transformer.h.1"
+    assert value["bytes"] == cut["forward_bytes"] == cut["backward_bytes"] == 4 * 16 * 64 * 4
+    assert pipe["step_bytes"] == 2 * (2 * 4 * 16 * 64 * 4)  # m micro-batches, forward and backward
+    assert "[4, 16, 64]" in text and "per step (× m = 2)" in text
+
+
+def test_plan_pp_p2p_llama_sends_rotary_tables(tmp_path) -> None:
+    model = _model_file(tmp_path, "llama4", """
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        def build_model():
+            cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                              bos_token_id=0, eos_token_id=0, pad_token_id=0, loss_type="ForCausalLM",
+                              tie_word_embeddings=False)
+            return LlamaForCausalLM(cfg)
+
+        def example_batch():
+            ids = torch.randint(0, 128, (8, 16), generator=torch.Generator().manual_seed(1))
+            return (), {"input_ids": ids, "labels": ids, "use_cache": False}
+    """)
+    data, text = _pipeline(tmp_path, model, "--pp", "2")
+    pipe = data["pipeline"]
+    (cut,) = pipe["cuts"]
+    floating = [v for v in cut["values"] if v["dtype"].startswith(("float", "bfloat"))]
+    hidden = [v for v in floating if v["grad"]]
+    assert [(v["shape"], v["module"]) for v in hidden] == [([4, 16, 64], "model.layers.1")]
+    # cos and sin: (1, s, head_dim) from the rotary embedding, made once before the blocks, no gradient
+    rotary = [v for v in floating if not v["grad"]]
+    assert [(v["shape"], v["module"]) for v in rotary] == [([1, 16, 16], "model.rotary_emb")] * 2
+    assert {"cos", "sin"} == {w for v in rotary for w in ("cos", "sin") if v["code"].startswith(w)}
+    # anything else is a mask (no floating point, no gradient)
+    assert all(v["dtype"] == "bool" for v in cut["values"] if v not in floating)
+    assert cut["backward_bytes"] == hidden[0]["bytes"] == 4 * 16 * 64 * 4
+    assert cut["forward_bytes"] == sum(v["bytes"] for v in cut["values"]) > hidden[0]["bytes"]
+    assert pipe["shared"] == []  # untied: no parameter in two stages
+    assert "model.rotary_emb: cos = " in text
+    assert pipe["activations"]["fused"]  # SDPA: no s×s scores
+
+
+def test_plan_pp_bubble_gpipe(tmp_path, gpt4) -> None:
+    data, text = _pipeline(tmp_path, gpt4, "--pp", "2", "--schedule", "gpipe", "--microbatches", "4")
+    pipe = data["pipeline"]
+    assert pipe["schedule"] == "GPipe" and pipe["micro_batch"] == 2
+    assert pipe["bubble"] == {"formula": "(p − 1)/m", "fraction": 0.25, "upper_bound": False}
+    assert [r["in_flight"] for r in pipe["ranks"]] == [4, 4]  # every micro-batch forward before any backward
+    assert "(p − 1)/m = (2 − 1)/4 of the ideal step time (a step ≈ 1.25× the ideal)" in text
+
+
+def test_plan_pp_bubble_interleaved(tmp_path, gpt4) -> None:
+    data, text = _pipeline(tmp_path, gpt4, "--pp", "2", "--schedule", "Interleaved1F1B", "--microbatches", "4")
+    pipe = data["pipeline"]
+    assert pipe["virtual_stages"] == 2  # the interleaved schedules' default
+    assert pipe["bubble"] == {"formula": "(p − 1)/(v·m)", "fraction": 1 / 8, "upper_bound": False}
+    assert "(p − 1)/(v·m) = (2 − 1)/(2·4) of the ideal step time" in text
+    # stage s on rank s mod p, one block each; every one of the p·v − 1 cuts crosses ranks (3 → 0 wraps round)
+    assert [(s["rank"], len(s["blocks"])) for s in pipe["stages"]] == [(0, 1), (1, 1), (0, 1), (1, 1)]
+    assert [(c["src"], c["dst"]) for c in pipe["cuts"]] == [(0, 1), (1, 0), (0, 1)]
+    hidden = 2 * 16 * 64 * 4  # b/m = 2
+    assert pipe["step_bytes"] == 4 * 3 * 2 * hidden
+    # the tied embedding / LM head: stages 0 and 3, on ranks 0 and 1
+    assert [r["stages"] for r in pipe["ranks"]] == [[0, 2], [1, 3]]
+    assert "pipeline ranks: 2 stages each" in text
+    # torch's warm-up: (v − 1)·m_round + 2·(p − 1 − r) forwards, one more before the first backward
+    assert [r["in_flight"] for r in pipe["ranks"]] == [min(8, 1 * 2 + 2 + 1), min(8, 1 * 2 + 0 + 1)]
+
+
+def test_pipeline_schedule_numbers() -> None:
+    from autotp.plan.pipeline_report import bubble, in_flight, layer_activation_bytes
+
+    p, v = 4, 2
+    assert [in_flight("1F1B", p, 1, 8, r) for r in range(p)] == [4, 3, 2, 1]
+    assert [in_flight("1F1B", p, 1, 2, r) for r in range(p)] == [2, 2, 2, 1]
+    assert in_flight("GPipe", p, 1, 8, 3) == 8 and in_flight("LoopedBFS", p, v, 8, 0) == v * 8
+    # Korthikanti et al. §4.2.3: rank 0 of the interleaved schedule holds v·p + p − 1 stage-micro-batches of
+    # L/(v·p) layers, L·(1 + (p − 1)/(v·p)) layers' worth; never more than all v·m of them
+    assert in_flight("Interleaved1F1B", p, v, 2 * p, 0) == v * p + p - 1
+    assert in_flight("Interleaved1F1B", p, v, p, 0) == v * p
+    assert in_flight("Interleaved1F1B", p, v, 2 * p, p - 1) == v * p - p + 1
+    assert in_flight("ZBVZeroBubble", p, 2, 8, 3) == 2 * p
+    assert bubble("1F1B", p, 1, 8).fraction == 3 / 8 and bubble("Interleaved1F1B", p, v, 8).fraction == 3 / 16
+    assert bubble("ZBVZeroBubble", p, 2, 8).upper_bound and not bubble("GPipe", p, 1, 8).upper_bound
+    # DESIGN §4 at 16-bit with dropout: s·b·h·(10 + 24/t + 5·a·s/(h·t))
+    s, b, h, a, t = 128, 2, 256, 8, 4
+    assert layer_activation_bytes(b, s, h, a, t) == s * b * h * 10 + (s * b * h * 24 + 5 * a * s * s * b) // t
+    assert layer_activation_bytes(b, s, h, a, t, fused=True) == s * b * h * (10 + 24 // t)
+
+
+def test_plan_without_pp_has_no_pipeline(planned) -> None:
+    out, result = planned
+    assert "pipeline" not in json.loads((out / "out.json").read_text())
+    assert "pipeline stages" not in result.stdout and "bubble" not in result.stdout
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--pp", "2", "--schedule", "Foo"], "unknown pipeline schedule 'Foo'"),
+    (["--pp", "2", "--virtual-stages", "2"], "schedule 1F1B runs one stage per rank, and --virtual-stages is 2"),
+    (["--pp", "2", "--schedule", "ZBVZeroBubble", "--virtual-stages", "3"], "exactly 2 stages per rank"),
+    (["--pp", "2", "--microbatches", "1"], "needs at least as many micro-batches as pipeline ranks"),
+    (["--pp", "2", "--microbatches", "3"], "3 micro-batches do not divide the batch of 4"),  # example: 4 × 32
+    (["--pp", "2", "--split-points", "transformer.h.1,"], "names an empty block"),
+    (["--schedule", "GPipe"], "--schedule applies to pipeline stages: give --pp 2 or more"),
+    (["--pp", "2", "--dp", "2", "--fsdp"], "--pp with --fsdp is not supported yet"),
+    (["--pp", "2", "--sequence-parallel"], "--pp with --sequence-parallel is not supported yet"),
+])
+def test_plan_pp_bad_options_exit_2_before_capture(monkeypatch, args, message) -> None:
+    def no_capture(*a, **k):
+        raise AssertionError("captured before the options were checked")
+
+    monkeypatch.setattr("autotp.cli.plan.capture", no_capture)
+    result = runner.invoke(app, ["plan", NANOGPT, "--tp", "2", *args], env=WIDE)
+    assert result.exit_code == 2, result.output
+    assert message in result.output and "Traceback" not in result.output
+
+
+@pytest.mark.parametrize("args,message", [
+    # examples/nanogpt.py has 2 blocks; Interleaved1F1B's default is 2 stages per rank
+    (["--pp", "2", "--schedule", "Interleaved1F1B"], "4 pipeline stages (pp × virtual stages) need a block each, "
+                                                     "and the graph has 2 repeated blocks"),
+    (["--pp", "2", "--split-points", "transformer.h.9"], "split point 'transformer.h.9' is not one of the model's blocks"),
+    (["--pp", "2", "--split-points", "transformer.h.0"], "does not come after the previous stage's first block"),
+    (["--pp", "2", "--split-points", "transformer.h.1,transformer.h.1"], "--split-points names 2 blocks, but 2 "
+                                                                          "stages start at 1"),
+])
+def test_plan_pp_bad_stages_exit_2(args, message) -> None:
+    result = runner.invoke(app, ["plan", NANOGPT, "--tp", "2", *args], env=WIDE)
+    assert result.exit_code == 2, result.output
+    assert message in result.output and "Traceback" not in result.output
+
+
+def test_plan_pp_split_points(tmp_path, gpt4) -> None:
+    data, text = _pipeline(tmp_path, gpt4, "--pp", "2", "--split-points", "transformer.h.1")
+    assert [s["blocks"] for s in data["pipeline"]["stages"]] == [
+        ["transformer.h.0"], ["transformer.h.1", "transformer.h.2", "transformer.h.3"]]
+    assert data["pipeline"]["cuts"][0]["values"][0]["module"] == "transformer.h.0"

@@ -113,6 +113,8 @@ def _check(results: list[dict], configs: list[tuple]) -> None:
         assert r["same_class"], config
         assert max(abs(a - b) for a, b in zip(r["losses"], r["ref_losses"])) <= 1e-5, (config, r["losses"])
         assert r["param_diff"] <= 1e-5, (config, r["param_diff"])
+        # clip_grad_norm_ over every stage (and TP shard): the unsharded model's norm, on every rank
+        assert max(abs(a - b) for a, b in zip(r["norms"], r["ref_norms"])) <= 1e-5 * max(r["ref_norms"]), config
         if "eval_loss" in r:
             assert abs(r["eval_loss"] - r["ref_eval"]) <= 1e-5, config
         assert r["direct_call"].startswith(f"{'GPT' if config[0] == 'nanogpt' else 'LlamaForCausalLM'} is cut "
@@ -197,3 +199,114 @@ def test_pipeline_checkpoint_resumes_at_other_pipeline_sizes(tmp_path):
         assert results[(1, 4)]["note"] == ("resumed from tp 2 × dp 1 × pp 2 → tp 1 × dp 1 × pp 4: weights and "
                                            "optimizer state resharded")
 
+
+
+# -- the command line ------------------------------------------------------------------------------------
+def _shard(*flags: str):
+    import os
+
+    from typer.testing import CliRunner
+
+    from autotp.cli.main import app
+    from distributed import ROOT
+
+    return CliRunner().invoke(app, ["shard", os.path.join(ROOT, "examples", "nanogpt.py"), *flags],
+                              env={"COLUMNS": "300"})
+
+
+@pytest.mark.slow
+def test_autotp_shard_pipeline_runs_as_is_and_resumes_without_it(tmp_path):
+    """`autotp shard examples/nanogpt.py --tp 2 --pp 2`: parity, training, checkpoint; then `--tp 4 --resume`
+    continues from the pipeline's checkpoint."""
+    import json
+
+    out = tmp_path / "out"
+    result = _shard("--tp", "2", "--pp", "2", "--out", str(out))
+    assert result.exit_code == 0, result.output
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["parity"]["ok"] and summary["pp"] == 2
+    assert summary["stages"] == [["transformer.h.0"], ["transformer.h.1"]]
+    assert summary["pipeline"] == "1F1B, 2 micro-batches, 1 stage(s) per rank"
+    assert len(summary["losses"]) == 3 and summary["losses"][-1] < summary["losses"][0]
+    assert [r["pp_rank"] for r in summary["ranks"]] == [0, 0, 1, 1]
+    assert (out / "checkpoints" / "step-000003" / ".metadata").is_file()
+    again = _shard("--tp", "4", "--steps", "4", "--resume", "--out", str(out))
+    assert again.exit_code == 0, again.output
+    resumed = json.loads((out / "summary.json").read_text())
+    assert resumed["start_step"] == 3 and len(resumed["losses"]) == 1
+    assert resumed["resharded"] == ("resumed from tp 2 × dp 1 × pp 2 → tp 4 × dp 1 × pp 1: weights and optimizer "
+                                    "state resharded")
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--tp", "1", "--pp", "4"], "4 pipeline stages (pp × virtual stages) need a block each, and the graph has 2"),
+    (["--tp", "1", "--pp", "2", "--microbatches", "3"], "--microbatches 3 does not divide example_batch()'s batch of 4"),
+    (["--tp", "1", "--pp", "2", "--schedule", "Zigzag"], "unknown pipeline schedule 'Zigzag'"),
+    (["--tp", "1", "--pp", "2", "--schedule", "Interleaved1F1B", "--virtual-stages", "1"], "virtual_stages is 1"),
+    (["--tp", "1", "--pp", "2", "--dp", "2", "--fsdp"], "--pp with --fsdp is not supported yet"),
+])
+def test_pipeline_bad_flags_fail_before_any_rank(flags, says):
+    result = _shard(*flags)
+    assert result.exit_code == 2, result.output
+    assert says in " ".join(result.output.split()), result.output
+
+
+_SCRIPT = '''
+import json, os, sys
+import torch
+import autotp
+from nanogpt_model import GPT, GPTConfig
+
+torch.manual_seed(1337)
+config = GPTConfig()
+model = GPT(config)
+g = torch.Generator().manual_seed(0)
+X = torch.randint(0, config.vocab_size, (4, 32), generator=g)
+Y = torch.randint(0, config.vocab_size, (4, 32), generator=g)
+if os.environ.get("AUTOTP_PP"):  # under `autotp run --pp 2`: the layout's mesh, no group made here
+    pipe = autotp.pipeline(model, example_inputs=(X, Y), microbatches=2)
+    params, clip = list(pipe.parameters()), pipe.clip_grad_norm_
+else:
+    pipe, params = None, list(model.parameters())
+    clip = lambda c: torch.nn.utils.clip_grad_norm_(params, c)
+opt = torch.optim.AdamW(params, lr=1e-3)
+losses = []
+for _ in range(3):
+    if pipe is not None:
+        loss = pipe.step(X, Y)
+    else:
+        loss = model(X, Y)[1]
+        loss.backward()
+    clip(1.0)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    losses.append(loss.item())
+print("RESULT " + json.dumps({"losses": losses}), flush=True)
+'''
+
+
+@pytest.mark.slow
+def test_user_script_under_autotp_run_pp(tmp_path):
+    """A script of the user's own with autotp.pipeline under `autotp run --tp 1 --pp 2`: the layout's mesh is
+    picked up, and every rank gets the single-device losses."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from distributed import ROOT
+
+    script = tmp_path / "train_pp.py"
+    script.write_text(_SCRIPT)
+    env = {**os.environ, "PYTHONPATH": os.path.join(ROOT, "tests", "scripts")}
+    env.pop("AUTOTP_PP", None)
+    single = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, env=env)
+    assert single.returncode == 0, single.stderr[-2000:]
+    want = json.loads(single.stdout.split("RESULT ")[1])["losses"]
+    proc = subprocess.run([sys.executable, "-m", "autotp.cli.main", "run", str(script), "--tp", "1", "--pp", "2"],
+                          capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    got = [json.JSONDecoder().raw_decode(part)[0]["losses"] for part in proc.stdout.split("RESULT ")[1:]]
+    assert len(got) == 2
+    for losses in got:
+        assert max(abs(a - b) for a, b in zip(losses, want)) <= 1e-5, (losses, want)

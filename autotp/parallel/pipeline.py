@@ -16,6 +16,7 @@ tokens), as one step on the whole batch gives.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -252,6 +253,29 @@ class Pipeline:
             if p.grad is not None:
                 dist.all_reduce(p.grad, group=group)
         return self._loss(losses)
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` over the whole model: the norm of every stage's gradients (a
+        TP shard's the full gradient's; a weight tied across stages counted once), the same on every rank,
+        and every rank's gradients scaled by the same factor. Returns the total norm."""
+        params = list(self.parameters())
+        skip = {id(p) for p, group in self._tied
+                if dist.get_rank() != min(dist.get_process_group_ranks(group))}  # counted by its first holder
+        grads = [p.grad for p in params if p.grad is not None and id(p) not in skip]
+        device = tp_state(self.model).device
+        local = torch.nn.utils.get_total_norm(grads, norm_type) if grads else torch.zeros((), device=device)
+        local = local.detach().double()
+        if math.isinf(norm_type):
+            dist.all_reduce(local, op=dist.ReduceOp.MAX, group=self.pp_group)
+            total = local
+        else:
+            power = local ** norm_type
+            dist.all_reduce(power, group=self.pp_group)
+            total = power ** (1.0 / norm_type)
+        total = total.float()
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+        return total
 
     @torch.no_grad()
     def eval_step(self, *args, **kwargs) -> torch.Tensor:
