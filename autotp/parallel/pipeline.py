@@ -219,6 +219,11 @@ class Pipeline:
     def _inputs(self, args: tuple, kwargs: dict) -> dict[str, object]:
         flat = flatten((args, kwargs))[0]
         key = call_key(args, kwargs, self.model.training)
+        if key[:-1] == self._key[:-1] and key[-1] != self._key[-1]:
+            raise PipelineError("this step runs under another autocast state than the pipeline was built under: "
+                                "its stages were captured, and send tensors of the dtypes, as they run there",
+                                hint="build autotp.pipeline(...) inside the same torch.autocast(...) context that "
+                                     "each step runs in (or step outside autocast if it was built outside)")
         if key != self._key:
             raise PipelineError("this step's inputs differ in structure, dtype or shape from example_inputs: the "
                                 "pipeline's stages send tensors of the shapes captured from them",
