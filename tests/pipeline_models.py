@@ -28,4 +28,10 @@ def llama(layers: int = 4) -> tuple[nn.Module, tuple, dict]:
     return model, (), {"input_ids": ids, "labels": ids, "use_cache": False}
 
 
-MODELS = {"nanogpt": nanogpt, "llama": llama}
+def llama_positions() -> tuple[nn.Module, tuple, dict]:
+    """Llama called with position ids of shape (1, s): an input the micro-batches share, not cut."""
+    model, args, kwargs = llama()
+    return model, args, {**kwargs, "position_ids": torch.arange(16).unsqueeze(0)}
+
+
+MODELS = {"nanogpt": nanogpt, "llama": llama, "llama_positions": llama_positions}

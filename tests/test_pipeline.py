@@ -127,10 +127,12 @@ def _by_rank(results: dict[int, list[dict]], i: int) -> list[dict]:
 
 @pytest.mark.slow
 def test_pipeline_two_ranks_matches_one_device():
-    """(tp 1, pp 2): 1F1B, GPipe, Interleaved1F1B (v 2), ZBVZeroBubble; nanoGPT (tied LM head) and Llama."""
+    """(tp 1, pp 2): 1F1B, GPipe, Interleaved1F1B (v 2), InterleavedZeroBubble, ZBVZeroBubble; nanoGPT (tied
+    LM head) and Llama, also with position ids of shape (1, s) every micro-batch shares."""
     configs = [("nanogpt", 1, 2, "1F1B", 2, None), ("llama", 1, 2, "GPipe", 2, None),
                ("nanogpt", 1, 2, "Interleaved1F1B", 2, 2), ("llama", 1, 2, "Interleaved1F1B", 4, 2),
-               ("nanogpt", 1, 2, "InterleavedZeroBubble", 2, 2), ("llama", 1, 2, "ZBVZeroBubble", 2, 2)]
+               ("nanogpt", 1, 2, "InterleavedZeroBubble", 2, 2), ("llama", 1, 2, "ZBVZeroBubble", 2, 2),
+               ("llama_positions", 1, 2, "1F1B", 2, None)]
     from pipeline_workers import pipeline_parity_many
 
     results = launch(pipeline_parity_many, 2, configs, [("nanogpt", 1, 2, "ZBVZeroBubble", 2, 2)])

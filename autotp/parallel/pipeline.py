@@ -33,7 +33,7 @@ from autotp.io.empty import swap_tensors
 from autotp.parallel.data import check_same_inputs
 from autotp.parallel.parallelize import _split_example, _user_forward, parallelize_state
 from autotp.plan.stages import StageRequest
-from autotp.runtime.stages import StageModule, StageWiring, input_name, wire_stages
+from autotp.runtime.stages import StageModule, StageWiring, Whole, input_name, wire_stages
 from autotp.runtime.units import PieceCall
 from autotp.state import Captured, tp_state
 
@@ -94,13 +94,6 @@ def stage_ranks(pp: int, count: int, placement: str) -> list[int]:
     if placement == "v":
         return [s if s < pp else 2 * pp - 1 - s for s in range(count)]
     return [s % pp for s in range(count)]
-
-
-@dataclass(frozen=True)
-class _Whole:
-    """A step input that is not cut into micro-batches (no batch dim): every micro-batch gets all of it."""
-
-    tensor: torch.Tensor
 
 
 def _batch_size(flat: list[torch.Tensor]) -> int:
@@ -236,7 +229,7 @@ class Pipeline:
         b = _batch_size(flat)
         if b % self.microbatches:
             raise PipelineError(f"{self.microbatches} micro-batches do not divide the batch of {b}")
-        return {input_name(i): t if t.dim() > 0 and t.shape[0] == b else _Whole(t) for i, t in enumerate(flat)}
+        return {input_name(i): t if t.dim() > 0 and t.shape[0] == b else Whole(t) for i, t in enumerate(flat)}
 
     def _loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
         device = tp_state(self.model).device

@@ -26,6 +26,14 @@ STAGE_PREFIX = "autotp_stage_"  # the pieces split_stages puts on the top graph
 ATTR = "attr:"  # a piece argument the top graph reads from itself (a buffer of the model, a constant)
 
 
+@dataclass(frozen=True)
+class Whole:
+    """A step input that is not cut into micro-batches (its dim 0 is not the batch, e.g. position ids of
+    shape (1, s)): the schedule hands every micro-batch all of it (it splits only tensors)."""
+
+    tensor: torch.Tensor
+
+
 def input_name(i: int) -> str:
     """The keyword a stage takes flat graph input ``i`` under."""
     return f"in{i}"
@@ -99,7 +107,7 @@ class StageModule(nn.Module):
     def forward(self, *received: torch.Tensor, **inputs: torch.Tensor):
         w = self.wiring
         env = dict(zip(w.recv, received))
-        env.update(inputs)
+        env.update((k, v.tensor if isinstance(v, Whole) else v) for k, v in inputs.items())
         out = self.piece(*(env[a] if not a.startswith(ATTR) else self._attr(a) for a in w.args))
         if len(w.results) == 1:
             env[w.results[0]] = out
