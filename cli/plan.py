@@ -8,12 +8,14 @@ same picture as the terminal shows.
 """
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import math
 import os
 import re
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import typer
@@ -21,16 +23,17 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-import contextlib
-
 from autotp.capture.tracer import capture, stand_ins
 from autotp.cli.common import USAGE_ERROR
 from autotp.cli.run import DEBUG, abort
-from autotp.errors import AutotpError, PlanSizeError
+from autotp.errors import AutotpError, PipelineError, PlanSizeError
 from autotp.distributed.layout import RankLayout
 from autotp.capture.modelfile import DEFAULT_BATCH_SHAPE, ModelFile, ModelFileError, default_example, load_model_file
+from autotp.plan.pipeline_report import PipelineReport, PipelineSpec, pipeline_report
+from autotp.plan.plan import Plan
 from autotp.plan.planner import make_plan
 from autotp.plan.report import FSDPReport, FSDPUnitRow, Report, build_report, fsdp_from_rows
+from autotp.plan.stages import StageRequest
 from autotp.plan.symbols import size_ranges
 
 _DIR = {"forward": "fwd", "backward": "bwd"}
@@ -182,8 +185,9 @@ def not_sharded_table(report: Report, whole) -> Table:
     return table
 
 
-def totals_table(report: Report, layout: RankLayout, ddp: bool = True) -> Table:
-    """``ddp``: data parallelism all-reduces the gradients (False with --fsdp: its own tables say what moves)."""
+def totals_table(report: Report, layout: RankLayout, ddp: bool = True, staged: bool = False) -> Table:
+    """``ddp``: data parallelism all-reduces the gradients (False with --fsdp: its own tables say what moves);
+    ``staged``: the pipeline's stages are shown (--pp), each holding its share of these totals."""
     m = report.memory
     table = Table(title="totals per tp rank", show_header=False)
     table.add_column(style="bold")
@@ -197,7 +201,10 @@ def totals_table(report: Report, layout: RankLayout, ddp: bool = True) -> Table:
     if layout.dp > 1 and ddp:
         table.add_row("dp gradient all-reduce / step", _n(m.local),
                       f"elements over dp {layout.dp} ({_size(m.local * report.act_bytes)})")
-    if layout.pp > 1:
+    if layout.pp > 1 and staged:
+        table.add_row("pipeline", f"pp {layout.pp}", "these are the whole model's; each pipeline rank holds its "
+                      "stages' share (pipeline stages below)")
+    elif layout.pp > 1:
         table.add_row("pipeline", "not planned", f"numbers assume every stage holds the whole model (pp {layout.pp})")
     return table
 
@@ -303,6 +310,140 @@ def fsdp_traffic_table(fsdp: FSDPReport) -> Table:
     return table
 
 
+# -- pipeline stages (--pp) ------------------------------------------------------------------------------
+def _blocks(blocks: tuple[str, ...]) -> str:
+    """``transformer.h.0 … transformer.h.3 (4)``."""
+    if len(blocks) == 1:
+        return f"{blocks[0]} (1)"
+    return f"{blocks[0]} … {blocks[-1]} ({len(blocks)})"
+
+
+def _flops(n: int) -> str:
+    for unit, size in (("TFLOP", 1e12), ("GFLOP", 1e9), ("MFLOP", 1e6)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n:,} FLOP"
+
+
+def _in_flight_rule(pipe: PipelineReport) -> str:
+    """The micro-batches a rank keeps, in words, for the caption (autotp.plan.pipeline_report.in_flight)."""
+    p, v, m = pipe.pp, pipe.virtual_stages, pipe.microbatches
+    return {
+        "GPipe": f"GPipe keeps every micro-batch: m = {m}",
+        "1F1B": "1F1B keeps min(m, p − r) on pipeline rank r",
+        "Interleaved1F1B": "Interleaved1F1B keeps min(v·m, (v − 1)·m_round + 2·(p − 1 − r) + 1) stage-micro-batches "
+                           "on rank r (torch's warm-up; Narayanan et al. 2021 §2.2, Korthikanti et al. §4.2.3: "
+                           "L·(1 + (p − 1)/(v·p)) layers' worth on rank 0)",
+        "InterleavedZeroBubble": "InterleavedZeroBubble keeps min(v·m, (v − 1)·m_round + (p − 1 − r) + 1) "
+                                 "stage-micro-batches on rank r (torch's warm-up)",
+        "LoopedBFS": f"LoopedBFS runs every micro-batch through a stage before the next: v·m = {v * m}",
+        "ZBVZeroBubble": f"ZBVZeroBubble keeps 2·p = {2 * p} stage-micro-batches on every rank (torch's warm-up)",
+    }[pipe.schedule]
+
+
+def stages_table(pipe: PipelineReport) -> Table:
+    """One row per pipeline stage: where it runs, its blocks, what it holds and computes per micro-batch."""
+    one = pipe.virtual_stages == 1
+    a = pipe.activations
+    table = Table(title=f"pipeline stages: pp {pipe.pp} × v {pipe.virtual_stages}, {pipe.schedule}, "
+                        f"{pipe.microbatches} micro-batches of b={pipe.micro_batch}, s={pipe.seq}, tp {pipe.tp}")
+    cols = ["stage", "pp rank", "blocks", "also runs", "params", "bytes", "fwd FLOPs", "activations"]
+    if one:
+        cols += ["in flight", "act. on rank"]
+    for col in cols:
+        table.add_column(col, justify="left" if col in ("blocks", "also runs") else "right", overflow="fold")
+    for st in pipe.stages:
+        also = [w for w, on in (("embeddings", st.first),
+                                ("final norm, LM head, loss", st.last)) if on]
+        cells = [str(st.index), str(st.rank), escape(_blocks(st.blocks)), "\n".join(also) or "—", _n(st.params),
+                 _size(st.param_bytes), _flops(st.flops), _size(st.activation_bytes)]
+        if one:
+            r = pipe.ranks[st.rank]
+            cells += [str(r.in_flight), _size(r.activation_bytes)]
+        table.add_row(*cells, end_section=st.index == len(pipe.stages) - 1)
+    stages = pipe.stages
+    total = ["all", "", f"{sum(len(st.blocks) for st in stages)} blocks", "", _n(sum(st.params for st in stages)),
+             _size(sum(st.param_bytes for st in stages)), _flops(sum(st.flops for st in stages)),
+             _size(sum(st.activation_bytes for st in stages))]
+    table.add_row(*total, *(["", ""] if one else []))
+    formula = (f"{a.layer_bytes:,} B per block = s·b·h·({4 * a.elem + 2 * a.dropout} + {12 * a.elem}/t)"
+               + ("" if a.fused or a.heads is None else f" + {a.elem + a.dropout * (1 + a.elem)}·a·s²·b/t")
+               + f" at h={_n(a.hidden)}" + (f", a={a.heads}" if a.heads and not a.fused else ""))
+    table.caption = escape(
+        "params, bytes: what one tp rank of the stage holds" + (
+            f" ({', '.join(pipe.shared)} in every stage that reads it, so the column adds up to more than the model)"
+            if pipe.shared else "") + ". fwd FLOPs: matmuls and attention of one micro-batch through the whole "
+        "stage, each tp rank doing ≈ 1/t. activations: one micro-batch's, per tp rank, the blocks' own (Korthikanti et al. 2022, DESIGN §4, GPT block with a "
+        f"4h MLP; {a.elem}-byte activations, {'1-byte dropout masks' if a.dropout else 'no dropout'}, "
+        f"{'fused attention: no s×s scores' if a.fused else 's×s scores kept'}): {formula}; embeddings, LM head "
+        f"and loss not counted." + (f" Assumed in flight: {_in_flight_rule(pipe)}." if one else ""))
+    return table
+
+
+def ranks_table(pipe: PipelineReport) -> Table:
+    """With several stages per rank: what each pipeline rank keeps at its peak."""
+    table = Table(title=f"pipeline ranks: {pipe.virtual_stages} stages each; per tp rank, activations at the peak")
+    for col in ("pp rank", "stages", "blocks", "params", "bytes", "in flight", "act. on rank"):
+        table.add_column(col, justify="left" if col in ("stages",) else "right")
+    for r in pipe.ranks:
+        blocks = sum(len(pipe.stages[s].blocks) for s in r.stages)
+        table.add_row(str(r.rank), ", ".join(map(str, r.stages)), str(blocks), _n(r.params), _size(r.param_bytes),
+                      str(r.in_flight), _size(r.activation_bytes))
+    table.caption = ("params: every tensor its stages read, once. in flight: (stage, micro-batch) pairs whose "
+                     f"activations the rank holds at once, each at its stages' mean size. {_in_flight_rule(pipe)}.")
+    return table
+
+
+def p2p_table(pipe: PipelineReport) -> Table:
+    """What crosses each cut per micro-batch: sent forward, its gradient sent back."""
+    table = Table(title=f"pipeline point-to-point per micro-batch (b={pipe.micro_batch}, s={pipe.seq}), "
+                        "each tp rank to its peer")
+    for col in ("cut", "pp ranks", "value", "computed by", "shape", "dtype", "fwd bytes", "bwd bytes"):
+        table.add_column(col, justify="right" if col in ("shape", "fwd bytes", "bwd bytes") else "left",
+                         overflow="fold")
+    for c in pipe.cuts:
+        where = f"{c.src} → {c.dst}" if c.sent else f"{c.src} (same rank: not sent)"
+        for i, x in enumerate(c.values):
+            by = ": ".join(w for w in (x.module or "<root>", x.code) if w)
+            table.add_row(f"{c.after} → {c.after + 1}" if i == 0 else "", where if i == 0 else "", escape(x.name),
+                          escape(by), _shape(x.shape), x.dtype, _size(x.bytes if c.sent else 0),
+                          _size(x.bytes if c.sent and x.grad else 0), end_section=i == len(c.values) - 1)
+        if not c.values:
+            table.add_row(f"{c.after} → {c.after + 1}", where, "nothing", "", "", "", _size(0), _size(0),
+                          end_section=True)
+    m, sent = pipe.microbatches, sum(c.sent for c in pipe.cuts)
+    table.add_row("per micro-batch", f"{sent} cut{'s' if sent != 1 else ''}", "", "", "", "",
+                  _size(pipe.forward_bytes), _size(pipe.backward_bytes))
+    table.add_row(f"per step (× m = {m})", "", "", "", "", "", _size(m * pipe.forward_bytes),
+                  _size(m * pipe.backward_bytes))
+    table.caption = (
+        "values computed before a cut and read after it, as autotp.pipeline sends them (the graph's inputs reach "
+        "every stage locally; parameters and buffers are read where they are used). bwd: the gradients of the "
+        "floating-point values computed from parameters. Per step: every micro-batch over every cut"
+        + (f"; {pipe.virtual_stages} stages per rank make p·v − 1 = {len(pipe.cuts)} cuts (p − 1 = {pipe.pp - 1} "
+           f"with one stage per rank: about v× the traffic)" if pipe.virtual_stages > 1 else "")
+        + f": {_size(pipe.step_bytes)} both ways.")
+    return table
+
+
+def schedule_table(pipe: PipelineReport) -> Table:
+    """The schedule, its sizes and its bubble."""
+    p, v, m, bub = pipe.pp, pipe.virtual_stages, pipe.microbatches, pipe.bubble
+    table = Table(title=f"pipeline schedule {pipe.schedule}", show_header=False)
+    table.add_column(style="bold")
+    table.add_column(justify="right")
+    table.add_column()
+    table.add_row("stages", str(p * v), f"p {p} × v {v}; pipeline rank of stage 0, 1, …: "
+                  + ", ".join(str(st.rank) for st in pipe.stages))
+    table.add_row("micro-batches", str(m), f"of b/m = {pipe.micro_batch} sequences each")
+    values = f"({p} − 1)/{m}" if bub.formula == "(p − 1)/m" else f"({p} − 1)/({v}·{m})"
+    note = "; an upper bound: the schedule fills most of it with weight-gradient work" if bub.upper_bound else ""
+    table.add_row("bubble", f"{bub.fraction:.2f}", f"{bub.formula} = {values} of the ideal step time (a step ≈ "
+                  f"{1 + bub.fraction:.2f}× the ideal){note}")
+    table.caption = "Narayanan et al. 2021, §2.2: GPipe/1F1B (p − 1)/m, interleaved (p − 1)/(v·m)."
+    return table
+
+
 # -- building ------------------------------------------------------------------------------------------
 def _batch(mf: ModelFile, net: torch.nn.Module, batch: int | None,
            seq: int | None) -> tuple[tuple, dict, int, int, str]:
@@ -330,21 +471,31 @@ def _batch(mf: ModelFile, net: torch.nn.Module, batch: int | None,
 AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+class Planned(NamedTuple):
+    plan: Plan
+    report: Report
+    names: list[str]  # every parameter name of the model, in its order
+    batch_note: str  # says when the default batch was used ("" otherwise)
+    pipeline: PipelineReport | None = None  # with --pp > 1
+
+
 def make_report(model: str, tp: int, batch: int | None = None, seq: int | None = None,
                 vocab_multiple: int = 1, sequence_parallel: bool = False, autocast: str | None = None,
-                expert_parallel: bool = False):
+                expert_parallel: bool = False, pipeline: PipelineSpec | None = None) -> Planned:
     """Load, build on meta, capture, plan, and compute the report; no printing. ``autocast`` ("bf16" or
     "fp16"): capture under ``torch.autocast`` as a training script runs the forward, so the collectives are
     counted in the dtypes that travel then (the parameters are CPU stand-ins for that capture: address
-    space, never written).
-
-    Returns ``(plan, report, names, batch_note)``, ``names`` being every parameter name of the model in its
-    order and ``batch_note`` saying when the default batch was used ("" otherwise).
+    space, never written). ``pipeline``: cut the blocks into its pp × v stages and report them; its
+    micro-batches must divide the batch, which is checked before the capture.
     """
     mf = load_model_file(model)
     with torch.device("meta"):
         net = mf.build()
     args, kwargs, b, s, batch_note = _batch(mf, net, batch, seq)
+    if pipeline is not None:
+        from autotp.parallel.pipeline import check_pipeline  # torch.distributed.pipelining: only when asked for
+
+        check_pipeline(pipeline.pp, pipeline.schedule, pipeline.virtual_stages, pipeline.microbatches, b)
     # a module-level instance was built before the meta context: capture reads it without computing
     cpu, swap, amp = torch.device("cpu"), None, contextlib.nullcontext()
     if autocast is not None:  # autocast acts on CPU tensors, not on meta ones
@@ -353,11 +504,16 @@ def make_report(model: str, tp: int, batch: int | None = None, seq: int | None =
         amp = torch.autocast("cpu", dtype=AUTOCAST[autocast])
     with amp:
         gm, _ = capture(net, args, kwargs, params=swap, device=cpu)
-    plan = make_plan(gm, tp, vocab_multiple, sequence_parallel=sequence_parallel, expert_parallel=expert_parallel)
+    stages = None if pipeline is None else StageRequest(len(pipeline.ranks), pipeline.split_points)
+    plan = make_plan(gm, tp, vocab_multiple, sequence_parallel=sequence_parallel, expert_parallel=expert_parallel,
+                     stages=stages)
     report = build_report(plan, net.named_parameters(remove_duplicate=False), b, s)
     _check_sizes(report, size_ranges(gm))
     names = [n for n, _ in net.named_parameters(remove_duplicate=False)]
-    return plan, report, names, batch_note
+    # under autocast the blocks' activations are 16-bit, as Korthikanti et al.'s formula counts them
+    pipe = None if pipeline is None else pipeline_report(gm, plan, report, pipeline,
+                                                         2 if autocast is not None else None)
+    return Planned(plan, report, names, batch_note, pipe)
 
 
 def _check_sizes(report: Report, ranges: dict[str, tuple[int, int | None]]) -> None:
@@ -379,7 +535,18 @@ def plan(
                                 "optionally example_batch(); path.py:NAME names another factory."),
     tp: int = typer.Option(..., "--tp", help="Tensor-parallel size."),
     dp: int | None = typer.Option(None, "--dp", help="Data-parallel size; default world / (tp × pp), or 1."),
-    pp: int = typer.Option(1, "--pp", help="Pipeline-parallel size (rank grid only; layers are not split)."),
+    pp: int = typer.Option(1, "--pp", help="Pipeline-parallel size: cut the blocks into pipeline stages and "
+                           "show each stage, what crosses each cut and the bubble."),
+    virtual_stages: int | None = typer.Option(None, "--virtual-stages", help="With --pp: stages per rank "
+                                              "(default 1; 2 for the interleaved and V schedules)."),
+    schedule: str | None = typer.Option(None, "--schedule", help="With --pp: the pipeline schedule (GPipe, 1F1B, "
+                                        "Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble; "
+                                        "default 1F1B)."),
+    microbatches: int | None = typer.Option(None, "--microbatches", help="With --pp: micro-batches per step "
+                                            "(default: pp); they must divide the batch."),
+    split_points: str | None = typer.Option(None, "--split-points", metavar="BLOCK,BLOCK,...",
+                                            help="With --pp: the blocks that start stages 1, 2, ... (default: "
+                                            "balanced by forward FLOPs)."),
     world_size: int | None = typer.Option(None, "--world-size", "-w", help="Total ranks; default tp × dp × pp."),
     gpus_per_node: int | None = typer.Option(None, "--gpus-per-node", help="GPUs per node: marks node boundaries."),
     batch: int | None = typer.Option(None, "--batch", help="Batch size the numbers are for (default: the "
@@ -399,7 +566,8 @@ def plan(
     html: Path | None = typer.Option(None, "--html", help="Write the printed tables as HTML here."),
     debug: bool = DEBUG,
 ) -> None:
-    """Show how MODEL_PY would be sharded: rank grid, per-layer plan, memory and communication per step."""
+    """Show how MODEL_PY would be sharded: rank grid, per-layer plan, memory and communication per step; with
+    --pp, its pipeline stages, what crosses each cut and the bubble."""
 
     for name, value in (("--batch", batch), ("--seq", seq), ("--vocab-multiple", vocab_multiple)):
         if value is not None and value < 1:
@@ -414,9 +582,13 @@ def plan(
               code=USAGE_ERROR)
     if autocast is not None and autocast not in AUTOCAST:
         abort(f"--autocast must be one of {', '.join(AUTOCAST)}, got {autocast}", debug, code=USAGE_ERROR)
+    spec = _pipeline_spec(pp, schedule, virtual_stages, microbatches, split_points, batch, debug,
+                          fsdp=fsdp, sequence_parallel=sequence_parallel, expert_parallel=expert_parallel)
     try:
-        the_plan, report, names, batch_note = make_report(model, tp, batch, seq, vocab_multiple, sequence_parallel,
-                                                          autocast, expert_parallel)
+        the_plan, report, names, batch_note, pipe = make_report(model, tp, batch, seq, vocab_multiple,
+                                                                sequence_parallel, autocast, expert_parallel, spec)
+    except PipelineError as exc:  # micro-batches the batch does not divide, more stages than blocks, split points
+        abort(_as_flags(str(exc)), debug, code=USAGE_ERROR)
     except (AutotpError, ValueError) as exc:  # a ValueError of the plan names the sizes (experts tp does not divide)  # model file, capture and sharding problems: the user's to fix
         abort(str(exc), debug, code=USAGE_ERROR)
     fsdp_info = None
@@ -430,23 +602,68 @@ def plan(
         fsdp_info = fsdp_from_rows(the_plan, report.params, layout.dp)
 
     console = _console()
-    render(console, model, the_plan, report, layout, names, batch_note, fsdp_info)
+    render(console, model, the_plan, report, layout, names, batch_note, fsdp_info, pipe)
     if json_out is not None:
         data = {"plan": the_plan.to_dict(), "layout": layout.groups(),
                 "world": {k: v for k, v in layout.to_dict().items() if k != "groups"},
                 "report": report.to_dict()}
         if fsdp_info is not None:
             data["fsdp"] = fsdp_info.to_dict()
+        if pipe is not None:
+            data["pipeline"] = pipe.to_dict()
         json_out.write_text(json.dumps(data, indent=2))
     if svg is not None or html is not None:
         # drawn again, off screen and at least 160 columns wide, so a file does not inherit a narrow
         # (or absent, under a pipe) terminal's wrapping
         pic = Console(record=True, file=io.StringIO(), width=max(console.width, 160), force_terminal=True)
-        render(pic, model, the_plan, report, layout, names, batch_note, fsdp_info)
+        render(pic, model, the_plan, report, layout, names, batch_note, fsdp_info, pipe)
         if svg is not None:  # save_svg clears the recording unless told not to; keep it for the html
             pic.save_svg(str(svg), title=f"autotp plan {model}", clear=html is None)
         if html is not None:
             pic.save_html(str(html))
+
+
+def _pipeline_spec(pp: int, schedule: str | None, virtual_stages: int | None, microbatches: int | None,
+                   split_points: str | None, batch: int | None, debug: bool, *, fsdp: bool,
+                   sequence_parallel: bool, expert_parallel: bool) -> PipelineSpec | None:
+    """The checked pipeline options (None without --pp > 1), or exit 2 before anything is captured; the
+    micro-batches are checked against the example's batch once it is known (make_report)."""
+    given = [flag for flag, value in (("--schedule", schedule), ("--virtual-stages", virtual_stages),
+                                      ("--microbatches", microbatches), ("--split-points", split_points))
+             if value is not None]
+    if pp == 1:
+        if given:
+            abort(f"{', '.join(given)} {'applies' if len(given) == 1 else 'apply'} to pipeline stages: give --pp 2 "
+                  "or more", debug, code=USAGE_ERROR)
+        return None
+    # what autotp.pipeline runs its stages with: plain tensor parallelism, data parallelism by DDP
+    used = [f for f, on in (("--fsdp", fsdp), ("--sequence-parallel", sequence_parallel),
+                            ("--expert-parallel", expert_parallel)) if on]
+    if used:
+        abort(f"--pp with {', '.join(used)} is not supported yet", debug, code=USAGE_ERROR)
+    from autotp.parallel.pipeline import SCHEDULES, check_pipeline, stage_ranks  # torch.distributed.pipelining
+
+    m = microbatches if microbatches is not None else pp
+    try:
+        name, v = check_pipeline(pp, schedule or "1F1B", virtual_stages, m, batch)
+    except AutotpError as exc:
+        abort(_as_flags(str(exc)), debug, code=USAGE_ERROR)
+    points = tuple(p.strip() for p in split_points.split(",")) if split_points is not None else ()
+    if any(not p for p in points):
+        abort(f"--split-points {split_points!r} names an empty block: give BLOCK,BLOCK,... (the blocks that "
+              "start stages 1, 2, ...)", debug, code=USAGE_ERROR)
+    ranks = tuple(stage_ranks(pp, pp * v, SCHEDULES[name].placement))
+    return PipelineSpec(pp, v, m, name, ranks, points)
+
+
+# autotp.pipeline's argument names in its errors, as this command spells them
+_PIPELINE_FLAGS = {"virtual_stages": "--virtual-stages", "microbatches": "--microbatches",
+                   "split_points": "--split-points"}
+
+
+def _as_flags(message: str) -> str:
+    return re.sub(r"(?<![\w-])(virtual_stages|microbatches|split_points)\b", lambda x: _PIPELINE_FLAGS[x[1]],
+                  message)
 
 
 def _console() -> Console:
@@ -514,7 +731,7 @@ def experts_table(the_plan, report: Report) -> Table | None:
 
 
 def render(console: Console, model: str, the_plan, report: Report, layout: RankLayout, names: list[str],
-           batch_note: str = "", fsdp: FSDPReport | None = None) -> None:
+           batch_note: str = "", fsdp: FSDPReport | None = None, pipe: PipelineReport | None = None) -> None:
     sp = ", sequence parallel" if the_plan.sequence is not None and the_plan.sequence.leaves else ""
     console.print(f"[bold]{escape(model)}[/bold]: tp {report.tp}{sp}, {len(the_plan.pairs)} column→row pairs, "
                   f"{len(the_plan.collectives)} collectives per step; {world_line(layout)}")
@@ -533,12 +750,18 @@ def render(console: Console, model: str, the_plan, report: Report, layout: RankL
     experts = experts_table(the_plan, report)
     if experts is not None:
         console.print(experts)
-    console.print(totals_table(report, layout, ddp=fsdp is None))
+    console.print(totals_table(report, layout, ddp=fsdp is None, staged=pipe is not None))
     console.print(comm_table(report))
     if fsdp is not None:
         console.print(fsdp_units_table(fsdp))
         console.print(fsdp_memory_table(fsdp))
         console.print(fsdp_traffic_table(fsdp))
+    if pipe is not None:
+        console.print(stages_table(pipe))
+        if pipe.virtual_stages > 1:
+            console.print(ranks_table(pipe))
+        console.print(p2p_table(pipe))
+        console.print(schedule_table(pipe))
     for note in report.notes:
         console.print(f"[yellow]note:[/yellow] {escape(note)}")
 

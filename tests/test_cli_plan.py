@@ -376,7 +376,7 @@ def test_plan_pp_stages_table(gpt4_pp2) -> None:
     assert [(r["in_flight"], r["activation_bytes"]) for r in pipe["ranks"]] == [(2, 4 * block), (1, 2 * block)]
     # forward FLOPs per micro-batch: the last stage's LM head (2·b·s·h·V) on top of equal blocks
     assert stages[1]["flops"] - stages[0]["flops"] == 2 * b * s * h * 256
-    assert "pipeline stages: pp 2 × v 1, 1F1B, 2 micro-batches of b=4, s=16 (tp 2)" in text
+    assert "pipeline stages: pp 2 × v 1, 1F1B, 2 micro-batches of b=4, s=16, tp 2" in text
     assert "embeddings" in _row(text, "transformer.h.0 … transformer.h.1 (2)")
     assert "final norm, LM head, loss" in _row(text, "transformer.h.2 … transformer.h.3 (2)")
     assert "1F1B keeps min(m, p − r) on pipeline rank r" in text
@@ -525,3 +525,22 @@ def test_plan_pp_split_points(tmp_path, gpt4) -> None:
     assert [s["blocks"] for s in data["pipeline"]["stages"]] == [
         ["transformer.h.0"], ["transformer.h.1", "transformer.h.2", "transformer.h.3"]]
     assert data["pipeline"]["cuts"][0]["values"][0]["module"] == "transformer.h.0"
+
+
+@pytest.mark.parametrize("name,loss", [("nanogpt", 1), ("llama", 0)])  # the loss's place in the flat outputs
+def test_crossing_is_what_the_pipeline_sends(name, loss) -> None:
+    """The values the report finds at each cut are those autotp.pipeline's stages send (captured static)."""
+    from pipeline_models import MODELS
+
+    from autotp.passes.split_stages import split_stages
+    from autotp.plan.pipeline_report import crossing, node_stages
+    from autotp.plan.stages import StageRequest
+    from autotp.runtime.stages import wire_stages
+
+    model, args, kwargs = MODELS[name]()
+    gm, _ = capture(model, args, kwargs, static=True)
+    plan = make_plan(gm, 1, stages=StageRequest(4))
+    cuts = crossing(gm, node_stages(gm, plan), 4)
+    sent = [w.send for w in wire_stages(split_stages(gm, plan), loss)[:-1]]
+    assert [len(c) for c in cuts] == [len(s) for s in sent] == [1 if name == "nanogpt" else 4] * 3
+    assert all(c[-1].shape == (8, 16, 64) and c[-1].grad for c in cuts)  # the hidden state, last computed
