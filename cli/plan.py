@@ -25,6 +25,8 @@ from rich.table import Table
 
 from autotp.capture.tracer import capture, stand_ins
 from autotp.cli.common import USAGE_ERROR
+from autotp.cli.plan_format import DIRECTION, fmt_count, fmt_size, fmt_ratio, fmt_kind, fmt_shape
+from autotp.cli.plan_tables import (fsdp_units_table, fsdp_memory_table, fsdp_traffic_table, stages_table, ranks_table, p2p_table, schedule_table)
 from autotp.cli.run import DEBUG, abort
 from autotp.errors import AutotpError, PipelineError, PlanSizeError
 from autotp.distributed.layout import RankLayout
@@ -32,43 +34,14 @@ from autotp.capture.modelfile import DEFAULT_BATCH_SHAPE, ModelFile, ModelFileEr
 from autotp.plan.pipeline_report import PipelineReport, PipelineSpec, pipeline_report
 from autotp.plan.plan import Plan
 from autotp.plan.planner import make_plan
-from autotp.plan.report import FSDPReport, FSDPUnitRow, Report, build_report, fsdp_from_rows
+from autotp.plan.report import FSDPReport, Report, build_report, fsdp_from_rows
 from autotp.plan.stages import StageRequest
 from autotp.plan.symbols import size_ranges
 
-_DIR = {"forward": "fwd", "backward": "bwd"}
 # the first numbered path component (``transformer.h.3``) names a layer; tables draw a line between layers
 _LAYER = re.compile(r"^(.*?\.\d+)(\.|$)")
 
 
-def _n(x: int | None) -> str:
-    return "?" if x is None else f"{x:,}"
-
-
-def _size(n: int | None) -> str:
-    if n is None:
-        return "?"
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n} B" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
-
-
-def _r(x: float | None) -> str:
-    return "—" if x is None else f"{x:.2f}"
-
-
-def _kind(kind: str, op: str) -> str:
-    """``all-reduce(sum)``, ``reduce-scatter(sum)``, ``all-gather``."""
-    return kind.replace("_", "-") + (f"({op})" if op else "")
-
-
-def _shape(s: tuple[int, ...]) -> str:
-    return "[" + ", ".join(str(d) for d in s) + "]"
-
-
-# -- the tables ----------------------------------------------------------------------------------------
 def rank_grid(layout: RankLayout) -> Table:
     """One row per TP group (a (pp, dp) coordinate): the global ranks of its tp coordinates, and its node.
 
@@ -142,13 +115,13 @@ def layer_table(report: Report, names: list[str], whole: dict[str, str] | None =
             tied = [a for a in row.aliases if a.rpartition(".")[0] != module]
             notes = ([row.role] if row.role != role else []) + ([f"tied to {tied[0]}"] if tied else [])
             leaves.append(escape(leaf + (f" ({', '.join(notes)})" if notes else "")))
-        cs = [f"{_DIR.get(c.direction, c.direction)} {_kind(c.kind, c.op)} {c.shape} = {_n(c.elements)}"
+        cs = [f"{DIRECTION.get(c.direction, c.direction)} {fmt_kind(c.kind, c.op)} {c.shape} = {fmt_count(c.elements)}"
               for c in coll.get(module, [])]
         nxt = _LAYER.match(items[i + 1][0]) if i + 1 < len(items) else None
         here = _LAYER.match(module)
         table.add_row(escape(module), shown, "\n".join(leaves),
-                      "\n".join(_shape(row.full_shape) for _, row in params),
-                      "\n".join(_shape(row.local_shape) for _, row in params),
+                      "\n".join(fmt_shape(row.full_shape) for _, row in params),
+                      "\n".join(fmt_shape(row.local_shape) for _, row in params),
                       escape("\n".join(cs)),
                       end_section=bool(here and nxt and here.group(1) != nxt.group(1)))
     return table
@@ -161,14 +134,14 @@ def replicated_table(report: Report, replicated: tuple[tuple[str, str], ...]) ->
     table.add_column("parameters", justify="right")
     for module, reason in replicated:
         n = sum(math.prod(r.full_shape) for r in report.params if r.name.startswith(module + "."))
-        table.add_row(escape(module), escape(reason), _n(n))
+        table.add_row(escape(module), escape(reason), fmt_count(n))
     reasons: dict[str, list] = {}
     for r in report.params:
         if r.role == "replicated" and not any(r.name.startswith(m + ".") for m, _ in replicated):
             reasons.setdefault(r.reason, []).append(r)
     for reason, rows in reasons.items():
         table.add_row(f"{len(rows)} tensor(s), e.g. {escape(rows[0].name)}", escape(reason),
-                      _n(sum(math.prod(r.full_shape) for r in rows)))
+                      fmt_count(sum(math.prod(r.full_shape) for r in rows)))
     return table
 
 
@@ -181,7 +154,7 @@ def not_sharded_table(report: Report, whole) -> Table:
     for w in whole:
         row = by_alias.get(w.name)
         shape = row.full_shape if row is not None else ()
-        table.add_row(escape(w.name), _shape(shape), _n(math.prod(shape)) if shape else "", escape(w.reason))
+        table.add_row(escape(w.name), fmt_shape(shape), fmt_count(math.prod(shape)) if shape else "", escape(w.reason))
     return table
 
 
@@ -193,14 +166,14 @@ def totals_table(report: Report, layout: RankLayout, ddp: bool = True, staged: b
     table.add_column(style="bold")
     table.add_column(justify="right")
     table.add_column()
-    table.add_row("parameters", _n(m.local), f"of {_n(m.params)} ({m.sharded:,} sharded, {m.replicated:,} replicated)")
-    table.add_row("parameter bytes", _size(m.bytes_per_rank), f"of {_size(m.bytes_full)} unsharded")
-    table.add_row("training memory (16 B/param)", _size(m.train_bytes_per_rank), f"of {_size(m.train_bytes_full)}")
-    table.add_row("  formula 16·P_sharded/t + 16·P_replicated", _size(m.formula_bytes), f"ratio {_r(m.formula_ratio)}")
-    table.add_row("  ideal 16·P/t", _size(m.ideal_bytes), f"ratio {_r(m.ideal_ratio)}")
+    table.add_row("parameters", fmt_count(m.local), f"of {fmt_count(m.params)} ({m.sharded:,} sharded, {m.replicated:,} replicated)")
+    table.add_row("parameter bytes", fmt_size(m.bytes_per_rank), f"of {fmt_size(m.bytes_full)} unsharded")
+    table.add_row("training memory (16 B/param)", fmt_size(m.train_bytes_per_rank), f"of {fmt_size(m.train_bytes_full)}")
+    table.add_row("  formula 16·P_sharded/t + 16·P_replicated", fmt_size(m.formula_bytes), f"ratio {fmt_ratio(m.formula_ratio)}")
+    table.add_row("  ideal 16·P/t", fmt_size(m.ideal_bytes), f"ratio {fmt_ratio(m.ideal_ratio)}")
     if layout.dp > 1 and ddp:
-        table.add_row("dp gradient all-reduce / step", _n(m.local),
-                      f"elements over dp {layout.dp} ({_size(m.local * report.act_bytes)})")
+        table.add_row("dp gradient all-reduce / step", fmt_count(m.local),
+                      f"elements over dp {layout.dp} ({fmt_size(m.local * report.act_bytes)})")
     if layout.pp > 1 and staged:
         table.add_row("pipeline", f"pp {layout.pp}", "these are the whole model's; each pipeline rank holds its "
                       "stages' share (pipeline stages below)")
@@ -212,15 +185,15 @@ def totals_table(report: Report, layout: RankLayout, ddp: bool = True, staged: b
 def comm_table(report: Report) -> Table:
     t = report.tp
     table = Table(title=f"tp communication per training step, per rank: b={report.batch}, s={report.seq}, "
-                        f"h={_n(report.hidden)}, L={report.layers:g}")
+                        f"h={fmt_count(report.hidden)}, L={report.layers:g}")
     for col in ("pass", "collective", "count", "formula", "ratio", "elements", "formula", "ratio", "bytes"):
         table.add_column(col, justify="left" if col in ("pass", "collective") else "right")
     lines = [*report.comm, report.total()]
     for i, c in enumerate(lines):
-        name = "all" if c.kind == "all" else _kind(c.kind, c.op)
-        direction = _DIR.get(c.direction, c.direction)
-        table.add_row(direction, name, str(c.count), str(c.formula_count), _r(c.count_ratio), _n(c.elements),
-                      _n(c.formula_elements), _r(c.elements_ratio), _size(c.bytes), end_section=i == len(lines) - 2)
+        name = "all" if c.kind == "all" else fmt_kind(c.kind, c.op)
+        direction = DIRECTION.get(c.direction, c.direction)
+        table.add_row(direction, name, str(c.count), str(c.formula_count), fmt_ratio(c.count_ratio), fmt_count(c.elements),
+                      fmt_count(c.formula_elements), fmt_ratio(c.elements_ratio), fmt_size(c.bytes), end_section=i == len(lines) - 2)
     terms = "; ".join(f"{x.direction} {x.count}×{x.each} ({x.what})" for x in report.formula)
     if terms and any(x.kind != "all_reduce" for x in report.formula):
         table.caption = (f"Megatron-SP formula (Korthikanti et al. 2022; README 'Sequence parallelism'): {terms}. "
@@ -232,219 +205,6 @@ def comm_table(report: Report) -> Table:
     return table
 
 
-def _unit_name(u: FSDPUnitRow) -> str:
-    return "what no unit owns" if u.kind == "root" else escape(" + ".join(u.modules or (u.module,)))
-
-
-_KEEPS = {"first": "fwd, bwd", "block": "fwd, bwd", "last": "fwd, kept", "root": "fwd, kept"}
-
-
-def fsdp_units_table(fsdp: FSDPReport) -> Table:
-    """One row per FSDP unit, in the order they run: first (embeddings), the blocks, last (final norm, LM
-    head), then the root."""
-    table = Table(title=f"fsdp units: each tp rank's shards cut again over dp {fsdp.dp} (tp {fsdp.tp})")
-    for col, justify in (("kind", "left"), ("unit", "left"), ("gathered in", "left"), ("tensors", "right"),
-                         ("parameters", "right"), ("per tp rank", "right"), ("gathered / rank", "right"),
-                         ("sharded / rank", "right")):
-        table.add_column(col, justify=justify, overflow="fold")
-    for i, u in enumerate(fsdp.units):
-        table.add_row(u.kind, _unit_name(u), _KEEPS.get(u.kind, ""), str(u.tensors), _n(u.params), _n(u.local),
-                      _size(u.gathered_bytes), _size(u.sharded_bytes), end_section=i == len(fsdp.units) - 1)
-    us = fsdp.units
-    table.add_row("all", "", "", str(sum(u.tensors for u in us)), _n(sum(u.params for u in us)),
-                  _n(sum(u.local for u in us)), _size(sum(u.gathered_bytes for u in us)),
-                  _size(sum(u.sharded_bytes for u in us)))
-    table.caption = ("first: the modules read only before the blocks; last: only after them; root: what no unit "
-                     "owns (a tied embedding / LM head). gathered in: fwd, bwd = freed after forward and gathered "
-                     "again for backward; fwd, kept = kept from forward into backward. gathered: the unit's tp "
-                     "shards whole, as an all-gather over dp leaves them; sharded: what a rank keeps between "
-                     "gathers (dim 0 of each shard in d pieces, FSDP's padding included)")
-    return table
-
-
-def fsdp_memory_table(fsdp: FSDPReport) -> Table:
-    """FSDP's training memory per rank, term by term, against plain data parallelism's."""
-    t, d = fsdp.tp, fsdp.dp
-    table = Table(title=f"training memory per rank with fsdp (16 B/param, tp {t} × dp {d}, "
-                        "resharded after forward)", show_header=False)
-    table.add_column(style="bold")
-    table.add_column(justify="right")
-    table.add_column()
-    table.add_row("  state 16·(P/t)/d", _size(fsdp.state_bytes),
-                  f"weights, gradients, Adam: 16 × {_n(fsdp.local)} elements per tp rank / {d}")
-    kept = {u.kind for u in fsdp.kept}
-    if kept:
-        what = ("root and last unit gathered, kept until their backward" if kept == {"root", "last"} else
-                f"{'root' if 'root' in kept else 'last unit'} gathered, kept until its backward")
-        table.add_row("  kept gathered", _size(fsdp.kept_bytes), what)
-    resharded = fsdp.resharded
-    sizes = [u.gathered_bytes for u in resharded]
-    if len(resharded) > 1:
-        i = max(range(len(sizes) - 1), key=lambda j: sizes[j] + sizes[j + 1])
-        pair = f"{_unit_name(resharded[i])} + {_unit_name(resharded[i + 1])}"
-        table.add_row("  units gathered", _size(fsdp.prefetch_bytes),
-                      f"the running unit and the prefetched next one (largest pair: {pair})")
-    elif resharded:
-        table.add_row("  units gathered", _size(fsdp.prefetch_bytes), "the one resharded unit, while it runs")
-    table.add_row("fsdp per rank", _size(fsdp.peak_bytes),
-                  "+ activations (not estimated here) + gradients awaiting their reduce-scatter", end_section=True)
-    table.add_row("ddp per rank 16·P/t", _size(fsdp.ddp_bytes),
-                  f"fsdp holds {_r(fsdp.saving)}× less" if fsdp.saving else "")
-    return table
-
-
-def fsdp_traffic_table(fsdp: FSDPReport) -> Table:
-    d = fsdp.dp
-    table = Table(title=f"fsdp communication per training step, per rank, over dp {d}")
-    for col in ("pass", "collective", "count", "what", "bytes", "ring sends"):
-        table.add_column(col, justify="left" if col in ("pass", "collective", "what") else "right")
-    lines = fsdp.traffic
-    for i, x in enumerate(lines):
-        table.add_row(_DIR.get(x.direction, x.direction), _kind(x.kind, "sum" if x.kind == "reduce_scatter" else ""),
-                      str(x.count), x.what, _size(x.bytes), _size(x.sent), end_section=i == len(lines) - 1)
-    table.add_row("all", "all", str(sum(x.count for x in lines)), "", _size(sum(x.bytes for x in lines)),
-                  _size(sum(x.sent for x in lines)))
-    table.caption = ("bytes: the units' tp shards whole, in the parameters' dtypes (no fsdp mixed precision); "
-                     f"a ring all-gather or reduce-scatter sends ≈ (d−1)/d = {(d - 1) / d:.2f}× them per rank. "
-                     "Replaces data parallelism's gradient all-reduce.")
-    return table
-
-
-# -- pipeline stages (--pp) ------------------------------------------------------------------------------
-def _blocks(blocks: tuple[str, ...]) -> str:
-    """``transformer.h.0 … transformer.h.3 (4)``."""
-    if len(blocks) == 1:
-        return f"{blocks[0]} (1)"
-    return f"{blocks[0]} … {blocks[-1]} ({len(blocks)})"
-
-
-def _flops(n: int) -> str:
-    for unit, size in (("TFLOP", 1e12), ("GFLOP", 1e9), ("MFLOP", 1e6)):
-        if n >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{n:,} FLOP"
-
-
-def _in_flight_rule(pipe: PipelineReport) -> str:
-    """The micro-batches a rank keeps, in words, for the caption (autotp.plan.pipeline_report.in_flight)."""
-    p, v, m = pipe.pp, pipe.virtual_stages, pipe.microbatches
-    return {
-        "GPipe": f"GPipe keeps every micro-batch: m = {m}",
-        "1F1B": "1F1B keeps min(m, p − r) on pipeline rank r",
-        "Interleaved1F1B": "Interleaved1F1B keeps min(v·m, (v − 1)·m_round + 2·(p − 1 − r) + 1) stage-micro-batches "
-                           "on rank r (torch's warm-up; Narayanan et al. 2021 §2.2, Korthikanti et al. §4.2.3: "
-                           "L·(1 + (p − 1)/(v·p)) layers' worth on rank 0)",
-        "InterleavedZeroBubble": "InterleavedZeroBubble keeps min(v·m, (v − 1)·m_round + (p − 1 − r) + 1) "
-                                 "stage-micro-batches on rank r (torch's warm-up)",
-        "LoopedBFS": f"LoopedBFS runs every micro-batch through a stage before the next: v·m = {v * m}",
-        "ZBVZeroBubble": f"ZBVZeroBubble keeps 2·p = {2 * p} stage-micro-batches on every rank (torch's warm-up)",
-    }[pipe.schedule]
-
-
-def stages_table(pipe: PipelineReport) -> Table:
-    """One row per pipeline stage: where it runs, its blocks, what it holds and computes per micro-batch."""
-    one = pipe.virtual_stages == 1
-    a = pipe.activations
-    table = Table(title=f"pipeline stages: pp {pipe.pp} × v {pipe.virtual_stages}, {pipe.schedule}, "
-                        f"{pipe.microbatches} micro-batches of b={pipe.micro_batch}, s={pipe.seq}, tp {pipe.tp}")
-    cols = ["stage", "pp rank", "blocks", "also runs", "params", "bytes", "fwd FLOPs", "activations"]
-    if one:
-        cols += ["in flight", "act. on rank"]
-    for col in cols:
-        table.add_column(col, justify="left" if col in ("blocks", "also runs") else "right", overflow="fold")
-    for st in pipe.stages:
-        also = [w for w, on in (("embeddings", st.first),
-                                ("final norm, LM head, loss", st.last)) if on]
-        cells = [str(st.index), str(st.rank), escape(_blocks(st.blocks)), "\n".join(also) or "—", _n(st.params),
-                 _size(st.param_bytes), _flops(st.flops), _size(st.activation_bytes)]
-        if one:
-            r = pipe.ranks[st.rank]
-            cells += [str(r.in_flight), _size(r.activation_bytes)]
-        table.add_row(*cells, end_section=st.index == len(pipe.stages) - 1)
-    stages = pipe.stages
-    total = ["all", "", f"{sum(len(st.blocks) for st in stages)} blocks", "", _n(sum(st.params for st in stages)),
-             _size(sum(st.param_bytes for st in stages)), _flops(sum(st.flops for st in stages)),
-             _size(sum(st.activation_bytes for st in stages))]
-    table.add_row(*total, *(["", ""] if one else []))
-    formula = (f"{a.layer_bytes:,} B per block = s·b·h·({4 * a.elem + 2 * a.dropout} + {12 * a.elem}/t)"
-               + ("" if a.fused or a.heads is None else f" + {a.elem + a.dropout * (1 + a.elem)}·a·s²·b/t")
-               + f" at h={_n(a.hidden)}" + (f", a={a.heads}" if a.heads and not a.fused else ""))
-    table.caption = escape(
-        "params, bytes: what one tp rank of the stage holds" + (
-            f" ({', '.join(pipe.shared)} in every stage that reads it, so the column adds up to more than the model)"
-            if pipe.shared else "") + ". fwd FLOPs: matmuls and attention of one micro-batch through the whole "
-        "stage, each tp rank doing ≈ 1/t. activations: one micro-batch's, per tp rank, the blocks' own (Korthikanti et al. 2022, DESIGN §4, GPT block with a "
-        f"4h MLP; {a.elem}-byte activations, {'1-byte dropout masks' if a.dropout else 'no dropout'}, "
-        f"{'fused attention: no s×s scores' if a.fused else 's×s scores kept'}): {formula}; embeddings, LM head "
-        f"and loss not counted." + (f" Assumed in flight: {_in_flight_rule(pipe)}." if one else ""))
-    return table
-
-
-def ranks_table(pipe: PipelineReport) -> Table:
-    """With several stages per rank: what each pipeline rank keeps at its peak."""
-    table = Table(title=f"pipeline ranks: {pipe.virtual_stages} stages each; per tp rank, activations at the peak")
-    for col in ("pp rank", "stages", "blocks", "params", "bytes", "in flight", "act. on rank"):
-        table.add_column(col, justify="left" if col in ("stages",) else "right")
-    for r in pipe.ranks:
-        blocks = sum(len(pipe.stages[s].blocks) for s in r.stages)
-        table.add_row(str(r.rank), ", ".join(map(str, r.stages)), str(blocks), _n(r.params), _size(r.param_bytes),
-                      str(r.in_flight), _size(r.activation_bytes))
-    table.caption = ("params: every tensor its stages read, once. in flight: (stage, micro-batch) pairs whose "
-                     f"activations the rank holds at once, each at its stages' mean size. {_in_flight_rule(pipe)}.")
-    return table
-
-
-def p2p_table(pipe: PipelineReport) -> Table:
-    """What crosses each cut per micro-batch: sent forward, its gradient sent back."""
-    table = Table(title=f"pipeline point-to-point per micro-batch (b={pipe.micro_batch}, s={pipe.seq}), "
-                        "each tp rank to its peer")
-    for col in ("cut", "pp ranks", "value", "computed by", "shape", "dtype", "fwd bytes", "bwd bytes"):
-        table.add_column(col, justify="right" if col in ("shape", "fwd bytes", "bwd bytes") else "left",
-                         overflow="fold")
-    for c in pipe.cuts:
-        where = f"{c.src} → {c.dst}" if c.sent else f"{c.src} (same rank: not sent)"
-        for i, x in enumerate(c.values):
-            by = ": ".join(w for w in (x.module or "<root>", x.code) if w)
-            table.add_row(f"{c.after} → {c.after + 1}" if i == 0 else "", where if i == 0 else "", escape(x.name),
-                          escape(by), _shape(x.shape), x.dtype, _size(x.bytes if c.sent else 0),
-                          _size(x.bytes if c.sent and x.grad else 0), end_section=i == len(c.values) - 1)
-        if not c.values:
-            table.add_row(f"{c.after} → {c.after + 1}", where, "nothing", "", "", "", _size(0), _size(0),
-                          end_section=True)
-    m, sent = pipe.microbatches, sum(c.sent for c in pipe.cuts)
-    table.add_row("per micro-batch", f"{sent} cut{'s' if sent != 1 else ''}", "", "", "", "",
-                  _size(pipe.forward_bytes), _size(pipe.backward_bytes))
-    table.add_row(f"per step (× m = {m})", "", "", "", "", "", _size(m * pipe.forward_bytes),
-                  _size(m * pipe.backward_bytes))
-    table.caption = (
-        "values computed before a cut and read after it, as autotp.pipeline sends them (the graph's inputs reach "
-        "every stage locally; parameters and buffers are read where they are used). bwd: the gradients of the "
-        "floating-point values computed from parameters. Per step: every micro-batch over every cut"
-        + (f"; {pipe.virtual_stages} stages per rank make p·v − 1 = {len(pipe.cuts)} cuts (p − 1 = {pipe.pp - 1} "
-           f"with one stage per rank: about v× the traffic)" if pipe.virtual_stages > 1 else "")
-        + f": {_size(pipe.step_bytes)} both ways.")
-    return table
-
-
-def schedule_table(pipe: PipelineReport) -> Table:
-    """The schedule, its sizes and its bubble."""
-    p, v, m, bub = pipe.pp, pipe.virtual_stages, pipe.microbatches, pipe.bubble
-    table = Table(title=f"pipeline schedule {pipe.schedule}", show_header=False)
-    table.add_column(style="bold")
-    table.add_column(justify="right")
-    table.add_column()
-    table.add_row("stages", str(p * v), f"p {p} × v {v}; pipeline rank of stage 0, 1, …: "
-                  + ", ".join(str(st.rank) for st in pipe.stages))
-    table.add_row("micro-batches", str(m), f"of b/m = {pipe.micro_batch} sequences each")
-    values = f"({p} − 1)/{m}" if bub.formula == "(p − 1)/m" else f"({p} − 1)/({v}·{m})"
-    note = "; an upper bound: the schedule fills most of it with weight-gradient work" if bub.upper_bound else ""
-    table.add_row("bubble", f"{bub.fraction:.2f}", f"{bub.formula} = {values} of the ideal step time (a step ≈ "
-                  f"{1 + bub.fraction:.2f}× the ideal){note}")
-    table.caption = "Narayanan et al. 2021, §2.2: GPipe/1F1B (p − 1)/m, interleaved (p − 1)/(v·m)."
-    return table
-
-
-# -- building ------------------------------------------------------------------------------------------
 def _batch(mf: ModelFile, net: torch.nn.Module, batch: int | None,
            seq: int | None) -> tuple[tuple, dict, int, int, str]:
     """The capture's inputs, the (b, s) the numbers are computed for, and a note when the default batch stands
@@ -688,16 +448,16 @@ def sequence_table(the_plan, report: Report) -> Table | None:
     for e in seq.enters:
         c = by_node.get(("forward", "all_gather", e.node))
         table.add_row("all-gather → columns", escape(f"{e.module} ({e.node})"),
-                      (f"{c.shape} = {_n(c.elements)}; " if c else "") + "reduce-scatter backward"
+                      (f"{c.shape} = {fmt_count(c.elements)}; " if c else "") + "reduce-scatter backward"
                       + ("; only s/t kept, gathered again backward" if e.regather else ""))
     for x in seq.leaves:
         c = by_node.get(("forward", "reduce_scatter", x.node))
         table.add_row("reduce-scatter", escape(f"{x.module} ({x.node})"),
-                      (f"{c.shape} = {_n(c.elements)}; " if c else "") + "all-gather backward")
+                      (f"{c.shape} = {fmt_count(c.elements)}; " if c else "") + "all-gather backward")
     for g in seq.gathers:
         c = by_node.get(("forward", "all_gather", g.value))
         table.add_row("all-gather → whole sequence", escape(f"{g.value} for {', '.join(g.consumers)}"),
-                      escape(g.reason + (f"; {c.shape} = {_n(c.elements)}" if c else "")))
+                      escape(g.reason + (f"; {c.shape} = {fmt_count(c.elements)}" if c else "")))
     for x in seq.slices:
         table.add_row("slice (no communication)", escape(f"{x.value} at {x.consumer}, dim {x.dim}"),
                       "all-gather of its gradient backward" if x.grad else "")
@@ -715,12 +475,12 @@ def experts_table(the_plan, report: Report) -> Table | None:
     if not the_plan.experts and not the_plan.experts_kept:
         return None
     tokens = report.batch * report.seq
-    table = Table(title=f"expert parallelism (tokens per step b·s = {_n(tokens)})")
+    table = Table(title=f"expert parallelism (tokens per step b·s = {fmt_count(tokens)})")
     for col in ("layer", "experts per rank", "routed to them", "dispatch, combine"):
         table.add_column(col, overflow="fold")
     for x in the_plan.experts:
-        slots = f"b·s·k = {_n(tokens * x.top_k)} token slots" if x.top_k else "the tokens the routing picks"
-        a2a = (f"none: every rank holds the tokens (an all-to-all would send b·s·k·h = {_n(tokens * x.top_k * x.width)} "
+        slots = f"b·s·k = {fmt_count(tokens * x.top_k)} token slots" if x.top_k else "the tokens the routing picks"
+        a2a = (f"none: every rank holds the tokens (an all-to-all would send b·s·k·h = {fmt_count(tokens * x.top_k * x.width)} "
                "elements each way); combined by the layer's one all-reduce" if x.top_k and x.width else
                "none: every rank holds the tokens; combined by the layer's one all-reduce")
         table.add_row(escape(x.module), f"{x.count // report.tp} of {x.count} (rank r: [r·{x.count // report.tp}, "

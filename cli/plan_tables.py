@@ -1,0 +1,227 @@
+"""The tables of ``autotp plan`` for data-parallel sharding (FSDP units, memory, traffic) and pipeline stages
+(stages, ranks, point-to-point traffic, schedule): rendering only, of :mod:`autotp.plan.report` and
+:mod:`autotp.plan.pipeline_report`'s numbers."""
+from __future__ import annotations
+
+
+from rich.table import Table
+from rich.markup import escape
+
+from autotp.plan.pipeline_report import PipelineReport
+from autotp.plan.report import FSDPReport, FSDPUnitRow
+from autotp.cli.plan_format import DIRECTION, fmt_count, fmt_kind, fmt_ratio, fmt_shape, fmt_size
+
+
+def _unit_name(u: FSDPUnitRow) -> str:
+    return "what no unit owns" if u.kind == "root" else escape(" + ".join(u.modules or (u.module,)))
+
+
+_KEEPS = {"first": "fwd, bwd", "block": "fwd, bwd", "last": "fwd, kept", "root": "fwd, kept"}
+
+
+def fsdp_units_table(fsdp: FSDPReport) -> Table:
+    """One row per FSDP unit, in the order they run: first (embeddings), the blocks, last (final norm, LM
+    head), then the root."""
+    table = Table(title=f"fsdp units: each tp rank's shards cut again over dp {fsdp.dp} (tp {fsdp.tp})")
+    for col, justify in (("kind", "left"), ("unit", "left"), ("gathered in", "left"), ("tensors", "right"),
+                         ("parameters", "right"), ("per tp rank", "right"), ("gathered / rank", "right"),
+                         ("sharded / rank", "right")):
+        table.add_column(col, justify=justify, overflow="fold")
+    for i, u in enumerate(fsdp.units):
+        table.add_row(u.kind, _unit_name(u), _KEEPS.get(u.kind, ""), str(u.tensors), fmt_count(u.params), fmt_count(u.local),
+                      fmt_size(u.gathered_bytes), fmt_size(u.sharded_bytes), end_section=i == len(fsdp.units) - 1)
+    us = fsdp.units
+    table.add_row("all", "", "", str(sum(u.tensors for u in us)), fmt_count(sum(u.params for u in us)),
+                  fmt_count(sum(u.local for u in us)), fmt_size(sum(u.gathered_bytes for u in us)),
+                  fmt_size(sum(u.sharded_bytes for u in us)))
+    table.caption = ("first: the modules read only before the blocks; last: only after them; root: what no unit "
+                     "owns (a tied embedding / LM head). gathered in: fwd, bwd = freed after forward and gathered "
+                     "again for backward; fwd, kept = kept from forward into backward. gathered: the unit's tp "
+                     "shards whole, as an all-gather over dp leaves them; sharded: what a rank keeps between "
+                     "gathers (dim 0 of each shard in d pieces, FSDP's padding included)")
+    return table
+
+
+def fsdp_memory_table(fsdp: FSDPReport) -> Table:
+    """FSDP's training memory per rank, term by term, against plain data parallelism's."""
+    t, d = fsdp.tp, fsdp.dp
+    table = Table(title=f"training memory per rank with fsdp (16 B/param, tp {t} × dp {d}, "
+                        "resharded after forward)", show_header=False)
+    table.add_column(style="bold")
+    table.add_column(justify="right")
+    table.add_column()
+    table.add_row("  state 16·(P/t)/d", fmt_size(fsdp.state_bytes),
+                  f"weights, gradients, Adam: 16 × {fmt_count(fsdp.local)} elements per tp rank / {d}")
+    kept = {u.kind for u in fsdp.kept}
+    if kept:
+        what = ("root and last unit gathered, kept until their backward" if kept == {"root", "last"} else
+                f"{'root' if 'root' in kept else 'last unit'} gathered, kept until its backward")
+        table.add_row("  kept gathered", fmt_size(fsdp.kept_bytes), what)
+    resharded = fsdp.resharded
+    sizes = [u.gathered_bytes for u in resharded]
+    if len(resharded) > 1:
+        i = max(range(len(sizes) - 1), key=lambda j: sizes[j] + sizes[j + 1])
+        pair = f"{_unit_name(resharded[i])} + {_unit_name(resharded[i + 1])}"
+        table.add_row("  units gathered", fmt_size(fsdp.prefetch_bytes),
+                      f"the running unit and the prefetched next one (largest pair: {pair})")
+    elif resharded:
+        table.add_row("  units gathered", fmt_size(fsdp.prefetch_bytes), "the one resharded unit, while it runs")
+    table.add_row("fsdp per rank", fmt_size(fsdp.peak_bytes),
+                  "+ activations (not estimated here) + gradients awaiting their reduce-scatter", end_section=True)
+    table.add_row("ddp per rank 16·P/t", fmt_size(fsdp.ddp_bytes),
+                  f"fsdp holds {fmt_ratio(fsdp.saving)}× less" if fsdp.saving else "")
+    return table
+
+
+def fsdp_traffic_table(fsdp: FSDPReport) -> Table:
+    d = fsdp.dp
+    table = Table(title=f"fsdp communication per training step, per rank, over dp {d}")
+    for col in ("pass", "collective", "count", "what", "bytes", "ring sends"):
+        table.add_column(col, justify="left" if col in ("pass", "collective", "what") else "right")
+    lines = fsdp.traffic
+    for i, x in enumerate(lines):
+        table.add_row(DIRECTION.get(x.direction, x.direction), fmt_kind(x.kind, "sum" if x.kind == "reduce_scatter" else ""),
+                      str(x.count), x.what, fmt_size(x.bytes), fmt_size(x.sent), end_section=i == len(lines) - 1)
+    table.add_row("all", "all", str(sum(x.count for x in lines)), "", fmt_size(sum(x.bytes for x in lines)),
+                  fmt_size(sum(x.sent for x in lines)))
+    table.caption = ("bytes: the units' tp shards whole, in the parameters' dtypes (no fsdp mixed precision); "
+                     f"a ring all-gather or reduce-scatter sends ≈ (d−1)/d = {(d - 1) / d:.2f}× them per rank. "
+                     "Replaces data parallelism's gradient all-reduce.")
+    return table
+
+
+# -- pipeline stages (--pp) ------------------------------------------------------------------------------
+def _blocks(blocks: tuple[str, ...]) -> str:
+    """``transformer.h.0 … transformer.h.3 (4)``."""
+    if len(blocks) == 1:
+        return f"{blocks[0]} (1)"
+    return f"{blocks[0]} … {blocks[-1]} ({len(blocks)})"
+
+
+def _flops(n: int) -> str:
+    for unit, size in (("TFLOP", 1e12), ("GFLOP", 1e9), ("MFLOP", 1e6)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n:,} FLOP"
+
+
+def _in_flight_rule(pipe: PipelineReport) -> str:
+    """The micro-batches a rank keeps, in words, for the caption (autotp.plan.pipeline_report.in_flight)."""
+    p, v, m = pipe.pp, pipe.virtual_stages, pipe.microbatches
+    return {
+        "GPipe": f"GPipe keeps every micro-batch: m = {m}",
+        "1F1B": "1F1B keeps min(m, p − r) on pipeline rank r",
+        "Interleaved1F1B": "Interleaved1F1B keeps min(v·m, (v − 1)·m_round + 2·(p − 1 − r) + 1) stage-micro-batches "
+                           "on rank r (torch's warm-up; Narayanan et al. 2021 §2.2, Korthikanti et al. §4.2.3: "
+                           "L·(1 + (p − 1)/(v·p)) layers' worth on rank 0)",
+        "InterleavedZeroBubble": "InterleavedZeroBubble keeps min(v·m, (v − 1)·m_round + (p − 1 − r) + 1) "
+                                 "stage-micro-batches on rank r (torch's warm-up)",
+        "LoopedBFS": f"LoopedBFS runs every micro-batch through a stage before the next: v·m = {v * m}",
+        "ZBVZeroBubble": f"ZBVZeroBubble keeps 2·p = {2 * p} stage-micro-batches on every rank (torch's warm-up)",
+    }[pipe.schedule]
+
+
+def stages_table(pipe: PipelineReport) -> Table:
+    """One row per pipeline stage: where it runs, its blocks, what it holds and computes per micro-batch."""
+    one = pipe.virtual_stages == 1
+    a = pipe.activations
+    table = Table(title=f"pipeline stages: pp {pipe.pp} × v {pipe.virtual_stages}, {pipe.schedule}, "
+                        f"{pipe.microbatches} micro-batches of b={pipe.micro_batch}, s={pipe.seq}, tp {pipe.tp}")
+    cols = ["stage", "pp rank", "blocks", "also runs", "params", "bytes", "fwd FLOPs", "activations"]
+    if one:
+        cols += ["in flight", "act. on rank"]
+    for col in cols:
+        table.add_column(col, justify="left" if col in ("blocks", "also runs") else "right", overflow="fold")
+    for st in pipe.stages:
+        also = [w for w, on in (("embeddings", st.first),
+                                ("final norm, LM head, loss", st.last)) if on]
+        cells = [str(st.index), str(st.rank), escape(_blocks(st.blocks)), "\n".join(also) or "—", fmt_count(st.params),
+                 fmt_size(st.param_bytes), _flops(st.flops), fmt_size(st.activation_bytes)]
+        if one:
+            r = pipe.ranks[st.rank]
+            cells += [str(r.in_flight), fmt_size(r.activation_bytes)]
+        table.add_row(*cells, end_section=st.index == len(pipe.stages) - 1)
+    stages = pipe.stages
+    total = ["all", "", f"{sum(len(st.blocks) for st in stages)} blocks", "", fmt_count(sum(st.params for st in stages)),
+             fmt_size(sum(st.param_bytes for st in stages)), _flops(sum(st.flops for st in stages)),
+             fmt_size(sum(st.activation_bytes for st in stages))]
+    table.add_row(*total, *(["", ""] if one else []))
+    formula = (f"{a.layer_bytes:,} B per block = s·b·h·({4 * a.elem + 2 * a.dropout} + {12 * a.elem}/t)"
+               + ("" if a.fused or a.heads is None else f" + {a.elem + a.dropout * (1 + a.elem)}·a·s²·b/t")
+               + f" at h={fmt_count(a.hidden)}" + (f", a={a.heads}" if a.heads and not a.fused else ""))
+    table.caption = escape(
+        "params, bytes: what one tp rank of the stage holds" + (
+            f" ({', '.join(pipe.shared)} in every stage that reads it, so the column adds up to more than the model)"
+            if pipe.shared else "") + ". fwd FLOPs: matmuls and attention of one micro-batch through the whole "
+        "stage, each tp rank doing ≈ 1/t. activations: one micro-batch's, per tp rank, the blocks' own (Korthikanti et al. 2022, DESIGN §4, GPT block with a "
+        f"4h MLP; {a.elem}-byte activations, {'1-byte dropout masks' if a.dropout else 'no dropout'}, "
+        f"{'fused attention: no s×s scores' if a.fused else 's×s scores kept'}): {formula}; embeddings, LM head "
+        f"and loss not counted." + (f" Assumed in flight: {_in_flight_rule(pipe)}." if one else ""))
+    return table
+
+
+def ranks_table(pipe: PipelineReport) -> Table:
+    """With several stages per rank: what each pipeline rank keeps at its peak."""
+    table = Table(title=f"pipeline ranks: {pipe.virtual_stages} stages each; per tp rank, activations at the peak")
+    for col in ("pp rank", "stages", "blocks", "params", "bytes", "in flight", "act. on rank"):
+        table.add_column(col, justify="left" if col in ("stages",) else "right")
+    for r in pipe.ranks:
+        blocks = sum(len(pipe.stages[s].blocks) for s in r.stages)
+        table.add_row(str(r.rank), ", ".join(map(str, r.stages)), str(blocks), fmt_count(r.params), fmt_size(r.param_bytes),
+                      str(r.in_flight), fmt_size(r.activation_bytes))
+    table.caption = ("params: every tensor its stages read, once. in flight: (stage, micro-batch) pairs whose "
+                     f"activations the rank holds at once, each at its stages' mean size. {_in_flight_rule(pipe)}.")
+    return table
+
+
+def p2p_table(pipe: PipelineReport) -> Table:
+    """What crosses each cut per micro-batch: sent forward, its gradient sent back."""
+    table = Table(title=f"pipeline point-to-point per micro-batch (b={pipe.micro_batch}, s={pipe.seq}), "
+                        "each tp rank to its peer")
+    for col in ("cut", "pp ranks", "value", "computed by", "shape", "dtype", "fwd bytes", "bwd bytes"):
+        table.add_column(col, justify="right" if col in ("shape", "fwd bytes", "bwd bytes") else "left",
+                         overflow="fold")
+    for c in pipe.cuts:
+        where = f"{c.src} → {c.dst}" if c.sent else f"{c.src} (same rank: not sent)"
+        for i, x in enumerate(c.values):
+            by = ": ".join(w for w in (x.module or "<root>", x.code) if w)
+            table.add_row(f"{c.after} → {c.after + 1}" if i == 0 else "", where if i == 0 else "", escape(x.name),
+                          escape(by), fmt_shape(x.shape), x.dtype, fmt_size(x.bytes if c.sent else 0),
+                          fmt_size(x.bytes if c.sent and x.grad else 0), end_section=i == len(c.values) - 1)
+        if not c.values:
+            table.add_row(f"{c.after} → {c.after + 1}", where, "nothing", "", "", "", fmt_size(0), fmt_size(0),
+                          end_section=True)
+    m, sent = pipe.microbatches, sum(c.sent for c in pipe.cuts)
+    table.add_row("per micro-batch", f"{sent} cut{'s' if sent != 1 else ''}", "", "", "", "",
+                  fmt_size(pipe.forward_bytes), fmt_size(pipe.backward_bytes))
+    table.add_row(f"per step (× m = {m})", "", "", "", "", "", fmt_size(m * pipe.forward_bytes),
+                  fmt_size(m * pipe.backward_bytes))
+    table.caption = (
+        "values computed before a cut and read after it, as autotp.pipeline sends them (the graph's inputs reach "
+        "every stage locally; parameters and buffers are read where they are used). bwd: the gradients of the "
+        "floating-point values computed from parameters. Per step: every micro-batch over every cut"
+        + (f"; {pipe.virtual_stages} stages per rank make p·v − 1 = {len(pipe.cuts)} cuts (p − 1 = {pipe.pp - 1} "
+           f"with one stage per rank: about v× the traffic)" if pipe.virtual_stages > 1 else "")
+        + f": {fmt_size(pipe.step_bytes)} both ways.")
+    return table
+
+
+def schedule_table(pipe: PipelineReport) -> Table:
+    """The schedule, its sizes and its bubble."""
+    p, v, m, bub = pipe.pp, pipe.virtual_stages, pipe.microbatches, pipe.bubble
+    table = Table(title=f"pipeline schedule {pipe.schedule}", show_header=False)
+    table.add_column(style="bold")
+    table.add_column(justify="right")
+    table.add_column()
+    table.add_row("stages", str(p * v), f"p {p} × v {v}; pipeline rank of stage 0, 1, …: "
+                  + ", ".join(str(st.rank) for st in pipe.stages))
+    table.add_row("micro-batches", str(m), f"of b/m = {pipe.micro_batch} sequences each")
+    values = f"({p} − 1)/{m}" if bub.formula == "(p − 1)/m" else f"({p} − 1)/({v}·{m})"
+    note = "; an upper bound: the schedule fills most of it with weight-gradient work" if bub.upper_bound else ""
+    table.add_row("bubble", f"{bub.fraction:.2f}", f"{bub.formula} = {values} of the ideal step time (a step ≈ "
+                  f"{1 + bub.fraction:.2f}× the ideal){note}")
+    table.caption = "Narayanan et al. 2021, §2.2: GPipe/1F1B (p − 1)/m, interleaved (p − 1)/(v·m)."
+    return table
+
+
+# -- building ------------------------------------------------------------------------------------------
