@@ -2,7 +2,9 @@
 
 Each computing node belongs to the stage of its block (:func:`~autotp.plan.pieces.unit_keys`); root-level
 code between two blocks runs with the block after it, the code before the first block in the first stage
-and the code after the last block in the last. ``torch.fx``'s ``split_module`` cuts the graph there: each
+and the code after the last block in the last. A value made from the graph's inputs and buffers alone
+(an attention mask, rotary tables: :func:`~autotp.plan.pieces.recomputable`) is computed again in each
+stage that reads it, so only what the blocks compute (the hidden state) crosses a cut. ``torch.fx``'s ``split_module`` cuts the graph there: each
 piece takes the graph inputs it reads and the values earlier pieces computed, and is replaced by a
 :class:`~autotp.runtime.units.PieceCall` that reads its parameters from the model when it runs (a rank
 holds only its own stages' parameters). :mod:`autotp.runtime.stages` turns the top graph into the modules
@@ -26,7 +28,7 @@ import torch
 import torch.fx as fx
 from torch.fx.passes.split_module import split_module
 
-from autotp.plan.pieces import unit_keys
+from autotp.plan.pieces import recomputable, unit_keys
 from autotp.plan.plan import Plan
 from autotp.plan.stages import stage_of_key
 from autotp.runtime.units import PieceCall
@@ -37,7 +39,9 @@ from autotp.runtime.stages import STAGE_PREFIX
 def split_stages(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
     blocks, stage = stage_of_key(plan.stages)
     keys = unit_keys(gm, blocks)
-    top = split_module(gm, gm, lambda n: stage[min(keys[n] // 2, len(blocks) - 1)])
+    of = {n: stage[min(k // 2, len(blocks) - 1)] for n, k in keys.items()}
+    _recompute_in_stages(gm, of)
+    top = split_module(gm, gm, lambda n: of[n])
     params = {n for n, _ in gm.named_parameters(remove_duplicate=False)}
     for node in list(top.graph.nodes):
         if node.op != "call_module" or not str(node.target).startswith("submod_"):
@@ -64,6 +68,38 @@ def split_stages(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
     _check_tensors(top)
     top.delete_all_unused_submodules()
     return top
+
+
+def _recompute_in_stages(gm: fx.GraphModule, of: dict[fx.Node, int]) -> None:
+    """A value made from the graph's inputs and buffers alone (a mask, rotary tables) that a later stage reads
+    is computed again there, from its own copy of the inputs, instead of being sent: a copy of the value's
+    ops goes just before its first reader in that stage. ``of`` (each node's stage) gets the copies."""
+    again = recomputable(gm)
+    copies: dict[tuple[fx.Node, int], fx.Node] = {}
+
+    def copy(node: fx.Node, s: int, before: fx.Node) -> fx.Node:
+        if node not in again or of.get(node) == s:
+            return node
+        if (node, s) not in copies:
+            args = {a: copy(a, s, before) for a in node.all_input_nodes}
+            with gm.graph.inserting_before(before):
+                made = gm.graph.node_copy(node, lambda a: args[a])
+            made.meta = dict(node.meta)
+            of[made] = s
+            copies[(node, s)] = made
+        return copies[(node, s)]
+
+    for node in list(gm.graph.nodes):
+        s = of.get(node)
+        if s is None:
+            continue
+        for arg in node.all_input_nodes:
+            if arg in again and of[arg] < s:
+                node.replace_input_with(arg, copy(arg, s, node))
+    for node in reversed(list(gm.graph.nodes)):
+        if node in again and not node.users:
+            gm.graph.erase_node(node)
+            of.pop(node, None)
 
 
 def _check_tensors(top: fx.GraphModule) -> None:

@@ -5,6 +5,9 @@ stages are balanced over these pieces) and for the passes that cut the graph (FS
 """
 from __future__ import annotations
 
+import operator
+
+import torch
 import torch.fx as fx
 
 
@@ -42,3 +45,29 @@ def unit_keys(gm: fx.GraphModule, blocks: list[str]) -> dict[fx.Node, int]:
         if tags[i] is not None:
             before, last = tags[i], tags[i]
     return keys
+
+
+def _pure(node: fx.Node) -> bool:
+    """An ATen op that reads its inputs only: no random stream, no write to an input."""
+    target = node.target
+    if node.op != "call_function":
+        return False
+    if target is operator.getitem:
+        return True
+    if not isinstance(target, torch._ops.OpOverload):
+        return False
+    return torch.Tag.nondeterministic_seeded not in target.tags and not target._schema.is_mutable
+
+
+def recomputable(gm: fx.GraphModule) -> set[fx.Node]:
+    """The values made from graph inputs, buffers and constants alone by pure ops (no parameter, no random
+    op): a pipeline stage that reads one computes it again rather than receive it, as Megatron makes its
+    masks and rotary tables in every stage (attention masks, rotary cos/sin, position ids)."""
+    params = {n for n, _ in gm.named_parameters(remove_duplicate=False)}
+    out: set[fx.Node] = set()
+    for node in gm.graph.nodes:
+        if node.op == "placeholder" or node.op == "get_attr" and node.target not in params:
+            out.add(node)
+        elif _pure(node) and all(a in out for a in node.all_input_nodes):
+            out.add(node)
+    return {n for n in out if n.op == "call_function"}

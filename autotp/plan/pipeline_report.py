@@ -22,7 +22,7 @@ import torch
 import torch.fx as fx
 
 from autotp.analysis.flops import node_flops, shape_of
-from autotp.plan.pieces import unit_keys
+from autotp.plan.pieces import recomputable, unit_keys
 from autotp.plan.plan import Plan
 from autotp.plan.report import Report
 from autotp.plan.stages import stage_of_key
@@ -270,12 +270,14 @@ def crossing(gm: fx.GraphModule, stage: Mapping[fx.Node, int], count: int,
              sizes: Mapping[str, int] | None = None) -> tuple[tuple[CrossingValue, ...], ...]:
     """For each cut s (after stage s, of ``count`` stages): the tensors computed by nodes in stages ≤ s and read
     by nodes in stages > s, in graph order. Graph inputs reach every stage locally and parameters and buffers
-    (get_attr) are read where they are used, so neither is sent; sizes (SymInts) are not sent either, since
+    (get_attr) are read where they are used, so neither is sent, nor what is made from them alone (made
+    again where it is read); sizes (SymInts) are not sent either, since
     the pipeline captures with static shapes. ``stage``: each computing node's stage."""
     grad = _needs_grad(gm)
+    again = recomputable(gm)  # masks and rotary tables: each stage that reads them makes its own
     cuts: list[list[CrossingValue]] = [[] for _ in range(count - 1)]
     for node in gm.graph.nodes:
-        if node not in stage or not isinstance(val := node.meta.get("val"), torch.Tensor):
+        if node not in stage or node in again or not isinstance(val := node.meta.get("val"), torch.Tensor):
             continue
         readers = [stage[u] for u in node.users if u in stage]
         if not readers or max(readers) <= stage[node]:
