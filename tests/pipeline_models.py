@@ -5,11 +5,11 @@ import torch
 import torch.nn as nn
 
 
-def nanogpt(layers: int = 4) -> tuple[nn.Module, tuple, dict]:
+def nanogpt(layers: int = 4, dropout: float = 0.0) -> tuple[nn.Module, tuple, dict]:
     from nanogpt import GPT, GPTConfig
 
     torch.manual_seed(0)
-    model = GPT(GPTConfig(n_layer=layers, dropout=0.0))
+    model = GPT(GPTConfig(n_layer=layers, dropout=dropout))
     g = torch.Generator().manual_seed(1)
     idx = torch.randint(0, 256, (8, 16), generator=g)
     targets = torch.randint(0, 256, (8, 16), generator=g)
@@ -34,4 +34,9 @@ def llama_positions() -> tuple[nn.Module, tuple, dict]:
     return model, args, {**kwargs, "position_ids": torch.arange(16).unsqueeze(0)}
 
 
-MODELS = {"nanogpt": nanogpt, "llama": llama, "llama_positions": llama_positions}
+def nanogpt_dropout() -> tuple[nn.Module, tuple, dict]:
+    """nanoGPT with dropout: evaluation must run the graph captured in eval mode."""
+    return nanogpt(dropout=0.1)
+
+
+MODELS = {"nanogpt": nanogpt, "llama": llama, "llama_positions": llama_positions, "nanogpt_dropout": nanogpt_dropout}

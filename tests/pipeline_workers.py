@@ -64,7 +64,8 @@ def pipeline_parity(model_name: str, tp: int, pp: int, schedule: str, microbatch
     if schedule != "ZBVZeroBubble":
         out["eval_loss"] = pipe.eval_step(*la, **lk).item()
         with torch.no_grad():
-            out["ref_eval"] = loss_and_logits(ref(*la, **lk))[0].item()
+            out["ref_eval"] = loss_and_logits(ref.eval()(*la, **lk))[0].item()
+        ref.train()
     try:
         model(*la, **lk)
         out["direct_call"] = "ran"

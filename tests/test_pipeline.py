@@ -112,13 +112,14 @@ def test_split_stages_sends_what_crosses_the_cut(name, sent):
 def _check(results: list[dict], configs: list[tuple]) -> None:
     for config, r in zip(configs, results):
         assert r["same_class"], config
-        assert max(abs(a - b) for a, b in zip(r["losses"], r["ref_losses"])) <= 1e-5, (config, r["losses"])
         assert r["param_diff"] <= 1e-5, (config, r["param_diff"])
-        # clip_grad_norm_ over every stage (and TP shard): the unsharded model's norm, on every rank
-        assert max(abs(a - b) for a, b in zip(r["norms"], r["ref_norms"])) <= 1e-5 * max(r["ref_norms"]), config
+        if r["losses"]:  # untrained (dropout: its masks differ per micro-batch) only evaluates
+            assert max(abs(a - b) for a, b in zip(r["losses"], r["ref_losses"])) <= 1e-5, (config, r["losses"])
+            # clip_grad_norm_ over every stage (and TP shard): the unsharded model's norm, on every rank
+            assert max(abs(a - b) for a, b in zip(r["norms"], r["ref_norms"])) <= 1e-5 * max(r["ref_norms"]), config
         if "eval_loss" in r:
             assert abs(r["eval_loss"] - r["ref_eval"]) <= 1e-5, config
-        assert r["direct_call"].startswith(f"{'GPT' if config[0] == 'nanogpt' else 'LlamaForCausalLM'} is cut "
+        assert r["direct_call"].startswith(f"{'GPT' if config[0].startswith('nanogpt') else 'LlamaForCausalLM'} is cut "
                                            "into pipeline stages"), config
 
 
@@ -129,11 +130,12 @@ def _by_rank(results: dict[int, list[dict]], i: int) -> list[dict]:
 @pytest.mark.slow
 def test_pipeline_two_ranks_matches_one_device():
     """(tp 1, pp 2): 1F1B, GPipe, Interleaved1F1B (v 2), InterleavedZeroBubble, ZBVZeroBubble; nanoGPT (tied
-    LM head) and Llama, also with position ids of shape (1, s) every micro-batch shares."""
+    LM head) and Llama, also with position ids of shape (1, s) every micro-batch shares; with dropout,
+    eval_step runs the eval-mode graph (dropout off) and gives the unsharded model's eval loss."""
     configs = [("nanogpt", 1, 2, "1F1B", 2, None), ("llama", 1, 2, "GPipe", 2, None),
                ("nanogpt", 1, 2, "Interleaved1F1B", 2, 2), ("llama", 1, 2, "Interleaved1F1B", 4, 2),
                ("nanogpt", 1, 2, "InterleavedZeroBubble", 2, 2), ("llama", 1, 2, "ZBVZeroBubble", 2, 2),
-               ("llama_positions", 1, 2, "1F1B", 2, None)]
+               ("llama_positions", 1, 2, "1F1B", 2, None), ("nanogpt_dropout", 1, 2, "1F1B", 2, None, 0)]
     from pipeline_workers import pipeline_parity_many
 
     results = launch(pipeline_parity_many, 2, configs, [("nanogpt", 1, 2, "ZBVZeroBubble", 2, 2)])

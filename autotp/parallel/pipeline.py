@@ -31,7 +31,7 @@ from autotp.capture.structure import call_key, flatten, unflatten
 from autotp.errors import PipelineError, ProcessGroupError
 from autotp.io.empty import swap_tensors
 from autotp.parallel.data import check_same_inputs
-from autotp.parallel.parallelize import _split_example, _user_forward, parallelize_state
+from autotp.parallel.parallelize import _graph_for, _split_example, parallelize_state
 from autotp.plan.stages import StageRequest
 from autotp.runtime.stages import StageModule, StageWiring, Whole, input_name, wire_stages
 from autotp.runtime.units import PieceCall
@@ -152,8 +152,8 @@ class Pipeline:
     ``parameters()``: this rank's stages' parameters, for the optimizer."""
 
     def __init__(self, model: nn.Module, mesh: DeviceMesh, schedule: str, v: int, microbatches: int,
-                 captured: Captured, key, stage_modules: list[StageModule], indices: list[int], count: int,
-                 tied: list[tuple[nn.Parameter, dist.ProcessGroup]], first_inputs: dict[str, object]):
+                 key, modules: list[StageModule], indices: list[int], count: int,
+                 tied: list[tuple[nn.Parameter, dist.ProcessGroup]], micro: tuple[tuple, dict]):
         self.model = model
         self.mesh = mesh
         self.schedule_name = schedule
@@ -161,29 +161,34 @@ class Pipeline:
         self.microbatches = microbatches
         self.stage_indices = tuple(indices)
         self.num_stages = count
-        self.modules = stage_modules
-        self._captured, self._key, self._tied = captured, key, tied
+        self.modules = modules
+        self._key, self._tied, self._micro = key, tied, micro
         self._checked = False
         names = mesh.mesh_dim_names
         self.pp_group = mesh.get_group("pp")
         self.pp = mesh.size(names.index("pp"))
         self.dp = mesh.size(names.index("dp")) if "dp" in names else 1
-        device = tp_state(model).device
-        kind = SCHEDULES[schedule]
-        ranks = stage_ranks(self.pp, count, kind.placement)
-        metas = _probe(model, dict(zip(indices, stage_modules)), ranks, self.pp_group, first_inputs)
-        wrapped = [self._data_parallel(m) for m in stage_modules]
-        self.stages = [PipelineStage(m, s, count, device, input_args=metas[s][0], output_args=metas[s][1],
-                                     group=self.pp_group) for m, s in zip(wrapped, indices)]
+        self._ranks = stage_ranks(self.pp, count, SCHEDULES[schedule].placement)
+        self.last_rank = self._ranks[count - 1]
+        self.stages, self.schedule = self._runner(modules, train=True)
+        self._eval: tuple | None = None  # the eval-mode graph's stages and schedule, made on first use
+
+    def _runner(self, modules: list[StageModule], train: bool) -> tuple[list[PipelineStage], object]:
+        """``PipelineStage``s of ``modules`` (under DDP for training with dp > 1) and the schedule running them."""
+        device = tp_state(self.model).device
+        first = {input_name(i): t for i, t in enumerate(flatten(self._micro)[0])}
+        metas = _probe(self.model, dict(zip(self.stage_indices, modules)), self._ranks, self.pp_group, first, train)
+        wrapped = [self._data_parallel(m) if train else m for m in modules]
+        stages = [PipelineStage(m, s, self.num_stages, device, input_args=metas[s][0], output_args=metas[s][1],
+                                group=self.pp_group) for m, s in zip(wrapped, self.stage_indices)]
 
         def loss_fn(out: torch.Tensor, _index: torch.Tensor) -> torch.Tensor:
             return out.sum()  # the last stage returns the micro-batch's loss, shape (1,); not a view (detach_)
 
+        kind = SCHEDULES[self.schedule_name]
         if kind.placement == "single":
-            self.schedule = kind.cls(self.stages[0], microbatches, loss_fn=loss_fn)
-        else:
-            self.schedule = kind.cls(self.stages, microbatches, loss_fn=loss_fn)
-        self.last_rank = ranks[count - 1]
+            return stages, kind.cls(stages[0], self.microbatches, loss_fn=loss_fn)
+        return stages, kind.cls(stages, self.microbatches, loss_fn=loss_fn)
 
     def _data_parallel(self, module: StageModule) -> nn.Module:
         if self.dp == 1:
@@ -211,7 +216,7 @@ class Pipeline:
 
     def _inputs(self, args: tuple, kwargs: dict) -> dict[str, object]:
         flat = flatten((args, kwargs))[0]
-        key = call_key(args, kwargs, self.model.training)
+        key = call_key(args, kwargs, self._key[2])  # step trains and eval_step evaluates, whatever the mode
         if key[:-1] == self._key[:-1] and key[-1] != self._key[-1]:
             raise PipelineError("this step runs under another autocast state than the pipeline was built under: "
                                 "its stages were captured, and send tensors of the dtypes, as they run there",
@@ -221,7 +226,7 @@ class Pipeline:
             raise PipelineError("this step's inputs differ in structure, dtype or shape from example_inputs: the "
                                 "pipeline's stages send tensors of the shapes captured from them",
                                 hint="step with batches shaped like example_inputs (the same batch size and "
-                                     "sequence length), in the same train/eval mode")
+                                     "sequence length)")
         st = tp_state(self.model)
         if st.tp > 1 and not self._checked:
             check_same_inputs(args, kwargs, st.group)
@@ -252,6 +257,20 @@ class Pipeline:
                 dist.all_reduce(p.grad, group=group)
         return self._loss(losses)
 
+    def _eval_runner(self) -> tuple:
+        """The stages and schedule of the graph captured in eval mode (the same stages, cut the same way)."""
+        if self._eval is None:
+            st = tp_state(self.model)
+            args, kwargs = self._micro
+            was = self.model.training
+            self.model.eval()
+            try:
+                c = _graph_for(self.model, st, args, kwargs, call_key(args, kwargs, False), flatten(self._micro)[0])
+            finally:
+                self.model.train(was)
+            self._eval = self._runner(_stage_modules(self.model, c, self.stage_indices, self.num_stages), train=False)
+        return self._eval
+
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """``torch.nn.utils.clip_grad_norm_`` over the whole model: the norm of every stage's gradients (a
@@ -277,7 +296,8 @@ class Pipeline:
 
     @torch.no_grad()
     def eval_step(self, *args, **kwargs) -> torch.Tensor:
-        """The loss of the whole batch, forward only (no gradients), on every rank."""
+        """The loss of the whole batch, forward only (no gradients), on every rank, in eval mode (the model's
+        graph captured under ``model.eval()``: dropout off), whatever mode the model is in."""
         if SCHEDULES[self.schedule_name].placement == "v":
             raise PipelineError(f"{self.schedule_name} cannot run forward only: torch's V schedules hand the "
                                 "backward between a rank's two stages even in eval",
@@ -285,7 +305,7 @@ class Pipeline:
         inputs = self._inputs(args, kwargs)
         losses: list[torch.Tensor] = []
         index = torch.arange(self.microbatches, device=tp_state(self.model).device)
-        self.schedule.eval(target=index, losses=losses, **inputs)
+        self._eval_runner()[1].eval(target=index, losses=losses, **inputs)
         return self._loss(losses)
 
 
@@ -322,21 +342,27 @@ def pipeline(model: nn.Module, *, example_inputs: object, microbatches: int, sch
     key = call_key(args, kwargs, model.training)
     micro_key = call_key(tuple(micro_args), dict(micro_kwargs), model.training)
     captured = st.graphs[micro_key]
-    wirings = wire_stages(captured.module, _loss_index(captured))
     ranks = stage_ranks(pp, count, kind.placement)
     me = mesh.get_local_rank("pp")
     indices = [s for s in range(count) if ranks[s] == me]
     by_name = dict(model.named_parameters(remove_duplicate=False))
-    reads = [_reads(captured.module, w) for w in wirings]
+    reads = [_reads(captured.module, w) for w in wire_stages(captured.module, _loss_index(captured))]
     if kind.placement == "v":
         _check_v_ties(by_name, reads, ranks, name)
-    held = {id(by_name[n]) for s in indices for n in reads[s]}
-    modules = [StageModule(captured.module, wirings[s],
-                           _unique([by_name[n] for n in reads[s]]), s == count - 1) for s in indices]
-    _drop_others(model, held)
+    modules = _stage_modules(model, captured, indices, count)
+    _drop_others(model, {id(by_name[n]) for s in indices for n in reads[s]})
     tied = _tied_groups(model, reads, ranks, me, mesh)
-    first = {input_name(i): t for i, t in enumerate(flatten((tuple(micro_args), dict(micro_kwargs)))[0])}
-    return Pipeline(model, mesh, name, v, microbatches, captured, key, modules, indices, count, tied, first)
+    return Pipeline(model, mesh, name, v, microbatches, key, modules, indices, count, tied,
+                    (tuple(micro_args), dict(micro_kwargs)))
+
+
+def _stage_modules(model: nn.Module, captured: Captured, indices: list[int] | tuple[int, ...],
+                   count: int) -> list[StageModule]:
+    """This rank's stages of a captured, split graph, each holding the parameters its piece reads."""
+    wirings = wire_stages(captured.module, _loss_index(captured))
+    by_name = dict(model.named_parameters(remove_duplicate=False))
+    return [StageModule(captured.module, wirings[s], _unique([by_name[n] for n in _reads(captured.module, wirings[s])]),
+                        s == count - 1) for s in indices]
 
 
 class _Meta(NamedTuple):
@@ -356,7 +382,7 @@ def _example(m: _Meta, device: torch.device | str) -> torch.Tensor:
 
 
 def _probe(model: nn.Module, mine: dict[int, StageModule], ranks: list[int], group: dist.ProcessGroup,
-           inputs: dict[str, object]) -> dict[int, tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]]:
+           inputs: dict[str, object], grad: bool = True) -> dict[int, tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]]:
     """The shapes, dtypes and requires_grad of what each of this rank's stages receives and returns: one
     forward of the first micro-batch through the stages in order, each rank sending the next the metadata of
     what it returns. ``PipelineStage`` then runs static (its own inference would run a backward too, which
@@ -368,7 +394,7 @@ def _probe(model: nn.Module, mine: dict[int, StageModule], ranks: list[int], gro
     local: list[_Meta] = []
     region = st.rng.get_state() if st.rng is not None else None
     devices = [st.device] if st.device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices), torch.enable_grad():
+    with torch.random.fork_rng(devices=devices), torch.set_grad_enabled(grad):
         for s in sorted(mine):
             if s == 0:
                 received: list[_Meta] = []
