@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+import torch.fx as fx
 import torch.nn as nn
 
 from torch.distributed.device_mesh import DeviceMesh
@@ -69,6 +70,8 @@ class TPState:
     units: tuple[str, ...] | None = None  # with fsdp: the blocks FSDP gathers one at a time, once applied
     pipeline: StageRequest | None = None  # pipelined: every graph is cut into these stages
     dropped: frozenset[str] = frozenset()  # pipelined: parameters of other ranks' stages (meta here)
+    # pipelined: the parameter names this rank's stages of a split graph read (never allocated: the others)
+    stage_params: Callable[[fx.GraphModule], set[str]] | None = None
 
     @property
     def plan(self) -> Plan:

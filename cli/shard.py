@@ -274,9 +274,9 @@ def shard(
     if fsdp and (compile_ or sequence_parallel):
         used = [f for f, on in (("--compile", compile_), ("--sequence-parallel", sequence_parallel)) if on]
         abort(f"--fsdp with {', '.join(used)} is not supported yet", debug, code=USAGE_ERROR)
-    if pp > 1 and (fsdp or compile_ or sequence_parallel or weights is not None):
+    if pp > 1 and (fsdp or compile_ or sequence_parallel or expert_parallel):
         used = [f for f, on in (("--fsdp", fsdp), ("--compile", compile_), ("--sequence-parallel", sequence_parallel),
-                                ("--weights", weights is not None)) if on]
+                                ("--expert-parallel", expert_parallel)) if on]
         abort(f"--pp with {', '.join(used)} is not supported yet", debug, code=USAGE_ERROR)
     stages = None
     if pp > 1:

@@ -376,11 +376,26 @@ def _shard_pipeline(job: ShardJob, ctx: RankContext, mf: ModelFile, batch: tuple
                              "compute one from", hint="define example_batch() returning the inputs and targets")
     args, kwargs = batch
     torch.manual_seed(0)
-    model = mf.build().to(ctx.device)
+    weights = ""
+    if job.weights is None:
+        model = mf.build().to(ctx.device)
+        reference = copy.deepcopy(model) if job.verify else None
+    else:
+        with autotp.empty_weights():  # parameters on meta: only this rank's stages' shards are ever allocated
+            model = mf.build()
+        reference = None
+        if job.verify:  # the unsharded model, whole on every rank: only for models that fit
+            reference = mf.build().to(ctx.device)
+            autotp.load_weights(reference, job.weights, device=ctx.device)
     unsharded_bytes = _param_bytes(model)
-    reference = copy.deepcopy(model) if job.verify else None
     pipe = autotp.pipeline(model, example_inputs=(args, kwargs), microbatches=job.microbatches or ctx.layout.pp,
-                           schedule=job.schedule, virtual_stages=job.virtual_stages, mesh=ctx.mesh)
+                           schedule=job.schedule, virtual_stages=job.virtual_stages, mesh=ctx.mesh,
+                           device=None if job.weights is None else ctx.device)
+    if job.weights is not None:
+        loaded = autotp.load_weights(model, job.weights)
+        most = torch.tensor([loaded.bytes_read, loaded.seconds], dtype=torch.float64)
+        dist.all_reduce(most, op=dist.ReduceOp.MAX)
+        weights = f"{job.weights} ({loaded.kind}): {_size(int(most[0]))} read per rank (most), {most[1]:.1f} s"
     st = autotp.tp_state(model)
     parity = None
     if reference is not None:
@@ -445,7 +460,7 @@ def _shard_pipeline(job: ShardJob, ctx: RankContext, mf: ModelFile, batch: tuple
         ranks=tuple(everyone), collectives=tuple((*key, n) for key, n in sorted(counts.items())),
         parity=parity, losses=tuple(losses), final_loss=final_loss, plan_path=str(plan_path),
         checkpoint_path=str(ckpt_path), start_step=start, resumed_from=resumed_from, resharded=resharded,
-        batch=_describe_batch(mf, model, args, kwargs, ctx.layout.tp), pp=ctx.layout.pp,
+        weights=weights, batch=_describe_batch(mf, model, args, kwargs, ctx.layout.tp), pp=ctx.layout.pp,
         pipeline=f"{pipe.schedule_name}, {pipe.microbatches} micro-batches, {pipe.virtual_stages} stage(s) per rank",
         stages=tuple(s.blocks for s in st.plan.stages),
     )

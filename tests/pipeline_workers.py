@@ -146,3 +146,37 @@ def pipeline_resume_matrix(out: str, name: str) -> dict:
         _train(step, opt, args, kwargs, 3)
         results[(tp, pp)] = {"step": resumed.step, "note": resumed.describe(), "state": _gathered(model, ctx)}
     return results if dist.get_rank() == 0 else {}
+
+
+def pipeline_from_meta(path: str, name: str, tp: int, pp: int, steps: int = 3) -> dict:
+    """A model built on meta (``autotp.empty_weights``), pipelined, then loaded from a checkpoint: each rank
+    allocates only its stages' shards; trained as the unsharded model from the same weights."""
+    ref, args, kwargs = MODELS[name]()
+    ref.load_state_dict(torch.load(path, weights_only=True))
+    with autotp.empty_weights():
+        model = MODELS[name]()[0]
+    mesh = init_device_mesh("cpu", (pp, dist.get_world_size() // (tp * pp), tp), mesh_dim_names=("pp", "dp", "tp"))
+    pipe = autotp.pipeline(model, example_inputs=(args, kwargs), microbatches=2, mesh=mesh, device="cpu")
+    allocated = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values() if not p.is_meta)
+    loaded = autotp.load_weights(model, path)
+    opt = torch.optim.AdamW(list(pipe.parameters()), lr=1e-3, eps=1e-6)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-3, eps=1e-6)
+    losses, ref_losses = [], []
+    for _ in range(steps):
+        losses.append(pipe.step(*args, **kwargs).item())
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        rloss = loss_and_logits(ref(*args, **kwargs))[0]
+        rloss.backward()
+        ropt.step()
+        ropt.zero_grad(set_to_none=True)
+        ref_losses.append(rloss.item())
+    st = autotp.tp_state(model)
+    refs = dict(ref.named_parameters(remove_duplicate=False))
+    worst = 0.0
+    for n, p in pipe.named_parameters():
+        want = refs[n].detach()
+        want = st.shards[n].shard(want, st.tp, st.rank) if n in st.shards else want
+        worst = max(worst, (p.detach() - want).abs().max().item())
+    return {"losses": losses, "ref_losses": ref_losses, "param_diff": worst, "allocated": allocated,
+            "held": sum(p.numel() for p in pipe.parameters()), "read": loaded.tensors}

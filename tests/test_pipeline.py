@@ -320,3 +320,22 @@ def test_user_script_under_autotp_run_pp(tmp_path, amp, tol):
     assert len(got) == 2
     for losses in got:
         assert max(abs(a - b) / abs(b) for a, b in zip(losses, want)) <= tol, (losses, want)
+
+
+@pytest.mark.slow
+def test_pipeline_of_a_model_built_on_meta_loads_only_its_stages(tmp_path):
+    """Built inside autotp.empty_weights() and pipelined at (tp 2, pp 2): each rank allocates only its own
+    stages' TP shards, autotp.load_weights reads only those, and training matches the unsharded model."""
+    import torch
+
+    from pipeline_workers import pipeline_from_meta
+
+    model, _, _ = MODELS["llama"]()
+    path = tmp_path / "llama.pt"
+    torch.save(model.state_dict(), path)
+    results = launch(pipeline_from_meta, 4, str(path), "llama", 2, 2)
+    for r in results.values():
+        assert r["allocated"] == r["held"] < sum(p.numel() for p in model.parameters()) // 3
+        assert max(abs(a - b) for a, b in zip(r["losses"], r["ref_losses"])) <= 1e-5, r
+        assert r["param_diff"] <= 1e-5, r
+    assert [results[r]["read"] for r in sorted(results)][0] < len(model.state_dict())

@@ -265,8 +265,8 @@ def load_weights(model: nn.Module, path: Path | str, *, device: torch.device | s
     wholes: list[tuple[DTensor, torch.Tensor]] = []
     with torch.no_grad():
         for t in targets:
-            if t.key is None:
-                continue
+            if t.key is None or st is not None and all(n in st.dropped for n in t.names):
+                continue  # not in the checkpoint's scope, or another rank's pipeline stage
             local = _tensor(model, t.names[0])
             if not t.persistent and not local.is_meta:
                 continue  # computed by the model's own code

@@ -246,9 +246,14 @@ def _build(model: nn.Module, st: TPState, args: tuple, kwargs: dict, key: Hashab
         gm, plan = _split_units(gm, plan, st)
     if st.pipeline is not None:
         gm = _split_stages(gm, plan)
+        if not st.graphs and st.stage_params is not None:  # the first call: other ranks' stages are never allocated
+            st.dropped = _other_stages(model, st.stage_params(gm))
+            fresh = [n for n in fresh if n not in st.dropped]
     if not st.shards and (plan.params or plan.buffers):
         _shard_in_place(model, st, plan)
         _shard_buffers_in_place(model, st, plan)
+    if st.dropped:
+        _drop(model, st.dropped)
     # a model built on meta holds uninitialised memory until a load fills it: every name it had on meta
     st.unloaded = tuple(dict.fromkeys([*st.unloaded, *fresh, *allocate_meta(model, st.device, keep=st.dropped)]))
     if st.fsdp is not None and st.units is None:
@@ -290,6 +295,24 @@ def _split_stages(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
     return top
 
 
+def _other_stages(model: nn.Module, read: set[str]) -> frozenset[str]:
+    """Every name of a parameter none of ``read`` (this rank's stages' names for it) refers to."""
+    mine = {id(p) for n, p in model.named_parameters(remove_duplicate=False) if n in read}
+    return frozenset(n for n, p in model.named_parameters(remove_duplicate=False) if id(p) not in mine)
+
+
+def _drop(model: nn.Module, names: frozenset[str]) -> None:
+    """The parameters named in ``names`` (other ranks' pipeline stages) go to the meta device, shape kept."""
+    ids = {id(p) for n, p in model.named_parameters(remove_duplicate=False) if n in names}
+
+    def meta(p: torch.Tensor) -> nn.Parameter | None:
+        if id(p) not in ids or p.is_meta:
+            return None
+        return nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"), requires_grad=p.requires_grad)
+
+    swap_tensors(model, "parameters", meta)
+
+
 def _by_id(named, own: dict[str, ParamShard]) -> tuple[dict[int, ParamShard], dict[int, list[str]]]:
     """Each tensor's shard and all its names (tied tensors appear under several)."""
     by_id: dict[int, ParamShard] = {}
@@ -310,7 +333,9 @@ def _shard_in_place(model: nn.Module, st: TPState, plan: Plan) -> None:
         if shard is None:
             return None
         with torch.no_grad():
-            if p.is_meta:  # a model built on meta: this rank's shard, allocated, not initialised
+            if any(n in st.dropped for n in names[id(p)]):  # another rank's pipeline stage: shape only
+                data = torch.empty(shard.local_shape, dtype=p.dtype, device="meta")
+            elif p.is_meta:  # a model built on meta: this rank's shard, allocated, not initialised
                 data = empty_shard(shard, p.dtype, st.device, st.rank)
             else:
                 data = shard.shard(p.detach(), st.tp, st.rank)
@@ -321,6 +346,8 @@ def _shard_in_place(model: nn.Module, st: TPState, plan: Plan) -> None:
         for name in names[id(p)]:
             st.shards[name] = shard
             st.full[name] = meta
+        if data.is_meta:
+            return new
         if shard.replicated_blocks(st.tp) and p.requires_grad:
             _sum_replicated_grads(st, new, shard)
         if p.requires_grad:  # clip_grad_norm_ in the user's script sees the full gradient's norm
@@ -479,9 +506,11 @@ def parallelize_state(model: nn.Module, *, tp_group: dist.ProcessGroup | None = 
                       vocab_multiple: int = 1, compile: bool = False, check_inputs: bool = False,
                       sequence_parallel: bool = False, expert_parallel: bool = False,
                       device: torch.device | str | None = None, fsdp: bool | FSDPConfig | None = None,
-                      mesh: DeviceMesh | None = None, pipeline: StageRequest | None = None) -> nn.Module:
+                      mesh: DeviceMesh | None = None, pipeline: StageRequest | None = None,
+                      stage_params: Callable[[fx.GraphModule], set[str]] | None = None) -> nn.Module:
     """:func:`parallelize`, and for :func:`autotp.parallel.pipeline.pipeline` every graph cut into the
-    stages ``pipeline`` asks for (captured with static shapes)."""
+    stages ``pipeline`` asks for (captured with static shapes); ``stage_params`` names the parameters this
+    rank's stages of the first split graph read: no other parameter is allocated or sliced here."""
     if (known := find_tp_state(model)) is not None:
         raise ShardingError(f"{type(model).__name__} is already parallelized (tp={known.tp})")
     config = _fsdp_config(fsdp)
@@ -494,7 +523,7 @@ def parallelize_state(model: nn.Module, *, tp_group: dist.ProcessGroup | None = 
     st = TPState(group, tp, rank, device, type(model), model.__dict__.get("forward"), vocab_multiple, compile,
                  check_inputs, sequence_parallel, RegionRNG(torch.initial_seed() + SEED_OFFSET + rank, device) if tp > 1 else None,
                  expert_parallel)
-    st.mesh, st.fsdp, st.pipeline = mesh, config, pipeline
+    st.mesh, st.fsdp, st.pipeline, st.stage_params = mesh, config, pipeline, stage_params
     args, kwargs = _split_example(example_inputs, _user_forward(model, st))
     training = model.training
     _swap_class(model)

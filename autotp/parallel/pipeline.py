@@ -33,7 +33,7 @@ from autotp.io.empty import swap_tensors
 from autotp.parallel.data import check_same_inputs
 from autotp.parallel.parallelize import _graph_for, _split_example, parallelize_state
 from autotp.plan.stages import StageRequest
-from autotp.runtime.stages import StageModule, StageWiring, Whole, input_name, wire_stages
+from autotp.runtime.stages import STAGE_PREFIX, StageModule, StageWiring, Whole, input_name, wire_stages
 from autotp.runtime.units import PieceCall
 from autotp.state import Captured, tp_state
 
@@ -336,15 +336,19 @@ def pipeline(model: nn.Module, *, example_inputs: object, microbatches: int, sch
     count = pp * v
     micro_args, micro_kwargs = unflatten(_microbatch(flat, microbatches), in_spec)
     request = StageRequest(count, tuple(split_points or ()))
+    ranks = stage_ranks(pp, count, kind.placement)
+    me = mesh.get_local_rank("pp")
+    indices = [s for s in range(count) if ranks[s] == me]
+
+    def mine(top: nn.Module) -> set[str]:  # what this rank's stages read: nothing else is allocated here
+        return {n for s in indices for n in top.get_submodule(f"{STAGE_PREFIX}{s}").layout if isinstance(n, str)}
+
     parallelize_state(model, tp_group=mesh.get_group("tp"), example_inputs=(tuple(micro_args), dict(micro_kwargs)),
-                      vocab_multiple=vocab_multiple, device=device, fsdp=False, pipeline=request)
+                      vocab_multiple=vocab_multiple, device=device, fsdp=False, pipeline=request, stage_params=mine)
     st = tp_state(model)
     key = call_key(args, kwargs, model.training)
     micro_key = call_key(tuple(micro_args), dict(micro_kwargs), model.training)
     captured = st.graphs[micro_key]
-    ranks = stage_ranks(pp, count, kind.placement)
-    me = mesh.get_local_rank("pp")
-    indices = [s for s in range(count) if ranks[s] == me]
     by_name = dict(model.named_parameters(remove_duplicate=False))
     reads = [_reads(captured.module, w) for w in wire_stages(captured.module, _loss_index(captured))]
     if kind.placement == "v":
