@@ -180,3 +180,52 @@ def pipeline_from_meta(path: str, name: str, tp: int, pp: int, steps: int = 3) -
         worst = max(worst, (p.detach() - want).abs().max().item())
     return {"losses": losses, "ref_losses": ref_losses, "param_diff": worst, "allocated": allocated,
             "held": sum(p.numel() for p in pipe.parameters()), "read": loaded.tensors}
+
+
+def _overflow(p: torch.Tensor) -> None:
+    p.grad.view(-1)[0] = float("inf")
+
+
+def pipeline_grad_scaler(steps: int = 4, inject_at: int = 1) -> dict:
+    """fp16 autocast with ``torch.amp.GradScaler`` through a (tp 1, pp 2) pipeline: an inf written into one
+    gradient during the last stage's backward, on its rank only (and into the same element of the unsharded
+    model's), skips that step on every rank, with the script's own ``scaler.unscale_``/``step``/``update``."""
+    ref, args, kwargs = MODELS["nanogpt"]()
+    mesh = init_device_mesh("cpu", (2, 1, 1), mesh_dim_names=("pp", "dp", "tp"))
+    scalers = {m: torch.amp.GradScaler("cpu", init_scale=2.0 ** 10) for m in ("pp", "ref")}
+    model = copy.deepcopy(ref)
+    with torch.autocast("cpu", dtype=torch.float16):
+        pipe = autotp.pipeline(model, example_inputs=(args, kwargs), microbatches=2, mesh=mesh,
+                               scaler=scalers["pp"])
+    opts = {"pp": torch.optim.AdamW(list(pipe.parameters()), lr=1e-3, eps=1e-6),
+            "ref": torch.optim.AdamW(ref.parameters(), lr=1e-3, eps=1e-6)}
+    name = "transformer.h.3.mlp.c_fc.weight"  # on the last stage: pipeline rank 1
+    mine = dict(pipe.named_parameters())
+    out: dict = {"scales": [], "ref_scales": [], "losses": [], "ref_losses": [], "skipped_unchanged": None}
+    for step in range(steps):
+        before = {n: p.detach().clone() for n, p in pipe.named_parameters()}
+        for key in ("pp", "ref"):
+            opts[key].zero_grad()
+            hook = None
+            if step == inject_at and key == "pp" and name in mine:  # an overflow in this stage's backward
+                hook = mine[name].register_post_accumulate_grad_hook(_overflow)
+            with torch.autocast("cpu", dtype=torch.float16):
+                if key == "pp":
+                    loss = pipe.step(*args, **kwargs)
+                else:
+                    loss = loss_and_logits(ref(*args, **kwargs))[0]
+                    scalers[key].scale(loss).backward()
+            if hook is not None:
+                hook.remove()
+            if step == inject_at and key == "ref":
+                ref.get_parameter(name).grad[0, 0] = float("inf")
+            scalers[key].unscale_(opts[key])
+            scalers[key].step(opts[key])
+            scalers[key].update()
+            out["losses" if key == "pp" else "ref_losses"].append(loss.item())
+        out["scales"].append(scalers["pp"].get_scale())
+        out["ref_scales"].append(scalers["ref"].get_scale())
+        if step == inject_at:
+            out["skipped_unchanged"] = all(torch.equal(p, before[n]) for n, p in pipe.named_parameters())
+    out["held_inf_param"] = name in mine
+    return out

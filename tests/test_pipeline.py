@@ -339,3 +339,18 @@ def test_pipeline_of_a_model_built_on_meta_loads_only_its_stages(tmp_path):
         assert max(abs(a - b) for a, b in zip(r["losses"], r["ref_losses"])) <= 1e-5, r
         assert r["param_diff"] <= 1e-5, r
     assert [results[r]["read"] for r in sorted(results)][0] < len(model.state_dict())
+
+
+@pytest.mark.slow
+def test_grad_scaler_overflow_on_one_stage_skips_every_rank():
+    """fp16 + GradScaler through the pipeline: an overflow in one stage's gradients skips the step on both
+    pipeline ranks, and the scale halves on both, as on one device."""
+    from pipeline_workers import pipeline_grad_scaler
+
+    results = launch(pipeline_grad_scaler, 2)
+    assert [results[r]["held_inf_param"] for r in sorted(results)] == [False, True]  # the inf: on rank 1 only
+    for rank, r in results.items():
+        assert r["skipped_unchanged"], rank  # rank 0 found no inf of its own, and still skipped
+        assert r["scales"] == r["ref_scales"], (rank, r["scales"], r["ref_scales"])
+        assert r["scales"][1] == r["scales"][0] / 2
+        assert max(abs(a - b) / b for a, b in zip(r["losses"], r["ref_losses"])) <= 1e-3, (r["losses"], r["ref_losses"])

@@ -153,8 +153,10 @@ class Pipeline:
 
     def __init__(self, model: nn.Module, mesh: DeviceMesh, schedule: str, v: int, microbatches: int,
                  key, modules: list[StageModule], indices: list[int], count: int,
-                 tied: list[tuple[nn.Parameter, dist.ProcessGroup]], micro: tuple[tuple, dict]):
+                 tied: list[tuple[nn.Parameter, dist.ProcessGroup]], micro: tuple[tuple, dict],
+                 scaler: torch.amp.GradScaler | None = None):
         self.model = model
+        self.scaler = scaler
         self.mesh = mesh
         self.schedule_name = schedule
         self.virtual_stages = v
@@ -183,7 +185,8 @@ class Pipeline:
                                 group=self.pp_group) for m, s in zip(wrapped, self.stage_indices)]
 
         def loss_fn(out: torch.Tensor, _index: torch.Tensor) -> torch.Tensor:
-            return out.sum()  # the last stage returns the micro-batch's loss, shape (1,); not a view (detach_)
+            loss = out.sum()  # the last stage returns the micro-batch's loss, shape (1,); not a view (detach_)
+            return self.scaler.scale(loss) if self.scaler is not None and train else loss
 
         kind = SCHEDULES[self.schedule_name]
         if kind.placement == "single":
@@ -246,16 +249,37 @@ class Pipeline:
 
     def step(self, *args, **kwargs) -> torch.Tensor:
         """One forward and backward of the whole batch through the schedule; gradients accumulate into
-        ``parameters()`` (the micro-batches' mean). Returns the loss on every rank."""
+        ``parameters()`` (the micro-batches' mean). Returns the loss on every rank.
+
+        With a ``GradScaler`` (``pipeline(..., scaler=...)``) the backward starts from the scaled loss, and an
+        inf/nan in any stage's gradients is made every rank's: each rank's ``scaler.unscale_``/``step`` then
+        skips the step together (Megatron all-reduces ``found_inf`` over the model-parallel group)."""
         inputs = self._inputs(args, kwargs)
         losses: list[torch.Tensor] = []
         # the schedule's loss_fn takes a target per micro-batch; the loss is the stage's own output
         index = torch.arange(self.microbatches, device=tp_state(self.model).device)
+        scale = 1.0
+        if self.scaler is not None:  # on every rank, loss or not: the scaler's state exists for its unscale_
+            scale = self.scaler.scale(torch.ones((), device=index.device)).item()
         self.schedule.step(target=index, losses=losses, return_outputs=False, **inputs)
         for p, group in self._tied:  # Megatron's embedding group: the copies of a tied weight get one gradient
             if p.grad is not None:
                 dist.all_reduce(p.grad, group=group)
-        return self._loss(losses)
+        if self.scaler is not None:
+            self._agree_non_finite()
+        return self._loss(losses) / scale
+
+    def _agree_non_finite(self) -> None:
+        """An inf/nan in one rank's gradients, written into every rank's: the scaler skips on all of them."""
+        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        device = tp_state(self.model).device
+        bad = torch.zeros((), device=device)
+        if grads:
+            bad = torch.stack([torch.isfinite(g).all().logical_not() for g in grads]).any().float()
+        for group in (self.pp_group, tp_state(self.model).group):
+            dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=group)
+        if bad.item() and grads:
+            grads[0].view(-1)[0] = float("inf")
 
     def _eval_runner(self) -> tuple:
         """The stages and schedule of the graph captured in eval mode (the same stages, cut the same way)."""
@@ -312,7 +336,8 @@ class Pipeline:
 def pipeline(model: nn.Module, *, example_inputs: object, microbatches: int, schedule: str = "1F1B",
              virtual_stages: int | None = None, split_points: list[str] | tuple[str, ...] | None = None,
              pp: int | None = None, tp: int | None = None, mesh: DeviceMesh | None = None,
-             vocab_multiple: int = 1, device: torch.device | str | None = None) -> Pipeline:
+             vocab_multiple: int = 1, device: torch.device | str | None = None,
+             scaler: torch.amp.GradScaler | None = None) -> Pipeline:
     """Cut ``model`` into ``pp × virtual_stages`` pipeline stages, each sharded by autotp's TP plan, and return
     the :class:`Pipeline` that trains it.
 
@@ -322,6 +347,8 @@ def pipeline(model: nn.Module, *, example_inputs: object, microbatches: int, sch
     ``virtual_stages`` default 1 (2 for the interleaved and V schedules). ``split_points``: the blocks that
     start stages 1, 2, ... (default: balanced by FLOPs). ``mesh``: a (pp, dp, tp) device mesh, default the
     layout's under ``autotp run``, else one made from ``pp`` and ``tp`` (dp the rest of the world).
+    ``scaler``: fp16 training's ``torch.amp.GradScaler``: each step's backward starts from the scaled loss;
+    the script's ``scaler.unscale_``, ``scaler.step`` and ``scaler.update`` stay as they are.
 
     The model keeps its class and names; its parameters become this rank's TP shards of its own stages
     (those of other ranks' stages go to the meta device), and calling it directly is refused.
@@ -357,7 +384,7 @@ def pipeline(model: nn.Module, *, example_inputs: object, microbatches: int, sch
     _drop_others(model, {id(by_name[n]) for s in indices for n in reads[s]})
     tied = _tied_groups(model, reads, ranks, me, mesh)
     return Pipeline(model, mesh, name, v, microbatches, key, modules, indices, count, tied,
-                    (tuple(micro_args), dict(micro_kwargs)))
+                    (tuple(micro_args), dict(micro_kwargs)), scaler)
 
 
 def _stage_modules(model: nn.Module, captured: Captured, indices: list[int] | tuple[int, ...],
