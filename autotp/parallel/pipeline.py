@@ -3,16 +3,19 @@
 The model is captured once at the micro-batch's shapes, sharded by its TP plan (:func:`parallelize_state`),
 and its rewritten graph cut at block boundaries into ``pp × v`` stages balanced by FLOPs
 (:mod:`autotp.plan.stages`, :func:`autotp.passes.split_stages`). Each rank keeps the stages the schedule
-places on it (stage s on pipeline rank s mod pp; the V schedules fold the second half back) and drops every
-other parameter (meta). torch's ``PipelineStage`` sends the values that cross a cut; a schedule by name
-(GPipe, 1F1B, Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble) runs the micro-batches.
+places on it (stage s on pipeline rank s mod pp; the V schedules fold the second half back) and never
+allocates any other parameter (meta). torch's ``PipelineStage`` sends the hidden state across each cut (masks
+and rotary tables are made again where they are read); a schedule by name (GPipe, 1F1B, Interleaved1F1B,
+LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble) runs the micro-batches. ``eval_step`` runs the graph
+captured in eval mode, cut into the same stages.
 
 Megatron's layout (:mod:`autotp.distributed.layout`): TP inside a node, then DP, then PP. With dp > 1 each
 stage is wrapped in DDP over its data-parallel group (``PipelineStage`` defers its gradient all-reduce to
 the last micro-batch). A parameter read by stages on several pipeline ranks (an LM head tied to the token
 embedding: Megatron's embedding group) has its gradient summed over those ranks after each step, so its
 copies stay identical. Gradients are the mean over micro-batches (each micro-batch's loss a mean over its
-tokens), as one step on the whole batch gives.
+tokens), as one step on the whole batch gives. With fp16's ``GradScaler`` an overflow in any stage is made
+every rank's, so every rank skips the step together.
 """
 from __future__ import annotations
 
