@@ -19,9 +19,23 @@ import pytest
 import torch
 
 from amp_workers import autocast_parity, full_tensor_grad, grad_scaler_overflow
-from distributed import launch
+from distributed import Launches
 
 EPS = {"bfloat16": torch.finfo(torch.bfloat16).eps, "float16": torch.finfo(torch.float16).eps}
+MOE = [("moe_bmm", False), ("mixtral", False), ("mixtral", True)]
+# every job of this file, by the world it runs at: one launch per world
+JOBS: dict[int, dict[str, tuple]] = {world: {
+    **{f"nanogpt {dtype}": (autocast_parity, "nanogpt", dtype) for dtype in EPS},
+    "llama": (autocast_parity, "llama", "bfloat16", False, True),
+    "grad scaler": (grad_scaler_overflow,),
+} for world in (2, 4)}
+JOBS[2].update({f"moe {model} {ep}": (autocast_parity, model, "bfloat16", False, False, 3, ep) for model, ep in MOE})
+JOBS[2].update({"sequence parallel": (autocast_parity, "nanogpt", "bfloat16", True), "full tensor": (full_tensor_grad,)})
+
+
+@pytest.fixture(scope="module")
+def runs() -> Launches:
+    return Launches(JOBS)
 
 
 def _check_close(r: dict, dtype: str, rank: int) -> None:
@@ -39,8 +53,8 @@ def _check_close(r: dict, dtype: str, rank: int) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-def test_autocast_training_parity(world: int, dtype: str):
-    for rank, r in launch(autocast_parity, world, "nanogpt", dtype).items():
+def test_autocast_training_parity(runs, world: int, dtype: str):
+    for rank, r in runs(world, f"nanogpt {dtype}").items():
         _check_close(r, dtype, rank)
         # what travels: the row-parallel outputs' all-reduces and the input gradients entering the column
         # matmuls in the low dtype (half the bytes of fp32); the embedding's output (not autocast) and the
@@ -59,36 +73,36 @@ def test_autocast_training_parity(world: int, dtype: str):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
-def test_autocast_gqa_captured_under_autocast(world: int):
+def test_autocast_gqa_captured_under_autocast(runs, world: int):
     """A Hugging Face Llama (grouped-query: kv heads replicated at tp 4), parallelized inside the autocast
     region, bf16."""
-    for rank, r in launch(autocast_parity, world, "llama", "bfloat16", False, True).items():
+    for rank, r in runs(world, "llama").items():
         _check_close(r, "bfloat16", rank)
         assert r["graphs"] == 1
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model,expert_parallel", [("moe_bmm", False), ("mixtral", False), ("mixtral", True)])
-def test_autocast_moe(model: str, expert_parallel: bool):
+@pytest.mark.parametrize("model,expert_parallel", MOE)
+def test_autocast_moe(runs, model: str, expert_parallel: bool):
     """Experts under bf16 autocast (gathered per slot with bmm; Hugging Face's grouped GEMM, also with whole
     experts per rank): each rank's partial expert sums in bf16, one all-reduce of the combined sum, as close
     as the dense models. (A router's top-k may flip on a near-tie when its input rounds differently, as it
     does between autocast and fp32: these models' batches have none.)"""
-    for rank, r in launch(autocast_parity, 2, model, "bfloat16", False, False, 3, expert_parallel).items():
+    for rank, r in runs(2, f"moe {model} {expert_parallel}").items():
         _check_close(r, "bfloat16", rank)
 
 
 @pytest.mark.slow
-def test_autocast_sequence_parallel():
-    for rank, r in launch(autocast_parity, 2, "nanogpt", "bfloat16", True).items():
+def test_autocast_sequence_parallel(runs):
+    for rank, r in runs(2, "sequence parallel").items():
         _check_close(r, "bfloat16", rank)
         kinds = {(c[0], c[1]) for c in r["traveled"]}
         assert ("reduce_scatter", "bfloat16") in kinds and ("all_gather", "bfloat16") in kinds, kinds
 
 
 @pytest.mark.slow
-def test_full_tensor_is_differentiable_and_foreach_norms_are_full():
-    for rank, r in launch(full_tensor_grad, 2).items():
+def test_full_tensor_is_differentiable_and_foreach_norms_are_full(runs):
+    for rank, r in runs(2, "full tensor").items():
         for dtype in ("float32", "bfloat16"):
             d = r[dtype]
             assert d["plain"] and d["requires_grad"], (rank, dtype, d)
@@ -100,8 +114,8 @@ def test_full_tensor_is_differentiable_and_foreach_norms_are_full():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
-def test_grad_scaler_overflow_on_one_rank_skips_every_rank(world: int):
-    results = launch(grad_scaler_overflow, world)
+def test_grad_scaler_overflow_on_one_rank_skips_every_rank(runs, world: int):
+    results = runs(world, "grad scaler")
     for rank, r in results.items():
         assert r["skipped_unchanged"], rank  # no rank stepped with the overflowing step's gradients
         assert r["scales"] == r["ref_scales"], (rank, r["scales"], r["ref_scales"])  # halved once, on every rank

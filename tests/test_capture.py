@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from capture_models import STYLES, build
-from distributed import launch
+from distributed import Launches
 from parity_workers import capture_styles, default_calls
 
 from autotp.capture.tracer import capture
@@ -68,9 +68,19 @@ def test_output_structure_round_trips():
     assert call_key((torch.randn(1),), {}, True) != call_key((torch.randn(4),), {}, True)
 
 
+DEFAULT_CALLS = ["gpt2", "llama", "test_transformer"]
+
+
+@pytest.fixture(scope="module")
+def runs() -> Launches:
+    """The multi-process tests' jobs, one launch per world."""
+    return Launches({2: {"styles": (capture_styles, list(STYLES)), "default calls": (default_calls, DEFAULT_CALLS)},
+                     4: {"default calls": (default_calls, DEFAULT_CALLS)}})
+
+
 @pytest.mark.slow
-def test_capture_styles_train_exactly_at_tp2():
-    results = launch(capture_styles, 2, list(STYLES))
+def test_capture_styles_train_exactly_at_tp2(runs):
+    results = runs(2, "styles")
     for rank, by_style in results.items():
         for style, r in by_style.items():
             assert r["loss_diff"] <= 1e-5, (rank, style, r)
@@ -82,11 +92,12 @@ def test_capture_styles_train_exactly_at_tp2():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
-def test_bare_parallelize_trains_exactly(world: int):
+def test_bare_parallelize_trains_exactly(runs, world: int):
     """``parallelize(model)`` with no example, then the model's own training call (HF: ``use_cache`` as
     configured, so a KV cache comes back) for 3 AdamW steps."""
-    results = launch(default_calls, world, ["gpt2", "llama", "test_transformer"])
+    results = runs(world, "default calls")
     for rank, by_kind in results.items():
+        assert list(by_kind) == DEFAULT_CALLS
         for kind, r in by_kind.items():
             assert r["tp"] == world and r["same_class"]
             assert r["loss_diff"] <= 1e-5 and r["param_diff"] <= 1e-5, (rank, kind, r)

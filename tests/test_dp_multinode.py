@@ -21,7 +21,9 @@ from torch.distributed.elastic.utils.distributed import get_free_port
 
 NANOGPT = os.path.join(ROOT, "examples", "nanogpt.py")
 TP, DP, STEPS, LR, EPS, TOL = 2, 2, 3, 1e-3, 1e-6, 1e-5
-TWO_NODE_TIMEOUT_S = 120
+# a two-node job takes 17-30 s on 2 cores (up to ~45 s with other jobs on the machine); the hang it retries
+# (see test_shard_two_nodes_on_loopback) never ends by itself, so a longer wait only delays the retry
+TWO_NODE_TIMEOUT_S = 60
 
 
 def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -180,11 +182,14 @@ def test_shard_two_nodes_on_loopback(tmp_path: Path) -> None:
     from autotp.io.checkpoint import load_unsharded
     from autotp.plan.plan import Plan
 
-    # two launchers rendezvousing on one host at the same instant at times both wait forever (seen about one
-    # run in three, nothing printed by either): one more attempt on a fresh port before failing
+    # at times both launchers wait forever (seen about one run in five to ten on 2 busy cores): after training
+    # (its progress bar may be printed, or not when the output is buffered), one rank of a node waits in a
+    # tensor-parallel all-reduce while its peer has left the worker and hangs in gloo's teardown
+    # (destroy_process_group), so neither rank exits; one more attempt on a fresh port before failing (a job
+    # that fails exits, and is not retried)
     for attempt in range(2):
         procs, logs, text, timed_out, out = _two_nodes(tmp_path / f"attempt{attempt}")
-        if not all(timed_out) or any(text):
+        if not all(timed_out):
             break
     shown = "\n".join(f"--- node {n} ---\n{t}" for n, t in enumerate(text))
     assert not any(timed_out), f"not finished within {TWO_NODE_TIMEOUT_S} s\n{shown}"

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from distributed import ROOT, launch
+from distributed import ROOT, Launches
 
 SCRIPTS = os.path.join(ROOT, "tests", "scripts")
 ADDED = "import autotp; model = autotp.parallelize(model)  # the one added line"
@@ -112,9 +112,20 @@ def _raises(fn) -> str:
     return ""
 
 
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> Launches:
+    """The multi-process tests' jobs, one launch per world: the model changed in place and ``generate`` at tp 2
+    (without the KV cache); ``generate`` and ``save_pretrained`` at tp 4 (with it)."""
+    from parity_workers import hf_generate
+
+    tmp = str(tmp_path_factory.mktemp("pretrained"))
+    return Launches({2: {"in place": (in_place_worker,), "generate": (hf_generate, ["gpt2", "llama"], False, None)},
+                     4: {"generate": (hf_generate, ["gpt2", "llama"], True, tmp)}})
+
+
 @pytest.mark.slow
-def test_parallelize_changes_the_model_in_place():
-    results = launch(in_place_worker, 2)
+def test_parallelize_changes_the_model_in_place(runs):
+    results = runs(2, "in place")
     for rank, r in results.items():
         assert r["same_object"] and r["isinstance"] and r["class_name"] == "GPT"
         assert r["names"] and r["modules_kept"] and r["config"] and r["tied"] and r["eval_propagates"]
@@ -127,14 +138,13 @@ def test_parallelize_changes_the_model_in_place():
 # with and without the KV cache, each at one tp (both ways at both tp cost 45 s more and cover nothing new)
 @pytest.mark.slow
 @pytest.mark.parametrize("world,use_cache", [(2, False), (4, True)])
-def test_hf_generate_and_save_pretrained(world: int, use_cache: bool, tmp_path: Path):
+def test_hf_generate_and_save_pretrained(runs, world: int, use_cache: bool):
     """Greedy ``generate`` gives the unsharded model's tokens, with the model's own KV cache (kept as
     local shards between steps: nothing but the last position's logits is gathered) and without one;
     ``save_pretrained`` writes the full model once and ``from_pretrained`` loads it back bit-identical."""
-    from parity_workers import hf_generate
-
-    results = launch(hf_generate, world, ["gpt2", "llama"], use_cache, str(tmp_path) if use_cache else None)
+    results = runs(world, "generate")
     for rank, by_kind in results.items():
+        assert list(by_kind) == ["gpt2", "llama"]
         for kind, r in by_kind.items():
             assert r["same_tokens"] and r["new"] == 8, (rank, kind, r)
             assert len(r["gathers"]) == 8 and all(g[-1] == 128 for g in r["gathers"]), r["gathers"]

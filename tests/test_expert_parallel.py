@@ -16,7 +16,7 @@ from autotp.analysis.pairs import analyze
 from autotp.errors import ShardingError
 from autotp.plan.planner import check_expert_counts, make_plan
 from autotp.runtime.expert_ops import ExpertGrouped, ExpertIndex, ExpertOut, ExpertRows, ExpertSelect
-from distributed import launch
+from distributed import Launches
 from moe_models import E, H, S, build, collectives
 from parity_workers import pattern_parity
 
@@ -26,6 +26,21 @@ WEIGHTS = {"fused_loop": ("w1", "w2", "w3"), "gathered_bmm": ("gate_up", "down")
 # W[ids] per slot, a grouped GEMM over sorted tokens
 OPS = {"fused_loop": {ExpertSelect: 3 * E, ExpertRows: E, ExpertOut: E},
        "gathered_bmm": {ExpertIndex: 1}, "mixtral": {ExpertGrouped: 2 * LAYERS}}
+
+
+# loops over W[e] (top-1 with a load-balancing loss, capacity-dropped tokens, a shared expert), W[ids] with
+# bmm and einsum; at tp 4 one expert per rank
+KINDS = {2: ["fused_loop", "fused_loop_t", "gathered_bmm", "gathered_einsum", "shared_sigmoid", "top1_aux", "capacity"],
+         4: ["gathered_bmm"]}
+HF_KINDS = {2: ["mixtral", "mixtral:batched_mm", "qwen2_moe", "deepseek_v3_idle"], 4: ["deepseek_v3_idle"]}
+
+
+@pytest.fixture(scope="module")
+def runs() -> Launches:
+    """Both multi-process tests' jobs in one launch per world."""
+    return Launches({world: {"spellings": (pattern_parity, KINDS[world], 3, False, "moe_models", True),
+                             "hugging face": (pattern_parity, HF_KINDS[world], 3, False, "hf_moe_models", True)}
+                     for world in (2, 4)})
 
 
 def _rewritten(model, args, kwargs, tp: int):
@@ -86,15 +101,14 @@ def test_experts_as_modules_or_with_late_biases_keep_expert_tensor_parallelism_a
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
-def test_expert_parallel_is_exact_with_one_all_reduce_per_layer(world: int):
+def test_expert_parallel_is_exact_with_one_all_reduce_per_layer(runs, world: int):
     """3 AdamW steps within 1e-5 of the unsharded model, E/tp whole experts per rank, and the collectives of
     expert tensor parallelism (forward one all-reduce per attention and MoE layer; backward one entering
     each and the routing weights once per layer), for loops over W[e] (top-1 with a load-balancing loss,
     capacity-dropped tokens, a shared expert), W[ids] with bmm and einsum."""
-    kinds = ["fused_loop", "fused_loop_t", "gathered_bmm", "gathered_einsum", "shared_sigmoid", "top1_aux", "capacity"]
-    kinds = kinds if world == 2 else ["gathered_bmm"]  # one expert per rank
-    results = launch(pattern_parity, world, kinds, 3, False, "moe_models", True)
+    results = runs(world, "spellings")
     for rank, by_kind in results.items():
+        assert list(by_kind) == KINDS[world]
         for kind, r in by_kind.items():
             assert r["loss_diff"] <= 1e-5 and r["grad_diff"] <= 1e-5 and r["param_diff"] <= 1e-5, (rank, kind, r)
             assert r["replicated"] == [] and r["unexplained"] == [], (kind, r)
@@ -107,7 +121,7 @@ def test_expert_parallel_is_exact_with_one_all_reduce_per_layer(world: int):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
-def test_hugging_face_experts_whole_per_rank_with_idle_experts(world: int):
+def test_hugging_face_experts_whole_per_rank_with_idle_experts(runs, world: int):
     """Mixtral (grouped GEMM; batched_mm), Qwen2-MoE (a shared expert) and DeepSeek-V3 with its routing bias
     ruling out experts 2 and 3 (at tp 2 rank 1 holds only experts that get no tokens; at tp 4 ranks 2 and 3):
     exact, whole experts per rank, the collectives of expert tensor parallelism."""
@@ -118,10 +132,10 @@ def test_hugging_face_experts_whole_per_rank_with_idle_experts(world: int):
     model(*args, **kwargs).loss.backward()
     grad = model.model.layers[1].mlp.experts.gate_up_proj.grad
     assert grad[:2].abs().sum() > 0 and torch.count_nonzero(grad[2:]) == 0  # experts 2 and 3 are idle
-    kinds = ["mixtral", "mixtral:batched_mm", "qwen2_moe", "deepseek_v3_idle"] if world == 2 else ["deepseek_v3_idle"]
-    results = launch(pattern_parity, world, kinds, 3, False, "hf_moe_models", True)
+    results = runs(world, "hugging face")
     bsh, rows = 2 * 8 * 64, 2 * 8
     for rank, by_kind in results.items():
+        assert list(by_kind) == HF_KINDS[world]
         for kind, r in by_kind.items():
             assert r["loss_diff"] <= 1e-5 and r["grad_diff"] <= 1e-5 and r["param_diff"] <= 1e-5, (rank, kind, r)
             assert r["replicated"] == [] and r["unexplained"] == [], (kind, r)

@@ -22,10 +22,10 @@ from autotp.passes.split_units import split_units
 from autotp.plan.plan import Plan
 from autotp.plan.planner import make_plan
 from autotp.runtime.units import PieceCall, bind_pieces
-from distributed import launch
+from distributed import Launches
 from fsdp_models import KINDS, build
+from fsdp_workers import fsdp_load_weights, fsdp_parity, fsdp_parity_many, fsdp_resume_matrix
 from fsdp_workers import fsdp_mixed_precision as fsdp_workers_mp
-from fsdp_workers import fsdp_parity
 from models import MODELS, loss_and_logits
 
 UNITS = {
@@ -181,14 +181,50 @@ def _kinds(calls, *names) -> Counter:
     return Counter((c[0], c[1]) for c in calls if c[0] in names)
 
 
+PARITY = [("nanogpt", 2), ("llama", 2), ("nanogpt", 1), ("llama", 1)]
+META = [("nanogpt", 2, "dcp"), ("llama", 1, "torch")]
+SPELLINGS = ["pattern:qk_norm_width", "pattern:parallel", "pattern:gqa_qk_norm", "pattern:offset_slices"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> Launches:
+    """Every 4-rank job of this file in one launch (made when a test first asks): the weight files the meta
+    models load are written first."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    tmp = tmp_path_factory.mktemp("fsdp")
+    jobs: dict[str, tuple] = {f"parity {model} {tp}": (fsdp_parity, model, tp) for model, tp in PARITY}
+    jobs["kept"] = (fsdp_parity, "modulelist", 2, 3, 0.05, False, False)
+    jobs["hsdp"] = (fsdp_parity, "dense_first", 1, 3, 0.05, True, True, 2)
+    jobs["resume"] = (fsdp_resume_matrix, str(tmp / "resume"), ["nanogpt", "llama"])
+    jobs["mixed precision"] = (fsdp_workers_mp, "nanogpt", 2)
+    for name, tp, kind in META:
+        # a torch state-dict file (read tensor by tensor) or a DCP folder (read in one go at the end)
+        state = _model(name)[0].state_dict()
+        path = tmp / f"{name}-{kind}" / ("weights.pt" if kind == "torch" else "weights")
+        path.parent.mkdir()
+        if kind == "torch":
+            torch.save(state, path)
+        else:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # "assuming the intent is to save in a single process"
+                dcp.save(state, checkpoint_id=str(path))
+        jobs[f"meta {name}"] = (fsdp_load_weights, name, str(path), tp)
+    jobs.update({f"without units {kind}": (fsdp_parity, kind, 2) for kind in ("single", "twice")})
+    jobs["spellings"] = (fsdp_parity_many, SPELLINGS, 2)
+    return Launches({4: jobs})
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("model, tp", [("nanogpt", 2), ("llama", 2), ("nanogpt", 1), ("llama", 1)])
-def test_fsdp_training_parity(model: str, tp: int):
+@pytest.mark.parametrize("model, tp", PARITY)
+def test_fsdp_training_parity(runs, model: str, tp: int):
     """tp × fsdp on 4 ranks: 3 AdamW steps with clip_grad_norm_ as the unsharded model on the whole batch;
     one all-gather per unit forward (embeddings, blocks, final norm and head, and the root where a tied
     embedding keeps parameters there), one per unit backward but the last (kept gathered, as its backward
     starts at once), one reduce-scatter per unit; the tensor-parallel all-reduces unchanged."""
-    results = launch(fsdp_parity, 4, model, tp)
+    results = runs(4, f"parity {model} {tp}")
     units, layers = len(_all_units(model)), len(UNITS[model])
     for rank, r in results.items():
         assert r["units"] == _all_units(model)
@@ -210,15 +246,15 @@ def test_fsdp_training_parity(model: str, tp: int):
 
 
 @pytest.mark.slow
-def test_fsdp_options_and_hsdp():
+def test_fsdp_options_and_hsdp(runs):
     """Keeping the gathered blocks until backward (no all-gather in backward), no prefetch, HSDP (2 replica
     groups × 2 shards: gradients reduce-scattered in a group, then all-reduced across the groups) on a
     dense-first mixture-of-experts stack."""
-    kept = launch(fsdp_parity, 4, "modulelist", 2, 3, 0.05, False, False)[0]
+    kept = runs(4, "kept")[0]
     assert kept["root_params"]  # the tied embedding and head
     assert Counter(c[0] for c in kept["backward_collectives"] if c[0] != "all_reduce") == \
         Counter({"reduce_scatter": len(_all_units("modulelist")) + 1})
-    hsdp = launch(fsdp_parity, 4, "dense_first", 1, 3, 0.05, True, True, 2)
+    hsdp = runs(4, "hsdp")
     for r in (kept, *hsdp.values()):
         assert max(abs(a - b) for a, b in zip(r["losses"], r["ref_losses"])) <= 1e-5
         assert max(abs(a - b) for a, b in zip(r["norms"], r["ref_norms"])) <= 1e-5
@@ -230,12 +266,10 @@ def test_fsdp_options_and_hsdp():
 
 
 @pytest.mark.slow
-def test_fsdp_checkpoint_resumes_at_any_layout(tmp_path):
+def test_fsdp_checkpoint_resumes_at_any_layout(runs):
     """A checkpoint saved at tp 2 × fsdp 2 holds autotp's global per-segment layout (weights and AdamW
     state): resumed at tp 4 × dp 1, tp 1 × fsdp 4 and tp 2 × dp 2 (DDP) it trains on as if uninterrupted."""
-    from fsdp_workers import fsdp_resume_matrix
-
-    results = launch(fsdp_resume_matrix, 4, str(tmp_path), ["nanogpt", "llama"])[0]
+    results = runs(4, "resume")[0]
     for name, runs in results.items():
         reference = runs.pop("reference")
         assert set(runs) == {(4, False), (1, True), (2, False)}
@@ -293,10 +327,10 @@ def test_fsdp_bad_flags_fail_before_any_rank(flags, says):
 
 
 @pytest.mark.slow
-def test_fsdp_mixed_precision_under_autocast():
+def test_fsdp_mixed_precision_under_autocast(runs):
     """bf16 parameters for compute (all-gathered in bf16), gradients reduce-scattered in fp32 into fp32 master
     weights, under bf16 autocast: as close to the fp32 model as the single-device autocast run is."""
-    for rank, r in launch(fsdp_workers_mp, 4, "nanogpt", 2).items():
+    for rank, r in runs(4, "mixed precision").items():
         assert r["master_dtypes"] == ["torch.float32"]
         assert r["travel"] == [("all_gather", "bfloat16"), ("reduce_scatter", "float32")], r["travel"]
         bf16 = 2 ** -8
@@ -305,24 +339,11 @@ def test_fsdp_mixed_precision_under_autocast():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name, tp, kind", [("nanogpt", 2, "dcp"), ("llama", 1, "torch")])
-def test_fsdp_model_built_on_meta_loads_its_weights(tmp_path, name: str, tp: int, kind: str):
-    """A torch state-dict file (read tensor by tensor) or a DCP folder (read in one go at the end)."""
-    import warnings
-
-    import torch.distributed.checkpoint as dcp
-
-    from fsdp_workers import fsdp_load_weights
-
-    state = _model(name)[0].state_dict()
-    path = tmp_path / ("weights.pt" if kind == "torch" else "weights")
-    if kind == "torch":
-        torch.save(state, path)
-    else:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # "assuming the intent is to save in a single process"
-            dcp.save(state, checkpoint_id=str(path))
-    for rank, r in launch(fsdp_load_weights, 4, name, str(path), tp).items():
+@pytest.mark.parametrize("name, tp, kind", META)
+def test_fsdp_model_built_on_meta_loads_its_weights(runs, name: str, tp: int, kind: str):
+    """A torch state-dict file (read tensor by tensor) or a DCP folder (read in one go at the end): written
+    by the ``runs`` fixture."""
+    for rank, r in runs(4, f"meta {name}").items():
         assert r["tensors"] > 0 and r["loss_diff"] <= 1e-5 and r["param_diff"] == 0.0, (rank, r)
 
 
@@ -358,11 +379,11 @@ def test_hsdp_at_tp2_on_8_ranks_structure():
 
 
 @pytest.mark.slow
-def test_fsdp_without_units_shards_the_whole_model():
+def test_fsdp_without_units_shards_the_whole_model(runs):
     """Nothing repeats (one block), or the blocks cannot be cut apart (a stack run twice): the whole model is
     one FSDP unit (said once, for the stack run twice), exact, its parameters read when the graph runs."""
     for kind in ("single", "twice"):
-        for rank, r in launch(fsdp_parity, 4, kind, 2).items():
+        for rank, r in runs(4, f"without units {kind}").items():
             assert r["units"] == [] and r["root_params"], (kind, r["units"])
             assert max(abs(a - b) for a, b in zip(r["losses"], r["ref_losses"])) <= 1e-5, (kind, rank)
             assert max(abs(a - b) for a, b in zip(r["norms"], r["ref_norms"])) <= 1e-5, (kind, rank)
@@ -372,16 +393,12 @@ def test_fsdp_without_units_shards_the_whole_model():
             assert any("one unit" in w for w in r["warnings"]) == (kind == "twice"), r["warnings"]
 
 
-SPELLINGS = ["pattern:qk_norm_width", "pattern:parallel", "pattern:gqa_qk_norm", "pattern:offset_slices"]
-
 
 @pytest.mark.slow
-def test_fsdp_parity_across_spellings():
+def test_fsdp_parity_across_spellings(runs):
     """q/k norms over the whole width (their statistics completed over tp in the graph), parallel attention
     and MLP, grouped-query attention with q/k norms, q|k|v read by offset slices: tp 2 × fsdp 2 exact."""
-    from fsdp_workers import fsdp_parity_many
-
-    for rank, results in launch(fsdp_parity_many, 4, SPELLINGS, 2).items():
+    for rank, results in runs(4, "spellings").items():
         for name, r in results.items():
             assert r["units"] == ["emb", "blocks.0", "blocks.1", "norm"], (name, r["units"])
             for got, want in [(r["losses"], r["ref_losses"]), (r["norms"], r["ref_norms"])]:

@@ -11,7 +11,7 @@ import pytest
 
 from autotp.capture.tracer import capture
 from autotp.plan.planner import make_plan
-from distributed import launch
+from distributed import Launches
 from moe_models import AUX, DR, E, KINDS, KR, QR, H, S, build, collectives
 from parity_workers import pattern_parity
 
@@ -25,6 +25,19 @@ FUSED["shared_sigmoid"] = FUSED["top1_aux"] = FUSED["capacity"] = FUSED["mla_cat
 # latent attention: the down-projections whole by design, the up-projections cut by heads (each head's
 # non-rotary | rotary q and its k | v), the output projection by rows
 MLA = {"q_down": None, "kv_down": None, "q_up": (0, "column"), "kv_up": (0, "column"), "o": (1, "row")}
+
+
+HF = ["mixtral", "mixtral:batched_mm", "qwen2_moe", "deepseek_v3", "gpt_oss"]
+# (at tp 4 one Hugging Face model per expert form: grouped GEMM, grouped with latent attention, grouped with biases)
+HF_AT = {2: HF, 4: ["mixtral", "deepseek_v3", "gpt_oss"]}
+
+
+@pytest.fixture(scope="module")
+def runs() -> Launches:
+    """Both multi-process tests' jobs in one launch per world."""
+    return Launches({world: {"spellings": (pattern_parity, [*KINDS], 3, False, "moe_models"),
+                             "hugging face": (pattern_parity, HF_AT[world], 3, False, "hf_moe_models")}
+                     for world in (2, 4)})
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -82,11 +95,11 @@ def test_an_expert_that_cannot_be_cut_keeps_all_experts_of_its_weights_whole():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
-def test_moe_spellings_shard_exactly_with_one_all_reduce_per_layer(world: int):
+def test_moe_spellings_shard_exactly_with_one_all_reduce_per_layer(runs, world: int):
     """3 AdamW steps within 1e-5 of the unsharded model (load-balancing losses included), every expert
     weight at 1/tp, and exactly: forward one all-reduce per attention and per MoE layer (b·s·h); backward one
     entering each, plus the router's weights once per layer (b·s·k, or b·s·E for a dense routing matrix)."""
-    results = launch(pattern_parity, world, [*KINDS], 3, False, "moe_models")
+    results = runs(world, "spellings")
     bsh, rows = 2 * S * H, 2 * S
     for rank, by_kind in results.items():
         for kind, r in by_kind.items():
@@ -108,12 +121,10 @@ def test_moe_spellings_shard_exactly_with_one_all_reduce_per_layer(world: int):
             assert kind not in AUX or r["loss_diff"] <= 1e-5
 
 
-HF = ["mixtral", "mixtral:batched_mm", "qwen2_moe", "deepseek_v3", "gpt_oss"]
-
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
-def test_hugging_face_moe_models_shard_their_fused_experts(world: int):
+def test_hugging_face_moe_models_shard_their_fused_experts(runs, world: int):
     """Mixtral (grouped GEMM, Hugging Face's default, and batched_mm), Qwen2-MoE (a shared expert with a
     sigmoid gate) and DeepSeek-V3 (latent attention, a dense first layer, then routed and shared experts),
     built from configs: exact, about half (tp 2) or a quarter (tp 4) of the model per rank, one all-reduce per
@@ -122,9 +133,8 @@ def test_hugging_face_moe_models_shard_their_fused_experts(world: int):
     key head (b·s·8). GPT-OSS (experts with biases, gate and up interleaved; attention sinks): its experts'
     bias is added per (token, k) slot before the routing weights, so their all-reduce is of b·s·k·h, after the
     down-projection, where the bias is added once."""
-    # (at tp 4 one model per expert form: grouped GEMM, grouped with latent attention, grouped with biases)
-    kinds = HF if world == 2 else ["mixtral", "deepseek_v3", "gpt_oss"]
-    results = launch(pattern_parity, world, kinds, 3, False, "hf_moe_models")
+    results = runs(world, "hugging face")
+    assert all(list(by_kind) == HF_AT[world] for by_kind in results.values())
     bsh, rows = 2 * 8 * 64, 2 * 8
     for rank, by_kind in results.items():
         for kind, r in by_kind.items():

@@ -3,19 +3,35 @@ from __future__ import annotations
 
 import pytest
 
-from distributed import launch
+from distributed import Launches
 from parity_workers import (checkpoint_round_trip, dropout_streams, large_logits_cross_entropy, other_calls,
                             replicated_block, training_parity)
 
 # model -> (b, s, h, layers)
 MODELS = {"nanogpt": (4, 32, 64, 2), "gpt2": (4, 16, 64, 2), "gpt2_50257": (4, 16, 64, 2), "llama": (4, 16, 64, 2)}
+TOYS = ["interleaved", "fused_gqa", "fused_mqa", "handwritten"]
+LOSSES = ["nll_sum", "smoothing_none", "ignore_mean"]
+ROUND_TRIPS = {"nanogpt": 2, "gpt2_50257": 4, "llama": 4}
+# every job of this file, by the world it runs at: one launch per world (a launch costs seconds of process
+# start and imports per rank; each job builds, parallelizes and trains its own model in it)
+JOBS: dict[int, dict[str, tuple]] = {world: {f"training {m}": (training_parity, m) for m in MODELS} for world in (1, 2, 4)}
+JOBS[4].update({f"training {name}": (training_parity, name) for name in TOYS + LOSSES})
+JOBS[2].update({"large logits": (large_logits_cross_entropy,), "other calls": (other_calls,),
+                "dropout": (dropout_streams,), "replicated block": (replicated_block,)})
+for _model, _world in ROUND_TRIPS.items():
+    JOBS[_world][f"round trip {_model}"] = (checkpoint_round_trip, _model)
+
+
+@pytest.fixture(scope="module")
+def runs() -> Launches:
+    return Launches(JOBS)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [1, 2, 4])
 @pytest.mark.parametrize("model", list(MODELS))
-def test_training_parity(model: str, world: int):
-    results = launch(training_parity, world, model)
+def test_training_parity(runs, model: str, world: int):
+    results = runs(world, f"training {model}")
     b, s, h, layers = MODELS[model]
     bsh = b * s * h
     for rank, r in results.items():
@@ -65,9 +81,9 @@ def test_training_parity(model: str, world: int):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("toy", ["interleaved", "fused_gqa", "fused_mqa", "handwritten"])
-def test_unseen_layouts_parity(toy: str):
-    results = launch(training_parity, 4, toy)
+@pytest.mark.parametrize("toy", TOYS)
+def test_unseen_layouts_parity(runs, toy: str):
+    results = runs(4, f"training {toy}")
     for r in results.values():
         assert r["plan"]["pairs"], "the block was sharded"
         assert r["loss_diff"] <= 1e-5 and r["logits_diff"] <= 1e-5 and r["grad_diff"] <= 1e-5
@@ -76,10 +92,10 @@ def test_unseen_layouts_parity(toy: str):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("loss", ["nll_sum", "smoothing_none", "ignore_mean"])
-def test_cross_entropy_forms_parity(loss: str):
+@pytest.mark.parametrize("loss", LOSSES)
+def test_cross_entropy_forms_parity(runs, loss: str):
     # vocab 97 at tp 4: 25 rows per rank, the last rank owns 22 and holds 3 padding rows
-    results = launch(training_parity, 4, loss)
+    results = runs(4, f"training {loss}")
     for r in results.values():
         assert len(r["plan"]["vocab"]["losses"]) == 1
         assert r["loss_diff"] <= 1e-5 and r["logits_diff"] <= 1e-5 and r["grad_diff"] <= 1e-5
@@ -89,17 +105,17 @@ def test_cross_entropy_forms_parity(loss: str):
 
 
 @pytest.mark.slow
-def test_cross_entropy_of_large_logits():
+def test_cross_entropy_of_large_logits(runs):
     # the loss is taken from logits shifted by the row max, as log_softmax takes it: logits near 1e4 lose
     # nothing (unshifted, 1e4's rounding, ~5e-4, would show)
-    for r in launch(large_logits_cross_entropy, 2).values():
+    for r in runs(2, "large logits").values():
         for smoothing, (loss_diff, grad_diff) in r.items():
             assert loss_diff <= 1e-5 and grad_diff <= 1e-5, (smoothing, loss_diff, grad_diff)
 
 
 @pytest.mark.slow
-def test_other_signatures_share_parameters():
-    results = launch(other_calls, 2)
+def test_other_signatures_share_parameters(runs):
+    results = runs(2, "other calls")
     for r in results.values():
         assert r["no_targets"] <= 1e-5
         assert r["other_shape"] <= 1e-5
@@ -111,8 +127,8 @@ def test_other_signatures_share_parameters():
 
 
 @pytest.mark.slow
-def test_dropout_streams():
-    results = launch(dropout_streams, 2)
+def test_dropout_streams(runs):
+    results = runs(2, "dropout")
     for r in results.values():
         assert r["random_region_ops"] == 2  # attention dropout of the 2 layers
         assert r["replicated_checked"] == 2 * 2 + 1 and r["replicated_identical"]
@@ -122,9 +138,9 @@ def test_dropout_streams():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model,world", [("nanogpt", 2), ("gpt2_50257", 4), ("llama", 4)])
-def test_full_state_dict_round_trip(model: str, world: int):
-    for r in launch(checkpoint_round_trip, world, model).values():
+@pytest.mark.parametrize("model,world", list(ROUND_TRIPS.items()))
+def test_full_state_dict_round_trip(runs, model: str, world: int):
+    for r in runs(world, f"round trip {model}").values():
         assert r["keys_match"] and r["shapes_match"], "original names, un-padded shapes"
         assert r["missing"] == [] and r["unexpected"] == []
         assert r["unsharded_loss_diff"] <= 1e-5 and r["unsharded_logits_diff"] <= 1e-5
@@ -133,8 +149,8 @@ def test_full_state_dict_round_trip(model: str, world: int):
 
 
 @pytest.mark.slow
-def test_unshardable_block_is_replicated_with_a_warning():
-    for r in launch(replicated_block, 2).values():
+def test_unshardable_block_is_replicated_with_a_warning(runs):
+    for r in runs(2, "replicated block").values():
         assert not r["block_sharded"]
         assert any("block left replicated" in w and "not sharded on its contracted dim" in w for w in r["warnings"]), r["warnings"]
         assert r["loss_diff"] <= 1e-5

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from distributed import launch
+from distributed import Launches
 from parity_workers import cache_parity, pattern_parity
 from pattern_models import HD, MQA, NH, H, S
 
@@ -29,12 +29,20 @@ WIDTH_NORMS = {"qk_norm_width": [1], "qk_rmsnorm_width": [1], "qk_layernorm_widt
                "qk_l2norm_width": [1]}
 # per-head norms: each learned vector (weight, and bias for LayerNorm) of q's and k's norm enters through f
 HEAD_NORMS = {"qk_norm_head": 1, "gqa_qk_norm": 1, "qk_layernorm_head": 2}
+CACHES = ["index_put", "index_copy", "mqa"]
+
+
+@pytest.fixture(scope="module")
+def runs() -> Launches:
+    """Both tests' jobs in one launch per world."""
+    return Launches({world: {"patterns": (pattern_parity, SHARDED), "caches": (cache_parity, CACHES)}
+                     for world in (2, 4)})
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
-def test_patterns_shard_exactly_with_megatron_collectives(world: int):
-    results = launch(pattern_parity, world, SHARDED)
+def test_patterns_shard_exactly_with_megatron_collectives(runs, world: int):
+    results = runs(world, "patterns")
     bsh, layers = 2 * S * NH * HD, 2
     for rank, by_kind in results.items():
         for kind, r in by_kind.items():
@@ -66,14 +74,14 @@ def test_patterns_shard_exactly_with_megatron_collectives(world: int):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
-def test_kv_cache_buffers_written_in_place_shard_by_kv_head(world: int):
+def test_kv_cache_buffers_written_in_place_shard_by_kv_head(runs, world: int):
     """gpt-fast's ``cache[:, :, pos] = k`` and torchtune's ``index_copy_``: prefill, then one-token decode
     calls under no_grad, exact; each rank caches its own kv heads (2 kv heads: 1 per rank at tp 2, and at
     tp 4 each held by 2 ranks; one kv head of multi-query attention: held by every rank); a decode step costs
     the embedding's and 2 per layer all-reduces of b·h, and reading its logits one all-gather of b·V."""
     from cache_models import B, H as CH, HD as CHD, MAXS, V as CV
 
-    for rank, by_kind in launch(cache_parity, world, ["index_put", "index_copy", "mqa"]).items():
+    for rank, by_kind in runs(world, "caches").items():
         for kind, r in by_kind.items():
             assert not r["replicated"], (kind, r["replicated"])
             assert r["tokens_equal"] and r["logits_diff"] <= 1e-5, (rank, kind, r)
