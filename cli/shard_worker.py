@@ -174,9 +174,10 @@ def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, args: tuple, 
     return loss.detach()
 
 
-def _train(model, opt, args: tuple, kwargs: dict, job: ShardJob, ctx: RankContext, start: int = 0,
+def _train(step_fn, args: tuple, kwargs: dict, job: ShardJob, ctx: RankContext, start: int = 0,
            save=None) -> tuple[list, list]:
-    """Steps ``start`` ... ``job.steps - 1``; ``save(step)`` after every ``job.save_every``-th (not the last)."""
+    """Steps ``start`` ... ``job.steps - 1`` of ``step_fn(args, kwargs) -> loss`` (one optimizer step on this
+    replica's batch); ``save(step)`` after every ``job.save_every``-th (not the last)."""
     losses, times = [], []
     show = ctx.rank == 0 and job.steps > start
     progress = Progress(TextColumn("[bold]training"), BarColumn(), MofNCompleteColumn(),
@@ -187,7 +188,7 @@ def _train(model, opt, args: tuple, kwargs: dict, job: ShardJob, ctx: RankContex
         for step in range(start, job.steps):
             a, k = replica_batch(args, kwargs, ctx.coords["dp"], step)
             start = time.perf_counter()
-            loss = train_step(model, opt, a, k)
+            loss = step_fn(a, k)
             if ctx.device.type == "cuda":
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - start)
@@ -198,6 +199,29 @@ def _train(model, opt, args: tuple, kwargs: dict, job: ShardJob, ctx: RankContex
             if save is not None and job.save_every and done % job.save_every == 0 and done != job.steps:
                 save(done)
     return losses, times
+
+
+def _load(model: torch.nn.Module, path: str) -> str:
+    """``autotp.load_weights`` into ``model``; what it cost, for the summary (the most any rank read)."""
+    loaded = autotp.load_weights(model, path)
+    most = torch.tensor([loaded.bytes_read, loaded.seconds], dtype=torch.float64)
+    dist.all_reduce(most, op=dist.ReduceOp.MAX)
+    return f"{path} ({loaded.kind}): {_size(int(most[0]))} read per rank (most), {most[1]:.1f} s"
+
+
+def _start(job: ShardJob, out: Path, model: torch.nn.Module, opt: torch.optim.Optimizer, plan, ctx: RankContext):
+    """Write the plan; resume from the last complete checkpoint when asked (or restarted by --max-restarts), at
+    any layout: weights and optimizer state are saved in the unsharded model's coordinates. (start step, the
+    checkpoint resumed from or None, what resuming resharded)."""
+    if ctx.rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "plan.json").write_text(plan.to_json())
+    if job.resume or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0:
+        found = latest_checkpoint(out)
+        if found is not None:
+            resumed = load_training_state(found, model, opt, ctx)
+            return resumed.step, str(found), resumed.describe()
+    return 0, None, ""
 
 
 def shard_worker(job: ShardJob) -> ShardReport | None:
@@ -253,10 +277,7 @@ def _build(mf: ModelFile, job: ShardJob, ctx: RankContext, batch: tuple[tuple, d
                              sequence_parallel=job.sequence_parallel, expert_parallel=job.expert_parallel,
                              device=None if job.weights is None else ctx.device, **fsdp)
     if job.weights is not None:
-        loaded = autotp.load_weights(tpm, job.weights)
-        most = torch.tensor([loaded.bytes_read, loaded.seconds], dtype=torch.float64)
-        dist.all_reduce(most, op=dist.ReduceOp.MAX)
-        note = f"{job.weights} ({loaded.kind}): {_size(int(most[0]))} read per rank (most), {most[1]:.1f} s"
+        note = _load(tpm, job.weights)
     if batch is None:
         vocab = _token_vocab(tpm)
         batch = _tp_batch(lambda: default_example(forward, vocab), ctx)
@@ -288,18 +309,8 @@ def _shard(job: ShardJob, ctx: RankContext) -> ShardReport | None:
 
     out = Path(job.out)
     plan_path = out / "plan.json"
-    if ctx.rank == 0:
-        out.mkdir(parents=True, exist_ok=True)
-        plan_path.write_text(autotp.tp_state(tpm).plan.to_json())
     opt = torch.optim.AdamW(tpm.parameters(), lr=job.lr)
-    start, resumed_from, resharded = 0, None, ""
-    # a job restarted by --max-restarts resumes from the last complete checkpoint, as --resume does; at any tp
-    # and dp: weights and optimizer state are saved in the unsharded model's coordinates
-    if job.resume or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0:
-        found = latest_checkpoint(out)
-        if found is not None:
-            resumed = load_training_state(found, tpm, opt, ctx)
-            start, resumed_from, resharded = resumed.step, str(found), resumed.describe()
+    start, resumed_from, resharded = _start(job, out, tpm, opt, autotp.tp_state(tpm).plan, ctx)
 
     def save(step: int) -> Path:
         return save_training_state(out, step, tpm, opt, ctx)
@@ -315,7 +326,8 @@ def _shard(job: ShardJob, ctx: RankContext) -> ShardReport | None:
     if skipped:
         losses, times, final_loss, done = [], [], None, start
     else:
-        losses, times = _train(data_parallel(tpm, ctx), opt, args, kwargs, job, ctx, start, save)
+        model = data_parallel(tpm, ctx)
+        losses, times = _train(lambda a, k: train_step(model, opt, a, k), args, kwargs, job, ctx, start, save)
         final_loss, done = _eval_loss(tpm, args, kwargs), max(start, job.steps)
     ckpt_path = Path(resumed_from) if resumed_from is not None and start >= done else save(done)
 
@@ -392,10 +404,7 @@ def _shard_pipeline(job: ShardJob, ctx: RankContext, mf: ModelFile, batch: tuple
                            schedule=job.schedule, virtual_stages=job.virtual_stages, mesh=ctx.mesh,
                            device=None if job.weights is None else ctx.device)
     if job.weights is not None:
-        loaded = autotp.load_weights(model, job.weights)
-        most = torch.tensor([loaded.bytes_read, loaded.seconds], dtype=torch.float64)
-        dist.all_reduce(most, op=dist.ReduceOp.MAX)
-        weights = f"{job.weights} ({loaded.kind}): {_size(int(most[0]))} read per rank (most), {most[1]:.1f} s"
+        weights = _load(model, job.weights)
     st = autotp.tp_state(model)
     parity = None
     if reference is not None:
@@ -411,35 +420,17 @@ def _shard_pipeline(job: ShardJob, ctx: RankContext, mf: ModelFile, batch: tuple
     del reference
     out = Path(job.out)
     plan_path = out / "plan.json"
-    if ctx.rank == 0:
-        out.mkdir(parents=True, exist_ok=True)
-        plan_path.write_text(st.plan.to_json())
     opt = torch.optim.AdamW(list(pipe.parameters()), lr=job.lr)
-    start, resumed_from, resharded = 0, None, ""
-    if job.resume or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0:
-        found = latest_checkpoint(out)
-        if found is not None:
-            resumed = load_training_state(found, model, opt, ctx)
-            start, resumed_from, resharded = resumed.step, str(found), resumed.describe()
-    losses, times = [], []
-    show = ctx.rank == 0 and job.steps > start
-    progress = Progress(TextColumn("[bold]training"), BarColumn(), MofNCompleteColumn(),
-                        TextColumn("loss {task.fields[loss]}"), TimeElapsedColumn()) if show else contextlib.nullcontext()
-    with progress:
-        task = progress.add_task("train", total=job.steps, completed=start, loss="-") if show else None
-        for step in range(start, job.steps):
-            a, k = replica_batch(args, kwargs, ctx.coords["dp"], step)
-            began = time.perf_counter()
-            loss = pipe.step(*a, **k)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            times.append(time.perf_counter() - began)
-            losses.append(loss.item())
-            if task is not None:
-                progress.update(task, advance=1, loss=f"{losses[-1]:.4f}")
-            done = step + 1
-            if job.save_every and done % job.save_every == 0 and done != job.steps:
-                save_training_state(out, done, model, opt, ctx)
+    start, resumed_from, resharded = _start(job, out, model, opt, st.plan, ctx)
+
+    def step(a: tuple, k: dict) -> torch.Tensor:
+        loss = pipe.step(*a, **k)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    losses, times = _train(step, args, kwargs, job, ctx, start,
+                           lambda done: save_training_state(out, done, model, opt, ctx))
     done = max(start, job.steps)
     final_loss = None
     try:

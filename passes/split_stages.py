@@ -26,13 +26,11 @@ from __future__ import annotations
 
 import torch
 import torch.fx as fx
-from torch.fx.passes.split_module import split_module
 
+from autotp.passes.split_units import split_into_pieces
 from autotp.plan.pieces import recomputable, unit_keys
 from autotp.plan.plan import Plan
 from autotp.plan.stages import stage_of_key
-from autotp.runtime.units import PieceCall
-
 from autotp.runtime.stages import STAGE_PREFIX
 
 
@@ -41,32 +39,8 @@ def split_stages(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
     keys = unit_keys(gm, blocks)
     of = {n: stage[min(k // 2, len(blocks) - 1)] for n, k in keys.items()}
     _recompute_in_stages(gm, of)
-    top = split_module(gm, gm, lambda n: of[n])
-    params = {n for n, _ in gm.named_parameters(remove_duplicate=False)}
-    for node in list(top.graph.nodes):
-        if node.op != "call_module" or not str(node.target).startswith("submod_"):
-            continue
-        index = int(str(node.target).removeprefix("submod_"))
-        layout: list[int | str] = []
-        kept = []
-        for arg in node.args:
-            if isinstance(arg, fx.Node) and arg.op == "get_attr" and arg.target in params:
-                layout.append(arg.target)
-            else:
-                layout.append(len(kept))
-                kept.append(arg)
-        name = f"{STAGE_PREFIX}{index}"
-        top.add_submodule(name, PieceCall(top.get_submodule(node.target), None, tuple(layout)))
-        top.delete_submodule(node.target)
-        node.target, node.args = name, tuple(kept)
-    for node in list(top.graph.nodes):
-        if node.op == "get_attr" and not node.users:
-            top.graph.erase_node(node)
-            path, _, leaf = node.target.rpartition(".")
-            owner = top.get_submodule(path) if path else top
-            owner._parameters.pop(leaf, None)  # the top graph keeps no parameter: the pieces read the model's
+    top = split_into_pieces(gm, lambda n: of[n], lambda key, _: (f"{STAGE_PREFIX}{key}", None))
     _check_tensors(top)
-    top.delete_all_unused_submodules()
     return top
 
 

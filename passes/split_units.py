@@ -28,6 +28,8 @@ reads a block's parameter outside the block cannot be cut this way: the pass fai
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch.fx as fx
 from torch.fx.passes.split_module import split_module
 
@@ -35,21 +37,39 @@ from autotp.plan.pieces import unit_keys
 from autotp.plan.plan import Plan
 from autotp.runtime.units import PieceCall
 
+
 def split_units(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
     # with no units: one piece, which still reads its parameters when it runs
     keys = unit_keys(gm, [u.module for u in plan.units if u.kind == "block"])
-    top = split_module(gm, gm, lambda n: keys[n])
-    params = {n for n, _ in gm.named_parameters(remove_duplicate=False)}
     owner = {p: u.module for u in plan.units for p in u.params}
     blocks = [u.module for u in plan.units if u.kind == "block"]
     # root-level code before the first block and after the last runs as the edge units, where there are any
     edges = {0: next((u.module for u in plan.units if u.kind == "first"), None),
              2 * len(blocks): next((u.module for u in plan.units if u.kind == "last"), None)}
+
+    def unit(key: int, layout: tuple[int | str, ...]) -> tuple[str, str | None]:
+        unit = blocks[(key - 1) // 2] if key % 2 else edges.get(key)
+        foreign = [n for n in layout if isinstance(n, str) and owner.get(n, unit) != unit]
+        if foreign:  # FSDP gathers a unit's parameters only while that unit runs
+            raise ValueError(f"{foreign[0]} (of {owner[foreign[0]]}) is read outside its block, by "
+                             f"{unit or 'root-level code'}: the graph cannot be cut into one piece per block")
+        return f"autotp_unit_{key}", unit
+
+    return split_into_pieces(gm, lambda n: keys[n], unit)
+
+
+def split_into_pieces(gm: fx.GraphModule, part: Callable[[fx.Node], int],
+                      name: Callable[[int, tuple[int | str, ...]], tuple[str, str | None]]) -> fx.GraphModule:
+    """``split_module`` of ``gm`` by ``part`` (each computing node's piece key), every piece replaced by a
+    :class:`PieceCall` that reads its parameters from the model when it runs; ``name(key, layout)`` gives the
+    piece's attribute name and its unit (or raises when the piece cannot be one). The top graph keeps no
+    parameter."""
+    top = split_module(gm, gm, part)
+    params = {n for n, _ in gm.named_parameters(remove_duplicate=False)}
     for node in list(top.graph.nodes):
         if node.op != "call_module" or not str(node.target).startswith("submod_"):
             continue
         key = int(str(node.target).removeprefix("submod_"))
-        piece = top.get_submodule(node.target)
         layout: list[int | str] = []
         kept = []
         for arg in node.args:
@@ -58,23 +78,15 @@ def split_units(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
             else:
                 layout.append(len(kept))
                 kept.append(arg)
-        unit = blocks[(key - 1) // 2] if key % 2 else edges.get(key)
-        foreign = [n for n in layout if isinstance(n, str) and owner.get(n, unit) != unit]
-        if foreign:  # FSDP gathers a unit's parameters only while that unit runs
-            raise ValueError(f"{foreign[0]} (of {owner[foreign[0]]}) is read outside its block, by "
-                             f"{unit or 'root-level code'}: the graph cannot be cut into one piece per block")
-        name = f"autotp_unit_{key}"
-        top.add_submodule(name, PieceCall(piece, unit, tuple(layout)))
+        attr, unit = name(key, tuple(layout))
+        top.add_submodule(attr, PieceCall(top.get_submodule(node.target), unit, tuple(layout)))
         top.delete_submodule(node.target)
-        node.target, node.args = name, tuple(kept)
+        node.target, node.args = attr, tuple(kept)
     for node in list(top.graph.nodes):
         if node.op == "get_attr" and node.target in params and not node.users:
             top.graph.erase_node(node)
             path, _, leaf = node.target.rpartition(".")
-            owner = top.get_submodule(path) if path else top
-            if leaf in owner._parameters:
-                del owner._parameters[leaf]  # the top graph keeps no parameter: the pieces read the model's
+            holder = top.get_submodule(path) if path else top
+            holder._parameters.pop(leaf, None)  # the pieces read the model's parameters when they run
     top.delete_all_unused_submodules()
-    top.graph.lint()
-    top.recompile()
     return top

@@ -292,6 +292,7 @@ for _ in range(3):
     losses.append(loss.item())
 print("RESULT " + json.dumps({"losses": losses}), flush=True)
 if torch.distributed.is_initialized():  # a script that ends its own group, as torchrun scripts do
+    torch.distributed.barrier()
     torch.distributed.destroy_process_group()
 '''
 

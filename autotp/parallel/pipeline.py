@@ -32,12 +32,10 @@ from torch.distributed.pipelining import PipelineStage, schedules
 from autotp.capture.modelfile import find_loss
 from autotp.capture.structure import call_key, flatten, unflatten
 from autotp.errors import PipelineError, ProcessGroupError
-from autotp.io.empty import swap_tensors
 from autotp.parallel.data import check_same_inputs
 from autotp.parallel.parallelize import _graph_for, _split_example, parallelize_state
 from autotp.plan.stages import StageRequest
-from autotp.runtime.stages import STAGE_PREFIX, StageModule, StageWiring, Whole, input_name, wire_stages
-from autotp.runtime.units import PieceCall
+from autotp.runtime.stages import STAGE_PREFIX, StageModule, Whole, input_name, wire_stages
 from autotp.state import Captured, tp_state
 
 
@@ -371,7 +369,7 @@ def pipeline(model: nn.Module, *, example_inputs: object, microbatches: int, sch
     indices = [s for s in range(count) if ranks[s] == me]
 
     def mine(top: nn.Module) -> set[str]:  # what this rank's stages read: nothing else is allocated here
-        return {n for s in indices for n in top.get_submodule(f"{STAGE_PREFIX}{s}").layout if isinstance(n, str)}
+        return {n for s in indices for n in _reads(top, s)}
 
     parallelize_state(model, tp_group=mesh.get_group("tp"), example_inputs=(tuple(micro_args), dict(micro_kwargs)),
                       vocab_multiple=vocab_multiple, device=device, fsdp=False, pipeline=request, stage_params=mine)
@@ -379,12 +377,10 @@ def pipeline(model: nn.Module, *, example_inputs: object, microbatches: int, sch
     key = call_key(args, kwargs, model.training)
     micro_key = call_key(tuple(micro_args), dict(micro_kwargs), model.training)
     captured = st.graphs[micro_key]
-    by_name = dict(model.named_parameters(remove_duplicate=False))
-    reads = [_reads(captured.module, w) for w in wire_stages(captured.module, _loss_index(captured))]
+    reads = [_reads(captured.module, s) for s in range(count)]
     if kind.placement == "v":
-        _check_v_ties(by_name, reads, ranks, name)
+        _check_v_ties(dict(model.named_parameters(remove_duplicate=False)), reads, ranks, name)
     modules = _stage_modules(model, captured, indices, count)
-    _drop_others(model, {id(by_name[n]) for s in indices for n in reads[s]})
     tied = _tied_groups(model, reads, ranks, me, mesh)
     return Pipeline(model, mesh, name, v, microbatches, key, modules, indices, count, tied,
                     (tuple(micro_args), dict(micro_kwargs)), scaler)
@@ -395,7 +391,7 @@ def _stage_modules(model: nn.Module, captured: Captured, indices: list[int] | tu
     """This rank's stages of a captured, split graph, each holding the parameters its piece reads."""
     wirings = wire_stages(captured.module, _loss_index(captured))
     by_name = dict(model.named_parameters(remove_duplicate=False))
-    return [StageModule(captured.module, wirings[s], _unique([by_name[n] for n in _reads(captured.module, wirings[s])]),
+    return [StageModule(captured.module, wirings[s], _unique([by_name[n] for n in _reads(captured.module, s)]),
                         s == count - 1) for s in indices]
 
 
@@ -439,8 +435,7 @@ def _probe(model: nn.Module, mine: dict[int, StageModule], ranks: list[int], gro
                 dist.recv_object_list(box, src=pp_ranks[ranks[s - 1]], group=group, device=st.device)
                 received = box[0]
             result = _metas(mine[s](*(_example(m, st.device) for m in received), **inputs))
-            meta = "meta"
-            out[s] = (tuple(_example(m, meta) for m in received), tuple(_example(m, meta) for m in result))
+            out[s] = (tuple(_example(m, "meta") for m in received), tuple(_example(m, "meta") for m in result))
             if s + 1 < len(ranks) and ranks[s + 1] != me:
                 dist.send_object_list([result], dst=pp_ranks[ranks[s + 1]], group=group, device=st.device)
             local = result
@@ -449,10 +444,9 @@ def _probe(model: nn.Module, mine: dict[int, StageModule], ranks: list[int], gro
     return out
 
 
-def _reads(top: nn.Module, w: StageWiring) -> list[str]:
-    piece = top.get_submodule(w.piece)
-    assert isinstance(piece, PieceCall)
-    return [x for x in piece.layout if isinstance(x, str)]
+def _reads(top: nn.Module, stage: int) -> list[str]:
+    """The parameters stage ``stage``'s piece of the split graph ``top`` reads (names as the graph reads them)."""
+    return [x for x in top.get_submodule(f"{STAGE_PREFIX}{stage}").layout if isinstance(x, str)]
 
 
 def _check_v_ties(by_name: dict[str, nn.Parameter], reads: list[list[str]], ranks: list[int], schedule: str) -> None:
@@ -474,20 +468,6 @@ def _check_v_ties(by_name: dict[str, nn.Parameter], reads: list[list[str]], rank
 
 def _unique(params: list[nn.Parameter]) -> list[nn.Parameter]:
     return list({id(p): p for p in params}.values())
-
-
-def _drop_others(model: nn.Module, held: set[int]) -> None:
-    """Every parameter no stage of this rank reads goes to the meta device (its memory freed)."""
-    st = tp_state(model)
-    dropped = {n for n, p in model.named_parameters(remove_duplicate=False) if id(p) not in held}
-
-    def meta(p: torch.Tensor) -> nn.Parameter | None:
-        if id(p) in held or p.is_meta:
-            return None
-        return nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"), requires_grad=p.requires_grad)
-
-    swap_tensors(model, "parameters", meta)
-    st.dropped = frozenset(dropped)
 
 
 def _tied_groups(model: nn.Module, reads: list[list[str]], ranks: list[int], me: int,

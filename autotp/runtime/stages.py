@@ -2,13 +2,13 @@
 
 :func:`autotp.passes.split_stages` leaves a top graph that calls one piece per stage::
 
-    x0, x1 = autotp_stage_0(idx)            # x1: e.g. rotary tables the later blocks read too
+    x0, x1 = autotp_stage_0(idx)            # x1: e.g. a value of block 0 that block 3 reads too
     y0 = autotp_stage_1(x0, x1)
     loss = autotp_stage_2(y0, x1, targets)
 
 A :class:`StageModule` runs one of those calls. A ``PipelineStage`` hands a stage only what the previous
-stage returned, so every value computed before the cut and read after it (the hidden state, and masks,
-rotary tables, position ids made once before the blocks) is sent on by each stage in between; the graph's
+stage returned, so every value computed before the cut and read after it (the hidden state; masks and rotary
+tables are made again in each stage instead) is sent on by each stage in between; the graph's
 own inputs (token ids, targets) reach every stage locally, as keyword arguments of the schedule's step
 (``in0``, ``in1``, ...: the flat inputs), and are never sent. The last stage returns the loss, shape (1,).
 """
