@@ -1,10 +1,12 @@
-"""The ``autotp`` command (``autotp.cli.main:app``), a typer app with four commands:
+"""The ``autotp`` command (``autotp.cli.main:app``), a typer app with five commands:
 
 - ``layout``: which ranks form the tp, dp, pp, model and embedding groups (defined here);
 - ``plan``: the sharding plan of a model file, its collectives and memory (:mod:`autotp.cli.plan`);
 - ``shard``: shard a model file over ranks, check it against the unsharded model, train, checkpoint
   (:mod:`autotp.cli.shard`);
-- ``run``: a training script on every rank with torch's elastic launcher (:mod:`autotp.cli.run`).
+- ``run``: a training script on every rank with torch's elastic launcher (:mod:`autotp.cli.run`);
+- ``profile``: measure this node (matmuls, memory, collectives per group size) and write the hardware
+  profile the layout planner reads (:mod:`autotp.cli.profile`).
 
 Each of those modules has a ``register(app)`` that adds its command; what they share (``fail``,
 ``USAGE_ERROR``) is in :mod:`autotp.cli.common`.
@@ -19,7 +21,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from autotp.cli import plan as _plan, run as _run, shard as _shard
+from autotp.cli import plan as _plan, profile as _profile, run as _run, shard as _shard
 from autotp.cli.common import fail
 from autotp.distributed.layout import GROUP_KINDS, RankLayout
 
@@ -111,7 +113,7 @@ def layout(
     console.print(rank_grid(rank_layout))
 
 
-for _command in (_run, _shard, _plan):
+for _command in (_run, _shard, _plan, _profile):
     _command.register(app)
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ from autotp.cli.plan_tables import (fsdp_units_table, fsdp_memory_table, fsdp_tr
 from autotp.cli.run import DEBUG, abort
 from autotp.errors import AutotpError, PipelineError, PlanSizeError
 from autotp.distributed.layout import RankLayout
-from autotp.capture.modelfile import DEFAULT_BATCH_SHAPE, ModelFile, ModelFileError, default_example, load_model_file
+from autotp.capture.modelfile import load_model_file, planning_batch
 from autotp.plan.pipeline_report import PipelineReport, PipelineSpec, pipeline_report
 from autotp.plan.plan import Plan
 from autotp.plan.planner import make_plan
@@ -205,29 +205,6 @@ def comm_table(report: Report) -> Table:
     return table
 
 
-def _batch(mf: ModelFile, net: torch.nn.Module, batch: int | None,
-           seq: int | None) -> tuple[tuple, dict, int, int, str]:
-    """The capture's inputs, the (b, s) the numbers are computed for, and a note when the default batch stands
-    in for a missing example_batch()."""
-    if mf.batch_fn is None:
-        # autotp.parallelize's own default (use_cache=False included), at --batch / --seq when given; real (tiny)
-        # ids, not meta: capture turns them into meta itself, and may need real ones
-        b = batch if batch is not None else DEFAULT_BATCH_SHAPE[0]
-        s = seq if seq is not None else DEFAULT_BATCH_SHAPE[1]
-        args, kwargs = default_example(net.forward, shape=(b, s))
-        sizes = " (sizes from --batch/--seq)" if batch is not None or seq is not None else ""
-        return args, kwargs, b, s, (f"{mf.path} defines no example_batch(): planned on the default batch, "
-                                    f"({b}, {s}) token ids{sizes}, as autotp.parallelize without example_inputs")
-    args, kwargs = mf.example_batch()
-    first = next((x for x in (*args, *kwargs.values()) if isinstance(x, torch.Tensor) and x.dim() >= 2), None)
-    if first is None and (batch is None or seq is None):
-        raise ModelFileError(f"example_batch() in {mf.path} has no tensor of at least 2 dims (batch, sequence)",
-                             hint="pass --batch B --seq S")
-    b = batch if batch is not None else first.shape[0]
-    s = seq if seq is not None else first.shape[1]
-    return args, kwargs, int(b), int(s), ""
-
-
 AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -251,7 +228,7 @@ def make_report(model: str, tp: int, batch: int | None = None, seq: int | None =
     mf = load_model_file(model)
     with torch.device("meta"):
         net = mf.build()
-    args, kwargs, b, s, batch_note = _batch(mf, net, batch, seq)
+    args, kwargs, b, s, batch_note = planning_batch(mf, net, batch, seq)
     if pipeline is not None:
         from autotp.parallel.pipeline import check_pipeline  # torch.distributed.pipelining: only when asked for
 
@@ -293,7 +270,7 @@ def _check_sizes(report: Report, ranges: dict[str, tuple[int, int | None]]) -> N
 def plan(
     model: str = typer.Argument(..., metavar="MODEL_PY", help="Model file defining build_model() and "
                                 "optionally example_batch(); path.py:NAME names another factory."),
-    tp: int = typer.Option(..., "--tp", help="Tensor-parallel size."),
+    tp: int | None = typer.Option(None, "--tp", help="Tensor-parallel size (required unless --auto)."),
     dp: int | None = typer.Option(None, "--dp", help="Data-parallel size; default world / (tp × pp), or 1."),
     pp: int = typer.Option(1, "--pp", help="Pipeline-parallel size: cut the blocks into pipeline stages and "
                            "show each stage, what crosses each cut and the bubble."),
@@ -324,10 +301,24 @@ def plan(
     json_out: Path | None = typer.Option(None, "--json", help="Write plan, layout and report as JSON here."),
     svg: Path | None = typer.Option(None, "--svg", help="Write the printed tables as an SVG picture here."),
     html: Path | None = typer.Option(None, "--html", help="Write the printed tables as HTML here."),
+    auto: bool = typer.Option(False, "--auto", help="Choose the layout: price every tp × dp × pp (FSDP, "
+                              "sequence parallelism, virtual stages, micro-batches, recomputation) for "
+                              "--world-size devices and show the best; needs --world-size."),
+    gpu: str | None = typer.Option(None, "--gpu", help="With --auto: a100, h100 (datasheet presets) or a "
+                                   "profile written by `autotp profile` (default ./autotp-profile.json)."),
+    global_batch: int | None = typer.Option(None, "--global-batch", help="With --auto: sequences per step, "
+                                            "all replicas together (default: one example batch per replica)."),
+    top: int = typer.Option(10, "--top", help="With --auto: layouts to show."),
     debug: bool = DEBUG,
 ) -> None:
     """Show how MODEL_PY would be sharded: rank grid, per-layer plan, memory and communication per step; with
-    --pp, its pipeline stages, what crosses each cut and the bubble."""
+    --pp, its pipeline stages, what crosses each cut and the bubble; with --auto, the best layouts for
+    --world-size devices and why."""
+    if auto:
+        return _plan_auto(model, tp, dp, pp, world_size, gpus_per_node, gpu, batch, seq, global_batch, autocast,
+                          top, json_out, debug)
+    if tp is None:
+        abort("give --tp N, or --auto to choose the layout", debug, code=USAGE_ERROR)
 
     for name, value in (("--batch", batch), ("--seq", seq), ("--vocab-multiple", vocab_multiple)):
         if value is not None and value < 1:
@@ -381,6 +372,37 @@ def plan(
             pic.save_svg(str(svg), title=f"autotp plan {model}", clear=html is None)
         if html is not None:
             pic.save_html(str(html))
+
+
+def _plan_auto(model: str, tp: int | None, dp: int | None, pp: int, world_size: int | None,
+               gpus_per_node: int | None, gpu: str | None, batch: int | None, seq: int | None,
+               global_batch: int | None, autocast: str | None, top: int, json_out: Path | None, debug: bool) -> None:
+    from autotp.cli import plan_auto  # the cost model: only when asked for
+
+    given = [f for f, v in (("--tp", tp), ("--dp", dp), ("--pp", None if pp == 1 else pp)) if v is not None]
+    if given:
+        abort(f"--auto chooses the layout: drop {', '.join(given)}", debug, code=USAGE_ERROR)
+    if world_size is None:
+        abort("--auto needs --world-size N: the devices to lay the model out on", debug, code=USAGE_ERROR)
+    for name, value in (("--world-size", world_size), ("--gpus-per-node", gpus_per_node),
+                        ("--global-batch", global_batch), ("--top", top)):
+        if value is not None and value < 1:
+            abort(f"{name} must be >= 1, got {value}", debug, code=USAGE_ERROR)
+    if autocast is not None and autocast not in AUTOCAST:
+        abort(f"--autocast must be one of {', '.join(AUTOCAST)}, got {autocast}", debug, code=USAGE_ERROR)
+    try:
+        hw = plan_auto.hardware(gpu)
+    except ValueError as exc:
+        abort(str(exc), debug, code=USAGE_ERROR)
+    try:
+        found = plan_auto.run_search(model, world_size, gpus_per_node, hw, batch, seq, global_batch, autocast)
+    except (AutotpError, ValueError) as exc:
+        abort(str(exc), debug, code=USAGE_ERROR)
+    plan_auto.render(_console(), model, found, top)
+    if json_out is not None:
+        json_out.write_text(json.dumps(plan_auto.to_dict(found, top), indent=2, default=str))
+    if found.result.best is None:
+        raise typer.Exit(code=1)
 
 
 def _pipeline_spec(pp: int, schedule: str | None, virtual_stages: int | None, microbatches: int | None,

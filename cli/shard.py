@@ -222,9 +222,15 @@ def render(report: ShardReport, console: Console) -> None:
 def shard(
     model: str = typer.Argument(..., metavar="MODEL_PY", help="Model file defining build_model() and "
                                 "optionally example_batch(); path.py:NAME names another factory."),
-    tp: int = TP,
+    tp: int | None = typer.Option(None, "--tp", help="Tensor-parallel size: ranks that share one model replica "
+                                  "(required unless --auto)."),
     dp: int = DP,
     pp: int = PP,
+    auto: bool = typer.Option(False, "--auto", help="Choose tp, dp, pp, FSDP and micro-batches for --world-size "
+                              "ranks by predicted throughput (as `autotp plan --auto` shows), then run that."),
+    world_size: int | None = typer.Option(None, "--world-size", "-w", help="With --auto: ranks in all."),
+    gpu: str | None = typer.Option(None, "--gpu", help="With --auto: a100, h100 or a profile written by "
+                                   "`autotp profile` (default ./autotp-profile.json)."),
     schedule: str = typer.Option("1F1B", "--schedule", help="With --pp: the pipeline schedule (GPipe, 1F1B, "
                                  "Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble)."),
     microbatches: int | None = typer.Option(None, "--microbatches", help="With --pp: micro-batches per step "
@@ -260,6 +266,15 @@ def shard(
     debug: bool = DEBUG,
 ) -> None:
     """Shard MODEL_PY over tp × dp × pp ranks, verify, train a few steps, save plan and checkpoint."""
+
+    if auto:
+        tp, dp, pp, fsdp, microbatches, virtual_stages, schedule = _choose(
+            model, tp, dp, pp, fsdp, microbatches, virtual_stages, world_size, nnodes, gpu, debug)
+    elif tp is None:
+        abort("give --tp N, or --auto --world-size N to choose the layout", debug, code=USAGE_ERROR)
+    elif world_size is not None or gpu is not None:
+        abort("--world-size and --gpu go with --auto (without it the world is tp × dp × pp × nnodes)", debug,
+              code=USAGE_ERROR)
 
     if steps < 0:
         abort(f"--steps must be >= 0, got {steps}", debug, code=USAGE_ERROR)
@@ -324,6 +339,40 @@ def shard(
         p = report.parity
         abort(f"sharded model differs from the unsharded one: max |Δloss| {p.loss_diff}, max |Δoutput| "
               f"{p.output_diff} exceed {PARITY_TOL:g}", debug, trace="")
+
+
+def _choose(model: str, tp: int | None, dp: int, pp: int, fsdp: bool, microbatches: int | None,
+            virtual_stages: int | None, world_size: int | None, nnodes: int, gpu: str | None,
+            debug: bool) -> tuple[int, int, int, bool, int | None, int | None, str]:
+    """--auto: the fastest layout ``autotp shard`` runs, for ``world_size`` ranks on ``nnodes`` nodes, each data-
+    parallel replica training on the example batch; printed before any rank starts."""
+    from autotp.cli import plan_auto  # the cost model: only when asked for
+
+    given = [f for f, v in (("--tp", tp), ("--dp", None if dp == 1 else dp), ("--pp", None if pp == 1 else pp),
+                            ("--fsdp", fsdp or None), ("--microbatches", microbatches),
+                            ("--virtual-stages", virtual_stages)) if v is not None]
+    if given:
+        abort(f"--auto chooses the layout: drop {', '.join(given)}", debug, code=USAGE_ERROR)
+    if world_size is None or world_size < 1 or world_size % nnodes:
+        abort(f"--auto needs --world-size N, a multiple of --nnodes {nnodes} (got {world_size})", debug,
+              code=USAGE_ERROR)
+    try:
+        hw = plan_auto.hardware(gpu)
+        found = plan_auto.run_search(model, world_size, world_size // nnodes, hw, None, None, None, None,
+                                     runnable=True)
+    except (AutotpError, ValueError) as exc:
+        abort(str(exc), debug, code=USAGE_ERROR)
+    best = next((e for e in found.result.ranked if e.layout.dp % nnodes == 0), None)
+    if best is None:
+        why = "; ".join(plan_auto.explain(found.result)) or "no layout the sizes allow"
+        abort(f"--auto found no layout autotp shard runs on {world_size} ranks: {why}", debug, code=USAGE_ERROR)
+    lay = best.layout
+    Console(stderr=True).print(f"[bold]--auto:[/bold] {lay.label()} on {escape(hw.name)}: predicted "
+                               f"{best.step * 1e3:.1f} ms per step, {best.tokens_per_device:,.0f} tokens/s per "
+                               f"rank (`autotp plan --auto` shows the others)", soft_wrap=True)
+    schedule = lay.schedule or "1F1B"
+    return (lay.tp, lay.dp // nnodes, lay.pp, lay.fsdp, lay.microbatches if lay.pp > 1 else None,
+            lay.v if lay.pp > 1 else None, schedule)
 
 
 def register(app: typer.Typer) -> None:

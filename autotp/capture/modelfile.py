@@ -253,3 +253,26 @@ def replica_batch(args: tuple, kwargs: dict, dp_rank: int, step: int) -> tuple[t
         return t
 
     return tuple(pick(a) for a in args), {k: pick(v) for k, v in kwargs.items()}
+
+
+def planning_batch(mf: ModelFile, net: torch.nn.Module, batch: int | None,
+           seq: int | None) -> tuple[tuple, dict, int, int, str]:
+    """The inputs ``autotp plan`` captures on, the (b, s) its numbers are for (``batch``/``seq`` when given),
+    and a note when the default batch stands in for a missing example_batch()."""
+    if mf.batch_fn is None:
+        # autotp.parallelize's own default (use_cache=False included), at --batch / --seq when given; real (tiny)
+        # ids, not meta: capture turns them into meta itself, and may need real ones
+        b = batch if batch is not None else DEFAULT_BATCH_SHAPE[0]
+        s = seq if seq is not None else DEFAULT_BATCH_SHAPE[1]
+        args, kwargs = default_example(net.forward, shape=(b, s))
+        sizes = " (sizes from --batch/--seq)" if batch is not None or seq is not None else ""
+        return args, kwargs, b, s, (f"{mf.path} defines no example_batch(): planned on the default batch, "
+                                    f"({b}, {s}) token ids{sizes}, as autotp.parallelize without example_inputs")
+    args, kwargs = mf.example_batch()
+    first = next((x for x in (*args, *kwargs.values()) if isinstance(x, torch.Tensor) and x.dim() >= 2), None)
+    if first is None and (batch is None or seq is None):
+        raise ModelFileError(f"example_batch() in {mf.path} has no tensor of at least 2 dims (batch, sequence)",
+                             hint="pass --batch B --seq S")
+    b = batch if batch is not None else first.shape[0]
+    s = seq if seq is not None else first.shape[1]
+    return args, kwargs, int(b), int(s), ""

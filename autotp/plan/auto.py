@@ -1,0 +1,176 @@
+"""Choose the layout: enumerate what the sizes allow, drop what does not fit, rank the rest by predicted step.
+
+The knobs (DESIGN §6): tp ``t`` dividing the GPUs per node, the world and the attention heads; pp ``p``
+dividing the blocks, ``t·p`` dividing the world; dp = world/(t·p), dividing the global batch; the
+micro-batch size (a divisor of each replica's share, at most ``max_micro_batch``) and so the micro-batches
+per step ``m`` (at least ``p`` with a pipeline); ``v`` stages per pipeline rank (the interleaved schedule:
+L divisible by p·v, m by p); FSDP over dp, sequence parallelism over tp, full activation recomputation.
+Candidates are ranked by predicted tokens per second per device (for a fixed global batch: by step time).
+Each candidate is priced by :func:`autotp.plan.cost.estimate`; one that needs more memory than the device
+has is rejected with the amount it is over by. ``runnable`` keeps to what ``autotp shard`` runs today
+(a pipeline with plain tensor and data parallelism; no recomputation knob).
+"""
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from autotp.plan.cost import Estimate, Layout, Training, estimate
+from autotp.plan.facts import ModelFacts
+from autotp.plan.hardware import Hardware
+
+GiB = 2**30
+
+
+@dataclass(frozen=True)
+class Space:
+    world: int
+    gpus_per_node: int
+    batch: int  # sequences per step: all replicas together, or each replica's with per_replica
+    max_micro_batch: int = 16
+    fsdp: tuple[bool, ...] = (False, True)
+    sp: tuple[bool, ...] = (False, True)
+    recompute: tuple[bool, ...] = (False, True)
+    virtual: tuple[int, ...] = (1, 2, 4)
+    runnable: bool = False
+    per_replica: bool = False  # the batch is each data-parallel replica's (autotp shard: the example batch)
+
+    def __post_init__(self) -> None:
+        for name in ("world", "gpus_per_node", "batch", "max_micro_batch"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
+@dataclass(frozen=True)
+class Rejected:
+    layout: Layout
+    reason: str
+    over: float = 0.0  # bytes over the device's memory
+
+
+@dataclass(frozen=True)
+class Search:
+    ranked: tuple[Estimate, ...]  # fastest first
+    rejected: tuple[Rejected, ...]
+    considered: int
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def best(self) -> Estimate | None:
+        return self.ranked[0] if self.ranked else None
+
+
+def divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def tp_sizes(world: int, gpus_per_node: int, heads: int | None) -> list[int]:
+    """The tensor-parallel sizes worth planning: dividing the GPUs of a node (a group never straddles two),
+    the world and the heads."""
+    return [t for t in divisors(world) if gpus_per_node % t == 0 and (heads is None or heads % t == 0)]
+
+
+def layouts(facts: ModelFacts, space: Space) -> Iterator[Layout]:
+    L = facts.layers
+    for t in tp_sizes(space.world, space.gpus_per_node, facts.heads):
+        if t not in facts.tps:
+            continue
+        for p in divisors(L):
+            if space.world % (t * p):
+                continue
+            d = space.world // (t * p)
+            if not space.per_replica and space.batch % d:
+                continue
+            share = space.batch if space.per_replica else space.batch // d
+            for b in divisors(share):
+                m = share // b
+                if b > space.max_micro_batch or p > 1 and m < p:
+                    continue
+                for v in space.virtual if p > 1 else (1,):
+                    if v > 1 and (L % (p * v) or m % p):
+                        continue
+                    for fsdp in space.fsdp if d > 1 else (False,):
+                        for sp in space.sp if t > 1 else (False,):
+                            for rc in space.recompute:
+                                lay = Layout(t, d, p, b, m, v, fsdp, sp, rc)
+                                if space.runnable and not runnable(lay):
+                                    continue
+                                yield lay
+
+
+def supported(lay: Layout) -> bool:
+    """Whether autotp shards this layout today: a pipeline's stages run plain tensor and data parallelism
+    (no FSDP, no sequence parallelism yet). Recomputation and gradient accumulation are the training
+    script's (activation checkpointing in the model, several backwards per step)."""
+    return lay.pp == 1 or not (lay.fsdp or lay.sp)
+
+
+def runnable(lay: Layout) -> bool:
+    """What ``autotp shard`` runs by itself: a supported layout, one micro-batch per step without a pipeline,
+    and no recomputation (its training loop has neither knob)."""
+    return supported(lay) and not lay.recompute and (lay.pp > 1 or lay.microbatches == 1)
+
+
+def search(facts: ModelFacts, hw: Hardware, space: Space, training: Training = Training()) -> Search:
+    ranked, rejected, n = [], [], 0
+    for lay in layouts(facts, space):
+        n += 1
+        est = estimate(facts, hw, lay, training)
+        if est.memory.fits:
+            ranked.append(est)
+        else:
+            mem = est.memory
+            rejected.append(Rejected(lay, f"needs {mem.total / GiB:.1f} GiB of {mem.capacity / GiB:.1f} GiB "
+                                          f"(over by {mem.over / GiB:.1f} GiB)", mem.over))
+    # tokens per second per device: the step time when the global batch is fixed, and fair when it is not
+    ranked.sort(key=lambda e: (-e.tokens_per_device, e.layout.microbatches, e.memory.total))
+    notes = []
+    if not ranked and n:
+        closest = min(rejected, key=lambda r: r.over)
+        notes.append(f"no layout fits: the closest, {closest.layout.label()}, {closest.reason}")
+    if not n:
+        notes.append(f"no layout: world {space.world}, {space.gpus_per_node} per node, global batch {space.batch}, "
+                     f"{facts.layers} blocks, heads {facts.heads}: no tp ≤ {space.gpus_per_node} dividing world "
+                     "and heads, pp dividing the blocks and dp the batch")
+    return Search(tuple(ranked), tuple(rejected), n, tuple(notes))
+
+
+def best_per_mesh(result: Search) -> list[Estimate]:
+    """The fastest layout of each (tp, pp), fastest first."""
+    seen, out = set(), []
+    for e in result.ranked:
+        key = (e.layout.tp, e.layout.pp)
+        if key not in seen:
+            seen.add(key)
+            out.append(e)
+    return out
+
+
+def explain(result: Search) -> list[str]:
+    """Why the winner wins: against the best layout of another (tp, pp), the terms that differ most; what
+    memory ruled out."""
+    lines = []
+    best = result.best
+    if best is None:
+        return list(result.notes)
+    meshes = best_per_mesh(result)
+    lay = best.layout
+    if len(meshes) > 1:
+        other = meshes[1]
+        diffs = sorted(((other.terms()[k] - v, k) for k, v in best.terms().items()), key=lambda x: -abs(x[0]))
+        said = [f"{k} {abs(dv):.3g} s {'less' if dv > 0 else 'more'}" for dv, k in diffs[:3] if abs(dv) > 1e-9]
+        lines.append(f"tp {lay.tp} × pp {lay.pp} beats the best tp {other.layout.tp} × pp {other.layout.pp} layout "
+                     f"({other.layout.label()}) by {best.tokens_per_device / other.tokens_per_device - 1:.1%}: "
+                     f"{', '.join(said)}")
+    same = [e for e in result.ranked[1:] if (e.layout.tp, e.layout.pp) == (lay.tp, lay.pp)]
+    if same:
+        lines.append(f"within tp {lay.tp} × pp {lay.pp}, the next option ({same[0].layout.label()}) is "
+                     f"{best.tokens_per_device / same[0].tokens_per_device - 1:.1%} slower")
+    if result.rejected:
+        by_mesh = Counter((r.layout.tp, r.layout.pp) for r in result.rejected)
+        worst = max(result.rejected, key=lambda r: r.over)
+        lines.append(f"memory ruled out {len(result.rejected)} of {result.considered} layouts "
+                     f"({len(by_mesh)} (tp, pp) meshes had some), e.g. {worst.layout.label()}: {worst.reason}")
+    return lines + list(result.notes)

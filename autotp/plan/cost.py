@@ -1,0 +1,285 @@
+"""The predicted step time and memory of one layout: an analytic model over :class:`ModelFacts` and a
+:class:`~autotp.plan.hardware.Hardware` profile.
+
+A layout is tp × dp × pp ranks, ``v`` stages per pipeline rank, micro-batches of ``micro_batch`` samples,
+``microbatches`` of them per step on each data-parallel replica (global batch = dp · micro_batch ·
+microbatches), with or without FSDP over dp, sequence parallelism and full activation recomputation.
+
+Per micro-batch on the busiest pipeline rank (the terms of :class:`Estimate`):
+- compute: the rank's matmul FLOPs (forward 1×, backward 2×, recomputation another forward) at the
+  profile's sustained matmul rate, plus the memory-bound work: the activations a layer keeps (Korthikanti
+  et al. 2022's bytes per layer, :func:`~autotp.plan.pipeline_report.layer_activation_bytes`) cross memory
+  once per pass, at the memory bandwidth; and the profile's fixed cost per op (a launch, a dispatch) for
+  each op of the graph, per pass;
+- tp comm: the plan's collectives for the rank's layers (the forward's again when recomputing), not
+  overlapped (each is waited on before its consumer runs);
+- pp: the bubble (p − 1)/(v·m) of the ideal time (Narayanan et al. 2021, §2.2), and two point-to-point
+  sends of b·s·h activations per micro-batch and stage boundary (v per rank);
+- dp comm: DDP's gradient all-reduce of the rank's parameters, overlapped with the last micro-batch's
+  backward but for its last 25 MB bucket; with FSDP, all-gathers before forward and backward and a
+  reduce-scatter after it, per micro-batch, each overlapped with that pass's compute (prefetch) but for one
+  block's worth; both copy the bytes into and out of their buffers. Where the collectives run on the
+  compute's own cores (gloo on a CPU: ``Hardware.overlap`` false) nothing is hidden;
+- optimizer: the profile's measured AdamW time per parameter the rank holds, or reading and writing 16
+  bytes of state per parameter at memory bandwidth (a fused step).
+
+Ranks that take turns on one device (``Hardware.share`` > 1: more CPU ranks than cores, pipeline stages
+dealt round the cores) hand their idle time to each other: the bubble shrinks by (share − 1)/(p − 1).
+
+Memory per rank: 16 bytes per parameter it holds (weights, gradients, Adam; ÷ dp with FSDP, plus two
+blocks gathered), the activations of the micro-batches in flight (Korthikanti et al.'s formula, or one
+layer input per layer with recomputation, plus one layer's worth being recomputed) and the last stage's
+logits in fp32 (and under autocast the 16-bit copies of the weights the backward keeps), against 90% of
+the device's memory. Nothing here is measured; :mod:`autotp.plan.auto` enumerates layouts and ranks them.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+from autotp.plan.facts import BLOCKS, FIRST, LAST, ModelFacts
+from autotp.plan.hardware import Hardware
+from autotp.plan.pipeline_report import in_flight, layer_activation_bytes
+
+RESERVED = 0.1  # of the device's memory: the CUDA context, communication buffers, the allocator's fragmentation
+STATE_BYTES = 16  # weights + gradients + Adam moments (+ fp32 master weights for 16-bit weights) per parameter
+DDP_BUCKET = 25 * 2**20  # torch DDP's default bucket: the last one cannot overlap the backward
+
+
+@dataclass(frozen=True)
+class Layout:
+    tp: int
+    dp: int
+    pp: int
+    micro_batch: int
+    microbatches: int
+    v: int = 1
+    fsdp: bool = False
+    sp: bool = False
+    recompute: bool = False
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.dp * self.pp
+
+    @property
+    def batch(self) -> int:
+        return self.dp * self.micro_batch * self.microbatches
+
+    @property
+    def schedule(self) -> str | None:
+        return None if self.pp == 1 else "1F1B" if self.v == 1 else "Interleaved1F1B"
+
+    def label(self) -> str:
+        parts = [f"tp{self.tp}", f"dp{self.dp}" + ("·fsdp" if self.fsdp else ""), f"pp{self.pp}"]
+        if self.v > 1:
+            parts.append(f"v{self.v}")
+        parts.append(f"mb{self.micro_batch}×{self.microbatches}")
+        if self.sp:
+            parts.append("sp")
+        if self.recompute:
+            parts.append("rc")
+        return " ".join(parts)
+
+
+@dataclass(frozen=True)
+class Training:
+    """How the step runs: element sizes of activations and of what travels, the sequence length."""
+
+    act_bytes: int = 2  # bf16 autocast
+    seq: int | None = None  # default: the captured sequence length
+
+
+@dataclass(frozen=True)
+class Memory:
+    state: float  # parameters, gradients, optimizer state (bytes)
+    activations: float
+    other: float  # FSDP's gathered blocks, the last stage's fp32 logits
+    capacity: float
+
+    @property
+    def total(self) -> float:
+        return self.state + self.activations + self.other
+
+    @property
+    def fits(self) -> bool:
+        return self.total <= self.capacity
+
+    @property
+    def over(self) -> float:
+        return max(0.0, self.total - self.capacity)
+
+
+@dataclass(frozen=True)
+class Estimate:
+    layout: Layout
+    compute: float  # seconds per step: the busiest rank's compute, bubble excluded
+    tp_comm: float
+    pp_bubble: float
+    pp_comm: float
+    dp_comm: float  # exposed, not overlapped
+    optimizer: float
+    memory: Memory
+    tokens: int  # per step, all replicas
+    model_flops: float  # per step, all ranks: 3 × the forward's matmul FLOPs (no recomputation)
+
+    @property
+    def step(self) -> float:
+        return self.compute + self.tp_comm + self.pp_bubble + self.pp_comm + self.dp_comm + self.optimizer
+
+    @property
+    def tokens_per_device(self) -> float:
+        return self.tokens / self.step / self.layout.world
+
+    @property
+    def flops_per_device(self) -> float:
+        return self.model_flops / self.step / self.layout.world
+
+    def terms(self) -> dict[str, float]:
+        return {"compute": self.compute, "tp comm": self.tp_comm, "pp bubble": self.pp_bubble,
+                "pp comm": self.pp_comm, "dp comm": self.dp_comm, "optimizer": self.optimizer}
+
+    def to_dict(self) -> dict:
+        return {"layout": asdict(self.layout), "label": self.layout.label(), "step_s": self.step, **{
+            k.replace(" ", "_") + "_s": v for k, v in self.terms().items()},
+            "memory": {**asdict(self.memory), "total": self.memory.total, "fits": self.memory.fits},
+            "tokens_per_s_per_device": self.tokens_per_device, "flops_per_device": self.flops_per_device}
+
+
+def _per_node(ranks: int, stride: int, gpus_per_node: int) -> int:
+    """Members of a group of ``ranks`` ranks ``stride`` apart that share a node (TP innermost: Megatron's order)."""
+    return max(1, min(ranks, gpus_per_node // stride)) if stride < gpus_per_node else 1
+
+
+def _comm_time(hw: Hardware, facts: ModelFacts, lay: Layout, part: str, samples: float, share: float,
+               act_bytes: int, recompute: bool) -> float:
+    """The part's tp collectives for ``samples`` samples and ``share`` of its layers."""
+    if lay.tp == 1:
+        return 0.0
+    per_node = _per_node(lay.tp, 1, hw.gpus_per_node)
+    total = 0.0
+    for c in facts.tp(lay.tp).comm.get(part, ()):
+        count = c.count * share
+        if count <= 0:
+            continue
+        each = c.elements / c.count * samples * act_bytes
+        again = 2 if recompute and c.direction == "forward" else 1
+        total += again * hw.collective(c.kind, each, lay.tp, per_node, count=1) * count
+    return total
+
+
+def estimate(facts: ModelFacts, hw: Hardware, lay: Layout, training: Training = Training()) -> Estimate:
+    """Price ``lay`` for ``facts`` on ``hw``."""
+    t, d, p, v, b, m = lay.tp, lay.dp, lay.pp, lay.v, lay.micro_batch, lay.microbatches
+    tf = facts.tp(t)
+    act = training.act_bytes
+    s = training.seq or facts.seq
+    scale = s / facts.seq  # FLOPs and collectives are taken at the captured length; attention grows faster
+    L = facts.layers
+    ls = L / p  # layers on one pipeline rank (v chunks of L/(p·v))
+    passes = 4 if lay.recompute else 3  # forward, backward (2×), recomputed forward
+
+    def flops_time(fwd_flops: float) -> float:
+        split = tf.flops_split
+        per_rank = fwd_flops * (split / t + (1 - split))
+        return passes * per_rank / hw.matmul_flops
+
+    # -- compute per micro-batch: the blocks on this rank, plus the first or last part's extra ------------
+    layer_bytes = layer_activation_bytes(b, s, facts.hidden, facts.heads, t, act, facts.dropout,
+                                         facts.fused_attention)
+    if lay.sp and t > 1:  # norms, dropouts and residuals split over t too
+        whole = b * s * facts.hidden * (4 * act + 2 * int(facts.dropout))
+        layer_bytes = layer_bytes - whole + whole / t
+    launch = passes * hw.overhead  # per op of the forward: the backward dispatches about twice as many
+    blocks_time = ls * (flops_time(facts.block_flops * b * scale) + passes * layer_bytes / hw.memory_bandwidth
+                        + launch * facts.ops[BLOCKS] / L)
+    first = flops_time(facts.flops[FIRST] * b * scale) + launch * facts.ops[FIRST]
+    last = flops_time(facts.flops[LAST] * b * scale) + launch * facts.ops[LAST]
+    share = 1 / p
+    comm_blocks = _comm_time(hw, facts, lay, BLOCKS, b * scale, share, act, lay.recompute)
+    comm_first = _comm_time(hw, facts, lay, FIRST, b * scale, 1, act, False)
+    comm_last = _comm_time(hw, facts, lay, LAST, b * scale, 1, act, False)
+    if p == 1:
+        compute_mb, comm_mb = blocks_time + first + last, comm_blocks + comm_first + comm_last
+    else:  # the busier end stage sets the pace
+        ends = [(blocks_time + first, comm_blocks + comm_first), (blocks_time + last, comm_blocks + comm_last)]
+        compute_mb, comm_mb = max(ends, key=lambda x: sum(x))
+
+    # -- pipeline: bubble and point-to-point sends ------------------------------------------------------------
+    bubble = (p - 1) / (v * m) if p > 1 else 0.0
+    p2p = 0.0
+    if p > 1:
+        per_node = 2 if t * d < hw.gpus_per_node else 1
+        p2p = 2 * v * hw.collective("send", b * s * facts.hidden * act, 2, per_node)
+
+    # -- data parallel ---------------------------------------------------------------------------------------
+    local = _local_params(facts, lay)
+    grad_bytes = local * facts.param_bytes
+    dp_node = _per_node(d, t, hw.gpus_per_node)
+    backward_mb = compute_mb * (2 + int(lay.recompute)) / passes
+    forward_mb = compute_mb / passes
+    dp_exposed = 0.0
+    hide = 1.0 if hw.overlap else 0.0  # where collectives share the compute's cores, nothing hides them
+    copy = 2 / hw.memory_bandwidth  # bytes copied in and out of communication buffers: read and written
+    if d > 1 and not lay.fsdp:  # one all-reduce per 25 MB bucket; gradients copied into buckets and back
+        buckets = max(1, math.ceil(grad_bytes / DDP_BUCKET))
+        total = hw.collective("all_reduce", grad_bytes / buckets, d, dp_node, count=buckets)
+        tail = total / buckets
+        dp_exposed = max(tail, total - hide * backward_mb) + 2 * grad_bytes * copy
+    elif d > 1:  # FSDP: per unit (each block, the two ends) gathers before forward and backward, reduce-scatter
+        # after, each through a flat buffer the parameters and gradients are copied out of and into
+        units = math.ceil(ls) + 1
+        gather = hw.collective("all_gather", grad_bytes / units, d, dp_node, count=units)
+        scatter = hw.collective("reduce_scatter", grad_bytes / units, d, dp_node, count=units)
+        one_block = gather / units
+        dp_exposed = m * (max(one_block, gather - hide * forward_mb)
+                          + max(one_block, gather + scatter - hide * backward_mb) + 3 * grad_bytes * copy)
+
+    # -- optimizer: read and write the state once ------------------------------------------------------------
+    held = local / (d if lay.fsdp else 1)
+    optimizer = held * (hw.optimizer or 2 * STATE_BYTES / hw.memory_bandwidth)
+
+    compute = m * compute_mb
+    tp_comm = m * comm_mb
+    # ranks taking turns on a device (stages dealt round the cores) hand their idle time to each other
+    absorbed = min(1.0, (hw.share - 1) / (p - 1)) if p > 1 else 0.0
+    pp_bubble = bubble * (1 - absorbed) * (compute + tp_comm + m * p2p)
+    memory = _memory(facts, hw, lay, layer_bytes, s, act)
+    tokens = lay.batch * s
+    model_flops = 3 * (facts.flops[FIRST] + facts.flops[BLOCKS] + facts.flops[LAST]) * scale * lay.batch
+    return Estimate(lay, compute, tp_comm, pp_bubble, m * p2p, dp_exposed, optimizer, memory, tokens, model_flops)
+
+
+def _local_params(facts: ModelFacts, lay: Layout) -> float:
+    """Parameters one rank holds before FSDP: its stage's blocks, and the embeddings / head on the end stages
+    (the larger end for the busiest rank)."""
+    params = facts.tp(lay.tp).params
+    blocks = params[BLOCKS] / lay.pp
+    if lay.pp == 1:
+        return blocks + params[FIRST] + params[LAST]
+    return blocks + max(params[FIRST], params[LAST])
+
+
+def _memory(facts: ModelFacts, hw: Hardware, lay: Layout, layer_bytes: float, s: int, act: int) -> Memory:
+    t, d, p, v, b, m = lay.tp, lay.dp, lay.pp, lay.v, lay.micro_batch, lay.microbatches
+    local = _local_params(facts, lay)
+    state = STATE_BYTES * local / (d if lay.fsdp else 1)
+    ls = facts.layers / p
+    if p == 1:
+        flight = 1  # micro-batches run one after another (gradient accumulation)
+    else:  # the first pipeline rank holds the most; in_flight counts (stage, micro-batch) pairs of L/(p·v) layers
+        sched = lay.schedule or "1F1B"
+        flight = in_flight(sched, p, v, m, 0) / v
+    if lay.recompute:  # each layer's input, plus one layer being recomputed
+        layer_input = b * s * facts.hidden * act / (t if lay.sp else 1)
+        activations = flight * ls * layer_input + layer_bytes
+    else:
+        activations = flight * ls * layer_bytes
+    other = 0.0
+    if act < facts.param_bytes:  # autocast's 16-bit copies of the weights, saved for the backward
+        other += act * local / (d if lay.fsdp else 1)
+    if facts.vocab:  # the last stage's logits: its vocab slice, the loss in fp32
+        other += b * s * facts.vocab / t * (act + 4)
+    if lay.fsdp and d > 1:  # two blocks gathered at once (one computing, one prefetched)
+        other += 2 * facts.tp(t).params[BLOCKS] / facts.layers * facts.param_bytes
+    return Memory(state, activations, other, (1 - RESERVED) * hw.memory_bytes)

@@ -1,0 +1,147 @@
+"""``autotp plan --auto`` and ``autotp shard --auto``: capture the model once, plan it at every
+tensor-parallel size a node allows, search the layouts (:mod:`autotp.plan.auto`) and show the best.
+
+The numbers are predictions of :mod:`autotp.plan.cost` on a hardware profile: a preset (``--gpu a100`` or
+``h100``, datasheet numbers) or a file ``autotp profile`` wrote on the machines themselves.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from autotp.capture.modelfile import load_model_file, planning_batch
+from autotp.cli.plan_format import fmt_size
+from autotp.plan.auto import Search, Space, explain, search, supported, tp_sizes
+from autotp.plan.cost import Estimate, Training
+from autotp.plan.facts import ModelFacts, capture_facts
+from autotp.plan.hardware import PRESETS, Hardware, resolve
+
+DEFAULT_PROFILE = Path("autotp-profile.json")
+_DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "bfloat16": 2, "float16": 2, "float32": 4}
+
+
+class Auto(NamedTuple):
+    facts: ModelFacts
+    hardware: Hardware
+    space: Space
+    training: Training
+    result: Search
+
+
+def hardware(gpu: str | None) -> Hardware:
+    """``--gpu``: a preset, a profile file, or (not given) ./autotp-profile.json when ``autotp profile`` wrote
+    one. ValueError otherwise, naming what to give."""
+    if gpu is not None:
+        return resolve(gpu)
+    if DEFAULT_PROFILE.exists():
+        return resolve(str(DEFAULT_PROFILE))
+    raise ValueError(f"--auto needs a hardware profile: give --gpu {'|'.join(PRESETS)}|PROFILE.json, or run "
+                     f"`autotp profile` here first (it writes {DEFAULT_PROFILE})")
+
+
+def act_bytes(hw: Hardware, autocast: str | None) -> int:
+    """Bytes per activation element: the autocast asked for; else a profile's measured dtype; else bf16 on
+    a GPU preset (GPU training runs under bf16 autocast)."""
+    if autocast is not None:
+        return _DTYPE_BYTES[autocast]
+    return _DTYPE_BYTES.get(str(hw.extra.get("dtype", "bf16")), 2)
+
+
+def run_search(model: str, world: int, gpus_per_node: int | None, hw: Hardware, batch: int | None,
+               seq: int | None, global_batch: int | None, autocast: str | None, runnable: bool = False,
+               max_micro_batch: int = 16) -> Auto:
+    """Load and build MODEL_PY on meta, capture once, plan at each tp, search. ``global_batch`` None: one
+    example batch per data-parallel replica (what ``autotp shard`` trains on)."""
+
+    mf = load_model_file(model)
+    with torch.device("meta"):
+        net = mf.build()
+    args, kwargs, b, s, _ = planning_batch(mf, net, batch, seq)
+    g = gpus_per_node or min(world, hw.gpus_per_node)
+    heads_guess = None  # the heads are read from the graph; plan every size a node allows and let them filter
+    facts = capture_facts(net, args, kwargs, tp_sizes(world, g, heads_guess), b, s)
+    per_replica = global_batch is None
+    space = Space(world, g, global_batch or b, max_micro_batch=max_micro_batch, runnable=runnable,
+                  per_replica=per_replica)
+    training = Training(act_bytes=act_bytes(hw, autocast), seq=s)
+    return Auto(facts, hw, space, training, search(facts, hw, space, training))
+
+
+def _gib(x: float) -> str:
+    return fmt_size(int(x))
+
+
+def top_table(auto: Auto, top: int) -> Table:
+    hw, sp = auto.hardware, auto.space
+    batch = f"{sp.batch} per replica" if sp.per_replica else f"global batch {sp.batch}"
+    cap = _gib(auto.result.ranked[0].memory.capacity) if auto.result.ranked else "?"
+    table = Table(title=f"Layouts for {sp.world} devices ({sp.gpus_per_node} per node) on {hw.name}, {batch} × "
+                        f"{auto.training.seq} tokens: predicted, best first (memory of {cap} usable per device)")
+    cols = ("#", "layout", "runs", "step", "tokens/s/dev", "TFLOP/s/dev", "% peak", "memory", "compute", "tp comm",
+            "pp bubble", "pp comm", "dp comm", "optim")
+    for c in cols:
+        table.add_column(c, justify="left" if c == "layout" else "right", no_wrap=c == "layout")
+    for i, e in enumerate(auto.result.ranked[:top], 1):
+        mem = e.memory
+        table.add_row(str(i), e.layout.label(), "yes" if supported(e.layout) else "not yet", _secs(e.step),
+                      f"{e.tokens_per_device:,.0f}", f"{e.flops_per_device / 1e12:.1f}",
+                      f"{e.flops_per_device / hw.peak_flops:.0%}", f"{_gib(mem.total)} ({mem.total / mem.capacity:.0%})",
+                      *(_secs(v) for v in e.terms().values()))
+    table.caption = ("layout: tp, dp (·fsdp: FSDP over dp), pp (v: stages per rank), micro-batch × micro-batches "
+                     "per step, sp: sequence parallel, rc: activations recomputed (the model's own checkpointing). "
+                     "runs: whether autotp shards it today (a pipeline with FSDP or sequence parallelism does not "
+                     "yet). TFLOP/s: 3 × the forward's matmul FLOPs per step. memory: per rank (share of what is "
+                     "usable). Terms per step; dp comm: what the backward does not hide.")
+    return table
+
+
+def _secs(x: float) -> str:
+    return f"{x * 1e3:.1f} ms" if x < 1 else f"{x:.2f} s"
+
+
+def rejected_table(auto: Auto, top: int = 5) -> Table | None:
+    rejected = sorted(auto.result.rejected, key=lambda r: r.over)
+    if not rejected:
+        return None
+    table = Table(title=f"{len(rejected)} of {auto.result.considered} layouts do not fit "
+                        f"{_gib((1 - 0.1) * auto.hardware.memory_bytes)} per device (the closest):")
+    table.add_column("layout")
+    table.add_column("why")
+    for r in rejected[:top]:
+        table.add_row(r.layout.label(), r.reason)
+    return table
+
+
+def render(console: Console, model: str, auto: Auto, top: int) -> None:
+    f = auto.facts
+    console.print(f"[bold]{escape(model)}[/bold]: {f.params:,} parameters, {f.layers} blocks, hidden {f.hidden}, "
+                  f"heads {f.heads}, vocab {f.vocab}; planned at tp {', '.join(map(str, sorted(f.tps)))}; "
+                  f"{auto.result.considered} layouts considered", soft_wrap=True)
+    if auto.result.ranked:
+        console.print(top_table(auto, top))
+    rej = rejected_table(auto)
+    if rej is not None:
+        console.print(rej)
+    best = auto.result.best
+    if best is not None:
+        console.print(f"[bold green]best:[/bold green] {best.layout.label()} — {_secs(best.step)} per step, "
+                      f"{best.tokens_per_device:,.0f} tokens/s per device", soft_wrap=True)
+    for line in explain(auto.result):
+        console.print(f"  {escape(line)}", soft_wrap=True)
+    console.print(f"[dim]hardware: {escape(auto.hardware.source)}[/dim]", soft_wrap=True)
+
+
+def to_dict(auto: Auto, top: int) -> dict:
+    return {"hardware": auto.hardware.to_dict(), "space": auto.space.__dict__,
+            "ranked": [e.to_dict() for e in auto.result.ranked[:top]],
+            "rejected": len(auto.result.rejected), "considered": auto.result.considered,
+            "why": explain(auto.result)}
+
+
+def best_layout(auto: Auto) -> Estimate | None:
+    return auto.result.best

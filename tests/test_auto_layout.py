@@ -1,0 +1,330 @@
+"""The layout search: hardware profiles, each cost term against a hand computation, the enumeration's
+divisibility and memory rules, the facts read from a captured graph, and ``autotp plan --auto``."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+from typer.testing import CliRunner
+
+from autotp.cli.main import app
+from autotp.plan.auto import Space, explain, layouts, runnable, search, supported, tp_sizes
+from autotp.plan.cost import STATE_BYTES, Layout, Training, estimate
+from autotp.plan.facts import BLOCKS, FIRST, LAST, Comm, ModelFacts, TpFacts
+from autotp.plan.hardware import A100, H100, Hardware, Link, Measured, load, resolve, save
+from autotp.plan.pipeline_report import layer_activation_bytes
+
+GB = 10**9
+
+
+def hw(**kw) -> Hardware:
+    base = dict(name="test", matmul_flops=1e12, peak_flops=2e12, memory_bandwidth=1e11, memory_bytes=100 * GB,
+                gpus_per_node=8, intra=Link(1e-5, 1e10), inter=Link(1e-4, 1e9), overhead=0.0)
+    return Hardware(**{**base, **kw})
+
+
+def facts(layers=4, h=64, s=32, heads=4, vocab=256, comm=True, fused=True, per_layer=1000) -> ModelFacts:
+    """A made-up GPT: per sample 1e9 FLOPs in the blocks, 1e8 after them; 1000 block parameters per layer."""
+    def tpf(t):
+        blocks = () if t == 1 or not comm else (Comm("all_reduce", "forward", 2 * layers, 2 * layers * s * h),
+                                                Comm("all_reduce", "backward", 2 * layers, 2 * layers * s * h))
+        return TpFacts(t, {FIRST: 500 // t, BLOCKS: per_layer * layers // t, LAST: 300 // t},
+                       {FIRST: (), BLOCKS: blocks, LAST: ()}, 1.0)
+    return ModelFacts(layers, s, h, heads, vocab, {FIRST: 0.0, BLOCKS: 1e9, LAST: 1e8},
+                      {FIRST: 5, BLOCKS: 10 * layers, LAST: 6}, per_layer * layers + 800, 4,
+                      fused, False, {t: tpf(t) for t in (1, 2, 4)})
+
+
+# -- hardware ---------------------------------------------------------------------------------------------
+def test_collective_times_follow_the_ring():
+    h = hw()
+    S = 8e6
+    assert h.collective("all_reduce", S, 4) == pytest.approx(1e-5 + 2 * 3 / 4 * S / 1e10)
+    assert h.collective("all_gather", S, 4) == pytest.approx(1e-5 + 3 / 4 * S / 1e10)
+    assert h.collective("reduce_scatter", S, 2, count=3) == pytest.approx(3 * (1e-5 + S / 2 / 1e10))
+    assert h.collective("send", S, 2) == pytest.approx(1e-5 + S / 1e10)
+    assert h.collective("all_reduce", S, 1) == 0.0
+
+
+def test_groups_across_nodes_use_one_card_per_member_on_each_node():
+    h = hw()
+    # 16 ranks, 2 per node: two network cards' worth, the slower latency
+    assert h.link("all_reduce", 16, 2) == Link(1e-4, 2e9)
+    assert h.link("all_reduce", 16, 64) == Link(1e-4, 1e10) or h.link("all_reduce", 16, 16) == h.intra
+    assert h.link("all_reduce", 4, 8) == h.intra
+
+
+def test_measured_collectives_override_the_links():
+    m = Measured("all_reduce", 2, Link(1e-3, 5e8), ((1000, 0.001),))
+    h = hw(measured=(m,))
+    assert h.collective("all_reduce", 1e6, 2) == pytest.approx(1e-3 + 1e6 / 5e8)
+    assert h.collective("all_reduce", 1e6, 4) == pytest.approx(1e-5 + 1.5e6 / 1e10)
+
+
+def test_profile_round_trip_and_refusals(tmp_path):
+    path = tmp_path / "p.json"
+    save(hw(measured=(Measured("send", 2, Link(1e-4, 1e9), ((4096, 1e-4),)),)), path)
+    assert load(path) == hw(measured=(Measured("send", 2, Link(1e-4, 1e9), ((4096, 1e-4),)),))
+    data = json.loads(path.read_text())
+    path.write_text(json.dumps({**data, "version": 99}))
+    with pytest.raises(ValueError, match="version 99"):
+        load(path)
+    path.write_text(json.dumps({k: v for k, v in data.items() if k != "matmul_flops"}))
+    with pytest.raises(ValueError, match="matmul_flops"):
+        load(path)
+    path.write_text(json.dumps({**data, "memory_bytes": -1}))
+    with pytest.raises(ValueError, match="memory_bytes"):
+        load(path)
+    with pytest.raises(ValueError, match="neither a preset"):
+        resolve(str(tmp_path / "missing.json"))
+    assert resolve("A100") is A100 and resolve("h100") is H100
+
+
+# -- cost terms, each against a hand computation ------------------------------------------------------------
+def test_compute_term():
+    f, h = facts(), hw(overhead=1e-4)
+    e = estimate(f, h, Layout(1, 1, 1, 2, 3), Training(act_bytes=2))
+    layer = layer_activation_bytes(2, 32, 64, 4, 1, 2, False, True)
+    ops = 5 + 4 * 10 + 6  # every op of the forward, launched again (about twice) in the backward
+    per_mb = 3 * (1e9 + 1e8) * 2 / 1e12 + 4 * 3 * layer / 1e11 + 3 * ops * 1e-4
+    assert e.compute == pytest.approx(3 * per_mb)
+    rc = estimate(f, h, Layout(1, 1, 1, 2, 3, recompute=True), Training(act_bytes=2))
+    assert rc.compute == pytest.approx(3 * (4 * 1.1e9 * 2 / 1e12 + 4 * 4 * layer / 1e11 + 4 * ops * 1e-4))
+
+
+def test_tp_comm_term():
+    f, h = facts(), hw()
+    e = estimate(f, h, Layout(2, 1, 1, 2, 1), Training(act_bytes=2))
+    each = 32 * 64 * 2 * 2  # (b·s·h) bf16 elements of one all-reduce
+    one = 1e-5 + 2 * (1 / 2) * each / 1e10
+    assert e.tp_comm == pytest.approx(16 * one)  # 8 forward + 8 backward
+    rc = estimate(f, h, Layout(2, 1, 1, 2, 1, recompute=True), Training(act_bytes=2))
+    assert rc.tp_comm == pytest.approx(24 * one)  # the forward's again while recomputing
+
+
+def test_pipeline_terms():
+    f, h = facts(comm=False), hw()
+    e = estimate(f, h, Layout(1, 1, 2, 1, 4), Training(act_bytes=2))
+    send = 1e-5 + 32 * 64 * 2 / 1e10
+    assert e.pp_comm == pytest.approx(4 * 2 * send)
+    assert e.pp_bubble == pytest.approx((2 - 1) / 4 * (e.compute + e.tp_comm + e.pp_comm))
+    v2 = estimate(f, h, Layout(1, 1, 2, 1, 4, v=2), Training(act_bytes=2))
+    assert v2.pp_comm == pytest.approx(2 * e.pp_comm)
+    assert v2.pp_bubble == pytest.approx((2 - 1) / (2 * 4) * (v2.compute + v2.tp_comm + v2.pp_comm))
+    # the busier end: the last stage's 2 blocks and LM head (1e8 > 0 FLOPs of the first)
+    assert e.compute == pytest.approx(4 * 3 * (0.5e9 + 1e8) / 1e12 + 4 * 2 * 3 * layer_activation_bytes(
+        1, 32, 64, 4, 1, 2, False, True) / 1e11)
+
+
+def test_dp_comm_term_ddp_and_fsdp():
+    f = facts(comm=False, per_layer=10**7)
+    grad = (500 + 4 * 10**7 + 300) * 4
+    buckets = math.ceil(grad / (25 * 2**20))
+    copies = 2 * grad * 2 / 1e11  # into the buckets and back, each read and written
+    slow = hw(intra=Link(1e-5, 1e8))  # a slow link: the all-reduce outlasts the backward
+    e = estimate(f, slow, Layout(1, 4, 1, 1, 1), Training(act_bytes=2))
+    total = buckets * (1e-5 + 2 * 3 / 4 * grad / buckets / 1e8)
+    backward = e.compute * 2 / 3
+    assert total - backward > total / buckets
+    assert e.dp_comm == pytest.approx(total - backward + copies)
+    # a fast link: hidden behind the backward but for the last bucket
+    fast = estimate(f, hw(intra=Link(1e-5, 1e13)), Layout(1, 4, 1, 1, 1), Training(act_bytes=2))
+    assert fast.dp_comm == pytest.approx(1e-5 + 2 * 3 / 4 * grad / buckets / 1e13 + copies)
+    # collectives on the compute's own cores (gloo on a CPU): nothing hidden
+    cpu = estimate(f, hw(intra=Link(1e-5, 1e13), overlap=False), Layout(1, 4, 1, 1, 1), Training(act_bytes=2))
+    assert cpu.dp_comm == pytest.approx(buckets * (1e-5 + 2 * 3 / 4 * grad / buckets / 1e13) + copies)
+    # one bucket (a small model): nothing to overlap, the whole all-reduce waits for the backward
+    small = facts(comm=False)
+    one = estimate(small, slow, Layout(1, 4, 1, 1, 1), Training(act_bytes=2))
+    assert one.dp_comm == pytest.approx(1e-5 + 2 * 3 / 4 * (4800 * 4) / 1e8 + 2 * 4800 * 4 * 2 / 1e11)
+    fs = estimate(f, slow, Layout(1, 4, 1, 1, 1, fsdp=True), Training(act_bytes=2))
+    units = 4 + 1
+    gather = units * (1e-5 + 3 / 4 * grad / units / 1e8)
+    scatter = gather
+    fwd, bwd = e.compute / 3, e.compute * 2 / 3
+    assert fs.dp_comm == pytest.approx(max(gather / units, gather - fwd)
+                                       + max(gather / units, gather + scatter - bwd) + 3 * grad * 2 / 1e11)
+
+
+def test_shared_devices_absorb_the_bubble():
+    f = facts(comm=False)
+    lay = Layout(1, 1, 2, 1, 4)
+    alone = estimate(f, hw(), lay, Training(act_bytes=2))
+    shared = estimate(f, hw(share=2.0), lay, Training(act_bytes=2))
+    assert alone.pp_bubble > 0 and shared.pp_bubble == 0
+    four = estimate(f, hw(share=2.0), Layout(1, 1, 4, 1, 4), Training(act_bytes=2))
+    full = estimate(f, hw(), Layout(1, 1, 4, 1, 4), Training(act_bytes=2))
+    assert four.pp_bubble == pytest.approx(full.pp_bubble * (1 - 1 / 3))
+
+
+def test_optimizer_and_memory_terms():
+    f, h = facts(comm=False), hw()
+    lay = Layout(2, 2, 1, 2, 1)
+    e = estimate(f, h, lay, Training(act_bytes=4))
+    local = 500 // 2 + 4000 // 2 + 300 // 2
+    assert e.optimizer == pytest.approx(2 * STATE_BYTES * local / 1e11)
+    measured = estimate(f, hw(optimizer=5e-9), lay, Training(act_bytes=4))
+    assert measured.optimizer == pytest.approx(5e-9 * local)
+    assert e.memory.state == STATE_BYTES * local
+    assert e.memory.activations == pytest.approx(4 * layer_activation_bytes(2, 32, 64, 4, 2, 4, False, True))
+    assert e.memory.other == pytest.approx(2 * 32 * 256 / 2 * (4 + 4))  # the logits, no autocast copies
+    fs = estimate(f, h, Layout(2, 2, 1, 2, 1, fsdp=True), Training(act_bytes=4))
+    assert fs.memory.state == STATE_BYTES * local / 2
+    assert fs.memory.capacity == pytest.approx(0.9 * 100 * GB)
+
+
+def test_recompute_keeps_layer_inputs_and_pipelines_keep_micro_batches_in_flight():
+    f, h = facts(comm=False), hw()
+    layer = layer_activation_bytes(1, 32, 64, 4, 1, 2, False, True)
+    gpipe_like = estimate(f, h, Layout(1, 1, 2, 1, 4), Training(act_bytes=2))  # 1F1B rank 0: min(m, p) = 2
+    assert gpipe_like.memory.activations == pytest.approx(2 * 2 * layer)
+    rc = estimate(f, h, Layout(1, 1, 2, 1, 4, recompute=True), Training(act_bytes=2))
+    assert rc.memory.activations == pytest.approx(2 * 2 * 32 * 64 * 2 + layer)
+
+
+# -- the enumeration -----------------------------------------------------------------------------------------
+def test_tp_sizes_stay_inside_a_node_and_divide_the_heads():
+    assert tp_sizes(64, 8, 96) == [1, 2, 4, 8]
+    assert tp_sizes(64, 8, 12) == [1, 2, 4]
+    assert tp_sizes(1536, 8, 96) == [1, 2, 4, 8]  # 6 divides 1536 and 96 but not a node of 8
+    assert tp_sizes(12, 4, None) == [1, 2, 4]
+
+
+def test_every_layout_respects_the_rules():
+    f = facts(layers=4, heads=4)
+    space = Space(world=8, gpus_per_node=4, batch=16)
+    seen = list(layouts(f, space))
+    assert seen
+    for lay in seen:
+        assert lay.tp * lay.dp * lay.pp == 8 and 4 % lay.tp == 0 and 4 % lay.tp == 0
+        assert f.layers % lay.pp == 0
+        assert lay.batch == 16
+        assert lay.pp == 1 or lay.microbatches >= lay.pp
+        assert lay.v == 1 or (f.layers % (lay.pp * lay.v) == 0 and lay.microbatches % lay.pp == 0)
+        assert lay.dp > 1 or not lay.fsdp
+        assert lay.tp > 1 or not lay.sp
+        assert lay.micro_batch <= space.max_micro_batch
+    assert {(x.tp, x.pp) for x in seen} == {(1, 1), (1, 2), (1, 4), (2, 1), (2, 2), (2, 4), (4, 1), (4, 2)}
+    # a batch the data-parallel size does not divide: no such layout
+    odd = list(layouts(f, Space(world=8, gpus_per_node=8, batch=2)))
+    assert all(2 % x.dp == 0 for x in odd) and {x.dp for x in odd} <= {1, 2}
+    # per replica: each replica's batch is fixed, so every dp is allowed
+    per = list(layouts(f, Space(world=8, gpus_per_node=8, batch=3, per_replica=True)))
+    assert {x.dp for x in per} >= {8, 4} and all(x.micro_batch * x.microbatches == 3 for x in per)
+
+
+def test_runnable_layouts_are_what_autotp_shard_runs():
+    assert supported(Layout(2, 2, 1, 1, 1, fsdp=True, sp=True))
+    assert not supported(Layout(2, 1, 2, 1, 2, sp=True)) and not supported(Layout(1, 2, 2, 1, 2, fsdp=True))
+    assert not runnable(Layout(1, 1, 1, 1, 1, recompute=True)) and not runnable(Layout(1, 2, 1, 1, 2))
+    f = facts()
+    assert all(runnable(x) for x in layouts(f, Space(world=4, gpus_per_node=4, batch=8, runnable=True)))
+
+
+def test_memory_rejects_with_the_amount_over():
+    f = facts()
+    tiny = hw(memory_bytes=200_000)
+    result = search(f, tiny, Space(world=4, gpus_per_node=4, batch=8))
+    assert result.rejected
+    for r in result.rejected:
+        assert r.over > 0 and "over by" in r.reason and "GiB" in r.reason
+    assert all(e.memory.fits for e in result.ranked)
+    none = search(f, hw(memory_bytes=1), Space(world=4, gpus_per_node=4, batch=8))
+    assert not none.ranked and "no layout fits" in none.notes[0]
+
+
+def test_ranked_by_throughput_and_explained():
+    f = facts()
+    result = search(f, hw(intra=Link(1e-3, 1e8)), Space(world=4, gpus_per_node=4, batch=8))
+    tps = [e.tokens_per_device for e in result.ranked]
+    assert tps == sorted(tps, reverse=True)
+    why = explain(result)
+    assert why and "beats the best" in why[0]
+
+
+def test_slow_links_push_the_choice_away_from_tensor_parallelism():
+    f = facts()
+    fast = search(f, hw(intra=Link(0, 1e15)), Space(world=4, gpus_per_node=4, batch=4)).best
+    slow = search(f, hw(intra=Link(1e-2, 1e6)), Space(world=4, gpus_per_node=4, batch=4)).best
+    assert slow.layout.tp == 1 and slow.step > fast.step
+
+
+# -- facts from a real capture, and the command ----------------------------------------------------------
+def test_facts_of_the_example_gpt():
+    import torch
+
+    from autotp.capture.modelfile import load_model_file
+    from autotp.plan.facts import capture_facts
+
+    mf = load_model_file("examples/nanogpt.py")
+    with torch.device("meta"):
+        net = mf.build()
+    args, kwargs = mf.example_batch()
+    b, s = args[0].shape
+    f = capture_facts(net, args, kwargs, [1, 2, 4], b, s)
+    h, L = f.hidden, f.layers
+    assert (L, h, f.heads, f.vocab, f.seq) == (2, 64, 4, 256, 32)
+    # per sample: 24·s·h² of linears and 4·s²·h of attention per block; the LM head 2·s·h·V
+    assert f.flops[BLOCKS] == L * (24 * s * h * h + 4 * s * s * h)
+    assert f.flops[LAST] == 2 * s * h * 256
+    assert not f.fused_attention and sorted(f.tps) == [1, 2, 4]  # its attention: matmul, softmax, matmul
+    t2 = f.tp(2)
+    fwd = [c for c in t2.comm[BLOCKS] if c.direction == "forward"]
+    assert sum(c.count for c in fwd) == 2 * L and sum(c.elements for c in fwd) == 2 * L * s * h
+    assert t2.params[BLOCKS] < f.tp(1).params[BLOCKS] and math.isclose(t2.flops_split, 1.0)
+
+
+runner = CliRunner()
+
+
+def test_plan_auto_command(tmp_path):
+    out = tmp_path / "auto.json"
+    r = runner.invoke(app, ["plan", "examples/nanogpt.py", "--auto", "--world-size", "4", "--gpu", "a100",
+                            "--top", "3", "--json", str(out)])
+    assert r.exit_code == 0, r.output
+    assert "best:" in r.output and "beats the best" in r.output
+    data = json.loads(out.read_text())
+    assert len(data["ranked"]) == 3 and data["ranked"][0]["layout"]["tp"] * data["ranked"][0]["layout"]["dp"] \
+        * data["ranked"][0]["layout"]["pp"] == 4
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--auto", "--gpu", "a100"], "--world-size"),
+    (["--auto", "--world-size", "4", "--gpu", "a100", "--tp", "2"], "drop --tp"),
+    (["--auto", "--world-size", "4", "--gpu", "tpu9"], "neither a preset"),
+    (["--auto", "--world-size", "0", "--gpu", "a100"], "--world-size must be >= 1"),
+    ([], "give --tp N, or --auto"),
+])
+def test_plan_auto_bad_flags(argv, message):
+    r = runner.invoke(app, ["plan", "examples/nanogpt.py", *argv])
+    assert r.exit_code == 2
+    assert message in " ".join(r.output.split())
+
+
+@pytest.mark.slow
+def test_shard_auto_runs_the_layout_it_chose(tmp_path):
+    """`autotp shard --auto`: the chosen layout is printed before the ranks start, then run and verified."""
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "autotp.cli.main", "shard", "examples/nanogpt.py", "--auto",
+                        "--world-size", "2", "--gpu", "a100", "--steps", "1", "--out", str(tmp_path / "out")],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "--auto: tp" in r.stderr and "predicted" in r.stderr
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    chosen = r.stderr.split("--auto:")[1].split()[:3]  # "tp1", "dp2", "pp1"
+    assert [f"tp{summary['tp']}", f"dp{summary['dp']}"] == [c.split("·")[0] for c in chosen[:2]]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--auto", "--gpu", "a100"], "--auto needs --world-size"),
+    (["--auto", "--world-size", "2", "--tp", "2", "--gpu", "a100"], "drop --tp"),
+    (["--world-size", "2", "--tp", "2"], "go with --auto"),
+    ([], "give --tp N, or --auto"),
+])
+def test_shard_auto_bad_flags(argv, message):
+    r = runner.invoke(app, ["shard", "examples/nanogpt.py", *argv])
+    assert r.exit_code == 2
+    assert message in " ".join(r.output.split())
