@@ -68,3 +68,7 @@ class RankFailedError(AutotpError, RuntimeError):
 class PipelineError(AutotpError, ValueError):
     """The pipeline cannot be arranged as asked: more stages than blocks, a split point that is no block,
     micro-batches that do not divide the batch, a schedule that needs another number of stages per rank."""
+
+
+class PlanCacheError(AutotpError, ValueError):
+    """A plan cache file that is not what autotp wrote: edited, truncated, or of another format."""

@@ -214,11 +214,12 @@ class Planned(NamedTuple):
     names: list[str]  # every parameter name of the model, in its order
     batch_note: str  # says when the default batch was used ("" otherwise)
     pipeline: PipelineReport | None = None  # with --pp > 1
+    cached: Path | None = None  # the plan cache entry read or written
 
 
 def make_report(model: str, tp: int, batch: int | None = None, seq: int | None = None,
                 vocab_multiple: int = 1, sequence_parallel: bool = False, autocast: str | None = None,
-                expert_parallel: bool = False, pipeline: PipelineSpec | None = None) -> Planned:
+                expert_parallel: bool = False, pipeline: PipelineSpec | None = None, cache: bool = True) -> Planned:
     """Load, build on meta, capture, plan, and compute the report; no printing. ``autocast`` ("bf16" or
     "fp16"): capture under ``torch.autocast`` as a training script runs the forward, so the collectives are
     counted in the dtypes that travel then (the parameters are CPU stand-ins for that capture: address
@@ -233,6 +234,20 @@ def make_report(model: str, tp: int, batch: int | None = None, seq: int | None =
         from autotp.parallel.pipeline import check_pipeline  # torch.distributed.pipelining: only when asked for
 
         check_pipeline(pipeline.pp, pipeline.schedule, pipeline.virtual_stages, pipeline.microbatches, b)
+    key = None
+    if cache and pipeline is None:  # a pipeline's report reads the graph itself: it is captured every time
+        from autotp.capture.tracer import meta_call
+        from autotp.plan import cache as plan_cache
+
+        options = {"tp": tp, "vocab_multiple": vocab_multiple, "sequence_parallel": sequence_parallel,
+                   "expert_parallel": expert_parallel, "autocast": autocast}
+        key = plan_cache.plan_key(net, meta_call(net.forward, args, kwargs), options)
+        hit = plan_cache.load(key) if key is not None else None
+        if hit is not None:
+            report = build_report(hit.plan, net.named_parameters(remove_duplicate=False), b, s)
+            _check_sizes(report, {k: tuple(v) for k, v in hit.extra.get("ranges", {}).items()})
+            names = [n for n, _ in net.named_parameters(remove_duplicate=False)]
+            return Planned(hit.plan, report, names, batch_note, None, hit.path)
     # a module-level instance was built before the meta context: capture reads it without computing
     cpu, swap, amp = torch.device("cpu"), None, contextlib.nullcontext()
     if autocast is not None:  # autocast acts on CPU tensors, not on meta ones
@@ -245,12 +260,21 @@ def make_report(model: str, tp: int, batch: int | None = None, seq: int | None =
     plan = make_plan(gm, tp, vocab_multiple, sequence_parallel=sequence_parallel, expert_parallel=expert_parallel,
                      stages=stages)
     report = build_report(plan, net.named_parameters(remove_duplicate=False), b, s)
-    _check_sizes(report, size_ranges(gm))
+    ranges = size_ranges(gm)
+    _check_sizes(report, ranges)
+    stored = None
+    if key is not None:
+        from autotp.plan import cache as plan_cache
+
+        try:
+            stored = plan_cache.store(key, plan, {"ranges": ranges})
+        except OSError:  # a read-only home, a full disk: plan without the cache
+            stored = None
     names = [n for n, _ in net.named_parameters(remove_duplicate=False)]
     # under autocast the blocks' activations are 16-bit, as Korthikanti et al.'s formula counts them
     pipe = None if pipeline is None else pipeline_report(gm, plan, report, pipeline,
                                                          2 if autocast is not None else None)
-    return Planned(plan, report, names, batch_note, pipe)
+    return Planned(plan, report, names, batch_note, pipe, stored)
 
 
 def _check_sizes(report: Report, ranges: dict[str, tuple[int, int | None]]) -> None:
@@ -309,6 +333,8 @@ def plan(
     global_batch: int | None = typer.Option(None, "--global-batch", help="With --auto: sequences per step, "
                                             "all replicas together (default: one example batch per replica)."),
     top: int = typer.Option(10, "--top", help="With --auto: layouts to show."),
+    cache: bool = typer.Option(True, "--cache/--no-cache", help="Reuse the plan made for the same model code, "
+                               "shapes and options (kept in $AUTOTP_CACHE_DIR or ~/.cache/autotp/plans)."),
     debug: bool = DEBUG,
 ) -> None:
     """Show how MODEL_PY would be sharded: rank grid, per-layer plan, memory and communication per step; with
@@ -336,8 +362,8 @@ def plan(
     spec = _pipeline_spec(pp, schedule, virtual_stages, microbatches, split_points, batch, debug,
                           fsdp=fsdp, sequence_parallel=sequence_parallel, expert_parallel=expert_parallel)
     try:
-        the_plan, report, names, batch_note, pipe = make_report(model, tp, batch, seq, vocab_multiple,
-                                                                sequence_parallel, autocast, expert_parallel, spec)
+        the_plan, report, names, batch_note, pipe, cached = make_report(
+            model, tp, batch, seq, vocab_multiple, sequence_parallel, autocast, expert_parallel, spec, cache)
     except PipelineError as exc:  # micro-batches the batch does not divide, more stages than blocks, split points
         abort(_as_flags(str(exc)), debug, code=USAGE_ERROR)
     except (AutotpError, ValueError) as exc:  # a ValueError of the plan names the sizes (experts tp does not divide)  # model file, capture and sharding problems: the user's to fix
@@ -354,6 +380,9 @@ def plan(
 
     console = _console()
     render(console, model, the_plan, report, layout, names, batch_note, fsdp_info, pipe)
+    if cached is not None:
+        Console(stderr=True).print(f"[dim]plan cache: {escape(str(cached))} (--no-cache plans again)[/dim]",
+                                   soft_wrap=True)
     if json_out is not None:
         data = {"plan": the_plan.to_dict(), "layout": layout.groups(),
                 "world": {k: v for k, v in layout.to_dict().items() if k != "groups"},

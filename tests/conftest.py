@@ -30,3 +30,9 @@ def pytest_runtest_protocol(item, nextitem):
         mp.setattr(multiprocessing.process.BaseProcess, "start", refuse)
         mp.setattr(subprocess.Popen, "__init__", refuse)
         yield
+
+
+@pytest.fixture(autouse=True)
+def _own_plan_cache(tmp_path_factory, monkeypatch):
+    """Each test plans into a cache folder of its own: none reads another's plans or the user's."""
+    monkeypatch.setenv("AUTOTP_CACHE_DIR", str(tmp_path_factory.mktemp("plan-cache")))

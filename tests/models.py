@@ -25,11 +25,11 @@ def gpt2(vocab: int = 128) -> tuple[nn.Module, tuple, dict]:
     return model, (), {"input_ids": ids, "labels": ids, "use_cache": False}
 
 
-def llama(vocab: int = 128) -> tuple[nn.Module, tuple, dict]:
+def llama(vocab: int = 128, layers: int = 2) -> tuple[nn.Module, tuple, dict]:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, bos_token_id=0,
                       eos_token_id=0, pad_token_id=0, loss_type="ForCausalLM")
     model = LlamaForCausalLM(cfg)
@@ -41,7 +41,11 @@ def gpt2_real_vocab() -> tuple[nn.Module, tuple, dict]:
     return gpt2(vocab=50257)  # GPT-2's own vocabulary: not divisible by 2 or 4, so it is padded
 
 
-MODELS = {"nanogpt": nanogpt, "gpt2": gpt2, "gpt2_50257": gpt2_real_vocab, "llama": llama}
+def llama_deep() -> tuple[nn.Module, tuple, dict]:
+    return llama(layers=5)  # deep enough that capture exports two blocks and copies them for the other three
+
+
+MODELS = {"nanogpt": nanogpt, "gpt2": gpt2, "gpt2_50257": gpt2_real_vocab, "llama": llama, "llama_deep": llama_deep}
 
 
 def loss_and_logits(out) -> tuple[torch.Tensor, torch.Tensor]:

@@ -8,7 +8,8 @@ from parity_workers import (checkpoint_round_trip, dropout_streams, large_logits
                             replicated_block, training_parity)
 
 # model -> (b, s, h, layers)
-MODELS = {"nanogpt": (4, 32, 64, 2), "gpt2": (4, 16, 64, 2), "gpt2_50257": (4, 16, 64, 2), "llama": (4, 16, 64, 2)}
+MODELS = {"nanogpt": (4, 32, 64, 2), "gpt2": (4, 16, 64, 2), "gpt2_50257": (4, 16, 64, 2), "llama": (4, 16, 64, 2),
+          "llama_deep": (4, 16, 64, 5)}
 TOYS = ["interleaved", "fused_gqa", "fused_mqa", "handwritten"]
 LOSSES = ["nll_sum", "smoothing_none", "ignore_mean"]
 ROUND_TRIPS = {"nanogpt": 2, "gpt2_50257": 4, "llama": 4}
@@ -74,7 +75,7 @@ def test_training_parity(runs, model: str, world: int):
                 assert p["local_shape"][p["dim"]] == v["local"] == -(-v["size"] // world)
             elif name not in replicated_kv:
                 assert r["local_numel"][name] * world == r["full_numel"][name], name
-        if model == "llama" and world == 4:
+        if model.startswith("llama") and world == 4:
             assert len(replicated_kv) == 2 * layers  # k_proj and v_proj: 2 kv heads over 4 ranks
         else:
             assert not replicated_kv

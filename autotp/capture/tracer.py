@@ -37,6 +37,7 @@ from torch.nn.utils.stateless import _reparametrize_module
 from autotp.errors import CaptureError
 from autotp.runtime.gathered import GatheredOnUse
 from autotp.capture.canonical import canonicalize
+from autotp.capture.repeats import Repeats, cut, expand, find_repeats
 from autotp.capture.structure import Spec, flatten, unflatten
 
 _HOOK_DICTS = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called",
@@ -101,19 +102,51 @@ def capture(model: nn.Module, args: tuple, kwargs: dict, *, forward: Callable | 
     """
     forward = forward or type(model).forward.__get__(model)
     source = _model_device(model, params)
-    gm, spec = _export_on(model, forward, args, kwargs, params, source, static)
+    rep = find_repeats(model, meta_call(forward, args, kwargs))
+    gm, spec = _export_blocks(model, forward, args, kwargs, params, source, static, rep)
     if source.type == "meta" and _meta_constants(gm):
         cpu = torch.device("cpu")
         state = {**dict(model.named_parameters(remove_duplicate=False)),
                  **{n: b for n, b in model.named_buffers(remove_duplicate=False) if b.is_meta}, **(params or {})}
         try:
-            gm, spec = _export_on(model, forward, args, kwargs, stand_ins(state, cpu), cpu, static)
+            gm, spec = _export_blocks(model, forward, args, kwargs, stand_ins(state, cpu), cpu, static, rep)
             source = cpu
         except CaptureError:
             pass  # the meta constants are the model's own meta tensor attributes: the meta graph is all there is
     retarget_device(gm, device or source, source)
     canonicalize(gm)
     return gm, spec
+
+
+def meta_call(forward: Callable, args: tuple, kwargs: dict) -> Callable[[], object]:
+    """``forward`` on meta copies of the inputs, rebuilt from their structure on every call as the export's
+    flat forward rebuilds them, so the caller's objects (a cache it passes) are never touched."""
+    tensors, spec = flatten((tuple(args), dict(kwargs)))
+
+    def call() -> object:
+        a, k = unflatten([torch.empty(t.shape, dtype=t.dtype, device="meta") for t in tensors], spec)
+        return forward(*a, **k)
+
+    return call
+
+
+def _export_blocks(model: nn.Module, forward: Callable, args: tuple, kwargs: dict,
+                   params: dict[str, torch.Tensor] | None, device: torch.device, static: bool,
+                   rep: Repeats | None) -> tuple[fx.GraphModule, Spec]:
+    """Export with the blocks cut to ``rep.keep`` and the graph extended to all of them
+    (:mod:`autotp.capture.repeats`); the whole model where ``rep`` is None or the cut graph's blocks are
+    not wired one after another."""
+    if rep is not None:
+        blocks = model.get_submodule(rep.container)
+        gone = tuple(f"{rep.container}.{name}." for name in list(blocks._modules)[rep.keep:])
+        kept = {n: t for n, t in params.items() if not n.startswith(gone)} if params else params
+        with cut(blocks, rep.keep):
+            gm, spec = _export_on(model, forward, args, kwargs, kept, device, static)
+        state = {**dict(model.named_parameters(remove_duplicate=False)),
+                 **dict(model.named_buffers(remove_duplicate=False)), **(params or {})}
+        if expand(gm, rep, state):
+            return gm, spec
+    return _export_on(model, forward, args, kwargs, params, device, static)
 
 
 def _model_device(model: nn.Module, params: dict[str, torch.Tensor] | None) -> torch.device:

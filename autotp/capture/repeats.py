@@ -1,0 +1,341 @@
+"""Capture a deep model at the cost of a shallow one: export a few blocks, copy their graph for the rest.
+
+``torch.export`` costs about the same per op, so a GPT's capture grows with its depth (4 s at 32 Llama-70B
+layers, 10 s at 80 on 2 cores) although blocks 1 … L−1 compute what block 1 computes with their own
+weights. Here:
+
+1. A cheap eager run on the meta device (no export, no symbolic shapes) records, for every child of the
+   model's longest module list, the ops it runs: each op with its arguments' shapes, dtypes and Python
+   values, and the block's own parameter and buffer shapes. Blocks with the same record are one *kind*;
+   the kinds come from what the blocks do, never from their names or classes (a dense first block, MoE
+   every other block, alternating local and global attention are kinds of their own).
+2. The model is exported with its list cut to the first blocks that hold, for every kind found after the
+   first block, one instance that follows another block: ``keep`` blocks, 2 for identical blocks.
+3. The graph is extended to all L blocks: block i is a copy of its kind's captured block, reading block i's
+   own parameters and buffers, its one input from block i − 1 and everything else from the code before the
+   blocks, exactly as the captured block does.
+
+It is used only where it is safe, and the full export runs otherwise: the meta run must succeed (no data-
+dependent Python on tensor values), every block must be called once, in order, with no code between two
+blocks; the cut model must run the same ops before and after its blocks as the whole one; and in the
+cut graph each block must read one value of the block before it and hand one value on.
+"""
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+import torch.utils._pytree as pytree
+from torch.nn.utils.stateless import _reparametrize_module
+from torch.utils._python_dispatch import TorchDispatchMode
+
+MIN_BLOCKS = 3  # a list shorter than this is captured whole
+
+
+@dataclass(frozen=True)
+class Repeats:
+    container: str  # the module list's path in the model
+    kinds: tuple[int, ...]  # each block's kind
+    keep: int  # blocks 0 … keep − 1 are exported
+    template: tuple[int, ...]  # per kind: the exported block copied for it (-1: none after the first)
+
+
+def _container(model: nn.Module) -> tuple[str, nn.Module] | None:
+    """The longest ModuleList / Sequential of the model (the transformer blocks), if it is long enough."""
+    best = None
+    for name, m in model.named_modules():
+        if isinstance(m, (nn.ModuleList, nn.Sequential)) and len(m) >= MIN_BLOCKS:
+            if best is None or len(m) > len(best[1]):
+                best = (name, m)
+    return best
+
+
+def _describe(x: object, names: dict[int, str], prefix: str) -> object:
+    """An op argument as plain data: a parameter or buffer by its name (inside a block, relative to it), another
+    tensor by shape and dtype, a Python value as itself."""
+    if isinstance(x, torch.Tensor):
+        name = names.get(id(x))
+        if name is not None:
+            return ("P", name[len(prefix):] if prefix and name.startswith(prefix) else name)
+        return ("T", tuple(int(s) for s in x.shape), tuple(int(s) for s in x.stride()), x.dtype, x.device.type,
+                x.requires_grad)
+    if isinstance(x, (list, tuple)):
+        return tuple(_describe(y, names, prefix) for y in x)
+    if isinstance(x, dict):
+        return tuple((k, _describe(v, names, prefix)) for k, v in sorted(x.items(), key=lambda kv: str(kv[0])))
+    if isinstance(x, torch.device):
+        return ("device",)  # meta here, the capture's device there: the same program
+    if isinstance(x, (int, float, bool, str, type(None), torch.dtype, torch.memory_format, torch.layout)):
+        return x
+    return type(x).__name__
+
+
+@dataclass(frozen=True)
+class _Out:  # not a NamedTuple: pytree would open it
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+
+
+def _all_meta(out: object) -> bool:
+    leaves = pytree.tree_leaves(out)
+    return all(isinstance(x, torch.Tensor) and x.is_meta and not x.requires_grad for x in leaves) and bool(leaves)
+
+
+class _Recorder(TorchDispatchMode):
+    """Every op's record, filed under the block running it (None: the code around the blocks)."""
+
+    def __init__(self, path: str = "") -> None:
+        super().__init__()
+        self.path = path
+        self.names: dict[int, str] = {}
+        self.block: int | None = None
+        self.calls: list[int] = []
+        self.segments: list[tuple[int | None, list]] = [(None, [])]
+        # an op's meta outputs by its record: the blocks after the first of a kind repeat its ops exactly,
+        # and meta kernels cost far more than making empty tensors of the recorded shapes
+        self.memo: dict[tuple, object] = {}
+
+    def enter(self, i: int) -> None:
+        self.block = i
+        self.calls.append(i)
+        self.segments.append((i, []))
+
+    def leave(self) -> None:
+        self.block = None
+        self.segments.append((None, []))
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        prefix = f"{self.path}.{self.block}." if self.block is not None else ""
+        record = (func, _describe(args, self.names, prefix), _describe(kwargs or {}, self.names, prefix))
+        self.segments[-1][1].append(record)
+        made = self.memo.get(record)
+        if made is not None:
+            return pytree.tree_map(lambda t: torch.empty_strided(t.shape, t.stride, dtype=t.dtype, device="meta")
+                                   if isinstance(t, _Out) else t, made)
+        out = func(*args, **(kwargs or {}))
+        if not func.is_view and not func._schema.is_mutable and _all_meta(out):
+            self.memo[record] = pytree.tree_map(
+                lambda t: _Out(tuple(t.shape), tuple(t.stride()), t.dtype) if isinstance(t, torch.Tensor) else t, out)
+        return out
+
+
+@contextlib.contextmanager
+def _on_meta(model: nn.Module, names: dict[int, str]) -> Iterator[None]:
+    """The model's parameters and buffers as meta tensors for the duration; ``names`` gets each one's name
+    (a tied weight's first) by the meta tensor's id."""
+    state = {**dict(model.named_parameters(remove_duplicate=False)), **dict(model.named_buffers(remove_duplicate=False))}
+    made: dict[int, torch.Tensor] = {}
+    meta = {}
+    for name, t in state.items():
+        if id(t) not in made:
+            m = torch.empty(t.shape, dtype=t.dtype, device="meta")
+            made[id(t)] = nn.Parameter(m, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else m
+            names[id(made[id(t)])] = name
+        meta[name] = made[id(t)]
+    with _reparametrize_module(model, meta):
+        yield
+
+
+def _record(model: nn.Module, blocks: nn.Module | None, run: Callable[[], object], path: str = "") -> _Recorder | None:
+    """The meta run's record, or None where it cannot run on meta (a value read into Python)."""
+    rec = _Recorder(path)
+    handles = []
+    for i, block in enumerate(blocks if blocks is not None else ()):
+        handles.append(block.register_forward_pre_hook(lambda m, a, i=i: rec.enter(i)))
+        handles.append(block.register_forward_hook(lambda m, a, o: rec.leave()))
+    training = [m.training for m in model.modules()]
+    try:
+        with torch.no_grad(), _on_meta(model, rec.names), rec:
+            run()
+    except Exception:  # noqa: BLE001 - anything the meta run cannot do: capture the whole model instead
+        return None
+    finally:
+        for h in handles:
+            h.remove()
+        for m, t in zip(model.modules(), training):
+            m.training = t
+    return rec
+
+
+def _signature(block: nn.Module) -> tuple:
+    return tuple((n, tuple(t.shape), t.dtype, t.requires_grad)
+                 for n, t in [*block.named_parameters(remove_duplicate=False), *block.named_buffers()])
+
+
+def _split(rec: _Recorder, n: int) -> tuple[list, list[list], list, bool] | None:
+    """(ops before the blocks, each block's ops, ops after them, whether nothing runs between two blocks)."""
+    if rec.calls != list(range(n)):
+        return None
+    segs = [s for s in rec.segments if s[1] or s[0] is not None]
+    if not segs:
+        return None
+    before = segs[0][1] if segs[0][0] is None else []
+    rest = segs[1:] if segs[0][0] is None else segs
+    blocks = [ops for b, ops in rest if b is not None]
+    between = [ops for b, ops in rest if b is None]
+    after = between[-1] if between and rest[-1][0] is None else []
+    gaps = between[:-1] if between and rest[-1][0] is None else between
+    return before, blocks, after, not any(gaps)
+
+
+@contextlib.contextmanager
+def cut(blocks: nn.Module, keep: int) -> Iterator[None]:
+    """The module list holds its first ``keep`` blocks for the duration (the same object, so code that holds
+    it or slices it sees the cut)."""
+    saved = dict(blocks._modules)
+    try:
+        blocks._modules = type(saved)((k, v) for i, (k, v) in enumerate(saved.items()) if i < keep)
+        yield
+    finally:
+        blocks._modules = saved
+
+
+def find_repeats(model: nn.Module, run: Callable[[], object]) -> Repeats | None:
+    """The blocks to export and copy, or None: capture the whole model (see the module doc for when)."""
+    found = _container(model)
+    if found is None:
+        return None
+    path, blocks = found
+    n = len(blocks)
+    rec = _record(model, blocks, run, path)
+    whole = _split(rec, n) if rec is not None else None
+    if whole is None or not whole[3]:
+        return None
+    before, ops, after, _ = whole
+    keys: dict[tuple, int] = {}
+    kinds = []
+    for i, block in enumerate(blocks):
+        key = (_signature(block), tuple(ops[i]))
+        kinds.append(keys.setdefault(key, len(keys)))
+    template = [-1] * len(keys)
+    for i in range(1, n):
+        if template[kinds[i]] < 0:
+            template[kinds[i]] = i
+    keep = max(template) + 1
+    if keep >= n:
+        return None
+    with cut(blocks, keep):
+        rec_cut = _record(model, blocks, run, path)
+    short = _split(rec_cut, keep) if rec_cut is not None else None
+    if short is None or short[0] != before or short[2] != after or short[1] != ops[:keep]:
+        return None  # the code around the blocks depends on how many there are
+    return Repeats(path, tuple(kinds), keep, tuple(template))
+
+
+def program(model: nn.Module, run: Callable[[], object]) -> str | None:
+    """What the forward computes, as text: every op it runs on meta, in order, with its arguments (parameters
+    and buffers by name, other tensors by shape and dtype, Python values as themselves). Two calls with the
+    same text capture to the same graph; None where the forward cannot run on meta."""
+    rec = _record(model, None, run)
+    if rec is None:
+        return None
+    return repr([(str(f), a, k) for _, ops in rec.segments for f, a, k in ops])
+
+
+# -- the graph ---------------------------------------------------------------------------------------------
+def _block_of(node: fx.Node, path: str, n: int) -> int | None:
+    prefix = path + "."
+    if node.op == "get_attr":
+        rest = node.target[len(prefix):] if node.target.startswith(prefix) else None
+    else:
+        rest = None
+        for fqn, _ in (node.meta.get("nn_module_stack") or {}).values():
+            if fqn.startswith(prefix):
+                rest = fqn[len(prefix):]
+                break
+    if rest is None:
+        return None
+    head = rest.split(".", 1)[0]
+    return int(head) if head.isdigit() and int(head) < n else None
+
+
+def _renamed(meta: dict, old: str, new: str) -> dict:
+    """A copied node's meta: block ``old``'s module paths as block ``new``'s."""
+    out = dict(meta)
+    stack = meta.get("nn_module_stack")
+    if stack:
+        def swap(fqn: str) -> str:
+            return new + fqn[len(old):] if fqn == old or fqn.startswith(old + ".") else fqn
+
+        out["nn_module_stack"] = {(k.replace(fqn, swap(fqn)) if fqn in k else k): (swap(fqn), cls)
+                                  for k, (fqn, cls) in stack.items()}
+    return out
+
+
+def _set_attr(gm: fx.GraphModule, target: str, value: torch.Tensor, as_param: bool) -> None:
+    *parents, leaf = target.split(".")
+    mod: nn.Module = gm
+    for p in parents:
+        child = getattr(mod, p, None)
+        if child is None:
+            child = nn.Module()
+            mod.add_module(p, child)
+        mod = child
+    if as_param:
+        mod.register_parameter(leaf, value if isinstance(value, nn.Parameter) else nn.Parameter(value, value.requires_grad))
+    else:
+        mod.register_buffer(leaf, value)
+
+
+def expand(gm: fx.GraphModule, rep: Repeats, state: dict[str, torch.Tensor]) -> bool:
+    """Extend ``gm`` (exported with ``rep.keep`` blocks) to all of them, in place; False (and ``gm``
+    untouched) where its blocks are not wired one after another (see the module doc)."""
+    path, keep, n = rep.container, rep.keep, len(rep.kinds)
+    graph = gm.graph
+    member = {node: _block_of(node, path, keep) for node in graph.nodes}
+    body: list[list[fx.Node]] = [[] for _ in range(keep)]
+    for node in graph.nodes:
+        b = member[node]
+        if b is not None and node.op != "get_attr":
+            body[b].append(node)
+    if any(not nodes for nodes in body):
+        return False
+    order = {node: i for i, node in enumerate(graph.nodes)}
+    first, last = order[body[0][0]], order[body[-1][-1]]
+    if any(member[nd] is None and nd.op not in ("get_attr", "placeholder") and first < order[nd] < last
+           for nd in graph.nodes):
+        return False  # code between blocks
+    outs, carry = [], []
+    for b in range(keep):
+        inside = set(body[b])
+        o = [nd for nd in body[b] if any(u not in inside for u in nd.users)]
+        ins = {a for nd in body[b] for a in nd.all_input_nodes if a not in inside and a.op != "get_attr"}
+        from_prev = [a for a in ins if member[a] is not None]
+        if len(o) != 1 or any(member[a] != b - 1 for a in from_prev) or len(from_prev) != (b > 0):
+            return False
+        outs.append(o[0])
+        carry.append(from_prev[0] if from_prev else None)
+    if any(carry[b] is not outs[b - 1] for b in range(1, keep)):
+        return False
+    tail_users = [u for u in outs[-1].users if member[u] is None]
+
+    params = {name for name, _ in gm.named_parameters(remove_duplicate=False)}
+    top = next(iter(graph.nodes))
+    cursor, prev = body[-1][-1], outs[-1]
+    for i in range(keep, n):
+        t = rep.template[rep.kinds[i]]
+        old, new = f"{path}.{t}", f"{path}.{i}"
+        env: dict[fx.Node, fx.Node] = {carry[t]: prev}
+        for nd in body[t]:
+            for a in nd.all_input_nodes:
+                if a.op == "get_attr" and a not in env and member[a] == t:
+                    target = new + a.target[len(old):]
+                    _set_attr(gm, target, state[target], a.target in params)
+                    with graph.inserting_before(top):
+                        env[a] = graph.get_attr(target)
+                    env[a].meta = dict(a.meta)
+            with graph.inserting_after(cursor):
+                copy = graph.node_copy(nd, lambda a: env.get(a, a))
+            copy.meta = _renamed(nd.meta, old, new)
+            env[nd] = cursor = copy
+        prev = env[outs[t]]
+    for u in tail_users:
+        u.replace_input_with(outs[-1], prev)
+    graph.lint()
+    gm.recompile()
+    return True

@@ -1,0 +1,96 @@
+"""The plan cache: a second `autotp plan` of the same model, shapes and options reads the plan instead of
+capturing; any change to them misses; a changed file is refused."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+import autotp.capture.tracer as tracer
+from autotp.capture.modelfile import load_model_file
+from autotp.capture.tracer import meta_call
+from autotp.cli import plan as cli_plan
+from autotp.cli.main import app
+from autotp.errors import PlanCacheError
+from autotp.plan import cache
+from autotp.plan.planner import make_plan
+
+runner = CliRunner()
+
+
+def _net_and_call(batch=None):
+    mf = load_model_file("examples/nanogpt.py")
+    with torch.device("meta"):
+        net = mf.build()
+    args, kwargs = mf.example_batch()
+    if batch is not None:
+        args = tuple(a[:batch] for a in args)
+    return net, meta_call(net.forward, args, kwargs)
+
+
+def test_the_key_follows_code_shapes_and_options():
+    net, call = _net_and_call()
+    base = cache.plan_key(net, call, {"tp": 2})
+    assert base == cache.plan_key(net, call, {"tp": 2})  # stable
+    assert base != cache.plan_key(net, call, {"tp": 4})  # tp
+    assert base != cache.plan_key(net, call, {"tp": 2, "sequence_parallel": True})  # an option
+    net2, call2 = _net_and_call(batch=2)
+    assert base != cache.plan_key(net2, call2, {"tp": 2})  # the input's shape
+    block = net.transformer.h[0].mlp
+    old = type(block).forward
+
+    def changed(self, x):  # the same module, other code: a different program
+        return old(self, x) * 2
+    type(block).forward = changed
+    try:
+        assert base != cache.plan_key(net, call, {"tp": 2})
+    finally:
+        type(block).forward = old
+    assert base == cache.plan_key(net, call, {"tp": 2})
+
+
+def test_round_trip_and_a_changed_file_is_refused(tmp_path):
+    net, call = _net_and_call()
+    gm = tracer.capture(net, *load_model_file("examples/nanogpt.py").example_batch(), device=torch.device("cpu"))[0]
+    plan = make_plan(gm, 2)
+    key = cache.plan_key(net, call, {"tp": 2})
+    path = cache.store(key, plan, {"ranges": {"s0": [2, 64]}}, tmp_path)
+    hit = cache.load(key, tmp_path)
+    assert hit.plan == plan and hit.extra == {"ranges": {"s0": [2, 64]}}
+    assert cache.load("0" * 64, tmp_path) is None
+    data = json.loads(path.read_text())
+    data["body"]["plan"]["tp"] = 4  # edited by hand
+    path.write_text(json.dumps(data))
+    with pytest.raises(PlanCacheError, match="changed after autotp wrote it"):
+        cache.load(key, tmp_path)
+    path.write_text("{not json")
+    with pytest.raises(PlanCacheError, match="unreadable"):
+        cache.load(key, tmp_path)
+
+
+def test_autotp_plan_reads_the_cache_the_second_time(monkeypatch):
+    first = runner.invoke(app, ["plan", "examples/nanogpt.py", "--tp", "2"])
+    assert first.exit_code == 0, first.output
+
+    def no_capture(*a, **k):
+        raise AssertionError("captured although the plan is cached")
+
+    monkeypatch.setattr(cli_plan, "capture", no_capture)
+    second = runner.invoke(app, ["plan", "examples/nanogpt.py", "--tp", "2"])
+    assert second.exit_code == 0, second.output
+    assert second.output.split("plan cache:")[0] == first.output.split("plan cache:")[0]  # the same tables
+    # another tp, another option, or --no-cache: planned again
+    for argv in (["--tp", "4"], ["--tp", "2", "--sequence-parallel"], ["--tp", "2", "--no-cache"]):
+        r = runner.invoke(app, ["plan", "examples/nanogpt.py", *argv])
+        assert r.exit_code == 1 and "captured although" in str(r.exception), argv
+
+
+def test_autotp_plan_refuses_a_changed_cache_file():
+    assert runner.invoke(app, ["plan", "examples/nanogpt.py", "--tp", "2"]).exit_code == 0
+    [entry] = list(cache.cache_dir().glob("*.json"))
+    entry.write_text(entry.read_text().replace('"tp": 2', '"tp": 3', 1))
+    r = runner.invoke(app, ["plan", "examples/nanogpt.py", "--tp", "2"])
+    assert r.exit_code == 2
+    assert "was changed after autotp wrote it" in " ".join(r.output.split()) and entry.name in r.output
