@@ -48,7 +48,6 @@ from autotp.cli.run import (BIND_CORES, DEBUG, DEVICE, DP, FSDP, HSDP, MASTER_AD
 from autotp.cli.shard_worker import PARITY_TOL, ShardJob, ShardReport, _size, shard_worker
 from autotp.io.ckpt_io import check_resumable
 from autotp.errors import AutotpError, CaptureError, PipelineError
-from autotp.parallel.pipeline import check_pipeline
 from autotp.plan.stages import StageRequest
 from autotp.distributed.launch import RankFailedError, launch
 from autotp.capture.modelfile import (DEFAULT_BATCH_SHAPE, ModelFile, ModelFileError, default_example,
@@ -295,6 +294,8 @@ def shard(
         abort(f"--pp with {', '.join(used)} is not supported yet", debug, code=USAGE_ERROR)
     stages = None
     if pp > 1:
+        from autotp.parallel.pipeline import check_pipeline  # torch.distributed.pipelining: only with --pp
+
         try:
             schedule, v = check_pipeline(pp, schedule, virtual_stages, microbatches or pp)
         except AutotpError as exc:
