@@ -3,16 +3,18 @@
     python benchmarks/startup.py [--layers 2,8,32,80] [--tp 8] [--repeats 1] [--out benchmarks/results/startup]
 
 The model is the 70B-wide Llama-shaped decoder (``benchmarks/llama_depth.py``: hidden 8192, 64 heads, 8 kv
-heads, SwiGLU 28672, vocab 32000) with L layers, built on meta and captured on (1, 2048) token ids. Today
-every block is traced, analysed and rewritten again, so every phase but the imports grows with L; the
-numbers are the baseline for capturing each distinct block once. Per L, each in a fresh process (cold
+heads, SwiGLU 28672, vocab 32000) with L layers, built on meta and captured on (1, 2048) token ids. Capture
+exports the first blocks of each kind and copies them (``autotp/capture/repeats.py``); analysis, the
+passes and the tables still visit every block. ``PYTHONPATH`` at an older checkout measures it instead
+(``--note`` says so in the results). Per L, each in a fresh process (cold
 imports; the OS file cache is warmed once before the first so the first row is not the only cold one):
 
 - ``plan`` worker: what ``autotp plan`` runs (cli/plan.py ``make_report`` and ``render``), phase by phase:
   import torch / autotp / autotp.cli.main, build, capture, analysis (find_units, analyze, analyze_vocab),
   plan (the rest of make_plan), report (build_report and the size check), render (tables to a 160-column
   StringIO console).
-- ``cli``: the wall of ``AUTOTP_BENCH_LAYERS=L autotp plan benchmarks/llama_depth.py --tp T`` itself.
+- ``cli``: the wall of ``AUTOTP_BENCH_LAYERS=L autotp plan benchmarks/llama_depth.py --tp T`` itself, and
+  of the same command again with the plan it saved (warm cache).
 - ``parallelize`` worker: the single-process part of ``autotp.parallelize`` (``_build``): capture with meta
   stand-ins, plan, the rewrite passes; sharding the weights needs a process group of T ranks and is left out.
 
@@ -136,13 +138,13 @@ def worker(kind: str, layers: int, tp: int) -> dict:
 
 
 # -- driver ----------------------------------------------------------------------------------------------
-def _spawn(cmd: list[str], env: dict | None = None) -> dict:
+def _spawn(cmd: list[str], env: dict | None = None, cache: str | None = None) -> dict:
     """Run ``cmd`` to completion: its wall, peak RSS (MiB) and stdout. Output goes to files, not pipes,
-    so an 80-layer table cannot fill a pipe while we wait on the process."""
+    so an 80-layer table cannot fill a pipe while we wait on the process. ``cache``: the plan cache folder
+    (default: an empty one, start-up without a plan saved by an earlier run or by the user)."""
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err, \
-            tempfile.TemporaryDirectory() as cache:
-        # an empty plan cache each time: start-up without a plan saved by an earlier run (or by the user)
-        env = {**os.environ, **(env or {}), "AUTOTP_CACHE_DIR": cache}
+            tempfile.TemporaryDirectory() as empty:
+        env = {**os.environ, **(env or {}), "AUTOTP_CACHE_DIR": cache or empty}
         start = time.perf_counter()
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=err)
         _, status, usage = os.wait4(proc.pid, 0)
@@ -162,8 +164,11 @@ def measure(layers: int, tp: int) -> dict:
         row[kind] = {**json.loads(run["stdout"].strip().splitlines()[-1]), "wall_s": run["wall_s"],
                      "rss_mib": run["rss_mib"]}
     cli = str(Path(sys.executable).with_name("autotp"))
-    run = _spawn([cli, "plan", MODEL_FILE, "--tp", str(tp)], env={"AUTOTP_BENCH_LAYERS": str(layers)})
-    row["cli"] = {"wall_s": run["wall_s"], "rss_mib": run["rss_mib"]}
+    with tempfile.TemporaryDirectory() as cache:  # the second run reads the plan the first one saved
+        cmd, env = [cli, "plan", MODEL_FILE, "--tp", str(tp)], {"AUTOTP_BENCH_LAYERS": str(layers)}
+        run = _spawn(cmd, env, cache)
+        warm = _spawn(cmd, env, cache)
+    row["cli"] = {"wall_s": run["wall_s"], "rss_mib": run["rss_mib"], "warm_s": warm["wall_s"]}
     return row
 
 
@@ -173,14 +178,15 @@ def _median(runs: list[dict], kind: str, key: str) -> float:
 
 
 def tables(results: dict) -> tuple[list[str], list[list[str]], list[str], list[list[str]]]:
-    plan_head = ["L", *PLAN_PHASES, "sum", "worker wall", "RSS MiB", "CLI wall", "CLI RSS MiB"]
+    plan_head = ["L", *PLAN_PHASES, "sum", "worker wall", "RSS MiB", "CLI wall", "CLI RSS MiB", "CLI warm cache"]
     par_head = ["L", *PAR_PHASES, "sum", "worker wall", "RSS MiB"]
     plan_rows, par_rows = [], []
     for layers, runs in results.items():
         p = [_median(runs, "plan", k) for k in PLAN_PHASES]
         plan_rows.append([str(layers), *(f"{x:.2f}" for x in p), f"{sum(p):.2f}",
                           f"{_median(runs, 'plan', 'wall_s'):.2f}", f"{_median(runs, 'plan', 'rss_mib'):.0f}",
-                          f"{_median(runs, 'cli', 'wall_s'):.2f}", f"{_median(runs, 'cli', 'rss_mib'):.0f}"])
+                          f"{_median(runs, 'cli', 'wall_s'):.2f}", f"{_median(runs, 'cli', 'rss_mib'):.0f}",
+                          f"{_median(runs, 'cli', 'warm_s'):.2f}" if all("warm_s" in r["cli"] for r in runs) else "-"])
         q = [_median(runs, "parallelize", k) for k in PAR_PHASES]
         par_rows.append([str(layers), *(f"{x:.2f}" for x in q), f"{sum(q):.2f}",
                          f"{_median(runs, 'parallelize', 'wall_s'):.2f}",
