@@ -108,6 +108,7 @@ def analyze(gm: fx.GraphModule, tp: int) -> Analysis:
         weight_uses[m.key] = weight_uses.get(m.key, 0) + 1
     # attention first: its output projection's pair is the one to keep where a low-rank projection (DeepSeek's
     # q_a -> q_b) could otherwise pair with the up-projection that attention reads
+    order = _order(gm)  # once: a graph walk per pair would make a deep model's analysis quadratic
     for row in sorted(matmuls, key=lambda m: not _after_attention(m, by_node.keys() | embeddings.keys())):
         cols = feed[row.x] | ({row.x} if row.x in by_node else frozenset())
         # a matmul that feeds another candidate's input is no column of this pair (a column's input is whole):
@@ -117,7 +118,7 @@ def analyze(gm: fx.GraphModule, tp: int) -> Analysis:
         # by its feature columns like v), never starts one (the token embedding before the first block)
         if not cols - set(embeddings) or row.node in assigned or cols & assigned:
             continue
-        columns = [by_node.get(c) or embeddings[c] for c in sorted(cols, key=_order(gm))]
+        columns = [by_node.get(c) or embeddings[c] for c in sorted(cols, key=order)]
         name = common_module([c.module for c in columns if c.kind != "embedding"] + [row.module]) or row.module \
             or "<root>"
         shared = [m.weight for m in [*columns, row] if weight_uses[m.key] > 1]

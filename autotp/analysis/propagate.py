@@ -44,7 +44,6 @@ class Propagator(ShapeRules, ValueRules):
         self.tp = tp
         self.where = where  # the region's name, for errors
         self.region = Region()
-        self._kinds: dict[str, str] | None = None
         self._broadcast: frozenset[fx.Node] = frozenset()  # operands of the node being visited read as replicated
 
     # -- public interface ------------------------------------------------------------------------
@@ -201,15 +200,17 @@ class Propagator(ShapeRules, ValueRules):
         return None
 
     def _state(self, x: fx.Node) -> str | None:
-        """"parameter" or "buffer" for a module tensor read by ``x`` (names looked up once per region)."""
-        if x.op != "get_attr":
+        """"parameter" or "buffer" for a module tensor read by ``x``: looked up in its own module, not by
+        listing the graph's (which would cost every region the whole model's names)."""
+        gm = x.graph.owning_module if x.op == "get_attr" else None
+        if gm is None:
             return None
-        if self._kinds is None:
-            gm = x.graph.owning_module
-            self._kinds = {} if gm is None else {
-                **{n: "buffer" for n, _ in gm.named_buffers(remove_duplicate=False)},
-                **{n: "parameter" for n, _ in gm.named_parameters(remove_duplicate=False)}}
-        return self._kinds.get(x.target)
+        path, _, leaf = x.target.rpartition(".")
+        try:
+            mod = gm.get_submodule(path) if path else gm
+        except AttributeError:
+            return None
+        return "parameter" if leaf in mod._parameters else "buffer" if leaf in mod._buffers else None
 
     def _parameter(self, x: fx.Node) -> str | None:
         return x.target if self._state(x) == "parameter" else None

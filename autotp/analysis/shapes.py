@@ -18,6 +18,7 @@ class Fingerprinter:
 
     def __init__(self) -> None:
         self._sym: dict[sympy.Symbol, int] = {}
+        self._sizes: dict[sympy.Expr, int] = {}  # a deep graph asks for the same few sizes thousands of times
 
     def size(self, s: int | torch.SymInt) -> int:
         if isinstance(s, int):
@@ -25,12 +26,16 @@ class Fingerprinter:
         expr = s.node.expr
         if isinstance(expr, sympy.Integer):
             return int(expr)
+        known = self._sizes.get(expr)
+        if known is not None:
+            return known
         subs = {}
         for sym in sorted(expr.free_symbols, key=str):
             if sym not in self._sym:
                 self._sym[sym] = _PRIMES[len(self._sym) % len(_PRIMES)] + 2 * (len(self._sym) // len(_PRIMES))
             subs[sym] = self._sym[sym]
-        return int(expr.subs(subs))
+        self._sizes[expr] = value = int(expr.subs(subs))
+        return value
 
     def shape(self, node: fx.Node | torch.Tensor) -> list[int]:
         val = node.meta["val"] if isinstance(node, fx.Node) else node

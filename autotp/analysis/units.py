@@ -52,14 +52,21 @@ def _parent(path: str) -> str:
     return path.rsplit(".", 1)[0] if "." in path else ""
 
 
-def _owned(path: str, names: list[str]) -> list[str]:
-    return [n for n in names if n.startswith(path + ".")]
+def _owners(names: list[str]) -> dict[str, list[str]]:
+    """Every module path -> the parameter names under it, in ``names``' order (one pass, not one per path)."""
+    out: dict[str, list[str]] = defaultdict(list)
+    for n in names:
+        parts = n.split(".")
+        for i in range(1, len(parts)):
+            out[".".join(parts[:i])].append(n)
+    return out
 
 
 def find_units(gm: fx.GraphModule) -> tuple[UnitFacts, ...]:
     """The repeated blocks of ``gm`` in graph order; () when nothing repeats."""
     shapes = {n: tuple(p.shape) for n, p in gm.named_parameters(remove_duplicate=False)}
     names = sorted(shapes)
+    owners = _owners(names)
     called = called_modules(gm)
     children: dict[str, list[str]] = defaultdict(list)
     for path in called:
@@ -68,7 +75,7 @@ def find_units(gm: fx.GraphModule) -> tuple[UnitFacts, ...]:
     for parent, kids in children.items():
         by_signature: dict[tuple, list[str]] = defaultdict(list)
         for kid in kids:
-            owned = _owned(kid, names)
+            owned = owners.get(kid, [])
             # a block holds several layers (attention, MLP, norms): a lone Linear or norm repeated is no block
             if len({n.rpartition(".")[0] for n in owned}) > 1:
                 by_signature[tuple((n[len(kid):], shapes[n]) for n in owned)].append(kid)
@@ -84,9 +91,9 @@ def find_units(gm: fx.GraphModule) -> tuple[UnitFacts, ...]:
         return ()
     parent, repeated = best[2], best[3]
     indexed = all(k.rsplit(".", 1)[-1].isdigit() for k in repeated)
-    kids = [k for k in children[parent] if _owned(k, names) and (k in repeated or indexed and k.rsplit(".", 1)[-1].isdigit())]
+    kids = [k for k in children[parent] if owners.get(k, []) and (k in repeated or indexed and k.rsplit(".", 1)[-1].isdigit())]
     tied = _tied_outside(gm, kids)
-    blocks = tuple(UnitFacts(kid, tuple(_owned(kid, names))) for kid in kids if kid not in tied)
+    blocks = tuple(UnitFacts(kid, tuple(owners.get(kid, []))) for kid in kids if kid not in tied)
     return _with_edges(gm, blocks) if blocks else blocks
 
 
