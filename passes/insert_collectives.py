@@ -186,7 +186,8 @@ def _fuse(gm: fx.GraphModule, prefix: str, module: nn.Module, x: fx.Node, column
     """Replace ``columns`` by one call of ``module`` (a column group, added as ``{prefix}_{i}``) on ``x`` and
     their weights and biases; each column becomes the group's i-th output under its own name (the plan
     names an LM head's logits)."""
-    target = f"{prefix}_{sum(isinstance(m, type(module)) for m in gm.modules())}"
+    # groups are added at the top level: counting them there, not over every module of a deep model
+    target = f"{prefix}_{sum(isinstance(m, type(module)) for m in gm.children())}"
     gm.add_submodule(target, module)
     operands = [a for _, w, b in forms for a in (w, b)]
     with gm.graph.inserting_before(min(columns, key=_position(gm))):
