@@ -17,7 +17,7 @@ from rich.table import Table
 from autotp.capture.modelfile import load_model_file, planning_batch
 from autotp.cli.plan_format import fmt_size
 from autotp.plan.auto import Search, Space, explain, search, supported, tp_sizes
-from autotp.plan.cost import Estimate, Training
+from autotp.plan.cost import RESERVED, Training
 from autotp.plan.facts import ModelFacts, capture_facts
 from autotp.plan.hardware import PRESETS, Hardware, resolve
 
@@ -63,8 +63,8 @@ def run_search(model: str, world: int, gpus_per_node: int | None, hw: Hardware, 
         net = mf.build()
     args, kwargs, b, s, _ = planning_batch(mf, net, batch, seq)
     g = gpus_per_node or min(world, hw.gpus_per_node)
-    heads_guess = None  # the heads are read from the graph; plan every size a node allows and let them filter
-    facts = capture_facts(net, args, kwargs, tp_sizes(world, g, heads_guess), b, s)
+    # every size a node allows: the heads are read from the graph, and the search keeps the sizes they allow
+    facts = capture_facts(net, args, kwargs, tp_sizes(world, g, None), b, s)
     per_replica = global_batch is None
     space = Space(world, g, global_batch or b, max_micro_batch=max_micro_batch, runnable=runnable,
                   per_replica=per_replica)
@@ -109,7 +109,7 @@ def rejected_table(auto: Auto, top: int = 5) -> Table | None:
     if not rejected:
         return None
     table = Table(title=f"{len(rejected)} of {auto.result.considered} layouts do not fit "
-                        f"{_gib((1 - 0.1) * auto.hardware.memory_bytes)} per device (the closest):")
+                        f"{_gib((1 - RESERVED) * auto.hardware.memory_bytes)} per device (the closest):")
     table.add_column("layout")
     table.add_column("why")
     for r in rejected[:top]:
@@ -141,7 +141,3 @@ def to_dict(auto: Auto, top: int) -> dict:
             "ranked": [e.to_dict() for e in auto.result.ranked[:top]],
             "rejected": len(auto.result.rejected), "considered": auto.result.considered,
             "why": explain(auto.result)}
-
-
-def best_layout(auto: Auto) -> Estimate | None:
-    return auto.result.best

@@ -2,9 +2,9 @@
 
 The search (:mod:`autotp.plan.auto`) prices hundreds of layouts; it cannot capture the model for each. It
 reads a :class:`ModelFacts` instead: per sample and per forward, the FLOPs of the blocks, of the code
-before them (embeddings) and after them (final norm, LM head, loss), and the ops each dispatches; and, for each tensor-parallel size
-the plan was made for, the parameters one rank holds in the blocks and at either end, and the collectives a
-sample's forward and backward run in the blocks and at either end. Every number comes from the graph's
+before them (embeddings) and after them (final norm, LM head, loss), and the ops each dispatches; and, for
+each tensor-parallel size the plan was made for, the parameters one rank holds in the blocks and at either
+end, and the collectives a sample's forward and backward run in the blocks and at either end. Every number comes from the graph's
 shapes (:mod:`autotp.analysis.flops`) and from the plan (:mod:`autotp.plan.report`); nothing from names.
 
 FLOPs and collective sizes are linear in the batch: they are taken at the captured batch and divided by it.
@@ -19,9 +19,9 @@ import torch.fx as fx
 
 from autotp.analysis.flops import node_flops, shape_of
 from autotp.plan.pieces import unit_keys
-from autotp.plan.pipeline_report import _block_facts
+from autotp.plan.pipeline_report import block_facts
 from autotp.plan.plan import Plan
-from autotp.plan.report import Report
+from autotp.plan.report import Report, itemsize
 
 FIRST, BLOCKS, LAST = "first", "blocks", "last"
 
@@ -102,7 +102,7 @@ def tp_facts(plan: Plan, report: Report, gm: fx.GraphModule, parts: dict[fx.Node
     """One tensor-parallel size's parameters and collectives per part, per sample."""
     params = {FIRST: 0, BLOCKS: 0, LAST: 0}
     for row in report.params:
-        elements = row.local_bytes // max(1, _itemsize(row.dtype))
+        elements = row.local_bytes // max(1, itemsize(row.dtype, 4))
         where = set().union(*(owners.get(a, set()) for a in row.aliases)) or {BLOCKS}
         for part in where:  # a tied weight lives on both ends (two pipeline stages hold it)
             params[part] += elements
@@ -138,13 +138,6 @@ def _split_share(plan: Plan, gm: fx.GraphModule) -> float:
     return 1 - whole / total if total else 1.0
 
 
-def _itemsize(dtype: str) -> int:
-    try:
-        return torch.empty((), dtype=getattr(torch, dtype)).element_size()
-    except (AttributeError, TypeError):
-        return 4
-
-
 def model_facts(gm: fx.GraphModule, plans: Iterable[tuple[Plan, Report]], batch: int) -> ModelFacts:
     """The facts of ``gm`` (captured at ``batch`` samples) from its plans at several tensor-parallel sizes."""
     plans = list(plans)
@@ -162,7 +155,7 @@ def model_facts(gm: fx.GraphModule, plans: Iterable[tuple[Plan, Report]], batch:
 
     hidden, vocab = _hidden_and_vocab(gm, parts)
     in_blocks = {n for n, p in parts.items() if p == BLOCKS}
-    heads, dropout, fused = _block_facts(gm, in_blocks)
+    heads, dropout, fused = block_facts(gm, in_blocks)
     owners = _param_parts(gm, parts)
     seen: dict[int, torch.Tensor] = {}
     for _, p in gm.named_parameters(remove_duplicate=False):

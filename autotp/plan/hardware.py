@@ -78,7 +78,7 @@ class Hardware:
 
     def collective(self, kind: str, nbytes: float, ranks: int, per_node: int | None = None, count: int = 1) -> float:
         """Seconds for ``count`` collectives of ``nbytes`` each (the full tensor) over ``ranks`` ranks."""
-        if ranks <= 1 and kind != "send" or nbytes <= 0 or count <= 0:
+        if (ranks <= 1 and kind != "send") or nbytes <= 0 or count <= 0:
             return 0.0
         link = self.link(kind, ranks, ranks if per_node is None else per_node)
         return count * (link.latency + wire(kind, nbytes, ranks) / link.bandwidth)

@@ -221,7 +221,7 @@ def layer_activation_bytes(b: int, s: int, h: int, a: int | None, t: int, elem: 
     return sbh * whole + (sbh * split + scores) // t
 
 
-def _block_facts(gm: fx.GraphModule, in_blocks: set[fx.Node]) -> tuple[int | None, bool, bool]:
+def block_facts(gm: fx.GraphModule, in_blocks: set[fx.Node]) -> tuple[int | None, bool, bool]:
     """(heads, dropout, fused) of the blocks' nodes: heads from the attention's (b, heads, s, ·) operands."""
     heads, dropout, fused = None, False, False
     for node in gm.graph.nodes:
@@ -337,7 +337,7 @@ def pipeline_report(gm: fx.GraphModule, plan: Plan, report: Report, spec: Pipeli
         flops[s] += node_flops(node, sizes)
     cuts = crossing(gm, of, count, sizes)
 
-    heads, dropout, fused = _block_facts(gm, in_blocks)
+    heads, dropout, fused = block_facts(gm, in_blocks)
     hidden = report.hidden
     if hidden is None:  # tp 1 has no collectives to read h from: the hidden state crossing the first cut
         hidden = next((x.shape[-1] for x in cuts[0] if len(x.shape) == 3 and x.grad), None) if cuts else None

@@ -324,7 +324,7 @@ def build_report(plan: Plan, named_params: Iterable[tuple[str, torch.Tensor]], b
             unknown |= {str(x) for t in c.shape if (e := parse(t)) is not None for x in e.free_symbols} - set(roles)
         collectives.append(CollectiveRow(c.direction, c.kind, c.op, c.module, attach.get((c.direction, c.node), c.module),
                                          c.node, display(c.shape, roles), n,
-                                         None if n is None else n * _itemsize(c.dtype, act_bytes)))
+                                         None if n is None else n * itemsize(c.dtype, act_bytes)))
     if unknown:
         notes.append(f"sizes {', '.join(sorted(unknown))} are neither batch nor sequence: "
                      "collectives using them have no element count")
@@ -352,7 +352,7 @@ def _hidden(plan: Plan, values: dict[str, int]) -> int | None:
     return None
 
 
-def _itemsize(dtype: str, default: int) -> int:
+def itemsize(dtype: str, default: int) -> int:
     """Bytes per element of a collective's dtype as the plan records it; ``default`` for plans without one."""
     dt = getattr(torch, dtype, None) if dtype else None
     return torch.empty((), dtype=dt, device="meta").element_size() if isinstance(dt, torch.dtype) else default
