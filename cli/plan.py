@@ -85,7 +85,9 @@ _WHOLE_ROLES = {"router kept whole": "router (whole)", "gate kept whole": "gate 
 
 def layer_table(report: Report, names: list[str], whole: dict[str, str] | None = None) -> Table:
     """One row per module that owns parameters, in the model's order, with the collectives next to it.
-    ``whole``: the plan's reasons for weights every rank holds whole (a router's names its role)."""
+    ``whole``: the plan's reasons for weights every rank holds whole (a router's names its role). A run of
+    three or more consecutive layers whose rows are the same but for the layer's number is shown once, as
+    ``layers.1–79``."""
     by_alias = {a: row for row in report.params for a in row.aliases}
     modules: dict[str, list[tuple[str, object]]] = {}
     for name in names:
@@ -99,32 +101,77 @@ def layer_table(report: Report, names: list[str], whole: dict[str, str] | None =
                          ("local", "right"), ("collectives", "left")):
         table.add_column(col, justify=justify, overflow="fold")
     items = list(modules.items()) + [(m, []) for m in coll if m not in modules]
-    for i, (module, params) in enumerate(items):
-        roles = [row.role for _, row in params if row.role != "replicated"]
-        designed = [r for _, row in params for key, r in _WHOLE_ROLES.items()
-                    if (whole or {}).get(row.name, "").startswith(key)]
-        role = roles[0] if roles else ("replicated" if params else "—")
-        shown = designed[0] if designed and not roles else role
-        if role == "experts":
-            count = params[0][1].full_shape[0]
-            shown = f"experts ({count // report.tp} of {count} whole per rank)"
-        elif any(len(row.full_shape) == 3 and row.role != "replicated" for _, row in params):
-            shown += f" ({params[0][1].full_shape[0]} experts)"
-        leaves = []
-        for leaf, row in params:
-            tied = [a for a in row.aliases if a.rpartition(".")[0] != module]
-            notes = ([row.role] if row.role != role else []) + ([f"tied to {tied[0]}"] if tied else [])
-            leaves.append(escape(leaf + (f" ({', '.join(notes)})" if notes else "")))
-        cs = [f"{DIRECTION.get(c.direction, c.direction)} {fmt_kind(c.kind, c.op)} {c.shape} = {fmt_count(c.elements)}"
-              for c in coll.get(module, [])]
-        nxt = _LAYER.match(items[i + 1][0]) if i + 1 < len(items) else None
+    # sections: the rows of one layer (``transformer.h.3``), or one row outside every layer
+    sections: list[tuple[str | None, list[tuple[str, ...]]]] = []
+    for module, params in items:
         here = _LAYER.match(module)
-        table.add_row(escape(module), shown, "\n".join(leaves),
-                      "\n".join(fmt_shape(row.full_shape) for _, row in params),
-                      "\n".join(fmt_shape(row.local_shape) for _, row in params),
-                      escape("\n".join(cs)),
-                      end_section=bool(here and nxt and here.group(1) != nxt.group(1)))
+        layer = here.group(1) if here else None
+        row = _layer_row(module, params, report, coll.get(module, []), whole or {})
+        if layer is not None and sections and sections[-1][0] == layer:
+            sections[-1][1].append(row)
+        else:
+            sections.append((layer, [row]))
+    collapsed = False
+    for layer, rows, last in _runs(sections):
+        if last != layer:
+            collapsed = True
+            head = f"{layer}–{last.rpartition('.')[2]}"
+            rows = [(head + r[0][len(layer):], *r[1:]) for r in rows]
+        for i, r in enumerate(rows):
+            table.add_row(escape(r[0]), *r[1:], end_section=layer is not None and i == len(rows) - 1)
+    if collapsed:
+        table.caption = "layers a–b: each of layers a to b has these rows (the same shards and collectives)"
     return table
+
+
+def _layer_row(module: str, params: list, report: Report, colls: list, whole: dict[str, str]) -> tuple[str, ...]:
+    """(module, role, params, full shapes, local shapes, collectives) of one module's row."""
+    roles = [row.role for _, row in params if row.role != "replicated"]
+    designed = [r for _, row in params for key, r in _WHOLE_ROLES.items() if whole.get(row.name, "").startswith(key)]
+    role = roles[0] if roles else ("replicated" if params else "—")
+    shown = designed[0] if designed and not roles else role
+    if role == "experts":
+        count = params[0][1].full_shape[0]
+        shown = f"experts ({count // report.tp} of {count} whole per rank)"
+    elif any(len(row.full_shape) == 3 and row.role != "replicated" for _, row in params):
+        shown += f" ({params[0][1].full_shape[0]} experts)"
+    leaves = []
+    for leaf, row in params:
+        tied = [a for a in row.aliases if a.rpartition(".")[0] != module]
+        notes = ([row.role] if row.role != role else []) + ([f"tied to {tied[0]}"] if tied else [])
+        leaves.append(escape(leaf + (f" ({', '.join(notes)})" if notes else "")))
+    cs = [f"{DIRECTION.get(c.direction, c.direction)} {fmt_kind(c.kind, c.op)} {c.shape} = {fmt_count(c.elements)}"
+          for c in colls]
+    return (module, shown, "\n".join(leaves), "\n".join(fmt_shape(row.full_shape) for _, row in params),
+            "\n".join(fmt_shape(row.local_shape) for _, row in params), escape("\n".join(cs)))
+
+
+def _runs(sections: list[tuple[str | None, list[tuple[str, ...]]]]):
+    """(first layer, its rows, last layer of its run) per run of three or more consecutive layers that differ
+    only in their number (a tied weight's note names another layer: then they differ); other sections alone."""
+    def same(a: tuple[str, list], b: tuple[str, list]) -> bool:
+        return len(a[1]) == len(b[1]) and all(
+            ra[0][len(a[0]):] == rb[0][len(b[0]):] and ra[1:] == rb[1:] for ra, rb in zip(a[1], b[1]))
+
+    def follows(a: str, b: str) -> bool:
+        pa, _, ia = a.rpartition(".")
+        pb, _, ib = b.rpartition(".")
+        return pa == pb and int(ib) == int(ia) + 1
+
+    i = 0
+    while i < len(sections):
+        layer, rows = sections[i]
+        j = i
+        if layer is not None:
+            while (j + 1 < len(sections) and sections[j + 1][0] is not None
+                   and follows(sections[j][0], sections[j + 1][0]) and same(sections[i], sections[j + 1])):
+                j += 1
+        if j - i + 1 >= 3:
+            yield layer, rows, sections[j][0]
+            i = j + 1
+        else:
+            yield layer, rows, layer
+            i += 1
 
 
 def replicated_table(report: Report, replicated: tuple[tuple[str, str], ...]) -> Table:

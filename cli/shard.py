@@ -34,6 +34,7 @@ from __future__ import annotations
 import os
 import statistics
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.utils._pytree as pytree
@@ -45,13 +46,14 @@ from rich.table import Table
 from autotp.cli.common import USAGE_ERROR
 from autotp.cli.run import (BIND_CORES, DEBUG, DEVICE, DP, FSDP, HSDP, MASTER_ADDR, MASTER_PORT, MAX_RESTARTS, NNODES,
                             NODE_RANK, PP, TIMEOUT, TP, abort, launch_spec)
-from autotp.cli.shard_worker import PARITY_TOL, ShardJob, ShardReport, _size, shard_worker
-from autotp.io.ckpt_io import check_resumable
 from autotp.errors import AutotpError, CaptureError, PipelineError
 from autotp.plan.stages import StageRequest
 from autotp.distributed.launch import RankFailedError, launch
 from autotp.capture.modelfile import (DEFAULT_BATCH_SHAPE, ModelFile, ModelFileError, default_example,
                                      load_model_file, parse_spec, to_device)
+
+if TYPE_CHECKING:
+    from autotp.cli.shard_worker import ShardReport
 
 
 # -- the command ---------------------------------------------------------------------------------------
@@ -145,6 +147,8 @@ def _ms(seconds: tuple[float, ...]) -> str:
 
 
 def render(report: ShardReport, console: Console) -> None:
+    from autotp.cli.shard_worker import PARITY_TOL, _size
+
     pp = f" × pp {report.pp}" if report.pp > 1 else ""
     ranks = Table(title=f"{escape(report.model)}: tp {report.tp} × dp {report.dp}{pp} ({report.backend})")
     cols = (("rank", "right"), ("tp", "right"), ("dp", "right"), *((("pp", "right"),) if pp else ()),
@@ -265,6 +269,8 @@ def shard(
     debug: bool = DEBUG,
 ) -> None:
     """Shard MODEL_PY over tp × dp × pp ranks, verify, train a few steps, save plan and checkpoint."""
+    from autotp.cli.shard_worker import PARITY_TOL, ShardJob, shard_worker  # the ranks' code: only when sharding
+    from autotp.io.ckpt_io import check_resumable
 
     if auto:
         tp, dp, pp, fsdp, microbatches, virtual_stages, schedule = _choose(

@@ -536,3 +536,37 @@ def test_crossing_is_what_the_pipeline_sends(name, loss) -> None:
     sent = [w.send for w in wire_stages(split_stages(gm, plan), loss)[:-1]]
     assert [len(c) for c in cuts] == [len(s) for s in sent] == [1] * 3  # masks, rotary tables: made again
     assert all(c[-1].shape == (8, 16, 64) and c[-1].grad for c in cuts)  # the hidden state, last computed
+
+
+def test_layer_table_shows_a_run_of_identical_layers_once(tmp_path) -> None:
+    """Layers 0–2 and 4–6 have the same rows; layer 3's MLP is wider, so it stands alone and splits the run."""
+    from rich.console import Console
+
+    from autotp.cli.plan import layer_table, make_report
+
+    model = _model_file(tmp_path, "seven", """
+        import torch.nn as nn
+        from nanogpt import GPT, GPTConfig
+
+        def build_model():
+            m = GPT(GPTConfig(block_size=16, vocab_size=64, n_layer=7, n_head=2, n_embd=32))
+            m.transformer.h[3].mlp.c_fc, m.transformer.h[3].mlp.c_proj = nn.Linear(32, 256), nn.Linear(256, 32)
+            return m
+
+        def example_batch():
+            return torch.zeros(2, 8, dtype=torch.long), torch.zeros(2, 8, dtype=torch.long)
+    """)
+    planned = make_report(model, 2, cache=False)
+    console = Console(width=240, record=True)
+    console.print(layer_table(planned.report, planned.names))
+    text = console.export_text()
+    assert "transformer.h.0–2.mlp.c_fc " in text and "transformer.h.4–6.attn.c_proj " in text
+    assert "transformer.h.3.mlp.c_fc " in text and "[256, 32]" in text  # the wider layer, alone
+    assert "transformer.h.1." not in text and "transformer.h.5." not in text
+    assert "layers a–b: each of layers a to b has these rows" in text
+    # two identical layers are not a run: gpt4's fixture with 2 blocks shows each
+    two = make_report(NANOGPT, 2, cache=False)
+    console = Console(width=240, record=True)
+    console.print(layer_table(two.report, two.names))
+    text = console.export_text()
+    assert "transformer.h.0.attn.c_attn " in text and "transformer.h.1.attn.c_attn " in text and "–" not in text

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from datetime import timedelta
 from pathlib import Path
 
@@ -199,3 +200,19 @@ def test_device_mesh_needs_process_group() -> None:
         pytest.skip("a process group is already initialised")
     with pytest.raises(RuntimeError, match="init_process_group"):
         RankLayout.build(2, tp=2).device_mesh("cpu")
+
+
+def test_console_script_runs_the_app_and_keeps_its_exit_code(monkeypatch, capsys) -> None:
+    """``autotp`` (pyproject's script) is ``run``: the app, with its exit status, for a good and a bad call."""
+    import tomllib
+
+    from autotp.cli.main import run
+
+    with open(Path(__file__).resolve().parent.parent / "pyproject.toml", "rb") as f:
+        assert tomllib.load(f)["project"]["scripts"]["autotp"] == "autotp.cli.main:run"
+    for args, code in ((["--world-size", "4", "--tp", "2", "--json"], 0), (["--world-size", "3", "--tp", "2"], 2)):
+        monkeypatch.setattr(sys, "argv", ["autotp", "layout", *args])
+        with pytest.raises(SystemExit) as exit_:
+            run()
+        assert exit_.value.code == code
+    assert json.loads(capsys.readouterr().out)["tp"] == [[0, 1], [2, 3]]

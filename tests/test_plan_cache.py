@@ -94,3 +94,19 @@ def test_autotp_plan_refuses_a_changed_cache_file():
     r = runner.invoke(app, ["plan", "examples/nanogpt.py", "--tp", "2"])
     assert r.exit_code == 2
     assert "was changed after autotp wrote it" in " ".join(r.output.split()) and entry.name in r.output
+
+
+def test_the_key_follows_one_block_among_identical_ones():
+    """The key's meta run files a block's ops under the block and reuses the first block's meta outputs for
+    the rest: a Python value read by one block alone still changes the key."""
+    from nanogpt import GPT, GPTConfig
+
+    with torch.device("meta"):
+        net = GPT(GPTConfig(block_size=16, vocab_size=64, n_layer=4, n_head=2, n_embd=32))
+    call = meta_call(net.forward, (torch.zeros(2, 8, dtype=torch.long),), {})
+    base = cache.plan_key(net, call, {"tp": 2})
+    attn = net.transformer.h[2].attn
+    attn.n_head = 4  # block 2 alone splits into more heads: the same weights, another graph
+    assert base != cache.plan_key(net, call, {"tp": 2})
+    attn.n_head = 2
+    assert base == cache.plan_key(net, call, {"tp": 2})

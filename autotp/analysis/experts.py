@@ -24,7 +24,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-import networkx as nx
 import torch
 import torch.fx as fx
 
@@ -72,6 +71,8 @@ def _expert_weights(gm: fx.GraphModule, p: PairFacts) -> set[str]:
 def _layers(gm: fx.GraphModule, a: Analysis) -> list[list[PairFacts]]:
     """The pairs of each MoE layer: pairs that share an expert weight (its experts) or the all-reduce of their
     combined sum (a shared expert beside them)."""
+    import networkx as nx  # here, not at import, as in pairs.py
+
     g = nx.Graph()
     for i, p in enumerate(a.pairs):
         weights = _expert_weights(gm, p)

@@ -13,7 +13,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-import networkx as nx
+from typing import TYPE_CHECKING
+
 import torch
 import torch.fx as fx
 
@@ -21,6 +22,9 @@ from autotp.analysis.matmuls import ParamMatmul, find_param_embeddings, find_par
 from autotp.analysis.column_layout import column_segments
 from autotp.analysis.ops import Unshardable
 from autotp.analysis.partial import deferred
+
+if TYPE_CHECKING:
+    import networkx as nx
 from autotp.analysis.propagate import Region, propagate
 from autotp.analysis.shapes import Fingerprinter
 from autotp.shard_spec import Sharding
@@ -54,6 +58,8 @@ class Analysis:
 
 
 def dataflow_graph(gm: fx.GraphModule) -> nx.DiGraph:
+    import networkx as nx  # imported here: reading a Plan reaches this file and needs no graph
+
     g = nx.DiGraph()
     for node in gm.graph.nodes:
         g.add_node(node)
@@ -68,6 +74,8 @@ def feeders(g: nx.DiGraph, matmul_nodes: set[fx.Node]) -> dict[fx.Node, frozense
     Shape reads (``sym_size``) carry no data and are not followed, nor are integer and boolean values (a
     router's choice of experts indexes their weights and tokens; it is no input of theirs to cut).
     """
+    import networkx as nx
+
     out: dict[fx.Node, frozenset[fx.Node]] = {}
     empty: frozenset[fx.Node] = frozenset()
     for node in nx.topological_sort(g):

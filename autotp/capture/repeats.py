@@ -230,11 +230,15 @@ def find_repeats(model: nn.Module, run: Callable[[], object]) -> Repeats | None:
 def program(model: nn.Module, run: Callable[[], object]) -> str | None:
     """What the forward computes, as text: every op it runs on meta, in order, with its arguments (parameters
     and buffers by name, other tensors by shape and dtype, Python values as themselves). Two calls with the
-    same text capture to the same graph; None where the forward cannot run on meta."""
-    rec = _record(model, None, run)
+    same text capture to the same graph; None where the forward cannot run on meta. Inside a block of the
+    model's longest module list, parameters are named relative to the block and each op is filed under
+    its block's index, so the blocks after the first of a kind run from the memo."""
+    found = _container(model)
+    path, blocks = found if found is not None else ("", None)
+    rec = _record(model, blocks, run, path)
     if rec is None:
         return None
-    return repr([(str(f), a, k) for _, ops in rec.segments for f, a, k in ops])
+    return repr([(b, [(str(f), a, k) for f, a, k in ops]) for b, ops in rec.segments if ops or b is not None])
 
 
 # -- the graph ---------------------------------------------------------------------------------------------
