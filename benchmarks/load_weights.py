@@ -18,7 +18,10 @@ For each tp, on gloo ranks of this machine (one path at a time, so they do not c
 Reported per path (the worst rank): peak RSS (VmHWM) against the ideal, the local shard bytes (every
 parameter and buffer the rank holds) plus the RSS of an empty process that imported torch, and against the
 rank's own RSS before it built anything (torch, the process group and the model's library imported); the
-bytes of checkpoint slices read against 1/tp of the sharded tensors plus the replicated ones; the wall time.
+bytes of checkpoint slices read against 1/tp of the sharded tensors plus the replicated ones; the wall time;
+and the wall time plus one read of every weight (a sum of each local tensor): ``from_pretrained`` leaves
+the weights as views of the memory-mapped files, whose pages are read on first use, while autotp copies
+each slice into the rank's own memory as it loads.
 The old path runs only when tp whole copies fit in the memory available (with 20% to spare); otherwise the
 result says so. Writes ``OUT/load_weights.json`` and ``OUT/load_weights.md``.
 """
@@ -121,9 +124,10 @@ def autotp_rank(folder: str, hf: bool = False) -> dict:
     with safe_open(str(Path(folder, index[name])), "pt") as f:
         want = f.get_slice(name)[st.rank * rows:(st.rank + 1) * rows]
     assert torch.equal(model.get_parameter(name), want), "loaded slice differs from the checkpoint"
+    touch = _touch(model)
     return {"start_rss": start, "planned_rss": rss_planned, "peak_rss": _status("VmHWM"), "held": _held(model),
             "bytes_read": loaded.bytes_read, "expected_read": _expected_read(model),
-            "build_s": t1 - t0, "parallelize_s": t2 - t1, "load_s": t3 - t2, "total_s": t3 - t0}
+            "build_s": t1 - t0, "parallelize_s": t2 - t1, "load_s": t3 - t2, "total_s": t3 - t0, "touch_s": touch}
 
 
 def autotp_hf_rank(folder: str) -> dict:
@@ -152,7 +156,21 @@ def hf_rank(folder: str) -> dict:
     t0 = time.perf_counter()
     model = LlamaForCausalLM.from_pretrained(folder, distributed_config=DistributedConfig(tp_plan="auto"))
     t1 = time.perf_counter()
-    return {"start_rss": start, "peak_rss": _status("VmHWM"), "held": _held(model), "total_s": t1 - t0}
+    touch = _touch(model)
+    return {"start_rss": start, "peak_rss": _status("VmHWM"), "held": _held(model), "total_s": t1 - t0,
+            "touch_s": touch}
+
+
+def _touch(model) -> float:
+    """Seconds to read every weight once (a sum of each local tensor). from_pretrained leaves the weights as
+    views of the memory-mapped files: their pages are read on first use, which this makes part of the count."""
+    import torch
+
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        for p in model.parameters():
+            (p.to_local() if hasattr(p, "to_local") else p).sum()
+    return time.perf_counter() - t0
 
 
 def _save(folder: Path) -> None:
@@ -243,23 +261,24 @@ def _markdown(r: dict) -> str:
              f"library imported). Load average (2 cores, shared machine) {r['load_average'][0]:.1f} at the start, "
              f"{r['load_average'][-1]:.1f} at the end.", "",
              "| path | tp | peak RSS / rank | ideal | ratio | ratio to own start | bytes read / rank | 1/tp + replicated "
-             "| ratio | time |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| ratio | time | time + one read of every weight |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     # the old and Hugging Face paths against autotp with the same model class
     auto = {k.split("@")[1]: v for k, v in r["runs"].items() if k.startswith("autotp-hf@") and "peak_rss" in v}
     for key, v in r["runs"].items():
         path, tp = key.split("@")
         if "peak_rss" not in v:
-            lines.append(f"| {path} | {tp[2:]} | {v.get('skipped') or v.get('failed')} | | | | | | | |")
+            lines.append(f"| {path} | {tp[2:]} | {v.get('skipped') or v.get('failed')} | | | | | | | | |")
             continue
         read = ("-", "-", "-") if "bytes_read" not in v else \
             (_gib(v["bytes_read"]), _gib(v["expected_read"]), f"{v['read_ratio']:.3f}")
+        touched = f"{v['total_s'] + v['touch_s']:.1f} s" if "touch_s" in v else "-"
         rel = ""
         if path in ("old", "hf") and tp in auto:
             rel = f" ({v['peak_rss'] / auto[tp]['peak_rss']:.2f}× autotp-hf's, {v['total_s'] / auto[tp]['total_s']:.2f}× its time)"
         lines.append(f"| {path} | {tp[2:]} | {_gib(v['peak_rss'])}{rel} | {_gib(v['ideal_rss'])} | {v['rss_ratio']:.3f} | "
                      f"{v['rss_ratio_own']:.3f} | "
-                     f"{read[0]} | {read[1]} | {read[2]} | {v['total_s']:.1f} s |")
+                     f"{read[0]} | {read[1]} | {read[2]} | {v['total_s']:.1f} s | {touched} |")
     for key, v in r["runs"].items():
         if key.startswith("autotp") and "peak_rss" in v:
             lines.append(f"\n{key}: build {v['build_s']:.1f} s, parallelize {v['parallelize_s']:.1f} s, load "

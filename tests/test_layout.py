@@ -204,7 +204,7 @@ def test_device_mesh_needs_process_group() -> None:
 
 def test_console_script_runs_the_app_and_keeps_its_exit_code(monkeypatch, capsys) -> None:
     """``autotp`` (pyproject's script) is ``run``: the app, with its exit status, for a good and a bad call."""
-    import tomllib
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
 
     from autotp.cli.main import run
 
