@@ -45,7 +45,15 @@ def llama_deep() -> tuple[nn.Module, tuple, dict]:
     return llama(layers=5)  # deep enough that capture exports two blocks and copies them for the other three
 
 
+def llama_deep_cache() -> tuple[nn.Module, tuple, dict]:
+    """llama_deep called as Hugging Face calls it by default: use_cache on, each layer's key and value returned
+    besides the loss and logits (capture copies them with their blocks)."""
+    model, args, kwargs = llama(layers=5)
+    return model, args, {k: v for k, v in kwargs.items() if k != "use_cache"}
+
+
 MODELS = {"nanogpt": nanogpt, "gpt2": gpt2, "gpt2_50257": gpt2_real_vocab, "llama": llama, "llama_deep": llama_deep}
+PARITY_ONLY = {"llama_deep_cache": llama_deep_cache}  # run by the parity tests alone
 
 
 def loss_and_logits(out) -> tuple[torch.Tensor, torch.Tensor]:

@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 import autotp
 from distributed import CollectiveLog
-from models import MODELS, loss_and_logits
+from models import MODELS, PARITY_ONLY, loss_and_logits
 
 
 def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -33,8 +33,8 @@ def _alias_shard(tpm, name: str):
 
 def training_parity(model_name: str, steps: int = 3, sequence_parallel: bool = False) -> dict:
     """Loss, logits, gradients, AdamW steps and collectives of a parallelized model vs the original."""
-    if model_name in MODELS:
-        ref, args, kwargs = MODELS[model_name]()
+    if model_name in MODELS or model_name in PARITY_ONLY:
+        ref, args, kwargs = {**MODELS, **PARITY_ONLY}[model_name]()
     else:
         from toy_models import toy
 

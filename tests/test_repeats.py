@@ -195,3 +195,73 @@ def test_stand_ins_for_every_block_are_read_for_the_copies():
     got = dict(gm.named_parameters(remove_duplicate=False))
     assert set(got) == set(swap)
     assert all(got[n] is swap[n] for n in swap if n.startswith("h.") and int(n.split(".")[1]) >= 2)
+
+
+def _copied_and_whole(model: nn.Module, args: tuple, kwargs: dict):
+    """(copied capture, whole capture), each (graph, output spec), and whether the copy was taken."""
+    taken = []
+    expand = repeats.expand
+
+    def spy(*a, **k):
+        taken.append(expand(*a, **k))
+        return taken[-1]
+
+    repeats_saved = repeats.MIN_BLOCKS
+    import autotp.capture.tracer as tracer
+
+    tracer.expand = spy
+    try:
+        copied = capture(model, args, kwargs)
+        repeats.MIN_BLOCKS = 10**9
+        whole = capture(model, args, kwargs)
+    finally:
+        tracer.expand = expand
+        repeats.MIN_BLOCKS = repeats_saved
+    return copied, whole, bool(taken) and taken[0] is not None
+
+
+def test_blocks_that_also_return_a_kv_cache_are_copied_with_their_outputs():
+    """Hugging Face's default forward (use_cache on) returns each layer's key and value besides the logits:
+    the copies return theirs, in the whole model's output structure."""
+    from autotp.capture.structure import flatten, unflatten
+    from models import llama
+
+    model, _, kwargs = llama(layers=5)
+    ids = kwargs["input_ids"]
+    (gm, spec), (_, whole_spec), taken = _copied_and_whole(model, (), {"input_ids": ids})
+    assert taken and spec == whole_spec
+    ref = model(input_ids=ids)
+    got = unflatten(list(gm(*flatten(((), {"input_ids": ids}))[0])), spec)
+    torch.testing.assert_close(got.logits, ref.logits, rtol=0, atol=0)
+    assert len(got.past_key_values.layers) == len(ref.past_key_values.layers) == 5
+    for a, b in zip(got.past_key_values.layers, ref.past_key_values.layers):
+        torch.testing.assert_close(a.keys, b.keys, rtol=0, atol=0)
+        torch.testing.assert_close(a.values, b.values, rtol=0, atol=0)
+
+
+def test_every_block_output_returned_keeps_its_place():
+    """A model that returns every block's hidden state (``output_hidden_states``) returns all of them."""
+
+    class AllStates(GPT):
+        def forward(self, idx):
+            s = idx.shape[1]
+            x = self.wte(idx) + self.wpe(torch.arange(s, device=idx.device))
+            mask = torch.ones(s, s, dtype=torch.bool, device=idx.device).tril()
+            states = [x]
+            for block in self.h:
+                x = block(x, mask)
+                states.append(x)
+            return self.head(self.ln_f(x)), tuple(states)
+
+    torch.manual_seed(0)
+    model = AllStates([Block() for _ in range(5)])
+    (gm, spec), (_, whole_spec), taken = _copied_and_whole(model, (IDX,), {})
+    assert taken and spec == whole_spec
+    from autotp.capture.structure import unflatten
+
+    logits, states = unflatten(list(gm(IDX)), spec)
+    ref_logits, ref_states = model(IDX)
+    assert len(states) == len(ref_states) == 6
+    torch.testing.assert_close(logits, ref_logits, rtol=0, atol=0)
+    for a, b in zip(states, ref_states):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)

@@ -121,7 +121,8 @@ def analyze(gm: fx.GraphModule, tp: int) -> Analysis:
         cols = feed[row.x] | ({row.x} if row.x in by_node else frozenset())
         # a matmul that feeds another candidate's input is no column of this pair (a column's input is whole):
         # DeepSeek's kv down-projection feeds the kv up-projection, and its rotary key part reaches attention
-        cols = frozenset(c for c in cols if not any(c in feed[by_node[d].x] for d in cols if d in by_node))
+        inner = set().union(*(feed[by_node[d].x] for d in cols if d in by_node))  # once per row: a row reading
+        cols = frozenset(c for c in cols if c not in inner)  # the residual stream has every earlier block's rows
         # an embedding of the ids joins a pair beside its column matmuls (a value embedding added to v: cut
         # by its feature columns like v), never starts one (the token embedding before the first block)
         if not cols - set(embeddings) or row.node in assigned or cols & assigned:

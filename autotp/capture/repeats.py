@@ -23,6 +23,7 @@ cut graph each block must read one value of the block before it and hand one val
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -33,7 +34,18 @@ import torch.utils._pytree as pytree
 from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from autotp.capture.structure import Spec, flatten
+
 MIN_BLOCKS = 3  # a list shorter than this is captured whole
+
+
+@dataclass(frozen=True)
+class Outputs:
+    """What the forward returned in a meta run: its structure, and for each flat tensor the block whose op
+    made it (None: the code around the blocks), e.g. each block's key and value in a KV cache."""
+
+    spec: Spec
+    made_in: tuple[int | None, ...]
 
 
 @dataclass(frozen=True)
@@ -42,6 +54,8 @@ class Repeats:
     kinds: tuple[int, ...]  # each block's kind
     keep: int  # blocks 0 … keep − 1 are exported
     template: tuple[int, ...]  # per kind: the exported block copied for it (-1: none after the first)
+    whole: Outputs | None = None  # the whole model's outputs, and the cut model's
+    cut: Outputs | None = None
 
 
 def _container(model: nn.Module) -> tuple[str, nn.Module] | None:
@@ -99,6 +113,8 @@ class _Recorder(TorchDispatchMode):
         # an op's meta outputs by its record: the blocks after the first of a kind repeat its ops exactly,
         # and meta kernels cost far more than making empty tensors of the recorded shapes
         self.memo: dict[tuple, object] = {}
+        self.made: dict[int, int | None] = {}  # a tensor's id -> the block whose op last returned it
+        self.output: object = None
 
     def enter(self, i: int) -> None:
         self.block = i
@@ -115,12 +131,17 @@ class _Recorder(TorchDispatchMode):
         self.segments[-1][1].append(record)
         made = self.memo.get(record)
         if made is not None:
-            return pytree.tree_map(lambda t: torch.empty_strided(t.shape, t.stride, dtype=t.dtype, device="meta")
-                                   if isinstance(t, _Out) else t, made)
-        out = func(*args, **(kwargs or {}))
-        if not func.is_view and not func._schema.is_mutable and _all_meta(out):
-            self.memo[record] = pytree.tree_map(
-                lambda t: _Out(tuple(t.shape), tuple(t.stride()), t.dtype) if isinstance(t, torch.Tensor) else t, out)
+            out = pytree.tree_map(lambda t: torch.empty_strided(t.shape, t.stride, dtype=t.dtype, device="meta")
+                                  if isinstance(t, _Out) else t, made)
+        else:
+            out = func(*args, **(kwargs or {}))
+            if not func.is_view and not func._schema.is_mutable and _all_meta(out):
+                self.memo[record] = pytree.tree_map(
+                    lambda t: _Out(tuple(t.shape), tuple(t.stride()), t.dtype) if isinstance(t, torch.Tensor) else t,
+                    out)
+        for t in pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self.made[id(t)] = self.block
         return out
 
 
@@ -151,7 +172,7 @@ def _record(model: nn.Module, blocks: nn.Module | None, run: Callable[[], object
     training = [m.training for m in model.modules()]
     try:
         with torch.no_grad(), _on_meta(model, rec.names), rec:
-            run()
+            rec.output = run()
     except Exception:  # noqa: BLE001 - anything the meta run cannot do: capture the whole model instead
         return None
     finally:
@@ -224,7 +245,12 @@ def find_repeats(model: nn.Module, run: Callable[[], object]) -> Repeats | None:
     short = _split(rec_cut, keep) if rec_cut is not None else None
     if short is None or short[0] != before or short[2] != after or short[1] != ops[:keep]:
         return None  # the code around the blocks depends on how many there are
-    return Repeats(path, tuple(kinds), keep, tuple(template))
+    return Repeats(path, tuple(kinds), keep, tuple(template), _outputs(rec), _outputs(rec_cut))
+
+
+def _outputs(rec: _Recorder) -> Outputs:
+    tensors, spec = flatten(rec.output)
+    return Outputs(spec, tuple(rec.made.get(id(t)) for t in tensors))
 
 
 def program(model: nn.Module, run: Callable[[], object]) -> str | None:
@@ -271,7 +297,15 @@ def _renamed(meta: dict, old: str, new: str) -> dict:
     return out
 
 
-def _set_attr(gm: fx.GraphModule, target: str, value: torch.Tensor, as_param: bool) -> None:
+def _attr(gm: fx.GraphModule, target: str) -> torch.Tensor:
+    obj: object = gm
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _set_attr(gm: fx.GraphModule, target: str, value: torch.Tensor, as_param: bool | None) -> None:
+    """Register ``value`` at ``target``: a parameter, a buffer, or (``as_param`` None) a plain attribute."""
     *parents, leaf = target.split(".")
     mod: nn.Module = gm
     for p in parents:
@@ -280,15 +314,18 @@ def _set_attr(gm: fx.GraphModule, target: str, value: torch.Tensor, as_param: bo
             child = nn.Module()
             mod.add_module(p, child)
         mod = child
-    if as_param:
+    if as_param is None:
+        setattr(mod, leaf, value)
+    elif as_param:
         mod.register_parameter(leaf, value if isinstance(value, nn.Parameter) else nn.Parameter(value, value.requires_grad))
     else:
         mod.register_buffer(leaf, value)
 
 
-def expand(gm: fx.GraphModule, rep: Repeats, state: dict[str, torch.Tensor]) -> bool:
-    """Extend ``gm`` (exported with ``rep.keep`` blocks) to all of them, in place; False (and ``gm``
-    untouched) where its blocks are not wired one after another (see the module doc)."""
+def expand(gm: fx.GraphModule, rep: Repeats, state: dict[str, torch.Tensor], spec: Spec) -> Spec | None:
+    """Extend ``gm`` (exported with ``rep.keep`` blocks, returning ``spec``) to all of them, in place; the
+    whole model's output spec, or None (and ``gm`` untouched) where its blocks are not wired one after another
+    or its outputs cannot be told apart by block (see the module doc)."""
     path, keep, n = rep.container, rep.keep, len(rep.kinds)
     graph = gm.graph
     member = {node: _block_of(node, path, keep) for node in graph.nodes}
@@ -298,29 +335,38 @@ def expand(gm: fx.GraphModule, rep: Repeats, state: dict[str, torch.Tensor]) -> 
         if b is not None and node.op != "get_attr":
             body[b].append(node)
     if any(not nodes for nodes in body):
-        return False
+        return None
     order = {node: i for i, node in enumerate(graph.nodes)}
     first, last = order[body[0][0]], order[body[-1][-1]]
     if any(member[nd] is None and nd.op not in ("get_attr", "placeholder") and first < order[nd] < last
            for nd in graph.nodes):
-        return False  # code between blocks
+        return None  # code between blocks
+    output = next(nd for nd in reversed(graph.nodes) if nd.op == "output")
     outs, carry = [], []
     for b in range(keep):
         inside = set(body[b])
-        o = [nd for nd in body[b] if any(u not in inside for u in nd.users)]
+        # a block hands one value on; others it makes may only be returned (a KV cache's key and value)
+        o = [nd for nd in body[b] if any(u not in inside and u is not output for u in nd.users)]
         ins = {a for nd in body[b] for a in nd.all_input_nodes if a not in inside and a.op != "get_attr"}
         from_prev = [a for a in ins if member[a] is not None]
         if len(o) != 1 or any(member[a] != b - 1 for a in from_prev) or len(from_prev) != (b > 0):
-            return False
+            return None
         outs.append(o[0])
         carry.append(from_prev[0] if from_prev else None)
     if any(carry[b] is not outs[b - 1] for b in range(1, keep)):
-        return False
-    tail_users = [u for u in outs[-1].users if member[u] is None]
+        return None
+    returned = _returned(output, member, rep, spec)
+    info = getattr(graph._codegen, "pytree_info", None)  # the exported module's flat outputs, as a tuple
+    out_type = info.out_spec.type if info is not None and info.out_spec is not None else None
+    if returned is None or out_type not in (None, tuple, list):
+        return None
+    whole_spec, picks = returned
+    tail_users = [u for u in outs[-1].users if member[u] is None and u is not output]
 
     params = {name for name, _ in gm.named_parameters(remove_duplicate=False)}
     top = next(iter(graph.nodes))
     cursor, prev = body[-1][-1], outs[-1]
+    envs: dict[int, dict[fx.Node, fx.Node]] = {}
     for i in range(keep, n):
         t = rep.template[rep.kinds[i]]
         old, new = f"{path}.{t}", f"{path}.{i}"
@@ -329,17 +375,92 @@ def expand(gm: fx.GraphModule, rep: Repeats, state: dict[str, torch.Tensor]) -> 
             for a in nd.all_input_nodes:
                 if a.op == "get_attr" and a not in env and member[a] == t:
                     target = new + a.target[len(old):]
-                    _set_attr(gm, target, state[target], a.target in params)
-                    with graph.inserting_before(top):
+                    if target in state:
+                        _set_attr(gm, target, state[target], a.target in params)
+                    else:  # a constant the export lifted out of the block (a cache's empty start): its own copy
+                        owner, _, leaf = a.target.rpartition(".")
+                        buffer = leaf in gm.get_submodule(owner)._buffers
+                        _set_attr(gm, target, _attr(gm, a.target).clone(), False if buffer else None)
+                    with graph.inserting_before(top), warnings.catch_warnings():
+                        # a lifted constant is a plain attribute, as in the exported module: fx warns of those
+                        warnings.filterwarnings("ignore", "Attempted to insert a get_attr Node")
                         env[a] = graph.get_attr(target)
                     env[a].meta = dict(a.meta)
             with graph.inserting_after(cursor):
                 copy = graph.node_copy(nd, lambda a: env.get(a, a))
             copy.meta = _renamed(nd.meta, old, new)
             env[nd] = cursor = copy
+        envs[i] = env
         prev = env[outs[t]]
     for u in tail_users:
         u.replace_input_with(outs[-1], prev)
+    flat = [node if block is None else envs[block][node] for node, block in picks]
+    output.args = (type(output.args[0])(flat),)
+    if out_type is not None:  # the module's own output unflattening: as many as the graph now returns
+        graph._codegen.pytree_info = info._replace(out_spec=pytree.tree_structure(out_type(range(len(flat)))))
     graph.lint()
     gm.recompile()
-    return True
+    return whole_spec
+
+
+def _returned(output: fx.Node, member: dict[fx.Node, int | None], rep: Repeats,
+              spec: Spec) -> tuple[Spec, list[tuple[fx.Node, int | None]]] | None:
+    """The whole model's output spec and, for each of its flat outputs, the cut graph's node to return and the
+    block whose copy of it to take (None: that node itself); None where the meta runs do not say.
+
+    The meta runs of the whole and the cut model tell which block made each returned tensor. The cut graph
+    returns its tensors in the cut run's order, each made by the block the run says; the whole model
+    returns, per block, as many as the block it copies returns, in the same order. The whole run's spec is
+    the export's once its meta device is the export's (checked on the cut run's spec against the export's)."""
+    if rep.whole is None or rep.cut is None:
+        return None
+    flat = list(output.args[0]) if isinstance(output.args[0], (tuple, list)) else None
+    if flat is None or len(flat) != len(rep.cut.made_in) or any(
+            not isinstance(nd, fx.Node) or member[nd] != b for nd, b in zip(flat, rep.cut.made_in)):
+        return None
+    devices: dict[torch.device, object] = {}
+    if not _same_but_device(rep.cut.spec, spec, devices):
+        return None
+    by_block: dict[int | None, list[fx.Node]] = {}
+    for nd, b in zip(flat, rep.cut.made_in):
+        by_block.setdefault(b, []).append(nd)
+    picks, seen = [], {}
+    for b in rep.whole.made_in:
+        at = seen[b] = seen.get(b, -1) + 1
+        src = b if b is None or b < rep.keep else rep.template[rep.kinds[b]]
+        nodes = by_block.get(src, [])
+        if at >= len(nodes):
+            return None
+        picks.append((nodes[at], None if b is None or b < rep.keep else b))
+    counts = {b: k + 1 for b, k in seen.items()}
+    if any(counts.get(b, 0) != len(nodes) for b, nodes in by_block.items() if b is None or b < rep.keep) or any(
+            k != len(by_block.get(rep.template[rep.kinds[b]], [])) for b, k in counts.items()
+            if b is not None and b >= rep.keep):
+        return None
+    return _with_devices(rep.whole.spec, devices), picks
+
+
+def _same_but_device(a: Spec, b: Spec, devices: dict) -> bool:
+    """``a`` (a meta run's) is ``b`` (the export's) but for devices, each meta-run device always one export
+    device; ``devices`` gets that map."""
+    if a.kind != b.kind or a.keys != b.keys or len(a.children) != len(b.children):
+        return False
+    if a.kind == "const" and isinstance(a.value, torch.device) and isinstance(b.value, torch.device):
+        return devices.setdefault(a.value, b.value) == b.value
+    if a.kind in ("const", "tree", "tensor"):
+        try:
+            if type(a.value) is not type(b.value) or not bool(a.value == b.value):
+                return False
+        except Exception:  # noqa: BLE001 - a value that cannot be compared is no proof of sameness
+            return False
+    elif a.value is not b.value:  # "object": the same class
+        return False
+    return all(_same_but_device(x, y, devices) for x, y in zip(a.children, b.children))
+
+
+def _with_devices(spec: Spec, devices: dict) -> Spec:
+    if spec.kind == "const" and isinstance(spec.value, torch.device):
+        return Spec("const", devices.get(spec.value, spec.value))
+    if not spec.children:
+        return spec
+    return Spec(spec.kind, spec.value, spec.keys, tuple(_with_devices(c, devices) for c in spec.children))

@@ -144,8 +144,9 @@ def _export_blocks(model: nn.Module, forward: Callable, args: tuple, kwargs: dic
             gm, spec = _export_on(model, forward, args, kwargs, kept, device, static)
         state = {**dict(model.named_parameters(remove_duplicate=False)),
                  **dict(model.named_buffers(remove_duplicate=False)), **(params or {})}
-        if expand(gm, rep, state):
-            return gm, spec
+        whole = expand(gm, rep, state, spec)
+        if whole is not None:
+            return gm, whole
     return _export_on(model, forward, args, kwargs, params, device, static)
 
 
