@@ -265,3 +265,20 @@ def test_every_block_output_returned_keeps_its_place():
     torch.testing.assert_close(logits, ref_logits, rtol=0, atol=0)
     for a, b in zip(states, ref_states):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_a_check_on_values_skipped_while_tracing_runs_on_fake_tensors():
+    """Hugging Face's mask code reads position ids into Python unless it sees a fake tensor (export's view):
+    the meta run fails there, the fake-tensor run does not, and the blocks are copied."""
+    from autotp.capture.structure import flatten, unflatten
+    from models import llama_deep
+
+    model, args, kwargs = llama_deep()  # labels, use_cache off: no cache, so the mask code checks the ids
+    assert repeats._run(model, model.model.layers, lambda: model(**{k: v.to("meta") if torch.is_tensor(v) else v
+                                                                    for k, v in kwargs.items()}),
+                        "model.layers", fake=False) is None
+    (gm, spec), (_, whole_spec), taken = _copied_and_whole(model, args, kwargs)
+    assert taken and spec == whole_spec
+    got, ref = unflatten(list(gm(*flatten((args, kwargs))[0])), spec), model(*args, **kwargs)
+    torch.testing.assert_close(got.logits, ref.logits, rtol=0, atol=0)
+    torch.testing.assert_close(got.loss, ref.loss, rtol=0, atol=0)

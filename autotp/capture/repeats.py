@@ -31,6 +31,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 import torch.utils._pytree as pytree
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -163,15 +164,25 @@ def _on_meta(model: nn.Module, names: dict[int, str]) -> Iterator[None]:
 
 
 def _record(model: nn.Module, blocks: nn.Module | None, run: Callable[[], object], path: str = "") -> _Recorder | None:
-    """The meta run's record, or None where it cannot run on meta (a value read into Python)."""
+    """The meta run's record, or None where it cannot run on meta (a value read into Python).
+
+    It runs on meta tensors; where that fails, on fake tensors over them, as torch.export's non-strict trace
+    sees them (Hugging Face's masks skip a check on values only for a fake tensor: ``is_tracing(x)``).
+    Fake tensors cost about 6× more per op, so they are the second try."""
+    return _run(model, blocks, run, path, fake=False) or _run(model, blocks, run, path, fake=True)
+
+
+def _run(model: nn.Module, blocks: nn.Module | None, run: Callable[[], object], path: str,
+         fake: bool) -> _Recorder | None:
     rec = _Recorder(path)
     handles = []
     for i, block in enumerate(blocks if blocks is not None else ()):
         handles.append(block.register_forward_pre_hook(lambda m, a, i=i: rec.enter(i)))
         handles.append(block.register_forward_hook(lambda m, a, o: rec.leave()))
     training = [m.training for m in model.modules()]
+    tensors = FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()
     try:
-        with torch.no_grad(), _on_meta(model, rec.names), rec:
+        with torch.no_grad(), tensors, _on_meta(model, rec.names), rec:
             rec.output = run()
     except Exception:  # noqa: BLE001 - anything the meta run cannot do: capture the whole model instead
         return None
