@@ -117,7 +117,8 @@ def analyze(gm: fx.GraphModule, tp: int) -> Analysis:
     # attention first: its output projection's pair is the one to keep where a low-rank projection (DeepSeek's
     # q_a -> q_b) could otherwise pair with the up-projection that attention reads
     order = _order(gm)  # once: a graph walk per pair would make a deep model's analysis quadratic
-    for row in sorted(matmuls, key=lambda m: not _after_attention(m, by_node.keys() | embeddings.keys())):
+    attention = _after_attention(gm, by_node.keys() | embeddings.keys())
+    for row in sorted(matmuls, key=lambda m: not attention[m.x]):
         cols = feed[row.x] | ({row.x} if row.x in by_node else frozenset())
         # a matmul that feeds another candidate's input is no column of this pair (a column's input is whole):
         # DeepSeek's kv down-projection feeds the kv up-projection, and its rotary key part reaches attention
@@ -165,22 +166,21 @@ def analyze(gm: fx.GraphModule, tp: int) -> Analysis:
     return result
 
 
-def _after_attention(row: ParamMatmul, matmuls: set[fx.Node]) -> bool:
-    """Does ``row`` read attention's output: scaled_dot_product_attention, or a product of two activations,
-    between it and the matmuls that feed it?"""
-    seen, todo = set(), [row.x]
-    while todo:
-        n = todo.pop()
-        if n in seen or n in matmuls or n.op != "call_function":
-            continue
-        seen.add(n)
-        if n.target is aten.scaled_dot_product_attention.default:
-            return True
-        if n.target in (aten.matmul.default, aten.bmm.default, aten.baddbmm.default) \
-                and not any(a.op == "get_attr" for a in n.all_input_nodes):
-            return True
-        todo.extend(n.all_input_nodes)
-    return False
+def _after_attention(gm: fx.GraphModule, matmuls: set[fx.Node]) -> dict[fx.Node, bool]:
+    """For every node: does it read attention's output (scaled_dot_product_attention, or a product of two
+    activations) with no parameter matmul in between? One pass in graph order, so that the rows of a deep
+    model, which all read the residual stream back to the first block, cost one walk in all."""
+    out: dict[fx.Node, bool] = {}
+    for n in gm.graph.nodes:
+        if n in matmuls or n.op != "call_function":
+            out[n] = False
+        elif n.target is aten.scaled_dot_product_attention.default or (
+                n.target in (aten.matmul.default, aten.bmm.default, aten.baddbmm.default)
+                and not any(a.op == "get_attr" for a in n.all_input_nodes)):
+            out[n] = True
+        else:
+            out[n] = any(out[a] for a in n.all_input_nodes)
+    return out
 
 
 def _whole_experts(result: Analysis, matmuls: list[ParamMatmul], assigned: set[fx.Node]) -> None:
