@@ -153,3 +153,21 @@ def test_cli_shard_loads_weights_and_checks_them_before_launching(root, tmp_path
     assert result.exit_code == 0, result.output
     summary = json.loads((out / "summary.json").read_text())
     assert summary["parity"]["ok"] and "(safetensors)" in summary["weights"], summary["weights"]
+
+
+def test_prefault_maps_pages_and_changes_no_value() -> None:
+    """load_weights maps a shard's pages in one call before filling it: values stay as they are, and tensors it
+    cannot or need not touch (meta, small, strided) are left alone."""
+    from autotp.io.empty import PREFAULT_BYTES, prefault
+
+    big = torch.arange(PREFAULT_BYTES // 2, dtype=torch.float32)  # 2 MiB, written: prefault must keep it
+    before = big.clone()
+    prefault(big)
+    assert torch.equal(big, before)
+    fresh = torch.empty(PREFAULT_BYTES, dtype=torch.uint8)
+    prefault(fresh)
+    fresh.fill_(7)
+    assert int(fresh.sum()) == 7 * PREFAULT_BYTES
+    for t in (torch.empty(3, device="meta"), torch.ones(4), big.view(-1, 2)[:, 0]):
+        prefault(t)  # no-ops, no errors
+    assert torch.equal(big, before)

@@ -119,3 +119,31 @@ def check_materialized(names: tuple[str, ...]) -> None:
             "gave it values (a buffer still on the meta device is not in the checkpoint)",
             hint="load its weights with autotp.load_weights(model, path); build the model inside "
                  "`with autotp.empty_weights():` so that its own code computes its buffers (rotary tables, masks)")
+
+
+MADV_POPULATE_WRITE = 23  # Linux 5.14+
+PREFAULT_BYTES = 1 << 20
+
+
+def prefault(t: torch.Tensor) -> None:
+    """Map every page of a CPU tensor about to be written whole, in one ``madvise(MADV_POPULATE_WRITE)``.
+
+    A shard :func:`allocate_meta` made is untouched memory: the copy that fills it takes a page fault per
+    4 KiB, and faults of ranks sharing a host contend (2 GiB on each of two ranks: 2.5 s each, against 0.75 s
+    populated first). Nothing changes but when the pages are mapped; where the call is unsupported (not
+    Linux, an older kernel, not CPU memory) it does nothing."""
+    if t.device.type != "cpu" or t.is_meta or t.nbytes < PREFAULT_BYTES or not t.is_contiguous():
+        return
+    import ctypes
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        page = 4096
+        start = t.data_ptr() & ~(page - 1)
+        libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(t.data_ptr() + t.nbytes - start),
+                     ctypes.c_int(MADV_POPULATE_WRITE))  # an error (EINVAL: older kernel) leaves it as it was
+    except (OSError, AttributeError):
+        return

@@ -30,7 +30,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from autotp.io.checkpoint import tp_local_empty, write_tp_local
-from autotp.io.empty import allocate_meta, check_materialized, mark_loaded, swap_tensors
+from autotp.io.empty import allocate_meta, check_materialized, mark_loaded, prefault, swap_tensors
 from autotp.errors import CheckpointError, ShardingError
 from autotp.plan.plan import ParamShard
 from autotp.shard_spec import global_runs
@@ -275,6 +275,7 @@ def load_weights(model: nn.Module, path: Path | str, *, device: torch.device | s
             if isinstance(local, DTensor):  # FSDP: this rank's TP shard read whole, its dp piece kept
                 wholes.append((local, tp_local_empty(local)))
                 local = wholes[-1][1]
+            prefault(local)  # the pages it is about to fill, mapped in one call rather than one fault per page
             _read(source, t, _pieces(t, local, tp, rank), info)
             loaded += 1
         source.finish()  # a DCP source reads everything asked for here
