@@ -282,3 +282,35 @@ def test_a_check_on_values_skipped_while_tracing_runs_on_fake_tensors():
     got, ref = unflatten(list(gm(*flatten((args, kwargs))[0])), spec), model(*args, **kwargs)
     torch.testing.assert_close(got.logits, ref.logits, rtol=0, atol=0)
     torch.testing.assert_close(got.loss, ref.loss, rtol=0, atol=0)
+
+
+def _hf(family: str):
+    from transformers import GPT2Config, GPT2LMHeadModel, Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    if family == "qwen2":
+        return Qwen2ForCausalLM(Qwen2Config(vocab_size=V, hidden_size=H, intermediate_size=2 * H, num_hidden_layers=4,
+                                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64))
+    return GPT2LMHeadModel(GPT2Config(vocab_size=V, n_positions=64, n_embd=H, n_layer=5, n_head=4,
+                                      attn_implementation="eager", bos_token_id=0, eos_token_id=0))
+
+
+@pytest.mark.parametrize("family,extra,copied", [
+    ("gpt2", {}, True),  # a KV cache: two tensors per block
+    ("qwen2", {}, True),
+    # the hidden states are each block's input (the last block's output is returned only after the final
+    # norm) and the attention weights its own: the last kept block returns less than the middle ones, so no
+    # copy is proven to return what the whole model returns
+    ("gpt2", {"output_hidden_states": True, "output_attentions": True, "use_cache": False}, False),
+])
+def test_hugging_face_outputs_per_block(family, extra, copied):
+    from autotp.capture.structure import flatten, unflatten
+
+    model = _hf(family).eval()
+    ids = torch.randint(0, V, (2, 8), generator=torch.Generator().manual_seed(1))
+    kwargs = {"input_ids": ids, "labels": ids, **extra}
+    (gm, spec), (_, whole_spec), taken = _copied_and_whole(model, (), kwargs)
+    assert taken == copied and spec == whole_spec
+    got = flatten(unflatten(list(gm(*flatten(((), kwargs))[0])), spec))[0]
+    ref = flatten(model(**kwargs))[0]
+    assert len(got) == len(ref) and all(torch.equal(a, b) for a, b in zip(got, ref))

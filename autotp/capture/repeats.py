@@ -23,6 +23,7 @@ cut graph each block must read one value of the block before it and hand one val
 from __future__ import annotations
 
 import contextlib
+import logging
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -47,6 +48,7 @@ class Outputs:
 
     spec: Spec
     made_in: tuple[int | None, ...]
+    kinds: tuple[tuple, ...] = ()  # each flat tensor's shape and dtype
 
 
 @dataclass(frozen=True)
@@ -181,12 +183,16 @@ def _run(model: nn.Module, blocks: nn.Module | None, run: Callable[[], object], 
         handles.append(block.register_forward_hook(lambda m, a, o: rec.leave()))
     training = [m.training for m in model.modules()]
     tensors = FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()
+    quiet = logging.getLogger("torch")
+    level = quiet.level
+    quiet.setLevel(logging.CRITICAL)  # fake tensor mode logs an op that fails; here failing is an answer
     try:
         with torch.no_grad(), tensors, _on_meta(model, rec.names), rec:
             rec.output = run()
     except Exception:  # noqa: BLE001 - anything the meta run cannot do: capture the whole model instead
         return None
     finally:
+        quiet.setLevel(level)
         for h in handles:
             h.remove()
         for m, t in zip(model.modules(), training):
@@ -261,7 +267,8 @@ def find_repeats(model: nn.Module, run: Callable[[], object]) -> Repeats | None:
 
 def _outputs(rec: _Recorder) -> Outputs:
     tensors, spec = flatten(rec.output)
-    return Outputs(spec, tuple(rec.made.get(id(t)) for t in tensors))
+    return Outputs(spec, tuple(rec.made.get(id(t)) for t in tensors),
+                   tuple((tuple(t.shape), t.dtype) for t in tensors))
 
 
 def program(model: nn.Module, run: Callable[[], object]) -> str | None:
@@ -432,18 +439,21 @@ def _returned(output: fx.Node, member: dict[fx.Node, int | None], rep: Repeats,
     devices: dict[torch.device, object] = {}
     if not _same_but_device(rep.cut.spec, spec, devices):
         return None
-    by_block: dict[int | None, list[fx.Node]] = {}
-    for nd, b in zip(flat, rep.cut.made_in):
-        by_block.setdefault(b, []).append(nd)
+    by_block: dict[int | None, list[tuple[fx.Node, tuple]]] = {}
+    for nd, b, kind in zip(flat, rep.cut.made_in, rep.cut.kinds):
+        by_block.setdefault(b, []).append((nd, kind))
     picks, seen = [], {}
-    for b in rep.whole.made_in:
+    for b, kind in zip(rep.whole.made_in, rep.whole.kinds):
         at = seen[b] = seen.get(b, -1) + 1
         src = b if b is None or b < rep.keep else rep.template[rep.kinds[b]]
         nodes = by_block.get(src, [])
-        if at >= len(nodes):
+        # the same place among its block's outputs, and the same shape and dtype (a last block that returns
+        # less than the others, as Hugging Face's hidden states do, is no template for the middle ones)
+        if at >= len(nodes) or nodes[at][1] != kind:
             return None
-        picks.append((nodes[at], None if b is None or b < rep.keep else b))
+        picks.append((nodes[at][0], None if b is None or b < rep.keep else b))
     counts = {b: k + 1 for b, k in seen.items()}
+    by_block = {b: [nd for nd, _ in nodes] for b, nodes in by_block.items()}
     if any(counts.get(b, 0) != len(nodes) for b, nodes in by_block.items() if b is None or b < rep.keep) or any(
             k != len(by_block.get(rep.template[rep.kinds[b]], [])) for b, k in counts.items()
             if b is not None and b >= rep.keep):
