@@ -9,6 +9,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import autotp.capture.meta_run as meta_run
 import autotp.capture.repeats as repeats
 from autotp.capture.tracer import capture
 from autotp.plan.planner import make_plan
@@ -274,9 +275,8 @@ def test_a_check_on_values_skipped_while_tracing_runs_on_fake_tensors():
     from models import llama_deep
 
     model, args, kwargs = llama_deep()  # labels, use_cache off: no cache, so the mask code checks the ids
-    assert repeats._run(model, model.model.layers, lambda: model(**{k: v.to("meta") if torch.is_tensor(v) else v
-                                                                    for k, v in kwargs.items()}),
-                        "model.layers", fake=False) is None
+    on_meta = {k: v.to("meta") if torch.is_tensor(v) else v for k, v in kwargs.items()}
+    assert meta_run.run_once(model, model.model.layers, lambda: model(**on_meta), "model.layers", fake=False) is None
     (gm, spec), (_, whole_spec), taken = _copied_and_whole(model, args, kwargs)
     assert taken and spec == whole_spec
     got, ref = unflatten(list(gm(*flatten((args, kwargs))[0])), spec), model(*args, **kwargs)

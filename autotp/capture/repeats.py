@@ -4,7 +4,7 @@
 layers, 10 s at 80 on 2 cores) although blocks 1 … L−1 compute what block 1 computes with their own
 weights. Here:
 
-1. A cheap eager run on the meta device (no export, no symbolic shapes) records, for every child of the
+1. A cheap eager run on the meta device (:mod:`autotp.capture.meta_run`) records, for every child of the
    model's longest module list, the ops it runs: each op with its arguments' shapes, dtypes and Python
    values, and the block's own parameter and buffer shapes. Blocks with the same record are one *kind*;
    the kinds come from what the blocks do, never from their names or classes (a dense first block, MoE
@@ -13,17 +13,19 @@ weights. Here:
    first block, one instance that follows another block: ``keep`` blocks, 2 for identical blocks.
 3. The graph is extended to all L blocks: block i is a copy of its kind's captured block, reading block i's
    own parameters and buffers, its one input from block i − 1 and everything else from the code before the
-   blocks, exactly as the captured block does.
+   blocks, exactly as the captured block does. A block may also return values of its own (a KV cache's key
+   and value, a hidden state): the meta runs say which block made each returned tensor, and each copy
+   returns its own in the whole model's output structure.
 
 It is used only where it is safe, and the full export runs otherwise: the meta run must succeed (no data-
 dependent Python on tensor values), every block must be called once, in order, with no code between two
-blocks; the cut model must run the same ops before and after its blocks as the whole one; and in the
-cut graph each block must read one value of the block before it and hand one value on.
+blocks; the cut model must run the same ops before and after its blocks as the whole one; in the cut
+graph each block must read one value of the block before it and hand one value on; and each returned
+tensor of a copy must have its template's place, shape and dtype among its block's returned tensors.
 """
 from __future__ import annotations
 
 import contextlib
-import logging
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -32,23 +34,12 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 import torch.utils._pytree as pytree
-from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.nn.utils.stateless import _reparametrize_module
-from torch.utils._python_dispatch import TorchDispatchMode
 
-from autotp.capture.structure import Spec, flatten
+from autotp.capture.meta_run import Outputs, Recorder, outputs, record
+from autotp.capture.meta_run import program as meta_program
+from autotp.capture.structure import Spec
 
 MIN_BLOCKS = 3  # a list shorter than this is captured whole
-
-
-@dataclass(frozen=True)
-class Outputs:
-    """What the forward returned in a meta run: its structure, and for each flat tensor the block whose op
-    made it (None: the code around the blocks), e.g. each block's key and value in a KV cache."""
-
-    spec: Spec
-    made_in: tuple[int | None, ...]
-    kinds: tuple[tuple, ...] = ()  # each flat tensor's shape and dtype
 
 
 @dataclass(frozen=True)
@@ -71,141 +62,12 @@ def _container(model: nn.Module) -> tuple[str, nn.Module] | None:
     return best
 
 
-def _describe(x: object, names: dict[int, str], prefix: str) -> object:
-    """An op argument as plain data: a parameter or buffer by its name (inside a block, relative to it), another
-    tensor by shape and dtype, a Python value as itself."""
-    if isinstance(x, torch.Tensor):
-        name = names.get(id(x))
-        if name is not None:
-            return ("P", name[len(prefix):] if prefix and name.startswith(prefix) else name)
-        return ("T", tuple(int(s) for s in x.shape), tuple(int(s) for s in x.stride()), x.dtype, x.device.type,
-                x.requires_grad)
-    if isinstance(x, (list, tuple)):
-        return tuple(_describe(y, names, prefix) for y in x)
-    if isinstance(x, dict):
-        return tuple((k, _describe(v, names, prefix)) for k, v in sorted(x.items(), key=lambda kv: str(kv[0])))
-    if isinstance(x, torch.device):
-        return ("device",)  # meta here, the capture's device there: the same program
-    if isinstance(x, (int, float, bool, str, type(None), torch.dtype, torch.memory_format, torch.layout)):
-        return x
-    return type(x).__name__
-
-
-@dataclass(frozen=True)
-class _Out:  # not a NamedTuple: pytree would open it
-    shape: tuple[int, ...]
-    stride: tuple[int, ...]
-    dtype: torch.dtype
-
-
-def _all_meta(out: object) -> bool:
-    leaves = pytree.tree_leaves(out)
-    return all(isinstance(x, torch.Tensor) and x.is_meta and not x.requires_grad for x in leaves) and bool(leaves)
-
-
-class _Recorder(TorchDispatchMode):
-    """Every op's record, filed under the block running it (None: the code around the blocks)."""
-
-    def __init__(self, path: str = "") -> None:
-        super().__init__()
-        self.path = path
-        self.names: dict[int, str] = {}
-        self.block: int | None = None
-        self.calls: list[int] = []
-        self.segments: list[tuple[int | None, list]] = [(None, [])]
-        # an op's meta outputs by its record: the blocks after the first of a kind repeat its ops exactly,
-        # and meta kernels cost far more than making empty tensors of the recorded shapes
-        self.memo: dict[tuple, object] = {}
-        self.made: dict[int, int | None] = {}  # a tensor's id -> the block whose op last returned it
-        self.output: object = None
-
-    def enter(self, i: int) -> None:
-        self.block = i
-        self.calls.append(i)
-        self.segments.append((i, []))
-
-    def leave(self) -> None:
-        self.block = None
-        self.segments.append((None, []))
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        prefix = f"{self.path}.{self.block}." if self.block is not None else ""
-        record = (func, _describe(args, self.names, prefix), _describe(kwargs or {}, self.names, prefix))
-        self.segments[-1][1].append(record)
-        made = self.memo.get(record)
-        if made is not None:
-            out = pytree.tree_map(lambda t: torch.empty_strided(t.shape, t.stride, dtype=t.dtype, device="meta")
-                                  if isinstance(t, _Out) else t, made)
-        else:
-            out = func(*args, **(kwargs or {}))
-            if not func.is_view and not func._schema.is_mutable and _all_meta(out):
-                self.memo[record] = pytree.tree_map(
-                    lambda t: _Out(tuple(t.shape), tuple(t.stride()), t.dtype) if isinstance(t, torch.Tensor) else t,
-                    out)
-        for t in pytree.tree_leaves(out):
-            if isinstance(t, torch.Tensor):
-                self.made[id(t)] = self.block
-        return out
-
-
-@contextlib.contextmanager
-def _on_meta(model: nn.Module, names: dict[int, str]) -> Iterator[None]:
-    """The model's parameters and buffers as meta tensors for the duration; ``names`` gets each one's name
-    (a tied weight's first) by the meta tensor's id."""
-    state = {**dict(model.named_parameters(remove_duplicate=False)), **dict(model.named_buffers(remove_duplicate=False))}
-    made: dict[int, torch.Tensor] = {}
-    meta = {}
-    for name, t in state.items():
-        if id(t) not in made:
-            m = torch.empty(t.shape, dtype=t.dtype, device="meta")
-            made[id(t)] = nn.Parameter(m, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else m
-            names[id(made[id(t)])] = name
-        meta[name] = made[id(t)]
-    with _reparametrize_module(model, meta):
-        yield
-
-
-def _record(model: nn.Module, blocks: nn.Module | None, run: Callable[[], object], path: str = "") -> _Recorder | None:
-    """The meta run's record, or None where it cannot run on meta (a value read into Python).
-
-    It runs on meta tensors; where that fails, on fake tensors over them, as torch.export's non-strict trace
-    sees them (Hugging Face's masks skip a check on values only for a fake tensor: ``is_tracing(x)``).
-    Fake tensors cost about 6× more per op, so they are the second try."""
-    return _run(model, blocks, run, path, fake=False) or _run(model, blocks, run, path, fake=True)
-
-
-def _run(model: nn.Module, blocks: nn.Module | None, run: Callable[[], object], path: str,
-         fake: bool) -> _Recorder | None:
-    rec = _Recorder(path)
-    handles = []
-    for i, block in enumerate(blocks if blocks is not None else ()):
-        handles.append(block.register_forward_pre_hook(lambda m, a, i=i: rec.enter(i)))
-        handles.append(block.register_forward_hook(lambda m, a, o: rec.leave()))
-    training = [m.training for m in model.modules()]
-    tensors = FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()
-    quiet = logging.getLogger("torch")
-    level = quiet.level
-    quiet.setLevel(logging.CRITICAL)  # fake tensor mode logs an op that fails; here failing is an answer
-    try:
-        with torch.no_grad(), tensors, _on_meta(model, rec.names), rec:
-            rec.output = run()
-    except Exception:  # noqa: BLE001 - anything the meta run cannot do: capture the whole model instead
-        return None
-    finally:
-        quiet.setLevel(level)
-        for h in handles:
-            h.remove()
-        for m, t in zip(model.modules(), training):
-            m.training = t
-    return rec
-
-
 def _signature(block: nn.Module) -> tuple:
     return tuple((n, tuple(t.shape), t.dtype, t.requires_grad)
                  for n, t in [*block.named_parameters(remove_duplicate=False), *block.named_buffers()])
 
 
-def _split(rec: _Recorder, n: int) -> tuple[list, list[list], list, bool] | None:
+def _split(rec: Recorder, n: int) -> tuple[list, list[list], list, bool] | None:
     """(ops before the blocks, each block's ops, ops after them, whether nothing runs between two blocks)."""
     if rec.calls != list(range(n)):
         return None
@@ -240,7 +102,7 @@ def find_repeats(model: nn.Module, run: Callable[[], object]) -> Repeats | None:
         return None
     path, blocks = found
     n = len(blocks)
-    rec = _record(model, blocks, run, path)
+    rec = record(model, blocks, run, path)
     whole = _split(rec, n) if rec is not None else None
     if whole is None or not whole[3]:
         return None
@@ -258,31 +120,16 @@ def find_repeats(model: nn.Module, run: Callable[[], object]) -> Repeats | None:
     if keep >= n:
         return None
     with cut(blocks, keep):
-        rec_cut = _record(model, blocks, run, path)
+        rec_cut = record(model, blocks, run, path)
     short = _split(rec_cut, keep) if rec_cut is not None else None
     if short is None or short[0] != before or short[2] != after or short[1] != ops[:keep]:
         return None  # the code around the blocks depends on how many there are
-    return Repeats(path, tuple(kinds), keep, tuple(template), _outputs(rec), _outputs(rec_cut))
-
-
-def _outputs(rec: _Recorder) -> Outputs:
-    tensors, spec = flatten(rec.output)
-    return Outputs(spec, tuple(rec.made.get(id(t)) for t in tensors),
-                   tuple((tuple(t.shape), t.dtype) for t in tensors))
+    return Repeats(path, tuple(kinds), keep, tuple(template), outputs(rec), outputs(rec_cut))
 
 
 def program(model: nn.Module, run: Callable[[], object]) -> str | None:
-    """What the forward computes, as text: every op it runs on meta, in order, with its arguments (parameters
-    and buffers by name, other tensors by shape and dtype, Python values as themselves). Two calls with the
-    same text capture to the same graph; None where the forward cannot run on meta. Inside a block of the
-    model's longest module list, parameters are named relative to the block and each op is filed under
-    its block's index, so the blocks after the first of a kind run from the memo."""
-    found = _container(model)
-    path, blocks = found if found is not None else ("", None)
-    rec = _record(model, blocks, run, path)
-    if rec is None:
-        return None
-    return repr([(b, [(str(f), a, k) for f, a, k in ops]) for b, ops in rec.segments if ops or b is not None])
+    """:func:`autotp.capture.meta_run.program` of the model, its blocks being its longest module list."""
+    return meta_program(model, run, _container(model))
 
 
 # -- the graph ---------------------------------------------------------------------------------------------
@@ -440,10 +287,10 @@ def _returned(output: fx.Node, member: dict[fx.Node, int | None], rep: Repeats,
     if not _same_but_device(rep.cut.spec, spec, devices):
         return None
     by_block: dict[int | None, list[tuple[fx.Node, tuple]]] = {}
-    for nd, b, kind in zip(flat, rep.cut.made_in, rep.cut.kinds):
+    for nd, b, kind in zip(flat, rep.cut.made_in, rep.cut.shapes):
         by_block.setdefault(b, []).append((nd, kind))
     picks, seen = [], {}
-    for b, kind in zip(rep.whole.made_in, rep.whole.kinds):
+    for b, kind in zip(rep.whole.made_in, rep.whole.shapes):
         at = seen[b] = seen.get(b, -1) + 1
         src = b if b is None or b < rep.keep else rep.template[rep.kinds[b]]
         nodes = by_block.get(src, [])
