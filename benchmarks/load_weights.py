@@ -12,6 +12,8 @@ For each tp, on gloo ranks of this machine (one path at a time, so they do not c
   names, so it reads the checkpoint as it is) built inside ``autotp.empty_weights()``, ``autotp.parallelize``
   (plans on meta, allocates the shards), ``autotp.load_weights(model, folder)``;
 - autotp-hf: the same with Hugging Face's ``LlamaForCausalLM`` class (its process imports transformers);
+- autotp-mmap: autotp with ``load_weights(..., mmap=True)``: column and vocab shards left as views of the
+  files' copy-on-write mappings, row shards copied;
 - old: ``LlamaForCausalLM.from_pretrained(folder)`` (the whole model on every rank), then ``autotp.parallelize``;
 - hf: ``from_pretrained(folder, distributed_config=DistributedConfig(tp_plan="auto"))`` (needs accelerate).
 
@@ -90,7 +92,7 @@ def _expected_read(model) -> int:
     return total
 
 
-def autotp_rank(folder: str, hf: bool = False) -> dict:
+def autotp_rank(folder: str, hf: bool = False, mmap: bool = False) -> dict:
     import torch
 
     import autotp
@@ -112,7 +114,7 @@ def autotp_rank(folder: str, hf: bool = False) -> dict:
     t2 = time.perf_counter()
     rss_planned = _status("VmRSS")
 
-    loaded = autotp.load_weights(model, folder)
+    loaded = autotp.load_weights(model, folder, mmap=mmap)
     t3 = time.perf_counter()
     # a spot check that the slices are the checkpoint's: this rank's rows of the first q projection
     from safetensors import safe_open
@@ -132,6 +134,10 @@ def autotp_rank(folder: str, hf: bool = False) -> dict:
 
 def autotp_hf_rank(folder: str) -> dict:
     return autotp_rank(folder, hf=True)
+
+
+def autotp_mmap_rank(folder: str) -> dict:
+    return autotp_rank(folder, mmap=True)
 
 
 def old_rank(folder: str) -> dict:
@@ -291,7 +297,8 @@ def _markdown(r: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-PATHS = {"autotp": autotp_rank, "autotp-hf": autotp_hf_rank, "old": old_rank, "hf": hf_rank}
+PATHS = {"autotp": autotp_rank, "autotp-hf": autotp_hf_rank, "autotp-mmap": autotp_mmap_rank, "old": old_rank,
+         "hf": hf_rank}
 
 if __name__ == "__main__":
     main()

@@ -50,10 +50,16 @@ def test_meta_model_loads_every_format_at_tp4(at_tp4) -> None:
             assert r["tp"] == 4
             assert r["held"] < r["full"] / 3, (name, r["held"], r["full"])  # only the local shards were allocated
             assert "has no values yet" in r["refused"], r["refused"]
-            assert set(r["formats"]) == {"safetensors", "torch", "dcp"}
+            assert set(r["formats"]) == {"safetensors", "torch", "dcp", "safetensors-mmap", "torch-mmap"}
             for fmt, f in r["formats"].items():
                 assert f["differ"] == [], (rank, name, fmt, f["differ"])
                 assert f["outputs"] <= TOL, (rank, name, fmt, f["outputs"])
+                # mapped: the tensors whose slice is one run of the file (not GPT-2's Conv1D columns, not
+                # nanoGPT's fused q|k|v segments, not row shards); the rest copied
+                assert (f["mapped"] > 0) == fmt.endswith("-mmap"), (name, fmt, f["mapped"])
+                assert f["mapped"] < f["tensors"], (name, fmt, f["mapped"], f["tensors"])
+            # the AdamW step ran on views of the files' copy-on-write mappings: the files are as they were
+            assert r["files_unchanged"]
             bytes_read = {f["bytes"] for f in r["formats"].values()}
             assert len(bytes_read) == 1, bytes_read  # each format reads exactly this rank's slices
             assert r["step"]["loss"] <= TOL and r["step"]["params"] <= 1e-4, (rank, name, r["step"])
@@ -171,3 +177,42 @@ def test_prefault_maps_pages_and_changes_no_value() -> None:
     for t in (torch.empty(3, device="meta"), torch.ones(4), big.view(-1, 2)[:, 0]):
         prefault(t)  # no-ops, no errors
     assert torch.equal(big, before)
+
+
+def test_mmap_maps_whole_runs_of_the_file_and_copies_the_rest(tmp_path) -> None:
+    """One process, no group: mmap=True makes a tensor a view of the file's private mapping where its bytes
+    are one run in its own dtype and nothing else views it; the rest are copied; writes never reach the file."""
+    import torch.nn as nn
+
+    torch.manual_seed(0)
+    src = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    state = {k: v.contiguous() for k, v in src.state_dict().items()}
+    state["0.bias"] = state["0.bias"].double()  # another dtype than the model's: converted by a copy
+    save_file(state, str(tmp_path / "m.safetensors"))
+    raw = (tmp_path / "m.safetensors").read_bytes()
+    with autotp.empty_weights():
+        model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    loaded = autotp.load_weights(model, tmp_path / "m.safetensors", mmap=True)
+    assert loaded.tensors == 4 and loaded.mapped == 3, loaded
+    assert all(torch.equal(model.state_dict()[k], v.float()) for k, v in state.items())
+
+    def in_file(t: torch.Tensor) -> bool:
+        with open("/proc/self/maps") as f:
+            spans = [[int(x, 16) for x in line.split()[0].split("-")] for line in f if "m.safetensors" in line]
+        return any(a <= t.data_ptr() < b for a, b in spans)
+
+    assert [in_file(p) for p in model.parameters()] == [True, False, True, True]
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    model(torch.randn(3, 8)).sum().backward()
+    opt.step()  # writes every parameter: the pages written are the process's own copies
+    assert not torch.equal(model[0].weight, state["0.weight"])
+    assert (tmp_path / "m.safetensors").read_bytes() == raw
+    # a tensor something else views keeps its storage (the view would go on reading the old one): copied
+    with autotp.empty_weights():
+        again = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    from autotp.io.empty import allocate_meta
+
+    allocate_meta(again, torch.device("cpu"))
+    held = again[2].weight.t()  # (16, 4) -> (4, 16): a view, as a model caching a transpose holds one
+    loaded = autotp.load_weights(again, tmp_path / "m.safetensors", mmap=True)
+    assert loaded.mapped == 2 and torch.equal(held, state["2.weight"].t())

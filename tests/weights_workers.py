@@ -97,13 +97,18 @@ def load_formats(root: str) -> dict:
             r["refused"] = ""
         except autotp.ShardingError as exc:
             r["refused"] = str(exc)
-        for fmt, path in _formats(root, name):
+        files = {fmt: path for fmt, path in _formats(root, name) if fmt != "dcp"}
+        before = {fmt: _digest(path) for fmt, path in files.items()}
+        # the mapped loads last: the training step below writes to the views of the files' mappings
+        for fmt, path in [*_formats(root, name), *((f"{fmt}-mmap", path) for fmt, path in files.items())]:
             _scramble(model)
-            loaded = autotp.load_weights(model, path)
-            r["formats"][fmt] = {"kind": loaded.kind, "bytes": loaded.bytes_read,
+            loaded = autotp.load_weights(model, path, mmap=fmt.endswith("-mmap"))
+            r["formats"][fmt] = {"kind": loaded.kind, "bytes": loaded.bytes_read, "mapped": loaded.mapped,
+                                 "tensors": loaded.tensors,
                                  "differ": _same(autotp.full_state_dict(model), ref.state_dict()),
                                  "outputs": _outputs(model, ref, args, kwargs)}
         r["step"] = _step(model, ref, args, kwargs)
+        r["files_unchanged"] = before == {fmt: _digest(path) for fmt, path in files.items()}
         base = os.path.join(root, name)
         save_checkpoint(model, ctx, os.path.join(base, "autotp"))
         autotp.save_weights(model, os.path.join(base, "export"), max_shard_bytes=64 << 10)
@@ -113,6 +118,17 @@ def load_formats(root: str) -> dict:
             torch.save(trained, os.path.join(base, "trained.pt"))
         out[name] = r
     return out
+
+
+def _digest(path: str) -> str:
+    """A SHA-256 of a checkpoint file, or of every file of a folder."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for f in sorted(os.listdir(path)) if os.path.isdir(path) else [""]:
+        with open(os.path.join(path, f) if f else path, "rb") as fh:
+            h.update(fh.read())
+    return h.hexdigest()
 
 
 def _formats(root: str, name: str) -> list[tuple[str, str]]:

@@ -16,6 +16,10 @@ dim into destination tensors (views into this rank's shards), so that a rank rea
   objects); the reads are queued and run by one ``dcp.load`` per rank (``no_dist``: no collective), whose
   planner asks for exactly the requested boxes, so DCP reads only the stored chunks that overlap them.
 
+For ``load_weights(..., mmap=True)`` the safetensors and torch sources also hand out a range along dim 0 as
+a *view* (:meth:`Source.view`): a tensor over the file's private, copy-on-write mapping (the one
+``safe_open`` and ``torch.load(mmap=True)`` make), which copies nothing.
+
 ``bytes_read`` counts the bytes of the slices asked for, in the checkpoint's dtype.
 """
 from __future__ import annotations
@@ -76,6 +80,11 @@ class Source(ABC):
     def read(self, name: str, dim: int, pieces: list[Piece]) -> None:
         """Copy each piece's range of tensor ``name`` along ``dim`` into the piece's ``out``."""
 
+    def view(self, name: str, dim: int, piece: Piece) -> torch.Tensor | None:
+        """The piece's range of tensor ``name`` as a tensor over a private (copy-on-write) mapping of the
+        checkpoint's file, where the format stores that range as one run of bytes; else None."""
+        return None
+
     def finish(self) -> None:
         """Complete the reads queued so far."""
 
@@ -97,6 +106,7 @@ class SafetensorsSource(Source):
         from safetensors import safe_open
 
         self._open = safe_open
+        self._handles: dict = {}
         self._files = self._weight_map(path)
         self._info: dict[str, TensorInfo] = {}
         for file in sorted(set(self._files.values())):
@@ -168,6 +178,21 @@ class SafetensorsSource(Source):
                     p.out.narrow(0, a - lo, b - a).copy_(f.get_slice(name)[tuple(index)])
         self._count(pieces, info.dtype)
 
+    def view(self, name: str, dim: int, piece: Piece) -> torch.Tensor | None:
+        info = self._info[name]
+        if info.shape and dim != 0:
+            return None
+        file = str(self._files[name])
+        if file not in self._handles:  # one mapping per file, kept alive by the views it gives
+            self._handles[file] = self._open(file, framework="pt")
+        f = self._handles[file]
+        out = f.get_slice(name)[piece.start:piece.start + piece.length] if info.shape else f.get_tensor(name)
+        self._count([piece], info.dtype)
+        return out
+
+    def finish(self) -> None:
+        self._handles.clear()
+
 
 class TorchFileSource(Source):
     kind = "torch"
@@ -204,6 +229,15 @@ class TorchFileSource(Source):
         self._mapped += t.nbytes
         if self._mapped > REMAP_BYTES:  # let the pages mapped so far go
             self._state, self._mapped = None, 0
+
+    def view(self, name: str, dim: int, piece: Piece) -> torch.Tensor | None:
+        if self._state is None:
+            self._state = self._load()
+        t = self._state[name]
+        if t.dim() and dim != 0:
+            return None
+        self._count([piece], t.dtype)
+        return t.narrow(0, piece.start, piece.length) if t.dim() else t
 
 
 class _Boxes:

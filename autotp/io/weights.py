@@ -64,6 +64,7 @@ class Loaded:
     tensors: int
     bytes_read: int  # bytes of the checkpoint slices this rank read
     seconds: float
+    mapped: int = 0  # tensors left as views of the file's mapping (mmap=True)
 
 
 def _targets(model: nn.Module) -> list[Target]:
@@ -241,7 +242,28 @@ def check_weights(model: nn.Module, path: Path | str) -> Source:
     return source
 
 
-def load_weights(model: nn.Module, path: Path | str, *, device: torch.device | str | None = None) -> Loaded:
+def _exclusive(local: torch.Tensor) -> bool:
+    """``local`` is a CPU tensor owning its whole storage, and no other tensor views it (such a view would
+    go on reading the old storage once ``local`` is given the file's)."""
+    if local.device.type != "cpu" or local.storage_offset() or local.untyped_storage().nbytes() != local.nbytes:
+        return False
+    use_count = getattr(torch._C, "_storage_Use_Count", None)
+    return use_count is not None and use_count(local.untyped_storage()._cdata) <= 2  # it and this call's wrapper
+
+
+def _mapped(source: Source, t: Target, local: torch.Tensor, pieces: list[Piece]) -> torch.Tensor | None:
+    """The checkpoint's mapped range that can become ``local`` itself: one piece covering all of it, stored
+    as one run of bytes in ``local``'s dtype."""
+    if not isinstance(t.key, str) or len(pieces) != 1 or pieces[0].out.shape != local.shape:
+        return None
+    view = source.view(t.key, t.dim, pieces[0])
+    if view is None or view.dtype != local.dtype or view.shape != local.shape or not view.is_contiguous():
+        return None
+    return view
+
+
+def load_weights(model: nn.Module, path: Path | str, *, device: torch.device | str | None = None,
+                 mmap: bool = False) -> Loaded:
     """Fill ``model``'s parameters and persistent buffers from the checkpoint at ``path``, in place.
 
     ``path``: a Hugging Face checkpoint folder or file (safetensors, one file or sharded with
@@ -250,6 +272,16 @@ def load_weights(model: nn.Module, path: Path | str, *, device: torch.device | s
     no collective runs (under FSDP each rank reads its whole TP shard, one tensor at a time, and keeps its
     data-parallel piece); a model that is not parallelized reads whole tensors (``device``: where its meta
     tensors are allocated, default the CPU). Names and shapes are checked before any data is read.
+
+    ``mmap=True`` (safetensors and torch files, on the CPU): a tensor whose slice is one run of bytes in
+    the file, in its own dtype (a whole tensor, a column shard's rows), becomes a view of the file's
+    private, copy-on-write mapping, as ``from_pretrained`` and ``torch.load(mmap=True)`` leave weights:
+    nothing is copied, pages are read from the page cache on first use, and a write (an optimizer step)
+    copies only the page it writes. The file is never written. It must not be rewritten in place while the
+    model lives: pages not yet copied would then show the new bytes, or fault (SIGBUS) where the file
+    shrank. autotp's own writers replace files by renaming, which is safe; ``safetensors.torch.save_file``
+    onto the same path is not. Other slices (a row shard's columns, vocab padding, a dtype change) are
+    copied as without it.
     """
     begin = time.perf_counter()
     st = find_tp_state(model)
@@ -261,7 +293,7 @@ def load_weights(model: nn.Module, path: Path | str, *, device: torch.device | s
     source = open_source(path)
     info = source.tensors()
     match(targets, info, str(path), _ignored(model))
-    loaded = 0
+    loaded = mapped = 0
     wholes: list[tuple[DTensor, torch.Tensor]] = []
     with torch.no_grad():
         for t in targets:
@@ -275,8 +307,14 @@ def load_weights(model: nn.Module, path: Path | str, *, device: torch.device | s
             if isinstance(local, DTensor):  # FSDP: this rank's TP shard read whole, its dp piece kept
                 wholes.append((local, tp_local_empty(local)))
                 local = wholes[-1][1]
+            exclusive = mmap and _exclusive(local)  # before the pieces, which view it
+            pieces = _pieces(t, local, tp, rank)
+            if exclusive and (view := _mapped(source, t, local, pieces)) is not None:
+                local.set_(view)  # the tensor's storage is now the file's mapping (same object, same names)
+                loaded, mapped = loaded + 1, mapped + 1
+                continue
             prefault(local)  # the pages it is about to fill, mapped in one call rather than one fault per page
-            _read(source, t, _pieces(t, local, tp, rank), info)
+            _read(source, t, pieces, info)
             loaded += 1
         source.finish()  # a DCP source reads everything asked for here
         for sharded, whole in wholes:
@@ -287,4 +325,4 @@ def load_weights(model: nn.Module, path: Path | str, *, device: torch.device | s
         check_materialized(unloaded)
     except ShardingError as exc:
         raise CheckpointError(f"{path}: {exc}") from None
-    return Loaded(str(path), source.kind, loaded, source.bytes_read, time.perf_counter() - begin)
+    return Loaded(str(path), source.kind, loaded, source.bytes_read, time.perf_counter() - begin, mapped)
