@@ -72,11 +72,13 @@ class TPState:
     dropped: frozenset[str] = frozenset()  # pipelined: parameters of other ranks' stages (meta here)
     # pipelined: the parameter names this rank's stages of a split graph read (never allocated: the others)
     stage_params: Callable[[fx.GraphModule], set[str]] | None = None
+    cached: Plan | None = None  # the plan parallelize sharded by, read from the plan cache (nothing captured)
+    cached_from: str = ""  # its file
 
     @property
     def plan(self) -> Plan:
-        """The plan of the first captured call."""
-        return next(iter(self.graphs.values())).plan
+        """The plan of the first captured call (the cached one parallelize sharded by, on a cache hit)."""
+        return self.cached if self.cached is not None else next(iter(self.graphs.values())).plan
 
 
 def find_tp_state(model: nn.Module) -> TPState | None:

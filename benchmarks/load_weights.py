@@ -14,6 +14,9 @@ For each tp, on gloo ranks of this machine (one path at a time, so they do not c
 - autotp-hf: the same with Hugging Face's ``LlamaForCausalLM`` class (its process imports transformers);
 - autotp-mmap: autotp with ``load_weights(..., mmap=True)``: column and vocab shards left as views of the
   files' copy-on-write mappings, row shards copied;
+- autotp-mmap-cached: the same job restarted: ``parallelize`` finds the plan the first run stored in the plan
+  cache (:mod:`autotp.parallel.reuse`), shards from it and captures on the model's first call instead.
+  Every other autotp path starts with an empty plan cache of its own;
 - old: ``LlamaForCausalLM.from_pretrained(folder)`` (the whole model on every rank), then ``autotp.parallelize``;
 - hf: ``from_pretrained(folder, distributed_config=DistributedConfig(tp_plan="auto"))`` (needs accelerate).
 
@@ -23,7 +26,8 @@ rank's own RSS before it built anything (torch, the process group and the model'
 bytes of checkpoint slices read against 1/tp of the sharded tensors plus the replicated ones; the wall time;
 and the wall time plus one read of every weight (a sum of each local tensor): ``from_pretrained`` leaves
 the weights as views of the memory-mapped files, whose pages are read on first use, while autotp copies
-each slice into the rank's own memory as it loads.
+each slice into the rank's own memory as it loads (unless ``mmap=True``); and the first forward's time (a
+(2, 8) batch, no gradients), where a cached plan's capture happens.
 The old path runs only when tp whole copies fit in the memory available (with 20% to spare); otherwise the
 result says so. Writes ``OUT/load_weights.json`` and ``OUT/load_weights.md``.
 """
@@ -32,6 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -92,7 +97,8 @@ def _expected_read(model) -> int:
     return total
 
 
-def autotp_rank(folder: str, hf: bool = False, mmap: bool = False) -> dict:
+def autotp_rank(folder: str, plans: str, hf: bool = False, mmap: bool = False) -> dict:
+    os.environ["AUTOTP_CACHE_DIR"] = plans  # the path's own plan cache (ranks keep the launcher's first environment)
     import torch
 
     import autotp
@@ -128,19 +134,21 @@ def autotp_rank(folder: str, hf: bool = False, mmap: bool = False) -> dict:
     assert torch.equal(model.get_parameter(name), want), "loaded slice differs from the checkpoint"
     touch = _touch(model)
     return {"start_rss": start, "planned_rss": rss_planned, "peak_rss": _status("VmHWM"), "held": _held(model),
-            "bytes_read": loaded.bytes_read, "expected_read": _expected_read(model),
-            "build_s": t1 - t0, "parallelize_s": t2 - t1, "load_s": t3 - t2, "total_s": t3 - t0, "touch_s": touch}
+            "bytes_read": loaded.bytes_read, "expected_read": _expected_read(model), "mapped": loaded.mapped,
+            "cached": st.cached is not None, "build_s": t1 - t0, "parallelize_s": t2 - t1, "load_s": t3 - t2,
+            "total_s": t3 - t0, "touch_s": touch, "first_call_s": _first_call(model)}
 
 
-def autotp_hf_rank(folder: str) -> dict:
-    return autotp_rank(folder, hf=True)
+def autotp_hf_rank(folder: str, plans: str) -> dict:
+    return autotp_rank(folder, plans, hf=True)
 
 
-def autotp_mmap_rank(folder: str) -> dict:
-    return autotp_rank(folder, mmap=True)
+def autotp_mmap_rank(folder: str, plans: str) -> dict:
+    return autotp_rank(folder, plans, mmap=True)
 
 
-def old_rank(folder: str) -> dict:
+def old_rank(folder: str, plans: str) -> dict:
+    os.environ["AUTOTP_CACHE_DIR"] = plans
     from transformers import LlamaForCausalLM
 
     import autotp
@@ -155,7 +163,7 @@ def old_rank(folder: str) -> dict:
             "parallelize_s": t2 - t1, "total_s": t2 - t0}
 
 
-def hf_rank(folder: str) -> dict:
+def hf_rank(folder: str, plans: str) -> dict:
     from transformers import DistributedConfig, LlamaForCausalLM
 
     start = _status("VmRSS")
@@ -164,7 +172,19 @@ def hf_rank(folder: str) -> dict:
     t1 = time.perf_counter()
     touch = _touch(model)
     return {"start_rss": start, "peak_rss": _status("VmHWM"), "held": _held(model), "total_s": t1 - t0,
-            "touch_s": touch}
+            "touch_s": touch, "first_call_s": _first_call(model)}
+
+
+def _first_call(model) -> float:
+    """Seconds of the model's first forward, a (2, 8) batch of token ids without gradients: where autotp
+    sharded from the plan cache, this is where it captures."""
+    import torch
+
+    ids = torch.zeros(2, 8, dtype=torch.long)
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        model(ids)
+    return time.perf_counter() - t0
 
 
 def _touch(model) -> float:
@@ -244,9 +264,14 @@ def main() -> None:
                                                   f"their shards do not fit in {_available() / 2**30:.1f} GiB available"}
                 print(key, result["runs"][key], flush=True)
                 continue
+            plans = a.cache / "plans" / f"{path.removesuffix('-cached')}@tp{tp}"
+            if not path.endswith("-cached"):  # a cold start: no plan cached
+                shutil.rmtree(plans, ignore_errors=True)
+            elif not plans.is_dir():  # a restarted job: the plan its first run stored
+                launch(PATHS[path], tp, str(folder), str(plans))
             t0 = time.perf_counter()
             try:
-                ranks = launch(PATHS[path], tp, str(folder))
+                ranks = launch(PATHS[path], tp, str(folder), str(plans))
                 result["runs"][key] = {**_worst(ranks, base), "wall_s": time.perf_counter() - t0}
             except Exception as exc:  # noqa: BLE001 - a path that fails is a result too
                 result["runs"][key] = {"failed": f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1][:300]}"}
@@ -271,24 +296,25 @@ def _markdown(r: dict) -> str:
              f"library imported). Load average (2 cores, shared machine) {r['load_average'][0]:.1f} at the start, "
              f"{r['load_average'][-1]:.1f} at the end.", "",
              "| path | tp | peak RSS / rank | ideal | ratio | ratio to own start | bytes read / rank | 1/tp + replicated "
-             "| ratio | time | time + one read of every weight |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| ratio | time | time + one read of every weight | first call |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     # the old and Hugging Face paths against autotp with the same model class
     auto = {k.split("@")[1]: v for k, v in r["runs"].items() if k.startswith("autotp-hf@") and "peak_rss" in v}
     for key, v in r["runs"].items():
         path, tp = key.split("@")
         if "peak_rss" not in v:
-            lines.append(f"| {path} | {tp[2:]} | {v.get('skipped') or v.get('failed')} | | | | | | | | |")
+            lines.append(f"| {path} | {tp[2:]} | {v.get('skipped') or v.get('failed')} | | | | | | | | | |")
             continue
         read = ("-", "-", "-") if "bytes_read" not in v else \
             (_gib(v["bytes_read"]), _gib(v["expected_read"]), f"{v['read_ratio']:.3f}")
         touched = f"{v['total_s'] + v['touch_s']:.1f} s" if "touch_s" in v else "-"
+        first = f"{v['first_call_s']:.1f} s" if "first_call_s" in v else "-"
         rel = ""
         if path in ("old", "hf") and tp in auto:
             rel = f" ({v['peak_rss'] / auto[tp]['peak_rss']:.2f}× autotp-hf's, {v['total_s'] / auto[tp]['total_s']:.2f}× its time)"
         lines.append(f"| {path} | {tp[2:]} | {_gib(v['peak_rss'])}{rel} | {_gib(v['ideal_rss'])} | {v['rss_ratio']:.3f} | "
                      f"{v['rss_ratio_own']:.3f} | "
-                     f"{read[0]} | {read[1]} | {read[2]} | {v['total_s']:.1f} s | {touched} |")
+                     f"{read[0]} | {read[1]} | {read[2]} | {v['total_s']:.1f} s | {touched} | {first} |")
     for key, v in r["runs"].items():
         if key.startswith("autotp") and "peak_rss" in v:
             lines.append(f"\n{key}: build {v['build_s']:.1f} s, parallelize {v['parallelize_s']:.1f} s, load "
@@ -297,8 +323,8 @@ def _markdown(r: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-PATHS = {"autotp": autotp_rank, "autotp-hf": autotp_hf_rank, "autotp-mmap": autotp_mmap_rank, "old": old_rank,
-         "hf": hf_rank}
+PATHS = {"autotp": autotp_rank, "autotp-hf": autotp_hf_rank, "autotp-mmap": autotp_mmap_rank,
+         "autotp-mmap-cached": autotp_mmap_rank, "old": old_rank, "hf": hf_rank}
 
 if __name__ == "__main__":
     main()

@@ -110,3 +110,22 @@ def test_the_key_follows_one_block_among_identical_ones():
     assert base != cache.plan_key(net, call, {"tp": 2})
     attn.n_head = 2
     assert base == cache.plan_key(net, call, {"tp": 2})
+
+
+@pytest.mark.slow
+def test_a_restarted_job_shards_from_the_cached_plan_and_captures_on_the_first_call(tmp_path):
+    from distributed import launch
+    from reuse_workers import restart
+
+    for rank, r in launch(restart, 2, str(tmp_path)).items():
+        assert r["first"] == {"cached": False, "graphs": 1}, r["first"]  # a miss captures at parallelize
+        # the restart: sharded as the first job was, from the cache, nothing captured until the first call
+        assert r["restart"] == {"cached": True, "graphs": 0, "from": str(tmp_path / "plans"),
+                                "same_shards": True}, r["restart"]
+        assert r["mapped"] > 0
+        assert r["graphs_after"] == 2  # an eval call (logits only), then the training call
+        assert r["eval_logits"] <= 1e-5 and r["loss"] <= 1e-5 and r["logits"] <= 1e-5, r
+        assert r["grads"] <= 1e-5, r["grads"]
+        assert r["same_collectives"]  # exactly the first job's collectives, forward and backward
+        assert not r["other_option_cached"]  # another vocab multiple: another key
+        assert "was changed after autotp wrote it" in r["tampered"] and str(tmp_path / "plans") in r["tampered"]

@@ -198,6 +198,30 @@ def test_stand_ins_for_every_block_are_read_for_the_copies():
     assert all(got[n] is swap[n] for n in swap if n.startswith("h.") and int(n.split(".")[1]) >= 2)
 
 
+def test_a_sharded_model_is_recognised_through_its_stand_ins():
+    """A later call signature of a parallelized model: its blocks hold shards (here half of q|k|v's rows), which
+    the forward cannot run with; the meta runs, like the export, take the full-size stand-ins, and of the cut
+    model only those of the blocks kept."""
+    from autotp.capture.tracer import stand_ins
+
+    torch.manual_seed(0)
+    model = GPT([Block() for _ in range(6)])
+    full = {}
+    for i, block in enumerate(model.h):
+        for name, dim in (("qkv.weight", 0), ("qkv.bias", 0), ("proj.weight", 1)):
+            mod, leaf = name.split(".")
+            p = getattr(block, mod)._parameters[leaf]
+            full[f"h.{i}.{name}"] = p
+            getattr(block, mod)._parameters[leaf] = nn.Parameter(p.detach().narrow(dim, 0, p.shape[dim] // 2).clone())
+    assert _found(model, IDX) is None  # on its shards the forward fails: the whole model would be exported
+    swap = stand_ins(full, torch.device("cpu"))  # as parallelize makes them for a model on the CPU
+    rep = repeats.find_repeats(model, lambda: model(IDX.to("meta")), swap)
+    assert rep is not None and rep.keep == 2 and rep.kinds == (0,) * 6
+    gm = capture(model, (IDX,), {}, params=swap, device=torch.device("cpu"))[0]
+    assert sum(n.op == "placeholder" for n in gm.graph.nodes) == 1
+    assert {n for n, _ in gm.named_parameters()} >= set(full)
+
+
 def _copied_and_whole(model: nn.Module, args: tuple, kwargs: dict):
     """(copied capture, whole capture), each (graph, output spec), and whether the copy was taken."""
     taken = []

@@ -117,10 +117,12 @@ class Recorder(TorchDispatchMode):
 
 
 @contextlib.contextmanager
-def _on_meta(model: nn.Module, names: dict[int, str]) -> Iterator[None]:
-    """The model's parameters and buffers as meta tensors for the duration; ``names`` gets each one's name
-    (a tied weight's first) by the meta tensor's id."""
+def _on_meta(model: nn.Module, names: dict[int, str], params: dict[str, torch.Tensor] | None = None) -> Iterator[None]:
+    """The model's parameters and buffers as meta tensors for the duration (``params``' shapes where it
+    names them: full-size stand-ins for shards); ``names`` gets each one's name (a tied weight's first) by
+    the meta tensor's id."""
     state = {**dict(model.named_parameters(remove_duplicate=False)), **dict(model.named_buffers(remove_duplicate=False))}
+    state.update({n: t for n, t in (params or {}).items() if n in state})  # not those of blocks cut off
     made: dict[int, torch.Tensor] = {}
     meta = {}
     for name, t in state.items():
@@ -133,17 +135,18 @@ def _on_meta(model: nn.Module, names: dict[int, str]) -> Iterator[None]:
         yield
 
 
-def record(model: nn.Module, blocks: nn.Module | None, run: Callable[[], object], path: str = "") -> Recorder | None:
+def record(model: nn.Module, blocks: nn.Module | None, run: Callable[[], object], path: str = "",
+           params: dict[str, torch.Tensor] | None = None) -> Recorder | None:
     """The meta run's record, or None where it cannot run on meta (a value read into Python).
 
     It runs on meta tensors; where that fails, on fake tensors over them, as torch.export's non-strict trace
     sees them (Hugging Face's masks skip a check on values only for a fake tensor: ``is_tracing(x)``).
     Fake tensors cost about 6× more per op, so they are the second try."""
-    return run_once(model, blocks, run, path, fake=False) or run_once(model, blocks, run, path, fake=True)
+    return run_once(model, blocks, run, path, False, params) or run_once(model, blocks, run, path, True, params)
 
 
 def run_once(model: nn.Module, blocks: nn.Module | None, run: Callable[[], object], path: str,
-             fake: bool) -> Recorder | None:
+             fake: bool, params: dict[str, torch.Tensor] | None = None) -> Recorder | None:
     """One run of ``run`` on meta tensors (``fake``: fake tensors over them), each op filed under the block
     of ``blocks`` running it; None where it fails."""
     rec = Recorder(path)
@@ -157,7 +160,7 @@ def run_once(model: nn.Module, blocks: nn.Module | None, run: Callable[[], objec
     level = quiet.level
     quiet.setLevel(logging.CRITICAL)  # fake tensor mode logs an op that fails; here failing is an answer
     try:
-        with torch.no_grad(), tensors, _on_meta(model, rec.names), rec:
+        with torch.no_grad(), tensors, _on_meta(model, rec.names, params), rec:
             rec.output = run()
     except Exception:  # noqa: BLE001 - anything the meta run cannot do: capture the whole model instead
         return None

@@ -62,8 +62,9 @@ def _container(model: nn.Module) -> tuple[str, nn.Module] | None:
     return best
 
 
-def _signature(block: nn.Module) -> tuple:
-    return tuple((n, tuple(t.shape), t.dtype, t.requires_grad)
+def _signature(block: nn.Module, prefix: str, params: dict[str, torch.Tensor]) -> tuple:
+    """Each parameter's and buffer's name, shape (the stand-in's, where ``params`` names it), dtype."""
+    return tuple((n, tuple(params.get(prefix + n, t).shape), t.dtype, t.requires_grad)
                  for n, t in [*block.named_parameters(remove_duplicate=False), *block.named_buffers()])
 
 
@@ -95,22 +96,25 @@ def cut(blocks: nn.Module, keep: int) -> Iterator[None]:
         blocks._modules = saved
 
 
-def find_repeats(model: nn.Module, run: Callable[[], object]) -> Repeats | None:
-    """The blocks to export and copy, or None: capture the whole model (see the module doc for when)."""
+def find_repeats(model: nn.Module, run: Callable[[], object],
+                 params: dict[str, torch.Tensor] | None = None) -> Repeats | None:
+    """The blocks to export and copy, or None: capture the whole model (see the module doc for when).
+    ``params``: tensors the export will see in place of named parameters or buffers (full-size stand-ins
+    for a sharded model's shards), whose shapes the meta runs take too."""
     found = _container(model)
     if found is None:
         return None
     path, blocks = found
     n = len(blocks)
-    rec = record(model, blocks, run, path)
+    rec = record(model, blocks, run, path, params)
     whole = _split(rec, n) if rec is not None else None
     if whole is None or not whole[3]:
         return None
     before, ops, after, _ = whole
     keys: dict[tuple, int] = {}
     kinds = []
-    for i, block in enumerate(blocks):
-        key = (_signature(block), tuple(ops[i]))
+    for i, (name, block) in enumerate(blocks._modules.items()):
+        key = (_signature(block, f"{path}.{name}." if path else f"{name}.", params or {}), tuple(ops[i]))
         kinds.append(keys.setdefault(key, len(keys)))
     template = [-1] * len(keys)
     for i in range(1, n):
@@ -120,7 +124,7 @@ def find_repeats(model: nn.Module, run: Callable[[], object]) -> Repeats | None:
     if keep >= n:
         return None
     with cut(blocks, keep):
-        rec_cut = record(model, blocks, run, path)
+        rec_cut = record(model, blocks, run, path, params)
     short = _split(rec_cut, keep) if rec_cut is not None else None
     if short is None or short[0] != before or short[2] != after or short[1] != ops[:keep]:
         return None  # the code around the blocks depends on how many there are

@@ -102,7 +102,7 @@ def capture(model: nn.Module, args: tuple, kwargs: dict, *, forward: Callable | 
     """
     forward = forward or type(model).forward.__get__(model)
     source = _model_device(model, params)
-    rep = find_repeats(model, meta_call(forward, args, kwargs))
+    rep = find_repeats(model, meta_call(forward, args, kwargs), params)
     gm, spec = _export_blocks(model, forward, args, kwargs, params, source, static, rep)
     if source.type == "meta" and _meta_constants(gm):
         cpu = torch.device("cpu")

@@ -35,6 +35,7 @@ from autotp.passes import PassError, run_passes
 from autotp.passes.split_stages import split_stages
 from autotp.passes.split_units import split_units
 from autotp.parallel.fsdp import apply_fsdp, check_fsdp_plan, fsdp_hooks_off
+from autotp.parallel.reuse import lookup, remember
 from autotp.runtime.units import bind_pieces
 from autotp.plan.plan import ParamShard, Plan, ShardedInput
 from autotp.plan.planner import fused_segments, make_plan
@@ -174,42 +175,49 @@ def _plan(model: nn.Module, st: TPState, gm: fx.GraphModule, sequence_parallel: 
                      expert_parallel=st.expert_parallel, stages=st.pipeline if not st.graphs else None)
     if st.pipeline is not None and st.graphs:  # a later call signature runs the first one's stages
         plan = dataclasses.replace(plan, stages=st.plan.stages)
+    _warn(st, plan, stacklevel=5)
+    return plan
+
+
+def _warn(st: TPState, plan: Plan, stacklevel: int = 4) -> None:
+    """Say once what the plan leaves replicated or unsplit, and why."""
     for module, reason in plan.experts_kept:
         if ("experts", module) not in st.warned:
             st.warned.add(("experts", module))
             warnings.warn(f"autotp: {module or '<root>'} keeps expert tensor parallelism (1/tp of every expert), "
-                          f"not whole experts per rank: {reason}", stacklevel=4)
+                          f"not whole experts per rank: {reason}", stacklevel=stacklevel)
     for module, reason in plan.replicated:
         if (module, reason) not in st.warned:
             st.warned.add((module, reason))
             warnings.warn(f"autotp: {module or '<root>'} left replicated (exact, not sharded): {reason}",
-                          stacklevel=4)
+                          stacklevel=stacklevel)
     for note in plan.sequence.notes if plan.sequence is not None else ():
         if ("sequence", note) not in st.warned:
             st.warned.add(("sequence", note))
-            warnings.warn(f"autotp: sequence parallelism: {note}", stacklevel=4)
-    return plan
+            warnings.warn(f"autotp: sequence parallelism: {note}", stacklevel=stacklevel)
 
 
 def _check_consistent(st: TPState, plan: Plan) -> None:
-    """A later call signature must cut every parameter exactly as the first one did."""
+    """A later call signature must cut every parameter exactly as the first one did (or as the cached plan
+    parallelize sharded by)."""
     if not st.shards:
         return
+    by = f"the cached plan {st.cached_from}" if st.cached_from else "the first call"
     sharded = {name for name, _ in (*plan.params, *plan.buffers)}
     for name, shard in (*plan.params, *plan.buffers):
         known = st.shards.get(name)
         if known is None:
-            raise ShardingError(f"{name} is sharded by a later call signature but was replicated by the first")
+            raise ShardingError(f"{name} is sharded by this call signature but was replicated by {by}")
         if known != shard:
-            raise ShardingError(f"{name} is sharded as {known} by one call and {shard} by another")
+            raise ShardingError(f"{name} is sharded as {known} by {by} and {shard} by this call")
     first = {n for n, _ in (*st.plan.params, *st.plan.buffers)}
     lost = sorted(first - sharded)
     if lost:
         reasons = "; ".join(f"{m}: {r}" for m, r in plan.replicated) or "no reason recorded"
         raise ShardingError(
-            f"this call leaves {lost[0]} (and {len(lost) - 1} more) unsharded, but the first call sharded it: "
-            f"{reasons}",
-            hint="call the model with inputs whose graph shards the same way, or report the pattern",
+            f"this call leaves {lost[0]} (and {len(lost) - 1} more) unsharded, but {by} sharded it: {reasons}",
+            hint="call the model with inputs whose graph shards the same way, or report the pattern"
+                 + ("; or delete the cached plan (AUTOTP_PLAN_CACHE=0 turns the cache off)" if st.cached_from else ""),
         )
 
 
@@ -259,6 +267,18 @@ def _build(model: nn.Module, st: TPState, args: tuple, kwargs: dict, key: Hashab
     if st.fsdp is not None and st.units is None:
         apply_fsdp(model, st, plan)  # on allocated shards: FSDP keeps the tensors it is given
     return _finish(model, st, gm, spec, key, plan, accepts)
+
+
+def _shard_from(model: nn.Module, st: TPState, plan: Plan, path: str) -> None:
+    """Shard (or allocate) the parameters and buffers as a cached plan says, capturing nothing: the first
+    call captures its signature and is checked against this plan (:mod:`autotp.parallel.reuse`)."""
+    empty = [n for n, p in model.named_parameters(remove_duplicate=False) if p.is_meta]
+    _warn(st, plan)
+    st.cached, st.cached_from = plan, path
+    if plan.params or plan.buffers:
+        _shard_in_place(model, st, plan)
+        _shard_buffers_in_place(model, st, plan)
+    st.unloaded = tuple(dict.fromkeys([*st.unloaded, *empty, *allocate_meta(model, st.device)]))
 
 
 def _split_units(gm: fx.GraphModule, plan: Plan, st: TPState) -> tuple[fx.GraphModule, Plan]:
@@ -483,6 +503,11 @@ def parallelize(model: nn.Module, *, tp_group: dist.ProcessGroup | None = None, 
     ``check_inputs=True`` verifies on every call (not only the first of each signature) that all ranks of
     the group got the same inputs.
 
+    At tp > 1 without FSDP or pipeline stages the plan is first looked up in autotp's plan cache: a
+    restarted job shards its parameters from the plan its first run stored and captures nothing until the
+    model's first call, which is checked against that plan (:mod:`autotp.parallel.reuse`;
+    ``AUTOTP_PLAN_CACHE=0`` turns it off).
+
     ``fsdp=True`` (or an :class:`~autotp.distributed.data_parallel.FSDPConfig`) also shards every
     parameter's TP shard over the data-parallel ranks with FSDP2 (``fully_shard``), one unit per repeated
     block found in the graph, one for the embeddings and one for the final norm with the LM head, the root
@@ -530,7 +555,11 @@ def parallelize_state(model: nn.Module, *, tp_group: dist.ProcessGroup | None = 
     model.__dict__.pop("forward", None)
     attach_state(model, st)
     try:
-        _build(model, st, args, kwargs, call_key(args, kwargs, training))
+        found = lookup(model, st, _user_forward(model, st), args, kwargs, training)
+        if found.plan is not None:
+            _shard_from(model, st, found.plan, str(found.path))
+        else:
+            remember(found, _build(model, st, args, kwargs, call_key(args, kwargs, training)).plan)
     except BaseException:
         model.__class__ = st.base
         detach_state(model)
