@@ -1,5 +1,6 @@
 """The plan cache: a second `autotp plan` of the same model, shapes and options reads the plan instead of
-capturing; any change to them misses; a changed file is refused."""
+capturing; any change to them misses; a changed file is refused; a restarted job's ``parallelize`` shards
+from it and captures on the first call."""
 from __future__ import annotations
 
 import json
