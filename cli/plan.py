@@ -281,14 +281,17 @@ def make_report(model: str, tp: int, batch: int | None = None, seq: int | None =
         from autotp.parallel.pipeline import check_pipeline  # torch.distributed.pipelining: only when asked for
 
         check_pipeline(pipeline.pp, pipeline.schedule, pipeline.virtual_stages, pipeline.microbatches, b)
-    key = None
+    key, recorded = None, None
     if cache and pipeline is None:  # a pipeline's report reads the graph itself: it is captured every time
+        from autotp.capture.repeats import record_whole
         from autotp.capture.tracer import meta_call
         from autotp.plan import cache as plan_cache
 
         options = {"tp": tp, "vocab_multiple": vocab_multiple, "sequence_parallel": sequence_parallel,
                    "expert_parallel": expert_parallel, "autocast": autocast}
-        key = plan_cache.plan_key(net, meta_call(net.forward, args, kwargs), options)
+        call = meta_call(net.forward, args, kwargs)
+        recorded = record_whole(net, call)  # the key's meta run, which the capture below starts from too
+        key = plan_cache.plan_key(net, call, options, recorded)
         hit = plan_cache.load(key) if key is not None else None
         if hit is not None:
             report = build_report(hit.plan, net.named_parameters(remove_duplicate=False), b, s)
@@ -302,7 +305,8 @@ def make_report(model: str, tp: int, batch: int | None = None, seq: int | None =
                           **dict(net.named_buffers(remove_duplicate=False))}, cpu)
         amp = torch.autocast("cpu", dtype=AUTOCAST[autocast])
     with amp:
-        gm, _ = capture(net, args, kwargs, params=swap, device=cpu)
+        # under autocast the ops run in other dtypes than the key's meta run saw: recorded again
+        gm, _ = capture(net, args, kwargs, params=swap, device=cpu, recorded=recorded if autocast is None else None)
     stages = None if pipeline is None else StageRequest(len(pipeline.ranks), pipeline.split_points)
     plan = make_plan(gm, tp, vocab_multiple, sequence_parallel=sequence_parallel, expert_parallel=expert_parallel,
                      stages=stages)

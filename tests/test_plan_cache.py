@@ -130,3 +130,27 @@ def test_a_restarted_job_shards_from_the_cached_plan_and_captures_on_the_first_c
         assert r["same_collectives"]  # exactly the first job's collectives, forward and backward
         assert not r["other_option_cached"]  # another vocab multiple: another key
         assert "was changed after autotp wrote it" in r["tampered"] and str(tmp_path / "plans") in r["tampered"]
+
+
+def test_one_meta_run_serves_the_key_and_the_capture(monkeypatch):
+    """The key's meta run of the whole model is the one the capture finds the repeated blocks with: a cold
+    plan runs the model on meta twice (the whole model, then the one cut to the blocks it exports), not
+    three times, and captures the same graph."""
+    import autotp.capture.meta_run as meta_run
+    from autotp.capture.repeats import record_whole
+    from nanogpt import GPT, GPTConfig
+
+    with torch.device("meta"):
+        net = GPT(GPTConfig(block_size=16, vocab_size=64, n_layer=4, n_head=2, n_embd=32))
+    idx = torch.zeros(2, 8, dtype=torch.long)
+    call = meta_call(net.forward, (idx,), {})
+    runs = []
+    real = meta_run.run_once
+    monkeypatch.setattr(meta_run, "run_once", lambda *a, **k: runs.append(len(a[1])) or real(*a, **k))
+    rec = record_whole(net, call)
+    key = cache.plan_key(net, call, {"tp": 2}, rec)
+    gm = tracer.capture(net, (idx,), {}, recorded=rec)[0]
+    assert runs == [4, 2], runs  # all blocks, then the two kept
+    assert key == cache.plan_key(net, call, {"tp": 2})  # the same key as its own meta run gives
+    again = tracer.capture(net, (idx,), {})[0]
+    assert [str(n.target) for n in gm.graph.nodes] == [str(n.target) for n in again.graph.nodes]

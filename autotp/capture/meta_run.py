@@ -189,6 +189,9 @@ def program(model: nn.Module, run: Callable[[], object], container: tuple[str, n
     the memo."""
     path, blocks = container if container is not None else ("", None)
     rec = record(model, blocks, run, path)
-    if rec is None:
-        return None
+    return text(rec) if rec is not None else None
+
+
+def text(rec: Recorder) -> str:
+    """A recorded run as :func:`program` writes it."""
     return repr([(b, [(str(f), a, k) for f, a, k in ops]) for b, ops in rec.segments if ops or b is not None])

@@ -35,8 +35,7 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
-from autotp.capture.meta_run import Outputs, Recorder, outputs, record
-from autotp.capture.meta_run import program as meta_program
+from autotp.capture.meta_run import Outputs, Recorder, outputs, record, text
 from autotp.capture.structure import Spec
 
 MIN_BLOCKS = 3  # a list shorter than this is captured whole
@@ -96,17 +95,18 @@ def cut(blocks: nn.Module, keep: int) -> Iterator[None]:
         blocks._modules = saved
 
 
-def find_repeats(model: nn.Module, run: Callable[[], object],
-                 params: dict[str, torch.Tensor] | None = None) -> Repeats | None:
+def find_repeats(model: nn.Module, run: Callable[[], object], params: dict[str, torch.Tensor] | None = None,
+                 recorded: Recorder | None = None) -> Repeats | None:
     """The blocks to export and copy, or None: capture the whole model (see the module doc for when).
     ``params``: tensors the export will see in place of named parameters or buffers (full-size stand-ins
-    for a sharded model's shards), whose shapes the meta runs take too."""
+    for a sharded model's shards), whose shapes the meta runs take too. ``recorded``: the whole model's meta
+    run of this call, made already (:func:`record_whole`, on tensors of these shapes)."""
     found = _container(model)
     if found is None:
         return None
     path, blocks = found
     n = len(blocks)
-    rec = record(model, blocks, run, path, params)
+    rec = recorded if recorded is not None else record(model, blocks, run, path, params)
     whole = _split(rec, n) if rec is not None else None
     if whole is None or not whole[3]:
         return None
@@ -131,9 +131,18 @@ def find_repeats(model: nn.Module, run: Callable[[], object],
     return Repeats(path, tuple(kinds), keep, tuple(template), outputs(rec), outputs(rec_cut))
 
 
-def program(model: nn.Module, run: Callable[[], object]) -> str | None:
-    """:func:`autotp.capture.meta_run.program` of the model, its blocks being its longest module list."""
-    return meta_program(model, run, _container(model))
+def record_whole(model: nn.Module, run: Callable[[], object]) -> Recorder | None:
+    """The model's meta run of ``run``, each op filed under its block of the model's longest module list:
+    what :func:`program` writes out and :func:`find_repeats` starts from (one run serves both)."""
+    path, blocks = _container(model) or ("", None)
+    return record(model, blocks, run, path)
+
+
+def program(model: nn.Module, run: Callable[[], object], rec: Recorder | None = None) -> str | None:
+    """:func:`autotp.capture.meta_run.program` of the model, its blocks being its longest module list (from
+    ``rec``, :func:`record_whole`'s run, when given)."""
+    rec = rec if rec is not None else record_whole(model, run)
+    return text(rec) if rec is not None else None
 
 
 # -- the graph ---------------------------------------------------------------------------------------------

@@ -37,6 +37,7 @@ from torch.nn.utils.stateless import _reparametrize_module
 from autotp.errors import CaptureError
 from autotp.runtime.gathered import GatheredOnUse
 from autotp.capture.canonical import canonicalize
+from autotp.capture.meta_run import Recorder
 from autotp.capture.repeats import Repeats, cut, expand, find_repeats
 from autotp.capture.structure import Spec, flatten, unflatten
 
@@ -88,13 +89,15 @@ def stand_ins(tensors: dict[str, torch.Tensor], device: torch.device) -> dict[st
 
 def capture(model: nn.Module, args: tuple, kwargs: dict, *, forward: Callable | None = None,
             params: dict[str, torch.Tensor] | None = None,
-            device: torch.device | None = None, static: bool = False) -> tuple[fx.GraphModule, Spec]:
+            device: torch.device | None = None, static: bool = False,
+            recorded: Recorder | None = None) -> tuple[fx.GraphModule, Spec]:
     """Export ``model``'s call on ``(args, kwargs)``; returns the graph (flat tensor outputs) and the
     output structure. ``forward`` replaces the model's own forward for the export (default: the class's);
     ``params`` swaps in tensors for named parameters or buffers while exporting (full-size stand-ins for
     shards); ``device``: where the graph will run (factory calls are moved there), default the capture's;
     ``static``: every size as given (a pipeline stage sends and receives tensors of fixed shapes), not
-    ``Dim.AUTO``.
+    ``Dim.AUTO``. ``recorded``: the meta run of this call the caller made already
+    (:func:`~autotp.capture.repeats.record_whole`, for the plan cache's key), on tensors of ``params``' shapes.
 
     The model's device decides the capture: meta models are captured on meta inputs; a graph that then
     holds a constant whose value a meta capture loses (``x[:, [-1]]`` builds one from Python data) is
@@ -102,7 +105,7 @@ def capture(model: nn.Module, args: tuple, kwargs: dict, *, forward: Callable | 
     """
     forward = forward or type(model).forward.__get__(model)
     source = _model_device(model, params)
-    rep = find_repeats(model, meta_call(forward, args, kwargs), params)
+    rep = find_repeats(model, meta_call(forward, args, kwargs), params, recorded)
     gm, spec = _export_blocks(model, forward, args, kwargs, params, source, static, rep)
     if source.type == "meta" and _meta_constants(gm):
         cpu = torch.device("cpu")

@@ -21,6 +21,7 @@ import torch.fx as fx
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from autotp.capture.meta_run import Recorder
 from autotp.capture.tracer import capture, input_guard, stand_ins
 from autotp.capture.structure import Spec, call_key, flatten, unflatten
 from autotp.runtime.collectives import all_reduce, bind_collectives
@@ -222,7 +223,7 @@ def _check_consistent(st: TPState, plan: Plan) -> None:
 
 
 def _build(model: nn.Module, st: TPState, args: tuple, kwargs: dict, key: Hashable,
-           sequence_parallel: bool | None = None) -> Captured:
+           sequence_parallel: bool | None = None, recorded: Recorder | None = None) -> Captured:
     swap = None
     # built on meta (autotp.empty_weights): no weights allocated yet
     empty = {n: p for n, p in model.named_parameters(remove_duplicate=False) if p.is_meta}
@@ -241,7 +242,7 @@ def _build(model: nn.Module, st: TPState, args: tuple, kwargs: dict, key: Hashab
     hooks_off = fsdp_hooks_off(model) if st.units is not None else contextlib.nullcontext()
     with hooks_off:
         gm, spec = capture(model, args, kwargs, forward=_user_forward(model, st), params=swap, device=st.device,
-                           static=st.pipeline is not None)
+                           static=st.pipeline is not None, recorded=recorded)
     accepts = input_guard(gm)  # before the passes give sharded inputs their local shapes
     plan = _plan(model, st, gm, st.sequence_parallel if sequence_parallel is None else sequence_parallel)
     if st.tp == 1 and not st.graphs:
@@ -559,7 +560,8 @@ def parallelize_state(model: nn.Module, *, tp_group: dist.ProcessGroup | None = 
         if found.plan is not None:
             _shard_from(model, st, found.plan, str(found.path))
         else:
-            remember(found, _build(model, st, args, kwargs, call_key(args, kwargs, training)).plan)
+            remember(found, _build(model, st, args, kwargs, call_key(args, kwargs, training),
+                                   recorded=found.recorded).plan)
     except BaseException:
         model.__class__ = st.base
         detach_state(model)

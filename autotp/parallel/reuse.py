@@ -23,6 +23,8 @@ from pathlib import Path
 
 import torch.nn as nn
 
+from autotp.capture.meta_run import Recorder
+from autotp.capture.repeats import record_whole
 from autotp.capture.tracer import meta_call
 from autotp.plan import cache as plan_cache
 from autotp.plan.plan import Plan
@@ -36,6 +38,7 @@ class Lookup:
     key: str | None  # None: this model or call is not cached (its forward does not run on meta, or opted out)
     plan: Plan | None = None  # the cached plan, on a hit
     path: Path | None = None  # its file
+    recorded: Recorder | None = None  # the key's meta run of the call, which a miss's capture starts from
 
 
 def _eligible(st: TPState) -> bool:
@@ -49,11 +52,13 @@ def lookup(model: nn.Module, st: TPState, forward: Callable, args: tuple, kwargs
         return Lookup(None)
     options = {"tp": st.tp, "vocab_multiple": st.vocab_multiple, "sequence_parallel": st.sequence_parallel,
                "expert_parallel": st.expert_parallel, "training": training, "by": "parallelize"}
-    key = plan_cache.plan_key(model, meta_call(forward, args, kwargs), options)
+    run = meta_call(forward, args, kwargs)
+    rec = record_whole(model, run)
+    key = plan_cache.plan_key(model, run, options, rec)
     if key is None:
         return Lookup(None)
     hit = plan_cache.load(key)
-    return Lookup(key, hit.plan, hit.path) if hit is not None else Lookup(key)
+    return Lookup(key, hit.plan, hit.path) if hit is not None else Lookup(key, recorded=rec)
 
 
 def remember(found: Lookup, plan: Plan) -> None:

@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
+from autotp.capture.meta_run import Recorder
 from autotp.capture.repeats import program
 from autotp.errors import PlanCacheError
 from autotp.plan.plan import PLAN_VERSION, Plan
@@ -62,10 +63,11 @@ def _sources_digest() -> str:
     return h.hexdigest()
 
 
-def plan_key(model: nn.Module, run: Callable[[], object], options: dict) -> str | None:
+def plan_key(model: nn.Module, run: Callable[[], object], options: dict, rec: Recorder | None = None) -> str | None:
     """The cache key of planning ``model`` for the call ``run`` makes (on meta inputs) with ``options``;
-    None where the forward cannot run on meta (then nothing is cached)."""
-    ops = program(model, run)
+    None where the forward cannot run on meta (then nothing is cached). ``rec``: that call's meta run, made
+    already (:func:`~autotp.capture.repeats.record_whole`)."""
+    ops = program(model, run, rec)
     if ops is None:
         return None
     state = [(n, tuple(t.shape), str(t.dtype), t.requires_grad)
