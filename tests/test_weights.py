@@ -194,6 +194,7 @@ def test_mmap_maps_whole_runs_of_the_file_and_copies_the_rest(tmp_path) -> None:
         model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
     loaded = autotp.load_weights(model, tmp_path / "m.safetensors", mmap=True)
     assert loaded.tensors == 4 and loaded.mapped == 3, loaded
+    assert loaded.bytes_read == sum(v.nbytes for v in state.values())  # the copied one counted once
     assert all(torch.equal(model.state_dict()[k], v.float()) for k, v in state.items())
 
     def in_file(t: torch.Tensor) -> bool:

@@ -180,18 +180,10 @@ def outputs(rec: Recorder) -> Outputs:
                    tuple((tuple(t.shape), t.dtype) for t in tensors))
 
 
-def program(model: nn.Module, run: Callable[[], object], container: tuple[str, nn.Module] | None) -> str | None:
-    """What the forward computes, as text: every op it runs on meta, in order, with its arguments (parameters
-    and buffers by name, other tensors by shape and dtype, Python values as themselves). Two calls with the
-    same text capture to the same graph; None where the forward cannot run on meta. Inside a block of
-    ``container`` (the model's module list: its path and the list), parameters are named relative to the
-    block and each op is filed under its block's index, so the blocks after the first of a kind run from
-    the memo."""
-    path, blocks = container if container is not None else ("", None)
-    rec = record(model, blocks, run, path)
-    return text(rec) if rec is not None else None
-
-
 def text(rec: Recorder) -> str:
-    """A recorded run as :func:`program` writes it."""
+    """What the recorded forward computes, as text: every op it ran on meta, in order, with its arguments
+    (parameters and buffers by name, other tensors by shape and dtype, Python values as themselves). Two
+    calls with the same text capture to the same graph. Inside a block, parameters are named relative to
+    the block and each op is filed under its block's index, so the blocks after the first of a kind ran
+    from the memo."""
     return repr([(b, [(str(f), a, k) for f, a, k in ops]) for b, ops in rec.segments if ops or b is not None])

@@ -139,8 +139,9 @@ def record_whole(model: nn.Module, run: Callable[[], object]) -> Recorder | None
 
 
 def program(model: nn.Module, run: Callable[[], object], rec: Recorder | None = None) -> str | None:
-    """:func:`autotp.capture.meta_run.program` of the model, its blocks being its longest module list (from
-    ``rec``, :func:`record_whole`'s run, when given)."""
+    """What the forward computes, as text (:func:`autotp.capture.meta_run.text`), its blocks being the model's
+    longest module list; from ``rec``, :func:`record_whole`'s run, when given. None where the forward cannot
+    run on meta."""
     rec = rec if rec is not None else record_whole(model, run)
     return text(rec) if rec is not None else None
 

@@ -251,10 +251,12 @@ def _exclusive(local: torch.Tensor) -> bool:
     return use_count is not None and use_count(local.untyped_storage()._cdata) <= 2  # it and this call's wrapper
 
 
-def _mapped(source: Source, t: Target, local: torch.Tensor, pieces: list[Piece]) -> torch.Tensor | None:
+def _mapped(source: Source, t: Target, local: torch.Tensor, pieces: list[Piece],
+            info: dict[str, TensorInfo]) -> torch.Tensor | None:
     """The checkpoint's mapped range that can become ``local`` itself: one piece covering all of it, stored
-    as one run of bytes in ``local``'s dtype."""
-    if not isinstance(t.key, str) or len(pieces) != 1 or pieces[0].out.shape != local.shape:
+    as one run of bytes in ``local``'s dtype (checked first: a view handed out counts as read)."""
+    if not isinstance(t.key, str) or len(pieces) != 1 or pieces[0].out.shape != local.shape \
+            or info[t.key].dtype != local.dtype:
         return None
     view = source.view(t.key, t.dim, pieces[0])
     if view is None or view.dtype != local.dtype or view.shape != local.shape or not view.is_contiguous():
@@ -309,7 +311,7 @@ def load_weights(model: nn.Module, path: Path | str, *, device: torch.device | s
                 local = wholes[-1][1]
             exclusive = mmap and _exclusive(local)  # before the pieces, which view it
             pieces = _pieces(t, local, tp, rank)
-            if exclusive and (view := _mapped(source, t, local, pieces)) is not None:
+            if exclusive and (view := _mapped(source, t, local, pieces, info)) is not None:
                 local.set_(view)  # the tensor's storage is now the file's mapping (same object, same names)
                 loaded, mapped = loaded + 1, mapped + 1
                 continue

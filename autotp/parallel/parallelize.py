@@ -258,6 +258,16 @@ def _build(model: nn.Module, st: TPState, args: tuple, kwargs: dict, key: Hashab
         if not st.graphs and st.stage_params is not None:  # the first call: other ranks' stages are never allocated
             st.dropped = _other_stages(model, st.stage_params(gm))
             fresh = [n for n in fresh if n not in st.dropped]
+    _hold(model, st, plan, fresh)
+    if st.fsdp is not None and st.units is None:
+        apply_fsdp(model, st, plan)  # on allocated shards: FSDP keeps the tensors it is given
+    return _finish(model, st, gm, spec, key, plan, accepts)
+
+
+def _hold(model: nn.Module, st: TPState, plan: Plan, fresh: list[str]) -> None:
+    """Give the model this rank's tensors as ``plan`` cuts them: its shards (once; a later signature's plan
+    is only checked against them), other stages' parameters dropped, whatever is still on meta allocated.
+    ``fresh``: the names that were on meta before, unloaded with those until a load fills them."""
     if not st.shards and (plan.params or plan.buffers):
         _shard_in_place(model, st, plan)
         _shard_buffers_in_place(model, st, plan)
@@ -265,21 +275,14 @@ def _build(model: nn.Module, st: TPState, args: tuple, kwargs: dict, key: Hashab
         _drop(model, st.dropped)
     # a model built on meta holds uninitialised memory until a load fills it: every name it had on meta
     st.unloaded = tuple(dict.fromkeys([*st.unloaded, *fresh, *allocate_meta(model, st.device, keep=st.dropped)]))
-    if st.fsdp is not None and st.units is None:
-        apply_fsdp(model, st, plan)  # on allocated shards: FSDP keeps the tensors it is given
-    return _finish(model, st, gm, spec, key, plan, accepts)
 
 
 def _shard_from(model: nn.Module, st: TPState, plan: Plan, path: str) -> None:
     """Shard (or allocate) the parameters and buffers as a cached plan says, capturing nothing: the first
     call captures its signature and is checked against this plan (:mod:`autotp.parallel.reuse`)."""
-    empty = [n for n, p in model.named_parameters(remove_duplicate=False) if p.is_meta]
     _warn(st, plan)
     st.cached, st.cached_from = plan, path
-    if plan.params or plan.buffers:
-        _shard_in_place(model, st, plan)
-        _shard_buffers_in_place(model, st, plan)
-    st.unloaded = tuple(dict.fromkeys([*st.unloaded, *empty, *allocate_meta(model, st.device)]))
+    _hold(model, st, plan, [n for n, p in model.named_parameters(remove_duplicate=False) if p.is_meta])
 
 
 def _split_units(gm: fx.GraphModule, plan: Plan, st: TPState) -> tuple[fx.GraphModule, Plan]:

@@ -1,7 +1,7 @@
 """An on-disk cache of plans, so that a restarted job or a second ``autotp plan`` skips capture and analysis.
 
 A plan depends on the graph, and the graph on what the forward computes for these inputs. The key is a
-hash of exactly that: the ops the forward runs on meta (:func:`autotp.capture.meta_run.program`: every op,
+hash of exactly that: the ops the forward runs on meta (:func:`autotp.capture.repeats.program`: every op,
 parameters by name, other tensors by shape and dtype, Python values as themselves: a change to any code
 the forward runs, a helper in another file included, changes it), every parameter's and buffer's name,
 shape and dtype, the planning options (tp, vocab multiple, sequence and expert parallelism, stages), and
