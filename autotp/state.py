@@ -39,6 +39,8 @@ class Captured:
     seq_length: tuple[int, int] | None = None  # sequence parallel: (flat input index, dim) of the length
     # whether the graph takes these flat inputs (as called, before local shards): the sizes export guarded it on
     accepts: Callable[[list[torch.Tensor]], bool] | None = None
+    # ``plan`` is of the exported blocks only: they were rewritten once and copied (autotp.parallel.rewrite)
+    copied: bool = False
 
 
 @dataclass

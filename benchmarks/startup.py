@@ -4,8 +4,9 @@
 
 The model is the 70B-wide Llama-shaped decoder (``benchmarks/llama_depth.py``: hidden 8192, 64 heads, 8 kv
 heads, SwiGLU 28672, vocab 32000) with L layers, built on meta and captured on (1, 2048) token ids. Capture
-exports the first blocks of each kind and copies them (``autotp/capture/repeats.py``); analysis, the
-passes and the tables still visit every block. ``PYTHONPATH`` at an older checkout measures it instead
+exports the first blocks of each kind and copies them (``autotp/capture/repeats.py``); on the first call
+signature analysis, the passes and the tables still visit every block, a later one plans and rewrites the
+exported blocks and copies the rewritten ones. ``PYTHONPATH`` at an older checkout measures it instead
 (``--note`` says so in the results). Per L, each in a fresh process (cold
 imports; the OS file cache is warmed once before the first so the first row is not the only cold one):
 
@@ -18,7 +19,8 @@ imports; the OS file cache is warmed once before the first so the first row is n
 - ``parallelize`` worker: the single-process part of ``autotp.parallelize`` (``_build``): capture with meta
   stand-ins, plan, the rewrite passes; sharding the weights needs a process group of T ranks and is left out.
   *later call*: capture, plan and passes again for a second call signature (the model in eval mode), as
-  ``parallelize`` does on the first call of each signature.
+  ``parallelize`` does on the first call of each signature: the exported blocks planned and rewritten, then
+  copied (``autotp/parallel/rewrite.py``).
 
 Times are the median of ``--repeats`` runs (seconds); peak RSS is the process's ru_maxrss (os.wait4). Each
 process gets an empty ``AUTOTP_CACHE_DIR``, so no run reuses a plan an earlier one saved.
@@ -136,12 +138,21 @@ def worker(kind: str, layers: int, tp: int) -> dict:
         mark = time.perf_counter()
         run_passes(gm, plan)
         lap("passes")
-        # a later call signature (eval mode: parallelize captures each signature on its first call), all of it
+        # a later call signature (eval mode: parallelize captures each signature on its first call), all of it,
+        # as _build runs it: the exported blocks planned and rewritten, then copied (autotp.parallel.rewrite)
+        from autotp.capture.tracer import capture_blocks
+        from autotp.parallel.rewrite import rewrite
+        from autotp.state import TPState
+
+        st = TPState(None, tp, 0, cpu, type(net), None, 1, False, False, False, None, False)
+        st.shards, st.cached = {**dict(plan.params), **dict(plan.buffers)}, plan
         net.eval()
-        gm2, _ = capture(net, (ids,), {}, forward=type(net).forward.__get__(net), params=swap, device=cpu)
-        input_guard(gm2)
-        run_passes(gm2, planner.make_plan(gm2, tp))
+        mark = time.perf_counter()
+        cg = capture_blocks(net, (ids,), {}, forward=type(net).forward.__get__(net), params=swap, device=cpu)
+        input_guard(cg.gm)
+        later = rewrite(st, cg, False, stacklevel=2)
         lap("later call")
+        t["later copied"] = float(later.copied)
     return {"phases": t, "nodes": len(gm.graph.nodes), "pairs": len(plan.pairs), "torch": torch.__version__,
             "autotp": str(Path(autotp.__file__).parent)}
 

@@ -35,7 +35,9 @@ def gather_outputs(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
             dim, sum(s.size for s in segs),
             lambda shards, tp, dim=dim, segs=segs: unshard_tensor(shards, dim, segs, tp),
             lambda grad, rank, dim=dim, segs=segs: shard_tensor(grad, dim, segs, plan.tp, rank)))
-        with gm.graph.inserting_before(output):
+        # beside the value it wraps: a block's cache stays among the block's nodes (capture copies blocks)
+        at = gm.graph.inserting_before(output) if node.op == "placeholder" else gm.graph.inserting_after(node)
+        with at:
             wrapped = gm.graph.call_module(target, (node,))
         wrapped.meta = dict(node.meta)
         output.replace_input_with(node, wrapped)

@@ -232,15 +232,13 @@ def _copied_and_whole(model: nn.Module, args: tuple, kwargs: dict):
         return taken[-1]
 
     repeats_saved = repeats.MIN_BLOCKS
-    import autotp.capture.tracer as tracer
-
-    tracer.expand = spy
+    repeats.expand = spy
     try:
         copied = capture(model, args, kwargs)
         repeats.MIN_BLOCKS = 10**9
         whole = capture(model, args, kwargs)
     finally:
-        tracer.expand = expand
+        repeats.expand = expand
         repeats.MIN_BLOCKS = repeats_saved
     return copied, whole, bool(taken) and taken[0] is not None
 

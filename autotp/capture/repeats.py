@@ -51,6 +51,32 @@ class Repeats:
     cut: Outputs | None = None
 
 
+@dataclass(frozen=True, eq=False)
+class Copies:
+    """What a graph exported with ``rep.keep`` blocks lacks to be the whole model's: blocks keep … L−1, each
+    a copy of its kind's template (:func:`expand`), reading its own tensors from ``state``."""
+
+    rep: Repeats
+    state: dict[str, torch.Tensor]
+    spec: Spec  # the cut graph's output structure
+
+    def apply(self, gm: fx.GraphModule) -> Spec | None:
+        """Copy the blocks into ``gm`` (the cut graph, or the cut graph rewritten by passes that keep each
+        node in its block): the whole model's output spec, or None with ``gm`` untouched."""
+        return expand(gm, self.rep, self.state, self.spec)
+
+    def names(self, name: str) -> list[str]:
+        """``name`` (a tensor or module of an exported block, or the block) as each copy of that block names
+        its own, in block order; none for a name outside the exported blocks."""
+        prefix = f"{self.rep.container}."
+        head, dot, rest = name[len(prefix):].partition(".") if name.startswith(prefix) else ("", "", "")
+        if not head.isdigit():
+            return []
+        t = int(head)
+        return [f"{prefix}{i}{dot}{rest}" for i in range(self.rep.keep, len(self.rep.kinds))
+                if self.rep.template[self.rep.kinds[i]] == t]
+
+
 def _container(model: nn.Module) -> tuple[str, nn.Module] | None:
     """The longest ModuleList / Sequential of the model (the transformer blocks), if it is long enough."""
     best = None
@@ -163,6 +189,31 @@ def _block_of(node: fx.Node, path: str, n: int) -> int | None:
     return int(head) if head.isdigit() and int(head) < n else None
 
 
+def _members(graph: fx.Graph, path: str, n: int) -> dict[fx.Node, int | None]:
+    """Each node's block (None: none). A node a rewrite inserted without a module stack (a size read, a
+    group of parameters) belongs to the last block among its inputs': copied with it, or refused where
+    that puts it in a block it does not follow (one node over several blocks' parameters)."""
+    member: dict[fx.Node, int | None] = {}
+    for node in graph.nodes:
+        if node.op in ("call_function", "call_module") and "nn_module_stack" not in node.meta:
+            blocks = [member[a] for a in node.all_input_nodes if member[a] is not None]
+            member[node] = max(blocks) if blocks else None
+        else:
+            member[node] = _block_of(node, path, n)
+    return member
+
+
+def _after_blocks(graph: fx.Graph, member: dict[fx.Node, int | None]) -> set[fx.Node]:
+    """Nodes of no block that read a block's value, directly or not: code after (or between) the blocks,
+    which no copy may read as code before them."""
+    after: set[fx.Node] = set()
+    for node in graph.nodes:
+        if member[node] is None and node.op != "get_attr" and any(
+                member[a] is not None or a in after for a in node.all_input_nodes):
+            after.add(node)
+    return after
+
+
 def _renamed(meta: dict, old: str, new: str) -> dict:
     """A copied node's meta: block ``old``'s module paths as block ``new``'s."""
     out = dict(meta)
@@ -207,7 +258,7 @@ def expand(gm: fx.GraphModule, rep: Repeats, state: dict[str, torch.Tensor], spe
     or its outputs cannot be told apart by block (see the module doc)."""
     path, keep, n = rep.container, rep.keep, len(rep.kinds)
     graph = gm.graph
-    member = {node: _block_of(node, path, keep) for node in graph.nodes}
+    member = _members(graph, path, keep)
     body: list[list[fx.Node]] = [[] for _ in range(keep)]
     for node in graph.nodes:
         b = member[node]
@@ -217,8 +268,8 @@ def expand(gm: fx.GraphModule, rep: Repeats, state: dict[str, torch.Tensor], spe
         return None
     order = {node: i for i, node in enumerate(graph.nodes)}
     first, last = order[body[0][0]], order[body[-1][-1]]
-    if any(member[nd] is None and nd.op not in ("get_attr", "placeholder") and first < order[nd] < last
-           for nd in graph.nodes):
+    after = _after_blocks(graph, member)
+    if any(nd in after and first < order[nd] < last for nd in graph.nodes):
         return None  # code between blocks
     output = next(nd for nd in reversed(graph.nodes) if nd.op == "output")
     outs, carry = [], []
@@ -228,7 +279,8 @@ def expand(gm: fx.GraphModule, rep: Repeats, state: dict[str, torch.Tensor], spe
         o = [nd for nd in body[b] if any(u not in inside and u is not output for u in nd.users)]
         ins = {a for nd in body[b] for a in nd.all_input_nodes if a not in inside and a.op != "get_attr"}
         from_prev = [a for a in ins if member[a] is not None]
-        if len(o) != 1 or any(member[a] != b - 1 for a in from_prev) or len(from_prev) != (b > 0):
+        if len(o) != 1 or any(member[a] != b - 1 for a in from_prev) or len(from_prev) != (b > 0) \
+                or any(a in after for a in ins):
             return None
         outs.append(o[0])
         carry.append(from_prev[0] if from_prev else None)

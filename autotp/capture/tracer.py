@@ -26,6 +26,7 @@ import traceback
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from types import SimpleNamespace
+from typing import NamedTuple
 
 import torch
 import torch.fx as fx
@@ -38,7 +39,7 @@ from autotp.errors import CaptureError
 from autotp.runtime.gathered import GatheredOnUse
 from autotp.capture.canonical import canonicalize
 from autotp.capture.meta_run import Recorder
-from autotp.capture.repeats import Repeats, cut, expand, find_repeats
+from autotp.capture.repeats import Copies, Repeats, cut, find_repeats
 from autotp.capture.structure import Spec, flatten, unflatten
 
 _HOOK_DICTS = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called",
@@ -87,6 +88,20 @@ def stand_ins(tensors: dict[str, torch.Tensor], device: torch.device) -> dict[st
     return {name: made[id(t)] for name, t in tensors.items()}
 
 
+class CutGraph(NamedTuple):
+    """A capture whose blocks may not all be in the graph yet: ``copies`` adds them (None: they are)."""
+
+    gm: fx.GraphModule
+    spec: Spec
+    copies: Copies | None
+    export_whole: Callable[[], tuple[fx.GraphModule, Spec]]  # the whole model exported, where copying fails
+
+    def whole(self) -> tuple[fx.GraphModule, Spec]:
+        """The whole model's graph and output structure: the blocks copied in, else the whole export."""
+        spec = self.copies.apply(self.gm) if self.copies is not None else self.spec
+        return (self.gm, spec) if spec is not None else self.export_whole()
+
+
 def capture(model: nn.Module, args: tuple, kwargs: dict, *, forward: Callable | None = None,
             params: dict[str, torch.Tensor] | None = None,
             device: torch.device | None = None, static: bool = False,
@@ -103,22 +118,39 @@ def capture(model: nn.Module, args: tuple, kwargs: dict, *, forward: Callable | 
     holds a constant whose value a meta capture loses (``x[:, [-1]]`` builds one from Python data) is
     captured again with uninitialised CPU stand-ins (address space only, never read).
     """
+    return capture_blocks(model, args, kwargs, forward=forward, params=params, device=device, static=static,
+                          recorded=recorded).whole()
+
+
+def capture_blocks(model: nn.Module, args: tuple, kwargs: dict, *, forward: Callable | None = None,
+                   params: dict[str, torch.Tensor] | None = None, device: torch.device | None = None,
+                   static: bool = False, recorded: Recorder | None = None) -> CutGraph:
+    """:func:`capture`, the repeated blocks not yet copied in: a caller may rewrite the exported blocks
+    first and copy the rewritten ones (:meth:`CutGraph.whole` copies them as exported)."""
     forward = forward or type(model).forward.__get__(model)
     source = _model_device(model, params)
     rep = find_repeats(model, meta_call(forward, args, kwargs), params, recorded)
-    gm, spec = _export_blocks(model, forward, args, kwargs, params, source, static, rep)
+    gm, spec, copies = _export_blocks(model, forward, args, kwargs, params, source, static, rep)
     if source.type == "meta" and _meta_constants(gm):
         cpu = torch.device("cpu")
         state = {**dict(model.named_parameters(remove_duplicate=False)),
                  **{n: b for n, b in model.named_buffers(remove_duplicate=False) if b.is_meta}, **(params or {})}
         try:
-            gm, spec = _export_blocks(model, forward, args, kwargs, stand_ins(state, cpu), cpu, static, rep)
-            source = cpu
+            on_cpu = stand_ins(state, cpu)
+            gm, spec, copies = _export_blocks(model, forward, args, kwargs, on_cpu, cpu, static, rep)
+            source, params = cpu, on_cpu
         except CaptureError:
             pass  # the meta constants are the model's own meta tensor attributes: the meta graph is all there is
+
+    def export_whole() -> tuple[fx.GraphModule, Spec]:
+        whole, whole_spec = _export_on(model, forward, args, kwargs, params, source, static)
+        retarget_device(whole, device or source, source)
+        canonicalize(whole)
+        return whole, whole_spec
+
     retarget_device(gm, device or source, source)
     canonicalize(gm)
-    return gm, spec
+    return CutGraph(gm, spec, copies, export_whole)
 
 
 def meta_call(forward: Callable, args: tuple, kwargs: dict) -> Callable[[], object]:
@@ -135,22 +167,19 @@ def meta_call(forward: Callable, args: tuple, kwargs: dict) -> Callable[[], obje
 
 def _export_blocks(model: nn.Module, forward: Callable, args: tuple, kwargs: dict,
                    params: dict[str, torch.Tensor] | None, device: torch.device, static: bool,
-                   rep: Repeats | None) -> tuple[fx.GraphModule, Spec]:
-    """Export with the blocks cut to ``rep.keep`` and the graph extended to all of them
-    (:mod:`autotp.capture.repeats`); the whole model where ``rep`` is None or the cut graph's blocks are
-    not wired one after another."""
-    if rep is not None:
-        blocks = model.get_submodule(rep.container)
-        gone = tuple(f"{rep.container}.{name}." for name in list(blocks._modules)[rep.keep:])
-        kept = {n: t for n, t in params.items() if not n.startswith(gone)} if params else params
-        with cut(blocks, rep.keep):
-            gm, spec = _export_on(model, forward, args, kwargs, kept, device, static)
-        state = {**dict(model.named_parameters(remove_duplicate=False)),
-                 **dict(model.named_buffers(remove_duplicate=False)), **(params or {})}
-        whole = expand(gm, rep, state, spec)
-        if whole is not None:
-            return gm, whole
-    return _export_on(model, forward, args, kwargs, params, device, static)
+                   rep: Repeats | None) -> tuple[fx.GraphModule, Spec, Copies | None]:
+    """Export with the blocks cut to ``rep.keep``, with what copies the rest (:mod:`autotp.capture.repeats`);
+    the whole model where ``rep`` is None."""
+    if rep is None:
+        return (*_export_on(model, forward, args, kwargs, params, device, static), None)
+    blocks = model.get_submodule(rep.container)
+    gone = tuple(f"{rep.container}.{name}." for name in list(blocks._modules)[rep.keep:])
+    kept = {n: t for n, t in params.items() if not n.startswith(gone)} if params else params
+    with cut(blocks, rep.keep):
+        gm, spec = _export_on(model, forward, args, kwargs, kept, device, static)
+    state = {**dict(model.named_parameters(remove_duplicate=False)),
+             **dict(model.named_buffers(remove_duplicate=False)), **(params or {})}
+    return gm, spec, Copies(rep, state, spec)
 
 
 def _model_device(model: nn.Module, params: dict[str, torch.Tensor] | None) -> torch.device:

@@ -22,7 +22,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from autotp.capture.meta_run import Recorder
-from autotp.capture.tracer import capture, input_guard, stand_ins
+from autotp.capture.tracer import capture_blocks, input_guard, stand_ins
 from autotp.capture.structure import Spec, call_key, flatten, unflatten
 from autotp.runtime.collectives import all_reduce, bind_collectives
 from autotp.parallel.data import check_same_inputs
@@ -35,11 +35,12 @@ from autotp.distributed.data_parallel import FSDPConfig
 from autotp.passes import PassError, run_passes
 from autotp.passes.split_stages import split_stages
 from autotp.passes.split_units import split_units
-from autotp.parallel.fsdp import apply_fsdp, check_fsdp_plan, fsdp_hooks_off
+from autotp.parallel.fsdp import apply_fsdp, fsdp_hooks_off
 from autotp.parallel.reuse import lookup, remember
+from autotp.parallel.rewrite import rewrite, warn_plan
 from autotp.runtime.units import bind_pieces
 from autotp.plan.plan import ParamShard, Plan, ShardedInput
-from autotp.plan.planner import fused_segments, make_plan
+from autotp.plan.planner import fused_segments
 from autotp.plan.stages import StageRequest
 from autotp.runtime.rng import SEED_OFFSET, RegionRNG, bind_rng
 from autotp.shard_spec import local_indices, local_pieces, shard_tensor
@@ -171,57 +172,6 @@ def _user_forward(model: nn.Module, st: TPState) -> Callable:
     return st.forward if st.forward is not None else st.base.forward.__get__(model)
 
 
-def _plan(model: nn.Module, st: TPState, gm: fx.GraphModule, sequence_parallel: bool) -> Plan:
-    plan = make_plan(gm, st.tp, st.vocab_multiple, sequence_parallel=sequence_parallel,
-                     expert_parallel=st.expert_parallel, stages=st.pipeline if not st.graphs else None)
-    if st.pipeline is not None and st.graphs:  # a later call signature runs the first one's stages
-        plan = dataclasses.replace(plan, stages=st.plan.stages)
-    _warn(st, plan, stacklevel=5)
-    return plan
-
-
-def _warn(st: TPState, plan: Plan, stacklevel: int = 4) -> None:
-    """Say once what the plan leaves replicated or unsplit, and why."""
-    for module, reason in plan.experts_kept:
-        if ("experts", module) not in st.warned:
-            st.warned.add(("experts", module))
-            warnings.warn(f"autotp: {module or '<root>'} keeps expert tensor parallelism (1/tp of every expert), "
-                          f"not whole experts per rank: {reason}", stacklevel=stacklevel)
-    for module, reason in plan.replicated:
-        if (module, reason) not in st.warned:
-            st.warned.add((module, reason))
-            warnings.warn(f"autotp: {module or '<root>'} left replicated (exact, not sharded): {reason}",
-                          stacklevel=stacklevel)
-    for note in plan.sequence.notes if plan.sequence is not None else ():
-        if ("sequence", note) not in st.warned:
-            st.warned.add(("sequence", note))
-            warnings.warn(f"autotp: sequence parallelism: {note}", stacklevel=stacklevel)
-
-
-def _check_consistent(st: TPState, plan: Plan) -> None:
-    """A later call signature must cut every parameter exactly as the first one did (or as the cached plan
-    parallelize sharded by)."""
-    if not st.shards:
-        return
-    by = f"the cached plan {st.cached_from}" if st.cached_from else "the first call"
-    sharded = {name for name, _ in (*plan.params, *plan.buffers)}
-    for name, shard in (*plan.params, *plan.buffers):
-        known = st.shards.get(name)
-        if known is None:
-            raise ShardingError(f"{name} is sharded by this call signature but was replicated by {by}")
-        if known != shard:
-            raise ShardingError(f"{name} is sharded as {known} by {by} and {shard} by this call")
-    first = {n for n, _ in (*st.plan.params, *st.plan.buffers)}
-    lost = sorted(first - sharded)
-    if lost:
-        reasons = "; ".join(f"{m}: {r}" for m, r in plan.replicated) or "no reason recorded"
-        raise ShardingError(
-            f"this call leaves {lost[0]} (and {len(lost) - 1} more) unsharded, but {by} sharded it: {reasons}",
-            hint="call the model with inputs whose graph shards the same way, or report the pattern"
-                 + ("; or delete the cached plan (AUTOTP_PLAN_CACHE=0 turns the cache off)" if st.cached_from else ""),
-        )
-
-
 def _build(model: nn.Module, st: TPState, args: tuple, kwargs: dict, key: Hashable,
            sequence_parallel: bool | None = None, recorded: Recorder | None = None) -> Captured:
     swap = None
@@ -241,16 +191,13 @@ def _build(model: nn.Module, st: TPState, args: tuple, kwargs: dict, key: Hashab
     # once FSDP shards the model, its hooks would gather parameters inside the export: it sees stand-ins
     hooks_off = fsdp_hooks_off(model) if st.units is not None else contextlib.nullcontext()
     with hooks_off:
-        gm, spec = capture(model, args, kwargs, forward=_user_forward(model, st), params=swap, device=st.device,
-                           static=st.pipeline is not None, recorded=recorded)
-    accepts = input_guard(gm)  # before the passes give sharded inputs their local shapes
-    plan = _plan(model, st, gm, st.sequence_parallel if sequence_parallel is None else sequence_parallel)
+        cg = capture_blocks(model, args, kwargs, forward=_user_forward(model, st), params=swap, device=st.device,
+                            static=st.pipeline is not None, recorded=recorded)
+    accepts = input_guard(cg.gm)  # before the passes give sharded inputs their local shapes
+    gm, spec, plan, copied = rewrite(st, cg, st.sequence_parallel if sequence_parallel is None else sequence_parallel,
+                                     stacklevel=4)
     if st.tp == 1 and not st.graphs:
         st.segments = fused_segments(gm)
-    _check_consistent(st, plan)
-    if st.fsdp is not None:
-        check_fsdp_plan(plan, st.tp)
-    gm = run_passes(gm, plan)
     if st.fsdp is not None:
         gm, plan = _split_units(gm, plan, st)
     if st.pipeline is not None:
@@ -261,7 +208,7 @@ def _build(model: nn.Module, st: TPState, args: tuple, kwargs: dict, key: Hashab
     _hold(model, st, plan, fresh)
     if st.fsdp is not None and st.units is None:
         apply_fsdp(model, st, plan)  # on allocated shards: FSDP keeps the tensors it is given
-    return _finish(model, st, gm, spec, key, plan, accepts)
+    return _finish(model, st, gm, spec, key, plan, accepts, copied)
 
 
 def _hold(model: nn.Module, st: TPState, plan: Plan, fresh: list[str]) -> None:
@@ -280,7 +227,7 @@ def _hold(model: nn.Module, st: TPState, plan: Plan, fresh: list[str]) -> None:
 def _shard_from(model: nn.Module, st: TPState, plan: Plan, path: str) -> None:
     """Shard (or allocate) the parameters and buffers as a cached plan says, capturing nothing: the first
     call captures its signature and is checked against this plan (:mod:`autotp.parallel.reuse`)."""
-    _warn(st, plan)
+    warn_plan(st, plan)
     st.cached, st.cached_from = plan, path
     _hold(model, st, plan, [n for n, p in model.named_parameters(remove_duplicate=False) if p.is_meta])
 
@@ -433,7 +380,7 @@ def _set_attr(root: nn.Module, name: str, value: torch.Tensor) -> None:
 
 
 def _finish(model: nn.Module, st: TPState, gm: fx.GraphModule, spec: Spec, key: Hashable,
-            plan: Plan, accepts: Callable[[list[torch.Tensor]], bool] | None = None) -> Captured:
+            plan: Plan, accepts: Callable[[list[torch.Tensor]], bool] | None = None, copied: bool = False) -> Captured:
     """Point the graph at the model's own tensors (shards, buffers) and bind group, rank and RNG."""
     tensors = {**dict(model.named_parameters(remove_duplicate=False)),
                **dict(model.named_buffers(remove_duplicate=False))}
@@ -453,7 +400,8 @@ def _finish(model: nn.Module, st: TPState, gm: fx.GraphModule, spec: Spec, key: 
     index = {n.name: i for i, n in enumerate(n for n in gm.graph.nodes if n.op == "placeholder")}
     seq = plan.sequence
     length = (index[seq.length[0]], seq.length[1]) if seq is not None and seq.length and seq.leaves else None
-    st.graphs[key] = Captured(run, plan, spec, tuple((index[s.node], s) for s in plan.sharded_inputs), length, accepts)
+    st.graphs[key] = Captured(run, plan, spec, tuple((index[s.node], s) for s in plan.sharded_inputs), length, accepts,
+                             copied)
     return st.graphs[key]
 
 

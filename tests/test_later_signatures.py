@@ -1,0 +1,24 @@
+"""A later call signature of a parallelized model (eval, a training call with targets, a KV cache) is planned and
+rewritten on the blocks capture exported, and the rewritten blocks are copied for the rest
+(autotp.parallel.rewrite): the same numbers, bit for bit, and the same collectives as rewriting the whole graph,
+and the unsharded model's numbers; blocks of several kinds each get their own template."""
+from __future__ import annotations
+
+import pytest
+
+
+@pytest.mark.slow
+def test_later_signatures_rewrite_the_exported_blocks_and_copy_them():
+    from distributed import launch, run_jobs
+    from later_workers import MODELS, later_signatures
+
+    for rank, by_name in launch(run_jobs, 2, {name: (later_signatures, name) for name in MODELS}).items():
+        for name, r in by_name.items():
+            assert r["copied"] == [True, True], (name, rank, r)
+            assert r["whole_copied"] == [False, False], (name, rank, r)  # the reference took the whole path
+            assert r["same_ops"] and r["same_collectives"] and r["bitwise"], (name, rank, r)
+            # the cut plan names the exported blocks' parameters only; the first plan names every one
+            assert all(n < r["first_params"] for n in r["planned_params"]), (name, rank, r)
+            assert all(c > 0 for c in r["collectives"]), (name, rank, r)
+            if "logits_diff" in r:
+                assert r["logits_diff"] < 1e-5 and r["loss_diff"] < 1e-5, (name, rank, r)
