@@ -67,7 +67,6 @@ def _gpt(kinds: str, dropout: float = 0.0):
 
 
 MODELS = {
-    "identical": lambda: _gpt("ggggg"),
     "alternating": lambda: _gpt("glglgl"),  # local and global attention by turns: two kinds after block 0
     "dense_first": lambda: _gpt("wgggg"),  # block 0 differs: blocks 1 … 4 copy block 1
     "dropout": lambda: _gpt("ggggg", dropout=0.1),

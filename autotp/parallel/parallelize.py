@@ -4,9 +4,9 @@ Like ``fully_shard``, :func:`parallelize` changes the model object itself and re
 a subclass of its own class (so ``isinstance``, attributes, methods and the submodule tree stay) whose
 ``forward`` runs the rewritten graph of the call; parameters become this rank's shards under their original
 names (ties kept: one Parameter per original Parameter). Each distinct call signature (input structure,
-dtypes, train/eval) is captured once from the model's own forward, planned, rewritten and cached; every
-cached graph reads the same Parameters. This is the one place where the rank enters: weights are sliced
-here and collectives are bound here.
+dtypes, train/eval) is captured once from the model's own forward, planned and rewritten
+(:mod:`autotp.parallel.rewrite`) and cached; every cached graph reads the same Parameters. This is where the
+rank enters: weights are sliced for it (:mod:`autotp.parallel.shard`) and collectives are bound to its group.
 """
 from __future__ import annotations
 
@@ -24,13 +24,12 @@ from torch.distributed.device_mesh import DeviceMesh
 from autotp.capture.meta_run import Recorder
 from autotp.capture.tracer import capture_blocks, input_guard, stand_ins
 from autotp.capture.structure import Spec, call_key, flatten, unflatten
-from autotp.runtime.collectives import all_reduce, bind_collectives
+from autotp.runtime.collectives import bind_collectives
 from autotp.parallel.data import check_same_inputs
-from autotp.io.empty import allocate_meta, check_materialized, empty_shard, swap_tensors
+from autotp.io.empty import check_materialized
 from autotp.capture.modelfile import default_example as _default_example
 from autotp.errors import PipelineError, ProcessGroupError, ShardingError
 from autotp.runtime.gathered import GatheredOnUse, bind_outputs
-from autotp.parallel.grads import mark_sharded_grad, norm_info
 from autotp.distributed.data_parallel import FSDPConfig
 from autotp.passes import PassError, run_passes
 from autotp.passes.split_stages import split_stages
@@ -38,12 +37,13 @@ from autotp.passes.split_units import split_units
 from autotp.parallel.fsdp import apply_fsdp, fsdp_hooks_off
 from autotp.parallel.reuse import lookup, remember
 from autotp.parallel.rewrite import rewrite, warn_plan
+from autotp.parallel.shard import hold, other_stages
 from autotp.runtime.units import bind_pieces
-from autotp.plan.plan import ParamShard, Plan, ShardedInput
+from autotp.plan.plan import Plan, ShardedInput
 from autotp.plan.planner import fused_segments
 from autotp.plan.stages import StageRequest
 from autotp.runtime.rng import SEED_OFFSET, RegionRNG, bind_rng
-from autotp.shard_spec import local_indices, local_pieces, shard_tensor
+from autotp.shard_spec import shard_tensor
 from autotp.runtime.vocab_ops import bind_vocab
 from autotp.state import Captured, TPState, attach_state, detach_state, find_tp_state, tp_state
 
@@ -203,25 +203,12 @@ def _build(model: nn.Module, st: TPState, args: tuple, kwargs: dict, key: Hashab
     if st.pipeline is not None:
         gm = _split_stages(gm, plan)
         if not st.graphs and st.stage_params is not None:  # the first call: other ranks' stages are never allocated
-            st.dropped = _other_stages(model, st.stage_params(gm))
+            st.dropped = other_stages(model, st.stage_params(gm))
             fresh = [n for n in fresh if n not in st.dropped]
-    _hold(model, st, plan, fresh)
+    hold(model, st, plan, fresh)
     if st.fsdp is not None and st.units is None:
         apply_fsdp(model, st, plan)  # on allocated shards: FSDP keeps the tensors it is given
     return _finish(model, st, gm, spec, key, plan, accepts, copied)
-
-
-def _hold(model: nn.Module, st: TPState, plan: Plan, fresh: list[str]) -> None:
-    """Give the model this rank's tensors as ``plan`` cuts them: its shards (once; a later signature's plan
-    is only checked against them), other stages' parameters dropped, whatever is still on meta allocated.
-    ``fresh``: the names that were on meta before, unloaded with those until a load fills them."""
-    if not st.shards and (plan.params or plan.buffers):
-        _shard_in_place(model, st, plan)
-        _shard_buffers_in_place(model, st, plan)
-    if st.dropped:
-        _drop(model, st.dropped)
-    # a model built on meta holds uninitialised memory until a load fills it: every name it had on meta
-    st.unloaded = tuple(dict.fromkeys([*st.unloaded, *fresh, *allocate_meta(model, st.device, keep=st.dropped)]))
 
 
 def _shard_from(model: nn.Module, st: TPState, plan: Plan, path: str) -> None:
@@ -229,7 +216,7 @@ def _shard_from(model: nn.Module, st: TPState, plan: Plan, path: str) -> None:
     call captures its signature and is checked against this plan (:mod:`autotp.parallel.reuse`)."""
     warn_plan(st, plan)
     st.cached, st.cached_from = plan, path
-    _hold(model, st, plan, [n for n, p in model.named_parameters(remove_duplicate=False) if p.is_meta])
+    hold(model, st, plan, [n for n, p in model.named_parameters(remove_duplicate=False) if p.is_meta])
 
 
 def _split_units(gm: fx.GraphModule, plan: Plan, st: TPState) -> tuple[fx.GraphModule, Plan]:
@@ -264,106 +251,6 @@ def _split_stages(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
         path, _, leaf = name.rpartition(".")
         (gm.get_submodule(path) if path else gm)._parameters.pop(leaf, None)
     return top
-
-
-def _other_stages(model: nn.Module, read: set[str]) -> frozenset[str]:
-    """Every name of a parameter none of ``read`` (this rank's stages' names for it) refers to."""
-    mine = {id(p) for n, p in model.named_parameters(remove_duplicate=False) if n in read}
-    return frozenset(n for n, p in model.named_parameters(remove_duplicate=False) if id(p) not in mine)
-
-
-def _drop(model: nn.Module, names: frozenset[str]) -> None:
-    """The parameters named in ``names`` (other ranks' pipeline stages) go to the meta device, shape kept."""
-    ids = {id(p) for n, p in model.named_parameters(remove_duplicate=False) if n in names}
-
-    def meta(p: torch.Tensor) -> nn.Parameter | None:
-        if id(p) not in ids or p.is_meta:
-            return None
-        return nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"), requires_grad=p.requires_grad)
-
-    swap_tensors(model, "parameters", meta)
-
-
-def _by_id(named, own: dict[str, ParamShard]) -> tuple[dict[int, ParamShard], dict[int, list[str]]]:
-    """Each tensor's shard and all its names (tied tensors appear under several)."""
-    by_id: dict[int, ParamShard] = {}
-    names: dict[int, list[str]] = {}
-    for name, t in named:
-        names.setdefault(id(t), []).append(name)
-        if name in own:
-            by_id[id(t)] = own[name]
-    return by_id, names
-
-
-def _shard_in_place(model: nn.Module, st: TPState, plan: Plan) -> None:
-    """Replace every sharded Parameter, in every module that holds it, by this rank's slice."""
-    by_id, names = _by_id(model.named_parameters(remove_duplicate=False), dict(plan.params))
-
-    def local(p: torch.Tensor) -> nn.Parameter | None:
-        shard = by_id.get(id(p))
-        if shard is None:
-            return None
-        with torch.no_grad():
-            if any(n in st.dropped for n in names[id(p)]):  # another rank's pipeline stage: shape only
-                data = torch.empty(shard.local_shape, dtype=p.dtype, device="meta")
-            elif p.is_meta:  # a model built on meta: this rank's shard, allocated, not initialised
-                data = empty_shard(shard, p.dtype, st.device, st.rank)
-            else:
-                data = shard.shard(p.detach(), st.tp, st.rank)
-                if data.untyped_storage().data_ptr() == p.untyped_storage().data_ptr():
-                    data = data.clone()
-        new = nn.Parameter(data, requires_grad=p.requires_grad)
-        meta = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"), requires_grad=p.requires_grad)
-        for name in names[id(p)]:
-            st.shards[name] = shard
-            st.full[name] = meta
-        if data.is_meta:
-            return new
-        if shard.replicated_blocks(st.tp) and p.requires_grad:
-            _sum_replicated_grads(st, new, shard)
-        if p.requires_grad:  # clip_grad_norm_ in the user's script sees the full gradient's norm
-            mark_sharded_grad(new, norm_info(shard, st.tp, st.group))
-        return new
-
-    swap_tensors(model, "parameters", local)
-
-
-def _shard_buffers_in_place(model: nn.Module, st: TPState, plan: Plan) -> None:
-    """Replace every sharded buffer (a KV cache written with sharded keys) by this rank's slice."""
-    by_id, names = _by_id(model.named_buffers(remove_duplicate=False), dict(plan.buffers))
-
-    def local(b: torch.Tensor) -> torch.Tensor | None:
-        shard = by_id.get(id(b))
-        if shard is None:
-            return None
-        for name in names[id(b)]:
-            st.shards[name] = shard
-            st.full[name] = torch.empty(b.shape, dtype=b.dtype, device="meta")
-        return shard.shard(b, st.tp, st.rank) if not b.is_meta else \
-            torch.empty(shard.local_shape, dtype=b.dtype, device="meta")
-
-    swap_tensors(model, "buffers", local)
-
-
-def _sum_replicated_grads(st: TPState, param: nn.Parameter, shard: ParamShard) -> None:
-    """Blocks held by several ranks (kv heads < tp) get partial gradients there: sum them over those ranks."""
-    ranks = dist.get_process_group_ranks(st.group)
-    first = [local_indices(shard.segments, st.tp, r) for r in range(st.tp)]  # global index of each local element
-    pieces = []
-    for p in local_pieces(shard.segments, st.tp):
-        if p.copies > 1:
-            members = [ranks[r] for r in range(st.tp) if first[r][p.start] == first[st.rank][p.start]]
-            pieces.append((p.start, p.length, dist.new_group(members, use_local_synchronization=True)))
-    dim = shard.dim
-
-    def hook(grad: torch.Tensor) -> torch.Tensor:
-        grad = grad.clone()
-        for start, length, sub in pieces:
-            part = grad.narrow(dim, start, length)
-            part.copy_(all_reduce(part.contiguous(), sub))
-        return grad
-
-    param.register_hook(hook)
 
 
 def _set_attr(root: nn.Module, name: str, value: torch.Tensor) -> None:
