@@ -76,3 +76,40 @@ def test_names_of_copies():
     assert copies.names("h.2") == ["h.4"]
     assert copies.names("h.0.qkv.weight") == [] and copies.names("wte.weight") == []
     assert torch.equal(copies.state["h.5.qkv.weight"], model.h[5].qkv.weight)
+
+
+def _later(model, args, kwargs, **options):
+    """A TPState that holds the first signature's shards (as parallelize leaves it, no group needed) and a
+    later signature's cut capture of ``model``."""
+    from autotp.state import TPState
+
+    gm, _ = capture_blocks(model, args, kwargs).whole()
+    first = make_plan(gm, 2)
+    st = TPState(None, 2, 0, torch.device("cpu"), type(model), None, 1, False, False, False, None, False)
+    st.shards, st.cached = {**dict(first.params), **dict(first.buffers)}, first
+    model.eval()
+    return st, capture_blocks(model, args, kwargs), first
+
+
+def test_rewrite_copies_a_later_signature_and_checks_every_copy_by_its_own_name(monkeypatch):
+    from autotp.errors import ShardingError
+    from autotp.parallel import rewrite as rw
+
+    model, args, kwargs = MODELS["dense_first"]()
+    st, cut, first = _later(model, args, kwargs)
+    done = rw.rewrite(st, cut, False, stacklevel=2)
+    assert done.copied and len(done.plan.params) < len(first.params)
+    whole = rw.rewrite(st, capture_blocks(model, args, kwargs), True, stacklevel=2)  # sequence parallel: whole
+    assert not whole.copied
+
+    # a copy cut differently from its template's cut: named by its own name
+    name = "h.4.fc.weight"
+    st.shards[name] = st.shards["h.1.fc.weight"].__class__(**{**st.shards[name].__dict__, "dim": 1})
+    with pytest.raises(ShardingError, match=r"h\.4\.fc\.weight is sharded as"):
+        rw.rewrite(st, capture_blocks(model, args, kwargs), False, stacklevel=2)
+
+    # copies refused after the passes: the whole model is exported and rewritten instead
+    st, cut, first = _later(*MODELS["dense_first"]())
+    monkeypatch.setattr(type(cut.copies), "apply", lambda self, gm: None)
+    done = rw.rewrite(st, cut, False, stacklevel=2)
+    assert not done.copied and dict(done.plan.params) == dict(first.params)

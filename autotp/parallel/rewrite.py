@@ -9,9 +9,11 @@ blocks exported once are analysed and rewritten, and the rewritten blocks are co
     later signatures:  cut graph ─analyse, plan─▶ Plan of the cut ─passes─▶ rewritten cut ─copy blocks─▶ rewritten
 
 The later path costs the same at any depth. Its plan names the exported blocks only; each copy's tensors are
-checked against the cut every parameter already has, under the copy's own names. It is not taken where a
-rewrite groups several blocks' values in one node (sequence parallelism sums its parameters' gradients in
-one bucket): the blocks are copied first then, as on the first signature.
+checked against the cut every parameter already has, under the copy's own names. It is not taken with
+sequence parallelism, whose rewrite groups several blocks' values in one node (the norms' weight gradients
+are summed in one bucket over all blocks): the blocks are copied first then, as on the first signature.
+Copying refuses such a node anyway (:func:`~autotp.capture.repeats.expand`), and a rewritten graph it
+refuses is exported whole.
 """
 from __future__ import annotations
 
@@ -42,17 +44,14 @@ class Rewritten(NamedTuple):
 def rewrite(st: TPState, cg: CutGraph, sequence_parallel: bool, stacklevel: int) -> Rewritten:
     """Plan ``cg`` for ``st`` and run the passes: the rewritten blocks copied where that holds (see the
     module doc), else the whole graph planned and rewritten."""
-    if cg.copies is not None and st.shards and st.pipeline is None and st.fsdp is None:
+    if cg.copies is not None and st.shards and not sequence_parallel and st.pipeline is None and st.fsdp is None:
         plan = _plan(st, cg.gm, sequence_parallel, stacklevel + 1)
-        if plan.sequence is None or not plan.sequence.grads:
-            check_consistent(st, plan, cg.copies)
-            gm = run_passes(cg.gm, plan)
-            spec = cg.copies.apply(gm)
-            if spec is not None:
-                return Rewritten(gm, spec, plan, True)
-            gm, spec = cg.export_whole()  # the rewritten blocks are not wired one after another
-        else:
-            gm, spec = cg.whole()
+        check_consistent(st, plan, cg.copies)
+        gm = run_passes(cg.gm, plan)
+        spec = cg.copies.apply(gm)
+        if spec is not None:
+            return Rewritten(gm, spec, plan, True)
+        gm, spec = cg.export_whole()  # the rewritten blocks are not wired one after another
     else:
         gm, spec = cg.whole()
     plan = _plan(st, gm, sequence_parallel, stacklevel + 1)
