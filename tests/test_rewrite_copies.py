@@ -24,7 +24,7 @@ def _ops(gm) -> Counter:
 def _models():
     model, args, kwargs = llama(layers=5)
     yield "llama with a cache", model.eval(), args, {k: v for k, v in kwargs.items() if k != "use_cache"}
-    for name in ("alternating", "dense_first", "dropout"):
+    for name in ("alternating", "dense_first_dropout"):
         model, args, kwargs = MODELS[name]()
         yield name, model, args, kwargs
 
@@ -95,7 +95,7 @@ def test_rewrite_copies_a_later_signature_and_checks_every_copy_by_its_own_name(
     from autotp.errors import ShardingError
     from autotp.parallel import rewrite as rw
 
-    model, args, kwargs = MODELS["dense_first"]()
+    model, args, kwargs = MODELS["dense_first_dropout"]()
     st, cut, first = _later(model, args, kwargs)
     done = rw.rewrite(st, cut, False, stacklevel=2)
     assert done.copied and len(done.plan.params) < len(first.params)
@@ -103,13 +103,14 @@ def test_rewrite_copies_a_later_signature_and_checks_every_copy_by_its_own_name(
     assert not whole.copied
 
     # a copy cut differently from its template's cut: named by its own name
-    name = "h.4.fc.weight"
-    st.shards[name] = st.shards["h.1.fc.weight"].__class__(**{**st.shards[name].__dict__, "dim": 1})
+    name, kept = "h.4.fc.weight", st.shards["h.4.fc.weight"]
+    st.shards[name] = kept.__class__(**{**kept.__dict__, "dim": 1})
     with pytest.raises(ShardingError, match=r"h\.4\.fc\.weight is sharded as"):
         rw.rewrite(st, capture_blocks(model, args, kwargs), False, stacklevel=2)
+    st.shards[name] = kept
 
     # copies refused after the passes: the whole model is exported and rewritten instead
-    st, cut, first = _later(*MODELS["dense_first"]())
+    cut = capture_blocks(model, args, kwargs)
     monkeypatch.setattr(type(cut.copies), "apply", lambda self, gm: None)
     done = rw.rewrite(st, cut, False, stacklevel=2)
     assert not done.copied and dict(done.plan.params) == dict(first.params)
