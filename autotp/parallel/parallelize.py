@@ -190,12 +190,12 @@ def _build(model: nn.Module, st: TPState, args: tuple, kwargs: dict, key: Hashab
             swap.update(stand_ins(dict(model.named_buffers(remove_duplicate=False)), where))
     # once FSDP shards the model, its hooks would gather parameters inside the export: it sees stand-ins
     hooks_off = fsdp_hooks_off(model) if st.units is not None else contextlib.nullcontext()
-    with hooks_off:
+    with hooks_off:  # the rewrite too: it exports the whole model where the blocks cannot be copied
         cg = capture_blocks(model, args, kwargs, forward=_user_forward(model, st), params=swap, device=st.device,
                             static=st.pipeline is not None, recorded=recorded)
-    accepts = input_guard(cg.gm)  # before the passes give sharded inputs their local shapes
-    gm, spec, plan, copied = rewrite(st, cg, st.sequence_parallel if sequence_parallel is None else sequence_parallel,
-                                     stacklevel=4)
+        accepts = input_guard(cg.gm)  # before the passes give sharded inputs their local shapes
+        gm, spec, plan, copied = rewrite(st, cg, st.sequence_parallel if sequence_parallel is None
+                                         else sequence_parallel, stacklevel=4)
     if st.tp == 1 and not st.graphs:
         st.segments = fused_segments(gm)
     if st.fsdp is not None:
