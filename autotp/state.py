@@ -41,6 +41,10 @@ class Captured:
     accepts: Callable[[list[torch.Tensor]], bool] | None = None
     # ``plan`` is of the exported blocks only: they were rewritten once and copied (autotp.parallel.rewrite)
     copied: bool = False
+    # what the forward calls: ``module`` with its gathered-on-use outputs returned as local tensors, and
+    # (flat output index, the module that wraps it) applied after, outside any compiler's trace
+    call: nn.Module | None = None
+    wrap: tuple[tuple[int, nn.Module], ...] = ()
 
 
 @dataclass

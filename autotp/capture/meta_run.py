@@ -26,6 +26,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from autotp.capture.preserve import preserved, unique_names
 from autotp.capture.structure import Spec, flatten
 
 
@@ -118,20 +119,30 @@ class Recorder(TorchDispatchMode):
 
 @contextlib.contextmanager
 def _on_meta(model: nn.Module, names: dict[int, str], params: dict[str, torch.Tensor] | None = None) -> Iterator[None]:
-    """The model's parameters and buffers as meta tensors for the duration (``params``' shapes where it
-    names them: full-size stand-ins for shards); ``names`` gets each one's name (a tied weight's first) by
-    the meta tensor's id."""
+    """The model's parameters, buffers and plain tensor attributes (``inv_freq`` set in ``__init__``) as meta
+    tensors for the duration (``params``' shapes where it names them: full-size stand-ins for shards);
+    ``names`` gets each parameter's and buffer's name (a tied weight's first) by the meta tensor's id. The
+    caller puts the model back (:func:`~autotp.capture.preserve.preserved`): the swap of a module registered
+    under several paths is undone in the wrong order by ``torch.nn.utils.stateless`` alone."""
     state = {**dict(model.named_parameters(remove_duplicate=False)), **dict(model.named_buffers(remove_duplicate=False))}
     state.update({n: t for n, t in (params or {}).items() if n in state})  # not those of blocks cut off
     made: dict[int, torch.Tensor] = {}
-    meta = {}
-    for name, t in state.items():
+
+    def meta_of(t: torch.Tensor) -> torch.Tensor:
         if id(t) not in made:
             m = torch.empty(t.shape, dtype=t.dtype, device="meta")
             made[id(t)] = nn.Parameter(m, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else m
-            names[id(made[id(t)])] = name
-        meta[name] = made[id(t)]
-    with _reparametrize_module(model, meta):
+        return made[id(t)]
+
+    meta = {}
+    for name, t in state.items():
+        meta[name] = meta_of(t)
+        names.setdefault(id(meta[name]), name)
+    for m in model.modules():
+        for key, value in list(m.__dict__.items()):
+            if isinstance(value, torch.Tensor) and not value.is_meta:
+                m.__dict__[key] = meta_of(value)
+    with _reparametrize_module(model, unique_names(model, meta)):
         yield
 
 
@@ -154,13 +165,12 @@ def run_once(model: nn.Module, blocks: nn.Module | None, run: Callable[[], objec
     for i, block in enumerate(blocks if blocks is not None else ()):
         handles.append(block.register_forward_pre_hook(lambda m, a, i=i: rec.enter(i)))
         handles.append(block.register_forward_hook(lambda m, a, o: rec.leave()))
-    training = [m.training for m in model.modules()]
     tensors = FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()
     quiet = logging.getLogger("torch")
     level = quiet.level
     quiet.setLevel(logging.CRITICAL)  # fake tensor mode logs an op that fails; here failing is an answer
     try:
-        with torch.no_grad(), tensors, _on_meta(model, rec.names, params), rec:
+        with preserved(model), torch.no_grad(), tensors, _on_meta(model, rec.names, params), rec:
             rec.output = run()
     except Exception:  # noqa: BLE001 - anything the meta run cannot do: capture the whole model instead
         return None
@@ -168,8 +178,6 @@ def run_once(model: nn.Module, blocks: nn.Module | None, run: Callable[[], objec
         quiet.setLevel(level)
         for h in handles:
             h.remove()
-        for m, t in zip(model.modules(), training):
-            m.training = t
     return rec
 
 

@@ -19,10 +19,14 @@ meta tensors on other devices.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import io
 import logging
 import os
+import site
+import sysconfig
 import traceback
+import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from types import SimpleNamespace
@@ -39,6 +43,7 @@ from autotp.errors import CaptureError
 from autotp.runtime.gathered import GatheredOnUse
 from autotp.capture.canonical import canonicalize
 from autotp.capture.meta_run import Recorder
+from autotp.capture.preserve import preserved, unique_names
 from autotp.capture.repeats import Copies, Repeats, cut, find_repeats
 from autotp.capture.structure import Spec, flatten, unflatten
 
@@ -193,22 +198,19 @@ def _export_on(model: nn.Module, forward: Callable, args: tuple, kwargs: dict,
                static: bool = False) -> tuple[fx.GraphModule, Spec]:
     def place(x: torch.Tensor) -> torch.Tensor:
         # export reads shapes, not values: a tensor elsewhere, or a gathered-on-use output fed back (a KV
-        # cache, which reading would gather), is replaced by an uninitialised plain tensor of its shape
-        if x.device == device and not isinstance(x, GatheredOnUse):
+        # cache, which reading would gather), is replaced by an uninitialised plain tensor of its shape; so is
+        # a view (``idx[:, -block_size:]``), on whose base's sizes export would guard the graph, and which a
+        # later call of the same signature need not be
+        if x.device == device and not isinstance(x, GatheredOnUse) and x._base is None:
             return x
         return torch.empty(x.shape, dtype=x.dtype, device=device)
 
     tensors, in_spec = flatten((tuple(args), dict(kwargs)))
     tensors = [place(t) for t in tensors]
     box: list[Spec] = []
-    swap = _reparametrize_module(model, params) if params else contextlib.nullcontext()
-    training = [m.training for m in model.modules()]
-    try:
-        with swap, _as_flat_forward(model, forward, in_spec, box):
-            gm = _export(model, tensors, forward, static)
-    finally:
-        for m, t in zip(model.modules(), training):
-            m.training = t
+    swap = _reparametrize_module(model, unique_names(model, params)) if params else contextlib.nullcontext()
+    with preserved(model), swap, _as_flat_forward(model, forward, in_spec, box):  # the model as it was, always
+        gm = _export(model, tensors, forward, static)
     return gm, box[-1]
 
 
@@ -235,7 +237,11 @@ def _export(model: nn.Module, tensors: list[torch.Tensor], forward: Callable, st
     dynamic = tuple({i: Dim.STATIC if static else Dim.AUTO for i in range(t.dim())} for t in tensors)
     try:
         # export prints the partial graph of a failed trace; the CaptureError below says what matters
-        with torch.no_grad(), contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        with torch.no_grad(), contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()), \
+                warnings.catch_warnings():
+            # a cache the forward writes (``self.cos_cached = ...``) is the model's own business: capture puts
+            # the model back as it was (autotp.capture.preserve), so export's advice to register it is moot
+            warnings.filterwarnings("ignore", message=r"The tensor attributes .* were assigned during export")
             ep = torch.export.export(model, tuple(tensors), dynamic_shapes=(dynamic,), strict=False)
     except Exception as e:  # noqa: BLE001 - every export failure becomes one readable error
         raise CaptureError(
@@ -265,7 +271,7 @@ def input_guard(gm: fx.GraphModule) -> Callable[[Sequence[torch.Tensor]], bool]:
         def accepts(flat: Sequence[torch.Tensor]) -> bool:
             try:
                 guards(*flat)  # torch._assert per guard: reads sizes only, never values
-            except AssertionError:
+            except Exception:  # noqa: BLE001 - a failed assert, or a guard this call cannot answer: not mine
                 return False
             return True
 
@@ -293,17 +299,42 @@ def _reason(e: Exception) -> str:
     return text[0] if text else type(e).__name__
 
 
+def _not_user_code() -> Callable[[str], bool]:
+    """Whether a file is not the user's code: in torch's packages, autotp's own (``autotp``, ``autotp.passes``
+    and ``autotp.cli`` each have their own folder), sympy (torch's symbolic shapes), or Python's standard
+    library outside its site-packages (a model installed as a package is the user's code)."""
+    packages = []
+    for name in ("torch", "functorch", "torchgen", "sympy", "autotp", "autotp.passes", "autotp.cli"):
+        spec = importlib.util.find_spec(name)
+        if spec is not None and spec.origin:
+            packages.append(os.path.dirname(os.path.realpath(spec.origin)) + os.sep)
+    paths = sysconfig.get_paths()
+    stdlib = [os.path.realpath(paths[k]) + os.sep for k in ("stdlib", "platstdlib") if k in paths]
+    sites = [os.path.realpath(p) + os.sep for p in [*site.getsitepackages(), site.getusersitepackages(),
+                                                    *(paths.get(k, "") for k in ("purelib", "platlib"))] if p]
+
+    def framework(path: str) -> bool:
+        path = os.path.realpath(path)
+        if path.startswith(tuple(packages)):
+            return True
+        return path.startswith(tuple(stdlib)) and not path.startswith(tuple(sites))
+
+    return framework
+
+
 def _user_line(e: BaseException) -> str:
-    """The deepest frame of the user's own code in the failure, as `` at file:line: source``."""
+    """The deepest frame of the user's own code in the failure, as `` at file:line: source``. Frames are told
+    apart by where their file really is (:func:`_not_user_code`), never by words in its path: a model file
+    under a folder named ``autotp`` or a model library installed in site-packages is named."""
     frames = []
     while e is not None:
         frames += traceback.extract_tb(e.__traceback__)
         e = e.__cause__ or e.__context__
-    torch_dir = os.path.dirname(torch.__file__)
+    framework = _not_user_code()
     for fr in reversed(frames):
-        if not fr.filename.startswith(torch_dir) and "site-packages" not in fr.filename \
-                and os.sep + "autotp" + os.sep not in fr.filename:
-            return f"\n  at {fr.filename}:{fr.lineno}: {(fr.line or '').strip()}"
+        if fr.filename.startswith("<") or not os.path.isfile(fr.filename) or framework(fr.filename):
+            continue  # generated code (<string>, <eval_with_key>), torch, autotp, the standard library
+        return f"\n  at {fr.filename}:{fr.lineno}: {(fr.line or '').strip()}"
     return ""
 
 

@@ -22,14 +22,15 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from autotp.capture.meta_run import Recorder
+from autotp.capture.preserve import preserved
 from autotp.capture.tracer import capture_blocks, input_guard, stand_ins
 from autotp.capture.structure import Spec, call_key, flatten, unflatten
-from autotp.runtime.collectives import bind_collectives
+from autotp.runtime.collectives import bind_collectives, define_ops
 from autotp.parallel.data import check_same_inputs
 from autotp.io.empty import check_materialized
 from autotp.capture.modelfile import default_example as _default_example
 from autotp.errors import PipelineError, ProcessGroupError, ShardingError
-from autotp.runtime.gathered import GatheredOnUse, bind_outputs
+from autotp.runtime.gathered import GatheredOnUse, bind_outputs, local_outputs
 from autotp.distributed.data_parallel import FSDPConfig
 from autotp.passes import PassError, run_passes
 from autotp.passes.split_stages import split_stages
@@ -45,7 +46,7 @@ from autotp.plan.stages import StageRequest
 from autotp.runtime.rng import SEED_OFFSET, RegionRNG, bind_rng
 from autotp.shard_spec import shard_tensor
 from autotp.runtime.vocab_ops import bind_vocab
-from autotp.state import Captured, TPState, attach_state, detach_state, find_tp_state, tp_state
+from autotp.state import Captured, TPState, attach_state, find_tp_state, tp_state
 
 
 def _split_example(example_inputs, forward: Callable) -> tuple[tuple, dict]:
@@ -107,25 +108,45 @@ class TPModule(nn.Module):
     """Mixin placed in front of the user's class by :func:`parallelize`; only ``forward`` is replaced."""
 
     def forward(self, *args, **kwargs):
-        st = tp_state(self)
-        if st.pipeline is not None:
-            raise ShardingError(f"{type(self).__name__} is cut into pipeline stages: this rank holds only its own "
-                                "stages' parameters, so the whole forward cannot run here",
-                                hint="train with pipe.step(...) and evaluate with pipe.eval_step(...) of the "
-                                     "autotp.pipeline(...) that cut it")
-        if st.unloaded:
-            check_materialized(st.unloaded)
-        key = call_key(args, kwargs, self.training)
-        if st.tp > 1 and (st.check_inputs or key not in st.checked):
-            check_same_inputs(args, kwargs, st.group)  # before any rank computes with them
-            st.checked.add(key)
-        flat = flatten((args, kwargs))[0]
-        c = _graph_for(self, st, args, kwargs, key, flat)
-        if c.seq_length is not None and flat[c.seq_length[0]].shape[c.seq_length[1]] % st.tp:
-            c = _whole_sequence(self, st, args, kwargs, key, flat, flat[c.seq_length[0]].shape[c.seq_length[1]])
-        for i, s in c.local_inputs:
-            flat[i] = _local_input(flat[i], s, st)
-        return unflatten(c.module(*flat), c.out)
+        c, flat = _dispatch(self, args, kwargs)
+        return _outputs(c, (c.call or c.module)(*flat))  # under the user's torch.compile: the graph it compiles
+
+
+@torch.compiler.disable
+def _outputs(c: Captured, flat: tuple) -> object:
+    """The forward's output rebuilt around the graph's flat results, gathered-on-use ones wrapped here."""
+    if c.wrap:
+        flat = list(flat)
+        for i, module in c.wrap:
+            flat[i] = module(flat[i])
+    return unflatten(flat, c.out)
+
+
+@torch.compiler.disable
+def _dispatch(model: nn.Module, args: tuple, kwargs: dict) -> tuple[Captured, list[torch.Tensor]]:
+    """The graph for this call and its flat inputs (local shards where the graph takes them).
+
+    Never traced by dynamo: under the user's ``torch.compile(model)`` this runs eagerly (the key, the input
+    check, a capture on a new signature), and dynamo compiles what follows, the rewritten graph itself."""
+    st = tp_state(model)
+    if st.pipeline is not None:
+        raise ShardingError(f"{type(model).__name__} is cut into pipeline stages: this rank holds only its own "
+                            "stages' parameters, so the whole forward cannot run here",
+                            hint="train with pipe.step(...) and evaluate with pipe.eval_step(...) of the "
+                                 "autotp.pipeline(...) that cut it")
+    if st.unloaded:
+        check_materialized(st.unloaded)
+    key = call_key(args, kwargs, model.training)
+    if st.tp > 1 and (st.check_inputs or key not in st.checked):
+        check_same_inputs(args, kwargs, st.group)  # before any rank computes with them
+        st.checked.add(key)
+    flat = flatten((args, kwargs))[0]
+    c = _graph_for(model, st, args, kwargs, key, flat)
+    if c.seq_length is not None and flat[c.seq_length[0]].shape[c.seq_length[1]] % st.tp:
+        c = _whole_sequence(model, st, args, kwargs, key, flat, flat[c.seq_length[0]].shape[c.seq_length[1]])
+    for i, s in c.local_inputs:
+        flat[i] = _local_input(flat[i], s, st)
+    return c, flat
 
 
 def _graph_for(model: nn.Module, st: TPState, args: tuple, kwargs: dict, key: Hashable, flat: list[torch.Tensor],
@@ -275,20 +296,25 @@ def _finish(model: nn.Module, st: TPState, gm: fx.GraphModule, spec: Spec, key: 
         if node.op == "get_attr" and node.target in tensors:
             _set_attr(gm, node.target, tensors[node.target])
     bind_collectives(gm, st.group)
+    if st.tp > 1:
+        define_ops()  # the user may torch.compile the model: its CPU all-reduces then trace as one op each
     bind_rng(gm, st.rng)
     bind_vocab(gm, st.group, st.rank)
     bind_outputs(gm, st.group, st.rank)
     bind_pieces(gm, model)
     run: nn.Module = gm
+    call, wrap = None, {}
     if st.compile:
         from autotp.runtime.compile import compile_graph
 
         run = compile_graph(gm)
+    else:
+        call, wrap = local_outputs(gm)
     index = {n.name: i for i, n in enumerate(n for n in gm.graph.nodes if n.op == "placeholder")}
     seq = plan.sequence
     length = (index[seq.length[0]], seq.length[1]) if seq is not None and seq.length and seq.leaves else None
     st.graphs[key] = Captured(run, plan, spec, tuple((index[s.node], s) for s in plan.sharded_inputs), length, accepts,
-                             copied)
+                             copied, call if wrap else None, tuple(wrap.items()))
     return st.graphs[key]
 
 
@@ -390,20 +416,14 @@ def parallelize_state(model: nn.Module, *, tp_group: dist.ProcessGroup | None = 
     st.mesh, st.fsdp, st.pipeline, st.stage_params = mesh, config, pipeline, stage_params
     args, kwargs = _split_example(example_inputs, _user_forward(model, st))
     training = model.training
-    _swap_class(model)
-    model.__dict__.pop("forward", None)
-    attach_state(model, st)
-    try:
+    with preserved(model, on_failure_only=True):  # a failure leaves the model exactly as it was: class, tensors
+        _swap_class(model)
+        model.__dict__.pop("forward", None)
+        attach_state(model, st)
         found = lookup(model, st, _user_forward(model, st), args, kwargs, training)
         if found.plan is not None:
             _shard_from(model, st, found.plan, str(found.path))
         else:
             remember(found, _build(model, st, args, kwargs, call_key(args, kwargs, training),
                                    recorded=found.recorded).plan)
-    except BaseException:
-        model.__class__ = st.base
-        detach_state(model)
-        if st.forward is not None:
-            model.__dict__["forward"] = st.forward
-        raise
     return model

@@ -10,8 +10,6 @@ error; :func:`graph_breaks` counts them (see ``tests/test_compile.py``).
 """
 from __future__ import annotations
 
-import copy
-
 import torch
 import torch._dynamo
 import torch.fx as fx
@@ -19,6 +17,7 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 
 from autotp.runtime.collectives import define_ops
+from autotp.runtime.gathered import local_outputs
 
 
 # The vocab-parallel cross-entropy's backward picks the target column of the rows this rank owns with
@@ -49,7 +48,7 @@ class CompiledGraph(nn.Module):
         options["options"] = {**INDUCTOR_CONFIG, **options.get("options", {})}
         define_ops()
         self.__dict__["graph_module"] = gm  # not a submodule: parameters stay where TPModule put them
-        inner, self._wrap = _local_outputs(gm)
+        inner, self._wrap = local_outputs(gm)
         self.compiled = torch.compile(inner, **options)
 
     def forward(self, *args, **kwargs):
@@ -61,32 +60,6 @@ class CompiledGraph(nn.Module):
         for i, module in self._wrap.items():
             leaves[i] = module(leaves[i])
         return pytree.tree_unflatten(leaves, spec)
-
-
-def _local_outputs(gm: fx.GraphModule) -> tuple[fx.GraphModule, dict[int, nn.Module]]:
-    """A copy of ``gm`` (sharing its submodules and tensors) whose GatherOutput results that are graph
-    outputs are returned unwrapped, and {flat output index: the GatherOutput module to apply outside}."""
-    from autotp.runtime.gathered import GatherOutput
-
-    graph = copy.deepcopy(gm.graph)
-    out = graph.output_node()
-    flat = out.args[0] if isinstance(out.args[0], (tuple, list)) else [out.args[0]]
-    wrap: dict[int, nn.Module] = {}
-    for i, node in enumerate(flat):
-        if isinstance(node, fx.Node) and node.op == "call_module" \
-                and isinstance(gm.get_submodule(node.target), GatherOutput) and len(node.users) == 1:
-            wrap[i] = gm.get_submodule(node.target)
-    if not wrap:
-        return gm, {}
-    new_flat = [node.args[0] if i in wrap else node for i, node in enumerate(flat)]
-    removed = [flat[i] for i in wrap]
-    out.args = (type(out.args[0])(new_flat) if isinstance(out.args[0], (tuple, list)) else new_flat[0],)
-    for node in removed:
-        graph.erase_node(node)
-    inner = fx.GraphModule(gm, graph)
-    inner.graph._codegen = copy.deepcopy(gm.graph._codegen)
-    inner.recompile()
-    return inner, wrap
 
 
 def compile_graph(gm: fx.GraphModule, **options) -> nn.Module:

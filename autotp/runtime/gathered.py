@@ -12,10 +12,13 @@ script. Gradients flow back through the gather: the gradient of the full tensor 
 """
 from __future__ import annotations
 
+import copy
+import warnings
 from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
+import torch.fx as fx
 import torch.nn as nn
 from torch.utils._pytree import tree_map
 
@@ -167,3 +170,39 @@ class LocalSliceOp(nn.Module):
         if self.tp == 1:
             return x
         return shard_tensor(x, self.dim, self.segments, self.tp, self.rank, self.outer)
+
+
+def local_outputs(gm: fx.GraphModule) -> tuple[fx.GraphModule, dict[int, nn.Module]]:
+    """A copy of ``gm`` (sharing its submodules and tensors) whose GatherOutput results that are graph
+    outputs are returned unwrapped, and {flat output index: the GatherOutput module to apply outside}.
+
+    A compiler traces the copy: a tensor subclass made inside a traced region breaks the graph (dynamo cannot
+    trace ``_make_wrapper_subclass``) or makes AOTAutograd expect a subclass tangent; wrapping the plain
+    local result outside moves no data."""
+    graph = _copy(gm.graph)
+    out = graph.output_node()
+    flat = out.args[0] if isinstance(out.args[0], (tuple, list)) else [out.args[0]]
+    wrap: dict[int, nn.Module] = {}
+    for i, node in enumerate(flat):
+        if isinstance(node, fx.Node) and node.op == "call_module" \
+                and isinstance(gm.get_submodule(node.target), GatherOutput) and len(node.users) == 1:
+            wrap[i] = gm.get_submodule(node.target)
+    if not wrap:
+        return gm, {}
+    new_flat = [node.args[0] if i in wrap else node for i, node in enumerate(flat)]
+    removed = [flat[i] for i in wrap]
+    out.args = (type(out.args[0])(new_flat) if isinstance(out.args[0], (tuple, list)) else new_flat[0],)
+    for node in removed:
+        graph.erase_node(node)
+    inner = fx.GraphModule(gm, graph)
+    inner.graph._codegen = _copy(gm.graph._codegen)
+    inner.recompile()
+    return inner, wrap
+
+
+def _copy(obj: object) -> object:
+    with warnings.catch_warnings():
+        # torch 2.13's own copy of a pytree LeafSpec (the graph's codegen holds one) warns that
+        # isinstance(treespec, LeafSpec) is deprecated: nothing the caller can act on
+        warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)", category=FutureWarning)
+        return copy.deepcopy(obj)

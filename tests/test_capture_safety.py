@@ -1,0 +1,193 @@
+"""Capture never changes the user's model (tests/stateful_models.py: buffers registered or grown on first use,
+shared rotary and ALiBi modules, a tied head holding the embedding module, plain tensor attributes beside a
+Python-side cache), a failed parallelize puts the model back exactly, and a capture error names the user's
+own line wherever the model's file lives."""
+from __future__ import annotations
+
+import importlib.util
+import sys
+import sysconfig
+import textwrap
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import autotp
+from autotp.capture.repeats import find_repeats, record_whole
+from autotp.capture.tracer import capture, meta_call
+from autotp.errors import CaptureError
+from autotp.plan.cache import plan_key
+from autotp.state import find_tp_state
+from distributed import Launches
+from stateful_models import STYLES, build, diff, snapshot
+from stateful_workers import DOCUMENTED, stateful_parity
+
+
+@pytest.fixture
+def fake_tp2():
+    """A process group of two ranks in this process (torch's fake backend: collectives do nothing), so
+    parallelize plans and shards as rank 0 of tp 2 would, with no process started."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    yield dist.group.WORLD
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("style", STYLES)
+def test_capture_and_meta_runs_leave_the_model_untouched(style: str):
+    model, (x, y) = build(style)
+    want = model(x, y)[1]
+    model, (x, y) = build(style)
+    before = snapshot(model)
+    forward = type(model).forward.__get__(model)
+    run = meta_call(forward, (x, y), {})
+    rec = record_whole(model, run)
+    assert rec is not None, "the meta run of the forward failed"
+    assert diff(before, snapshot(model)) == []
+    # the meta runs find the repeated blocks: capture exports 2 of the 3 and copies the third
+    rep = find_repeats(model, run, recorded=rec)
+    assert rep is not None and rep.keep == 2, rep
+    assert plan_key(model, run, {"tp": 2}, rec) is not None
+    gm, _ = capture(model, (x, y), {})
+    assert diff(before, snapshot(model)) == []
+    assert torch.equal(gm(x, y)[1], want)  # the captured graph computes what the model computes
+
+
+@pytest.mark.parametrize("style", STYLES)
+def test_parallelize_changes_only_what_it_documents(style: str, fake_tp2):
+    model, (x, _) = build(style)
+    before = snapshot(model)
+    cls = type(model)
+    autotp.parallelize(model, example_inputs=(x,))
+    assert diff(before, snapshot(model), skip=DOCUMENTED) == []
+    assert isinstance(model, cls) and type(model) is not cls
+    full = dict(build(style)[0].named_parameters(remove_duplicate=False))
+    local = dict(model.named_parameters(remove_duplicate=False))
+    assert list(local) == list(full)
+    assert local["layers.0.attn.wq.weight"].shape == (32, 64)  # the attention is sharded, by whole heads
+    if style == "tied_module":
+        assert local["output.tied_module.weight"] is local["tok_embeddings.weight"]
+
+
+def _fail_after(monkeypatch, target: str, name: str) -> None:
+    """Make ``target.name`` raise after it has run (its changes made)."""
+    module = importlib.import_module(target)
+    real = getattr(module, name)
+
+    def failing(*args, **kwargs):
+        real(*args, **kwargs)
+        raise CaptureError(f"injected failure after {name}")
+
+    monkeypatch.setattr(module, name, failing)
+
+
+@pytest.mark.parametrize("where", [("autotp.capture.tracer", "_export"), ("autotp.parallel.parallelize", "hold"),
+                                   ("autotp.parallel.parallelize", "_finish")])
+@pytest.mark.parametrize("style", ["lazy_mask", "plain_cache", "shared_rotary", "tied_module"])
+def test_failed_parallelize_leaves_the_model_exactly_as_it_was(style: str, where: tuple[str, str], fake_tp2,
+                                                               monkeypatch):
+    model, (x, y) = build(style)
+    before = snapshot(model)
+    cls = type(model)
+    _fail_after(monkeypatch, *where)
+    with pytest.raises(CaptureError, match="injected"):
+        autotp.parallelize(model, example_inputs=(x, y))
+    assert diff(before, snapshot(model)) == []  # parameters included: the originals, unsharded
+    assert type(model) is cls and find_tp_state(model) is None
+    monkeypatch.undo()
+    ref = build(style)[0]
+    assert torch.equal(model(x, y)[1], ref(x, y)[1])  # and it still runs, as on one device
+
+
+def test_models_with_caches_keep_them(fake_tp2):
+    """The test models that keep a cache on the model (a KV cache buffer written in forward, running
+    statistics, Hugging Face's rotary and mask code): parallelize changes their parameters only, and the KV
+    cache buffers it shards (kept under their names)."""
+    import cache_models
+    import capture_models
+    from parity_workers import _hf
+
+    kv = cache_models.build("index_copy")
+    models = [(kv, (torch.randint(0, 64, (2, 5)), torch.arange(5)), {}, ("_buffers",)),
+              (capture_models.build("buffer_write")[0], capture_models.build("buffer_write")[1], {}, ()),
+              (_hf("llama")[0], (), {"input_ids": torch.randint(1, 128, (2, 6)), "use_cache": True}, ())]
+    for model, args, kwargs, sharded in models:
+        before = snapshot(model)
+        buffers = [n for n, _ in model.named_buffers()]
+        autotp.parallelize(model, example_inputs=(args, kwargs))
+        assert diff(before, snapshot(model), skip=DOCUMENTED + sharded) == [], type(model).__name__
+        assert [n for n, _ in model.named_buffers()] == buffers
+
+
+# -- the user's line in a capture error -----------------------------------------------------------------
+_FAILING = textwrap.dedent("""
+    import torch
+
+    class DataDependent(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            if self.lin(x).sum() > 0:  # the user's line
+                return x
+            return -x
+""")
+
+
+def _import_file(path: Path, name: str):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_error_names_a_model_file_in_a_folder_named_autotp(tmp_path: Path):
+    path = tmp_path / "autotp" / "models" / "user_model.py"
+    path.parent.mkdir(parents=True)
+    path.write_text(_FAILING)
+    model = _import_file(path, "user_model_in_autotp_folder").DataDependent()
+    with pytest.raises(CaptureError) as e:
+        capture(model, (torch.randn(2, 8),), {})
+    assert f"at {path}:" in str(e.value) and "if self.lin(x).sum() > 0" in str(e.value)
+
+
+def test_error_names_a_model_from_an_installed_package():
+    site = Path(sysconfig.get_paths()["purelib"])
+    name = f"autotp_test_models_{uuid.uuid4().hex[:8]}"
+    pkg = site / name
+    pkg.mkdir()
+    try:
+        (pkg / "__init__.py").write_text(_FAILING)
+        model = importlib.import_module(name).DataDependent()
+        with pytest.raises(CaptureError) as e:
+            capture(model, (torch.randn(2, 8),), {})
+        assert f"{name}/__init__.py" in str(e.value) and "if self.lin(x).sum() > 0" in str(e.value)
+    finally:
+        sys.modules.pop(name, None)
+        for f in sorted(pkg.rglob("*"), reverse=True):
+            f.unlink() if f.is_file() else f.rmdir()
+        pkg.rmdir()
+
+
+# -- multi-process: exact, fully sharded, untouched ---------------------------------------------------------
+@pytest.fixture(scope="module")
+def runs() -> Launches:
+    return Launches({2: {"stateful": (stateful_parity, STYLES)}, 4: {"stateful": (stateful_parity, STYLES)}})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 4])
+def test_stateful_spellings_train_and_sample_exactly(runs, world: int):
+    for rank, by_style in runs(world, "stateful").items():
+        assert list(by_style) == STYLES
+        for style, r in by_style.items():
+            assert r["changed"] == [] and r["same_names"], (style, r["changed"])
+            assert r["loss_diff"] <= 1e-5 and r["param_diff"] <= 1e-5, (rank, style, r)
+            assert r["same_tokens"], (rank, style)
+            assert r["replicated"] == [], (style, r["replicated"])
+            assert r["fraction"] <= 1 / world + 0.12, (style, r["fraction"])
