@@ -110,6 +110,8 @@ class Attention(nn.Module):
             self.rotary = GrownRotary()
         elif style == "plain_cache":
             self.rotary = PlainCacheRotary()
+        elif style == "dict_cache":
+            self._masks: dict[str, torch.Tensor] = {}  # a Python dict of masks, filled (and grown) in forward
         elif shared is not None:
             self.shared = shared  # one module, registered under every block's path
 
@@ -137,6 +139,10 @@ class Attention(nn.Module):
             att = att + bias
         elif self.style in ("lazy_mask", "lazy_mask_grow"):
             att = att.masked_fill(~self._mask(n, x.device), float("-inf"))
+        elif self.style == "dict_cache":
+            if "causal" not in self._masks or self._masks["causal"].shape[-1] < n:
+                self._masks["causal"] = torch.full((n, n), float("-inf"), device=x.device).triu(1)
+            att = att + self._masks["causal"][:n, :n]
         else:
             att = att.masked_fill(torch.ones(n, n, dtype=torch.bool, device=x.device).triu(1), float("-inf"))
         y = F.softmax(att, dim=-1) @ v
@@ -167,17 +173,31 @@ class TiedHead(nn.Module):
         return F.linear(x, self.tied_module.weight)
 
 
+class TiedForward(nn.Module):
+    """The same, spelled as a forward over the embedding module it holds."""
+
+    def __init__(self, emb: nn.Embedding):
+        super().__init__()
+        self.emb = emb
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.emb.weight)
+
+
 class GPT(nn.Module):
     def __init__(self, style: str):
         super().__init__()
         self.style = style
         self.tok_embeddings = nn.Embedding(V, H)
+        nn.init.normal_(self.tok_embeddings.weight, std=0.02)  # as GPTs do: logits of order 1 through a tied head
         shared = {"shared_rotary": TableRotary, "shared_alibi": Alibi}.get(style)
         self.shared = shared() if shared is not None else None  # built once, passed to every block
         self.layers = nn.ModuleList([Block(style, self.shared) for _ in range(3)])
         self.norm = nn.LayerNorm(H)
         if style == "tied_module":
             self.output = TiedHead(self.tok_embeddings)
+        elif style == "tied_forward":
+            self.output = TiedForward(self.tok_embeddings)
         else:
             self.output = nn.Linear(H, V, bias=False)
         self.pos = None if style != "lazy_mask" else nn.Embedding(S, H)
@@ -193,8 +213,8 @@ class GPT(nn.Module):
         return logits, loss
 
 
-STYLES = ["lazy_mask", "lazy_mask_grow", "grown_rotary", "plain_cache", "shared_rotary", "shared_alibi",
-          "tied_module"]
+STYLES = ["lazy_mask", "lazy_mask_grow", "grown_rotary", "plain_cache", "dict_cache", "shared_rotary",
+          "shared_alibi", "tied_module", "tied_forward"]
 
 
 def build(style: str) -> tuple[nn.Module, tuple]:

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 import autotp
 from autotp.capture.repeats import find_repeats, record_whole
-from autotp.capture.tracer import capture, meta_call
+from autotp.capture.tracer import capture, input_guard, meta_call
 from autotp.errors import CaptureError
 from autotp.plan.cache import plan_key
 from autotp.state import find_tp_state
@@ -69,8 +69,9 @@ def test_parallelize_changes_only_what_it_documents(style: str, fake_tp2):
     local = dict(model.named_parameters(remove_duplicate=False))
     assert list(local) == list(full)
     assert local["layers.0.attn.wq.weight"].shape == (32, 64)  # the attention is sharded, by whole heads
-    if style == "tied_module":
-        assert local["output.tied_module.weight"] is local["tok_embeddings.weight"]
+    if style.startswith("tied"):
+        head = "output.tied_module.weight" if style == "tied_module" else "output.emb.weight"
+        assert local[head] is local["tok_embeddings.weight"]
 
 
 def _fail_after(monkeypatch, target: str, name: str) -> None:
@@ -121,6 +122,21 @@ def test_models_with_caches_keep_them(fake_tp2):
         autotp.parallelize(model, example_inputs=(args, kwargs))
         assert diff(before, snapshot(model), skip=DOCUMENTED + sharded) == [], type(model).__name__
         assert [n for n, _ in model.named_buffers()] == buffers
+
+
+def test_a_view_input_leaves_no_guard_on_its_base():
+    """nanoGPT's ``generate`` calls ``self(idx_cond)`` with a view first (``idx[:, -block_size:]``), then with
+    ``torch.cat``'s result: the graph of the first call must take the second, and a guard that cannot
+    answer a call (it reads something the call lacks) means "not mine", never an error."""
+    from nanogpt import GPT, GPTConfig
+
+    model = GPT(GPTConfig(block_size=64, vocab_size=97, n_layer=2, n_head=4, n_embd=64, dropout=0.0, bias=True))
+    idx = torch.randint(0, 97, (2, 16))
+    gm, _ = capture(model, (idx[:, :4],), {})
+    accepts = input_guard(gm)
+    assert accepts([torch.randint(0, 97, (2, 5))]) and accepts([idx[:, 2:9]])
+    assert not accepts([torch.randint(0, 97, (2, 65))])  # past block_size: the model's own assert
+    assert not accepts([])  # a call of another structure reaches no graph's guards, and raises nothing here
 
 
 # -- the user's line in a capture error -----------------------------------------------------------------
