@@ -14,6 +14,9 @@ After::
     lp2 = aten.flatten(logits, 0, 1)                                # log_softmax folded into the loss
     loss = autotp_vocab_ce_loss(lp2, targets)
 
+N-d logits with the classes on dim 1 (``cross_entropy(logits.transpose(1, 2), targets)``: (b, V/t, s) here) go
+to the same loss, which reads them as (b·s, V/t) rows and gives ``reduction="none"`` the targets' shape.
+
 Logits of a padded head cropped in the model (``lm_head(x)[..., :V]``): the loss's layout knows the V classes and
 leaves each rank's columns at class ids >= V out of the row max, the exp-sum and the target term.
 """

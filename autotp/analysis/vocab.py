@@ -123,10 +123,11 @@ class _VocabPropagator:
         return s is not None
 
     def _on_cross_entropy(self, node: fx.Node, rule: OpRule) -> bool:
+        """torch's losses take the classes on dim 1: (n, V), or (b, V, s, ...) for N-d targets."""
         src = node.args[0]
         s = self.spec(src)
-        if s is None or ndim_of(src) != 2 or s.dim != 1 or arg_of(node, 2, "weight") is not None:
-            raise Unshardable(node, "cross-entropy is not over 2-D logits sharded on the class dim, or is weighted")
+        if s is None or ndim_of(src) < 2 or s.dim != 1 or arg_of(node, 2, "weight") is not None:
+            raise Unshardable(node, "cross-entropy is not over logits sharded on the class dim (dim 1), or is weighted")
         self.losses.append(LossFact(node, src, None, arg_of(node, 3, "reduction", 1),
                                     arg_of(node, 4, "ignore_index", -100), arg_of(node, 5, "label_smoothing", 0.0)))
         return True
@@ -135,8 +136,8 @@ class _VocabPropagator:
         src = node.args[0]
         s = self.spec(src)
         origin = self._log_softmax_of(src)
-        if s is None or origin is None or ndim_of(src) != 2 or s.dim != 1 or arg_of(node, 2, "weight") is not None:
-            raise Unshardable(node, "nll_loss not over a log_softmax of the sharded logits")
+        if s is None or origin is None or ndim_of(src) < 2 or s.dim != 1 or arg_of(node, 2, "weight") is not None:
+            raise Unshardable(node, "nll_loss not over a log_softmax of the logits sharded on the class dim (dim 1)")
         self.losses.append(LossFact(node, origin.args[0], origin, arg_of(node, 3, "reduction", 1),
                                     arg_of(node, 4, "ignore_index", -100), 0.0))
         return True

@@ -110,7 +110,8 @@ class _VocabCE(torch.autograd.Function):
 
 
 class VocabCrossEntropy(_VocabModule):
-    """cross_entropy over vocab-sharded logits (n, local) with global targets (n,); never gathers logits.
+    """cross_entropy over vocab-sharded logits (n, local), or (b, local, s, ...) with the classes on dim 1, with
+    global targets (n,) or (b, s, ...); never gathers logits.
     Only the classes count: rows of a head cropped in the model (``classes``) are padding, as the crop made them."""
 
     def __init__(self, layout: VocabLayout, reduction: int, ignore_index: int, label_smoothing: float):
@@ -124,8 +125,13 @@ class VocabCrossEntropy(_VocabModule):
             red = ("none", "mean", "sum")[self.reduction]
             return F.cross_entropy(logits, target, reduction=red, ignore_index=self.ignore_index,
                                    label_smoothing=self.label_smoothing)
-        return _VocabCE.apply(logits, target, self.group, self.start, self.owned, self.layout.size,
+        shape = target.shape
+        if logits.dim() > 2:  # (b, V/t, s, ...), classes on dim 1 as torch's N-d losses take them: (b·s·…, V/t)
+            logits = logits.movedim(1, -1).reshape(-1, logits.shape[1])
+            target = target.reshape(-1)
+        loss = _VocabCE.apply(logits, target, self.group, self.start, self.owned, self.layout.size,
                               self.reduction, self.ignore_index, self.label_smoothing)
+        return loss.view(shape) if self.reduction == 0 else loss  # reduction="none": one loss per target
 
 
 class VocabOutput(GatherOutput):
