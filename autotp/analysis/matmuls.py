@@ -93,10 +93,10 @@ def _chain(node: object, flip, stop) -> tuple[fx.Node, tuple[fx.Node, ...], int]
     chain: list[fx.Node] = []
     flips = 0
     while isinstance(node, fx.Node):
+        if stop(node):  # the parameter itself may have other readers: a tied weight's embedding, another matmul
+            return node, tuple(chain), flips
         if chain and only_user(node) is not chain[0]:
             return None
-        if stop(node):
-            return node, tuple(chain), flips
         if node.op != "call_function":
             return None
         if permutes(node.target) and flip(node):

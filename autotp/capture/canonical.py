@@ -1,6 +1,7 @@
 """Rewrite a captured graph into the canonical spellings analysis reads, each computing the same values
 with the same gradients: index lists of consecutive positions as slices, ``view_as``/``reshape_as`` as views
-to the other tensor's sizes, and no identity nodes (views, casts and copies whose output is their input)."""
+to the other tensor's sizes, an einsum that is a linear map of its last dim by a matrix as the matmul it is,
+and no identity nodes (views, casts and copies whose output is their input)."""
 from __future__ import annotations
 
 import operator
@@ -14,7 +15,7 @@ aten = torch.ops.aten
 
 def canonicalize(gm: fx.GraphModule) -> None:
     """All the rewrites of this module, in place; the graph is recompiled where one changed it."""
-    changed = [index_lists_as_slices(gm), views_as_views(gm), drop_identities(gm)]
+    changed = [index_lists_as_slices(gm), views_as_views(gm), einsums_as_matmuls(gm), drop_identities(gm)]
     if any(changed):
         gm.recompile()
 
@@ -46,6 +47,52 @@ def views_as_views(gm: fx.GraphModule) -> bool:
         node.replace_all_uses_with(view)
         gm.graph.erase_node(node)
         changed = True
+    return changed
+
+
+def _einsum_terms(term: str) -> list[str] | None:
+    """An einsum operand's subscripts as tokens (``"...bd"`` -> ``["...", "b", "d"]``); None where a letter
+    repeats or an ellipsis is anywhere but first."""
+    lead = term.startswith("...")
+    rest = term[3:] if lead else term
+    if not rest.isalpha() or len(set(rest)) != len(rest):
+        return None
+    return (["..."] if lead else []) + list(rest)
+
+
+def einsums_as_matmuls(gm: fx.GraphModule) -> bool:
+    """``einsum('bnd,vd->bnv', x, W)`` as ``linear(x, W)`` and ``einsum('...d,de->...e', x, W)`` as
+    ``matmul(x, W)``: an einsum that contracts the last dim of ``x`` with one dim of a matrix and appends the
+    other is that matmul (same values, same gradients), which analysis reads as a projection (an LM head tied
+    to the embedding by einsum, a projection written as einsum). Other einsums are left as they are."""
+    changed = False
+    for node in list(gm.graph.nodes):
+        if node.target is not aten.einsum.default or len(node.args) != 2 or not isinstance(node.args[0], str):
+            continue
+        eq, operands = node.args[0].replace(" ", ""), node.args[1]
+        if "->" not in eq or len(operands) != 2 or eq.count(",") != 1:
+            continue
+        ins, out = eq.split("->")
+        subs = [_einsum_terms(t) for t in ins.split(",")]
+        outs = _einsum_terms(out)
+        if outs is None or any(t is None for t in subs):
+            continue
+        for wi in (0, 1):
+            ws, xs, w, x = subs[wi], subs[1 - wi], operands[wi], operands[1 - wi]
+            if len(ws) != 2 or "..." in ws or not xs or xs[-1] not in ws:
+                continue
+            c = xs[-1]
+            k = ws[1] if ws[0] == c else ws[0]
+            if k in xs or outs != [*xs[:-1], k]:
+                continue
+            op = aten.matmul.default if ws == [c, k] else aten.linear.default  # W [in, out] or [out, in]
+            with gm.graph.inserting_before(node):
+                mm = gm.graph.call_function(op, (x, w))
+            mm.meta = dict(node.meta)
+            node.replace_all_uses_with(mm)
+            gm.graph.erase_node(node)
+            changed = True
+            break
     return changed
 
 

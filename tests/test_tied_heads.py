@@ -1,0 +1,47 @@
+"""LM heads tied to the token embedding by a matmul with its weight (``x @ emb.weight.t()``, ``.T``, einsum,
+``F.linear``, ``matmul`` of its transpose; tests/tied_head_models.py): vocab-parallel, tied by identity (one
+shard serves both uses), reported as the LM head, exact with Megatron's collectives."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from autotp.capture.tracer import capture
+from autotp.plan.planner import make_plan
+from distributed import Launches
+from parity_workers import pattern_parity
+from pattern_models import H, S
+from tied_head_models import KINDS, V, build
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_matmul_tied_head_is_vocab_parallel(kind: str):
+    model, args, kwargs = build(kind)
+    gm = capture(model, args, kwargs)[0]
+    assert torch.equal(gm(*args)[1], model(*args)[1])  # an einsum read as the matmul it is: the same values
+    for tp in (2, 4):
+        plan = make_plan(gm, tp)
+        assert plan.replicated == (), plan.replicated
+        w = plan.param("tok_emb.weight")
+        assert w.role == "vocab" and w.local_shape == (V // tp, H)
+        assert len(plan.vocab.heads) == 1 and len(plan.vocab.embeddings) == 1 and len(plan.vocab.losses) == 1
+
+
+@pytest.fixture(scope="module")
+def runs() -> Launches:
+    return Launches({w: {"tied": (pattern_parity, list(KINDS), 3, False, "tied_head_models")} for w in (2, 4)})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 4])
+def test_matmul_tied_heads_train_exactly_with_megatron_collectives(runs, world: int):
+    bsh, layers = 2 * S * H, 2
+    for rank, by_kind in runs(world, "tied").items():
+        assert list(by_kind) == list(KINDS)
+        for kind, r in by_kind.items():
+            assert r["loss_diff"] <= 1e-5 and r["grad_diff"] <= 1e-5 and r["param_diff"] <= 1e-5, (rank, kind, r)
+            assert not r["replicated"] and r["unexplained"] == [], (kind, r["replicated"], r["unexplained"])
+            assert r["fraction"] <= 1 / world + 0.12, (kind, r["fraction"])
+            assert sorted(r["forward"]) == sorted([("all_reduce", "sum", bsh)] * (2 * layers + 1) + [
+                ("all_reduce", "max", 2 * S), ("all_reduce", "sum", 2 * S), ("all_reduce", "sum", 2 * S)]), kind
+            assert sorted(r["backward"]) == [("all_reduce", "sum", bsh)] * (2 * layers + 1), (kind, r["backward"])
