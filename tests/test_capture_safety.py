@@ -179,6 +179,7 @@ def test_error_names_a_model_from_an_installed_package():
     pkg.mkdir()
     try:
         (pkg / "__init__.py").write_text(_FAILING)
+        importlib.invalidate_caches()  # site-packages' directory listing may be cached from this same second
         model = importlib.import_module(name).DataDependent()
         with pytest.raises(CaptureError) as e:
             capture(model, (torch.randn(2, 8),), {})
