@@ -11,6 +11,15 @@ from distributed import CollectiveLog
 from models import MODELS, PARITY_ONLY, loss_and_logits
 
 
+def dense_step_collectives(bsh: int, tokens: int, layers: int = 2) -> tuple[list, list]:
+    """Megatron's all-reduces of one training step of a dense LM with a vocab-parallel embedding, head and loss,
+    sorted: forward the embedding and 2 per layer (b·s·h) and the loss's max and two sums (b·s); backward
+    entering attention and the MLP per layer, and the LM head (b·s·h)."""
+    forward = [("all_reduce", "sum", bsh)] * (2 * layers + 1) + [
+        ("all_reduce", "max", tokens), ("all_reduce", "sum", tokens), ("all_reduce", "sum", tokens)]
+    return sorted(forward), [("all_reduce", "sum", bsh)] * (2 * layers + 1)
+
+
 def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a.detach() - b.detach()).abs().max().item() if a.numel() else 0.0
 

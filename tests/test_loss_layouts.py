@@ -10,7 +10,7 @@ from autotp.plan.planner import make_plan
 from autotp.runtime.vocab_ops import VocabCrossEntropy
 from distributed import Launches
 from loss_layout_models import KINDS, build
-from parity_workers import pattern_parity
+from parity_workers import dense_step_collectives, pattern_parity
 from pattern_models import H, S
 
 
@@ -46,7 +46,6 @@ def test_class_dim_one_losses_train_exactly_with_megatron_collectives(runs, worl
             assert not r["replicated"] and r["unexplained"] == [], (kind, r["replicated"], r["unexplained"])
             assert r["fraction"] <= 1 / world + 0.12, (kind, r["fraction"])
             # forward: the embedding and 2 per layer (b·s·h); the loss's max and two sums of b·s, never b·s·V
-            assert sorted(r["forward"]) == sorted([("all_reduce", "sum", bsh)] * (2 * layers + 1) + [
-                ("all_reduce", "max", 2 * S), ("all_reduce", "sum", 2 * S), ("all_reduce", "sum", 2 * S)]), kind
-            # backward: entering attention and the MLP per layer, and the LM head
-            assert sorted(r["backward"]) == [("all_reduce", "sum", bsh)] * (2 * layers + 1), (kind, r["backward"])
+            forward, backward = dense_step_collectives(bsh, 2 * S, layers)
+            assert sorted(r["forward"]) == forward, (kind, r["forward"])
+            assert sorted(r["backward"]) == backward, (kind, r["backward"])

@@ -45,15 +45,13 @@ class _Saved:
 
 
 def _tensors(saved: _Saved) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor the module holds: its attributes and one level into its containers."""
+    """Every tensor the module holds, by a readable name: its attributes and the values in its containers."""
     for key, value in saved.attrs.items():
         if isinstance(value, torch.Tensor):
             yield key, value
-        elif isinstance(value, _CONTAINERS):
-            items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
-            for k, t in items:
-                if isinstance(t, torch.Tensor):
-                    yield f"{key}[{k!r}]" if key not in ("_parameters", "_buffers") else str(k), t
+        for k, t in value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ():
+            if isinstance(t, torch.Tensor):
+                yield (k if key in ("_parameters", "_buffers") else f"{key}[{k!r}]"), t
 
 
 def _snapshot(model: nn.Module) -> list[_Saved]:
@@ -78,12 +76,7 @@ def _copy(value: dict | list | set) -> dict | list | set:
 def _fill(container: dict | list | set, items: list) -> None:
     """Put ``items`` back into ``container`` itself (code may hold a reference to ``m._buffers``)."""
     container.clear()
-    if isinstance(container, dict):
-        container.update(items)
-    elif isinstance(container, list):
-        container.extend(items)
-    else:
-        container.update(items)
+    container.extend(items) if isinstance(container, list) else container.update(items)
 
 
 @contextlib.contextmanager
