@@ -58,7 +58,7 @@ class TPState:
     base: type  # the user's own class
     forward: Callable | None  # a forward the user set on the instance (partial, bound method), else None
     vocab_multiple: int = 1
-    compile: bool = False
+    compile: bool | dict = False  # a dict: torch.compile's options
     check_inputs: bool = False
     sequence_parallel: bool = False
     rng: RegionRNG | None = None

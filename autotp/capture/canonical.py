@@ -15,9 +15,21 @@ aten = torch.ops.aten
 
 def canonicalize(gm: fx.GraphModule) -> None:
     """All the rewrites of this module, in place; the graph is recompiled where one changed it."""
-    changed = [index_lists_as_slices(gm), views_as_views(gm), einsums_as_matmuls(gm), drop_identities(gm)]
+    changed = [index_lists_as_slices(gm), views_as_views(gm), einsums_as_matmuls(gm), drop_identities(gm),
+               drop_dtype_asserts(gm)]
     if any(changed):
         gm.recompile()
+
+
+def drop_dtype_asserts(gm: fx.GraphModule) -> bool:
+    """Drop export's ``_assert_tensor_metadata`` checks (the dtype each ``.to()`` saw). A capture on meta
+    stand-ins (a model on a GPU whose weights are already shards) runs outside that device's autocast, so
+    under ``torch.autocast`` the rewritten graph sees bf16 where the capture saw fp32 and the check would
+    fail; the ops themselves follow the autocast the call runs in, as the eager model does."""
+    asserts = [n for n in gm.graph.nodes if n.target is aten._assert_tensor_metadata.default]
+    for node in asserts:
+        gm.graph.erase_node(node)
+    return bool(asserts)
 
 
 def views_as_views(gm: fx.GraphModule) -> bool:

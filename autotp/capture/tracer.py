@@ -339,10 +339,20 @@ def _user_line(e: BaseException) -> str:
 
 
 def retarget_device(gm: fx.GraphModule, device: torch.device, source: torch.device) -> None:
-    """Replace the capture device recorded in factory calls (``arange(..., device=meta)``) by ``device``."""
+    """Replace the capture device recorded in factory calls (``arange(..., device=meta)``) by ``device``, and
+    move the constants the capture made there (a Hugging Face cache's ``torch.tensor([])``, captured on CPU
+    stand-ins for a model on a GPU) to ``device``."""
     if source == device:
         return
+    owned = {n for n, _ in gm.named_parameters(remove_duplicate=False)} | \
+        {n for n, _ in gm.named_buffers(remove_duplicate=False)}
     for node in gm.graph.nodes:
+        if node.op == "get_attr" and node.target not in owned:
+            owner, _, name = node.target.rpartition(".")
+            holder = gm.get_submodule(owner) if owner else gm
+            value = getattr(holder, name, None)
+            if isinstance(value, torch.Tensor) and value.device == source and source.type != "meta":
+                setattr(holder, name, value.to(device))
         if node.op != "call_function":
             continue
         if node.kwargs.get("device") == source:

@@ -307,7 +307,7 @@ def _finish(model: nn.Module, st: TPState, gm: fx.GraphModule, spec: Spec, key: 
     if st.compile:
         from autotp.runtime.compile import compile_graph
 
-        run = compile_graph(gm)
+        run = compile_graph(gm, **(st.compile if isinstance(st.compile, dict) else {}))
     else:
         call, wrap = local_outputs(gm)
     index = {n.name: i for i, n in enumerate(n for n in gm.graph.nodes if n.op == "placeholder")}
@@ -342,7 +342,7 @@ def _device(model: nn.Module, group: dist.ProcessGroup, device: torch.device | s
 
 
 def parallelize(model: nn.Module, *, tp_group: dist.ProcessGroup | None = None, example_inputs: object = None,
-                vocab_multiple: int = 1, compile: bool = False, check_inputs: bool = False,
+                vocab_multiple: int = 1, compile: bool | dict = False, check_inputs: bool = False,
                 sequence_parallel: bool = False, expert_parallel: bool = False,
                 device: torch.device | str | None = None, fsdp: bool | FSDPConfig | None = None,
                 mesh: DeviceMesh | None = None) -> nn.Module:
@@ -358,7 +358,8 @@ def parallelize(model: nn.Module, *, tp_group: dist.ProcessGroup | None = None, 
     Vocab-parallel logits come back as the full tensor, gathered over the group only when something reads
     them, so a step that only uses the loss moves no b·s·V data. ``vocab_multiple`` rounds each rank's
     vocab rows up (e.g. 64 for tensor-core-friendly GEMMs on GPUs); the default pads only to ``ceil(V / tp)``.
-    ``compile=True`` runs each rewritten graph under ``torch.compile`` (see :mod:`autotp.runtime.compile`).
+    ``compile=True`` runs each rewritten graph under ``torch.compile`` (see :mod:`autotp.runtime.compile`);
+    a dict instead of True is passed to ``torch.compile`` as its options (``{"backend": "aot_eager"}``).
     ``sequence_parallel=True`` splits the regions between the column→row pairs (norms, dropout, residual
     adds) along the sequence (Megatron-SP): reduce-scatter and all-gather in place of the all-reduces, the
     activations there 1/tp the size; a call whose sequence length tp does not divide runs without it.
@@ -393,7 +394,7 @@ def parallelize(model: nn.Module, *, tp_group: dist.ProcessGroup | None = None, 
 
 
 def parallelize_state(model: nn.Module, *, tp_group: dist.ProcessGroup | None = None, example_inputs: object = None,
-                      vocab_multiple: int = 1, compile: bool = False, check_inputs: bool = False,
+                      vocab_multiple: int = 1, compile: bool | dict = False, check_inputs: bool = False,
                       sequence_parallel: bool = False, expert_parallel: bool = False,
                       device: torch.device | str | None = None, fsdp: bool | FSDPConfig | None = None,
                       mesh: DeviceMesh | None = None, pipeline: StageRequest | None = None,

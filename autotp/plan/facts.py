@@ -85,12 +85,15 @@ def _param_parts(gm: fx.GraphModule, parts: dict[fx.Node, str]) -> dict[str, set
 
 
 def _hidden_and_vocab(gm: fx.GraphModule, parts: dict[fx.Node, str]) -> tuple[int, int | None]:
-    """h: the last dim of what the first part hands the blocks (the embeddings' output); V: the widest
-    output dim of a matmul after the blocks (the LM head)."""
+    """h: the last dim of what the first part hands the blocks (the embeddings' output) and of what the
+    blocks hand on (the residual stream: a model of blocks alone has no first part, only rotary tables);
+    V: the widest output dim of a matmul after the blocks (the LM head)."""
     hidden, vocab = 0, None
     for node, part in parts.items():
         shape = shape_of(node)
-        if part == FIRST and shape and any(parts.get(u) == BLOCKS for u in node.users):
+        hands = (FIRST, BLOCKS) if part == FIRST else (LAST, None) if part == BLOCKS else ()
+        if shape and hands and any(parts.get(u) in hands and (part, parts.get(u)) != (FIRST, FIRST)
+                                   for u in node.users):
             hidden = max(hidden, shape[-1])
         if part == LAST and node_flops(node) and shape:
             vocab = max(vocab or 0, shape[-1])

@@ -28,22 +28,23 @@ _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp
 _yield = getattr(os, "sched_yield", lambda: None)
 
 
-def finish(work: dist.Work | None, x: torch.Tensor) -> None:
+def finish(work: dist.Work | None, x: torch.Tensor, group: dist.ProcessGroup) -> None:
     """Wait for an eager c10d collective on ``x``. On CPU (gloo) the caller polls, yielding its core between
     polls, instead of sleeping until gloo's worker thread wakes it: on a loaded machine that wake-up waits
     for the scheduler (0.5 ms on average, up to a 4 ms tick, per ``perf sched`` on 2 cores), longer than
     a 512 KiB all-reduce itself. On an accelerator ``wait()`` only orders streams and returns at once.
-    For all-reduces and all-gathers only: gloo's reduce-scatter work completes inside ``wait()``."""
+    For all-reduces and all-gathers only: gloo's reduce-scatter work completes inside ``wait()``. Only gloo's
+    work is polled: another backend's (torch's fake one) may report completion only once waited on."""
     if work is None:
         return
-    if x.device.type == "cpu":
+    if x.device.type == "cpu" and dist.get_backend(group) == "gloo":
         while not work.is_completed():
             _yield()
     work.wait()
 
 
 def _sync(x: torch.Tensor, group: dist.ProcessGroup, op: dist.ReduceOp = dist.ReduceOp.SUM) -> None:
-    finish(dist.all_reduce(x, op=op, group=group, async_op=True), x)
+    finish(dist.all_reduce(x, op=op, group=group, async_op=True), x, group)
 
 
 def define_ops() -> None:
@@ -85,7 +86,7 @@ def all_reduce_each(xs: list[tuple[torch.Tensor, str]], group: dist.ProcessGroup
     outs = [x.clone(memory_format=torch.contiguous_format) for x, _ in xs]
     works = [dist.all_reduce(out, op=_OPS[op], group=group, async_op=True) for out, (_, op) in zip(outs, xs)]
     for work, out in zip(works, outs):
-        finish(work, out)
+        finish(work, out, group)
     return outs
 
 
@@ -206,7 +207,7 @@ class _Columns(torch.autograd.Function):
             dx = column_input_grad(grads, ws, ctx.layouts)
             work = dist.all_reduce(dx, group=ctx.group, async_op=True)
         out = column_param_grads(x, grads, ctx.layouts, ctx.bias, ctx.needs_input_grad[3:])
-        finish(work, dx)
+        finish(work, dx, ctx.group)
         return (dx, None, None, *out)
 
 

@@ -45,7 +45,8 @@ class CompiledGraph(nn.Module):
         super().__init__()
         options.setdefault("fullgraph", False)
         # inductor's options for this compilation only (forward and backward), not the process-wide config
-        options["options"] = {**INDUCTOR_CONFIG, **options.get("options", {})}
+        if options.get("backend", "inductor") == "inductor":
+            options["options"] = {**INDUCTOR_CONFIG, **options.get("options", {})}
         define_ops()
         self.__dict__["graph_module"] = gm  # not a submodule: parameters stay where TPModule put them
         inner, self._wrap = local_outputs(gm)

@@ -58,7 +58,7 @@ def gather(x: torch.Tensor, dim: int, group: dist.ProcessGroup, async_op: bool =
     full = out.movedim(0, dim)
     if async_op:
         return full, work
-    finish(work, out)
+    finish(work, out, group)
     return full
 
 
@@ -176,7 +176,7 @@ class _SeqColumns(torch.autograd.Function):
         x, *ws = ctx.saved_tensors
         full, gathering = gather(x, ctx.dim, ctx.group, async_op=True)
         dx = column_input_grad(grads, ws, ctx.layouts) if ctx.needs_input_grad[0] else None
-        finish(gathering, full)
+        finish(gathering, full, ctx.group)
         local = work = None
         if dx is not None:
             shape = list(x.shape)
