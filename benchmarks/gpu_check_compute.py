@@ -147,7 +147,7 @@ def compute_rows(c: Config, shapes: list[tuple[int, int]], tps: list[int], compi
                             step()
                         flops[(b, s, t)] = counter.get_total_flops()
                     seconds = time_step(step, device)
-                    del model, xr
+                    model = xr = None  # freed before the next layer is built
                     _free(device)
                 if t == 1:
                     base[comp] = seconds
@@ -211,7 +211,7 @@ def measured_memory(c: Config, t: int, layers: int, b: int, s: int, sp: bool, re
         _sync(device)
         peak = torch.cuda.max_memory_allocated(device) if cuda else None
         held = sum(p.numel() for p in model.parameters())
-        del model, opt
+        model = opt = None
         _free(device)
     return {"peak": peak, "params": held, "marks": marks}
 
