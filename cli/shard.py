@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import os
 import statistics
+import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -255,7 +256,12 @@ def shard(
                                          "mixture-of-experts layer on every rank (default: 1/tp of every expert)."),
     resume: bool = typer.Option(False, "--resume", help="Continue from the latest complete checkpoint in --out "
                                 "(model, optimizer, step) up to --steps in total."),
+    resume_from: str | None = typer.Option(None, "--resume-from", metavar="NAME", help="Resume this checkpoint "
+                                           "(a step folder under --out/checkpoints, or a path) instead of the "
+                                           "one `latest` names; implies --resume."),
     save_every: int = typer.Option(0, "--save-every", help="Also checkpoint every N steps (0: only at the end)."),
+    keep: int | None = typer.Option(None, "--keep", min=1, help="Keep this run's newest N checkpoints, removing "
+                                    "its older ones (default: keep every checkpoint; never another run's)."),
     nnodes: int = NNODES,
     node_rank: int = NODE_RANK,
     master_addr: str | None = MASTER_ADDR,
@@ -312,17 +318,24 @@ def shard(
         preflight(load_model_file(model), tp, weights, sequence_parallel, expert_parallel, fsdp, stages)
     except (AutotpError, ValueError) as exc:
         abort(str(exc), debug, code=USAGE_ERROR)
+    resume = resume or resume_from is not None
     try:
-        resumable = check_resumable(out) if resume else None
+        resumable = check_resumable(out, resume_from) if resume else None
     except AutotpError as exc:
         abort(str(exc), debug, code=USAGE_ERROR)
+    if not resume and (earlier := _earlier_run(out)):
+        abort(f"--out {out} already holds a run's checkpoints ({earlier}): continue that run with --resume, or "
+              "write this one elsewhere with --out; nothing there was changed", debug, code=USAGE_ERROR)
     if resume and node_rank == 0 and resumable is None:
         Console(stderr=True).print(f"[yellow]note:[/yellow] --resume: no checkpoint in {escape(str(out))} yet; "
                                    "starting from step 0", soft_wrap=True)
+    Console().print(f"output: {escape(str(out.resolve()))}" + (f" (resuming {escape(resumable.name)})"
+                                                               if resumable else ""), soft_wrap=True)
     path, factory = parse_spec(model)
     job = ShardJob(model=f"{path.resolve()}:{factory}" if factory else str(path.resolve()),
                    steps=steps, lr=lr, out=str(out.resolve()), verify=weights is None if verify is None else verify,
-                   resume=resume, save_every=save_every, compile=compile_, sequence_parallel=sequence_parallel,
+                   resume=resume, resume_from=resume_from, keep=keep, run=uuid.uuid4().hex,
+                   save_every=save_every, compile=compile_, sequence_parallel=sequence_parallel,
                    expert_parallel=expert_parallel, fsdp=spec.hsdp if fsdp else 0, schedule=schedule,
                    microbatches=microbatches or pp, virtual_stages=virtual_stages,
                    weights=None if weights is None else str(weights.resolve()))
@@ -342,10 +355,21 @@ def shard(
                       "prints the summary")
         return
     render(report, console)
+    console.print(f"output: {escape(str(out.resolve()))}", soft_wrap=True)
     if report.parity is not None and not report.parity.ok:
         p = report.parity
         abort(f"sharded model differs from the unsharded one: max |Δloss| {p.loss_diff}, max |Δoutput| "
               f"{p.output_diff} exceed {PARITY_TOL:g}", debug, trace="")
+
+
+def _earlier_run(out: Path) -> str:
+    """What a new run (no --resume) in ``out`` would sit beside: the step folders and pointer of an earlier
+    run ('' when there are none)."""
+    root = out / "checkpoints"
+    if not root.is_dir():
+        return ""
+    found = sorted(p.name for p in root.iterdir() if p.name.startswith("step-") or p.name == "latest")
+    return ", ".join(found)
 
 
 def _choose(model: str, tp: int | None, dp: int, pp: int, fsdp: bool, microbatches: int | None,

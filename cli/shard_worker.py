@@ -30,7 +30,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 import autotp
 from autotp.distributed.data_parallel import FSDPConfig
 from autotp.io.checkpoint import tp_local_shape
-from autotp.io.ckpt_io import latest_checkpoint, load_training_state, save_training_state
+from autotp.io.ckpt_io import load_training_state, resume_target, save_training_state
 from autotp.plan.report import build_report
 from autotp.distributed.launch import RankContext, init_from_env
 from autotp.capture.modelfile import (DEFAULT_BATCH_SHAPE, ModelFile, ModelFileError, default_example,
@@ -48,6 +48,9 @@ class ShardJob:
     verify: bool
     resume: bool = False
     save_every: int = 0
+    resume_from: str | None = None  # a checkpoint folder to resume instead of the one `latest` names
+    keep: int | None = None  # this run's newest checkpoints kept (None: all)
+    run: str | None = None  # this run's id, in each manifest (whose checkpoints --keep thins)
     compile: bool = False
     weights: str | None = None  # load from this checkpoint into a model built on meta
     sequence_parallel: bool = False
@@ -210,18 +213,20 @@ def _load(model: torch.nn.Module, path: str) -> str:
 
 
 def _start(job: ShardJob, out: Path, model: torch.nn.Module, opt: torch.optim.Optimizer, plan, ctx: RankContext):
-    """Write the plan; resume from the last complete checkpoint when asked (or restarted by --max-restarts), at
-    any layout: weights and optimizer state are saved in the unsharded model's coordinates. (start step, the
-    checkpoint resumed from or None, what resuming resharded)."""
+    """Resume from the checkpoint asked for (or, restarted by --max-restarts, the last this run published), at
+    any layout: weights and optimizer state are saved in the unsharded model's coordinates; then write the plan,
+    so a resume that fails leaves the run's files as they were. (start step, the checkpoint resumed from or
+    None, what resuming resharded)."""
+    start, found, resharded = 0, None, ""
+    if job.resume or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0:
+        found = resume_target(out, job.resume_from)
+        if found is not None:
+            resumed = load_training_state(found, model, opt, ctx)
+            start, resharded = resumed.step, resumed.describe()
     if ctx.rank == 0:
         out.mkdir(parents=True, exist_ok=True)
         (out / "plan.json").write_text(plan.to_json())
-    if job.resume or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0:
-        found = latest_checkpoint(out)
-        if found is not None:
-            resumed = load_training_state(found, model, opt, ctx)
-            return resumed.step, str(found), resumed.describe()
-    return 0, None, ""
+    return start, None if found is None else str(found), resharded
 
 
 def shard_worker(job: ShardJob) -> ShardReport | None:
@@ -313,7 +318,7 @@ def _shard(job: ShardJob, ctx: RankContext) -> ShardReport | None:
     start, resumed_from, resharded = _start(job, out, tpm, opt, autotp.tp_state(tpm).plan, ctx)
 
     def save(step: int) -> Path:
-        return save_training_state(out, step, tpm, opt, ctx)
+        return save_training_state(out, step, tpm, opt, ctx, run=job.run, keep=job.keep)
 
     # training minimises the output's loss: with none (a batch of inputs only, no targets, as the default batch
     # is) there is nothing to train; the summary says so, and the checkpoint holds the step actually reached
@@ -430,7 +435,7 @@ def _shard_pipeline(job: ShardJob, ctx: RankContext, mf: ModelFile, batch: tuple
         return loss
 
     losses, times = _train(step, args, kwargs, job, ctx, start,
-                           lambda done: save_training_state(out, done, model, opt, ctx))
+                           lambda done: save_training_state(out, done, model, opt, ctx, run=job.run, keep=job.keep))
     done = max(start, job.steps)
     final_loss = None
     try:
@@ -438,7 +443,7 @@ def _shard_pipeline(job: ShardJob, ctx: RankContext, mf: ModelFile, batch: tuple
     except autotp.PipelineError:
         pass
     ckpt_path = Path(resumed_from) if resumed_from is not None and start >= done else \
-        save_training_state(out, done, model, opt, ctx)
+        save_training_state(out, done, model, opt, ctx, run=job.run, keep=job.keep)
     held = sum(p.numel() * p.element_size() for p in pipe.parameters())
     mine = RankStats(ctx.rank, ctx.coords["tp"], ctx.coords["dp"], held, tuple(times), ctx.coords["pp"])
     everyone: list[RankStats | None] = [None] * ctx.layout.world_size

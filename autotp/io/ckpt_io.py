@@ -9,8 +9,12 @@ Layout under a run folder ``DIR``::
 
 A save writes into the temporary folder on every rank; after a barrier (so every rank finished writing and
 DCP's coordinator wrote ``.metadata``) rank 0 renames it into place, then points ``latest`` at it with
-``os.replace`` and only then deletes older steps. A crash at any moment leaves ``latest`` naming a complete
-checkpoint: the previous one until the rename of the pointer, the new one after.
+``os.replace``. A crash at any moment leaves ``latest`` naming a complete checkpoint: the previous one until
+the rename of the pointer, the new one after. Nothing complete is deleted unless asked: ``keep=N`` removes
+this run's own checkpoints beyond its newest N (the manifest names the run that wrote each), never another
+run's. Resuming reads ``latest`` strictly (:func:`resume_target`): a pointer that is missing beside step
+folders, dangling, or names anything but a complete checkpoint is an error listing the complete ones, never
+a silent start from step 0.
 
 What a training checkpoint holds (one DCP save, every entry a tensor), all in the unsharded model's
 coordinates, so it resumes at any tp and dp the model's sizes allow (weights and optimizer state resharded):
@@ -47,8 +51,9 @@ from autotp.distributed.launch import RankContext
 from autotp.io.optim_state import merge_plain_data, optimizer_state, plain_data, restore
 from autotp.state import tp_state
 
-__all__ = ["CheckpointError", "Resumed", "checkpoint_info", "check_resumable", "latest_checkpoint",
-           "load_training_state", "read_manifest", "save_training_state", "step_dir_name"]
+__all__ = ["CheckpointError", "Resumed", "checkpoint_info", "check_resumable", "complete_checkpoints",
+           "latest_checkpoint", "load_training_state", "read_manifest", "resume_target", "save_training_state",
+           "step_dir_name"]
 
 CHECKPOINTS, LATEST, LINK, TMP_PREFIX, INFO = "checkpoints", "latest", "checkpoint", ".tmp-", "autotp.json"
 FORMAT = 2  # 1: optimizer state and RNG as pickled blobs, per tp rank (never loaded: unpickling runs code)
@@ -59,7 +64,8 @@ def step_dir_name(step: int) -> str:
 
 
 def latest_checkpoint(run_dir: Path | str) -> Path | None:
-    """The newest complete checkpoint under ``run_dir`` (None when there is none)."""
+    """The checkpoint ``latest`` names under ``run_dir`` when it is there (None otherwise); resuming reads the
+    pointer strictly instead (:func:`resume_target`)."""
     root = Path(run_dir) / CHECKPOINTS
     try:
         name = (root / LATEST).read_text().strip()
@@ -67,6 +73,54 @@ def latest_checkpoint(run_dir: Path | str) -> Path | None:
         return None
     path = root / name
     return path if name and (path / ".metadata").is_file() else None
+
+
+def complete_checkpoints(run_dir: Path | str) -> list[Path]:
+    """The complete checkpoints under ``run_dir``: step folders holding DCP's ``.metadata`` and autotp's
+    manifest, oldest first."""
+    root = Path(run_dir) / CHECKPOINTS
+    if not root.is_dir():
+        return []
+    return sorted((p for p in root.iterdir() if p.name.startswith("step-") and p.is_dir() and not p.is_symlink()
+                   and (p / ".metadata").is_file() and (p / INFO).is_file()), key=lambda p: p.name)
+
+
+def resume_target(run_dir: Path | str, choice: str | None = None) -> Path | None:
+    """The checkpoint a resume of ``run_dir`` loads: ``choice`` (a step folder's name under ``checkpoints/``,
+    or a path) or the one ``latest`` names; None when the run folder holds no checkpoint at all (a fresh
+    start). A missing, unreadable or dangling ``latest`` beside step folders, a pointer outside
+    ``checkpoints/``, or a chosen folder that is not complete: CheckpointError naming the folder and the
+    complete checkpoints in it, so a damaged pointer never turns a resume into a fresh run."""
+    root = Path(run_dir) / CHECKPOINTS
+    complete = complete_checkpoints(run_dir)
+    names = ", ".join(p.name for p in complete) or "none"
+    hint = (f"pick one with --resume-from NAME ({names})" if complete else
+            f"nothing in {root} can be resumed: start afresh with another --out")
+    if choice is not None:
+        path = Path(choice) if os.sep in choice else root / choice
+        if not ((path / ".metadata").is_file() and (path / INFO).is_file()):
+            raise CheckpointError(f"{path} is not a complete checkpoint (complete ones in {root}: {names})",
+                                  hint=hint)
+        return path
+    pointer = root / LATEST
+    try:
+        name = pointer.read_text().strip()
+    except FileNotFoundError:
+        name = None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{pointer} cannot be read ({exc}); complete checkpoints in {root}: {names}",
+                              hint=hint) from None
+    if name is None:
+        steps = sorted(p.name for p in root.iterdir() if p.name.startswith("step-")) if root.is_dir() else []
+        if not steps:
+            return None
+        raise CheckpointError(f"{root} has no `latest` pointer but holds {', '.join(steps)} "
+                              f"(complete: {names})", hint=hint)
+    target = root / name
+    if not name or os.sep in name or name in (".", "..") or target not in complete:
+        raise CheckpointError(f"{pointer} names {name!r}, which is not a complete checkpoint in {root} "
+                              f"(complete: {names})", hint=hint)
+    return target
 
 
 def checkpoint_info(path: Path | str) -> dict:
@@ -99,11 +153,11 @@ def read_manifest(path: Path | str) -> dict:
     return info
 
 
-def check_resumable(run_dir: Path | str) -> Path | None:
-    """The checkpoint a resume of ``run_dir`` would load (None when there is none), after checking its
-    manifest and metadata without unpickling anything (CheckpointError naming the file if they are bad).
-    Any tp and dp may resume it; whether the model's sizes allow them is the planner's check."""
-    found = latest_checkpoint(run_dir)
+def check_resumable(run_dir: Path | str, choice: str | None = None) -> Path | None:
+    """The checkpoint a resume of ``run_dir`` would load (:func:`resume_target`; None when there is none),
+    after checking its manifest and metadata without unpickling anything (CheckpointError naming the file
+    if they are bad). Any tp and dp may resume it; whether the model's sizes allow them is the planner's."""
+    found = resume_target(run_dir, choice)
     if found is not None:
         read_manifest(found)
         verify_files(found, read_metadata(found))
@@ -157,8 +211,10 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _publish(root: Path, tmp: Path, step: int) -> Path:
-    """Rank 0: move the finished ``tmp`` into place and point ``latest`` (and the symlink) at it."""
+def _publish(root: Path, tmp: Path, step: int, run: str | None = None, keep: int | None = None) -> Path:
+    """Rank 0: move the finished ``tmp`` into place and point ``latest`` (and the symlink) at it; with
+    ``keep``, remove run ``run``'s checkpoints beyond its newest ``keep``; leftover temporary folders of
+    crashed saves go."""
     name, n = step_dir_name(step), 1
     while (root / name).exists():  # a same-numbered step of an earlier run: never touch what latest may name
         name, n = f"{step_dir_name(step)}-{n}", n + 1
@@ -184,8 +240,13 @@ def _publish(root: Path, tmp: Path, step: int) -> Path:
     except OSError:
         pass  # the link is a convenience; `latest` is what resuming reads
     for old in root.iterdir():
-        if old.is_dir() and old != final and (old.name.startswith("step-") or old.name.startswith(TMP_PREFIX)):
-            shutil.rmtree(old, ignore_errors=True)
+        if old.is_dir() and old.name.startswith(TMP_PREFIX):
+            shutil.rmtree(old, ignore_errors=True)  # a save that crashed: never a complete checkpoint
+    if keep is not None and run is not None:
+        mine = [p for p in complete_checkpoints(root.parent) if checkpoint_info(p).get("run") == run]
+        for old in mine[:-keep]:
+            if old != final:
+                shutil.rmtree(old, ignore_errors=True)
     return final
 
 
@@ -219,9 +280,13 @@ def _set_rng_state(tpm: torch.nn.Module, ctx: RankContext, loaded: dict[str, tor
 
 
 def save_training_state(run_dir: Path | str, step: int, tpm: torch.nn.Module,
-                        optimizer: torch.optim.Optimizer | None, ctx: RankContext) -> Path:
+                        optimizer: torch.optim.Optimizer | None, ctx: RankContext, *, run: str | None = None,
+                        keep: int | None = None) -> Path:
     """Save ``tpm`` (parallelized), ``optimizer`` and the RNG atomically (see the module doc); collective over
-    the whole job. Returns the published checkpoint folder (on every rank)."""
+    the whole job. Returns the published checkpoint folder (on every rank). ``run``: an id of the training
+    run, kept in the manifest; ``keep``: how many of that run's checkpoints to keep (default: all)."""
+    if keep is not None and (run is None or keep < 1):
+        raise ValueError(f"keep={keep!r} needs run= (whose checkpoints to thin) and keep >= 1")
     root = Path(run_dir) / CHECKPOINTS
     rank = dist.get_rank()
     tmp = root / f"{TMP_PREFIX}{step_dir_name(step)}"
@@ -233,7 +298,7 @@ def save_training_state(run_dir: Path | str, step: int, tpm: torch.nn.Module,
     state: dict = {"model": sharded_state_dict(tpm, ctx), "train": {"step": torch.tensor(step, dtype=torch.int64)},
                    "rng": _rng_state(tpm, ctx)}
     info = {"format": FORMAT, "step": step, "tp": ctx.layout.tp, "dp": ctx.layout.dp, "pp": ctx.layout.pp,
-            "world_size": ctx.layout.world_size, "optimizer": None}
+            "world_size": ctx.layout.world_size, "optimizer": None, "run": run}
     if optimizer is not None:
         ostate = optimizer_state(tpm, optimizer, ctx)
         state["optim"] = {"state": ostate.tensors}
@@ -246,7 +311,7 @@ def save_training_state(run_dir: Path | str, step: int, tpm: torch.nn.Module,
     if rank == 0:
         (tmp / INFO).write_text(json.dumps(info, indent=1) + "\n")
     dist.barrier()  # every rank's files and the metadata are on disk
-    final = [_publish(root, tmp, step) if rank == 0 else None]
+    final = [_publish(root, tmp, step, run, keep) if rank == 0 else None]
     dist.broadcast_object_list(final, src=0)
     return Path(final[0])
 

@@ -1,0 +1,139 @@
+"""Nothing complete is ever deleted unasked: a damaged ``latest`` pointer with ``--resume`` is an error naming
+the complete checkpoints (never a fresh start whose next save removed them), a new run refuses a folder that
+holds another run's checkpoints, ``--keep N`` thins only the run's own checkpoints, and a failed resume writes
+nothing. The CLI refusals happen before any rank starts."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from autotp.cli.main import app
+from autotp.errors import CheckpointError
+from autotp.io.ckpt_io import _publish, complete_checkpoints, resume_target
+from distributed import ROOT
+
+runner = CliRunner()
+NANOGPT = os.path.join(ROOT, "examples", "nanogpt.py")
+
+
+def _checkpoint(run_dir: Path, name: str, run: str = "earlier", complete: bool = True) -> Path:
+    """A step folder as a save leaves it: DCP's metadata and autotp's manifest (contents not read here)."""
+    path = run_dir / "checkpoints" / name
+    path.mkdir(parents=True)
+    if complete:
+        (path / ".metadata").write_bytes(b"")
+    (path / "autotp.json").write_text(json.dumps({"format": 2, "run": run}))
+    return path
+
+
+def _point(run_dir: Path, name: str) -> None:
+    (run_dir / "checkpoints" / "latest").write_text(name + "\n")
+
+
+def test_resume_reads_latest(tmp_path: Path):
+    assert resume_target(tmp_path) is None  # a fresh folder: nothing to resume
+    one = _checkpoint(tmp_path, "step-000001")
+    _point(tmp_path, "step-000001")
+    assert resume_target(tmp_path) == one
+    assert resume_target(tmp_path, "step-000001") == one
+    assert resume_target(tmp_path, str(one)) == one  # a path works too
+
+
+@pytest.mark.parametrize("pointer", ["step-000777", "../../../etc", "", None, "step-000002"])
+def test_a_damaged_pointer_is_an_error_naming_what_can_be_resumed(tmp_path: Path, pointer: str | None):
+    _checkpoint(tmp_path, "step-000001")
+    _checkpoint(tmp_path, "step-000002", complete=False)  # a step folder without DCP's metadata
+    if pointer is not None:
+        _point(tmp_path, pointer)
+    with pytest.raises(CheckpointError) as err:
+        resume_target(tmp_path)
+    assert "step-000001" in str(err.value) and "--resume-from" in str(err.value)
+    assert [p.name for p in complete_checkpoints(tmp_path)] == ["step-000001"]
+
+
+def test_a_chosen_checkpoint_must_be_complete(tmp_path: Path):
+    _checkpoint(tmp_path, "step-000001")
+    _checkpoint(tmp_path, "step-000002", complete=False)
+    with pytest.raises(CheckpointError, match="step-000002 is not a complete checkpoint.*step-000001"):
+        resume_target(tmp_path, "step-000002")
+
+
+def _save(run_dir: Path, step: int, run: str, keep: int | None) -> Path:
+    """What a save leaves before rank 0 publishes it: a finished temporary folder."""
+    staged = _checkpoint(run_dir, f".tmp-step-{step:06d}", run=run)
+    return _publish(run_dir / "checkpoints", staged, step, run, keep)
+
+
+def test_publishing_keeps_every_checkpoint_unless_asked(tmp_path: Path):
+    _checkpoint(tmp_path, "step-000003", run="earlier")
+    (tmp_path / "checkpoints" / ".tmp-step-000009").mkdir()  # a crashed save's leftovers
+    for step in (1, 2, 3):
+        _save(tmp_path, step, "now", keep=None)
+    names = [p.name for p in complete_checkpoints(tmp_path)]
+    assert names == ["step-000001", "step-000002", "step-000003", "step-000003-1"]  # same-numbered: beside it
+    assert not (tmp_path / "checkpoints" / ".tmp-step-000009").exists()
+    assert resume_target(tmp_path).name == "step-000003-1"
+
+
+def test_keep_thins_only_this_runs_checkpoints(tmp_path: Path):
+    _checkpoint(tmp_path, "step-000001", run="earlier")
+    for step in (2, 3, 4):
+        last = _save(tmp_path, step, "now", keep=2)
+    assert [p.name for p in complete_checkpoints(tmp_path)] == ["step-000001", "step-000003", "step-000004"]
+    assert resume_target(tmp_path) == last
+
+
+def _shard(out: Path, *extra: str):
+    return runner.invoke(app, ["shard", NANOGPT, "--tp", "2", "--steps", "1", "--out", str(out), *extra],
+                         env={"COLUMNS": "300"})
+
+
+def test_cli_refuses_a_damaged_pointer_before_any_rank_starts(tmp_path: Path):
+    _checkpoint(tmp_path, "step-000001")
+    _point(tmp_path, "step-000777")
+    result = _shard(tmp_path, "--resume")
+    assert result.exit_code == 2, result.output
+    assert "step-000777" in result.output and "--resume-from NAME (step-000001)" in result.output
+    assert (tmp_path / "checkpoints" / "step-000001" / ".metadata").is_file()
+
+
+def test_cli_refuses_a_new_run_beside_another_runs_checkpoints(tmp_path: Path):
+    _checkpoint(tmp_path, "step-000003")
+    _point(tmp_path, "step-000003")
+    result = _shard(tmp_path)
+    assert result.exit_code == 2, result.output
+    assert "--resume" in result.output and "--out" in result.output and "step-000003" in result.output
+    assert [p.name for p in complete_checkpoints(tmp_path)] == ["step-000003"]
+    assert not (tmp_path / "plan.json").exists()
+
+
+WIDER = f"""
+import sys
+sys.path.insert(0, {os.path.join(ROOT, "examples")!r})
+from nanogpt import GPT, GPTConfig, example_batch
+
+
+def build_model():
+    return GPT(GPTConfig(n_embd=128))
+"""
+
+
+@pytest.mark.slow
+def test_a_failed_resume_writes_nothing(tmp_path: Path):
+    out = tmp_path / "run"
+    first = _shard(out)
+    assert first.exit_code == 0, first.output
+    assert f"output: {out}" in first.output.replace("\n", "")
+    plan = (out / "plan.json").read_text()
+    wider = tmp_path / "wider.py"
+    wider.write_text(WIDER)
+    result = runner.invoke(app, ["shard", str(wider), "--tp", "2", "--steps", "2", "--resume", "--out", str(out)],
+                           env={"COLUMNS": "300"})
+    assert result.exit_code != 0, result.output
+    assert (out / "plan.json").read_text() == plan  # the other model's plan was not written over it
+    assert [p.name for p in complete_checkpoints(out)] == ["step-000001"]
+    assert (out / "checkpoints" / "latest").read_text().strip() == "step-000001"
