@@ -137,3 +137,72 @@ def test_a_failed_resume_writes_nothing(tmp_path: Path):
     assert (out / "plan.json").read_text() == plan  # the other model's plan was not written over it
     assert [p.name for p in complete_checkpoints(out)] == ["step-000001"]
     assert (out / "checkpoints" / "latest").read_text().strip() == "step-000001"
+    # a shard file whose first 64 bytes are zeroed: one line with the cause, no rank's traceback
+    shard = out / "checkpoints" / "step-000001" / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[:64] = bytes(64)
+    shard.write_bytes(bytes(data))
+    damaged = _shard(out, "--resume")
+    assert damaged.exit_code == 1, damaged.output
+    lines = damaged.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: rank "), damaged.stderr
+    assert "cannot load checkpoint" in lines[0] and "UnpicklingError" in lines[0] and "--resume-from" in lines[0]
+
+
+def test_a_checkpoint_failure_is_one_line_with_its_cause(tmp_path: Path):
+    """DCP wraps each rank's error in CheckpointException (a BaseException whose text is every rank's
+    traceback): what reaches the user is the first cause, an OSError by its errno's name."""
+    import errno
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from autotp.io.ckpt_safety import cause, safe_load
+
+    full = OSError(errno.ENOSPC, "No space left on device", "/run/checkpoints/.tmp-step-000002/__0_0.distcp")
+    assert cause(CheckpointException("save", {1: (full, None)})) == \
+        "No space left on device (ENOSPC): /run/checkpoints/.tmp-step-000002/__0_0.distcp"
+    dcp.save({"w": torch.randn(8, 8)}, checkpoint_id=str(tmp_path / "c"), no_dist=True)
+    shard = tmp_path / "c" / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[:64] = bytes(64)  # the first 64 bytes flipped to zeros: the tensor file's header is gone
+    shard.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError) as err:
+        safe_load({"w": torch.zeros(8, 8)}, tmp_path / "c", no_dist=True)
+    first = str(err.value).splitlines()[0]
+    assert first.startswith(f"cannot load checkpoint {tmp_path / 'c'}: UnpicklingError") and "Traceback" not in first
+
+
+def test_a_failed_save_says_why_and_keeps_the_last_checkpoint(tmp_path: Path, monkeypatch):
+    import errno
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    import autotp
+    import autotp.io.ckpt_io as ckpt_io
+    from autotp.distributed.launch import init_distributed
+    from recompute_models import build
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        ctx = init_distributed(1)
+        model, (idx, targets) = build("layer", recompute=False)
+        tpm = autotp.parallelize(model, example_inputs=((idx, targets), {}))
+        opt = torch.optim.AdamW(tpm.parameters())
+        first = ckpt_io.save_training_state(tmp_path, 1, tpm, opt, ctx, run="r")
+
+        def full_disk(*args, **kwargs):
+            raise CheckpointException("save", {0: (OSError(errno.ENOSPC, "No space left on device"), None)})
+
+        monkeypatch.setattr(ckpt_io.dcp, "save", full_disk)
+        with pytest.raises(CheckpointError) as err:
+            ckpt_io.save_training_state(tmp_path, 2, tpm, opt, ctx, run="r")
+    finally:
+        dist.destroy_process_group()
+    assert str(err.value).splitlines()[0] == \
+        f"cannot save step 2 to {tmp_path / 'checkpoints' / '.tmp-step-000002'}: No space left on device (ENOSPC)"
+    assert "step-000001" in str(err.value)  # the hint names the checkpoint still published
+    assert resume_target(tmp_path) == first

@@ -25,8 +25,9 @@ coordinates, so it resumes at any tp and dp the model's sizes allow (weights and
 * ``rng``: the default generator's state per data-parallel replica (the ranks of a TP group keep it in step),
   and each rank's sharded-region stream (:mod:`autotp.runtime.rng`), restored where the layout allows.
 
-Next to the DCP files rank 0 writes the manifest ``autotp.json``: format, step, tp, dp, world size and the
-optimizer's plain data (class, hyper-parameters). Loading unpickles nothing from the files as arbitrary
+Next to the DCP files rank 0 writes the manifest ``autotp.json``: format, step, tp, dp, world size, the
+optimizer's plain data (class, hyper-parameters) and each file's CRC-32, taken while it was written and checked
+before a load reads any value (:mod:`autotp.io.ckpt_digest`). Loading unpickles nothing from the files as arbitrary
 objects: JSON for the manifest, a verified, restricted read of DCP's metadata and ``weights_only`` tensors
 for the rest (:mod:`autotp.io.ckpt_safety`). A launcher checks a checkpoint before any rank starts
 (:func:`check_resumable`).
@@ -42,9 +43,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
 from autotp.io.checkpoint import WriteBack, sharded_state_dict
-from autotp.io.ckpt_safety import read_metadata, safe_load, verify_files
+from autotp.io.ckpt_digest import DigestingWriter, checked_digests, digest_mismatch, verify_share
+from autotp.io.ckpt_safety import cause, read_metadata, safe_load, verify_files
 from autotp.io.empty import mark_loaded
 from autotp.errors import CheckpointError
 from autotp.distributed.launch import RankContext
@@ -159,7 +162,11 @@ def check_resumable(run_dir: Path | str, choice: str | None = None) -> Path | No
     if they are bad). Any tp and dp may resume it; whether the model's sizes allow them is the planner's."""
     found = resume_target(run_dir, choice)
     if found is not None:
-        read_manifest(found)
+        info = read_manifest(found)
+        if "files" in info and ".metadata" in (files := checked_digests(found, info["files"])):
+            if (bad := digest_mismatch(found, ".metadata", files[".metadata"])) is not None:
+                raise CheckpointError(f"checkpoint {found} is damaged: {bad}",
+                                      hint="resume from another checkpoint (--resume-from)")
         verify_files(found, read_metadata(found))
     return found
 
@@ -307,11 +314,21 @@ def save_training_state(run_dir: Path | str, step: int, tpm: torch.nn.Module,
             parts: list = [None] * dist.get_world_size(ctx.pp_group())
             dist.all_gather_object(parts, info["optimizer"], group=ctx.pp_group())
             info["optimizer"] = merge_plain_data(parts)
-    dcp.save(state, checkpoint_id=str(tmp))
-    if rank == 0:
-        (tmp / INFO).write_text(json.dumps(info, indent=1) + "\n")
-    dist.barrier()  # every rank's files and the metadata are on disk
-    final = [_publish(root, tmp, step, run, keep) if rank == 0 else None]
+    try:
+        writer = DigestingWriter(tmp)  # each file's CRC-32, taken as it is written
+        dcp.save(state, storage_writer=writer)
+        digests: list = [None] * dist.get_world_size()
+        dist.all_gather_object(digests, writer.digests)
+        if rank == 0:
+            info["files"] = {name: d for part in digests for name, d in sorted(part.items())}
+            (tmp / INFO).write_text(json.dumps(info, indent=1) + "\n")
+        dist.barrier()  # every rank's files and the metadata are on disk
+        final = [_publish(root, tmp, step, run, keep) if rank == 0 else None]
+    except (OSError, CheckpointException) as exc:  # a full disk, a read-only folder: one line, not tracebacks
+        before = latest_checkpoint(run_dir)
+        raise CheckpointError(f"cannot save step {step} to {tmp}: {cause(exc)}",
+                              hint=f"the checkpoint published before ({before.name if before else 'none'}) is "
+                                   "untouched: free space or fix permissions, then --resume") from None
     dist.broadcast_object_list(final, src=0)
     return Path(final[0])
 
@@ -326,6 +343,13 @@ def load_training_state(path: Path | str, tpm: torch.nn.Module, optimizer: torch
     """
     path = Path(path)
     info = read_manifest(path)
+    if "files" in info:  # every rank checks its share of the files against their checksums, before any read
+        bad = verify_share(path, checked_digests(path, info["files"]), dist.get_rank(), dist.get_world_size())
+        found: list = [None] * dist.get_world_size()
+        dist.all_gather_object(found, bad)
+        if (first := next((b for b in found if b is not None), None)) is not None:
+            raise CheckpointError(f"checkpoint {path} is damaged: {first}",
+                                  hint="nothing was loaded from it: resume from another checkpoint (--resume-from)")
     meta = read_metadata(path)
     copies = WriteBack()  # under FSDP: gathered TP shards, written back into FSDP's shards after the load
     state: dict = {"model": sharded_state_dict(tpm, ctx, copies),

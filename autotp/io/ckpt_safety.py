@@ -25,6 +25,8 @@ still be unpickled, or the object rebuilt by hand. Validating DCP's own file is 
 """
 from __future__ import annotations
 
+import errno
+import os
 import pickle
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -34,6 +36,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta, TensorStorageMetadata
 
@@ -206,9 +209,27 @@ def safe_load(state: dict[str, Any], path: Path | str, *, metadata: Metadata | N
                  process_group=group, no_dist=no_dist)
     except CheckpointError:
         raise
-    except Exception as exc:  # noqa: BLE001 - DCP's errors name keys, not the cause a user can act on
-        raise CheckpointError(f"cannot load checkpoint {path}: {type(exc).__name__}: {_first_line(exc)}",
-                              hint="the shard files are damaged, or were written for another model") from exc
+    except (Exception, CheckpointException) as exc:  # noqa: BLE001 - DCP's errors name keys, not the cause
+        raise CheckpointError(f"cannot load checkpoint {path}: {cause(exc)}",
+                              hint="the shard files are damaged, or were written for another model: resume "
+                                   "from another checkpoint (--resume-from)") from None
+
+
+def cause(exc: BaseException) -> str:
+    """The root cause of a checkpoint failure in one line: the first rank's exception inside DCP's
+    ``CheckpointException`` (a ``BaseException``, whose text is every rank's traceback), an ``OSError`` by
+    its errno's name (``No space left on device (ENOSPC): path``), else the first line of the message."""
+    while isinstance(exc, CheckpointException) and exc.failures:
+        inner = next(iter(exc.failures.values()))
+        exc = inner[0] if isinstance(inner, tuple) else inner
+    if isinstance(exc, CheckpointError):
+        return str(exc).splitlines()[0]
+    if isinstance(exc, OSError) and exc.errno in errno.errorcode:
+        where = f": {exc.filename}" if exc.filename else ""
+        return f"{exc.strerror or os.strerror(exc.errno)} ({errno.errorcode[exc.errno]}){where}"
+    if isinstance(exc, pickle.UnpicklingError):  # torch.load's advice (weights_only=False) is wrong here
+        return f"{type(exc).__name__}: a shard file does not hold the tensors torch wrote (damaged)"
+    return f"{type(exc).__name__}: {_first_line(exc)}"
 
 
 def _first_line(exc: BaseException) -> str:

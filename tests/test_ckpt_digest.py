@@ -1,0 +1,77 @@
+"""Every file of a checkpoint has a CRC-32 in the manifest, taken as it was written; a load checks them first:
+a byte flipped inside a tensor's data (which DCP's metadata and the file sizes cannot show) is refused, named,
+before any value is used."""
+from __future__ import annotations
+
+import json
+import zlib
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import autotp
+from autotp.distributed.launch import init_distributed
+from autotp.errors import CheckpointError
+from autotp.io.ckpt_io import check_resumable, load_training_state, save_training_state
+from recompute_models import build
+
+
+@pytest.fixture
+def saved(tmp_path: Path):
+    """A checkpoint of a small model, saved by a one-rank job; (path, the model, its optimizer, context)."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        ctx = init_distributed(1)
+        model, (idx, targets) = build("layer", recompute=False)
+        tpm = autotp.parallelize(model, example_inputs=((idx, targets), {}))
+        opt = torch.optim.AdamW(tpm.parameters())
+        tpm(idx, targets)[1].backward()
+        opt.step()
+        yield save_training_state(tmp_path, 1, tpm, opt, ctx), tpm, opt, ctx
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_manifest_holds_each_files_checksum(saved):
+    path, tpm, opt, ctx = saved
+    files = json.loads((path / "autotp.json").read_text())["files"]
+    written = sorted(p.name for p in path.iterdir() if p.name != "autotp.json")
+    assert sorted(files) == written and ".metadata" in files
+    for name, d in files.items():  # taken while writing: the same as reading the file back
+        data = (path / name).read_bytes()
+        assert d == {"crc32": zlib.crc32(data), "bytes": len(data)}, name
+    assert load_training_state(path, tpm, opt, ctx).step == 1
+
+
+def _flip(file: Path, where: int) -> None:
+    data = bytearray(file.read_bytes())
+    data[where:where + 64] = bytes(b ^ 0xFF for b in data[where:where + 64])
+    file.write_bytes(bytes(data))
+
+
+def test_a_flipped_byte_is_refused_before_any_value_is_used(saved):
+    path, tpm, opt, ctx = saved
+    shard = path / "__0_0.distcp"
+    _flip(shard, shard.stat().st_size // 2)  # inside the tensors' data: sizes and metadata unchanged
+    before = {n: p.detach().clone() for n, p in tpm.named_parameters()}
+    with pytest.raises(CheckpointError, match=f"{shard} does not match its checksum"):
+        load_training_state(path, tpm, opt, ctx)
+    assert all(torch.equal(p, before[n]) for n, p in tpm.named_parameters())
+
+
+def test_a_tampered_metadata_file_is_refused_before_any_rank_starts(saved):
+    path = saved[0]
+    _flip(path / ".metadata", 16)
+    with pytest.raises(CheckpointError, match=r"\.metadata does not match its checksum"):
+        check_resumable(path.parent.parent)
+
+
+def test_a_nonsense_digest_table_is_named(saved):
+    path, tpm, opt, ctx = saved
+    info = json.loads((path / "autotp.json").read_text())
+    info["files"] = {"../escape": {"crc32": 1, "bytes": 2}}
+    (path / "autotp.json").write_text(json.dumps(info))
+    with pytest.raises(CheckpointError, match="the digest of '../escape'"):
+        load_training_state(path, tpm, opt, ctx)
