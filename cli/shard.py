@@ -112,6 +112,9 @@ def preflight(mf: ModelFile, tp: int, weights: Path | None = None, sequence_para
             model = mf.build()
     except ModelFileError:
         model = mf.build()  # the factory may need real tensors; if it fails here too, that is its message
+    if not any(True for _ in model.parameters()):
+        raise ModelFileError(f"{mf.path}: {type(model).__name__} has no parameters: there is nothing to shard or "
+                             "train (the optimizer needs at least one)")
     if weights is not None:
         from autotp.io.weights import check_weights
 
@@ -323,6 +326,8 @@ def shard(
         resumable = check_resumable(out, resume_from) if resume else None
     except AutotpError as exc:
         abort(str(exc), debug, code=USAGE_ERROR)
+    if node_rank == 0 and (why := _unwritable(out)):
+        abort(f"--out {out} cannot be written: {why}", debug, code=USAGE_ERROR)
     if not resume and (earlier := _earlier_run(out)):
         abort(f"--out {out} already holds a run's checkpoints ({earlier}): continue that run with --resume, or "
               "write this one elsewhere with --out; nothing there was changed", debug, code=USAGE_ERROR)
@@ -360,6 +365,20 @@ def shard(
         p = report.parity
         abort(f"sharded model differs from the unsharded one: max |Δloss| {p.loss_diff}, max |Δoutput| "
               f"{p.output_diff} exceed {PARITY_TOL:g}", debug, trace="")
+
+
+def _unwritable(out: Path) -> str:
+    """Why the run folder cannot hold the run's files ('' when it can): made if missing, probed with a file."""
+    from autotp.io.ckpt_safety import cause
+
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / f".autotp-probe-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        return cause(exc)
+    return ""
 
 
 def _earlier_run(out: Path) -> str:

@@ -75,3 +75,21 @@ def test_a_nonsense_digest_table_is_named(saved):
     (path / "autotp.json").write_text(json.dumps(info))
     with pytest.raises(CheckpointError, match="the digest of '../escape'"):
         load_training_state(path, tpm, opt, ctx)
+
+
+@pytest.mark.parametrize("edit, says", [
+    ({"optimizer": "bogus"}, "its optimizer entry is str 'bogus'"),
+    ({"tp": 8}, "says tp 8 × dp 1 × pp 1 on 1 ranks, but the folder holds the files of ranks [0]"),
+    ({"tp": 8, "world_size": 8}, None),  # consistent with itself and the files: nothing to contradict it
+])
+def test_the_manifest_is_checked_against_itself_and_the_files(saved, edit: dict, says: str | None):
+    from autotp.io.ckpt_io import read_manifest
+
+    path = saved[0]
+    info = json.loads((path / "autotp.json").read_text())
+    (path / "autotp.json").write_text(json.dumps({**info, **edit}))
+    if says is None:
+        assert read_manifest(path)["tp"] == 8
+        return
+    with pytest.raises(CheckpointError, match=says.replace("[", r"\[").replace("]", r"\]")):
+        read_manifest(path)

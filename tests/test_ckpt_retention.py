@@ -206,3 +206,15 @@ def test_a_failed_save_says_why_and_keeps_the_last_checkpoint(tmp_path: Path, mo
         f"cannot save step 2 to {tmp_path / 'checkpoints' / '.tmp-step-000002'}: No space left on device (ENOSPC)"
     assert "step-000001" in str(err.value)  # the hint names the checkpoint still published
     assert resume_target(tmp_path) == first
+
+
+def test_cli_refuses_an_unwritable_out_and_a_model_without_parameters(tmp_path: Path):
+    result = _shard(Path("/proc/autotp-run"))
+    assert result.exit_code == 2, result.output
+    assert "--out /proc/autotp-run cannot be written" in result.output and "(ENOENT)" in result.output
+    empty = tmp_path / "empty.py"
+    empty.write_text("import torch\n\n\ndef build_model():\n    return torch.nn.Identity()\n")
+    result = runner.invoke(app, ["shard", str(empty), "--tp", "2", "--out", str(tmp_path / "out")],
+                           env={"COLUMNS": "300"})
+    assert result.exit_code == 2, result.output
+    assert "Identity has no parameters" in result.output

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,6 +60,7 @@ __all__ = ["CheckpointError", "Resumed", "checkpoint_info", "check_resumable", "
            "step_dir_name"]
 
 CHECKPOINTS, LATEST, LINK, TMP_PREFIX, INFO = "checkpoints", "latest", "checkpoint", ".tmp-", "autotp.json"
+_SHARD = re.compile(r"__(\d+)_\d+\.distcp")  # DCP's file of rank r
 FORMAT = 2  # 1: optimizer state and RNG as pickled blobs, per tp rank (never loaded: unpickling runs code)
 
 
@@ -149,10 +151,21 @@ def read_manifest(path: Path | str) -> dict:
         raise CheckpointError(f"{file}: checkpoint format {found!r}, this autotp reads format {FORMAT}",
                               hint="a checkpoint of an older autotp keeps its optimizer state pickled, which is "
                                    "never loaded: start afresh in another run folder")
+    tampered = "the file is damaged or was tampered with: resume from another checkpoint"
     for key in ("step", "tp", "dp"):
         if isinstance(info.get(key), bool) or not isinstance(info.get(key), int) or info[key] < 0:
-            raise CheckpointError(f"{file}: {key} is {info.get(key)!r}, not a count",
-                                  hint="the file is damaged or was tampered with: resume from another checkpoint")
+            raise CheckpointError(f"{file}: {key} is {info.get(key)!r}, not a count", hint=tampered)
+    opt = info.get("optimizer")
+    if opt is not None and not (isinstance(opt, dict) and isinstance(opt.get("class"), str)
+                                and isinstance(opt.get("param_groups"), list)):
+        raise CheckpointError(f"{file}: its optimizer entry is {type(opt).__name__} {str(opt)[:80]!r}, not an "
+                              "optimizer's class and parameter groups", hint=tampered)
+    layout = (info["tp"], info["dp"], info.get("pp", 1))
+    world = info.get("world_size", layout[0] * layout[1] * layout[2])
+    ranks = {int(m.group(1)) for name in os.listdir(path) if (m := _SHARD.fullmatch(name))}
+    if layout[0] * layout[1] * layout[2] != world or not ranks or max(ranks) >= world:
+        raise CheckpointError(f"{file} says tp {layout[0]} × dp {layout[1]} × pp {layout[2]} on {world} ranks, "
+                              f"but the folder holds the files of ranks {sorted(ranks)}", hint=tampered)
     return info
 
 
