@@ -30,7 +30,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 import autotp
 from autotp.distributed.data_parallel import FSDPConfig
 from autotp.io.checkpoint import tp_local_shape
-from autotp.io.ckpt_io import load_training_state, resume_target, save_training_state
+from autotp.io.ckpt_io import (checkpoint_info, latest_checkpoint, load_training_state, resume_target,
+                              save_training_state)
 from autotp.plan.report import build_report
 from autotp.distributed.launch import RankContext, init_from_env
 from autotp.capture.modelfile import (DEFAULT_BATCH_SHAPE, ModelFile, ModelFileError, default_example,
@@ -218,8 +219,12 @@ def _start(job: ShardJob, out: Path, model: torch.nn.Module, opt: torch.optim.Op
     so a resume that fails leaves the run's files as they were. (start step, the checkpoint resumed from or
     None, what resuming resharded)."""
     start, found, resharded = 0, None, ""
-    if job.resume or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0:
-        found = resume_target(out, job.resume_from)
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
+    if job.resume or restarted:
+        # restarted: this run's own newest checkpoint first (a --resume-from one would redo the steps since)
+        own = latest_checkpoint(out) if restarted else None
+        found = own if own is not None and checkpoint_info(own).get("run") == job.run else \
+            resume_target(out, job.resume_from)
         if found is not None:
             resumed = load_training_state(found, model, opt, ctx)
             start, resharded = resumed.step, resumed.describe()

@@ -218,3 +218,30 @@ def test_cli_refuses_an_unwritable_out_and_a_model_without_parameters(tmp_path: 
                            env={"COLUMNS": "300"})
     assert result.exit_code == 2, result.output
     assert "Identity has no parameters" in result.output
+
+
+@pytest.mark.slow
+def test_a_restart_resumes_from_its_own_newest_checkpoint(tmp_path: Path):
+    """--resume-from step 2, a checkpoint at step 3, then rank 1 dies in the save of step 4: the elastic
+    restart resumes from step 3, this run's own, not from the step 2 the command named."""
+    from test_reliability import CRASHY
+
+    out = tmp_path / "run"
+    first = runner.invoke(app, ["shard", NANOGPT, "--tp", "2", "--steps", "2", "--no-verify", "--out", str(out)])
+    assert first.exit_code == 0, first.output
+    crashy = tmp_path / "crashy.py"
+    crashy.write_text(CRASHY)
+    marker = tmp_path / "crashed"
+    env = {**os.environ, "CRASH_AT_SAVE": "2", "CRASH_MARKER": str(marker), "COLUMNS": "300"}
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "autotp.cli.main", "shard", str(crashy), "--tp", "2", "--steps", "5",
+                           "--save-every", "1", "--no-verify", "--resume-from", "step-000002", "--max-restarts", "1",
+                           "--out", str(out)], capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert marker.read_text() == "crashed\n"  # the first attempt did die
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["start_step"] == 3 and len(summary["losses"]) == 2, summary
+    assert [p.name for p in complete_checkpoints(out)] == ["step-000002", "step-000003", "step-000004",
+                                                           "step-000005"]
