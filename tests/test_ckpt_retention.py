@@ -79,6 +79,15 @@ def test_publishing_keeps_every_checkpoint_unless_asked(tmp_path: Path):
     assert resume_target(tmp_path).name == "step-000003-1"
 
 
+def test_a_folder_where_the_link_goes_is_left_alone(tmp_path: Path):
+    old = tmp_path / "checkpoint"  # a checkpoint folder of the older, non-atomic layout
+    old.mkdir()
+    (old / "model.pt").write_bytes(b"weights")
+    _save(tmp_path, 1, "now", keep=None)
+    assert (old / "model.pt").read_bytes() == b"weights" and not old.is_symlink()
+    assert resume_target(tmp_path).name == "step-000001"
+
+
 def test_keep_thins_only_this_runs_checkpoints(tmp_path: Path):
     _checkpoint(tmp_path, "step-000001", run="earlier")
     for step in (2, 3, 4):

@@ -250,8 +250,8 @@ def _publish(root: Path, tmp: Path, step: int, run: str | None = None, keep: int
     _fsync_dir(root)
     link = root.parent / LINK
     try:
-        if link.is_dir() and not link.is_symlink():
-            shutil.rmtree(link)  # a checkpoint folder of the older, non-atomic layout
+        if link.exists() and not link.is_symlink():
+            raise FileExistsError(link)  # a checkpoint folder of the older layout, or the user's: left as it is
         tmp_link = root.parent / f".{LINK}.tmp"
         if tmp_link.is_symlink() or tmp_link.exists():
             tmp_link.unlink()
