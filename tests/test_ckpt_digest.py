@@ -93,3 +93,25 @@ def test_the_manifest_is_checked_against_itself_and_the_files(saved, edit: dict,
         return
     with pytest.raises(CheckpointError, match=says.replace("[", r"\[").replace("]", r"\]")):
         read_manifest(path)
+
+
+def test_a_failed_save_says_why_and_keeps_the_last_checkpoint(saved, tmp_path: Path, monkeypatch):
+    import errno
+
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    import autotp.io.ckpt_io as ckpt_io
+    from autotp.io.ckpt_io import resume_target
+
+    first, tpm, opt, ctx = saved
+
+    def full_disk(*args, **kwargs):
+        raise CheckpointException("save", {0: (OSError(errno.ENOSPC, "No space left on device"), None)})
+
+    monkeypatch.setattr(ckpt_io.dcp, "save", full_disk)
+    with pytest.raises(CheckpointError) as err:
+        ckpt_io.save_training_state(tmp_path, 2, tpm, opt, ctx, run="r")
+    assert str(err.value).splitlines()[0] == \
+        f"cannot save step 2 to {tmp_path / 'checkpoints' / '.tmp-step-000002'}: No space left on device (ENOSPC)"
+    assert "step-000001" in str(err.value)  # the hint names the checkpoint still published
+    assert resume_target(tmp_path) == first
