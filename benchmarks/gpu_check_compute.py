@@ -30,7 +30,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 import autotp  # noqa: E402
-from llama_shaped import Config, Layer  # noqa: E402
+from llama_shaped import Config, Layer, rope_table  # noqa: E402
 
 WARMUP, TIMED = 2, 5
 
@@ -43,10 +43,7 @@ class Stack(nn.Module):
         super().__init__()
         self.layers = nn.ModuleList(Layer(c) for _ in range(layers))
         self.recompute = recompute
-        d = c.hidden_size // c.num_attention_heads
-        inv_freq = 1.0 / c.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d)
-        freqs = torch.outer(torch.arange(c.max_position_embeddings, dtype=torch.float32), inv_freq)
-        self.register_buffer("rope", torch.cat((freqs, freqs), dim=-1), persistent=False)  # (positions, d)
+        self.register_buffer("rope", rope_table(c), persistent=False)  # (positions, d)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         s = x.shape[1]

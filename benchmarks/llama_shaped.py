@@ -24,6 +24,14 @@ class Config:
     rms_norm_eps: float = 1e-6
 
 
+def rope_table(c: Config) -> torch.Tensor:
+    """Rotary angles per position and head dim, (positions, d): cos and sin of it rotate q and k."""
+    d = c.hidden_size // c.num_attention_heads
+    inv_freq = 1.0 / c.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d)
+    freqs = torch.outer(torch.arange(c.max_position_embeddings, dtype=torch.float32), inv_freq)
+    return torch.cat((freqs, freqs), dim=-1)
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     a, b = x.chunk(2, dim=-1)
     return torch.cat((-b, a), dim=-1)
@@ -79,10 +87,7 @@ class Decoder(nn.Module):
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
         self.layers = nn.ModuleList(Layer(c) for _ in range(c.num_hidden_layers))
         self.norm = nn.RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
-        d = c.hidden_size // c.num_attention_heads
-        inv_freq = 1.0 / c.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d)
-        freqs = torch.outer(torch.arange(c.max_position_embeddings, dtype=torch.float32), inv_freq)
-        self.register_buffer("rope", torch.cat((freqs, freqs), dim=-1), persistent=False)  # (positions, d)
+        self.register_buffer("rope", rope_table(c), persistent=False)  # (positions, d)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         s = idx.shape[1]
