@@ -64,6 +64,13 @@ class RankFailedError(AutotpError, RuntimeError):
         self.rank, self.exitcode, self.message, self.traceback = rank, exitcode, message, traceback
         super().__init__(f"rank {rank} failed (exit code {exitcode}): {message}")
 
+    def said(self) -> str:
+        """One line: ``rank 1: RuntimeError: ...``, or ``rank 1 (pid 4242) was killed by SIGKILL at step 3``."""
+        name, sep, rest = self.message.partition(": ")
+        own = sep and isinstance(known := globals().get(name), type) and issubclass(known, AutotpError)
+        message = rest if own else self.message  # autotp's own errors say what they are without their class
+        return f"rank {self.rank}{' ' if message.startswith('(pid ') else ': '}{message}"
+
 
 class PipelineError(AutotpError, ValueError):
     """The pipeline cannot be arranged as asked: more stages than blocks, a split point that is no block,

@@ -171,7 +171,7 @@ def profile(
     try:
         results = launch(spec, profile_worker, job, quiet=not debug)
     except RankFailedError as exc:
-        abort(f"rank {exc.rank}: {exc.message}", debug, trace=exc.traceback)
+        abort(exc.said(), debug, trace=exc.traceback)
     hw = Hardware.from_dict(results[0])
     save(hw, out)
     # rich falls back to 80 columns without a terminal, which folds the collectives' columns (as in plan)

@@ -23,9 +23,11 @@ from typing import NoReturn
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from autotp.cli.common import USAGE_ERROR, fail
 from autotp.distributed.launch import LaunchError, LaunchSpec, RankFailedError, launch
+from autotp.distributed.restarts import Failure
 
 # Shared by `autotp run` and `autotp shard`; typer reads these at registration time.
 TP = typer.Option(..., "--tp", help="Tensor-parallel size: ranks that share one model replica.")
@@ -65,6 +67,11 @@ def abort(message: str, debug: bool, code: int = 1, trace: str | None = None) ->
         if trace and not trace.startswith("NoneType: None"):
             print(trace, file=sys.stderr)
     fail(one_line(message), code=code)
+
+
+def say_restart(failure: Failure) -> None:
+    """The launcher restarts a failed job (--max-restarts): say which rank failed, how, and where, at once."""
+    Console(stderr=True).print(f"[yellow]restart:[/yellow] {escape(failure.line())}", soft_wrap=True)
 
 
 def launch_spec(tp: int, dp: int, nnodes: int, node_rank: int, master_addr: str | None,
@@ -113,11 +120,12 @@ def run(
     spec = launch_spec(tp, dp, nnodes, node_rank, master_addr, master_port, debug, timeout, max_restarts, device,
                        bind_cores, fsdp, hsdp, pp)
     try:
-        launch(spec, sys.executable, str(script), *(args or []), quiet=not debug)
+        launch(spec, sys.executable, str(script), *(args or []), quiet=not debug, on_restart=say_restart)
     except RankFailedError as exc:
         code = exc.exitcode if 0 < exc.exitcode < 256 else 1
-        abort(f"{script} failed on rank {exc.rank} of {spec.world_size} with exit code {exc.exitcode}",
-              debug, code=code, trace="")  # the script printed its own traceback
+        how = f"{exc.said()}" if exc.exitcode < 0 else f"failed on rank {exc.rank} with exit code {exc.exitcode}"
+        abort(f"{script}: {how} (of {spec.world_size} ranks)", debug, code=code,
+              trace="")  # the script printed its own traceback  # the script printed its own traceback
     if debug:
         Console(stderr=True).print(f"{script}: {spec.world_size} ranks finished")
 

@@ -46,7 +46,7 @@ from rich.table import Table
 
 from autotp.cli.common import USAGE_ERROR
 from autotp.cli.run import (BIND_CORES, DEBUG, DEVICE, DP, FSDP, HSDP, MASTER_ADDR, MASTER_PORT, MAX_RESTARTS, NNODES,
-                            NODE_RANK, PP, TIMEOUT, TP, abort, launch_spec)
+                            NODE_RANK, PP, TIMEOUT, TP, abort, launch_spec, say_restart)
 from autotp.errors import AutotpError, CaptureError, PipelineError
 from autotp.plan.stages import StageRequest
 from autotp.distributed.launch import RankFailedError, launch
@@ -194,6 +194,8 @@ def render(report: ShardReport, console: Console) -> None:
         summary.add_row("parity vs unsharded",
                         f"{verdict} max |Δloss| {loss}, max |Δoutput| {p.output_diff:.2e} (tol {PARITY_TOL:g})"
                         + (f" {escape(p.note)}" if p.note else ""))
+    if report.restarted:
+        summary.add_row("restarted", escape(report.restarted))
     if report.resumed_from is not None:
         summary.add_row("resumed", f"from step {report.start_step} ({escape(report.resumed_from)})")
         if report.resharded:
@@ -345,12 +347,12 @@ def shard(
                    microbatches=microbatches or pp, virtual_stages=virtual_stages,
                    weights=None if weights is None else str(weights.resolve()))
     try:
-        results = launch(spec, shard_worker, job, quiet=not debug)
+        results = launch(spec, shard_worker, job, quiet=not debug, on_restart=say_restart)
     except RankFailedError as exc:
         why = ""
         if timeout is not None and "timed out" in exc.message.lower():
             why = f" (no peer answered within --timeout {timeout:g} s: another rank is hung or dead)"
-        abort(f"rank {exc.rank}: {exc.message}{why}", debug, trace=exc.traceback)
+        abort(f"{exc.said()}{why}", debug, trace=exc.traceback)
     except AutotpError as exc:
         abort(str(exc), debug)
     report = results.get(0)

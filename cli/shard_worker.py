@@ -20,6 +20,7 @@ import time
 from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -34,6 +35,7 @@ from autotp.io.ckpt_io import (checkpoint_info, latest_checkpoint, load_training
                               save_training_state)
 from autotp.plan.report import build_report
 from autotp.distributed.launch import RankContext, init_from_env
+from autotp.distributed.restarts import last_failure, note_progress
 from autotp.capture.modelfile import (DEFAULT_BATCH_SHAPE, ModelFile, ModelFileError, default_example,
                                      find_loss, load_model_file, output_tensors, replica_batch, to_device)
 
@@ -100,6 +102,7 @@ class ShardReport:
     start_step: int = 0  # the step training resumed from (0: from scratch); ``losses`` are steps start_step+1...
     resumed_from: str | None = None
     resharded: str = ""  # what resuming did with the saved layout ("resumed from tp 2 → tp 4: ...")
+    restarted: str = ""  # after an elastic restart: which rank failed, how, where, and what was redone
     weights: str = ""  # where the weights came from and what loading them cost (--weights)
     # TP communication of one step against Megatron's formula (README, "What a step costs"):
     # (direction, kind, op, count, formula count, elements, formula elements, bytes) per kind, then the total
@@ -191,6 +194,7 @@ def _train(step_fn, args: tuple, kwargs: dict, job: ShardJob, ctx: RankContext, 
         task = progress.add_task("train", total=job.steps, completed=start, loss="-") if show else None
         for step in range(start, job.steps):
             a, k = replica_batch(args, kwargs, ctx.coords["dp"], step)
+            note_progress(step + 1, f"at step {step + 1}")  # said if this rank dies now
             start = time.perf_counter()
             loss = step_fn(a, k)
             if ctx.device.type == "cuda":
@@ -201,8 +205,14 @@ def _train(step_fn, args: tuple, kwargs: dict, job: ShardJob, ctx: RankContext, 
                 progress.update(task, advance=1, loss=f"{losses[-1]:.4f}")
             done = step + 1
             if save is not None and job.save_every and done % job.save_every == 0 and done != job.steps:
-                save(done)
+                saving(save, done)
     return losses, times
+
+
+def saving(save, step: int) -> Path:
+    """``save(step)``, noted as this rank's progress (a rank dying in a save is said as such)."""
+    note_progress(step, f"while saving step {step}")
+    return save(step)
 
 
 def _load(model: torch.nn.Module, path: str) -> str:
@@ -213,11 +223,18 @@ def _load(model: torch.nn.Module, path: str) -> str:
     return f"{path} ({loaded.kind}): {_size(int(most[0]))} read per rank (most), {most[1]:.1f} s"
 
 
-def _start(job: ShardJob, out: Path, model: torch.nn.Module, opt: torch.optim.Optimizer, plan, ctx: RankContext):
+class Start(NamedTuple):
+    step: int  # the step training starts from (0: from scratch)
+    resumed_from: str | None  # the checkpoint resumed, or None
+    resharded: str  # what resuming did with the saved layout
+    restarted: str  # after an elastic restart: the failure that caused it and what is redone ("" otherwise)
+
+
+def _start(job: ShardJob, out: Path, model: torch.nn.Module, opt: torch.optim.Optimizer, plan,
+           ctx: RankContext) -> Start:
     """Resume from the checkpoint asked for (or, restarted by --max-restarts, the last this run published), at
     any layout: weights and optimizer state are saved in the unsharded model's coordinates; then write the plan,
-    so a resume that fails leaves the run's files as they were. (start step, the checkpoint resumed from or
-    None, what resuming resharded)."""
+    so a resume that fails leaves the run's files as they were."""
     start, found, resharded = 0, None, ""
     restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
     if job.resume or restarted:
@@ -231,7 +248,9 @@ def _start(job: ShardJob, out: Path, model: torch.nn.Module, opt: torch.optim.Op
     if ctx.rank == 0:
         out.mkdir(parents=True, exist_ok=True)
         (out / "plan.json").write_text(plan.to_json())
-    return start, None if found is None else str(found), resharded
+    failure = last_failure() if restarted else None
+    return Start(start, None if found is None else str(found), resharded,
+                 "" if failure is None else failure.resumed(start))
 
 
 def shard_worker(job: ShardJob) -> ShardReport | None:
@@ -320,7 +339,7 @@ def _shard(job: ShardJob, ctx: RankContext) -> ShardReport | None:
     out = Path(job.out)
     plan_path = out / "plan.json"
     opt = torch.optim.AdamW(tpm.parameters(), lr=job.lr)
-    start, resumed_from, resharded = _start(job, out, tpm, opt, autotp.tp_state(tpm).plan, ctx)
+    start, resumed_from, resharded, restarted = _start(job, out, tpm, opt, autotp.tp_state(tpm).plan, ctx)
 
     def save(step: int) -> Path:
         return save_training_state(out, step, tpm, opt, ctx, run=job.run, keep=job.keep)
@@ -339,7 +358,7 @@ def _shard(job: ShardJob, ctx: RankContext) -> ShardReport | None:
         model = data_parallel(tpm, ctx)
         losses, times = _train(lambda a, k: train_step(model, opt, a, k), args, kwargs, job, ctx, start, save)
         final_loss, done = _eval_loss(tpm, args, kwargs), max(start, job.steps)
-    ckpt_path = Path(resumed_from) if resumed_from is not None and start >= done else save(done)
+    ckpt_path = Path(resumed_from) if resumed_from is not None and start >= done else saving(save, done)
 
     mine = RankStats(ctx.rank, ctx.coords["tp"], ctx.coords["dp"], _param_bytes(tpm), tuple(times))
     everyone: list[RankStats | None] = [None] * ctx.layout.world_size
@@ -352,7 +371,7 @@ def _shard(job: ShardJob, ctx: RankContext) -> ShardReport | None:
         ranks=tuple(everyone), collectives=tuple((*key, n) for key, n in sorted(counts.items())),
         parity=parity, losses=tuple(losses), final_loss=final_loss,
         plan_path=str(plan_path), checkpoint_path=str(ckpt_path), start_step=start, resumed_from=resumed_from,
-        resharded=resharded, weights=weights,
+        resharded=resharded, restarted=restarted, weights=weights,
         # the formula is a training step's (with the loss's backward); untrained, there was none
         comm=() if skipped else _comm_vs_formula(tpm, args, kwargs),
         batch=_describe_batch(mf, tpm, args, kwargs, ctx.layout.tp), training_skipped=skipped,
@@ -431,7 +450,7 @@ def _shard_pipeline(job: ShardJob, ctx: RankContext, mf: ModelFile, batch: tuple
     out = Path(job.out)
     plan_path = out / "plan.json"
     opt = torch.optim.AdamW(list(pipe.parameters()), lr=job.lr)
-    start, resumed_from, resharded = _start(job, out, model, opt, st.plan, ctx)
+    start, resumed_from, resharded, restarted = _start(job, out, model, opt, st.plan, ctx)
 
     def step(a: tuple, k: dict) -> torch.Tensor:
         loss = pipe.step(*a, **k)
@@ -439,16 +458,17 @@ def _shard_pipeline(job: ShardJob, ctx: RankContext, mf: ModelFile, batch: tuple
         opt.zero_grad(set_to_none=True)
         return loss
 
-    losses, times = _train(step, args, kwargs, job, ctx, start,
-                           lambda done: save_training_state(out, done, model, opt, ctx, run=job.run, keep=job.keep))
+    def save(done: int) -> Path:
+        return save_training_state(out, done, model, opt, ctx, run=job.run, keep=job.keep)
+
+    losses, times = _train(step, args, kwargs, job, ctx, start, save)
     done = max(start, job.steps)
     final_loss = None
     try:
         final_loss = pipe.eval_step(*args, **kwargs).item()
     except autotp.PipelineError:
         pass
-    ckpt_path = Path(resumed_from) if resumed_from is not None and start >= done else \
-        save_training_state(out, done, model, opt, ctx, run=job.run, keep=job.keep)
+    ckpt_path = Path(resumed_from) if resumed_from is not None and start >= done else saving(save, done)
     held = sum(p.numel() * p.element_size() for p in pipe.parameters())
     mine = RankStats(ctx.rank, ctx.coords["tp"], ctx.coords["dp"], held, tuple(times), ctx.coords["pp"])
     everyone: list[RankStats | None] = [None] * ctx.layout.world_size
@@ -461,7 +481,7 @@ def _shard_pipeline(job: ShardJob, ctx: RankContext, mf: ModelFile, batch: tuple
         ranks=tuple(everyone), collectives=tuple((*key, n) for key, n in sorted(counts.items())),
         parity=parity, losses=tuple(losses), final_loss=final_loss, plan_path=str(plan_path),
         checkpoint_path=str(ckpt_path), start_step=start, resumed_from=resumed_from, resharded=resharded,
-        weights=weights, batch=_describe_batch(mf, model, args, kwargs, ctx.layout.tp), pp=ctx.layout.pp,
+        restarted=restarted, weights=weights, batch=_describe_batch(mf, model, args, kwargs, ctx.layout.tp), pp=ctx.layout.pp,
         pipeline=f"{pipe.schedule_name}, {pipe.microbatches} micro-batches, {pipe.virtual_stages} stage(s) per rank",
         stages=tuple(s.blocks for s in st.plan.stages),
     )

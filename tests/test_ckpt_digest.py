@@ -72,6 +72,7 @@ def test_a_nonsense_digest_table_is_named(saved):
     path, tpm, opt, ctx = saved
     info = json.loads((path / "autotp.json").read_text())
     info["files"] = {"../escape": {"crc32": 1, "bytes": 2}}
+    info.pop("manifest_crc32")  # as a manifest rewritten whole would: its own checksum refuses any edit first
     (path / "autotp.json").write_text(json.dumps(info))
     with pytest.raises(CheckpointError, match="the digest of '../escape'"):
         load_training_state(path, tpm, opt, ctx)
@@ -87,12 +88,42 @@ def test_the_manifest_is_checked_against_itself_and_the_files(saved, edit: dict,
 
     path = saved[0]
     info = json.loads((path / "autotp.json").read_text())
+    info.pop("manifest_crc32")
     (path / "autotp.json").write_text(json.dumps({**info, **edit}))
     if says is None:
         assert read_manifest(path)["tp"] == 8
         return
     with pytest.raises(CheckpointError, match=says.replace("[", r"\[").replace("]", r"\]")):
         read_manifest(path)
+
+
+def test_every_flipped_byte_of_the_manifest_is_refused(saved):
+    """The manifest carries the checksum of its own content: a byte flipped anywhere in it either breaks the
+    JSON or changes a value, and both are refused by name; none loads as a different manifest."""
+    from autotp.io.ckpt_io import read_manifest
+
+    path = saved[0]
+    file = path / "autotp.json"
+    good = file.read_bytes()
+    assert read_manifest(path)["manifest_crc32"]
+    for i in range(len(good)):
+        file.write_bytes(good[:i] + bytes([good[i] ^ 0x01]) + good[i + 1:])
+        with pytest.raises(CheckpointError, match="autotp.json"):
+            read_manifest(path)
+    file.write_bytes(good)
+
+
+def test_a_manifest_step_that_is_not_the_datas_is_refused(saved):
+    from autotp.io.ckpt_digest import manifest_digest
+    from autotp.io.ckpt_io import load_training_state
+
+    path, tpm, opt, ctx = saved
+    info = json.loads((path / "autotp.json").read_text())
+    info["step"] = 7
+    info["manifest_crc32"] = manifest_digest(info)  # rewritten consistently: only the data can contradict it
+    (path / "autotp.json").write_text(json.dumps(info))
+    with pytest.raises(CheckpointError, match="says step 7, its data holds step 1"):
+        load_training_state(path, tpm, opt, ctx)
 
 
 def test_a_failed_save_says_why_and_keeps_the_last_checkpoint(saved, tmp_path: Path, monkeypatch):

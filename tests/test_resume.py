@@ -99,6 +99,7 @@ def _copy(saved, name: str) -> Path:
     shutil.copytree(good, dest)
     info = json.loads((dest / "autotp.json").read_text())
     info.pop("files", None)
+    info.pop("manifest_crc32", None)
     (dest / "autotp.json").write_text(json.dumps(info))
     return dest
 

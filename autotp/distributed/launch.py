@@ -27,6 +27,7 @@ from torch.distributed.elastic.utils.distributed import get_free_port
 from autotp.errors import LaunchError, ProcessGroupError, RankFailedError
 from autotp.distributed.cpu_binding import ENV_BIND, bind_from_env
 from autotp.distributed.layout import RankLayout
+from autotp.distributed.restarts import Failure, final_failure, watching
 
 __all__ = [
     "ENV_BACKEND", "ENV_DP", "ENV_PP", "ENV_TIMEOUT", "ENV_TP", "LaunchError", "LaunchSpec", "RankContext",
@@ -183,11 +184,13 @@ def _quiet_launcher_logs(quiet: bool) -> Iterator[None]:
             lg.setLevel(level)
 
 
-def launch(spec: LaunchSpec, entrypoint: Callable[..., Any] | str, *args: Any, quiet: bool = True) -> dict[int, Any]:
+def launch(spec: LaunchSpec, entrypoint: Callable[..., Any] | str, *args: Any, quiet: bool = True,
+           on_restart: Callable[[Failure], None] | None = None) -> dict[int, Any]:
     """Run ``entrypoint(*args)`` on this node's ranks; global rank -> return value (functions only).
 
     A str entrypoint is an executable (``sys.executable``, then the script and its args in ``args``).
-    Raises :class:`RankFailedError` for the first rank that failed.
+    Raises :class:`RankFailedError` for the rank whose failure caused the others. ``on_restart(failure)`` is
+    called when a failed attempt is restarted (``spec.max_restarts``): which rank, its pid, how it ended, where.
     """
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -202,14 +205,33 @@ def launch(spec: LaunchSpec, entrypoint: Callable[..., Any] | str, *args: Any, q
         rdzv_configs={"is_host": spec.node_rank == 0} if spec.nnodes > 1 else {},
         max_restarts=spec.max_restarts, monitor_interval=0.1, start_method="spawn",
     )
-    with _environ(spec.env(backend)), _quiet_launcher_logs(quiet):
+    with watching(spec.max_restarts, _picked, on_restart) as progress, _environ({**spec.env(backend), **progress}), \
+            _quiet_launcher_logs(quiet):
         try:
             return elastic_launch(config, entrypoint)(*args)
         except ChildFailedError as exc:
-            rank, failure = root_failure(exc.failures)
-            message, trace = _failure_text(failure)
-            raise RankFailedError(rank, failure.exitcode, message or f"exited with code {failure.exitcode}",
-                                  trace) from None
+            rank, failure, message = _picked(exc.failures)
+            _, trace = _failure_text(failure)
+            ended = final_failure(progress)
+            if not message or failure.exitcode < 0:  # no error of its own: how it ended, and where it was
+                where = f" {ended.where}" if ended is not None and ended.rank == rank and ended.where else ""
+                message = f"(pid {failure.pid}) {_ended(failure)}{where}"
+            raise RankFailedError(rank, failure.exitcode, message, trace) from None
+
+
+def _ended(failure: Any) -> str:
+    return f"was killed by {failure.signal_name()}" if failure.exitcode < 0 else f"exited with code {failure.exitcode}"
+
+
+def _picked(failures: Mapping[int, Any]) -> tuple[int, Any, str]:
+    """The root failure and its own message ('' when the rank recorded none)."""
+    rank, failure = root_failure(failures)
+    return rank, failure, _failure_text(failure)[0] if _recorded(failure) else ""
+
+
+def _recorded(failure: Any) -> bool:
+    """Whether the worker wrote its own error (torch's error file); without one, torch makes a message up."""
+    return isinstance(failure.message, dict) or getattr(failure, "error_file", "<N/A>") not in ("<N/A>", "")
 
 
 def _failure_text(failure: Any) -> tuple[str, str]:
@@ -230,7 +252,7 @@ def root_failure(failures: Mapping[int, Any]) -> tuple[int, Any]:
     def key(item: tuple[int, Any]) -> tuple:
         rank, failure = item
         message, _ = _failure_text(failure)
-        recorded = isinstance(failure.message, dict) or bool(getattr(failure, "error_file_data", None))
+        recorded = _recorded(failure)
         consequence = not message or any(s in message.lower() for s in _PEER_FAILURE) or failure.exitcode < 0
         return (not recorded, consequence, failure.timestamp, rank)
 

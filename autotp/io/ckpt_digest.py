@@ -5,12 +5,14 @@ A flipped byte inside a tensor's data (a bad disk, a copy cut short and patched,
 metadata and every size as they were: the load would succeed and training go on from wrong values. Each
 file's CRC-32 (``zlib.crc32``) is taken on the bytes as they pass to the file, so saving reads nothing twice:
 :class:`DigestingWriter` is DCP's ``FileSystemWriter`` whose streams add every write to a running CRC. The
-ranks' digests go to the manifest (``files``: name -> crc32 and bytes). Before a load each rank reads a share
-of the files and compares; any mismatch fails every rank with the file's name.
+ranks' digests go to the manifest (``files``: name -> crc32 and bytes), and the manifest carries the CRC-32 of
+its own content (:func:`manifest_digest`). Before a load each rank reads a share of the files and compares;
+any mismatch fails every rank with the file's name.
 """
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import zlib
 from collections.abc import Iterator, Mapping
@@ -79,6 +81,16 @@ class DigestingWriter(FileSystemWriter):
     @property
     def digests(self) -> dict[str, dict[str, int]]:
         return self.fs.digests
+
+
+SELF = "manifest_crc32"  # the manifest's checksum of its own content (every other key, canonical JSON)
+
+
+def manifest_digest(info: Mapping[str, Any]) -> int:
+    """CRC-32 of the manifest without its own checksum, over canonical JSON (sorted keys): a flipped byte
+    that still parses (a digit of a count, a letter of a name) changes it; reformatting does not."""
+    body = {k: v for k, v in info.items() if k != SELF}
+    return zlib.crc32(json.dumps(body, sort_keys=True, separators=(",", ":")).encode())
 
 
 def checked_digests(path: Path, files: object) -> dict[str, dict[str, int]]:

@@ -47,7 +47,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from autotp.io.checkpoint import WriteBack, sharded_state_dict
-from autotp.io.ckpt_digest import DigestingWriter, checked_digests, digest_mismatch, verify_share
+from autotp.io.ckpt_digest import SELF, DigestingWriter, checked_digests, digest_mismatch, manifest_digest, verify_share
 from autotp.io.ckpt_safety import cause, read_metadata, safe_load, verify_files
 from autotp.io.empty import mark_loaded
 from autotp.errors import CheckpointError
@@ -61,6 +61,7 @@ __all__ = ["CheckpointError", "Resumed", "checkpoint_info", "check_resumable", "
 
 CHECKPOINTS, LATEST, LINK, TMP_PREFIX, INFO = "checkpoints", "latest", "checkpoint", ".tmp-", "autotp.json"
 _SHARD = re.compile(r"__(\d+)_\d+\.distcp")  # DCP's file of rank r
+_MANIFEST_KEYS = {"format", "step", "tp", "dp", "pp", "world_size", "optimizer", "run", "files", SELF}
 FORMAT = 2  # 1: optimizer state and RNG as pickled blobs, per tp rank (never loaded: unpickling runs code)
 
 
@@ -152,6 +153,10 @@ def read_manifest(path: Path | str) -> dict:
                               hint="a checkpoint of an older autotp keeps its optimizer state pickled, which is "
                                    "never loaded: start afresh in another run folder")
     tampered = "the file is damaged or was tampered with: resume from another checkpoint"
+    if unknown := sorted(set(info) - _MANIFEST_KEYS):  # a flipped byte in a key's name lands here
+        raise CheckpointError(f"{file} has entries no autotp writes: {', '.join(map(repr, unknown))}", hint=tampered)
+    if SELF in info and info[SELF] != manifest_digest(info):
+        raise CheckpointError(f"{file} does not match its own checksum: it changed after the save", hint=tampered)
     for key in ("step", "tp", "dp"):
         if isinstance(info.get(key), bool) or not isinstance(info.get(key), int) or info[key] < 0:
             raise CheckpointError(f"{file}: {key} is {info.get(key)!r}, not a count", hint=tampered)
@@ -216,6 +221,16 @@ class Resumed:
             return f"resumed from dp {self.saved_dp} → dp {self.dp} at tp {self.tp}: {what} in every replica"
         saved, now = f"tp {self.saved_tp} × dp {self.saved_dp}", f"tp {self.tp} × dp {self.dp}"
         return f"resumed from {saved} → {now}: {what} resharded"
+
+
+_NEARLY_FULL = 1 << 20  # bytes free below which a failed write is taken for a full disk
+
+
+def _free_bytes(path: Path) -> int | None:
+    try:
+        return shutil.disk_usage(path).free
+    except OSError:
+        return None
 
 
 def _fsync_dir(path: Path) -> None:
@@ -334,12 +349,17 @@ def save_training_state(run_dir: Path | str, step: int, tpm: torch.nn.Module,
         dist.all_gather_object(digests, writer.digests)
         if rank == 0:
             info["files"] = {name: d for part in digests for name, d in sorted(part.items())}
+            info[SELF] = manifest_digest(info)
             (tmp / INFO).write_text(json.dumps(info, indent=1) + "\n")
         dist.barrier()  # every rank's files and the metadata are on disk
         final = [_publish(root, tmp, step, run, keep) if rank == 0 else None]
     except (OSError, CheckpointException) as exc:  # a full disk, a read-only folder: one line, not tracebacks
         before = latest_checkpoint(run_dir)
-        raise CheckpointError(f"cannot save step {step} to {tmp}: {cause(exc)}",
+        why = cause(exc, tmp)
+        if "(ENOSPC)" not in why and (free := _free_bytes(root)) is not None and free < _NEARLY_FULL:
+            # torch's writer reports a short write on a full disk as "unexpected pos ...", not as ENOSPC
+            why = f"No space left on device (ENOSPC: {free:,} bytes free; the writer said {why})"
+        raise CheckpointError(f"cannot save step {step} to {tmp}: {why}",
                               hint=f"the checkpoint published before ({before.name if before else 'none'}) is "
                                    "untouched: free space or fix permissions, then --resume") from None
     dist.broadcast_object_list(final, src=0)
@@ -382,6 +402,10 @@ def load_training_state(path: Path | str, tpm: torch.nn.Module, optimizer: torch
     if rng:
         state["rng"] = rng
     safe_load(state, path, metadata=meta)
+    if int(state["train"]["step"]) != info["step"]:  # the data's step (checksummed) is the one to believe
+        raise CheckpointError(f"{path / INFO} says step {info['step']}, its data holds step "
+                              f"{int(state['train']['step'])}", hint="the manifest is damaged or was edited: resume "
+                              "from another checkpoint (--resume-from)")
     copies.apply()
     mark_loaded(tpm)
     if ostate is not None:

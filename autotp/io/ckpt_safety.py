@@ -210,22 +210,26 @@ def safe_load(state: dict[str, Any], path: Path | str, *, metadata: Metadata | N
     except CheckpointError:
         raise
     except (Exception, CheckpointException) as exc:  # noqa: BLE001 - DCP's errors name keys, not the cause
-        raise CheckpointError(f"cannot load checkpoint {path}: {cause(exc)}",
+        raise CheckpointError(f"cannot load checkpoint {path}: {cause(exc, path)}",
                               hint="the shard files are damaged, or were written for another model: resume "
                                    "from another checkpoint (--resume-from)") from None
 
 
-def cause(exc: BaseException) -> str:
+def cause(exc: BaseException, within: Path | str | None = None) -> str:
     """The root cause of a checkpoint failure in one line: the first rank's exception inside DCP's
     ``CheckpointException`` (a ``BaseException``, whose text is every rank's traceback), an ``OSError`` by
-    its errno's name (``No space left on device (ENOSPC): path``), else the first line of the message."""
+    its errno's name (``No space left on device (ENOSPC): path``), else the first line of the message. A path
+    in or equal to ``within`` (which the caller's message names) is shortened to its part below it."""
     while isinstance(exc, CheckpointException) and exc.failures:
-        inner = next(iter(exc.failures.values()))
-        exc = inner[0] if isinstance(inner, tuple) else inner
+        inner = [f[0] if isinstance(f, tuple) else f for f in exc.failures.values()]
+        exc = next((e for e in inner if isinstance(e, OSError)), inner[0])  # an errno says most
     if isinstance(exc, CheckpointError):
         return str(exc).splitlines()[0]
     if isinstance(exc, OSError) and exc.errno in errno.errorcode:
         where = f": {exc.filename}" if exc.filename else ""
+        if exc.filename and within is not None:
+            inside = os.path.relpath(exc.filename, within)
+            where = "" if inside == "." else where if inside.startswith("..") else f": {inside}"
         return f"{exc.strerror or os.strerror(exc.errno)} ({errno.errorcode[exc.errno]}){where}"
     if isinstance(exc, pickle.UnpicklingError):  # torch.load's advice (weights_only=False) is wrong here
         return f"{type(exc).__name__}: a shard file does not hold the tensors torch wrote (damaged)"
