@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import zlib
+
+import xxhash
 from pathlib import Path
 
 import pytest
@@ -41,8 +43,23 @@ def test_the_manifest_holds_each_files_checksum(saved):
     assert sorted(files) == written and ".metadata" in files
     for name, d in files.items():  # taken while writing: the same as reading the file back
         data = (path / name).read_bytes()
-        assert d == {"crc32": zlib.crc32(data), "bytes": len(data)}, name
+        assert d == {"xxh3_64": xxhash.xxh3_64(data).intdigest(), "bytes": len(data)}, name
     assert load_training_state(path, tpm, opt, ctx).step == 1
+
+
+def test_a_manifest_with_crc32_digests_is_checked_with_them(saved):
+    """Manifests written before XXH3 carry CRC-32s: still checked, still refusing a changed file."""
+    path, tpm, opt, ctx = saved
+    info = json.loads((path / "autotp.json").read_text())
+    info.pop("manifest_crc32")
+    info["files"] = {name: {"crc32": zlib.crc32((path / name).read_bytes()), "bytes": d["bytes"]}
+                     for name, d in info["files"].items()}
+    (path / "autotp.json").write_text(json.dumps(info))
+    assert load_training_state(path, tpm, opt, ctx).step == 1
+    shard = path / "__0_0.distcp"
+    _flip(shard, shard.stat().st_size // 2)
+    with pytest.raises(CheckpointError, match=r"__0_0\.distcp does not match its checksum \(crc32"):
+        load_training_state(path, tpm, opt, ctx)
 
 
 def _flip(file: Path, where: int) -> None:

@@ -3,10 +3,11 @@ load uses any value.
 
 A flipped byte inside a tensor's data (a bad disk, a copy cut short and patched, a stray write) leaves DCP's
 metadata and every size as they were: the load would succeed and training go on from wrong values. Each
-file's CRC-32 (``zlib.crc32``) is taken on the bytes as they pass to the file, so saving reads nothing twice:
-:class:`DigestingWriter` is DCP's ``FileSystemWriter`` whose streams add every write to a running CRC. The
-ranks' digests go to the manifest (``files``: name -> crc32 and bytes), and the manifest carries the CRC-32 of
-its own content (:func:`manifest_digest`). Before a load each rank reads a share of the files and compares;
+file's XXH3-64 digest (``xxhash``, about 20 GB/s on one core, against zlib's CRC-32 at about 4) is taken on the
+bytes as they pass to the file, so saving reads nothing twice: :class:`DigestingWriter` is DCP's
+``FileSystemWriter`` whose streams add every write to a running digest. The ranks' digests go to the manifest
+(``files``: name -> xxh3_64 and bytes; manifests written with ``crc32`` instead are checked with it), and the
+manifest carries the CRC-32 of its own content (:func:`manifest_digest`). Before a load each rank reads a share of the files and compares;
 any mismatch fails every rank with the file's name.
 """
 from __future__ import annotations
@@ -19,6 +20,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+import xxhash
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.filesystem import FileSystem
 
@@ -27,17 +29,20 @@ from autotp.errors import CheckpointError
 CHUNK = 1 << 22  # bytes read at a time when checking
 
 
+KIND = "xxh3_64"  # the digest new checkpoints carry; "crc32" is still checked where a manifest has it
+
+
 class _Digesting:
-    """A write stream that keeps the CRC-32 and length of what passes through it. A seek (never made by
+    """A write stream that keeps the digest and length of what passes through it. A seek (never made by
     DCP's writer) makes the digest unknown rather than wrong."""
 
     def __init__(self, stream: Any) -> None:
-        self._stream, self.crc, self.size, self.known = stream, 0, 0, True
+        self._stream, self.hash, self.size, self.known = stream, xxhash.xxh3_64(), 0, True
 
     def write(self, data: Any) -> int:
         n = self._stream.write(data)
         view = memoryview(data).cast("B")
-        self.crc = zlib.crc32(view if n is None or n == len(view) else view[:n], self.crc)
+        self.hash.update(view if n is None or n == len(view) else view[:n])
         self.size += len(view) if n is None else n
         return n
 
@@ -63,7 +68,7 @@ class _DigestingFileSystem(FileSystem):
             digesting = _Digesting(stream)
             yield digesting
             if digesting.known:
-                self.digests[Path(path).name] = {"crc32": digesting.crc, "bytes": digesting.size}
+                self.digests[Path(path).name] = {KIND: digesting.hash.intdigest(), "bytes": digesting.size}
 
     def rename(self, path: str | os.PathLike, new_path: str | os.PathLike) -> None:
         super().rename(path, new_path)
@@ -93,36 +98,54 @@ def manifest_digest(info: Mapping[str, Any]) -> int:
     return zlib.crc32(json.dumps(body, sort_keys=True, separators=(",", ":")).encode())
 
 
+def _int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
 def checked_digests(path: Path, files: object) -> dict[str, dict[str, int]]:
-    """The manifest's ``files`` entry, checked to be name -> {crc32, bytes} of plain names."""
+    """The manifest's ``files`` entry, checked to be name -> {xxh3_64 or crc32, bytes} of plain names."""
     manifest = path / "autotp.json"
     if not isinstance(files, Mapping):
         raise CheckpointError(f"{manifest}: files is {type(files).__name__}, not a table of digests",
                               hint="the file is damaged or was tampered with: resume from another checkpoint")
     for name, d in files.items():
         if not isinstance(name, str) or Path(name).name != name or name in ("", ".", "..") or \
-                not isinstance(d, Mapping) or not all(isinstance(d.get(k), int) and not isinstance(d.get(k), bool)
-                                                      for k in ("crc32", "bytes")):
+                not isinstance(d, Mapping) or not _int(d.get("bytes")) or not any(_int(d.get(k)) for k in _DIGESTS):
             raise CheckpointError(f"{manifest}: the digest of {name!r} is {d!r}",
                                   hint="the file is damaged or was tampered with: resume from another checkpoint")
     return dict(files)
 
 
+class _Crc32:  # the digest of manifests written before XXH3, as xxhash's interface
+    def __init__(self) -> None:
+        self.value = 0
+
+    def update(self, data: bytes) -> None:
+        self.value = zlib.crc32(data, self.value)
+
+    def intdigest(self) -> int:
+        return self.value
+
+
+_DIGESTS = {KIND: xxhash.xxh3_64, "crc32": _Crc32}
+
+
 def digest_mismatch(path: Path, name: str, want: Mapping[str, int]) -> str | None:
     """Read ``path/name`` and compare it with its digest: None when it matches, else what differs."""
     file = path / name
-    crc, size = 0, 0
+    kind = next(k for k in _DIGESTS if k in want)
+    digest, size = _DIGESTS[kind](), 0
     try:
         with open(file, "rb") as f:
             while chunk := f.read(CHUNK):
-                crc = zlib.crc32(chunk, crc)
+                digest.update(chunk)
                 size += len(chunk)
     except OSError as exc:
         return f"{file} cannot be read ({exc.strerror or exc})"
     if size != want["bytes"]:
         return f"{file} holds {size} bytes, the checkpoint wrote {want['bytes']}"
-    if crc != want["crc32"]:
-        return f"{file} does not match its checksum (crc32 {crc:08x}, written {want['crc32']:08x}): it changed " \
+    if (got := digest.intdigest()) != want[kind]:
+        return f"{file} does not match its checksum ({kind} {got:016x}, written {want[kind]:016x}): it changed " \
                "after the save"
     return None
 
