@@ -95,17 +95,22 @@ class _Identities(nn.Module):
         return same.sum() + kept.sum() + before.sum() + g.sum() + after.sum() + t.sum()
 
 
-def test_identity_views_casts_and_copies_are_removed_at_capture():
+def test_identity_views_and_copies_are_removed_at_capture_and_casts_kept():
+    """``h.to(h.dtype)`` is kept: an identity as captured in fp32, but not under torch.autocast (h arrives in
+    bf16 there, and the cast is what the model asked for)."""
     model, x = _Identities(), torch.randn(2, 5, 8)
     gm, _ = capture(model, (x,), {})
     targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
-    for gone in (aten.view_as.default, aten.alias.default, aten.expand_as.default, aten.to.dtype, aten.slice.Tensor):
+    for gone in (aten.view_as.default, aten.alias.default, aten.expand_as.default, aten.slice.Tensor):
         assert gone not in targets, gone
+    assert targets.count(aten.to.dtype) == 1
     assert targets.count(aten.view.default) == 1 and aten.reshape.default not in targets  # the flattening one only
     assert targets.count(aten.detach.default) == 1
     assert targets.count(aten.clone.default) == 2  # before (input written) and after (written itself)
     assert targets.count(aten.contiguous.default) == 1  # the transposed one's copy
-    # the sum of ten identities of h is nine adds that read h itself (and h + 1 is one more)
+    # the sum of ten identities of h is nine adds that read h itself (and h + 1 is one more); export gives the
+    # uses of h after ``h.to(h.dtype)`` (an alias of h) the cast's node
     (h,) = [n for n in gm.graph.nodes if n.target is aten.linear.default]
-    assert len([u for u in h.users if u.target is aten.add.Tensor]) == 10
+    (cast,) = [n for n in gm.graph.nodes if n.target is aten.to.dtype]
+    assert len([u for u in (*h.users, *cast.users) if u.target is aten.add.Tensor]) == 10
     torch.testing.assert_close(gm(x)[0], model(x), rtol=0, atol=0)

@@ -151,7 +151,9 @@ def _probe(node: fx.Node, dim: int, size: int, fp, tp, where, depth) -> tuple[Se
                 return r
         elif kind in ("same_shape", "pointwise"):
             nd_u = ndim_of(u)
-            if nd_u is None:
+            rule = op_rule(u.target)
+            if nd_u is None or rule is not None and rule.dtype_arg is not None and u.args[rule.dtype_arg] is node \
+                    and u.args[0] is not node:  # ``W.type_as(x)`` reads only x's dtype: x's layout ends here
                 continue
             r = _probe(u, dim + nd_u - ndim_of(node), size, fp, tp, where, depth + 1)
             if r is not None:

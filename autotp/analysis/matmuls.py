@@ -19,6 +19,8 @@ Experts stored as one 3-D parameter ``W [E, a, b]`` are matmuls of that paramete
 """
 from __future__ import annotations
 
+import os
+import re
 from dataclasses import dataclass
 
 import torch
@@ -66,6 +68,24 @@ def module_path(node: fx.Node) -> str:
     stack = node.meta.get("nn_module_stack") or {}
     paths = [v[0] for v in stack.values() if isinstance(v, tuple) and v and isinstance(v[0], str)]
     return paths[-1] if paths else ""
+
+
+_FRAME = re.compile(r'File "([^"]+)", line (\d+)')
+
+
+def source_line(node: fx.Node) -> str:
+    """Where the model's code made ``node``: ``model.py:42`` (the innermost frame outside torch), or ''."""
+    frames = _FRAME.findall(node.meta.get("stack_trace") or "")
+    mine = [(f, n) for f, n in frames if "/torch/" not in f and "site-packages" not in f]
+    if not mine:
+        return ""
+    file, line = mine[-1]
+    return f"{os.path.basename(file)}:{line}"
+
+
+def where(node: fx.Node) -> str:
+    """``cumsum, blocks.0.attn, model.py:42``: a node, its module and its source line, for reasons."""
+    return ", ".join(x for x in (node.name, module_path(node) or "top level", source_line(node)) if x)
 
 
 @dataclass(frozen=True)

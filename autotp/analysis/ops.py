@@ -130,8 +130,11 @@ def permutation(node: fx.Node) -> list[int]:
 
 def squeezed_dims(node: fx.Node, in_shape: list[int]) -> list[int]:
     """The dims of its input (of shape ``in_shape``) that a squeeze drops: those it names that have size 1."""
-    if OP_RULES[node.target].form == "drop_ones":
+    form = OP_RULES[node.target].form
+    if form == "drop_ones":
         return [i for i, n in enumerate(in_shape) if n == 1]
+    if form != "drop":  # a transpose, permute, unsqueeze: no dim is dropped
+        return []
     dims = node.args[1] if isinstance(node.args[1], (list, tuple)) else [node.args[1]]
     return [normalize_dim(d, len(in_shape)) for d in dims if in_shape[normalize_dim(d, len(in_shape))] == 1]
 

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.fx as fx
 
-from autotp.analysis.matmuls import ParamMatmul, find_param_embeddings, find_param_matmuls, module_path
+from autotp.analysis.matmuls import ParamMatmul, find_param_embeddings, find_param_matmuls, where
 from autotp.analysis.column_layout import column_segments
 from autotp.analysis.ops import Unshardable
 from autotp.analysis.partial import deferred
@@ -146,7 +146,7 @@ def analyze(gm: fx.GraphModule, tp: int) -> Analysis:
             # a block left whole is reported once: a later attempt that pairs its output projection with
             # the next block's input fails only because of it
             if not cols & failed:
-                attempts.append((row.node, name, f"{e.reason} (at {e.node.name}, {module_path(e.node) or 'top level'})"))
+                attempts.append((row.node, name, f"{e.reason} (at {where(e.node)})"))
             failed |= set(cols) | {row.node}
             continue
         for n, s in region.specs.items():

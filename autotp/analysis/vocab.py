@@ -24,7 +24,7 @@ import torch.fx as fx
 
 from autotp.errors import ShardingError
 from autotp.analysis.pairs import Analysis
-from autotp.analysis.matmuls import ParamMatmul, module_path
+from autotp.analysis.matmuls import ParamMatmul, module_path, where
 from autotp.analysis.op_rules import OpRule, kind_of, op_rule
 from autotp.analysis.ops import Unshardable, arg_of, from_inputs, ndim_of, slice_range
 from autotp.analysis.propagate import Propagator
@@ -218,6 +218,28 @@ def _readers(node: fx.Node) -> list[fx.Node]:
     return out
 
 
+_MATMULS = frozenset({aten.linear.default, aten.matmul.default, aten.mm.default, aten.bmm.default,
+                      aten.addmm.default, aten.baddbmm.default, aten.einsum.default,
+                      aten.scaled_dot_product_attention.default})
+
+
+def _reaches_logits(node: fx.Node, depth: int = 24) -> bool:
+    """Does ``node``'s output reach the loss or the graph's output with no other matmul on the way: logits,
+    not a projection that attention or another linear reads?"""
+    todo, seen = [(node, 0)], set()
+    while todo:
+        n, d = todo.pop()
+        for u in n.users:
+            if u in seen or d > depth:
+                continue
+            seen.add(u)
+            if u.op == "output" or _is_loss(u.target):
+                return True
+            if u.target not in _MATMULS and u.op == "call_function":
+                todo.append((u, d + 1))
+    return False
+
+
 def _op_name(n: fx.Node) -> str:
     if n.op == "output":
         return "the graph's output"
@@ -297,9 +319,11 @@ def _kept_whole(m: ParamMatmul, why: str, latent_of: str | None = None) -> str:
         return (f"gate kept whole: its {shape} linear is read by {reads}, which weights replicated activations "
                 f"with its whole output ({feats}) on every rank; cutting it would only add a gather, and its weight "
                 f"is small")
-    if m.out_features >= m.in_features:
+    if m.out_features >= m.in_features and _reaches_logits(m.node):
         return f"LM head kept whole: {why}"
     reads = ", ".join(sorted({_op_name(u) for u in readers})) or "nothing"
+    if m.out_features >= m.in_features:  # a projection inside a block that the rules left out of every pair
+        return f"linear kept whole: its {shape} linear is outside every column→row pair: {why}"
     return (f"linear kept whole: its {shape} linear is outside every column→row pair and is not an LM head "
             f"(its output is read by {reads})")
 
@@ -375,7 +399,7 @@ def analyze_vocab(gm: fx.GraphModule, a: Analysis, tp: int, multiple: int = 1) -
         except (Unshardable, ShardingError) as e:
             # a projection of a block already reported replicated is not an LM head: its reason stands
             if not any(m.module == r or m.module.startswith(r + ".") for r, _ in a.replicated):
-                why = f"{e.reason} (at {e.node.name})" if isinstance(e, Unshardable) else str(e)
+                why = f"{e.reason} (at {where(e.node)})" if isinstance(e, Unshardable) else str(e)
                 why = _kept_whole(m, why, _latent_of(m, a, order))
                 (a.by_design if why.startswith(_BY_DESIGN) else a.replicated).append((m.module, why))
             continue

@@ -10,12 +10,15 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
+from autotp.capture.autocast import inline_autocast
+
 aten = torch.ops.aten
 
 
 def canonicalize(gm: fx.GraphModule) -> None:
-    """All the rewrites of this module, in place; the graph is recompiled where one changed it."""
-    changed = [index_lists_as_slices(gm), views_as_views(gm), einsums_as_matmuls(gm), drop_identities(gm),
+    """All the rewrites of this module, in place; the graph is recompiled where one changed it. First the
+    bodies of autocast regions are inlined (:mod:`autotp.capture.autocast`), so the rest rewrite them too."""
+    changed = [inline_autocast(gm), index_lists_as_slices(gm), views_as_views(gm), einsums_as_matmuls(gm), drop_identities(gm),
                drop_dtype_asserts(gm)]
     if any(changed):
         gm.recompile()
@@ -163,15 +166,17 @@ _ALIASING = frozenset({
     aten.expand_as.default, aten.broadcast_to.default, aten.alias.default,
     aten.slice.Tensor, aten.to.dtype, aten.to.dtype_layout, aten.to.device,
     aten.to.other, aten.type_as.default})
+_CASTS = frozenset({aten.to.dtype, aten.to.dtype_layout, aten.to.other, aten.type_as.default, aten._to_copy.default})
 # ops that copy: the same values, but a fresh tensor, which only an in-place write can tell from the input
 _COPYING = frozenset({aten.clone.default, aten._to_copy.default, aten.contiguous.default})
 
 
 def drop_identities(gm: fx.GraphModule) -> bool:
     """Remove the nodes whose output is their input: identity views (``x.view_as(x)``, ``x.view(x.shape)``, a
-    reshape to the same shape, ``x[:]``, ``x.expand_as(x)``, ``aten.alias``), casts to the dtype and device the
-    tensor has (``x.to(x.dtype)``, ``x.type_as(x)``, ``x.float()`` of a float tensor) and copies
-    (``x.clone()``, ``contiguous()``) that no in-place write can tell from their input.
+    reshape to the same shape, ``x[:]``, ``x.expand_as(x)``, ``aten.alias``), moves to the device the tensor is
+    on, and copies (``x.clone()``, ``contiguous()``) that no in-place write can tell from their input. Casts
+    of the dtype (``x.float()``, ``x.type_as(y)``, ``x.to(torch.float32)``) are kept even where the capture saw
+    the dtype already: under ``torch.autocast`` the tensor arrives in bf16, and the cast is what the model does.
 
     Analysis keys a column group by the node its projections read: q, k and v each reading their own
     ``x.view_as(x)`` would each get an all-reduce of the input gradient instead of sharing one. ``detach``
@@ -186,6 +191,8 @@ def drop_identities(gm: fx.GraphModule) -> bool:
         x = node.args[0]
         if not _same_tensor_meta(x.meta.get("val"), node.meta.get("val")):
             continue
+        if t in _CASTS:
+            continue  # an identity as captured, but not under autocast: `x.float()` of a bf16 activation
         if (t in _COPYING or _schema_arg(node, "copy") is True) and (_aliases_touched(x) or _aliases_touched(node)):
             continue
         inputs = node.all_input_nodes

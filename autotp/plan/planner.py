@@ -68,7 +68,8 @@ def _value(gm: fx.GraphModule, node: fx.Node) -> torch.Tensor:
 # ops that take part of a value or change its layout: what is derived from an entering value on its way to a column
 _DERIVE = {aten.slice.Tensor, aten.select.int, aten.view.default, aten.reshape.default, aten._unsafe_view.default,
            aten.unsqueeze.default, aten.squeeze.dim, aten.transpose.int, aten.permute.default, aten.to.dtype,
-           aten._to_copy.default, aten.contiguous.default, aten.clone.default, aten.alias.default}
+           aten.to.dtype_layout, aten.to.other, aten.type_as.default, aten._to_copy.default,
+           aten.contiguous.default, aten.clone.default, aten.alias.default}
 
 
 # ops that gather rows of a value (tokens dispatched to experts, one row per (token, k) slot): the value they
@@ -78,12 +79,25 @@ _GATHER = {aten.index.Tensor, aten.repeat_interleave.self_int, aten.expand.defau
 
 def _entering_via(xs: list[fx.Node], columns: set[fx.Node]) -> dict[fx.Node, tuple[fx.Node, fx.Node]]:
     """Column inputs derived from another column input ``root`` of the pair (a gate of ``x[..., :12]`` beside
-    q, k and v of ``x``), or gathered from a smaller value ``root`` (the tokens of a MoE layer, gathered per
-    expert slot), through ops read by nothing else: ``{derived: (reader of root, root)}``. Entering at
-    ``root`` alone, one all-reduce sums the gradients (each rank's covers only its own columns)."""
-    out = {}
+    q, k and v of ``x``; ``k(x.type_as(x))`` beside ``q(x)``), or gathered from a smaller value ``root`` (the
+    tokens of a MoE layer, gathered per expert slot), or several read each through its own chain from one value
+    (``q(x.float())``, ``k(x.contiguous())``), through ops whose values reach only the columns:
+    ``{derived: (reader of root, root)}``. Entering at ``root`` alone, one all-reduce sums the gradients (each
+    rank's covers only its own columns)."""
+    memo: dict[fx.Node, bool] = {}
+
+    def only_columns(n: fx.Node) -> bool:  # every use of n's value is a column matmul, through derive ops
+        if n not in memo:
+            memo[n] = False  # a cycle cannot happen in a graph; this guards the recursion anyway
+            memo[n] = all(u in columns or u.target is aten._assert_tensor_metadata.default or
+                          (u.op == "call_function" and u.target in _DERIVE and u.args and u.args[0] is n
+                           and only_columns(u)) for u in n.users)
+        return memo[n]
+
+    out: dict[fx.Node, tuple[fx.Node, fx.Node]] = {}
+    by_root: dict[fx.Node, list[tuple[fx.Node, fx.Node]]] = {}
     for x in xs:
-        if any(u not in columns and u.target is not aten._assert_tensor_metadata.default for u in x.users):
+        if not only_columns(x):
             continue
         node, reader, gathered = x, None, False
         while node.op == "call_function" and node.target in _DERIVE | _GATHER and isinstance(node.args[0], fx.Node):
@@ -94,8 +108,23 @@ def _entering_via(xs: list[fx.Node], columns: set[fx.Node]) -> dict[fx.Node, tup
                 break
             if len([u for u in node.users if u.target is not aten._assert_tensor_metadata.default]) != 1:
                 break
-        if gathered and x not in out:
+        if x in out:
+            continue
+        if gathered:
             out[x] = (reader, node)
+        elif reader is not None:
+            by_root.setdefault(node, []).append((x, reader))
+    # columns reading one value each through its own chain: they enter where the chains meet
+    for root, chains in by_root.items():
+        if len(chains) > 1:
+            out.update((x, (reader, root)) for x, reader in chains)
+    # a root that is itself derived (v(to_1) from type_as from q's input): the chain enters at the first root
+    for x, (reader, root) in list(out.items()):
+        seen = {x}
+        while root in out and root not in seen:
+            seen.add(root)
+            reader, root = out[root]
+        out[x] = (reader, root)
     return out
 
 
@@ -216,7 +245,7 @@ def plan_from_analysis(gm: fx.GraphModule, a: Analysis, v: VocabFacts | None = N
         also = tuple((c.name, x.name) for c, x in entering)
         acc.pairs.append(PairPlan(p.name, tuple(c.node.name for c in p.columns), tuple(c.weight for c in p.columns),
                                   enter, p.row.node.name, p.row.weight, p.row.bias, also,
-                                  tuple((reader.name, root.name) for reader, root in via.values()),
+                                  tuple(dict.fromkeys((reader.name, root.name) for reader, root in via.values())),
                                   tuple(x.name for x in joined), leave.name if leave is not None else None))
         if ep and p.row.bias in whole_experts:  # each rank adds its own experts' biases
             acc.pairs[-1] = dataclasses.replace(acc.pairs[-1], row_bias=None)

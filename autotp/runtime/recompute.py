@@ -24,13 +24,13 @@ rank's heads) recomputes with the region stream put back where the forward found
 from __future__ import annotations
 
 import contextlib
-import operator
 from collections.abc import Hashable, Iterator
 
 import torch.fx as fx
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
+from autotp.runtime.regions import outline, regions
 from autotp.runtime.rng import RegionRandom, RegionRNG
 
 KEY = "autotp_recompute"  # node.meta["custom"][KEY]: the checkpoint call a node ran in (tagged at capture)
@@ -75,61 +75,17 @@ class Recompute(nn.Module):
         return forward(), again()
 
 
-def _regions(gm: fx.GraphModule) -> list[list[fx.Node]]:
-    """Maximal runs of computing nodes of one checkpoint call; an untagged node (inserted by a rewrite)
-    between two nodes of the same call belongs to it."""
-    compute = [n for n in gm.graph.nodes if n.op in ("call_function", "call_module", "call_method")]
-    tags = [region_of(n) for n in compute]
-    for i, tag in enumerate(tags):
-        if tag is None:
-            before = next((t for t in reversed(tags[:i]) if t is not None), None)
-            after = next((region_of(n) for n in compute[i + 1:] if region_of(n) is not None), None)
-            if before is not None and before == after:
-                tags[i] = before
-    runs: list[list[fx.Node]] = []
-    last = None
-    for node, tag in zip(compute, tags):
-        if tag is None:
-            last = None
-            continue
-        if tag != last:
-            runs.append([])
-        runs[-1].append(node)
-        last = tag
-    return runs
-
-
 def outline_recompute(gm: fx.GraphModule, rng: RegionRNG | None) -> int:
     """Replace each checkpointed region of ``gm`` by a :class:`Recompute` call; the number replaced."""
-    regions = _regions(gm)
-    for k, nodes in enumerate(regions):
-        inside = set(nodes)
-        inputs = list(dict.fromkeys(a for n in nodes for a in n.all_input_nodes if a not in inside))
-        outputs = [n for n in nodes if any(u not in inside for u in n.users)]
-        sub = fx.Graph()
-        env = {a: sub.placeholder(f"in_{i}") for i, a in enumerate(inputs)}
-        for a, p in env.items():
-            p.meta = dict(a.meta)
-        owners: dict[str, nn.Module] = {}
-        for n in nodes:
-            if n.op == "call_module":
-                owners[n.target] = gm.get_submodule(n.target)
-            env[n] = sub.node_copy(n, lambda a: env[a])
-        sub.output(tuple(env[o] for o in outputs))
-        region = fx.GraphModule(owners, sub, class_name="Region")
+    found = regions(gm, region_of)
+
+    def make(region: fx.GraphModule, owners: dict[str, nn.Module], tag: Hashable) -> nn.Module:
         random = any(isinstance(m, RegionRandom) for m in owners.values())
-        name = f"autotp_recompute_{k}"
-        gm.add_submodule(name, Recompute(region, rng if random else None))
-        with gm.graph.inserting_after(nodes[-1]):
-            call = gm.graph.call_module(name, tuple(inputs))
-        with gm.graph.inserting_after(call):
-            for i, o in enumerate(outputs):
-                got = gm.graph.call_function(operator.getitem, (call, i))
-                got.meta = dict(o.meta)
-                o.replace_all_uses_with(got, delete_user_cb=lambda u: u not in inside)
-        for n in reversed(nodes):
-            gm.graph.erase_node(n)
-    if regions:
+        return Recompute(region, rng if random else None)
+
+    for k, nodes in enumerate(found):
+        outline(gm, nodes, f"autotp_recompute_{k}", make, KEY)
+    if found:
         gm.graph.lint()
         gm.recompile()
-    return len(regions)
+    return len(found)

@@ -1,0 +1,78 @@
+"""Regions the model runs under ``torch.autocast`` (tests/autocast_models.py): looked into by analysis (the
+capture inlines export's ``wrap_with_autocast`` bodies), sharded like the same ops outside, and run again
+under the same autocast, so an outer bf16 autocast still meets the model's fp32 regions; exact in fp32."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from autotp.capture.tracer import capture
+from autotp.passes import run_passes
+from autotp.plan.planner import make_plan
+from autotp.runtime.autocast import Autocast, AutocastRegion, outline_autocast, region_of
+from autocast_models import KINDS, WIDTH_NORM, build
+from distributed import Launches
+from parity_workers import dense_step_collectives, pattern_parity
+from pattern_models import H, S
+
+
+def _hops(gm) -> list:
+    return [n for n in gm.graph.nodes if "wrap_with_autocast" in str(n.target)]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_autocast_bodies_are_analysed_and_sharded(kind: str):
+    model, args, kwargs = build(kind)
+    gm = capture(model, args, kwargs)[0]
+    assert _hops(gm) == []  # inlined
+    tagged = [region_of(n) for n in gm.graph.nodes if region_of(n) is not None]
+    assert tagged and all(isinstance(r, AutocastRegion) and not r.enabled for r in tagged)
+    for tp in (2, 4):
+        plan = make_plan(gm, tp)
+        assert plan.replicated == (), plan.replicated
+        assert all(plan.param(f"blocks.{i}.attn.{p}.weight").role in ("column", "row")
+                   for i in range(2) for p in "qkvo")
+    sharded = run_passes(capture(*build(kind)[:2], {})[0], make_plan(gm, 2))
+    assert outline_autocast(sharded) >= 1
+    regions = [sharded.get_submodule(n.target) for n in sharded.graph.nodes
+               if n.op == "call_module" and isinstance(sharded.get_submodule(n.target), Autocast)]
+    assert regions and all(r.settings.enabled is False for r in regions)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_regions_run_under_their_autocast_again(kind: str):
+    """Captured under an outer bf16 autocast (as parallelize captures a call made under one), inlined and
+    outlined again (no sharding): the graph computes what the model computes, to the bit. Without the regions
+    the fp32 matmul of the rotary tables would run in bf16."""
+    model, args, _ = build(kind)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        gm = capture(model, args, {})[0]
+        plain = capture(model, args, {})[0]
+    assert outline_autocast(gm) >= 1
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        want, got, without = model(*args)[0], gm(*args)[0], plain(*args)[0]
+    assert want.dtype == got.dtype == torch.bfloat16
+    assert torch.equal(got, want)
+    if kind == "rope_matmul_with":
+        assert not torch.equal(without, want)
+
+
+@pytest.fixture(scope="module")
+def runs() -> Launches:
+    return Launches({w: {"autocast": (pattern_parity, list(KINDS), 3, False, "autocast_models")} for w in (2, 4)})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 4])
+def test_autocast_regions_train_exactly_with_megatron_collectives(runs, world: int):
+    bsh, layers = 2 * S * H, 2
+    for rank, by_kind in runs(world, "autocast").items():
+        assert list(by_kind) == list(KINDS)
+        for kind, r in by_kind.items():
+            assert r["loss_diff"] <= 1e-5 and r["grad_diff"] <= 1e-5 and r["param_diff"] <= 1e-5, (rank, kind, r)
+            assert not r["replicated"] and r["unexplained"] == [] and r["whole"] == {}, (kind, r)
+            assert r["fraction"] <= 1 / world + 0.12, (kind, r["fraction"])
+            forward, backward = dense_step_collectives(bsh, 2 * S, layers)
+            stats = [("all_reduce", "sum", 2 * S)] * 2 * layers if kind in WIDTH_NORM else []
+            assert sorted(r["forward"]) == sorted(forward + stats), (kind, r["forward"])
+            assert sorted(r["backward"]) == sorted(backward + stats), (kind, r["backward"])
