@@ -38,6 +38,9 @@ def _linear_in(u: fx.Node, partial: set[fx.Node]) -> bool:
     mine = [a for a in tensors if a in partial]
     if _unary_linear(u.target):  # (a sum over other dims, a gather of rows by replicated indices: linear too)
         return u.args[0] in partial and len(mine) == 1
+    if is_cast(u.target) and u.args[0] in partial and len(mine) == 1:
+        # a cast to the dtype the value has (as captured; kept for autocast): Σ a_r stays Σ a_r
+        return _dtype(u.args[0]) is not None and _dtype(u.args[0]) == _dtype(u)
     if u.target is aten.einsum.default:  # a contraction with replicated operands: (Σ a_r)·w = Σ a_r·w
         return sum(a in partial for a in u.args[1]) == 1
     if u.target is aten.mul.Tensor or u.target is aten.div.Tensor:
@@ -48,6 +51,11 @@ def _linear_in(u: fx.Node, partial: set[fx.Node]) -> bool:
         others = [a for a in u.args[:2] if a not in partial]
         return all(_zero(a) for a in others) and u.kwargs.get("alpha", 1) == 1
     return False
+
+
+def _dtype(n: fx.Node) -> torch.dtype | None:
+    val = n.meta.get("val")
+    return val.dtype if isinstance(val, torch.Tensor) else None
 
 
 _ZEROS = {aten.zeros.default, aten.zeros_like.default, aten.new_zeros.default}

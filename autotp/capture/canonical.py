@@ -11,6 +11,7 @@ import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from autotp.capture.autocast import inline_autocast
+from autotp.capture.einsum import einsums_as_batched_matmuls
 
 aten = torch.ops.aten
 
@@ -18,7 +19,8 @@ aten = torch.ops.aten
 def canonicalize(gm: fx.GraphModule) -> None:
     """All the rewrites of this module, in place; the graph is recompiled where one changed it. First the
     bodies of autocast regions are inlined (:mod:`autotp.capture.autocast`), so the rest rewrite them too."""
-    changed = [inline_autocast(gm), index_lists_as_slices(gm), views_as_views(gm), einsums_as_matmuls(gm), drop_identities(gm),
+    changed = [inline_autocast(gm), index_lists_as_slices(gm), views_as_views(gm), einsums_as_matmuls(gm),
+               einsums_as_batched_matmuls(gm), drop_identities(gm),
                drop_dtype_asserts(gm)]
     if any(changed):
         gm.recompile()
