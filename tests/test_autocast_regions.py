@@ -6,7 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from autotp.capture.structure import flatten, unflatten
 from autotp.capture.tracer import capture
+from autotp.passes.split_units import split_units
+from autotp.runtime.units import PieceCall, bind_pieces
 from autotp.passes import run_passes
 from autotp.plan.planner import make_plan
 from autotp.runtime.autocast import Autocast, AutocastRegion, outline_autocast, region_of
@@ -55,6 +58,26 @@ def test_the_regions_run_under_their_autocast_again(kind: str):
     assert torch.equal(got, want)
     if kind == "rope_matmul_with":
         assert not torch.equal(without, want)
+
+
+def test_the_regions_of_fsdp_units_run_under_their_autocast_again():
+    """Split into FSDP units' pieces (as parallelize splits for fully_shard), each piece outlines its own
+    regions: under an outer bf16 autocast the pieces compute what the model computes, to the bit."""
+    model, args, _ = build("rope_matmul_with")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        gm, spec = capture(model, args, {})
+    plan = make_plan(gm, 1)
+    top = run_passes(run_passes(gm, plan), plan, (split_units,))
+    pieces = [m for m in top.modules() if isinstance(m, PieceCall)]
+    blocks = [p for p in pieces if (p.unit or "").startswith("blocks.")]
+    assert [p.unit for p in blocks] == ["blocks.0", "blocks.1"]
+    assert outline_autocast(top) == 2  # the rotary tables' region of each block, inside its piece
+    assert all(any(isinstance(m, Autocast) for m in p.piece.modules()) for p in blocks)
+    bind_pieces(top, model)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        got = unflatten(top(*flatten((args, {}))[0]), spec)[0]
+        want = model(*args)[0]
+    assert torch.equal(got, want)
 
 
 @pytest.fixture(scope="module")

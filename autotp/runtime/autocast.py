@@ -64,12 +64,19 @@ class Autocast(nn.Module):
 
 
 def outline_autocast(gm: fx.GraphModule) -> int:
-    """Replace each autocast region of ``gm`` by an :class:`Autocast` call; the number replaced. Before the
-    recomputation regions are outlined: an autocast region inside a checkpointed one stays inside it."""
-    found = regions(gm, region_of)
-    for k, nodes in enumerate(found):
-        outline(gm, nodes, f"autotp_autocast_{k}", lambda region, owners, settings: Autocast(region, settings), KEY)
-    if found:
-        gm.graph.lint()
-        gm.recompile()
-    return len(found)
+    """Replace each autocast region of ``gm`` by an :class:`Autocast` call, and of every graph ``gm`` was split
+    into (FSDP units' pieces, pipeline stages: graph modules among its submodules); the number replaced.
+    Before the recomputation regions are outlined: an autocast region inside a checkpointed one stays inside
+    it."""
+    pieces = [m for m in gm.modules() if isinstance(m, fx.GraphModule) and m is not gm]
+    n = 0
+    for g in (gm, *pieces):
+        found = regions(g, region_of)
+        for k, nodes in enumerate(found):
+            outline(g, nodes, f"autotp_autocast_{k}", lambda region, owners, settings: Autocast(region, settings),
+                    KEY)
+        if found:
+            g.graph.lint()
+            g.recompile()
+        n += len(found)
+    return n
