@@ -19,9 +19,8 @@ import math
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
-from pattern_models import HD, NH, H, S, V, RMSNorm, SwiGLU, rope_tables
+from pattern_models import HD, NH, H, LMWith, RMSNorm, build_with, rope_tables
 
 KINDS = ("qk_norm_with", "qk_norm_decorated", "rope_decorated", "final_norm_with", "rope_matmul_with")
 WIDTH_NORM = ("qk_norm_with", "qk_norm_decorated")  # q/k norms over all heads: one b·s statistic each way
@@ -89,44 +88,20 @@ class Attention(nn.Module):
         return self.o(y.transpose(1, 2).reshape(b, s, H))
 
 
-class Block(nn.Module):
+class LM(LMWith):
     def __init__(self, kind: str):
-        super().__init__()
-        self.n1, self.n2 = RMSNorm(H), RMSNorm(H)
-        self.attn, self.mlp = Attention(kind), SwiGLU()
+        super().__init__(kind, Attention)
 
-    def forward(self, x):
-        x = x + self.attn(self.n1(x))
-        return x + self.mlp(self.n2(x))
-
-
-class LM(nn.Module):
-    def __init__(self, kind: str):
-        super().__init__()
-        self.kind = kind
-        self.emb = nn.Embedding(V, H)
-        self.blocks = nn.ModuleList([Block(kind) for _ in range(2)])
-        self.norm = RMSNorm(H)
-        self.head = nn.Linear(H, V, bias=False)
-
-    def forward(self, idx, targets):
-        x = self.emb(idx)
-        for blk in self.blocks:
-            x = blk(x)
-        if self.kind == "final_norm_with":
+    def final_norm(self, x):
+        if self.kind != "final_norm_with":
+            return self.norm(x)
+        with torch.autocast(x.device.type, enabled=False):
+            h = self.norm(x.float())
             with torch.autocast(x.device.type, enabled=False):
-                h = self.norm(x.float())
-                with torch.autocast(x.device.type, enabled=False):
-                    h = h * 1.0
-                x = h.type_as(x)
-        else:
-            x = self.norm(x)
-        logits = self.head(x)
-        return logits, F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+                h = h * 1.0
+            return h.type_as(x)
 
 
 def build(kind: str):
     torch.manual_seed(0)
-    model = LM(kind)
-    g = torch.Generator().manual_seed(1)
-    return model, (torch.randint(0, V, (2, S), generator=g), torch.randint(0, V, (2, S), generator=g)), {}
+    return build_with(LM(kind))

@@ -15,9 +15,8 @@ import math
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
-from pattern_models import HD, NH, H, S, V, RMSNorm, SwiGLU
+from pattern_models import HD, NH, H, LMWith, build_with
 
 KINDS = ("named", "ellipsis", "heads_after_seq", "mqa")
 
@@ -60,35 +59,6 @@ class Attention(nn.Module):
         return self.to_out(out.reshape(b, n, H))  # 'b n h d -> b n (h d)'
 
 
-class Block(nn.Module):
-    def __init__(self, kind: str):
-        super().__init__()
-        self.n1, self.n2 = RMSNorm(H), RMSNorm(H)
-        self.attn, self.mlp = Attention(kind), SwiGLU()
-
-    def forward(self, x):
-        x = x + self.attn(self.n1(x))
-        return x + self.mlp(self.n2(x))
-
-
-class LM(nn.Module):
-    def __init__(self, kind: str):
-        super().__init__()
-        self.emb = nn.Embedding(V, H)
-        self.blocks = nn.ModuleList([Block(kind) for _ in range(2)])
-        self.norm = RMSNorm(H)
-        self.head = nn.Linear(H, V, bias=False)
-
-    def forward(self, idx, targets):
-        x = self.emb(idx)
-        for blk in self.blocks:
-            x = blk(x)
-        logits = self.head(self.norm(x))
-        return logits, F.cross_entropy(logits.flatten(0, 1), targets.flatten())
-
-
 def build(kind: str):
     torch.manual_seed(0)
-    model = LM(kind)
-    g = torch.Generator().manual_seed(1)
-    return model, (torch.randint(0, V, (2, S), generator=g), torch.randint(0, V, (2, S), generator=g)), {}
+    return build_with(LMWith(kind, Attention))

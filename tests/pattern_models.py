@@ -290,6 +290,48 @@ class LM(nn.Module):
         return logits, F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
+class BlockWith(nn.Module):
+    """A pre-norm block around an attention module of another suite's own (and this suite's SwiGLU)."""
+
+    def __init__(self, attn: nn.Module):
+        super().__init__()
+        self.n1, self.n2 = RMSNorm(H), RMSNorm(H)
+        self.attn, self.mlp = attn, SwiGLU()
+
+    def forward(self, x):
+        x = x + self.attn(self.n1(x))
+        return x + self.mlp(self.n2(x))
+
+
+class LMWith(nn.Module):
+    """This suite's small LM with two :class:`BlockWith` of ``attention(kind)``; ``final_norm(x)`` (default:
+    the RMSNorm) lets a suite spell the last norm its own way."""
+
+    def __init__(self, kind: str, attention):
+        super().__init__()
+        self.kind = kind
+        self.emb = nn.Embedding(V, H)
+        self.blocks = nn.ModuleList([BlockWith(attention(kind)) for _ in range(2)])
+        self.norm = RMSNorm(H)
+        self.head = nn.Linear(H, V, bias=False)
+
+    def final_norm(self, x):
+        return self.norm(x)
+
+    def forward(self, idx, targets):
+        x = self.emb(idx)
+        for blk in self.blocks:
+            x = blk(x)
+        logits = self.head(self.final_norm(x))
+        return logits, F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def build_with(model: nn.Module):
+    """``model`` (built after seeding 0 by the caller) with this suite's batch."""
+    g = torch.Generator().manual_seed(1)
+    return model, (torch.randint(0, V, (2, S), generator=g), torch.randint(0, V, (2, S), generator=g)), {}
+
+
 KINDS = ("plain", "rope_interleaved", "rope_partial", "rope_complex", "qk_norm_head", "qk_layernorm_head",
          "qk_norm_width", "qk_rmsnorm_width", "qk_layernorm_width", "alibi", "softcap", "baddbmm", "baddbmm_alibi",
          "parallel", "offset_slices", "grouped_view", "grouped_view_mha", "fused_mqa", "falcon_mqa", "gqa_qk_norm",
