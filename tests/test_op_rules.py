@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.fx as fx
 
-from autotp.analysis.op_rules import OP_RULES, POINTWISE, OpRule, op_rule
+from autotp.analysis.op_rules import OP_RULES, POINTWISE, TORCH, OpRule, op_rule
 from autotp.analysis.ops import Unshardable, moved_dim, permutation, reduction_args
 from autotp.analysis.propagate import Propagator
 from autotp.analysis.sequence import _Sequence
@@ -173,7 +173,9 @@ def _slice(op, rule: OpRule) -> None:
 
 def _narrow(op, rule: OpRule) -> None:
     assert [a.name for a in op._schema.arguments] == ["self", "dim", "start", "length"]
-    _refuses(op, "no sharding rule", {0: _s(1, 8)}, _x(3, 8), 0, 0, 2)
+    # the tensor-parallel visitor has no handler of its own: torch's rule keeps other dims local
+    assert _out(op, {0: _s(1, 8)}, _x(3, 8), 0, 0, 2) == _s(1, 8)
+    _refuses(op, "needs x0 whole, not sharded on dim 1", {0: _s(1, 8)}, _x(3, 8), 1, 0, 2)
     node, (x,) = _graph(op, _x(3, 8), 0, 0, 2)  # a head's logits: the vocab visitor narrows other dims
     v = _VocabPropagator(Fingerprinter(), TP, "head")
     v.region.specs[x] = _s(1, 8)
@@ -187,7 +189,7 @@ def _select(op, rule: OpRule) -> None:
 
 
 def _index(op, rule: OpRule) -> None:  # only read as a parameter's rows picked per token (expert biases)
-    _refuses(op, "no sharding rule", {0: _s(1, 8)}, _x(3, 8), [torch.tensor([0, 2])])
+    _refuses(op, "torch's sharding rule for aten.index.Tensor failed", {0: _s(1, 8)}, _x(3, 8), [torch.tensor([0, 2])])
 
 
 _SPLIT_ARGS = {"size": (4, 2), "sizes": ([4, 4], 2), "chunks": (2, 2)}
@@ -306,7 +308,10 @@ def _like(op, rule: OpRule) -> None:  # reads no values of its input
     x = _x(2, 4, 3)
     a, b = op(x, *extra), op(x * 2, *extra)
     assert a.shape == b.shape and (op is aten.empty_like.default or torch.equal(a, b))
-    _refuses(op, "no sharding rule", {0: _s(1, 4)}, x, *extra)
+    if op is aten.new_full.default:  # its size is the global one: torch's rule would rewrite it
+        _refuses(op, "takes the global shape as an argument", {0: _s(1, 4)}, x, *extra)
+    else:  # torch's rule: shaped like this rank's shard
+        assert _out(op, {0: _s(1, 4)}, x, *extra) == _s(1, 4)
 
 
 def _factory(op, rule: OpRule) -> None:
@@ -344,7 +349,8 @@ def _losses(op, rule: OpRule) -> None:
     for n in [x, loss] if x is not logits else [loss]:
         v.visit(n)
     assert [(f.node, f.logits) for f in v.losses] == [(loss, logits)]
-    _refuses(op, "no sharding rule", {0: _s(1, 8)}, _x(3, 8), target)  # tensor-parallel regions end at a row matmul
+    # tensor-parallel regions end at a row matmul; torch's rule needs the class dim whole
+    _refuses(op, "needs x0 whole|no sharding strategy", {0: _s(1, 8)}, _x(3, 8), target)
 
 
 def _getitem(op, rule: OpRule) -> None:
@@ -435,7 +441,8 @@ def test_every_entry_is_checked():
 def test_pointwise_ops_fall_back_to_their_tag():
     assert op_rule(aten.add.Tensor) is POINTWISE and op_rule(aten.where.self) is POINTWISE
     assert op_rule(aten.clone.default) is OP_RULES[aten.clone.default]  # the table first (clone is tagged too)
-    assert op_rule(aten.topk.default) is None and op_rule("output") is None
+    assert op_rule(aten.topk.default) is TORCH  # not in the table: torch's rule (DTensor has a strategy)
+    assert op_rule(aten.searchsorted.Tensor) is None and op_rule("output") is None  # in neither
     x, y = _x(2, 3, 8), _x(8)
     p, node = _propagate(aten.add.Tensor, {0: _s(2, 8)}, x, y)  # a replicated (8,) spans the sharded dim
     assert p.region.specs[node] == _s(2, 8) and [(c.operand.name, c.dim) for c in p.region.slices] == [("x1", 0)]
@@ -454,7 +461,7 @@ def _kinds(cls: type) -> set[str]:
 
 def test_visitors_dispatch_on_the_table_only():
     """Every handler serves a kind of the table; no visitor names an aten op or keeps an op set of its own."""
-    kinds = {r.kind for r in OP_RULES.values()} | {POINTWISE.kind}
+    kinds = {r.kind for r in OP_RULES.values()} | {POINTWISE.kind, TORCH.kind}
     for cls in (Propagator, _Sequence, _VocabPropagator):
         assert _kinds(cls) <= kinds, (cls, _kinds(cls) - kinds)
     assert {"move", "view", "split", "reduction", "norm", "sdpa", "getitem"} <= _kinds(Propagator)

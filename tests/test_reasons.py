@@ -12,7 +12,8 @@ from autotp.plan.planner import make_plan
 
 
 class _Stopped(nn.Module):
-    """q → an op no rule shards along the features (cumsum over them) → o: the pair cannot be made."""
+    """q → an op no rule shards along the features (cumsum over them, spelled ``dim=-1``: torch's rule is asked
+    about the dim it names, not the spelling) → o: the pair cannot be made."""
 
     def __init__(self):
         super().__init__()
@@ -33,6 +34,7 @@ def test_a_projection_left_whole_is_not_called_an_lm_head_and_names_the_line():
     assert "LM head" not in reasons["q"], reasons["q"]
     assert reasons["q"].startswith("linear kept whole: its 16→16 linear is outside every column→row pair"), reasons
     for module in ("q", "o"):
-        assert re.search(rf"no sharding rule for aten\.cumsum\.default \(at cumsum, top level, test_reasons\.py:{line}\)",
+        assert re.search(rf"aten\.cumsum\.default needs linear whole, not sharded on dim 2: torch's rule would move data "
+                         rf"between ranks \(at cumsum, top level, test_reasons\.py:{line}\)",
                          reasons[module]), reasons[module]
     assert plan.param("head.weight").role == "vocab"  # the real head is still vocab-parallel

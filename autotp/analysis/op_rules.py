@@ -5,7 +5,9 @@ Every visitor of a captured graph looks an op up here with :func:`op_rule` and d
 :attr:`OpRule.kind` to one handler per kind: tensor-parallel propagation
 (:class:`~autotp.analysis.propagate.Propagator`), sequence parallelism, the vocab-parallel heads, the
 column layout probe and the weight chains of matmuls. A kind a visitor has no handler for is an op it has
-no rule for. Ops tagged ``torch.Tag.pointwise`` that the table does not list are ``"pointwise"``.
+no rule for. Ops tagged ``torch.Tag.pointwise`` that the table does not list are ``"pointwise"``; any other
+op DTensor can place is ``"torch"``: the visitor asks DTensor's sharding propagator
+(:mod:`~autotp.analysis.torch_rules`), where autotp's own rules are stricter or richer.
 
 How an op spells its arguments (which overload names ``dim``, where ``keepdim`` is) is read from its
 schema by :mod:`autotp.analysis.ops`; the table keeps only what the schema does not say.
@@ -17,6 +19,8 @@ from dataclasses import dataclass
 from types import MappingProxyType
 
 import torch
+
+from autotp.analysis.torch_rules import has_torch_rule
 
 aten = torch.ops.aten
 
@@ -126,15 +130,29 @@ OP_RULES: MappingProxyType[object, OpRule] = MappingProxyType({
 })
 
 POINTWISE = OpRule("pointwise")  # the rule of every op tagged pointwise that the table does not list
+TORCH = OpRule("torch")  # the rule of every other op DTensor can place: asked of torch (analysis.torch_rules)
 _PERMUTES = frozenset({"pair", "last_two", "t", "reverse", "perm", "movedim"})
 
 
 def op_rule(target: object) -> OpRule | None:
-    """The rule of an fx node's target: its table entry, else :data:`POINTWISE` for an op tagged pointwise."""
+    """The rule of an fx node's target: its table entry, else :data:`POINTWISE` for an op tagged pointwise,
+    else :data:`TORCH` for an op DTensor has a sharding strategy (or decomposition) for."""
     rule = OP_RULES.get(target)
-    if rule is None and isinstance(target, torch._ops.OpOverload) and torch.Tag.pointwise in target.tags:
+    if rule is not None or not isinstance(target, torch._ops.OpOverload):
+        return rule
+    if torch.Tag.pointwise in target.tags:
         return POINTWISE
-    return rule
+    return TORCH if has_torch_rule(target) else None
+
+
+def handler(visitor: object, target: object) -> tuple[object, OpRule] | None:
+    """``visitor``'s ``_on_<kind>`` handler for ``target`` and the rule it reads; an op whose kind the visitor
+    has no handler for falls back to torch's rule (``_on_torch``) where DTensor has one. None: no rule."""
+    rule = op_rule(target)
+    on = getattr(visitor, f"_on_{rule.kind}", None) if rule is not None else None
+    if on is None and rule is not None and rule is not TORCH and has_torch_rule(target):
+        on, rule = getattr(visitor, "_on_torch", None), TORCH
+    return None if on is None else (on, rule)
 
 
 def kind_of(target: object) -> str | None:

@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from autotp.analysis.op_rules import OpRule, kind_of, op_rule
+from autotp.analysis.op_rules import OpRule, handler, kind_of, op_rule
 from autotp.analysis.ops import Rewrite, Unshardable, held_whole, is_guard, is_random, ndim_of, reaches
 from autotp.analysis.region import Entering, OperandSlice, ParamCut, Region
 from autotp.analysis.shape_rules import ShapeRules
 from autotp.analysis.shapes import Fingerprinter, is_static, normalize_dim
+from autotp.analysis.torch_rules import TorchRefused, ask_torch
 from autotp.analysis.value_rules import ValueRules
+from autotp.capture.functions import call_of
 from autotp.errors import ShardingError
 from autotp.shard_spec import Sharding
 
@@ -62,6 +64,9 @@ class Propagator(ShapeRules, ValueRules):
         rule = op_rule(node.target)
         if rule is not None and rule.kind == "no_output":
             return
+        if (call := call_of(node)) is not None:
+            raise Unshardable(node, f"inside the custom autograd Function {call.name()}, whose backward is the "
+                                    "model's own code: it runs on whole tensors")
         self._broadcast = self.broadcast_whole(node)
         try:
             self._dispatch(node, rule)
@@ -92,9 +97,10 @@ class Propagator(ShapeRules, ValueRules):
         grouped = [s for a in node.all_input_nodes if (s := self.spec(a)) is not None and s.group]
         if grouped:
             return self.group_read(node, grouped[0])
-        on = getattr(self, f"_on_{rule.kind}", None) if rule is not None else None
-        if on is None:
-            raise Unshardable(node, f"no sharding rule for {node.target}")
+        found = handler(self, node.target)
+        if found is None:
+            raise Unshardable(node, f"no sharding rule for {node.target}, in autotp's table or torch's")
+        on, rule = found
         if is_random(node, rule):
             self.region.random_nodes.append(node)
         out = on(node, rule)
@@ -112,6 +118,31 @@ class Propagator(ShapeRules, ValueRules):
         if not isinstance(parent, tuple):
             raise Unshardable(node, "indexing a sharded tensor")
         return parent[node.args[1]]
+
+    def _on_torch(self, node: fx.Node, rule: OpRule) -> Sharding | tuple[Sharding | None, ...]:
+        """An op autotp's table does not list: DTensor's sharding strategy for it (:func:`ask_torch`) says
+        where its outputs are sharded; a replicated operand it reads as a shard is sliced (or, a parameter,
+        sharded), any other that is learned gets its gradient summed."""
+        sharded = {x: s for x in node.all_input_nodes if (s := self.spec(x)) is not None}
+        first = next(iter(sharded.values()))
+        if any(s.inner or s.outer or s.group or s.segments != first.segments for s in sharded.values()):
+            raise Unshardable(node, f"{node.target} reads a sharded value laid out in a way torch's rules do not "
+                                    "describe")
+        try:
+            answer = ask_torch(node, {x: s.dim for x, s in sharded.items()}, self.tp)
+        except TorchRefused as e:
+            raise Unshardable(node, str(e)) from None
+        outs = tuple(None if d is None else first.moved(d) for d in answer.outputs)
+        out = next((o for o in outs if o is not None), None)
+        if out is None:
+            raise Unshardable(node, f"{node.target} gives no tensor from a sharded one")
+        sliced = {x for x, _ in answer.slices}
+        for x, xd in answer.slices:
+            self._local_operand(node, x, xd, out)
+        for x in node.all_input_nodes:
+            if x not in sharded and x not in sliced and ndim_of(x) is not None:
+                self._enter_if_learned(node, x)
+        return outs[0] if len(outs) == 1 else outs
 
     # -- replicated operands that meet sharded values --------------------------------------------
     def expanded_head(self, x: object, s: Sharding) -> bool:

@@ -34,10 +34,12 @@ import torch.fx as fx
 
 from autotp.analysis.pairs import Analysis
 from autotp.analysis.matmuls import module_path
-from autotp.analysis.op_rules import OpRule, kind_of, op_rule
+from autotp.analysis.op_rules import OpRule, handler, kind_of
 from autotp.analysis.ops import arg_named, arg_of, is_guard, is_random, moved_dim, ndim_of, reduction_args
 from autotp.analysis.shapes import Fingerprinter, normalize_dim, view_groups
+from autotp.analysis.torch_rules import TorchRefused, ask_torch
 from autotp.analysis.vocab import VocabFacts
+from autotp.capture.functions import call_of
 
 
 class _Whole(Exception):
@@ -144,7 +146,7 @@ def sequence_symbol(a: Analysis) -> sympy.Symbol | None:
 
 class _Sequence:
     def __init__(self, gm: fx.GraphModule, a: Analysis, v: VocabFacts, seq: sympy.Symbol):
-        self.gm, self.seq, self.facts = gm, seq, SeqFacts()
+        self.gm, self.seq, self.facts, self.tp = gm, seq, SeqFacts(), a.tp
         self.fp = Fingerprinter()
         self.params = {n for n, _ in gm.named_parameters(remove_duplicate=False)}
         self.inside: dict[fx.Node, str] = {}  # nodes of the tensor-parallel regions -> their module
@@ -278,10 +280,12 @@ class _Sequence:
         :class:`_Whole` where ``n`` needs the whole sequence."""
         if n.op != "call_function":
             raise _Whole(f"{n.op} {n.target}")
-        rule = op_rule(n.target)
-        on = getattr(self, f"_on_{rule.kind}", None) if rule is not None else None
-        if on is None:
-            raise _Whole(f"no sequence-parallel rule for {n.target}")
+        if (call := call_of(n)) is not None:
+            raise _Whole(f"inside the custom autograd Function {call.name()}, whose backward is the model's own code")
+        found = handler(self, n.target)
+        if found is None:
+            raise _Whole(f"no sequence-parallel rule for {n.target}, in autotp's table or torch's")
+        on, rule = found
         if is_random(n, rule):
             self.facts.random_nodes.append(n)  # each rank's tokens differ: a per-rank stream
         return on(n, rule)
@@ -308,6 +312,29 @@ class _Sequence:
         if s == d:
             raise _Whole("selects one position")
         return d - (s < d)
+
+    def _on_torch(self, n: fx.Node, rule: OpRule) -> int | None:
+        """An op autotp's table does not list: DTensor's sharding strategy for it says where the sequence
+        goes (:func:`ask_torch`)."""
+        split = {x: self.facts.dims[x] for x in n.all_input_nodes if x in self.facts.dims}
+        try:
+            answer = ask_torch(n, split, self.tp)
+        except TorchRefused as e:
+            raise _Whole(str(e)) from None
+        dims = {d for d in answer.outputs if d is not None}
+        if len(dims) != 1:
+            raise _Whole(f"{n.target} gives results split along different dims")
+        sliced = {x for x, _ in answer.slices}
+        for x, xd in answer.slices:
+            self.replicated_operand(n, x, xd)
+        for x in n.all_input_nodes:
+            if x not in split and x not in sliced and ndim_of(x) is not None:
+                self.replicated_operand(n, x, -1)
+        (d,) = dims
+        if len(answer.outputs) > 1:
+            self.tuples[n] = d
+            return None
+        return d
 
     # -- rules ---------------------------------------------------------------------------------------------
     def pointwise(self, n: fx.Node, operands: list) -> int:

@@ -1,0 +1,141 @@
+"""torch's rules behind autotp's table (:mod:`autotp.analysis.torch_rules`): an op autotp does not list is
+placed by DTensor's sharding strategies (or DTensor's decomposition of it), checked by running it on
+random shards, and refused with the op's name where it is not local; attention through such ops
+(tests/torch_rule_models.py) is fully sharded and exact at tp 2 and 4 with Megatron's collectives."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from autotp.analysis import torch_rules
+from autotp.analysis.op_rules import TORCH, op_rule
+from autotp.analysis.torch_rules import TorchRefused, ask_torch, torch_rule_source
+from autotp.capture.tracer import capture
+from autotp.plan.planner import make_plan
+from distributed import Launches
+from parity_workers import dense_step_collectives, pattern_parity
+from pattern_models import H, S, LMWith, build_with
+from test_op_rules import _graph, _out, _refuses, _s, _x
+from torch_rule_models import KINDS, Attention, build
+
+aten = torch.ops.aten
+
+
+def _ask(op, sharded: dict[int, int], *args, tp: int = 2):
+    node, inputs = _graph(op, *args)
+    return ask_torch(node, {inputs[i]: d for i, d in sharded.items()}, tp), inputs
+
+
+@pytest.mark.parametrize("op, args, sharded, outputs", [
+    (aten.cumsum.default, (_x(2, 4, 6, 3), -2), {0: 1}, (1,)),  # along the sequence, heads sharded
+    (aten.roll.default, (_x(2, 4, 6), [1], [2]), {0: 1}, (1,)),
+    (aten.sort.default, (_x(2, 4, 6), -1), {0: 1}, (1, 1)),  # values and indices
+    (aten.topk.default, (_x(2, 4, 6), 3), {0: 0}, (0, 0)),
+    (aten.constant_pad_nd.default, (_x(2, 4, 6), [1, 0]), {0: 1}, (1,)),
+    (aten.diff.default, (_x(2, 4, 6), 1, -1), {0: 1}, (1,)),  # DTensor derives it from diff's decomposition
+])
+def test_torch_places_ops_autotp_does_not_list(op, args, sharded, outputs):
+    assert op_rule(op) is TORCH
+    answer, _ = _ask(op, sharded, *args)
+    assert answer.outputs == outputs and answer.slices == ()
+
+
+def test_a_replicated_operand_read_as_a_shard_is_sliced():
+    idx = torch.randint(0, 6, (2, 4, 3))
+    answer, (x, index) = _ask(aten.gather.default, {0: 1}, _x(2, 4, 6), -1, idx)
+    assert answer.outputs == (1,) and answer.slices == ((index, 1),)
+    assert _out(aten.gather.default, {0: _s(1, 4)}, _x(2, 4, 6), -1, idx) == _s(1, 4)
+
+
+@pytest.mark.parametrize("op, args, why", [
+    (aten.cumsum.default, (_x(2, 4, 6), -1), "needs x0 whole, not sharded on dim 2"),  # along the shards
+    (aten.sum.default, (_x(2, 4, 6),), "partial result: it would need an all-reduce"),
+    (aten.new_full.default, (_x(2, 4, 6), [2, 4, 6], 1.0), "takes the global shape"),
+    (aten.cumsum_.default, (_x(2, 4, 6), 0), "writes into its input"),
+    (aten.rand_like.default, (_x(2, 4, 6),), "draws random numbers"),
+])
+def test_what_torch_cannot_keep_local_is_refused_with_the_op_named(op, args, why):
+    with pytest.raises(TorchRefused, match=why):
+        _ask(op, {0: 2}, *args)
+
+
+def test_an_op_neither_table_has_says_so():
+    assert op_rule(aten.searchsorted.Tensor) is None and torch_rule_source(aten.searchsorted.Tensor) is None
+    _refuses(aten.searchsorted.Tensor, "no sharding rule for aten.searchsorted.Tensor, in autotp's table or torch's",
+             {1: _s(1, 4)}, torch.arange(6.0).expand(2, 6), _x(2, 4))
+    assert torch_rule_source(aten.cumsum.default) == "strategy"
+    assert torch_rule_source(aten.diff.default) == "decomposition"
+
+
+def test_torchs_answer_is_checked_on_random_shards(monkeypatch):
+    """DTensor's cumsum rule reads ``dim=-1`` as a dim other than the sharded last one (its strategy compares
+    the dim unnormalized): autotp asks with the dims normalized, and also runs the op on random shards, which
+    catches the wrong answer when the question is put as the model spelled it."""
+    monkeypatch.setattr(torch_rules, "_dims_normalized", lambda node: (node.args, dict(node.kwargs)))
+    with pytest.raises(TorchRefused, match="a check on random values disagrees"):
+        _ask(aten.cumsum.default, {0: 2}, _x(2, 4, 6), -1)
+
+
+def test_asking_torch_needs_no_process_group():
+    _ask(aten.cumsum.default, {0: 1}, _x(2, 4, 6, 3), -2, tp=4)
+    assert not dist.is_initialized()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_attention_through_torchs_rules_is_planned_by_heads(kind: str):
+    model, args, _ = build(kind)
+    gm = capture(model, args, {})[0]
+    assert any(op_rule(n.target) is TORCH and n.target not in (aten.linear.default, aten.embedding.default)
+               for n in gm.graph.nodes)
+    for tp in (2, 4):
+        plan = make_plan(gm, tp)
+        assert plan.replicated == () and not plan.whole, (plan.replicated, plan.whole)
+        for i in range(2):
+            assert plan.param(f"blocks.{i}.attn.qkv.weight").role == "column"
+            assert plan.param(f"blocks.{i}.attn.proj.weight").role == "row"
+
+
+class _SeqOps(LMWith):
+    """Before the last norm: a cumsum over the features (local to a sequence slice) or over the sequence
+    (which needs all of it)."""
+
+    def __init__(self, along: int):
+        super().__init__("cumsum_method", Attention)
+        self.along = along
+
+    def final_norm(self, x):
+        return self.norm(x + torch.cumsum(x, dim=self.along) / H)
+
+
+def test_sequence_parallelism_asks_torch_too():
+    for along, local in ((-1, True), (1, False)):
+        torch.manual_seed(0)
+        model, args, _ = build_with(_SeqOps(along))
+        seq = make_plan(capture(model, args, {})[0], 2, sequence_parallel=True).sequence
+        assert seq.leaves, seq.notes
+        stopped = [g.reason for g in seq.gathers if "cumsum" in g.reason]
+        if local:
+            assert not stopped, seq.gathers
+        else:
+            assert stopped and all("aten.cumsum.default needs" in r for r in stopped), seq.gathers
+
+
+@pytest.fixture(scope="module")
+def runs() -> Launches:
+    return Launches({w: {"torch_rules": (pattern_parity, list(KINDS), 3, False, "torch_rule_models")} for w in (2, 4)})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 4])
+def test_attention_through_torchs_rules_trains_exactly_with_megatron_collectives(runs, world: int):
+    bsh, layers = 2 * S * H, 2
+    for rank, by_kind in runs(world, "torch_rules").items():
+        assert list(by_kind) == list(KINDS)
+        for kind, r in by_kind.items():
+            assert r["loss_diff"] <= 1e-5 and r["grad_diff"] <= 1e-5 and r["param_diff"] <= 1e-5, (rank, kind, r)
+            assert not r["replicated"] and r["unexplained"] == [], (kind, r)
+            forward, backward = dense_step_collectives(bsh, 2 * S, layers)
+            assert sorted(r["forward"]) == forward, (kind, r["forward"])
+            assert sorted(r["backward"]) == backward, (kind, r["backward"])
+            assert r["fraction"] <= 1 / world + 0.12, (kind, r["fraction"])
