@@ -11,6 +11,7 @@ import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from autotp.capture.autocast import inline_autocast
+from autotp.capture.functions import is_marker
 from autotp.capture.einsum import einsums_as_batched_matmuls
 
 aten = torch.ops.aten
@@ -193,6 +194,8 @@ def drop_identities(gm: fx.GraphModule) -> bool:
         x = node.args[0]
         if not _same_tensor_meta(x.meta.get("val"), node.meta.get("val")):
             continue
+        if is_marker(node):
+            continue  # where a custom Function's tensor enters or leaves: the runtime calls the Function there
         if t in _CASTS:
             continue  # an identity as captured, but not under autocast: `x.float()` of a bf16 activation
         if (t in _COPYING or _schema_arg(node, "copy") is True) and (_aliases_touched(x) or _aliases_touched(node)):

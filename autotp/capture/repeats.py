@@ -35,7 +35,7 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
-from autotp.capture import autocast
+from autotp.capture import autocast, functions
 from autotp.capture.recompute import renamed_region
 from autotp.capture.meta_run import Outputs, Recorder, outputs, record, text
 from autotp.capture.structure import Spec
@@ -321,7 +321,8 @@ def expand(gm: fx.GraphModule, rep: Repeats, state: dict[str, torch.Tensor], spe
                     env[a].meta = dict(a.meta)
             with graph.inserting_after(cursor):
                 copy = graph.node_copy(nd, lambda a: env.get(a, a))
-            copy.meta = autocast.renamed_region(renamed_region(_renamed(nd.meta, old, new), new), new)
+            copy.meta = functions.renamed_region(
+                autocast.renamed_region(renamed_region(_renamed(nd.meta, old, new), new), new), new)
             env[nd] = cursor = copy
         envs[i] = env
         prev = env[outs[t]]

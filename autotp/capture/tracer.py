@@ -41,6 +41,7 @@ from torch.nn.utils.stateless import _reparametrize_module
 
 from autotp.errors import CaptureError
 from autotp.runtime.gathered import GatheredOnUse
+from autotp.capture.functions import marking_functions
 from autotp.capture.recompute import marking_checkpoints
 from autotp.capture.canonical import canonicalize
 from autotp.capture.meta_run import Recorder
@@ -243,7 +244,9 @@ def _export(model: nn.Module, tensors: list[torch.Tensor], forward: Callable, st
             # a cache the forward writes (``self.cos_cached = ...``) is the model's own business: capture puts
             # the model back as it was (autotp.capture.preserve), so export's advice to register it is moot
             warnings.filterwarnings("ignore", message=r"The tensor attributes .* were assigned during export")
-            with marking_checkpoints():  # the model's activation checkpointing: regions the runtime recomputes
+            # the model's activation checkpointing (regions the runtime recomputes) and its own autograd
+            # Functions (regions the runtime calls the Function for, so its backward is kept)
+            with marking_checkpoints(), marking_functions():
                 ep = torch.export.export(model, tuple(tensors), dynamic_shapes=(dynamic,), strict=False)
     except Exception as e:  # noqa: BLE001 - every export failure becomes one readable error
         raise CaptureError(

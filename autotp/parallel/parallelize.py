@@ -44,6 +44,7 @@ from autotp.plan.plan import Plan, ShardedInput
 from autotp.plan.planner import fused_segments
 from autotp.plan.stages import StageRequest
 from autotp.runtime.autocast import outline_autocast
+from autotp.runtime.functions import outline_functions
 from autotp.runtime.recompute import outline_recompute
 from autotp.runtime.rng import SEED_OFFSET, RegionRNG, bind_rng
 from autotp.shard_spec import shard_tensor
@@ -304,6 +305,7 @@ def _finish(model: nn.Module, st: TPState, gm: fx.GraphModule, spec: Spec, key: 
     bind_vocab(gm, st.group, st.rank)
     bind_outputs(gm, st.group, st.rank)
     bind_pieces(gm, model)
+    outline_functions(gm)  # the model's own autograd Functions, called again (inside any region below)
     outline_autocast(gm)  # the model's autocast regions, inside its checkpointed ones
     outline_recompute(gm, st.rng)  # last: the regions' modules are bound already
     run: nn.Module = gm

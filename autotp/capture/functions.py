@@ -1,0 +1,123 @@
+"""The model's own ``torch.autograd.Function`` subclasses, seen by the capture: which ops each call's forward ran.
+
+Export traces through a custom Function's ``forward`` and keeps only its ops: the sharded graph would
+differentiate those ops and never call the model's ``backward`` (a straight-through estimator's gradient
+would become zero). While capturing, :func:`marking_functions` runs each call of a Function defined outside
+torch under ``torch.fx.traceback.annotate``: every node its forward makes carries
+``meta["custom"]["autotp_function"]`` (a :class:`FunctionCall`: the class and the call's non-tensor
+arguments), each tensor argument enters through an ``aten.alias`` marked with its position and each tensor
+result leaves through one marked with its position. The runtime outlines each region into a call of the
+Function itself (:mod:`autotp.runtime.functions`), so its backward is the model's again.
+
+Before (what export gives)::
+
+    mul = aten.mul.Tensor(linear, 4)
+    round = aten.round.default(mul)           # RoundSTE.forward: differentiated as round (zero gradient)
+
+After (captured here)::
+
+    alias = aten.alias.default(mul)           # custom: {autotp_function: FunctionCall(RoundSTE, ..), arg: 0}
+    round = aten.round.default(alias)         # custom: {autotp_function: FunctionCall(RoundSTE, ..)}
+    alias_1 = aten.alias.default(round)       # custom: {autotp_function: ..., out: Out(0, spec)}
+"""
+from __future__ import annotations
+
+import contextlib
+import itertools
+from collections.abc import Hashable, Iterator
+from typing import NamedTuple
+
+import torch
+import torch.fx.traceback as fx_traceback
+from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
+
+KEY = "autotp_function"  # node.meta["custom"][KEY]: the FunctionCall whose forward made the node
+ARG = "autotp_function_arg"  # on the alias a tensor argument enters through: its position among the tensors
+OUT = "autotp_function_out"  # on the alias a tensor result leaves through: an Out
+
+
+class FunctionCall(NamedTuple):
+    """One call of a custom autograd Function: the class, the call's flattened arguments (None where a tensor
+    goes, the value itself otherwise) and their structure, and which call it was (``id``)."""
+
+    function: type
+    flat: tuple
+    spec: TreeSpec
+    id: Hashable
+
+    def renamed(self, block: str) -> FunctionCall:
+        """The call in a copied block: numbered apart from the block it was copied from."""
+        return self._replace(id=(self.id, block))
+
+    def name(self) -> str:
+        return f"{self.function.__module__}.{self.function.__qualname__}"
+
+
+class Out(NamedTuple):
+    """A tensor result of a call: its position among the flattened results, and their structure."""
+
+    index: int
+    count: int
+    spec: TreeSpec
+
+
+def is_models_own(function: type) -> bool:
+    """A Function the model defines (torch's own, such as checkpointing's, are traced as torch means them)."""
+    return not function.__module__.startswith("torch.")
+
+
+@contextlib.contextmanager
+def marking_functions() -> Iterator[None]:
+    """Inside: each call of a custom Function defined outside torch has its ops tagged (see the module)."""
+    calls = itertools.count()
+    base = torch.autograd.Function.__dict__["apply"]  # the classmethod every Function inherits
+    alias = torch.ops.aten.alias.default
+
+    def apply(cls, *args, **kwargs):
+        if not is_models_own(cls):
+            return base.__func__(cls, *args, **kwargs)
+        flat, spec = tree_flatten((args, kwargs))
+        call = FunctionCall(cls, tuple(None if isinstance(x, torch.Tensor) else x for x in flat), spec, next(calls))
+        with fx_traceback.annotate({KEY: call}):
+            marked, k = [], itertools.count()
+            for x in flat:
+                if isinstance(x, torch.Tensor):
+                    with fx_traceback.annotate({ARG: next(k)}):
+                        x = alias(x)
+                marked.append(x)
+            a, kw = tree_unflatten(marked, spec)
+            out = base.__func__(cls, *a, **kw)
+            results, out_spec = tree_flatten(out)
+            for j, r in enumerate(results):
+                if isinstance(r, torch.Tensor):
+                    with fx_traceback.annotate({OUT: Out(j, len(results), out_spec)}):
+                        results[j] = alias(r)
+        return tree_unflatten(results, out_spec)
+
+    torch.autograd.Function.apply = classmethod(apply)
+    try:
+        with fx_traceback.preserve_node_meta():
+            yield
+    finally:
+        torch.autograd.Function.apply = base
+
+
+def renamed_region(meta: dict, block: str) -> dict:
+    """A copied block's node meta: its Function call numbered apart from the block it was copied from."""
+    custom = meta.get("custom")
+    if isinstance(custom, dict) and isinstance(custom.get(KEY), FunctionCall):
+        return {**meta, "custom": {**custom, KEY: custom[KEY].renamed(block)}}
+    return meta
+
+
+def call_of(node: object) -> FunctionCall | None:
+    """The custom Function call whose forward made ``node`` (None: outside any)."""
+    custom = getattr(node, "meta", {}).get("custom")
+    found = custom.get(KEY) if isinstance(custom, dict) else None
+    return found if isinstance(found, FunctionCall) else None
+
+
+def is_marker(node: object) -> bool:
+    """Is ``node`` the alias a custom Function's tensor argument enters, or its result leaves, through?"""
+    custom = getattr(node, "meta", {}).get("custom")
+    return isinstance(custom, dict) and (ARG in custom or OUT in custom)
