@@ -46,30 +46,45 @@ def split_stages(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
 
 def _recompute_in_stages(gm: fx.GraphModule, of: dict[fx.Node, int]) -> None:
     """A value made from the graph's inputs and buffers alone (a mask, rotary tables) that a later stage reads
-    is computed again there, from its own copy of the inputs, instead of being sent: a copy of the value's
-    ops goes just before its first reader in that stage. ``of`` (each node's stage) gets the copies."""
+    is computed again there, from its own copy of the inputs, instead of being sent. The copies a stage needs go
+    together, in the model's order, just before the first of its nodes that reads one: so an autocast or
+    checkpointed region they come from stays one run of nodes, holding none of the stage's own ops (copies
+    put before each reader would leave the stage's ops between two of the region's, and those would run
+    under the region's autocast). ``of`` (each node's stage) gets the copies."""
     again = recomputable(gm)
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    wanted: dict[int, set[fx.Node]] = {}  # stage -> the values (and their inputs) it computes again
+    first: dict[int, fx.Node] = {}  # stage -> its first node that reads one
+
+    def want(node: fx.Node, s: int) -> None:
+        if node in again and of.get(node) != s and node not in wanted[s]:
+            wanted[s].add(node)
+            for a in node.all_input_nodes:
+                want(a, s)
+
+    for node in gm.graph.nodes:
+        s = of.get(node)
+        for arg in node.all_input_nodes if s is not None else ():
+            if arg in again and of[arg] < s:
+                wanted.setdefault(s, set())
+                first.setdefault(s, node)
+                want(arg, s)
     copies: dict[tuple[fx.Node, int], fx.Node] = {}
-
-    def copy(node: fx.Node, s: int, before: fx.Node) -> fx.Node:
-        if node not in again or of.get(node) == s:
-            return node
-        if (node, s) not in copies:
-            args = {a: copy(a, s, before) for a in node.all_input_nodes}
-            with gm.graph.inserting_before(before):
-                made = gm.graph.node_copy(node, lambda a: args[a])
-            made.meta = dict(node.meta)
-            of[made] = s
-            copies[(node, s)] = made
-        return copies[(node, s)]
-
+    for s, nodes in wanted.items():
+        with gm.graph.inserting_before(first[s]):
+            for node in sorted(nodes, key=order.__getitem__):
+                made = gm.graph.node_copy(node, lambda a: copies.get((a, s), a))
+                made.meta = dict(node.meta)
+                of[made] = s
+                copies[(node, s)] = made
+    copied = set(copies.values())
     for node in list(gm.graph.nodes):
         s = of.get(node)
-        if s is None:
+        if s is None or node in copied:
             continue
         for arg in node.all_input_nodes:
             if arg in again and of[arg] < s:
-                node.replace_input_with(arg, copy(arg, s, node))
+                node.replace_input_with(arg, copies[(arg, s)])
     for node in reversed(list(gm.graph.nodes)):
         if node in again and not node.users:
             gm.graph.erase_node(node)
