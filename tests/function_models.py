@@ -7,7 +7,11 @@ Function's forward and drops its backward; autotp calls the Function again (auto
 - ``custom_fwd``: the values through a SiLU written as a Function decorated with ``torch.amp.custom_fwd``
   (inputs cast to fp32) and ``custom_bwd``, its backward written by hand;
 - ``outside``: the block's input through a gradient-scaling Function (forward the identity, backward
-  half the gradient) before the attention: outside every tensor-parallel region, which stays sharded.
+  half the gradient) before the attention: outside every tensor-parallel region;
+- ``grad_norm``: the attention output through a Function whose backward normalizes the gradient over the
+  features: on a shard of the features it would see only part of them, so the attention stays whole.
+
+The first three run on shards (their forward and backward are local to a slice of the features or heads).
 """
 from __future__ import annotations
 
@@ -18,7 +22,7 @@ import torch.nn as nn
 
 from pattern_models import HD, NH, H, LMWith, build_with
 
-KINDS = ("ste", "custom_fwd", "outside")
+KINDS = ("ste", "custom_fwd", "outside", "grad_norm")
 
 
 class RoundSTE(torch.autograd.Function):
@@ -56,6 +60,16 @@ class ScaleGrad(torch.autograd.Function):
         return grad * 0.5
 
 
+class GradNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad / grad.norm(dim=-1, keepdim=True)
+
+
 class Attention(nn.Module):
     def __init__(self, kind: str):
         super().__init__()
@@ -76,6 +90,8 @@ class Attention(nn.Module):
         y = (scores.softmax(-1) @ v).transpose(1, 2).reshape(b, n, H)
         if self.kind == "ste":
             y = RoundSTE.apply(y, 8.0)
+        elif self.kind == "grad_norm":
+            y = GradNorm.apply(y)
         return self.proj(y)
 
 

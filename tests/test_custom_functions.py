@@ -1,18 +1,21 @@
 """The model's own autograd Functions (tests/function_models.py): captured with their forward's ops tagged
 (:mod:`autotp.capture.functions`), called again by the sharded graph (:mod:`autotp.runtime.functions`) so
-their backward is the model's, never sharded through (the reason names the Function), and exact at tp 2 and 4.
+their backward is the model's; sharded through where running the Function on random shards shows its forward
+and backward local to a shard, else whole with the reason; exact at tp 2 and 4.
 """
 from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils._pytree import tree_flatten
 
-from autotp.capture.functions import call_of
+from autotp.analysis.function_rules import FunctionRefused, Operand, check_function
+from autotp.capture.functions import FunctionCall, call_of
 from autotp.capture.tracer import capture
 from autotp.plan.planner import make_plan
 from autotp.runtime.functions import CustomFunction, outline_functions
 from distributed import Launches
-from function_models import KINDS, RoundSTE, build
+from function_models import KINDS, GradNorm, RoundSTE, build
 from parity_workers import dense_step_collectives, pattern_parity
 from pattern_models import H, S
 
@@ -45,13 +48,48 @@ def test_the_graph_calls_the_models_function_again_and_keeps_its_backward(kind: 
         assert torch.equal(got[name], g), name
 
 
-def test_a_function_in_a_region_leaves_it_whole_with_its_name():
-    model, args, _ = build("ste")
+@pytest.mark.parametrize("kind", ["ste", "custom_fwd", "outside"])
+def test_a_function_local_to_a_shard_is_sharded_through(kind: str):
+    model, args, _ = build(kind)
+    gm = capture(model, args, {})[0]
+    for tp in (2, 4):
+        plan = make_plan(gm, tp)
+        assert plan.replicated == () and not plan.whole, (plan.replicated, plan.whole)
+        assert plan.param("blocks.0.attn.qkv.weight").role == "column"
+
+
+def test_a_function_whose_backward_needs_the_whole_tensor_leaves_its_region_whole_with_its_name():
+    model, args, _ = build("grad_norm")
     gm = capture(model, args, {})[0]
     for tp in (2, 4):
         reasons = dict(make_plan(gm, tp).replicated)
         assert set(reasons) == {"blocks.0.attn", "blocks.1.attn"}, reasons
-        assert all(f"custom autograd Function {RoundSTE.__module__}.RoundSTE" in r for r in reasons.values())
+        assert all(f"{GradNorm.__module__}.GradNorm's backward run on a rank's shards does not give that rank's "
+                   "shard of the gradient" in r for r in reasons.values()), reasons
+
+
+def test_the_check_runs_the_function_on_shards():
+    """A forward that reads the whole feature dim (a max over it) is refused by the check itself, as is a
+    backward that does; the identity of both passes."""
+    call = FunctionCall(RoundSTE, (None, 8.0), tree_flatten(((torch.ones(1), 8.0), {}))[1], 0)
+    x = Operand((2, 3, 8), torch.float32, 2)
+    check_function(call, [x], [x], 2)
+    whole = FunctionCall(MaxOver, (None,), tree_flatten(((torch.ones(1),), {}))[1], 0)
+    with pytest.raises(FunctionRefused, match="does not give that rank's shard of its result"):
+        check_function(whole, [x], [x], 2)
+    norm = FunctionCall(GradNorm, (None,), tree_flatten(((torch.ones(1),), {}))[1], 0)
+    with pytest.raises(FunctionRefused, match="does not give that rank's shard of the gradient"):
+        check_function(norm, [x], [x], 2)
+
+
+class MaxOver(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x - x.amax(dim=-1, keepdim=True)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
 
 
 @pytest.fixture(scope="module")
@@ -68,9 +106,10 @@ def test_models_with_their_own_functions_train_exactly(runs, world: int):
         for kind, r in by_kind.items():
             assert r["loss_diff"] <= 1e-5 and r["grad_diff"] <= 1e-5 and r["param_diff"] <= 1e-5, (rank, kind, r)
             assert r["unexplained"] == [], (kind, r)
-            if kind == "outside":  # the Function is outside every region: Megatron's collectives, all sharded
+            if kind != "grad_norm":  # run on shards (or outside every region): Megatron's collectives
                 forward, backward = dense_step_collectives(bsh, 2 * S, layers)
                 assert not r["replicated"] and sorted(r["forward"]) == forward, (kind, r)
                 assert sorted(r["backward"]) == backward, (kind, r["backward"])
+                assert r["fraction"] <= 1 / world + 0.12, (kind, r["fraction"])
             else:  # the attention the Function sits in is whole; the MLPs are sharded
                 assert [m for m, _ in r["replicated"]] == ["blocks.0.attn", "blocks.1.attn"], (kind, r)

@@ -18,7 +18,8 @@ from autotp.analysis.shape_rules import ShapeRules
 from autotp.analysis.shapes import Fingerprinter, is_static, normalize_dim
 from autotp.analysis.torch_rules import TorchRefused, ask_torch
 from autotp.analysis.value_rules import ValueRules
-from autotp.capture.functions import call_of
+from autotp.analysis.function_rules import FunctionRefused, Operand, check_function
+from autotp.capture.functions import FunctionCall, arg_index, call_of, is_result, result_count, result_index
 from autotp.errors import ShardingError
 from autotp.shard_spec import Sharding
 
@@ -47,6 +48,7 @@ class Propagator(ShapeRules, ValueRules):
         self.where = where  # the region's name, for errors
         self.region = Region()
         self._broadcast: frozenset[fx.Node] = frozenset()  # operands of the node being visited read as replicated
+        self._checked: set[FunctionCall] = set()  # the model's autograd Functions checked to run on shards
 
     # -- public interface ------------------------------------------------------------------------
     def spec(self, x: object) -> Sharding | None:
@@ -64,14 +66,50 @@ class Propagator(ShapeRules, ValueRules):
         rule = op_rule(node.target)
         if rule is not None and rule.kind == "no_output":
             return
-        if (call := call_of(node)) is not None:
-            raise Unshardable(node, f"inside the custom autograd Function {call.name()}, whose backward is the "
-                                    "model's own code: it runs on whole tensors")
+        call = call_of(node)
+        marks = self._marks()
         self._broadcast = self.broadcast_whole(node)
         try:
             self._dispatch(node, rule)
         finally:
             self._broadcast = frozenset()
+        if call is not None:
+            self._inside_function(node, call, marks)
+
+    def _marks(self) -> tuple[int, ...]:
+        r = self.region
+        return len(r.slices), len(r.entering), len(r.params), len(r.stats), len(r.random_nodes), len(r.inputs)
+
+    def _inside_function(self, node: fx.Node, call: FunctionCall, marks: tuple[int, ...]) -> None:
+        """A node of the model's own autograd Function: the graph calls the Function itself on the shards, so
+        nothing may be inserted inside it (a collective, a slice, a sharded parameter), and at its first result
+        the Function is run on random shards to check that its forward and backward stay local."""
+        if self._marks() != marks:
+            raise Unshardable(node, f"inside the custom autograd Function {call.name()}: sharding it would need "
+                                    "communication or slicing inside the model's own code")
+        if not is_result(node) or call in self._checked:
+            return
+        args = [n for n in node.graph.nodes if call_of(n) == call and arg_index(n) is not None]
+        args.sort(key=arg_index)
+        outs = [n for n in node.graph.nodes if call_of(n) == call and is_result(n)]
+        results: list[Operand | None] = [None] * result_count(node)
+        for o in outs:
+            s = self.spec(o.args[0])  # the result itself: the markers after this one are not visited yet
+            if s is not None and (s.inner or s.outer or s.group):
+                raise Unshardable(node, f"{call.name()} gives a result laid out in a way no check describes")
+            results[result_index(o)] = _operand(o, s)
+        operands = []
+        for a in args:
+            s = self.spec(a)
+            if s is None and self._learned(a.args[0]):
+                raise Unshardable(node, f"{call.name()} reads the whole {a.args[0].name}, which needs a gradient, "
+                                        "with sharded arguments: its gradient on each rank would be partial")
+            operands.append(_operand(a, s))
+        try:
+            check_function(call, operands, results, self.tp)
+        except FunctionRefused as e:
+            raise Unshardable(node, str(e)) from None
+        self._checked.add(call)
 
     def broadcast_whole(self, node: fx.Node) -> frozenset[fx.Node]:
         """Operands that every rank holds whole (a single kv head: Megatron replicates it on every rank) and
@@ -251,6 +289,12 @@ class Propagator(ShapeRules, ValueRules):
         collective of the region already carries)."""
         return reaches(x, lambda n: self._parameter(n) is not None,
                        lambda n: n in self.region.specs or n in self.region.stats)
+
+def _operand(node: fx.Node, s: Sharding | None) -> Operand:
+    val = node.meta["val"]
+    shape = tuple(d if isinstance(d, int) else d.node.hint for d in val.shape)
+    return Operand(shape, val.dtype, None if s is None else s.dim)
+
 
 def propagate(columns: dict[fx.Node, Sharding], row: fx.Node, row_x: fx.Node, fp: Fingerprinter, tp: int,
               where: str, x_dim: int = -1) -> Region:

@@ -121,3 +121,26 @@ def is_marker(node: object) -> bool:
     """Is ``node`` the alias a custom Function's tensor argument enters, or its result leaves, through?"""
     custom = getattr(node, "meta", {}).get("custom")
     return isinstance(custom, dict) and (ARG in custom or OUT in custom)
+
+
+def _custom(node: object) -> dict:
+    custom = getattr(node, "meta", {}).get("custom")
+    return custom if isinstance(custom, dict) else {}
+
+
+def arg_index(node: object) -> int | None:
+    """The position among a call's tensor arguments of the one ``node`` marks the entry of (None: no marker)."""
+    return _custom(node).get(ARG) if getattr(node, "target", None) is torch.ops.aten.alias.default else None
+
+
+def is_result(node: object) -> bool:
+    """Is ``node`` the marker a call's tensor result leaves through (not a node the passes copied its tags to)?"""
+    return getattr(node, "target", None) is torch.ops.aten.alias.default and isinstance(_custom(node).get(OUT), Out)
+
+
+def result_index(node: object) -> int:
+    return _custom(node)[OUT].index
+
+
+def result_count(node: object) -> int:
+    return _custom(node)[OUT].count

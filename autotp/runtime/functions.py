@@ -15,8 +15,9 @@ After::
     alias_1 = getitem(fn, 0)
     div = aten.div.Tensor(alias_1, 4)
 
-Analysis never shards a value inside such a region (its backward is the model's code, which no rule reads),
-so the Function always sees the whole tensors it was written for.
+Analysis shards through such a region only where running the Function on random shards shows that its
+forward and backward give each rank its shards (:mod:`autotp.analysis.function_rules`), and where nothing
+has to be inserted inside it: the Function then runs on each rank's shards as it ran on whole tensors.
 """
 from __future__ import annotations
 
