@@ -113,3 +113,26 @@ def test_models_with_their_own_functions_train_exactly(runs, world: int):
                 assert r["fraction"] <= 1 / world + 0.12, (kind, r["fraction"])
             else:  # the attention the Function sits in is whole; the MLPs are sharded
                 assert [m for m, _ in r["replicated"]] == ["blocks.0.attn", "blocks.1.attn"], (kind, r)
+
+
+class _Wrapped(torch.nn.Module):
+    """An MLP whose activation is called through ``torch._higher_order_ops.wrap.wrap``."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(16, 64), torch.nn.Linear(64, 16)
+
+    def forward(self, x):
+        from torch._higher_order_ops.wrap import wrap
+
+        return self.down(wrap(lambda t: torch.nn.functional.gelu(t) * 2, self.up(x)))
+
+
+def test_the_wrap_higher_order_op_is_traced_through():
+    """The capture's export traces through ``wrap`` (no higher-order op is left for analysis to look into):
+    the MLP is a column→row pair like any other."""
+    model = _Wrapped()
+    gm = capture(model, (torch.randn(2, 8, 16),), {})[0]
+    assert all(isinstance(n.target, torch._ops.OpOverload) for n in gm.graph.nodes if n.op == "call_function")
+    plan = make_plan(gm, 2)
+    assert plan.param("up.weight").role == "column" and plan.param("down.weight").role == "row"
