@@ -10,7 +10,7 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from autotp.analysis.function_rules import FunctionRefused, Operand, check_function
-from autotp.capture.functions import FunctionCall, call_of
+from autotp.runtime.functions import FunctionCall, call_of
 from autotp.capture.tracer import capture
 from autotp.plan.planner import make_plan
 from autotp.runtime.functions import CustomFunction, outline_functions

@@ -15,7 +15,7 @@ from typing import NamedTuple
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from autotp.capture.functions import FunctionCall
+from autotp.runtime.functions import FunctionCall
 
 
 class FunctionRefused(Exception):

@@ -19,7 +19,7 @@ from autotp.analysis.shapes import Fingerprinter, is_static, normalize_dim
 from autotp.analysis.torch_rules import TorchRefused, ask_torch
 from autotp.analysis.value_rules import ValueRules
 from autotp.analysis.function_rules import FunctionRefused, Operand, check_function
-from autotp.capture.functions import FunctionCall, arg_index, call_of, is_result, result_count, result_index
+from autotp.runtime.functions import FunctionCall, arg_index, call_of, is_result, result_count, result_index
 from autotp.errors import ShardingError
 from autotp.shard_spec import Sharding
 

@@ -21,14 +21,81 @@ has to be inserted inside it: the Function then runs on each rank's shards as it
 """
 from __future__ import annotations
 
+from collections.abc import Hashable
+from typing import NamedTuple
+
 import torch
 import torch.fx as fx
 import torch.nn as nn
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
-from autotp.capture.functions import ARG, KEY, OUT, FunctionCall, call_of
 from autotp.errors import CaptureError
 from autotp.runtime.regions import outline, regions
+
+KEY = "autotp_function"  # node.meta["custom"][KEY]: the FunctionCall whose forward made the node
+ARG = "autotp_function_arg"  # on the alias a tensor argument enters through: its position among the tensors
+OUT = "autotp_function_out"  # on the alias a tensor result leaves through: an Out
+
+
+class FunctionCall(NamedTuple):
+    """One call of a custom autograd Function: the class, the call's flattened arguments (None where a tensor
+    goes, the value itself otherwise) and their structure, and which call it was (``id``)."""
+
+    function: type
+    flat: tuple
+    spec: TreeSpec
+    id: Hashable
+
+    def renamed(self, block: str) -> FunctionCall:
+        """The call in a copied block: numbered apart from the block it was copied from."""
+        return self._replace(id=(self.id, block))
+
+    def name(self) -> str:
+        return f"{self.function.__module__}.{self.function.__qualname__}"
+
+
+class Out(NamedTuple):
+    """A tensor result of a call: its position among the flattened results, and their structure."""
+
+    index: int
+    count: int
+    spec: TreeSpec
+
+
+def call_of(node: object) -> FunctionCall | None:
+    """The custom Function call whose forward made ``node`` (None: outside any)."""
+    custom = getattr(node, "meta", {}).get("custom")
+    found = custom.get(KEY) if isinstance(custom, dict) else None
+    return found if isinstance(found, FunctionCall) else None
+
+
+def is_marker(node: object) -> bool:
+    """Is ``node`` the alias a custom Function's tensor argument enters, or its result leaves, through?"""
+    custom = getattr(node, "meta", {}).get("custom")
+    return isinstance(custom, dict) and (ARG in custom or OUT in custom)
+
+
+def _custom(node: object) -> dict:
+    custom = getattr(node, "meta", {}).get("custom")
+    return custom if isinstance(custom, dict) else {}
+
+
+def arg_index(node: object) -> int | None:
+    """The position among a call's tensor arguments of the one ``node`` marks the entry of (None: no marker)."""
+    return _custom(node).get(ARG) if getattr(node, "target", None) is torch.ops.aten.alias.default else None
+
+
+def is_result(node: object) -> bool:
+    """Is ``node`` the marker a call's tensor result leaves through (not a node the passes copied its tags to)?"""
+    return getattr(node, "target", None) is torch.ops.aten.alias.default and isinstance(_custom(node).get(OUT), Out)
+
+
+def result_index(node: object) -> int:
+    return _custom(node)[OUT].index
+
+
+def result_count(node: object) -> int:
+    return _custom(node)[OUT].count
 
 
 class CustomFunction(nn.Module):
@@ -48,7 +115,7 @@ class CustomFunction(nn.Module):
         return tuple(results[j] for j in self.outs)
 
 
-def _custom(call: FunctionCall, region: fx.GraphModule) -> CustomFunction:
+def _function_module(call: FunctionCall, region: fx.GraphModule) -> CustomFunction:
     nodes = list(region.graph.nodes)
     placeholders = [n for n in nodes if n.op == "placeholder"]
     args: dict[int, int] = {}
@@ -100,7 +167,7 @@ def outline_functions(gm: fx.GraphModule) -> int:
     for g in (gm, *pieces):
         found = regions(g, _spans(g))
         for k, nodes in enumerate(found):
-            outline(g, nodes, f"autotp_function_{k}", lambda region, owners, call: _custom(call, region), KEY)
+            outline(g, nodes, f"autotp_function_{k}", lambda region, owners, call: _function_module(call, region), KEY)
         if found:
             g.graph.lint()
             g.recompile()
