@@ -125,7 +125,7 @@ def run(
         code = exc.exitcode if 0 < exc.exitcode < 256 else 1
         how = f"{exc.said()}" if exc.exitcode < 0 else f"failed on rank {exc.rank} with exit code {exc.exitcode}"
         abort(f"{script}: {how} (of {spec.world_size} ranks)", debug, code=code,
-              trace="")  # the script printed its own traceback  # the script printed its own traceback
+              trace="")  # the script printed its own traceback
     if debug:
         Console(stderr=True).print(f"{script}: {spec.world_size} ranks finished")
 

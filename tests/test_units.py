@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from autotp.errors import ShardingError
-from autotp.analysis.coverage import WholeParam
+from autotp.plan.plan import WholeParam
 from autotp.plan.plan import Plan
 from autotp.analysis.ops import parts_for
 from autotp.analysis.shapes import view_groups
@@ -61,7 +61,7 @@ def test_head_rules_follow_megatron():
 
 
 def test_plan_is_immutable_json_data():
-    from autotp.analysis.ops import Rewrite
+    from autotp.plan.plan import Rewrite
     from autotp.plan.plan import (Collective, ColumnForm, ExpertLayer, ExpertSlot, LocalSlice, PairPlan, ParamShard,
                                   SeqEnter, SeqGather, SeqLeave, SeqSlice, SequencePlan, Stat, Unit)
 

@@ -12,8 +12,6 @@ reads it in the graph, through casts and transposes:
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.fx as fx
 
@@ -21,6 +19,7 @@ from autotp.analysis.matmuls import ParamMatmul, module_path
 from autotp.analysis.op_rules import is_cast, kind_of, permutes
 from autotp.analysis.ops import from_inputs
 from autotp.analysis.pairs import Analysis
+from autotp.plan.plan import WholeParam
 
 aten = torch.ops.aten
 
@@ -28,15 +27,6 @@ aten = torch.ops.aten
 def _passes_through(target: object) -> bool:
     """What a weight passes through on its way to its reader: a cast or a dim reorder."""
     return is_cast(target) or permutes(target)
-
-
-@dataclass(frozen=True)
-class WholeParam:
-    """A parameter of a linear, embedding or matmul that every rank holds whole, and why."""
-
-    name: str
-    module: str
-    reason: str
 
 
 def _readers(node: fx.Node) -> list[fx.Node]:

@@ -66,22 +66,6 @@ class Unshardable(Exception):
         super().__init__(f"{node.name}: {reason}")
 
 
-@dataclass(frozen=True)
-class Rewrite:
-    """``node.args[arg]`` (or its element ``index`` when the arg is a list) changes from ``old`` to ``new``.
-
-    ``factor_of``: the element is a size computed at run time, ``factor_of = x * old`` (``b * n_heads``); it
-    becomes a fresh ``x * new`` for this node only (other readers of ``factor_of`` keep the full size).
-    """
-
-    node: str
-    arg: int
-    index: int | None
-    old: int
-    new: int
-    factor_of: str | None = None
-
-
 def held_whole(s: object) -> bool:
     """Every rank holds all of ``s``: each segment is one block (a single kv head, replicated Megatron's way),
     so its size is the same on every rank and no dim of it is cut, whichever dim ``s`` names."""

@@ -12,13 +12,14 @@ from __future__ import annotations
 import torch.fx as fx
 
 from autotp.analysis.op_rules import OpRule, handler, kind_of, op_rule
-from autotp.analysis.ops import Rewrite, Unshardable, held_whole, is_guard, is_random, ndim_of, reaches
+from autotp.analysis.ops import Unshardable, held_whole, is_guard, is_random, ndim_of, reaches
 from autotp.analysis.region import Entering, OperandSlice, ParamCut, Region
 from autotp.analysis.shape_rules import ShapeRules
 from autotp.analysis.shapes import Fingerprinter, is_static, normalize_dim
 from autotp.analysis.torch_rules import TorchRefused, ask_torch
 from autotp.analysis.value_rules import ValueRules
 from autotp.analysis.function_rules import FunctionRefused, Operand, check_function
+from autotp.plan.plan import Rewrite
 from autotp.runtime.functions import FunctionCall, arg_index, call_of, is_result, result_count, result_index
 from autotp.errors import ShardingError
 from autotp.shard_spec import Sharding

@@ -9,7 +9,7 @@ from typing import NamedTuple
 
 import torch.fx as fx
 
-from autotp.analysis.ops import Rewrite
+from autotp.plan.plan import Rewrite
 from autotp.shard_spec import Sharding
 
 

@@ -11,9 +11,10 @@ import operator
 import torch.fx as fx
 
 from autotp.analysis.op_rules import OpRule, kind_of, op_rule
-from autotp.analysis.ops import (Rewrite, Unshardable, arg_named, arg_of, held_whole, is_guard, legacy_empty, moved_dim,
+from autotp.analysis.ops import (Unshardable, arg_named, arg_of, held_whole, is_guard, legacy_empty, moved_dim,
                                  ndim_of, slice_range, split_dims, unflattened_sequence_of_one)
 from autotp.analysis.shapes import is_static, normalize_dim, view_groups
+from autotp.plan.plan import Rewrite
 from autotp.errors import ShardingError
 from autotp.shard_spec import Segment, Sharding
 

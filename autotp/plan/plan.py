@@ -3,6 +3,9 @@
 Keyed by parameter and module names for what a user reads (which weight is cut on which dim, which
 collective goes where and how big it is), and by graph node names for what the passes execute (which
 constants change, where the conjugate operators go). The CLI renders it; the passes execute it.
+
+This module is the contract: it imports nothing of capture, analysis or the passes (analysis builds these
+values, the passes read them), so loading a Plan loads only torch and the vocabulary of cuts.
 """
 from __future__ import annotations
 
@@ -11,8 +14,6 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from autotp.analysis.coverage import WholeParam
-from autotp.analysis.ops import Rewrite
 from autotp.shard_spec import (Segment, VocabLayout, local_pieces, shard_tensor, unshard_tensor, vocab_shard,
                                vocab_unshard)
 
@@ -23,6 +24,31 @@ _READS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10)  # 1: no gathered outputs or sharded in
 # 9: no pipeline stages
 # the module the one gradient all-reduce of parameters applied to sequence slices is reported under
 SEQ_PARAMS = "(sequence-parallel parameters)"
+
+
+@dataclass(frozen=True)
+class Rewrite:
+    """``node.args[arg]`` (or its element ``index`` when the arg is a list) changes from ``old`` to ``new``.
+
+    ``factor_of``: the element is a size computed at run time, ``factor_of = x * old`` (``b * n_heads``); it
+    becomes a fresh ``x * new`` for this node only (other readers of ``factor_of`` keep the full size).
+    """
+
+    node: str
+    arg: int
+    index: int | None
+    old: int
+    new: int
+    factor_of: str | None = None
+
+
+@dataclass(frozen=True)
+class WholeParam:
+    """A parameter of a linear, embedding or matmul that every rank holds whole, and why."""
+
+    name: str
+    module: str
+    reason: str
 
 
 @dataclass(frozen=True)

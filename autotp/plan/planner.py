@@ -12,10 +12,10 @@ from autotp.errors import ShardingError
 from autotp.analysis.experts import ExpertFacts, ExpertLayerFacts, analyze_experts
 from autotp.analysis.pairs import Analysis, analyze, common_module
 from autotp.analysis.matmuls import ParamMatmul, column_form, module_path
-from autotp.analysis.ops import STAT_KINDS, Rewrite, reduction_args
+from autotp.analysis.ops import STAT_KINDS, reduction_args
 from autotp.plan.plan import (SEQ_PARAMS, Collective, ColumnForm, ExpertLayer, ExpertSlot, GatheredOutput, LocalSlice,
-                              PairPlan, ParamShard, Plan, SeqEnter, SeqGather, SeqLeave, SeqSlice, SequencePlan,
-                              ShardedInput, Stat, Unit, VocabLoss, VocabPlan)
+                              PairPlan, ParamShard, Plan, Rewrite, SeqEnter, SeqGather, SeqLeave, SeqSlice,
+                              SequencePlan, ShardedInput, Stat, Unit, VocabLoss, VocabPlan)
 from autotp.analysis.sequence import analyze_sequence
 from autotp.analysis.units import find_units
 from autotp.plan.stages import StageRequest, plan_stages
