@@ -15,11 +15,14 @@ pipeline ranks (``pipe.step(x, y)`` trains, ``pipe.parameters()`` for the optimi
 """
 from __future__ import annotations
 
+import functools
+import inspect
 import re
 import sys
 import traceback
+from collections.abc import Callable
 from pathlib import Path
-from typing import NoReturn
+from typing import NamedTuple, NoReturn
 
 import typer
 from rich.console import Console
@@ -74,15 +77,47 @@ def say_restart(failure: Failure) -> None:
     Console(stderr=True).print(f"[yellow]restart:[/yellow] {escape(failure.line())}", soft_wrap=True)
 
 
-def launch_spec(tp: int, dp: int, nnodes: int, node_rank: int, master_addr: str | None,
-                master_port: int | None, debug: bool, timeout: float | None = None, max_restarts: int = 0,
-                device: str = "auto", bind_cores: bool = True, fsdp: bool = False, hsdp: int = 1,
-                pp: int = 1) -> LaunchSpec:
+class Launcher(NamedTuple):
+    """The launcher's options, as ``autotp run`` and ``autotp shard`` both take them (:func:`with_launcher`)."""
 
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str | None = None
+    master_port: int | None = None
+    timeout: float | None = None
+    max_restarts: int = 0
+    device: str = "auto"
+    bind_cores: bool = True
+    fsdp: bool = False
+    hsdp: int = 1
+
+
+# each field of Launcher: its type and its option, declared once here
+_LAUNCHER_OPTIONS = {"nnodes": (int, NNODES), "node_rank": (int, NODE_RANK), "master_addr": (str | None, MASTER_ADDR),
+                     "master_port": (int | None, MASTER_PORT), "timeout": (float | None, TIMEOUT),
+                     "max_restarts": (int, MAX_RESTARTS), "device": (str, DEVICE), "bind_cores": (bool, BIND_CORES),
+                     "fsdp": (bool, FSDP), "hsdp": (int, HSDP)}
+
+
+def with_launcher(command: Callable) -> Callable:
+    """``command`` with the launcher's options added to its command line; they reach it as one
+    ``launcher: Launcher`` argument. typer reads the options from the signature this gives the command."""
+    own = [p for name, p in inspect.signature(command).parameters.items() if name != "launcher"]
+    added = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=option, annotation=kind)
+             for name, (kind, option) in _LAUNCHER_OPTIONS.items()]
+
+    @functools.wraps(command)
+    def call(*args, **kwargs):
+        launcher = Launcher(**{name: kwargs.pop(name) for name in _LAUNCHER_OPTIONS})
+        return command(*args, launcher=launcher, **kwargs)
+
+    call.__signature__ = inspect.signature(command).replace(parameters=[*own, *added])
+    return call
+
+
+def launch_spec(tp: int, dp: int, pp: int, launcher: Launcher, debug: bool) -> LaunchSpec:
     try:
-        return LaunchSpec(tp=tp, dp=dp, pp=pp, nnodes=nnodes, node_rank=node_rank,
-                          master_addr=master_addr, master_port=master_port, timeout=timeout,
-                          max_restarts=max_restarts, device=device, bind_cores=bind_cores, fsdp=fsdp, hsdp=hsdp)
+        return LaunchSpec(tp=tp, dp=dp, pp=pp, **launcher._asdict())
     except LaunchError as exc:
         abort(as_flags(exc), debug, code=USAGE_ERROR)
 
@@ -95,30 +130,21 @@ def as_flags(exc: LaunchError) -> str:
     return text
 
 
+@with_launcher
 def run(
     script: Path = typer.Argument(..., metavar="SCRIPT", help="Python script to run on every rank."),
     args: list[str] | None = typer.Argument(None, help="Arguments for the script, after `--`."),
     tp: int = TP,
     dp: int = DP,
     pp: int = PP,
-    nnodes: int = NNODES,
-    node_rank: int = NODE_RANK,
-    master_addr: str | None = MASTER_ADDR,
-    master_port: int | None = MASTER_PORT,
-    timeout: float | None = TIMEOUT,
-    max_restarts: int = MAX_RESTARTS,
-    device: str = DEVICE,
-    bind_cores: bool = BIND_CORES,
-    fsdp: bool = FSDP,
-    hsdp: int = HSDP,
     debug: bool = DEBUG,
+    launcher: Launcher = Launcher(),
 ) -> None:
     """Run SCRIPT on tp × dp × pp ranks per node with torch's elastic launcher (c10d rendezvous)."""
 
     if not script.is_file():
         abort(f"script {script} does not exist", debug, code=USAGE_ERROR)
-    spec = launch_spec(tp, dp, nnodes, node_rank, master_addr, master_port, debug, timeout, max_restarts, device,
-                       bind_cores, fsdp, hsdp, pp)
+    spec = launch_spec(tp, dp, pp, launcher, debug)
     try:
         launch(spec, sys.executable, str(script), *(args or []), quiet=not debug, on_restart=say_restart)
     except RankFailedError as exc:

@@ -45,8 +45,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from autotp.cli.common import USAGE_ERROR
-from autotp.cli.run import (BIND_CORES, DEBUG, DEVICE, DP, FSDP, HSDP, MASTER_ADDR, MASTER_PORT, MAX_RESTARTS, NNODES,
-                            NODE_RANK, PP, TIMEOUT, TP, abort, launch_spec, say_restart)
+from autotp.cli.run import DEBUG, DP, PP, Launcher, abort, launch_spec, say_restart, with_launcher
 from autotp.errors import AutotpError, CaptureError, PipelineError
 from autotp.plan.stages import StageRequest
 from autotp.distributed.launch import RankFailedError, launch
@@ -228,6 +227,7 @@ def render(report: ShardReport, console: Console) -> None:
         console.print(comm)
 
 
+@with_launcher
 def shard(
     model: str = typer.Argument(..., metavar="MODEL_PY", help="Model file defining build_model() and "
                                 "optionally example_batch(); path.py:NAME names another factory."),
@@ -267,19 +267,11 @@ def shard(
     save_every: int = typer.Option(0, "--save-every", help="Also checkpoint every N steps (0: only at the end)."),
     keep: int | None = typer.Option(None, "--keep", min=1, help="Keep this run's newest N checkpoints, removing "
                                     "its older ones (default: keep every checkpoint; never another run's)."),
-    nnodes: int = NNODES,
-    node_rank: int = NODE_RANK,
-    master_addr: str | None = MASTER_ADDR,
-    master_port: int | None = MASTER_PORT,
-    timeout: float | None = TIMEOUT,
-    max_restarts: int = MAX_RESTARTS,
-    device: str = DEVICE,
-    bind_cores: bool = BIND_CORES,
-    fsdp: bool = FSDP,
-    hsdp: int = HSDP,
     debug: bool = DEBUG,
+    launcher: Launcher = Launcher(),
 ) -> None:
     """Shard MODEL_PY over tp × dp × pp ranks, verify, train a few steps, save plan and checkpoint."""
+    fsdp, nnodes, node_rank, timeout = launcher.fsdp, launcher.nnodes, launcher.node_rank, launcher.timeout
     from autotp.cli.shard_worker import PARITY_TOL, ShardJob, shard_worker  # the ranks' code: only when sharding
     from autotp.io.ckpt_io import check_resumable
 
@@ -300,8 +292,7 @@ def shard(
         abort(f"--save-every must be >= 0, got {save_every}", debug, code=USAGE_ERROR)
     if out.exists() and not out.is_dir():
         abort(f"--out {out} exists and is not a folder", debug, code=USAGE_ERROR)
-    spec = launch_spec(tp, dp, nnodes, node_rank, master_addr, master_port, debug, timeout, max_restarts, device,
-                       bind_cores, fsdp, hsdp, pp)
+    spec = launch_spec(tp, dp, pp, launcher._replace(fsdp=fsdp), debug)  # --auto may have chosen FSDP
     if fsdp and (compile_ or sequence_parallel):
         used = [f for f, on in (("--compile", compile_), ("--sequence-parallel", sequence_parallel)) if on]
         abort(f"--fsdp with {', '.join(used)} is not supported yet", debug, code=USAGE_ERROR)
