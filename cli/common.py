@@ -1,4 +1,5 @@
-"""What the commands share: the usage-error exit code and the one-line error printer."""
+"""What the commands share: the usage-error exit code, the one-line error printer, and the options that
+choose how a model is sharded (``autotp plan`` and ``autotp shard`` read them alike)."""
 from __future__ import annotations
 
 from typing import NoReturn
@@ -9,6 +10,15 @@ from rich.markup import escape
 
 # Exit code for a bad combination of sizes, the same one click uses for usage errors.
 USAGE_ERROR = 2
+
+SEQUENCE_PARALLEL = typer.Option(False, "--sequence-parallel", help="Split the norm/dropout/residual regions "
+                                 "along the sequence (Megatron-SP).")
+VIRTUAL_STAGES = typer.Option(None, "--virtual-stages", help="With --pp: stages per rank (default 1; 2 for the "
+                              "interleaved and V schedules).")
+MICROBATCHES = typer.Option(None, "--microbatches", help="With --pp: micro-batches per step (default: pp); they "
+                            "must divide the batch.")
+EXPERT_PARALLEL = typer.Option(False, "--expert-parallel", help="Place E/tp whole experts of each "
+                               "mixture-of-experts layer on every rank (default: 1/tp of every expert).")
 
 
 def fail(message: str, code: int = USAGE_ERROR) -> NoReturn:

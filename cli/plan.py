@@ -8,7 +8,6 @@ same picture as the terminal shows.
 """
 from __future__ import annotations
 
-import contextlib
 import io
 import json
 import math
@@ -23,17 +22,17 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from autotp.capture.tracer import capture, stand_ins
-from autotp.cli.common import USAGE_ERROR
+from autotp.capture.tracer import stand_ins
+from autotp.cli.common import EXPERT_PARALLEL, MICROBATCHES, SEQUENCE_PARALLEL, USAGE_ERROR, VIRTUAL_STAGES
 from autotp.cli.plan_format import DIRECTION, fmt_count, fmt_size, fmt_ratio, fmt_kind, fmt_shape
 from autotp.cli.plan_tables import (fsdp_units_table, fsdp_memory_table, fsdp_traffic_table, stages_table, ranks_table, p2p_table, schedule_table)
 from autotp.cli.run import DEBUG, abort
 from autotp.errors import AutotpError, PipelineError, PlanSizeError
 from autotp.distributed.layout import RankLayout
 from autotp.capture.modelfile import load_model_file, planning_batch
+from autotp.parallel.planning import plan_model
 from autotp.plan.pipeline_report import PipelineReport, PipelineSpec, pipeline_report
 from autotp.plan.plan import Plan
-from autotp.plan.planner import make_plan
 from autotp.plan.report import FSDPReport, Report, build_report, fsdp_from_rows
 from autotp.plan.stages import StageRequest
 from autotp.plan.symbols import size_ranges
@@ -281,46 +280,27 @@ def make_report(model: str, tp: int, batch: int | None = None, seq: int | None =
         from autotp.parallel.pipeline import check_pipeline  # torch.distributed.pipelining: only when asked for
 
         check_pipeline(pipeline.pp, pipeline.schedule, pipeline.virtual_stages, pipeline.microbatches, b)
-    key, recorded = None, None
-    if cache and pipeline is None:  # a pipeline's report reads the graph itself: it is captured every time
-        from autotp.capture.repeats import record_whole
-        from autotp.capture.tracer import meta_call
-        from autotp.plan import cache as plan_cache
-
-        options = {"tp": tp, "vocab_multiple": vocab_multiple, "sequence_parallel": sequence_parallel,
-                   "expert_parallel": expert_parallel, "autocast": autocast}
-        call = meta_call(net.forward, args, kwargs)
-        recorded = record_whole(net, call)  # the key's meta run, which the capture below starts from too
-        key = plan_cache.plan_key(net, call, options, recorded)
-        hit = plan_cache.load(key) if key is not None else None
-        if hit is not None:
-            report = build_report(hit.plan, net.named_parameters(remove_duplicate=False), b, s)
-            _check_sizes(report, {k: tuple(v) for k, v in hit.extra.get("ranges", {}).items()})
-            names = [n for n, _ in net.named_parameters(remove_duplicate=False)]
-            return Planned(hit.plan, report, names, batch_note, None, hit.path)
+    # a pipeline's report reads the graph itself: it is captured every time
+    cached = cache and pipeline is None
     # a module-level instance was built before the meta context: capture reads it without computing
-    cpu, swap, amp = torch.device("cpu"), None, contextlib.nullcontext()
+    cpu, swap, amp = torch.device("cpu"), None, None
     if autocast is not None:  # autocast acts on CPU tensors, not on meta ones
         swap = stand_ins({**dict(net.named_parameters(remove_duplicate=False)),
                           **dict(net.named_buffers(remove_duplicate=False))}, cpu)
         amp = torch.autocast("cpu", dtype=AUTOCAST[autocast])
-    with amp:
-        # under autocast the ops run in other dtypes than the key's meta run saw: recorded again
-        gm, _ = capture(net, args, kwargs, params=swap, device=cpu, recorded=recorded if autocast is None else None)
     stages = None if pipeline is None else StageRequest(len(pipeline.ranks), pipeline.split_points)
-    plan = make_plan(gm, tp, vocab_multiple, sequence_parallel=sequence_parallel, expert_parallel=expert_parallel,
-                     stages=stages)
+    planned = plan_model(net, args, kwargs, [tp], cache=cached,
+                         options={"vocab_multiple": vocab_multiple, "sequence_parallel": sequence_parallel,
+                                  "expert_parallel": expert_parallel, "autocast": autocast},
+                         vocab_multiple=vocab_multiple, sequence_parallel=sequence_parallel,
+                         expert_parallel=expert_parallel, stages=stages, params=swap, device=cpu, amp=amp,
+                         extra=lambda gm: {"ranges": size_ranges(gm)})
+    plan, gm = planned.plans[tp], planned.gm
     report = build_report(plan, net.named_parameters(remove_duplicate=False), b, s)
-    ranges = size_ranges(gm)
+    ranges = {k: tuple(v) for k, v in planned.found.extra.get("ranges", {}).items()} if gm is None \
+        else size_ranges(gm)
     _check_sizes(report, ranges)
-    stored = None
-    if key is not None:
-        from autotp.plan import cache as plan_cache
-
-        try:
-            stored = plan_cache.store(key, plan, {"ranges": ranges})
-        except OSError:  # a read-only home, a full disk: plan without the cache
-            stored = None
+    stored = planned.path
     names = [n for n, _ in net.named_parameters(remove_duplicate=False)]
     # under autocast the blocks' activations are 16-bit, as Korthikanti et al.'s formula counts them
     pipe = None if pipeline is None else pipeline_report(gm, plan, report, pipeline,
@@ -349,13 +329,11 @@ def plan(
     dp: int | None = typer.Option(None, "--dp", help="Data-parallel size; default world / (tp × pp), or 1."),
     pp: int = typer.Option(1, "--pp", help="Pipeline-parallel size: cut the blocks into pipeline stages and "
                            "show each stage, what crosses each cut and the bubble."),
-    virtual_stages: int | None = typer.Option(None, "--virtual-stages", help="With --pp: stages per rank "
-                                              "(default 1; 2 for the interleaved and V schedules)."),
+    virtual_stages: int | None = VIRTUAL_STAGES,
     schedule: str | None = typer.Option(None, "--schedule", help="With --pp: the pipeline schedule (GPipe, 1F1B, "
                                         "Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble; "
                                         "default 1F1B)."),
-    microbatches: int | None = typer.Option(None, "--microbatches", help="With --pp: micro-batches per step "
-                                            "(default: pp); they must divide the batch."),
+    microbatches: int | None = MICROBATCHES,
     split_points: str | None = typer.Option(None, "--split-points", metavar="BLOCK,BLOCK,...",
                                             help="With --pp: the blocks that start stages 1, 2, ... (default: "
                                             "balanced by forward FLOPs)."),
@@ -365,10 +343,8 @@ def plan(
                                      "example batch's)."),
     seq: int | None = typer.Option(None, "--seq", help="Sequence length the numbers are for."),
     vocab_multiple: int = typer.Option(1, "--vocab-multiple", help="Round each rank's vocab rows up to this."),
-    sequence_parallel: bool = typer.Option(False, "--sequence-parallel", help="Split the norm/dropout/residual "
-                                           "regions along the sequence (Megatron-SP)."),
-    expert_parallel: bool = typer.Option(False, "--expert-parallel", help="E/tp whole experts of each "
-                                         "mixture-of-experts layer per rank (default: 1/tp of every expert)."),
+    sequence_parallel: bool = SEQUENCE_PARALLEL,
+    expert_parallel: bool = EXPERT_PARALLEL,
     fsdp: bool = typer.Option(False, "--fsdp", help="Shard each tp rank's parameters, gradients and optimizer "
                               "state over the --dp ranks (FSDP2): show its units, memory and traffic."),
     autocast: str | None = typer.Option(None, "--autocast", help="bf16 or fp16: count the collectives' bytes "

@@ -1,7 +1,7 @@
 """``autotp plan --auto`` and ``autotp shard --auto``: capture the model once, plan it at every
-tensor-parallel size a node allows, search the layouts (:mod:`autotp.plan.auto`) and show the best.
+tensor-parallel size a node allows, search the layouts (:mod:`autotp.layout.auto`) and show the best.
 
-The numbers are predictions of :mod:`autotp.plan.cost` on a hardware profile: a preset (``--gpu a100`` or
+The numbers are predictions of :mod:`autotp.layout.cost` on a hardware profile: a preset (``--gpu a100`` or
 ``h100``, datasheet numbers) or a file ``autotp profile`` wrote on the machines themselves.
 """
 from __future__ import annotations
@@ -16,10 +16,10 @@ from rich.table import Table
 
 from autotp.capture.modelfile import load_model_file, planning_batch
 from autotp.cli.plan_format import fmt_size
-from autotp.plan.auto import Search, Space, explain, search, supported, tp_sizes
-from autotp.plan.cost import RESERVED, Training
-from autotp.plan.facts import ModelFacts, capture_facts
-from autotp.plan.hardware import PRESETS, Hardware, resolve
+from autotp.layout.auto import Search, Space, explain, search, supported, tp_sizes
+from autotp.layout.cost import RESERVED, Training
+from autotp.layout.facts import ModelFacts, capture_facts
+from autotp.layout.hardware import PRESETS, Hardware, resolve
 
 DEFAULT_PROFILE = Path("autotp-profile.json")
 _DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "bfloat16": 2, "float16": 2, "float32": 4}

@@ -1,9 +1,9 @@
 """``autotp profile [--nproc N] [--model MODEL_PY]``: measure this node and write a hardware profile.
 
-The layout planner prices a layout with a :class:`autotp.plan.hardware.Hardware`: matmul rate, memory
+The layout planner prices a layout with a :class:`autotp.layout.hardware.Hardware`: matmul rate, memory
 bandwidth and memory, and what a collective costs per group size. The presets come from datasheets; this
 command measures the machine it runs on instead. It starts ``--nproc`` ranks with torch's elastic launcher
-(:mod:`autotp.parallel.profile` does the measuring, on all ranks at once), prints what it measured, and
+(:mod:`autotp.layout.profile` does the measuring, on all ranks at once), prints what it measured, and
 writes the profile as JSON for ``--gpu PATH``. With ``--model`` the matmuls timed are the model's own, read
 from its captured graph (on the meta device, as ``autotp plan`` captures it), so the sustained rate is the
 one that model's shapes get.
@@ -25,9 +25,9 @@ from autotp.cli.common import USAGE_ERROR
 from autotp.cli.plan_format import fmt_size
 from autotp.cli.run import DEBUG, TIMEOUT, abort, as_flags
 from autotp.distributed.launch import LaunchError, LaunchSpec, RankFailedError, launch
-from autotp.parallel.profile import DTYPES, ProfileJob, profile_worker
+from autotp.layout.profile import DTYPES, ProfileJob, profile_worker
 from autotp.errors import AutotpError
-from autotp.plan.hardware import Hardware, save
+from autotp.layout.hardware import Hardware, save
 
 aten = torch.ops.aten
 # m = the leading output dims folded together, k = the contracted dim (its operand), n = the last output dim

@@ -44,7 +44,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from autotp.cli.common import USAGE_ERROR
+from autotp.cli.common import EXPERT_PARALLEL, MICROBATCHES, SEQUENCE_PARALLEL, USAGE_ERROR, VIRTUAL_STAGES
 from autotp.cli.run import DEBUG, DP, PP, Launcher, abort, launch_spec, say_restart, with_launcher
 from autotp.errors import AutotpError, CaptureError, PipelineError
 from autotp.plan.stages import StageRequest
@@ -242,10 +242,8 @@ def shard(
                                    "`autotp profile` (default ./autotp-profile.json)."),
     schedule: str = typer.Option("1F1B", "--schedule", help="With --pp: the pipeline schedule (GPipe, 1F1B, "
                                  "Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble)."),
-    microbatches: int | None = typer.Option(None, "--microbatches", help="With --pp: micro-batches per step "
-                                            "(default: pp); they must divide the batch."),
-    virtual_stages: int | None = typer.Option(None, "--virtual-stages", help="With --pp: stages per rank "
-                                              "(default 1; 2 for the interleaved and V schedules)."),
+    microbatches: int | None = MICROBATCHES,
+    virtual_stages: int | None = VIRTUAL_STAGES,
     steps: int = typer.Option(3, "--steps", help="AdamW training steps after the parity check."),
     lr: float = typer.Option(1e-3, "--lr", help="AdamW learning rate."),
     out: Path = typer.Option(Path("autotp-out"), "--out", help="Folder for plan.json, summary.json, checkpoints."),
@@ -255,10 +253,8 @@ def shard(
                                         "device and load each rank's slices from PATH: a Hugging Face "
                                         "safetensors folder or file, an autotp/DCP checkpoint, a torch file."),
     compile_: bool = typer.Option(False, "--compile", help="torch.compile the rewritten graphs."),
-    sequence_parallel: bool = typer.Option(False, "--sequence-parallel", help="Split the norm/dropout/residual "
-                                           "regions along the sequence (Megatron-SP)."),
-    expert_parallel: bool = typer.Option(False, "--expert-parallel", help="Place E/tp whole experts of each "
-                                         "mixture-of-experts layer on every rank (default: 1/tp of every expert)."),
+    sequence_parallel: bool = SEQUENCE_PARALLEL,
+    expert_parallel: bool = EXPERT_PARALLEL,
     resume: bool = typer.Option(False, "--resume", help="Continue from the latest complete checkpoint in --out "
                                 "(model, optimizer, step) up to --steps in total."),
     resume_from: str | None = typer.Option(None, "--resume-from", metavar="NAME", help="Resume this checkpoint "
