@@ -162,9 +162,9 @@ def predicted_memory(c: Config, t: int, layers: int, b: int, s: int, sp: bool, r
                      capacity: float) -> dict:
     """What ``autotp plan`` predicts for one rank: the layout's memory from the model's facts (captured on
     meta), bf16 activations, fp32 weights with AdamW."""
-    from autotp.plan.cost import Layout, Training, estimate
-    from autotp.plan.facts import capture_facts
-    from autotp.plan.hardware import H100
+    from autotp.layout.cost import Layout, Training, estimate
+    from autotp.layout.facts import capture_facts
+    from autotp.layout.hardware import H100
 
     with torch.device("meta"):
         net = Stack(c, layers)

@@ -34,10 +34,10 @@ import torch.nn.functional as F
 from rich.console import Console
 from rich.table import Table
 
-from autotp.plan.auto import Space, best_per_mesh, explain, search, tp_sizes
-from autotp.plan.cost import Training
-from autotp.plan.facts import capture_facts
-from autotp.plan.hardware import A100
+from autotp.layout.auto import Space, best_per_mesh, explain, search, tp_sizes
+from autotp.layout.cost import Training
+from autotp.layout.facts import capture_facts
+from autotp.layout.hardware import A100
 
 RESULTS = Path(__file__).parent / "results"
 VOCAB, SEQ, GPUS_PER_NODE = 51200, 2048, 8
@@ -217,7 +217,7 @@ def main() -> None:
                                 indent=1))
     md = a.out.with_suffix(".md")
     md.write_text("# Narayanan et al. 2021, Table 1, against autotp's layout search\n\n"
-                  "A100 preset (`autotp/plan/hardware.py`), bf16 activations; `python benchmarks/megatron_table1.py`. "
+                  "A100 preset (`autotp/layout/hardware.py`), bf16 activations; `python benchmarks/megatron_table1.py`. "
                   "Predicted TFLOP/s per GPU in the paper's measure (its equation 3, for the paper's own (t, p) where "
                   "the search priced it, else for the chosen layout). \"paper's t, p predicted\": how much slower the "
                   "model predicts the best layout with the paper's (t, p) than the chosen one.\n\n"

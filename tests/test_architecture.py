@@ -23,6 +23,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("autotp.state",),  # what a parallelized model carries (TPState), and its one accessor
     ("autotp.io",),  # weights and checkpoints in and out of a model, read through the accessor
     ("autotp.parallel",),  # orchestration: parallelize() runs every stage and binds the result to a rank
+    ("autotp.layout",),  # the layout search over tp × dp × pp, and the hardware profiles it prices with
     ("autotp",),  # the public names
     ("autotp.cli",),  # the command line
 )

@@ -9,10 +9,10 @@ import pytest
 from typer.testing import CliRunner
 
 from autotp.cli.main import app
-from autotp.plan.auto import Space, explain, layouts, runnable, search, supported, tp_sizes
-from autotp.plan.cost import STATE_BYTES, Layout, Training, estimate
-from autotp.plan.facts import BLOCKS, FIRST, LAST, Comm, ModelFacts, TpFacts
-from autotp.plan.hardware import A100, H100, Hardware, Link, Measured, load, resolve, save
+from autotp.layout.auto import Space, explain, layouts, runnable, search, supported, tp_sizes
+from autotp.layout.cost import STATE_BYTES, Layout, Training, estimate
+from autotp.layout.facts import BLOCKS, FIRST, LAST, Comm, ModelFacts, TpFacts
+from autotp.layout.hardware import A100, H100, Hardware, Link, Measured, load, resolve, save
 from autotp.plan.pipeline_report import layer_activation_bytes
 
 GB = 10**9
@@ -255,7 +255,7 @@ def test_facts_of_the_example_gpt():
     import torch
 
     from autotp.capture.modelfile import load_model_file
-    from autotp.plan.facts import capture_facts
+    from autotp.layout.facts import capture_facts
 
     mf = load_model_file("examples/nanogpt.py")
     with torch.device("meta"):

@@ -491,7 +491,7 @@ def test_plan_pp_bad_options_exit_2_before_capture(monkeypatch, args, message) -
     def no_capture(*a, **k):
         raise AssertionError("captured before the options were checked")
 
-    monkeypatch.setattr("autotp.cli.plan.capture", no_capture)
+    monkeypatch.setattr("autotp.parallel.planning.capture", no_capture)
     result = runner.invoke(app, ["plan", NANOGPT, "--tp", "2", *args], env=WIDE)
     assert result.exit_code == 2, result.output
     assert message in result.output and "Traceback" not in result.output

@@ -12,7 +12,6 @@ from typer.testing import CliRunner
 import autotp.capture.tracer as tracer
 from autotp.capture.modelfile import load_model_file
 from autotp.capture.tracer import meta_call
-from autotp.cli import plan as cli_plan
 from autotp.cli.main import app
 from autotp.errors import PlanCacheError
 from autotp.plan import cache
@@ -78,7 +77,7 @@ def test_autotp_plan_reads_the_cache_the_second_time(monkeypatch):
     def no_capture(*a, **k):
         raise AssertionError("captured although the plan is cached")
 
-    monkeypatch.setattr(cli_plan, "capture", no_capture)
+    monkeypatch.setattr("autotp.parallel.planning.capture", no_capture)
     second = runner.invoke(app, ["plan", "examples/nanogpt.py", "--tp", "2"])
     assert second.exit_code == 0, second.output
     assert second.output.split("plan cache:")[0] == first.output.split("plan cache:")[0]  # the same tables

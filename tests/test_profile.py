@@ -10,8 +10,8 @@ from typer.testing import CliRunner
 
 from autotp.cli.main import app
 from autotp.cli.profile import model_shapes
-from autotp.parallel.profile import MAX_BANDWIDTH, ProfileJob, fit_link, message_sizes, wire_bytes
-from autotp.plan.hardware import PROFILE_VERSION, Hardware, Link, Measured, load, save
+from autotp.layout.profile import MAX_BANDWIDTH, ProfileJob, fit_link, message_sizes, wire_bytes
+from autotp.layout.hardware import PROFILE_VERSION, Hardware, Link, Measured, load, save
 from distributed import ROOT
 
 runner = CliRunner()

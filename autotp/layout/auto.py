@@ -6,7 +6,7 @@ micro-batch size (a divisor of each replica's share, at most ``max_micro_batch``
 per step ``m`` (at least ``p`` with a pipeline); ``v`` stages per pipeline rank (the interleaved schedule:
 L divisible by p·v, m by p); FSDP over dp, sequence parallelism over tp, full activation recomputation.
 Candidates are ranked by predicted tokens per second per device (for a fixed global batch: by step time).
-Each candidate is priced by :func:`autotp.plan.cost.estimate`; one that needs more memory than the device
+Each candidate is priced by :func:`autotp.layout.cost.estimate`; one that needs more memory than the device
 has is rejected with the amount it is over by. ``runnable`` keeps to what ``autotp shard`` runs today
 (a pipeline with plain tensor and data parallelism; no recomputation knob).
 """
@@ -16,9 +16,9 @@ from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from autotp.plan.cost import Estimate, Layout, Training, estimate
-from autotp.plan.facts import ModelFacts
-from autotp.plan.hardware import Hardware
+from autotp.layout.cost import Estimate, Layout, Training, estimate
+from autotp.layout.facts import ModelFacts
+from autotp.layout.hardware import Hardware
 
 GiB = 2**30
 

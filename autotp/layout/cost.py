@@ -1,5 +1,5 @@
 """The predicted step time and memory of one layout: an analytic model over :class:`ModelFacts` and a
-:class:`~autotp.plan.hardware.Hardware` profile.
+:class:`~autotp.layout.hardware.Hardware` profile.
 
 A layout is tp × dp × pp ranks, ``v`` stages per pipeline rank, micro-batches of ``micro_batch`` samples,
 ``microbatches`` of them per step on each data-parallel replica (global batch = dp · micro_batch ·
@@ -30,15 +30,15 @@ Memory per rank: 16 bytes per parameter it holds (weights, gradients, Adam; ÷ d
 blocks gathered), the activations of the micro-batches in flight (Korthikanti et al.'s formula, or one
 layer input per layer with recomputation, plus one layer's worth being recomputed) and the last stage's
 logits in fp32 (and under autocast the 16-bit copies of the weights the backward keeps), against 90% of
-the device's memory. Nothing here is measured; :mod:`autotp.plan.auto` enumerates layouts and ranks them.
+the device's memory. Nothing here is measured; :mod:`autotp.layout.auto` enumerates layouts and ranks them.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
 
-from autotp.plan.facts import BLOCKS, FIRST, LAST, ModelFacts
-from autotp.plan.hardware import Hardware
+from autotp.layout.facts import BLOCKS, FIRST, LAST, ModelFacts
+from autotp.layout.hardware import Hardware
 from autotp.plan.pipeline_report import in_flight, layer_activation_bytes
 
 RESERVED = 0.1  # of the device's memory: the CUDA context, communication buffers, the allocator's fragmentation

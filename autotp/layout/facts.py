@@ -1,6 +1,6 @@
 """What the layout search needs from a model, read once from its captured graph and its plans.
 
-The search (:mod:`autotp.plan.auto`) prices hundreds of layouts; it cannot capture the model for each. It
+The search (:mod:`autotp.layout.auto`) prices hundreds of layouts; it cannot capture the model for each. It
 reads a :class:`ModelFacts` instead: per sample and per forward, the FLOPs of the blocks, of the code
 before them (embeddings) and after them (final norm, LM head, loss), and the ops each dispatches; and, for
 each tensor-parallel size the plan was made for, the parameters one rank holds in the blocks and at either
@@ -174,17 +174,10 @@ def capture_facts(net: torch.nn.Module, args: tuple, kwargs: dict, tps: Iterable
                   seq: int) -> ModelFacts:
     """Capture ``net`` once on ``(args, kwargs)`` (``batch`` samples of ``seq`` tokens) and plan it at each
     tensor-parallel size in ``tps``; a size the planner refuses is left out (the search skips it)."""
-    from autotp.capture.tracer import capture
-    from autotp.plan.planner import make_plan
+    from autotp.parallel.planning import plan_model
     from autotp.plan.report import build_report
 
-    gm, _ = capture(net, args, kwargs, device=torch.device("cpu"))
+    planned = plan_model(net, args, kwargs, set(tps) | {1}, device=torch.device("cpu"), skip_refused=True)
     named = list(net.named_parameters(remove_duplicate=False))
-    plans = []
-    for t in sorted(set(tps) | {1}):
-        try:
-            plan = make_plan(gm, t)
-        except ValueError:
-            continue
-        plans.append((plan, build_report(plan, named, batch, seq)))
-    return model_facts(gm, plans, batch)
+    plans = [(plan, build_report(plan, named, batch, seq)) for _, plan in sorted(planned.plans.items())]
+    return model_facts(planned.gm, plans, batch)

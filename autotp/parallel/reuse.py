@@ -18,27 +18,13 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
-from pathlib import Path
 
 import torch.nn as nn
 
-from autotp.capture.meta_run import Recorder
-from autotp.capture.repeats import record_whole
-from autotp.capture.tracer import meta_call
-from autotp.plan import cache as plan_cache
-from autotp.plan.plan import Plan
+from autotp.parallel.planning import Lookup, lookup as lookup_call, remember
 from autotp.state import TPState
 
 __all__ = ["Lookup", "lookup", "remember"]
-
-
-@dataclass(frozen=True)
-class Lookup:
-    key: str | None  # None: this model or call is not cached (its forward does not run on meta, or opted out)
-    plan: Plan | None = None  # the cached plan, on a hit
-    path: Path | None = None  # its file
-    recorded: Recorder | None = None  # the key's meta run of the call, which a miss's capture starts from
 
 
 def _eligible(st: TPState) -> bool:
@@ -52,20 +38,4 @@ def lookup(model: nn.Module, st: TPState, forward: Callable, args: tuple, kwargs
         return Lookup(None)
     options = {"tp": st.tp, "vocab_multiple": st.vocab_multiple, "sequence_parallel": st.sequence_parallel,
                "expert_parallel": st.expert_parallel, "training": training, "by": "parallelize"}
-    run = meta_call(forward, args, kwargs)
-    rec = record_whole(model, run)
-    key = plan_cache.plan_key(model, run, options, rec)
-    if key is None:
-        return Lookup(None)
-    hit = plan_cache.load(key)
-    return Lookup(key, hit.plan, hit.path) if hit is not None else Lookup(key, recorded=rec)
-
-
-def remember(found: Lookup, plan: Plan) -> None:
-    """Store the plan a miss made; a folder that cannot be written (read-only home, full disk) stores nothing."""
-    if found.key is None or found.plan is not None:
-        return
-    try:
-        plan_cache.store(found.key, plan)
-    except OSError:
-        pass
+    return lookup_call(model, forward, args, kwargs, options)

@@ -1,0 +1,113 @@
+"""Plan a model: capture its call, plan it at one or more tensor-parallel sizes, and keep the plan in the
+on-disk cache (:mod:`autotp.plan.cache`) under the key of what it depends on. Written once for everything
+that plans: ``parallelize`` (which looks up and stores, and captures its own way), ``autotp plan`` (one size,
+cached) and the layout search (several sizes from one capture).
+
+The key is the ops the forward runs on meta, every tensor's name, shape and dtype, the options and the
+versions of torch and autotp (:func:`autotp.plan.cache.plan_key`); the meta run that makes it is also where
+a capture that misses starts from. A folder that cannot be written (a read-only home, a full disk) plans
+without the cache.
+"""
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+from autotp.capture.meta_run import Recorder
+from autotp.capture.repeats import record_whole
+from autotp.capture.tracer import capture, meta_call
+from autotp.plan import cache as plan_cache
+from autotp.plan.plan import Plan
+from autotp.plan.planner import make_plan
+from autotp.plan.stages import StageRequest
+
+
+@dataclass(frozen=True)
+class Lookup:
+    """The cache key of one call (None: not cached: its forward does not run on meta, or caching is off), the
+    plan stored under it if any, and the meta run of the call, which a capture that misses starts from."""
+
+    key: str | None
+    plan: Plan | None = None
+    path: Path | None = None  # the cached plan's file
+    extra: dict = field(default_factory=dict)  # what was stored beside the plan
+    recorded: Recorder | None = None
+
+
+def lookup(model: nn.Module, forward: Callable, args: tuple, kwargs: dict, options: dict) -> Lookup:
+    """The key of planning ``model`` for this call with ``options``, and the plan stored under it if any."""
+    run = meta_call(forward, args, kwargs)
+    rec = record_whole(model, run)
+    key = plan_cache.plan_key(model, run, options, rec)
+    if key is None:
+        return Lookup(None)
+    hit = plan_cache.load(key)
+    if hit is not None:
+        return Lookup(key, hit.plan, hit.path, dict(hit.extra))
+    return Lookup(key, recorded=rec)
+
+
+def remember(found: Lookup, plan: Plan, extra: dict | None = None) -> Path | None:
+    """Store the plan a miss made; its file, or None where nothing was stored."""
+    if found.key is None or found.plan is not None:
+        return None
+    try:
+        return plan_cache.store(found.key, plan, extra)
+    except OSError:  # a read-only home, a full disk: plan without the cache
+        return None
+
+
+@dataclass(frozen=True)
+class Planned:
+    """The plans of one call: ``plans[tp]`` for each size asked (a size the planner refuses is missing when
+    ``skip_refused``), the captured graph (None when the plan came from the cache), and where it is cached."""
+
+    plans: dict[int, Plan]
+    gm: fx.GraphModule | None
+    found: Lookup
+    path: Path | None = None
+
+    @property
+    def cached(self) -> bool:
+        return self.gm is None
+
+
+def plan_model(model: nn.Module, args: tuple, kwargs: dict, tps: Iterable[int], *, cache: bool = False,
+               options: dict | None = None, vocab_multiple: int = 1, sequence_parallel: bool = False,
+               expert_parallel: bool = False, stages: StageRequest | None = None,
+               params: dict[str, torch.Tensor] | None = None, device: torch.device | None = None,
+               amp: contextlib.AbstractContextManager | None = None, skip_refused: bool = False,
+               extra: Callable[[fx.GraphModule], dict] | None = None) -> Planned:
+    """Capture ``model`` on ``(args, kwargs)`` once and plan it at each size in ``tps``.
+
+    ``cache`` (one size only): look the plan up under the key of the call and ``options`` (what else the
+    plan depends on), and store it on a miss with ``extra(gm)`` beside it. ``params``/``device``: stand-ins
+    for the model's tensors and the device to capture on; ``amp``: a context (``torch.autocast``) to capture
+    under, whose ops the key's meta run does not see, so that capture records its own."""
+    sizes = sorted(set(tps))
+    found = Lookup(None)
+    if cache:
+        if len(sizes) != 1:
+            raise ValueError(f"plans are cached one size at a time, not for tp in {sizes}")
+        found = lookup(model, model.forward, args, kwargs, {**(options or {}), "tp": sizes[0]})
+        if found.plan is not None:
+            return Planned({sizes[0]: found.plan}, None, found, found.path)
+    with amp or contextlib.nullcontext():
+        gm, _ = capture(model, args, kwargs, params=params, device=device,
+                        recorded=found.recorded if amp is None else None)
+    plans = {}
+    for tp in sizes:
+        try:
+            plans[tp] = make_plan(gm, tp, vocab_multiple, sequence_parallel=sequence_parallel,
+                                  expert_parallel=expert_parallel, stages=stages)
+        except ValueError:
+            if not skip_refused:
+                raise
+    path = remember(found, plans[sizes[0]], extra(gm) if extra is not None else None) if cache else None
+    return Planned(plans, gm, found, path)
