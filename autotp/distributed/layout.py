@@ -111,32 +111,28 @@ class RankLayout:
             return None
         return -(-self.world_size // self.gpus_per_node)
 
+    def _groups(self, along: str) -> list[list[int]]:
+        """The ranks that differ only in their ``along`` coordinate ("tp", "dp" or "pp"), one list for each
+        value of the other two, the outer of those (pp before dp before tp) varying slowest."""
+        sizes = {"pp": self.pp, "dp": self.dp, "tp": self.tp}
+        outer, inner = [k for k in sizes if k != along]
+        return [[self.rank(**{outer: i, inner: j, along: k}) for k in range(sizes[along])]
+                for i in range(sizes[outer]) for j in range(sizes[inner])]
+
     @property
     def tp_groups(self) -> list[list[int]]:
         """Ranks sharing (dp, pp): adjacent blocks of ``tp`` ranks."""
-        return [
-            [self.rank(t, d, p) for t in range(self.tp)]
-            for p in range(self.pp)
-            for d in range(self.dp)
-        ]
+        return self._groups("tp")
 
     @property
     def dp_groups(self) -> list[list[int]]:
         """Ranks sharing (tp, pp): the gradient all-reduce groups."""
-        return [
-            [self.rank(t, d, p) for d in range(self.dp)]
-            for p in range(self.pp)
-            for t in range(self.tp)
-        ]
+        return self._groups("dp")
 
     @property
     def pp_groups(self) -> list[list[int]]:
         """Ranks sharing (tp, dp), ordered by stage."""
-        return [
-            [self.rank(t, d, p) for p in range(self.pp)]
-            for d in range(self.dp)
-            for t in range(self.tp)
-        ]
+        return self._groups("pp")
 
     @property
     def mp_groups(self) -> list[list[int]]:

@@ -113,44 +113,39 @@ class Hardware:
 GB = 10**9
 GiB = 2**30
 
+def _datasheet(name: str, peak: float, hbm: float, nvlink: int, infiniband: int, sheet: str) -> Hardware:
+    """An 8-GPU node of 80 GB parts from its datasheet numbers (``peak`` dense bf16 FLOP/s, HBM GB/s, NVLink
+    and InfiniBand GB/s each way per GPU), with the stated assumptions for what a training step sustains."""
+    return Hardware(
+        name=name,
+        matmul_flops=0.6 * peak,
+        peak_flops=peak,
+        memory_bandwidth=hbm * GB,
+        memory_bytes=80 * GB,
+        gpus_per_node=8,
+        intra=Link(10e-6, 0.8 * nvlink * GB),
+        inter=Link(20e-6, 0.9 * infiniband * GB),
+        overhead=5e-6,
+        source=f"{sheet} Assumed, not measured: matmuls sustain 60% of peak, NVLink collectives 80% of {nvlink} "
+               f"GB/s each way, InfiniBand 90% of {infiniband} GB/s, 5 µs per op launched; run `autotp profile` "
+               "on the cluster for measured numbers.",
+    )
+
+
 # A100-SXM4-80GB: NVIDIA A100 Tensor Core GPU datasheet (2021): 312 TFLOP/s dense bf16/fp16, 80 GB HBM2e at
 # 2,039 GB/s, third-generation NVLink 600 GB/s per GPU (300 GB/s each way). DGX A100 user guide: eight
 # ConnectX-6 200 Gb/s HDR InfiniBand cards for compute traffic, one per GPU (25 GB/s). This is the node of
 # Narayanan et al. 2021 (Selene), §5.
-A100 = Hardware(
-    name="a100",
-    matmul_flops=0.6 * 312e12,
-    peak_flops=312e12,
-    memory_bandwidth=2039 * GB,
-    memory_bytes=80 * GB,
-    gpus_per_node=8,
-    intra=Link(10e-6, 0.8 * 300 * GB),
-    inter=Link(20e-6, 0.9 * 25 * GB),
-    overhead=5e-6,
-    source="NVIDIA A100 datasheet (312 TFLOP/s bf16 dense, 80 GB HBM2e, 2,039 GB/s, NVLink 600 GB/s); DGX A100 "
-           "user guide (8 × 200 Gb/s HDR InfiniBand, one per GPU). Assumed, not measured: matmuls sustain 60% of "
-           "peak, NVLink collectives 80% of 300 GB/s each way, InfiniBand 90% of 25 GB/s, 5 µs per op launched; run `autotp profile` "
-           "on the cluster for measured numbers.",
-)
+A100 = _datasheet("a100", 312e12, 2039, 300, 25,
+                  "NVIDIA A100 datasheet (312 TFLOP/s bf16 dense, 80 GB HBM2e, 2,039 GB/s, NVLink 600 GB/s); DGX "
+                  "A100 user guide (8 × 200 Gb/s HDR InfiniBand, one per GPU).")
 
 # H100-SXM5-80GB: NVIDIA H100 Tensor Core GPU datasheet: 989 TFLOP/s dense bf16 (1,979 with sparsity), 80 GB HBM3
 # at 3.35 TB/s, fourth-generation NVLink 900 GB/s per GPU (450 GB/s each way). DGX H100 user guide: eight
 # ConnectX-7 400 Gb/s NDR InfiniBand cards, one per GPU (50 GB/s).
-H100 = Hardware(
-    name="h100",
-    matmul_flops=0.6 * 989e12,
-    peak_flops=989e12,
-    memory_bandwidth=3350 * GB,
-    memory_bytes=80 * GB,
-    gpus_per_node=8,
-    intra=Link(10e-6, 0.8 * 450 * GB),
-    inter=Link(20e-6, 0.9 * 50 * GB),
-    overhead=5e-6,
-    source="NVIDIA H100 SXM datasheet (989 TFLOP/s bf16 dense, 80 GB HBM3, 3.35 TB/s, NVLink 900 GB/s); DGX H100 "
-           "user guide (8 × 400 Gb/s NDR InfiniBand, one per GPU). Assumed, not measured: matmuls sustain 60% of "
-           "peak, NVLink collectives 80% of 450 GB/s each way, InfiniBand 90% of 50 GB/s, 5 µs per op launched; run `autotp profile` "
-           "on the cluster for measured numbers.",
-)
+H100 = _datasheet("h100", 989e12, 3350, 450, 50,
+                  "NVIDIA H100 SXM datasheet (989 TFLOP/s bf16 dense, 80 GB HBM3, 3.35 TB/s, NVLink 900 GB/s); DGX "
+                  "H100 user guide (8 × 400 Gb/s NDR InfiniBand, one per GPU).")
 
 PRESETS = {"a100": A100, "h100": H100}
 

@@ -3,6 +3,8 @@
 dropped to meta, whatever is still on meta allocated for a load to fill."""
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -57,16 +59,36 @@ def _by_id(named, own: dict[str, ParamShard]) -> tuple[dict[int, ParamShard], di
     return by_id, names
 
 
-def _shard_in_place(model: nn.Module, st: TPState, plan: Plan) -> None:
-    """Replace every sharded Parameter, in every module that holds it, by this rank's slice."""
-    by_id, names = _by_id(model.named_parameters(remove_duplicate=False), dict(plan.params))
+def _swap_shards(model: nn.Module, st: TPState, kind: str, own: dict[str, ParamShard],
+                 local_of: Callable[[torch.Tensor, ParamShard, list[str]], torch.Tensor]) -> None:
+    """Replace every tensor of ``kind`` ("parameters" or "buffers") that ``own`` cuts, in every module that
+    holds it (tied ones under each name), by ``local_of(tensor, its shard, its names)``; each name's shard and
+    full shape (a meta tensor) are recorded in ``st``."""
+    named = model.named_parameters(remove_duplicate=False) if kind == "parameters" else \
+        model.named_buffers(remove_duplicate=False)
+    by_id, names = _by_id(named, own)
 
-    def local(p: torch.Tensor) -> nn.Parameter | None:
-        shard = by_id.get(id(p))
+    def local(t: torch.Tensor) -> torch.Tensor | None:
+        shard = by_id.get(id(t))
         if shard is None:
             return None
+        full = torch.empty(t.shape, dtype=t.dtype, device="meta")
+        if kind == "parameters":
+            full = nn.Parameter(full, requires_grad=t.requires_grad)
+        for name in names[id(t)]:
+            st.shards[name] = shard
+            st.full[name] = full
+        return local_of(t, shard, names[id(t)])
+
+    swap_tensors(model, kind, local)
+
+
+def _shard_in_place(model: nn.Module, st: TPState, plan: Plan) -> None:
+    """Replace every sharded Parameter, in every module that holds it, by this rank's slice."""
+
+    def local(p: torch.Tensor, shard: ParamShard, names: list[str]) -> nn.Parameter:
         with torch.no_grad():
-            if any(n in st.dropped for n in names[id(p)]):  # another rank's pipeline stage: shape only
+            if any(n in st.dropped for n in names):  # another rank's pipeline stage: shape only
                 data = torch.empty(shard.local_shape, dtype=p.dtype, device="meta")
             elif p.is_meta:  # a model built on meta: this rank's shard, allocated, not initialised
                 data = empty_shard(shard, p.dtype, st.device, st.rank)
@@ -75,10 +97,6 @@ def _shard_in_place(model: nn.Module, st: TPState, plan: Plan) -> None:
                 if data.untyped_storage().data_ptr() == p.untyped_storage().data_ptr():
                     data = data.clone()
         new = nn.Parameter(data, requires_grad=p.requires_grad)
-        meta = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"), requires_grad=p.requires_grad)
-        for name in names[id(p)]:
-            st.shards[name] = shard
-            st.full[name] = meta
         if data.is_meta:
             return new
         if shard.replicated_blocks(st.tp) and p.requires_grad:
@@ -87,24 +105,17 @@ def _shard_in_place(model: nn.Module, st: TPState, plan: Plan) -> None:
             mark_sharded_grad(new, norm_info(shard, st.tp, st.group))
         return new
 
-    swap_tensors(model, "parameters", local)
+    _swap_shards(model, st, "parameters", dict(plan.params), local)
 
 
 def _shard_buffers_in_place(model: nn.Module, st: TPState, plan: Plan) -> None:
     """Replace every sharded buffer (a KV cache written with sharded keys) by this rank's slice."""
-    by_id, names = _by_id(model.named_buffers(remove_duplicate=False), dict(plan.buffers))
 
-    def local(b: torch.Tensor) -> torch.Tensor | None:
-        shard = by_id.get(id(b))
-        if shard is None:
-            return None
-        for name in names[id(b)]:
-            st.shards[name] = shard
-            st.full[name] = torch.empty(b.shape, dtype=b.dtype, device="meta")
+    def local(b: torch.Tensor, shard: ParamShard, names: list[str]) -> torch.Tensor:
         return shard.shard(b, st.tp, st.rank) if not b.is_meta else \
             torch.empty(shard.local_shape, dtype=b.dtype, device="meta")
 
-    swap_tensors(model, "buffers", local)
+    _swap_shards(model, st, "buffers", dict(plan.buffers), local)
 
 
 def _sum_replicated_grads(st: TPState, param: nn.Parameter, shard: ParamShard) -> None:

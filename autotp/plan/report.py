@@ -23,6 +23,17 @@ from autotp.plan.symbols import captured, display, elements, evaluate, parse, sy
 TRAIN_BYTES_PER_PARAM = 16
 
 
+def _ratio(a: int | None, b: int | None) -> float | None:
+    if a is None or b is None or b == 0:
+        return None
+    return a / b
+
+
+def _ratio_of(a: str, b: str) -> property:
+    """A record's ``a / b`` as a property (None where either is unknown, or ``b`` is 0)."""
+    return property(lambda self: _ratio(getattr(self, a), getattr(self, b)))
+
+
 @dataclass(frozen=True)
 class ParamRow:
     name: str  # the plan's name for a sharded parameter, else its first name in the model
@@ -76,13 +87,8 @@ class CommLine:
     formula_elements: int | None
     bytes: int | None = None  # in the dtypes that travel
 
-    @property
-    def count_ratio(self) -> float | None:
-        return _ratio(self.count, self.formula_count)
-
-    @property
-    def elements_ratio(self) -> float | None:
-        return _ratio(self.elements, self.formula_elements)
+    count_ratio = _ratio_of("count", "formula_count")
+    elements_ratio = _ratio_of("elements", "formula_elements")
 
 
 @dataclass(frozen=True)
@@ -98,13 +104,8 @@ class Memory:
     formula_bytes: int  # 16·P_sharded/t + 16·P_replicated
     ideal_bytes: int  # 16·P/t: everything sharded, nothing padded
 
-    @property
-    def formula_ratio(self) -> float | None:
-        return _ratio(self.train_bytes_per_rank, self.formula_bytes)
-
-    @property
-    def ideal_ratio(self) -> float | None:
-        return _ratio(self.train_bytes_per_rank, self.ideal_bytes)
+    formula_ratio = _ratio_of("train_bytes_per_rank", "formula_bytes")
+    ideal_ratio = _ratio_of("train_bytes_per_rank", "ideal_bytes")
 
 
 @dataclass(frozen=True)
@@ -138,12 +139,6 @@ class Report:
         d["memory"] = {**asdict(self.memory), "formula_ratio": self.memory.formula_ratio,
                        "ideal_ratio": self.memory.ideal_ratio}
         return d
-
-
-def _ratio(a: int | None, b: int | None) -> float | None:
-    if a is None or b is None or b == 0:
-        return None
-    return a / b
 
 
 # -- parameters ---------------------------------------------------------------------------------------
