@@ -20,14 +20,14 @@ if TYPE_CHECKING:
     from autotp.parallel.parallelize import TPModule, parallelize
     from autotp.parallel.pipeline import Pipeline, pipeline
     from autotp.plan.plan import Plan
-    from autotp.runtime.gathered import GatheredOnUse
+    from autotp.operators.gathered import GatheredOnUse
     from autotp.state import TPState, tp_state
 
 # public name -> the module that defines it
 _WHERE = {
     "AutotpError": "autotp.errors", "CaptureError": "autotp.errors", "InputMismatchError": "autotp.errors",
     "PipelineError": "autotp.errors", "ProcessGroupError": "autotp.errors", "ShardingError": "autotp.errors",
-    "GatheredOnUse": "autotp.runtime.gathered", "Pipeline": "autotp.parallel.pipeline",
+    "GatheredOnUse": "autotp.operators.gathered", "Pipeline": "autotp.parallel.pipeline",
     "pipeline": "autotp.parallel.pipeline", "Plan": "autotp.plan.plan", "TPModule": "autotp.parallel.parallelize",
     "parallelize": "autotp.parallel.parallelize", "TPState": "autotp.state", "tp_state": "autotp.state",
     "bind_cpu_cores": "autotp.distributed.cpu_binding", "broadcast_batch": "autotp.parallel.data",

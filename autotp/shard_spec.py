@@ -108,7 +108,7 @@ def global_runs(segments: tuple[Segment, ...], tp: int, rank: int) -> list[tuple
 
 
 @dataclass(frozen=True)
-class Piece:
+class LocalRun:
     """A run of a rank's local slice that is one block of one (inner) segment: ``copies`` ranks hold it."""
 
     start: int  # along the local dim
@@ -117,21 +117,21 @@ class Piece:
     leaf: int  # which (inner) segment, numbered in layout order across the segments
 
 
-def local_pieces(segments: tuple[Segment, ...], tp: int) -> list[Piece]:
+def local_runs(segments: tuple[Segment, ...], tp: int) -> list[LocalRun]:
     """The blocks of a rank's local slice in local order, and how many ranks hold each (the same on every
     rank). Norms count a block held by several ranks once; their gradients are summed over those ranks."""
-    out: list[Piece] = []
+    out: list[LocalRun] = []
     start = leaf = 0
     for seg in segments:
         if seg.inner:
             copies = tp // seg.parts
             for _ in range(seg.groups // seg.parts):
-                for i, sub in enumerate(local_pieces(seg.inner, copies)):
-                    out.append(Piece(start, sub.length, sub.copies, leaf + i))
+                for i, sub in enumerate(local_runs(seg.inner, copies)):
+                    out.append(LocalRun(start, sub.length, sub.copies, leaf + i))
                     start += sub.length
             leaf += len(seg.inner)
         else:
-            out.append(Piece(start, seg.local(), tp // seg.parts, leaf))
+            out.append(LocalRun(start, seg.local(), tp // seg.parts, leaf))
             start += seg.local()
             leaf += 1
     return out
@@ -163,7 +163,7 @@ def unshard_tensor(shards: list[torch.Tensor], dim: int, segments: tuple[Segment
 
 
 @dataclass(frozen=True)
-class VocabLayout:
+class VocabRows:
     """Vocab-parallel rows: rank r owns ids [r·per_rank, min(size, (r+1)·per_rank)) in ``local`` rows.
 
     ``per_rank = ceil(size / tp)``; rows past the owned ones are padding (the last rank's, and any
@@ -181,7 +181,7 @@ class VocabLayout:
     classes: int | None = None  # a default, so that plans written before it read back
 
     @classmethod
-    def make(cls, size: int, tp: int, multiple: int = 1) -> VocabLayout:
+    def make(cls, size: int, tp: int, multiple: int = 1) -> VocabRows:
         if multiple < 1:
             raise ValueError(f"vocab padding multiple must be >= 1, got {multiple}")
         per_rank = -(-size // tp)
@@ -196,13 +196,13 @@ class VocabLayout:
     def padded(self, tp: int) -> int:
         return self.local * tp
 
-    def logits(self) -> VocabLayout:
+    def logits(self) -> VocabRows:
         """The layout of the logits' classes: the same rows per rank, with the cropped rows as padding.
         (size 128 cropped to 100 at tp 2: rank 0 owns classes [0, 64), rank 1 [64, 100) and 28 padding.)"""
-        return self if self.classes is None else VocabLayout(self.classes, self.per_rank, self.local)
+        return self if self.classes is None else VocabRows(self.classes, self.per_rank, self.local)
 
 
-def vocab_shard(full: torch.Tensor, dim: int, layout: VocabLayout, rank: int) -> torch.Tensor:
+def vocab_shard(full: torch.Tensor, dim: int, layout: VocabRows, rank: int) -> torch.Tensor:
     """Rank ``rank``'s rows of a vocab-parallel tensor, zero-padded to ``layout.local``."""
     owned = full.narrow(dim, layout.start(rank), layout.owned(rank))
     pad = list(full.shape)
@@ -210,5 +210,5 @@ def vocab_shard(full: torch.Tensor, dim: int, layout: VocabLayout, rank: int) ->
     return torch.cat([owned, full.new_zeros(pad)], dim=dim)
 
 
-def vocab_unshard(shards: list[torch.Tensor], dim: int, layout: VocabLayout) -> torch.Tensor:
+def vocab_unshard(shards: list[torch.Tensor], dim: int, layout: VocabRows) -> torch.Tensor:
     return torch.cat([s.narrow(dim, 0, layout.owned(r)) for r, s in enumerate(shards)], dim=dim)

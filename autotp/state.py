@@ -18,12 +18,11 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from autotp.capture.structure import Spec
-from autotp.distributed.data_parallel import FSDPConfig
+from autotp.operators.rng import RegionRNG
+from autotp.options import Options
 from autotp.plan.plan import ParamShard, Plan, ShardedInput
-from autotp.plan.stages import StageRequest
-from autotp.runtime.rng import RegionRNG
 
-__all__ = ["Captured", "TPState", "attach_state", "detach_state", "find_tp_state", "tp_state"]
+__all__ = ["Captured", "RankIdentity", "TPState", "attach_state", "detach_state", "find_tp_state", "tp_state"]
 
 _KEY = "_autotp"
 
@@ -47,22 +46,31 @@ class Captured:
     wrap: tuple[tuple[int, nn.Module], ...] = ()
 
 
-@dataclass
-class TPState:
-    """What :func:`autotp.parallelize` keeps on the model."""
+@dataclass(frozen=True)
+class RankIdentity:
+    """This rank in its tensor-parallel group: the group, its size and this rank's index, the device its
+    shards live on, and with FSDP the device mesh of the dp and tp dims."""
 
     group: dist.ProcessGroup
     tp: int
     rank: int
     device: torch.device
+    mesh: DeviceMesh | None = None
+
+
+@dataclass
+class TPState:
+    """What :func:`autotp.parallelize` keeps on the model: who this rank is (:class:`RankIdentity`), what was
+    asked for (:class:`~autotp.options.Options`), both set once, and what the calls have found since."""
+
+    who: RankIdentity
+    options: Options
     base: type  # the user's own class
     forward: Callable | None  # a forward the user set on the instance (partial, bound method), else None
-    vocab_multiple: int = 1
-    compile: bool | dict = False  # a dict: torch.compile's options
-    check_inputs: bool = False
-    sequence_parallel: bool = False
-    rng: RegionRNG | None = None
-    expert_parallel: bool = False
+    rng: RegionRNG | None = None  # this rank's stream for random ops in sharded regions
+    # pipelined: the parameter names this rank's stages of a split graph read (never allocated: the others)
+    stage_params: Callable[[fx.GraphModule], set[str]] | None = None
+    # -- found by the calls -----------------------------------------------------------------------------
     shards: dict[str, ParamShard] = field(default_factory=dict)  # every name of a sharded parameter
     # tp 1 only: how fused parameters divide into segments (q|k|v), which checkpoints name at every tp
     segments: dict[str, ParamShard] = field(default_factory=dict)
@@ -71,15 +79,17 @@ class TPState:
     checked: set[Hashable] = field(default_factory=set)
     warned: set[tuple[str, str]] = field(default_factory=set)
     unloaded: tuple[str, ...] = ()  # tensors of a model built on meta that no load gave values yet
-    mesh: DeviceMesh | None = None  # with fsdp: the device mesh of the dp and tp dims
-    fsdp: FSDPConfig | None = None  # sharded data parallelism over the mesh's dp dim(s)
     units: tuple[str, ...] | None = None  # with fsdp: the blocks FSDP gathers one at a time, once applied
-    pipeline: StageRequest | None = None  # pipelined: every graph is cut into these stages
     dropped: frozenset[str] = frozenset()  # pipelined: parameters of other ranks' stages (meta here)
-    # pipelined: the parameter names this rank's stages of a split graph read (never allocated: the others)
-    stage_params: Callable[[fx.GraphModule], set[str]] | None = None
     cached: Plan | None = None  # the plan parallelize sharded by, read from the plan cache (nothing captured)
     cached_from: str = ""  # its file
+
+    # this rank's identity, read everywhere
+    group = property(lambda self: self.who.group)
+    tp = property(lambda self: self.who.tp)
+    rank = property(lambda self: self.who.rank)
+    device = property(lambda self: self.who.device)
+    mesh = property(lambda self: self.who.mesh)
 
     @property
     def plan(self) -> Plan:

@@ -130,7 +130,7 @@ def worker(opts: dict) -> dict:
     import torch.distributed as dist
 
     import autotp
-    from autotp.runtime import collectives
+    from autotp.operators import collectives
     from nanogpt import GPT, GPTConfig
 
     torch.set_num_threads(1)
@@ -155,7 +155,7 @@ def worker(opts: dict) -> dict:
         models["unsharded_compiled"] = torch.compile(copy.deepcopy(base))
         models["autotp_compiled"] = tp(compile=True)
     if opts["reorder"]:  # compile=True without Inductor's compute/communication reordering, for comparison
-        from autotp.runtime import compile as compile_mod
+        from autotp.operators import compile as compile_mod
 
         with unittest.mock.patch.dict(compile_mod.INDUCTOR_CONFIG, {"reorder_for_compute_comm_overlap": False}):
             models["autotp_compiled_no_reorder"] = tp(compile=True)

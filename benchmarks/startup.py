@@ -142,9 +142,10 @@ def worker(kind: str, layers: int, tp: int) -> dict:
         # as _build runs it: the exported blocks planned and rewritten, then copied (autotp.parallel.rewrite)
         from autotp.capture.tracer import capture_blocks
         from autotp.parallel.rewrite import rewrite
-        from autotp.state import TPState
+        from autotp.options import Options
+        from autotp.state import RankIdentity, TPState
 
-        st = TPState(None, tp, 0, cpu, type(net), None, 1, False, False, False, None, False)
+        st = TPState(RankIdentity(None, tp, 0, cpu), Options(), type(net), None)
         st.shards, st.cached = {**dict(plan.params), **dict(plan.buffers)}, plan
         net.eval()
         mark = time.perf_counter()

@@ -162,7 +162,7 @@ def _eval_loss(tpm, args: tuple, kwargs: dict) -> float | None:
 def data_parallel(tpm: autotp.TPModule, ctx: RankContext) -> torch.nn.Module:
     """``tpm`` under DDP over this rank's DP group when dp > 1 (each TP shard's gradients are averaged
     across the replicas holding the same shard), else (or when FSDP shards it already) ``tpm`` itself."""
-    if ctx.layout.dp == 1 or autotp.tp_state(tpm).fsdp is not None:
+    if ctx.layout.dp == 1 or autotp.tp_state(tpm).options.fsdp is not None:
         return tpm
     return torch.nn.parallel.DistributedDataParallel(
         tpm, process_group=ctx.dp_group(), device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)

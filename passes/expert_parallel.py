@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch.fx as fx
 
 from autotp.plan.plan import Plan
-from autotp.runtime.expert_ops import ExpertGrouped, ExpertIndex, ExpertOut, ExpertRows, ExpertSelect
+from autotp.operators.expert_ops import ExpertGrouped, ExpertIndex, ExpertOut, ExpertRows, ExpertSelect
 
 INDEX = "autotp_expert_index"
 

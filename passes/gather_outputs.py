@@ -12,13 +12,13 @@ After::
     return (logits, loss, k_out)
 
 A training step that ignores the returned cache moves nothing; the gather is bound to the group by the
-runtime (:class:`~autotp.runtime.gathered.GatherOutput`), so this pass stays rank-free.
+runtime (:class:`~autotp.operators.gathered.GatherOutput`), so this pass stays rank-free.
 """
 from __future__ import annotations
 
 import torch.fx as fx
 
-from autotp.runtime.gathered import GatherOutput
+from autotp.operators.gathered import GatherOutput
 from autotp.plan.plan import Plan
 from autotp.shard_spec import shard_tensor, unshard_tensor
 

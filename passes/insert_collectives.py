@@ -20,7 +20,7 @@ After::
 
 Columns sharing one input share one ``f`` (q, k and v: one all-reduce backward, not three; so do the
 experts of one MoE layer, ``pair.enter_with``), fused with
-them into one :class:`~autotp.runtime.collectives.ColumnGroup` where their forms are plain (``linear``, ``addmm``,
+them into one :class:`~autotp.operators.collectives.ColumnGroup` where their forms are plain (``linear``, ``addmm``,
 ``mm``/``matmul`` by a parameter or its transpose; ``plan.column_forms`` names each one's weight and bias), so
 that the input gradient's all-reduce overlaps the weight gradients::
 
@@ -49,9 +49,9 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from autotp.runtime.collectives import ColumnGroup, EnterTP, LeaveTP
+from autotp.operators.collectives import ColumnGroup, EnterTP, LeaveTP
 from autotp.plan.plan import Plan, SeqEnter
-from autotp.runtime.seq_ops import AllGatherSeq, ReduceScatterSeq, SeqColumnGroup
+from autotp.operators.seq_ops import AllGatherSeq, ReduceScatterSeq, SeqColumnGroup
 
 aten = torch.ops.aten
 

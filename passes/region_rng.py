@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch.fx as fx
 
 from autotp.plan.plan import Plan
-from autotp.runtime.rng import RegionRandom
+from autotp.operators.rng import RegionRandom
 
 
 def region_rng(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:

@@ -2,7 +2,7 @@
 
 With sequence parallelism a norm's weight, or a row-parallel bias added after the reduce-scatter, sees
 only this rank's s/t positions: its gradient on each rank is partial. All of them pass through one
-:class:`~autotp.runtime.seq_ops.SumGrads` (identity forward; one all-reduce of every such gradient, flattened
+:class:`~autotp.operators.seq_ops.SumGrads` (identity forward; one all-reduce of every such gradient, flattened
 together, backward), as Megatron all-reduces its sequence-parallel parameters' gradients in one bucket.
 A value computed from parameters (not a parameter itself) gets its own ``f`` instead.
 
@@ -25,9 +25,9 @@ import operator
 
 import torch.fx as fx
 
-from autotp.runtime.collectives import EnterTP
+from autotp.operators.collectives import EnterTP
 from autotp.plan.plan import Plan
-from autotp.runtime.seq_ops import SumGrads
+from autotp.operators.seq_ops import SumGrads
 
 TARGET = "autotp_seq_grads"
 

@@ -26,7 +26,7 @@ import torch
 import torch.fx as fx
 
 from autotp.plan.plan import Plan
-from autotp.runtime.seq_ops import GatherSeq, SliceSeq
+from autotp.operators.seq_ops import GatherSeq, SliceSeq
 
 aten = torch.ops.aten
 

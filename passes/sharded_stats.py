@@ -19,7 +19,7 @@ After::
     n = autotp_stat_1(k, k_norm_weight)               # ShardedNorm: local moments, one all-reduce
 
 ``var``/``std`` (sums of x and x² in one all-reduce) and p-norms (``F.normalize`` over the width: the sum of
-|x|^p) over the sharded dim are replaced by a :class:`~autotp.runtime.collectives.ShardedReduction` the same way.
+|x|^p) over the sharded dim are replaced by a :class:`~autotp.operators.collectives.ShardedReduction` the same way.
 
 The weights of such norms are sharded with the heads (plan.params). The modules bind the group at run
 time; the pass never reads it.
@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from autotp.runtime.collectives import ShardedNorm, ShardedReduction, StatAllReduce
+from autotp.operators.collectives import ShardedNorm, ShardedReduction, StatAllReduce
 from autotp.plan.plan import Plan
 
 

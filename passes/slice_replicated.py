@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from autotp.runtime.gathered import LocalSliceOp
+from autotp.operators.gathered import LocalSliceOp
 from autotp.plan.plan import Plan
 
 

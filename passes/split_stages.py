@@ -6,8 +6,8 @@ and the code after the last block in the last. A value made from the graph's inp
 (an attention mask, rotary tables: :func:`~autotp.plan.pieces.recomputable`) is computed again in each
 stage that reads it, so only what the blocks compute (the hidden state) crosses a cut. ``torch.fx``'s ``split_module`` cuts the graph there: each
 piece takes the graph inputs it reads and the values earlier pieces computed, and is replaced by a
-:class:`~autotp.runtime.units.PieceCall` that reads its parameters from the model when it runs (a rank
-holds only its own stages' parameters). :mod:`autotp.runtime.stages` turns the top graph into the modules
+:class:`~autotp.operators.units.PieceCall` that reads its parameters from the model when it runs (a rank
+holds only its own stages' parameters). :mod:`autotp.operators.stages` turns the top graph into the modules
 ``torch.distributed.pipelining`` runs.
 
 Before::
@@ -31,7 +31,7 @@ from autotp.passes.split_units import split_into_pieces
 from autotp.plan.pieces import recomputable, unit_keys
 from autotp.plan.plan import Plan
 from autotp.plan.stages import stage_of_key
-from autotp.runtime.stages import STAGE_PREFIX
+from autotp.operators.stages import STAGE_PREFIX
 
 
 def split_stages(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:

@@ -6,7 +6,7 @@ everything else is root-level code, grouped by where it runs between the blocks:
 block runs as the "first" unit (the embeddings), the code after the last as the "last" (final norm, LM
 head), where the plan has them. ``torch.fx``'s
 ``split_module`` cuts the graph there, and each piece is replaced by a
-:class:`~autotp.runtime.units.PieceCall` that reads the piece's parameters from the model when it runs (a
+:class:`~autotp.operators.units.PieceCall` that reads the piece's parameters from the model when it runs (a
 unit's piece through the unit's FSDP forward method), so the top graph keeps no parameter.
 
 Before::
@@ -35,7 +35,7 @@ from torch.fx.passes.split_module import split_module
 
 from autotp.plan.pieces import unit_keys
 from autotp.plan.plan import Plan
-from autotp.runtime.units import PieceCall
+from autotp.operators.units import PieceCall
 
 
 def split_units(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:

@@ -17,7 +17,7 @@ import torch.fx as fx
 
 from autotp.passes.insert_collectives import LEAVE, ensure_collective_modules, seq_leave
 from autotp.plan.plan import Plan
-from autotp.runtime.vocab_ops import VocabEmbedding
+from autotp.operators.vocab_ops import VocabEmbedding
 
 
 def vocab_embedding(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:

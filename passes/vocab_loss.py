@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch.fx as fx
 
 from autotp.plan.plan import Plan
-from autotp.runtime.vocab_ops import VocabCrossEntropy
+from autotp.operators.vocab_ops import VocabCrossEntropy
 
 
 def vocab_loss(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:

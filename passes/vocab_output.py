@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch.fx as fx
 
 from autotp.plan.plan import Plan
-from autotp.runtime.vocab_ops import VocabOutput
+from autotp.operators.vocab_ops import VocabOutput
 
 
 def vocab_output(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:

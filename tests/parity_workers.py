@@ -122,7 +122,7 @@ def large_logits_cross_entropy() -> dict:
     the loss of each row and the gradient, with and without label smoothing."""
     import torch.nn.functional as F
 
-    from autotp.runtime.vocab_ops import _VocabCE
+    from autotp.operators.vocab_ops import _VocabCE
 
     g = torch.Generator().manual_seed(0)
     full = torch.randn(64, 100, generator=g) * 3 + 1e4
@@ -144,8 +144,8 @@ def dropout_streams() -> dict:
     """With dropout, replicated activations stay identical across ranks; sharded-region masks differ."""
     import torch.distributed as dist
 
-    from autotp.runtime.collectives import EnterTP
-    from autotp.runtime.rng import RegionRandom
+    from autotp.operators.collectives import EnterTP
+    from autotp.operators.rng import RegionRandom
 
     ref, args, _ = MODELS["nanogpt"](dropout=0.1)
     torch.manual_seed(1234)
@@ -474,7 +474,7 @@ def _sequence_dropout() -> dict:
     holds other positions); the default generator stays in step across the group."""
     import torch.distributed as dist
 
-    from autotp.runtime.rng import RegionRandom
+    from autotp.operators.rng import RegionRandom
 
     ref, args, _ = MODELS["nanogpt"](dropout=0.1)
     torch.manual_seed(1234)

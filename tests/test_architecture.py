@@ -15,10 +15,11 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("autotp.errors", "autotp.shard_spec"),  # the vocabulary: typed errors, how a tensor is cut
     ("autotp.plan.plan",),  # the Plan's types: the contract analysis writes and the passes read
     ("autotp.distributed",),  # rank layout, process groups, the launcher
-    ("autotp.runtime",),  # operators the rewritten graph runs; they know no graph, plan or model
+    ("autotp.operators",),  # operators the rewritten graph runs; they know no graph, plan or model
     ("autotp.capture",),  # the user's call as an exported graph
     ("autotp.analysis",),  # facts found in the graph
     ("autotp.plan",),  # the Plan (the contract) and the planner that writes it from the facts
+    ("autotp.options",),  # what parallelize is asked for, validated once
     ("autotp.passes",),  # graph rewrites that execute a Plan
     ("autotp.state",),  # what a parallelized model carries (TPState), and its one accessor
     ("autotp.io",),  # weights and checkpoints in and out of a model, read through the accessor

@@ -19,10 +19,10 @@ from autotp.capture.tracer import capture
 from autotp.passes import run_passes, split_stages
 from autotp.plan.planner import make_plan
 from autotp.plan.stages import StageRequest
-from autotp.runtime.autocast import Autocast, outline_autocast, region_of
-from autotp.runtime.regions import regions
-from autotp.runtime.stages import StageModule, input_name, wire_stages
-from autotp.runtime.units import bind_pieces
+from autotp.operators.autocast import Autocast, outline_autocast, region_of
+from autotp.operators.regions import regions
+from autotp.operators.stages import StageModule, input_name, wire_stages
+from autotp.operators.units import bind_pieces
 from autocast_models import KINDS, build, rotate_plain
 from pattern_models import HD, NH, H, V, RMSNorm, SwiGLU, build_with
 

@@ -527,7 +527,7 @@ def test_crossing_is_what_the_pipeline_sends(name, loss) -> None:
     from autotp.passes.split_stages import split_stages
     from autotp.plan.pipeline_report import crossing, node_stages
     from autotp.plan.stages import StageRequest
-    from autotp.runtime.stages import wire_stages
+    from autotp.operators.stages import wire_stages
 
     model, args, kwargs = MODELS[name]()
     gm, _ = capture(model, args, kwargs, static=True)

@@ -16,7 +16,8 @@ from typer.testing import CliRunner
 from autotp.cli.main import app
 from autotp.capture.modelfile import ModelFileError, default_example, find_loss, load_model_file, split_batch
 from autotp.plan.plan import ParamShard, Plan
-from autotp.state import Captured, TPState, attach_state
+from autotp.options import Options
+from autotp.state import Captured, RankIdentity, TPState, attach_state
 from autotp.shard_spec import Segment, shard_tensor
 from distributed import ROOT, launch
 
@@ -108,7 +109,7 @@ class _Shards(nn.Module):
         self.w = nn.Parameter(w)
         self.norm = nn.Parameter(torch.arange(3.0))
         self.plan = Plan(tp=tp, params=(("w", _GQA),))
-        st = TPState(group=None, tp=tp, rank=0, device=torch.device("cpu"), base=nn.Module, forward=None)
+        st = TPState(RankIdentity(None, tp, 0, torch.device("cpu")), Options(), base=nn.Module, forward=None)
         st.shards, st.graphs = {"w": _GQA}, {"call": Captured(nn.Identity(), self.plan, None)}
         attach_state(self, st)
 

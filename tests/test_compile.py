@@ -25,8 +25,8 @@ def compile_worker() -> dict:
     import torch._dynamo
 
     import autotp
-    from autotp.runtime.compile import DYNAMO_CONFIG, uncompiled
-    from autotp.runtime.gathered import local_outputs as _local_outputs
+    from autotp.operators.compile import DYNAMO_CONFIG, uncompiled
+    from autotp.operators.gathered import local_outputs as _local_outputs
     from nanogpt import GPT, GPTConfig
 
     torch.manual_seed(0)

@@ -1,5 +1,5 @@
 """The model's own autograd Functions (tests/function_models.py): captured with their forward's ops tagged
-(:mod:`autotp.capture.functions`), called again by the sharded graph (:mod:`autotp.runtime.functions`) so
+(:mod:`autotp.capture.functions`), called again by the sharded graph (:mod:`autotp.operators.functions`) so
 their backward is the model's; sharded through where running the Function on random shards shows its forward
 and backward local to a shard, else whole with the reason; exact at tp 2 and 4.
 """
@@ -10,10 +10,10 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from autotp.analysis.function_rules import FunctionRefused, Operand, check_function
-from autotp.runtime.functions import FunctionCall, call_of
+from autotp.operators.functions import FunctionCall, call_of
 from autotp.capture.tracer import capture
 from autotp.plan.planner import make_plan
-from autotp.runtime.functions import CustomFunction, outline_functions
+from autotp.operators.functions import CustomFunction, outline_functions
 from distributed import Launches
 from function_models import KINDS, GradNorm, RoundSTE, build
 from parity_workers import dense_step_collectives, pattern_parity

@@ -15,7 +15,7 @@ from autotp.analysis.experts import analyze_experts
 from autotp.analysis.pairs import analyze
 from autotp.errors import ShardingError
 from autotp.plan.planner import check_expert_counts, make_plan
-from autotp.runtime.expert_ops import ExpertGrouped, ExpertIndex, ExpertOut, ExpertRows, ExpertSelect
+from autotp.operators.expert_ops import ExpertGrouped, ExpertIndex, ExpertOut, ExpertRows, ExpertSelect
 from distributed import Launches
 from moe_models import E, H, S, build, collectives
 from parity_workers import pattern_parity

@@ -21,7 +21,7 @@ from autotp.passes import run_passes
 from autotp.passes.split_units import split_units
 from autotp.plan.plan import Plan
 from autotp.plan.planner import make_plan
-from autotp.runtime.units import PieceCall, bind_pieces
+from autotp.operators.units import PieceCall, bind_pieces
 from distributed import Launches
 from fsdp_models import KINDS, build
 from fsdp_workers import fsdp_load_weights, fsdp_parity, fsdp_parity_many, fsdp_resume_matrix

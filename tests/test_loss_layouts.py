@@ -7,7 +7,7 @@ import pytest
 from autotp.capture.tracer import capture
 from autotp.passes import run_passes
 from autotp.plan.planner import make_plan
-from autotp.runtime.vocab_ops import VocabCrossEntropy
+from autotp.operators.vocab_ops import VocabCrossEntropy
 from distributed import Launches
 from loss_layout_models import KINDS, build
 from parity_workers import dense_step_collectives, pattern_parity

@@ -13,7 +13,7 @@ from autotp.parallel.pipeline import check_pipeline, stage_ranks
 from autotp.passes import run_passes, split_stages
 from autotp.plan.planner import make_plan
 from autotp.plan.stages import StageRequest, _split
-from autotp.runtime.stages import wire_stages
+from autotp.operators.stages import wire_stages
 from distributed import launch
 from pipeline_models import MODELS
 

@@ -81,11 +81,12 @@ def test_names_of_copies():
 def _later(model, args, kwargs, **options):
     """A TPState that holds the first signature's shards (as parallelize leaves it, no group needed) and a
     later signature's cut capture of ``model``."""
-    from autotp.state import TPState
+    from autotp.options import Options
+    from autotp.state import RankIdentity, TPState
 
     gm, _ = capture_blocks(model, args, kwargs).whole()
     first = make_plan(gm, 2)
-    st = TPState(None, 2, 0, torch.device("cpu"), type(model), None, 1, False, False, False, None, False)
+    st = TPState(RankIdentity(None, 2, 0, torch.device("cpu")), Options(), type(model), None)
     st.shards, st.cached = {**dict(first.params), **dict(first.buffers)}, first
     model.eval()
     return st, capture_blocks(model, args, kwargs), first

@@ -8,11 +8,11 @@ import torch
 import torch.fx as fx
 
 from autotp.capture.tracer import capture
-from autotp.runtime.collectives import ColumnGroup, EnterTP, LeaveTP
+from autotp.operators.collectives import ColumnGroup, EnterTP, LeaveTP
 from autotp.passes import run_passes
 from autotp.plan.plan import SEQ_PARAMS
 from autotp.plan.planner import make_plan
-from autotp.runtime.seq_ops import AllGatherSeq, GatherSeq, ReduceScatterSeq, SeqColumnGroup, SliceSeq, SumGrads
+from autotp.operators.seq_ops import AllGatherSeq, GatherSeq, ReduceScatterSeq, SeqColumnGroup, SliceSeq, SumGrads
 from distributed import launch
 from models import MODELS
 from pattern_models import KINDS, S

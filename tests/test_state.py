@@ -9,7 +9,8 @@ from autotp.cli.run import as_flags
 from autotp.distributed.launch import LaunchSpec
 from autotp.errors import LaunchError
 from autotp.io.empty import swap_tensors
-from autotp.state import TPState, attach_state, detach_state, find_tp_state, tp_state
+from autotp.options import Options
+from autotp.state import RankIdentity, TPState, attach_state, detach_state, find_tp_state, tp_state
 
 
 class _Tied(nn.Module):
@@ -26,7 +27,7 @@ def test_state_is_attached_and_found_through_the_accessor() -> None:
     assert find_tp_state(model) is None
     with pytest.raises(TypeError, match="_Tied is not parallelized"):
         tp_state(model)
-    st = TPState(group=None, tp=2, rank=1, device=torch.device("cpu"), base=_Tied, forward=None)
+    st = TPState(RankIdentity(None, 2, 1, torch.device("cpu")), Options(), base=_Tied, forward=None)
     attach_state(model, st)
     assert tp_state(model) is st and find_tp_state(model) is st
     assert "_autotp" not in dict(model.named_modules()) and not any("autotp" in k for k in model.state_dict())

@@ -9,11 +9,11 @@ import torch
 import torch.fx as fx
 
 from autotp.capture.tracer import capture
-from autotp.runtime.collectives import ColumnGroup, EnterTP, LeaveTP
+from autotp.operators.collectives import ColumnGroup, EnterTP, LeaveTP
 from autotp.errors import ShardingError
 from autotp.passes import run_passes
 from autotp.plan.planner import make_plan
-from autotp.runtime.vocab_ops import VocabCrossEntropy, VocabEmbedding, VocabOutput
+from autotp.operators.vocab_ops import VocabCrossEntropy, VocabEmbedding, VocabOutput
 from models import MODELS
 from toy_models import toy
 
@@ -241,7 +241,7 @@ def test_statistics_folded_heads_and_cache_buffers_are_planned_and_inserted():
     sharded (no process group: structure only)."""
     import operator
 
-    from autotp.runtime.collectives import ShardedNorm
+    from autotp.operators.collectives import ShardedNorm
     from cache_models import build as build_cached
     from pattern_models import build
 
@@ -277,7 +277,7 @@ def test_statistics_folded_heads_and_cache_buffers_are_planned_and_inserted():
 def test_index_lists_read_as_slices_and_width_reductions_become_statistics():
     """``f[..., [-2], :]`` (consecutive positions) is captured as the slice it equals, a scattered list stays an
     index; var and p-norms over the whole projection width become one statistics all-reduce each."""
-    from autotp.runtime.collectives import ShardedReduction
+    from autotp.operators.collectives import ShardedReduction
     from pattern_models import build
 
     class Pick(torch.nn.Module):

@@ -122,7 +122,7 @@ def test_plan_is_immutable_json_data():
 def test_grouped_segments_cut_whole_groups_or_split_one_group_among_its_ranks():
     """Falcon's [n_kv groups, 4 q heads + k + v, d=1]: at tp 4 each of the 2 groups is held by 2 ranks that split
     its q heads and both hold its k and v; at tp 2 and 1 ranks hold whole groups."""
-    from autotp.shard_spec import Piece, local_indices, local_pieces
+    from autotp.shard_spec import LocalRun, local_indices, local_runs
 
     def grouped(parts, inner_parts):
         return (Segment(12, parts, (Segment(4, inner_parts), Segment(1, 1), Segment(1, 1))),)
@@ -132,8 +132,8 @@ def test_grouped_segments_cut_whole_groups_or_split_one_group_among_its_ranks():
     assert [local_indices(grouped(2, 1), 2, r).tolist() for r in range(2)] == [list(range(6)), list(range(6, 12))]
     assert local_indices(grouped(1, 1), 1, 0).tolist() == list(range(12))
     assert grouped(2, 2)[0].local() == 4 and grouped(1, 1)[0].local() == 12
-    assert local_pieces(grouped(2, 2), 4) == [Piece(0, 2, 1, 0), Piece(2, 1, 2, 1), Piece(3, 1, 2, 2)]
-    assert [p.leaf for p in local_pieces(grouped(1, 1), 1)] == [0, 1, 2, 0, 1, 2]
+    assert local_runs(grouped(2, 2), 4) == [LocalRun(0, 2, 1, 0), LocalRun(2, 1, 2, 1), LocalRun(3, 1, 2, 2)]
+    assert [p.leaf for p in local_runs(grouped(1, 1), 1)] == [0, 1, 2, 0, 1, 2]
     w = torch.arange(12.0)
     assert torch.equal(unshard_tensor([shard_tensor(w, 0, grouped(2, 2), 4, r) for r in range(4)], 0, grouped(2, 2), 4), w)
 

@@ -15,8 +15,8 @@ from autotp.capture.tracer import capture
 from autotp.passes import run_passes
 from autotp.plan.plan import Plan
 from autotp.plan.planner import make_plan
-from autotp.shard_spec import VocabLayout, vocab_shard, vocab_unshard
-from autotp.runtime.vocab_ops import VocabCrossEntropy, VocabOutput
+from autotp.shard_spec import VocabRows, vocab_shard, vocab_unshard
+from autotp.operators.vocab_ops import VocabCrossEntropy, VocabOutput
 from distributed import launch
 from vocab_gap_models import CLASSES, EXPERTS, GATES, H, KINDS, NOT_CROPS, PADDED, ROUTERS, S, build, gap_parity
 
@@ -30,7 +30,7 @@ def _calls(gm, kind: type) -> list:
 
 def test_cropped_layout_treats_the_rows_past_the_classes_as_padding():
     """128 rows cropped to 60 at tp 4: ranks 2 and 3 hold rows but no class; the weight keeps every row."""
-    layout = dataclasses.replace(VocabLayout.make(PADDED, 4), classes=60)
+    layout = dataclasses.replace(VocabRows.make(PADDED, 4), classes=60)
     rows, classes = layout, layout.logits()
     assert [(rows.start(r), rows.owned(r)) for r in range(4)] == [(0, 32), (32, 32), (64, 32), (96, 32)]
     assert [(classes.start(r), classes.owned(r)) for r in range(4)] == [(0, 32), (32, 28), (60, 0), (60, 0)]
@@ -42,7 +42,7 @@ def test_cropped_layout_treats_the_rows_past_the_classes_as_padding():
     assert torch.equal(vocab_unshard(local, 1, classes), logits)
     # plans written before the field read back as uncropped
     old = {k: v for k, v in dataclasses.asdict(rows).items() if k != "classes"}
-    assert VocabLayout(**old).classes is None and VocabLayout(**old).logits() == VocabLayout(**old)
+    assert VocabRows(**old).classes is None and VocabRows(**old).logits() == VocabRows(**old)
 
 
 @pytest.mark.parametrize("kind", list(CLASSES))

@@ -15,7 +15,7 @@ from typing import NamedTuple
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from autotp.runtime.functions import FunctionCall
+from autotp.operators.functions import FunctionCall
 
 
 class FunctionRefused(Exception):

@@ -20,7 +20,7 @@ from autotp.analysis.torch_rules import TorchRefused, ask_torch
 from autotp.analysis.value_rules import ValueRules
 from autotp.analysis.function_rules import FunctionRefused, Operand, check_function
 from autotp.plan.plan import Rewrite
-from autotp.runtime.functions import FunctionCall, arg_index, call_of, is_result, result_count, result_index
+from autotp.operators.functions import FunctionCall, arg_index, call_of, is_result, result_count, result_index
 from autotp.errors import ShardingError
 from autotp.shard_spec import Sharding
 

@@ -39,7 +39,7 @@ from autotp.analysis.ops import arg_named, arg_of, is_guard, is_random, moved_di
 from autotp.analysis.shapes import Fingerprinter, normalize_dim, view_groups
 from autotp.analysis.torch_rules import TorchRefused, ask_torch
 from autotp.analysis.vocab import VocabFacts
-from autotp.runtime.functions import call_of
+from autotp.operators.functions import call_of
 
 
 class _Whole(Exception):

@@ -9,7 +9,7 @@
 - A weight used by an embedding and a head (tied, found by identity) gets one layout for both.
 - A head padded past the vocabulary and cropped in the model (``lm_head(x)[..., :vocab_size]``, ``narrow``)
   keeps all its rows vocab-parallel: the crop is the vocab padding already there, so it becomes the identity on
-  each rank's logits and the layout records the classes (``VocabLayout.classes``) that the loss and the
+  each rank's logits and the layout records the classes (``VocabRows.classes``) that the loss and the
   returned logits keep.
 - An unpaired matmul that is not an LM head is reported as what its dataflow says it is: a gate (a few
   features read by sigmoid, softmax or a multiply), a router (read by topk), else a linear outside every pair.
@@ -29,7 +29,7 @@ from autotp.analysis.op_rules import OpRule, kind_of, op_rule
 from autotp.analysis.ops import Unshardable, arg_of, from_inputs, ndim_of, slice_range
 from autotp.analysis.propagate import Propagator
 from autotp.analysis.shapes import Fingerprinter, is_static, normalize_dim
-from autotp.shard_spec import Segment, Sharding, VocabLayout
+from autotp.shard_spec import Segment, Sharding, VocabRows
 
 aten = torch.ops.aten
 
@@ -55,7 +55,7 @@ class LossFact:
 @dataclass
 class HeadFact:
     matmul: ParamMatmul
-    layout: VocabLayout
+    layout: VocabRows
     losses: list[LossFact] = field(default_factory=list)
     outputs: list[tuple[fx.Node, int]] = field(default_factory=list)  # returned node, vocab dim
     specs: dict[fx.Node, Sharding] = field(default_factory=dict)
@@ -64,7 +64,7 @@ class HeadFact:
 
 @dataclass
 class VocabFacts:
-    embeddings: list[tuple[fx.Node, str, VocabLayout]] = field(default_factory=list)  # node, weight, layout
+    embeddings: list[tuple[fx.Node, str, VocabRows]] = field(default_factory=list)  # node, weight, layout
     heads: list[HeadFact] = field(default_factory=list)
 
 
@@ -328,7 +328,7 @@ def _kept_whole(m: ParamMatmul, why: str, latent_of: str | None = None) -> str:
             f"(its output is read by {reads})")
 
 
-def _propagate_head(m: ParamMatmul, layout: VocabLayout, fp: Fingerprinter, tp: int) -> HeadFact:
+def _propagate_head(m: ParamMatmul, layout: VocabRows, fp: Fingerprinter, tp: int) -> HeadFact:
     p = _VocabPropagator(fp, tp, m.module)
     spec = Sharding(ndim_of(m.node) - 1, (Segment(layout.padded(tp), tp),))
     p.region.specs[m.node] = spec
@@ -388,12 +388,12 @@ def analyze_vocab(gm: fx.GraphModule, a: Analysis, tp: int, multiple: int = 1) -
     for node in gm.graph.nodes:
         if node.op == "get_attr" and node.target in params:
             uses.setdefault(node.target, []).extend(node.users)
-    layouts: dict[str, VocabLayout] = {}
+    layouts: dict[str, VocabRows] = {}
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     for m in a.matmuls:
         if m.node in paired or m.in_axis is not None:  # an expert's 3-D weight is no LM head
             continue
-        layout = VocabLayout.make(m.out_features, tp, multiple)
+        layout = VocabRows.make(m.out_features, tp, multiple)
         try:
             head = _propagate_head(m, layout, fp, tp)
         except (Unshardable, ShardingError) as e:
@@ -428,6 +428,6 @@ def analyze_vocab(gm: fx.GraphModule, a: Analysis, tp: int, multiple: int = 1) -
             a.replicated.append((module_path(node) or w,
                                  f"embedding kept whole: its weight is also used by {others[0].name}"))
             continue
-        layout = layouts.setdefault(w, VocabLayout.make(params[w].shape[0], tp, multiple))
+        layout = layouts.setdefault(w, VocabRows.make(params[w].shape[0], tp, multiple))
         facts.embeddings.append((node, w, layout))
     return facts

@@ -1,9 +1,9 @@
 """Look into the autocast regions export wraps: ``with torch.autocast(...):`` blocks and functions decorated
 with ``@torch.autocast``/``torch.amp.custom_fwd`` become a ``wrap_with_autocast`` higher-order op whose body is
 a submodule, which no rule of analysis reads. :func:`inline_autocast` copies each body into the graph in the
-op's place, its nodes tagged with the region's arguments (:class:`~autotp.runtime.autocast.AutocastRegion`),
+op's place, its nodes tagged with the region's arguments (:class:`~autotp.operators.autocast.AutocastRegion`),
 so analysis and the passes see plain ops (a q/k norm computed in fp32 is a norm like any other); the runtime
-outlines the tagged nodes again under the same ``torch.autocast`` (:func:`~autotp.runtime.autocast.outline_autocast`).
+outlines the tagged nodes again under the same ``torch.autocast`` (:func:`~autotp.operators.autocast.outline_autocast`).
 
 Before::
 
@@ -25,7 +25,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from autotp.runtime.autocast import KEY, AutocastRegion
+from autotp.operators.autocast import KEY, AutocastRegion
 
 _WRAP = getattr(torch.ops.higher_order, "wrap_with_autocast", None)
 

@@ -11,7 +11,7 @@ import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from autotp.capture.autocast import inline_autocast
-from autotp.runtime.functions import is_marker
+from autotp.operators.functions import is_marker
 from autotp.capture.einsum import einsums_as_batched_matmuls
 
 aten = torch.ops.aten

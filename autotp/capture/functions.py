@@ -7,7 +7,7 @@ torch under ``torch.fx.traceback.annotate``: every node its forward makes carrie
 ``meta["custom"]["autotp_function"]`` (a :class:`FunctionCall`: the class and the call's non-tensor
 arguments), each tensor argument enters through an ``aten.alias`` marked with its position and each tensor
 result leaves through one marked with its position. The runtime outlines each region into a call of the
-Function itself (:mod:`autotp.runtime.functions`), so its backward is the model's again.
+Function itself (:mod:`autotp.operators.functions`), so its backward is the model's again.
 
 Before (what export gives)::
 
@@ -30,7 +30,7 @@ import torch
 import torch.fx.traceback as fx_traceback
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from autotp.runtime.functions import ARG, KEY, OUT, FunctionCall, Out
+from autotp.operators.functions import ARG, KEY, OUT, FunctionCall, Out
 
 def is_models_own(function: type) -> bool:
     """A Function the model defines (torch's own, such as checkpointing's, are traced as torch means them)."""

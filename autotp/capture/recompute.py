@@ -7,7 +7,7 @@ were recomputed, and the reentrant kind (``CheckpointFunction``, what Hugging Fa
 :func:`marking_checkpoints` runs each checkpointed function plainly (the same ops, gradients flowing) under
 ``torch.fx.traceback.annotate``, so each node it makes carries ``meta["custom"]["autotp_recompute"]``: a number
 per call. The rewritten graph runs each such region under ``torch.utils.checkpoint`` again
-(:mod:`autotp.runtime.recompute`), so the sharded model keeps only what the user's model kept.
+(:mod:`autotp.operators.recompute`), so the sharded model keeps only what the user's model kept.
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from collections.abc import Iterator
 import torch.fx.traceback as fx_traceback
 import torch.utils.checkpoint as torch_checkpoint
 
-from autotp.runtime.recompute import KEY
+from autotp.operators.recompute import KEY
 
 
 @contextlib.contextmanager

@@ -40,7 +40,7 @@ from torch.export import Dim
 from torch.nn.utils.stateless import _reparametrize_module
 
 from autotp.errors import CaptureError
-from autotp.runtime.gathered import GatheredOnUse
+from autotp.operators.gathered import GatheredOnUse
 from autotp.capture.functions import marking_functions
 from autotp.capture.recompute import marking_checkpoints
 from autotp.capture.canonical import canonicalize

@@ -33,7 +33,7 @@ from autotp.errors import CheckpointError
 from autotp.distributed.launch import RankContext
 from autotp.plan.plan import ParamShard, Plan
 from autotp.shard_spec import Segment
-from autotp.runtime.gathered import all_gather_flat
+from autotp.operators.gathered import all_gather_flat
 from autotp.state import tp_state
 
 

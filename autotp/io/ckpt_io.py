@@ -23,7 +23,7 @@ coordinates, so it resumes at any tp and dp the model's sizes allow (weights and
 * ``optim``: the optimizer's per-parameter tensors laid out like their parameters (:mod:`autotp.io.optim_state`);
 * ``train``: the step counter;
 * ``rng``: the default generator's state per data-parallel replica (the ranks of a TP group keep it in step),
-  and each rank's sharded-region stream (:mod:`autotp.runtime.rng`), restored where the layout allows.
+  and each rank's sharded-region stream (:mod:`autotp.operators.rng`), restored where the layout allows.
 
 Next to the DCP files rank 0 writes the manifest ``autotp.json``: format, step, tp, dp, world size, the
 optimizer's plain data (class, hyper-parameters) and each file's CRC-32, taken while it was written and checked

@@ -37,7 +37,7 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from autotp.io.ckpt_safety import METADATA, _TensorsOnlyPlanner, _VerifiedReader, read_metadata, verify_files
 from autotp.errors import CheckpointError
 
-__all__ = ["DcpSource", "Piece", "SafetensorsSource", "Source", "TensorInfo", "TorchFileSource", "open_source"]
+__all__ = ["DcpSource", "CopyRange", "SafetensorsSource", "Source", "TensorInfo", "TorchFileSource", "open_source"]
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -55,7 +55,7 @@ class TensorInfo:
 
 
 @dataclass(frozen=True)
-class Piece:
+class CopyRange:
     """Copy ``[start, start + length)`` along the read's dim of a checkpoint tensor into ``out``."""
 
     start: int
@@ -77,10 +77,10 @@ class Source(ABC):
         """Every tensor of the checkpoint: name -> full shape and stored dtype."""
 
     @abstractmethod
-    def read(self, name: str, dim: int, pieces: list[Piece]) -> None:
+    def read(self, name: str, dim: int, pieces: list[CopyRange]) -> None:
         """Copy each piece's range of tensor ``name`` along ``dim`` into the piece's ``out``."""
 
-    def view(self, name: str, dim: int, piece: Piece) -> torch.Tensor | None:
+    def view(self, name: str, dim: int, piece: CopyRange) -> torch.Tensor | None:
         """The piece's range of tensor ``name`` as a tensor over a private (copy-on-write) mapping of the
         checkpoint's file, where the format stores that range as one run of bytes; else None."""
         return None
@@ -88,11 +88,11 @@ class Source(ABC):
     def finish(self) -> None:
         """Complete the reads queued so far."""
 
-    def _count(self, pieces: list[Piece], dtype: torch.dtype) -> None:
+    def _count(self, pieces: list[CopyRange], dtype: torch.dtype) -> None:
         self.bytes_read += sum(p.out.numel() for p in pieces) * dtype.itemsize
 
 
-def _index(ndim: int, dim: int, piece: Piece) -> tuple[slice, ...]:
+def _index(ndim: int, dim: int, piece: CopyRange) -> tuple[slice, ...]:
     index = [slice(None)] * ndim
     index[dim] = slice(piece.start, piece.start + piece.length)
     return tuple(index)
@@ -158,7 +158,7 @@ class SafetensorsSource(Source):
     def tensors(self) -> dict[str, TensorInfo]:
         return dict(self._info)
 
-    def read(self, name: str, dim: int, pieces: list[Piece]) -> None:
+    def read(self, name: str, dim: int, pieces: list[CopyRange]) -> None:
         info = self._info[name]
         file = str(self._files[name])
         if not info.shape:
@@ -178,7 +178,7 @@ class SafetensorsSource(Source):
                     p.out.narrow(0, a - lo, b - a).copy_(f.get_slice(name)[tuple(index)])
         self._count(pieces, info.dtype)
 
-    def view(self, name: str, dim: int, piece: Piece) -> torch.Tensor | None:
+    def view(self, name: str, dim: int, piece: CopyRange) -> torch.Tensor | None:
         info = self._info[name]
         if info.shape and dim != 0:
             return None
@@ -219,7 +219,7 @@ class TorchFileSource(Source):
     def tensors(self) -> dict[str, TensorInfo]:
         return dict(self._info)
 
-    def read(self, name: str, dim: int, pieces: list[Piece]) -> None:
+    def read(self, name: str, dim: int, pieces: list[CopyRange]) -> None:
         if self._state is None:
             self._state = self._load()
         t = self._state[name]
@@ -230,7 +230,7 @@ class TorchFileSource(Source):
         if self._mapped > REMAP_BYTES:  # let the pages mapped so far go
             self._state, self._mapped = None, 0
 
-    def view(self, name: str, dim: int, piece: Piece) -> torch.Tensor | None:
+    def view(self, name: str, dim: int, piece: CopyRange) -> torch.Tensor | None:
         if self._state is None:
             self._state = self._load()
         t = self._state[name]
@@ -288,7 +288,7 @@ class DcpSource(Source):
     def tensors(self) -> dict[str, TensorInfo]:
         return dict(self._info)
 
-    def read(self, name: str, dim: int, pieces: list[Piece]) -> None:
+    def read(self, name: str, dim: int, pieces: list[CopyRange]) -> None:
         boxes = self._boxes.setdefault(self._prefix + name, _Boxes())
         ndim = len(self._info[name].shape)
         for p in pieces:

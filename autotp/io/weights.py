@@ -34,7 +34,7 @@ from autotp.io.empty import allocate_meta, check_materialized, mark_loaded, pref
 from autotp.errors import CheckpointError, ShardingError
 from autotp.plan.plan import ParamShard
 from autotp.shard_spec import global_runs
-from autotp.io.sources import Piece, Source, TensorInfo, open_source
+from autotp.io.sources import CopyRange, Source, TensorInfo, open_source
 from autotp.state import find_tp_state
 
 __all__ = ["Loaded", "Target", "check_weights", "load_weights", "match"]
@@ -190,20 +190,20 @@ def _concat(shapes: list[tuple[int, ...]], t: Target) -> tuple[tuple[int, ...], 
     return (len(shapes), *shapes[0]), 0  # reported as a mismatch
 
 
-def _pieces(t: Target, local: torch.Tensor, tp: int, rank: int) -> list[Piece]:
+def _pieces(t: Target, local: torch.Tensor, tp: int, rank: int) -> list[CopyRange]:
     """This rank's ranges of the full tensor along ``t.dim`` and where each lands in ``local``."""
     cut = t.cut
     if cut is None:
-        return [Piece(0, t.full[t.dim] if t.full else 0, local)]
+        return [CopyRange(0, t.full[t.dim] if t.full else 0, local)]
     if cut.vocab is not None:  # owned rows, then zero padding rows
         owned = cut.vocab.owned(rank)
         local.narrow(cut.dim, owned, local.shape[cut.dim] - owned).zero_()
-        return [Piece(cut.vocab.start(rank), owned, local.narrow(cut.dim, 0, owned))] if owned else []
-    return [Piece(start, length, local.narrow(cut.dim, at, length))
+        return [CopyRange(cut.vocab.start(rank), owned, local.narrow(cut.dim, 0, owned))] if owned else []
+    return [CopyRange(start, length, local.narrow(cut.dim, at, length))
             for start, length, at in global_runs(cut.segments, tp, rank)]
 
 
-def _read(source: Source, t: Target, pieces: list[Piece], info: dict[str, TensorInfo]) -> None:
+def _read(source: Source, t: Target, pieces: list[CopyRange], info: dict[str, TensorInfo]) -> None:
     if isinstance(t.key, str):
         source.read(t.key, t.dim, pieces)
         return
@@ -214,7 +214,7 @@ def _read(source: Source, t: Target, pieces: list[Piece], info: dict[str, Tensor
         for p in pieces:
             a, b = max(p.start, lo), min(p.start + p.length, lo + size)
             if a < b:
-                mine.append(Piece(a - lo, b - a, p.out.narrow(t.dim, a - p.start, b - a)))
+                mine.append(CopyRange(a - lo, b - a, p.out.narrow(t.dim, a - p.start, b - a)))
         if mine:
             source.read(key, t.dim, mine)
         lo += size
@@ -251,7 +251,7 @@ def _exclusive(local: torch.Tensor) -> bool:
     return use_count is not None and use_count(local.untyped_storage()._cdata) <= 2  # it and this call's wrapper
 
 
-def _mapped(source: Source, t: Target, local: torch.Tensor, pieces: list[Piece],
+def _mapped(source: Source, t: Target, local: torch.Tensor, pieces: list[CopyRange],
             info: dict[str, TensorInfo]) -> torch.Tensor | None:
     """The checkpoint's mapped range that can become ``local`` itself: one piece covering all of it, stored
     as one run of bytes in ``local``'s dtype (checked first: a view handed out counts as read)."""

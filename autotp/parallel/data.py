@@ -22,7 +22,7 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 
 from autotp.errors import InputMismatchError
-from autotp.runtime.gathered import GatheredOnUse, all_gather_flat
+from autotp.operators.gathered import GatheredOnUse, all_gather_flat
 from autotp.capture.structure import flatten, unflatten
 
 _FIELDS = 4  # per input: exact sum of its bytes, position-weighted sum, byte count, crc of dtype/shape/values

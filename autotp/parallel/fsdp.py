@@ -32,7 +32,7 @@ from autotp.errors import ShardingError
 from autotp.io.checkpoint import reshard
 from autotp.io.empty import swap_tensors
 from autotp.plan.plan import Plan
-from autotp.runtime.units import UNIT_METHOD, run_unit
+from autotp.operators.units import UNIT_METHOD, run_unit
 from autotp.state import TPState
 
 
@@ -59,7 +59,7 @@ def _free_root_without_backward(model: nn.Module, args, output) -> None:
 
 def apply_fsdp(model: nn.Module, st: TPState, plan: Plan) -> None:
     """Shard ``model`` (holding its TP shards) over the data-parallel ranks with FSDP2, unit by unit."""
-    config = st.fsdp
+    config = st.options.fsdp
     dp_mesh, tp_mesh = fsdp_meshes(st.mesh, config)
     names: dict[int, str] = {}
     stand_in: dict[int, nn.Parameter] = {}  # one per tensor: later captures must see ties as ties

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from autotp.plan.plan import ParamShard
-from autotp.shard_spec import local_pieces
+from autotp.shard_spec import local_runs
 
 
 @dataclass(frozen=True)
@@ -32,7 +32,7 @@ class NormInfo:
 
 
 def norm_info(shard: ParamShard, tp: int, group: dist.ProcessGroup) -> NormInfo:
-    pieces = () if shard.vocab is not None else local_pieces(shard.segments, tp)
+    pieces = () if shard.vocab is not None else local_runs(shard.segments, tp)
     return NormInfo(group, shard.dim, tuple((p.start, p.length, 1 / p.copies) for p in pieces))
 
 

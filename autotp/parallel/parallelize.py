@@ -25,12 +25,12 @@ from autotp.capture.meta_run import Recorder
 from autotp.capture.preserve import preserved
 from autotp.capture.tracer import capture_blocks, input_guard, stand_ins
 from autotp.capture.structure import Spec, call_key, flatten, unflatten
-from autotp.runtime.collectives import bind_collectives, define_ops
+from autotp.operators.collectives import bind_collectives, define_ops
 from autotp.parallel.data import check_same_inputs
 from autotp.io.empty import check_materialized
 from autotp.capture.modelfile import default_example as _default_example
 from autotp.errors import PipelineError, ProcessGroupError, ShardingError
-from autotp.runtime.gathered import GatheredOnUse, bind_outputs, local_outputs
+from autotp.operators.gathered import GatheredOnUse, bind_outputs, local_outputs
 from autotp.distributed.data_parallel import FSDPConfig
 from autotp.passes import PassError, run_passes
 from autotp.passes.split_stages import split_stages
@@ -39,17 +39,18 @@ from autotp.parallel.fsdp import apply_fsdp, fsdp_hooks_off
 from autotp.parallel.reuse import lookup, remember
 from autotp.parallel.rewrite import rewrite, warn_plan
 from autotp.parallel.shard import hold, other_stages
-from autotp.runtime.units import bind_pieces
+from autotp.operators.units import bind_pieces
 from autotp.plan.plan import Plan, ShardedInput
 from autotp.plan.planner import fused_segments
 from autotp.plan.stages import StageRequest
-from autotp.runtime.autocast import outline_autocast
-from autotp.runtime.functions import outline_functions
-from autotp.runtime.recompute import outline_recompute
-from autotp.runtime.rng import SEED_OFFSET, RegionRNG, bind_rng
+from autotp.operators.autocast import outline_autocast
+from autotp.operators.functions import outline_functions
+from autotp.operators.recompute import outline_recompute
+from autotp.operators.rng import SEED_OFFSET, RegionRNG, bind_rng
 from autotp.shard_spec import shard_tensor
-from autotp.runtime.vocab_ops import bind_vocab
-from autotp.state import Captured, TPState, attach_state, find_tp_state, tp_state
+from autotp.operators.vocab_ops import bind_vocab
+from autotp.options import Options
+from autotp.state import Captured, RankIdentity, TPState, attach_state, find_tp_state, tp_state
 
 
 def _split_example(example_inputs, forward: Callable) -> tuple[tuple, dict]:
@@ -132,7 +133,7 @@ def _dispatch(model: nn.Module, args: tuple, kwargs: dict) -> tuple[Captured, li
     Never traced by dynamo: under the user's ``torch.compile(model)`` this runs eagerly (the key, the input
     check, a capture on a new signature), and dynamo compiles what follows, the rewritten graph itself."""
     st = tp_state(model)
-    if st.pipeline is not None:
+    if st.options.pipeline is not None:
         raise ShardingError(f"{type(model).__name__} is cut into pipeline stages: this rank holds only its own "
                             "stages' parameters, so the whole forward cannot run here",
                             hint="train with pipe.step(...) and evaluate with pipe.eval_step(...) of the "
@@ -140,7 +141,7 @@ def _dispatch(model: nn.Module, args: tuple, kwargs: dict) -> tuple[Captured, li
     if st.unloaded:
         check_materialized(st.unloaded)
     key = call_key(args, kwargs, model.training)
-    if st.tp > 1 and (st.check_inputs or key not in st.checked):
+    if st.tp > 1 and (st.options.check_inputs or key not in st.checked):
         check_same_inputs(args, kwargs, st.group)  # before any rank computes with them
         st.checked.add(key)
     flat = flatten((args, kwargs))[0]
@@ -216,21 +217,21 @@ def _build(model: nn.Module, st: TPState, args: tuple, kwargs: dict, key: Hashab
     hooks_off = fsdp_hooks_off(model) if st.units is not None else contextlib.nullcontext()
     with hooks_off:  # the rewrite too: it exports the whole model where the blocks cannot be copied
         cg = capture_blocks(model, args, kwargs, forward=_user_forward(model, st), params=swap, device=st.device,
-                            static=st.pipeline is not None, recorded=recorded)
+                            static=st.options.pipeline is not None, recorded=recorded)
         accepts = input_guard(cg.gm)  # before the passes give sharded inputs their local shapes
-        gm, spec, plan, copied = rewrite(st, cg, st.sequence_parallel if sequence_parallel is None
+        gm, spec, plan, copied = rewrite(st, cg, st.options.sequence_parallel if sequence_parallel is None
                                          else sequence_parallel, stacklevel=4)
     if st.tp == 1 and not st.graphs:
         st.segments = fused_segments(gm)
-    if st.fsdp is not None:
+    if st.options.fsdp is not None:
         gm, plan = _split_units(gm, plan, st)
-    if st.pipeline is not None:
+    if st.options.pipeline is not None:
         gm = _split_stages(gm, plan)
         if not st.graphs and st.stage_params is not None:  # the first call: other ranks' stages are never allocated
             st.dropped = other_stages(model, st.stage_params(gm))
             fresh = [n for n in fresh if n not in st.dropped]
     hold(model, st, plan, fresh)
-    if st.fsdp is not None and st.units is None:
+    if st.options.fsdp is not None and st.units is None:
         apply_fsdp(model, st, plan)  # on allocated shards: FSDP keeps the tensors it is given
     return _finish(model, st, gm, spec, key, plan, accepts, copied)
 
@@ -310,10 +311,10 @@ def _finish(model: nn.Module, st: TPState, gm: fx.GraphModule, spec: Spec, key: 
     outline_recompute(gm, st.rng)  # last: the regions' modules are bound already
     run: nn.Module = gm
     call, wrap = None, {}
-    if st.compile:
-        from autotp.runtime.compile import compile_graph
+    if st.options.compile:
+        from autotp.operators.compile import compile_graph
 
-        run = compile_graph(gm, **(st.compile if isinstance(st.compile, dict) else {}))
+        run = compile_graph(gm, **(st.options.compile if isinstance(st.options.compile, dict) else {}))
     else:
         call, wrap = local_outputs(gm)
     index = {n.name: i for i, n in enumerate(n for n in gm.graph.nodes if n.op == "placeholder")}
@@ -364,7 +365,7 @@ def parallelize(model: nn.Module, *, tp_group: dist.ProcessGroup | None = None, 
     Vocab-parallel logits come back as the full tensor, gathered over the group only when something reads
     them, so a step that only uses the loss moves no b·s·V data. ``vocab_multiple`` rounds each rank's
     vocab rows up (e.g. 64 for tensor-core-friendly GEMMs on GPUs); the default pads only to ``ceil(V / tp)``.
-    ``compile=True`` runs each rewritten graph under ``torch.compile`` (see :mod:`autotp.runtime.compile`);
+    ``compile=True`` runs each rewritten graph under ``torch.compile`` (see :mod:`autotp.operators.compile`);
     a dict instead of True is passed to ``torch.compile`` as its options (``{"backend": "aot_eager"}``).
     ``sequence_parallel=True`` splits the regions between the column→row pairs (norms, dropout, residual
     adds) along the sequence (Megatron-SP): reduce-scatter and all-gather in place of the all-reduces, the
@@ -410,17 +411,15 @@ def parallelize_state(model: nn.Module, *, tp_group: dist.ProcessGroup | None = 
     rank's stages of the first split graph read: no other parameter is allocated or sliced here."""
     if (known := find_tp_state(model)) is not None:
         raise ShardingError(f"{type(model).__name__} is already parallelized (tp={known.tp})")
-    config = _fsdp_config(fsdp)
-    if config is not None and compile:
-        raise ShardingError("fsdp with compile=True is not supported yet", hint="drop one of them")
-    mesh = _resolve_mesh(mesh, config, tp_group)
+    options = Options(vocab_multiple, compile, check_inputs, sequence_parallel, expert_parallel,
+                      _fsdp_config(fsdp), pipeline).validate()
+    mesh = _resolve_mesh(mesh, options.fsdp, tp_group)
     group = _resolve_group(tp_group if mesh is None else mesh.get_group("tp"))
     tp, rank = dist.get_world_size(group), dist.get_rank(group)
     device = _device(model, group, device)
-    st = TPState(group, tp, rank, device, type(model), model.__dict__.get("forward"), vocab_multiple, compile,
-                 check_inputs, sequence_parallel, RegionRNG(torch.initial_seed() + SEED_OFFSET + rank, device) if tp > 1 else None,
-                 expert_parallel)
-    st.mesh, st.fsdp, st.pipeline, st.stage_params = mesh, config, pipeline, stage_params
+    rng = RegionRNG(torch.initial_seed() + SEED_OFFSET + rank, device) if tp > 1 else None
+    st = TPState(RankIdentity(group, tp, rank, device, mesh), options, type(model), model.__dict__.get("forward"),
+                 rng, stage_params)
     args, kwargs = _split_example(example_inputs, _user_forward(model, st))
     training = model.training
     with preserved(model, on_failure_only=True):  # a failure leaves the model exactly as it was: class, tensors

@@ -35,7 +35,7 @@ from autotp.errors import PipelineError, ProcessGroupError
 from autotp.parallel.data import check_same_inputs
 from autotp.parallel.parallelize import _graph_for, _split_example, parallelize_state
 from autotp.plan.stages import StageRequest
-from autotp.runtime.stages import STAGE_PREFIX, StageModule, Whole, input_name, wire_stages
+from autotp.operators.stages import STAGE_PREFIX, StageModule, Whole, input_name, wire_stages
 from autotp.state import Captured, tp_state
 
 

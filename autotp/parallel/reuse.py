@@ -28,14 +28,13 @@ __all__ = ["Lookup", "lookup", "remember"]
 
 
 def _eligible(st: TPState) -> bool:
-    return (os.environ.get("AUTOTP_PLAN_CACHE", "1") != "0" and st.tp > 1 and st.fsdp is None
-            and st.pipeline is None)
+    return (os.environ.get("AUTOTP_PLAN_CACHE", "1") != "0" and st.tp > 1 and st.options.fsdp is None
+            and st.options.pipeline is None)
 
 
 def lookup(model: nn.Module, st: TPState, forward: Callable, args: tuple, kwargs: dict, training: bool) -> Lookup:
     """The cache key of parallelizing ``model`` for this call, and the plan stored under it if any."""
     if not _eligible(st):
         return Lookup(None)
-    options = {"tp": st.tp, "vocab_multiple": st.vocab_multiple, "sequence_parallel": st.sequence_parallel,
-               "expert_parallel": st.expert_parallel, "training": training, "by": "parallelize"}
+    options = {"tp": st.tp, **st.options.cache_options(), "training": training, "by": "parallelize"}
     return lookup_call(model, forward, args, kwargs, options)

@@ -44,7 +44,7 @@ class Rewritten(NamedTuple):
 def rewrite(st: TPState, cg: CutGraph, sequence_parallel: bool, stacklevel: int) -> Rewritten:
     """Plan ``cg`` for ``st`` and run the passes: the rewritten blocks copied where that holds (see the
     module doc), else the whole graph planned and rewritten."""
-    if cg.copies is not None and st.shards and not sequence_parallel and st.pipeline is None and st.fsdp is None:
+    if cg.copies is not None and st.shards and not sequence_parallel and st.options.pipeline is None and st.options.fsdp is None:
         plan = _plan(st, cg.gm, sequence_parallel, stacklevel + 1)
         check_consistent(st, plan, cg.copies)
         gm = run_passes(cg.gm, plan)
@@ -56,15 +56,15 @@ def rewrite(st: TPState, cg: CutGraph, sequence_parallel: bool, stacklevel: int)
         gm, spec = cg.whole()
     plan = _plan(st, gm, sequence_parallel, stacklevel + 1)
     check_consistent(st, plan)
-    if st.fsdp is not None:
+    if st.options.fsdp is not None:
         check_fsdp_plan(plan, st.tp)
     return Rewritten(run_passes(gm, plan), spec, plan, False)
 
 
 def _plan(st: TPState, gm: fx.GraphModule, sequence_parallel: bool, stacklevel: int) -> Plan:
-    plan = make_plan(gm, st.tp, st.vocab_multiple, sequence_parallel=sequence_parallel,
-                     expert_parallel=st.expert_parallel, stages=st.pipeline if not st.graphs else None)
-    if st.pipeline is not None and st.graphs:  # a later call signature runs the first one's stages
+    plan = make_plan(gm, st.tp, st.options.vocab_multiple, sequence_parallel=sequence_parallel,
+                     expert_parallel=st.options.expert_parallel, stages=st.options.pipeline if not st.graphs else None)
+    if st.options.pipeline is not None and st.graphs:  # a later call signature runs the first one's stages
         plan = dataclasses.replace(plan, stages=st.plan.stages)
     warn_plan(st, plan, stacklevel=stacklevel + 1)
     return plan

@@ -12,8 +12,8 @@ import torch.nn as nn
 from autotp.io.empty import allocate_meta, empty_shard, swap_tensors
 from autotp.parallel.grads import mark_sharded_grad, norm_info
 from autotp.plan.plan import ParamShard, Plan
-from autotp.runtime.collectives import all_reduce
-from autotp.shard_spec import local_indices, local_pieces
+from autotp.operators.collectives import all_reduce
+from autotp.shard_spec import local_indices, local_runs
 from autotp.state import TPState
 
 
@@ -123,7 +123,7 @@ def _sum_replicated_grads(st: TPState, param: nn.Parameter, shard: ParamShard) -
     ranks = dist.get_process_group_ranks(st.group)
     first = [local_indices(shard.segments, st.tp, r) for r in range(st.tp)]  # global index of each local element
     pieces = []
-    for p in local_pieces(shard.segments, st.tp):
+    for p in local_runs(shard.segments, st.tp):
         if p.copies > 1:
             members = [ranks[r] for r in range(st.tp) if first[r][p.start] == first[st.rank][p.start]]
             pieces.append((p.start, p.length, dist.new_group(members, use_local_synchronization=True)))

@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from autotp.shard_spec import (Segment, VocabLayout, local_pieces, shard_tensor, unshard_tensor, vocab_shard,
+from autotp.shard_spec import (Segment, VocabRows, local_runs, shard_tensor, unshard_tensor, vocab_shard,
                                vocab_unshard)
 
 PLAN_VERSION = 10
@@ -55,7 +55,7 @@ class WholeParam:
 class ParamShard:
     """How one parameter is cut. ``role``: "column" (output features), "row" (input features), "experts"
     (whole experts: a block of dim 0) or "vocab" (rows of an embedding / LM head, see
-    :class:`~autotp.shard_spec.VocabLayout`)."""
+    :class:`~autotp.shard_spec.VocabRows`)."""
 
     role: str
     module: str
@@ -63,7 +63,7 @@ class ParamShard:
     segments: tuple[Segment, ...]
     full_shape: tuple[int, ...]
     local_shape: tuple[int, ...]
-    vocab: VocabLayout | None = None
+    vocab: VocabRows | None = None
 
     def shard(self, full: torch.Tensor, tp: int, rank: int) -> torch.Tensor:
         if self.vocab is not None:
@@ -77,7 +77,7 @@ class ParamShard:
 
     def replicated_blocks(self, tp: int) -> bool:
         """Some blocks live on several ranks (kv heads fewer than tp): their gradients are summed."""
-        return self.vocab is None and any(p.copies > 1 for p in local_pieces(self.segments, tp))
+        return self.vocab is None and any(p.copies > 1 for p in local_runs(self.segments, tp))
 
 
 @dataclass(frozen=True)
@@ -121,7 +121,7 @@ class PairPlan:
 @dataclass(frozen=True)
 class ColumnForm:
     """A column matmul or LM head ``node`` in a plain form that a fused column group computes itself
-    (:class:`~autotp.runtime.collectives.ColumnGroup`): it reads ``x`` once, by ``weight`` (the parameter's
+    (:class:`~autotp.operators.collectives.ColumnGroup`): it reads ``x`` once, by ``weight`` (the parameter's
     node, its cast, or the parameter itself where the matmul reads its lone transpose) laid out as
     ``layout`` ("out_in": [out, in], "in_out": [in, out]), plus ``bias`` (a node, or None)."""
 
@@ -142,23 +142,23 @@ class VocabLoss:
     reduction: int  # 0 none, 1 mean, 2 sum (aten's enum)
     ignore_index: int
     label_smoothing: float
-    layout: VocabLayout
+    layout: VocabRows
 
 
 @dataclass(frozen=True)
 class VocabPlan:
     """Vocab-parallel embeddings, LM heads, losses and the logits handed back to the user."""
 
-    embeddings: tuple[tuple[str, VocabLayout], ...] = ()  # embedding node -> layout
+    embeddings: tuple[tuple[str, VocabRows], ...] = ()  # embedding node -> layout
     heads: tuple[tuple[str, str], ...] = ()  # head matmul node -> its input (gets f)
     losses: tuple[VocabLoss, ...] = ()
-    outputs: tuple[tuple[str, int, VocabLayout], ...] = ()  # returned sharded node, vocab dim, layout
+    outputs: tuple[tuple[str, int, VocabRows], ...] = ()  # returned sharded node, vocab dim, layout
 
 
 @dataclass(frozen=True)
 class GatheredOutput:
     """A sharded value the graph returns (e.g. a KV cache's keys): handed back full-shape, gathered when
-    read (:class:`~autotp.runtime.gathered.GatheredOnUse`)."""
+    read (:class:`~autotp.operators.gathered.GatheredOnUse`)."""
 
     node: str
     dim: int
@@ -168,7 +168,7 @@ class GatheredOutput:
 @dataclass(frozen=True)
 class ShardedInput:
     """A graph input taken as this rank's shard (the KV cache a previous call returned): a
-    :class:`~autotp.runtime.gathered.GatheredOnUse` passes its local shard, a full tensor is sliced locally."""
+    :class:`~autotp.operators.gathered.GatheredOnUse` passes its local shard, a full tensor is sliced locally."""
 
     node: str
     dim: int
@@ -413,7 +413,7 @@ class Plan:
             return tuple(Segment.from_dict(s) for s in xs)
 
         def layout(x):
-            return None if x is None else VocabLayout(**x)
+            return None if x is None else VocabRows(**x)
 
         def shards(entries: dict) -> tuple[tuple[str, ParamShard], ...]:
             return tuple(

@@ -19,7 +19,7 @@ from autotp.plan.plan import (SEQ_PARAMS, Collective, ColumnForm, ExpertLayer, E
 from autotp.analysis.sequence import analyze_sequence
 from autotp.analysis.units import find_units
 from autotp.plan.stages import StageRequest, plan_stages
-from autotp.shard_spec import Segment, VocabLayout
+from autotp.shard_spec import Segment, VocabRows
 from autotp.analysis.vocab import VocabFacts, analyze_vocab
 
 aten = torch.ops.aten
@@ -135,7 +135,7 @@ def _compute_dtype(x: fx.Node, matmuls: list[fx.Node]) -> str:
 
 
 # the vocab-parallel loss computes in float32 (as cross_entropy does under autocast); its target term is summed
-# in float64 with label smoothing (see autotp.runtime.vocab_ops)
+# in float64 with label smoothing (see autotp.operators.vocab_ops)
 _LOSS_FLOAT = "float32"
 
 
@@ -149,7 +149,7 @@ def _weight_shape(gm: fx.GraphModule, m: ParamMatmul) -> tuple[int, ...]:
     return tuple(gm.get_parameter(m.weight).shape)
 
 
-def _vocab_shard(module: str, full: tuple[int, ...], dim: int, layout: VocabLayout, tp: int) -> ParamShard:
+def _vocab_shard(module: str, full: tuple[int, ...], dim: int, layout: VocabRows, tp: int) -> ParamShard:
     local = list(full)
     local[dim] = layout.local
     return ParamShard("vocab", module, dim, (Segment(layout.padded(tp), tp),), tuple(full), tuple(local), layout)

@@ -30,8 +30,8 @@ import torch.fx as fx
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
-from autotp.runtime.regions import outline, regions
-from autotp.runtime.rng import RegionRandom, RegionRNG
+from autotp.operators.regions import outline, regions
+from autotp.operators.rng import RegionRandom, RegionRNG
 
 KEY = "autotp_recompute"  # node.meta["custom"][KEY]: the checkpoint call a node ran in (tagged at capture)
 

@@ -4,7 +4,7 @@ The rewritten graph already holds everything a compiler needs to see: Megatron's
 over ``torch.distributed._functional_collectives`` (traceable: dynamo puts ``_c10d_functional.all_reduce`` /
 ``wait_tensor`` in the graph; on CPU the all-reduces are ``autotp.all_reduce``, a polled c10d all-reduce),
 the vocab-parallel loss as an autograd function, and the vocab-parallel logits as a
-:class:`~autotp.runtime.gathered.GatheredOnUse` made outside the compiled region. :func:`compile_graph`
+:class:`~autotp.operators.gathered.GatheredOnUse` made outside the compiled region. :func:`compile_graph`
 compiles with ``fullgraph=False`` so a construct dynamo cannot trace degrades to a graph break instead of an
 error; :func:`graph_breaks` counts them (see ``tests/test_compile.py``).
 """
@@ -16,12 +16,12 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
-from autotp.runtime.collectives import define_ops
-from autotp.runtime.gathered import local_outputs
+from autotp.operators.collectives import define_ops
+from autotp.operators.gathered import local_outputs
 
 
 # The vocab-parallel cross-entropy's backward picks the target column of the rows this rank owns with
-# ``mine.nonzero()`` (autotp/runtime/vocab_ops.py, _VocabCE.backward). Dynamo traces an autograd.Function's
+# ``mine.nonzero()`` (autotp/operators/vocab_ops.py, _VocabCE.backward). Dynamo traces an autograd.Function's
 # backward when it meets ``.apply`` in the forward; a data-dependent output shape there makes the whole Function fall
 # back to eager, splitting the graph in three (2 breaks: "Dynamic shape operator aten.nonzero.default").
 # Letting dynamo capture data-dependent output shapes (unbacked symints) keeps it in one graph.

@@ -19,7 +19,7 @@ import torch.distributed.distributed_c10d as c10d
 import torch.nn as nn
 import torch.nn.functional as F
 
-from autotp.runtime.amp import amp_bwd, amp_fwd, matmul_input
+from autotp.operators.amp import amp_bwd, amp_fwd, matmul_input
 
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}

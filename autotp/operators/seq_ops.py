@@ -29,8 +29,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
-from autotp.runtime.amp import amp_bwd, amp_fwd, matmul_input
-from autotp.runtime.collectives import (_Collective, _column, all_reduce, column_input_grad, column_param_grads,
+from autotp.operators.amp import amp_bwd, amp_fwd, matmul_input
+from autotp.operators.collectives import (_Collective, _column, all_reduce, column_input_grad, column_param_grads,
                                          finish)
 from autotp.errors import ShardingError
 

@@ -25,7 +25,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from autotp.runtime.regions import outline, regions, tag
+from autotp.operators.regions import outline, regions, tag
 
 KEY = "autotp_autocast"  # node.meta["custom"][KEY]: the AutocastRegion a node ran in (tagged at capture)
 

@@ -30,7 +30,7 @@ import torch.nn as nn
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
 from autotp.errors import CaptureError
-from autotp.runtime.regions import outline, regions
+from autotp.operators.regions import outline, regions
 
 KEY = "autotp_function"  # node.meta["custom"][KEY]: the FunctionCall whose forward made the node
 ARG = "autotp_function_arg"  # on the alias a tensor argument enters through: its position among the tensors

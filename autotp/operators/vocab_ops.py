@@ -10,14 +10,14 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from autotp.runtime.amp import amp_bwd, amp_fwd
-from autotp.runtime.collectives import all_reduce, all_reduce_each
-from autotp.runtime.gathered import GatherOutput
-from autotp.shard_spec import VocabLayout, vocab_shard, vocab_unshard
+from autotp.operators.amp import amp_bwd, amp_fwd
+from autotp.operators.collectives import all_reduce, all_reduce_each
+from autotp.operators.gathered import GatherOutput
+from autotp.shard_spec import VocabRows, vocab_shard, vocab_unshard
 
 
 class _VocabModule(nn.Module):
-    def __init__(self, layout: VocabLayout):
+    def __init__(self, layout: VocabRows):
         super().__init__()
         self.layout = layout
         self.group: dist.ProcessGroup | None = None
@@ -114,7 +114,7 @@ class VocabCrossEntropy(_VocabModule):
     global targets (n,) or (b, s, ...); never gathers logits.
     Only the classes count: rows of a head cropped in the model (``classes``) are padding, as the crop made them."""
 
-    def __init__(self, layout: VocabLayout, reduction: int, ignore_index: int, label_smoothing: float):
+    def __init__(self, layout: VocabRows, reduction: int, ignore_index: int, label_smoothing: float):
         super().__init__(layout.logits())
         self.reduction = reduction
         self.ignore_index = ignore_index
@@ -136,11 +136,11 @@ class VocabCrossEntropy(_VocabModule):
 
 class VocabOutput(GatherOutput):
     """This rank's logits, handed back as the full (b, s, V) tensor that is gathered only when read
-    (:class:`~autotp.runtime.gathered.GatheredOnUse`): a training step that only uses the loss moves no b·s·V data.
+    (:class:`~autotp.operators.gathered.GatheredOnUse`): a training step that only uses the loss moves no b·s·V data.
     Padding rows never reach the user: each rank contributes its owned classes only, so a head cropped in the
     model (``layout.classes``) gives ``classes`` of them, as the unsharded model's crop does."""
 
-    def __init__(self, layout: VocabLayout, dim: int):
+    def __init__(self, layout: VocabRows, dim: int):
         classes = layout.logits()
         super().__init__(dim, classes.size,
                          lambda shards, tp: vocab_unshard(shards, dim, classes),

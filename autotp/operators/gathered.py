@@ -22,7 +22,7 @@ import torch.fx as fx
 import torch.nn as nn
 from torch.utils._pytree import tree_map
 
-from autotp.runtime.amp import amp_bwd, amp_fwd
+from autotp.operators.amp import amp_bwd, amp_fwd
 from autotp.shard_spec import shard_tensor
 
 # local shards of every rank, in rank order -> the full tensor

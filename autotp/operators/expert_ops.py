@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from autotp.runtime.collectives import _Collective
+from autotp.operators.collectives import _Collective
 
 
 class _Experts(_Collective):

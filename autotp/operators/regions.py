@@ -1,6 +1,6 @@
 """Outline tagged regions of a rewritten graph into submodules: the machinery behind keeping the model's
-activation checkpointing (:mod:`autotp.runtime.recompute`) and its autocast regions
-(:mod:`autotp.runtime.autocast`), which the capture inlined and tagged so that analysis and the passes see
+activation checkpointing (:mod:`autotp.operators.recompute`) and its autocast regions
+(:mod:`autotp.operators.autocast`), which the capture inlined and tagged so that analysis and the passes see
 plain ops.
 
 A region is a maximal run of computing nodes with one tag; a node the passes inserted (a collective, a
