@@ -410,7 +410,7 @@ CHECKS = {
     aten.view_as_complex.default: _complex_view, aten.view_as_real.default: _complex_view,
     aten.slice.Tensor: _slice, aten.narrow.default: _narrow, aten.select.int: _select, aten.index.Tensor: _index,
     **{op: _split for op, r in OP_RULES.items() if r.kind == "split"},
-    aten.cat.default: _cat, aten.stack.default: _stack,
+    **{op: _cat for op, r in OP_RULES.items() if r.kind == "cat"}, aten.stack.default: _stack,
     **{op: _reduction for op, r in OP_RULES.items() if r.kind == "reduction"},
     aten.max.dim: _max_min, aten.min.dim: _max_min, aten.rms_norm.default: _norm, aten.layer_norm.default: _norm,
     aten.matmul.default: _matmul, aten.bmm.default: _matmul, aten.baddbmm.default: _baddbmm,

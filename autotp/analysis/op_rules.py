@@ -99,7 +99,8 @@ OP_RULES: MappingProxyType[object, OpRule] = MappingProxyType({
     aten.split.Tensor: _split("size"), aten.split.sizes: _split("sizes"),
     aten.split_with_sizes.default: _split("sizes"), aten.chunk.default: _split("chunks"),
     aten.unbind.int: _split("unbind"),
-    aten.cat.default: OpRule("cat"), aten.stack.default: OpRule("stack"),
+    aten.cat.default: OpRule("cat"), aten.concatenate.default: OpRule("cat"), aten.concat.default: OpRule("cat"),
+    aten.stack.default: OpRule("stack"),
     # reductions: over the sharded dim, those with a statistic are completed by one all-reduce
     aten.mean.dim: _reduction("mean"), aten.sum.dim_IntList: _reduction("sum"),
     aten.amax.default: _reduction(None), aten.amin.default: _reduction(None),
