@@ -209,6 +209,39 @@ def _split(op, rule: OpRule) -> None:
     assert {(r.arg, r.new) for r in p.region.rewrites} == (set() if rule.form == "chunks" else {(1, 2)})
 
 
+def _triangle(op, rule: OpRule) -> None:
+    assert _out(op, {0: _s(1, 4)}, _x(2, 4, 3, 3)) == _s(1, 4)  # heads sharded: each rank's own triangles
+    _refuses(op, "of the sharded dim", {0: _s(2, 4)}, _x(2, 3, 4, 4))
+
+
+def _conv(op, rule: OpRule) -> None:
+    """A depthwise convolution of channels sharded on dim 1: the filters cut with them, groups made local."""
+    g = fx.Graph()
+    x, w = g.placeholder("x"), g.get_attr("w")
+    x.meta["val"], w.meta["val"] = _x(2, 8, 5), _x(8, 1, 3)
+    padding = [2] if op is aten.conv1d.default else "same"
+    conv = g.call_function(op, (x, w, None, [1], padding, [1], 8))
+    conv.meta["val"] = op(x.meta["val"], w.meta["val"], None, [1], padding, [1], 8)
+    gm = fx.GraphModule({"w": torch.nn.Parameter(w.meta["val"])}, g)
+    p = Propagator(Fingerprinter(), TP, "test")
+    p.region.specs[gm.graph.find_nodes(op="placeholder")[0]] = _s(1, 8)
+    node = next(n for n in gm.graph.nodes if n.op == "call_function")
+    p.visit(node)
+    assert p.region.specs[node] == _s(1, 8)
+    assert [(c.node.target, c.dim) for c in p.region.params] == [("w", 0)]
+    assert [(r.arg, r.old, r.new) for r in p.region.rewrites] == [(6, 8, 4)]  # groups: this rank's channels
+    g2 = fx.Graph()  # not depthwise: every output channel reads every input channel
+    x2, w2 = g2.placeholder("x"), g2.get_attr("w")
+    x2.meta["val"], w2.meta["val"] = _x(2, 8, 5), _x(8, 8, 3)
+    c2 = g2.call_function(op, (x2, w2, None, [1], padding, [1], 1))
+    c2.meta["val"] = op(x2.meta["val"], w2.meta["val"], None, [1], padding, [1], 1)
+    gm2 = fx.GraphModule({"w": torch.nn.Parameter(w2.meta["val"])}, g2)
+    p2 = Propagator(Fingerprinter(), TP, "test")
+    p2.region.specs[gm2.graph.find_nodes(op="placeholder")[0]] = _s(1, 8)
+    with pytest.raises(Unshardable, match="only a depthwise convolution stays local"):
+        p2.visit(next(n for n in gm2.graph.nodes if n.op == "call_function"))
+
+
 def _cat(op, rule: OpRule) -> None:
     assert _out(op, {0: _s(2, 8), 1: _s(2, 8)}, [_x(2, 3, 8), _x(2, 3, 8)], 0) == _s(2, 8)
     _refuses(op, "cat along the sharded dim", {0: _s(2, 8), 1: _s(2, 8)}, [_x(2, 3, 8), _x(2, 3, 8)], 2)
@@ -411,6 +444,8 @@ CHECKS = {
     aten.slice.Tensor: _slice, aten.narrow.default: _narrow, aten.select.int: _select, aten.index.Tensor: _index,
     **{op: _split for op, r in OP_RULES.items() if r.kind == "split"},
     **{op: _cat for op, r in OP_RULES.items() if r.kind == "cat"}, aten.stack.default: _stack,
+    **{op: _triangle for op, r in OP_RULES.items() if r.kind == "triangle"},
+    **{op: _conv for op, r in OP_RULES.items() if r.kind == "conv"},
     **{op: _reduction for op, r in OP_RULES.items() if r.kind == "reduction"},
     aten.max.dim: _max_min, aten.min.dim: _max_min, aten.rms_norm.default: _norm, aten.layer_norm.default: _norm,
     aten.matmul.default: _matmul, aten.bmm.default: _matmul, aten.baddbmm.default: _baddbmm,

@@ -149,6 +149,12 @@ def _probe(node: fx.Node, dim: int, size: int, fp, tp, where, depth) -> tuple[Se
             r = _probe(u, nd2, size, fp, tp, where, depth + 1) if nd2 is not None else None
             if r is not None:
                 return r
+        elif (kind == "conv" and u.args[0] is node and dim == 1) or \
+                (kind == "slice" and normalize_dim(arg_of(u, 1, "dim", 0), nd) != dim):
+            # a depthwise convolution keeps each channel where it was; a slice of another dim keeps this one
+            r = _probe(u, dim, size, fp, tp, where, depth + 1)
+            if r is not None:
+                return r
         elif kind in ("same_shape", "pointwise"):
             nd_u = ndim_of(u)
             rule = op_rule(u.target)

@@ -110,6 +110,10 @@ OP_RULES: MappingProxyType[object, OpRule] = MappingProxyType({
     aten.max.dim: OpRule("max_min"), aten.min.dim: OpRule("max_min"),
     aten.rms_norm.default: OpRule("norm", stat="rms_norm", weights=(2,)),
     aten.layer_norm.default: OpRule("norm", stat="layer_norm", weights=(2, 3)),
+    # the lower or upper triangle of the last two dims (torch's rule replicates them whatever the sharded dim)
+    aten.tril.default: OpRule("triangle"), aten.triu.default: OpRule("triangle"),
+    # convolutions over the sequence: depthwise ones (one filter per channel) stay local to sharded channels
+    aten.conv1d.default: OpRule("conv"), aten.conv1d.padding: OpRule("conv"),
     # batched matmuls and attention
     aten.matmul.default: OpRule("matmul"), aten.bmm.default: OpRule("matmul"), aten.baddbmm.default: OpRule("baddbmm"),
     aten.scaled_dot_product_attention.default: OpRule("sdpa", random_p=4),

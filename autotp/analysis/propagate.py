@@ -227,7 +227,7 @@ class Propagator(ShapeRules, ValueRules):
             self.region.params.append(ParamCut(picked[0], xd - picked[1] + 1, s))
             self.region.specs[x] = s.moved(xd)
             return
-        if self.viewed_parameter(x, s.moved(xd)):
+        if self.viewed_parameter(x, s.moved(xd)) or self.elementwise_parameter(x, s.moved(xd)):
             return
         if kind_of(x.target) == "factory" and len(x.users) == 1:
             self._set_view_size(x, list(x.args[0]), xd, sum(g.size for g in s.segments), s.local_size, arg=0)
@@ -235,6 +235,27 @@ class Propagator(ShapeRules, ValueRules):
         if self._learned(x):
             raise Unshardable(node, f"replicated operand {x.name} spans the sharded dim and depends on a parameter")
         self.region.slices.append(OperandSlice(node, x, xd, s))
+
+    def elementwise_parameter(self, x: fx.Node, s: Sharding) -> bool:
+        """A value computed from one parameter by elementwise ops alone and read only here (a gated linear
+        attention's per-head decay ``-A_log.float().exp()``): the parameter is sharded with the heads, and
+        each rank computes its own heads' values."""
+        if s.inner or s.outer:
+            return False
+        chain, node = [], x
+        while node.op == "call_function":
+            rule, ins = op_rule(node.target), node.all_input_nodes
+            if rule is None or not (rule.kind == "pointwise" or rule.cast) or len(ins) != 1 \
+                    or len(node.users) != 1 or self.fp.shape(ins[0]) != self.fp.shape(node):
+                return False
+            chain.append(node)
+            node = ins[0]
+        if not chain or self._parameter(node) is None or len(node.users) != 1:
+            return False
+        for n in chain:
+            self.region.specs[n] = s
+        self.region.params.append(ParamCut(node, s.dim, s))
+        return True
 
     def viewed_parameter(self, x: object, s: Sharding) -> bool:
         """A parameter with one entry per head, reshaped and expanded to meet the heads on dim ``s.dim`` of

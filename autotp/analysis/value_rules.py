@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from autotp.analysis.op_rules import OpRule
+from autotp.analysis.op_rules import OpRule, op_rule
 from autotp.analysis.ops import Unshardable, arg_of, ndim_of, reduction_args
 from autotp.analysis.region import ParamCut, StatFact
 from autotp.analysis.shapes import is_static, normalize_dim
@@ -54,6 +54,60 @@ class ValueRules:
 
     def _on_matmul(self, node: fx.Node, rule: OpRule) -> Sharding:
         return self.batched(node, [node.args[0], node.args[1]], 2)
+
+    def _on_triangle(self, node: fx.Node, rule: OpRule) -> Sharding:
+        """``tril``/``triu`` keep a triangle of the last two dims (a chunk's causal mask over positions): a tensor
+        sharded on any other dim (heads) keeps its sharding."""
+        s, nd = self.spec(node.args[0]), ndim_of(node)
+        if s.dim >= nd - 2 or (s.inner and s.inner[0] >= nd - 2):
+            raise Unshardable(node, f"{node.target} of the sharded dim")
+        return s
+
+    def _on_conv(self, node: fx.Node, rule: OpRule) -> Sharding:
+        """A depthwise convolution over the sequence (``groups`` = channels, one filter per channel: the short
+        convolution of Mamba and of gated linear attention) of channels sharded on dim 1: each rank convolves
+        its own channels with their filters. The weight ``(C, 1, k)`` and the bias are sharded on dim 0 with the
+        channels, and ``groups`` becomes this rank's channel count."""
+        x, w = node.args[0], node.args[1]
+        s, shape = self.spec(x), self.fp.shape(x)
+        groups = node.args[6] if len(node.args) > 6 else node.kwargs.get("groups", 1)
+        if s is None or s.dim != 1 or s.inner or s.outer or self.spec(w) is not None:
+            raise Unshardable(node, f"{node.target} of a tensor not sharded on its channels")
+        if groups != shape[1] or not isinstance(w, fx.Node) or self.fp.shape(w)[:2] != [shape[1], 1]:
+            raise Unshardable(node, f"{node.target} over sharded channels mixes them (groups={groups}, "
+                                    f"{shape[1]} channels): only a depthwise convolution stays local")
+        found = self._filters(w, shape[1])
+        if found is None:
+            raise Unshardable(node, f"{node.target}'s filters are not a parameter read by it alone")
+        param, chain = found
+        for n in chain:  # ``weight.squeeze(1)`` then ``.unsqueeze(1)`` (transformers' reference causal conv)
+            self.region.specs[n] = s.moved(0)
+        self.region.params.append(ParamCut(param, 0, s.moved(0)))
+        bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
+        if isinstance(bias, fx.Node):
+            if self._parameter(bias) is None:
+                raise Unshardable(node, f"{node.target}'s bias is not a parameter")
+            self.region.params.append(ParamCut(bias, 0, s.moved(0)))
+        if len(node.args) <= 6:
+            raise Unshardable(node, f"{node.target}'s groups is not given where it can be made this rank's")
+        self.rewrite(node, 6, None, groups, s.local_size)
+        return s
+
+    def _filters(self, w: fx.Node, channels: int) -> tuple[fx.Node, list[fx.Node]] | None:
+        """The parameter a depthwise convolution's filters ``w`` are, read through casts and squeezes or
+        unsqueezes of size-1 dims that keep the channels first; and the nodes on the way."""
+        chain = []
+        while w.op == "call_function":
+            rule = op_rule(w.target)
+            moves = rule is not None and rule.kind == "move" and rule.form in ("insert", "drop")
+            if rule is None or not (rule.cast or moves) or len(w.users) != 1 or self.fp.shape(w)[0] != channels:
+                return None
+            if moves and any(normalize_dim(d, max(ndim_of(w), ndim_of(w.args[0]))) == 0
+                             for d in (w.args[1] if isinstance(w.args[1], (list, tuple)) else [w.args[1]])):
+                return None
+            chain.append(w)
+            w = w.args[0]
+        return (w, chain) if self._parameter(w) is not None and len(w.users) == 1 else None
 
     def _on_index_put(self, node: fx.Node, rule: OpRule) -> Sharding:
         return self.index_put(node, node.args[0], node.args[1], node.args[2])
@@ -210,7 +264,11 @@ class ValueRules:
                 continue
             xd = result.dim - (out_nd - nd)
             if xd >= 0 and xd < nd - core and self.fp.shape(x)[xd] != 1:
-                raise Unshardable(node, f"replicated operand {x.name} spans the sharded batch dim")
+                if nd != out_nd or self.fp.shape(x)[xd] != self.fp.shape(node)[result.dim]:
+                    raise Unshardable(node, f"replicated operand {x.name} spans the sharded batch dim")
+                # a recurrent state started as zeros(b, heads, dk, dv), or a per-head parameter: this rank's heads
+                self._local_operand(node, x, xd, result)
+                continue
             self._enter_if_learned(node, x)
         return result
 

@@ -43,6 +43,9 @@ def _is_record(x: object) -> bool:
 
 def flatten(obj: object) -> tuple[list[torch.Tensor], Spec]:
     tensors: list[torch.Tensor] = []
+    # a record reached again (a cache's layers sharing one config) is walked once: each path to it reads the
+    # same spec and tensors, so the walk is linear in the objects, not in the paths (exponential in depth)
+    records: dict[int, Spec | None] = {}
 
     def walk(x: object, depth: int) -> Spec:
         if isinstance(x, torch.Tensor):
@@ -54,8 +57,12 @@ def flatten(obj: object) -> tuple[list[torch.Tensor], Spec]:
             leaves, spec = pytree.tree_flatten(x)
             return Spec("tree", spec, children=tuple(walk(c, depth + 1) for c in leaves))
         if _is_record(x):
+            if id(x) in records:  # done: its spec; still being walked (a cycle): the object itself
+                return records[id(x)] or Spec("const", x)
+            records[id(x)] = None
             keys = tuple(vars(x))
-            return Spec("object", type(x), keys, tuple(walk(vars(x)[k], depth + 1) for k in keys))
+            records[id(x)] = done = Spec("object", type(x), keys, tuple(walk(vars(x)[k], depth + 1) for k in keys))
+            return done
         return Spec("const", x)
 
     return tensors, walk(obj, 0)
