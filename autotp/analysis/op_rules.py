@@ -99,7 +99,7 @@ OP_RULES: MappingProxyType[object, OpRule] = MappingProxyType({
     aten.split.Tensor: _split("size"), aten.split.sizes: _split("sizes"),
     aten.split_with_sizes.default: _split("sizes"), aten.chunk.default: _split("chunks"),
     aten.unbind.int: _split("unbind"),
-    aten.cat.default: OpRule("cat"), aten.concatenate.default: OpRule("cat"), aten.concat.default: OpRule("cat"),
+    **dict.fromkeys((aten.cat.default, aten.concatenate.default, aten.concat.default), OpRule("cat")),
     aten.stack.default: OpRule("stack"),
     # reductions: over the sharded dim, those with a statistic are completed by one all-reduce
     aten.mean.dim: _reduction("mean"), aten.sum.dim_IntList: _reduction("sum"),
@@ -122,13 +122,11 @@ OP_RULES: MappingProxyType[object, OpRule] = MappingProxyType({
     aten.index_copy_.default: OpRule("index_copy"), aten.index_copy.default: OpRule("index_copy"),
     aten.copy_.default: OpRule("copy"),
     # new tensors: shaped like an input (its values unread), or from sizes alone
-    aten.new_empty.default: OpRule("new_like"), aten.new_zeros.default: OpRule("new_like"),
-    aten.new_ones.default: OpRule("new_like"),
-    aten.new_full.default: OpRule("like"), aten.zeros_like.default: OpRule("like"),
-    aten.ones_like.default: OpRule("like"), aten.empty_like.default: OpRule("like"),
-    aten.full_like.default: OpRule("like"),
-    aten.zeros.default: OpRule("factory"), aten.ones.default: OpRule("factory"), aten.full.default: OpRule("factory"),
-    aten.empty.memory_format: OpRule("factory"),
+    **dict.fromkeys((aten.new_empty.default, aten.new_zeros.default, aten.new_ones.default), OpRule("new_like")),
+    **dict.fromkeys((aten.new_full.default, aten.zeros_like.default, aten.ones_like.default, aten.empty_like.default,
+                     aten.full_like.default), OpRule("like")),
+    **dict.fromkeys((aten.zeros.default, aten.ones.default, aten.full.default, aten.empty.memory_format),
+                    OpRule("factory")),
     # losses over class logits
     aten.cross_entropy_loss.default: OpRule("cross_entropy"),
     aten.nll_loss.default: OpRule("nll_loss"), aten.nll_loss_nd.default: OpRule("nll_loss"),
