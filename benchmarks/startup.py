@@ -10,8 +10,8 @@ exported blocks and copies the rewritten ones. ``PYTHONPATH`` at an older checko
 (``--note`` says so in the results). Per L, each in a fresh process (cold
 imports; the OS file cache is warmed once before the first so the first row is not the only cold one):
 
-- ``plan`` worker: what ``autotp plan`` runs (cli/plan.py ``make_report`` and ``render``), phase by phase:
-  import torch / autotp / autotp.cli.main, build, capture, analysis (find_units, analyze, analyze_vocab),
+- ``plan`` worker: what ``autotp plan`` runs (``plan_file`` and cli/plan.py's ``render``), phase by phase:
+  import torch / autotp / autotp.cli.main, build, capture, analysis (analyze_graph),
   plan (the rest of make_plan), report (build_report and the size check), render (tables to a 160-column
   StringIO console).
 - ``cli``: the wall of ``AUTOTP_BENCH_LAYERS=L autotp plan benchmarks/llama_depth.py --tp T`` itself, and
@@ -42,8 +42,8 @@ ROOT = Path(__file__).resolve().parent.parent
 MODEL_FILE = "benchmarks/llama_depth.py"
 PLAN_PHASES = ("torch", "autotp", "cli", "build", "capture", "analysis", "plan", "report", "render")
 PAR_PHASES = ("torch", "autotp", "build", "capture", "analysis", "plan", "passes")
-# what make_plan calls to analyse the graph; the rest of make_plan (plan_from_analysis, whole_params) is "plan"
-ANALYSIS = ("find_units", "analyze", "analyze_vocab", "analyze_experts", "analyze_sequence")
+# what make_plan calls to analyse the graph; the rest of make_plan (plan_from_facts) is "plan"
+ANALYSIS = ("analyze_graph",)
 
 
 # -- workers: run in a fresh interpreter, print one JSON line --------------------------------------------
@@ -106,7 +106,8 @@ def worker(kind: str, layers: int, tp: int) -> dict:
 
         from rich.console import Console
 
-        from autotp.cli.plan import _check_sizes, render
+        from autotp.cli.plan import render
+        from autotp.parallel.planning import check_sizes
         from autotp.distributed.layout import RankLayout
         from autotp.plan.report import build_report
         from autotp.plan.symbols import size_ranges
@@ -117,7 +118,7 @@ def worker(kind: str, layers: int, tp: int) -> dict:
         plan, t["analysis"], t["plan"] = _timed_plan(gm, tp)
         mark = time.perf_counter()
         report = build_report(plan, net.named_parameters(remove_duplicate=False), 1, 2048)
-        _check_sizes(report, size_ranges(gm))
+        check_sizes(report, size_ranges(gm))
         names = [n for n, _ in net.named_parameters(remove_duplicate=False)]
         lap("report")
         layout = RankLayout.build(tp, tp)
@@ -125,7 +126,6 @@ def worker(kind: str, layers: int, tp: int) -> dict:
         lap("render")
     else:
         from autotp.passes import run_passes
-        from autotp.plan import planner
 
         # as parallelize's _build does for a model built wholly on meta: meta stand-ins, graph for the CPU
         mark = time.perf_counter()

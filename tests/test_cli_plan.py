@@ -542,7 +542,8 @@ def test_layer_table_shows_a_run_of_identical_layers_once(tmp_path) -> None:
     """Layers 0–2 and 4–6 have the same rows; layer 3's MLP is wider, so it stands alone and splits the run."""
     from rich.console import Console
 
-    from autotp.cli.plan import layer_table, make_report
+    from autotp.cli.tp_tables import layer_table
+    from autotp.parallel.planning import plan_file
 
     model = _model_file(tmp_path, "seven", """
         import torch.nn as nn
@@ -556,7 +557,7 @@ def test_layer_table_shows_a_run_of_identical_layers_once(tmp_path) -> None:
         def example_batch():
             return torch.zeros(2, 8, dtype=torch.long), torch.zeros(2, 8, dtype=torch.long)
     """)
-    planned = make_report(model, 2, cache=False)
+    planned = plan_file(model, 2, cache=False)
     console = Console(width=240, record=True)
     console.print(layer_table(planned.report, planned.names))
     text = console.export_text()
@@ -565,7 +566,7 @@ def test_layer_table_shows_a_run_of_identical_layers_once(tmp_path) -> None:
     assert "transformer.h.1." not in text and "transformer.h.5." not in text
     assert "layers a–b: each of layers a to b has these rows" in text
     # two identical layers are not a run: gpt4's fixture with 2 blocks shows each
-    two = make_report(NANOGPT, 2, cache=False)
+    two = plan_file(NANOGPT, 2, cache=False)
     console = Console(width=240, record=True)
     console.print(layer_table(two.report, two.names))
     text = console.export_text()

@@ -12,6 +12,8 @@ reads it in the graph, through casts and transposes:
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.fx as fx
 
@@ -72,48 +74,61 @@ def _row_bias_of(reader: fx.Node, a: Analysis) -> ParamMatmul | None:
     return next((rows[x] for x in add.all_input_nodes if x in rows), None)
 
 
-def whole_params(gm: fx.GraphModule, a: Analysis, cut: set[str]) -> tuple[WholeParam, ...]:
-    """The parameters of two or more dims of ``gm`` not in ``cut`` (the plan's sharded names), each with its
-    reason; tied names count once."""
+class WholeCandidate(NamedTuple):
+    """A parameter of two or more dims under all its (tied) names, with the reason it is whole if nothing cuts it."""
+
+    names: tuple[str, ...]
+    param: WholeParam
+
+
+def whole_candidates(gm: fx.GraphModule, a: Analysis) -> tuple[WholeCandidate, ...]:
+    """Every parameter of two or more dims of ``gm``, each with the reason it would be left whole; tied names
+    count once (the first one names it). The planner keeps those it does not cut (:func:`whole_params`)."""
     if a.tp == 1:
         return ()
     matmuls = {m.weight: m for m in a.matmuls}
     nodes = {n.target: n for n in gm.graph.nodes if n.op == "get_attr"}
-    named = list(gm.named_parameters(remove_duplicate=False))
-    seen = {id(p) for name, p in named if name in cut}  # a tied weight is cut under any of its names
-    out = []
-    for name, p in named:
-        if p.dim() < 2 or id(p) in seen:
-            continue
-        seen.add(id(p))
-        node = nodes.get(name)
-        if node is None:
-            out.append(WholeParam(name, name.rpartition(".")[0], "not read by this call's graph"))
-            continue
-        if name in matmuls:
-            m = matmuls[name]
-            out.append(WholeParam(name, m.module, _matmul_reason(m, a)))
-            continue
-        readers = _readers(node)
-        first = readers[0] if readers else None
-        module = (module_path(first) if first is not None else "") or name.rpartition(".")[0]
-        if first is not None and first.target is aten.embedding.default:
-            known = _replicated_reason(module, a)
-            if known is not None:
-                reason = known
-            elif not from_inputs(first.args[1]):
-                reason = ("position embedding: indexed by positions, not token ids; every rank reads every row "
-                          "(Megatron keeps it whole)")
-            else:
-                reason = "embedding of token ids not made vocab-parallel"
-        elif first is None:
-            reason = "read by nothing in this call's graph"
-        elif (row := _row_bias_of(first, a)) is not None:
-            reason = (f"bias of the row-parallel {row.module} (picked per token by {first.name}): added once, after "
-                      "the all-reduce of its partial sums, on every rank (as Megatron adds a row-parallel bias)")
+    groups: dict[int, list[str]] = {}
+    for name, p in gm.named_parameters(remove_duplicate=False):
+        if p.dim() >= 2:
+            groups.setdefault(id(p), []).append(name)
+    return tuple(WholeCandidate(tuple(names), _whole(names, nodes, matmuls, a)) for names in groups.values())
+
+
+def whole_params(candidates: tuple[WholeCandidate, ...], cut: set[str]) -> tuple[WholeParam, ...]:
+    """The candidates none of whose names is in ``cut`` (the plan's sharded names): a tied weight is cut under
+    any of its names."""
+    return tuple(c.param for c in candidates if not cut.intersection(c.names))
+
+
+def _whole(names: list[str], nodes: dict[str, fx.Node], matmuls: dict[str, ParamMatmul], a: Analysis) -> WholeParam:
+    """The reason the parameter called ``names`` stays whole if nothing cuts it, named by its first name. The
+    graph may read it under any of them (each has its own get_attr)."""
+    name, read = names[0], [nodes[n] for n in names if n in nodes]
+    if not read:
+        return WholeParam(name, name.rpartition(".")[0], "not read by this call's graph")
+    m = next((matmuls[n] for n in names if n in matmuls), None)
+    if m is not None:
+        return WholeParam(name, m.module, _matmul_reason(m, a))
+    readers = [r for node in read for r in _readers(node)]
+    first = readers[0] if readers else None
+    module = (module_path(first) if first is not None else "") or name.rpartition(".")[0]
+    if first is not None and first.target is aten.embedding.default:
+        known = _replicated_reason(module, a)
+        if known is not None:
+            reason = known
+        elif not from_inputs(first.args[1]):
+            reason = ("position embedding: indexed by positions, not token ids; every rank reads every row "
+                      "(Megatron keeps it whole)")
         else:
-            op = str(getattr(first.target, "__name__", first.target))
-            known = _replicated_reason(module, a)
-            reason = known or f"read by {op} (at {first.name}), which no sharding rule reads as a weight"
-        out.append(WholeParam(name, module, reason))
-    return tuple(out)
+            reason = "embedding of token ids not made vocab-parallel"
+    elif first is None:
+        reason = "read by nothing in this call's graph"
+    elif (row := _row_bias_of(first, a)) is not None:
+        reason = (f"bias of the row-parallel {row.module} (picked per token by {first.name}): added once, after "
+                  "the all-reduce of its partial sums, on every rank (as Megatron adds a row-parallel bias)")
+    else:
+        op = str(getattr(first.target, "__name__", first.target))
+        known = _replicated_reason(module, a)
+        reason = known or f"read by {op} (at {first.name}), which no sharding rule reads as a weight"
+    return WholeParam(name, module, reason)

@@ -34,6 +34,7 @@ from autotp.capture.structure import call_key, flatten, unflatten
 from autotp.errors import PipelineError, ProcessGroupError
 from autotp.parallel.data import check_same_inputs
 from autotp.parallel.parallelize import _graph_for, _split_example, parallelize_state
+from autotp.plan.pipeline_report import check_microbatches
 from autotp.plan.stages import StageRequest
 from autotp.operators.stages import STAGE_PREFIX, StageModule, Whole, input_name, wire_stages
 from autotp.state import Captured, tp_state
@@ -84,9 +85,8 @@ def check_pipeline(pp: int, schedule: str, virtual_stages: int | None, microbatc
     if name in ("1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble") and microbatches < pp:
         raise PipelineError(f"schedule {name} needs at least as many micro-batches as pipeline ranks: "
                             f"microbatches {microbatches} < pp {pp}", hint=f"use microbatches >= {pp}")
-    if batch is not None and batch % microbatches:
-        raise PipelineError(f"{microbatches} micro-batches do not divide the batch of {batch}",
-                            hint=f"use a number of micro-batches that divides {batch}")
+    if batch is not None:
+        check_microbatches(microbatches, batch)
     return name, v
 
 

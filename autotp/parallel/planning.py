@@ -1,7 +1,8 @@
 """Plan a model: capture its call, plan it at one or more tensor-parallel sizes, and keep the plan in the
 on-disk cache (:mod:`autotp.plan.cache`) under the key of what it depends on. Written once for everything
 that plans: ``parallelize`` (which looks up and stores, and captures its own way), ``autotp plan`` (one size,
-cached) and the layout search (several sizes from one capture).
+cached: :func:`plan_file` loads the model file and adds the report's numbers) and the layout search (several
+sizes from one capture).
 
 The key is the ops the forward runs on meta, every tensor's name, shape and dtype, the options and the
 versions of torch and autotp (:func:`autotp.plan.cache.plan_key`); the meta run that makes it is also where
@@ -14,18 +15,24 @@ import contextlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.fx as fx
 import torch.nn as nn
 
 from autotp.capture.meta_run import Recorder
+from autotp.capture.modelfile import load_model_file, planning_batch
 from autotp.capture.repeats import record_whole
-from autotp.capture.tracer import capture, meta_call
+from autotp.capture.tracer import capture, meta_call, stand_ins
+from autotp.errors import PlanSizeError
 from autotp.plan import cache as plan_cache
+from autotp.plan.pipeline_report import PipelineReport, PipelineSpec, check_microbatches, pipeline_report
 from autotp.plan.plan import Plan
 from autotp.plan.planner import make_plan
+from autotp.plan.report import Report, build_report
 from autotp.plan.stages import StageRequest
+from autotp.plan.symbols import size_ranges
 
 
 @dataclass(frozen=True)
@@ -111,3 +118,74 @@ def plan_model(model: nn.Module, args: tuple, kwargs: dict, tps: Iterable[int], 
                 raise
     path = remember(found, plans[sizes[0]], extra(gm) if extra is not None else None) if cache else None
     return Planned(plans, gm, found, path)
+
+
+AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class FilePlan(NamedTuple):
+    """What planning a model file gives ``autotp plan``: the plan, its numbers, and what the report shows."""
+
+    plan: Plan
+    report: Report
+    names: list[str]  # every parameter name of the model, in its order
+    batch_note: str  # says when the default batch was used ("" otherwise)
+    pipeline: PipelineReport | None = None  # with --pp > 1
+    cached: Path | None = None  # the plan cache entry read or written
+
+
+def plan_file(model: str, tp: int, batch: int | None = None, seq: int | None = None,
+                vocab_multiple: int = 1, sequence_parallel: bool = False, autocast: str | None = None,
+                expert_parallel: bool = False, pipeline: PipelineSpec | None = None, cache: bool = True) -> FilePlan:
+    """Load the model file ``model``, build on meta, capture, plan, and compute the report; no printing. ``autocast`` ("bf16" or
+    "fp16"): capture under ``torch.autocast`` as a training script runs the forward, so the collectives are
+    counted in the dtypes that travel then (the parameters are CPU stand-ins for that capture: address
+    space, never written). ``pipeline``: cut the blocks into its pp × v stages and report them; its
+    micro-batches must divide the batch, which is checked before the capture.
+    """
+    mf = load_model_file(model)
+    with torch.device("meta"):
+        net = mf.build()
+    args, kwargs, b, s, batch_note = planning_batch(mf, net, batch, seq)
+    if pipeline is not None:
+        check_microbatches(pipeline.microbatches, b)  # the rest of the spec was checked when it was made
+    # a pipeline's report reads the graph itself: it is captured every time
+    cached = cache and pipeline is None
+    # a module-level instance was built before the meta context: capture reads it without computing
+    cpu, swap, amp = torch.device("cpu"), None, None
+    if autocast is not None:  # autocast acts on CPU tensors, not on meta ones
+        swap = stand_ins({**dict(net.named_parameters(remove_duplicate=False)),
+                          **dict(net.named_buffers(remove_duplicate=False))}, cpu)
+        amp = torch.autocast("cpu", dtype=AUTOCAST[autocast])
+    stages = None if pipeline is None else StageRequest(len(pipeline.ranks), pipeline.split_points)
+    planned = plan_model(net, args, kwargs, [tp], cache=cached,
+                         options={"vocab_multiple": vocab_multiple, "sequence_parallel": sequence_parallel,
+                                  "expert_parallel": expert_parallel, "autocast": autocast},
+                         vocab_multiple=vocab_multiple, sequence_parallel=sequence_parallel,
+                         expert_parallel=expert_parallel, stages=stages, params=swap, device=cpu, amp=amp,
+                         extra=lambda gm: {"ranges": size_ranges(gm)})
+    plan, gm = planned.plans[tp], planned.gm
+    report = build_report(plan, net.named_parameters(remove_duplicate=False), b, s)
+    ranges = {k: tuple(v) for k, v in planned.found.extra.get("ranges", {}).items()} if gm is None \
+        else size_ranges(gm)
+    check_sizes(report, ranges)
+    stored = planned.path
+    names = [n for n, _ in net.named_parameters(remove_duplicate=False)]
+    # under autocast the blocks' activations are 16-bit, as Korthikanti et al.'s formula counts them
+    pipe = None if pipeline is None else pipeline_report(gm, plan, report, pipeline,
+                                                         2 if autocast is not None else None)
+    return FilePlan(plan, report, names, batch_note, pipe, stored)
+
+
+def check_sizes(report: Report, ranges: dict[str, tuple[int, int | None]]) -> None:
+    """The numbers are for --batch / --seq; refuse sizes the model's forward would reject.
+
+    Export's lower bound of 2 is its own (it specialises 0 and 1), not the model's, so only a larger one counts.
+    """
+    for sym, role in report.symbols.items():
+        lo, hi = ranges.get(sym, (0, None))
+        value, what, flag = (report.batch, "batch", "--batch") if role == "b" else (report.seq, "sequence", "--seq")
+        if (hi is not None and value > hi) or (lo > 2 and value < lo):
+            bounds = f"{lo}..{hi if hi is not None else '∞'}"
+            raise PlanSizeError(f"{what} size {value} is outside what the model's forward accepts ({bounds}, "
+                                "found when capturing it)", hint=f"pass a {flag} in {bounds}")

@@ -22,6 +22,7 @@ import torch
 import torch.fx as fx
 
 from autotp.analysis.flops import node_flops, shape_of
+from autotp.errors import PipelineError
 from autotp.plan.pieces import recomputable, unit_keys
 from autotp.plan.plan import Plan
 from autotp.plan.report import Report
@@ -43,6 +44,13 @@ class PipelineSpec(NamedTuple):
     schedule: str  # one of autotp.parallel.pipeline.SCHEDULES
     ranks: tuple[int, ...]  # the pipeline rank of each of the pp·v stages (stage_ranks)
     split_points: tuple[str, ...] = ()  # the blocks that start stages 1, 2, ... (empty: balanced)
+
+
+def check_microbatches(microbatches: int, batch: int) -> None:
+    """A step cuts its batch into ``microbatches`` equal micro-batches."""
+    if batch % microbatches:
+        raise PipelineError(f"{microbatches} micro-batches do not divide the batch of {batch}",
+                            hint=f"use a number of micro-batches that divides {batch}")
 
 
 @dataclass(frozen=True)

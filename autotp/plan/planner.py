@@ -8,19 +8,19 @@ import torch
 import torch.fx as fx
 
 from autotp.analysis.coverage import whole_params
-from autotp.errors import ShardingError
-from autotp.analysis.experts import ExpertFacts, ExpertLayerFacts, analyze_experts
+from autotp.analysis.experts import ExpertFacts, ExpertLayerFacts
 from autotp.analysis.pairs import Analysis, analyze, common_module
+from autotp.analysis.result import GraphFacts, analyze_graph
+from autotp.errors import ShardingError
 from autotp.analysis.matmuls import ParamMatmul, column_form, module_path
 from autotp.analysis.ops import STAT_KINDS, reduction_args
 from autotp.plan.plan import (SEQ_PARAMS, Collective, ColumnForm, ExpertLayer, ExpertSlot, GatheredOutput, LocalSlice,
                               PairPlan, ParamShard, Plan, Rewrite, SeqEnter, SeqGather, SeqLeave, SeqSlice,
                               SequencePlan, ShardedInput, Stat, Unit, VocabLoss, VocabPlan)
-from autotp.analysis.sequence import analyze_sequence
-from autotp.analysis.units import find_units
+from autotp.analysis.sequence import SeqFacts
 from autotp.plan.stages import StageRequest, plan_stages
 from autotp.shard_spec import Segment, VocabRows
-from autotp.analysis.vocab import VocabFacts, analyze_vocab
+from autotp.analysis.vocab import VocabFacts
 
 aten = torch.ops.aten
 
@@ -310,10 +310,10 @@ def plan_from_analysis(gm: fx.GraphModule, a: Analysis, v: VocabFacts | None = N
     )
 
 
-def sequence_plan(gm: fx.GraphModule, a: Analysis, v: VocabFacts, plan: Plan) -> Plan:
-    """``plan`` with sequence parallelism: the pairs' and the embedding's all-reduces become reduce-scatters,
-    the inputs of column matmuls and LM heads are all-gathered (see :mod:`autotp.analysis.sequence`)."""
-    f = analyze_sequence(gm, a, v)
+def sequence_plan(gm: fx.GraphModule, a: Analysis, v: VocabFacts, f: SeqFacts, plan: Plan) -> Plan:
+    """``plan`` with sequence parallelism (the regions ``f`` found): the pairs' and the embedding's
+    all-reduces become reduce-scatters, the inputs of column matmuls and LM heads are all-gathered (see
+    :mod:`autotp.analysis.sequence`)."""
     rows = {p.row.node: p for p in a.pairs}
     matmuls = {p.name: [c.node for c in p.columns] for p in a.pairs}
     for h in v.heads:
@@ -401,17 +401,22 @@ def _param(gm: fx.GraphModule, name: str):
 
 def _make_plan(gm: fx.GraphModule, tp: int, vocab_multiple: int, sequence_parallel: bool,
                expert_parallel: bool) -> Plan:
-    units = tuple(Unit(u.module, u.params, u.kind, u.modules) for u in find_units(gm))
-    if tp == 1:
+    facts = analyze_graph(gm, tp, vocab_multiple=vocab_multiple, sequence_parallel=sequence_parallel,
+                          expert_parallel=expert_parallel)
+    return plan_from_facts(gm, facts)
+
+
+def plan_from_facts(gm: fx.GraphModule, facts: GraphFacts) -> Plan:
+    """The plan of what :func:`~autotp.analysis.result.analyze_graph` found in ``gm``."""
+    units = tuple(Unit(u.module, u.params, u.kind, u.modules) for u in facts.units)
+    if facts.tp == 1:
         return Plan(tp=1, units=units)
-    a = analyze(gm, tp)
-    v = analyze_vocab(gm, a, tp, vocab_multiple)
-    experts = analyze_experts(gm, a) if expert_parallel else None
+    a, v, experts = facts.pairs, facts.vocab, facts.experts
     if experts is not None:
-        check_expert_counts(experts, tp)
-    plan = plan_from_analysis(gm, a, v, fold=not sequence_parallel, experts=experts)
-    plan = dataclasses.replace(plan, whole=whole_params(gm, a, {name for name, _ in plan.params}), units=units)
-    return sequence_plan(gm, a, v, plan) if sequence_parallel else plan
+        check_expert_counts(experts, facts.tp)
+    plan = plan_from_analysis(gm, a, v, fold=facts.sequence is None, experts=experts)
+    plan = dataclasses.replace(plan, whole=whole_params(facts.whole, {name for name, _ in plan.params}), units=units)
+    return sequence_plan(gm, a, v, facts.sequence, plan) if facts.sequence is not None else plan
 
 
 def _uncut(seg: Segment) -> Segment:
