@@ -54,7 +54,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT / "examples"), str(ROOT / "tests")]
+sys.path[:0] = [str(ROOT / "examples"), str(ROOT / "tests" / "support")]
 
 HIDDEN, HEADS, VOCAB, DROPOUT = 256, 8, 512, 0.1
 LAYERS = (1, 3)  # per layer = (bytes at 3 layers − bytes at 1) / 2
@@ -193,7 +193,7 @@ def _markdown(r: dict) -> str:
 
 
 def main() -> None:
-    from distributed import launch
+    from ranks import launch
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tp", type=int, nargs="+", default=[2, 4])

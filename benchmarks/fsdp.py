@@ -7,7 +7,7 @@ parallelism × DDP, measured against the per-rank memory formula.
 Model: the example nanoGPT (examples/nanogpt.py: 8 layers, dim 1024, 16 heads, vocab 8192 with the LM head
 tied to the embedding, block 128, dropout 0, attention written out), 109.3M parameters; batch 2 × 64
 tokens per data-parallel replica, AdamW (lr 1e-4, its default single-tensor CPU path), fp32. 4 gloo ranks
-on this machine (torch's elastic launcher, tests/distributed.py), a (dp 2, tp 2) device mesh, one
+on this machine (torch's elastic launcher, tests/support/ranks.py), a (dp 2, tp 2) device mesh, one
 intra-op thread per rank. The model is built inside ``autotp.empty_weights()`` (parameters on meta: a rank
 only ever allocates its own shards), its local pieces initialised with ``normal_(0, 0.02)``, then
 ``mark_loaded``. Configurations, each in a launch of its own so that each process's peak is its own:
@@ -82,7 +82,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT / "examples"), str(ROOT / "tests")]
+sys.path[:0] = [str(ROOT / "examples"), str(ROOT / "tests" / "support")]
 
 TP, DP = 2, 2
 CONFIG = dict(n_layer=8, n_embd=1024, n_head=16, vocab_size=8192, block_size=128, dropout=0.0)
@@ -442,7 +442,7 @@ DEFAULTS = {"steps": 10, "mem_steps": 3, "layers": CONFIG["n_layer"], "malloc": 
 
 def _launch(mode: str, fn, *args) -> dict:
     """``fn(*args)`` on the ranks with allocator setting ``mode``."""
-    from distributed import launch
+    from ranks import launch
 
     from autotp.distributed.launch import _environ  # the launcher's own: workers copy this environment
 

@@ -21,10 +21,10 @@ import torch.distributed as dist
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-sys.path[:0] = [os.path.join(ROOT, "tests"), os.path.join(ROOT, "examples")]
+sys.path[:0] = [os.path.join(ROOT, "tests", "support"), os.path.join(ROOT, "examples")]
 
 import autotp  # noqa: E402
-from models import MODELS, loss_and_logits  # noqa: E402
+from small_models import MODELS, loss_and_logits  # noqa: E402
 from parity_workers import _local  # noqa: E402
 
 FP32_BOUND = 1e-5

@@ -61,7 +61,7 @@ import traceback
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.abspath(os.path.join(HERE, ".."))
-sys.path[:0] = [os.path.join(ROOT, "tests")]
+sys.path[:0] = [os.path.join(ROOT, "tests", "support")]
 if os.environ.get("OP_COVERAGE_BEFORE"):
     # the worktree's autotp only: the editable install's finder would fill in modules the worktree lacks
     # (autotp.analysis.torch_rules) from the working tree
@@ -362,7 +362,7 @@ def _summarise(msgs: list[dict]) -> dict:
 
 def test_model_jobs() -> tuple[list[dict], dict[str, str]]:
     jobs, skipped = [], {}
-    for path in sorted(glob.glob(os.path.join(ROOT, "tests", "*_models.py"))):
+    for path in sorted(glob.glob(os.path.join(ROOT, "tests", "support", "*_models.py"))):
         name = os.path.basename(path)[:-3]
         try:
             mod = importlib.import_module(name)

@@ -15,7 +15,7 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [os.path.join(HERE, "..", "examples"), os.path.join(HERE, "..", "tests")]
+sys.path[:0] = [os.path.join(HERE, "..", "examples"), os.path.join(HERE, "..", "tests", "support")]
 
 
 def worker(layers: int) -> dict:
@@ -38,7 +38,7 @@ def worker(layers: int) -> dict:
 
 
 def main() -> None:
-    from distributed import launch
+    from ranks import launch
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=24)

@@ -15,7 +15,7 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [os.path.join(HERE, "..", "tests"), os.path.join(HERE, "..", "examples")]
+sys.path[:0] = [os.path.join(HERE, "..", "tests", "support"), os.path.join(HERE, "..", "examples")]
 
 
 def worker(name: str) -> dict:
@@ -24,8 +24,8 @@ def worker(name: str) -> dict:
     import torch
 
     import autotp
-    from distributed import CollectiveLog
-    from models import MODELS, loss_and_logits
+    from ranks import CollectiveLog
+    from small_models import MODELS, loss_and_logits
     from parity_workers import _local, _max_diff
 
     ref, args, kwargs = MODELS[name]()
@@ -85,7 +85,7 @@ def _summary(calls: list) -> str:
 
 
 def main() -> None:
-    from distributed import launch
+    from ranks import launch
 
     rows = []
     for name in ("nanogpt", "gpt2", "gpt2_50257", "llama"):

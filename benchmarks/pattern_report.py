@@ -1,4 +1,4 @@
-"""The pattern suite as a table: each attention/MLP spelling of tests/pattern_models.py at tp 2 and 4.
+"""The pattern suite as a table: each attention/MLP spelling of tests/support/pattern_models.py at tp 2 and 4.
 
     python benchmarks/pattern_report.py            # writes benchmarks/results/patterns.{json,md}
 
@@ -13,11 +13,11 @@ import os
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [os.path.join(HERE, "..", "tests")]
+sys.path[:0] = [os.path.join(HERE, "..", "tests", "support")]
 
 
 def main() -> None:
-    from distributed import launch
+    from ranks import launch
     from parity_workers import pattern_parity
     from pattern_models import KINDS
 

@@ -75,7 +75,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT / "examples"), str(ROOT / "tests")]
+sys.path[:0] = [str(ROOT / "examples"), str(ROOT / "tests" / "support")]
 
 CONFIG = dict(n_layer=8, n_embd=384, n_head=6, vocab_size=2048, block_size=128, dropout=0.0)
 BATCH, SEQ = 8, 128
@@ -447,7 +447,7 @@ def _excerpt(text: str, lines: int = 30) -> str:
 def _run_pp(pp: int, configs: list[list], opts: dict, console) -> tuple[dict[int, dict] | None, dict[str, str]]:
     """The sweep of ``configs`` at ``pp``; on a failed launch, each configuration alone (one step) to find the
     failing ones, recorded with their tracebacks, and the sweep again without them."""
-    from distributed import launch
+    from ranks import launch
 
     failures: dict[str, str] = {}
 
@@ -622,7 +622,7 @@ def _markdown(res: dict) -> str:
         "# Pipeline parallelism: bubble and activation memory of GPipe, 1F1B and Interleaved1F1B",
         "",
         f"nanoGPT {res['model']}: {res['params'] / 1e6:.1f}M parameters; one batch of {BATCH}×{SEQ} tokens cut into "
-        f"m micro-batches; fp32; tp 1, dp 1; gloo ranks (torch's elastic launcher, tests/distributed.py) with one "
+        f"m micro-batches; fp32; tp 1, dp 1; gloo ranks (torch's elastic launcher, tests/support/ranks.py) with one "
         f"intra-op thread each on {res['cores']} cores, so pp 4's ranks share them. A step: `Pipeline.step` "
         "(forward + backward of the batch through the schedule), gradients dropped, no optimizer. Each pp in one "
         f"launch, its configurations stepped in turns: {o['warmup']} warm-up rounds, {o['steps']} timed rounds, one "

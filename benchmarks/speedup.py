@@ -38,7 +38,7 @@ import unittest.mock
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT / "examples"), str(ROOT / "tests")]
+sys.path[:0] = [str(ROOT / "examples"), str(ROOT / "tests" / "support")]
 
 COMM = "collectives_alone"
 CONFIG = dict(n_layer=4, n_embd=256, n_head=8, vocab_size=8192, block_size=128, dropout=0.0)
@@ -247,7 +247,7 @@ def _markdown(r: dict, opts: dict) -> str:
 
 
 def main() -> None:
-    from distributed import launch
+    from ranks import launch
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--tp", type=int, default=2)

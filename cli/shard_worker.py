@@ -256,10 +256,11 @@ def _start(job: ShardJob, out: Path, model: torch.nn.Module, opt: torch.optim.Op
 def shard_worker(job: ShardJob) -> ShardReport | None:
     """One rank of ``autotp shard``; rank 0 returns the report, the others None."""
     ctx = init_from_env()
-    try:
-        return _shard(job, ctx)
-    finally:
-        dist.destroy_process_group()
+    report = _shard(job, ctx)
+    # on success only: a rank that raises leaves at once, so its error is recorded before a peer that fails
+    # with it (or the launcher, stopping the others) can end this process; exiting closes the group anyway
+    dist.destroy_process_group()
+    return report
 
 
 def _tp_batch(make, ctx: RankContext) -> tuple[tuple, dict]:

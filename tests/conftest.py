@@ -4,7 +4,7 @@ import os
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-for p in (os.path.join(ROOT, "examples"), os.path.join(ROOT, "tests")):
+for p in (os.path.join(ROOT, "examples"), os.path.join(ROOT, "tests", "support")):
     if p not in sys.path:
         sys.path.insert(0, p)
 
@@ -37,6 +37,6 @@ def _own_plan_cache(tmp_path_factory, monkeypatch):
     """Each test plans into a cache folder of its own: none reads another's plans or the user's. Ranks fork
     from a server that keeps the first launch's environment, so ranks of later tests would share a folder:
     ``parallelize`` does not use the cache in tests (whether a rank hit would depend on which test ran
-    first), except where a test turns it on for its ranks (tests/reuse_workers.py)."""
+    first), except where a test turns it on for its ranks (tests/support/reuse_workers.py)."""
     monkeypatch.setenv("AUTOTP_CACHE_DIR", str(tmp_path_factory.mktemp("plan-cache")))
     monkeypatch.setenv("AUTOTP_PLAN_CACHE", "0")

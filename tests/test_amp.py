@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from amp_workers import autocast_parity, full_tensor_grad, grad_scaler_overflow
-from distributed import Launches
+from ranks import Launches
 
 EPS = {"bfloat16": torch.finfo(torch.bfloat16).eps, "float16": torch.finfo(torch.float16).eps}
 MOE = [("moe_bmm", False), ("mixtral", False), ("mixtral", True)]
@@ -135,7 +135,7 @@ def test_plan_gives_bytes_in_the_dtype_that_travels(dtype):
     from autotp.plan.plan import Plan
     from autotp.plan.planner import make_plan
     from autotp.plan.report import build_report
-    from models import MODELS
+    from small_models import MODELS
 
     model, args, kwargs = MODELS["nanogpt"]()
     with torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None):

@@ -1,4 +1,4 @@
-"""Regions the model runs under ``torch.autocast`` (tests/autocast_models.py): looked into by analysis (the
+"""Regions the model runs under ``torch.autocast`` (tests/support/autocast_models.py): looked into by analysis (the
 capture inlines export's ``wrap_with_autocast`` bodies), sharded like the same ops outside, and run again
 under the same autocast, so an outer bf16 autocast still meets the model's fp32 regions; exact in fp32."""
 from __future__ import annotations
@@ -14,7 +14,7 @@ from autotp.passes import run_passes
 from autotp.plan.planner import make_plan
 from autotp.operators.autocast import Autocast, AutocastRegion, outline_autocast, region_of
 from autocast_models import KINDS, WIDTH_NORM, build
-from distributed import Launches
+from ranks import Launches
 from parity_workers import dense_step_collectives, pattern_parity
 from pattern_models import H, S
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from capture_models import STYLES, build
-from distributed import Launches
+from ranks import Launches
 from parity_workers import capture_styles, default_calls
 
 from autotp.capture.tracer import capture

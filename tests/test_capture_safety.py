@@ -1,4 +1,4 @@
-"""Capture never changes the user's model (tests/stateful_models.py: buffers registered or grown on first use,
+"""Capture never changes the user's model (tests/support/stateful_models.py: buffers registered or grown on first use,
 shared rotary and ALiBi modules, a tied head holding the embedding module, plain tensor attributes beside a
 Python-side cache), a failed parallelize puts the model back exactly, and a capture error names the user's
 own line wherever the model's file lives."""
@@ -21,7 +21,7 @@ from autotp.capture.tracer import capture, input_guard, meta_call
 from autotp.errors import CaptureError
 from autotp.plan.cache import plan_key
 from autotp.state import find_tp_state
-from distributed import Launches
+from ranks import Launches
 from stateful_models import STYLES, build, diff, snapshot
 from stateful_workers import DOCUMENTED, stateful_parity
 

@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 from autotp.cli.main import app
 from autotp.errors import CheckpointError
 from autotp.io.ckpt_io import _publish, complete_checkpoints, resume_target
-from distributed import ROOT
+from ranks import ROOT
 
 runner = CliRunner()
 NANOGPT = os.path.join(ROOT, "examples", "nanogpt.py")

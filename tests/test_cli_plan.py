@@ -14,7 +14,7 @@ from autotp.cli.main import app
 from autotp.plan.planner import make_plan
 from autotp.plan.report import build_report
 from autotp.plan.symbols import display, symbol_roles
-from distributed import ROOT
+from ranks import ROOT
 
 NANOGPT = os.path.join(ROOT, "examples", "nanogpt.py")
 runner = CliRunner()
@@ -315,7 +315,7 @@ def _model_file(tmp_path, name: str, body: str) -> str:
     path = tmp_path / f"{name}.py"
     path.write_text(textwrap.dedent(f"""
         import sys
-        sys.path[:0] = [{os.path.join(ROOT, "examples")!r}, {os.path.join(ROOT, "tests")!r}]
+        sys.path[:0] = [{os.path.join(ROOT, "examples")!r}, {os.path.join(ROOT, "tests", "support")!r}]
         import torch
     """) + textwrap.dedent(body))
     return str(path)
@@ -323,7 +323,7 @@ def _model_file(tmp_path, name: str, body: str) -> str:
 
 @pytest.fixture(scope="module")
 def gpt4(tmp_path_factory) -> str:
-    """examples/nanogpt.py with 4 blocks, a batch of 8 × 16 (tests/pipeline_models.py's)."""
+    """examples/nanogpt.py with 4 blocks, a batch of 8 × 16 (tests/support/pipeline_models.py's)."""
     return _model_file(tmp_path_factory.mktemp("gpt4"), "gpt4", """
         from nanogpt import GPT, GPTConfig
 

@@ -19,7 +19,7 @@ from autotp.plan.plan import ParamShard, Plan
 from autotp.options import Options
 from autotp.state import Captured, RankIdentity, TPState, attach_state
 from autotp.shard_spec import Segment, shard_tensor
-from distributed import ROOT, launch
+from ranks import ROOT, launch
 
 NANOGPT = os.path.join(ROOT, "examples", "nanogpt.py")
 runner = CliRunner()

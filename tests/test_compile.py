@@ -12,7 +12,7 @@ import pytest
 import copy
 
 
-from distributed import launch
+from ranks import launch
 
 
 def _count(graphs, name: str) -> int:

@@ -1,4 +1,4 @@
-"""The model's own autograd Functions (tests/function_models.py): captured with their forward's ops tagged
+"""The model's own autograd Functions (tests/support/function_models.py): captured with their forward's ops tagged
 (:mod:`autotp.capture.functions`), called again by the sharded graph (:mod:`autotp.operators.functions`) so
 their backward is the model's; sharded through where running the Function on random shards shows its forward
 and backward local to a shard, else whole with the reason; exact at tp 2 and 4.
@@ -14,9 +14,10 @@ from autotp.operators.functions import FunctionCall, call_of
 from autotp.capture.tracer import capture
 from autotp.plan.planner import make_plan
 from autotp.operators.functions import CustomFunction, outline_functions
-from distributed import Launches
+from ranks import Launches
 from function_models import KINDS, GradNorm, RoundSTE, build
-from parity_workers import dense_step_collectives, pattern_parity
+from parity_checks import assert_patterns_train_exactly
+from parity_workers import pattern_parity
 from pattern_models import H, S
 
 
@@ -100,19 +101,14 @@ def runs() -> Launches:
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
 def test_models_with_their_own_functions_train_exactly(runs, world: int):
-    bsh, layers = 2 * S * H, 2
-    for rank, by_kind in runs(world, "functions").items():
-        assert list(by_kind) == list(KINDS)
-        for kind, r in by_kind.items():
-            assert r["loss_diff"] <= 1e-5 and r["grad_diff"] <= 1e-5 and r["param_diff"] <= 1e-5, (rank, kind, r)
-            assert r["unexplained"] == [], (kind, r)
-            if kind != "grad_norm":  # run on shards (or outside every region): Megatron's collectives
-                forward, backward = dense_step_collectives(bsh, 2 * S, layers)
-                assert not r["replicated"] and sorted(r["forward"]) == forward, (kind, r)
-                assert sorted(r["backward"]) == backward, (kind, r["backward"])
-                assert r["fraction"] <= 1 / world + 0.12, (kind, r["fraction"])
-            else:  # the attention the Function sits in is whole; the MLPs are sharded
-                assert [m for m, _ in r["replicated"]] == ["blocks.0.attn", "blocks.1.attn"], (kind, r)
+    results = runs(world, "functions")
+    # run on shards (or outside every region): Megatron's collectives
+    assert_patterns_train_exactly(results, list(KINDS), world, bsh=2 * S * H, tokens=2 * S,
+                                  sharded=lambda kind: kind != "grad_norm")
+    for rank, by_kind in results.items():  # the attention the Function sits in is whole; the MLPs are sharded
+        r = by_kind["grad_norm"]
+        assert r["unexplained"] == [], (rank, r)
+        assert [m for m, _ in r["replicated"]] == ["blocks.0.attn", "blocks.1.attn"], (rank, r)
 
 
 class _Wrapped(torch.nn.Module):

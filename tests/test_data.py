@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from data_workers import dp_sampling, mismatch_and_broadcast
-from distributed import launch
+from ranks import launch
 
 from autotp.parallel.data import _fingerprint
 

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from autotp.distributed.launch import LaunchSpec, launch
 from autotp.distributed.layout import RankLayout
-from distributed import ROOT
+from ranks import ROOT
 from torch.distributed.elastic.utils.distributed import get_free_port
 
 NANOGPT = os.path.join(ROOT, "examples", "nanogpt.py")

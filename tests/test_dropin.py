@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from distributed import ROOT, Launches
+from ranks import ROOT, Launches
 
 SCRIPTS = os.path.join(ROOT, "tests", "scripts")
 ADDED = "import autotp; model = autotp.parallelize(model)  # the one added line"

@@ -1,4 +1,4 @@
-"""Attention written with einsum (tests/einsum_models.py): captured as the batched matmuls it is
+"""Attention written with einsum (tests/support/einsum_models.py): captured as the batched matmuls it is
 (:mod:`autotp.capture.einsum`), sharded by heads with Megatron's collectives, exact at tp 2 and 4."""
 from __future__ import annotations
 
@@ -8,9 +8,10 @@ import torch.nn as nn
 
 from autotp.capture.tracer import capture
 from autotp.plan.planner import make_plan
-from distributed import Launches
+from ranks import Launches
 from einsum_models import KINDS, build
-from parity_workers import dense_step_collectives, pattern_parity
+from parity_checks import assert_megatron_step, assert_patterns_train_exactly
+from parity_workers import pattern_parity
 from pattern_models import HD, H, S
 
 aten = torch.ops.aten
@@ -40,19 +41,16 @@ def runs() -> Launches:
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
 def test_einsum_attention_trains_exactly_with_megatron_collectives(runs, world: int):
-    bsh, layers = 2 * S * H, 2
-    for rank, by_kind in runs(world, "einsum").items():
-        assert list(by_kind) == list(KINDS)
-        for kind, r in by_kind.items():
-            assert r["loss_diff"] <= 1e-5 and r["grad_diff"] <= 1e-5 and r["param_diff"] <= 1e-5, (rank, kind, r)
-            assert not r["replicated"] and r["unexplained"] == [], (kind, r)
-            forward, backward = dense_step_collectives(bsh, 2 * S, layers)
-            assert sorted(r["forward"]) == forward, (kind, r["forward"])
-            # multi-query: the k and v head every rank holds have their weight gradients summed over the group
-            kv = [("all_reduce", "sum", HD * H)] * 2 * layers if kind == "mqa" else []
-            assert sorted(r["backward"]) == sorted(backward + kv), (kind, r["backward"])
-            if kind != "mqa":
-                assert r["fraction"] <= 1 / world + 0.12, (kind, r["fraction"])
+    layers = 2
+    results = runs(world, "einsum")
+    # multi-query: the k and v head every rank holds have their weight gradients summed over the group
+    assert_patterns_train_exactly(results, list(KINDS), world, bsh=2 * S * H, tokens=2 * S, layers=layers,
+                                  extra_backward=lambda kind: [("all_reduce", "sum", HD * H)] * 2 * layers
+                                  if kind == "mqa" else [], sharded=lambda kind: kind != "mqa")
+    for rank, by_kind in results.items():  # mqa: its k and v heads are whole on every rank, so not 1/tp
+        r, where = by_kind["mqa"], (rank, "mqa")
+        assert not r["replicated"] and r["unexplained"] == [], (*where, r)
+        assert_megatron_step(r, 2 * S * H, 2 * S, layers, where, [("all_reduce", "sum", HD * H)] * 2 * layers)
 
 
 class _One(nn.Module):

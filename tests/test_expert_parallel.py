@@ -16,7 +16,7 @@ from autotp.analysis.pairs import analyze
 from autotp.errors import ShardingError
 from autotp.plan.planner import check_expert_counts, make_plan
 from autotp.operators.expert_ops import ExpertGrouped, ExpertIndex, ExpertOut, ExpertRows, ExpertSelect
-from distributed import Launches
+from ranks import Launches
 from moe_models import E, H, S, build, collectives
 from parity_workers import pattern_parity
 
@@ -152,10 +152,10 @@ def test_autotp_plan_shows_whole_experts_per_rank(tmp_path):
     from typer.testing import CliRunner
 
     from autotp.cli.main import app
-    from distributed import ROOT
+    from ranks import ROOT
 
     model_py = tmp_path / "moe_model.py"
-    model_py.write_text(f"import sys\nsys.path.insert(0, {os.path.join(ROOT, 'tests')!r})\n"
+    model_py.write_text(f"import sys\nsys.path.insert(0, {os.path.join(ROOT, 'tests', 'support')!r})\n"
                         "from moe_models import build\n"
                         "def build_model():\n    return build('fused_loop')[0]\n"
                         "def example_batch():\n    return build('fused_loop')[1]\n")

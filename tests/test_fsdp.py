@@ -22,11 +22,11 @@ from autotp.passes.split_units import split_units
 from autotp.plan.plan import Plan
 from autotp.plan.planner import make_plan
 from autotp.operators.units import PieceCall, bind_pieces
-from distributed import Launches
+from ranks import Launches
 from fsdp_models import KINDS, build
 from fsdp_workers import fsdp_load_weights, fsdp_parity, fsdp_parity_many, fsdp_resume_matrix
 from fsdp_workers import fsdp_mixed_precision as fsdp_workers_mp
-from models import MODELS, loss_and_logits
+from small_models import MODELS, loss_and_logits
 
 UNITS = {
     "modulelist": ["layers.0", "layers.1", "layers.2"],
@@ -289,7 +289,7 @@ def test_autotp_shard_fsdp_runs_as_is(tmp_path):
     from typer.testing import CliRunner
 
     from autotp.cli.main import app
-    from distributed import ROOT
+    from ranks import ROOT
 
     out = tmp_path / "out"
     result = CliRunner().invoke(app, ["shard", os.path.join(ROOT, "examples", "nanogpt.py"), "--tp", "2", "--dp",
@@ -318,7 +318,7 @@ def test_fsdp_bad_flags_fail_before_any_rank(flags, says):
     from typer.testing import CliRunner
 
     from autotp.cli.main import app
-    from distributed import ROOT
+    from ranks import ROOT
 
     result = CliRunner().invoke(app, ["shard", os.path.join(ROOT, "examples", "nanogpt.py"), *flags],
                                 env={"COLUMNS": "300"})

@@ -8,7 +8,7 @@ import pytest
 
 from autotp.capture.tracer import capture
 from autotp.plan.planner import make_plan
-from distributed import launch
+from ranks import launch
 from gap_models import CASTS, VALUES, build
 from pattern_models import HD, NH, H, S, V
 from parity_workers import pattern_parity

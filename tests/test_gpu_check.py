@@ -19,7 +19,7 @@ from torch._ops import ops
 import autotp
 from autotp.capture.structure import flatten
 from autotp.capture.tracer import capture, retarget_device
-from models import MODELS
+from small_models import MODELS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))

@@ -9,7 +9,7 @@ import pytest
 
 @pytest.mark.slow
 def test_later_signatures_rewrite_the_exported_blocks_and_copy_them():
-    from distributed import launch, run_jobs
+    from ranks import launch, run_jobs
     from later_workers import MODELS, later_signatures
 
     # alternating kinds are compared with the whole rewrite structurally (tests/test_rewrite_copies.py)

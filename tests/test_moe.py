@@ -1,7 +1,7 @@
 """Expert tensor parallelism: every expert's FFN cut column→row (its 3-D fused weights too: per expert in a
 loop, gathered per token for bmm/einsum, or whole for a grouped GEMM), one all-reduce of the router-weighted
 sum per MoE layer, the router whole and the same on every rank, a shared expert cut like a dense MLP beside
-them and its sigmoid gate whole; in the spellings of tests/moe_models.py and in Hugging Face's own classes."""
+them and its sigmoid gate whole; in the spellings of tests/support/moe_models.py and in Hugging Face's own classes."""
 from __future__ import annotations
 
 import math
@@ -11,7 +11,7 @@ import pytest
 
 from autotp.capture.tracer import capture
 from autotp.plan.planner import make_plan
-from distributed import Launches
+from ranks import Launches
 from moe_models import AUX, DR, E, KINDS, KR, QR, H, S, build, collectives
 from parity_workers import pattern_parity
 
@@ -174,10 +174,10 @@ def test_autotp_plan_shows_experts_router_and_latent_down_projections(tmp_path):
     from typer.testing import CliRunner
 
     from autotp.cli.main import app
-    from distributed import ROOT
+    from ranks import ROOT
 
     model_py = tmp_path / "moe_model.py"
-    model_py.write_text(f"import sys\nsys.path.insert(0, {os.path.join(ROOT, 'tests')!r})\n"
+    model_py.write_text(f"import sys\nsys.path.insert(0, {os.path.join(ROOT, 'tests', 'support')!r})\n"
                         "from moe_models import build\n"
                         "def build_model():\n    return build('mla_copy')[0]\n"
                         "def example_batch():\n    return build('mla_copy')[1]\n")

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from distributed import Launches
+from ranks import Launches
 from parity_workers import (checkpoint_round_trip, dropout_streams, large_logits_cross_entropy, other_calls,
                             replicated_block, training_parity)
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from distributed import Launches
+from ranks import Launches
 from parity_workers import cache_parity, pattern_parity
 from pattern_models import HD, MQA, NH, H, S
 

@@ -14,7 +14,7 @@ from autotp.passes import run_passes, split_stages
 from autotp.plan.planner import make_plan
 from autotp.plan.stages import StageRequest, _split
 from autotp.operators.stages import wire_stages
-from distributed import launch
+from ranks import launch
 from pipeline_models import MODELS
 
 
@@ -213,7 +213,7 @@ def _shard(*flags: str):
     from typer.testing import CliRunner
 
     from autotp.cli.main import app
-    from distributed import ROOT
+    from ranks import ROOT
 
     return CliRunner().invoke(app, ["shard", os.path.join(ROOT, "examples", "nanogpt.py"), *flags],
                               env={"COLUMNS": "300"})
@@ -307,7 +307,7 @@ def test_user_script_under_autotp_run_pp(tmp_path, amp, tol):
     import subprocess
     import sys
 
-    from distributed import ROOT
+    from ranks import ROOT
 
     script = tmp_path / "train_pp.py"
     script.write_text(_SCRIPT)

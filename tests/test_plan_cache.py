@@ -114,7 +114,7 @@ def test_the_key_follows_one_block_among_identical_ones():
 
 @pytest.mark.slow
 def test_a_restarted_job_shards_from_the_cached_plan_and_captures_on_the_first_call(tmp_path):
-    from distributed import launch
+    from ranks import launch
     from reuse_workers import restart
 
     for rank, r in launch(restart, 2, str(tmp_path)).items():

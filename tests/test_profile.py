@@ -12,7 +12,7 @@ from autotp.cli.main import app
 from autotp.cli.profile import model_shapes
 from autotp.layout.profile import MAX_BANDWIDTH, ProfileJob, fit_link, message_sizes, wire_bytes
 from autotp.layout.hardware import PROFILE_VERSION, Hardware, Link, Measured, load, save
-from distributed import ROOT
+from ranks import ROOT
 
 runner = CliRunner()
 NANOGPT = os.path.join(ROOT, "examples", "nanogpt.py")

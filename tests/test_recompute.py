@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 import autotp
-from distributed import launch
+from ranks import launch
 from recompute_models import LAYERS, STYLES, build, loss_of
 from recompute_workers import _example, recompute_parity
 

@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 from autotp.cli.main import app
 from autotp.io.ckpt_io import checkpoint_info, latest_checkpoint
 from autotp.distributed.launch import ENV_TIMEOUT, LaunchSpec, launch
-from distributed import ROOT
+from ranks import ROOT
 from torch.distributed.elastic.utils.distributed import get_free_port
 
 NANOGPT = os.path.join(ROOT, "examples", "nanogpt.py")

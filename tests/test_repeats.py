@@ -247,7 +247,7 @@ def test_blocks_that_also_return_a_kv_cache_are_copied_with_their_outputs():
     """Hugging Face's default forward (use_cache on) returns each layer's key and value besides the logits:
     the copies return theirs, in the whole model's output structure."""
     from autotp.capture.structure import flatten, unflatten
-    from models import llama
+    from small_models import llama
 
     model, _, kwargs = llama(layers=5)
     ids = kwargs["input_ids"]
@@ -294,7 +294,7 @@ def test_a_check_on_values_skipped_while_tracing_runs_on_fake_tensors():
     """Hugging Face's mask code reads position ids into Python unless it sees a fake tensor (export's view):
     the meta run fails there, the fake-tensor run does not, and the blocks are copied."""
     from autotp.capture.structure import flatten, unflatten
-    from models import llama_deep
+    from small_models import llama_deep
 
     model, args, kwargs = llama_deep()  # labels, use_cache off: no cache, so the mask code checks the ids
     on_meta = {k: v.to("meta") if torch.is_tensor(v) else v for k, v in kwargs.items()}

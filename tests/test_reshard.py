@@ -12,7 +12,7 @@ import torch
 from typer.testing import CliRunner
 
 from autotp.cli.main import app
-from distributed import ROOT, launch
+from ranks import ROOT, launch
 
 NANOGPT = os.path.join(ROOT, "examples", "nanogpt.py")
 

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from autotp.errors import AutotpError, CheckpointError
-from distributed import launch
+from ranks import launch
 from resume_workers import SAVE_TP, resume_only, save_then_resume
 
 TOL = 1e-5

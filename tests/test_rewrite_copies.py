@@ -12,7 +12,7 @@ from autotp.capture.tracer import capture_blocks
 from autotp.passes import run_passes
 from autotp.plan.planner import make_plan
 from later_workers import MODELS
-from models import llama
+from small_models import llama
 
 
 def _ops(gm) -> Counter:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from distributed import launch
+from ranks import launch
 from sampling_workers import BLOCK, CASES, MaskConfig, MaskedGPT, sampling_loops
 
 

@@ -13,8 +13,8 @@ from autotp.passes import run_passes
 from autotp.plan.plan import SEQ_PARAMS
 from autotp.plan.planner import make_plan
 from autotp.operators.seq_ops import AllGatherSeq, GatherSeq, ReduceScatterSeq, SeqColumnGroup, SliceSeq, SumGrads
-from distributed import launch
-from models import MODELS
+from ranks import launch
+from small_models import MODELS
 from pattern_models import KINDS, S
 
 # model -> (b, s, h, layers, parameters applied to sequence slices: norms and row biases)

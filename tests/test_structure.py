@@ -14,7 +14,7 @@ from autotp.errors import ShardingError
 from autotp.passes import run_passes
 from autotp.plan.planner import make_plan
 from autotp.operators.vocab_ops import VocabCrossEntropy, VocabEmbedding, VocabOutput
-from models import MODELS
+from small_models import MODELS
 from toy_models import toy
 
 aten = torch.ops.aten

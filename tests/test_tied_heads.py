@@ -1,5 +1,5 @@
 """LM heads tied to the token embedding by a matmul with its weight (``x @ emb.weight.t()``, ``.T``, einsum,
-``F.linear``, ``matmul`` of its transpose; tests/tied_head_models.py): vocab-parallel, tied by identity (one
+``F.linear``, ``matmul`` of its transpose; tests/support/tied_head_models.py): vocab-parallel, tied by identity (one
 shard serves both uses), reported as the LM head, exact with Megatron's collectives."""
 from __future__ import annotations
 
@@ -8,8 +8,9 @@ import torch
 
 from autotp.capture.tracer import capture
 from autotp.plan.planner import make_plan
-from distributed import Launches
-from parity_workers import dense_step_collectives, pattern_parity
+from ranks import Launches
+from parity_checks import assert_patterns_train_exactly
+from parity_workers import pattern_parity
 from pattern_models import H, S
 from tied_head_models import KINDS, V, build
 
@@ -35,13 +36,4 @@ def runs() -> Launches:
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
 def test_matmul_tied_heads_train_exactly_with_megatron_collectives(runs, world: int):
-    bsh, layers = 2 * S * H, 2
-    for rank, by_kind in runs(world, "tied").items():
-        assert list(by_kind) == list(KINDS)
-        for kind, r in by_kind.items():
-            assert r["loss_diff"] <= 1e-5 and r["grad_diff"] <= 1e-5 and r["param_diff"] <= 1e-5, (rank, kind, r)
-            assert not r["replicated"] and r["unexplained"] == [], (kind, r["replicated"], r["unexplained"])
-            assert r["fraction"] <= 1 / world + 0.12, (kind, r["fraction"])
-            forward, backward = dense_step_collectives(bsh, 2 * S, layers)
-            assert sorted(r["forward"]) == forward, (kind, r["forward"])
-            assert sorted(r["backward"]) == backward, (kind, r["backward"])
+    assert_patterns_train_exactly(runs(world, "tied"), list(KINDS), world, bsh=2 * S * H, tokens=2 * S)

@@ -1,7 +1,7 @@
 """torch's rules behind autotp's table (:mod:`autotp.analysis.torch_rules`): an op autotp does not list is
 placed by DTensor's sharding strategies (or DTensor's decomposition of it), checked by running it on
 random shards, and refused with the op's name where it is not local; attention through such ops
-(tests/torch_rule_models.py) is fully sharded and exact at tp 2 and 4 with Megatron's collectives."""
+(tests/support/torch_rule_models.py) is fully sharded and exact at tp 2 and 4 with Megatron's collectives."""
 from __future__ import annotations
 
 import pytest
@@ -13,8 +13,9 @@ from autotp.analysis.op_rules import TORCH, op_rule
 from autotp.analysis.torch_rules import TorchRefused, ask_torch, torch_rule_source
 from autotp.capture.tracer import capture
 from autotp.plan.planner import make_plan
-from distributed import Launches
-from parity_workers import dense_step_collectives, pattern_parity
+from ranks import Launches
+from parity_checks import assert_patterns_train_exactly
+from parity_workers import pattern_parity
 from pattern_models import H, S, LMWith, build_with
 from test_op_rules import _graph, _out, _refuses, _s, _x
 from torch_rule_models import KINDS, Attention, build
@@ -129,13 +130,4 @@ def runs() -> Launches:
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
 def test_attention_through_torchs_rules_trains_exactly_with_megatron_collectives(runs, world: int):
-    bsh, layers = 2 * S * H, 2
-    for rank, by_kind in runs(world, "torch_rules").items():
-        assert list(by_kind) == list(KINDS)
-        for kind, r in by_kind.items():
-            assert r["loss_diff"] <= 1e-5 and r["grad_diff"] <= 1e-5 and r["param_diff"] <= 1e-5, (rank, kind, r)
-            assert not r["replicated"] and r["unexplained"] == [], (kind, r)
-            forward, backward = dense_step_collectives(bsh, 2 * S, layers)
-            assert sorted(r["forward"]) == forward, (kind, r["forward"])
-            assert sorted(r["backward"]) == backward, (kind, r["backward"])
-            assert r["fraction"] <= 1 / world + 0.12, (kind, r["fraction"])
+    assert_patterns_train_exactly(runs(world, "torch_rules"), list(KINDS), world, bsh=2 * S * H, tokens=2 * S)

@@ -11,7 +11,7 @@ import torch.nn as nn
 from autotp.analysis.ops import TRANSPOSES, permutation
 from autotp.capture.tracer import capture
 from autotp.plan.planner import make_plan
-from distributed import launch
+from ranks import launch
 from parity_workers import pattern_parity
 from view_gap_models import KINDS, NH, HD, S, build
 

@@ -1,7 +1,7 @@
 """LM heads padded past the vocabulary and cropped in the model (``lm_head(x)[..., :V]``, ``narrow``, tied,
 with rows past the classes on whole ranks) stay vocab-parallel over all their rows, exactly; what cannot fold
 into the padding keeps the head whole with its reason; small gates and routers are reported as what they are,
-not as LM heads (tests/vocab_gap_models.py)."""
+not as LM heads (tests/support/vocab_gap_models.py)."""
 from __future__ import annotations
 
 import dataclasses
@@ -17,7 +17,7 @@ from autotp.plan.plan import Plan
 from autotp.plan.planner import make_plan
 from autotp.shard_spec import VocabRows, vocab_shard, vocab_unshard
 from autotp.operators.vocab_ops import VocabCrossEntropy, VocabOutput
-from distributed import launch
+from ranks import launch
 from vocab_gap_models import CLASSES, EXPERTS, GATES, H, KINDS, NOT_CROPS, PADDED, ROUTERS, S, build, gap_parity
 
 LAYERS = 2

@@ -12,8 +12,8 @@ from safetensors.torch import load_file, save_file, save_model
 
 import autotp
 from autotp.errors import CheckpointError
-from distributed import launch
-from models import gpt2
+from ranks import launch
+from small_models import gpt2
 from weights_workers import HF, MODELS, TOL, build, load_formats, reload_exports
 
 
@@ -147,7 +147,7 @@ def test_cli_shard_loads_weights_and_checks_them_before_launching(root, tmp_path
     from typer.testing import CliRunner
 
     from autotp.cli.main import app
-    from distributed import ROOT
+    from ranks import ROOT
 
     nanogpt = os.path.join(ROOT, "examples", "nanogpt.py")
     bad = CliRunner().invoke(app, ["shard", nanogpt, "--tp", "2", "--weights", os.path.join(root, "llama", "state.pt")])

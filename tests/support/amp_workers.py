@@ -9,7 +9,7 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import autotp
-from models import MODELS as _MODELS, loss_and_logits
+from small_models import MODELS as _MODELS, loss_and_logits
 
 
 def _moe_bmm():

@@ -1,6 +1,6 @@
 """Losses over logits whose class dim is dim 1, (b, V, s), as torch's losses take N-d inputs: the spellings
 public GPT files use to move the vocab there before ``F.cross_entropy`` / ``F.nll_loss``, each with its own
-``reduction``, ``ignore_index`` or label smoothing. Small LMs like tests/pattern_models.py's (width 64, 4 heads
+``reduction``, ``ignore_index`` or label smoothing. Small LMs like tests/support/pattern_models.py's (width 64, 4 heads
 of 16, seq 12, 2 layers); every model is ``(idx, targets) -> (logits, loss)`` with logits (b, s, V).
 
 - ``ce_transpose``: ``F.cross_entropy(logits.transpose(1, 2), targets)``;

@@ -8,7 +8,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 import autotp
-from models import loss_and_logits
+from small_models import loss_and_logits
 from pipeline_models import MODELS
 
 

@@ -29,7 +29,7 @@ def _nanogpt():
 
 
 def _llama():
-    from models import llama
+    from small_models import llama
 
     return llama()[0]
 

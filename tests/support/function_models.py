@@ -1,4 +1,4 @@
-"""Models with their own ``torch.autograd.Function``: small LMs like tests/pattern_models.py's (width 64, 4
+"""Models with their own ``torch.autograd.Function``: small LMs like tests/support/pattern_models.py's (width 64, 4
 heads of 16, seq 12, 2 layers); every model is ``(idx, targets) -> (logits, loss)``. Export traces a
 Function's forward and drops its backward; autotp calls the Function again (autotp.operators.functions).
 

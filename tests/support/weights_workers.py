@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 import autotp
-from models import gpt2, llama, loss_and_logits, nanogpt
+from small_models import gpt2, llama, loss_and_logits, nanogpt
 
 # name -> builder; GPT-2 with vocab 97: padded at tp 2 (49 rows per rank) and 4 (25), Conv1D, tied head;
 # Llama: 2 kv heads, replicated over pairs of ranks at tp 4; nanoGPT: fused c_attn and a tied head

@@ -1,5 +1,5 @@
 """Attention that passes ops autotp's own table does not list, which torch's DTensor rules place: small LMs
-like tests/pattern_models.py's (width 64, 4 heads of 16, seq 12, 2 layers); every model is
+like tests/support/pattern_models.py's (width 64, 4 heads of 16, seq 12, 2 layers); every model is
 ``(idx, targets) -> (logits, loss)``. Each op works along the sequence or key dim of per-head tensors
 ``(b, h, n, d)``, so it stays local when the heads are sharded.
 

@@ -1,6 +1,6 @@
 """Spellings from public single-device GPT files that used to leave weights whole: weights cast on their way
 to the matmul (mixed-precision ``Linear`` subclasses) and value residuals (a per-layer value embedding of
-the token ids added to v, gated per head by the input). Small LMs as in tests/pattern_models.py (width 64,
+the token ids added to v, gated per head by the input). Small LMs as in tests/support/pattern_models.py (width 64,
 4 heads of 16, vocab 96); every model is ``(idx, targets) -> (logits, loss)``."""
 from __future__ import annotations
 

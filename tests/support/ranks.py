@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import multiprocessing
+import multiprocessing.forkserver
 import os
 import sys
 import uuid
@@ -15,15 +16,17 @@ from torch.distributed.elastic.utils.distributed import get_free_port
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# what every rank imports before running its function: loaded once, in the fork server, not once per rank
-_PRELOAD = ["torch", "torch.distributed", "distributed", "autotp", "transformers",
-            "transformers.models.gpt2.modeling_gpt2", "transformers.models.llama.modeling_llama"]
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# what every rank imports before running its function (torch, transformers, every module of autotp, ...):
+# loaded once, in the fork server, not once per rank (tests/support/rank_preload.py)
+_PRELOAD = ["rank_preload"]
+# where the ranks' functions and models live
+PATHS = [os.path.join(ROOT, "examples"), os.path.join(ROOT, "tests", "support"), os.path.join(ROOT, "tests", "scripts")]
 
 
 @record
 def _entry(fn: Callable, *args):
-    sys.path[:0] = [os.path.join(ROOT, "examples"), os.path.join(ROOT, "tests"), os.path.join(ROOT, "tests", "scripts")]
+    sys.path[:0] = PATHS
     dist.init_process_group("gloo")
     # as torchrun does for several ranks per node: N ranks each running as many threads as there are cores
     # oversubscribe them (on 2 cores a tp-4 test runs ~2.5x slower)
@@ -42,13 +45,29 @@ def launch(fn: Callable, world_size: int, *args) -> dict[int, object]:
     paying those imports again (seconds per rank on a small machine). The fork server runs no computation, so
     no thread pool is forked; it keeps the environment of the first launch (tests set none for their ranks).
     """
-    multiprocessing.set_forkserver_preload(_PRELOAD)  # no effect once the server runs
+    _start_fork_server()
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=world_size, run_id=uuid.uuid4().hex,
         rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{get_free_port()}", max_restarts=0,
         monitor_interval=0.1, start_method="forkserver",
     )
     return elastic_launch(config, _entry)(fn, *args)
+
+
+def _start_fork_server() -> None:
+    """Start the fork server (once per test session) with the preload. It imports the preload before it
+    applies this process's ``sys.path`` (Python 3.11 passes it and ignores it), so the helpers' folders
+    reach it through ``PYTHONPATH``, for its start only: a missing module would be skipped silently."""
+    multiprocessing.set_forkserver_preload(_PRELOAD)
+    saved = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(PATHS + ([saved] if saved else []))
+    try:
+        multiprocessing.forkserver.ensure_running()
+    finally:
+        if saved is None:
+            os.environ.pop("PYTHONPATH")
+        else:
+            os.environ["PYTHONPATH"] = saved
 
 
 _REDUCE_OPS = {0: "sum", 3: "min", 4: "max"}  # c10d's RedOpType

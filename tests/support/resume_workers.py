@@ -14,7 +14,7 @@ import autotp
 from autotp.cli.shard_worker import data_parallel, train_step
 from autotp.io.ckpt_io import latest_checkpoint, load_training_state, save_training_state
 from autotp.distributed.launch import init_distributed
-from models import gpt2, llama
+from small_models import gpt2, llama
 from moe_models import build as moe
 from pattern_models import build
 

@@ -1,4 +1,4 @@
-"""What runs inside each gloo rank of the activation-checkpointing tests (tests/recompute_models.py)."""
+"""What runs inside each gloo rank of the activation-checkpointing tests (tests/support/recompute_models.py)."""
 from __future__ import annotations
 
 import copy

@@ -12,8 +12,8 @@ import torch.distributed as dist
 
 import autotp
 from autotp.errors import PlanCacheError
-from distributed import CollectiveLog
-from models import llama, loss_and_logits
+from ranks import CollectiveLog
+from small_models import llama, loss_and_logits
 
 
 def _diff(a: torch.Tensor, b: torch.Tensor) -> float:

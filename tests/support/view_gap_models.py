@@ -1,4 +1,4 @@
-"""Spellings that only move dims or do nothing, in small LMs like tests/pattern_models.py's (width 64, 4 heads
+"""Spellings that only move dims or do nothing, in small LMs like tests/support/pattern_models.py's (width 64, 4 heads
 of 16, vocab 96, 2 layers): the transpose family in attention (``k.mT`` with tanh soft-capping, ``swapaxes``,
 ``movedim``, ``permute`` and ``transpose`` with negative dims, ``adjoint``, ``mH``) and identity views, no-op
 casts and copies in front of every input projection (each projection reads its own such node of the normed

@@ -1,5 +1,5 @@
 """Regions under ``torch.autocast`` inside the model, as public GPT files write them (export wraps each in the
-``wrap_with_autocast`` higher-order op): small LMs like tests/pattern_models.py's (width 64, 4 heads of 16,
+``wrap_with_autocast`` higher-order op): small LMs like tests/support/pattern_models.py's (width 64, 4 heads of 16,
 seq 12, 2 layers); every model is ``(idx, targets) -> (logits, loss)``.
 
 - ``qk_norm_with``: q and k RMSNorms over the whole projection width in fp32, in

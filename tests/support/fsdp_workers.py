@@ -12,8 +12,8 @@ from torch.distributed.tensor import DTensor
 
 import autotp
 from autotp.distributed.data_parallel import FSDPConfig
-from distributed import CollectiveLog
-from models import MODELS, loss_and_logits
+from ranks import CollectiveLog
+from small_models import MODELS, loss_and_logits
 
 
 def _replica(batch, d: int, dp: int):
@@ -40,7 +40,7 @@ def _full(p: torch.Tensor) -> torch.Tensor:
 def _model(name: str):
     if name in MODELS:
         return MODELS[name]()
-    if name.startswith("pattern:"):  # tests/pattern_models.py's spellings (q/k norms, fused q|k|v, ...)
+    if name.startswith("pattern:"):  # tests/support/pattern_models.py's spellings (q/k norms, fused q|k|v, ...)
         from pattern_models import build as pattern
 
         return pattern(name.removeprefix("pattern:"))

@@ -7,8 +7,8 @@ import torch
 import torch.distributed as dist
 
 import autotp
-from distributed import CollectiveLog
-from models import MODELS, PARITY_ONLY, loss_and_logits
+from ranks import CollectiveLog
+from small_models import MODELS, PARITY_ONLY, loss_and_logits
 
 
 def dense_step_collectives(bsh: int, tokens: int, layers: int = 2) -> tuple[list, list]:
@@ -222,7 +222,7 @@ def replicated_block() -> dict:
 
 
 def _hf(kind: str):
-    from models import gpt2, llama
+    from small_models import gpt2, llama
 
     model, _, kw = (gpt2 if kind == "gpt2" else llama)()
     ids = kw["input_ids"]
@@ -268,7 +268,7 @@ def default_calls(kinds: list[str]) -> dict:
 
 
 def capture_styles(styles: list[str], steps: int = 3) -> dict:
-    """Each capture style (tests/capture_models.py) trained 3 AdamW steps against the unsharded model."""
+    """Each capture style (tests/support/capture_models.py) trained 3 AdamW steps against the unsharded model."""
     from capture_models import build
 
     out = {}
@@ -341,7 +341,7 @@ def hf_generate(kinds: list[str], use_cache: bool, tmp: str | None = None) -> di
 
 def pattern_parity(kinds: list[str], steps: int = 3, sequence_parallel: bool = False,
                    models: str = "pattern_models", expert_parallel: bool = False) -> dict:
-    """Each spelling of ``models``'s ``build(kind)`` (tests/pattern_models.py by default): 3 AdamW steps
+    """Each spelling of ``models``'s ``build(kind)`` (tests/support/pattern_models.py by default): 3 AdamW steps
     against the unsharded model, the collectives of one step, how much of each weight this rank holds, and
     the 2-D parameters left whole with the plan's reason (``whole``) or without one (``unexplained``)."""
     import importlib
@@ -405,7 +405,7 @@ def _coverage(ref, model, st) -> dict:
 
 
 def cache_parity(kinds: list[str], prompt_len: int = 5, steps: int = 6) -> dict:
-    """KV caches in module buffers written in place (tests/cache_models.py): a prefill call and one-token
+    """KV caches in module buffers written in place (tests/support/cache_models.py): a prefill call and one-token
     decode calls under no_grad against the unsharded model: logits, greedy tokens, the cache's local
     shape and the collectives of one decode call."""
     import torch.distributed as dist

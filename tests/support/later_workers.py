@@ -12,8 +12,8 @@ import torch.nn.functional as F
 
 import autotp
 import autotp.parallel.parallelize as par
-from distributed import CollectiveLog
-from models import llama, loss_and_logits
+from ranks import CollectiveLog
+from small_models import llama, loss_and_logits
 
 H, V = 32, 64
 

@@ -1,5 +1,5 @@
 """Attention written with einsum, as public GPT files write it (lucidrains' x-transformers and PaLM, minGPT
-variants): small LMs like tests/pattern_models.py's (width 64, 4 heads of 16, seq 12, 2 layers); every model
+variants): small LMs like tests/support/pattern_models.py's (width 64, 4 heads of 16, seq 12, 2 layers); every model
 is ``(idx, targets) -> (logits, loss)``. The head reshapes are spelled as einops' ``rearrange`` exports them
 (views and permutes).
 

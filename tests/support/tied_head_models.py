@@ -1,5 +1,5 @@
 """LM heads tied to the token embedding by a matmul with its weight, no head module at all, in the spellings
-public GPT files use. Small LMs like tests/pattern_models.py's (width 64, 4 heads of 16, seq 12, 2 layers);
+public GPT files use. Small LMs like tests/support/pattern_models.py's (width 64, 4 heads of 16, seq 12, 2 layers);
 every model is ``(idx, targets) -> (logits, loss)``.
 
 - ``t_method``: ``x @ self.tok_emb.weight.t()``;

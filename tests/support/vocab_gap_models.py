@@ -1,5 +1,5 @@
 """LM heads padded past the vocabulary and cropped in the model, and small gates and routers that are not LM
-heads, in small LMs like tests/pattern_models.py's (width 64, 4 heads of 16, seq 12, 2 layers). Every model
+heads, in small LMs like tests/support/pattern_models.py's (width 64, 4 heads of 16, seq 12, 2 layers). Every model
 is ``(idx, targets) -> (logits, loss)``; tests/test_vocab_gaps.py runs them.
 
 Crops (nanoGPT-style heads padded to a multiple of 64, as modded-nanogpt and Megatron pad them):
@@ -145,7 +145,7 @@ def build(kind: str):
 
 
 def gap_parity(kinds: list[str], gathered: list[str]) -> dict:
-    """Inside each gloo rank: tests/parity_workers.py's ``pattern_parity`` of ``kinds`` (3 AdamW steps against
+    """Inside each gloo rank: tests/support/parity_workers.py's ``pattern_parity`` of ``kinds`` (3 AdamW steps against
     the unsharded model), and for ``gathered`` the returned logits read whole and generate-style, and the
     full state dict after an AdamW step with weight decay (the rows past the classes get no gradient, but
     decay moves them)."""
