@@ -5,7 +5,7 @@ import pytest
 
 from ranks import Launches
 from parity_workers import (checkpoint_round_trip, dropout_streams, large_logits_cross_entropy, other_calls,
-                            replicated_block, training_parity)
+                            preloaded, replicated_block, training_parity)
 
 # model -> (b, s, h, layers)
 MODELS = {"nanogpt": (4, 32, 64, 2), "gpt2": (4, 16, 64, 2), "gpt2_50257": (4, 16, 64, 2), "llama": (4, 16, 64, 2),
@@ -20,7 +20,8 @@ ROUND_TRIPS = {"nanogpt": 2, "gpt2_50257": 4, "llama": 4}
 JOBS: dict[int, dict[str, tuple]] = {world: {f"training {m}": (training_parity, m) for m, w in PARITY if w == world}
                                      for world in (1, 2, 4)}
 JOBS[4].update({f"training {name}": (training_parity, name) for name in TOYS + LOSSES})
-JOBS[2].update({"large logits": (large_logits_cross_entropy,), "other calls": (other_calls,),
+JOBS[2].update({"preloaded": (preloaded,), "large logits": (large_logits_cross_entropy,),
+                "other calls": (other_calls,),
                 "dropout": (dropout_streams,), "replicated block": (replicated_block,)})
 for _model, _world in ROUND_TRIPS.items():
     JOBS[_world][f"round trip {_model}"] = (checkpoint_round_trip, _model)
@@ -29,6 +30,15 @@ for _model, _world in ROUND_TRIPS.items():
 @pytest.fixture(scope="module")
 def runs() -> Launches:
     return Launches(JOBS)
+
+
+@pytest.mark.slow
+def test_ranks_start_with_autotp_imported(runs):
+    """The fork server the ranks come from imported autotp's analysis and passes (and the helpers), so a
+    rank does not pay those imports again: Python 3.11's fork server ignores the sys.path it is given, and
+    skips a preload it cannot find without a word."""
+    for rank, r in runs(2, "preloaded").items():
+        assert r == {"preload": True, "passes": True, "analysis": True}, (rank, r)
 
 
 @pytest.mark.slow

@@ -500,3 +500,11 @@ def _sequence_dropout() -> dict:
             "masks_differ": not same_everywhere(masks[0]),
             "default_stream_identical": same_everywhere(torch.get_rng_state()),
             "dropped_fraction": masks[0].float().mean().item()}
+
+
+def preloaded() -> dict:
+    """What this rank found imported when it started: the fork server's preload (tests/support/rank_preload.py)."""
+    import sys
+
+    return {"preload": "rank_preload" in sys.modules, "passes": "autotp.passes" in sys.modules,
+            "analysis": "autotp.analysis.result" in sys.modules}

@@ -28,7 +28,10 @@ _HELPERS = ["ranks", "small_models", "parity_workers", "pattern_models"]
 for _info in pkgutil.walk_packages(autotp.__path__, "autotp."):
     importlib.import_module(_info.name)
 for _name in _TORCH + _HELPERS:
-    importlib.import_module(_name)
+    try:  # a module another torch no longer has costs its rank the import, not the whole preload
+        importlib.import_module(_name)
+    except ImportError:
+        pass
 # ranks forked from here leave what was imported out of their garbage collections: otherwise every full
 # collection walks (and so copies, page by page) the whole imported heap in every rank
 gc.freeze()
