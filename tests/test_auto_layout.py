@@ -308,7 +308,7 @@ def test_shard_auto_runs_the_layout_it_chose(tmp_path):
     import subprocess
     import sys
 
-    r = subprocess.run([sys.executable, "-m", "autotp.cli.main", "shard", "examples/nanogpt.py", "--auto",
+    r = subprocess.run([sys.executable, "-m", "autotp.cli", "shard", "examples/nanogpt.py", "--auto",
                         "--world-size", "2", "--gpu", "a100", "--steps", "1", "--out", str(tmp_path / "out")],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr

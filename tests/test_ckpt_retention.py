@@ -134,14 +134,14 @@ def build_model():
 @pytest.mark.slow
 def test_a_failed_resume_writes_nothing(tmp_path: Path):
     out = tmp_path / "run"
-    first = _shard(out)
+    first = _shard(out, "--no-verify")
     assert first.exit_code == 0, first.output
     assert f"output: {out}" in first.output.replace("\n", "")
     plan = (out / "plan.json").read_text()
     wider = tmp_path / "wider.py"
     wider.write_text(WIDER)
-    result = runner.invoke(app, ["shard", str(wider), "--tp", "2", "--steps", "2", "--resume", "--out", str(out)],
-                           env={"COLUMNS": "300"})
+    result = runner.invoke(app, ["shard", str(wider), "--tp", "2", "--steps", "2", "--resume", "--no-verify",
+                                 "--out", str(out)], env={"COLUMNS": "300"})
     assert result.exit_code != 0, result.output
     assert (out / "plan.json").read_text() == plan  # the other model's plan was not written over it
     assert [p.name for p in complete_checkpoints(out)] == ["step-000001"]
@@ -152,7 +152,7 @@ def test_a_failed_resume_writes_nothing(tmp_path: Path):
     data = bytearray(shard.read_bytes())
     data[:64] = bytes(64)
     shard.write_bytes(bytes(data))
-    damaged = _shard(out, "--resume")
+    damaged = _shard(out, "--resume", "--no-verify")
     assert damaged.exit_code == 1, damaged.output
     lines = damaged.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: rank "), damaged.stderr
@@ -213,7 +213,7 @@ def test_a_restart_resumes_from_its_own_newest_checkpoint(tmp_path: Path):
     import subprocess
     import sys
 
-    proc = subprocess.run([sys.executable, "-m", "autotp.cli.main", "shard", str(crashy), "--tp", "2", "--steps", "5",
+    proc = subprocess.run([sys.executable, "-m", "autotp.cli", "shard", str(crashy), "--tp", "2", "--steps", "5",
                            "--save-every", "1", "--no-verify", "--resume-from", "step-000002", "--max-restarts", "1",
                            "--out", str(out)], capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr

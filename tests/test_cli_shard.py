@@ -263,7 +263,7 @@ def test_autotp_run_script(tmp_path: Path) -> None:
         "print(f'tp rank {autotp.tp_state(tpm).rank} of {autotp.tp_state(tpm).tp} args {sys.argv[1:]}', flush=True)\n"
         "dist.destroy_process_group()\n"
     )
-    cmd = [sys.executable, "-m", "autotp.cli.main", "run", str(script), "--tp", "2", "--", "--data", "x"]
+    cmd = [sys.executable, "-m", "autotp.cli", "run", str(script), "--tp", "2", "--", "--data", "x"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     for rank in (0, 1):

@@ -155,7 +155,7 @@ def _two_nodes(where: Path):
     env = {**os.environ, "COLUMNS": "200"}
     procs, logs = [], []
     for node in (0, 1):
-        cmd = [sys.executable, "-m", "autotp.cli.main", "shard", NANOGPT, "--tp", str(TP), "--steps", "2",
+        cmd = [sys.executable, "-m", "autotp.cli", "shard", NANOGPT, "--tp", str(TP), "--steps", "2",
                "--nnodes", "2", "--node-rank", str(node), "--master-addr", "127.0.0.1",
                "--master-port", str(port), "--out", str(out)]
         logs.append(where / f"node{node}.log")

@@ -35,7 +35,7 @@ def _single_and_under_autotp_run(script: str, tmp_path: Path, env: dict[str, str
                             timeout=300, env=env)
     assert single.returncode == 0, single.stderr[-2000:]
     (want,) = _results(single.stdout)
-    cmd = [sys.executable, "-m", "autotp.cli.main", "run", str(tmp_path / "train_tp.py"), "--tp", "2", *flags]
+    cmd = [sys.executable, "-m", "autotp.cli", "run", str(tmp_path / "train_tp.py"), "--tp", "2", *flags]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     got = _results(proc.stdout)

@@ -49,6 +49,12 @@ if FAULT and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0" and "RANK"
 
     note = worker.note_progress
 
+    def launcher():  # the `autotp` process: a rank's parent, or its fork server's (warm ranks)
+        pid = os.getppid()
+        while "multiprocessing.forkserver" in open(f"/proc/{{pid}}/cmdline").read():
+            pid = int(open(f"/proc/{{pid}}/stat").read().rsplit(")", 1)[1].split()[1])
+        return pid
+
     def noting(step, where):  # the worker says where it is: before each step, before each save
         note(step, where)
         saving[0] = step if where.startswith("while saving") else None
@@ -57,7 +63,7 @@ if FAULT and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0" and "RANK"
         if kind == "rank":
             die(1)
         elif kind == "launcher" and dist.get_rank() == 0:
-            os.kill(os.getppid(), signal.SIGKILL)
+            os.kill(launcher(), signal.SIGKILL)
         elif kind == "readonly" and dist.get_rank() == 0:
             subprocess.run(["mount", "-o", "remount,ro", os.environ["FAULT_MOUNT"]], check=True)
 
@@ -162,8 +168,8 @@ def test_a_rank_killed_loses_nothing(ref, fault: str) -> None:
 
 
 def test_the_launcher_killed_loses_nothing(ref) -> None:
-    """The launcher dies (SIGKILL): its ranks go with it (they are its children), and the checkpoint
-    published before stays the latest."""
+    """The launcher dies (SIGKILL): its ranks go with it (children of its fork server, which ends with it),
+    and the checkpoint published before stays the latest."""
     out = ref["tmp"] / "kill-launcher"
     code, text, _ = _shard(ref["faulty"], out, *STEPS, env={"FAULT": "launcher@2"})
     assert code == -signal.SIGKILL, text
@@ -242,7 +248,7 @@ def _in_small_tmpfs(ref: dict, name: str, megabytes: float, script: str) -> subp
 
 
 def _shard_cmd(model: Path | str, *args: str) -> str:
-    return " ".join([sys.executable, "-m", "autotp.cli.main", "shard", str(model), "--tp", "2", "--out", "$MNT/run",
+    return " ".join([sys.executable, "-m", "autotp.cli", "shard", str(model), "--tp", "2", "--out", "$MNT/run",
                      *args])
 
 

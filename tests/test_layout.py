@@ -206,10 +206,10 @@ def test_console_script_runs_the_app_and_keeps_its_exit_code(monkeypatch, capsys
     """``autotp`` (pyproject's script) is ``run``: the app, with its exit status, for a good and a bad call."""
     tomllib = pytest.importorskip("tomllib")  # Python 3.11+
 
-    from autotp.cli.main import run
+    from autotp.cli.entry import run
 
     with open(Path(__file__).resolve().parent.parent / "pyproject.toml", "rb") as f:
-        assert tomllib.load(f)["project"]["scripts"]["autotp"] == "autotp.cli.main:run"
+        assert tomllib.load(f)["project"]["scripts"]["autotp"] == "autotp.cli.entry:run"
     for args, code in ((["--world-size", "4", "--tp", "2", "--json"], 0), (["--world-size", "3", "--tp", "2"], 2)):
         monkeypatch.setattr(sys, "argv", ["autotp", "layout", *args])
         with pytest.raises(SystemExit) as exit_:

@@ -316,7 +316,7 @@ def test_user_script_under_autotp_run_pp(tmp_path, amp, tol):
     single = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, env=env)
     assert single.returncode == 0, single.stderr[-2000:]
     want = json.loads(single.stdout.split("RESULT ")[1])["losses"]
-    proc = subprocess.run([sys.executable, "-m", "autotp.cli.main", "run", str(script), "--tp", "1", "--pp", "2"],
+    proc = subprocess.run([sys.executable, "-m", "autotp.cli", "run", str(script), "--tp", "1", "--pp", "2"],
                           capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     got = [json.JSONDecoder().raw_decode(part)[0]["losses"] for part in proc.stdout.split("RESULT ")[1:]]

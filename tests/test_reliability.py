@@ -109,7 +109,7 @@ example_batch = nanogpt.example_batch
 
 def _shard(model: str | Path, out: Path, *extra: str, env: dict | None = None, tp: int = 2) -> tuple[int, str, float]:
     """``autotp shard`` in a fresh process group (session); (exit code, stdout+stderr, seconds)."""
-    cmd = [sys.executable, "-m", "autotp.cli.main", "shard", str(model), "--tp", str(tp), "--out", str(out), *extra]
+    cmd = [sys.executable, "-m", "autotp.cli", "shard", str(model), "--tp", str(tp), "--out", str(out), *extra]
     start = time.monotonic()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
                             env={**os.environ, "COLUMNS": "200", **(env or {})}, start_new_session=True)

@@ -28,6 +28,7 @@ from autotp.errors import LaunchError, ProcessGroupError, RankFailedError
 from autotp.distributed.cpu_binding import ENV_BIND, bind_from_env
 from autotp.distributed.layout import RankLayout
 from autotp.distributed.restarts import Failure, final_failure, watching
+from autotp.distributed.warm import as_launched, warmed
 
 __all__ = [
     "ENV_BACKEND", "ENV_DP", "ENV_PP", "ENV_TIMEOUT", "ENV_TP", "LaunchError", "LaunchSpec", "RankContext",
@@ -197,17 +198,22 @@ def launch(spec: LaunchSpec, entrypoint: Callable[..., Any] | str, *args: Any, q
 
     # importing the launcher registers its loggers, so they can be quietened before it runs
     backend = {"cpu": "gloo", "cuda": "nccl"}.get(spec.device) or choose_backend(spec.nproc_per_node)
+    warm = callable(entrypoint) and warmed(entrypoint.__module__)
     port = spec.master_port if spec.master_port is not None else get_free_port()
     addr = spec.master_addr or "127.0.0.1"
     config = LaunchConfig(
         min_nodes=spec.nnodes, max_nodes=spec.nnodes, nproc_per_node=spec.nproc_per_node,
         run_id=f"autotp-{addr}-{port}", rdzv_backend="c10d", rdzv_endpoint=f"{addr}:{port}",
         rdzv_configs={"is_host": spec.node_rank == 0} if spec.nnodes > 1 else {},
-        max_restarts=spec.max_restarts, monitor_interval=0.1, start_method="spawn",
+        max_restarts=spec.max_restarts, monitor_interval=0.1,
+        # a function whose module the fork server preloads (autotp.distributed.warm): forked, already imported
+        start_method="forkserver" if warm else "spawn",
     )
-    with watching(spec.max_restarts, _picked, on_restart) as progress, _environ({**spec.env(backend), **progress}), \
-            _quiet_launcher_logs(quiet):
+    with watching(spec.max_restarts, _picked, on_restart) as progress, \
+            _environ(updates := {**spec.env(backend), **progress}), _quiet_launcher_logs(quiet):
         try:
+            if warm:  # the server's environment is the launcher's before these were set
+                return elastic_launch(config, as_launched)(updates, entrypoint, *args)
             return elastic_launch(config, entrypoint)(*args)
         except ChildFailedError as exc:
             rank, failure, message = _picked(exc.failures)
@@ -243,18 +249,23 @@ def _failure_text(failure: Any) -> tuple[str, str]:
 
 
 def root_failure(failures: Mapping[int, Any]) -> tuple[int, Any]:
-    """The failure that caused the others: a rank that recorded its own error beats one killed by a
-    signal, an error that is not a lost peer or a timed-out collective beats one that is, then the earliest.
+    """The failure that caused the others, in this order: an error a rank recorded that is not a lost peer
+    or a timed-out collective; a rank killed from outside (SIGKILL: the OOM killer, a user); a recorded lost
+    peer or timeout; the rest (SIGTERM and SIGINT: the agent stopping the others, a dead launcher's ranks);
+    then the earliest.
 
-    When one rank raises, its peers fail too (their collectives lose the peer, or the agent kills them), often
-    within the same second, so the launcher's own "first failure" (by whole-second timestamp) is a coin toss.
+    When one rank raises or is killed, its peers fail too (their collectives lose the peer, or the agent kills
+    them), often within the same second, and which the agent sees first depends on how the ranks were started
+    (a forked rank's death reaches it through the fork server): the launcher's own "first failure" (by
+    whole-second timestamp) is a coin toss.
     """
     def key(item: tuple[int, Any]) -> tuple:
         rank, failure = item
         message, _ = _failure_text(failure)
         recorded = _recorded(failure)
-        consequence = not message or any(s in message.lower() for s in _PEER_FAILURE) or failure.exitcode < 0
-        return (not recorded, consequence, failure.timestamp, rank)
+        own = recorded and bool(message) and not any(s in message.lower() for s in _PEER_FAILURE)
+        killed = failure.exitcode < 0 and failure.signal_name() not in ("SIGTERM", "SIGINT")
+        return (not own, not killed, not recorded, failure.timestamp, rank)
 
     return min(failures.items(), key=key)
 

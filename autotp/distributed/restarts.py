@@ -116,6 +116,7 @@ def watching(max_restarts: int, pick: Callable[[Mapping[int, Any]], tuple[int, A
     def monitor(self, worker_group):  # the agent's own poll, then a look at what it found
         result = original(self, worker_group)
         if result.state == WorkerState.FAILED and result.failures:
+            _add_unreported(self, worker_group, result.failures)
             seen[0] += 1
             rank, failure, message = pick(result.failures)
             record = describe(folder, rank, failure, message, seen[0], max_restarts)
@@ -134,6 +135,25 @@ def watching(max_restarts: int, pick: Callable[[Mapping[int, Any]], tuple[int, A
         if original is not None:
             LocalElasticAgent._monitor_workers = original
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def _add_unreported(agent: Any, group: Any, failures: dict[int, Any]) -> None:
+    """Add to the agent's ``failures`` every other rank that failed by itself: an exit code, or a signal from
+    outside (SIGKILL: the OOM killer, a user), not the SIGTERM with which the agent stopped the rest. The agent
+    reports the first failed rank it sees, and a peer that raised on the lost connection may be seen before
+    the rank that caused it (a forked rank's end reaches the agent through the fork server); by now it has
+    stopped the others, so every exit code, and each rank's own error file, is there to read."""
+    import signal
+
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    context = getattr(agent, "_pcontext", None)
+    for local, proc in enumerate(getattr(getattr(context, "_pc", None), "processes", ())):
+        code, worker = proc.exitcode, group.workers[local]
+        if not code or -code in (signal.SIGTERM, signal.SIGINT) or worker.global_rank in failures:
+            continue
+        failures[worker.global_rank] = ProcessFailure(local_rank=local, pid=proc.pid, exitcode=code,
+                                                      error_file=context.error_files[local])
 
 
 def final_failure(environ: Mapping[str, str]) -> Failure | None:
