@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
 from torch.distributed.tensor import DTensor
+from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 import autotp
@@ -187,11 +188,15 @@ def _train(step_fn, args: tuple, kwargs: dict, job: ShardJob, ctx: RankContext, 
     replica's batch); ``save(step)`` after every ``job.save_every``-th (not the last)."""
     losses, times = [], []
     show = ctx.rank == 0 and job.steps > start
+    console = Console()
+    # a bar in a terminal; piped, one whole line per step: a rank stopped mid-step (a peer failed) leaves no
+    # half-drawn bar for the launcher's error line to run into
+    live = show and console.is_terminal
     progress = Progress(TextColumn("[bold]training"), BarColumn(), MofNCompleteColumn(),
-                        TextColumn("loss {task.fields[loss]}"), TimeElapsedColumn()) \
-        if show else contextlib.nullcontext()
+                        TextColumn("loss {task.fields[loss]}"), TimeElapsedColumn(), console=console) \
+        if live else contextlib.nullcontext()
     with progress:
-        task = progress.add_task("train", total=job.steps, completed=start, loss="-") if show else None
+        task = progress.add_task("train", total=job.steps, completed=start, loss="-") if live else None
         for step in range(start, job.steps):
             a, k = replica_batch(args, kwargs, ctx.coords["dp"], step)
             note_progress(step + 1, f"at step {step + 1}")  # said if this rank dies now
@@ -201,9 +206,11 @@ def _train(step_fn, args: tuple, kwargs: dict, job: ShardJob, ctx: RankContext, 
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - start)
             losses.append(loss.item())
+            done = step + 1
             if task is not None:
                 progress.update(task, advance=1, loss=f"{losses[-1]:.4f}")
-            done = step + 1
+            elif show:
+                console.print(f"training step {done}/{job.steps} loss {losses[-1]:.4f}", highlight=False)
             if save is not None and job.save_every and done % job.save_every == 0 and done != job.steps:
                 saving(save, done)
     return losses, times
