@@ -8,10 +8,30 @@ keeps it beside this rank's identity and what the calls have cached.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, NamedTuple
 
-from autotp.distributed.data_parallel import FSDPConfig
 from autotp.errors import ShardingError
-from autotp.plan.stages import StageRequest
+
+if TYPE_CHECKING:  # the layout search asks refused() without torch
+    from autotp.distributed.data_parallel import FSDPConfig
+    from autotp.plan.stages import StageRequest
+
+
+class Refusal(NamedTuple):
+    message: str
+    hint: str
+
+
+def refused(*, pipeline: int = 1, fsdp: bool = False, sequence_parallel: bool = False, expert_parallel: bool = False,
+            compile: bool = False) -> Refusal | None:
+    """Why these dimensions do not run together yet (None: they do). The one rule :meth:`Options.validate`,
+    the command line and the layout search all ask."""
+    if pipeline > 1:
+        used = [name for name, on in (("fsdp", fsdp), ("expert parallelism", expert_parallel)) if on]
+        if used:
+            return Refusal(f"pipeline stages ({pipeline}) with {' and '.join(used)} are not supported yet",
+                           "drop the pipeline (pp 1), or " + " and ".join(used))
+    return None
 
 
 @dataclass(frozen=True)
@@ -27,11 +47,16 @@ class Options:
     pipeline: StageRequest | None = None  # pipelined: every graph is cut into these stages
 
     def validate(self) -> Options:
-        """``self``, or a :class:`ShardingError` naming what does not run together and the numbers given."""
+        """``self``, or a :class:`ShardingError` naming what does not run together and the numbers given.
+        The one place a combination of dimensions is refused: the command line and the layout search ask it
+        too."""
         if not isinstance(self.vocab_multiple, int) or self.vocab_multiple < 1:
             raise ShardingError(f"vocab_multiple must be a positive integer, got {self.vocab_multiple!r}")
-        if self.fsdp is not None and self.compile:
-            raise ShardingError("fsdp with compile=True is not supported yet", hint="drop one of them")
+        reason = refused(pipeline=self.pipeline.count if self.pipeline is not None else 1, fsdp=self.fsdp is not None,
+                         sequence_parallel=self.sequence_parallel, expert_parallel=self.expert_parallel,
+                         compile=bool(self.compile))
+        if reason is not None:
+            raise ShardingError(reason.message, hint=reason.hint)
         return self
 
     def cache_options(self) -> dict:

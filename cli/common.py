@@ -28,3 +28,16 @@ def fail(message: str, code: int = USAGE_ERROR) -> NoReturn:
         f"[bold red]error:[/bold red] [red]{escape(message)}[/red]", soft_wrap=True
     )
     raise typer.Exit(code=code)
+
+
+def check_layout_options(*, pp: int, fsdp: bool, sequence_parallel: bool, expert_parallel: bool,
+                         compile_: bool) -> None:
+    """What ``autotp.parallelize`` would refuse for these flags, said before any rank starts: the one rule
+    (:func:`autotp.options.refused`) the library, ``autotp shard``, ``autotp plan`` and the layout search
+    share."""
+    from autotp.options import refused
+
+    reason = refused(pipeline=pp, fsdp=fsdp, sequence_parallel=sequence_parallel, expert_parallel=expert_parallel,
+                     compile=compile_)
+    if reason is not None:
+        fail(f"{reason.message}; {reason.hint}")

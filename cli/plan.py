@@ -18,7 +18,8 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from autotp.cli.common import EXPERT_PARALLEL, MICROBATCHES, SEQUENCE_PARALLEL, USAGE_ERROR, VIRTUAL_STAGES
+from autotp.cli.common import (EXPERT_PARALLEL, MICROBATCHES, SEQUENCE_PARALLEL, USAGE_ERROR, VIRTUAL_STAGES,
+                               check_layout_options)
 from autotp.cli.plan_tables import (fsdp_memory_table, fsdp_traffic_table, fsdp_units_table, p2p_table, ranks_table,
                                     schedule_table, stages_table)
 from autotp.cli.run import DEBUG, abort
@@ -99,7 +100,7 @@ def plan(
                           fsdp=fsdp, sequence_parallel=sequence_parallel, expert_parallel=expert_parallel)
     try:
         the_plan, report, names, batch_note, pipe, cached = plan_file(
-            model, tp, batch, seq, vocab_multiple, sequence_parallel, autocast, expert_parallel, spec, cache)
+            model, tp, batch, seq, vocab_multiple, sequence_parallel, autocast, expert_parallel, spec, cache, fsdp)
     except PipelineError as exc:  # micro-batches the batch does not divide, more stages than blocks, split points
         abort(_as_flags(str(exc)), debug, code=USAGE_ERROR)
     except (AutotpError, ValueError) as exc:  # a ValueError of the plan names the sizes (experts tp does not divide)  # model file, capture and sharding problems: the user's to fix
@@ -183,11 +184,8 @@ def _pipeline_spec(pp: int, schedule: str | None, virtual_stages: int | None, mi
             abort(f"{', '.join(given)} {'applies' if len(given) == 1 else 'apply'} to pipeline stages: give --pp 2 "
                   "or more", debug, code=USAGE_ERROR)
         return None
-    # what autotp.pipeline runs its stages with: plain tensor parallelism, data parallelism by DDP
-    used = [f for f, on in (("--fsdp", fsdp), ("--sequence-parallel", sequence_parallel),
-                            ("--expert-parallel", expert_parallel)) if on]
-    if used:
-        abort(f"--pp with {', '.join(used)} is not supported yet", debug, code=USAGE_ERROR)
+    check_layout_options(pp=pp, fsdp=fsdp, sequence_parallel=sequence_parallel, expert_parallel=expert_parallel,
+                         compile_=False)
     from autotp.parallel.pipeline import SCHEDULES, check_pipeline, stage_ranks  # torch.distributed.pipelining
 
     m = microbatches if microbatches is not None else pp

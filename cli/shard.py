@@ -44,7 +44,8 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from autotp.cli.common import EXPERT_PARALLEL, MICROBATCHES, SEQUENCE_PARALLEL, USAGE_ERROR, VIRTUAL_STAGES
+from autotp.cli.common import (EXPERT_PARALLEL, MICROBATCHES, SEQUENCE_PARALLEL, USAGE_ERROR, VIRTUAL_STAGES,
+                               check_layout_options)
 from autotp.cli.run import DEBUG, DP, PP, Launcher, abort, launch_spec, say_restart, with_launcher
 from autotp.errors import AutotpError, CaptureError, PipelineError
 from autotp.plan.stages import StageRequest
@@ -289,13 +290,8 @@ def shard(
     if out.exists() and not out.is_dir():
         abort(f"--out {out} exists and is not a folder", debug, code=USAGE_ERROR)
     spec = launch_spec(tp, dp, pp, launcher._replace(fsdp=fsdp), debug)  # --auto may have chosen FSDP
-    if fsdp and (compile_ or sequence_parallel):
-        used = [f for f, on in (("--compile", compile_), ("--sequence-parallel", sequence_parallel)) if on]
-        abort(f"--fsdp with {', '.join(used)} is not supported yet", debug, code=USAGE_ERROR)
-    if pp > 1 and (fsdp or compile_ or sequence_parallel or expert_parallel):
-        used = [f for f, on in (("--fsdp", fsdp), ("--compile", compile_), ("--sequence-parallel", sequence_parallel),
-                                ("--expert-parallel", expert_parallel)) if on]
-        abort(f"--pp with {', '.join(used)} is not supported yet", debug, code=USAGE_ERROR)
+    check_layout_options(pp=pp, fsdp=fsdp, sequence_parallel=sequence_parallel, expert_parallel=expert_parallel,
+                         compile_=compile_)
     stages = None
     if pp > 1:
         from autotp.parallel.pipeline import check_pipeline  # torch.distributed.pipelining: only with --pp

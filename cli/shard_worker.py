@@ -439,7 +439,8 @@ def _shard_pipeline(job: ShardJob, ctx: RankContext, mf: ModelFile, batch: tuple
     unsharded_bytes = _param_bytes(model)
     pipe = autotp.pipeline(model, example_inputs=(args, kwargs), microbatches=job.microbatches or ctx.layout.pp,
                            schedule=job.schedule, virtual_stages=job.virtual_stages, mesh=ctx.mesh,
-                           device=None if job.weights is None else ctx.device)
+                           device=None if job.weights is None else ctx.device, compile=job.compile,
+                           sequence_parallel=job.sequence_parallel)
     if job.weights is not None:
         weights = _load(model, job.weights)
     st = autotp.tp_state(model)

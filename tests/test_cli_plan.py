@@ -274,11 +274,12 @@ def test_plan_fsdp_needs_dp(args) -> None:
     assert "--fsdp" in result.output and "--dp 2 or more" in result.output and "Traceback" not in result.output
 
 
-def test_plan_fsdp_refuses_what_parallelize_refuses() -> None:
+def test_plan_fsdp_with_sequence_parallelism() -> None:
+    """FSDP × sequence parallelism plans (parallelize runs it: tests/test_fsdp.py)."""
     result = runner.invoke(app, ["plan", NANOGPT, "--tp", "2", "--dp", "2", "--fsdp", "--sequence-parallel"],
                            env=WIDE)
-    assert result.exit_code == 2, result.output
-    assert "fsdp with sequence parallelism is not supported" in result.output
+    assert result.exit_code == 0, result.output
+    assert "fsdp units" in result.stdout and "sequence parallelism" in result.stdout
 
 
 def test_fsdp_report_pads_uneven_rows() -> None:
@@ -476,6 +477,16 @@ def test_plan_without_pp_has_no_pipeline(planned) -> None:
     assert "pipeline stages" not in result.stdout and "bubble" not in result.stdout
 
 
+def test_plan_pp_with_sequence_parallelism_sends_s_over_t() -> None:
+    """Each stage sums its own sequence-parallel gradients; the hidden state crossing the cut is s/t per rank
+    (b=4 in 2 micro-batches, s=32 at tp 2: [2, 16, 64])."""
+    result = runner.invoke(app, ["plan", NANOGPT, "--tp", "2", "--pp", "2", "--sequence-parallel", "--no-cache"],
+                           env=WIDE)
+    assert result.exit_code == 0, result.output
+    out = " ".join(result.stdout.split())
+    assert "[2, 16, 64]" in out and "(per stage)" in out
+
+
 @pytest.mark.parametrize("args,message", [
     (["--pp", "2", "--schedule", "Foo"], "unknown pipeline schedule 'Foo'"),
     (["--pp", "2", "--virtual-stages", "2"], "schedule 1F1B runs one stage per rank, and --virtual-stages is 2"),
@@ -484,8 +495,8 @@ def test_plan_without_pp_has_no_pipeline(planned) -> None:
     (["--pp", "2", "--microbatches", "3"], "3 micro-batches do not divide the batch of 4"),  # example: 4 × 32
     (["--pp", "2", "--split-points", "transformer.h.1,"], "names an empty block"),
     (["--schedule", "GPipe"], "--schedule applies to pipeline stages: give --pp 2 or more"),
-    (["--pp", "2", "--dp", "2", "--fsdp"], "--pp with --fsdp is not supported yet"),
-    (["--pp", "2", "--sequence-parallel"], "--pp with --sequence-parallel is not supported yet"),
+    (["--pp", "2", "--dp", "2", "--fsdp"], "pipeline stages (2) with fsdp are not supported yet"),
+    (["--pp", "2", "--expert-parallel"], "pipeline stages (2) with expert parallelism are not supported yet"),
 ])
 def test_plan_pp_bad_options_exit_2_before_capture(monkeypatch, args, message) -> None:
     def no_capture(*a, **k):

@@ -7,6 +7,7 @@ with gradient clipping against the unsharded model on the whole batch, collectiv
 from __future__ import annotations
 
 from collections import Counter
+from functools import partial
 
 import pytest
 import torch
@@ -100,6 +101,31 @@ def test_split_graph_computes_what_the_model_computes(name: str):
     assert torch.equal(got, want)
     for n, p in model.named_parameters():
         assert torch.equal(grads[n], p.grad), n
+
+
+@pytest.mark.parametrize("name", ["nanogpt", "llama"])
+def test_sequence_parallel_gradients_are_summed_in_each_unit(name: str):
+    """With FSDP the norm weights' gradient sum (sequence parallelism) is one all-reduce per unit, inside that
+    unit's piece, so FSDP's reduce-scatter of a unit (at the end of its backward) gets summed gradients; the
+    plan lists the same sums, each with its unit's element count."""
+    from autotp.operators.seq_ops import SumGrads
+    from autotp.plan.plan import SEQ_PARAMS
+    from autotp.plan.planner import group_seq_grads
+
+    model, args, kwargs = _model(name)
+    gm, _ = capture(model, args, kwargs)
+    whole = make_plan(gm, 2, sequence_parallel=True)
+    plan = group_seq_grads(gm, whole, "unit")
+    sums = [c for c in plan.collectives if c.module == SEQ_PARAMS]
+    assert len([c for c in whole.collectives if c.module == SEQ_PARAMS]) == 1
+    assert len(sums) == len(UNITS[name]) + 1  # each block's norms, and the final norm (the last unit)
+    assert sum(int(c.shape[0]) for c in sums) == \
+        int(next(c for c in whole.collectives if c.module == SEQ_PARAMS).shape[0])
+    top = run_passes(run_passes(gm, plan), plan, (split_units,))
+    assert not [m for m in top.children() if isinstance(m, SumGrads)]
+    per_piece = {p.unit: sum(isinstance(m, SumGrads) for m in p.piece.modules())
+                 for p in top.modules() if isinstance(p, PieceCall)}
+    assert per_piece == {u: int(u in UNITS[name] or u == EDGES[name][1][0]) for u in _all_units(name)}, per_piece
 
 
 class _Layer(nn.Module):
@@ -214,6 +240,8 @@ def runs(tmp_path_factory) -> Launches:
         jobs[f"meta {name}"] = (fsdp_load_weights, name, str(path), tp)
     jobs.update({f"without units {kind}": (fsdp_parity, kind, 2) for kind in ("single", "twice")})
     jobs["spellings"] = (fsdp_parity_many, SPELLINGS, 2)
+    jobs["sp llama"] = (partial(fsdp_parity, sequence_parallel=True), "llama", 2)
+    jobs["sp compile nanogpt"] = (partial(fsdp_parity, sequence_parallel=True, compile=True), "nanogpt", 2)
     return Launches({4: jobs})
 
 
@@ -243,6 +271,31 @@ def test_fsdp_training_parity(runs, model: str, tp: int):
         assert _kinds(fwd, "all_reduce") == want_fwd and _kinds(bwd, "all_reduce") == want_bwd
         # each rank keeps 1/(tp·dp) of the parameters (FSDP pads dim 0 to a multiple of dp)
         assert r["local_numel"] <= r["full_numel"] / 4 * 1.25
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("job", ["sp llama", "sp compile nanogpt"])
+def test_fsdp_with_sequence_parallelism_and_compile(runs, job: str):
+    """tp 2 with sequence parallelism × fsdp 2 (and each unit's piece compiled): exact after 3 AdamW steps
+    with clip_grad_norm_; the collectives are each dimension's own, added: FSDP's all-gathers and
+    reduce-scatters per unit, sequence parallelism's per layer, and the norm weights' gradients summed by one
+    all-reduce per unit (FSDP reduce-scatters a unit's gradients as soon as its backward ends)."""
+    model = job.split()[-1]
+    results = runs(4, job)
+    units, layers = len(_all_units(model)), len(UNITS[model])
+    sp = 2 * layers + 1  # per layer attention and MLP, and the embedding / LM head (tests/test_sequence.py)
+    for rank, r in results.items():
+        for got, want in [(r["losses"], r["ref_losses"]), (r["norms"], r["ref_norms"])]:
+            assert max(abs(a - b) for a, b in zip(got, want)) <= 1e-5, (rank, got, want)
+        assert r["param_diff"] <= 1e-5 and r["eval_diff"] <= 1e-5 and r["graphs"] == 2, rank
+        root = int(r["root_params"])
+        fwd, bwd = Counter(c[0] for c in r["forward_collectives"]), Counter(c[0] for c in r["backward_collectives"])
+        assert fwd == Counter({"all_gather": units + root + sp, "reduce_scatter": sp, "all_reduce": 3}), fwd
+        # the blocks' norms and the final norm (the last unit): one all-reduce each
+        assert bwd == Counter({"all_gather": units - 1 + 2 * sp + (model == "nanogpt"),  # + learned positions
+                               "reduce_scatter": units + root + sp, "all_reduce": layers + 1}), bwd
+        if "compile" in job:
+            assert r["breaks"] == {} and r["compiled_graphs"] >= units, (r["breaks"], r["compiled_graphs"])
 
 
 @pytest.mark.slow
@@ -310,7 +363,7 @@ def test_autotp_shard_fsdp_runs_as_is(tmp_path):
     (["--tp", "1", "--dp", "2", "--hsdp", "2"], "needs --fsdp"),
     (["--tp", "2", "--dp", "2", "--nnodes", "2", "--master-addr", "h", "--master-port", "1", "--fsdp", "--hsdp", "1"],
      "would span nodes"),
-    (["--tp", "1", "--dp", "2", "--fsdp", "--compile"], "--compile is not supported yet"),
+    (["--tp", "1", "--dp", "2", "--pp", "2", "--fsdp", "--compile"], "pipeline stages (2) with fsdp are not supported yet"),
 ])
 def test_fsdp_bad_flags_fail_before_any_rank(flags, says):
     import os

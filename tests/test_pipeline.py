@@ -108,6 +108,26 @@ def test_split_stages_sends_what_crosses_the_cut(name, sent):
     assert not any(a.startswith("in") for a in first.send)
 
 
+@pytest.mark.parametrize("name", ["nanogpt", "llama"])
+def test_sequence_parallel_stages_each_sum_their_own_gradients(name):
+    """With sequence parallelism each stage sums the gradients of its own norm weights (one all-reduce per
+    stage, inside it: a stage holds only its own parameters), and only the hidden state crosses the cut. The
+    pipeline captures with a symbolic sequence here, which sequence parallelism needs."""
+    from autotp.operators.seq_ops import SumGrads
+    from autotp.plan.plan import SEQ_PARAMS
+
+    model, args, kwargs = MODELS[name]()
+    gm, _ = capture(model, args, kwargs)
+    plan = make_plan(gm, 2, sequence_parallel=True, stages=StageRequest(2))
+    assert plan.sequence.leaves and plan.sequence.grads_by == "stage"
+    assert len([c for c in plan.collectives if c.module == SEQ_PARAMS]) == 2
+    top = run_passes(run_passes(gm, plan), plan, (split_stages,))
+    pieces = [m for n, m in top.named_children() if n.startswith("autotp_stage_")]
+    assert [sum(isinstance(x, SumGrads) for x in p.piece.modules()) for p in pieces] == [1, 1]
+    first, _ = wire_stages(top, 1 if name == "nanogpt" else 0)
+    assert len(first.send) == 1
+
+
 # -- gloo: parity with the unsharded model -------------------------------------------------------------
 def _check(results: list[dict], configs: list[tuple]) -> None:
     for config, r in zip(configs, results):
@@ -158,13 +178,22 @@ def test_pipeline_two_ranks_matches_one_device():
 
 @pytest.mark.slow
 def test_pipeline_with_tensor_parallelism_matches_one_device():
-    """(tp 2, pp 2): each stage TP-sharded by autotp's plan."""
-    configs = [("nanogpt", 2, 2, "1F1B", 2, None), ("llama", 2, 2, "1F1B", 4, None)]
+    """(tp 2, pp 2): each stage TP-sharded by autotp's plan; with sequence parallelism (the hidden state
+    crossing the cut is s/t); and with each stage's piece compiled as well (torchtitan compiles per stage),
+    with no graph break, exact against the unsharded eager model (AOTAutograd's graphs run eagerly: Inductor is
+    tests/test_compile.py's and tests/test_fsdp.py's, and costs minutes on these CPUs)."""
+    configs = [("nanogpt", 2, 2, "1F1B", 2, None), ("llama", 2, 2, "1F1B", 4, None, 3, 0.05, False, True),
+               ("nanogpt", 2, 2, "GPipe", 2, None, 3, 0.05, {"backend": "aot_eager"}, True)]
     from pipeline_workers import pipeline_parity_many
 
     results = launch(pipeline_parity_many, 4, configs)
     for i, config in enumerate(configs):
         _check(_by_rank(results, i), [config] * 4)
+    for i in (0, 1, 2):  # the first stage's ranks send (micro-batch, s/t with sequence parallelism, h)
+        b, s = _by_rank(results, i)[0]["micro"][0]
+        assert _by_rank(results, i)[0]["sent"] == [(b, s // 2 if i else s, 64)], i
+    for r in _by_rank(results, 2):
+        assert r["breaks"] == {} and r["compiled_graphs"] == 2, (r["breaks"], r["compiled_graphs"])  # train, eval
     nano = _by_rank(results, 0)
     # ranks 0, 1: stage 0 (tp 0, 1); ranks 2, 3: stage 1; the tied weight's TP shards agree end to end
     assert [r["stages"] for r in nano] == [[0], [0], [1], [1]]
@@ -248,7 +277,7 @@ def test_autotp_shard_pipeline_runs_as_is_and_resumes_without_it(tmp_path):
     (["--tp", "1", "--pp", "2", "--microbatches", "3"], "--microbatches 3 does not divide example_batch()'s batch of 4"),
     (["--tp", "1", "--pp", "2", "--schedule", "Zigzag"], "unknown pipeline schedule 'Zigzag'"),
     (["--tp", "1", "--pp", "2", "--schedule", "Interleaved1F1B", "--virtual-stages", "1"], "virtual_stages is 1"),
-    (["--tp", "1", "--pp", "2", "--dp", "2", "--fsdp"], "--pp with --fsdp is not supported yet"),
+    (["--tp", "1", "--pp", "2", "--dp", "2", "--fsdp"], "pipeline stages (2) with fsdp are not supported yet"),
 ])
 def test_pipeline_bad_flags_fail_before_any_rank(flags, says):
     result = _shard(*flags)

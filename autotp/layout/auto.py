@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from autotp.layout.cost import Estimate, Layout, Training, estimate
 from autotp.layout.facts import ModelFacts
 from autotp.layout.hardware import Hardware
+from autotp.options import refused
 
 GiB = 2**30
 
@@ -101,10 +102,10 @@ def layouts(facts: ModelFacts, space: Space) -> Iterator[Layout]:
 
 
 def supported(lay: Layout) -> bool:
-    """Whether autotp shards this layout today: a pipeline's stages run plain tensor and data parallelism
-    (no FSDP, no sequence parallelism yet). Recomputation and gradient accumulation are the training
-    script's (activation checkpointing in the model, several backwards per step)."""
-    return lay.pp == 1 or not (lay.fsdp or lay.sp)
+    """Whether autotp shards this layout today (:func:`autotp.options.refused`, the rule parallelize applies).
+    Recomputation and gradient accumulation are the training script's (activation checkpointing in the
+    model, several backwards per step)."""
+    return refused(pipeline=lay.pp * lay.v, fsdp=lay.fsdp, sequence_parallel=lay.sp) is None
 
 
 def runnable(lay: Layout) -> bool:

@@ -18,6 +18,7 @@ import torch.utils._pytree as pytree
 
 from autotp.operators.collectives import define_ops
 from autotp.operators.gathered import local_outputs
+from autotp.operators.units import PieceCall
 
 
 # The vocab-parallel cross-entropy's backward picks the target column of the rows this rank owns with
@@ -66,6 +67,16 @@ class CompiledGraph(nn.Module):
 def compile_graph(gm: fx.GraphModule, **options) -> nn.Module:
     """``torch.compile(gm)`` (dynamic batch/sequence, as captured); options go to ``torch.compile``."""
     return CompiledGraph(gm, **options)
+
+
+def compile_pieces(module: nn.Module, **options) -> None:
+    """Each :class:`~autotp.operators.units.PieceCall` in ``module`` (a graph split at FSDP's units or at
+    pipeline stages, or one piece) runs its piece compiled (:func:`compile_graph`); the top graph, which only
+    calls the pieces (through FSDP's hooks), stays eager, as torchtitan compiles each block or stage and
+    leaves FSDP's hooks around it."""
+    for m in list(module.modules()):
+        if isinstance(m, PieceCall) and not isinstance(m.piece, CompiledGraph):
+            m.piece = compile_graph(m.piece, **options)
 
 
 def uncompiled(module: nn.Module) -> nn.Module:

@@ -239,6 +239,7 @@ class SumGrads(_Collective):
     parameters' gradients)."""
 
     def forward(self, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        if self.group is None:
+        # with gradients off (evaluation, sampling) there is nothing to sum, and nothing for dynamo to trace
+        if self.group is None or not torch.is_grad_enabled():
             return xs
         return _SumGrads.apply(self.group, *xs)

@@ -44,9 +44,6 @@ def check_fsdp_plan(plan: Plan, tp: int) -> None:
             f"fsdp with kv heads held by several ranks (fewer kv heads than tp={tp}) is not supported yet: "
             f"{copies[0]}" + (f" and {len(copies) - 1} more" if len(copies) > 1 else ""),
             hint="use a tp that divides the number of kv heads, or data parallelism without fsdp")
-    if plan.sequence is not None:
-        raise ShardingError("fsdp with sequence parallelism is not supported yet",
-                            hint="drop sequence_parallel (--sequence-parallel), or fsdp")
 
 
 def _free_root_without_backward(model: nn.Module, args, output) -> None:

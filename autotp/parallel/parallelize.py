@@ -217,7 +217,7 @@ def _build(model: nn.Module, st: TPState, args: tuple, kwargs: dict, key: Hashab
     hooks_off = fsdp_hooks_off(model) if st.units is not None else contextlib.nullcontext()
     with hooks_off:  # the rewrite too: it exports the whole model where the blocks cannot be copied
         cg = capture_blocks(model, args, kwargs, forward=_user_forward(model, st), params=swap, device=st.device,
-                            static=st.options.pipeline is not None, recorded=recorded)
+                            static=st.options.pipeline is not None and not st.options.sequence_parallel, recorded=recorded)
         accepts = input_guard(cg.gm)  # before the passes give sharded inputs their local shapes
         gm, spec, plan, copied = rewrite(st, cg, st.options.sequence_parallel if sequence_parallel is None
                                          else sequence_parallel, stacklevel=4)
@@ -312,9 +312,14 @@ def _finish(model: nn.Module, st: TPState, gm: fx.GraphModule, spec: Spec, key: 
     run: nn.Module = gm
     call, wrap = None, {}
     if st.options.compile:
-        from autotp.operators.compile import compile_graph
+        from autotp.operators.compile import compile_graph, compile_pieces
 
-        run = compile_graph(gm, **(st.options.compile if isinstance(st.options.compile, dict) else {}))
+        options = st.options.compile if isinstance(st.options.compile, dict) else {}
+        if st.options.fsdp is None:
+            run = compile_graph(gm, **options)
+        else:  # FSDP gathers around each unit's piece: the pieces are compiled, as torchtitan compiles blocks
+            compile_pieces(gm, **options)
+            call, wrap = local_outputs(gm)
     else:
         call, wrap = local_outputs(gm)
     index = {n.name: i for i, n in enumerate(n for n in gm.graph.nodes if n.op == "placeholder")}

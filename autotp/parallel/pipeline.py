@@ -155,8 +155,9 @@ class Pipeline:
     def __init__(self, model: nn.Module, mesh: DeviceMesh, schedule: str, v: int, microbatches: int,
                  key, modules: list[StageModule], indices: list[int], count: int,
                  tied: list[tuple[nn.Parameter, dist.ProcessGroup]], micro: tuple[tuple, dict],
-                 scaler: torch.amp.GradScaler | None = None):
+                 scaler: torch.amp.GradScaler | None = None, compiled: dict | None = None):
         self.model = model
+        self.compiled = compiled  # torch.compile's options for each stage's piece; None: eager
         self.scaler = scaler
         self.mesh = mesh
         self.schedule_name = schedule
@@ -293,7 +294,8 @@ class Pipeline:
                 c = _graph_for(self.model, st, args, kwargs, call_key(args, kwargs, False), flatten(self._micro)[0])
             finally:
                 self.model.train(was)
-            self._eval = self._runner(_stage_modules(self.model, c, self.stage_indices, self.num_stages), train=False)
+            self._eval = self._runner(_stage_modules(self.model, c, self.stage_indices, self.num_stages,
+                                                     self.compiled), train=False)
         return self._eval
 
     @torch.no_grad()
@@ -338,7 +340,8 @@ def pipeline(model: nn.Module, *, example_inputs: object, microbatches: int, sch
              virtual_stages: int | None = None, split_points: list[str] | tuple[str, ...] | None = None,
              pp: int | None = None, tp: int | None = None, mesh: DeviceMesh | None = None,
              vocab_multiple: int = 1, device: torch.device | str | None = None,
-             scaler: torch.amp.GradScaler | None = None) -> Pipeline:
+             scaler: torch.amp.GradScaler | None = None, compile: bool | dict = False,
+             sequence_parallel: bool = False) -> Pipeline:
     """Cut ``model`` into ``pp × virtual_stages`` pipeline stages, each sharded by autotp's TP plan, and return
     the :class:`Pipeline` that trains it.
 
@@ -349,7 +352,8 @@ def pipeline(model: nn.Module, *, example_inputs: object, microbatches: int, sch
     start stages 1, 2, ... (default: balanced by FLOPs). ``mesh``: a (pp, dp, tp) device mesh, default the
     layout's under ``autotp run``, else one made from ``pp`` and ``tp`` (dp the rest of the world).
     ``scaler``: fp16 training's ``torch.amp.GradScaler``: each step's backward starts from the scaled loss;
-    the script's ``scaler.unscale_``, ``scaler.step`` and ``scaler.update`` stay as they are.
+    the script's ``scaler.unscale_``, ``scaler.step`` and ``scaler.update`` stay as they are. ``compile``: each
+    stage's piece runs under ``torch.compile`` (a dict: its options), as torchtitan compiles per stage.
 
     The model keeps its class and names; its parameters become this rank's TP shards of its own stages
     (those of other ranks' stages go to the meta device), and calling it directly is refused.
@@ -372,7 +376,8 @@ def pipeline(model: nn.Module, *, example_inputs: object, microbatches: int, sch
         return {n for s in indices for n in _reads(top, s)}
 
     parallelize_state(model, tp_group=mesh.get_group("tp"), example_inputs=(tuple(micro_args), dict(micro_kwargs)),
-                      vocab_multiple=vocab_multiple, device=device, fsdp=False, pipeline=request, stage_params=mine)
+                      vocab_multiple=vocab_multiple, device=device, fsdp=False, pipeline=request, stage_params=mine,
+                      sequence_parallel=sequence_parallel)
     st = tp_state(model)
     key = call_key(args, kwargs, model.training)
     micro_key = call_key(tuple(micro_args), dict(micro_kwargs), model.training)
@@ -380,19 +385,27 @@ def pipeline(model: nn.Module, *, example_inputs: object, microbatches: int, sch
     reads = [_reads(captured.module, s) for s in range(count)]
     if kind.placement == "v":
         _check_v_ties(dict(model.named_parameters(remove_duplicate=False)), reads, ranks, name)
-    modules = _stage_modules(model, captured, indices, count)
+    compiled = None if not compile else compile if isinstance(compile, dict) else {}
+    modules = _stage_modules(model, captured, indices, count, compiled)
     tied = _tied_groups(model, reads, ranks, me, mesh)
     return Pipeline(model, mesh, name, v, microbatches, key, modules, indices, count, tied,
-                    (tuple(micro_args), dict(micro_kwargs)), scaler)
+                    (tuple(micro_args), dict(micro_kwargs)), scaler, compiled)
 
 
 def _stage_modules(model: nn.Module, captured: Captured, indices: list[int] | tuple[int, ...],
-                   count: int) -> list[StageModule]:
-    """This rank's stages of a captured, split graph, each holding the parameters its piece reads."""
+                   count: int, compiled: dict | None = None) -> list[StageModule]:
+    """This rank's stages of a captured, split graph, each holding the parameters its piece reads; with
+    ``compiled`` (torch.compile's options) each piece runs compiled."""
     wirings = wire_stages(captured.module, _loss_index(captured))
     by_name = dict(model.named_parameters(remove_duplicate=False))
-    return [StageModule(captured.module, wirings[s], _unique([by_name[n] for n in _reads(captured.module, s)]),
-                        s == count - 1) for s in indices]
+    modules = [StageModule(captured.module, wirings[s], _unique([by_name[n] for n in _reads(captured.module, s)]),
+                           s == count - 1) for s in indices]
+    if compiled is not None:
+        from autotp.operators.compile import compile_pieces
+
+        for m in modules:
+            compile_pieces(m.piece, **compiled)
+    return modules
 
 
 class _Meta(NamedTuple):

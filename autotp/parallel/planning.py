@@ -29,7 +29,7 @@ from autotp.errors import PlanSizeError
 from autotp.plan import cache as plan_cache
 from autotp.plan.pipeline_report import PipelineReport, PipelineSpec, check_microbatches, pipeline_report
 from autotp.plan.plan import Plan
-from autotp.plan.planner import make_plan
+from autotp.plan.planner import group_seq_grads, make_plan
 from autotp.plan.report import Report, build_report
 from autotp.plan.stages import StageRequest
 from autotp.plan.symbols import size_ranges
@@ -90,13 +90,14 @@ def plan_model(model: nn.Module, args: tuple, kwargs: dict, tps: Iterable[int], 
                expert_parallel: bool = False, stages: StageRequest | None = None,
                params: dict[str, torch.Tensor] | None = None, device: torch.device | None = None,
                amp: contextlib.AbstractContextManager | None = None, skip_refused: bool = False,
-               extra: Callable[[fx.GraphModule], dict] | None = None) -> Planned:
+               extra: Callable[[fx.GraphModule], dict] | None = None, fsdp: bool = False) -> Planned:
     """Capture ``model`` on ``(args, kwargs)`` once and plan it at each size in ``tps``.
 
     ``cache`` (one size only): look the plan up under the key of the call and ``options`` (what else the
     plan depends on), and store it on a miss with ``extra(gm)`` beside it. ``params``/``device``: stand-ins
     for the model's tensors and the device to capture on; ``amp``: a context (``torch.autocast``) to capture
-    under, whose ops the key's meta run does not see, so that capture records its own."""
+    under, whose ops the key's meta run does not see, so that capture records its own. ``fsdp``: plan for
+    FSDP over the data-parallel ranks (sequence-parallel gradients summed per unit)."""
     sizes = sorted(set(tps))
     found = Lookup(None)
     if cache:
@@ -113,6 +114,8 @@ def plan_model(model: nn.Module, args: tuple, kwargs: dict, tps: Iterable[int], 
         try:
             plans[tp] = make_plan(gm, tp, vocab_multiple, sequence_parallel=sequence_parallel,
                                   expert_parallel=expert_parallel, stages=stages)
+            if fsdp:
+                plans[tp] = group_seq_grads(gm, plans[tp], "unit")
         except ValueError:
             if not skip_refused:
                 raise
@@ -136,12 +139,13 @@ class FilePlan(NamedTuple):
 
 def plan_file(model: str, tp: int, batch: int | None = None, seq: int | None = None,
                 vocab_multiple: int = 1, sequence_parallel: bool = False, autocast: str | None = None,
-                expert_parallel: bool = False, pipeline: PipelineSpec | None = None, cache: bool = True) -> FilePlan:
+                expert_parallel: bool = False, pipeline: PipelineSpec | None = None, cache: bool = True,
+                fsdp: bool = False) -> FilePlan:
     """Load the model file ``model``, build on meta, capture, plan, and compute the report; no printing. ``autocast`` ("bf16" or
     "fp16"): capture under ``torch.autocast`` as a training script runs the forward, so the collectives are
     counted in the dtypes that travel then (the parameters are CPU stand-ins for that capture: address
     space, never written). ``pipeline``: cut the blocks into its pp × v stages and report them; its
-    micro-batches must divide the batch, which is checked before the capture.
+    micro-batches must divide the batch, which is checked before the capture. ``fsdp``: as FSDP runs it.
     """
     mf = load_model_file(model)
     with torch.device("meta"):
@@ -160,10 +164,10 @@ def plan_file(model: str, tp: int, batch: int | None = None, seq: int | None = N
     stages = None if pipeline is None else StageRequest(len(pipeline.ranks), pipeline.split_points)
     planned = plan_model(net, args, kwargs, [tp], cache=cached,
                          options={"vocab_multiple": vocab_multiple, "sequence_parallel": sequence_parallel,
-                                  "expert_parallel": expert_parallel, "autocast": autocast},
+                                  "expert_parallel": expert_parallel, "autocast": autocast, "fsdp": fsdp},
                          vocab_multiple=vocab_multiple, sequence_parallel=sequence_parallel,
                          expert_parallel=expert_parallel, stages=stages, params=swap, device=cpu, amp=amp,
-                         extra=lambda gm: {"ranges": size_ranges(gm)})
+                         extra=lambda gm: {"ranges": size_ranges(gm)}, fsdp=fsdp)
     plan, gm = planned.plans[tp], planned.gm
     report = build_report(plan, net.named_parameters(remove_duplicate=False), b, s)
     ranges = {k: tuple(v) for k, v in planned.found.extra.get("ranges", {}).items()} if gm is None \

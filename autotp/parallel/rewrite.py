@@ -30,7 +30,7 @@ from autotp.errors import ShardingError
 from autotp.parallel.fsdp import check_fsdp_plan
 from autotp.passes import run_passes
 from autotp.plan.plan import ParamShard, Plan
-from autotp.plan.planner import make_plan
+from autotp.plan.planner import group_seq_grads, make_plan
 from autotp.state import TPState
 
 
@@ -58,6 +58,7 @@ def rewrite(st: TPState, cg: CutGraph, sequence_parallel: bool, stacklevel: int)
     check_consistent(st, plan)
     if st.options.fsdp is not None:
         check_fsdp_plan(plan, st.tp)
+        plan = group_seq_grads(gm, plan, "unit")
     return Rewritten(run_passes(gm, plan), spec, plan, False)
 
 
@@ -65,7 +66,7 @@ def _plan(st: TPState, gm: fx.GraphModule, sequence_parallel: bool, stacklevel: 
     plan = make_plan(gm, st.tp, st.options.vocab_multiple, sequence_parallel=sequence_parallel,
                      expert_parallel=st.options.expert_parallel, stages=st.options.pipeline if not st.graphs else None)
     if st.options.pipeline is not None and st.graphs:  # a later call signature runs the first one's stages
-        plan = dataclasses.replace(plan, stages=st.plan.stages)
+        plan = group_seq_grads(gm, dataclasses.replace(plan, stages=st.plan.stages), "stage")
     warn_plan(st, plan, stacklevel=stacklevel + 1)
     return plan
 

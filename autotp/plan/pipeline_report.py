@@ -343,7 +343,10 @@ def pipeline_report(gm: fx.GraphModule, plan: Plan, report: Report, spec: Pipeli
     flops = [0] * count
     for node, s in of.items():
         flops[s] += node_flops(node, sizes)
-    cuts = crossing(gm, of, count, sizes)
+    split = plan.sequence is not None and bool(plan.sequence.leaves)
+    # with sequence parallelism the hidden state between blocks lies in the sequence-split region: each tp rank
+    # sends its s/t positions
+    cuts = crossing(gm, of, count, micro_sizes(gm, report.symbols, b, report.seq // plan.tp) if split else sizes)
 
     heads, dropout, fused = block_facts(gm, in_blocks)
     hidden = report.hidden

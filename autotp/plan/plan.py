@@ -10,6 +10,7 @@ values, the passes read them), so loading a Plan loads only torch and the vocabu
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -275,6 +276,9 @@ class SequencePlan:
     enter_grads: tuple[tuple[str, str], ...] = ()
     sizes: tuple[tuple[str, int, int, int], ...] = ()
     notes: tuple[str, ...] = ()
+    # "": ``grads`` summed by one all-reduce; "unit" (FSDP) / "stage" (pipeline): one per unit or stage, inside
+    # it (FSDP reduce-scatters a unit's gradients when its backward ends; a stage holds only its own parameters)
+    grads_by: str = ""
 
     def leave(self, source: str) -> SeqLeave | None:
         return next((x for x in self.leaves if x.source == source), None)
@@ -294,6 +298,7 @@ class SequencePlan:
             enter_grads=tuple(tuple(x) for x in d.get("enter_grads", ())),
             sizes=tuple(tuple(x) for x in d.get("sizes", ())),
             notes=tuple(d.get("notes", ())),
+            grads_by=d.get("grads_by", ""),
         )
 
 
@@ -394,6 +399,23 @@ class Plan:
     def column_form(self, node: str, x: str) -> ColumnForm | None:
         """The plain form of column matmul ``node`` reading ``x``; None where a group cannot fuse it."""
         return next((f for f in self.column_forms if f.node == node and f.x == x), None)
+
+    def seq_grad_groups(self, target_of: Callable[[str], str]) -> list[tuple[tuple[str, str], ...]]:
+        """The sequence plan's ``grads`` as they are summed, each group by one all-reduce: all of them, or one
+        group per unit / stage owning the parameters (``grads_by``). ``target_of``: a parameter node's
+        parameter name."""
+        seq = self.sequence
+        if seq is None:
+            return []
+        owner: dict[str, object] = {}
+        if seq.grads_by == "unit":
+            owner = {p: u.module for u in self.units for p in u.params}
+        elif seq.grads_by == "stage":
+            owner = {p: i for i, s in enumerate(self.stages) for p in s.params}
+        groups: dict[object, list[tuple[str, str]]] = {}
+        for c, p in seq.grads:
+            groups.setdefault(owner.get(target_of(p)), []).append((c, p))
+        return [tuple(g) for g in groups.values()]
 
     def to_dict(self) -> dict:
         d = asdict(self)

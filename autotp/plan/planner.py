@@ -378,6 +378,22 @@ def check_expert_counts(experts: ExpertFacts, tp: int) -> None:
                                      "(1/tp of every expert)")
 
 
+def group_seq_grads(gm: fx.GraphModule, plan: Plan, by: str) -> Plan:
+    """``plan`` with its sequence-parallel gradient sums one per unit (``by`` "unit", for FSDP: it
+    reduce-scatters a unit's gradients as soon as that unit's backward ends) or per pipeline stage ("stage":
+    a stage holds only its own parameters), each inside its unit or stage (:meth:`Plan.seq_grad_groups`)."""
+    if plan.sequence is None or not plan.sequence.grads:
+        return plan
+    plan = dataclasses.replace(plan, sequence=dataclasses.replace(plan.sequence, grads_by=by))
+    by_name = {n.name: n for n in gm.graph.nodes}
+    collectives = [c for c in plan.collectives if c.module != SEQ_PARAMS]
+    for pairs in plan.seq_grad_groups(lambda p: str(by_name[p].target)):
+        vals = [_value(gm, by_name[g]) for g in dict.fromkeys(g for _, g in pairs)]
+        collectives.append(Collective("all_reduce", "sum", "backward", SEQ_PARAMS, pairs[0][1],
+                                      (str(sum(v.numel() for v in vals)),), str(vals[0].dtype).removeprefix("torch.")))
+    return dataclasses.replace(plan, collectives=tuple(collectives))
+
+
 def make_plan(gm: fx.GraphModule, tp: int, vocab_multiple: int = 1, sequence_parallel: bool = False,
               expert_parallel: bool = False, stages: StageRequest | None = None) -> Plan:
     """Analyze ``gm`` and plan its sharding for ``tp`` ranks (tp = 1 gives an empty plan).
@@ -391,7 +407,7 @@ def make_plan(gm: fx.GraphModule, tp: int, vocab_multiple: int = 1, sequence_par
     if stages is None:
         return plan
     local = {name: math.prod(shard.local_shape) * _param(gm, name).element_size() for name, shard in plan.params}
-    return dataclasses.replace(plan, stages=plan_stages(gm, plan.units, stages, local))
+    return group_seq_grads(gm, dataclasses.replace(plan, stages=plan_stages(gm, plan.units, stages, local)), "stage")
 
 
 def _param(gm: fx.GraphModule, name: str):

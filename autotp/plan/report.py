@@ -271,9 +271,11 @@ def _sequence_terms(plan: Plan, b: int, s: int, bsh: int | None) -> tuple[Formul
                          "all_gather"),
              FormulaTerm("backward", "", "inputs gathered again for the weight gradients", regather, "b·s·h", bsh,
                          "all_gather")]
-    if plan.sequence.grads:
-        terms.append(FormulaTerm("backward", "sum", "gradients of parameters applied to s/t positions", 1,
-                                 "P_seq", None))
+    if plan.sequence.grads:  # one sum, or with FSDP one per unit
+        sums = sum(1 for c in plan.collectives if c.module == SEQ_PARAMS and c.kind == "all_reduce") or 1
+        what = "gradients of parameters applied to s/t positions" + \
+            (f" (per {plan.sequence.grads_by})" if sums > 1 else "")
+        terms += [FormulaTerm("backward", "sum", what, 1, "P_seq", None) for _ in range(sums)]
     if plan.vocab.losses:
         n = len(plan.vocab.losses)
         terms += [FormulaTerm("forward", "max", "cross-entropy row max", n, "b·s", b * s),
@@ -330,9 +332,9 @@ def build_report(plan: Plan, named_params: Iterable[tuple[str, torch.Tensor]], b
 
 
 def _sized(terms: tuple[FormulaTerm, ...], rows: list[CollectiveRow]) -> tuple[FormulaTerm, ...]:
-    """The size of the sequence-parallel parameters' gradient sum is the plan's own (norm widths and biases)."""
-    grads = [r.elements for r in rows if r.kind == "all_reduce" and r.module == SEQ_PARAMS]
-    return tuple(FormulaTerm(t.direction, t.op, t.what, t.count, t.each, grads[0] if grads else None, t.kind)
+    """The size of each sequence-parallel parameters' gradient sum is the plan's own (norm widths and biases)."""
+    grads = iter([r.elements for r in rows if r.kind == "all_reduce" and r.module == SEQ_PARAMS])
+    return tuple(FormulaTerm(t.direction, t.op, t.what, t.count, t.each, next(grads, None), t.kind)
                  if t.each == "P_seq" else t for t in terms)
 
 

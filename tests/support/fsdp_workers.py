@@ -50,19 +50,22 @@ def _model(name: str):
 
 
 def fsdp_parity(model_name: str, tp: int, steps: int = 3, clip: float = 0.05, reshard: bool = True,
-                prefetch: bool = True, replicas: int = 1) -> dict:
+                prefetch: bool = True, replicas: int = 1, **options) -> dict:
     """Losses, gradient norms (clipped), parameters after AdamW steps and collectives of a model under
     FSDP × autotp, each data-parallel replica on its share of the batch, against the unsharded model on the
-    whole batch. ``replicas`` > 1: HSDP."""
+    whole batch. ``replicas`` > 1: HSDP. ``options``: parallelize's (sequence_parallel, compile, ...)."""
     ref, args, kwargs = _model(model_name)
     dp = dist.get_world_size() // tp
     mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
     d = mesh["dp"].get_local_rank()
     la, lk = _replica((args, kwargs), d, dp)
+    from torch._dynamo.utils import counters
+
+    counters.clear()  # graph breaks, where compiled
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         model = autotp.parallelize(copy.deepcopy(ref), example_inputs=(la, lk),
-                                   fsdp=FSDPConfig(reshard, prefetch, replicas=replicas), mesh=mesh)
+                                   fsdp=FSDPConfig(reshard, prefetch, replicas=replicas), mesh=mesh, **options)
     st = autotp.tp_state(model)
     opt, ropt = (torch.optim.AdamW(m.parameters(), lr=1e-3, eps=1e-6) for m in (model, ref))
     from torch.distributed.fsdp import fully_shard
@@ -102,6 +105,8 @@ def fsdp_parity(model_name: str, tp: int, steps: int = 3, clip: float = 0.05, re
         few = _replica((args, kwargs), 0, 2 * dp)
         out["eval_diff"] = (loss_and_logits(model(*few[0], **few[1]))[0] - loss_and_logits(ref(*few[0], **few[1]))[0]).abs().item()
     out["graphs"] = len(st.graphs)
+    out["breaks"] = dict(counters["graph_break"])
+    out["compiled_graphs"] = counters["stats"]["unique_graphs"]
     ref_params = dict(ref.named_parameters())
     out["param_diff"] = max((_full(p).detach() - _side_by_side(ref_params[n].detach(), n, model)).abs().max().item()
                             for n, p in model.named_parameters())

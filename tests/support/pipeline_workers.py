@@ -20,9 +20,14 @@ def _replica(batch, d: int, dp: int):
 
 
 def pipeline_parity(model_name: str, tp: int, pp: int, schedule: str, microbatches: int,
-                    virtual_stages: int | None = None, steps: int = 3, clip: float = 0.05) -> dict:
+                    virtual_stages: int | None = None, steps: int = 3, clip: float = 0.05,
+                    compile: bool | dict = False, sequence_parallel: bool = False) -> dict:
     """Losses, clipped gradient norms and parameters after AdamW steps of the pipelined model (each
-    data-parallel replica on its share of the batch) against the unsharded model on the whole batch."""
+    data-parallel replica on its share of the batch) against the unsharded model on the whole batch.
+    ``compile``: each stage's piece compiled (graph breaks counted)."""
+    from torch._dynamo.utils import counters
+
+    counters.clear()
     ref, args, kwargs = MODELS[model_name]()
     dp = dist.get_world_size() // (tp * pp)
     mesh = init_device_mesh("cpu", (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
@@ -30,7 +35,8 @@ def pipeline_parity(model_name: str, tp: int, pp: int, schedule: str, microbatch
     la, lk = _replica((args, kwargs), d, dp)
     model = copy.deepcopy(ref)
     pipe = autotp.pipeline(model, example_inputs=(la, lk), microbatches=microbatches, schedule=schedule,
-                           virtual_stages=virtual_stages, mesh=mesh)
+                           virtual_stages=virtual_stages, mesh=mesh, compile=compile,
+                           sequence_parallel=sequence_parallel)
     st = autotp.tp_state(model)
     opt = torch.optim.AdamW(list(pipe.parameters()), lr=1e-3, eps=1e-6)
     ropt = torch.optim.AdamW(ref.parameters(), lr=1e-3, eps=1e-6)
@@ -66,6 +72,15 @@ def pipeline_parity(model_name: str, tp: int, pp: int, schedule: str, microbatch
         with torch.no_grad():
             out["ref_eval"] = loss_and_logits(ref.eval()(*la, **lk))[0].item()
         ref.train()
+    out["breaks"], out["compiled_graphs"] = dict(counters["graph_break"]), counters["stats"]["unique_graphs"]
+    if 0 in pipe.stage_indices:  # what the first stage sends across its cut, for one micro-batch
+        from autotp.capture.structure import flatten
+        from autotp.operators.stages import input_name
+
+        with torch.no_grad():
+            sent = pipe.modules[0](**{input_name(i): t for i, t in enumerate(flatten(pipe._micro)[0])})
+        out["sent"] = [tuple(t.shape) for t in (sent if isinstance(sent, tuple) else (sent,))]
+        out["micro"] = [tuple(t.shape) for t in flatten(pipe._micro)[0]]
     try:
         model(*la, **lk)
         out["direct_call"] = "ran"
