@@ -16,7 +16,7 @@ from rich.table import Table
 
 from autotp.capture.modelfile import load_model_file, planning_batch
 from autotp.cli.plan_format import fmt_size
-from autotp.layout.auto import Search, Space, explain, search, supported, tp_sizes
+from autotp.layout.auto import Search, Space, explain, search, tp_sizes
 from autotp.layout.cost import RESERVED, Training
 from autotp.layout.facts import ModelFacts, capture_facts
 from autotp.layout.hardware import PRESETS, Hardware, resolve
@@ -82,20 +82,19 @@ def top_table(auto: Auto, top: int) -> Table:
     cap = _gib(auto.result.ranked[0].memory.capacity) if auto.result.ranked else "?"
     table = Table(title=f"Layouts for {sp.world} devices ({sp.gpus_per_node} per node) on {hw.name}, {batch} × "
                         f"{auto.training.seq} tokens: predicted, best first (memory of {cap} usable per device)")
-    cols = ("#", "layout", "runs", "step", "tokens/s/dev", "TFLOP/s/dev", "% peak", "memory", "compute", "tp comm",
+    cols = ("#", "layout", "step", "tokens/s/dev", "TFLOP/s/dev", "% peak", "memory", "compute", "tp comm",
             "pp bubble", "pp comm", "dp comm", "optim")
     for c in cols:
         table.add_column(c, justify="left" if c == "layout" else "right", no_wrap=c == "layout")
     for i, e in enumerate(auto.result.ranked[:top], 1):
         mem = e.memory
-        table.add_row(str(i), e.layout.label(), "yes" if supported(e.layout) else "not yet", _secs(e.step),
+        table.add_row(str(i), e.layout.label(), _secs(e.step),
                       f"{e.tokens_per_device:,.0f}", f"{e.flops_per_device / 1e12:.1f}",
                       f"{e.flops_per_device / hw.peak_flops:.0%}", f"{_gib(mem.total)} ({mem.total / mem.capacity:.0%})",
                       *(_secs(v) for v in e.terms().values()))
     table.caption = ("layout: tp, dp (·fsdp: FSDP over dp), pp (v: stages per rank), micro-batch × micro-batches "
                      "per step, sp: sequence parallel, rc: activations recomputed (the model's own checkpointing). "
-                     "runs: whether autotp shards it today (a pipeline with FSDP or sequence parallelism does not "
-                     "yet). TFLOP/s: 3 × the forward's matmul FLOPs per step. memory: per rank (share of what is "
+                     "Only layouts autotp runs are listed (not yet: a pipeline with FSDP). TFLOP/s: 3 × the forward's matmul FLOPs per step. memory: per rank (share of what is "
                      "usable). Terms per step; dp comm: what the backward does not hide.")
     return table
 

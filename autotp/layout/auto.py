@@ -7,7 +7,8 @@ per step ``m`` (at least ``p`` with a pipeline); ``v`` stages per pipeline rank 
 L divisible by p·v, m by p); FSDP over dp, sequence parallelism over tp, full activation recomputation.
 Candidates are ranked by predicted tokens per second per device (for a fixed global batch: by step time).
 Each candidate is priced by :func:`autotp.layout.cost.estimate`; one that needs more memory than the device
-has is rejected with the amount it is over by. ``runnable`` keeps to what ``autotp shard`` runs today
+has is rejected with the amount it is over by. Only layouts autotp runs are priced (:func:`supported`: the
+rule :func:`autotp.options.refused` that parallelize applies). ``runnable`` keeps to what ``autotp shard`` runs today
 (a pipeline with plain tensor and data parallelism; no recomputation knob).
 """
 from __future__ import annotations
@@ -96,7 +97,8 @@ def layouts(facts: ModelFacts, space: Space) -> Iterator[Layout]:
                         for sp in space.sp if t > 1 else (False,):
                             for rc in space.recompute:
                                 lay = Layout(t, d, p, b, m, v, fsdp, sp, rc)
-                                if space.runnable and not runnable(lay):
+                                # priced only where autotp runs it (autotp.options.refused)
+                                if not supported(lay) or space.runnable and not runnable(lay):
                                     continue
                                 yield lay
 
