@@ -217,6 +217,22 @@ def test_pipeline_tensor_and_data_parallel_eight_ranks():
 
 
 @pytest.mark.slow
+def test_checkpoint_resumes_with_every_dimension_changed(tmp_path):
+    """Saved at tp 2 × fsdp 2 with sequence parallelism, resumed at tp 2 × pp 2 with sequence parallelism,
+    at tp 1 × dp 2 × pp 2 (DDP) and at tp 4: weights and optimizer state as if uninterrupted."""
+    from pipeline_workers import layouts_resume_matrix
+
+    results = launch(layouts_resume_matrix, 4, str(tmp_path), "llama")[0]
+    reference = results.pop("reference")
+    assert set(results) == {(2, 2, True), (1, 2, False), (4, 1, False)}
+    for layout, run in results.items():
+        assert run["step"] == 3 and "resharded" in run["note"], (layout, run["note"])
+        assert set(run["state"]) == set(reference)
+        for k, v in reference.items():
+            assert (run["state"][k] - v).abs().max().item() <= 1e-5, (layout, k)
+
+
+@pytest.mark.slow
 def test_pipeline_checkpoint_resumes_at_other_pipeline_sizes(tmp_path):
     """Saved at (tp 2, pp 2), resumed at (tp 4, pp 1) and (tp 1, pp 4), optimizer included: as if uninterrupted."""
     from pipeline_workers import pipeline_resume_matrix

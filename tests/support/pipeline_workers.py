@@ -244,3 +244,57 @@ def pipeline_grad_scaler(steps: int = 4, inject_at: int = 1) -> dict:
             out["skipped_unchanged"] = all(torch.equal(p, before[n]) for n, p in pipe.named_parameters())
     out["held_inf_param"] = name in mine
     return out
+
+
+def _layout_job(name: str, tp: int, pp: int, fsdp: bool, sp: bool):
+    """(ctx, model, step, optimizer, batch) at tp × dp × pp (dp the rest of 4 ranks): pipelined at pp > 1,
+    FSDP over dp when ``fsdp`` (else DDP), sequence parallel when ``sp``; every replica on the whole batch."""
+    from autotp.cli.shard_worker import data_parallel, train_step
+    from autotp.distributed.launch import init_distributed
+
+    ctx = init_distributed(tp=tp, pp=pp)
+    model, args, kwargs = MODELS[name]()
+    if pp > 1:
+        pipe = autotp.pipeline(model, example_inputs=(args, kwargs), microbatches=pp, mesh=ctx.mesh,
+                               sequence_parallel=sp)
+        opt = torch.optim.AdamW(list(pipe.parameters()), lr=1e-3, eps=1e-6)
+        return ctx, model, pipe.step, opt, args, kwargs
+    where = dict(fsdp=True, mesh=ctx.mesh) if fsdp else dict(fsdp=False, tp_group=ctx.tp_group())
+    autotp.parallelize(model, example_inputs=(args, kwargs), sequence_parallel=sp, **where)
+    wrapped = data_parallel(model, ctx)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-6)
+
+    def step(*a, **k):
+        return train_step(wrapped, opt, a, k)
+    return ctx, model, step, opt, args, kwargs
+
+
+def layouts_resume_matrix(out: str, name: str) -> dict:
+    """Saved at tp 2 × fsdp 2 with sequence parallelism after 3 steps, trained 3 more as the reference;
+    resumed with every dimension changed (tp 2 × pp 2 with sequence parallelism; tp 1 × dp 2 × pp 2 under
+    DDP; tp 4 plain) for the same 3 steps. Rank 0 returns each run's whole unsharded state."""
+    from pathlib import Path
+
+    from autotp.io.ckpt_io import latest_checkpoint, load_training_state, save_training_state
+
+    run = Path(out) / name
+    ctx, model, step, opt, args, kwargs = _layout_job(name, 2, 1, True, True)
+    _train_steps(step, opt, args, kwargs, 3, own_step=True)
+    save_training_state(run, 3, model, opt, ctx)
+    _train_steps(step, opt, args, kwargs, 3, own_step=True)
+    results: dict = {"reference": _gathered(model, ctx)}
+    for tp, pp, sp in ((2, 2, True), (1, 2, False), (4, 1, False)):
+        ctx, model, step, opt, args, kwargs = _layout_job(name, tp, pp, False, sp)
+        resumed = load_training_state(latest_checkpoint(run), model, opt, ctx)
+        _train_steps(step, opt, args, kwargs, 3, own_step=pp == 1)
+        results[(tp, pp, sp)] = {"step": resumed.step, "note": resumed.describe(), "state": _gathered(model, ctx)}
+    return results if dist.get_rank() == 0 else {}
+
+
+def _train_steps(step, opt, args, kwargs, steps: int, own_step: bool) -> None:
+    """``steps`` optimizer steps; ``own_step``: the step function steps the optimizer itself."""
+    for _ in range(steps):
+        step(*args, **kwargs)
+        if not own_step:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
