@@ -27,7 +27,7 @@ def refused(*, pipeline: int = 1, fsdp: bool = False, sequence_parallel: bool = 
     """Why these dimensions do not run together yet (None: they do). The one rule :meth:`Options.validate`,
     the command line and the layout search all ask."""
     if pipeline > 1:
-        used = [name for name, on in (("fsdp", fsdp), ("expert parallelism", expert_parallel)) if on]
+        used = [name for name, on in (("fsdp", fsdp),) if on]
         if used:
             return Refusal(f"pipeline stages ({pipeline}) with {' and '.join(used)} are not supported yet",
                            "drop the pipeline (pp 1), or " + " and ".join(used))

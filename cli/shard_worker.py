@@ -440,7 +440,7 @@ def _shard_pipeline(job: ShardJob, ctx: RankContext, mf: ModelFile, batch: tuple
     pipe = autotp.pipeline(model, example_inputs=(args, kwargs), microbatches=job.microbatches or ctx.layout.pp,
                            schedule=job.schedule, virtual_stages=job.virtual_stages, mesh=ctx.mesh,
                            device=None if job.weights is None else ctx.device, compile=job.compile,
-                           sequence_parallel=job.sequence_parallel)
+                           sequence_parallel=job.sequence_parallel, expert_parallel=job.expert_parallel)
     if job.weights is not None:
         weights = _load(model, job.weights)
     st = autotp.tp_state(model)

@@ -139,8 +139,8 @@ def _check(results: list[dict], configs: list[tuple]) -> None:
             assert max(abs(a - b) for a, b in zip(r["norms"], r["ref_norms"])) <= 1e-5 * max(r["ref_norms"]), config
         if "eval_loss" in r:
             assert abs(r["eval_loss"] - r["ref_eval"]) <= 1e-5, config
-        assert r["direct_call"].startswith(f"{'GPT' if config[0].startswith('nanogpt') else 'LlamaForCausalLM'} is cut "
-                                           "into pipeline stages"), config
+        cls = {"nanogpt": "GPT", "moe": "LM"}.get(config[0].split("_")[0], "LlamaForCausalLM")
+        assert r["direct_call"].startswith(f"{cls} is cut into pipeline stages"), config
 
 
 def _by_rank(results: dict[int, list[dict]], i: int) -> list[dict]:
@@ -179,11 +179,13 @@ def test_pipeline_two_ranks_matches_one_device():
 @pytest.mark.slow
 def test_pipeline_with_tensor_parallelism_matches_one_device():
     """(tp 2, pp 2): each stage TP-sharded by autotp's plan; with sequence parallelism (the hidden state
-    crossing the cut is s/t); and with each stage's piece compiled as well (torchtitan compiles per stage),
+    crossing the cut is s/t); with expert parallelism (a mixture-of-experts stack, E/tp whole experts per
+    rank); and with each stage's piece compiled as well (torchtitan compiles per stage),
     with no graph break, exact against the unsharded eager model (AOTAutograd's graphs run eagerly: Inductor is
     tests/test_compile.py's and tests/test_fsdp.py's, and costs minutes on these CPUs)."""
     configs = [("nanogpt", 2, 2, "1F1B", 2, None), ("llama", 2, 2, "1F1B", 4, None, 3, 0.05, False, True),
-               ("nanogpt", 2, 2, "GPipe", 2, None, 3, 0.05, {"backend": "aot_eager"}, True)]
+               ("nanogpt", 2, 2, "GPipe", 2, None, 3, 0.05, {"backend": "aot_eager"}, True),
+               ("moe", 2, 2, "1F1B", 2, None, 3, 0.05, False, False, True)]
     from pipeline_workers import pipeline_parity_many
 
     results = launch(pipeline_parity_many, 4, configs)
@@ -194,6 +196,8 @@ def test_pipeline_with_tensor_parallelism_matches_one_device():
         assert _by_rank(results, i)[0]["sent"] == [(b, s // 2 if i else s, 64)], i
     for r in _by_rank(results, 2):
         assert r["breaks"] == {} and r["compiled_graphs"] == 2, (r["breaks"], r["compiled_graphs"])  # train, eval
+    for r in _by_rank(results, 3):  # expert parallelism: whole experts per rank in each stage's layer
+        assert r["experts"] == [("blocks.0.moe", 4), ("blocks.1.moe", 4)] and r["experts_kept"] == []
     nano = _by_rank(results, 0)
     # ranks 0, 1: stage 0 (tp 0, 1); ranks 2, 3: stage 1; the tied weight's TP shards agree end to end
     assert [r["stages"] for r in nano] == [[0], [0], [1], [1]]

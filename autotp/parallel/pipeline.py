@@ -341,7 +341,7 @@ def pipeline(model: nn.Module, *, example_inputs: object, microbatches: int, sch
              pp: int | None = None, tp: int | None = None, mesh: DeviceMesh | None = None,
              vocab_multiple: int = 1, device: torch.device | str | None = None,
              scaler: torch.amp.GradScaler | None = None, compile: bool | dict = False,
-             sequence_parallel: bool = False) -> Pipeline:
+             sequence_parallel: bool = False, expert_parallel: bool = False) -> Pipeline:
     """Cut ``model`` into ``pp × virtual_stages`` pipeline stages, each sharded by autotp's TP plan, and return
     the :class:`Pipeline` that trains it.
 
@@ -354,6 +354,8 @@ def pipeline(model: nn.Module, *, example_inputs: object, microbatches: int, sch
     ``scaler``: fp16 training's ``torch.amp.GradScaler``: each step's backward starts from the scaled loss;
     the script's ``scaler.unscale_``, ``scaler.step`` and ``scaler.update`` stay as they are. ``compile``: each
     stage's piece runs under ``torch.compile`` (a dict: its options), as torchtitan compiles per stage.
+    ``sequence_parallel``, ``expert_parallel``: as :func:`autotp.parallelize` (the hidden state crossing a cut
+    is then s/t per tp rank).
 
     The model keeps its class and names; its parameters become this rank's TP shards of its own stages
     (those of other ranks' stages go to the meta device), and calling it directly is refused.
@@ -377,7 +379,7 @@ def pipeline(model: nn.Module, *, example_inputs: object, microbatches: int, sch
 
     parallelize_state(model, tp_group=mesh.get_group("tp"), example_inputs=(tuple(micro_args), dict(micro_kwargs)),
                       vocab_multiple=vocab_multiple, device=device, fsdp=False, pipeline=request, stage_params=mine,
-                      sequence_parallel=sequence_parallel)
+                      sequence_parallel=sequence_parallel, expert_parallel=expert_parallel)
     st = tp_state(model)
     key = call_key(args, kwargs, model.training)
     micro_key = call_key(tuple(micro_args), dict(micro_kwargs), model.training)

@@ -39,4 +39,14 @@ def nanogpt_dropout() -> tuple[nn.Module, tuple, dict]:
     return nanogpt(dropout=0.1)
 
 
-MODELS = {"nanogpt": nanogpt, "llama": llama, "llama_positions": llama_positions, "nanogpt_dropout": nanogpt_dropout}
+def moe() -> tuple[nn.Module, tuple, dict]:
+    """A mixture-of-experts stack (tests/support/moe_models.py, experts in a ModuleList), on 4 sequences."""
+    from moe_models import S, V, build
+
+    model, _, kwargs = build("fused_loop")
+    g = torch.Generator().manual_seed(1)
+    return model, (torch.randint(0, V, (4, S), generator=g), torch.randint(0, V, (4, S), generator=g)), kwargs
+
+
+MODELS = {"nanogpt": nanogpt, "llama": llama, "llama_positions": llama_positions, "nanogpt_dropout": nanogpt_dropout,
+          "moe": moe}

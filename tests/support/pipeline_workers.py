@@ -21,7 +21,8 @@ def _replica(batch, d: int, dp: int):
 
 def pipeline_parity(model_name: str, tp: int, pp: int, schedule: str, microbatches: int,
                     virtual_stages: int | None = None, steps: int = 3, clip: float = 0.05,
-                    compile: bool | dict = False, sequence_parallel: bool = False) -> dict:
+                    compile: bool | dict = False, sequence_parallel: bool = False,
+                    expert_parallel: bool = False) -> dict:
     """Losses, clipped gradient norms and parameters after AdamW steps of the pipelined model (each
     data-parallel replica on its share of the batch) against the unsharded model on the whole batch.
     ``compile``: each stage's piece compiled (graph breaks counted)."""
@@ -36,12 +37,13 @@ def pipeline_parity(model_name: str, tp: int, pp: int, schedule: str, microbatch
     model = copy.deepcopy(ref)
     pipe = autotp.pipeline(model, example_inputs=(la, lk), microbatches=microbatches, schedule=schedule,
                            virtual_stages=virtual_stages, mesh=mesh, compile=compile,
-                           sequence_parallel=sequence_parallel)
+                           sequence_parallel=sequence_parallel, expert_parallel=expert_parallel)
     st = autotp.tp_state(model)
     opt = torch.optim.AdamW(list(pipe.parameters()), lr=1e-3, eps=1e-6)
     ropt = torch.optim.AdamW(ref.parameters(), lr=1e-3, eps=1e-6)
     out: dict = {"losses": [], "ref_losses": [], "norms": [], "ref_norms": [], "stages": list(pipe.stage_indices), "count": pipe.num_stages,
-                 "blocks": [list(s.blocks) for s in st.plan.stages], "same_class": isinstance(model, type(ref))}
+                 "blocks": [list(s.blocks) for s in st.plan.stages], "same_class": isinstance(model, type(ref)),
+                 "experts": [(x.module, x.count) for x in st.plan.experts], "experts_kept": list(st.plan.experts_kept)}
     for _ in range(steps):
         loss = pipe.step(*la, **lk)
         dist.all_reduce(loss, group=mesh.get_group("dp"))
