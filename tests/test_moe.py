@@ -30,12 +30,14 @@ MLA = {"q_down": None, "kv_down": None, "q_up": (0, "column"), "kv_up": (0, "col
 HF = ["mixtral", "mixtral:batched_mm", "qwen2_moe", "deepseek_v3", "gpt_oss"]
 # (at tp 4 one Hugging Face model per expert form: grouped GEMM, grouped with latent attention, grouped with biases)
 HF_AT = {2: HF, 4: ["mixtral", "deepseek_v3", "gpt_oss"]}
+# every spelling at tp 2; at tp 4 (one expert per rank) one of each routing and expert layout
+KINDS_AT = {2: [*KINDS], 4: ["list_dense", "fused_loop_t", "gathered_einsum", "shared_sigmoid", "capacity", "mla_cat"]}
 
 
 @pytest.fixture(scope="module")
 def runs() -> Launches:
     """Both multi-process tests' jobs in one launch per world."""
-    return Launches({world: {"spellings": (pattern_parity, [*KINDS], 3, False, "moe_models"),
+    return Launches({world: {"spellings": (pattern_parity, KINDS_AT[world], 3, False, "moe_models"),
                              "hugging face": (pattern_parity, HF_AT[world], 3, False, "hf_moe_models")}
                      for world in (2, 4)})
 
@@ -102,6 +104,7 @@ def test_moe_spellings_shard_exactly_with_one_all_reduce_per_layer(runs, world: 
     results = runs(world, "spellings")
     bsh, rows = 2 * S * H, 2 * S
     for rank, by_kind in results.items():
+        assert list(by_kind) == KINDS_AT[world]
         for kind, r in by_kind.items():
             assert r["loss_diff"] <= 1e-5 and r["grad_diff"] <= 1e-5 and r["param_diff"] <= 1e-5, (rank, kind, r)
             assert r["replicated"] == [] and r["unexplained"] == [], (kind, r)
