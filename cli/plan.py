@@ -185,7 +185,7 @@ def _pipeline_spec(pp: int, schedule: str | None, virtual_stages: int | None, mi
                   "or more", debug, code=USAGE_ERROR)
         return None
     check_layout_options(pp=pp, fsdp=fsdp, sequence_parallel=sequence_parallel, expert_parallel=expert_parallel,
-                         compile_=False)
+                         compile_=False, schedule=schedule)
     from autotp.parallel.pipeline import SCHEDULES, check_pipeline, stage_ranks  # torch.distributed.pipelining
 
     m = microbatches if microbatches is not None else pp

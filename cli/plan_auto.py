@@ -94,7 +94,7 @@ def top_table(auto: Auto, top: int) -> Table:
                       *(_secs(v) for v in e.terms().values()))
     table.caption = ("layout: tp, dp (·fsdp: FSDP over dp), pp (v: stages per rank), micro-batch × micro-batches "
                      "per step, sp: sequence parallel, rc: activations recomputed (the model's own checkpointing). "
-                     "Only layouts autotp runs are listed (not yet: a pipeline with FSDP). TFLOP/s: 3 × the forward's matmul FLOPs per step. memory: per rank (share of what is "
+                     "Every layout listed is one autotp runs. TFLOP/s: 3 × the forward's matmul FLOPs per step. memory: per rank (share of what is "
                      "usable). Terms per step; dp comm: what the backward does not hide.")
     return table
 

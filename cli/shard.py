@@ -175,7 +175,11 @@ def render(report: ShardReport, console: Console) -> None:
         items = [f"{n} × {kind}" + (f"({op})" if op else "")
                  for d, kind, op, n in report.collectives if d == direction]
         summary.add_row(f"TP collectives / step, {direction}", ", ".join(items) or "none")
-    if report.fsdp_units:
+    if report.fsdp_units and report.pp > 1:
+        summary.add_row("DP sharding", f"FSDP2 over {report.dp} ranks: each of a rank's pipeline stages one unit; "
+                        "per step one all-gather per micro-batch forward and one for the backward, one "
+                        "reduce-scatter per stage after the last micro-batch")
+    elif report.fsdp_units:
         groups = f", HSDP: {report.fsdp} replica groups" if report.fsdp > 1 else ""
         summary.add_row("DP sharding", f"FSDP2 over {report.dp} ranks{groups}: {len(report.fsdp_units)} units "
                         f"({report.fsdp_units[0]} … {report.fsdp_units[-1]}) and the root; per step one all-gather "
@@ -291,7 +295,7 @@ def shard(
         abort(f"--out {out} exists and is not a folder", debug, code=USAGE_ERROR)
     spec = launch_spec(tp, dp, pp, launcher._replace(fsdp=fsdp), debug)  # --auto may have chosen FSDP
     check_layout_options(pp=pp, fsdp=fsdp, sequence_parallel=sequence_parallel, expert_parallel=expert_parallel,
-                         compile_=compile_)
+                         compile_=compile_, schedule=schedule)
     stages = None
     if pp > 1:
         from autotp.parallel.pipeline import check_pipeline  # torch.distributed.pipelining: only with --pp

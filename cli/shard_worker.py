@@ -440,7 +440,8 @@ def _shard_pipeline(job: ShardJob, ctx: RankContext, mf: ModelFile, batch: tuple
     pipe = autotp.pipeline(model, example_inputs=(args, kwargs), microbatches=job.microbatches or ctx.layout.pp,
                            schedule=job.schedule, virtual_stages=job.virtual_stages, mesh=ctx.mesh,
                            device=None if job.weights is None else ctx.device, compile=job.compile,
-                           sequence_parallel=job.sequence_parallel, expert_parallel=job.expert_parallel)
+                           sequence_parallel=job.sequence_parallel, expert_parallel=job.expert_parallel,
+                           fsdp=FSDPConfig(replicas=job.fsdp) if job.fsdp else False)
     if job.weights is not None:
         weights = _load(model, job.weights)
     st = autotp.tp_state(model)
@@ -492,7 +493,8 @@ def _shard_pipeline(job: ShardJob, ctx: RankContext, mf: ModelFile, batch: tuple
         checkpoint_path=str(ckpt_path), start_step=start, resumed_from=resumed_from, resharded=resharded,
         restarted=restarted, weights=weights, batch=_describe_batch(mf, model, args, kwargs, ctx.layout.tp), pp=ctx.layout.pp,
         pipeline=f"{pipe.schedule_name}, {pipe.microbatches} micro-batches, {pipe.virtual_stages} stage(s) per rank",
-        stages=tuple(s.blocks for s in st.plan.stages),
+        stages=tuple(s.blocks for s in st.plan.stages), fsdp=job.fsdp if pipe.fsdp else 0,
+        fsdp_units=st.units or () if pipe.fsdp else (),
     )
     (out / "summary.json").write_text(json.dumps(report.to_dict(), indent=2))
     return report

@@ -5,6 +5,8 @@ no process group); gloo parity against the unsharded model and resume across pip
 """
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 
 from autotp.capture.tracer import capture
@@ -178,14 +180,17 @@ def test_pipeline_two_ranks_matches_one_device():
 
 @pytest.mark.slow
 def test_pipeline_with_tensor_parallelism_matches_one_device():
-    """(tp 2, pp 2): each stage TP-sharded by autotp's plan; with sequence parallelism (the hidden state
+    """(tp 2, pp 2): each stage TP-sharded by autotp's plan; (tp 1, dp 2, pp 2) with FSDP (1F1B and
+    Interleaved1F1B: each of a rank's stages one FSDP unit); with sequence parallelism (the hidden state
     crossing the cut is s/t); with expert parallelism (a mixture-of-experts stack, E/tp whole experts per
     rank); and with each stage's piece compiled as well (torchtitan compiles per stage),
     with no graph break, exact against the unsharded eager model (AOTAutograd's graphs run eagerly: Inductor is
     tests/test_compile.py's and tests/test_fsdp.py's, and costs minutes on these CPUs)."""
     configs = [("nanogpt", 2, 2, "1F1B", 2, None), ("llama", 2, 2, "1F1B", 4, None, 3, 0.05, False, True),
                ("nanogpt", 2, 2, "GPipe", 2, None, 3, 0.05, {"backend": "aot_eager"}, True),
-               ("moe", 2, 2, "1F1B", 2, None, 3, 0.05, False, False, True)]
+               ("moe", 2, 2, "1F1B", 2, None, 3, 0.05, False, False, True),
+               ("nanogpt", 1, 2, "1F1B", 2, None, 3, 0.05, False, False, False, True),
+               ("llama", 1, 2, "Interleaved1F1B", 2, 2, 3, 0.05, False, False, False, True)]
     from pipeline_workers import pipeline_parity_many
 
     results = launch(pipeline_parity_many, 4, configs)
@@ -198,6 +203,15 @@ def test_pipeline_with_tensor_parallelism_matches_one_device():
         assert r["breaks"] == {} and r["compiled_graphs"] == 2, (r["breaks"], r["compiled_graphs"])  # train, eval
     for r in _by_rank(results, 3):  # expert parallelism: whole experts per rank in each stage's layer
         assert r["experts"] == [("blocks.0.moe", 4), ("blocks.1.moe", 4)] and r["experts_kept"] == []
+    for i, v in ((4, 1), (5, 2)):  # FSDP over dp 2: each of a rank's stages one unit
+        for r in _by_rank(results, i):
+            assert len(r["fsdp_units"]) == v and r["held_numel"] <= r["full_numel"] / 4 * 1.3, r["held_numel"]
+            # per step: an all-gather per unit for each micro-batch's forward and one for the backward; one
+            # reduce-scatter per unit after the last micro-batch; the tied weight's sum over its pipeline ranks
+            tied = int(i == 4)
+            for calls in r["steps_collectives"]:
+                assert Counter(map(tuple, calls)) == Counter({("all_gather", ""): 3 * v, ("reduce_scatter", "?"): v,
+                                                              **({("all_reduce", "sum"): 1} if tied else {})}), calls
     nano = _by_rank(results, 0)
     # ranks 0, 1: stage 0 (tp 0, 1); ranks 2, 3: stage 1; the tied weight's TP shards agree end to end
     assert [r["stages"] for r in nano] == [[0], [0], [1], [1]]
@@ -207,8 +221,10 @@ def test_pipeline_with_tensor_parallelism_matches_one_device():
 
 @pytest.mark.slow
 def test_pipeline_tensor_and_data_parallel_eight_ranks():
-    """Megatron's 3-D layout (tp 2, dp 2, pp 2) on 8 ranks: DDP per stage over dp, each replica on its half."""
-    configs = [("nanogpt", 2, 2, "1F1B", 2, None), ("llama", 2, 2, "GPipe", 2, None)]
+    """Megatron's 3-D layout (tp 2, dp 2, pp 2) on 8 ranks: DDP per stage over dp, each replica on its half;
+    and FSDP per stage with sequence parallelism."""
+    configs = [("nanogpt", 2, 2, "1F1B", 2, None), ("llama", 2, 2, "GPipe", 2, None),
+               ("nanogpt", 2, 2, "1F1B", 2, None, 3, 0.05, False, True, False, True)]  # FSDP, sequence parallel
     from pipeline_workers import pipeline_parity_many
 
     results = launch(pipeline_parity_many, 8, configs)
@@ -269,27 +285,31 @@ def _shard(*flags: str):
 
 
 @pytest.mark.slow
-def test_autotp_shard_pipeline_runs_as_is_and_resumes_without_it(tmp_path):
-    """`autotp shard examples/nanogpt.py --tp 2 --pp 2`: parity, training, checkpoint; then `--tp 4 --resume`
-    continues from the pipeline's checkpoint."""
+def test_autotp_shard_every_dimension_runs_as_is_and_resumes_without_them(tmp_path):
+    """`autotp shard examples/nanogpt.py --tp 2 --dp 2 --pp 2 --fsdp --sequence-parallel --compile` on 8 ranks:
+    parity, training, checkpoints (steps 3 and 4); then `--tp 4 --dp 2` resumed from step 3 gives step 4's loss
+    exactly (each run's dp replica 0 trains on the same half of the batch)."""
     import json
 
     out = tmp_path / "out"
-    result = _shard("--tp", "2", "--pp", "2", "--out", str(out))
+    result = _shard("--tp", "2", "--dp", "2", "--pp", "2", "--fsdp", "--sequence-parallel", "--compile",
+                    "--steps", "4", "--save-every", "3", "--out", str(out))
     assert result.exit_code == 0, result.output
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["parity"]["ok"] and summary["pp"] == 2
-    assert summary["stages"] == [["transformer.h.0"], ["transformer.h.1"]]
+    assert summary["parity"]["ok"] and summary["pp"] == 2 and summary["dp"] == 2
+    assert summary["stages"] == [["transformer.h.0"], ["transformer.h.1"]] and len(summary["fsdp_units"]) == 1
     assert summary["pipeline"] == "1F1B, 2 micro-batches, 1 stage(s) per rank"
-    assert len(summary["losses"]) == 3 and summary["losses"][-1] < summary["losses"][0]
-    assert [r["pp_rank"] for r in summary["ranks"]] == [0, 0, 1, 1]
+    assert len(summary["losses"]) == 4 and summary["losses"][-1] < summary["losses"][0]
+    assert [r["pp_rank"] for r in summary["ranks"]] == [0, 0, 0, 0, 1, 1, 1, 1]
     assert (out / "checkpoints" / "step-000003" / ".metadata").is_file()
-    again = _shard("--tp", "4", "--steps", "4", "--resume", "--out", str(out))
+    again = _shard("--tp", "4", "--dp", "2", "--steps", "4", "--resume-from", str(out / "checkpoints" / "step-000003"),
+                   "--out", str(out))
     assert again.exit_code == 0, again.output
     resumed = json.loads((out / "summary.json").read_text())
     assert resumed["start_step"] == 3 and len(resumed["losses"]) == 1
-    assert resumed["resharded"] == ("resumed from tp 2 × dp 1 × pp 2 → tp 4 × dp 1 × pp 1: weights and optimizer "
+    assert resumed["resharded"] == ("resumed from tp 2 × dp 2 × pp 2 → tp 4 × dp 2 × pp 1: weights and optimizer "
                                     "state resharded")
+    assert abs(resumed["losses"][0] - summary["losses"][3]) <= 1e-5, (resumed["losses"], summary["losses"])
 
 
 @pytest.mark.parametrize("flags, says", [
@@ -297,7 +317,8 @@ def test_autotp_shard_pipeline_runs_as_is_and_resumes_without_it(tmp_path):
     (["--tp", "1", "--pp", "2", "--microbatches", "3"], "--microbatches 3 does not divide example_batch()'s batch of 4"),
     (["--tp", "1", "--pp", "2", "--schedule", "Zigzag"], "unknown pipeline schedule 'Zigzag'"),
     (["--tp", "1", "--pp", "2", "--schedule", "Interleaved1F1B", "--virtual-stages", "1"], "virtual_stages is 1"),
-    (["--tp", "1", "--pp", "2", "--dp", "2", "--fsdp"], "pipeline stages (2) with fsdp are not supported yet"),
+    (["--tp", "1", "--pp", "2", "--dp", "2", "--fsdp", "--schedule", "ZBVZeroBubble"],
+     "fsdp with the ZBVZeroBubble schedule is not supported yet"),
 ])
 def test_pipeline_bad_flags_fail_before_any_rank(flags, says):
     result = _shard(*flags)

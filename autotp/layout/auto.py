@@ -107,7 +107,7 @@ def supported(lay: Layout) -> bool:
     """Whether autotp shards this layout today (:func:`autotp.options.refused`, the rule parallelize applies).
     Recomputation and gradient accumulation are the training script's (activation checkpointing in the
     model, several backwards per step)."""
-    return refused(pipeline=lay.pp * lay.v, fsdp=lay.fsdp, sequence_parallel=lay.sp) is None
+    return refused(pipeline=lay.pp * lay.v, schedule=lay.schedule, fsdp=lay.fsdp, sequence_parallel=lay.sp) is None
 
 
 def runnable(lay: Layout) -> bool:

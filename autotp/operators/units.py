@@ -55,6 +55,10 @@ class PieceCall(nn.Module):
         unit = model.get_submodule(self.unit) if self.unit is not None else None
         self.__dict__["_bound"] = (unit, owners)
 
+    def owners(self) -> list[tuple[nn.Module, str]]:
+        """(module, attribute) of each parameter the piece reads, once bound."""
+        return list(self._bound[1].values()) if self._bound is not None else []
+
     def forward(self, *args):
         if self._bound is None:
             raise RuntimeError("a graph piece ran before bind_pieces() bound it to its model")

@@ -25,14 +25,15 @@ import torch
 import torch.nn as nn
 from torch.distributed.fsdp import (CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard,
                                     register_fsdp_forward_method)
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from autotp.distributed.data_parallel import fsdp_meshes
+from autotp.distributed.data_parallel import FSDPConfig, fsdp_meshes
 from autotp.errors import ShardingError
 from autotp.io.checkpoint import reshard
 from autotp.io.empty import swap_tensors
 from autotp.plan.plan import Plan
-from autotp.operators.units import UNIT_METHOD, run_unit
+from autotp.operators.units import UNIT_METHOD, PieceCall, run_unit
 from autotp.state import TPState
 
 
@@ -54,10 +55,9 @@ def _free_root_without_backward(model: nn.Module, args, output) -> None:
         reshard(model)
 
 
-def apply_fsdp(model: nn.Module, st: TPState, plan: Plan) -> None:
-    """Shard ``model`` (holding its TP shards) over the data-parallel ranks with FSDP2, unit by unit."""
-    config = st.options.fsdp
-    dp_mesh, tp_mesh = fsdp_meshes(st.mesh, config)
+def _on_tp_mesh(model: nn.Module, st: TPState, tp_mesh: DeviceMesh) -> None:
+    """Every allocated parameter of ``model`` as a DTensor over ``tp_mesh`` (``Shard(dim)`` for a TP shard,
+    ``Replicate()`` for a whole one), and a full-size stand-in of each in ``st.full`` for later captures."""
     names: dict[int, str] = {}
     stand_in: dict[int, nn.Parameter] = {}  # one per tensor: later captures must see ties as ties
     for name, p in model.named_parameters(remove_duplicate=False):
@@ -69,7 +69,9 @@ def apply_fsdp(model: nn.Module, st: TPState, plan: Plan) -> None:
                 torch.empty(p.shape, dtype=p.dtype, device="meta"), requires_grad=p.requires_grad)
         st.full.setdefault(name, stand_in[id(p)])
 
-    def on_tp_mesh(p: torch.Tensor) -> nn.Parameter:
+    def on_tp_mesh(p: torch.Tensor) -> nn.Parameter | None:
+        if p.is_meta:  # another pipeline rank's stage: never allocated here
+            return None
         shard = st.shards.get(names[id(p)])
         placement = Shard(shard.dim) if shard is not None else Replicate()
         local = p.detach().contiguous()
@@ -77,9 +79,20 @@ def apply_fsdp(model: nn.Module, st: TPState, plan: Plan) -> None:
                             requires_grad=p.requires_grad)
 
     swap_tensors(model, "parameters", on_tp_mesh)
-    options = dict(mesh=dp_mesh, reshard_after_forward=config.reshard_after_forward,
-                   mp_policy=MixedPrecisionPolicy(param_dtype=config.param_dtype, reduce_dtype=config.reduce_dtype),
-                   offload_policy=CPUOffloadPolicy(pin_memory=False) if config.offload else OffloadPolicy())
+
+
+def _fsdp_options(config: FSDPConfig, dp_mesh: DeviceMesh) -> dict:
+    return dict(mesh=dp_mesh, reshard_after_forward=config.reshard_after_forward,
+                mp_policy=MixedPrecisionPolicy(param_dtype=config.param_dtype, reduce_dtype=config.reduce_dtype),
+                offload_policy=CPUOffloadPolicy(pin_memory=False) if config.offload else OffloadPolicy())
+
+
+def apply_fsdp(model: nn.Module, st: TPState, plan: Plan) -> None:
+    """Shard ``model`` (holding its TP shards) over the data-parallel ranks with FSDP2, unit by unit."""
+    config = st.options.fsdp
+    dp_mesh, tp_mesh = fsdp_meshes(st.mesh, config)
+    _on_tp_mesh(model, st, tp_mesh)
+    options = _fsdp_options(config, dp_mesh)
     units = []
     for u in plan.units:  # in the order they run: the embeddings, the blocks, the final norm and LM head
         members = [model.get_submodule(m) for m in u.members]
@@ -124,3 +137,48 @@ def fsdp_hooks_off(model: nn.Module) -> Iterator[None]:
         for hooks, original in saved.values():  # restored whole, in order (FSDP's pre-hook runs first)
             hooks.clear()
             hooks.update(original)
+
+
+def apply_stage_fsdp(model: nn.Module, st: TPState, stages: list[nn.Module], mesh: DeviceMesh,
+                     config: FSDPConfig) -> None:
+    """Pipeline × FSDP: each of this rank's pipeline stages (:class:`~autotp.operators.stages.StageModule`)
+    is one FSDP unit over the stage's data-parallel ranks. The modules holding the parameters its piece reads
+    are ``fully_shard``-ed together and the piece runs as their FSDP forward method, so a micro-batch's
+    forward gathers the stage's parameters; the stage module itself is the FSDP root above them (holding
+    none), which ``torch.distributed.pipelining`` drives as torchtitan's stages: gradients reduce-scattered
+    once per step, after the last micro-batch's backward."""
+    dp_mesh, tp_mesh = fsdp_meshes(mesh, config)
+    _on_tp_mesh(model, st, tp_mesh)
+    options = _fsdp_options(config, dp_mesh)
+    path_of = {id(m): name for name, m in model.named_modules(remove_duplicate=False)}
+    taken: dict[int, int] = {}  # module -> the stage whose unit it joined
+    retie: dict[int, nn.Parameter] = {}  # a parameter FSDP replaced -> its replacement
+    units = []
+    for i, stage in enumerate(stages):
+        piece: PieceCall = stage.piece
+        members = list({id(owner): owner for owner, _ in piece.owners()}.values())
+        shared = [m for m in members if taken.get(id(m), i) != i]
+        if shared:
+            raise ShardingError(f"fsdp with pipeline stages: {path_of[id(shared[0])]} holds parameters of two "
+                                "stages on this rank, and one module can be one FSDP unit only",
+                                hint="choose split points that keep each module in one stage, or drop fsdp")
+        taken.update((id(m), i) for m in members)
+        before = [(m, leaf, p) for m in members for leaf, p in m._parameters.items() if p is not None]
+        fully_shard(members if len(members) > 1 else members[0], **options)
+        # FSDP's parameters replace the unit's; a tie to a module outside it (a tied embedding whose
+        # other half is in another stage) follows, so every name still reaches one parameter
+        retie.update((id(p), m._parameters[leaf]) for m, leaf, p in before if m._parameters[leaf] is not p)
+        unit = members[0]
+        unit.__dict__[UNIT_METHOD] = types.MethodType(run_unit, unit)
+        register_fsdp_forward_method(unit, UNIT_METHOD)
+        piece.unit = path_of[id(unit)]
+        piece.bind(model)
+        units.append(piece.unit)
+        # the stage's parameters are the unit's: registered through its modules, under the root FSDP module
+        stage.held = nn.ParameterList()
+        stage.units = nn.ModuleList(members)
+        fully_shard(stage, **{**options, "reshard_after_forward": None})
+        # root now: the evaluation graph's stage modules (not FSDP roots) run the same units later
+        fully_shard.state(stage)._lazy_init()
+    swap_tensors(model, "parameters", lambda p: retie.get(id(p)))
+    st.units = tuple(units)

@@ -28,11 +28,15 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage, schedules
+from torch.distributed.tensor import DTensor
 
 from autotp.capture.modelfile import find_loss
 from autotp.capture.structure import call_key, flatten, unflatten
 from autotp.errors import PipelineError, ProcessGroupError
+from autotp.distributed.data_parallel import FSDPConfig
+from autotp.options import refused
 from autotp.parallel.data import check_same_inputs
+from autotp.parallel.fsdp import apply_stage_fsdp
 from autotp.parallel.parallelize import _graph_for, _split_example, parallelize_state
 from autotp.plan.pipeline_report import check_microbatches
 from autotp.plan.stages import StageRequest
@@ -155,9 +159,10 @@ class Pipeline:
     def __init__(self, model: nn.Module, mesh: DeviceMesh, schedule: str, v: int, microbatches: int,
                  key, modules: list[StageModule], indices: list[int], count: int,
                  tied: list[tuple[nn.Parameter, dist.ProcessGroup]], micro: tuple[tuple, dict],
-                 scaler: torch.amp.GradScaler | None = None, compiled: dict | None = None):
+                 scaler: torch.amp.GradScaler | None = None, compiled: dict | None = None, fsdp: bool = False):
         self.model = model
         self.compiled = compiled  # torch.compile's options for each stage's piece; None: eager
+        self.fsdp = fsdp  # each stage an FSDP unit over dp (else DDP when dp > 1)
         self.scaler = scaler
         self.mesh = mesh
         self.schedule_name = schedule
@@ -196,7 +201,7 @@ class Pipeline:
         return stages, kind.cls(stages, self.microbatches, loss_fn=loss_fn)
 
     def _data_parallel(self, module: StageModule) -> nn.Module:
-        if self.dp == 1:
+        if self.dp == 1 or self.fsdp:
             return module
         device = tp_state(self.model).device
         return nn.parallel.DistributedDataParallel(
@@ -265,8 +270,8 @@ class Pipeline:
             scale = self.scaler.scale(torch.ones((), device=index.device)).item()
         self.schedule.step(target=index, losses=losses, return_outputs=False, **inputs)
         for p, group in self._tied:  # Megatron's embedding group: the copies of a tied weight get one gradient
-            if p.grad is not None:
-                dist.all_reduce(p.grad, group=group)
+            if p.grad is not None:  # under FSDP each copy's dp piece: the same rows on every holder
+                dist.all_reduce(p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad, group=group)
         if self.scaler is not None:
             self._agree_non_finite()
         return self._loss(losses) / scale
@@ -294,8 +299,11 @@ class Pipeline:
                 c = _graph_for(self.model, st, args, kwargs, call_key(args, kwargs, False), flatten(self._micro)[0])
             finally:
                 self.model.train(was)
-            self._eval = self._runner(_stage_modules(self.model, c, self.stage_indices, self.num_stages,
-                                                     self.compiled), train=False)
+            modules = _stage_modules(self.model, c, self.stage_indices, self.num_stages, self.compiled)
+            for m, unit in zip(modules, st.units if self.fsdp else ()):  # the same FSDP unit per stage
+                m.piece.unit = unit
+                m.piece.bind(self.model)
+            self._eval = self._runner(modules, train=False)
         return self._eval
 
     @torch.no_grad()
@@ -309,6 +317,8 @@ class Pipeline:
         grads = [p.grad for p in params if p.grad is not None and id(p) not in skip]
         device = tp_state(self.model).device
         local = torch.nn.utils.get_total_norm(grads, norm_type) if grads else torch.zeros((), device=device)
+        if isinstance(local, DTensor):  # FSDP's gradients: the norm over this stage's tp and dp ranks
+            local = local.full_tensor()
         local = local.detach().double()
         if math.isinf(norm_type):
             dist.all_reduce(local, op=dist.ReduceOp.MAX, group=self.pp_group)
@@ -341,7 +351,8 @@ def pipeline(model: nn.Module, *, example_inputs: object, microbatches: int, sch
              pp: int | None = None, tp: int | None = None, mesh: DeviceMesh | None = None,
              vocab_multiple: int = 1, device: torch.device | str | None = None,
              scaler: torch.amp.GradScaler | None = None, compile: bool | dict = False,
-             sequence_parallel: bool = False, expert_parallel: bool = False) -> Pipeline:
+             sequence_parallel: bool = False, expert_parallel: bool = False,
+             fsdp: bool | FSDPConfig = False) -> Pipeline:
     """Cut ``model`` into ``pp × virtual_stages`` pipeline stages, each sharded by autotp's TP plan, and return
     the :class:`Pipeline` that trains it.
 
@@ -355,7 +366,8 @@ def pipeline(model: nn.Module, *, example_inputs: object, microbatches: int, sch
     the script's ``scaler.unscale_``, ``scaler.step`` and ``scaler.update`` stay as they are. ``compile``: each
     stage's piece runs under ``torch.compile`` (a dict: its options), as torchtitan compiles per stage.
     ``sequence_parallel``, ``expert_parallel``: as :func:`autotp.parallelize` (the hidden state crossing a cut
-    is then s/t per tp rank).
+    is then s/t per tp rank). ``fsdp`` (True or an :class:`~autotp.distributed.data_parallel.FSDPConfig`):
+    each stage is one FSDP2 unit over its data-parallel ranks instead of DDP.
 
     The model keeps its class and names; its parameters become this rank's TP shards of its own stages
     (those of other ranks' stages go to the meta device), and calling it directly is refused.
@@ -366,6 +378,10 @@ def pipeline(model: nn.Module, *, example_inputs: object, microbatches: int, sch
     args, kwargs = _split_example(example_inputs, model.forward)
     flat, in_spec = flatten((args, kwargs))
     name, v = check_pipeline(pp, schedule, virtual_stages, microbatches, _batch_size(flat))
+    reason = refused(pipeline=pp * v, schedule=name, fsdp=bool(fsdp), sequence_parallel=sequence_parallel,
+                     expert_parallel=expert_parallel, compile=bool(compile))
+    if reason is not None:
+        raise PipelineError(reason.message, hint=reason.hint)
     kind = SCHEDULES[name]
     count = pp * v
     micro_args, micro_kwargs = unflatten(_microbatch(flat, microbatches), in_spec)
@@ -389,9 +405,12 @@ def pipeline(model: nn.Module, *, example_inputs: object, microbatches: int, sch
         _check_v_ties(dict(model.named_parameters(remove_duplicate=False)), reads, ranks, name)
     compiled = None if not compile else compile if isinstance(compile, dict) else {}
     modules = _stage_modules(model, captured, indices, count, compiled)
+    config = FSDPConfig() if fsdp is True else fsdp or None
+    if config is not None:  # each stage one FSDP unit; the stages then hold FSDP's parameters
+        apply_stage_fsdp(model, st, modules, mesh, config)
     tied = _tied_groups(model, reads, ranks, me, mesh)
     return Pipeline(model, mesh, name, v, microbatches, key, modules, indices, count, tied,
-                    (tuple(micro_args), dict(micro_kwargs)), scaler, compiled)
+                    (tuple(micro_args), dict(micro_kwargs)), scaler, compiled, config is not None)
 
 
 def _stage_modules(model: nn.Module, captured: Captured, indices: list[int] | tuple[int, ...],

@@ -22,7 +22,7 @@ def _replica(batch, d: int, dp: int):
 def pipeline_parity(model_name: str, tp: int, pp: int, schedule: str, microbatches: int,
                     virtual_stages: int | None = None, steps: int = 3, clip: float = 0.05,
                     compile: bool | dict = False, sequence_parallel: bool = False,
-                    expert_parallel: bool = False) -> dict:
+                    expert_parallel: bool = False, fsdp: bool = False) -> dict:
     """Losses, clipped gradient norms and parameters after AdamW steps of the pipelined model (each
     data-parallel replica on its share of the batch) against the unsharded model on the whole batch.
     ``compile``: each stage's piece compiled (graph breaks counted)."""
@@ -37,15 +37,22 @@ def pipeline_parity(model_name: str, tp: int, pp: int, schedule: str, microbatch
     model = copy.deepcopy(ref)
     pipe = autotp.pipeline(model, example_inputs=(la, lk), microbatches=microbatches, schedule=schedule,
                            virtual_stages=virtual_stages, mesh=mesh, compile=compile,
-                           sequence_parallel=sequence_parallel, expert_parallel=expert_parallel)
+                           sequence_parallel=sequence_parallel, expert_parallel=expert_parallel, fsdp=fsdp)
     st = autotp.tp_state(model)
     opt = torch.optim.AdamW(list(pipe.parameters()), lr=1e-3, eps=1e-6)
     ropt = torch.optim.AdamW(ref.parameters(), lr=1e-3, eps=1e-6)
     out: dict = {"losses": [], "ref_losses": [], "norms": [], "ref_norms": [], "stages": list(pipe.stage_indices), "count": pipe.num_stages,
                  "blocks": [list(s.blocks) for s in st.plan.stages], "same_class": isinstance(model, type(ref)),
                  "experts": [(x.module, x.count) for x in st.plan.experts], "experts_kept": list(st.plan.experts_kept)}
-    for _ in range(steps):
-        loss = pipe.step(*la, **lk)
+    from ranks import CollectiveLog
+
+    for step in range(steps):
+        log = CollectiveLog()
+        with log:
+            loss = pipe.step(*la, **lk)
+        out.setdefault("steps_collectives", []).append([c[:2] for c in log.calls])
+        if step == 0:
+            out["step_collectives"] = [c[:2] for c in log.calls]
         dist.all_reduce(loss, group=mesh.get_group("dp"))
         out["losses"].append(loss.item() / dp)
         out["norms"].append(pipe.clip_grad_norm_(clip).item())
@@ -59,15 +66,22 @@ def pipeline_parity(model_name: str, tp: int, pp: int, schedule: str, microbatch
         out["ref_losses"].append(rloss.item())
     refs = dict(ref.named_parameters(remove_duplicate=False))
     worst, sums = 0.0, {}
+    from torch.distributed.tensor import DTensor
+
     for name, p in pipe.named_parameters():
         shard = st.shards.get(name)
         want = refs[name].detach()
-        want = shard.shard(want, st.tp, st.rank) if shard is not None else want
+        if isinstance(p, DTensor):  # FSDP: the tp shards side by side, each whole over dp
+            p = p.full_tensor()
+            want = torch.cat([shard.shard(want, st.tp, r) for r in range(st.tp)], shard.dim) if shard else want
+        else:
+            want = shard.shard(want, st.tp, st.rank) if shard is not None else want
         worst = max(worst, (p.detach() - want).abs().max().item())
         sums[name] = p.detach().double().sum().item()
     held = {n for n, p in model.named_parameters(remove_duplicate=False) if not p.is_meta}
     out.update(param_diff=worst, held=sorted(held), sums=sums, dropped=len(st.dropped),
-               held_numel=sum(p.numel() for p in pipe.parameters()),
+               fsdp_units=list(st.units or ()),
+               held_numel=sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in pipe.parameters()),
                full_numel=sum(p.numel() for p in ref.parameters()))
     if schedule != "ZBVZeroBubble":
         out["eval_loss"] = pipe.eval_step(*la, **lk).item()
