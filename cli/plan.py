@@ -113,10 +113,15 @@ def plan(
             check_fsdp_plan(the_plan, tp)
         except AutotpError as exc:
             abort(str(exc), debug, code=USAGE_ERROR)
-        fsdp_info = fsdp_from_rows(the_plan, report.params, layout.dp)
+        if spec is None:  # with pipeline stages each stage is one unit: the per-block tables do not apply
+            fsdp_info = fsdp_from_rows(the_plan, report.params, layout.dp)
 
     console = _console()
     render(console, model, the_plan, report, layout, names, batch_note, fsdp_info, pipe)
+    if fsdp and spec is not None:
+        console.print(f"fsdp with pipeline stages: each of a rank's stages is one FSDP2 unit over dp {layout.dp}; "
+                      "per step an all-gather per micro-batch forward and one for the backward, and one "
+                      "reduce-scatter per stage after the last micro-batch", soft_wrap=True)
     if cached is not None:
         Console(stderr=True).print(f"[dim]plan cache: {escape(str(cached))} (--no-cache plans again)[/dim]",
                                    soft_wrap=True)

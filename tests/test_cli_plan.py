@@ -477,6 +477,13 @@ def test_plan_without_pp_has_no_pipeline(planned) -> None:
     assert "pipeline stages" not in result.stdout and "bubble" not in result.stdout
 
 
+def test_plan_pp_with_fsdp_says_each_stage_is_one_unit() -> None:
+    result = runner.invoke(app, ["plan", NANOGPT, "--tp", "1", "--dp", "2", "--pp", "2", "--fsdp"], env=WIDE)
+    assert result.exit_code == 0, result.output
+    out = " ".join(result.stdout.split())
+    assert "each of a rank's stages is one FSDP2 unit over dp 2" in out and "fsdp units:" not in out
+
+
 def test_plan_pp_with_sequence_parallelism_sends_s_over_t() -> None:
     """Each stage sums its own sequence-parallel gradients; the hidden state crossing the cut is s/t per rank
     (b=4 in 2 micro-batches, s=32 at tp 2: [2, 16, 64])."""

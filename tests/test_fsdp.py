@@ -241,7 +241,9 @@ def runs(tmp_path_factory) -> Launches:
     jobs.update({f"without units {kind}": (fsdp_parity, kind, 2) for kind in ("single", "twice")})
     jobs["spellings"] = (fsdp_parity_many, SPELLINGS, 2)
     jobs["sp llama"] = (partial(fsdp_parity, sequence_parallel=True), "llama", 2)
-    jobs["sp compile nanogpt"] = (partial(fsdp_parity, sequence_parallel=True, compile=True), "nanogpt", 2)
+    # AOTAutograd's graphs run eagerly: Inductor over FSDP is the 8-rank command test's (tests/test_pipeline.py)
+    jobs["sp compile nanogpt"] = (partial(fsdp_parity, sequence_parallel=True, compile={"backend": "aot_eager"}),
+                                  "nanogpt", 2)
     return Launches({4: jobs})
 
 

@@ -27,7 +27,7 @@ from torch.distributed.elastic.utils.distributed import get_free_port
 from autotp.errors import LaunchError, ProcessGroupError, RankFailedError
 from autotp.distributed.cpu_binding import ENV_BIND, bind_from_env
 from autotp.distributed.layout import RankLayout
-from autotp.distributed.restarts import Failure, final_failure, watching
+from autotp.distributed.restarts import Failure, final_failure, stopped_by_agent, watching
 from autotp.distributed.warm import as_launched, warmed
 
 __all__ = [
@@ -264,7 +264,7 @@ def root_failure(failures: Mapping[int, Any]) -> tuple[int, Any]:
         message, _ = _failure_text(failure)
         recorded = _recorded(failure)
         own = recorded and bool(message) and not any(s in message.lower() for s in _PEER_FAILURE)
-        killed = failure.exitcode < 0 and failure.signal_name() not in ("SIGTERM", "SIGINT")
+        killed = failure.exitcode < 0 and not stopped_by_agent(failure.exitcode)
         return (not own, not killed, not recorded, failure.timestamp, rank)
 
     return min(failures.items(), key=key)

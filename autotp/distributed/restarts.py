@@ -16,6 +16,7 @@ import contextlib
 import json
 import os
 import shutil
+import signal
 import tempfile
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass
@@ -137,20 +138,27 @@ def watching(max_restarts: int, pick: Callable[[Mapping[int, Any]], tuple[int, A
         shutil.rmtree(folder, ignore_errors=True)
 
 
+# what the agent stops the other ranks with once one has failed (and what a dead launcher's ranks get)
+AGENT_STOPS = (signal.SIGTERM, signal.SIGINT)
+
+
+def stopped_by_agent(exitcode: int) -> bool:
+    """Whether a rank's exit code is the agent's (or a dead launcher's) stop, not a failure of its own."""
+    return exitcode < 0 and -exitcode in AGENT_STOPS
+
+
 def _add_unreported(agent: Any, group: Any, failures: dict[int, Any]) -> None:
     """Add to the agent's ``failures`` every other rank that failed by itself: an exit code, or a signal from
     outside (SIGKILL: the OOM killer, a user), not the SIGTERM with which the agent stopped the rest. The agent
     reports the first failed rank it sees, and a peer that raised on the lost connection may be seen before
     the rank that caused it (a forked rank's end reaches the agent through the fork server); by now it has
     stopped the others, so every exit code, and each rank's own error file, is there to read."""
-    import signal
-
     from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
     context = getattr(agent, "_pcontext", None)
     for local, proc in enumerate(getattr(getattr(context, "_pc", None), "processes", ())):
         code, worker = proc.exitcode, group.workers[local]
-        if not code or -code in (signal.SIGTERM, signal.SIGINT) or worker.global_rank in failures:
+        if not code or stopped_by_agent(code) or worker.global_rank in failures:
             continue
         failures[worker.global_rank] = ProcessFailure(local_rank=local, pid=proc.pid, exitcode=code,
                                                       error_file=context.error_files[local])
