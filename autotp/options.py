@@ -49,6 +49,9 @@ class Options:
     expert_parallel: bool = False
     fsdp: FSDPConfig | None = None  # sharded data parallelism over the mesh's dp dim(s)
     pipeline: StageRequest | None = None  # pipelined: every graph is cut into these stages
+    # blocks several ranks hold (kv heads fewer than tp) kept whole and cut in the graph: set where FSDP shards
+    # the parameters (its DTensors over tp are sharded or replicated, never a block on some of the ranks)
+    whole_kv_copies: bool = False
 
     def validate(self) -> Options:
         """``self``, or a :class:`ShardingError` naming what does not run together and the numbers given.
@@ -66,4 +69,4 @@ class Options:
     def cache_options(self) -> dict:
         """The options a plan depends on, for the plan cache's key."""
         return {"vocab_multiple": self.vocab_multiple, "sequence_parallel": self.sequence_parallel,
-                "expert_parallel": self.expert_parallel}
+                "expert_parallel": self.expert_parallel, "whole_kv_copies": self.whole_kv_copies}

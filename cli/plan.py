@@ -22,6 +22,7 @@ from autotp.cli.common import (EXPERT_PARALLEL, MICROBATCHES, SEQUENCE_PARALLEL,
                                check_layout_options)
 from autotp.cli.plan_tables import (fsdp_memory_table, fsdp_traffic_table, fsdp_units_table, p2p_table, ranks_table,
                                     schedule_table, stages_table)
+from autotp.cli.plan_format import fmt_size
 from autotp.cli.run import DEBUG, abort
 from autotp.cli.tp_tables import (comm_table, experts_table, layer_table, not_sharded_table, rank_grid,
                                   replicated_table, sequence_table, totals_table, world_line)
@@ -65,8 +66,9 @@ def plan(
     auto: bool = typer.Option(False, "--auto", help="Choose the layout: price every tp × dp × pp (FSDP, "
                               "sequence parallelism, virtual stages, micro-batches, recomputation) for "
                               "--world-size devices and show the best; needs --world-size."),
-    gpu: str | None = typer.Option(None, "--gpu", help="With --auto: a100, h100 (datasheet presets) or a "
-                                   "profile written by `autotp profile` (default ./autotp-profile.json)."),
+    gpu: str | None = typer.Option(None, "--gpu", help="a100, h100 (datasheet presets) or a profile written "
+                                   "by `autotp profile` (with --auto, default ./autotp-profile.json); with --pp, "
+                                   "the pipeline ranks' memory is checked against the device's."),
     global_batch: int | None = typer.Option(None, "--global-batch", help="With --auto: sequences per step, "
                                             "all replicas together (default: one example batch per replica)."),
     top: int = typer.Option(10, "--top", help="With --auto: layouts to show."),
@@ -100,21 +102,15 @@ def plan(
                           fsdp=fsdp, sequence_parallel=sequence_parallel, expert_parallel=expert_parallel)
     try:
         the_plan, report, names, batch_note, pipe, cached = plan_file(
-            model, tp, batch, seq, vocab_multiple, sequence_parallel, autocast, expert_parallel, spec, cache, fsdp)
+            model, tp, batch, seq, vocab_multiple, sequence_parallel, autocast, expert_parallel, spec, cache, fsdp,
+            layout.dp)
     except PipelineError as exc:  # micro-batches the batch does not divide, more stages than blocks, split points
         abort(_as_flags(str(exc)), debug, code=USAGE_ERROR)
     except (AutotpError, ValueError) as exc:  # a ValueError of the plan names the sizes (experts tp does not divide)  # model file, capture and sharding problems: the user's to fix
         abort(str(exc), debug, code=USAGE_ERROR)
     fsdp_info = None
-    if fsdp:
-        from autotp.parallel.fsdp import check_fsdp_plan  # torch.distributed.fsdp: imported only when asked for
-
-        try:  # what autotp.parallelize(fsdp=True) would refuse for this plan
-            check_fsdp_plan(the_plan, tp)
-        except AutotpError as exc:
-            abort(str(exc), debug, code=USAGE_ERROR)
-        if spec is None:  # with pipeline stages each stage is one unit: the per-block tables do not apply
-            fsdp_info = fsdp_from_rows(the_plan, report.params, layout.dp)
+    if fsdp and spec is None:  # with pipeline stages each stage is one unit: the per-block tables do not apply
+        fsdp_info = fsdp_from_rows(the_plan, report.params, layout.dp)
 
     console = _console()
     render(console, model, the_plan, report, layout, names, batch_note, fsdp_info, pipe)
@@ -122,6 +118,8 @@ def plan(
         console.print(f"fsdp with pipeline stages: each of a rank's stages is one FSDP2 unit over dp {layout.dp}; "
                       "per step an all-gather per micro-batch forward and one for the backward, and one "
                       "reduce-scatter per stage after the last micro-batch", soft_wrap=True)
+    if pipe is not None and gpu is not None:
+        _device_memory(console, pipe, gpu, debug)
     if cached is not None:
         Console(stderr=True).print(f"[dim]plan cache: {escape(str(cached))} (--no-cache plans again)[/dim]",
                                    soft_wrap=True)
@@ -174,6 +172,23 @@ def _plan_auto(model: str, tp: int | None, dp: int | None, pp: int, world_size: 
         json_out.write_text(json.dumps(plan_auto.to_dict(found, top), indent=2, default=str))
     if found.result.best is None:
         raise typer.Exit(code=1)
+
+
+def _device_memory(console: Console, pipe: PipelineReport, gpu: str, debug: bool) -> None:
+    """The busiest pipeline rank's memory against what ``gpu`` leaves usable (the layout search's reserve)."""
+    from autotp.layout.cost import RESERVED
+    from autotp.layout.hardware import resolve
+
+    try:
+        hw = resolve(gpu)
+    except (ValueError, OSError) as exc:
+        abort(f"--gpu: {exc}", debug, code=USAGE_ERROR)
+    usable = (1 - RESERVED) * hw.memory_bytes
+    peak = max(pipe.ranks, key=lambda r: r.memory_bytes)
+    fits = "fits" if peak.memory_bytes <= usable else "does NOT fit"
+    console.print(f"memory per rank: at most {fmt_size(peak.memory_bytes)} (pipeline rank {peak.rank}) of "
+                  f"{fmt_size(round(usable))} usable on {hw.name} ({peak.memory_bytes / usable:.0%}): {fits}; "
+                  f"{RESERVED:.0%} of the device kept for the context, buffers and fragmentation", soft_wrap=True)
 
 
 def _pipeline_spec(pp: int, schedule: str | None, virtual_stages: int | None, microbatches: int | None,

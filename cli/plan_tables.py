@@ -129,7 +129,7 @@ def stages_table(pipe: PipelineReport) -> Table:
                         f"{pipe.microbatches} micro-batches of b={pipe.micro_batch}, s={pipe.seq}, tp {pipe.tp}")
     cols = ["stage", "pp rank", "blocks", "also runs", "params", "bytes", "fwd FLOPs", "activations"]
     if one:
-        cols += ["in flight", "act. on rank"]
+        cols += ["in flight", "act. on rank", "memory"]
     for col in cols:
         table.add_column(col, justify="left" if col in ("blocks", "also runs") else "right", overflow="fold")
     for st in pipe.stages:
@@ -139,14 +139,16 @@ def stages_table(pipe: PipelineReport) -> Table:
                  fmt_size(st.param_bytes), _flops(st.flops), fmt_size(st.activation_bytes)]
         if one:
             r = pipe.ranks[st.rank]
-            cells += [str(r.in_flight), fmt_size(r.activation_bytes)]
+            cells += [str(r.in_flight), fmt_size(r.activation_bytes), fmt_size(r.memory_bytes)]
         table.add_row(*cells, end_section=st.index == len(pipe.stages) - 1)
     stages = pipe.stages
     total = ["all", "", f"{sum(len(st.blocks) for st in stages)} blocks", "", fmt_count(sum(st.params for st in stages)),
              fmt_size(sum(st.param_bytes for st in stages)), _flops(sum(st.flops for st in stages)),
              fmt_size(sum(st.activation_bytes for st in stages))]
-    table.add_row(*total, *(["", ""] if one else []))
-    formula = (f"{a.layer_bytes:,} B per block = s·b·h·({4 * a.elem + 2 * a.dropout} + {12 * a.elem}/t)"
+    table.add_row(*total, *(["", "", ""] if one else []))
+    whole, split = 4 * a.elem + 2 * a.dropout, 12 * a.elem
+    formula = (f"{a.layer_bytes:,} B per block = s·b·h·"
+               + (f"{whole + split}/t" if a.sequence_parallel else f"({whole} + {split}/t)")
                + ("" if a.fused or a.heads is None else f" + {a.elem + a.dropout * (1 + a.elem)}·a·s²·b/t")
                + f" at h={fmt_count(a.hidden)}" + (f", a={a.heads}" if a.heads and not a.fused else ""))
     table.caption = escape(
@@ -156,21 +158,27 @@ def stages_table(pipe: PipelineReport) -> Table:
         "stage, each tp rank doing ≈ 1/t. activations: one micro-batch's, per tp rank, the blocks' own (Korthikanti et al. 2022, DESIGN §4, GPT block with a "
         f"4h MLP; {a.elem}-byte activations, {'1-byte dropout masks' if a.dropout else 'no dropout'}, "
         f"{'fused attention: no s×s scores' if a.fused else 's×s scores kept'}): {formula}; embeddings, LM head "
-        f"and loss not counted." + (f" Assumed in flight: {_in_flight_rule(pipe)}." if one else ""))
+        f"and loss not counted." + (f" Assumed in flight: {_in_flight_rule(pipe)}. {MEMORY_NOTE}" if one else ""))
     return table
+
+
+# what the memory column of the pipeline tables adds up
+MEMORY_NOTE = ("memory: per tp rank at its peak, the training state of its stages' parameters (16 B each: fp32 "
+               "weights, gradients and AdamW's two moments; split over dp under fsdp) plus act. on rank.")
 
 
 def ranks_table(pipe: PipelineReport) -> Table:
     """With several stages per rank: what each pipeline rank keeps at its peak."""
     table = Table(title=f"pipeline ranks: {pipe.virtual_stages} stages each; per tp rank, activations at the peak")
-    for col in ("pp rank", "stages", "blocks", "params", "bytes", "in flight", "act. on rank"):
+    for col in ("pp rank", "stages", "blocks", "params", "bytes", "in flight", "act. on rank", "memory"):
         table.add_column(col, justify="left" if col in ("stages",) else "right")
     for r in pipe.ranks:
         blocks = sum(len(pipe.stages[s].blocks) for s in r.stages)
         table.add_row(str(r.rank), ", ".join(map(str, r.stages)), str(blocks), fmt_count(r.params), fmt_size(r.param_bytes),
-                      str(r.in_flight), fmt_size(r.activation_bytes))
+                      str(r.in_flight), fmt_size(r.activation_bytes), fmt_size(r.memory_bytes))
     table.caption = ("params: every tensor its stages read, once. in flight: (stage, micro-batch) pairs whose "
-                     f"activations the rank holds at once, each at its stages' mean size. {_in_flight_rule(pipe)}.")
+                     f"activations the rank holds at once, each at its stages' mean size. {_in_flight_rule(pipe)}. "
+                     + MEMORY_NOTE)
     return table
 
 

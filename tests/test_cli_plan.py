@@ -37,7 +37,7 @@ def test_plan_nanogpt_tp2(planned) -> None:
     out, result = planned
     assert result.exit_code == 0, result.output
     data = json.loads((out / "out.json").read_text())
-    assert data["plan"]["version"] == 10 and data["plan"]["tp"] == 2
+    assert data["plan"]["version"] == 11 and data["plan"]["tp"] == 2
     # the completeness check: the one weight every rank holds whole is the position embedding, with why
     assert [w["name"] for w in data["plan"]["whole"]] == ["transformer.wpe.weight"]
     assert "not sharded: 1 weight(s) every rank holds whole" in result.stdout
@@ -469,6 +469,8 @@ def test_pipeline_schedule_numbers() -> None:
     s, b, h, a, t = 128, 2, 256, 8, 4
     assert layer_activation_bytes(b, s, h, a, t) == s * b * h * 10 + (s * b * h * 24 + 5 * a * s * s * b) // t
     assert layer_activation_bytes(b, s, h, a, t, fused=True) == s * b * h * (10 + 24 // t)
+    # §4.2.2, sequence parallelism: every term split over t, s·b·h·34/t with fused attention
+    assert layer_activation_bytes(b, s, h, a, t, fused=True, sequence_parallel=True) == s * b * h * 34 // t
 
 
 def test_plan_without_pp_has_no_pipeline(planned) -> None:
@@ -482,6 +484,31 @@ def test_plan_pp_with_fsdp_says_each_stage_is_one_unit() -> None:
     assert result.exit_code == 0, result.output
     out = " ".join(result.stdout.split())
     assert "each of a rank's stages is one FSDP2 unit over dp 2" in out and "fsdp units:" not in out
+
+
+def test_plan_pp_at_a_batch_larger_than_a_one_row_example(tmp_path) -> None:
+    """A model file whose example batch has one row (export would fix the batch dim at 1) planned at --batch 8
+    in 8 micro-batches: every number is for b = 8 (micro-batches of 1), none for b = 1 or b/m = 0; each
+    pipeline rank's memory (training state + activations) is checked against --gpu's."""
+    model = _model_file(tmp_path, "one_row", """
+        from nanogpt import GPT, GPTConfig
+
+        def build_model():
+            return GPT(GPTConfig(n_layer=4))
+
+        def example_batch():
+            ids = torch.zeros(1, 16, dtype=torch.long)
+            return ids, ids
+    """)
+    data, text = _pipeline(tmp_path, model, "--pp", "2", "--microbatches", "8", "--batch", "8", "--gpu", "h100")
+    out = " ".join(text.split())
+    assert data["report"]["batch"] == 8 and data["pipeline"]["micro_batch"] == 1, data["pipeline"]["micro_batch"]
+    assert "fixed at 1" not in out and "b=0" not in out and "b=8, s=16" in out
+    for r in data["pipeline"]["ranks"]:
+        assert r["state_bytes"] == 16 * r["params"]
+    peak = max(r["state_bytes"] + r["activation_bytes"] for r in data["pipeline"]["ranks"])
+    assert "memory per rank: at most" in out and "usable on h100" in out and ": fits" in out
+    assert peak > 0
 
 
 def test_plan_pp_with_sequence_parallelism_sends_s_over_t() -> None:

@@ -17,11 +17,10 @@ from autotp.capture.structure import flatten, unflatten
 from autotp.capture.tracer import capture
 from autotp.distributed.data_parallel import FSDPConfig
 from autotp.errors import ProcessGroupError, ShardingError
-from autotp.parallel.fsdp import check_fsdp_plan
 from autotp.passes import run_passes
 from autotp.passes.split_units import split_units
 from autotp.plan.plan import Plan
-from autotp.plan.planner import make_plan
+from autotp.plan.planner import cut_copies_in_graph, make_plan
 from autotp.operators.units import PieceCall, bind_pieces
 from ranks import Launches
 from fsdp_models import KINDS, build
@@ -178,10 +177,27 @@ def test_a_graph_that_cannot_be_cut_says_why(model, args, says):
         run_passes(gm, plan, (split_units,))
 
 
-def test_fsdp_refuses_what_it_cannot_take_yet():
-    plan = _captured("llama", tp=4)[4]  # 2 kv heads at tp 4: each held by two ranks
-    with pytest.raises(ShardingError, match="kv heads"):
-        check_fsdp_plan(plan, 4)
+def test_kv_heads_held_by_several_ranks_are_cut_in_the_graph():
+    """llama's 2 kv heads at tp 4 (each held by two ranks): under FSDP the k and v projections stay whole (a
+    DTensor is sharded or replicated over tp, never a block on two ranks of four) and the graph cuts each to
+    the rank's slice where it is read, through f: one gradient all-reduce per parameter, backward, in its
+    block's unit."""
+    model, _, _, gm, plan, _ = _captured("llama", tp=4)
+    kv = {n for n, s in plan.params if s.replicated_blocks(4)}
+    assert kv == {f"model.layers.{i}.self_attn.{p}_proj.weight" for i in range(2) for p in "kv"}
+    cut = cut_copies_in_graph(gm, plan)
+    assert {c.name for c in cut.graph_cuts} == kv and not kv & {n for n, _ in cut.params}
+    assert kv <= {w.name for w in cut.whole if "kv heads" in w.reason}
+    kinds = [Counter((c.kind, c.direction) for c in p.collectives) for p in (cut, plan)]
+    assert kinds[0] - kinds[1] == Counter({("all_reduce", "backward"): 4})
+    assert Plan.from_json(cut.to_json()) == cut
+    assert cut_copies_in_graph(gm, make_plan(gm, 2)) == make_plan(gm, 2), "kv heads tp divides: nothing to cut"
+    top = run_passes(run_passes(gm, cut), cut, (split_units,))
+    for piece in (m for m in top.modules() if isinstance(m, PieceCall)):
+        cuts = [n for n in piece.piece.graph.nodes
+                if n.op == "call_module" and str(n.target).startswith("autotp_graph_cut_")]
+        mine = [c for c in cut.graph_cuts if c.name.startswith(f"{piece.unit}.")] if piece.unit else []
+        assert len(cuts) == 2 * len(mine), (piece.unit, cuts)  # f and the slice, in the unit that owns the weight
     with pytest.raises(ValueError, match="replicas"):
         FSDPConfig(replicas=0)
 
@@ -210,6 +226,7 @@ def _kinds(calls, *names) -> Counter:
 PARITY = [("nanogpt", 2), ("llama", 2), ("nanogpt", 1), ("llama", 1)]
 META = [("nanogpt", 2, "dcp"), ("llama", 1, "torch")]
 SPELLINGS = ["pattern:qk_norm_width", "pattern:parallel", "pattern:gqa_qk_norm", "pattern:offset_slices"]
+MQA = ["pattern:mqa_repeat", "pattern:falcon_mqa"]  # k and v projections of their own; fused q|k|v
 
 
 @pytest.fixture(scope="module")
@@ -241,6 +258,8 @@ def runs(tmp_path_factory) -> Launches:
     jobs.update({f"without units {kind}": (fsdp_parity, kind, 2) for kind in ("single", "twice")})
     jobs["spellings"] = (fsdp_parity_many, SPELLINGS, 2)
     jobs["sp llama"] = (partial(fsdp_parity, sequence_parallel=True), "llama", 2)
+    jobs["kv llama"] = (fsdp_parity, "llama", 4)  # 2 kv heads, each on two of the 4 tp ranks (dp 1)
+    jobs["kv spellings"] = (fsdp_parity_many, MQA, 2)  # one kv head on both tp ranks, dp 2
     # AOTAutograd's graphs run eagerly: Inductor over FSDP is the 8-rank command test's (tests/test_pipeline.py)
     jobs["sp compile nanogpt"] = (partial(fsdp_parity, sequence_parallel=True, compile={"backend": "aot_eager"}),
                                   "nanogpt", 2)
@@ -298,6 +317,25 @@ def test_fsdp_with_sequence_parallelism_and_compile(runs, job: str):
                                "reduce_scatter": units + root + sp, "all_reduce": layers + 1}), bwd
         if "compile" in job:
             assert r["breaks"] == {} and r["compiled_graphs"] >= units, (r["breaks"], r["compiled_graphs"])
+
+
+@pytest.mark.slow
+def test_fsdp_with_kv_heads_held_by_several_ranks(runs):
+    """Fewer kv heads than tp under FSDP (llama's 2 at tp 4; one at tp 2 × dp 2, k and v projections of their
+    own or fused with q): exact after 3 AdamW steps with clip_grad_norm_ (the whole k and v weights counted
+    once); the tensor-parallel all-reduces plus one backward all-reduce of each cut weight's gradient."""
+    llama = runs(4, "kv llama")
+    layers = len(UNITS["llama"])
+    for r in (*llama.values(), *(x for by in runs(4, "kv spellings").values() for x in by.values())):
+        for got, want in [(r["losses"], r["ref_losses"]), (r["norms"], r["ref_norms"])]:
+            assert max(abs(a - b) for a, b in zip(got, want)) <= 1e-5, (got, want)
+        assert r["param_diff"] <= 1e-5 and r["eval_diff"] <= 1e-5, r["param_diff"]
+        assert r["graph_cuts"] and not any("left replicated" in w for w in r["warnings"]), r["warnings"]
+    for r in llama.values():
+        assert len(r["graph_cuts"]) == 2 * layers  # k and v of each layer
+        want_fwd, want_bwd = _tp_all_reduces(layers)
+        assert _kinds(r["forward_collectives"], "all_reduce") == want_fwd
+        assert _kinds(r["backward_collectives"], "all_reduce") == want_bwd + Counter({("all_reduce", "sum"): 2 * layers})
 
 
 @pytest.mark.slow

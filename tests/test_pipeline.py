@@ -183,14 +183,16 @@ def test_pipeline_with_tensor_parallelism_matches_one_device():
     """(tp 2, pp 2): each stage TP-sharded by autotp's plan; (tp 1, dp 2, pp 2) with FSDP (1F1B and
     Interleaved1F1B: each of a rank's stages one FSDP unit); with sequence parallelism (the hidden state
     crossing the cut is s/t); with expert parallelism (a mixture-of-experts stack, E/tp whole experts per
-    rank); and with each stage's piece compiled as well (torchtitan compiles per stage),
+    rank); with FSDP and the one kv head of multi-query attention on both tp ranks (held whole, cut in the
+    graph); and with each stage's piece compiled as well (torchtitan compiles per stage),
     with no graph break, exact against the unsharded eager model (AOTAutograd's graphs run eagerly: Inductor is
     tests/test_compile.py's and tests/test_fsdp.py's, and costs minutes on these CPUs)."""
     configs = [("nanogpt", 2, 2, "1F1B", 2, None), ("llama", 2, 2, "1F1B", 4, None, 3, 0.05, False, True),
                ("nanogpt", 2, 2, "GPipe", 2, None, 3, 0.05, {"backend": "aot_eager"}, True),
                ("moe", 2, 2, "1F1B", 2, None, 3, 0.05, False, False, True),
                ("nanogpt", 1, 2, "1F1B", 2, None, 3, 0.05, False, False, False, True),
-               ("llama", 1, 2, "Interleaved1F1B", 2, 2, 3, 0.05, False, False, False, True)]
+               ("llama", 1, 2, "Interleaved1F1B", 2, 2, 3, 0.05, False, False, False, True),
+               ("llama_mqa", 2, 2, "1F1B", 2, None, 3, 0.05, False, False, False, True)]
     from pipeline_workers import pipeline_parity_many
 
     results = launch(pipeline_parity_many, 4, configs)

@@ -275,4 +275,15 @@ def planning_batch(mf: ModelFile, net: torch.nn.Module, batch: int | None,
                              hint="pass --batch B --seq S")
     b = batch if batch is not None else first.shape[0]
     s = seq if seq is not None else first.shape[1]
+    if first is not None and first.shape[0] == 1 and b > 1:
+        # export specialises a size of 1: an example of one row would fix the batch dim at 1 in the graph, and
+        # the numbers for --batch would not follow it; two rows keep it symbolic
+        args, kwargs = tuple(_rows(a, 2) for a in args), {k: _rows(v, 2) for k, v in kwargs.items()}
     return args, kwargs, int(b), int(s), ""
+
+
+def _rows(x: object, n: int) -> object:
+    """``x`` with ``n`` rows where it is a tensor of one row (at least 2 dims: batch, sequence)."""
+    if isinstance(x, torch.Tensor) and x.dim() >= 2 and x.shape[0] == 1:
+        return x.expand(n, *x.shape[1:]).contiguous()
+    return x

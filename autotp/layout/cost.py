@@ -185,11 +185,9 @@ def estimate(facts: ModelFacts, hw: Hardware, lay: Layout, training: Training = 
         return passes * per_rank / hw.matmul_flops
 
     # -- compute per micro-batch: the blocks on this rank, plus the first or last part's extra ------------
+    # with sequence parallelism norms, dropouts and residuals are split over t too
     layer_bytes = layer_activation_bytes(b, s, facts.hidden, facts.heads, t, act, facts.dropout,
-                                         facts.fused_attention)
-    if lay.sp and t > 1:  # norms, dropouts and residuals split over t too
-        whole = b * s * facts.hidden * (4 * act + 2 * int(facts.dropout))
-        layer_bytes = layer_bytes - whole + whole / t
+                                         facts.fused_attention, lay.sp and t > 1)
     launch = passes * hw.overhead  # per op of the forward: the backward dispatches about twice as many
     blocks_time = ls * (flops_time(facts.block_flops * b * scale) + passes * layer_bytes / hw.memory_bandwidth
                         + launch * facts.ops[BLOCKS] / L)

@@ -37,16 +37,6 @@ from autotp.operators.units import UNIT_METHOD, PieceCall, run_unit
 from autotp.state import TPState
 
 
-def check_fsdp_plan(plan: Plan, tp: int) -> None:
-    """What FSDP over the data-parallel ranks cannot take yet, refused before any parameter changes."""
-    copies = [name for name, shard in plan.params if shard.replicated_blocks(tp)]
-    if copies:
-        raise ShardingError(
-            f"fsdp with kv heads held by several ranks (fewer kv heads than tp={tp}) is not supported yet: "
-            f"{copies[0]}" + (f" and {len(copies) - 1} more" if len(copies) > 1 else ""),
-            hint="use a tp that divides the number of kv heads, or data parallelism without fsdp")
-
-
 def _free_root_without_backward(model: nn.Module, args, output) -> None:
     """FSDP keeps the root's (and the last unit's) gathered parameters for the backward; a call with
     gradients off (evaluation, sampling) has none, so they are freed at once and ``model.parameters()`` are

@@ -410,15 +410,18 @@ def parallelize_state(model: nn.Module, *, tp_group: dist.ProcessGroup | None = 
                       sequence_parallel: bool = False, expert_parallel: bool = False,
                       device: torch.device | str | None = None, fsdp: bool | FSDPConfig | None = None,
                       mesh: DeviceMesh | None = None, pipeline: StageRequest | None = None,
-                      stage_params: Callable[[fx.GraphModule], set[str]] | None = None) -> nn.Module:
+                      stage_params: Callable[[fx.GraphModule], set[str]] | None = None,
+                      stage_fsdp: bool = False) -> nn.Module:
     """:func:`parallelize`, and for :func:`autotp.parallel.pipeline.pipeline` every graph cut into the
     stages ``pipeline`` asks for (captured with static shapes); ``stage_params`` names the parameters this
-    rank's stages of the first split graph read: no other parameter is allocated or sliced here."""
+    rank's stages of the first split graph read: no other parameter is allocated or sliced here;
+    ``stage_fsdp``: the pipeline makes its stages FSDP units afterwards."""
     if (known := find_tp_state(model)) is not None:
         raise ShardingError(f"{type(model).__name__} is already parallelized (tp={known.tp})")
-    options = Options(vocab_multiple, compile, check_inputs, sequence_parallel, expert_parallel,
-                      _fsdp_config(fsdp), pipeline).validate()
-    mesh = _resolve_mesh(mesh, options.fsdp, tp_group)
+    config = _fsdp_config(fsdp)
+    options = Options(vocab_multiple, compile, check_inputs, sequence_parallel, expert_parallel, config, pipeline,
+                      whole_kv_copies=config is not None or stage_fsdp).validate()
+    mesh = _resolve_mesh(mesh, config, tp_group)
     group = _resolve_group(tp_group if mesh is None else mesh.get_group("tp"))
     tp, rank = dist.get_world_size(group), dist.get_rank(group)
     device = _device(model, group, device)

@@ -395,7 +395,7 @@ def pipeline(model: nn.Module, *, example_inputs: object, microbatches: int, sch
 
     parallelize_state(model, tp_group=mesh.get_group("tp"), example_inputs=(tuple(micro_args), dict(micro_kwargs)),
                       vocab_multiple=vocab_multiple, device=device, fsdp=False, pipeline=request, stage_params=mine,
-                      sequence_parallel=sequence_parallel, expert_parallel=expert_parallel)
+                      sequence_parallel=sequence_parallel, expert_parallel=expert_parallel, stage_fsdp=bool(fsdp))
     st = tp_state(model)
     key = call_key(args, kwargs, model.training)
     micro_key = call_key(tuple(micro_args), dict(micro_kwargs), model.training)

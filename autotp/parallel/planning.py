@@ -29,7 +29,7 @@ from autotp.errors import PlanSizeError
 from autotp.plan import cache as plan_cache
 from autotp.plan.pipeline_report import PipelineReport, PipelineSpec, check_microbatches, pipeline_report
 from autotp.plan.plan import Plan
-from autotp.plan.planner import group_seq_grads, make_plan
+from autotp.plan.planner import cut_copies_in_graph, group_seq_grads, make_plan
 from autotp.plan.report import Report, build_report
 from autotp.plan.stages import StageRequest
 from autotp.plan.symbols import size_ranges
@@ -114,8 +114,8 @@ def plan_model(model: nn.Module, args: tuple, kwargs: dict, tps: Iterable[int], 
         try:
             plans[tp] = make_plan(gm, tp, vocab_multiple, sequence_parallel=sequence_parallel,
                                   expert_parallel=expert_parallel, stages=stages)
-            if fsdp:
-                plans[tp] = group_seq_grads(gm, plans[tp], "unit")
+            if fsdp:  # as FSDP runs it: kv blocks several ranks hold cut in the graph, a gradient sum per unit
+                plans[tp] = group_seq_grads(gm, cut_copies_in_graph(gm, plans[tp]), "unit")
         except ValueError:
             if not skip_refused:
                 raise
@@ -140,12 +140,13 @@ class FilePlan(NamedTuple):
 def plan_file(model: str, tp: int, batch: int | None = None, seq: int | None = None,
                 vocab_multiple: int = 1, sequence_parallel: bool = False, autocast: str | None = None,
                 expert_parallel: bool = False, pipeline: PipelineSpec | None = None, cache: bool = True,
-                fsdp: bool = False) -> FilePlan:
+                fsdp: bool = False, dp: int = 1) -> FilePlan:
     """Load the model file ``model``, build on meta, capture, plan, and compute the report; no printing. ``autocast`` ("bf16" or
     "fp16"): capture under ``torch.autocast`` as a training script runs the forward, so the collectives are
     counted in the dtypes that travel then (the parameters are CPU stand-ins for that capture: address
     space, never written). ``pipeline``: cut the blocks into its pp × v stages and report them; its
-    micro-batches must divide the batch, which is checked before the capture. ``fsdp``: as FSDP runs it.
+    micro-batches must divide the batch, which is checked before the capture. ``fsdp``: as FSDP runs it (over
+    ``dp`` ranks: a pipeline rank's training state is split over them).
     """
     mf = load_model_file(model)
     with torch.device("meta"):
@@ -177,7 +178,7 @@ def plan_file(model: str, tp: int, batch: int | None = None, seq: int | None = N
     names = [n for n, _ in net.named_parameters(remove_duplicate=False)]
     # under autocast the blocks' activations are 16-bit, as Korthikanti et al.'s formula counts them
     pipe = None if pipeline is None else pipeline_report(gm, plan, report, pipeline,
-                                                         2 if autocast is not None else None)
+                                                         2 if autocast is not None else None, dp if fsdp else 1)
     return FilePlan(plan, report, names, batch_note, pipe, stored)
 
 

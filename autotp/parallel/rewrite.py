@@ -27,10 +27,9 @@ from autotp.capture.repeats import Copies
 from autotp.capture.structure import Spec
 from autotp.capture.tracer import CutGraph
 from autotp.errors import ShardingError
-from autotp.parallel.fsdp import check_fsdp_plan
 from autotp.passes import run_passes
 from autotp.plan.plan import ParamShard, Plan
-from autotp.plan.planner import group_seq_grads, make_plan
+from autotp.plan.planner import cut_copies_in_graph, group_seq_grads, make_plan
 from autotp.state import TPState
 
 
@@ -57,7 +56,6 @@ def rewrite(st: TPState, cg: CutGraph, sequence_parallel: bool, stacklevel: int)
     plan = _plan(st, gm, sequence_parallel, stacklevel + 1)
     check_consistent(st, plan)
     if st.options.fsdp is not None:
-        check_fsdp_plan(plan, st.tp)
         plan = group_seq_grads(gm, plan, "unit")
     return Rewritten(run_passes(gm, plan), spec, plan, False)
 
@@ -67,6 +65,8 @@ def _plan(st: TPState, gm: fx.GraphModule, sequence_parallel: bool, stacklevel: 
                      expert_parallel=st.options.expert_parallel, stages=st.options.pipeline if not st.graphs else None)
     if st.options.pipeline is not None and st.graphs:  # a later call signature runs the first one's stages
         plan = group_seq_grads(gm, dataclasses.replace(plan, stages=st.plan.stages), "stage")
+    if st.options.whole_kv_copies:
+        plan = cut_copies_in_graph(gm, plan)
     warn_plan(st, plan, stacklevel=stacklevel + 1)
     return plan
 

@@ -25,7 +25,7 @@ from autotp.analysis.flops import node_flops, shape_of
 from autotp.errors import PipelineError
 from autotp.plan.pieces import recomputable, unit_keys
 from autotp.plan.plan import Plan
-from autotp.plan.report import Report
+from autotp.plan.report import TRAIN_BYTES_PER_PARAM, Report
 from autotp.plan.stages import stage_of_key
 
 aten = torch.ops.aten
@@ -76,6 +76,12 @@ class RankRow:
     activation_bytes: int  # per tp rank
     params: int = 0  # elements one tp rank holds for all its stages (a tensor two of them read, once)
     param_bytes: int = 0
+    state_bytes: int = 0  # training state of those: 16 B per parameter (/ dp under FSDP)
+
+    @property
+    def memory_bytes(self) -> int:
+        """What the rank holds at its peak: training state and activations (per tp rank)."""
+        return self.state_bytes + self.activation_bytes
 
 
 @dataclass(frozen=True)
@@ -125,6 +131,7 @@ class Activations:
     dropout: bool
     fused: bool
     layer_bytes: int  # one block, one micro-batch, per tp rank
+    sequence_parallel: bool = False  # every term split over t
 
 
 @dataclass(frozen=True)
@@ -212,7 +219,7 @@ def bubble(schedule: str, pp: int, v: int, m: int) -> Bubble:
 
 # -- activations -----------------------------------------------------------------------------------------
 def layer_activation_bytes(b: int, s: int, h: int, a: int | None, t: int, elem: int = 2, dropout: bool = True,
-                           fused: bool = False) -> int:
+                           fused: bool = False, sequence_parallel: bool = False) -> int:
     """Bytes one transformer layer keeps for backward, per tp rank (Korthikanti et al. 2022, §4): with 16-bit
     activations and dropout s·b·h·(10 + 24/t + 5·a·s/(h·t)), the terms recomputed for ``elem`` bytes per
     element and for the dropout actually used.
@@ -220,12 +227,15 @@ def layer_activation_bytes(b: int, s: int, h: int, a: int | None, t: int, elem: 
     Whole on every rank: the two LayerNorms' inputs and the attention's and MLP's inputs (4·elem per s·b·h),
     the two dropout masks after them (1 byte each). Split over t: q, k, v, the output projection's input,
     the 4h GeLU input and output (12·elem). The s×s scores, per head (a·s²·b, split over t): the softmax output,
-    and with dropout its mask and output (elem + 1 + elem); fused attention keeps none of them.
+    and with dropout its mask and output (elem + 1 + elem); fused attention keeps none of them. With
+    ``sequence_parallel`` the whole-on-every-rank terms are split over t too (§4.2.2: s·b·h·34/t).
     """
     sbh = s * b * h
     whole = 4 * elem + 2 * int(dropout)
     split = 12 * elem
     scores = 0 if fused or a is None else (elem + int(dropout) * (1 + elem)) * a * s * s * b
+    if sequence_parallel:
+        return (sbh * (whole + split) + scores) // t
     return sbh * whole + (sbh * split + scores) // t
 
 
@@ -331,9 +341,10 @@ def node_stages(gm: fx.GraphModule, plan: Plan) -> dict[fx.Node, int]:
 
 
 def pipeline_report(gm: fx.GraphModule, plan: Plan, report: Report, spec: PipelineSpec,
-                    elem: int | None = None) -> PipelineReport:
+                    elem: int | None = None, state_shards: int = 1) -> PipelineReport:
     """Stages, ranks, cuts and bubble of ``plan.stages`` under ``spec``, for ``report``'s batch and sequence.
-    ``elem``: bytes per activation element (default the report's: the parameters' dtype; 2 under autocast)."""
+    ``elem``: bytes per activation element (default the report's: the parameters' dtype; 2 under autocast);
+    ``state_shards``: what the training state is split over (dp under FSDP)."""
     stages, pp, v, m = plan.stages, spec.pp, spec.virtual_stages, spec.microbatches
     count = len(stages)
     b = report.batch // m
@@ -353,7 +364,7 @@ def pipeline_report(gm: fx.GraphModule, plan: Plan, report: Report, spec: Pipeli
     if hidden is None:  # tp 1 has no collectives to read h from: the hidden state crossing the first cut
         hidden = next((x.shape[-1] for x in cuts[0] if len(x.shape) == 3 and x.grad), None) if cuts else None
     elem = report.act_bytes if elem is None else elem
-    layer = layer_activation_bytes(b, report.seq, hidden, heads, plan.tp, elem, dropout, fused) if hidden else 0
+    layer = layer_activation_bytes(b, report.seq, hidden, heads, plan.tp, elem, dropout, fused, split) if hidden else 0
 
     by_alias = {a: row for row in report.params for a in row.aliases}
 
@@ -370,7 +381,9 @@ def pipeline_report(gm: fx.GraphModule, plan: Plan, report: Report, spec: Pipeli
         n = in_flight(spec.schedule, pp, v, m, r)
         # a rank's stages hold their micro-batches in turn: the in-flight pairs at its stages' mean size
         per_stage = sum(rows[s].activation_bytes for s in mine) / max(1, len(mine))
-        ranks.append(RankRow(r, mine, n, round(n * per_stage), *held([x for s in mine for x in stages[s].params])))
+        params, param_bytes = held([x for s in mine for x in stages[s].params])
+        ranks.append(RankRow(r, mine, n, round(n * per_stage), params, param_bytes,
+                             TRAIN_BYTES_PER_PARAM * params // state_shards))
     holders: dict[int, list[str]] = {}  # a tensor by identity -> its names in the stages that read it
     for st in stages:
         for n in st.params:
@@ -379,5 +392,5 @@ def pipeline_report(gm: fx.GraphModule, plan: Plan, report: Report, spec: Pipeli
     shared = tuple(dict.fromkeys(by_alias[ns[0]].name for ns in holders.values() if len(ns) > 1))
     return PipelineReport(pp, v, m, spec.schedule, b, report.seq, plan.tp, tuple(rows), tuple(ranks),
                           tuple(Cut(s, spec.ranks[s], spec.ranks[s + 1], cuts[s]) for s in range(count - 1)),
-                          Activations(hidden, heads, elem, dropout, fused, layer),
+                          Activations(hidden, heads, elem, dropout, fused, layer, split),
                           bubble(spec.schedule, pp, v, m), shared)

@@ -18,11 +18,11 @@ import torch
 from autotp.shard_spec import (Segment, VocabRows, local_runs, shard_tensor, unshard_tensor, vocab_shard,
                                vocab_unshard)
 
-PLAN_VERSION = 10
-_READS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10)  # 1: no gathered outputs or sharded inputs, 2: no statistics, 3: no sequence
+PLAN_VERSION = 11
+_READS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11)  # 1: no gathered outputs or sharded inputs, 2: no statistics, 3: no sequence
 # parallelism or grouped segments, 4: no collective dtypes, 5: no list of the weights left whole, 6: no expert
 # parallelism, 7: no column forms or reduction arguments of statistics (read only for their shards), 8: no units,
-# 9: no pipeline stages
+# 9: no pipeline stages, 10: no parameters cut in the graph
 # the module the one gradient all-reduce of parameters applied to sequence slices is reported under
 SEQ_PARAMS = "(sequence-parallel parameters)"
 
@@ -174,6 +174,24 @@ class ShardedInput:
     node: str
     dim: int
     segments: tuple[Segment, ...]
+
+
+@dataclass(frozen=True)
+class GraphCut:
+    """A parameter that every rank holds whole and cuts to its slice in the graph: ``node`` (the parameter's
+    node) is read through ``f`` then this rank's slice along ``dim``. Its blocks live on several ranks (kv heads
+    fewer than tp), which FSDP's DTensors cannot express: held whole it is ``Replicate`` over tp, so norms and
+    checkpoints count it once; each rank's gradient is the slice's, scattered into the whole, and ``f`` sums
+    them (one all-reduce of the parameter's gradient, backward)."""
+
+    name: str
+    node: str
+    dim: int
+    segments: tuple[Segment, ...]
+
+    @classmethod
+    def from_dict(cls, d: dict) -> GraphCut:
+        return cls(d["name"], d["node"], d["dim"], tuple(Segment.from_dict(s) for s in d["segments"]))
 
 
 @dataclass(frozen=True)
@@ -391,6 +409,7 @@ class Plan:
     column_forms: tuple[ColumnForm, ...] = ()
     units: tuple[Unit, ...] = ()  # the repeated blocks, in the order the graph runs them
     stages: tuple[Stage, ...] = ()  # pipeline stages, in order (empty without pipelining)
+    graph_cuts: tuple[GraphCut, ...] = ()  # parameters held whole and cut in the graph (FSDP with kv copies)
     version: int = field(default=PLAN_VERSION)
 
     def param(self, name: str) -> ParamShard | None:
@@ -473,7 +492,8 @@ class Plan:
                    tuple(Unit(u["module"], tuple(u["params"]), u.get("kind", "block"), tuple(u.get("modules", ())))
                          for u in d.get("units", ())),
                    tuple(Stage(tuple(x["blocks"]), tuple(x.get("params", ())), x.get("flops", 0),
-                               x.get("param_bytes", 0)) for x in d.get("stages", ())), PLAN_VERSION)
+                               x.get("param_bytes", 0)) for x in d.get("stages", ())),
+                   tuple(GraphCut.from_dict(x) for x in d.get("graph_cuts", ())), PLAN_VERSION)
 
     @classmethod
     def from_json(cls, text: str) -> Plan:

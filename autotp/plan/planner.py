@@ -14,9 +14,9 @@ from autotp.analysis.result import GraphFacts, analyze_graph
 from autotp.errors import ShardingError
 from autotp.analysis.matmuls import ParamMatmul, column_form, module_path
 from autotp.analysis.ops import STAT_KINDS, reduction_args
-from autotp.plan.plan import (SEQ_PARAMS, Collective, ColumnForm, ExpertLayer, ExpertSlot, GatheredOutput, LocalSlice,
-                              PairPlan, ParamShard, Plan, Rewrite, SeqEnter, SeqGather, SeqLeave, SeqSlice,
-                              SequencePlan, ShardedInput, Stat, Unit, VocabLoss, VocabPlan)
+from autotp.plan.plan import (SEQ_PARAMS, Collective, ColumnForm, ExpertLayer, ExpertSlot, GatheredOutput, GraphCut,
+                              LocalSlice, PairPlan, ParamShard, Plan, Rewrite, SeqEnter, SeqGather, SeqLeave, SeqSlice,
+                              SequencePlan, ShardedInput, Stat, Unit, VocabLoss, VocabPlan, WholeParam)
 from autotp.analysis.sequence import SeqFacts
 from autotp.plan.stages import StageRequest, plan_stages
 from autotp.shard_spec import Segment, VocabRows
@@ -392,6 +392,33 @@ def group_seq_grads(gm: fx.GraphModule, plan: Plan, by: str) -> Plan:
         collectives.append(Collective("all_reduce", "sum", "backward", SEQ_PARAMS, pairs[0][1],
                                       (str(sum(v.numel() for v in vals)),), str(vals[0].dtype).removeprefix("torch.")))
     return dataclasses.replace(plan, collectives=tuple(collectives))
+
+
+def cut_copies_in_graph(gm: fx.GraphModule, plan: Plan) -> Plan:
+    """``plan`` with every parameter whose blocks several ranks hold (kv heads fewer than tp) held whole and
+    cut to this rank's slice in the graph (:class:`~autotp.plan.plan.GraphCut`), for FSDP: a DTensor over the
+    tp ranks is either sharded or replicated, never a block on two ranks of four. Each rank computes with the
+    same slice as before; the gradient of the whole is summed over tp by one all-reduce backward."""
+    copies = [(name, shard) for name, shard in plan.params if shard.replicated_blocks(plan.tp)]
+    if not copies:
+        return plan
+    by_target = {str(n.target): n for n in gm.graph.nodes if n.op == "get_attr"}
+    cuts, collectives, whole = [], list(plan.collectives), list(plan.whole)
+    for name, shard in copies:
+        node = by_target.get(name)
+        if node is None:
+            raise ShardingError(f"{name} ({shard.module}) has kv blocks held by several of tp={plan.tp} ranks and is "
+                                "not read as a parameter node of the graph, so it cannot be cut there for fsdp",
+                                hint="use a tp that divides the number of kv heads, or data parallelism without fsdp")
+        cuts.append(GraphCut(name, node.name, shard.dim, shard.segments))
+        value = _value(gm, node)
+        collectives.append(Collective("all_reduce", "sum", "backward", shard.module, node.name, (str(value.numel()),),
+                                      str(value.dtype).removeprefix("torch.")))
+        whole.append(WholeParam(name, shard.module, f"its kv heads are held by several of tp={plan.tp} ranks: kept "
+                                "whole for fsdp, each rank computing with its own heads' slice"))
+    names = {name for name, _ in copies}
+    return dataclasses.replace(plan, params=tuple((n, s) for n, s in plan.params if n not in names),
+                               graph_cuts=tuple(cuts), collectives=tuple(collectives), whole=tuple(whole))
 
 
 def make_plan(gm: fx.GraphModule, tp: int, vocab_multiple: int = 1, sequence_parallel: bool = False,

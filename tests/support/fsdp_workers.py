@@ -105,6 +105,7 @@ def fsdp_parity(model_name: str, tp: int, steps: int = 3, clip: float = 0.05, re
         few = _replica((args, kwargs), 0, 2 * dp)
         out["eval_diff"] = (loss_and_logits(model(*few[0], **few[1]))[0] - loss_and_logits(ref(*few[0], **few[1]))[0]).abs().item()
     out["graphs"] = len(st.graphs)
+    out["graph_cuts"] = [c.name for c in st.plan.graph_cuts]
     out["breaks"] = dict(counters["graph_break"])
     out["compiled_graphs"] = counters["stats"]["unique_graphs"]
     ref_params = dict(ref.named_parameters())

@@ -16,16 +16,21 @@ def nanogpt(layers: int = 4, dropout: float = 0.0) -> tuple[nn.Module, tuple, di
     return model, (idx, targets), {}
 
 
-def llama(layers: int = 4) -> tuple[nn.Module, tuple, dict]:
+def llama(layers: int = 4, kv_heads: int = 2) -> tuple[nn.Module, tuple, dict]:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, bos_token_id=0,
+                      num_attention_heads=4, num_key_value_heads=kv_heads, max_position_embeddings=64, bos_token_id=0,
                       eos_token_id=0, pad_token_id=0, loss_type="ForCausalLM", tie_word_embeddings=False)
     model = LlamaForCausalLM(cfg)
     ids = torch.randint(0, 128, (8, 16), generator=torch.Generator().manual_seed(1))
     return model, (), {"input_ids": ids, "labels": ids, "use_cache": False}
+
+
+def llama_mqa() -> tuple[nn.Module, tuple, dict]:
+    """Llama with one kv head (multi-query attention): at tp 2 both ranks hold it."""
+    return llama(2, kv_heads=1)
 
 
 def llama_positions() -> tuple[nn.Module, tuple, dict]:
@@ -48,5 +53,5 @@ def moe() -> tuple[nn.Module, tuple, dict]:
     return model, (torch.randint(0, V, (4, S), generator=g), torch.randint(0, V, (4, S), generator=g)), kwargs
 
 
-MODELS = {"nanogpt": nanogpt, "llama": llama, "llama_positions": llama_positions, "nanogpt_dropout": nanogpt_dropout,
+MODELS = {"nanogpt": nanogpt, "llama": llama, "llama_mqa": llama_mqa, "llama_positions": llama_positions, "nanogpt_dropout": nanogpt_dropout,
           "moe": moe}
