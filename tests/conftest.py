@@ -20,6 +20,11 @@ def pytest_runtest_protocol(item, nextitem):
     """A test not marked ``slow`` belongs to the unit or structural tier: neither it nor its fixtures may
     launch ranks or other processes, so that ``pytest -m "not slow"`` stays fast."""
     if item.get_closest_marker("slow") is not None:
+        # ranks fork from the session's fork server, those an in-process `autotp shard` launches too, as the
+        # console script's do from its own (tests/support/ranks.py)
+        from ranks import start_fork_server
+
+        start_fork_server()
         yield
         return
 

@@ -210,10 +210,10 @@ def launch(spec: LaunchSpec, entrypoint: Callable[..., Any] | str, *args: Any, q
         start_method="forkserver" if warm else "spawn",
     )
     with watching(spec.max_restarts, _picked, on_restart) as progress, \
-            _environ(updates := {**spec.env(backend), **progress}), _quiet_launcher_logs(quiet):
+            _environ({**spec.env(backend), **progress}), _quiet_launcher_logs(quiet):
         try:
-            if warm:  # the server's environment is the launcher's before these were set
-                return elastic_launch(config, as_launched)(updates, entrypoint, *args)
+            if warm:  # the server's environment is the launcher's when it started: the rank gets today's
+                return elastic_launch(config, as_launched)(dict(os.environ), entrypoint, *args)
             return elastic_launch(config, entrypoint)(*args)
         except ChildFailedError as exc:
             rank, failure, message = _picked(exc.failures)

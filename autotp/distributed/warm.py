@@ -8,9 +8,10 @@ the CLI and checks the model on meta, and each rank is then forked from it, alre
 run nothing, so no thread pool or process group is forked.
 
 A rank forked from the server inherits the server's environment: the command's environment when it started.
-The launcher sets some variables afterwards (tp, dp, the progress folder, threads per rank), so those are
-handed to the rank and applied first (:func:`as_launched`), which makes its environment the one a spawned rank
-would have had. Only the module this file imports at load time is the standard library's, so the console
+The launcher sets some variables afterwards (tp, dp, the progress folder, threads per rank), and the command
+(or a test calling it in-process) may have changed others, so the launching process's whole environment is
+handed to the rank and made its own first (:func:`as_launched`), beside what the elastic agent set for the
+worker: its environment is the one a spawned rank would have had. Only the module this file imports at load time is the standard library's, so the console
 script can call it before torch is imported.
 """
 from __future__ import annotations
@@ -43,13 +44,26 @@ def warmed(module: str) -> bool:
     return server._forkserver_pid is not None and module in server._preload_modules
 
 
-def as_launched(updates: Mapping[str, str], fn: Callable[..., Any], *args: Any) -> Any:
-    """Inside a rank forked from the server: the launcher's variables (``updates``), then ``fn(*args)``.
-    The server imported torch before the launcher chose the threads per rank (``OMP_NUM_THREADS``, which torch
-    reads when it loads), so they are set here as a spawned rank's import would have set them."""
-    os.environ.update(updates)
-    if "OMP_NUM_THREADS" in updates:
+# what torch's elastic agent sets in each worker's environment (its rank, the world, the store, the error file)
+_AGENT = ("RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
+          "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCH_NCCL_ASYNC_ERROR_HANDLING")
+
+
+def _by_agent(key: str) -> bool:
+    return key in _AGENT or key.startswith("TORCHELASTIC_")
+
+
+def as_launched(environ: Mapping[str, str], fn: Callable[..., Any], *args: Any) -> Any:
+    """Inside a rank forked from the server: the launching process's environment (``environ``) with what the
+    agent set for this worker, then ``fn(*args)``. The server imported torch before the launcher chose the
+    threads per rank (``OMP_NUM_THREADS``, which torch reads when it loads), so they are set here as a spawned
+    rank's import would have set them."""
+    agent = {k: v for k, v in os.environ.items() if _by_agent(k)}
+    os.environ.clear()
+    os.environ.update({k: v for k, v in environ.items() if not _by_agent(k)})
+    os.environ.update(agent)
+    if "OMP_NUM_THREADS" in environ:
         import torch
 
-        torch.set_num_threads(int(updates["OMP_NUM_THREADS"]))
+        torch.set_num_threads(int(environ["OMP_NUM_THREADS"]))
     return fn(*args)

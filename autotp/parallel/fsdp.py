@@ -137,22 +137,25 @@ def apply_stage_fsdp(model: nn.Module, st: TPState, stages: list[nn.Module], mes
     forward gathers the stage's parameters; the stage module itself is the FSDP root above them (holding
     none), which ``torch.distributed.pipelining`` drives as torchtitan's stages: gradients reduce-scattered
     once per step, after the last micro-batch's backward."""
-    dp_mesh, tp_mesh = fsdp_meshes(mesh, config)
-    _on_tp_mesh(model, st, tp_mesh)
-    options = _fsdp_options(config, dp_mesh)
     path_of = {id(m): name for name, m in model.named_modules(remove_duplicate=False)}
-    taken: dict[int, int] = {}  # module -> the stage whose unit it joined
-    retie: dict[int, nn.Parameter] = {}  # a parameter FSDP replaced -> its replacement
-    units = []
-    for i, stage in enumerate(stages):
-        piece: PieceCall = stage.piece
-        members = list({id(owner): owner for owner, _ in piece.owners()}.values())
+    # each stage's unit: the modules holding the parameters its piece reads; checked for every stage before
+    # any parameter changes
+    groups = [list({id(owner): owner for owner, _ in stage.piece.owners()}.values()) for stage in stages]
+    taken: dict[int, int] = {}  # module -> the stage whose unit it joins
+    for i, members in enumerate(groups):
         shared = [m for m in members if taken.get(id(m), i) != i]
         if shared:
             raise ShardingError(f"fsdp with pipeline stages: {path_of[id(shared[0])]} holds parameters of two "
                                 "stages on this rank, and one module can be one FSDP unit only",
                                 hint="choose split points that keep each module in one stage, or drop fsdp")
         taken.update((id(m), i) for m in members)
+    dp_mesh, tp_mesh = fsdp_meshes(mesh, config)
+    _on_tp_mesh(model, st, tp_mesh)
+    options = _fsdp_options(config, dp_mesh)
+    retie: dict[int, nn.Parameter] = {}  # a parameter FSDP replaced -> its replacement
+    units = []
+    for stage, members in zip(stages, groups):
+        piece: PieceCall = stage.piece
         before = [(m, leaf, p) for m in members for leaf, p in m._parameters.items() if p is not None]
         fully_shard(members if len(members) > 1 else members[0], **options)
         # FSDP's parameters replace the unit's; a tie to a module outside it (a tied embedding whose

@@ -19,7 +19,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # what every rank imports before running its function (torch, transformers, every module of autotp, ...):
 # loaded once, in the fork server, not once per rank (tests/support/rank_preload.py)
-_PRELOAD = ["rank_preload"]
+# (and the modules of the functions the command's ranks run: `autotp shard` called in-process forks its ranks
+# from this server too, as the console script forks them from its own; autotp.cli.entry.RANK_MODULES)
+_PRELOAD = ["rank_preload", "autotp.cli.shard_worker", "autotp.layout.profile"]
 # where the ranks' functions and models live
 PATHS = [os.path.join(ROOT, "examples"), os.path.join(ROOT, "tests", "support"), os.path.join(ROOT, "tests", "scripts")]
 
@@ -45,7 +47,7 @@ def launch(fn: Callable, world_size: int, *args) -> dict[int, object]:
     paying those imports again (seconds per rank on a small machine). The fork server runs no computation, so
     no thread pool is forked; it keeps the environment of the first launch (tests set none for their ranks).
     """
-    _start_fork_server()
+    start_fork_server()
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=world_size, run_id=uuid.uuid4().hex,
         rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{get_free_port()}", max_restarts=0,
@@ -54,7 +56,7 @@ def launch(fn: Callable, world_size: int, *args) -> dict[int, object]:
     return elastic_launch(config, _entry)(fn, *args)
 
 
-def _start_fork_server() -> None:
+def start_fork_server() -> None:
     """Start the fork server (once per test session) with the preload. It imports the preload before it
     applies this process's ``sys.path`` (Python 3.11 passes it and ignores it), so the helpers' folders
     reach it through ``PYTHONPATH``, for its start only: a missing module would be skipped silently."""
