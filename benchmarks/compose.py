@@ -19,8 +19,8 @@ rounds 2..``--steps`` (round 1 allocates AdamW's state, compiles).
     world 8, mesh (pp 2, dp 2, tp 2):  pp_fsdp         autotp.pipeline(fsdp=True): each stage one FSDP unit
                                        pp_ddp          autotp.pipeline(): DDP over dp
 
-Memory: each FSDP layout in a launch of its own with every allocation of 128 KiB or more mapped on its own
-(``MALLOC_MMAP_THRESHOLD_=131072``: the RSS follows the live tensors), the peak RSS per rank over
+Memory: each FSDP layout in a launch of its own, in a process of its own started with every allocation of
+128 KiB or more mapped on its own (``MALLOC_MMAP_THRESHOLD_=131072``: the RSS follows the live tensors), the peak RSS per rank over
 ``--mem-steps`` steps minus the RSS just before the model is built (benchmarks/fsdp.py's probes), the
 largest over the ranks, against (L: the elements a rank's tp shard holds, of its stage under pp; d = 2):
 
@@ -194,6 +194,43 @@ def _launch_world(world: int, mode: str, fn, *args) -> dict:
         return launch(fn, world, *args)
 
 
+def _memory_phase(a: argparse.Namespace, opts: dict) -> dict:
+    """The memory launches, in a process of their own started with tensors of ≥ 128 KiB mapped on their own:
+    glibc reads that at process start, and ranks fork from a server that keeps the environment it started
+    with, so they cannot share this process's (whose ranks the timing launches used)."""
+    import os
+    import subprocess
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "memory.json"
+        subprocess.run([sys.executable, __file__, "--steps", str(a.steps), "--mem-steps", str(a.mem_steps),
+                        "--layers", str(a.layers), "--memory-phase", str(out)],
+                       env={**os.environ, **MALLOC["mmap"]}, check=True)
+        return json.loads(out.read_text())
+
+
+def _memory(opts: dict) -> dict:
+    """Peak per rank against the formula, tp 2 × fsdp 2 and tp 2 × pp 2 × fsdp 2 (run under ``mmap``)."""
+    act_ranks = _launch_world(4, "mmap", activations, opts)
+    A = max(r["warm"]["forward"] for r in act_ranks.values())
+    fs_ranks = _launch_world(4, "mmap", train, "fsdp", {**opts, "steps": opts["mem_steps"]})
+    r0 = fs_ranks[0]
+    f = formula("fsdp", r0, A)
+    fs_peak = max(r["peak"] for r in fs_ranks.values())
+    memory = {"fsdp": {"peak": fs_peak, "formula": f["total"], "terms": f["terms"], "ratio": fs_peak / f["total"]}}
+    pp_ranks = _launch_world(8, "mmap", pipe_memory, opts)
+    rows = []
+    for r in pp_ranks.values():
+        L, rank = r["local"], r["pp_rank"]
+        terms = {"16·L/d": 16 * L / DP, "4·L gathered": 4 * L, "4·L gradients": 4 * L,
+                 "A_r": A * min(MICRO, PP - rank) / (MICRO * PP)}
+        rows.append({"peak": r["peak"], "formula": sum(terms.values()), "terms": terms})
+    busiest = max(rows, key=lambda x: x["peak"] / x["formula"])
+    memory["pp_fsdp"] = {**busiest, "ratio": busiest["peak"] / busiest["formula"]}
+    return {"memory": memory, "A": A, "params": r0["params"]}
+
+
 def _median(ts: list[float]) -> float:
     return statistics.median(ts[1:])
 
@@ -246,10 +283,14 @@ def main() -> None:
     ap.add_argument("--mem-steps", type=int, default=3)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    ap.add_argument("--memory-phase", default=None, help=argparse.SUPPRESS)  # internal: see _memory_phase
     a = ap.parse_args()
     if a.steps < 2 or a.mem_steps < 2 or a.layers < PP:
         ap.error(f"need --steps >= 2, --mem-steps >= 2 and --layers >= {PP}")
     opts = {"steps": a.steps, "mem_steps": a.mem_steps, "layers": a.layers}
+    if a.memory_phase is not None:
+        Path(a.memory_phase).write_text(json.dumps(_memory(opts)))
+        return
 
     from rich.console import Console
     from rich.markdown import Markdown
@@ -265,26 +306,10 @@ def main() -> None:
             per_round = [max(r["times"][name][i] for r in ranks.values()) for i in range(a.steps)]
             step_s[name] = _median(per_round)
             console.print(f"  {name}: " + ", ".join(f"{x:.2f}" for x in per_round))
-    console.print("[bold]activations[/] (TP model), memory of tp 2 × fsdp 2 …")
-    act_ranks = _launch_world(4, "mmap", activations, opts)
-    A = max(r["warm"]["forward"] for r in act_ranks.values())
-    fs_ranks = _launch_world(4, "mmap", train, "fsdp", {**opts, "steps": a.mem_steps})
-    r0 = fs_ranks[0]
-    f = formula("fsdp", r0, A)
-    fs_peak = max(r["peak"] for r in fs_ranks.values())
-    memory = {"fsdp": {"peak": fs_peak, "formula": f["total"], "terms": f["terms"], "ratio": fs_peak / f["total"]}}
-    console.print("[bold]memory of tp 2 × pp 2 × fsdp 2[/] …")
-    pp_ranks = _launch_world(8, "mmap", pipe_memory, opts)
-    rows = []
-    for r in pp_ranks.values():
-        L, rank = r["local"], r["pp_rank"]
-        terms = {"16·L/d": 16 * L / DP, "4·L gathered": 4 * L, "4·L gradients": 4 * L,
-                 "A_r": A * min(MICRO, PP - rank) / (MICRO * PP)}
-        rows.append({"peak": r["peak"], "formula": sum(terms.values()), "terms": terms})
-    busiest = max(rows, key=lambda x: x["peak"] / x["formula"])
-    memory["pp_fsdp"] = {**busiest, "ratio": busiest["peak"] / busiest["formula"]}
-    result = {"options": opts, "model": {**CONFIG, "n_layer": a.layers}, "params": r0["params"],
-              "cores": os.cpu_count(), "step_s": step_s, "memory": memory, "activations": A,
+    console.print("[bold]memory[/]: activations (TP model), tp 2 × fsdp 2, tp 2 × pp 2 × fsdp 2 …")
+    mem = _memory_phase(a, opts)
+    result = {"options": opts, "model": {**CONFIG, "n_layer": a.layers}, "params": mem.pop("params"),
+              "cores": os.cpu_count(), "step_s": step_s, "memory": mem["memory"], "activations": mem["A"],
               "goal": GOAL, "source": source, "wall_s": time.perf_counter() - start}
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -50,7 +50,10 @@ if __name__ == "__main__":
     spec = LaunchSpec(tp=2, device="cpu", bind_cores=False)
     spawned = launch(spec, warm_workers.report)  # no server: spawned as before
     assert not warmed("warm_workers")
+    os.environ["WARM_EARLY"] = "server"  # in the server's environment, gone from the launcher's by the launch
     assert warm_ranks(["warm_workers", "autotp.parallel.parallelize"])
+    del os.environ["WARM_EARLY"]
+    os.environ["WARM_LATE"] = "launcher"  # set after the server started
     forked = launch(spec, warm_workers.report)
     print(json.dumps({{"me": os.getpid(), "server": fs._forkserver._forkserver_pid, "spawned": spawned,
                       "forked": forked}}))
@@ -60,8 +63,9 @@ if __name__ == "__main__":
 @pytest.mark.slow
 def test_warm_ranks_fork_from_the_server_with_the_launchers_environment(tmp_path):
     """The same launch, spawned and then warm: forked from the server (its child), the runtime already
-    imported, with the launcher's variables (tp, the progress folder, threads per rank) and working folder
-    as the spawned ranks have them."""
+    imported, with the launcher's variables (tp, the progress folder, threads per rank), the rest of its
+    environment as it is at the launch (not as it was when the server started) and working folder as the
+    spawned ranks have them."""
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
     env["PYTHONPATH"] = os.pathsep.join([SUPPORT, env.get("PYTHONPATH", "")])  # the server imports by it
     proc = subprocess.run([sys.executable, "-c", DRIVER], capture_output=True, text=True, timeout=300, env=env,
@@ -77,6 +81,7 @@ def test_warm_ranks_fork_from_the_server_with_the_launchers_environment(tmp_path
         assert f["tp"] == s["tp"] == "2" and f["omp"] == s["omp"] and f["threads"] == s["threads"] == int(s["omp"])
         assert f["progress"] and s["progress"] and f["progress"] != s["progress"]  # each launch its own folder
         assert f["cwd"] == s["cwd"] == str(tmp_path)
+        assert f["late"] == "launcher" and f["early"] is None  # the launcher's environment now
 
 
 def _failure(exitcode: int, message: str = "", timestamp: int = 0):

@@ -12,5 +12,6 @@ def report() -> dict:
     imported before it ran (by the fork server's preload)."""
     return {"ppid": os.getppid(), "rank": os.environ["RANK"], "tp": os.environ.get("AUTOTP_TP"),
             "progress": os.environ.get("AUTOTP_PROGRESS_DIR"), "omp": os.environ.get("OMP_NUM_THREADS"),
-            "threads": torch.get_num_threads(), "cwd": os.getcwd(),
+            "threads": torch.get_num_threads(), "cwd": os.getcwd(), "late": os.environ.get("WARM_LATE"),
+            "early": os.environ.get("WARM_EARLY"),
             "preloaded": "autotp.parallel.parallelize" in sys.modules}
