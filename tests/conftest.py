@@ -10,9 +10,22 @@ for p in (os.path.join(ROOT, "examples"), os.path.join(ROOT, "tests", "support")
 
 
 import multiprocessing.process  # noqa: E402
+import shutil  # noqa: E402
 import subprocess  # noqa: E402
+import tempfile  # noqa: E402
 
 import pytest  # noqa: E402
+
+
+def pytest_configure(config):
+    """The plan cache off, in a folder of the session's own, from the start: the fork server the ranks fork
+    from starts before any test's fixtures run and keeps this environment (so do module-scoped launches)."""
+    os.environ["AUTOTP_PLAN_CACHE"] = "0"
+    os.environ["AUTOTP_CACHE_DIR"] = config._autotp_plans = tempfile.mkdtemp(prefix="autotp-plan-cache-")
+
+
+def pytest_unconfigure(config):
+    shutil.rmtree(config._autotp_plans, ignore_errors=True)
 
 
 @pytest.hookimpl(hookwrapper=True)
