@@ -9,7 +9,9 @@
   profile the layout planner reads (:mod:`autotp.cli.profile`).
 
 Each of those modules has a ``register(app)`` that adds its command; what they share (``fail``,
-``USAGE_ERROR``) is in :mod:`autotp.cli.common`.
+``USAGE_ERROR``) is in :mod:`autotp.cli.common`. Their module level holds only what declares the commands
+and options (typer, rich, torch-free autotp modules); torch and the capture stack are imported inside the
+commands, so ``autotp --help`` and each command's ``--help`` answer without importing torch (a second or more).
 """
 
 from __future__ import annotations
@@ -54,12 +56,14 @@ def _members(groups: list[list[int]]) -> str:
 
 def groups_table(layout: RankLayout) -> Table:
     """One row per group kind."""
+    from autotp.cli.fit import FitTable
+
     title = f"world {layout.world_size}: tp {layout.tp} × dp {layout.dp} × pp {layout.pp}"
-    table = Table(title=title)
+    table = FitTable(title=title)
     table.add_column("group", style="bold")
-    table.add_column("count", justify="right")
-    table.add_column("size", justify="right")
-    table.add_column("members", overflow="fold")
+    table.add_column("count", justify="right", no_wrap=True)
+    table.add_column("size", justify="right", no_wrap=True)
+    table.add_column("members")
     for kind, groups in layout.groups().items():
         size = len(groups[0]) if groups else 0
         title = _GROUP_TITLES[kind]
@@ -70,13 +74,15 @@ def groups_table(layout: RankLayout) -> Table:
 
 def rank_grid(layout: RankLayout) -> Table:
     """One row per rank with its coordinates."""
+    from autotp.cli.fit import FitTable
+
     with_node = layout.gpus_per_node is not None
-    table = Table(title="ranks")
-    table.add_column("rank", justify="right", style="bold")
+    table = FitTable(title="ranks")
+    table.add_column("rank", justify="right", style="bold", no_wrap=True)
     for dim in ("tp", "dp", "pp"):
-        table.add_column(dim, justify="right")
+        table.add_column(dim, justify="right", no_wrap=True)
     if with_node:
-        table.add_column("node", justify="right")
+        table.add_column("node", justify="right", no_wrap=True)
     for rank in range(layout.world_size):
         c = layout.coords(rank)
         row = [str(rank), str(c["tp"]), str(c["dp"]), str(c["pp"])]

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import io
 import json
-import os
 import re
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 from rich.console import Console
@@ -20,17 +20,16 @@ from rich.markup import escape
 
 from autotp.cli.common import (EXPERT_PARALLEL, MICROBATCHES, SEQUENCE_PARALLEL, USAGE_ERROR, VIRTUAL_STAGES,
                                check_layout_options)
-from autotp.cli.plan_tables import (fsdp_memory_table, fsdp_traffic_table, fsdp_units_table, p2p_table, ranks_table,
-                                    schedule_table, stages_table)
 from autotp.cli.plan_format import fmt_size
 from autotp.cli.run import DEBUG, abort
-from autotp.cli.tp_tables import (comm_table, experts_table, layer_table, not_sharded_table, rank_grid,
-                                  replicated_table, sequence_table, totals_table, world_line)
 from autotp.distributed.layout import RankLayout
 from autotp.errors import AutotpError, PipelineError
-from autotp.parallel.planning import AUTOCAST, plan_file
-from autotp.plan.pipeline_report import PipelineReport, PipelineSpec
-from autotp.plan.report import FSDPReport, Report, fsdp_from_rows
+
+# for annotations only: these modules import torch and the capture stack, which the command imports when it
+# runs, so that `autotp plan --help` does not
+if TYPE_CHECKING:
+    from autotp.plan.pipeline_report import PipelineReport, PipelineSpec
+    from autotp.plan.report import FSDPReport, Report
 
 
 def plan(
@@ -96,6 +95,9 @@ def plan(
     if fsdp and layout.dp < 2:
         abort(f"--fsdp shards over the data-parallel ranks: it needs --dp 2 or more (dp is {layout.dp})", debug,
               code=USAGE_ERROR)
+    from autotp.parallel.planning import AUTOCAST, plan_file
+    from autotp.plan.report import fsdp_from_rows
+
     if autocast is not None and autocast not in AUTOCAST:
         abort(f"--autocast must be one of {', '.join(AUTOCAST)}, got {autocast}", debug, code=USAGE_ERROR)
     spec = _pipeline_spec(pp, schedule, virtual_stages, microbatches, split_points, batch, debug,
@@ -147,6 +149,7 @@ def _plan_auto(model: str, tp: int | None, dp: int | None, pp: int, world_size: 
                gpus_per_node: int | None, gpu: str | None, batch: int | None, seq: int | None,
                global_batch: int | None, autocast: str | None, top: int, json_out: Path | None, debug: bool) -> None:
     from autotp.cli import plan_auto  # the cost model: only when asked for
+    from autotp.parallel.planning import AUTOCAST
 
     given = [f for f, v in (("--tp", tp), ("--dp", dp), ("--pp", None if pp == 1 else pp)) if v is not None]
     if given:
@@ -207,6 +210,7 @@ def _pipeline_spec(pp: int, schedule: str | None, virtual_stages: int | None, mi
     check_layout_options(pp=pp, fsdp=fsdp, sequence_parallel=sequence_parallel, expert_parallel=expert_parallel,
                          compile_=False, schedule=schedule)
     from autotp.parallel.pipeline import SCHEDULES, check_pipeline, stage_ranks  # torch.distributed.pipelining
+    from autotp.plan.pipeline_report import PipelineSpec
 
     m = microbatches if microbatches is not None else pp
     try:
@@ -232,16 +236,19 @@ def _as_flags(message: str) -> str:
 
 
 def _console() -> Console:
-    """Rich falls back to 80 columns when stdout is no terminal, which folds the tables' numbers: a pipe or
-    file gets 160 unless COLUMNS says otherwise."""
-    console = Console()
-    if not console.is_terminal and "COLUMNS" not in os.environ:
-        console = Console(width=160)
-    return console
+    """The console the tables print to: as wide as COLUMNS says, else the terminal's width, else (no terminal
+    anywhere) rich's 80 columns. The tables fit any of them without cutting a number (autotp.cli.fit), so a
+    pipe or file is not widened past what a terminal would show."""
+    return Console()
 
 
 def render(console: Console, model: str, the_plan, report: Report, layout: RankLayout, names: list[str],
            batch_note: str = "", fsdp: FSDPReport | None = None, pipe: PipelineReport | None = None) -> None:
+    from autotp.cli.plan_tables import (fsdp_memory_table, fsdp_traffic_table, fsdp_units_table, p2p_table,
+                                        ranks_table, schedule_table, stages_table)
+    from autotp.cli.tp_tables import (comm_table, experts_table, layer_table, not_sharded_table, rank_grid,
+                                      replicated_table, sequence_table, totals_table, world_line)
+
     sp = ", sequence parallel" if the_plan.sequence is not None and the_plan.sequence.leaves else ""
     console.print(f"[bold]{escape(model)}[/bold]: tp {report.tp}{sp}, {len(the_plan.pairs)} column→row pairs, "
                   f"{len(the_plan.collectives)} collectives per step; {world_line(layout)}")

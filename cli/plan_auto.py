@@ -15,6 +15,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from autotp.capture.modelfile import load_model_file, planning_batch
+from autotp.cli.fit import FitTable
 from autotp.cli.plan_format import fmt_size
 from autotp.layout.auto import Search, Space, explain, search, tp_sizes
 from autotp.layout.cost import RESERVED, Training
@@ -80,12 +81,14 @@ def top_table(auto: Auto, top: int) -> Table:
     hw, sp = auto.hardware, auto.space
     batch = f"{sp.batch} per replica" if sp.per_replica else f"global batch {sp.batch}"
     cap = _gib(auto.result.ranked[0].memory.capacity) if auto.result.ranked else "?"
-    table = Table(title=f"Layouts for {sp.world} devices ({sp.gpus_per_node} per node) on {hw.name}, {batch} × "
-                        f"{auto.training.seq} tokens: predicted, best first (memory of {cap} usable per device)")
-    cols = ("#", "layout", "step", "tokens/s/dev", "TFLOP/s/dev", "% peak", "memory", "compute", "tp comm",
+    # the first columns say how fast and how full, the terms after "compute" what a step's time is made of
+    table = FitTable(title=f"Layouts for {sp.world} devices ({sp.gpus_per_node} per node) on {hw.name}, {batch} × "
+                           f"{auto.training.seq} tokens: predicted, best first (memory of {cap} usable per device)",
+                     keys=2, breaks=(7,))
+    cols = ("#", "layout", "step", "tokens/s per dev", "TFLOP/s per dev", "% peak", "memory", "compute", "tp comm",
             "pp bubble", "pp comm", "dp comm", "optim")
-    for c in cols:
-        table.add_column(c, justify="left" if c == "layout" else "right", no_wrap=c == "layout")
+    for c in cols:  # a narrow console wraps a layout's label between its parts (tp4 dp2 ...), never a number
+        table.add_column(c, justify="left" if c == "layout" else "right", no_wrap=c != "layout")
     for i, e in enumerate(auto.result.ranked[:top], 1):
         mem = e.memory
         table.add_row(str(i), e.layout.label(), _secs(e.step),
@@ -107,9 +110,9 @@ def rejected_table(auto: Auto, top: int = 5) -> Table | None:
     rejected = sorted(auto.result.rejected, key=lambda r: r.over)
     if not rejected:
         return None
-    table = Table(title=f"{len(rejected)} of {auto.result.considered} layouts do not fit "
-                        f"{_gib((1 - RESERVED) * auto.hardware.memory_bytes)} per device (the closest):")
-    table.add_column("layout")
+    table = FitTable(title=f"{len(rejected)} of {auto.result.considered} layouts do not fit "
+                           f"{_gib((1 - RESERVED) * auto.hardware.memory_bytes)} per device (the closest):")
+    table.add_column("layout", no_wrap=True)
     table.add_column("why")
     for r in rejected[:top]:
         table.add_row(r.layout.label(), r.reason)

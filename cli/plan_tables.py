@@ -7,6 +7,7 @@ from __future__ import annotations
 from rich.table import Table
 from rich.markup import escape
 
+from autotp.cli.fit import FitTable
 from autotp.plan.pipeline_report import PipelineReport
 from autotp.plan.report import FSDPReport, FSDPUnitRow
 from autotp.cli.plan_format import DIRECTION, fmt_count, fmt_kind, fmt_ratio, fmt_shape, fmt_size
@@ -22,11 +23,11 @@ _KEEPS = {"first": "fwd, bwd", "block": "fwd, bwd", "last": "fwd, kept", "root":
 def fsdp_units_table(fsdp: FSDPReport) -> Table:
     """One row per FSDP unit, in the order they run: first (embeddings), the blocks, last (final norm, LM
     head), then the root."""
-    table = Table(title=f"fsdp units: each tp rank's shards cut again over dp {fsdp.dp} (tp {fsdp.tp})")
+    table = FitTable(title=f"fsdp units: each tp rank's shards cut again over dp {fsdp.dp} (tp {fsdp.tp})", keys=2)
     for col, justify in (("kind", "left"), ("unit", "left"), ("gathered in", "left"), ("tensors", "right"),
                          ("parameters", "right"), ("per tp rank", "right"), ("gathered / rank", "right"),
                          ("sharded / rank", "right")):
-        table.add_column(col, justify=justify, overflow="fold")
+        table.add_column(col, justify=justify, no_wrap=justify == "right")
     for i, u in enumerate(fsdp.units):
         table.add_row(u.kind, _unit_name(u), _KEEPS.get(u.kind, ""), str(u.tensors), fmt_count(u.params), fmt_count(u.local),
                       fmt_size(u.gathered_bytes), fmt_size(u.sharded_bytes), end_section=i == len(fsdp.units) - 1)
@@ -45,10 +46,10 @@ def fsdp_units_table(fsdp: FSDPReport) -> Table:
 def fsdp_memory_table(fsdp: FSDPReport) -> Table:
     """FSDP's training memory per rank, term by term, against plain data parallelism's."""
     t, d = fsdp.tp, fsdp.dp
-    table = Table(title=f"training memory per rank with fsdp (16 B/param, tp {t} × dp {d}, "
-                        "resharded after forward)", show_header=False)
+    table = FitTable(title=f"training memory per rank with fsdp (16 B/param, tp {t} × dp {d}, "
+                           "resharded after forward)", show_header=False)
     table.add_column(style="bold")
-    table.add_column(justify="right")
+    table.add_column(justify="right", no_wrap=True)
     table.add_column()
     table.add_row("  state 16·(P/t)/d", fmt_size(fsdp.state_bytes),
                   f"weights, gradients, Adam: 16 × {fmt_count(fsdp.local)} elements per tp rank / {d}")
@@ -75,9 +76,10 @@ def fsdp_memory_table(fsdp: FSDPReport) -> Table:
 
 def fsdp_traffic_table(fsdp: FSDPReport) -> Table:
     d = fsdp.dp
-    table = Table(title=f"fsdp communication per training step, per rank, over dp {d}")
+    table = FitTable(title=f"fsdp communication per training step, per rank, over dp {d}", keys=2)
     for col in ("pass", "collective", "count", "what", "bytes", "ring sends"):
-        table.add_column(col, justify="left" if col in ("pass", "collective", "what") else "right")
+        number = col not in ("pass", "collective", "what")
+        table.add_column(col, justify="right" if number else "left", no_wrap=number)
     lines = fsdp.traffic
     for i, x in enumerate(lines):
         table.add_row(DIRECTION.get(x.direction, x.direction), fmt_kind(x.kind, "sum" if x.kind == "reduce_scatter" else ""),
@@ -125,13 +127,15 @@ def stages_table(pipe: PipelineReport) -> Table:
     """One row per pipeline stage: where it runs, its blocks, what it holds and computes per micro-batch."""
     one = pipe.virtual_stages == 1
     a = pipe.activations
-    table = Table(title=f"pipeline stages: pp {pipe.pp} × v {pipe.virtual_stages}, {pipe.schedule}, "
-                        f"{pipe.microbatches} micro-batches of b={pipe.micro_batch}, s={pipe.seq}, tp {pipe.tp}")
+    table = FitTable(title=f"pipeline stages: pp {pipe.pp} × v {pipe.virtual_stages}, {pipe.schedule}, "
+                           f"{pipe.microbatches} micro-batches of b={pipe.micro_batch}, s={pipe.seq}, tp {pipe.tp}",
+                     breaks=(4, 8))  # split narrow: where it runs, what one micro-batch costs, what the rank keeps
     cols = ["stage", "pp rank", "blocks", "also runs", "params", "bytes", "fwd FLOPs", "activations"]
     if one:
         cols += ["in flight", "act. on rank", "memory"]
     for col in cols:
-        table.add_column(col, justify="left" if col in ("blocks", "also runs") else "right", overflow="fold")
+        number = col not in ("blocks", "also runs")
+        table.add_column(col, justify="right" if number else "left", no_wrap=number)
     for st in pipe.stages:
         also = [w for w, on in (("embeddings", st.first),
                                 ("final norm, LM head, loss", st.last)) if on]
@@ -169,9 +173,9 @@ MEMORY_NOTE = ("memory: per tp rank at its peak, the training state of its stage
 
 def ranks_table(pipe: PipelineReport) -> Table:
     """With several stages per rank: what each pipeline rank keeps at its peak."""
-    table = Table(title=f"pipeline ranks: {pipe.virtual_stages} stages each; per tp rank, activations at the peak")
+    table = FitTable(title=f"pipeline ranks: {pipe.virtual_stages} stages each; per tp rank, activations at the peak")
     for col in ("pp rank", "stages", "blocks", "params", "bytes", "in flight", "act. on rank", "memory"):
-        table.add_column(col, justify="left" if col in ("stages",) else "right")
+        table.add_column(col, justify="left" if col in ("stages",) else "right", no_wrap=col != "stages")
     for r in pipe.ranks:
         blocks = sum(len(pipe.stages[s].blocks) for s in r.stages)
         table.add_row(str(r.rank), ", ".join(map(str, r.stages)), str(blocks), fmt_count(r.params), fmt_size(r.param_bytes),
@@ -184,11 +188,11 @@ def ranks_table(pipe: PipelineReport) -> Table:
 
 def p2p_table(pipe: PipelineReport) -> Table:
     """What crosses each cut per micro-batch: sent forward, its gradient sent back."""
-    table = Table(title=f"pipeline point-to-point per micro-batch (b={pipe.micro_batch}, s={pipe.seq}), "
-                        "each tp rank to its peer")
+    table = FitTable(title=f"pipeline point-to-point per micro-batch (b={pipe.micro_batch}, s={pipe.seq}), "
+                           "each tp rank to its peer", keys=3)
     for col in ("cut", "pp ranks", "value", "computed by", "shape", "dtype", "fwd bytes", "bwd bytes"):
-        table.add_column(col, justify="right" if col in ("shape", "fwd bytes", "bwd bytes") else "left",
-                         overflow="fold")
+        number = col in ("shape", "fwd bytes", "bwd bytes")
+        table.add_column(col, justify="right" if number else "left", no_wrap=number)
     for c in pipe.cuts:
         where = f"{c.src} → {c.dst}" if c.sent else f"{c.src} (same rank: not sent)"
         for i, x in enumerate(c.values):
@@ -217,9 +221,9 @@ def p2p_table(pipe: PipelineReport) -> Table:
 def schedule_table(pipe: PipelineReport) -> Table:
     """The schedule, its sizes and its bubble."""
     p, v, m, bub = pipe.pp, pipe.virtual_stages, pipe.microbatches, pipe.bubble
-    table = Table(title=f"pipeline schedule {pipe.schedule}", show_header=False)
+    table = FitTable(title=f"pipeline schedule {pipe.schedule}", show_header=False)
     table.add_column(style="bold")
-    table.add_column(justify="right")
+    table.add_column(justify="right", no_wrap=True)
     table.add_column()
     table.add_row("stages", str(p * v), f"p {p} × v {v}; pipeline rank of stage 0, 1, …: "
                   + ", ".join(str(st.rank) for st in pipe.stages))

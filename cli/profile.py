@@ -11,36 +11,34 @@ one that model's shapes get.
 from __future__ import annotations
 
 import math
-import os
 from pathlib import Path
 
-import torch
 import typer
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from autotp.analysis.flops import shape_of
 from autotp.cli.common import USAGE_ERROR
 from autotp.cli.plan_format import fmt_size
 from autotp.cli.run import DEBUG, TIMEOUT, abort, as_flags
-from autotp.distributed.launch import LaunchError, LaunchSpec, RankFailedError, launch
-from autotp.layout.profile import DTYPES, ProfileJob, profile_worker
-from autotp.errors import AutotpError
+from autotp.errors import AutotpError, LaunchError, RankFailedError
 from autotp.layout.hardware import Hardware, save
 
-aten = torch.ops.aten
-# m = the leading output dims folded together, k = the contracted dim (its operand), n = the last output dim
-_MATMULS = {aten.linear.default: 0, aten.mm.default: 0, aten.matmul.default: 0, aten.bmm.default: 0,
-            aten.addmm.default: 1}
 MAX_SHAPES = 8  # the largest by flops: a model's many small matmuls add little but time
 
 
 def model_shapes(model: str, limit: int = MAX_SHAPES) -> list[tuple[int, int, int]]:
     """The distinct (m, k, n) of the matmuls in MODEL_PY's captured forward, the ``limit`` largest by flops."""
+    import torch
+
+    from autotp.analysis.flops import shape_of
     from autotp.capture.modelfile import load_model_file, planning_batch
     from autotp.capture.tracer import capture
 
+    aten = torch.ops.aten
+    # m = the leading output dims folded together, k = the contracted dim (its operand), n = the last output dim
+    matmuls = {aten.linear.default: 0, aten.mm.default: 0, aten.matmul.default: 0, aten.bmm.default: 0,
+               aten.addmm.default: 1}
     mf = load_model_file(model)
     with torch.device("meta"):
         net = mf.build()
@@ -48,7 +46,7 @@ def model_shapes(model: str, limit: int = MAX_SHAPES) -> list[tuple[int, int, in
     gm, _ = capture(net, args, kwargs, device=torch.device("cpu"))
     shapes: set[tuple[int, int, int]] = set()
     for node in gm.graph.nodes:
-        operand = _MATMULS.get(node.target) if node.op == "call_function" else None
+        operand = matmuls.get(node.target) if node.op == "call_function" else None
         out = shape_of(node) if operand is not None else None
         left = shape_of(node.args[operand]) if out else None
         if out and left and len(out) >= 2:
@@ -65,10 +63,12 @@ def _time(seconds: float) -> str:
 
 
 def summary_table(hw: Hardware) -> Table:
-    table = Table(title=f"{escape(hw.name)}: {hw.gpus_per_node} ranks, {hw.extra.get('device')}, "
-                        f"{hw.extra.get('dtype')}", show_header=False)
+    from autotp.cli.fit import FitTable
+
+    table = FitTable(title=f"{escape(hw.name)}: {hw.gpus_per_node} ranks, {hw.extra.get('device')}, "
+                           f"{hw.extra.get('dtype')}", show_header=False)
     table.add_column(style="bold")
-    table.add_column(justify="right")
+    table.add_column(justify="right", no_wrap=True)
     table.add_column()
     table.add_row("matmul (sustained)", _rate(hw.matmul_flops), "total flops / total time over the shapes below")
     table.add_row("matmul (best shape)", _rate(hw.peak_flops), "peak_flops: the fastest shape measured")
@@ -84,9 +84,11 @@ def summary_table(hw: Hardware) -> Table:
 
 
 def matmul_table(hw: Hardware) -> Table:
-    table = Table(title="matmuls (per rank, all ranks at once)")
+    from autotp.cli.fit import FitTable
+
+    table = FitTable(title="matmuls (per rank, all ranks at once)", keys=3)
     for col in ("m", "k", "n", "GFLOP", "time", "rate"):
-        table.add_column(col, justify="right")
+        table.add_column(col, justify="right", no_wrap=True)
     for m, k, n, rate in hw.matmuls:
         flops = 2 * m * k * n
         table.add_row(str(m), str(k), str(n), f"{flops / 1e9:.3g}", _time(flops / rate), _rate(rate))
@@ -99,13 +101,16 @@ def _nominal(nbytes: int) -> int:
 
 def collective_table(hw: Hardware) -> Table:
     # a size rounded down to n equal shards (n odd) is shown in the column of the power of two asked for
+    from autotp.cli.fit import FitTable
+
     columns = sorted({_nominal(b) for x in hw.measured for b, _ in x.points})
-    table = Table(title="collectives: seconds = latency + wire / bandwidth (wire: 2(n−1)/n·S all-reduce, "
-                        "(n−1)/n·S all-gather and reduce-scatter, S send), measured per message of S bytes")
+    table = FitTable(title="collectives: seconds = latency + wire / bandwidth (wire: 2(n−1)/n·S all-reduce, "
+                           "(n−1)/n·S all-gather and reduce-scatter, S send), measured per message of S bytes",
+                     keys=2, breaks=(4,))
     for col in ("collective", "ranks", "latency", "bandwidth"):
-        table.add_column(col, justify="left" if col == "collective" else "right")
+        table.add_column(col, justify="left" if col == "collective" else "right", no_wrap=col != "collective")
     for s in columns:
-        table.add_column(fmt_size(s), justify="right")
+        table.add_column(fmt_size(s), justify="right", no_wrap=True)
     for x in hw.measured:
         cells = {_nominal(b): t for b, t in x.points}
         table.add_row(x.kind.replace("_", "-"), str(x.ranks), f"{x.link.latency * 1e6:.1f} µs",
@@ -136,6 +141,10 @@ def profile(
 ) -> None:
     """Measure this node (matmul rate, memory bandwidth, collectives per group size) and write a hardware
     profile for the layout planner."""
+    import torch
+
+    from autotp.distributed.launch import LaunchSpec, launch
+    from autotp.layout.profile import DTYPES, ProfileJob, profile_worker
 
     if nproc < 2:
         abort(f"--nproc must be >= 2 (collectives need two ranks), got {nproc}", debug, code=USAGE_ERROR)
@@ -174,8 +183,8 @@ def profile(
         abort(exc.said(), debug, trace=exc.traceback)
     hw = Hardware.from_dict(results[0])
     save(hw, out)
-    # rich falls back to 80 columns without a terminal, which folds the collectives' columns (as in plan)
-    console = Console() if Console().is_terminal or "COLUMNS" in os.environ else Console(width=160)
+    # the tables fit any width without cutting a number (autotp.cli.fit): a pipe gets rich's 80 columns
+    console = Console()
     render(hw, console)
     console.print(f"wrote {escape(str(out))}")
 

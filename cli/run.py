@@ -12,6 +12,11 @@ With ``--fsdp`` (``--hsdp GROUPS``) a plain ``autotp.parallelize(model)`` shards
 FSDP2 as well (no DDP then); build the optimizer after it. With ``--pp P``,
 ``pipe = autotp.pipeline(model, example_inputs=batch, microbatches=M)`` cuts it into stages over the layout's
 pipeline ranks (``pipe.step(x, y)`` trains, ``pipe.parameters()`` for the optimizer).
+
+With more than one rank, the ranks' output reaches this terminal as torchrun's ``--tee`` shows it: through
+files the launcher tails, each line prefixed with the global rank that printed it (``[rank1]:``) and shown once
+it is whole. ``--ranks 0,1`` shows only those local ranks (torchrun's ``--local-ranks-filter``), ``--log-dir DIR``
+keeps the files (torchrun's ``--log-dir``).
 """
 from __future__ import annotations
 
@@ -22,15 +27,18 @@ import sys
 import traceback
 from collections.abc import Callable
 from pathlib import Path
-from typing import NamedTuple, NoReturn
+from typing import TYPE_CHECKING, NamedTuple, NoReturn
 
 import typer
 from rich.console import Console
 from rich.markup import escape
 
 from autotp.cli.common import USAGE_ERROR, fail
-from autotp.distributed.launch import LaunchError, LaunchSpec, RankFailedError, launch
 from autotp.distributed.restarts import Failure
+from autotp.errors import LaunchError, RankFailedError
+
+if TYPE_CHECKING:
+    from autotp.distributed.launch import LaunchSpec, RankOutput
 
 # Shared by `autotp run` and `autotp shard`; typer reads these at registration time.
 TP = typer.Option(..., "--tp", help="Tensor-parallel size: ranks that share one model replica.")
@@ -115,7 +123,39 @@ def with_launcher(command: Callable) -> Callable:
     return call
 
 
+def rank_output(world_size: int, nproc_per_node: int, ranks: str | None, log_dir: Path | None,
+                debug: bool) -> RankOutput | None:
+    """How the ranks' output reaches this terminal: through torch's tee with a rank on every line once there
+    is more than one rank or --ranks or --log-dir asks for it; else (one rank) straight, as a plain run."""
+    from autotp.distributed.launch import RankOutput
+
+    shown = None
+    if ranks is not None:
+        try:
+            shown = frozenset(int(r) for r in ranks.split(","))
+        except ValueError:
+            abort(f"--ranks {ranks!r}: give local ranks separated by commas, e.g. --ranks 0,1", debug,
+                  code=USAGE_ERROR)
+        outside = sorted(r for r in shown if not 0 <= r < nproc_per_node)
+        if outside:
+            abort(f"--ranks {ranks}: this node runs local ranks 0 to {nproc_per_node - 1}, not "
+                  f"{', '.join(map(str, outside))}", debug, code=USAGE_ERROR)
+    if log_dir is not None and log_dir.exists() and not log_dir.is_dir():
+        abort(f"--log-dir {log_dir} exists and is not a folder", debug, code=USAGE_ERROR)
+    if world_size == 1 and shown is None and log_dir is None:
+        return None
+    return RankOutput(ranks=shown, log_dir=None if log_dir is None else str(log_dir))
+
+
+def say_logs(folder: str) -> None:
+    """--log-dir: where this run's files are, once its ranks have ended."""
+    Console(stderr=True).print(f"rank logs: {escape(folder)} (attempt_<n>/<local rank>/stdout.log, stderr.log)",
+                               soft_wrap=True)
+
+
 def launch_spec(tp: int, dp: int, pp: int, launcher: Launcher, debug: bool) -> LaunchSpec:
+    from autotp.distributed.launch import LaunchSpec  # torch: only once a command runs, never for --help
+
     try:
         return LaunchSpec(tp=tp, dp=dp, pp=pp, **launcher._asdict())
     except LaunchError as exc:
@@ -137,16 +177,28 @@ def run(
     tp: int = TP,
     dp: int = DP,
     pp: int = PP,
+    ranks: str | None = typer.Option(None, "--ranks", metavar="RANK,RANK,...", help="Show only these ranks' "
+                                     "output: local ranks, this node's from 0 (on one node, the global ranks). "
+                                     "--log-dir still keeps every rank's."),
+    log_dir: Path | None = typer.Option(None, "--log-dir", metavar="DIR", help="Keep each rank's stdout and "
+                                        "stderr in files under DIR, in torch's layout: DIR/<run>/attempt_<n>/"
+                                        "<local rank>/stdout.log and stderr.log."),
     debug: bool = DEBUG,
     launcher: Launcher = Launcher(),
 ) -> None:
-    """Run SCRIPT on tp × dp × pp ranks per node with torch's elastic launcher (c10d rendezvous)."""
+    """Run SCRIPT on tp × dp × pp ranks per node with torch's elastic launcher (c10d rendezvous).
+
+    With more than one rank, each line the ranks print starts with the global rank that printed it: \\[rank1]:."""
+
+    from autotp.distributed.launch import launch
 
     if not script.is_file():
         abort(f"script {script} does not exist", debug, code=USAGE_ERROR)
     spec = launch_spec(tp, dp, pp, launcher, debug)
+    output = rank_output(spec.world_size, spec.nproc_per_node, ranks, log_dir, debug)
     try:
-        launch(spec, sys.executable, str(script), *(args or []), quiet=not debug, on_restart=say_restart)
+        launch(spec, sys.executable, str(script), *(args or []), quiet=not debug, on_restart=say_restart,
+               output=output, on_logs=say_logs)
     except RankFailedError as exc:
         code = exc.exitcode if 0 < exc.exitcode < 256 else 1
         how = f"{exc.said()}" if exc.exitcode < 0 else f"failed on rank {exc.rank} with exit code {exc.exitcode}"

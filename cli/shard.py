@@ -37,23 +37,20 @@ import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import torch
-import torch.utils._pytree as pytree
 import typer
 from rich.console import Console
 from rich.markup import escape
-from rich.table import Table
 
 from autotp.cli.common import (EXPERT_PARALLEL, MICROBATCHES, SEQUENCE_PARALLEL, USAGE_ERROR, VIRTUAL_STAGES,
                                check_layout_options)
 from autotp.cli.run import DEBUG, DP, PP, Launcher, abort, launch_spec, say_restart, with_launcher
-from autotp.errors import AutotpError, CaptureError, PipelineError
-from autotp.plan.stages import StageRequest
-from autotp.distributed.launch import RankFailedError, launch
-from autotp.capture.modelfile import (DEFAULT_BATCH_SHAPE, ModelFile, ModelFileError, default_example,
-                                     load_model_file, parse_spec, to_device)
+from autotp.errors import AutotpError, CaptureError, ModelFileError, PipelineError, RankFailedError
 
+# torch and the capture stack are imported where they are used, so that `autotp shard --help` imports neither
 if TYPE_CHECKING:
+    import torch
+
+    from autotp.capture.modelfile import ModelFile
     from autotp.cli.shard_worker import ShardReport
 
 
@@ -62,6 +59,10 @@ def _eager_on_meta(mf: ModelFile, skeleton: torch.nn.Module, args: tuple, kwargs
     """Run the meta-device ``skeleton`` on meta copies of the batch; a ModelFileError carrying the forward's
     own exception."""
     import traceback as tb
+
+    import torch
+
+    from autotp.capture.modelfile import DEFAULT_BATCH_SHAPE, to_device
 
     meta = to_device((args, kwargs), torch.device("meta"))
     try:
@@ -86,6 +87,9 @@ def _eager_on_meta(mf: ModelFile, skeleton: torch.nn.Module, args: tuple, kwargs
 
 def _check_batch(mf: ModelFile, args: tuple, kwargs: dict, microbatches: int) -> None:
     """Pipeline stages end in the loss: the batch must carry the targets and divide into the micro-batches."""
+    import torch
+    import torch.utils._pytree as pytree
+
     if mf.batch_fn is None:
         raise ModelFileError("--pp: pipeline stages end in the loss, and the file defines no example_batch() to "
                              "compute one from", hint="define example_batch() returning the inputs and the targets")
@@ -104,8 +108,12 @@ def preflight(mf: ModelFile, tp: int, weights: Path | None = None, sequence_para
     traced on the meta device for reasons of its own) are left for the ranks to report. ``stages``: (pipeline
     stages, micro-batches): the batch must divide into the micro-batches and the blocks into the stages.
     """
+    import torch
+
+    from autotp.capture.modelfile import default_example
     from autotp.capture.tracer import capture
     from autotp.plan.planner import make_plan
+    from autotp.plan.stages import StageRequest
 
     try:
         with torch.device("meta"):
@@ -152,20 +160,21 @@ def _ms(seconds: tuple[float, ...]) -> str:
 
 def render(report: ShardReport, console: Console) -> None:
     from autotp.cli.shard_worker import PARITY_TOL, _size
+    from autotp.cli.fit import FitTable
 
     pp = f" × pp {report.pp}" if report.pp > 1 else ""
-    ranks = Table(title=f"{escape(report.model)}: tp {report.tp} × dp {report.dp}{pp} ({report.backend})")
+    ranks = FitTable(title=f"{escape(report.model)}: tp {report.tp} × dp {report.dp}{pp} ({report.backend})")
     cols = (("rank", "right"), ("tp", "right"), ("dp", "right"), *((("pp", "right"),) if pp else ()),
             ("parameters", "right"), ("of unsharded", "right"), ("step (median)", "right"))
     for col, justify in cols:
-        ranks.add_column(col, justify=justify)
+        ranks.add_column(col, justify=justify, no_wrap=True)
     for r in report.ranks:
         share = f"{100 * r.param_bytes / report.unsharded_bytes:.0f}%" if report.unsharded_bytes else "-"
         ranks.add_row(str(r.rank), str(r.tp_rank), str(r.dp_rank), *((str(r.pp_rank),) if pp else ()),
                       _size(r.param_bytes), share, _ms(r.step_s))
     console.print(ranks)
 
-    summary = Table(show_header=False, title="summary")
+    summary = FitTable(show_header=False, title="summary")
     summary.add_column(style="bold")
     summary.add_column()
     if report.pp > 1:
@@ -213,13 +222,16 @@ def render(report: ShardReport, console: Console) -> None:
                         f"holds the weights at step {report.start_step}")
     if report.losses:
         summary.add_row("loss (dp replica 0)", " → ".join(f"{x:.4f}" for x in report.losses))
-    summary.add_row("plan", escape(report.plan_path))
-    summary.add_row("checkpoint", escape(report.checkpoint_path))
     console.print(summary)
+    # below the table, each on a line of its own however wide: a path is copied whole, not read folded
+    console.print(f"[bold]plan:[/bold] {escape(report.plan_path)}", soft_wrap=True)
+    console.print(f"[bold]checkpoint:[/bold] {escape(report.checkpoint_path)}", soft_wrap=True)
     if report.comm:
-        comm = Table(title="TP communication per training step, per rank, vs Megatron's formula (README: 'What a step costs')")
+        comm = FitTable(title="TP communication per training step, per rank, vs Megatron's formula (README: 'What a "
+                        "step costs')", keys=2, breaks=(5,))
         for col in ("pass", "collective", "count", "formula", "ratio", "elements", "formula", "ratio", "bytes"):
-            comm.add_column(col, justify="left" if col in ("pass", "collective") else "right")
+            number = col not in ("pass", "collective")
+            comm.add_column(col, justify="right" if number else "left", no_wrap=number)
 
         def ratio(a, b):
             return "-" if a is None or not b else f"{a / b:.2f}"
@@ -273,7 +285,9 @@ def shard(
 ) -> None:
     """Shard MODEL_PY over tp × dp × pp ranks, verify, train a few steps, save plan and checkpoint."""
     fsdp, nnodes, node_rank, timeout = launcher.fsdp, launcher.nnodes, launcher.node_rank, launcher.timeout
+    from autotp.capture.modelfile import load_model_file, parse_spec
     from autotp.cli.shard_worker import PARITY_TOL, ShardJob, shard_worker  # the ranks' code: only when sharding
+    from autotp.distributed.launch import launch
     from autotp.io.ckpt_io import check_resumable
 
     if auto:

@@ -9,6 +9,7 @@ import re
 from rich.markup import escape
 from rich.table import Table
 
+from autotp.cli.fit import FitTable
 from autotp.cli.plan_format import DIRECTION, fmt_count, fmt_kind, fmt_ratio, fmt_shape, fmt_size
 from autotp.distributed.layout import RankLayout
 from autotp.plan.report import Report
@@ -23,16 +24,16 @@ def rank_grid(layout: RankLayout) -> Table:
     TP groups never straddle a node (RankLayout checks), so a line between rows marks a node boundary.
     """
     nodes = layout.gpus_per_node is not None
-    table = Table(title="ranks (one row per tp group)")
-    table.add_column("pp", justify="right")
-    table.add_column("dp", justify="right")
+    table = FitTable(title="ranks (one row per tp group)", keys=2)
+    table.add_column("pp", justify="right", no_wrap=True)
+    table.add_column("dp", justify="right", no_wrap=True)
     wide = layout.tp <= 8
     for t in range(layout.tp) if wide else ():
-        table.add_column(f"tp {t}", justify="right")
+        table.add_column(f"tp {t}", justify="right", no_wrap=True)
     if not wide:
-        table.add_column(f"tp 0..{layout.tp - 1}", justify="right")
+        table.add_column(f"tp 0..{layout.tp - 1}", justify="right", no_wrap=True)
     if nodes:
-        table.add_column("node", justify="right")
+        table.add_column("node", justify="right", no_wrap=True)
     groups = [(p, d) for p in range(layout.pp) for d in range(layout.dp)]
     for i, (p, d) in enumerate(groups):
         ranks = [layout.rank(t, d, p) for t in range(layout.tp)]
@@ -71,10 +72,10 @@ def layer_table(report: Report, names: list[str], whole: dict[str, str] | None =
     coll: dict[str, list] = {}
     for c in report.collectives:
         coll.setdefault(c.at, []).append(c)
-    table = Table(title=f"per layer (tp {report.tp}; collectives per step for b={report.batch}, s={report.seq})")
+    table = FitTable(title=f"per layer (tp {report.tp}; collectives per step for b={report.batch}, s={report.seq})")
     for col, justify in (("module", "left"), ("role", "left"), ("param", "left"), ("full", "right"),
                          ("local", "right"), ("collectives", "left")):
-        table.add_column(col, justify=justify, overflow="fold")
+        table.add_column(col, justify=justify, no_wrap=justify == "right")
     items = list(modules.items()) + [(m, []) for m in coll if m not in modules]
     # sections: the rows of one layer (``transformer.h.3``), or one row outside every layer
     sections: list[tuple[str | None, list[tuple[str, ...]]]] = []
@@ -150,10 +151,10 @@ def _runs(sections: list[tuple[str | None, list[tuple[str, ...]]]]):
 
 
 def replicated_table(report: Report, replicated: tuple[tuple[str, str], ...]) -> Table:
-    table = Table(title="left replicated")
-    table.add_column("what", overflow="fold")
-    table.add_column("reason", overflow="fold")
-    table.add_column("parameters", justify="right")
+    table = FitTable(title="left replicated")
+    table.add_column("what")
+    table.add_column("reason")
+    table.add_column("parameters", justify="right", no_wrap=True)
     for module, reason in replicated:
         n = sum(math.prod(r.full_shape) for r in report.params if r.name.startswith(module + "."))
         table.add_row(escape(module), escape(reason), fmt_count(n))
@@ -170,9 +171,9 @@ def replicated_table(report: Report, replicated: tuple[tuple[str, str], ...]) ->
 def not_sharded_table(report: Report, whole) -> Table:
     """Every weight of a linear, embedding or matmul that each rank holds whole, and why: the gaps."""
     by_alias = {a: r for r in report.params for a in r.aliases}
-    table = Table(title=f"not sharded: {len(whole)} weight(s) every rank holds whole")
+    table = FitTable(title=f"not sharded: {len(whole)} weight(s) every rank holds whole")
     for col, justify in (("parameter", "left"), ("shape", "right"), ("elements", "right"), ("reason", "left")):
-        table.add_column(col, justify=justify, overflow="fold")
+        table.add_column(col, justify=justify, no_wrap=justify == "right")
     for w in whole:
         row = by_alias.get(w.name)
         shape = row.full_shape if row is not None else ()
@@ -184,9 +185,9 @@ def totals_table(report: Report, layout: RankLayout, ddp: bool = True, staged: b
     """``ddp``: data parallelism all-reduces the gradients (False with --fsdp: its own tables say what moves);
     ``staged``: the pipeline's stages are shown (--pp), each holding its share of these totals."""
     m = report.memory
-    table = Table(title="totals per tp rank", show_header=False)
+    table = FitTable(title="totals per tp rank", show_header=False)
     table.add_column(style="bold")
-    table.add_column(justify="right")
+    table.add_column(justify="right", no_wrap=True)
     table.add_column()
     table.add_row("parameters", fmt_count(m.local), f"of {fmt_count(m.params)} ({m.sharded:,} sharded, {m.replicated:,} replicated)")
     table.add_row("parameter bytes", fmt_size(m.bytes_per_rank), f"of {fmt_size(m.bytes_full)} unsharded")
@@ -206,10 +207,11 @@ def totals_table(report: Report, layout: RankLayout, ddp: bool = True, staged: b
 
 def comm_table(report: Report) -> Table:
     t = report.tp
-    table = Table(title=f"tp communication per training step, per rank: b={report.batch}, s={report.seq}, "
-                        f"h={fmt_count(report.hidden)}, L={report.layers:g}")
+    table = FitTable(title=f"tp communication per training step, per rank: b={report.batch}, s={report.seq}, "
+                           f"h={fmt_count(report.hidden)}, L={report.layers:g}", keys=2, breaks=(5,))
     for col in ("pass", "collective", "count", "formula", "ratio", "elements", "formula", "ratio", "bytes"):
-        table.add_column(col, justify="left" if col in ("pass", "collective") else "right")
+        number = col not in ("pass", "collective")
+        table.add_column(col, justify="right" if number else "left", no_wrap=number)
     lines = [*report.comm, report.total()]
     for i, c in enumerate(lines):
         name = "all" if c.kind == "all" else fmt_kind(c.kind, c.op)
@@ -232,10 +234,10 @@ def sequence_table(the_plan, report: Report) -> Table | None:
     seq = the_plan.sequence
     if seq is None:
         return None
-    table = Table(title="sequence parallelism: regions between the pairs hold s/t positions per rank")
-    table.add_column("what", overflow="fold")
-    table.add_column("where", overflow="fold")
-    table.add_column("note", overflow="fold")
+    table = FitTable(title="sequence parallelism: regions between the pairs hold s/t positions per rank")
+    table.add_column("what")
+    table.add_column("where")
+    table.add_column("note")
     by_node = {(c.direction, c.kind, c.node): c for c in report.collectives}
     for e in seq.enters:
         c = by_node.get(("forward", "all_gather", e.node))
@@ -267,9 +269,9 @@ def experts_table(the_plan, report: Report) -> Table | None:
     if not the_plan.experts and not the_plan.experts_kept:
         return None
     tokens = report.batch * report.seq
-    table = Table(title=f"expert parallelism (tokens per step b·s = {fmt_count(tokens)})")
+    table = FitTable(title=f"expert parallelism (tokens per step b·s = {fmt_count(tokens)})")
     for col in ("layer", "experts per rank", "routed to them", "dispatch, combine"):
-        table.add_column(col, overflow="fold")
+        table.add_column(col)
     for x in the_plan.experts:
         slots = f"b·s·k = {fmt_count(tokens * x.top_k)} token slots" if x.top_k else "the tokens the routing picks"
         a2a = (f"none: every rank holds the tokens (an all-to-all would send b·s·k·h = {fmt_count(tokens * x.top_k * x.width)} "

@@ -6,7 +6,7 @@ and a ``targets`` branch that computes the loss.
 
 Run it on CPU with two processes::
 
-    torchrun --nproc-per-node 2 examples/nanogpt.py
+    autotp run examples/nanogpt.py --tp 2      # or: torchrun --nproc-per-node 2 examples/nanogpt.py
 """
 from __future__ import annotations
 
@@ -124,6 +124,28 @@ class GPT(nn.Module):
             loss = None
         return logits, loss
 
+    def configure_optimizers(self, weight_decay, learning_rate, betas, device_type):
+        """AdamW with weight decay on the matrices only (not on biases, norms' weights)."""
+        params = [p for p in self.parameters() if p.requires_grad]
+        groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+                  {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+        fused = device_type == "cuda" and torch.cuda.is_available()
+        return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=fused)
+
+    @torch.no_grad()
+    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None):
+        """Sample ``max_new_tokens`` tokens after ``idx`` (b, t), one forward per token."""
+        for _ in range(max_new_tokens):
+            idx_cond = idx if idx.size(1) <= self.config.block_size else idx[:, -self.config.block_size:]
+            logits, _ = self(idx_cond)
+            logits = logits[:, -1, :] / temperature  # (b, vocab)
+            if top_k is not None:
+                v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
+                logits[logits < v[:, [-1]]] = -float("inf")
+            idx_next = torch.multinomial(F.softmax(logits, dim=-1), num_samples=1)  # (b, 1)
+            idx = torch.cat((idx, idx_next), dim=1)
+        return idx
+
 
 def build_model() -> GPT:
     torch.manual_seed(0)
@@ -146,15 +168,20 @@ def main(steps: int = 5) -> None:
 
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     model = autotp.parallelize(build_model(), example_inputs=example_batch())
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    opt = model.configure_optimizers(0.1, 1e-3, (0.9, 0.95), "cuda" if torch.cuda.is_available() else "cpu")
     for step in range(steps):
         idx, targets = example_batch()
         _, loss = model(idx, targets)
         opt.zero_grad()
         loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         if dist.get_rank() == 0:
             print(f"step {step}: loss {loss.item():.4f} (tp={autotp.tp_state(model).tp})")
+    torch.manual_seed(0)  # every rank samples the same tokens
+    tokens = model.generate(example_batch(batch=1, seq=4)[0], max_new_tokens=8, top_k=50)
+    if dist.get_rank() == 0:
+        print("sampled:", tokens[0].tolist())
     dist.destroy_process_group()
 
 

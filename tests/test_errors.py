@@ -33,6 +33,7 @@ def test_no_process_group_says_how_to_start_one():
     with pytest.raises(ProcessGroupError) as e:
         autotp.parallelize(nn.Linear(4, 4), example_inputs=(torch.randn(2, 4),))
     assert "init_process_group" in str(e.value) and "torchrun" in str(e.value)
+    assert "autotp run train.py --tp 2" in str(e.value)  # autotp's own launcher first
 
 
 def test_export_failure_shows_reason_and_user_line(single_rank_group):

@@ -290,6 +290,9 @@ def test_fsdp_training_parity(runs, model: str, tp: int):
             Counter({"all_gather": units - 1, "reduce_scatter": units + root})
         want_fwd, want_bwd = _tp_all_reduces(layers) if tp > 1 else (Counter(), Counter())
         assert _kinds(fwd, "all_reduce") == want_fwd and _kinds(bwd, "all_reduce") == want_bwd
+        # the gradient norm: one all-reduce of the squares' sum over all tp × dp ranks, not one per mesh dim
+        assert sum(r["norm_collectives"].values()) == 1, r["norm_collectives"]
+        assert "all_reduce" in next(iter(r["norm_collectives"])), r["norm_collectives"]
         # each rank keeps 1/(tp·dp) of the parameters (FSDP pads dim 0 to a multiple of dp)
         assert r["local_numel"] <= r["full_numel"] / 4 * 1.25
 

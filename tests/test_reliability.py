@@ -237,8 +237,6 @@ class _Payload:
 def test_tampered_checkpoint_fails_before_any_rank(runs, monkeypatch, tmp_path: Path) -> None:
     import pickle
 
-    import autotp.cli.shard as shard_cli
-
     out = tmp_path / "out"
     shutil.copytree(runs["tmp"] / "full", out, symlinks=True)
     metadata = latest_checkpoint(out) / ".metadata"
@@ -247,7 +245,8 @@ def test_tampered_checkpoint_fails_before_any_rank(runs, monkeypatch, tmp_path: 
     manifest = metadata.parent / "autotp.json"  # the manifest rewritten too: its checksums would refuse it first
     manifest.write_text(json.dumps({k: v for k, v in json.loads(manifest.read_text()).items()
                                     if k not in ("files", "manifest_crc32")}))
-    monkeypatch.setattr(shard_cli, "launch", lambda *a, **k: pytest.fail("a rank was started"))
+    # `autotp shard` imports the launcher when it runs (its --help imports no torch): patched where it is defined
+    monkeypatch.setattr("autotp.distributed.launch.launch", lambda *a, **k: pytest.fail("a rank was started"))
     result = runner.invoke(app, ["shard", NANOGPT, "--tp", "4", "--resume", "--out", str(out)],
                            env={"COLUMNS": "500"})
     assert result.exit_code == 2, result.output
@@ -347,15 +346,13 @@ CATALOG = {
 def test_bad_input_fails_before_any_rank(case: str, tmp_path: Path, monkeypatch) -> None:
     import re
 
-    import autotp.cli.shard as shard_cli
-
     if case == "more ranks than GPUs" and torch.cuda.is_available() and torch.cuda.device_count() >= 2:
         pytest.skip("this machine has the GPUs")
 
     def no_launch(*args, **kwargs):
         raise AssertionError("a rank was started")
 
-    monkeypatch.setattr(shard_cli, "launch", no_launch)
+    monkeypatch.setattr("autotp.distributed.launch.launch", no_launch)  # imported by the command when it runs
     make, extra, pattern = CATALOG[case]
     args = ["shard", make(tmp_path), "--tp", "2", "--out", str(tmp_path / "out"), *extra]
     start = time.monotonic()

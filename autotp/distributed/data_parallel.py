@@ -58,15 +58,25 @@ def fsdp_meshes(mesh: DeviceMesh, config: FSDPConfig) -> tuple[DeviceMesh, Devic
         raise ProcessGroupError(f"the device mesh for fsdp needs a 'tp' dim; it has {names}",
                                 hint="e.g. init_device_mesh(device, (dp, tp), mesh_dim_names=('dp', 'tp'))")
     if all(n in names for n in HSDP_DIMS):
-        return mesh[HSDP_DIMS], mesh["tp"]
+        return _joined(mesh, HSDP_DIMS), mesh["tp"]
     if "dp" not in names:
         raise ProcessGroupError(f"the device mesh for fsdp needs a 'dp' dim (or 'dp_replicate' and 'dp_shard'); "
                                 f"it has {names}")
     dp = mesh["dp"].size()
     if config.replicas == 1:
-        return mesh["dp"], mesh["tp"]
+        return _joined(mesh, ("dp",)), mesh["tp"]
     if dp % config.replicas:
         raise ValueError(f"hsdp: {config.replicas} replica groups do not divide the data-parallel size {dp}")
     split = mesh._unflatten(names.index("dp"), (config.replicas, dp // config.replicas), HSDP_DIMS)
-    return split[HSDP_DIMS], split["tp"]
+    return _joined(split, HSDP_DIMS), split["tp"]
+
+
+def _joined(mesh: DeviceMesh, dp_dims: tuple[str, ...]) -> DeviceMesh:
+    """``mesh[dp_dims]``, with the data-parallel and tensor-parallel dims also flattened into one: a sum over
+    all of them (the gradient norm of ``clip_grad_norm_``: Partial over dp and tp) is then one all-reduce of
+    the whole group, as Megatron's, not one per dim (DTensor merges them only where that flattened mesh
+    exists)."""
+    if mesh.size() > 1 and all(mesh[d].size() > 1 for d in (*dp_dims, "tp")):
+        mesh[(*dp_dims, "tp")]._flatten()
+    return mesh[dp_dims]
 

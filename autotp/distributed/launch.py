@@ -2,7 +2,9 @@
 
 Launcher side: :class:`LaunchSpec` (validated sizes and rendezvous) and :func:`launch`, which runs a
 function or an executable on ``tp × dp`` processes per node with c10d rendezvous. Every worker gets
-``AUTOTP_TP``, ``AUTOTP_DP``, ``AUTOTP_PP`` and ``AUTOTP_BACKEND`` in its environment.
+``AUTOTP_TP``, ``AUTOTP_DP``, ``AUTOTP_PP`` and ``AUTOTP_BACKEND`` in its environment. With a
+:class:`RankOutput` the ranks' stdout and stderr reach the launcher's through torch's ``tee`` (as torchrun's
+``--tee``, ``--local-ranks-filter`` and ``--log-dir``), each line prefixed with its rank.
 
 Worker side: :func:`init_from_env` initialises the default process group if needed and returns a
 :class:`RankContext` (layout, DeviceMesh, ``tp_group()``, ``dp_group()``); :func:`current_tp_group` finds
@@ -15,9 +17,13 @@ import contextlib
 import datetime
 import logging
 import os
+import re
+import sys
+import tempfile
+import threading
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TextIO
 
 import torch
 import torch.distributed as dist
@@ -32,8 +38,8 @@ from autotp.distributed.warm import as_launched, warmed
 
 __all__ = [
     "ENV_BACKEND", "ENV_DP", "ENV_PP", "ENV_TIMEOUT", "ENV_TP", "LaunchError", "LaunchSpec", "RankContext",
-    "RankFailedError", "choose_backend", "current_tp_group", "init_distributed", "init_from_env", "launch",
-    "root_failure",
+    "RankFailedError", "RankOutput", "choose_backend", "current_tp_group", "init_distributed", "init_from_env",
+    "launch", "root_failure",
 ]
 
 ENV_TP, ENV_DP, ENV_PP, ENV_BACKEND = "AUTOTP_TP", "AUTOTP_DP", "AUTOTP_PP", "AUTOTP_BACKEND"
@@ -44,6 +50,10 @@ _PEER_FAILURE = ("connection closed by peer", "connection reset", "broken pipe",
                  "timed out", "timeout", "distbackenderror", "checkpointexception", "nccl", "watchdog",
                  "signal", "sigterm", "sigkill")
 _LAUNCHER_LOGGERS = ("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing")
+# torch's log_line_prefix_template: each tee'd line starts with its global rank (torch's own default, "[default0]:",
+# is the role and the local rank)
+RANK_PREFIX = "[rank${rank}]:"
+_PREFIXED = re.compile(r"\[rank\d+\]:")
 
 
 def choose_backend(nproc_per_node: int) -> str:
@@ -185,13 +195,92 @@ def _quiet_launcher_logs(quiet: bool) -> Iterator[None]:
             lg.setLevel(level)
 
 
+@dataclass(frozen=True)
+class RankOutput:
+    """The ranks' stdout and stderr go to files that the launching process tails onto its own (torch's
+    ``tee``), each line prefixed with its global rank (``[rank1]:``) and printed only once it is whole."""
+
+    ranks: frozenset[int] | None = None  # local ranks whose lines are shown (torch's local_ranks_filter); None: all
+    log_dir: str | None = None  # where the files stay (torch's layout under it); None: a temporary folder, removed
+
+
+class _WholeLines:
+    """The stream torch's tailing threads write to, one write per line read: ``[rankN]:`` and what that rank's
+    file held up to a newline or up to its end. A line the rank had not finished (its buffer flushed mid-line)
+    is held until the rest arrives, so ranks' lines never run into each other; anything else passes through."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self._stream = stream
+        self._held: dict[str, str] = {}  # prefix -> the start of that rank's unfinished line
+        self._lock = threading.Lock()  # one tailing thread per rank and stream
+
+    def write(self, text: str) -> int:
+        with self._lock:
+            prefixed = _PREFIXED.match(text)
+            if prefixed is None:
+                self._stream.write(text)
+                return len(text)
+            prefix = prefixed.group()
+            line = self._held.pop(prefix, "") + text[len(prefix):]
+            if line.endswith("\n"):
+                self._stream.write(prefix + line)
+                self._stream.flush()  # shown as the rank prints it, through a pipe too
+            else:
+                self._held[prefix] = line
+        return len(text)
+
+    def finish(self) -> None:
+        """What ranks wrote after their last newline, each as a line of its own."""
+        with self._lock:
+            for prefix, rest in self._held.items():
+                self._stream.write(f"{prefix}{rest}\n")
+            self._held.clear()
+            self._stream.flush()
+
+    def flush(self) -> None:
+        self._stream.flush()
+
+    def __getattr__(self, name: str) -> Any:  # isatty, fileno, encoding, ...: the stream's own
+        return getattr(self._stream, name)
+
+
+@contextlib.contextmanager
+def _rank_output(output: RankOutput | None, on_logs: Callable[[str], None] | None) -> Iterator[dict[str, Any]]:
+    """LaunchConfig's arguments for ``output`` (none without one), with this process's stdout and stderr
+    joining the ranks' partial lines while the ranks run; then ``on_logs(folder)`` with the folder that holds
+    this run's files, when ``output.log_dir`` keeps them."""
+    if output is None:
+        yield {}
+        return
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
+
+    with contextlib.ExitStack() as stack:
+        folder = output.log_dir or stack.enter_context(tempfile.TemporaryDirectory(prefix="autotp-logs-"))
+        shown = None if output.ranks is None else set(output.ranks)
+        specs = DefaultLogsSpecs(log_dir=folder, tee=Std.ALL, local_ranks_filter=shown)
+        streams = _WholeLines(sys.stdout), _WholeLines(sys.stderr)
+        stack.enter_context(contextlib.redirect_stdout(streams[0]))  # torch's tails write to sys.stdout and
+        stack.enter_context(contextlib.redirect_stderr(streams[1]))  # sys.stderr as they are when ranks start
+        try:
+            yield {"logs_specs": specs, "log_line_prefix_template": RANK_PREFIX}
+        finally:
+            for stream in streams:
+                stream.finish()
+            if output.log_dir is not None and on_logs is not None:
+                # torch makes one folder per run under log_dir (<run id>_<random>); it keeps its name to itself
+                on_logs(getattr(specs, "_run_log_dir", None) or output.log_dir)
+
+
 def launch(spec: LaunchSpec, entrypoint: Callable[..., Any] | str, *args: Any, quiet: bool = True,
-           on_restart: Callable[[Failure], None] | None = None) -> dict[int, Any]:
+           on_restart: Callable[[Failure], None] | None = None, output: RankOutput | None = None,
+           on_logs: Callable[[str], None] | None = None) -> dict[int, Any]:
     """Run ``entrypoint(*args)`` on this node's ranks; global rank -> return value (functions only).
 
     A str entrypoint is an executable (``sys.executable``, then the script and its args in ``args``).
     Raises :class:`RankFailedError` for the rank whose failure caused the others. ``on_restart(failure)`` is
     called when a failed attempt is restarted (``spec.max_restarts``): which rank, its pid, how it ended, where.
+    Without ``output`` the ranks write to this process's stdout and stderr directly; with one, through files
+    (:class:`RankOutput`), and ``on_logs(folder)`` says where they stay once the ranks have ended.
     """
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -201,16 +290,21 @@ def launch(spec: LaunchSpec, entrypoint: Callable[..., Any] | str, *args: Any, q
     warm = callable(entrypoint) and warmed(entrypoint.__module__)
     port = spec.master_port if spec.master_port is not None else get_free_port()
     addr = spec.master_addr or "127.0.0.1"
-    config = LaunchConfig(
-        min_nodes=spec.nnodes, max_nodes=spec.nnodes, nproc_per_node=spec.nproc_per_node,
-        run_id=f"autotp-{addr}-{port}", rdzv_backend="c10d", rdzv_endpoint=f"{addr}:{port}",
-        rdzv_configs={"is_host": spec.node_rank == 0} if spec.nnodes > 1 else {},
-        max_restarts=spec.max_restarts, monitor_interval=0.1,
-        # a function whose module the fork server preloads (autotp.distributed.warm): forked, already imported
-        start_method="forkserver" if warm else "spawn",
-    )
-    with watching(spec.max_restarts, _picked, on_restart) as progress, \
-            _environ({**spec.env(backend), **progress}), _quiet_launcher_logs(quiet):
+    env = spec.env(backend)
+    if output is not None and "PYTHONUNBUFFERED" not in os.environ:
+        # each rank's stdout is a file then, which Python fills 8 KiB at a time: unbuffered, a line shows when it
+        # is printed, as on a terminal (_WholeLines joins the pieces of a line)
+        env["PYTHONUNBUFFERED"] = "1"
+    with watching(spec.max_restarts, _picked, on_restart) as progress, _rank_output(output, on_logs) as logs, \
+            _environ({**env, **progress}), _quiet_launcher_logs(quiet):
+        config = LaunchConfig(
+            min_nodes=spec.nnodes, max_nodes=spec.nnodes, nproc_per_node=spec.nproc_per_node,
+            run_id=f"autotp-{addr}-{port}", rdzv_backend="c10d", rdzv_endpoint=f"{addr}:{port}",
+            rdzv_configs={"is_host": spec.node_rank == 0} if spec.nnodes > 1 else {},
+            max_restarts=spec.max_restarts, monitor_interval=0.1,
+            # a function whose module the fork server preloads (autotp.distributed.warm): forked, already imported
+            start_method="forkserver" if warm else "spawn", **logs,
+        )
         try:
             if warm:  # the server's environment is the launcher's when it started: the rank gets today's
                 return elastic_launch(config, as_launched)(dict(os.environ), entrypoint, *args)

@@ -76,8 +76,9 @@ def _resolve_group(tp_group: dist.ProcessGroup | None) -> dist.ProcessGroup:
     if not (dist.is_available() and dist.is_initialized()):
         raise ProcessGroupError(
             "autotp.parallelize needs a process group, and none is initialised",
-            hint="call torch.distributed.init_process_group('gloo' on CPU or 'nccl' on GPU) first, "
-                 "e.g. under `torchrun --nproc-per-node 2 train.py`; a group of size 1 is valid and runs unsharded",
+            hint="start the script with `autotp run train.py --tp 2` (it starts the ranks and their process "
+                 "groups), or call torch.distributed.init_process_group('gloo' on CPU, 'nccl' on GPU) first under "
+                 "`torchrun --nproc-per-node 2 train.py`; a group of size 1 is valid and runs unsharded",
         )
     return dist.group.WORLD
 

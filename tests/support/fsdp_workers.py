@@ -84,7 +84,14 @@ def fsdp_parity(model_name: str, tp: int, steps: int = 3, clip: float = 0.05, re
             loss.backward()
         if step == 0:
             out["forward_collectives"], out["backward_collectives"] = log.calls[:n_fwd], log.calls[n_fwd:]
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        from torch.distributed.tensor.debug import CommDebugMode
+
+        comm = CommDebugMode()  # DTensor's own collectives (the norm's redistribution), which a dispatch mode misses
+        with comm:
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            _full(norm)
+        if step == 0:
+            out["norm_collectives"] = {str(k): v for k, v in comm.get_comm_counts().items()}
         opt.step()
         opt.zero_grad()
         mean = loss.detach().clone()
