@@ -27,6 +27,7 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 from torch.distributed.tensor import DTensor
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 import autotp
@@ -217,9 +218,18 @@ def _train(step_fn, args: tuple, kwargs: dict, job: ShardJob, ctx: RankContext, 
 
 
 def saving(save, step: int) -> Path:
-    """``save(step)``, noted as this rank's progress (a rank dying in a save is said as such)."""
+    """``save(step)``, noted as this rank's progress (a rank dying in a save is said as such); rank 0 says
+    that it saves, where, and how long it took (a save can take seconds: no silent wait)."""
     note_progress(step, f"while saving step {step}")
-    return save(step)
+    say = dist.is_initialized() and dist.get_rank() == 0
+    if say:
+        Console().print(f"saving checkpoint of step {step} …", highlight=False)
+    begin = time.perf_counter()
+    path = save(step)
+    if say:
+        Console().print(f"saved {escape(str(path))} in {time.perf_counter() - begin:.1f} s", soft_wrap=True,
+                        highlight=False)
+    return path
 
 
 def _load(model: torch.nn.Module, path: str) -> str:

@@ -277,3 +277,20 @@ def test_autotp_run_failing_script(tmp_path: Path) -> None:
     result = runner.invoke(app, ["run", str(script), "--tp", "2"], env={"COLUMNS": "500"})
     assert result.exit_code == 3
     assert "exit code 3" in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
+def test_a_save_says_that_it_saves_where_and_how_long(tmp_path: Path, capsys) -> None:
+    """The final checkpoint save takes seconds: rank 0 says it is saving, then where it saved and in how long."""
+    import torch.distributed as dist
+
+    from autotp.cli.shard_worker import saving
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        path = saving(lambda step: tmp_path / f"step-{step:06d}", 3)
+    finally:
+        dist.destroy_process_group()
+    lines = capsys.readouterr().out.splitlines()
+    assert path == tmp_path / "step-000003"
+    assert lines[0] == "saving checkpoint of step 3 …"
+    assert lines[1].startswith(f"saved {path} in ") and lines[1].endswith(" s"), lines
