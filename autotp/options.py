@@ -1,20 +1,83 @@
-"""What :func:`autotp.parallelize` is asked for, as one frozen value validated once.
+"""What :func:`autotp.parallelize` and :func:`autotp.pipeline` are asked for, as one frozen value validated once.
 
 :class:`Options` holds every choice beyond the process group (vocab padding, compile, input checks,
-sequence and expert parallelism, FSDP, pipeline stages); :meth:`Options.validate` refuses a combination that
-does not run, in one place, before any rank does work. The model's state (:class:`~autotp.state.TPState`)
-keeps it beside this rank's identity and what the calls have cached.
+sequence and expert parallelism, FSDP with its mixed precision, pipeline stages with their schedule,
+micro-batches and virtual stages: :class:`PipelineOptions`); :meth:`Options.validate` refuses a combination
+that does not run, in one place, before any rank does work. The command line and the layout search ask the
+same rules (:func:`refused`, :meth:`PipelineOptions.validate`) without torch. The model's state
+(:class:`~autotp.state.TPState`) keeps it beside this rank's identity and what the calls have cached.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, NamedTuple
 
-from autotp.errors import ShardingError
+from autotp.errors import PipelineError, ShardingError
 
 if TYPE_CHECKING:  # the layout search asks refused() without torch
     from autotp.distributed.data_parallel import FSDPConfig
     from autotp.plan.stages import StageRequest
+
+
+# torch.distributed.pipelining's schedules by name, and how each places its stages: "single" one stage per
+# rank, "loop" stage s on rank s mod pp, "v" two per rank folded back (the classes: autotp.parallel.pipeline)
+PLACEMENTS: dict[str, str] = {"GPipe": "single", "1F1B": "single", "Interleaved1F1B": "loop", "LoopedBFS": "loop",
+                              "InterleavedZeroBubble": "loop", "ZBVZeroBubble": "v"}
+# schedules that run a micro-batch's backward while others' forwards are in flight: m >= pp
+_STEADY = ("1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble")
+
+
+@dataclass(frozen=True)
+class PipelineOptions:
+    """Pipeline stages as asked for: ``pp`` pipeline ranks, the schedule by name (any case), micro-batches per
+    step (None: pp), stages per rank (None: 1, or 2 for the interleaved and V schedules) and the blocks that
+    start stages 1, 2, ... (empty: balanced by FLOPs)."""
+
+    pp: int
+    schedule: str = "1F1B"
+    microbatches: int | None = None
+    virtual_stages: int | None = None
+    split_points: tuple[str, ...] = ()
+
+    @property
+    def placement(self) -> str:
+        return PLACEMENTS[self.schedule]
+
+    @property
+    def count(self) -> int:
+        """Stages in all (pp × virtual stages); of a validated value."""
+        return self.pp * (self.virtual_stages or 1)
+
+    def validate(self, batch: int | None = None) -> PipelineOptions:
+        """The same request with the schedule's own spelling and every default filled in, or a
+        :class:`PipelineError` naming the numbers given; ``batch``: the step's batch, which the micro-batches
+        must divide."""
+        name = {k.lower(): k for k in PLACEMENTS}.get(str(self.schedule).lower())
+        if name is None:
+            raise PipelineError(f"unknown pipeline schedule {self.schedule!r}", hint=f"use one of {', '.join(PLACEMENTS)}")
+        placement = PLACEMENTS[name]
+        v = self.virtual_stages if self.virtual_stages is not None else (1 if placement == "single" else 2)
+        m = self.microbatches if self.microbatches is not None else self.pp
+        for what, value in (("pp", self.pp), ("microbatches", m), ("virtual_stages", v)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise PipelineError(f"{what} must be an integer >= 1, got {value!r}")
+        if placement == "single" and v != 1:
+            raise PipelineError(f"schedule {name} runs one stage per rank, and virtual_stages is {v}",
+                                hint="use Interleaved1F1B, LoopedBFS or InterleavedZeroBubble for several stages "
+                                     "per rank, or virtual_stages 1")
+        if placement == "loop" and v < 2:
+            raise PipelineError(f"schedule {name} interleaves several stages per rank, and virtual_stages is {v}",
+                                hint="use virtual_stages >= 2, or GPipe / 1F1B for one stage per rank")
+        if placement == "v" and v != 2:
+            raise PipelineError(f"schedule {name} places exactly 2 stages per rank (a V), and virtual_stages is {v}",
+                                hint="use virtual_stages 2")
+        if name in _STEADY and m < self.pp:
+            raise PipelineError(f"schedule {name} needs at least as many micro-batches as pipeline ranks: "
+                                f"microbatches {m} < pp {self.pp}", hint=f"use microbatches >= {self.pp}")
+        if batch is not None and batch % m:
+            raise PipelineError(f"{m} micro-batches do not divide the batch of {batch}",
+                                hint=f"use a number of micro-batches that divides {batch}")
+        return PipelineOptions(self.pp, name, m, v, tuple(self.split_points))
 
 
 class Refusal(NamedTuple):
@@ -47,11 +110,13 @@ class Options:
     check_inputs: bool = False
     sequence_parallel: bool = False
     expert_parallel: bool = False
-    fsdp: FSDPConfig | None = None  # sharded data parallelism over the mesh's dp dim(s)
+    fsdp: FSDPConfig | None = None  # sharded data parallelism over the mesh's dp dim(s); its mixed precision
     pipeline: StageRequest | None = None  # pipelined: every graph is cut into these stages
+    schedule: PipelineOptions | None = None  # pipelined: the stages' schedule, micro-batches and stages per rank
     # blocks several ranks hold (kv heads fewer than tp) kept whole and cut in the graph: set where FSDP shards
     # the parameters (its DTensors over tp are sharded or replicated, never a block on some of the ranks)
     whole_kv_copies: bool = False
+    stage_fsdp: bool = False  # pipelined: each stage is made one FSDP unit after parallelize
 
     def validate(self) -> Options:
         """``self``, or a :class:`ShardingError` naming what does not run together and the numbers given.
@@ -59,12 +124,17 @@ class Options:
         too."""
         if not isinstance(self.vocab_multiple, int) or self.vocab_multiple < 1:
             raise ShardingError(f"vocab_multiple must be a positive integer, got {self.vocab_multiple!r}")
-        reason = refused(pipeline=self.pipeline.count if self.pipeline is not None else 1, fsdp=self.fsdp is not None,
-                         sequence_parallel=self.sequence_parallel, expert_parallel=self.expert_parallel,
-                         compile=bool(self.compile))
+        schedule = self.schedule.validate() if self.schedule is not None else None
+        if schedule is not None and self.pipeline is not None and schedule.count != self.pipeline.count:
+            raise PipelineError(f"{self.pipeline.count} stages asked for, and the schedule {schedule.schedule} "
+                                f"places pp {schedule.pp} × virtual stages {schedule.virtual_stages}")
+        stages = self.pipeline.count if self.pipeline is not None else 1
+        reason = refused(pipeline=stages, schedule=None if schedule is None else schedule.schedule,
+                         fsdp=self.fsdp is not None or self.stage_fsdp, sequence_parallel=self.sequence_parallel,
+                         expert_parallel=self.expert_parallel, compile=bool(self.compile))
         if reason is not None:
-            raise ShardingError(reason.message, hint=reason.hint)
-        return self
+            raise (PipelineError if stages > 1 else ShardingError)(reason.message, hint=reason.hint)
+        return self if schedule is None else replace(self, schedule=schedule)
 
     def cache_options(self) -> dict:
         """The options a plan depends on, for the plan cache's key."""

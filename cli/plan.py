@@ -3,8 +3,9 @@
 The model is built on the meta device (nothing is materialised) and captured on meta tensors in this one
 process; the plan, the rank grid and the numbers of :mod:`autotp.plan.report` are printed. A file without
 ``example_batch()`` is planned on ``autotp.parallelize``'s default batch of token ids (sizes from ``--batch``
-and ``--seq`` when given), and the output says so. ``--json`` writes them as data, ``--svg`` / ``--html`` the
-same picture as the terminal shows.
+and ``--seq`` when given), and the output says so. ``--json`` writes them as data, ``--svg`` draws the rank
+grid and each layer's sharding as a diagram (:mod:`autotp.cli.diagram`), ``--html`` the tables the terminal
+shows.
 """
 from __future__ import annotations
 
@@ -60,7 +61,8 @@ def plan(
     autocast: str | None = typer.Option(None, "--autocast", help="bf16 or fp16: count the collectives' bytes "
                                         "as a forward under torch.autocast moves them."),
     json_out: Path | None = typer.Option(None, "--json", help="Write plan, layout and report as JSON here."),
-    svg: Path | None = typer.Option(None, "--svg", help="Write the printed tables as an SVG picture here."),
+    svg: Path | None = typer.Option(None, "--svg", help="Draw a diagram here (SVG): the rank grid with its nodes, "
+                                    "and each layer's weights as cut, with its collectives."),
     html: Path | None = typer.Option(None, "--html", help="Write the printed tables as HTML here."),
     auto: bool = typer.Option(False, "--auto", help="Choose the layout: price every tp × dp × pp (FSDP, "
                               "sequence parallelism, virtual stages, micro-batches, recomputation) for "
@@ -78,6 +80,9 @@ def plan(
     """Show how MODEL_PY would be sharded: rank grid, per-layer plan, memory and communication per step; with
     --pp, its pipeline stages, what crosses each cut and the bubble; with --auto, the best layouts for
     --world-size devices and why."""
+    if auto and (svg is not None or html is not None):  # they draw one layout's plan, which --auto does not make
+        abort("--svg and --html draw one layout's plan: drop them with --auto, then plan the layout it chooses "
+              "with --tp/--dp/--pp", debug, code=USAGE_ERROR)
     if auto:
         return _plan_auto(model, tp, dp, pp, world_size, gpus_per_node, gpu, batch, seq, global_batch, autocast,
                           top, json_out, debug)
@@ -134,15 +139,27 @@ def plan(
         if pipe is not None:
             data["pipeline"] = pipe.to_dict()
         json_out.write_text(json.dumps(data, indent=2))
-    if svg is not None or html is not None:
+    if svg is not None:
+        from autotp.cli.diagram import draw
+
+        drawn = draw(f"autotp plan {model}", the_plan, report, layout, names, pipe, fsdp)
+        _write(svg, drawn.svg, "--svg", debug)
+        console.print(f"wrote diagram {escape(str(svg))} ({drawn.ranks} ranks, {drawn.layers} modules)",
+                      soft_wrap=True)
+    if html is not None:
         # drawn again, off screen and at least 160 columns wide, so a file does not inherit a narrow
         # (or absent, under a pipe) terminal's wrapping
         pic = Console(record=True, file=io.StringIO(), width=max(console.width, 160), force_terminal=True)
         render(pic, model, the_plan, report, layout, names, batch_note, fsdp_info, pipe)
-        if svg is not None:  # save_svg clears the recording unless told not to; keep it for the html
-            pic.save_svg(str(svg), title=f"autotp plan {model}", clear=html is None)
-        if html is not None:
-            pic.save_html(str(html))
+        _write(html, pic.export_html(), "--html", debug)
+        console.print(f"wrote tables {escape(str(html))}", soft_wrap=True)
+
+
+def _write(path: Path, text: str, flag: str, debug: bool) -> None:
+    try:
+        path.write_text(text, encoding="utf-8")
+    except OSError as exc:  # a missing folder or no permission: the user's to fix, said in one line
+        abort(f"{flag}: cannot write {path}: {exc.strerror or exc}", debug, code=USAGE_ERROR)
 
 
 def _plan_auto(model: str, tp: int | None, dp: int | None, pp: int, world_size: int | None,

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import os
 import statistics
+import time
 import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -100,8 +101,10 @@ def _check_batch(mf: ModelFile, args: tuple, kwargs: dict, microbatches: int) ->
 
 
 def preflight(mf: ModelFile, tp: int, weights: Path | None = None, sequence_parallel: bool = False,
-              expert_parallel: bool = False, fsdp: bool = False, stages: tuple[int, int] | None = None) -> None:
-    """Build the model on the meta device, capture the example batch and plan for ``tp``, in this process.
+              expert_parallel: bool = False, fsdp: bool = False, stages: tuple[int, int] | None = None) -> float | None:
+    """Build the model on the meta device, capture the example batch and plan for ``tp``, in this process;
+    the FLOPs of one training step on the batch (three times the forward's matmuls and attention, from the
+    captured graph's shapes), or None when the graph could not be captured here.
 
     Raises the :class:`AutotpError` a rank would raise (the factory's or forward's own message, a size ``tp``
     does not divide, ``weights`` whose names or shapes do not fit the model), before any rank starts. Failures that are not autotp's (a model that cannot be built or
@@ -140,7 +143,10 @@ def preflight(mf: ModelFile, tp: int, weights: Path | None = None, sequence_para
             _eager_on_meta(mf, model, args, kwargs)
         raise
     except Exception:  # noqa: BLE001
-        return
+        return None
+    from autotp.analysis.flops import node_flops
+
+    flops = 3.0 * sum(node_flops(n) for n in gm.graph.nodes)  # backward: twice the forward's matmul work
     try:
         plan = make_plan(gm, tp, sequence_parallel=sequence_parallel, expert_parallel=expert_parallel,
                          stages=None if stages is None else StageRequest(stages[0]))
@@ -151,7 +157,29 @@ def preflight(mf: ModelFile, tp: int, weights: Path | None = None, sequence_para
     except (AutotpError, ValueError):  # a ValueError of the plan names the sizes (experts tp does not divide)
         raise
     except Exception:  # noqa: BLE001 - not a user error autotp can explain; the ranks will show it in full
-        return
+        return None
+    return flops or None
+
+
+def _spread(report: ShardReport) -> str:
+    """Why the step times look as they do, when the layout alone does not say ('' when nothing needs saying):
+    ranks sharing CPU cores, FSDP's collectives on a small model, a spread between ranks."""
+    medians = [statistics.median(r.step_s) for r in report.ranks if r.step_s]
+    if not medians:
+        return ""
+    parts = []
+    cores = os.cpu_count() or 1
+    if report.backend == "gloo" and len(report.ranks) > cores:
+        parts.append(f"{len(report.ranks)} ranks share this machine's {cores} CPU cores, so ranks take turns on a "
+                     "core within every step: the times measure the machine more than the layout")
+    if report.fsdp_units or report.fsdp:
+        parts.append("FSDP2 adds an all-gather per unit forward and backward and a reduce-scatter per unit to each "
+                     "step (see DP sharding); on gloo each is a separate small message, so a model this small "
+                     "steps slower than under DDP (one bucketed all-reduce): FSDP buys memory, not speed, here")
+    lo, hi = min(medians), max(medians)
+    if parts and hi > 1.15 * lo:
+        parts.append(f"medians range {lo * 1e3:.1f}–{hi * 1e3:.1f} ms across ranks")
+    return "; ".join(parts)
 
 
 def _ms(seconds: tuple[float, ...]) -> str:
@@ -165,13 +193,13 @@ def render(report: ShardReport, console: Console) -> None:
     pp = f" × pp {report.pp}" if report.pp > 1 else ""
     ranks = FitTable(title=f"{escape(report.model)}: tp {report.tp} × dp {report.dp}{pp} ({report.backend})")
     cols = (("rank", "right"), ("tp", "right"), ("dp", "right"), *((("pp", "right"),) if pp else ()),
-            ("parameters", "right"), ("of unsharded", "right"), ("step (median)", "right"))
+            ("parameters", "right"), ("of unsharded", "right"), ("step (median)", "right"), ("peak memory", "right"))
     for col, justify in cols:
         ranks.add_column(col, justify=justify, no_wrap=True)
     for r in report.ranks:
         share = f"{100 * r.param_bytes / report.unsharded_bytes:.0f}%" if report.unsharded_bytes else "-"
         ranks.add_row(str(r.rank), str(r.tp_rank), str(r.dp_rank), *((str(r.pp_rank),) if pp else ()),
-                      _size(r.param_bytes), share, _ms(r.step_s))
+                      _size(r.param_bytes), share, _ms(r.step_s), _size(r.peak_memory) if r.peak_memory else "-")
     console.print(ranks)
 
     summary = FitTable(show_header=False, title="summary")
@@ -222,10 +250,22 @@ def render(report: ShardReport, console: Console) -> None:
                         f"holds the weights at step {report.start_step}")
     if report.losses:
         summary.add_row("loss (dp replica 0)", " → ".join(f"{x:.4f}" for x in report.losses))
+    if report.losses and report.tokens_per_step and report.ranks[0].step_s:
+        rate = report.tokens_per_step / statistics.median(report.ranks[0].step_s)
+        world = len(report.ranks)
+        mfu = "MFU: no device peak (give --gpu, or run `autotp profile`)" if report.mfu is None else \
+            f"MFU {100 * report.mfu:.2f}%"
+        summary.add_row("throughput (median step)", f"{rate:,.0f} tokens/s, {rate / world:,.0f} per rank "
+                        f"({report.tokens_per_step:,} tokens per step); {mfu}")
+        if note := _spread(report):
+            summary.add_row("step time", note)
     console.print(summary)
     # below the table, each on a line of its own however wide: a path is copied whole, not read folded
     console.print(f"[bold]plan:[/bold] {escape(report.plan_path)}", soft_wrap=True)
     console.print(f"[bold]checkpoint:[/bold] {escape(report.checkpoint_path)}", soft_wrap=True)
+    if report.metrics_path:
+        console.print(f"[bold]metrics:[/bold] {escape(report.metrics_path)}"
+                      + (f" (TensorBoard: {escape(report.tensorboard)})" if report.tensorboard else ""), soft_wrap=True)
     if report.comm:
         comm = FitTable(title="TP communication per training step, per rank, vs Megatron's formula (README: 'What a "
                         "step costs')", keys=2, breaks=(5,))
@@ -255,14 +295,19 @@ def shard(
     auto: bool = typer.Option(False, "--auto", help="Choose tp, dp, pp, FSDP and micro-batches for --world-size "
                               "ranks by predicted throughput (as `autotp plan --auto` shows), then run that."),
     world_size: int | None = typer.Option(None, "--world-size", "-w", help="With --auto: ranks in all."),
-    gpu: str | None = typer.Option(None, "--gpu", help="With --auto: a100, h100 or a profile written by "
-                                   "`autotp profile` (default ./autotp-profile.json)."),
+    gpu: str | None = typer.Option(None, "--gpu", help="a100, h100 or a profile written by `autotp profile` "
+                                   "(default ./autotp-profile.json): the device --auto plans for, and whose "
+                                   "peak FLOP/s the training log's MFU is measured against."),
     schedule: str = typer.Option("1F1B", "--schedule", help="With --pp: the pipeline schedule (GPipe, 1F1B, "
                                  "Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble)."),
     microbatches: int | None = MICROBATCHES,
     virtual_stages: int | None = VIRTUAL_STAGES,
     steps: int = typer.Option(3, "--steps", help="AdamW training steps after the parity check."),
     lr: float = typer.Option(1e-3, "--lr", help="AdamW learning rate."),
+    clip_grad: float = typer.Option(0.0, "--clip-grad", help="Clip the gradients' full-model norm to this "
+                                    "(0: no clipping; the norm is logged either way)."),
+    log_every: int = typer.Option(1, "--log-every", help="Log training metrics (loss, tokens/s, MFU, memory, "
+                                  "grad norm) every N steps, and the last, to the console and OUT/metrics.jsonl."),
     out: Path = typer.Option(Path("autotp-out"), "--out", help="Folder for plan.json, summary.json, checkpoints."),
     verify: bool | None = typer.Option(None, "--verify/--no-verify", help="Compare with the unsharded model "
                                        "first (default: yes, except with --weights)."),
@@ -284,7 +329,14 @@ def shard(
     launcher: Launcher = Launcher(),
 ) -> None:
     """Shard MODEL_PY over tp × dp × pp ranks, verify, train a few steps, save plan and checkpoint."""
+    started = time.time()
     fsdp, nnodes, node_rank, timeout = launcher.fsdp, launcher.nnodes, launcher.node_rank, launcher.timeout
+    from autotp.cli.progress import Phases
+
+    phases = Phases(started, quiet=node_rank != 0)
+    if tp is not None or auto:  # said before torch is imported (a second or more): the command is alive at once
+        phases.say("check", f"{model}: importing it, capturing it on the meta device and planning it"
+                   + (f" at tp {tp}" if tp else "") + ", before any rank starts")
     from autotp.capture.modelfile import load_model_file, parse_spec
     from autotp.cli.shard_worker import PARITY_TOL, ShardJob, shard_worker  # the ranks' code: only when sharding
     from autotp.distributed.launch import launch
@@ -295,14 +347,18 @@ def shard(
             model, tp, dp, pp, fsdp, microbatches, virtual_stages, world_size, nnodes, gpu, debug)
     elif tp is None:
         abort("give --tp N, or --auto --world-size N to choose the layout", debug, code=USAGE_ERROR)
-    elif world_size is not None or gpu is not None:
-        abort("--world-size and --gpu go with --auto (without it the world is tp × dp × pp × nnodes)", debug,
+    elif world_size is not None:
+        abort("--world-size goes with --auto (without it the world is tp × dp × pp × nnodes)", debug,
               code=USAGE_ERROR)
 
     if steps < 0:
         abort(f"--steps must be >= 0, got {steps}", debug, code=USAGE_ERROR)
     if not lr > 0:
         abort(f"--lr must be > 0, got {lr}", debug, code=USAGE_ERROR)
+    if log_every < 1:
+        abort(f"--log-every must be >= 1, got {log_every}", debug, code=USAGE_ERROR)
+    if clip_grad < 0:
+        abort(f"--clip-grad must be >= 0, got {clip_grad}", debug, code=USAGE_ERROR)
     if save_every < 0:
         abort(f"--save-every must be >= 0, got {save_every}", debug, code=USAGE_ERROR)
     if out.exists() and not out.is_dir():
@@ -312,16 +368,17 @@ def shard(
                          compile_=compile_, schedule=schedule)
     stages = None
     if pp > 1:
-        from autotp.parallel.pipeline import check_pipeline  # torch.distributed.pipelining: only with --pp
+        from autotp.options import PipelineOptions  # the rules autotp.pipeline validates with (no torch)
 
         try:
-            schedule, v = check_pipeline(pp, schedule, virtual_stages, microbatches or pp)
+            asked = PipelineOptions(pp, schedule, microbatches, virtual_stages).validate()
         except AutotpError as exc:
             abort(str(exc), debug, code=USAGE_ERROR)
-        stages = (pp * v, microbatches or pp)
+        schedule, stages = asked.schedule, (asked.count, asked.microbatches)
     try:
         # before any rank starts
-        preflight(load_model_file(model), tp, weights, sequence_parallel, expert_parallel, fsdp, stages)
+        flops = preflight(load_model_file(model), tp, weights, sequence_parallel, expert_parallel, fsdp, stages)
+        peak = _peak_flops(gpu)
     except (AutotpError, ValueError) as exc:
         abort(str(exc), debug, code=USAGE_ERROR)
     resume = resume or resume_from is not None
@@ -346,7 +403,11 @@ def shard(
                    save_every=save_every, compile=compile_, sequence_parallel=sequence_parallel,
                    expert_parallel=expert_parallel, fsdp=spec.hsdp if fsdp else 0, schedule=schedule,
                    microbatches=microbatches or pp, virtual_stages=virtual_stages,
-                   weights=None if weights is None else str(weights.resolve()))
+                   weights=None if weights is None else str(weights.resolve()), started=started,
+                   log_every=log_every, clip_grad=clip_grad, flops=flops, peak_flops=peak)
+    node = f" on node {node_rank} of {nnodes}" if nnodes > 1 else ""
+    phases.say("launch", f"starting {spec.nproc_per_node} ranks{node}: tp {spec.tp} × dp {spec.dp * nnodes}"
+               + (f" × pp {spec.pp}" if spec.pp > 1 else "") + (" (FSDP)" if spec.fsdp else ""))
     try:
         results = launch(spec, shard_worker, job, quiet=not debug, on_restart=say_restart)
     except RankFailedError as exc:
@@ -368,6 +429,14 @@ def shard(
         p = report.parity
         abort(f"sharded model differs from the unsharded one: max |Δloss| {p.loss_diff}, max |Δoutput| "
               f"{p.output_diff} exceed {PARITY_TOL:g}", debug, trace="")
+
+
+def _peak_flops(gpu: str | None) -> float | None:
+    """One device's peak FLOP/s for MFU: ``--gpu`` (a preset or a profile), else ./autotp-profile.json when
+    ``autotp profile`` wrote one; None otherwise (MFU is then left out, not guessed)."""
+    from autotp.cli.plan_auto import DEFAULT_PROFILE, hardware
+
+    return hardware(gpu).peak_flops if gpu is not None or DEFAULT_PROFILE.exists() else None
 
 
 def _unwritable(out: Path) -> str:

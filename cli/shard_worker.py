@@ -27,7 +27,6 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 from torch.distributed.tensor import DTensor
 from rich.console import Console
-from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 import autotp
@@ -38,6 +37,8 @@ from autotp.io.ckpt_io import (checkpoint_info, latest_checkpoint, load_training
 from autotp.plan.report import build_report
 from autotp.distributed.launch import RankContext, init_from_env
 from autotp.distributed.restarts import last_failure, note_progress
+from autotp.cli.progress import Phases
+from autotp.cli.train_log import StepMetrics, TrainLog, mfu, peak_memory, size as _size
 from autotp.capture.modelfile import (DEFAULT_BATCH_SHAPE, ModelFile, ModelFileError, default_example,
                                      find_loss, load_model_file, output_tensors, replica_batch, to_device)
 
@@ -64,6 +65,11 @@ class ShardJob:
     schedule: str = "1F1B"  # with pp > 1: the pipeline schedule
     microbatches: int = 0  # with pp > 1: micro-batches per step (0: pp)
     virtual_stages: int | None = None  # with pp > 1: stages per rank (None: the schedule's default)
+    started: float = 0.0  # time.time() when the command started: phase lines count from it
+    log_every: int = 1  # training metrics every N steps (and the last)
+    clip_grad: float = 0.0  # clip the gradients' full norm to this (0: no clipping)
+    flops: float | None = None  # a data-parallel replica's FLOPs per training step (3 × the forward's)
+    peak_flops: float | None = None  # one device's peak FLOP/s, for MFU (None: not known, MFU left out)
 
 
 @dataclass(frozen=True)
@@ -85,6 +91,7 @@ class RankStats:
     param_bytes: int
     step_s: tuple[float, ...]
     pp_rank: int = 0
+    peak_memory: int = 0  # bytes, after training (CUDA: max allocated; CPU: peak resident set)
 
 
 @dataclass(frozen=True)
@@ -117,6 +124,10 @@ class ShardReport:
     # with pp > 1: the schedule, micro-batches, stages per rank, and each stage's blocks
     pipeline: str = ""
     stages: tuple[tuple[str, ...], ...] = ()
+    tokens_per_step: int = 0  # over every data-parallel replica
+    metrics_path: str = ""  # the training log's JSON lines ("" when nothing was trained)
+    tensorboard: str = ""  # its TensorBoard folder ("" without the tensorboard package)
+    mfu: float | None = None  # the median step's, when the device's peak is known
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -170,65 +181,107 @@ def data_parallel(tpm: autotp.TPModule, ctx: RankContext) -> torch.nn.Module:
         tpm, process_group=ctx.dp_group(), device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
 
 
-def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> torch.Tensor:
-    """One optimizer step of ``model`` (a :func:`data_parallel` module) on this replica's batch; the loss."""
+class Stepped(NamedTuple):
+    loss: torch.Tensor
+    grad_norm: torch.Tensor | None  # the full model's gradient norm before clipping (None: not asked for)
+
+
+def grad_norm(params: list[torch.nn.Parameter], clip: float) -> torch.Tensor:
+    """The full model's gradient norm (sharded gradients count their whole parameter: autotp.parallel.grads,
+    or DTensor under FSDP); gradients clipped to ``clip`` when it is > 0."""
+    if clip > 0:
+        return torch.nn.utils.clip_grad_norm_(params, clip)
+    return torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+
+
+def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, args: tuple, kwargs: dict,
+               clip: float = 0.0, norm: bool = False) -> Stepped:
+    """One optimizer step of ``model`` (a :func:`data_parallel` module) on this replica's batch: the loss, and
+    the gradient norm when asked for (``norm``) or needed (``clip`` > 0)."""
     loss = find_loss(model(*args, **kwargs))
     if loss is None:
         raise ModelFileError("the model's output on the example batch carries no loss (looked for "
                              "out.loss, out['loss'], and a 0-dim tensor last in a tuple)",
                              hint="make example_batch() include the targets the forward needs")
     loss.backward()
+    total = grad_norm([p for g in opt.param_groups for p in g["params"]], clip) if norm or clip > 0 else None
     opt.step()
     opt.zero_grad(set_to_none=True)
-    return loss.detach()
+    return Stepped(loss.detach(), total)
+
+
+def batch_tokens(args: tuple, kwargs: dict) -> int:
+    """Tokens in one replica's batch: the first integer tensor of two or more dims (b × s ids), else the
+    first tensor's leading two dims, else its batch."""
+    leaves = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.dim() > 0]
+    ids = next((t for t in leaves if t.dim() >= 2 and not t.is_floating_point()), None)
+    if ids is not None:
+        return ids.shape[0] * ids.shape[1]
+    first = next(iter(leaves), None)
+    if first is None:
+        return 0
+    return first.shape[0] * (first.shape[1] if first.dim() >= 2 else 1)
 
 
 def _train(step_fn, args: tuple, kwargs: dict, job: ShardJob, ctx: RankContext, start: int = 0,
-           save=None) -> tuple[list, list]:
-    """Steps ``start`` ... ``job.steps - 1`` of ``step_fn(args, kwargs) -> loss`` (one optimizer step on this
-    replica's batch); ``save(step)`` after every ``job.save_every``-th (not the last)."""
+           save=None, log: TrainLog | None = None) -> tuple[list, list]:
+    """Steps ``start`` ... ``job.steps - 1`` of ``step_fn(args, kwargs, norm) -> Stepped`` (one optimizer step
+    on this replica's batch, with the gradient norm when ``norm``); every ``job.log_every`` steps (and the last)
+    rank 0 logs their metrics (:mod:`autotp.cli.train_log`); ``save(step)`` after every ``job.save_every``-th
+    (not the last)."""
     losses, times = [], []
     show = ctx.rank == 0 and job.steps > start
     console = Console()
-    # a bar in a terminal; piped, one whole line per step: a rank stopped mid-step (a peer failed) leaves no
-    # half-drawn bar for the launcher's error line to run into
+    # a bar in a terminal; piped, one whole line per logged step: a rank stopped mid-step (a peer failed) leaves
+    # no half-drawn bar for the launcher's error line to run into
     live = show and console.is_terminal
     progress = Progress(TextColumn("[bold]training"), BarColumn(), MofNCompleteColumn(),
-                        TextColumn("loss {task.fields[loss]}"), TimeElapsedColumn(), console=console) \
-        if live else contextlib.nullcontext()
+                        TextColumn("loss {task.fields[loss]} {task.fields[rate]}"), TimeElapsedColumn(),
+                        console=console) if live else contextlib.nullcontext()
+    tokens = batch_tokens(args, kwargs) * ctx.layout.dp
+    world = ctx.layout.world_size
+    per_rank_flops = job.flops / (ctx.layout.tp * ctx.layout.pp) if job.flops else None
     with progress:
-        task = progress.add_task("train", total=job.steps, completed=start, loss="-") if live else None
+        task = progress.add_task("train", total=job.steps, completed=start, loss="-", rate="") if live else None
         for step in range(start, job.steps):
+            done = step + 1
+            logged = done % max(job.log_every, 1) == 0 or done == job.steps
             a, k = replica_batch(args, kwargs, ctx.coords["dp"], step)
-            note_progress(step + 1, f"at step {step + 1}")  # said if this rank dies now
-            start = time.perf_counter()
-            loss = step_fn(a, k)
+            note_progress(done, f"at step {done}")  # said if this rank dies now
+            begin = time.perf_counter()
+            stepped = step_fn(a, k, logged)
             if ctx.device.type == "cuda":
                 torch.cuda.synchronize()
-            times.append(time.perf_counter() - start)
-            losses.append(loss.item())
-            done = step + 1
+            took = time.perf_counter() - begin
+            times.append(took)
+            losses.append(stepped.loss.item())
+            if logged and show:
+                m = StepMetrics(step=done, loss=losses[-1], step_s=took, tokens=tokens, tokens_per_s=tokens / took,
+                                tokens_per_s_per_rank=tokens / took / world,
+                                grad_norm=None if stepped.grad_norm is None else float(stepped.grad_norm),
+                                peak_memory=peak_memory(ctx.device.type), mfu=mfu(per_rank_flops, took, job.peak_flops),
+                                lr=job.lr, elapsed_s=time.time() - job.started if job.started else took)
+                if log is not None:
+                    log.record(m)
+                if task is None:
+                    console.print(f"training {m.line()}", highlight=False, soft_wrap=True)
             if task is not None:
-                progress.update(task, advance=1, loss=f"{losses[-1]:.4f}")
-            elif show:
-                console.print(f"training step {done}/{job.steps} loss {losses[-1]:.4f}", highlight=False)
+                progress.update(task, advance=1, loss=f"{losses[-1]:.4f}", rate=f"{tokens / took:,.0f} tok/s")
             if save is not None and job.save_every and done % job.save_every == 0 and done != job.steps:
-                saving(save, done)
+                saving(save, done, job.started)
     return losses, times
 
 
-def saving(save, step: int) -> Path:
+def saving(save, step: int, started: float = 0.0) -> Path:
     """``save(step)``, noted as this rank's progress (a rank dying in a save is said as such); rank 0 says
     that it saves, where, and how long it took (a save can take seconds: no silent wait)."""
     note_progress(step, f"while saving step {step}")
     say = dist.is_initialized() and dist.get_rank() == 0
-    if say:
-        Console().print(f"saving checkpoint of step {step} …", highlight=False)
+    phases = Phases(started or None, quiet=not say)
+    phases.say("save", f"checkpoint of step {step} …")
     begin = time.perf_counter()
     path = save(step)
-    if say:
-        Console().print(f"saved {escape(str(path))} in {time.perf_counter() - begin:.1f} s", soft_wrap=True,
-                        highlight=False)
+    phases.say("save", f"wrote {path} in {time.perf_counter() - begin:.1f} s")
     return path
 
 
@@ -343,14 +396,29 @@ def _describe_batch(mf: ModelFile, tpm: autotp.TPModule, args: tuple, kwargs: di
             f"{DEFAULT_BATCH_SHAPE} token ids ({ids}){where}")
 
 
+def _log(job: ShardJob, ctx: RankContext, mf: ModelFile, start: int, phases: Phases) -> TrainLog:
+    """Rank 0's training log (metrics file, TensorBoard, the file's log_metrics); says where it writes."""
+    log = TrainLog(Path(job.out), active=ctx.rank == 0 and job.steps > start, hook=mf.log_metrics)
+    if log.active:
+        where = f"metrics to {log.path}" + (f", TensorBoard to {log.tensorboard}" if log.tensorboard else "")
+        hook = ", and to the file's log_metrics()" if log.hook is not None else ""
+        phases.say("train", f"steps {start + 1}–{job.steps}, every {max(job.log_every, 1)} logged: {where}{hook}")
+    return log
+
+
 def _shard(job: ShardJob, ctx: RankContext) -> ShardReport | None:
     mf = load_model_file(job.model)
     # the file's example_batch() runs before the seeded build, so whatever it draws from the global generator
     # (on TP rank 0 only) is forgotten: the ranks of a group keep equal generators, which replicated dropout needs
     batch = _tp_batch(mf.example_batch, ctx) if mf.batch_fn is not None else None
+    phases = Phases(job.started or None, quiet=ctx.rank != 0)
     if ctx.layout.pp > 1:
-        return _shard_pipeline(job, ctx, mf, batch)
+        return _shard_pipeline(job, ctx, mf, batch, phases)
+    phases.say("parallelize", "building the model on every rank, capturing it and sharding it"
+               + (" (with FSDP)" if job.fsdp else ""))
     tpm, reference, unsharded_bytes, weights, (args, kwargs) = _build(mf, job, ctx, batch)
+    if reference is not None:
+        phases.say("parity", "comparing outputs and loss with the unsharded model")
     parity = _verify(tpm, reference, args, kwargs, ctx.device) if reference is not None else None
     del reference
 
@@ -364,7 +432,7 @@ def _shard(job: ShardJob, ctx: RankContext) -> ShardReport | None:
 
     # training minimises the output's loss: with none (a batch of inputs only, no targets, as the default batch
     # is) there is nothing to train; the summary says so, and the checkpoint holds the step actually reached
-    skipped = ""
+    skipped, log = "", None
     if start < job.steps and _eval_loss(tpm, args, kwargs) is None:
         skipped = ("the default batch holds token ids only, no targets, so the output carries no loss; define "
                    "example_batch() with the targets to train" if mf.batch_fn is None else
@@ -374,11 +442,15 @@ def _shard(job: ShardJob, ctx: RankContext) -> ShardReport | None:
         losses, times, final_loss, done = [], [], None, start
     else:
         model = data_parallel(tpm, ctx)
-        losses, times = _train(lambda a, k: train_step(model, opt, a, k), args, kwargs, job, ctx, start, save)
+        log = _log(job, ctx, mf, start, phases)
+        losses, times = _train(lambda a, k, norm: train_step(model, opt, a, k, job.clip_grad, norm), args, kwargs,
+                               job, ctx, start, save, log)
+        log.close()
         final_loss, done = _eval_loss(tpm, args, kwargs), max(start, job.steps)
-    ckpt_path = Path(resumed_from) if resumed_from is not None and start >= done else saving(save, done)
+    ckpt_path = Path(resumed_from) if resumed_from is not None and start >= done else saving(save, done, job.started)
 
-    mine = RankStats(ctx.rank, ctx.coords["tp"], ctx.coords["dp"], _param_bytes(tpm), tuple(times))
+    mine = RankStats(ctx.rank, ctx.coords["tp"], ctx.coords["dp"], _param_bytes(tpm), tuple(times),
+                     peak_memory=peak_memory(ctx.device.type))
     everyone: list[RankStats | None] = [None] * ctx.layout.world_size
     dist.all_gather_object(everyone, mine)
     if ctx.rank != 0:
@@ -393,10 +465,21 @@ def _shard(job: ShardJob, ctx: RankContext) -> ShardReport | None:
         # the formula is a training step's (with the loss's backward); untrained, there was none
         comm=() if skipped else _comm_vs_formula(tpm, args, kwargs),
         batch=_describe_batch(mf, tpm, args, kwargs, ctx.layout.tp), training_skipped=skipped,
-        fsdp=job.fsdp, fsdp_units=autotp.tp_state(tpm).units or (),
+        fsdp=job.fsdp, fsdp_units=autotp.tp_state(tpm).units or (), **_throughput(job, ctx, args, kwargs, times, log),
     )
     (out / "summary.json").write_text(json.dumps(report.to_dict(), indent=2))
     return report
+
+
+def _throughput(job: ShardJob, ctx: RankContext, args: tuple, kwargs: dict, times: list[float],
+                log: TrainLog | None) -> dict:
+    """The report's throughput fields: tokens per step, the metrics files, the median step's MFU."""
+    per_rank = job.flops / (ctx.layout.tp * ctx.layout.pp) if job.flops else None
+    median = sorted(times)[len(times) // 2] if times else 0.0
+    return dict(tokens_per_step=batch_tokens(args, kwargs) * ctx.layout.dp,
+                metrics_path=str(log.path) if log is not None and log.active and log.path else "",
+                tensorboard=str(log.tensorboard) if log is not None and log.tensorboard else "",
+                mfu=mfu(per_rank, median, job.peak_flops))
 
 
 def _comm_vs_formula(tpm: autotp.TPModule, args: tuple, kwargs: dict) -> tuple[tuple, ...]:
@@ -419,15 +502,8 @@ def _tp_local(named):
         yield name, made.get(id(p), p)
 
 
-def _size(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
-
-
-def _shard_pipeline(job: ShardJob, ctx: RankContext, mf: ModelFile, batch: tuple[tuple, dict] | None) -> ShardReport | None:
+def _shard_pipeline(job: ShardJob, ctx: RankContext, mf: ModelFile, batch: tuple[tuple, dict] | None,
+                    phases: Phases) -> ShardReport | None:
     """``_shard`` with pipeline stages: parity of the loss (eval, whole batch), training through the schedule,
     checkpoints of every stage into the one global layout."""
     if batch is None:
@@ -447,6 +523,8 @@ def _shard_pipeline(job: ShardJob, ctx: RankContext, mf: ModelFile, batch: tuple
             reference = mf.build().to(ctx.device)
             autotp.load_weights(reference, job.weights, device=ctx.device)
     unsharded_bytes = _param_bytes(model)
+    phases.say("parallelize", f"building the model on every rank, capturing it and cutting it into "
+               f"{job.schedule} stages over {ctx.layout.pp} pipeline ranks, each stage sharded")
     pipe = autotp.pipeline(model, example_inputs=(args, kwargs), microbatches=job.microbatches or ctx.layout.pp,
                            schedule=job.schedule, virtual_stages=job.virtual_stages, mesh=ctx.mesh,
                            device=None if job.weights is None else ctx.device, compile=job.compile,
@@ -457,6 +535,7 @@ def _shard_pipeline(job: ShardJob, ctx: RankContext, mf: ModelFile, batch: tuple
     st = autotp.tp_state(model)
     parity = None
     if reference is not None:
+        phases.say("parity", "comparing the loss with the unsharded model's, through the pipeline")
         note = "the loss, on the whole batch through the pipeline (forward only)"
         try:
             got = pipe.eval_step(*args, **kwargs).item()
@@ -472,25 +551,30 @@ def _shard_pipeline(job: ShardJob, ctx: RankContext, mf: ModelFile, batch: tuple
     opt = torch.optim.AdamW(list(pipe.parameters()), lr=job.lr)
     start, resumed_from, resharded, restarted = _start(job, out, model, opt, st.plan, ctx)
 
-    def step(a: tuple, k: dict) -> torch.Tensor:
+    def step(a: tuple, k: dict, norm: bool) -> Stepped:
         loss = pipe.step(*a, **k)
+        total = pipe.clip_grad_norm_(job.clip_grad if job.clip_grad > 0 else math.inf) \
+            if norm or job.clip_grad > 0 else None
         opt.step()
         opt.zero_grad(set_to_none=True)
-        return loss
+        return Stepped(loss, total)
 
     def save(done: int) -> Path:
         return save_training_state(out, done, model, opt, ctx, run=job.run, keep=job.keep)
 
-    losses, times = _train(step, args, kwargs, job, ctx, start, save)
+    log = _log(job, ctx, mf, start, phases)
+    losses, times = _train(step, args, kwargs, job, ctx, start, save, log)
+    log.close()
     done = max(start, job.steps)
     final_loss = None
     try:
         final_loss = pipe.eval_step(*args, **kwargs).item()
     except autotp.PipelineError:
         pass
-    ckpt_path = Path(resumed_from) if resumed_from is not None and start >= done else saving(save, done)
+    ckpt_path = Path(resumed_from) if resumed_from is not None and start >= done else saving(save, done, job.started)
     held = sum(p.numel() * p.element_size() for p in pipe.parameters())
-    mine = RankStats(ctx.rank, ctx.coords["tp"], ctx.coords["dp"], held, tuple(times), ctx.coords["pp"])
+    mine = RankStats(ctx.rank, ctx.coords["tp"], ctx.coords["dp"], held, tuple(times), ctx.coords["pp"],
+                     peak_memory(ctx.device.type))
     everyone: list[RankStats | None] = [None] * ctx.layout.world_size
     dist.all_gather_object(everyone, mine)
     if ctx.rank != 0:
@@ -504,7 +588,7 @@ def _shard_pipeline(job: ShardJob, ctx: RankContext, mf: ModelFile, batch: tuple
         restarted=restarted, weights=weights, batch=_describe_batch(mf, model, args, kwargs, ctx.layout.tp), pp=ctx.layout.pp,
         pipeline=f"{pipe.schedule_name}, {pipe.microbatches} micro-batches, {pipe.virtual_stages} stage(s) per rank",
         stages=tuple(s.blocks for s in st.plan.stages), fsdp=job.fsdp if pipe.fsdp else 0,
-        fsdp_units=st.units or () if pipe.fsdp else (),
+        fsdp_units=st.units or () if pipe.fsdp else (), **_throughput(job, ctx, args, kwargs, times, log),
     )
     (out / "summary.json").write_text(json.dumps(report.to_dict(), indent=2))
     return report

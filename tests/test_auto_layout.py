@@ -325,7 +325,7 @@ def test_shard_auto_runs_the_layout_it_chose(tmp_path):
 @pytest.mark.parametrize("argv, message", [
     (["--auto", "--gpu", "a100"], "--auto needs --world-size"),
     (["--auto", "--world-size", "2", "--tp", "2", "--gpu", "a100"], "drop --tp"),
-    (["--world-size", "2", "--tp", "2"], "go with --auto"),
+    (["--world-size", "2", "--tp", "2"], "goes with --auto"),
     ([], "give --tp N, or --auto"),
 ])
 def test_shard_auto_bad_flags(argv, message):

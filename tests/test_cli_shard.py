@@ -7,6 +7,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -25,12 +26,20 @@ NANOGPT = os.path.join(ROOT, "examples", "nanogpt.py")
 runner = CliRunner()
 
 
+class Ran(NamedTuple):
+    exit_code: int
+    stdout: str
+    output: str
+
+
 @pytest.fixture(scope="module")
-def sharded(tmp_path_factory) -> tuple[Path, object]:
+def sharded(tmp_path_factory) -> tuple[Path, Ran]:
+    """The main job as a user runs it, piped: the launcher's and rank 0's lines in one stream."""
     out = tmp_path_factory.mktemp("shard") / "out"
-    result = runner.invoke(app, ["shard", NANOGPT, "--tp", "2", "--steps", "3", "--out", str(out)],
-                           env={"COLUMNS": "200"})
-    return out, result
+    proc = subprocess.run([sys.executable, "-m", "autotp.cli", "shard", NANOGPT, "--tp", "2", "--steps", "3", "--out",
+                           str(out), "--log-every", "2"], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "COLUMNS": "200"})
+    return out, Ran(proc.returncode, proc.stdout, proc.stdout + proc.stderr)
 
 
 @pytest.mark.slow
@@ -51,6 +60,81 @@ def test_shard_nanogpt_tp2(sharded) -> None:
     assert plan.tp == 2 and plan.params
     per_step = sum(n for *_, n in summary["collectives"])
     assert per_step == len(plan.collectives) > 0
+
+
+@pytest.mark.slow
+def test_shard_says_each_phase_and_logs_metrics(sharded) -> None:
+    """Each phase is said as it starts, with the time since the command started; every --log-every steps
+    (and the last) the metrics trainers log go to the console, OUT/metrics.jsonl and TensorBoard; the
+    logged gradient norm is the full model's, as on one device."""
+    import re
+
+    out, result = sharded
+    assert result.exit_code == 0, result.output
+    phases = re.findall(r"^\[ *([0-9.]+) s\] (\w+):", result.stdout, flags=re.M)
+    names = [p for _, p in phases]
+    assert names[:5] == ["check", "launch", "parallelize", "parity", "train"] and names[-2:] == ["save", "save"]
+    times = [float(t) for t, _ in phases]
+    assert times == sorted(times) and times[0] < 5
+    assert "training step 2 loss" in result.stdout and "tok/s" in result.stdout
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [2, 3]  # every 2nd step, and the last
+    summary = json.loads((out / "summary.json").read_text())
+    assert [r["loss"] for r in rows] == pytest.approx(summary["losses"][1:], abs=1e-6)
+    for r in rows:
+        assert r["tokens"] == 4 * 32 and r["tokens_per_s"] == pytest.approx(r["tokens"] / r["step_s"])
+        assert r["tokens_per_s_per_rank"] == pytest.approx(r["tokens_per_s"] / 2)
+        assert r["peak_memory"] > 0 and r["lr"] == 1e-3
+    assert summary["metrics_path"] == str(out / "metrics.jsonl") and summary["tokens_per_step"] == 128
+    assert all(r["peak_memory"] > 0 for r in summary["ranks"])
+    assert "throughput (median step)" in result.stdout and f"metrics: {out / 'metrics.jsonl'}" in result.stdout
+
+    # the same steps on one device: the logged norm is the whole model's gradient norm
+    import nanogpt
+
+    from autotp.capture.modelfile import replica_batch
+
+    torch.manual_seed(0)
+    model = nanogpt.build_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    norms = []
+    for step in range(3):
+        a, k = replica_batch(nanogpt.example_batch(), {}, 0, step)
+        model(*a, **k)[1].backward()
+        norms.append(torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]).item())
+        opt.step()
+        opt.zero_grad()
+    assert [r["grad_norm"] for r in rows] == pytest.approx(norms[1:], rel=1e-5)
+
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(summary["tensorboard"])
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    assert {"train/loss", "train/tokens_per_s", "train/grad_norm", "train/peak_memory", "train/step_s"} <= tags
+    assert [e.step for e in events.Scalars("train/loss")] == [2, 3]
+
+
+@pytest.mark.slow
+def test_first_line_within_5_s_when_piped(tmp_path: Path) -> None:
+    """Piped (``| cat``), the command says what it is doing before it imports torch: the first line comes
+    within 5 s (before: nothing for 50-100 s). The command is stopped once it has spoken."""
+    import signal
+    import time
+
+    begin = time.perf_counter()
+    proc = subprocess.Popen([sys.executable, "-m", "autotp.cli", "shard", NANOGPT, "--tp", "2", "--out",
+                             str(tmp_path / "out")], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True, env={**os.environ, "COLUMNS": "80"})
+    try:
+        first = proc.stdout.readline()
+        took = time.perf_counter() - begin
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert first.startswith("[") and "] check: " in first, first
+    assert took < 5, took
 
 
 def _load_worker(out: str) -> tuple[float, float, torch.Tensor]:
@@ -292,5 +376,5 @@ def test_a_save_says_that_it_saves_where_and_how_long(tmp_path: Path, capsys) ->
         dist.destroy_process_group()
     lines = capsys.readouterr().out.splitlines()
     assert path == tmp_path / "step-000003"
-    assert lines[0] == "saving checkpoint of step 3 …"
-    assert lines[1].startswith(f"saved {path} in ") and lines[1].endswith(" s"), lines
+    assert lines[0].endswith("] save: checkpoint of step 3 …"), lines
+    assert f"] save: wrote {path} in " in lines[1] and lines[1].endswith(" s"), lines

@@ -116,12 +116,14 @@ def _shard_report(checkpoint: str):
             ("total", "all", "", 13, 13, 82304, 82304, 329216))
     return ShardReport(
         model="/work/examples/nanogpt.py", tp=2, dp=1, backend="gloo", unsharded_bytes=482304,
-        ranks=(RankStats(0, 0, 0, 251136, (0.0123, 0.0125)), RankStats(1, 1, 0, 251136, (0.0124, 0.0126))),
+        ranks=(RankStats(0, 0, 0, 251136, (0.0123, 0.0125), peak_memory=450_000_000),
+               RankStats(1, 1, 0, 251136, (0.0124, 0.0126), peak_memory=451_000_000)),
         collectives=(("forward", "all_reduce", "sum", 7), ("backward", "all_reduce", "sum", 5),
                      ("forward", "all_reduce", "max", 1)),
         parity=Parity(1.2e-7, 3.4e-7), losses=(5.5412, 5.4021, 5.2766), final_loss=5.1,
         plan_path=checkpoint.rsplit("/checkpoints", 1)[0] + "/plan.json", checkpoint_path=checkpoint, comm=comm,
-        batch="the file's example_batch(): (4, 32) token ids")
+        batch="the file's example_batch(): (4, 32) token ids", tokens_per_step=128,
+        metrics_path=checkpoint.rsplit("/checkpoints", 1)[0] + "/metrics.jsonl")
 
 
 def _shard_text(checkpoint: str) -> str:
@@ -143,6 +145,8 @@ def test_shard_summary_at_80() -> None:
     assert "7 × all_reduce(sum)" in text and "5 × all_reduce(sum)" in text
     assert "┃ collective " in text and "┃ elements " in text and "82,304" in text and "321.5 KiB" in text
     assert "5.5412 → 5.4021 → 5.2766" in text and "12.4 ms" in text
+    assert "metrics: /tmp/autotp-out/metrics.jsonl" in lines and "429.2 MiB" in text
+    assert "10,323 tokens/s," in text and "5,161 per" in text  # 128 tokens / 12.4 ms, over 2 ranks
 
 
 def test_shard_summary_long_path_whole() -> None:
@@ -226,3 +230,29 @@ def test_profile_tables_at_80() -> None:
     _check(text)
     assert "35.0 µs + bytes / 12.00 GB/s" in text and "630.00 TFLOP/s" in text
     assert "reduce-scatter" in text and "1.43 ms" in text and "5.63 ms" in text and "610.00 TFLOP/s" in text
+
+
+def test_shard_summary_says_why_fsdp_steps_are_slower(monkeypatch) -> None:
+    """The FSDP summary's step times (before: 592 ms against 165 ms, unexplained) come with the reasons: more
+    ranks than cores, and FSDP's per-unit collectives on a model this small."""
+    import dataclasses
+
+    from autotp.cli.shard_worker import RankStats
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    ranks = tuple(RankStats(r, r % 2, r // 2, 125568, (t, t), peak_memory=450_000_000)
+                  for r, t in enumerate((0.115, 0.092, 0.117, 0.090)))
+    report = dataclasses.replace(_shard_report("/tmp/o/checkpoints/step-3"), dp=2, ranks=ranks, fsdp=1,
+                                 fsdp_units=("transformer.wpe", "transformer.h.0", "transformer.h.1"))
+    console = Console(file=io.StringIO(), width=600)  # one line per row: the phrases unbroken
+    from autotp.cli.shard import render
+
+    render(report, console)
+    text = " ".join(console.file.getvalue().split())
+    assert "4 ranks share this machine's 2 CPU cores" in text
+    assert "FSDP2 adds an all-gather per unit forward and backward and a reduce-scatter per unit" in text
+    assert "medians range 90.0–117.0 ms across ranks" in text
+    # one device per rank and no FSDP: nothing to explain
+    plain = Console(file=io.StringIO(), width=200)
+    render(_shard_report("/tmp/o/checkpoints/step-3"), plain)
+    assert "step time" not in plain.file.getvalue()

@@ -49,7 +49,7 @@ def _dp_tp_worker(batches: list[tuple[torch.Tensor, torch.Tensor]]) -> dict:
                                  example_inputs=((idx, targets), {}))
         trained = data_parallel(tpm, ctx)
         opt = torch.optim.AdamW(tpm.parameters(), lr=LR, eps=EPS)
-        losses = [train_step(trained, opt, (idx, targets), {}).item() for _ in range(STEPS)]
+        losses = [train_step(trained, opt, (idx, targets), {}).loss.item() for _ in range(STEPS)]
 
         # a tied parameter is in the plan under one of its names: find its entry through any alias
         aliases: dict[int, list[str]] = {}

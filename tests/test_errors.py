@@ -91,6 +91,7 @@ def test_cli_shows_export_reason_and_user_line_without_traceback(tmp_path):
     result = CliRunner().invoke(app, ["shard", str(model_py), "--tp", "2"], env={"COLUMNS": "300"})
     assert result.exit_code == 2
     out = result.output
-    assert out.lstrip().startswith("error: torch.export could not capture M.forward")
+    said = [line for line in out.splitlines() if not line.startswith("[")]  # after the phase line ("[ 0.0 s] check: …")
+    assert out.startswith("[") and said[0].startswith("error: torch.export could not capture M.forward"), out
     assert "dd.py:7" in out and "if x.sum() > 0" in out
     assert "Traceback" not in out and "def forward(self, arg0_1" not in out

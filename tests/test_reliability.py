@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -264,7 +265,9 @@ def faulty(tmp_path: Path) -> Path:
 
 
 def _first_failure_line(text: str) -> str:
-    lines = [ln for ln in text.splitlines() if ln.strip() and not ln.lstrip().startswith(("training", "output:"))]
+    # the first line that is not progress: phase lines ("[  3.1 s] parity: …"), steps, the output folder
+    lines = [ln for ln in text.splitlines()
+             if ln.strip() and not ln.lstrip().startswith(("training", "output:")) and not re.match(r"\[ *[0-9.]+ s\] ", ln)]
     return lines[0] if lines else ""
 
 

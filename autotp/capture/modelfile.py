@@ -56,6 +56,8 @@ class ModelFile:
     factory: Callable[[], nn.Module] | nn.Module
     batch_fn: Callable[[], object] | None
     public_names: tuple[str, ...]
+    # ``log_metrics(metrics: dict)``: called on rank 0 with each logged training step's metrics (autotp shard)
+    log_metrics: Callable[[dict], object] | None = None
 
     def build(self) -> nn.Module:
         """The model: the factory's result, or the module-level instance itself."""
@@ -120,7 +122,12 @@ def load_model_file(spec: str | Path) -> ModelFile:
     batch_fn = getattr(module, "example_batch", None)
     if batch_fn is not None and not callable(batch_fn):
         raise ModelFileError(f"`example_batch` in {path} is a {type(batch_fn).__name__}, expected a function")
-    return ModelFile(path=path, factory_name=found, factory=factory, batch_fn=batch_fn, public_names=public)
+    log = getattr(module, "log_metrics", None)
+    if log is not None and not callable(log):
+        raise ModelFileError(f"`log_metrics` in {path} is a {type(log).__name__}, expected a function taking a "
+                             "dict of a training step's metrics")
+    return ModelFile(path=path, factory_name=found, factory=factory, batch_fn=batch_fn, public_names=public,
+                     log_metrics=log)
 
 
 def _import(path: Path) -> types.ModuleType:

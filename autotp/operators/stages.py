@@ -113,8 +113,9 @@ class StageModule(nn.Module):
             env[w.results[0]] = out
         else:
             env.update((n, v) for n, v in zip(w.results, out) if n)
-        if self.last:  # (1,): the schedule concatenates the micro-batches' outputs, which a 0-dim loss cannot
-            return env[w.send[0]].reshape(1)
+        if self.last:  # (1,): the schedule concatenates the micro-batches' outputs, which a 0-dim loss cannot;
+            # a copy, not a view: an FSDP root returning a view warns on every micro-batch (one element)
+            return env[w.send[0]].reshape(1).clone()
         sent = tuple(env[n] for n in w.send)
         return sent[0] if len(sent) == 1 else sent
 

@@ -49,7 +49,7 @@ from autotp.operators.recompute import outline_recompute
 from autotp.operators.rng import SEED_OFFSET, RegionRNG, bind_rng
 from autotp.shard_spec import shard_tensor
 from autotp.operators.vocab_ops import bind_vocab
-from autotp.options import Options
+from autotp.options import Options, PipelineOptions
 from autotp.state import Captured, RankIdentity, TPState, attach_state, find_tp_state, tp_state
 
 
@@ -412,16 +412,16 @@ def parallelize_state(model: nn.Module, *, tp_group: dist.ProcessGroup | None = 
                       device: torch.device | str | None = None, fsdp: bool | FSDPConfig | None = None,
                       mesh: DeviceMesh | None = None, pipeline: StageRequest | None = None,
                       stage_params: Callable[[fx.GraphModule], set[str]] | None = None,
-                      stage_fsdp: bool = False) -> nn.Module:
+                      stage_fsdp: bool = False, schedule: PipelineOptions | None = None) -> nn.Module:
     """:func:`parallelize`, and for :func:`autotp.parallel.pipeline.pipeline` every graph cut into the
     stages ``pipeline`` asks for (captured with static shapes); ``stage_params`` names the parameters this
     rank's stages of the first split graph read: no other parameter is allocated or sliced here;
-    ``stage_fsdp``: the pipeline makes its stages FSDP units afterwards."""
+    ``stage_fsdp``: the pipeline makes its stages FSDP units afterwards; ``schedule``: how they run."""
     if (known := find_tp_state(model)) is not None:
         raise ShardingError(f"{type(model).__name__} is already parallelized (tp={known.tp})")
     config = _fsdp_config(fsdp)
     options = Options(vocab_multiple, compile, check_inputs, sequence_parallel, expert_parallel, config, pipeline,
-                      whole_kv_copies=config is not None or stage_fsdp).validate()
+                      schedule, whole_kv_copies=config is not None or stage_fsdp, stage_fsdp=stage_fsdp).validate()
     mesh = _resolve_mesh(mesh, config, tp_group)
     group = _resolve_group(tp_group if mesh is None else mesh.get_group("tp"))
     tp, rank = dist.get_world_size(group), dist.get_rank(group)

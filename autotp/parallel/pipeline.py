@@ -34,11 +34,10 @@ from autotp.capture.modelfile import find_loss
 from autotp.capture.structure import call_key, flatten, unflatten
 from autotp.errors import PipelineError, ProcessGroupError
 from autotp.distributed.data_parallel import FSDPConfig
-from autotp.options import refused
+from autotp.options import Options, PipelineOptions
 from autotp.parallel.data import check_same_inputs
 from autotp.parallel.fsdp import apply_stage_fsdp
 from autotp.parallel.parallelize import _graph_for, _split_example, parallelize_state
-from autotp.plan.pipeline_report import check_microbatches
 from autotp.plan.stages import StageRequest
 from autotp.operators.stages import STAGE_PREFIX, StageModule, Whole, input_name, wire_stages
 from autotp.state import Captured, tp_state
@@ -70,28 +69,10 @@ def schedule_kind(name: str) -> tuple[str, ScheduleKind]:
 
 def check_pipeline(pp: int, schedule: str, virtual_stages: int | None, microbatches: int,
                    batch: int | None = None) -> tuple[str, int]:
-    """Validate the pipeline's sizes before any rank works; returns the schedule's name and v."""
-    name, kind = schedule_kind(schedule)
-    v = virtual_stages if virtual_stages is not None else (1 if kind.placement == "single" else 2)
-    for what, value in (("pp", pp), ("microbatches", microbatches), ("virtual_stages", v)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise PipelineError(f"{what} must be an integer >= 1, got {value!r}")
-    if kind.placement == "single" and v != 1:
-        raise PipelineError(f"schedule {name} runs one stage per rank, and virtual_stages is {v}",
-                            hint="use Interleaved1F1B, LoopedBFS or InterleavedZeroBubble for several stages "
-                                 "per rank, or virtual_stages 1")
-    if kind.placement == "loop" and v < 2:
-        raise PipelineError(f"schedule {name} interleaves several stages per rank, and virtual_stages is {v}",
-                            hint="use virtual_stages >= 2, or GPipe / 1F1B for one stage per rank")
-    if kind.placement == "v" and v != 2:
-        raise PipelineError(f"schedule {name} places exactly 2 stages per rank (a V), and virtual_stages is {v}",
-                            hint="use virtual_stages 2")
-    if name in ("1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble") and microbatches < pp:
-        raise PipelineError(f"schedule {name} needs at least as many micro-batches as pipeline ranks: "
-                            f"microbatches {microbatches} < pp {pp}", hint=f"use microbatches >= {pp}")
-    if batch is not None:
-        check_microbatches(microbatches, batch)
-    return name, v
+    """Validate the pipeline's sizes before any rank works (:meth:`PipelineOptions.validate`); returns the
+    schedule's name and v."""
+    asked = PipelineOptions(pp, schedule, microbatches, virtual_stages).validate(batch)
+    return asked.schedule, asked.virtual_stages
 
 
 def stage_ranks(pp: int, count: int, placement: str) -> list[int]:
@@ -377,13 +358,14 @@ def pipeline(model: nn.Module, *, example_inputs: object, microbatches: int, sch
     pp = mesh.size(names.index("pp"))
     args, kwargs = _split_example(example_inputs, model.forward)
     flat, in_spec = flatten((args, kwargs))
-    name, v = check_pipeline(pp, schedule, virtual_stages, microbatches, _batch_size(flat))
-    reason = refused(pipeline=pp * v, schedule=name, fsdp=bool(fsdp), sequence_parallel=sequence_parallel,
-                     expert_parallel=expert_parallel, compile=bool(compile))
-    if reason is not None:
-        raise PipelineError(reason.message, hint=reason.hint)
+    asked = PipelineOptions(pp, schedule, microbatches, virtual_stages, tuple(split_points or ())).validate(
+        _batch_size(flat))
+    name, v = asked.schedule, asked.virtual_stages
+    # what does not run together is refused before anything is captured or allocated (the one rule)
+    Options(compile=compile, sequence_parallel=sequence_parallel, expert_parallel=expert_parallel,
+            pipeline=StageRequest(asked.count), schedule=asked, stage_fsdp=bool(fsdp)).validate()
     kind = SCHEDULES[name]
-    count = pp * v
+    count = asked.count
     micro_args, micro_kwargs = unflatten(_microbatch(flat, microbatches), in_spec)
     request = StageRequest(count, tuple(split_points or ()))
     ranks = stage_ranks(pp, count, kind.placement)
@@ -395,7 +377,8 @@ def pipeline(model: nn.Module, *, example_inputs: object, microbatches: int, sch
 
     parallelize_state(model, tp_group=mesh.get_group("tp"), example_inputs=(tuple(micro_args), dict(micro_kwargs)),
                       vocab_multiple=vocab_multiple, device=device, fsdp=False, pipeline=request, stage_params=mine,
-                      sequence_parallel=sequence_parallel, expert_parallel=expert_parallel, stage_fsdp=bool(fsdp))
+                      sequence_parallel=sequence_parallel, expert_parallel=expert_parallel, stage_fsdp=bool(fsdp),
+                      schedule=asked)
     st = tp_state(model)
     key = call_key(args, kwargs, model.training)
     micro_key = call_key(tuple(micro_args), dict(micro_kwargs), model.training)

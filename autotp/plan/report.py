@@ -271,6 +271,12 @@ def _sequence_terms(plan: Plan, b: int, s: int, bsh: int | None) -> tuple[Formul
                          "all_gather"),
              FormulaTerm("backward", "", "inputs gathered again for the weight gradients", regather, "b·s·h", bsh,
                          "all_gather")]
+    # a replicated value with a gradient (a learned position table, (s, h): no batch dim) added to s/t
+    # positions is cut to this rank's rows; its gradient is all-gathered back whole. Megatron adds positions
+    # before its scatter, so it all-reduces the embedding forward (twice a reduce-scatter's bytes) instead.
+    sliced = sum(1 for sl in plan.sequence.slices if sl.grad)
+    terms.append(FormulaTerm("backward", "", "gradients of replicated tables added to s/t positions", sliced,
+                             "s·h", None if bsh is None else bsh // b, "all_gather"))
     if plan.sequence.grads:  # one sum, or with FSDP one per unit
         sums = sum(1 for c in plan.collectives if c.module == SEQ_PARAMS and c.kind == "all_reduce") or 1
         what = "gradients of parameters applied to s/t positions" + \
