@@ -76,15 +76,17 @@ def _same_samples(got: list[dict], want: dict, tp: int, batch: int) -> None:
 
 
 @pytest.mark.slow
-def test_hf_trainer_tp2_matches_unsharded_trainer(tmp_path: Path):
-    """``autotp.integrations.Trainer`` at tp 2: Trainer's logged losses and gradient norms are the unsharded
-    Trainer's, both ranks train on the same batches, and ``save_model`` writes the full model that the
-    unsharded run writes."""
+def test_hf_trainer_tp2_dp2_matches_unsharded_trainer(tmp_path: Path):
+    """``autotp.integrations.Trainer`` at tp 2 × dp 2 (DDP over each data-parallel group) against the unsharded
+    Trainer with twice the batch: Trainer's logged losses and gradient norms are the same, the ranks of a TP
+    group train on the same samples and the replicas on different halves of each unsharded batch, and
+    ``save_model`` writes the full model the unsharded run writes. (``--fsdp`` takes the path through Trainer
+    without DDP; FSDP2 under Fabric is tested below.)"""
     from safetensors.torch import load_file
 
-    want = _unsharded("hf_trainer.py", 4, save=str(tmp_path / "unsharded"))
-    got = _autotp_run("hf_trainer.py", tmp_path, "--tp", "2", args=("--save", str(tmp_path / "sharded")))
-    assert [r["rank"] for r in got] == [0, 1]
+    want = _unsharded("hf_trainer.py", 8, save=str(tmp_path / "unsharded"))
+    got = _autotp_run("hf_trainer.py", tmp_path, "--tp", "2", "--dp", "2", args=("--save", str(tmp_path / "sharded")))
+    assert [(r["rank"], r["dp_rank"]) for r in got] == [(0, 0), (1, 0), (2, 1), (3, 1)]
     _same_numbers(got, want)
     _same_samples(got, want, tp=2, batch=4)
     full, ref = (load_file(tmp_path / d / "model.safetensors") for d in ("sharded", "unsharded"))
@@ -92,30 +94,6 @@ def test_hf_trainer_tp2_matches_unsharded_trainer(tmp_path: Path):
     assert all(full[k].shape == ref[k].shape for k in ref)
     # after 4 AdamW steps: Adam's normalised update magnifies the last-bit differences of tiny gradients
     assert max((full[k] - ref[k]).abs().max().item() for k in ref) <= 1e-4
-
-
-@pytest.mark.slow
-def test_hf_trainer_tp2_dp2_matches_unsharded_trainer(tmp_path: Path):
-    """tp 2 × dp 2 (DDP over each data-parallel group) against the unsharded Trainer with twice the batch:
-    the replicas draw different halves of each of its batches. (``--fsdp`` takes the tp-2 test's path through
-    Trainer, no DDP; FSDP2 under Fabric is tested below.)"""
-    want = _unsharded("hf_trainer.py", 8)
-    got = _autotp_run("hf_trainer.py", tmp_path, "--tp", "2", "--dp", "2")
-    assert [(r["rank"], r["dp_rank"]) for r in got] == [(0, 0), (1, 0), (2, 1), (3, 1)]
-    _same_numbers(got, want)
-    _same_samples(got, want, tp=2, batch=4)
-
-
-@pytest.mark.slow
-@needs_fabric
-def test_fabric_model_parallel_strategy_tp2(tmp_path: Path):
-    """Fabric starts its own 2 CPU ranks (gloo); ``ModelParallelStrategy`` hands ``fabric_parallelize_fn`` the
-    model and its (data_parallel 1, tensor_parallel 2) mesh."""
-    want = _unsharded("fabric_train.py", 4)
-    got = _run([sys.executable, str(EXAMPLES / "fabric_train.py"), "--tp", "2", "--json"], tmp_path)
-    assert [r["rank"] for r in got] == [0, 1]
-    _same_numbers(got, want)
-    _same_samples(got, want, tp=2, batch=4)
 
 
 @pytest.mark.slow
