@@ -1,17 +1,22 @@
 """Benchmark (not a test): loading a model that should never exist whole on one rank.
 
-    python benchmarks/load_weights.py [--tp 2 4] [--cache /tmp/autotp-bench] [--out benchmarks/results]
+    python benchmarks/load_weights.py [--model 1.1b|246m] [--tp 2 4] [--cache /tmp/autotp-bench]
+                                      [--out benchmarks/results]
 
 Model: a Llama-shaped Hugging Face ``LlamaForCausalLM`` of 1.1B parameters (TinyLlama's shape: 22 layers,
-hidden 2048, MLP 5632, 32 heads, 4 kv heads, vocab 32000, untied head), fp32, random weights, written once
-by ``save_pretrained`` as sharded safetensors (1 GB files and an index) under ``--cache``.
+hidden 2048, MLP 5632, 32 heads, 4 kv heads, vocab 32000, untied head), or with ``--model 246m`` one of 246M
+(14 layers, hidden 1024, MLP 2816, 16 heads, 16 kv heads), fp32, random weights, written once by
+``save_pretrained`` as sharded safetensors (1 GB files and an index; 200 MB for the small one) under ``--cache``.
 
 For each tp, on gloo ranks of this machine (one path at a time, so they do not compete):
 
 - autotp: the same model written in plain PyTorch (benchmarks/llama_shaped.py, Hugging Face's parameter
   names, so it reads the checkpoint as it is) built inside ``autotp.empty_weights()``, ``autotp.parallelize``
   (plans on meta, allocates the shards), ``autotp.load_weights(model, folder)``;
-- autotp-hf: the same with Hugging Face's ``LlamaForCausalLM`` class (its process imports transformers);
+- autotp-hf: the same with Hugging Face's class, as a user writes it: ``AutoModelForCausalLM.from_config``
+  inside ``autotp.empty_weights()``, ``parallelize(model, example_inputs=((), {"input_ids": ids,
+  "use_cache": False}))``, ``load_weights``, and the first forward with the same ids;
+- autotp-hf-mmap: the same with ``load_weights(..., mmap=True)``;
 - autotp-mmap: autotp with ``load_weights(..., mmap=True)``: column and vocab shards left as views of the
   files' copy-on-write mappings, row shards copied;
 - autotp-mmap-cached: the same job restarted: ``parallelize`` finds the plan the first run stored in the plan
@@ -20,22 +25,26 @@ For each tp, on gloo ranks of this machine (one path at a time, so they do not c
 - old: ``LlamaForCausalLM.from_pretrained(folder)`` (the whole model on every rank), then ``autotp.parallelize``;
 - hf: ``from_pretrained(folder, distributed_config=DistributedConfig(tp_plan="auto"))`` (needs accelerate).
 
-Reported per path (the worst rank): peak RSS (VmHWM) against the ideal, the local shard bytes (every
-parameter and buffer the rank holds) plus the RSS of an empty process that imported torch, and against the
-rank's own RSS before it built anything (torch, the process group and the model's library imported); the
+Reported per path (the worst rank): peak RSS (``getrusage``, after the first forward) against the ideal, the
+local shard bytes (every parameter and buffer the rank holds) plus the RSS of an empty process that imported
+torch, and against the rank's own RSS before it built anything (torch, the process group and the model's library imported); the
 bytes of checkpoint slices read against 1/tp of the sharded tensors plus the replicated ones; the wall time;
 and the wall time plus one read of every weight (a sum of each local tensor): ``from_pretrained`` leaves
 the weights as views of the memory-mapped files, whose pages are read on first use, while autotp copies
 each slice into the rank's own memory as it loads (unless ``mmap=True``); and the first forward's time (a
-(2, 8) batch, no gradients), where a cached plan's capture happens.
+(2, 8) batch, no gradients), where a cached plan's capture happens. Each autotp rank also records its RSS
+(``/proc/self/statm``) and peak after each phase: start, build, parallelize, load, first forward. With
+``--model 246m`` each rank then checks its logits against the unsharded model's (``from_pretrained``, after
+every measurement): within 1e-5.
 The old path runs only when tp whole copies fit in the memory available (with 20% to spare); otherwise the
-result says so. Writes ``OUT/load_weights.json`` and ``OUT/load_weights.md``.
+result says so. Writes ``OUT/load_weights.json`` and ``OUT/load_weights.md`` (``load_weights-246m.*``).
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -48,7 +57,22 @@ sys.path[:0] = [str(ROOT / "tests" / "support")]
 CONFIG = dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
               num_attention_heads=32, num_key_value_heads=4, max_position_embeddings=2048, tie_word_embeddings=False,
               bos_token_id=1, eos_token_id=2)
-GOAL = 1.15
+SMALL = dict(CONFIG, hidden_size=1024, intermediate_size=2816, num_hidden_layers=14, num_attention_heads=16,
+             num_key_value_heads=16)
+MODELS = {"1.1b": CONFIG, "246m": SMALL}
+GOAL = 1.1
+PHASES = ("start", "build", "parallelize", "load", "forward")
+
+
+def _rss() -> int:
+    """This process's resident bytes now (/proc/self/statm: pages)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _peak() -> int:
+    """This process's peak resident bytes so far (getrusage: KiB on Linux)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def _status(key: str) -> int:
@@ -60,9 +84,11 @@ def _status(key: str) -> int:
     raise KeyError(key)
 
 
-def _config():
+def _config(folder: str | None = None):
     from transformers import LlamaConfig
 
+    if folder is not None:  # the checkpoint's own: the model it was written from
+        return LlamaConfig.from_pretrained(folder)
     return LlamaConfig(**CONFIG)
 
 
@@ -103,25 +129,34 @@ def autotp_rank(folder: str, plans: str, hf: bool = False, mmap: bool = False) -
 
     import autotp
 
-    if hf:
-        from transformers import LlamaForCausalLM
+    ids = torch.randint(0, 32000, (2, 8), generator=torch.Generator().manual_seed(0))
+    if hf:  # as a user writes it: the Auto class, example inputs naming the call the model will get
+        from transformers import AutoModelForCausalLM
 
-        build = lambda: LlamaForCausalLM(_config())  # noqa: E731
+        config = _config(folder)
+        build = lambda: AutoModelForCausalLM.from_config(config)  # noqa: E731
+        example, call = ((), {"input_ids": ids, "use_cache": False}), {"input_ids": ids, "use_cache": False}
     else:
         from llama_shaped import Config, LlamaShaped
 
-        build = lambda: LlamaShaped(Config())  # noqa: E731
-    start = _status("VmRSS")
+        c = json.loads(Path(folder, "config.json").read_text())
+        build = lambda: LlamaShaped(Config(**{k: c[k] for k in Config.__dataclass_fields__ if k in c}))  # noqa: E731
+        example, call = None, None  # parallelize's default example: a (2, 8) batch of token ids
+    phases = {"start": (_rss(), _peak())}
+    start = phases["start"][0]
     t0 = time.perf_counter()
     with autotp.empty_weights():
         model = build()
     t1 = time.perf_counter()
-    model = autotp.parallelize(model)
+    phases["build"] = (_rss(), _peak())
+    model = autotp.parallelize(model, example_inputs=example)
     t2 = time.perf_counter()
-    rss_planned = _status("VmRSS")
+    phases["parallelize"] = (_rss(), _peak())
+    rss_planned = phases["parallelize"][0]
 
     loaded = autotp.load_weights(model, folder, mmap=mmap)
     t3 = time.perf_counter()
+    phases["load"] = (_rss(), _peak())
     # a spot check that the slices are the checkpoint's: this rank's rows of the first q projection
     from safetensors import safe_open
 
@@ -132,11 +167,31 @@ def autotp_rank(folder: str, plans: str, hf: bool = False, mmap: bool = False) -
     with safe_open(str(Path(folder, index[name])), "pt") as f:
         want = f.get_slice(name)[st.rank * rows:(st.rank + 1) * rows]
     assert torch.equal(model.get_parameter(name), want), "loaded slice differs from the checkpoint"
+    first, logits = _first_call(model, ids, call)
+    phases["forward"] = (_rss(), _peak())
+    peak = _peak()
+    held = _held(model)
     touch = _touch(model)
-    return {"start_rss": start, "planned_rss": rss_planned, "peak_rss": _status("VmHWM"), "held": _held(model),
-            "bytes_read": loaded.bytes_read, "expected_read": _expected_read(model), "mapped": loaded.mapped,
-            "cached": st.cached is not None, "build_s": t1 - t0, "parallelize_s": t2 - t1, "load_s": t3 - t2,
-            "total_s": t3 - t0, "touch_s": touch, "first_call_s": _first_call(model)}
+    out = {"start_rss": start, "planned_rss": rss_planned, "peak_rss": peak, "held": held,
+           "phases": {k: list(v) for k, v in phases.items()},
+           "bytes_read": loaded.bytes_read, "expected_read": _expected_read(model), "mapped": loaded.mapped,
+           "cached": st.cached is not None, "build_s": t1 - t0, "parallelize_s": t2 - t1, "load_s": t3 - t2,
+           "total_s": t3 - t0, "touch_s": touch, "first_call_s": first}
+    if os.environ.get("AUTOTP_BENCH_CHECK_LOGITS") == "1":
+        out["logits_max_diff"] = _logits_diff(folder, ids, logits)
+    return out
+
+
+def _logits_diff(folder: str, ids, logits) -> float:
+    """The largest difference between these logits and the unsharded model's (after every measurement)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    whole = AutoModelForCausalLM.from_pretrained(folder, torch_dtype=torch.float32)
+    with torch.no_grad():
+        want = whole(input_ids=ids, use_cache=False).logits
+    got = logits.full_tensor() if hasattr(logits, "full_tensor") else logits
+    return float((got - want).abs().max())
 
 
 def autotp_hf_rank(folder: str, plans: str) -> dict:
@@ -145,6 +200,10 @@ def autotp_hf_rank(folder: str, plans: str) -> dict:
 
 def autotp_mmap_rank(folder: str, plans: str) -> dict:
     return autotp_rank(folder, plans, mmap=True)
+
+
+def autotp_hf_mmap_rank(folder: str, plans: str) -> dict:
+    return autotp_rank(folder, plans, hf=True, mmap=True)
 
 
 def old_rank(folder: str, plans: str) -> dict:
@@ -168,23 +227,33 @@ def hf_rank(folder: str, plans: str) -> dict:
 
     start = _status("VmRSS")
     t0 = time.perf_counter()
+    phases = {"start": (_rss(), _peak())}
     model = LlamaForCausalLM.from_pretrained(folder, distributed_config=DistributedConfig(tp_plan="auto"))
     t1 = time.perf_counter()
-    touch = _touch(model)
-    return {"start_rss": start, "peak_rss": _status("VmHWM"), "held": _held(model), "total_s": t1 - t0,
-            "touch_s": touch, "first_call_s": _first_call(model)}
-
-
-def _first_call(model) -> float:
-    """Seconds of the model's first forward, a (2, 8) batch of token ids without gradients: where autotp
-    sharded from the plan cache, this is where it captures."""
+    phases["load"] = (_rss(), _peak())
     import torch
 
-    ids = torch.zeros(2, 8, dtype=torch.long)
+    ids = torch.randint(0, 32000, (2, 8), generator=torch.Generator().manual_seed(0))
+    first, logits = _first_call(model, ids, {"input_ids": ids, "use_cache": False})
+    phases["forward"] = (_rss(), _peak())
+    peak = _peak()
+    out = {"start_rss": start, "peak_rss": peak, "held": _held(model), "total_s": t1 - t0,
+           "touch_s": _touch(model), "first_call_s": first, "phases": {k: list(v) for k, v in phases.items()}}
+    if os.environ.get("AUTOTP_BENCH_CHECK_LOGITS") == "1":
+        out["logits_max_diff"] = _logits_diff(folder, ids, logits)
+    return out
+
+
+def _first_call(model, ids, call: dict | None = None) -> tuple[float, object]:
+    """Seconds of the model's first forward, a (2, 8) batch of token ids without gradients (``call``: as
+    keywords), and its logits: where autotp sharded from the plan cache, this is where it captures."""
+    import torch
+
     t0 = time.perf_counter()
     with torch.no_grad():
-        model(ids)
-    return time.perf_counter() - t0
+        out = model(**call) if call is not None else model(ids)
+    logits = out.logits if hasattr(out, "logits") else out[0] if isinstance(out, tuple) else out
+    return time.perf_counter() - t0, logits
 
 
 def _touch(model) -> float:
@@ -199,13 +268,13 @@ def _touch(model) -> float:
     return time.perf_counter() - t0
 
 
-def _save(folder: Path) -> None:
+def _save(folder: Path, config: dict, shard_size: str) -> None:
     import torch
-    from transformers import LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    model = LlamaForCausalLM(_config())
-    model.save_pretrained(folder, max_shard_size="1GB")
+    model = LlamaForCausalLM(LlamaConfig(**config))
+    model.save_pretrained(folder, max_shard_size=shard_size)
 
 
 def _empty_rss() -> int:
@@ -221,10 +290,12 @@ def _available() -> int:
 
 def _worst(ranks: dict, ideal_base: int) -> dict:
     rs = list(ranks.values())
-    out = {k: max(r[k] for r in rs) for k in rs[0]}
+    out = {k: max(r[k] for r in rs) for k in rs[0] if k != "phases"}
     out["ideal_rss"] = max(r["held"] for r in rs) + ideal_base
     out["rss_ratio"] = max(r["peak_rss"] / (r["held"] + ideal_base) for r in rs)
     out["rss_ratio_own"] = max(r["peak_rss"] / (r["held"] + r["start_rss"]) for r in rs)
+    if "phases" in rs[0]:  # the phases of the rank whose peak is the furthest above its own ideal
+        out["phases"] = max(rs, key=lambda r: r["peak_rss"] / (r["held"] + r["start_rss"]))["phases"]
     if "bytes_read" in out:
         out["read_ratio"] = max(r["bytes_read"] / r["expected_read"] for r in rs)
     return out
@@ -234,17 +305,22 @@ def main() -> None:
     from ranks import launch
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", choices=list(MODELS), default="1.1b")
     p.add_argument("--tp", type=int, nargs="+", default=[2, 4])
     p.add_argument("--cache", type=Path, default=Path("/tmp/autotp-bench"))
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     p.add_argument("--paths", nargs="+", default=list(PATHS), choices=list(PATHS))
     a = p.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # one intra-op thread per rank, as torchrun sets it
-    folder = a.cache / "llama-1.1b"
+    config = MODELS[a.model]
+    folder = a.cache / f"llama-{a.model}"
+    if a.model != "1.1b":  # small enough for every rank to build the unsharded model after measuring
+        os.environ["AUTOTP_BENCH_CHECK_LOGITS"] = "1"
     if not (folder / "model.safetensors.index.json").is_file():
         import multiprocessing as mp
 
-        proc = mp.get_context("spawn").Process(target=_save, args=(folder,))  # its memory is freed when it ends
+        size = "1GB" if a.model == "1.1b" else "200MB"
+        proc = mp.get_context("spawn").Process(target=_save, args=(folder, config, size))  # its memory is freed when it ends
         proc.start()
         proc.join()
     files = sorted(folder.glob("*.safetensors"))
@@ -254,7 +330,8 @@ def main() -> None:
             while fh.read(64 << 20):
                 pass
     base = _empty_rss()
-    result = {"model": CONFIG, "checkpoint_bytes": checkpoint, "files": len(files), "empty_torch_rss": base,
+    result = {"model": config, "name": a.model, "checkpoint_bytes": checkpoint, "files": len(files),
+              "empty_torch_rss": base,
               "load_average": [os.getloadavg()[0]], "runs": {}}
     for tp in a.tp:
         for path in a.paths:
@@ -264,7 +341,7 @@ def main() -> None:
                                                   f"their shards do not fit in {_available() / 2**30:.1f} GiB available"}
                 print(key, result["runs"][key], flush=True)
                 continue
-            plans = a.cache / "plans" / f"{path.removesuffix('-cached')}@tp{tp}"
+            plans = a.cache / "plans" / a.model / f"{path.removesuffix('-cached')}@tp{tp}"
             if not path.endswith("-cached"):  # a cold start: no plan cached
                 shutil.rmtree(plans, ignore_errors=True)
             elif not plans.is_dir():  # a restarted job: the plan its first run stored
@@ -278,8 +355,9 @@ def main() -> None:
             print(key, result["runs"][key], flush=True)
     result["load_average"].append(os.getloadavg()[0])  # the machine is shared: times are only as quiet as it was
     a.out.mkdir(parents=True, exist_ok=True)
-    (a.out / "load_weights.json").write_text(json.dumps(result, indent=2) + "\n")
-    (a.out / "load_weights.md").write_text(_markdown(result))
+    stem = "load_weights" if a.model == "1.1b" else f"load_weights-{a.model}"
+    (a.out / f"{stem}.json").write_text(json.dumps(result, indent=2) + "\n")
+    (a.out / f"{stem}.md").write_text(_markdown(result))
     print(_markdown(result))
 
 
@@ -288,7 +366,8 @@ def _gib(n: float) -> str:
 
 
 def _markdown(r: dict) -> str:
-    lines = [f"# Loading a 1.1B Llama-shaped model into its shards ({r['files']} safetensors files, "
+    size = {"1.1b": "1.1B", "246m": "246M"}.get(r.get("name", "1.1b"), r.get("name"))
+    lines = [f"# Loading a {size} Llama-shaped model into its shards ({r['files']} safetensors files, "
              f"{_gib(r['checkpoint_bytes'])}, fp32; CPU, gloo)", "",
              f"Ideal peak RSS per rank = local shard bytes + an empty process with torch imported "
              f"({_gib(r['empty_torch_rss'])}); goal ≤ {GOAL}× for autotp. \"Ratio to own start\": against the "
@@ -315,6 +394,29 @@ def _markdown(r: dict) -> str:
         lines.append(f"| {path} | {tp[2:]} | {_gib(v['peak_rss'])}{rel} | {_gib(v['ideal_rss'])} | {v['rss_ratio']:.3f} | "
                      f"{v['rss_ratio_own']:.3f} | "
                      f"{read[0]} | {read[1]} | {read[2]} | {v['total_s']:.1f} s | {touched} | {first} |")
+    lines += ["", "RSS after each phase, MiB (the peak so far where it is higher), of the rank furthest above its "
+              "own ideal; \"+\" is the peak over the rank's start less what it holds (its shard bytes): what is "
+              "not the model's own.", "",
+              "| path | tp | " + " | ".join(PHASES)
+              + " | shard bytes | peak − start − shards | logits vs unsharded |",
+              "|---|---|" + "---|" * (len(PHASES) + 3)]
+    mib = 2**20
+    for key, v in r["runs"].items():
+        if "phases" not in v:
+            continue
+        path, tp = key.split("@")
+        cells = []
+        for ph in PHASES:
+            if ph not in v["phases"]:
+                cells.append("-")
+                continue
+            now, high = v["phases"][ph]
+            cells.append(f"{now / mib:.0f}" + (f" ({high / mib:.0f})" if high > now + mib else ""))
+        start = v["phases"]["start"][0]
+        extra = max(high for _, high in v["phases"].values()) - start - v["held"]
+        diff = f"{v['logits_max_diff']:.1e}" if "logits_max_diff" in v else "-"
+        lines.append(f"| {path} | {tp[2:]} | " + " | ".join(cells)
+                     + f" | {v['held'] / mib:.0f} | {extra / mib:+.0f} | {diff} |")
     for key, v in r["runs"].items():
         if key.startswith("autotp") and "peak_rss" in v:
             lines.append(f"\n{key}: build {v['build_s']:.1f} s, parallelize {v['parallelize_s']:.1f} s, load "
@@ -323,7 +425,8 @@ def _markdown(r: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-PATHS = {"autotp": autotp_rank, "autotp-hf": autotp_hf_rank, "autotp-mmap": autotp_mmap_rank,
+PATHS = {"autotp": autotp_rank, "autotp-hf": autotp_hf_rank, "autotp-hf-mmap": autotp_hf_mmap_rank,
+         "autotp-mmap": autotp_mmap_rank,
          "autotp-mmap-cached": autotp_mmap_rank, "old": old_rank, "hf": hf_rank}
 
 if __name__ == "__main__":

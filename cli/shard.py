@@ -262,7 +262,8 @@ def render(report: ShardReport, console: Console) -> None:
     console.print(summary)
     # below the table, each on a line of its own however wide: a path is copied whole, not read folded
     console.print(f"[bold]plan:[/bold] {escape(report.plan_path)}", soft_wrap=True)
-    console.print(f"[bold]checkpoint:[/bold] {escape(report.checkpoint_path)}", soft_wrap=True)
+    console.print(f"[bold]checkpoint:[/bold] {escape(report.checkpoint_path) or 'none (--steps 0: nothing trained, nothing saved)'}",
+                  soft_wrap=True)
     if report.metrics_path:
         console.print(f"[bold]metrics:[/bold] {escape(report.metrics_path)}"
                       + (f" (TensorBoard: {escape(report.tensorboard)})" if report.tensorboard else ""), soft_wrap=True)

@@ -293,6 +293,16 @@ def _load(model: torch.nn.Module, path: str) -> str:
     return f"{path} ({loaded.kind}): {_size(int(most[0]))} read per rank (most), {most[1]:.1f} s"
 
 
+def _final_checkpoint(job: ShardJob, resumed_from: str | None, start: int, done: int, save) -> Path | None:
+    """The run's last checkpoint: the one resumed when nothing was left to train, none when asked for no
+    steps at all (``--steps 0``: build, load, check; nothing trained, nothing written), else a new one."""
+    if resumed_from is not None and start >= done:
+        return Path(resumed_from)
+    if job.steps == 0:
+        return None
+    return saving(save, done, job.started)
+
+
 class Start(NamedTuple):
     step: int  # the step training starts from (0: from scratch)
     resumed_from: str | None  # the checkpoint resumed, or None
@@ -447,7 +457,7 @@ def _shard(job: ShardJob, ctx: RankContext) -> ShardReport | None:
                                job, ctx, start, save, log)
         log.close()
         final_loss, done = _eval_loss(tpm, args, kwargs), max(start, job.steps)
-    ckpt_path = Path(resumed_from) if resumed_from is not None and start >= done else saving(save, done, job.started)
+    ckpt_path = _final_checkpoint(job, resumed_from, start, done, save)
 
     mine = RankStats(ctx.rank, ctx.coords["tp"], ctx.coords["dp"], _param_bytes(tpm), tuple(times),
                      peak_memory=peak_memory(ctx.device.type))
@@ -460,7 +470,7 @@ def _shard(job: ShardJob, ctx: RankContext) -> ShardReport | None:
         model=job.model, tp=ctx.layout.tp, dp=ctx.layout.dp, backend=ctx.backend, unsharded_bytes=unsharded_bytes,
         ranks=tuple(everyone), collectives=tuple((*key, n) for key, n in sorted(counts.items())),
         parity=parity, losses=tuple(losses), final_loss=final_loss,
-        plan_path=str(plan_path), checkpoint_path=str(ckpt_path), start_step=start, resumed_from=resumed_from,
+        plan_path=str(plan_path), checkpoint_path=str(ckpt_path or ""), start_step=start, resumed_from=resumed_from,
         resharded=resharded, restarted=restarted, weights=weights,
         # the formula is a training step's (with the loss's backward); untrained, there was none
         comm=() if skipped else _comm_vs_formula(tpm, args, kwargs),
@@ -571,7 +581,7 @@ def _shard_pipeline(job: ShardJob, ctx: RankContext, mf: ModelFile, batch: tuple
         final_loss = pipe.eval_step(*args, **kwargs).item()
     except autotp.PipelineError:
         pass
-    ckpt_path = Path(resumed_from) if resumed_from is not None and start >= done else saving(save, done, job.started)
+    ckpt_path = _final_checkpoint(job, resumed_from, start, done, save)
     held = sum(p.numel() * p.element_size() for p in pipe.parameters())
     mine = RankStats(ctx.rank, ctx.coords["tp"], ctx.coords["dp"], held, tuple(times), ctx.coords["pp"],
                      peak_memory(ctx.device.type))
@@ -584,7 +594,7 @@ def _shard_pipeline(job: ShardJob, ctx: RankContext, mf: ModelFile, batch: tuple
         model=job.model, tp=ctx.layout.tp, dp=ctx.layout.dp, backend=ctx.backend, unsharded_bytes=unsharded_bytes,
         ranks=tuple(everyone), collectives=tuple((*key, n) for key, n in sorted(counts.items())),
         parity=parity, losses=tuple(losses), final_loss=final_loss, plan_path=str(plan_path),
-        checkpoint_path=str(ckpt_path), start_step=start, resumed_from=resumed_from, resharded=resharded,
+        checkpoint_path=str(ckpt_path or ""), start_step=start, resumed_from=resumed_from, resharded=resharded,
         restarted=restarted, weights=weights, batch=_describe_batch(mf, model, args, kwargs, ctx.layout.tp), pp=ctx.layout.pp,
         pipeline=f"{pipe.schedule_name}, {pipe.microbatches} micro-batches, {pipe.virtual_stages} stage(s) per rank",
         stages=tuple(s.blocks for s in st.plan.stages), fsdp=job.fsdp if pipe.fsdp else 0,

@@ -117,6 +117,20 @@ def test_shard_says_each_phase_and_logs_metrics(sharded) -> None:
 
 
 @pytest.mark.slow
+def test_no_steps_trains_and_writes_no_checkpoint(tmp_path: Path) -> None:
+    """``--steps 0`` builds, shards and checks the model, and neither steps nor checkpoints (a load check of
+    ``--weights`` costs no save)."""
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "-m", "autotp.cli", "shard", NANOGPT, "--tp", "2", "--steps", "0", "--out",
+                           str(out)], capture_output=True, text=True, timeout=300, env={**os.environ, "COLUMNS": "200"})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["losses"] == [] and summary["checkpoint_path"] == "" and summary["parity"]["ok"]
+    assert not (out / "checkpoints").exists() and not (out / "metrics.jsonl").exists()
+    assert "checkpoint: none (--steps 0" in proc.stdout and "] save:" not in proc.stdout
+
+
+@pytest.mark.slow
 def test_first_line_within_5_s_when_piped(tmp_path: Path) -> None:
     """Piped (``| cat``), the command says what it is doing before it imports torch: the first line comes
     within 5 s (before: nothing for 50-100 s). The command is stopped once it has spoken."""

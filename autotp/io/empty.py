@@ -147,3 +147,47 @@ def prefault(t: torch.Tensor) -> None:
                      ctypes.c_int(MADV_POPULATE_WRITE))  # an error (EINVAL: older kernel) leaves it as it was
     except (OSError, AttributeError):
         return
+
+
+def trim_heap() -> None:
+    """Hand the C heap's free memory back to the operating system (glibc's ``malloc_trim``).
+
+    Capturing and planning a model frees many small objects (the export's graphs, fake tensors, meta runs)
+    that glibc keeps for reuse: on a 14-layer Llama about 14 MB per rank, which a load that then fills the
+    shards (allocated apart from the heap) would carry into its peak. Nothing else changes; where the call
+    does not exist (another C library, not Linux) it does nothing."""
+    import ctypes
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        ctypes.CDLL(None).malloc_trim(ctypes.c_size_t(0))
+    except (OSError, AttributeError):
+        pass
+
+
+MADV_RANDOM = 1
+
+
+def confine(t: torch.Tensor) -> None:
+    """Let page faults on a CPU tensor that views a file's mapping map only its own pages.
+
+    A fault on a file mapping maps the neighbouring pages the page cache holds as well (fault-around, and
+    a large folio mapped whole, 64 KiB to 2 MiB): for a shard viewing part of a checkpoint, other ranks'
+    rows and other tensors, counted in this rank's RSS. ``madvise(MADV_RANDOM)`` on the tensor's own pages
+    splits them into a mapping of their own, which faults never map beyond, and turns fault-around off
+    there. Values do not change; where the call is unsupported it does nothing."""
+    import ctypes
+    import sys
+
+    if t.device.type != "cpu" or t.nbytes == 0 or not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        page = 4096
+        start = t.data_ptr() & ~(page - 1)
+        end = -(-(t.data_ptr() + t.nbytes) // page) * page
+        libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), ctypes.c_int(MADV_RANDOM))
+    except (OSError, AttributeError):
+        pass

@@ -42,7 +42,7 @@ __all__ = ["DcpSource", "CopyRange", "SafetensorsSource", "Source", "TensorInfo"
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 REMAP_BYTES = 256 << 20
-CHUNK_BYTES = 16 << 20
+CHUNK_BYTES = 2 << 20  # what a read adds to the peak, at most: the rows being copied
 _ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
               "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
               "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}

@@ -30,7 +30,8 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from autotp.io.checkpoint import tp_local_empty, write_tp_local
-from autotp.io.empty import allocate_meta, check_materialized, mark_loaded, prefault, swap_tensors
+from autotp.io.empty import (allocate_meta, check_materialized, confine, mark_loaded, prefault, swap_tensors,
+                             trim_heap)
 from autotp.errors import CheckpointError, ShardingError
 from autotp.plan.plan import ParamShard
 from autotp.shard_spec import global_runs
@@ -295,6 +296,7 @@ def load_weights(model: nn.Module, path: Path | str, *, device: torch.device | s
     source = open_source(path)
     info = source.tensors()
     match(targets, info, str(path), _ignored(model))
+    trim_heap()  # before the shards' pages are touched: what planning freed is not carried into the peak
     loaded = mapped = 0
     wholes: list[tuple[DTensor, torch.Tensor]] = []
     with torch.no_grad():
@@ -313,6 +315,7 @@ def load_weights(model: nn.Module, path: Path | str, *, device: torch.device | s
             pieces = _pieces(t, local, tp, rank)
             if exclusive and (view := _mapped(source, t, local, pieces, info)) is not None:
                 local.set_(view)  # the tensor's storage is now the file's mapping (same object, same names)
+                confine(local)  # its faults map its own pages, not the neighbours' (other ranks' rows)
                 loaded, mapped = loaded + 1, mapped + 1
                 continue
             prefault(local)  # the pages it is about to fill, mapped in one call rather than one fault per page
