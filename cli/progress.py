@@ -2,16 +2,14 @@
 
 A phase (check, launch, build, parallelize, parity, train, save) is one line: ``[  3.2 s] parity: …``. The
 launching process says its own phases and hands the command's start time to the ranks (in the job), so rank
-0's lines count from the same moment. Piped, the lines are plain and whole; in a terminal, a spinner runs
-beside the phase until the next one starts (the line itself stays, so the log reads the same either way).
+0's lines count from the same moment. A line is printed whole and flushed at once, the same in a terminal and
+in a pipe, so a log reads as the terminal did.
 
 Nothing here imports torch: the first line is printed before torch is imported (a second or more).
 """
 from __future__ import annotations
 
-import contextlib
 import time
-from collections.abc import Iterator
 
 from rich.console import Console
 from rich.markup import escape
@@ -35,13 +33,3 @@ class Phases:
         self.console.print(f"[dim]\\[{self.elapsed():6.1f} s][/dim] [bold]{escape(phase)}:[/bold] {escape(what)}",
                            soft_wrap=True, highlight=False)
         self.console.file.flush()
-
-    @contextlib.contextmanager
-    def phase(self, phase: str, what: str) -> Iterator[None]:
-        """Say ``phase``; in a terminal, a transient spinner until the block ends."""
-        self.say(phase, what)
-        if self.quiet or not self.console.is_terminal:
-            yield
-            return
-        with self.console.status(f"{escape(phase)} …", spinner="dots"):
-            yield

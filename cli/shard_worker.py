@@ -16,6 +16,7 @@ import copy
 import json
 import math
 import os
+import statistics
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass
@@ -485,7 +486,7 @@ def _throughput(job: ShardJob, ctx: RankContext, args: tuple, kwargs: dict, time
                 log: TrainLog | None) -> dict:
     """The report's throughput fields: tokens per step, the metrics files, the median step's MFU."""
     per_rank = job.flops / (ctx.layout.tp * ctx.layout.pp) if job.flops else None
-    median = sorted(times)[len(times) // 2] if times else 0.0
+    median = statistics.median(times) if times else 0.0  # the summary's median step
     return dict(tokens_per_step=batch_tokens(args, kwargs) * ctx.layout.dp,
                 metrics_path=str(log.path) if log is not None and log.active and log.path else "",
                 tensorboard=str(log.tensorboard) if log is not None and log.tensorboard else "",
