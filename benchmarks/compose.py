@@ -16,7 +16,8 @@ rounds 2..``--steps`` (round 1 allocates AdamW's state, compiles).
 
     world 4, mesh (dp 2, tp 2):        fsdp            parallelize(fsdp=True)
                                        fsdp_compile    parallelize(fsdp=True, compile=True): each unit's piece
-    world 8, mesh (pp 2, dp 2, tp 2):  pp_fsdp         autotp.pipeline(fsdp=True): each stage one FSDP unit
+    world 8, mesh (pp 2, dp 2, tp 2):  pp_fsdp         autotp.pipeline(fsdp=True): each stage one FSDP unit,
+                                                       kept gathered through the step (the default)
                                        pp_ddp          autotp.pipeline(): DDP over dp
 
 Memory: each FSDP layout in a launch of its own, in a process of its own started with every allocation of
@@ -26,7 +27,7 @@ largest over the ranks, against (L: the elements a rank's tp shard holds, of its
 
     fsdp       16·L/d + 2·U + A              benchmarks/fsdp.py's formula (U: the largest unit gathered, A:
                                              the TP model's forward activations, measured)
-    pp_fsdp    16·L/d + 4·L + 4·L + A_r      the stage gathered for its micro-batch, and its gradients
+    pp_fsdp    16·L/d + 4·L + 4·L + A_r      the stage gathered through the step, and its gradients
                                              unsharded until the one reduce-scatter after the last
                                              micro-batch; A_r = A · min(m, p − r) / (m · p): the micro-batches
                                              1F1B keeps on pipeline rank r, each through 1/p of the blocks

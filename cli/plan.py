@@ -123,8 +123,9 @@ def plan(
     render(console, model, the_plan, report, layout, names, batch_note, fsdp_info, pipe)
     if fsdp and spec is not None:
         console.print(f"fsdp with pipeline stages: each of a rank's stages is one FSDP2 unit over dp {layout.dp}; "
-                      "per step an all-gather per micro-batch forward and one for the backward, and one "
-                      "reduce-scatter per stage after the last micro-batch", soft_wrap=True)
+                      "per step one all-gather of each stage before its first micro-batch (kept gathered to the "
+                      "last one's backward, as torchtitan pipelines) and one reduce-scatter after the last",
+                      soft_wrap=True)
     if pipe is not None and gpu is not None:
         _device_memory(console, pipe, gpu, debug)
     if cached is not None:

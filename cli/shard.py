@@ -214,8 +214,8 @@ def render(report: ShardReport, console: Console) -> None:
         summary.add_row(f"TP collectives / step, {direction}", ", ".join(items) or "none")
     if report.fsdp_units and report.pp > 1:
         summary.add_row("DP sharding", f"FSDP2 over {report.dp} ranks: each of a rank's pipeline stages one unit; "
-                        "per step one all-gather per micro-batch forward and one for the backward, one "
-                        "reduce-scatter per stage after the last micro-batch")
+                        "kept gathered through the step (as torchtitan pipelines): per step one all-gather per "
+                        "stage before its first micro-batch, one reduce-scatter after the last")
     elif report.fsdp_units:
         groups = f", HSDP: {report.fsdp} replica groups" if report.fsdp > 1 else ""
         summary.add_row("DP sharding", f"FSDP2 over {report.dp} ranks{groups}: {len(report.fsdp_units)} units "
@@ -376,22 +376,23 @@ def shard(
         except AutotpError as exc:
             abort(str(exc), debug, code=USAGE_ERROR)
         schedule, stages = asked.schedule, (asked.count, asked.microbatches)
+    # the output first: a checkpoint that cannot be resumed is said in a moment, not after the capture
+    resume = resume or resume_from is not None
+    try:
+        resumable = check_resumable(out, resume_from) if resume else None
+    except AutotpError as exc:
+        abort(str(exc), debug, code=USAGE_ERROR)
+    if not resume and (earlier := _earlier_run(out)):
+        abort(f"--out {out} already holds a run's checkpoints ({earlier}): continue that run with --resume, or "
+              "write this one elsewhere with --out; nothing there was changed", debug, code=USAGE_ERROR)
     try:
         # before any rank starts
         flops = preflight(load_model_file(model), tp, weights, sequence_parallel, expert_parallel, fsdp, stages)
         peak = _peak_flops(gpu)
     except (AutotpError, ValueError) as exc:
         abort(str(exc), debug, code=USAGE_ERROR)
-    resume = resume or resume_from is not None
-    try:
-        resumable = check_resumable(out, resume_from) if resume else None
-    except AutotpError as exc:
-        abort(str(exc), debug, code=USAGE_ERROR)
-    if node_rank == 0 and (why := _unwritable(out)):
+    if node_rank == 0 and (why := _unwritable(out)):  # makes the folder: only for a model that will run
         abort(f"--out {out} cannot be written: {why}", debug, code=USAGE_ERROR)
-    if not resume and (earlier := _earlier_run(out)):
-        abort(f"--out {out} already holds a run's checkpoints ({earlier}): continue that run with --resume, or "
-              "write this one elsewhere with --out; nothing there was changed", debug, code=USAGE_ERROR)
     if resume and node_rank == 0 and resumable is None:
         Console(stderr=True).print(f"[yellow]note:[/yellow] --resume: no checkpoint in {escape(str(out))} yet; "
                                    "starting from step 0", soft_wrap=True)

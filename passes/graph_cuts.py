@@ -17,6 +17,9 @@ After::
     w_local = autotp_graph_cut_0(w_f)                    # (local kv·d, h): this rank's heads
     k = aten.linear(x, w_local)
 
+A cut not ``in_graph`` (pipeline stages) gets the slice only: the pipeline sums the copies' gradients once
+per step, after the last micro-batch, instead of ``f`` once per micro-batch.
+
 The slice module is bound to the rank at run time, so the pass never reads it. Runs after the pairs'
 collectives: a column group reads the weight node it is given, and then reads the slice.
 """
@@ -40,11 +43,13 @@ def graph_cuts(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
         first = min(users, key=order.__getitem__)
         # in the first reader's module: an FSDP unit's piece holds its own parameters' cuts
         where = {k: first.meta[k] for k in ("nn_module_stack",) if k in first.meta}
-        gm.add_submodule(f"autotp_graph_cut_f_{i}", EnterTP())
         gm.add_submodule(f"autotp_graph_cut_{i}", LocalSliceOp(cut.dim, cut.segments))
         with gm.graph.inserting_before(first):
-            f = gm.graph.call_module(f"autotp_graph_cut_f_{i}", (param,))
-            f.meta = {**param.meta, **where, "autotp_collective": ("enter", cut.name)}
+            f = param
+            if cut.in_graph:
+                gm.add_submodule(f"autotp_graph_cut_f_{i}", EnterTP())
+                f = gm.graph.call_module(f"autotp_graph_cut_f_{i}", (param,))
+                f.meta = {**param.meta, **where, "autotp_collective": ("enter", cut.name)}
             local = gm.graph.call_module(f"autotp_graph_cut_{i}", (f,))
             local.meta = {**where}
         for user in users:

@@ -147,6 +147,23 @@ def test_dp_comm_term_ddp_and_fsdp():
                                        + max(gather / units, gather + scatter - bwd) + 3 * grad * 2 / 1e11)
 
 
+def test_pipelined_fsdp_gathers_each_stage_once_per_step():
+    """Pipelined, each stage is one FSDP unit kept gathered through the step (as autotp.pipeline runs it):
+    one all-gather and one reduce-scatter of the stage per step whatever the micro-batches, neither hidden;
+    the stage's weights gathered and its gradients unsharded on top of the sharded state."""
+    f = facts(comm=False, per_layer=10**7)
+    slow = hw(intra=Link(1e-5, 1e8))
+    stage = (4 * 10**7 / 2 + 500) * 4  # bytes: half the blocks and the larger end (the embedding, 500)
+    for m in (2, 4):
+        e = estimate(f, slow, Layout(1, 2, 2, 1, m, fsdp=True), Training(act_bytes=2))
+        one = 1e-5 + 1 / 2 * stage / 1e8
+        assert e.dp_comm == pytest.approx(2 * one + 3 * stage * 2 / 1e11)
+        ddp_state = estimate(f, slow, Layout(1, 2, 2, 1, m), Training(act_bytes=2)).memory.state
+        assert e.memory.state == pytest.approx(ddp_state / 2)
+        logits, copies = 1 * 32 * 256 * (2 + 4), stage / 4 * 2  # autocast's bf16 copies of the gathered weights
+        assert e.memory.other == pytest.approx(logits + copies + 2 * stage)
+
+
 def test_shared_devices_absorb_the_bubble():
     f = facts(comm=False)
     lay = Layout(1, 1, 2, 1, 4)

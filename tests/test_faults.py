@@ -186,6 +186,7 @@ def test_a_restart_is_said(ref) -> None:
     summary = __import__("json").loads((out / "summary.json").read_text())
     assert re.fullmatch(rf"{line} from step 2 \(1 step redone\)", summary["restarted"]), summary
     _nothing_lost(ref, out, ["step-000001", "step-000002", "step-000003"], "step-000003")
+    assert not list((out / "checkpoints").glob(".tmp-*")), "the dead attempt's unfinished save is cleaned up"
 
 
 def _flip(file: Path) -> None:

@@ -5,7 +5,6 @@ unsharded on one process: the same losses and gradient norms step by step, the s
 ranks of a tensor-parallel group drawing the same samples and the data-parallel replicas different ones."""
 from __future__ import annotations
 
-import functools
 import importlib.util
 import json
 import os
@@ -17,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from ranks import ROOT
+from readme import readme_folder, run_readme
 
 EXAMPLES = Path(ROOT, "examples")
 TOL = 1e-5  # fp32, the same samples: only the order of the shards' partial sums differs
@@ -31,10 +31,13 @@ def _results(stdout: str) -> list[dict]:
     return sorted((decode(part)[0] for part in stdout.split("RESULT ")[1:]), key=lambda r: r["rank"])
 
 
-def _run(cmd: list[str], cwd: Path) -> list[dict]:
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=cwd, env=dict(os.environ))
+def _checked(proc: subprocess.CompletedProcess) -> list[dict]:
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     return _results(proc.stdout)
+
+
+def _run(cmd: list[str], cwd: Path) -> list[dict]:
+    return _checked(subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=cwd, env=dict(os.environ)))
 
 
 def _autotp_run(script: str, tmp_path: Path, *flags: str, args: tuple[str, ...] = ()) -> list[dict]:
@@ -42,12 +45,10 @@ def _autotp_run(script: str, tmp_path: Path, *flags: str, args: tuple[str, ...] 
                  "--json", *args], tmp_path)
 
 
-@functools.cache
-def _unsharded(script: str, batch: int, save: str | None = None) -> dict:
+def _unsharded(script: str, batch: int) -> dict:
     """The example on one process without autotp (plain Trainer, Fabric's single-device strategy)."""
-    extra = ("--save", save) if save else ()
-    (want,) = _run([sys.executable, str(EXAMPLES / script), "--unsharded", "--batch", str(batch), "--json",
-                    *extra], Path(tempfile.gettempdir()))
+    (want,) = _run([sys.executable, str(EXAMPLES / script), "--unsharded", "--batch", str(batch), "--json"],
+                   Path(tempfile.gettempdir()))
     return want
 
 
@@ -84,8 +85,11 @@ def test_hf_trainer_tp2_dp2_matches_unsharded_trainer(tmp_path: Path):
     without DDP; FSDP2 under Fabric is tested below.)"""
     from safetensors.torch import load_file
 
-    want = _unsharded("hf_trainer.py", 8, save=str(tmp_path / "unsharded"))
-    got = _autotp_run("hf_trainer.py", tmp_path, "--tp", "2", "--dp", "2", args=("--save", str(tmp_path / "sharded")))
+    here = readme_folder(tmp_path / "readme")  # the README's two commands, as written there, plus --json --save
+    (want,) = _checked(run_readme("python examples/hf_trainer.py --unsharded --batch 8", here,
+                                  "--json", "--save", str(tmp_path / "unsharded")))
+    got = _checked(run_readme("autotp run examples/hf_trainer.py --tp 2 --dp 2", here,
+                              "--", "--json", "--save", str(tmp_path / "sharded")))
     assert [(r["rank"], r["dp_rank"]) for r in got] == [(0, 0), (1, 0), (2, 1), (3, 1)]
     _same_numbers(got, want)
     _same_samples(got, want, tp=2, batch=4)

@@ -10,6 +10,7 @@ from collections import Counter
 import pytest
 
 from autotp.capture.tracer import capture
+from autotp.distributed.data_parallel import FSDPConfig
 from autotp.errors import PipelineError
 from autotp.parallel.pipeline import check_pipeline, stage_ranks
 from autotp.passes import run_passes, split_stages
@@ -183,15 +184,17 @@ def test_pipeline_with_tensor_parallelism_matches_one_device():
     """(tp 2, pp 2): each stage TP-sharded by autotp's plan; (tp 1, dp 2, pp 2) with FSDP (1F1B and
     Interleaved1F1B: each of a rank's stages one FSDP unit); with sequence parallelism (the hidden state
     crossing the cut is s/t); with expert parallelism (a mixture-of-experts stack, E/tp whole experts per
-    rank); with FSDP and the one kv head of multi-query attention on both tp ranks (held whole, cut in the
-    graph); and with each stage's piece compiled as well (torchtitan compiles per stage),
+    rank); FSDP kept gathered through the step (the default) and resharded after each forward; with FSDP and
+    the one kv head of multi-query attention on both tp ranks (held whole, cut in the graph, its gradient
+    summed once per step); and with each stage's piece compiled as well (torchtitan compiles per stage),
     with no graph break, exact against the unsharded eager model (AOTAutograd's graphs run eagerly: Inductor is
     tests/test_compile.py's and tests/test_fsdp.py's, and costs minutes on these CPUs)."""
     configs = [("nanogpt", 2, 2, "1F1B", 2, None), ("llama", 2, 2, "1F1B", 4, None, 3, 0.05, False, True),
                ("nanogpt", 2, 2, "GPipe", 2, None, 3, 0.05, {"backend": "aot_eager"}, True),
                ("moe", 2, 2, "1F1B", 2, None, 3, 0.05, False, False, True),
                ("nanogpt", 1, 2, "1F1B", 2, None, 3, 0.05, False, False, False, True),
-               ("llama", 1, 2, "Interleaved1F1B", 2, 2, 3, 0.05, False, False, False, True),
+               ("llama", 1, 2, "Interleaved1F1B", 2, 2, 3, 0.05, False, False, False,
+                FSDPConfig(reshard_after_forward=True)),
                ("llama_mqa", 2, 2, "1F1B", 2, None, 3, 0.05, False, False, False, True)]
     from pipeline_workers import pipeline_parity_many
 
@@ -208,12 +211,19 @@ def test_pipeline_with_tensor_parallelism_matches_one_device():
     for i, v in ((4, 1), (5, 2)):  # FSDP over dp 2: each of a rank's stages one unit
         for r in _by_rank(results, i):
             assert len(r["fsdp_units"]) == v and r["held_numel"] <= r["full_numel"] / 4 * 1.3, r["held_numel"]
-            # per step: an all-gather per unit for each micro-batch's forward and one for the backward; one
+            # per step: kept gathered (the default, as torchtitan pipelines) one all-gather per unit; resharded
+            # after forward, one per unit for each micro-batch's forward and one for the backward; one
             # reduce-scatter per unit after the last micro-batch; the tied weight's sum over its pipeline ranks
-            tied = int(i == 4)
+            tied, gathers = int(i == 4), v if i == 4 else 3 * v
             for calls in r["steps_collectives"]:
-                assert Counter(map(tuple, calls)) == Counter({("all_gather", ""): 3 * v, ("reduce_scatter", "?"): v,
+                assert Counter(map(tuple, calls)) == Counter({("all_gather", ""): gathers, ("reduce_scatter", "?"): v,
                                                               **({("all_reduce", "sum"): 1} if tied else {})}), calls
+    for r in _by_rank(results, 6):  # MQA under FSDP: the kv copies' gradients summed once per step, in one bucket
+        assert r["cut_numels"], r
+        for calls in r["steps_sized"]:
+            sums = [n for kind, op, n in calls if kind == "all_reduce" and op == "sum"]
+            assert sums.count(sum(r["cut_numels"])) == 1, (r["cut_numels"], calls)
+            assert not set(r["cut_numels"]) & set(sums) - {sum(r["cut_numels"])}, "none per micro-batch"
     nano = _by_rank(results, 0)
     # ranks 0, 1: stage 0 (tp 0, 1); ranks 2, 3: stage 1; the tied weight's TP shards agree end to end
     assert [r["stages"] for r in nano] == [[0], [0], [1], [1]]

@@ -4,41 +4,28 @@ The README's ``bash`` blocks are read from the file itself: the two set-up comma
 (``.ci/run``), and every other block runs, line by line and in order, in a folder of its own that holds the
 repository's ``examples/`` and ``benchmarks/`` (a block's later lines may read what its earlier ones wrote:
 a checkpoint to resume, a profile to plan with). A command that exits non-zero fails the test, naming the
-line and what it printed.
+line and what it printed. A command whose numbers or files another test checks (:data:`CLAIMED`) runs
+there instead, word for word (``tests/support/readme.py``), and only once.
 """
 from __future__ import annotations
 
-import os
 import re
-import shlex
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from ranks import ROOT
+from readme import README, bash_blocks, readme_folder, run_readme
 
-README = Path(ROOT, "README.md")
 CI = Path(ROOT, ".ci", "run")
-
-
-def bash_blocks(text: str) -> list[list[str]]:
-    """The README's ``bash`` blocks, each a list of commands: continued lines joined, comments dropped."""
-    blocks = []
-    for body in re.findall(r"^```bash\n(.*?)^```", text, flags=re.S | re.M):
-        commands, pending = [], ""
-        for line in body.splitlines():
-            line = pending + line
-            if line.rstrip().endswith("\\"):
-                pending = line.rstrip()[:-1] + " "
-                continue
-            pending = ""
-            words = shlex.split(line, comments=True)
-            if words:
-                commands.append(shlex.join(words))
-        blocks.append(commands)
-    return blocks
+# commands a test checks beyond their exit status (numbers, files) run there, once: command -> that test file
+CLAIMED = {
+    "autotp run examples/hf_trainer.py --tp 2 --dp 2": "tests/test_integrations.py",
+    "python examples/hf_trainer.py --unsharded --batch 8": "tests/test_integrations.py",
+    "autotp shard examples/nanogpt.py --tp 2 --dp 2 --fsdp --out fsdp": "tests/test_fsdp.py",
+    "autotp shard examples/nanogpt.py --tp 2 --steps 3 --out run": "tests/test_reliability.py",
+    "autotp shard examples/nanogpt.py --tp 4 --steps 6 --out run --resume": "tests/test_reliability.py",
+}
 
 
 COMMANDS = bash_blocks(README.read_text())[2:]  # after the two set-up commands
@@ -62,20 +49,22 @@ def test_blocks_are_found() -> None:
                for b in blocks for c in b)  # a continued line is one command
 
 
-def _run(command: str, cwd: Path) -> subprocess.CompletedProcess:
-    words = shlex.split(command)
-    if words[0] == "autotp":  # the installed command, as this interpreter's module (same code, no PATH needed)
-        words = [sys.executable, "-m", "autotp.cli", *words[1:]]
-    return subprocess.run(words, cwd=cwd, capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "COLUMNS": "100"})
+def test_claimed_commands_are_run_by_their_tests() -> None:
+    """A command left to another test is in the README word for word, and that test runs it (by its text)."""
+    every = {c for block in COMMANDS for c in block}
+    for command, test in CLAIMED.items():
+        assert command in every, command
+        assert f'"{command}"' in Path(ROOT, test).read_text(), (command, test)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("block", range(len(COMMANDS)), ids=lambda i: f"block{i + 3}")
+@pytest.mark.parametrize("block", [i for i, b in enumerate(COMMANDS) if set(b) - set(CLAIMED)],
+                         ids=lambda i: f"block{i + 3}")
 def test_readme_block_runs_as_written(block: int, tmp_path: Path) -> None:
-    for name in ("examples", "benchmarks"):
-        (tmp_path / name).symlink_to(Path(ROOT, name))
+    readme_folder(tmp_path)
     for command in COMMANDS[block]:
-        done = _run(command, tmp_path)
+        if command in CLAIMED:  # run, and checked further, by the test named there
+            continue
+        done = run_readme(command, tmp_path)
         assert done.returncode == 0, f"README: `{command}` exited {done.returncode}:\n" + \
             (done.stdout + done.stderr)[-3000:]

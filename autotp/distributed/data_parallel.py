@@ -29,6 +29,8 @@ class FSDPConfig:
 
     ``reshard_after_forward``: free each block's gathered parameters after its forward and gather them again
     for its backward (less memory, one more all-gather per block); False keeps them until the backward.
+    None (the default) chooses as torchtitan does: True for ``parallelize``, False for pipeline stages (each
+    stage one unit, gathered once per step instead of once per micro-batch's forward and backward).
     ``prefetch``: gather the next unit's parameters while this one runs (forward), the previous one's while
     this one's backward runs (False: no explicit prefetching; FSDP2 still prefetches one unit in backward
     by itself). ``param_dtype``/``reduce_dtype``: FSDP's mixed precision (e.g. bf16 compute
@@ -37,12 +39,16 @@ class FSDPConfig:
     (``CPUOffloadPolicy``).
     """
 
-    reshard_after_forward: bool = True
+    reshard_after_forward: bool | None = None
     prefetch: bool = True
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
     replicas: int = 1
     offload: bool = False
+
+    def resharded(self, pipelined: bool) -> bool:
+        """Whether a unit's parameters are freed after its forward (``reshard_after_forward`` resolved)."""
+        return (not pipelined) if self.reshard_after_forward is None else self.reshard_after_forward
 
     def __post_init__(self) -> None:
         if isinstance(self.replicas, bool) or not isinstance(self.replicas, int) or self.replicas < 1:

@@ -18,7 +18,9 @@ Per micro-batch on the busiest pipeline rank (the terms of :class:`Estimate`):
 - dp comm: DDP's gradient all-reduce of the rank's parameters, overlapped with the last micro-batch's
   backward but for its last 25 MB bucket; with FSDP, all-gathers before forward and backward and a
   reduce-scatter after it, per micro-batch, each overlapped with that pass's compute (prefetch) but for one
-  block's worth; both copy the bytes into and out of their buffers. Where the collectives run on the
+  block's worth (pipelined, each stage one unit kept gathered: one all-gather before the first
+  micro-batch and one reduce-scatter after the last, neither hidden); both copy the bytes into and out of
+  their buffers. Where the collectives run on the
   compute's own cores (gloo on a CPU: ``Hardware.overlap`` false) nothing is hidden;
 - optimizer: the profile's measured AdamW time per parameter the rank holds, or reading and writing 16
   bytes of state per parameter at memory bandwidth (a fused step).
@@ -27,7 +29,7 @@ Ranks that take turns on one device (``Hardware.share`` > 1: more CPU ranks than
 dealt round the cores) hand their idle time to each other: the bubble shrinks by (share − 1)/(p − 1).
 
 Memory per rank: 16 bytes per parameter it holds (weights, gradients, Adam; ÷ dp with FSDP, plus two
-blocks gathered), the activations of the micro-batches in flight (Korthikanti et al.'s formula, or one
+blocks gathered; pipelined, the stage's weights gathered and its gradients unsharded through the step), the activations of the micro-batches in flight (Korthikanti et al.'s formula, or one
 layer input per layer with recomputation, plus one layer's worth being recomputed) and the last stage's
 logits in fp32 (and under autocast the 16-bit copies of the weights the backward keeps), against 90% of
 the device's memory. Nothing here is measured; :mod:`autotp.layout.auto` enumerates layouts and ranks them.
@@ -224,6 +226,11 @@ def estimate(facts: ModelFacts, hw: Hardware, lay: Layout, training: Training = 
         total = hw.collective("all_reduce", grad_bytes / buckets, d, dp_node, count=buckets)
         tail = total / buckets
         dp_exposed = max(tail, total - hide * backward_mb) + 2 * grad_bytes * copy
+    elif d > 1 and p > 1:  # pipelined FSDP: each stage one unit, kept gathered through the step (torchtitan's
+        # choice): one all-gather before the first micro-batch, one reduce-scatter after the last, neither hidden
+        gather = hw.collective("all_gather", grad_bytes, d, dp_node)
+        scatter = hw.collective("reduce_scatter", grad_bytes, d, dp_node)
+        dp_exposed = gather + scatter + 3 * grad_bytes * copy
     elif d > 1:  # FSDP: per unit (each block, the two ends) gathers before forward and backward, reduce-scatter
         # after, each through a flat buffer the parameters and gradients are copied out of and into
         units = math.ceil(ls) + 1
@@ -274,10 +281,12 @@ def _memory(facts: ModelFacts, hw: Hardware, lay: Layout, layer_bytes: float, s:
     else:
         activations = flight * ls * layer_bytes
     other = 0.0
-    if act < facts.param_bytes:  # autocast's 16-bit copies of the weights, saved for the backward
-        other += act * local / (d if lay.fsdp else 1)
+    if act < facts.param_bytes:  # autocast's 16-bit copies of the weights, saved for the backward: of the
+        other += act * local  # gathered weights under FSDP too
     if facts.vocab:  # the last stage's logits: its vocab slice, the loss in fp32
         other += b * s * facts.vocab / t * (act + 4)
-    if lay.fsdp and d > 1:  # two blocks gathered at once (one computing, one prefetched)
+    if lay.fsdp and d > 1 and p > 1:  # the stage gathered through the step, its gradients unsharded until the
+        other += 2 * local * facts.param_bytes  # one reduce-scatter after the last micro-batch
+    elif lay.fsdp and d > 1:  # two blocks gathered at once (one computing, one prefetched)
         other += 2 * facts.tp(t).params[BLOCKS] / facts.layers * facts.param_bytes
     return Memory(state, activations, other, (1 - RESERVED) * hw.memory_bytes)

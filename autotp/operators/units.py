@@ -68,9 +68,50 @@ class PieceCall(nn.Module):
 
     def _run(self, *args):
         owners = self._bound[1]
+        if isinstance(self.piece, fx.GraphModule):  # eager: each parameter made local where it is first read
+            inputs = [args[x] if isinstance(x, int) else owners[x][0]._parameters[owners[x][1]] for x in self.layout]
+            return self._lazy_locals()(*inputs)
         inputs = [args[x] if isinstance(x, int) else _local(owners[x][0]._parameters[owners[x][1]])
                   for x in self.layout]
         return self.piece(*inputs)
+
+    def _lazy_locals(self) -> fx.GraphModule:
+        """The piece taking the parameters themselves, each made its local shard just before its first reader.
+
+        Autograd runs the ready node created last first: ``to_local`` of every parameter called before the
+        piece would run its backward only after the piece's whole backward, holding every parameter's
+        gradient at once (a whole FSDP unit's, a pipeline stage's) until each reaches ``.grad``; made just
+        before its reader, each gradient is accumulated as soon as it is computed."""
+        lazy = self.__dict__.get("_lazy")
+        if lazy is None or lazy[0] is not self.piece:
+            lazy = (self.piece, _with_lazy_locals(self.piece, self.layout))
+            self.__dict__["_lazy"] = lazy
+        return lazy[1]
+
+
+def _with_lazy_locals(piece: fx.GraphModule, layout: tuple[int | str, ...]) -> fx.GraphModule:
+    """A copy of ``piece`` whose parameter inputs (``layout``'s names) may be DTensors: each is made its local
+    tensor right before the first node that reads it."""
+    gm = fx.GraphModule(piece, copy_graph(piece.graph))
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for node, what in zip(placeholders, layout):
+        if not isinstance(what, str) or not node.users:
+            continue
+        order = {n: i for i, n in enumerate(gm.graph.nodes)}
+        first = min(node.users, key=order.__getitem__)
+        with gm.graph.inserting_before(first):
+            local = gm.graph.call_function(_local, (node,))
+        node.replace_all_uses_with(local, delete_user_cb=lambda user: user is not local)
+    gm.recompile()
+    return gm
+
+
+def copy_graph(graph: fx.Graph) -> fx.Graph:
+    """A copy of ``graph`` (its nodes' meta shared, not copied)."""
+    new = fx.Graph()
+    out = new.graph_copy(graph, {})
+    new.output(out)
+    return new
 
 
 def bind_pieces(gm: nn.Module, model: nn.Module) -> None:

@@ -71,8 +71,8 @@ def _on_tp_mesh(model: nn.Module, st: TPState, tp_mesh: DeviceMesh) -> None:
     swap_tensors(model, "parameters", on_tp_mesh)
 
 
-def _fsdp_options(config: FSDPConfig, dp_mesh: DeviceMesh) -> dict:
-    return dict(mesh=dp_mesh, reshard_after_forward=config.reshard_after_forward,
+def _fsdp_options(config: FSDPConfig, dp_mesh: DeviceMesh, pipelined: bool) -> dict:
+    return dict(mesh=dp_mesh, reshard_after_forward=config.resharded(pipelined),
                 mp_policy=MixedPrecisionPolicy(param_dtype=config.param_dtype, reduce_dtype=config.reduce_dtype),
                 offload_policy=CPUOffloadPolicy(pin_memory=False) if config.offload else OffloadPolicy())
 
@@ -82,12 +82,12 @@ def apply_fsdp(model: nn.Module, st: TPState, plan: Plan) -> None:
     config = st.options.fsdp
     dp_mesh, tp_mesh = fsdp_meshes(st.mesh, config)
     _on_tp_mesh(model, st, tp_mesh)
-    options = _fsdp_options(config, dp_mesh)
+    options = _fsdp_options(config, dp_mesh, pipelined=False)
     units = []
     for u in plan.units:  # in the order they run: the embeddings, the blocks, the final norm and LM head
         members = [model.get_submodule(m) for m in u.members]
         # the last unit's backward starts as soon as its forward ends: keep it gathered (torchtitan does)
-        keep = u.kind == "last" and config.reshard_after_forward
+        keep = u.kind == "last" and options["reshard_after_forward"]
         fully_shard(members if len(members) > 1 else members[0],
                     **{**options, "reshard_after_forward": False} if keep else options)
         unit = members[0]  # the unit's FSDP forward method runs the graph's piece (a group shares one state)
@@ -133,10 +133,12 @@ def apply_stage_fsdp(model: nn.Module, st: TPState, stages: list[nn.Module], mes
                      config: FSDPConfig) -> None:
     """Pipeline × FSDP: each of this rank's pipeline stages (:class:`~autotp.operators.stages.StageModule`)
     is one FSDP unit over the stage's data-parallel ranks. The modules holding the parameters its piece reads
-    are ``fully_shard``-ed together and the piece runs as their FSDP forward method, so a micro-batch's
-    forward gathers the stage's parameters; the stage module itself is the FSDP root above them (holding
-    none), which ``torch.distributed.pipelining`` drives as torchtitan's stages: gradients reduce-scattered
-    once per step, after the last micro-batch's backward."""
+    are ``fully_shard``-ed together and the piece runs as their FSDP forward method, so the first
+    micro-batch's forward gathers the stage's parameters; by default (torchtitan's choice for pipelining)
+    they stay gathered until the last micro-batch's backward, one all-gather per step instead of one per
+    micro-batch's forward and backward. The stage module itself is the FSDP root above them (holding none),
+    which ``torch.distributed.pipelining`` drives as torchtitan's stages: gradients reduce-scattered once
+    per step, after the last micro-batch's backward."""
     path_of = {id(m): name for name, m in model.named_modules(remove_duplicate=False)}
     # each stage's unit: the modules holding the parameters its piece reads; checked for every stage before
     # any parameter changes
@@ -151,7 +153,7 @@ def apply_stage_fsdp(model: nn.Module, st: TPState, stages: list[nn.Module], mes
         taken.update((id(m), i) for m in members)
     dp_mesh, tp_mesh = fsdp_meshes(mesh, config)
     _on_tp_mesh(model, st, tp_mesh)
-    options = _fsdp_options(config, dp_mesh)
+    options = _fsdp_options(config, dp_mesh, pipelined=True)  # kept gathered by default, as torchtitan
     retie: dict[int, nn.Parameter] = {}  # a parameter FSDP replaced -> its replacement
     units = []
     for stage, members in zip(stages, groups):

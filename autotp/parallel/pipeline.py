@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import PipelineStage, schedules
 from torch.distributed.tensor import DTensor
 
@@ -168,6 +169,7 @@ class Pipeline:
         device = tp_state(self.model).device
         first = {input_name(i): t for i, t in enumerate(flatten(self._micro)[0])}
         metas = _probe(self.model, dict(zip(self.stage_indices, modules)), self._ranks, self.pp_group, first, train)
+        _reshard(modules)  # kept gathered (reshard_after_forward=False) by the probe: the shards are the parameters
         wrapped = [self._data_parallel(m) if train else m for m in modules]
         stages = [PipelineStage(m, s, self.num_stages, device, input_args=metas[s][0], output_args=metas[s][1],
                                 group=self.pp_group) for m, s in zip(wrapped, self.stage_indices)]
@@ -250,12 +252,28 @@ class Pipeline:
         if self.scaler is not None:  # on every rank, loss or not: the scaler's state exists for its unscale_
             scale = self.scaler.scale(torch.ones((), device=index.device)).item()
         self.schedule.step(target=index, losses=losses, return_outputs=False, **inputs)
+        self._sum_kv_copies()
         for p, group in self._tied:  # Megatron's embedding group: the copies of a tied weight get one gradient
             if p.grad is not None:  # under FSDP each copy's dp piece: the same rows on every holder
                 dist.all_reduce(p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad, group=group)
         if self.scaler is not None:
             self._agree_non_finite()
         return self._loss(losses) / scale
+
+    def _sum_kv_copies(self) -> None:
+        """The gradients of parameters held whole and cut in the graph (kv heads on several tp ranks, under
+        FSDP) summed over tp in one all-reduce, once per step: each rank's is its slice's, scattered into the
+        whole (under FSDP this rank's dp rows of it, the same rows on every tp rank)."""
+        names = {c.name for c in tp_state(self.model).plan.graph_cuts if not c.in_graph}
+        mine = {id(p) for p in self.parameters()}
+        grads = [p.grad for n, p in self.model.named_parameters() if n in names and id(p) in mine and p.grad is not None]
+        if not grads:
+            return
+        local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+        flat = torch.cat([g.reshape(-1) for g in local])  # (Σ numel,): one bucket
+        dist.all_reduce(flat, group=tp_state(self.model).group)
+        for g, piece in zip(local, flat.split([g.numel() for g in local])):
+            g.copy_(piece.view_as(g))
 
     def _agree_non_finite(self) -> None:
         """An inf/nan in one rank's gradients, written into every rank's: the scaler skips on all of them."""
@@ -324,6 +342,7 @@ class Pipeline:
         losses: list[torch.Tensor] = []
         index = torch.arange(self.microbatches, device=tp_state(self.model).device)
         self._eval_runner()[1].eval(target=index, losses=losses, **inputs)
+        _reshard(self.modules)  # no backward frees what a forward kept gathered
         return self._loss(losses)
 
 
@@ -459,6 +478,16 @@ def _probe(model: nn.Module, mine: dict[int, StageModule], ranks: list[int], gro
     if region is not None:
         st.rng.set_state(region)
     return out
+
+
+def _reshard(modules: list[StageModule]) -> None:
+    """Every FSDP unit of ``modules`` back to its shards: a forward with no backward after it (the metadata
+    probe, evaluation) leaves a unit kept gathered (``reshard_after_forward=False``) holding its unsharded
+    parameters, which the optimizer must never be given and the next step must gather afresh."""
+    for m in modules:
+        for sub in m.modules():
+            if isinstance(sub, FSDPModule):
+                sub.reshard()
 
 
 def _reads(top: nn.Module, stage: int) -> list[str]:

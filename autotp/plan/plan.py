@@ -182,16 +182,19 @@ class GraphCut:
     node) is read through ``f`` then this rank's slice along ``dim``. Its blocks live on several ranks (kv heads
     fewer than tp), which FSDP's DTensors cannot express: held whole it is ``Replicate`` over tp, so norms and
     checkpoints count it once; each rank's gradient is the slice's, scattered into the whole, and ``f`` sums
-    them (one all-reduce of the parameter's gradient, backward)."""
+    them (one all-reduce of the parameter's gradient, backward). ``in_graph`` False (pipeline stages): the
+    sum is the pipeline step's, once after the last micro-batch, not once per micro-batch's backward."""
 
     name: str
     node: str
     dim: int
     segments: tuple[Segment, ...]
+    in_graph: bool = True
 
     @classmethod
     def from_dict(cls, d: dict) -> GraphCut:
-        return cls(d["name"], d["node"], d["dim"], tuple(Segment.from_dict(s) for s in d["segments"]))
+        return cls(d["name"], d["node"], d["dim"], tuple(Segment.from_dict(s) for s in d["segments"]),
+                   d.get("in_graph", True))
 
 
 @dataclass(frozen=True)

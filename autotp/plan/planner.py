@@ -410,10 +410,12 @@ def cut_copies_in_graph(gm: fx.GraphModule, plan: Plan) -> Plan:
             raise ShardingError(f"{name} ({shard.module}) has kv blocks held by several of tp={plan.tp} ranks and is "
                                 "not read as a parameter node of the graph, so it cannot be cut there for fsdp",
                                 hint="use a tp that divides the number of kv heads, or data parallelism without fsdp")
-        cuts.append(GraphCut(name, node.name, shard.dim, shard.segments))
+        # pipelined, the copies' gradients are summed once per step by the pipeline, not per micro-batch
+        cuts.append(GraphCut(name, node.name, shard.dim, shard.segments, in_graph=not plan.stages))
         value = _value(gm, node)
-        collectives.append(Collective("all_reduce", "sum", "backward", shard.module, node.name, (str(value.numel()),),
-                                      str(value.dtype).removeprefix("torch.")))
+        if not plan.stages:
+            collectives.append(Collective("all_reduce", "sum", "backward", shard.module, node.name,
+                                          (str(value.numel()),), str(value.dtype).removeprefix("torch.")))
         whole.append(WholeParam(name, shard.module, f"its kv heads are held by several of tp={plan.tp} ranks: kept "
                                 "whole for fsdp, each rank computing with its own heads' slice"))
     names = {name for name, _ in copies}

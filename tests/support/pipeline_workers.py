@@ -51,6 +51,7 @@ def pipeline_parity(model_name: str, tp: int, pp: int, schedule: str, microbatch
         with log:
             loss = pipe.step(*la, **lk)
         out.setdefault("steps_collectives", []).append([c[:2] for c in log.calls])
+        out.setdefault("steps_sized", []).append(list(log.calls))
         if step == 0:
             out["step_collectives"] = [c[:2] for c in log.calls]
         dist.all_reduce(loss, group=mesh.get_group("dp"))
@@ -79,6 +80,9 @@ def pipeline_parity(model_name: str, tp: int, pp: int, schedule: str, microbatch
         worst = max(worst, (p.detach() - want).abs().max().item())
         sums[name] = p.detach().double().sum().item()
     held = {n for n, p in model.named_parameters(remove_duplicate=False) if not p.is_meta}
+    cut = {c.name for c in st.plan.graph_cuts}  # kv weights held whole, cut in the graph: this rank's stages'
+    out["cut_numels"] = [(p.to_local() if isinstance(p, DTensor) else p).numel()
+                         for n, p in pipe.named_parameters() if n in cut]
     out.update(param_diff=worst, held=sorted(held), sums=sums, dropped=len(st.dropped),
                fsdp_units=list(st.units or ()),
                held_numel=sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in pipe.parameters()),
