@@ -182,11 +182,11 @@ def test_shard_two_nodes_on_loopback(tmp_path: Path) -> None:
     from autotp.io.checkpoint import load_unsharded
     from autotp.plan.plan import Plan
 
-    # at times both launchers wait forever (seen about one run in five to ten on 2 busy cores): after training
-    # (its progress bar may be printed, or not when the output is buffered), one rank of a node waits in a
-    # tensor-parallel all-reduce while its peer has left the worker and hangs in gloo's teardown
-    # (destroy_process_group), so neither rank exits; one more attempt on a fresh port before failing (a job
-    # that fails exits, and is not retried)
+    # four ranks and two launchers on 2 cores: a rank that polled a tensor-parallel all-reduce without end
+    # took the core its peer needed to finish capturing, and a run stalled past a minute about one in ten
+    # (py-spy: one rank in the eval graph's all-reduce, three in export); the poll now sleeps after 5 ms
+    # (autotp/operators/collectives.py: 0 stalls in 24 runs). One more attempt on a fresh port before
+    # failing, for a stall at gloo's teardown seen before (a job that fails exits, and is not retried)
     for attempt in range(2):
         procs, logs, text, timed_out, out = _two_nodes(tmp_path / f"attempt{attempt}")
         if not all(timed_out):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import os
+import time
 
 import torch
 import torch.distributed as dist
@@ -26,6 +27,9 @@ _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp
 
 
 _yield = getattr(os, "sched_yield", lambda: None)
+# how long a collective's wait is polled before it sleeps: a step's collectives among peers in step take
+# well under this (a 512 KiB all-reduce: ~0.3 ms on 2 cores), a scheduler wake-up up to a 4 ms tick
+SPIN_S = 0.005
 
 
 def finish(work: dist.Work | None, x: torch.Tensor, group: dist.ProcessGroup) -> None:
@@ -34,11 +38,16 @@ def finish(work: dist.Work | None, x: torch.Tensor, group: dist.ProcessGroup) ->
     for the scheduler (0.5 ms on average, up to a 4 ms tick, per ``perf sched`` on 2 cores), longer than
     a 512 KiB all-reduce itself. On an accelerator ``wait()`` only orders streams and returns at once.
     For all-reduces and all-gathers only: gloo's reduce-scatter work completes inside ``wait()``. Only gloo's
-    work is polled: another backend's (torch's fake one) may report completion only once waited on."""
+    work is polled: another backend's (torch's fake one) may report completion only once waited on.
+
+    The polling stops after :data:`SPIN_S`: a peer that is still capturing, loading or compiling (seconds)
+    is waited for asleep. Polled that long, with more ranks than cores, the waiting rank took the core its
+    peer needed: a two-node job on one 2-core host stalled past a minute about one run in ten."""
     if work is None:
         return
     if x.device.type == "cpu" and dist.get_backend(group) == "gloo":
-        while not work.is_completed():
+        until = time.perf_counter() + SPIN_S
+        while not work.is_completed() and time.perf_counter() < until:
             _yield()
     work.wait()
 
