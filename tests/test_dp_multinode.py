@@ -184,9 +184,10 @@ def test_shard_two_nodes_on_loopback(tmp_path: Path) -> None:
 
     # four ranks and two launchers on 2 cores: a rank that polled a tensor-parallel all-reduce without end
     # took the core its peer needed to finish capturing, and a run stalled past a minute about one in ten
-    # (py-spy: one rank in the eval graph's all-reduce, three in export); the poll now sleeps after 5 ms
-    # (autotp/operators/collectives.py: 0 stalls in 24 runs). One more attempt on a fresh port before
-    # failing, for a stall at gloo's teardown seen before (a job that fails exits, and is not retried)
+    # (py-spy: one rank in the eval graph's all-reduce, three in export); the poll now sleeps after 100 ms
+    # (autotp/operators/collectives.py: 0 stalls in 24 runs at 5 ms, none in 5 at 100 ms). One more attempt on
+    # a fresh port before failing, for a stall at gloo's teardown seen before (a job that fails exits, and is
+    # not retried)
     for attempt in range(2):
         procs, logs, text, timed_out, out = _two_nodes(tmp_path / f"attempt{attempt}")
         if not all(timed_out):

@@ -6,11 +6,13 @@ claims it there, so the command runs once and the README cannot drift from what 
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shlex
 import subprocess
 import sys
+import traceback
 from pathlib import Path
 
 from ranks import ROOT
@@ -49,14 +51,33 @@ def readme_folder(path: Path) -> Path:
 def run_readme(command: str, cwd: Path, *extra: str, timeout: int = 600,
                columns: int = 100) -> subprocess.CompletedProcess:
     """Run the README's ``command`` (it must be there, word for word) in ``cwd`` (see :func:`readme_folder`),
-    with ``extra`` words appended (a script's own ``--json``): ``autotp`` as this interpreter's module, ``python``
-    as this interpreter (the same code, no PATH needed)."""
+    with ``extra`` words appended (a script's own ``--json``).
+
+    ``autotp`` commands other than ``run`` are the console script's own app, invoked in this process (typer's
+    runner, in ``cwd``): the same code without another start of torch, and their ranks fork from the tests'
+    warm fork server (``.ci/run`` runs the console script itself). ``autotp run`` and ``python`` run as
+    this interpreter in a process of their own: they start the user's script, which imports what it likes."""
     every = {c for block in bash_blocks(README.read_text()) for c in block}
     assert command in every, f"the README no longer has `{command}`"
     words = shlex.split(command) + list(extra)
+    env = {**os.environ, "COLUMNS": str(columns)}
+    if words[0] == "autotp" and words[1] != "run":
+        return _invoke(words, cwd, env)
     if words[0] == "autotp":
         words = [sys.executable, "-m", "autotp.cli", *words[1:]]
     elif words[0] == "python":
         words = [sys.executable, *words[1:]]
-    return subprocess.run(words, cwd=cwd, capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, "COLUMNS": str(columns)})
+    return subprocess.run(words, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def _invoke(words: list[str], cwd: Path, env: dict[str, str]) -> subprocess.CompletedProcess:
+    from typer.testing import CliRunner
+
+    from autotp.cli.main import app
+
+    with contextlib.chdir(cwd):
+        result = CliRunner().invoke(app, words[1:], env=env)
+    stderr = result.stderr
+    if result.exception is not None and not isinstance(result.exception, SystemExit):
+        stderr += "".join(traceback.format_exception(result.exception))
+    return subprocess.CompletedProcess(words, result.exit_code, result.stdout, stderr)
