@@ -1,0 +1,107 @@
+"""Context parallelism's analysis: which captured forwards can run on 1/cp of their sequence, and where the
+others are stopped (op, module, source line). Structural: captured graphs, no process group."""
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from autotp.analysis.context import find_context
+from autotp.capture.tracer import capture
+
+
+def _facts(model, *args, **kwargs):
+    return find_context(capture(model, args, kwargs)[0])
+
+
+def _nanogpt(**config):
+    """nanoGPT with its flash path (``F.scaled_dot_product_attention(..., is_causal=True)``): tests/scripts."""
+    module = sys.modules.get("nanogpt_model")
+    if module is None:
+        path = Path(__file__).parent / "scripts" / "nanogpt_model.py"
+        spec = importlib.util.spec_from_file_location("nanogpt_model", path)
+        module = sys.modules["nanogpt_model"] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    torch.manual_seed(0)
+    return module.GPT(module.GPTConfig(n_layer=2, **config))
+
+
+def test_nanogpt_runs_on_a_chunk():
+    """SDPA (causal) per layer as ring attention, the position embedding's arange, the loss's token mean."""
+    idx = torch.randint(0, 128, (2, 8))
+    f = _facts(_nanogpt(), idx, idx)
+    assert f.runs and not f.blockers
+    assert [a.detail for a in f.attention] == ["causal", "causal"]
+    assert [a.where.split(", ")[1] for a in f.attention] == ["transformer.h.0.attn", "transformer.h.1.attn"]
+    assert all("nanogpt_model.py:" in a.where for a in f.attention)
+    assert len(f.positions) == 1 and f.positions[0].node.startswith("arange")
+    assert [r.node for r in f.reductions] == ["cross_entropy_loss"]
+    assert [d for _, d in f.inputs] == [1, 1]  # ids and targets, (b, s)
+
+
+def test_the_last_tokens_logits_and_attention_dropout_are_named():
+    idx = torch.randint(0, 128, (2, 8))
+    f = _facts(_nanogpt(), idx)  # no targets: the head reads x[:, [-1], :]
+    assert not f.runs
+    (b,) = f.blockers
+    assert "picks positions by index" in b.detail and "nanogpt_model.py:" in b.where
+    f = _facts(_nanogpt(dropout=0.1).train(), idx, idx)
+    assert {b.detail for b in f.blockers} == {"attention dropout: not run as ring attention"}
+
+
+@pytest.mark.parametrize("kind, op", [("cumsum_fn", "aten.cumsum"), ("cumsum_method", "aten.cumsum"),
+                                      ("roll_shift", "aten.roll"), ("pad_shift", "aten.pad")])
+def test_ops_that_mix_positions_are_named_with_their_line(kind, op):
+    """A running sum, a roll or a pad along the sequence: torch's rule would gather the sequence, so the op
+    is refused, named with its module and line (each layer)."""
+    import torch_rule_models
+
+    model, args, kwargs = torch_rule_models.build(kind)
+    f = _facts(model, *args, **kwargs)
+    mixing = [b for b in f.blockers if op in b.detail]
+    assert len(mixing) == 2 and not f.runs, f.blockers
+    assert all("torch_rule_models.py:" in b.where and ".attn" in b.where for b in mixing)
+
+
+@pytest.mark.parametrize("kind", ["plain", "rope_interleaved", "alibi"])
+def test_a_hand_written_attention_is_named_once_per_layer(kind):
+    """softmax(q·kᵀ)·v written out: one reason per attention, at the matmul that makes its scores."""
+    import pattern_models
+
+    model, args, kwargs = pattern_models.build(kind)
+    f = _facts(model, *args, **kwargs)
+    assert f.length and not f.runs
+    assert [b.where.split(", ")[1] for b in f.blockers] == ["blocks.0.attn", "blocks.1.attn"], f.blockers
+    assert all("hand-written attention" in b.detail for b in f.blockers)
+
+
+def test_hugging_face_llama_names_its_mask_and_its_label_shift():
+    """Llama (SDPA) passes a mask made from positions, and its loss shifts the labels along the sequence:
+    both named (each attention by its module path)."""
+    import llama
+
+    f = _facts(llama.build_model(), **llama.example_batch())
+    masked = [b for b in f.blockers if "explicit mask" in b.detail]
+    assert [b.where.split(", ")[1] for b in masked] == [f"model.layers.{i}.self_attn" for i in range(4)]
+    assert any("aten.pad" in b.detail or "along the sequence" in b.detail for b in f.blockers if b not in masked)
+    assert f.reductions and f.positions
+
+
+def test_without_attention_there_is_no_sequence_to_split():
+    lin = torch.nn.Sequential(torch.nn.Embedding(16, 8), torch.nn.Linear(8, 16))
+    f = _facts(lin, torch.randint(0, 16, (2, 6)))
+    assert not f.runs and not f.length and "no attention" in f.blockers[0].detail
+
+
+def test_the_examples_hand_written_nanogpt_is_named_where_it_builds_its_scores():
+    """examples/nanogpt.py writes attention out (scores, tril mask, softmax, ·v): one reason per layer,
+    with the example's own line."""
+    from nanogpt import GPT, GPTConfig
+
+    idx = torch.randint(0, 128, (2, 8))
+    f = _facts(GPT(GPTConfig()), idx, idx)
+    assert len(f.blockers) == 2 and all("nanogpt.py:" in b.where and "hand-written" in b.detail
+                                        for b in f.blockers)
