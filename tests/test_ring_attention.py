@@ -36,11 +36,12 @@ def test_ring_attention_matches_one_device(cp):
     gradients of each rank's chunk are one device's SDPA within 1e-5 (fp32). Forward: one all-gather of
     K and V; backward: another, and the K/V gradients passed on cp times (all-to-alls)."""
     from ranks import launch
-    from ring_workers import CASES, ring_case
+    from ring_workers import CASES, ring_cases
 
+    results = launch(ring_cases, cp)
     for name, (b, hq, hkv, s, d, causal, scale) in CASES.items():
-        results = launch(ring_case, cp, name)
-        for rank, r in results.items():
+        for rank, by_case in results.items():
+            r = by_case[name]
             assert max(r["errors"].values()) <= 1e-5, (name, rank, r["errors"])
             kv = 2 * b * hkv * s * d  # k and v with their own heads (GQA's are not repeated), whole sequence
             assert r["forward"] == [("all_gather", "", kv)], (name, r["forward"])

@@ -132,8 +132,36 @@ def find_context(gm: fx.GraphModule, cp: int = 2) -> ContextFacts:
         reason = _blocked(node, operands, s, cp, attention, reductions, site)
         if reason:
             blockers.append(Site(node.name, site.where, reason))
+    for r in reductions:
+        _loss_targets(gm, r, inputs, blockers)
     return ContextFacts(str(s), tuple(inputs), tuple(attention), tuple(positions), tuple(reductions),
                         tuple(blockers))
+
+
+def _hint_shape(node: fx.Node) -> tuple:
+    return tuple(size if isinstance(size, int) else size.node.hint for size in node.meta["val"].shape)
+
+
+def _loss_targets(gm: fx.GraphModule, loss: Site, inputs: list, blockers: list) -> None:
+    """A loss's targets must be chunked as its logits are. Flattened (``targets.view(-1)``) they share only
+    the product ``b·s`` with the logits' rows, so their own sizes may be other symbols: an input the
+    targets come from (through views) is chunked on the sequence dim of an input of the same shape."""
+    node = next(n for n in gm.graph.nodes if n.name == loss.node)
+    if op_rule(node.target) is None or op_rule(node.target).kind not in ("cross_entropy", "nll_loss"):
+        return
+    t = node.args[1]
+    while isinstance(t, fx.Node) and t.op == "call_function" and op_rule(t.target) is not None \
+            and op_rule(t.target).kind in ("view", "flatten", "same_shape"):
+        t = t.args[0]
+    if not isinstance(t, fx.Node) or t.op != "placeholder" or any(name == t.name for name, _ in inputs):
+        return
+    known = {n.name: n for n in gm.graph.nodes if n.op == "placeholder"}
+    like = [(name, d) for name, d in inputs if _hint_shape(known[name]) == _hint_shape(t)]
+    if like:
+        inputs.append((t.name, like[0][1]))
+    else:
+        blockers.append(Site(loss.node, loss.where, f"the loss's targets ({t.name}) have no sequence dim that "
+                                                    "matches an input's"))
 
 
 def _blocked(node: fx.Node, operands: list[fx.Node], s, cp: int, attention: list, reductions: list,

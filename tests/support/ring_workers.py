@@ -42,3 +42,8 @@ def ring_case(name: str) -> dict:
     for key, mine, full in zip(("dq", "dk", "dv"), local, (q, k, v)):
         errors[key] = (mine.grad - shard_sequence(full.grad, 2, cp, rank)).abs().max().item()
     return {"errors": errors, "forward": forward, "backward": log.calls[len(forward):]}
+
+
+def ring_cases() -> dict[str, dict]:
+    """Every case of :data:`CASES` in one launch."""
+    return {name: ring_case(name) for name in CASES}
