@@ -105,3 +105,21 @@ def test_the_examples_hand_written_nanogpt_is_named_where_it_builds_its_scores()
     f = _facts(GPT(GPTConfig()), idx, idx)
     assert len(f.blockers) == 2 and all("nanogpt.py:" in b.where and "hand-written" in b.detail
                                         for b in f.blockers)
+
+
+def test_an_arange_not_one_per_token_is_named():
+    """Positions are computable on a chunk only for one value per token: ``arange(2 * s)`` is refused."""
+
+    class Twice(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.pos = torch.nn.Embedding(16, 8), torch.nn.Embedding(64, 8)
+
+        def forward(self, idx):
+            x = self.emb(idx)  # (b, s, h)
+            q = x.view(x.size(0), 1, x.size(1), 8)
+            pos = torch.arange(2 * idx.size(1), device=idx.device)[::2]
+            return torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True) + self.pos(pos)
+
+    f = _facts(Twice(), torch.randint(0, 16, (2, 6)))
+    assert any("not one position per token" in b.detail for b in f.blockers), f.blockers

@@ -122,7 +122,14 @@ def find_context(gm: fx.GraphModule, cp: int = 2) -> ContextFacts:
             # sizes, position indices, masks and tables made from them: the same on every rank
             if node.target in (aten.arange.default, aten.arange.start, aten.arange.start_step) and \
                     any(s in _symbols(a.meta.get("val")) for a in node.all_input_nodes):
-                positions.append(Site(node.name, where(node)))
+                # one position per token (arange(s), arange(1, s + 1)): the chunk's own are computable
+                length = node.meta["val"].shape[0]
+                step = arg_named(node, "step", 1) if node.target is aten.arange.start_step else 1
+                if isinstance(length, torch.SymInt) and length.node.expr == s and step == 1:
+                    positions.append(Site(node.name, where(node)))
+                else:
+                    blockers.append(Site(node.name, where(node), f"an arange of {length} values over a sequence "
+                                                                 f"of {s}: not one position per token"))
             continue
         data.add(node)
         operands = [a for a in node.all_input_nodes if _seq_dims(a, s)]
