@@ -11,9 +11,9 @@ do not:
 - *attention*: each SDPA call, run as ring attention over the cp group (causal or full; an explicit mask
   or dropout is refused here);
 - *positions*: an ``arange`` over the sequence length (position embeddings, rotary tables, causal masks
-  made from positions): indexed by the chunk's global positions instead. What is computed only from
-  sizes, weights and positions reads no token's data and is never a blocker itself; where it meets the
-  data (a mask given to SDPA, a table multiplied into q) is;
+  made from positions): indexed by the chunk's global positions instead. What is computed from them is
+  held to the same rules as the tokens' data: on a chunk the positions are not in order, so a running sum
+  or a difference along them (a packed-sequence check) would be wrong, and is named;
 - *reductions*: a loss (cross-entropy, NLL) or a sum or mean over tokens: completed over the cp group (the
   global mean over every counted token);
 - *blockers*: anything else that reads across positions — a cumulative sum, a shift or a convolution
@@ -110,28 +110,22 @@ def find_context(gm: fx.GraphModule, cp: int = 2) -> ContextFacts:
         return ContextFacts("", (), (), (), (), (Site("", "", "no attention whose query length varies with the "
                                                           "input was found (a length fixed by the model?)"),))
     inputs, attention, positions, reductions, blockers = [], [], [], [], []
-    data: set[fx.Node] = set()  # values computed from the inputs' data (not only from sizes, weights, positions)
     for node in gm.graph.nodes:
         if node.op == "placeholder" and _seq_dims(node, s):
             inputs.append((node.name, _seq_dims(node, s)[0]))
-            data.add(node)
-        if node.op != "call_function":
+        if node.op != "call_function" or op_rule(node.target) is not None and op_rule(node.target).kind == "sym_size":
             continue
-        if not any(a in data for a in node.all_input_nodes) or op_rule(node.target) is not None \
-                and op_rule(node.target).kind == "sym_size":
-            # sizes, position indices, masks and tables made from them: the same on every rank
-            if node.target in (aten.arange.default, aten.arange.start, aten.arange.start_step) and \
-                    any(s in _symbols(a.meta.get("val")) for a in node.all_input_nodes):
-                # one position per token (arange(s), arange(1, s + 1)): the chunk's own are computable
-                length = node.meta["val"].shape[0]
-                step = arg_named(node, "step", 1) if node.target is aten.arange.start_step else 1
-                if isinstance(length, torch.SymInt) and length.node.expr == s and step == 1:
-                    positions.append(Site(node.name, where(node)))
-                else:
-                    blockers.append(Site(node.name, where(node), f"an arange of {length} values over a sequence "
-                                                                 f"of {s}: not one position per token"))
+        if node.target in (aten.arange.default, aten.arange.start, aten.arange.start_step) and \
+                any(s in _symbols(a.meta.get("val")) for a in node.all_input_nodes):
+            # one position per token (arange(s), arange(1, s + 1)): the chunk's own are computable
+            length = node.meta["val"].shape[0]
+            step = arg_named(node, "step", 1) if node.target is aten.arange.start_step else 1
+            if isinstance(length, torch.SymInt) and length.node.expr == s and step == 1:
+                positions.append(Site(node.name, where(node)))
+            else:
+                blockers.append(Site(node.name, where(node), f"an arange of {length} values over a sequence "
+                                                             f"of {s}: not one position per token"))
             continue
-        data.add(node)
         operands = [a for a in node.all_input_nodes if _seq_dims(a, s)]
         site = Site(node.name, where(node))
         if not operands:
