@@ -123,3 +123,9 @@ def test_an_arange_not_one_per_token_is_named():
 
     f = _facts(Twice(), torch.randint(0, 16, (2, 6)))
     assert any("not one position per token" in b.detail for b in f.blockers), f.blockers
+
+
+def test_outputs_carrying_the_sequence_are_found_by_symbol():
+    """The logits (b, s, V) are gathered back, the scalar loss is not."""
+    idx = torch.randint(0, 128, (2, 8))
+    assert _facts(_nanogpt(), idx, idx).outputs == ((0, 1),)

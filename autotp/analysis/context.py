@@ -67,6 +67,7 @@ class ContextFacts:
     positions: tuple[Site, ...]
     reductions: tuple[Site, ...]
     blockers: tuple[Site, ...]
+    outputs: tuple[tuple[int, int], ...] = ()  # outputs carrying the sequence: (output index, sequence dim)
 
     @property
     def runs(self) -> bool:
@@ -135,8 +136,10 @@ def find_context(gm: fx.GraphModule, cp: int = 2) -> ContextFacts:
             blockers.append(Site(node.name, site.where, reason))
     for r in reductions:
         _loss_targets(gm, r, inputs, blockers)
+    (out,) = [n for n in gm.graph.nodes if n.op == "output"]
+    outputs = tuple((i, _seq_dims(x, s)[0]) for i, x in enumerate(out.args[0]) if _seq_dims(x, s))
     return ContextFacts(str(s), tuple(inputs), tuple(attention), tuple(positions), tuple(reductions),
-                        tuple(blockers))
+                        tuple(blockers), outputs)
 
 
 def _hint_shape(node: fx.Node) -> tuple:

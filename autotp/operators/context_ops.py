@@ -13,21 +13,13 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 import torch.nn.functional as F
 
-from autotp.operators.collectives import all_reduce, _Leave
+from autotp.operators.collectives import _Collective, _Leave, all_reduce
 from autotp.operators.ring_attention import local_positions, ring_attention, unshard_sequence
 
 
-class _ContextOp(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.group: dist.ProcessGroup | None = None
-
-    def bind(self, group: dist.ProcessGroup | None) -> None:
-        self.group = group if group is not None and dist.get_world_size(group) > 1 else None
-
+class _ContextOp(_Collective):
     def _cp_rank(self) -> tuple[int, int]:
         return dist.get_world_size(self.group), dist.get_rank(self.group)
 
@@ -68,18 +60,17 @@ class RingSDPA(_ContextOp):
 
 
 class TokenMeanLoss(_ContextOp):
-    """``cross_entropy(logits, targets, ignore_index=..., reduction="mean")`` over the group's tokens."""
+    """``cross_entropy(logits, targets, ignore_index=..., reduction="mean")`` (unweighted) over the group's
+    tokens."""
 
     def __init__(self, ignore_index: int, label_smoothing: float = 0.0) -> None:
         super().__init__()
         self.ignore_index, self.label_smoothing = ignore_index, label_smoothing
 
-    def forward(self, logits: torch.Tensor, targets: torch.Tensor, weight: torch.Tensor | None = None):
-        kw = dict(ignore_index=self.ignore_index, label_smoothing=self.label_smoothing, weight=weight)
+    def forward(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        kw = dict(ignore_index=self.ignore_index, label_smoothing=self.label_smoothing)
         if self.group is None:
             return F.cross_entropy(logits, targets, **kw)
-        if weight is not None:
-            raise NotImplementedError("context parallelism: a class-weighted cross-entropy's mean")
         total = F.cross_entropy(logits, targets, reduction="sum", **kw)  # () over this rank's tokens
         count = (targets != self.ignore_index).sum().to(total.dtype)
         # L = Σ_r S_r / Σ_r N_r: each rank's dL/dS_r is 1/N, so the sum is all-reduced forward only

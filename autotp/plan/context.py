@@ -59,13 +59,5 @@ def context_plan(gm: fx.GraphModule, facts: ContextFacts, cp: int) -> ContextPla
         losses.append(TokenLoss(r.node, arg_named(n, "ignore_index", -100), arg_named(n, "label_smoothing", 0.0)))
     attention = tuple(RingCall(a.node, bool(arg_named(nodes[a.node], "is_causal", False)),
                                arg_named(nodes[a.node], "scale")) for a in facts.attention)
-    (out,) = [n for n in gm.graph.nodes if n.op == "output"]
-    symbol = facts.length
-    outputs = []
-    for i, x in enumerate(out.args[0]):
-        val = x.meta.get("val") if isinstance(x, fx.Node) else None
-        dims = [d for d, size in enumerate(getattr(val, "shape", ())) if symbol in str(size)]
-        if dims:
-            outputs.append((i, dims[0]))
     return ContextPlan(cp, facts.inputs, tuple(p.node for p in facts.positions), attention, tuple(losses),
-                       tuple(outputs))
+                       facts.outputs)
