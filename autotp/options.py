@@ -90,9 +90,16 @@ _SPLIT_BACKWARD = ("interleavedzerobubble", "zbvzerobubble")
 
 
 def refused(*, pipeline: int = 1, schedule: str | None = None, fsdp: bool = False, sequence_parallel: bool = False,
-            expert_parallel: bool = False, compile: bool = False) -> Refusal | None:
+            expert_parallel: bool = False, compile: bool = False, context_parallel: int = 1) -> Refusal | None:
     """Why these dimensions do not run together yet (None: they do). The one rule :meth:`Options.validate`,
     :func:`autotp.pipeline`, the command line and the layout search all ask."""
+    if context_parallel > 1:
+        other = [name for name, on in (("pipeline stages", pipeline > 1),
+                                       ("fsdp", fsdp), ("sequence parallelism", sequence_parallel),
+                                       ("expert parallelism", expert_parallel), ("compile", compile)) if on]
+        if other:
+            return Refusal(f"context parallelism (cp {context_parallel}) does not run with {', '.join(other)} yet",
+                           "run context parallelism alone (with data parallelism beside it), or drop cp")
     if pipeline > 1 and fsdp and schedule is not None and schedule.lower() in _SPLIT_BACKWARD:
         # measured: the weight pass runs outside FSDP's gradient hooks, and the gradients come out wrong
         return Refusal(f"fsdp with the {schedule} schedule is not supported yet: its weight-gradient pass runs "
@@ -117,6 +124,7 @@ class Options:
     # the parameters (its DTensors over tp are sharded or replicated, never a block on some of the ranks)
     whole_kv_copies: bool = False
     stage_fsdp: bool = False  # pipelined: each stage is made one FSDP unit after parallelize
+    context_parallel: int = 1  # ranks each running 1/cp of the sequence (ring attention between them)
 
     def validate(self) -> Options:
         """``self``, or a :class:`ShardingError` naming what does not run together and the numbers given.
@@ -124,6 +132,9 @@ class Options:
         too."""
         if not isinstance(self.vocab_multiple, int) or self.vocab_multiple < 1:
             raise ShardingError(f"vocab_multiple must be a positive integer, got {self.vocab_multiple!r}")
+        cp = self.context_parallel
+        if isinstance(cp, bool) or not isinstance(cp, int) or cp < 1:
+            raise ShardingError(f"context_parallel must be a positive integer, got {cp!r}")
         schedule = self.schedule.validate() if self.schedule is not None else None
         if schedule is not None and self.pipeline is not None and schedule.count != self.pipeline.count:
             raise PipelineError(f"{self.pipeline.count} stages asked for, and the schedule {schedule.schedule} "
@@ -131,7 +142,7 @@ class Options:
         stages = self.pipeline.count if self.pipeline is not None else 1
         reason = refused(pipeline=stages, schedule=None if schedule is None else schedule.schedule,
                          fsdp=self.fsdp is not None or self.stage_fsdp, sequence_parallel=self.sequence_parallel,
-                         expert_parallel=self.expert_parallel, compile=bool(self.compile))
+                         expert_parallel=self.expert_parallel, compile=bool(self.compile), context_parallel=cp)
         if reason is not None:
             raise (PipelineError if stages > 1 else ShardingError)(reason.message, hint=reason.hint)
         return self if schedule is None else replace(self, schedule=schedule)
@@ -139,4 +150,5 @@ class Options:
     def cache_options(self) -> dict:
         """The options a plan depends on, for the plan cache's key."""
         return {"vocab_multiple": self.vocab_multiple, "sequence_parallel": self.sequence_parallel,
-                "expert_parallel": self.expert_parallel, "whole_kv_copies": self.whole_kv_copies}
+                "expert_parallel": self.expert_parallel, "whole_kv_copies": self.whole_kv_copies,
+                "context_parallel": self.context_parallel}

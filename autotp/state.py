@@ -44,18 +44,23 @@ class Captured:
     # (flat output index, the module that wraps it) applied after, outside any compiler's trace
     call: nn.Module | None = None
     wrap: tuple[tuple[int, nn.Module], ...] = ()
+    # context parallelism: (flat input index, dim) of the sequence each rank takes a chunk of
+    cp_length: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True)
 class RankIdentity:
     """This rank in its tensor-parallel group: the group, its size and this rank's index, the device its
-    shards live on, and with FSDP the device mesh of the dp and tp dims."""
+    shards live on, with FSDP the device mesh of the dp and tp dims, and with context parallelism the group
+    of ranks that each run a chunk of the sequence."""
 
     group: dist.ProcessGroup
     tp: int
     rank: int
     device: torch.device
     mesh: DeviceMesh | None = None
+    cp_group: dist.ProcessGroup | None = None
+    cp: int = 1
 
 
 @dataclass
@@ -90,6 +95,8 @@ class TPState:
     rank = property(lambda self: self.who.rank)
     device = property(lambda self: self.who.device)
     mesh = property(lambda self: self.who.mesh)
+    cp = property(lambda self: self.who.cp)
+    cp_group = property(lambda self: self.who.cp_group)
 
     @property
     def plan(self) -> Plan:

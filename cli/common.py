@@ -31,13 +31,13 @@ def fail(message: str, code: int = USAGE_ERROR) -> NoReturn:
 
 
 def check_layout_options(*, pp: int, fsdp: bool, sequence_parallel: bool, expert_parallel: bool,
-                         compile_: bool, schedule: str | None = None) -> None:
+                         compile_: bool, schedule: str | None = None, cp: int = 1) -> None:
     """What ``autotp.parallelize`` would refuse for these flags, said before any rank starts: the one rule
     (:func:`autotp.options.refused`) the library, ``autotp shard``, ``autotp plan`` and the layout search
     share."""
     from autotp.options import refused
 
     reason = refused(pipeline=pp, schedule=schedule, fsdp=fsdp, sequence_parallel=sequence_parallel,
-                     expert_parallel=expert_parallel, compile=compile_)
+                     expert_parallel=expert_parallel, compile=compile_, context_parallel=cp)
     if reason is not None:
         fail(f"{reason.message}; {reason.hint}")

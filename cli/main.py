@@ -38,6 +38,7 @@ app = typer.Typer(
 
 _GROUP_TITLES = {
     "tp": "tensor",
+    "cp": "context",
     "dp": "data",
     "pp": "pipeline",
     "mp": "model",
@@ -58,7 +59,8 @@ def groups_table(layout: RankLayout) -> Table:
     """One row per group kind."""
     from autotp.cli.fit import FitTable
 
-    title = f"world {layout.world_size}: tp {layout.tp} × dp {layout.dp} × pp {layout.pp}"
+    cp = f" × cp {layout.cp}" if layout.cp > 1 else ""
+    title = f"world {layout.world_size}: tp {layout.tp}{cp} × dp {layout.dp} × pp {layout.pp}"
     table = FitTable(title=title)
     table.add_column("group", style="bold")
     table.add_column("count", justify="right", no_wrap=True)
@@ -79,13 +81,14 @@ def rank_grid(layout: RankLayout) -> Table:
     with_node = layout.gpus_per_node is not None
     table = FitTable(title="ranks")
     table.add_column("rank", justify="right", style="bold", no_wrap=True)
-    for dim in ("tp", "dp", "pp"):
+    dims = ("tp", "cp", "dp", "pp") if layout.cp > 1 else ("tp", "dp", "pp")
+    for dim in dims:
         table.add_column(dim, justify="right", no_wrap=True)
     if with_node:
         table.add_column("node", justify="right", no_wrap=True)
     for rank in range(layout.world_size):
         c = layout.coords(rank)
-        row = [str(rank), str(c["tp"]), str(c["dp"]), str(c["pp"])]
+        row = [str(rank), *(str(c[dim]) for dim in dims)]
         if with_node:
             row.append(str(c["node"]))
         table.add_row(*row)
@@ -97,23 +100,24 @@ def layout(
     world_size: int = typer.Option(..., "--world-size", "-w", help="Total number of ranks."),
     tp: int = typer.Option(1, "--tp", help="Tensor-parallel size (innermost, adjacent ranks)."),
     pp: int = typer.Option(1, "--pp", help="Pipeline-parallel size (outermost)."),
+    cp: int = typer.Option(1, "--cp", help="Context-parallel size (between tp and dp): ranks sharing a sequence."),
     dp: int | None = typer.Option(
-        None, "--dp", help="Data-parallel size; default world / (tp × pp)."
+        None, "--dp", help="Data-parallel size; default world / (tp × cp × pp)."
     ),
     gpus_per_node: int | None = typer.Option(
         None, "--gpus-per-node", help="GPUs per node; checks TP groups stay inside a node."
     ),
     as_json: bool = typer.Option(False, "--json", help="Print the groups as one JSON object."),
 ) -> None:
-    """Show which ranks form the tp, dp, pp, model and embedding groups."""
+    """Show which ranks form the tp, (cp,) dp, pp, model and embedding groups."""
     try:
-        rank_layout = RankLayout.build(world_size, tp, pp=pp, dp=dp, gpus_per_node=gpus_per_node)
+        rank_layout = RankLayout.build(world_size, tp, pp=pp, dp=dp, gpus_per_node=gpus_per_node, cp=cp)
     except (ValueError, TypeError) as exc:
         fail(str(exc))
     groups = rank_layout.groups()
     if as_json:
         # Plain print: no rich markup or wrapping may touch machine-readable output.
-        print(json.dumps({kind: groups[kind] for kind in GROUP_KINDS}))
+        print(json.dumps({kind: groups[kind] for kind in GROUP_KINDS if kind in groups}))
         return
     console = Console()
     console.print(groups_table(rank_layout))

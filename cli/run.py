@@ -61,6 +61,8 @@ FSDP = typer.Option(False, "--fsdp", help="Also shard every parameter's TP shard
                     "(FSDP2, one unit per transformer block): 1/(tp·dp) of the training state per rank.")
 HSDP = typer.Option(1, "--hsdp", metavar="GROUPS", help="With --fsdp: shard within GROUPS replica groups of "
                     "dp / GROUPS ranks and replicate across them (HSDP; e.g. the number of nodes).")
+CP = typer.Option(1, "--cp", help="Context-parallel ranks (between tp and dp): each runs 1/cp of every sequence, "
+                  "attention as a ring over them; sequence lengths must be multiples of 2·cp.")
 DEVICE = typer.Option("auto", "--device", help="cuda (one GPU per rank, nccl), cpu (gloo), or auto: cuda when "
                       "this node has a GPU for every rank, else cpu.")
 
@@ -98,13 +100,14 @@ class Launcher(NamedTuple):
     bind_cores: bool = True
     fsdp: bool = False
     hsdp: int = 1
+    cp: int = 1
 
 
 # each field of Launcher: its type and its option, declared once here
 _LAUNCHER_OPTIONS = {"nnodes": (int, NNODES), "node_rank": (int, NODE_RANK), "master_addr": (str | None, MASTER_ADDR),
                      "master_port": (int | None, MASTER_PORT), "timeout": (float | None, TIMEOUT),
                      "max_restarts": (int, MAX_RESTARTS), "device": (str, DEVICE), "bind_cores": (bool, BIND_CORES),
-                     "fsdp": (bool, FSDP), "hsdp": (int, HSDP)}
+                     "fsdp": (bool, FSDP), "hsdp": (int, HSDP), "cp": (int, CP)}
 
 
 def with_launcher(command: Callable) -> Callable:
@@ -186,7 +189,7 @@ def run(
     debug: bool = DEBUG,
     launcher: Launcher = Launcher(),
 ) -> None:
-    """Run SCRIPT on tp × dp × pp ranks per node with torch's elastic launcher (c10d rendezvous).
+    """Run SCRIPT on tp × cp × dp × pp ranks per node with torch's elastic launcher (c10d rendezvous).
 
     With more than one rank, each line the ranks print starts with the global rank that printed it: \\[rank1]:."""
 

@@ -101,7 +101,8 @@ def _check_batch(mf: ModelFile, args: tuple, kwargs: dict, microbatches: int) ->
 
 
 def preflight(mf: ModelFile, tp: int, weights: Path | None = None, sequence_parallel: bool = False,
-              expert_parallel: bool = False, fsdp: bool = False, stages: tuple[int, int] | None = None) -> float | None:
+              expert_parallel: bool = False, fsdp: bool = False, stages: tuple[int, int] | None = None,
+              cp: int = 1) -> float | None:
     """Build the model on the meta device, capture the example batch and plan for ``tp``, in this process;
     the FLOPs of one training step on the batch (three times the forward's matmuls and attention, from the
     captured graph's shapes), or None when the graph could not be captured here.
@@ -147,6 +148,8 @@ def preflight(mf: ModelFile, tp: int, weights: Path | None = None, sequence_para
     from autotp.analysis.flops import node_flops
 
     flops = 3.0 * sum(node_flops(n) for n in gm.graph.nodes)  # backward: twice the forward's matmul work
+    if cp > 1:
+        _check_context(gm, cp)
     try:
         plan = make_plan(gm, tp, sequence_parallel=sequence_parallel, expert_parallel=expert_parallel,
                          stages=None if stages is None else StageRequest(stages[0]))
@@ -159,6 +162,17 @@ def preflight(mf: ModelFile, tp: int, weights: Path | None = None, sequence_para
     except Exception:  # noqa: BLE001 - not a user error autotp can explain; the ranks will show it in full
         return None
     return flops or None
+
+
+def _check_context(gm, cp: int) -> None:
+    """The context plan the ranks would make (refused naming each op that stops it), and the batch's length."""
+    from autotp.analysis.context import find_context
+    from autotp.parallel.parallelize import check_chunks
+    from autotp.plan.context_planner import context_plan
+
+    plan = context_plan(gm, find_context(gm, cp), cp)
+    if plan.length:
+        check_chunks(plan.length, cp)
 
 
 def _spread(report: ShardReport) -> str:
@@ -191,14 +205,17 @@ def render(report: ShardReport, console: Console) -> None:
     from autotp.cli.fit import FitTable
 
     pp = f" × pp {report.pp}" if report.pp > 1 else ""
-    ranks = FitTable(title=f"{escape(report.model)}: tp {report.tp} × dp {report.dp}{pp} ({report.backend})")
-    cols = (("rank", "right"), ("tp", "right"), ("dp", "right"), *((("pp", "right"),) if pp else ()),
+    cp = f" × cp {report.cp}" if report.cp > 1 else ""
+    ranks = FitTable(title=f"{escape(report.model)}: tp {report.tp}{cp} × dp {report.dp}{pp} ({report.backend})")
+    cols = (("rank", "right"), ("tp", "right"), *((("cp", "right"),) if cp else ()), ("dp", "right"),
+            *((("pp", "right"),) if pp else ()),
             ("parameters", "right"), ("of unsharded", "right"), ("step (median)", "right"), ("peak memory", "right"))
     for col, justify in cols:
         ranks.add_column(col, justify=justify, no_wrap=True)
     for r in report.ranks:
         share = f"{100 * r.param_bytes / report.unsharded_bytes:.0f}%" if report.unsharded_bytes else "-"
-        ranks.add_row(str(r.rank), str(r.tp_rank), str(r.dp_rank), *((str(r.pp_rank),) if pp else ()),
+        ranks.add_row(str(r.rank), str(r.tp_rank), *((str(r.cp_rank),) if cp else ()), str(r.dp_rank),
+                      *((str(r.pp_rank),) if pp else ()),
                       _size(r.param_bytes), share, _ms(r.step_s), _size(r.peak_memory) if r.peak_memory else "-")
     console.print(ranks)
 
@@ -329,7 +346,7 @@ def shard(
     debug: bool = DEBUG,
     launcher: Launcher = Launcher(),
 ) -> None:
-    """Shard MODEL_PY over tp × dp × pp ranks, verify, train a few steps, save plan and checkpoint."""
+    """Shard MODEL_PY over tp × cp × dp × pp ranks, verify, train a few steps, save plan and checkpoint."""
     started = time.time()
     fsdp, nnodes, node_rank, timeout = launcher.fsdp, launcher.nnodes, launcher.node_rank, launcher.timeout
     from autotp.cli.progress import Phases
@@ -366,7 +383,7 @@ def shard(
         abort(f"--out {out} exists and is not a folder", debug, code=USAGE_ERROR)
     spec = launch_spec(tp, dp, pp, launcher._replace(fsdp=fsdp), debug)  # --auto may have chosen FSDP
     check_layout_options(pp=pp, fsdp=fsdp, sequence_parallel=sequence_parallel, expert_parallel=expert_parallel,
-                         compile_=compile_, schedule=schedule)
+                         compile_=compile_, schedule=schedule, cp=launcher.cp)
     stages = None
     if pp > 1:
         from autotp.options import PipelineOptions  # the rules autotp.pipeline validates with (no torch)
@@ -387,7 +404,8 @@ def shard(
               "write this one elsewhere with --out; nothing there was changed", debug, code=USAGE_ERROR)
     try:
         # before any rank starts
-        flops = preflight(load_model_file(model), tp, weights, sequence_parallel, expert_parallel, fsdp, stages)
+        flops = preflight(load_model_file(model), tp, weights, sequence_parallel, expert_parallel, fsdp, stages,
+                          launcher.cp)
         peak = _peak_flops(gpu)
     except (AutotpError, ValueError) as exc:
         abort(str(exc), debug, code=USAGE_ERROR)
@@ -408,7 +426,8 @@ def shard(
                    weights=None if weights is None else str(weights.resolve()), started=started,
                    log_every=log_every, clip_grad=clip_grad, flops=flops, peak_flops=peak)
     node = f" on node {node_rank} of {nnodes}" if nnodes > 1 else ""
-    phases.say("launch", f"starting {spec.nproc_per_node} ranks{node}: tp {spec.tp} × dp {spec.dp * nnodes}"
+    phases.say("launch", f"starting {spec.nproc_per_node} ranks{node}: tp {spec.tp}"
+               + (f" × cp {spec.cp}" if spec.cp > 1 else "") + f" × dp {spec.dp * nnodes}"
                + (f" × pp {spec.pp}" if spec.pp > 1 else "") + (" (FSDP)" if spec.fsdp else ""))
     try:
         results = launch(spec, shard_worker, job, quiet=not debug, on_restart=say_restart)

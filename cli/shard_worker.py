@@ -93,6 +93,7 @@ class RankStats:
     step_s: tuple[float, ...]
     pp_rank: int = 0
     peak_memory: int = 0  # bytes, after training (CUDA: max allocated; CPU: peak resident set)
+    cp_rank: int = 0
 
 
 @dataclass(frozen=True)
@@ -129,6 +130,7 @@ class ShardReport:
     metrics_path: str = ""  # the training log's JSON lines ("" when nothing was trained)
     tensorboard: str = ""  # its TensorBoard folder ("" without the tensorboard package)
     mfu: float | None = None  # the median step's, when the device's peak is known
+    cp: int = 1  # context-parallel ranks sharing each sequence
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -345,14 +347,21 @@ def shard_worker(job: ShardJob) -> ShardReport | None:
 
 
 def _tp_batch(make, ctx: RankContext) -> tuple[tuple, dict]:
-    """TP rank 0's ``make()`` (an (args, kwargs) batch) on every rank of its TP group, on this rank's device.
+    """The first rank's ``make()`` (an (args, kwargs) batch) of its model replica (its TP group, and with
+    context parallelism its CP groups: every rank sharing the sequences) on every rank of it, on this rank's
+    device.
 
-    Only rank 0 of the group calls ``make``: a batch drawn without a seed (or read from a stream) would
-    otherwise differ across the group, which the model refuses (``InputMismatchError``)."""
-    if ctx.layout.tp == 1:
+    Only one rank of the replica calls ``make``: a batch drawn without a seed (or read from a stream) would
+    otherwise differ across it, which the model refuses (``InputMismatchError``)."""
+    cp = ctx.layout.cp
+    if ctx.layout.tp == 1 and cp == 1:
         return to_device(make(), ctx.device)
-    batch = make() if ctx.coords["tp"] == 0 else None
-    return to_device(autotp.broadcast_batch(batch, group=ctx.tp_group()), ctx.device)
+    batch = make() if ctx.coords["tp"] == 0 and ctx.coords.get("cp", 0) == 0 else None
+    if cp > 1:  # to tp rank 0 of each cp rank first, then over each tp group
+        batch = autotp.broadcast_batch(batch, group=ctx.cp_group())
+    if ctx.layout.tp > 1:
+        batch = autotp.broadcast_batch(batch, group=ctx.tp_group())
+    return to_device(batch, ctx.device)
 
 
 def _token_vocab(tpm: autotp.TPModule) -> int | None:
@@ -461,14 +470,15 @@ def _shard(job: ShardJob, ctx: RankContext) -> ShardReport | None:
     ckpt_path = _final_checkpoint(job, resumed_from, start, done, save)
 
     mine = RankStats(ctx.rank, ctx.coords["tp"], ctx.coords["dp"], _param_bytes(tpm), tuple(times),
-                     peak_memory=peak_memory(ctx.device.type))
+                     peak_memory=peak_memory(ctx.device.type), cp_rank=ctx.coords.get("cp", 0))
     everyone: list[RankStats | None] = [None] * ctx.layout.world_size
     dist.all_gather_object(everyone, mine)
     if ctx.rank != 0:
         return None
     counts = Counter((c.direction, c.kind, c.op) for c in autotp.tp_state(tpm).plan.collectives)
     report = ShardReport(
-        model=job.model, tp=ctx.layout.tp, dp=ctx.layout.dp, backend=ctx.backend, unsharded_bytes=unsharded_bytes,
+        model=job.model, tp=ctx.layout.tp, dp=ctx.layout.dp, cp=ctx.layout.cp, backend=ctx.backend,
+        unsharded_bytes=unsharded_bytes,
         ranks=tuple(everyone), collectives=tuple((*key, n) for key, n in sorted(counts.items())),
         parity=parity, losses=tuple(losses), final_loss=final_loss,
         plan_path=str(plan_path), checkpoint_path=str(ckpt_path or ""), start_step=start, resumed_from=resumed_from,
@@ -592,7 +602,8 @@ def _shard_pipeline(job: ShardJob, ctx: RankContext, mf: ModelFile, batch: tuple
         return None
     counts = Counter((c.direction, c.kind, c.op) for c in st.plan.collectives)
     report = ShardReport(
-        model=job.model, tp=ctx.layout.tp, dp=ctx.layout.dp, backend=ctx.backend, unsharded_bytes=unsharded_bytes,
+        model=job.model, tp=ctx.layout.tp, dp=ctx.layout.dp, cp=ctx.layout.cp, backend=ctx.backend,
+        unsharded_bytes=unsharded_bytes,
         ranks=tuple(everyone), collectives=tuple((*key, n) for key, n in sorted(counts.items())),
         parity=parity, losses=tuple(losses), final_loss=final_loss, plan_path=str(plan_path),
         checkpoint_path=str(ckpt_path or ""), start_step=start, resumed_from=resumed_from, resharded=resharded,

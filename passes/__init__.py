@@ -9,6 +9,7 @@ from collections.abc import Callable, Sequence
 
 import torch.fx as fx
 
+from autotp.passes.context_parallel import context_parallel
 from autotp.passes.expert_parallel import expert_parallel
 from autotp.passes.gather_outputs import gather_outputs
 from autotp.passes.graph_cuts import graph_cuts
@@ -33,7 +34,7 @@ Pass = Callable[[fx.GraphModule, Plan], fx.GraphModule]
 DEFAULT_PASSES: tuple[Pass, ...] = (rewrite_constants, sequence_split, sequence_grads, insert_collectives, expert_parallel,
                                     sharded_stats, row_bias_after_reduce,
                                     vocab_embedding, vocab_loss, vocab_output, gather_outputs, local_inputs,
-                                    slice_replicated, graph_cuts, region_rng)
+                                    slice_replicated, graph_cuts, region_rng, context_parallel)
 
 
 class PassError(RuntimeError):
@@ -53,7 +54,7 @@ def run_passes(gm: fx.GraphModule, plan: Plan, passes: Sequence[Pass] = DEFAULT_
     return gm
 
 
-__all__ = ["DEFAULT_PASSES", "PassError", "expert_parallel", "gather_outputs", "graph_cuts", "insert_collectives", "local_inputs", "region_rng",
+__all__ = ["DEFAULT_PASSES", "PassError", "context_parallel", "expert_parallel", "gather_outputs", "graph_cuts", "insert_collectives", "local_inputs", "region_rng",
            "rewrite_constants", "row_bias_after_reduce", "run_passes", "sequence_grads", "sequence_split",
            "sharded_stats", "slice_replicated", "split_stages", "split_units",
            "vocab_embedding", "vocab_loss", "vocab_output"]

@@ -3,9 +3,12 @@
 Before::
 
     x = placeholder                                    # (b, s) token ids
+    w = get_attr[wte.weight]
     pos = aten.arange.start(0, sym_size(x, 1))         # (s,)
     ...
     y = aten.scaled_dot_product_attention(q, k, v, is_causal=True)
+    a = aten.softmax(aten.masked_fill(aten.matmul(q2, k2ᵀ) * c, ~tril(ones(s, s)), -inf), -1)
+    y2 = aten.matmul(a, v2)                            # written out, the mask proven causal
     ...
     loss = aten.cross_entropy_loss(logits_2d, targets_1d)
     return (logits, loss)
@@ -14,32 +17,43 @@ After::
 
     x = placeholder
     x_cp = autotp_cp_shard_0(x)                        # (b, s/cp): chunks r and 2·cp−1−r
+    (ops on the inputs alone, a label shift, run on the whole inputs: their results are cut instead;
+    the sequence length read off the inputs is s // cp to the ops on chunks)
+    ws = autotp_cp_grads(w, ...); w_ = ws[0]           # backward: the gradients summed over the group, one bucket
     pos = autotp_cp_positions_0(aten.arange.start(0, sym_size(x_cp, 1)))   # their global positions
+    cos = autotp_cp_rows_0(cos_table, s // cp)         # cos_table[:s] -> the rows of those positions
     ...
     y = autotp_cp_attention_0(q, k, v)                 # ring attention over the cp group
+    y2 = autotp_cp_attention_1(q2, k2, v2)             # (scale c, causal); the scores and mask are gone
     ...
-    loss = autotp_cp_loss_0(logits_2d, targets_1d)     # Σ loss / Σ counted tokens over the group
+    total = aten.cross_entropy_loss(logits_2d, targets_1d, None, 2)   # reduction "sum" (or the vocab loss's)
+    loss = autotp_cp_loss_0(total, targets_1d)         # Σ loss / Σ counted tokens over the group
     return (autotp_cp_gather_0(logits), loss)          # (b, s, V) in sequence order
 
-It reads the :class:`~autotp.plan.context.ContextPlan` only (the causal flag and scale of each attention, the
-loss's ignore_index); the operators are bound to the cp group by the runtime.
+It reads the plan's :class:`~autotp.plan.context.ContextPlan` only (the causal flag and scale of each attention,
+the loss's ignore_index, the parameter reads); the operators are bound to the cp group by the runtime. It runs
+after the tensor-parallel passes.
 """
 from __future__ import annotations
+
+import operator
 
 import torch
 import torch.fx as fx
 
-from autotp.operators.context_ops import GatherSequence, LocalPositions, RingSDPA, ShardSequence, TokenMeanLoss
-from autotp.plan.context import ContextPlan
+from autotp.operators.context_ops import (ContextGrads, GatherSequence, LocalPositions, PositionRows, RingSDPA,
+                                          ShardSequence, TokenMean)
+from autotp.plan.plan import Plan
 
 
-def _after(gm: fx.GraphModule, node: fx.Node, name: str, module: torch.nn.Module) -> fx.Node:
-    """``name(node)`` inserted after ``node``, read by every user ``node`` had (but the export's check of
-    the inputs, which reads the whole ones)."""
+def _after(gm: fx.GraphModule, node: fx.Node, name: str, module: torch.nn.Module,
+           keep: frozenset[str] = frozenset()) -> fx.Node:
+    """``name(node)`` inserted after ``node``, read by every user ``node`` had but those in ``keep`` and the
+    export's check of the inputs, which read the whole value."""
     gm.add_submodule(name, module)
     with gm.graph.inserting_after(node):
         new = gm.graph.call_module(name, (node,))
-    node.replace_all_uses_with(new, delete_user_cb=lambda u: u is not new and not (
+    node.replace_all_uses_with(new, delete_user_cb=lambda u: u is not new and u.name not in keep and not (
         u.op == "call_module" and str(u.target).startswith("_guards")))
     return new
 
@@ -53,19 +67,48 @@ def _replace(gm: fx.GraphModule, node: fx.Node, name: str, module: torch.nn.Modu
     gm.graph.erase_node(node)
 
 
-def context_parallel(gm: fx.GraphModule, plan: ContextPlan) -> fx.GraphModule:
+def context_parallel(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
+    plan = plan.context
+    if plan is None:
+        return gm
     nodes = {n.name: n for n in gm.graph.nodes}
-    for i, (name, dim) in enumerate(plan.inputs):
-        _after(gm, nodes[name], f"autotp_cp_shard_{i}", ShardSequence(dim))
+    if plan.grads:
+        _sum_grads(gm, [nodes[p] for p in plan.grads])
+    whole = frozenset(plan.whole)
+    sizes = frozenset(plan.sizes)
+    for i, (name, dim) in enumerate(plan.chunks):
+        _after(gm, nodes[name], f"autotp_cp_shard_{i}", ShardSequence(dim), whole | sizes)
+    for name in plan.sizes:  # ops on chunks read s/cp; those on the whole inputs, s
+        size = nodes[name]
+        with gm.graph.inserting_after(size):
+            local = gm.graph.call_function(operator.floordiv, (size, plan.cp))
+        size.replace_all_uses_with(local, delete_user_cb=lambda u: u is not local and u.name not in whole)
     for i, name in enumerate(plan.positions):
         _after(gm, nodes[name], f"autotp_cp_positions_{i}", LocalPositions())
+    for i, (name, dim) in enumerate(plan.tables):  # table[:s] -> the rows of this rank's positions
+        n = nodes[name]
+        end = n.args[3]  # slice(x, dim, 0, s) or narrow(x, dim, 0, s)
+        _replace(gm, n, f"autotp_cp_rows_{i}", PositionRows(dim), (n.args[0], end))
     for i, call in enumerate(plan.attention):
         n = nodes[call.node]
-        _replace(gm, n, f"autotp_cp_attention_{i}", RingSDPA(call.is_causal, call.scale), tuple(n.args[:3]))
-    for i, loss in enumerate(plan.losses):
+        qkv = tuple(nodes[x] for x in call.inputs) if call.inputs else tuple(n.args[:3])
+        _replace(gm, n, f"autotp_cp_attention_{i}", RingSDPA(call.is_causal, call.scale), qkv)
+    for name in reversed(plan.dropped):  # the written-out scores and the masks, now read by nothing
+        if not nodes[name].users:
+            gm.graph.erase_node(nodes[name])
+    for i, loss in enumerate(plan.losses):  # summed over the rank's tokens, then the group's mean
         n = nodes[loss.node]
-        _replace(gm, n, f"autotp_cp_loss_{i}", TokenMeanLoss(loss.ignore_index, loss.label_smoothing),
-                 (n.args[0], n.args[1]))
+        if n.op == "call_module":  # vocab-parallel (tp > 1): the vocab loss pass made it its module
+            gm.get_submodule(n.target).reduction = 2
+        else:  # cross_entropy_loss(logits, targets, weight=None, reduction=1, ...): reduction "sum"
+            args = list(n.args) + [None, 1][len(n.args) - 2:]
+            args[3] = 2
+            n.args, n.kwargs = tuple(args), {k: v for k, v in n.kwargs.items() if k != "reduction"}
+        gm.add_submodule(f"autotp_cp_loss_{i}", TokenMean(loss.ignore_index))
+        with gm.graph.inserting_after(n):
+            mean = gm.graph.call_module(f"autotp_cp_loss_{i}", (n, n.args[1]))
+        mean.meta = dict(n.meta)
+        n.replace_all_uses_with(mean, delete_user_cb=lambda u: u is not mean)
     (out,) = [n for n in gm.graph.nodes if n.op == "output"]
     outs = list(out.args[0])
     for i, (index, dim) in enumerate(plan.outputs):
@@ -74,3 +117,16 @@ def context_parallel(gm: fx.GraphModule, plan: ContextPlan) -> fx.GraphModule:
             outs[index] = gm.graph.call_module(f"autotp_cp_gather_{i}", (outs[index],))
     out.args = (type(out.args[0])(outs),)
     return gm
+
+
+def _sum_grads(gm: fx.GraphModule, params: list[fx.Node]) -> None:
+    """Every parameter read through one :class:`ContextGrads`, placed after the last of them."""
+    gm.add_submodule("autotp_cp_grads", ContextGrads())
+    last = max(params, key=list(gm.graph.nodes).index)
+    with gm.graph.inserting_after(last):
+        group = gm.graph.call_module("autotp_cp_grads", tuple(params))
+    with gm.graph.inserting_after(group):
+        for i, p in reversed(list(enumerate(params))):
+            out = gm.graph.call_function(operator.getitem, (group, i))
+            out.meta = dict(p.meta)
+            p.replace_all_uses_with(out, delete_user_cb=lambda u: u is not group)

@@ -17,6 +17,10 @@ def _facts(model, *args, **kwargs):
     return find_context(capture(model, args, kwargs)[0])
 
 
+def _built(model, args, kwargs):
+    return _facts(model, *args, **kwargs)
+
+
 def _nanogpt(**config):
     """nanoGPT with its flash path (``F.scaled_dot_product_attention(..., is_causal=True)``): tests/scripts."""
     module = sys.modules.get("nanogpt_model")
@@ -66,28 +70,76 @@ def test_ops_that_mix_positions_are_named_with_their_line(kind, op):
     assert all("torch_rule_models.py:" in b.where and ".attn" in b.where for b in mixing)
 
 
-@pytest.mark.parametrize("kind", ["plain", "rope_interleaved", "alibi"])
-def test_a_hand_written_attention_is_named_once_per_layer(kind):
-    """softmax(q·kᵀ)·v written out: one reason per attention, at the matmul that makes its scores."""
+@pytest.mark.parametrize("kind", ["plain", "rope_interleaved", "rope_complex"])
+def test_hand_written_causal_attention_runs_as_sdpa(kind):
+    """softmax(q·kᵀ/√d masked by tril)·v written out: each layer's chain is SDPA's (causal, scale 1/√d), its
+    q, k and v those the matmuls read; the rotary tables read up to the length are read by position."""
     import pattern_models
 
     model, args, kwargs = pattern_models.build(kind)
     f = _facts(model, *args, **kwargs)
-    assert f.length and not f.runs
+    assert f.runs, f.blockers
+    assert [a.detail for a in f.attention] == ["causal", "causal"]
+    assert all(a.written is not None and a.scale == pytest.approx(pattern_models.HD ** -0.5) for a in f.attention)
+    assert sum(n.startswith("tril") for n in f.dropped) == 2  # each layer's mask, gone with its scores
+    assert len(f.tables) == (4 if kind == "rope_interleaved" else 2 if kind == "rope_complex" else 0), f.tables
+
+
+def test_alibi_scores_are_named_once_per_layer():
+    """A bias of distances added to the scores is not a causal mask: one reason per attention, where its
+    scores are made."""
+    import pattern_models
+
+    f = _built(*pattern_models.build("alibi"))
     assert [b.where.split(", ")[1] for b in f.blockers] == ["blocks.0.attn", "blocks.1.attn"], f.blockers
     assert all("hand-written attention" in b.detail for b in f.blockers)
 
 
-def test_hugging_face_llama_names_its_mask_and_its_label_shift():
-    """Llama (SDPA) passes a mask made from positions, and its loss shifts the labels along the sequence:
-    both named (each attention by its module path)."""
+@pytest.mark.parametrize("kind", ["buffer_mask", "where_mask", "additive_min", "einsum_rope", "bool_sdpa_mask"])
+def test_masks_proven_causal_in_every_spelling(kind):
+    """A mask read from a buffer sliced to the length, made by ``where``, added as finfo.min, by einsum, or a
+    boolean mask from positions passed to SDPA: computed at several lengths, the lower triangle each time."""
+    import context_models
+
+    f = _built(*context_models.build(kind))
+    assert f.runs, f.blockers
+    assert [a.detail for a in f.attention] == ["causal", "causal"]
+    assert all((a.written is None) == (kind == "bool_sdpa_mask") for a in f.attention)
+
+
+@pytest.mark.parametrize("kind", ["window", "probs_out", "offset_table"])
+def test_what_is_not_causal_attention_is_named(kind):
+    """A sliding-window mask (the lower triangle only up to 4 back), probabilities the model also returns,
+    a rotary table read from an offset: each named, with the model's line."""
+    import context_models
+
+    f = _built(*context_models.build(kind))
+    assert not f.runs
+    assert any(context_models.NAMED[kind] in b.detail and "context_models.py:" in b.where for b in f.blockers), \
+        f.blockers
+
+
+def test_a_mask_buffer_on_meta_is_not_proven():
+    """Built on meta, the mask buffer has no values to compute: named, not assumed."""
+    import context_models
+
+    with torch.device("meta"):
+        model = context_models.build("buffer_mask")[0]
+    args = tuple(torch.zeros(2, context_models.S, dtype=torch.long) for _ in range(2))
+    f = _facts(model, *args)
+    assert any("built on meta" in b.detail for b in f.blockers), f.blockers
+
+
+def test_hugging_face_llama_runs_with_its_mask_proven_and_its_labels_shifted_whole():
+    """Llama (SDPA) passes a mask made from positions: proven causal at each layer and dropped. Its loss
+    shifts the labels along the sequence (pad, slice): computed on the whole labels, the result cut."""
     import llama
 
     f = _facts(llama.build_model(), **llama.example_batch())
-    masked = [b for b in f.blockers if "explicit mask" in b.detail]
-    assert [b.where.split(", ")[1] for b in masked] == [f"model.layers.{i}.self_attn" for i in range(4)]
-    assert any("aten.pad" in b.detail or "along the sequence" in b.detail for b in f.blockers if b not in masked)
-    assert f.reductions and f.positions
+    assert f.runs, f.blockers
+    assert [a.detail for a in f.attention] == ["causal"] * 4 and all(a.written is None for a in f.attention)
+    assert {n.rstrip("_0123456789") for n in f.whole} >= {"pad", "slice"}
+    assert any(name in f.whole for name, _ in f.chunks) and f.dropped
 
 
 def test_without_attention_there_is_no_sequence_to_split():
@@ -96,15 +148,17 @@ def test_without_attention_there_is_no_sequence_to_split():
     assert not f.runs and not f.length and "no attention" in f.blockers[0].detail
 
 
-def test_the_examples_hand_written_nanogpt_is_named_where_it_builds_its_scores():
-    """examples/nanogpt.py writes attention out (scores, tril mask, softmax, ·v): one reason per layer,
-    with the example's own line."""
+def test_the_examples_hand_written_nanogpt_runs_as_sdpa():
+    """examples/nanogpt.py writes attention out (scores, tril mask, softmax, ·v): SDPA's, causal, per layer;
+    its scores, mask and softmax are dropped with the rewrite."""
     from nanogpt import GPT, GPTConfig
 
     idx = torch.randint(0, 128, (2, 8))
     f = _facts(GPT(GPTConfig()), idx, idx)
-    assert len(f.blockers) == 2 and all("nanogpt.py:" in b.where and "hand-written" in b.detail
-                                        for b in f.blockers)
+    assert f.runs, f.blockers
+    assert [a.detail for a in f.attention] == ["causal", "causal"] and all("nanogpt.py:" in a.where
+                                                                          for a in f.attention)
+    assert sum(n.startswith("softmax") for n in f.dropped) == 2
 
 
 def test_an_arange_not_one_per_token_is_named():

@@ -4,18 +4,33 @@ from __future__ import annotations
 
 import pytest
 
+import context_models
+from context_workers import context_parities, parallelize_parity
+from ranks import Launches
+
+# every spelling at cp 2; at cp 4 one of each kind of attention (written out, SDPA with a mask, einsum + rotary)
+AT = {2: ["nanogpt_example", "hf_llama", "rope_interleaved", *context_models.RUNS],
+      4: ["nanogpt_example", "hf_llama", "einsum_rope"]}
+TP2 = ["nanogpt_example", "hf_llama", "einsum_rope"]
+
+
+@pytest.fixture(scope="module")
+def runs() -> Launches:
+    """Both tests' jobs in one launch per cp."""
+    jobs = {cp: {"graph": (context_parities, 3, 32), "parallelize": (parallelize_parity, AT[cp])} for cp in AT}
+    jobs[4]["cp2_tp2"] = (parallelize_parity, TP2, 3, 2)  # 4 ranks: cp 2 × tp 2
+    return Launches(jobs)
+
 
 @pytest.mark.slow
 @pytest.mark.parametrize("cp", [2, 4])
-def test_context_parallel_training_matches_one_device(cp):
+def test_context_parallel_training_matches_one_device(runs, cp):
     """nanoGPT (SDPA, causal, learned positions) at cp 2 and 4: the loss, the gathered logits, the summed
     parameter gradients and 3 AdamW steps within 1e-5 of one device (fp32), with and without ignored
     targets. Collectives of a step: per layer one K/V all-gather forward, one all-gather and cp
-    all-to-alls backward; the loss's sum and count (two all-reduces); the logits' gather."""
-    from ranks import launch
-    from context_workers import context_parities
-
-    results = launch(context_parities, cp, 3, 32)
+    all-to-alls backward; the loss's sum and count (two all-reduces); the logits' gather; backward, one
+    all-reduce of every parameter's gradient, flattened together."""
+    results = runs(cp, "graph")
     for ignore in (False, True):
         for rank, by_case in results.items():
             r = by_case[ignore]
@@ -24,4 +39,43 @@ def test_context_parallel_training_matches_one_device(cp):
             assert len(plan.attention) == 2 and len(plan.positions) == 1 and len(plan.losses) == 1
             kinds = [c[0] for c in r["calls"]]
             assert kinds.count("all_to_all_single") == 2 * cp, kinds
-            assert kinds.count("all_reduce") == 2, kinds
+            assert kinds.count("all_reduce") == 3, kinds  # the loss's sum and count, the gradients
+
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cp", [2, 4])
+def test_parallelize_context_parallel_trains_every_causal_spelling_exactly(runs, cp):
+    """``autotp.parallelize(model, context_parallel=cp)``: attention written out by hand (examples/nanogpt.py,
+    a mask from a buffer, ``where``, a very negative bias, einsum with rotary tables read up to the length),
+    Hugging Face Llama's SDPA with a mask made from positions (proven causal) and its labels shifted inside
+    the loss (the shift computed on the whole labels): 3 AdamW steps within 1e-5 of one device. A step that
+    reads only the loss gathers no logits: its all-gathers are the rings' K/V only (one per layer forward,
+    one backward), and one all-reduce sums every gradient. A sequence length 2·cp does not divide is
+    refused, naming the numbers."""
+    for rank, by_kind in runs(cp, "parallelize").items():
+        assert list(by_kind) == AT[cp]
+        for kind, r in by_kind.items():
+            assert max(r["errors"].values()) <= 1e-5, (cp, kind, rank, r["errors"])
+            ctx = r["context"]
+            layers = len(ctx.attention)
+            assert layers >= 2 and all(a.is_causal for a in ctx.attention), (kind, ctx.attention)
+            gathers = [c for c in r["calls"] if c[0] == "all_gather"]
+            assert len(gathers) == 2 * layers, (kind, gathers)  # K/V: forward and backward, per layer
+            kinds = [c[0] for c in r["calls"]]
+            assert kinds.count("all_to_all_single") == cp * layers, (kind, kinds)
+            # the loss's sum and count, and every parameter gradient in one bucket
+            assert kinds.count("all_reduce") == 3, (kind, kinds)
+            assert f"by 2·cp = {2 * cp}" in r["refused"] and f"sequence length {2 * cp + 2}" in r["refused"], r["refused"]
+
+
+@pytest.mark.slow
+def test_context_parallel_composes_with_tensor_parallelism(runs):
+    """cp 2 × tp 2 on a (cp, tp) mesh: heads split over tp, the sequence over cp; the loss and the logits
+    (gathered over both groups when read) of 3 AdamW steps within 1e-5 of one device; the vocab-parallel loss
+    summed over each rank's tokens, its mean over the cp group."""
+    for rank, by_kind in runs(4, "cp2_tp2").items():
+        assert list(by_kind) == TP2
+        for kind, r in by_kind.items():
+            assert r["errors"]["loss"] <= 1e-5 and r["errors"]["logits"] <= 1e-5, (kind, rank, r["errors"])
+            assert r["context"].cp == 2 and all(a.is_causal for a in r["context"].attention)

@@ -8,8 +8,9 @@ do not:
 - the sequence length is the query length of ``scaled_dot_product_attention`` (a size symbol of the
   capture); a value *carries* the sequence where one of its dims is that symbol, or a product with it (the
   ``b·s`` rows of a flattened loss);
-- *attention*: each SDPA call, run as ring attention over the cp group (causal or full; an explicit mask
-  or dropout is refused here);
+- *attention*: each SDPA call, run as ring attention over the cp group (causal or full; a mask only where
+  it is proven causal, :func:`~autotp.analysis.written_attention.mask_is_causal`; dropout is refused), and
+  each attention written out by hand that is exactly SDPA (:mod:`autotp.analysis.written_attention`);
 - *positions*: an ``arange`` over the sequence length (position embeddings, rotary tables, causal masks
   made from positions): indexed by the chunk's global positions instead. What is computed from them is
   held to the same rules as the tokens' data: on a chunk the positions are not in order, so a running sum
@@ -17,7 +18,7 @@ do not:
 - *reductions*: a loss (cross-entropy, NLL) or a sum or mean over tokens: completed over the cp group (the
   global mean over every counted token);
 - *blockers*: anything else that reads across positions — a cumulative sum, a shift or a convolution
-  along the sequence, an index or slice of positions, a hand-written attention not yet run as SDPA —
+  along the sequence, an index or slice of positions, a hand-written attention that is not SDPA's —
   named with its op, module and source line. For an op without a rule of autotp's own, DTensor's sharding
   rule decides (:func:`~autotp.analysis.torch_rules.ask_torch`): an op torch keeps local on a sequence
   shard is per-token; one torch would gather is a blocker.
@@ -36,6 +37,7 @@ from autotp.analysis.matmuls import where
 from autotp.analysis.op_rules import op_rule
 from autotp.analysis.ops import arg_named, reduction_args
 from autotp.analysis.torch_rules import TorchRefused, ask_torch
+from autotp.analysis.written_attention import Written, mask_is_causal, written_attention
 
 aten = torch.ops.aten
 
@@ -58,16 +60,41 @@ class Site:
 
 
 @dataclass(frozen=True)
+class Attention:
+    """An attention run as ring attention: an SDPA call, or one written out (``written``: its q, k, v and the
+    chain the ring replaces). ``causal``: is_causal, or a mask proven causal."""
+
+    node: str  # its output: the SDPA call, or the written-out ·v matmul
+    where: str
+    causal: bool
+    scale: float | None
+    written: Written | None = None
+
+    @property
+    def detail(self) -> str:
+        return "causal" if self.causal else "full"
+
+
+@dataclass(frozen=True)
 class ContextFacts:
     """What running the forward on a sequence chunk takes (see the module docstring)."""
 
     length: str  # the sequence length's size symbol in the capture ("s85"); "" when none was found
     inputs: tuple[tuple[str, int], ...]  # placeholders carrying the sequence: (name, their sequence dim)
-    attention: tuple[Site, ...]
+    attention: tuple[Attention, ...]
     positions: tuple[Site, ...]
     reductions: tuple[Site, ...]
     blockers: tuple[Site, ...]
     outputs: tuple[tuple[int, int], ...] = ()  # outputs carrying the sequence: (output index, sequence dim)
+    # what only the attentions run as rings read (written-out scores, masks): gone with the rewrite
+    dropped: tuple[str, ...] = ()
+    # values cut to the rank's chunk where ops on chunks read them: (node, sequence dim); the inputs, or
+    # what ``whole`` computed from them
+    chunks: tuple[tuple[str, int], ...] = ()
+    whole: tuple[str, ...] = ()  # ops run on the whole inputs, on every rank (a label shift)
+    sizes: tuple[str, ...] = ()  # the sequence length read off the whole inputs (sym_size nodes)
+    # tables read by position (``cos[:s]`` of a rotary table): (node, dim), the chunk's rows instead
+    tables: tuple[tuple[str, int], ...] = ()
 
     @property
     def runs(self) -> bool:
@@ -110,11 +137,16 @@ def find_context(gm: fx.GraphModule, cp: int = 2) -> ContextFacts:
     if s is None:
         return ContextFacts("", (), (), (), (), (Site("", "", "no attention whose query length varies with the "
                                                           "input was found (a length fixed by the model?)"),))
-    inputs, attention, positions, reductions, blockers = [], [], [], [], []
+    attention, positions, reductions, tables = [], [], [], []
+    found, blockers, inside, dropped = _attentions(gm, s)
+    inputs = [(n.name, _seq_dims(n, s)[0]) for n in gm.graph.find_nodes(op="placeholder") if _seq_dims(n, s)]
+    inside |= _whole(gm, _lengths(gm, inputs), dict(inputs), dropped)[0]  # run on the whole inputs: unchecked
     for node in gm.graph.nodes:
-        if node.op == "placeholder" and _seq_dims(node, s):
-            inputs.append((node.name, _seq_dims(node, s)[0]))
-        if node.op != "call_function" or op_rule(node.target) is not None and op_rule(node.target).kind == "sym_size":
+        if node.name in found:
+            attention.append(found[node.name])
+            continue
+        if node.op != "call_function" or node.name in inside or \
+                op_rule(node.target) is not None and op_rule(node.target).kind == "sym_size":
             continue
         if node.target in (aten.arange.default, aten.arange.start, aten.arange.start_step) and \
                 any(s in _symbols(a.meta.get("val")) for a in node.all_input_nodes):
@@ -129,17 +161,160 @@ def find_context(gm: fx.GraphModule, cp: int = 2) -> ContextFacts:
             continue
         operands = [a for a in node.all_input_nodes if _seq_dims(a, s)]
         site = Site(node.name, where(node))
-        if not operands:
-            continue
-        reason = _blocked(node, operands, s, cp, attention, reductions, site)
+        if not operands:  # the sequence's length enters through a size only
+            reason = _from_length(node, s, tables) if _seq_dims(node, s) else ""
+        else:
+            reason = _blocked(node, operands, s, cp, reductions, site)
         if reason:
             blockers.append(Site(node.name, site.where, reason))
     for r in reductions:
         _loss_targets(gm, r, inputs, blockers)
+    lengths = _lengths(gm, inputs)
+    whole, cut = _whole(gm, lengths, dict(inputs), dropped)
+    blockers += [Site(n.name, where(n), f"{n.target} on the inputs, where ops on chunks read it: it would run on "
+                                        "the chunk") for n in cut if not _per_token(n)]
+    chunks = []
+    for node in gm.graph.nodes:
+        if (node.name in dict(inputs) or node.name in whole) and any(_chunked_reader(u, whole, dropped)
+                                                                     for u in node.users):
+            chunks.append((node.name, dict(inputs).get(node.name, _own_dim(node, lengths))))
+    # the sequence length as read off the whole inputs: ops on chunks read the chunk's
+    sizes = tuple(n.name for n in gm.graph.nodes if _is_size(n) and (n.args[0].name in dict(inputs) or
+                  n.args[0].name in whole) and isinstance(n.meta.get("val"), torch.SymInt)
+                  and n.meta["val"].node.expr in lengths)
     (out,) = [n for n in gm.graph.nodes if n.op == "output"]
     outputs = tuple((i, _seq_dims(x, s)[0]) for i, x in enumerate(out.args[0]) if _seq_dims(x, s))
     return ContextFacts(str(s), tuple(inputs), tuple(attention), tuple(positions), tuple(reductions),
-                        tuple(blockers), outputs)
+                        tuple(blockers), outputs, tuple(n.name for n in gm.graph.nodes if n.name in dropped),
+                        tuple(chunks), tuple(n.name for n in gm.graph.nodes if n.name in whole), sizes,
+                        tuple(tables))
+
+
+def _is_size(node: fx.Node) -> bool:
+    rule = op_rule(node.target) if node.op == "call_function" else None
+    return rule is not None and rule.kind == "sym_size"
+
+
+def _chunked_reader(user: fx.Node, whole: set[str], dropped: set[str]) -> bool:
+    """Does ``user`` read its input as this rank's chunk (not a whole-input op, a size, the export's guard,
+    or a node the rewrite drops)?"""
+    return user.name not in whole and user.name not in dropped and not _is_size(user) and \
+        not (user.op == "call_module" and str(user.target).startswith("_guards"))
+
+
+def _lengths(gm: fx.GraphModule, inputs: list[tuple[str, int]]) -> set:
+    """The sequence length as each input's own size expression (the loss's targets may have their own
+    symbol, of the same value)."""
+    nodes = {n.name: n for n in gm.graph.find_nodes(op="placeholder")}
+    sizes = (nodes[name].meta["val"].shape[dim] for name, dim in inputs)
+    return {size.node.expr for size in sizes if isinstance(size, torch.SymInt)}
+
+
+def _own_dim(node: fx.Node, lengths: set) -> int | None:
+    """The one dim of ``node``'s value whose size is the sequence length itself (not a product with it)."""
+    val = node.meta.get("val")
+    if not isinstance(val, torch.Tensor):
+        return None
+    dims = [i for i, size in enumerate(val.shape) if isinstance(size, torch.SymInt) and size.node.expr in lengths]
+    return dims[0] if len(dims) == 1 else None
+
+
+def _per_token(node: fx.Node) -> bool:
+    rule = op_rule(node.target) if node.op == "call_function" else None
+    return rule is not None and (rule.kind in _PER_TOKEN or rule.kind in _NEUTRAL)
+
+
+def _whole(gm: fx.GraphModule, lengths: set, placeholders: dict[str, int],
+           dropped: set[str]) -> tuple[set[str], list[fx.Node]]:
+    """The ops computed from the sequence inputs alone (token ids, labels, masks: no parameter, buffer or
+    other tensor), run on the whole inputs on every rank: cheap, and exact whatever they do along the
+    sequence (a label shift, a packed-sequence check). Their values are cut to the rank's chunk where an op
+    on chunks reads them, at a dim of the sequence's own length; a value with none there (flattened with
+    the batch) is computed on the chunk instead, and its inputs cut: those (``cut``) must treat each
+    position alike."""
+    whole: set[str] = set()
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or _is_size(node) or node.name in dropped:
+            continue
+        ins = node.all_input_nodes
+        if any(i.name in placeholders or i.name in whole for i in ins) and all(
+                i.name in placeholders or i.name in whole or not isinstance(i.meta.get("val"), torch.Tensor)
+                for i in ins):
+            whole.add(node.name)
+    nodes = {n.name: n for n in gm.graph.nodes}
+    cut: list[fx.Node] = []
+    changed = True
+    while changed:
+        changed = False
+        for name in sorted(whole):
+            n = nodes[name]
+            if _own_dim(n, lengths) is None and any(_chunked_reader(u, whole, dropped) for u in n.users):
+                whole.discard(name)
+                cut.append(n)
+                changed = True
+    return whole, cut
+
+
+def _attentions(gm: fx.GraphModule, s: sympy.Symbol) -> tuple[dict[str, Attention], list[Site], set[str], set[str]]:
+    """The attentions over the sequence that run as rings (by output node), the blockers among the others,
+    the nodes the rest of the analysis skips (attentions and their chains, checked here), and those dropped
+    with the rewrite: written-out chains, and masks only the rings' attentions read."""
+    nodes = {n.name: n for n in gm.graph.nodes}
+    found: dict[str, Attention] = {}
+    blockers, inside, masks = [], set(), []
+    for w in written_attention(gm):
+        if _seq_dims(nodes[w.out], s) != [2] or _seq_dims(nodes[w.k], s) != [2]:
+            continue  # not over this sequence (attention across heads or features)
+        scores = nodes[w.chain[1]]
+        reason = mask_is_causal(gm, w.mask, w.how, s) if w.mask is not None else ""
+        inside.update(w.chain)
+        if reason:  # named once, where the scores are made
+            blockers.append(Site(scores.name, where(scores), f"a hand-written attention: {reason}"))
+            continue
+        found[w.out] = Attention(w.out, where(scores), w.mask is not None, w.scale, w)
+        masks += [nodes[w.mask]] if w.mask is not None else []
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or op_rule(node.target) is None or op_rule(node.target).kind != "sdpa" \
+                or 2 not in _seq_dims(node.args[0], s):
+            continue
+        inside.add(node.name)
+        mask = arg_named(node, "attn_mask")
+        if arg_named(node, "dropout_p", 0.0):
+            blockers.append(Site(node.name, where(node), "attention dropout: not run as ring attention"))
+            continue
+        causal = bool(arg_named(node, "is_causal", False))
+        if isinstance(mask, fx.Node):  # a mask made from positions (Hugging Face's): causal, or refused
+            reason = mask_is_causal(gm, mask.name, "keep" if mask.meta["val"].dtype == torch.bool else "add", s)
+            if reason:
+                blockers.append(Site(node.name, where(node), f"attention with an explicit mask: {reason}"))
+                continue
+            causal = True
+            masks.append(mask)
+        found[node.name] = Attention(node.name, where(node), causal, arg_named(node, "scale"))
+    rings = {nodes[a.node] for a in found.values()} | {nodes[c] for a in found.values() if a.written
+                                                        for c in a.written.chain}
+    dropped = _only_read_by(masks, rings)
+    return found, blockers, inside | dropped, dropped | {c for a in found.values() if a.written for c in a.written.chain}
+
+
+def _only_read_by(roots: list[fx.Node], readers: set[fx.Node]) -> set[str]:
+    """The nodes among ``roots`` and their inputs whose values only ``readers`` read (directly or through
+    one another); never the graph's inputs or the model's tensors."""
+    if not roots:
+        return set()
+    order = {n: i for i, n in enumerate(roots[0].graph.nodes)}
+    seen: set[fx.Node] = set()
+    todo = list(roots)
+    while todo:
+        n = todo.pop()
+        if n not in seen:
+            seen.add(n)
+            todo += n.all_input_nodes
+    out: set[fx.Node] = set()
+    for n in sorted(seen, key=order.__getitem__, reverse=True):  # latest first: its readers are decided
+        if n.op == "call_function" and n.users and all(u in readers or u in out for u in n.users):
+            out.add(n)
+    return {n.name for n in out}
 
 
 def _hint_shape(node: fx.Node) -> tuple:
@@ -154,9 +329,11 @@ def _loss_targets(gm: fx.GraphModule, loss: Site, inputs: list, blockers: list) 
     if op_rule(node.target) is None or op_rule(node.target).kind not in ("cross_entropy", "nll_loss"):
         return
     t = node.args[1]
-    while isinstance(t, fx.Node) and t.op == "call_function" and op_rule(t.target) is not None \
-            and op_rule(t.target).kind in ("view", "flatten", "same_shape"):
-        t = t.args[0]
+    while isinstance(t, fx.Node) and t.op == "call_function":  # through the ops of the targets alone
+        tensors = [i for i in t.all_input_nodes if isinstance(i.meta.get("val"), torch.Tensor)]
+        if len(tensors) != 1:
+            return
+        t = tensors[0]
     if not isinstance(t, fx.Node) or t.op != "placeholder" or any(name == t.name for name, _ in inputs):
         return
     known = {n.name: n for n in gm.graph.nodes if n.op == "placeholder"}
@@ -168,20 +345,33 @@ def _loss_targets(gm: fx.GraphModule, loss: Site, inputs: list, blockers: list) 
                                                     "matches an input's"))
 
 
-def _blocked(node: fx.Node, operands: list[fx.Node], s, cp: int, attention: list, reductions: list,
-             site: Site) -> str:
+def _from_length(node: fx.Node, s: sympy.Symbol, tables: list) -> str:
+    """Why a value of the sequence's length made from sizes and tensors without it (``ones(s, s)``, an
+    expand, ``table[:s]``) cannot be made on a chunk; '' where it can. The first s rows of a table (a rotary
+    or position table sliced to the length) are the positions' rows: on a chunk, its own positions' rows
+    (recorded in ``tables``)."""
+    rule = op_rule(node.target)
+    if rule is not None and rule.kind in ("factory", "expand", "expand_as"):
+        return ""  # the same value at every position
+    if rule is not None and rule.kind in _NEUTRAL or not any(isinstance(a.meta.get("val"), torch.Tensor)
+                                                               for a in node.all_input_nodes):
+        return ""  # an output picked from a tuple (a split's), or a value made from sizes alone
+    if node.target in (aten.slice.Tensor, aten.narrow.default):
+        x, dim = node.args[0], node.args[1] if len(node.args) > 1 else 0
+        start = node.args[2] if len(node.args) > 2 else 0
+        step = node.args[4] if node.target is aten.slice.Tensor and len(node.args) > 4 else 1
+        out = node.meta["val"].shape[dim]
+        if start in (0, None) and step == 1 and isinstance(out, torch.SymInt) and out.node.expr == s:
+            tables.append((node.name, dim % x.meta["val"].dim()))
+            return ""
+    return f"{node.target} makes a value of the sequence's length from one without it: not a table's first rows"
+
+
+def _blocked(node: fx.Node, operands: list[fx.Node], s, cp: int, reductions: list, site: Site) -> str:
     """Why ``node`` (which reads the sequence through ``operands``) cannot run on a chunk; '' where it can
-    (recording attention and reductions on the way)."""
+    (recording reductions on the way). Attention is decided before (:func:`_attentions`)."""
     rule = op_rule(node.target)
     kind = rule.kind if rule is not None else None
-    if kind == "sdpa":
-        if arg_named(node, "attn_mask") is not None:
-            return "attention with an explicit mask: ring attention takes a causal flag or none"
-        if arg_named(node, "dropout_p", 0.0):
-            return "attention dropout: not run as ring attention"
-        causal = bool(arg_named(node, "is_causal", False))
-        attention.append(Site(site.node, site.where, "causal" if causal else "full"))
-        return ""
     if kind in ("cross_entropy", "nll_loss"):
         reductions.append(Site(site.node, site.where, "loss: the mean over every counted token of the group"))
         return ""
@@ -190,7 +380,7 @@ def _blocked(node: fx.Node, operands: list[fx.Node], s, cp: int, attention: list
     if any(len(_seq_dims(a, s)) > 1 for a in operands):
         return ""  # inside a hand-written attention, refused once where its scores are made (below)
     if len(_seq_dims(node, s)) > 1:
-        return "a hand-written attention's (sequence × sequence) scores: not run as SDPA yet"
+        return "a hand-written attention's (sequence × sequence) scores: not softmax(q·kᵀ·c + a causal mask)·v"
     dims = {d for a in operands for d in _seq_dims(a, s)}
     if kind == "reduction":
         r = reduction_args(node)

@@ -37,12 +37,13 @@ from autotp.distributed.restarts import Failure, final_failure, stopped_by_agent
 from autotp.distributed.warm import as_launched, warmed
 
 __all__ = [
-    "ENV_BACKEND", "ENV_DP", "ENV_PP", "ENV_TIMEOUT", "ENV_TP", "LaunchError", "LaunchSpec", "RankContext",
+    "ENV_BACKEND", "ENV_CP", "ENV_DP", "ENV_PP", "ENV_TIMEOUT", "ENV_TP", "LaunchError", "LaunchSpec", "RankContext",
     "RankFailedError", "RankOutput", "choose_backend", "current_tp_group", "init_distributed", "init_from_env",
     "launch", "root_failure",
 ]
 
 ENV_TP, ENV_DP, ENV_PP, ENV_BACKEND = "AUTOTP_TP", "AUTOTP_DP", "AUTOTP_PP", "AUTOTP_BACKEND"
+ENV_CP = "AUTOTP_CP"  # context-parallel ranks under `autotp run --cp` (unset: 1)
 ENV_TIMEOUT = "AUTOTP_TIMEOUT"  # seconds a collective may wait before the process group gives up
 ENV_FSDP = "AUTOTP_FSDP"  # FSDP replica groups under `autotp run --fsdp` (1: FSDP, R > 1: HSDP); unset: none
 # a rank that fails because a peer died reports one of these; the peer's own error is the one to show
@@ -65,7 +66,7 @@ def choose_backend(nproc_per_node: int) -> str:
 
 @dataclass(frozen=True)
 class LaunchSpec:
-    """``tp × dp × pp`` processes on each of ``nnodes`` nodes; data parallelism spans nodes (dp × nnodes)."""
+    """``tp × cp × dp × pp`` processes on each of ``nnodes`` nodes; data parallelism spans nodes (dp × nnodes)."""
 
     tp: int
     dp: int = 1
@@ -80,9 +81,10 @@ class LaunchSpec:
     bind_cores: bool = True  # CPU ranks: each bound to its own share of this node's cores (cpu_binding.py)
     fsdp: bool = False  # shard each TP shard over the data-parallel ranks (FSDP2)
     hsdp: int = 1  # with fsdp: replica groups (HSDP: shard within a group of dp / hsdp ranks, replicate across)
+    cp: int = 1  # context parallelism: ranks that each run a chunk of the same sequences (between tp and dp)
 
     def __post_init__(self) -> None:
-        for name in ("tp", "dp", "pp", "nnodes"):
+        for name in ("tp", "dp", "pp", "nnodes", "cp"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise LaunchError(f"{name} must be an integer >= 1, got {value!r}", fields=(name,))
@@ -102,9 +104,9 @@ class LaunchSpec:
             have = torch.cuda.device_count() if torch.cuda.is_available() else 0
             if have < self.nproc_per_node:
                 raise LaunchError(
-                    f"device cuda: tp {self.tp} × dp {self.dp} × pp {self.pp} = {self.nproc_per_node} ranks "
+                    f"device cuda: tp {self.tp} × cp {self.cp} × dp {self.dp} × pp {self.pp} = {self.nproc_per_node} ranks "
                     f"per node need {self.nproc_per_node} GPUs, this node has {have}",
-                    hint=f"use at most {have} ranks per node (tp × dp × pp)" if have else
+                    hint=f"use at most {have} ranks per node (tp × cp × dp × pp)" if have else
                     "run on the CPU (device cpu: gloo)", fields=("device",))
         if self.nnodes > 1 and (self.master_addr is None or self.master_port is None):
             raise LaunchError(f"nnodes {self.nnodes} needs master_addr and master_port "
@@ -138,7 +140,7 @@ class LaunchSpec:
 
     @property
     def nproc_per_node(self) -> int:
-        return self.tp * self.dp * self.pp
+        return self.tp * self.cp * self.dp * self.pp
 
     @property
     def world_size(self) -> int:
@@ -148,12 +150,14 @@ class LaunchSpec:
     def layout(self) -> RankLayout:
         try:
             return RankLayout.build(self.world_size, self.tp, pp=self.pp, dp=self.dp * self.nnodes,
-                                    gpus_per_node=self.nproc_per_node)
+                                    gpus_per_node=self.nproc_per_node, cp=self.cp)
         except (TypeError, ValueError) as exc:
             raise LaunchError(str(exc)) from exc
 
     def env(self, backend: str) -> dict[str, str]:
         env = {ENV_TP: str(self.tp), ENV_DP: str(self.dp * self.nnodes), ENV_PP: str(self.pp), ENV_BACKEND: backend}
+        if self.cp > 1:
+            env[ENV_CP] = str(self.cp)
         if self.timeout is not None:
             env[ENV_TIMEOUT] = repr(float(self.timeout))
         if backend == "gloo" and "OMP_NUM_THREADS" not in os.environ:
@@ -385,17 +389,22 @@ class RankContext:
     def dp_group(self) -> dist.ProcessGroup:
         return self.mesh.get_group("dp")
 
+    def cp_group(self) -> dist.ProcessGroup | None:
+        """The context-parallel group; None without context parallelism."""
+        return self.mesh.get_group("cp") if self.layout.cp > 1 else None
+
     def pp_group(self) -> dist.ProcessGroup:
         return self.mesh.get_group("pp")
 
     def block_mesh(self, parts: int) -> DeviceMesh:
-        """The (pp, dp, tp_block, tp_copy) mesh of blocks held by ``tp/parts`` ranks each (kv heads fewer than
-        tp): sharded over ``parts`` blocks, replicated over their copies. Made once per job and kept here,
+        """The (pp, dp, [cp,] tp_block, tp_copy) mesh of blocks held by ``tp/parts`` ranks each (kv heads fewer
+        than tp): sharded over ``parts`` blocks, replicated over their copies. Made once per job and kept here,
         since making one creates process groups on every rank."""
         if parts not in self.meshes:
             lay = self.layout
-            self.meshes[parts] = init_device_mesh(self.device.type, (lay.pp, lay.dp, parts, lay.tp // parts),
-                                                  mesh_dim_names=("pp", "dp", "tp_block", "tp_copy"))
+            cp = ((lay.cp,), ("cp",)) if lay.cp > 1 else ((), ())
+            self.meshes[parts] = init_device_mesh(self.device.type, (lay.pp, lay.dp, *cp[0], parts, lay.tp // parts),
+                                                  mesh_dim_names=("pp", "dp", *cp[1], "tp_block", "tp_copy"))
         return self.meshes[parts]
 
 
@@ -409,7 +418,8 @@ def _env_int(name: str, environ: Mapping[str, str]) -> int | None:
         raise LaunchError(f"environment variable {name}={raw!r} is not an integer") from None
 
 
-def init_distributed(tp: int, dp: int | None = None, pp: int = 1, backend: str | None = None) -> RankContext:
+def init_distributed(tp: int, dp: int | None = None, pp: int = 1, backend: str | None = None,
+                     cp: int = 1) -> RankContext:
     """Initialise the default process group (env://, as the launcher sets it) if needed; build the mesh.
 
     Collective: every rank of the job must call it, in the same order relative to other group creation.
@@ -435,7 +445,7 @@ def init_distributed(tp: int, dp: int | None = None, pp: int = 1, backend: str |
     backend = dist.get_backend()
     bind_from_env(backend)  # before the mesh's groups: their gloo threads inherit the binding
     try:
-        layout = RankLayout.build(dist.get_world_size(), tp, pp=pp, dp=dp)
+        layout = RankLayout.build(dist.get_world_size(), tp, pp=pp, dp=dp, cp=cp)
     except (TypeError, ValueError) as exc:
         raise LaunchError(str(exc)) from exc
     device_type = "cuda" if backend == "nccl" else "cpu"
@@ -461,7 +471,7 @@ def init_from_env(environ: Mapping[str, str] | None = None) -> RankContext:
                                 hint="start it with `autotp run SCRIPT --tp N [--dp N]`, or call "
                                      "autotp.distributed.launch.init_distributed(tp=N) yourself")
     return init_distributed(tp, _env_int(ENV_DP, environ), _env_int(ENV_PP, environ) or 1,
-                            environ.get(ENV_BACKEND) or None)
+                            environ.get(ENV_BACKEND) or None, _env_int(ENV_CP, environ) or 1)
 
 
 def _existing_group(ranks: list[int]) -> dist.ProcessGroup | None:
@@ -494,6 +504,27 @@ def current_tp_group(environ: Mapping[str, str] | None = None) -> dist.ProcessGr
         if found is not None:
             return found
     return init_from_env(environ).tp_group()
+
+
+def cp_from_env(environ: Mapping[str, str] | None = None) -> int:
+    """The context-parallel size ``autotp run --cp`` asked for (1 when none, or not under autotp run)."""
+    environ = os.environ if environ is None else environ
+    return _env_int(ENV_CP, environ) or 1
+
+
+def current_cp_group(environ: Mapping[str, str] | None = None) -> dist.ProcessGroup | None:
+    """The layout's context-parallel group under ``autotp run --cp``; None without one. Collective."""
+    environ = os.environ if environ is None else environ
+    cp = cp_from_env(environ)
+    if cp == 1:
+        return None
+    if dist.is_initialized():  # the groups current_tp_group made (or the script's own) are reused
+        layout = RankLayout.build(dist.get_world_size(), _env_int(ENV_TP, environ) or 1,
+                                  pp=_env_int(ENV_PP, environ) or 1, dp=_env_int(ENV_DP, environ), cp=cp)
+        found = _existing_group(next(g for g in layout.cp_groups if dist.get_rank() in g))
+        if found is not None:
+            return found
+    return init_from_env(environ).cp_group()
 
 
 def fsdp_from_env(environ: Mapping[str, str] | None = None) -> int | None:

@@ -1,11 +1,13 @@
-"""Rank layout: which global rank holds which (tp, dp, pp) coordinate.
+"""Rank layout: which global rank holds which (tp, cp, dp, pp) coordinate.
 
-Megatron's order: TP innermost (adjacent ranks), then DP, then PP. A rank ``r``
-sits at ``tp = r % tp``, ``dp = (r // tp) % dp``, ``pp = r // (tp * dp)``.
+Megatron's order: TP innermost (adjacent ranks), then CP (context parallelism), then DP, then PP. A rank ``r``
+sits at ``tp = r % tp``, ``cp = (r // tp) % cp``, ``dp = (r // (tp * cp)) % dp``, ``pp = r // (tp * cp * dp)``.
+Without context parallelism (cp 1) the cp coordinate is left out everywhere (groups, mesh, coordinates).
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -15,7 +17,7 @@ if TYPE_CHECKING:
 
 __all__ = ["GROUP_KINDS", "RankLayout"]
 
-GROUP_KINDS: tuple[str, ...] = ("tp", "dp", "pp", "mp", "embedding")
+GROUP_KINDS: tuple[str, ...] = ("tp", "cp", "dp", "pp", "mp", "embedding")
 
 
 def _check_int(name: str, value: object) -> None:
@@ -26,13 +28,14 @@ def _check_int(name: str, value: object) -> None:
 
 @dataclass(frozen=True)
 class RankLayout:
-    """A tp × dp × pp decomposition of ``world_size`` ranks, validated on construction."""
+    """A tp × cp × dp × pp decomposition of ``world_size`` ranks, validated on construction."""
 
     world_size: int
     tp: int
     pp: int
     dp: int
     gpus_per_node: int | None = None
+    cp: int = 1
 
     @classmethod
     def build(
@@ -42,29 +45,35 @@ class RankLayout:
         pp: int = 1,
         dp: int | None = None,
         gpus_per_node: int | None = None,
+        cp: int = 1,
     ) -> RankLayout:
-        """Build a layout, deriving ``dp = world_size / (tp * pp)`` when not given."""
+        """Build a layout, deriving ``dp = world_size / (tp * cp * pp)`` when not given."""
         if dp is None:
-            for name, value in (("world_size", world_size), ("tp", tp), ("pp", pp)):
+            for name, value in (("world_size", world_size), ("tp", tp), ("cp", cp), ("pp", pp)):
                 _check_int(name, value)
-            _check_positive(world_size=world_size, tp=tp, pp=pp)
-            if world_size % (tp * pp):
-                raise ValueError(
-                    f"tp ({tp}) × pp ({pp}) = {tp * pp} does not divide world size {world_size}"
-                )
-            dp = world_size // (tp * pp)
-        return cls(world_size=world_size, tp=tp, pp=pp, dp=dp, gpus_per_node=gpus_per_node)
+            _check_positive(world_size=world_size, tp=tp, cp=cp, pp=pp)
+            if world_size % (tp * cp * pp):
+                shown = f"tp ({tp}) × cp ({cp}) × pp ({pp})" if cp > 1 else f"tp ({tp}) × pp ({pp})"
+                raise ValueError(f"{shown} = {tp * cp * pp} does not divide world size {world_size}")
+            dp = world_size // (tp * cp * pp)
+        return cls(world_size=world_size, tp=tp, pp=pp, dp=dp, gpus_per_node=gpus_per_node, cp=cp)
+
+    @property
+    def _sizes(self) -> dict[str, int]:
+        """The dims, outermost first (cp only where there is context parallelism)."""
+        return {"pp": self.pp, "dp": self.dp, **({"cp": self.cp} if self.cp > 1 else {}), "tp": self.tp}
 
     def __post_init__(self) -> None:
-        for name in ("world_size", "tp", "pp", "dp"):
+        for name in ("world_size", "tp", "pp", "dp", "cp"):
             _check_int(name, getattr(self, name))
         if self.gpus_per_node is not None:
             _check_int("gpus_per_node", self.gpus_per_node)
-        _check_positive(world_size=self.world_size, tp=self.tp, pp=self.pp, dp=self.dp)
-        product = self.tp * self.dp * self.pp
+        _check_positive(world_size=self.world_size, tp=self.tp, cp=self.cp, pp=self.pp, dp=self.dp)
+        product = self.tp * self.cp * self.dp * self.pp
         if product != self.world_size:
+            cp = f" × cp ({self.cp})" if self.cp > 1 else ""
             raise ValueError(
-                f"tp ({self.tp}) × dp ({self.dp}) × pp ({self.pp}) = {product} "
+                f"tp ({self.tp}){cp} × dp ({self.dp}) × pp ({self.pp}) = {product} "
                 f"≠ world size {self.world_size}"
             )
         g = self.gpus_per_node
@@ -84,22 +93,23 @@ class RankLayout:
                     "some TP group would straddle two nodes"
                 )
 
-    def rank(self, tp: int, dp: int, pp: int) -> int:
-        """Global rank at coordinates (tp, dp, pp)."""
-        for name, value, size in (("tp", tp, self.tp), ("dp", dp, self.dp), ("pp", pp, self.pp)):
+    def rank(self, tp: int, dp: int, pp: int, cp: int = 0) -> int:
+        """Global rank at coordinates (tp, dp, pp, cp)."""
+        for name, value, size in (("tp", tp, self.tp), ("cp", cp, self.cp), ("dp", dp, self.dp),
+                                  ("pp", pp, self.pp)):
             if not 0 <= value < size:
                 raise ValueError(f"{name} coordinate {value} out of range [0, {size})")
-        return (pp * self.dp + dp) * self.tp + tp
+        return ((pp * self.dp + dp) * self.cp + cp) * self.tp + tp
 
     def coords(self, rank: int) -> dict[str, int]:
-        """Coordinates of ``rank``: tp, dp, pp, and node when gpus_per_node is known."""
+        """Coordinates of ``rank``: tp, (cp,) dp, pp, and node when gpus_per_node is known."""
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} out of range [0, {self.world_size})")
-        out = {
-            "tp": rank % self.tp,
-            "dp": (rank // self.tp) % self.dp,
-            "pp": rank // (self.tp * self.dp),
-        }
+        out = {"tp": rank % self.tp}
+        if self.cp > 1:
+            out["cp"] = (rank // self.tp) % self.cp
+        out["dp"] = (rank // (self.tp * self.cp)) % self.dp
+        out["pp"] = rank // (self.tp * self.cp * self.dp)
         if self.gpus_per_node is not None:
             out["node"] = rank // self.gpus_per_node
         return out
@@ -112,17 +122,25 @@ class RankLayout:
         return -(-self.world_size // self.gpus_per_node)
 
     def _groups(self, along: str) -> list[list[int]]:
-        """The ranks that differ only in their ``along`` coordinate ("tp", "dp" or "pp"), one list for each
-        value of the other two, the outer of those (pp before dp before tp) varying slowest."""
-        sizes = {"pp": self.pp, "dp": self.dp, "tp": self.tp}
-        outer, inner = [k for k in sizes if k != along]
-        return [[self.rank(**{outer: i, inner: j, along: k}) for k in range(sizes[along])]
-                for i in range(sizes[outer]) for j in range(sizes[inner])]
+        """The ranks that differ only in their ``along`` coordinate ("tp", "cp", "dp" or "pp"), one list for
+        each value of the others, the outer of those (pp, dp, cp, tp) varying slowest."""
+        sizes = self._sizes
+        others = [k for k in sizes if k != along]
+        groups: list[list[int]] = []
+        for fixed in itertools.product(*(range(sizes[k]) for k in others)):
+            at = dict(zip(others, fixed))
+            groups.append([self.rank(**{**at, along: k}) for k in range(sizes[along])])
+        return groups
 
     @property
     def tp_groups(self) -> list[list[int]]:
         """Ranks sharing (dp, pp): adjacent blocks of ``tp`` ranks."""
         return self._groups("tp")
+
+    @property
+    def cp_groups(self) -> list[list[int]]:
+        """Ranks sharing (tp, dp, pp): each runs a chunk of the same sequences (context parallelism)."""
+        return self._groups("cp")
 
     @property
     def dp_groups(self) -> list[list[int]]:
@@ -136,10 +154,10 @@ class RankLayout:
 
     @property
     def mp_groups(self) -> list[list[int]]:
-        """Model-parallel groups (tp × pp): ranks sharing a dp index."""
+        """Model-parallel groups (tp × pp): ranks sharing a dp (and cp) index."""
         return [
-            [self.rank(t, d, p) for p in range(self.pp) for t in range(self.tp)]
-            for d in range(self.dp)
+            [self.rank(t, d, p, c) for p in range(self.pp) for t in range(self.tp)]
+            for d in range(self.dp) for c in range(self.cp)
         ]
 
     @property
@@ -148,9 +166,10 @@ class RankLayout:
         return [[g[0], g[-1]] if len(g) > 1 else [g[0]] for g in self.pp_groups]
 
     def groups(self) -> dict[str, list[list[int]]]:
-        """All group kinds, keyed "tp", "dp", "pp", "mp", "embedding"."""
+        """All group kinds, keyed "tp", ("cp",) "dp", "pp", "mp", "embedding"."""
         return {
             "tp": self.tp_groups,
+            **({"cp": self.cp_groups} if self.cp > 1 else {}),
             "dp": self.dp_groups,
             "pp": self.pp_groups,
             "mp": self.mp_groups,
@@ -162,6 +181,7 @@ class RankLayout:
         return {
             "world_size": self.world_size,
             "tp": self.tp,
+            **({"cp": self.cp} if self.cp > 1 else {}),
             "dp": self.dp,
             "pp": self.pp,
             "gpus_per_node": self.gpus_per_node,
@@ -172,7 +192,8 @@ class RankLayout:
         return json.dumps(self.to_dict(), indent=indent)
 
     def device_mesh(self, device_type: str) -> DeviceMesh:
-        """Build the ("pp", "dp", "tp") DeviceMesh for this layout.
+        """Build the ("pp", "dp", "tp") DeviceMesh for this layout (("pp", "dp", "cp", "tp") with context
+        parallelism).
 
         Needs an initialised default process group of exactly ``world_size``
         ranks (``torch.distributed.init_process_group``); every rank must call it.
@@ -191,14 +212,13 @@ class RankLayout:
             raise RuntimeError(
                 f"process group has {actual} ranks but the layout expects {self.world_size}"
             )
-        mesh = init_device_mesh(
-            device_type, (self.pp, self.dp, self.tp), mesh_dim_names=("pp", "dp", "tp")
-        )
+        sizes = self._sizes
+        mesh = init_device_mesh(device_type, tuple(sizes.values()), mesh_dim_names=tuple(sizes))
         # Cheap local check (no communication) that torch's mesh agrees with
         # the table the rest of autotp plans against.
         rank = dist.get_rank()
-        for kind, mine in (("tp", self.tp_groups), ("dp", self.dp_groups), ("pp", self.pp_groups)):
-            expected = next(g for g in mine if rank in g)
+        for kind in sizes:
+            expected = next(g for g in self._groups(kind) if rank in g)
             got = dist.get_process_group_ranks(mesh.get_group(kind))
             if sorted(got) != expected:
                 raise RuntimeError(

@@ -245,12 +245,13 @@ def _mesh(ctx: RankContext, parts: int) -> DeviceMesh:
 
 
 def _dtensor(local: torch.Tensor, mesh, dim: int, shape: tuple[int, ...], within: Shard | Replicate | None = None) -> DTensor:
-    """``local`` as its block of a tensor of ``shape``: replicated over pp and dp, sharded over the tp dims.
+    """``local`` as its block of a tensor of ``shape``: replicated over pp, dp (and cp), sharded over the tp dims.
 
-    On a (pp, dp, tp_block, tp_copy) mesh the copies of a block are replicated too, unless ``within`` says how
-    they cut the block (a group's q heads split among the ranks sharing it).
+    On a (pp, dp, [cp,] tp_block, tp_copy) mesh the copies of a block are replicated too, unless ``within``
+    says how they cut the block (a group's q heads split among the ranks sharing it).
     """
-    placements = [Replicate(), Replicate(), Shard(dim)] + [within or Replicate()] * (mesh.ndim - 3)
+    by_dim = {"tp": Shard(dim), "tp_block": Shard(dim), "tp_copy": within or Replicate()}
+    placements = [by_dim.get(name, Replicate()) for name in mesh.mesh_dim_names]
     stride = torch.empty(shape, device="meta").stride()
     return DTensor.from_local(local, mesh, placements, run_check=False, shape=torch.Size(shape), stride=stride)
 

@@ -35,6 +35,7 @@ for the rest (:mod:`autotp.io.ckpt_safety`). A launcher checks a checkpoint befo
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shutil
@@ -61,7 +62,7 @@ __all__ = ["CheckpointError", "Resumed", "checkpoint_info", "check_resumable", "
 
 CHECKPOINTS, LATEST, LINK, TMP_PREFIX, INFO = "checkpoints", "latest", "checkpoint", ".tmp-", "autotp.json"
 _SHARD = re.compile(r"__(\d+)_\d+\.distcp")  # DCP's file of rank r
-_MANIFEST_KEYS = {"format", "step", "tp", "dp", "pp", "world_size", "optimizer", "run", "files", SELF}
+_MANIFEST_KEYS = {"format", "step", "tp", "dp", "pp", "world_size", "optimizer", "run", "files", "cp", SELF}
 FORMAT = 2  # 1: optimizer state and RNG as pickled blobs, per tp rank (never loaded: unpickling runs code)
 
 
@@ -165,11 +166,12 @@ def read_manifest(path: Path | str) -> dict:
                                 and isinstance(opt.get("param_groups"), list)):
         raise CheckpointError(f"{file}: its optimizer entry is {type(opt).__name__} {str(opt)[:80]!r}, not an "
                               "optimizer's class and parameter groups", hint=tampered)
-    layout = (info["tp"], info["dp"], info.get("pp", 1))
-    world = info.get("world_size", layout[0] * layout[1] * layout[2])
+    layout = (info["tp"], info["dp"], info.get("pp", 1), info.get("cp", 1))
+    world = info.get("world_size", math.prod(layout))
     ranks = {int(m.group(1)) for name in os.listdir(path) if (m := _SHARD.fullmatch(name))}
-    if layout[0] * layout[1] * layout[2] != world or not ranks or max(ranks) >= world:
-        raise CheckpointError(f"{file} says tp {layout[0]} × dp {layout[1]} × pp {layout[2]} on {world} ranks, "
+    if math.prod(layout) != world or not ranks or max(ranks) >= world:
+        cp = f" × cp {layout[3]}" if layout[3] > 1 else ""
+        raise CheckpointError(f"{file} says tp {layout[0]}{cp} × dp {layout[1]} × pp {layout[2]} on {world} ranks, "
                               f"but the folder holds the files of ranks {sorted(ranks)}", hint=tampered)
     return info
 
@@ -334,6 +336,8 @@ def save_training_state(run_dir: Path | str, step: int, tpm: torch.nn.Module,
                    "rng": _rng_state(tpm, ctx)}
     info = {"format": FORMAT, "step": step, "tp": ctx.layout.tp, "dp": ctx.layout.dp, "pp": ctx.layout.pp,
             "world_size": ctx.layout.world_size, "optimizer": None, "run": run}
+    if ctx.layout.cp > 1:  # context-parallel ranks hold the same parameters: a layout like dp's
+        info["cp"] = ctx.layout.cp
     if optimizer is not None:
         ostate = optimizer_state(tpm, optimizer, ctx)
         state["optim"] = {"state": ostate.tensors}
@@ -397,8 +401,10 @@ def load_training_state(path: Path | str, tpm: torch.nn.Module, optimizer: torch
     # generators the saving layout had for this rank's coordinates; the others keep their own streams
     rng = {key: value for key, value in _rng_state(tpm, ctx).items()
            if f"rng.{key}" in meta.state_dict_metadata and (".region" not in key or
-                                                            (info["tp"], info["dp"], info.get("pp", 1)) ==
-                                                            (ctx.layout.tp, ctx.layout.dp, ctx.layout.pp))}
+                                                            (info["tp"], info["dp"], info.get("pp", 1),
+                                                             info.get("cp", 1)) ==
+                                                            (ctx.layout.tp, ctx.layout.dp, ctx.layout.pp,
+                                                             ctx.layout.cp))}
     if rng:
         state["rng"] = rng
     safe_load(state, path, metadata=meta)

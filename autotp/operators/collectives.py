@@ -144,6 +144,8 @@ class _Stat(torch.autograd.Function):
 
 
 class _Collective(nn.Module):
+    axis = "tp"  # the group it is bound to: the tensor-parallel one (context parallelism's: "cp")
+
     def __init__(self) -> None:
         super().__init__()
         self.group: dist.ProcessGroup | None = None
@@ -315,7 +317,8 @@ class ShardedReduction(_Collective):
         return (var.sqrt() if self.kind == "std" else var).to(out)
 
 
-def bind_collectives(module: nn.Module, group: dist.ProcessGroup | None) -> None:
+def bind_collectives(module: nn.Module, group: dist.ProcessGroup | None, axis: str = "tp") -> None:
+    """Bind every collective of ``module`` over ``axis`` ("tp", or "cp" for context parallelism) to ``group``."""
     for m in module.modules():
-        if isinstance(m, _Collective):
+        if isinstance(m, _Collective) and m.axis == axis:
             m.bind(group)

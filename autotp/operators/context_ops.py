@@ -4,10 +4,14 @@ binds to the cp group (:meth:`bind`), as :mod:`autotp.operators.collectives`' ar
 - :class:`ShardSequence`: a whole input ``(b, s, ..)`` → this rank's head-tail chunk ``(b, s/cp, ..)``;
 - :class:`LocalPositions`: ``arange(s/cp)`` (what the graph computes from the local length) → the global
   positions of this rank's tokens;
+- :class:`PositionRows`: ``table[:s]`` (a rotary table read up to the length) → the rows of this rank's positions;
 - :class:`RingSDPA`: ``scaled_dot_product_attention`` → ring attention over the group;
-- :class:`TokenMeanLoss`: a cross-entropy's mean over local tokens → the mean over every counted token of
-  the group (ignore_index respected): the local sum and count all-reduced;
-- :class:`GatherSequence`: a chunked output → the whole one, in sequence order (backward: this rank's part).
+- :class:`TokenMean`: a cross-entropy summed over local tokens → the mean over every counted token of the
+  group (ignore_index respected): the local sum and count all-reduced;
+- :class:`GatherSequence`: a chunked output → the whole one, in sequence order, gathered when first read
+  (backward: this rank's part);
+- :class:`ContextGrads`: the parameters as the graph reads them; backward, their gradients (each rank's covers
+  its own tokens) summed over the group by one all-reduce of them all, flattened together.
 """
 from __future__ import annotations
 
@@ -16,10 +20,14 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from autotp.operators.collectives import _Collective, _Leave, all_reduce
+from autotp.operators.gathered import GatherOutput, gathered_on_use
 from autotp.operators.ring_attention import local_positions, ring_attention, unshard_sequence
+from autotp.operators.seq_ops import _SumGrads
 
 
 class _ContextOp(_Collective):
+    axis = "cp"
+
     def _cp_rank(self) -> tuple[int, int]:
         return dist.get_world_size(self.group), dist.get_rank(self.group)
 
@@ -45,6 +53,21 @@ class LocalPositions(_ContextOp):
         return start + local_positions(positions.numel() * cp, cp, rank, positions.device).to(positions.dtype)
 
 
+class PositionRows(_ContextOp):
+    """``table[:s]`` along ``dim`` (a rotary or position table read up to the length) → the rows of this
+    rank's positions: ``length`` is the chunk's, s/cp."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.dim = dim
+
+    def forward(self, table: torch.Tensor, length: int) -> torch.Tensor:
+        if self.group is None:
+            return table.narrow(self.dim, 0, length)
+        cp, rank = self._cp_rank()
+        return table.index_select(self.dim, local_positions(length * cp, cp, rank, table.device))
+
+
 class RingSDPA(_ContextOp):
     def __init__(self, is_causal: bool, scale: float | None) -> None:
         super().__init__()
@@ -59,42 +82,47 @@ class RingSDPA(_ContextOp):
         return out.transpose(1, 2).contiguous().transpose(1, 2)
 
 
-class TokenMeanLoss(_ContextOp):
-    """``cross_entropy(logits, targets, ignore_index=..., reduction="mean")`` (unweighted) over the group's
-    tokens."""
+class TokenMean(_ContextOp):
+    """A loss summed over this rank's tokens → the mean over every counted token of the group (targets equal
+    to ``ignore_index`` not counted), as one device's ``reduction="mean"`` gives it."""
 
-    def __init__(self, ignore_index: int, label_smoothing: float = 0.0) -> None:
+    def __init__(self, ignore_index: int) -> None:
         super().__init__()
-        self.ignore_index, self.label_smoothing = ignore_index, label_smoothing
+        self.ignore_index = ignore_index
 
-    def forward(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        kw = dict(ignore_index=self.ignore_index, label_smoothing=self.label_smoothing)
-        if self.group is None:
-            return F.cross_entropy(logits, targets, **kw)
-        total = F.cross_entropy(logits, targets, reduction="sum", **kw)  # () over this rank's tokens
+    def forward(self, total: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         count = (targets != self.ignore_index).sum().to(total.dtype)
+        if self.group is None:
+            return total / count
         # L = Σ_r S_r / Σ_r N_r: each rank's dL/dS_r is 1/N, so the sum is all-reduced forward only
         return _Leave.apply(total, self.group) / all_reduce(count, self.group)
 
 
-class _Gather(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
-        ctx.dim, ctx.group = dim, group
-        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(parts, x.contiguous(), group=group)
-        return unshard_sequence(parts, dim)
+class GatherSequence(GatherOutput):
+    """A graph output carrying the sequence, handed back whole (in sequence order) and gathered over the cp
+    group only when something reads it, as vocab-parallel logits are (:mod:`autotp.operators.gathered`):
+    a step that only calls ``loss.backward()`` moves none of the (b, s, V) logits. Backward: the gradient of
+    the whole tensor, the same on every rank, gives each rank its own tokens'."""
 
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        cp, rank = dist.get_world_size(ctx.group), dist.get_rank(ctx.group)
-        return grad.index_select(ctx.dim, local_positions(grad.size(ctx.dim), cp, rank, grad.device)), None, None
+    axis = "cp"
 
-
-class GatherSequence(_ContextOp):
     def __init__(self, dim: int) -> None:
-        super().__init__()
-        self.dim = dim
+        super().__init__(dim, 0, unshard=None, reslice=None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x if self.group is None else _Gather.apply(x, self.dim, self.group)
+        if self.group is None:
+            return x
+        cp, rank, dim = dist.get_world_size(self.group), self.rank, self.dim
+        shape = list(x.shape)
+        shape[dim] *= cp
+        return gathered_on_use(x, torch.Size(shape), self.group, lambda parts: unshard_sequence(parts, dim),
+                               lambda grad: grad.index_select(dim, local_positions(grad.size(dim), cp, rank,
+                                                                                   grad.device)))
+
+
+class ContextGrads(_ContextOp):
+    def forward(self, *params: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        # with gradients off (evaluation, sampling) there is nothing to sum
+        if self.group is None or not torch.is_grad_enabled():
+            return params
+        return _SumGrads.apply(self.group, *params)

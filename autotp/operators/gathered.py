@@ -104,7 +104,9 @@ class _Gather(torch.autograd.Function):
     def forward(ctx, local: torch.Tensor, shape: torch.Size, group: dist.ProcessGroup, unshard: Unshard,
                 reslice: Reslice) -> torch.Tensor:
         ctx.reslice = reslice
-        return GatheredOnUse(local.detach(), shape, group, unshard)
+        # a value gathered on use over another group (vocab-parallel logits, also cut by the sequence over the
+        # cp group) is kept as it is: reading this one gathers that one first
+        return GatheredOnUse(local if isinstance(local, GatheredOnUse) else local.detach(), shape, group, unshard)
 
     @staticmethod
     @amp_bwd
@@ -125,6 +127,8 @@ class GatherOutput(nn.Module):
     ``dim``: the sharded dim; ``size``: its full length; ``unshard``/``reslice`` cut and join it (vocab
     rows with padding, or per-segment head blocks). Bound by the runtime with the group and this rank.
     """
+
+    axis = "tp"  # the group it gathers over (context parallelism's sequence: "cp")
 
     def __init__(self, dim: int, size: int, unshard: Callable[[list[torch.Tensor], int], torch.Tensor],
                  reslice: Callable[[torch.Tensor, int], torch.Tensor]):
@@ -148,9 +152,10 @@ class GatherOutput(nn.Module):
                                lambda grad: self._reslice(grad, rank))
 
 
-def bind_outputs(module: nn.Module, group: dist.ProcessGroup | None, rank: int) -> None:
+def bind_outputs(module: nn.Module, group: dist.ProcessGroup | None, rank: int, axis: str = "tp") -> None:
+    """Bind the output gathers and local slices over ``axis`` ("tp", or "cp": context parallelism's)."""
     for m in module.modules():
-        if isinstance(m, (GatherOutput, LocalSliceOp)):
+        if isinstance(m, (GatherOutput, LocalSliceOp)) and getattr(m, "axis", "tp") == axis:
             m.bind(group, rank)
 
 

@@ -41,7 +41,6 @@ from autotp.parallel.rewrite import rewrite, warn_plan
 from autotp.parallel.shard import hold, other_stages
 from autotp.operators.units import bind_pieces
 from autotp.plan.plan import Plan, ShardedInput
-from autotp.plan.planner import fused_segments
 from autotp.plan.stages import StageRequest
 from autotp.operators.autocast import outline_autocast
 from autotp.operators.functions import outline_functions
@@ -50,6 +49,7 @@ from autotp.operators.rng import SEED_OFFSET, RegionRNG, bind_rng
 from autotp.shard_spec import shard_tensor
 from autotp.operators.vocab_ops import bind_vocab
 from autotp.options import Options, PipelineOptions
+from autotp.distributed.context import context_mesh
 from autotp.state import Captured, RankIdentity, TPState, attach_state, find_tp_state, tp_state
 
 
@@ -142,11 +142,14 @@ def _dispatch(model: nn.Module, args: tuple, kwargs: dict) -> tuple[Captured, li
     if st.unloaded:
         check_materialized(st.unloaded)
     key = call_key(args, kwargs, model.training)
-    if st.tp > 1 and (st.options.check_inputs or key not in st.checked):
-        check_same_inputs(args, kwargs, st.group)  # before any rank computes with them
+    if (st.tp > 1 or st.cp > 1) and (st.options.check_inputs or key not in st.checked):
+        for group in (g for g, n in ((st.group, st.tp), (st.cp_group, st.cp)) if n > 1):
+            check_same_inputs(args, kwargs, group)  # before any rank computes with them
         st.checked.add(key)
     flat = flatten((args, kwargs))[0]
     c = _graph_for(model, st, args, kwargs, key, flat)
+    if c.cp_length is not None:
+        check_chunks(flat[c.cp_length[0]].shape[c.cp_length[1]], st.cp)
     if c.seq_length is not None and flat[c.seq_length[0]].shape[c.seq_length[1]] % st.tp:
         c = _whole_sequence(model, st, args, kwargs, key, flat, flat[c.seq_length[0]].shape[c.seq_length[1]])
     for i, s in c.local_inputs:
@@ -170,6 +173,16 @@ def _graph_for(model: nn.Module, st: TPState, args: tuple, kwargs: dict, key: Ha
         n += 1
         variant = (key, "guards", n)
     return _build(model, st, args, kwargs, variant, sequence_parallel=sequence_parallel)
+
+
+def check_chunks(length: int, cp: int) -> None:
+    """Context parallelism cuts the sequence into 2·cp chunks (rank r holds chunks r and 2·cp−1−r, so causal
+    attention's work is balanced): a length they do not divide is refused before any rank computes."""
+    if length % (2 * cp):
+        raise ShardingError(f"sequence length {length} is not divisible by 2·cp = {2 * cp} (cp {cp}): context "
+                            f"parallelism gives each rank 2 of {2 * cp} equal chunks of the sequence",
+                            hint=f"use a sequence length that is a multiple of {2 * cp} (pad the batch, with "
+                                 "targets the loss ignores), or a smaller cp")
 
 
 def _whole_sequence(model: nn.Module, st: TPState, args: tuple, kwargs: dict, key: Hashable,
@@ -222,8 +235,6 @@ def _build(model: nn.Module, st: TPState, args: tuple, kwargs: dict, key: Hashab
         accepts = input_guard(cg.gm)  # before the passes give sharded inputs their local shapes
         gm, spec, plan, copied = rewrite(st, cg, st.options.sequence_parallel if sequence_parallel is None
                                          else sequence_parallel, stacklevel=4)
-    if st.tp == 1 and not st.graphs:
-        st.segments = fused_segments(gm)
     if st.options.fsdp is not None:
         gm, plan = _split_units(gm, plan, st)
     if st.options.pipeline is not None:
@@ -301,11 +312,14 @@ def _finish(model: nn.Module, st: TPState, gm: fx.GraphModule, spec: Spec, key: 
         if node.op == "get_attr" and node.target in tensors:
             _set_attr(gm, node.target, tensors[node.target])
     bind_collectives(gm, st.group)
+    bind_collectives(gm, st.cp_group, axis="cp")
     if st.tp > 1:
         define_ops()  # the user may torch.compile the model: its CPU all-reduces then trace as one op each
     bind_rng(gm, st.rng)
     bind_vocab(gm, st.group, st.rank)
     bind_outputs(gm, st.group, st.rank)
+    if st.cp_group is not None:
+        bind_outputs(gm, st.cp_group, dist.get_rank(st.cp_group), axis="cp")
     bind_pieces(gm, model)
     outline_functions(gm)  # the model's own autograd Functions, called again (inside any region below)
     outline_autocast(gm)  # the model's autocast regions, inside its checkpointed ones
@@ -326,8 +340,10 @@ def _finish(model: nn.Module, st: TPState, gm: fx.GraphModule, spec: Spec, key: 
     index = {n.name: i for i, n in enumerate(n for n in gm.graph.nodes if n.op == "placeholder")}
     seq = plan.sequence
     length = (index[seq.length[0]], seq.length[1]) if seq is not None and seq.length and seq.leaves else None
+    chunked = plan.context.inputs[0] if plan.context is not None and plan.context.inputs else None
     st.graphs[key] = Captured(run, plan, spec, tuple((index[s.node], s) for s in plan.sharded_inputs), length, accepts,
-                             copied, call if wrap else None, tuple(wrap.items()))
+                             copied, call if wrap else None, tuple(wrap.items()),
+                             None if chunked is None else (index[chunked[0]], chunked[1]))
     return st.graphs[key]
 
 
@@ -358,7 +374,7 @@ def parallelize(model: nn.Module, *, tp_group: dist.ProcessGroup | None = None, 
                 vocab_multiple: int = 1, compile: bool | dict = False, check_inputs: bool = False,
                 sequence_parallel: bool = False, expert_parallel: bool = False,
                 device: torch.device | str | None = None, fsdp: bool | FSDPConfig | None = None,
-                mesh: DeviceMesh | None = None) -> nn.Module:
+                mesh: DeviceMesh | None = None, context_parallel: int | None = None) -> nn.Module:
     """Shard ``model`` Megatron-style over ``tp_group``, in place, and return it.
 
     The model keeps its class (a subclass of it is swapped in), attributes and methods; its parameters
@@ -397,13 +413,24 @@ def parallelize(model: nn.Module, *, tp_group: dist.ProcessGroup | None = None, 
     device mesh with ``dp`` and ``tp`` dims (tp innermost), default the layout's under ``autotp run``; its
     ``tp`` dim is the tensor-parallel group.
 
+    ``context_parallel=cp`` runs every op on 1/cp of the sequence (context parallelism): each of cp ranks takes
+    chunks r and 2·cp−1−r of the sequence (causal attention's work balanced), attention exchanges keys and
+    values around the group (torch's ring attention), positions are the chunk's global ones, a cross-entropy's
+    mean is taken over every counted token of the group, and outputs that carry the sequence come back whole;
+    parameter gradients are summed over the group in the backward (one all-reduce). A forward that mixes
+    positions other than in attention (a cumulative sum, a causal convolution) is refused naming the op.
+    The groups: ``mesh``'s ``cp`` dim when it has one, else the layout's under ``autotp run --cp`` (also the
+    default cp there), else the world cut into groups of cp consecutive ranks (the other ranks
+    data-parallel). Every sequence length must be a multiple of 2·cp.
+
     A model built on the meta device (inside :func:`autotp.empty_weights`, see :mod:`autotp.io.empty`) is
     planned on meta; only this rank's shards and the replicated parameters are allocated, uninitialised,
     on ``device`` (default: this rank's GPU under nccl, else the CPU), for :func:`autotp.load_weights`.
     """
     return parallelize_state(model, tp_group=tp_group, example_inputs=example_inputs, vocab_multiple=vocab_multiple,
                              compile=compile, check_inputs=check_inputs, sequence_parallel=sequence_parallel,
-                             expert_parallel=expert_parallel, device=device, fsdp=fsdp, mesh=mesh)
+                             expert_parallel=expert_parallel, device=device, fsdp=fsdp, mesh=mesh,
+                             context_parallel=context_parallel)
 
 
 def parallelize_state(model: nn.Module, *, tp_group: dist.ProcessGroup | None = None, example_inputs: object = None,
@@ -412,7 +439,8 @@ def parallelize_state(model: nn.Module, *, tp_group: dist.ProcessGroup | None = 
                       device: torch.device | str | None = None, fsdp: bool | FSDPConfig | None = None,
                       mesh: DeviceMesh | None = None, pipeline: StageRequest | None = None,
                       stage_params: Callable[[fx.GraphModule], set[str]] | None = None,
-                      stage_fsdp: bool = False, schedule: PipelineOptions | None = None) -> nn.Module:
+                      stage_fsdp: bool = False, schedule: PipelineOptions | None = None,
+                      context_parallel: int | None = None) -> nn.Module:
     """:func:`parallelize`, and for :func:`autotp.parallel.pipeline.pipeline` every graph cut into the
     stages ``pipeline`` asks for (captured with static shapes); ``stage_params`` names the parameters this
     rank's stages of the first split graph read: no other parameter is allocated or sliced here;
@@ -420,15 +448,24 @@ def parallelize_state(model: nn.Module, *, tp_group: dist.ProcessGroup | None = 
     if (known := find_tp_state(model)) is not None:
         raise ShardingError(f"{type(model).__name__} is already parallelized (tp={known.tp})")
     config = _fsdp_config(fsdp)
+    if context_parallel is None:  # under `autotp run --cp`: the launcher's choice
+        from autotp.distributed.launch import cp_from_env
+
+        context_parallel = cp_from_env()
     options = Options(vocab_multiple, compile, check_inputs, sequence_parallel, expert_parallel, config, pipeline,
-                      schedule, whole_kv_copies=config is not None or stage_fsdp, stage_fsdp=stage_fsdp).validate()
+                      schedule, whole_kv_copies=config is not None or stage_fsdp, stage_fsdp=stage_fsdp,
+                      context_parallel=context_parallel).validate()
+    cp_group = None
+    if options.context_parallel > 1:  # the groups from a mesh with a cp dim: tp's is its tp dim
+        tp_group, cp_group = context_mesh(mesh, tp_group, options.context_parallel)
+        mesh = None
     mesh = _resolve_mesh(mesh, config, tp_group)
     group = _resolve_group(tp_group if mesh is None else mesh.get_group("tp"))
     tp, rank = dist.get_world_size(group), dist.get_rank(group)
     device = _device(model, group, device)
     rng = RegionRNG(torch.initial_seed() + SEED_OFFSET + rank, device) if tp > 1 else None
-    st = TPState(RankIdentity(group, tp, rank, device, mesh), options, type(model), model.__dict__.get("forward"),
-                 rng, stage_params)
+    st = TPState(RankIdentity(group, tp, rank, device, mesh, cp_group, options.context_parallel), options,
+                 type(model), model.__dict__.get("forward"), rng, stage_params)
     args, kwargs = _split_example(example_inputs, _user_forward(model, st))
     training = model.training
     with preserved(model, on_failure_only=True):  # a failure leaves the model exactly as it was: class, tensors

@@ -23,13 +23,15 @@ from typing import NamedTuple
 
 import torch.fx as fx
 
+from autotp.analysis.context import find_context
 from autotp.capture.repeats import Copies
 from autotp.capture.structure import Spec
 from autotp.capture.tracer import CutGraph
 from autotp.errors import ShardingError
 from autotp.passes import run_passes
+from autotp.plan.context_planner import context_plan
 from autotp.plan.plan import ParamShard, Plan
-from autotp.plan.planner import cut_copies_in_graph, group_seq_grads, make_plan
+from autotp.plan.planner import cut_copies_in_graph, fused_segments, group_seq_grads, make_plan
 from autotp.state import TPState
 
 
@@ -43,7 +45,8 @@ class Rewritten(NamedTuple):
 def rewrite(st: TPState, cg: CutGraph, sequence_parallel: bool, stacklevel: int) -> Rewritten:
     """Plan ``cg`` for ``st`` and run the passes: the rewritten blocks copied where that holds (see the
     module doc), else the whole graph planned and rewritten."""
-    if cg.copies is not None and st.shards and not sequence_parallel and st.options.pipeline is None and st.options.fsdp is None:
+    if cg.copies is not None and st.shards and not sequence_parallel and st.options.pipeline is None \
+            and st.options.fsdp is None and st.cp == 1:
         plan = _plan(st, cg.gm, sequence_parallel, stacklevel + 1)
         check_consistent(st, plan, cg.copies)
         gm = run_passes(cg.gm, plan)
@@ -55,6 +58,8 @@ def rewrite(st: TPState, cg: CutGraph, sequence_parallel: bool, stacklevel: int)
         gm, spec = cg.whole()
     plan = _plan(st, gm, sequence_parallel, stacklevel + 1)
     check_consistent(st, plan)
+    if st.tp == 1 and not st.graphs:  # read off the graph as captured (the passes may wrap its parameters)
+        st.segments = fused_segments(gm)
     if st.options.fsdp is not None:
         plan = group_seq_grads(gm, plan, "unit")
     return Rewritten(run_passes(gm, plan), spec, plan, False)
@@ -67,6 +72,8 @@ def _plan(st: TPState, gm: fx.GraphModule, sequence_parallel: bool, stacklevel: 
         plan = group_seq_grads(gm, dataclasses.replace(plan, stages=st.plan.stages), "stage")
     if st.options.whole_kv_copies:
         plan = cut_copies_in_graph(gm, plan)
+    if st.cp > 1:  # the forward on a chunk of the sequence: refused here, naming the ops, if it cannot run so
+        plan = dataclasses.replace(plan, context=context_plan(gm, find_context(gm, st.cp), st.cp))
     warn_plan(st, plan, stacklevel=stacklevel + 1)
     return plan
 

@@ -1,27 +1,20 @@
-"""The context-parallel part of a plan: what :func:`passes.context_parallel.context_parallel` rewrites,
-by node name, made from the analysis' :class:`~autotp.analysis.context.ContextFacts`."""
+"""The context-parallel part of a plan (:attr:`Plan.context <autotp.plan.plan.Plan.context>`): what
+:func:`autotp.passes.context_parallel.context_parallel` rewrites, by node name. Made by
+:func:`autotp.plan.context_planner.context_plan` from the analysis' facts."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-import torch.fx as fx
-
-from autotp.analysis.context import ContextFacts
-from autotp.analysis.ops import arg_named
-
-
-class ContextRefused(ValueError):
-    """The forward cannot run on a sequence chunk; the message names every op that stops it."""
-
 
 @dataclass(frozen=True)
 class RingCall:
-    """An SDPA call run as ring attention, with its own causal flag and scale."""
+    """An attention run as ring attention, with its causal flag and scale: an SDPA call (``node``, its q, k
+    and v), or one written out (``node`` its ·v matmul, ``inputs`` the q, k and v it reads)."""
 
     node: str
     is_causal: bool
     scale: float | None
+    inputs: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -36,28 +29,27 @@ class TokenLoss:
 @dataclass(frozen=True)
 class ContextPlan:
     cp: int
-    inputs: tuple[tuple[str, int], ...]  # placeholders chunked on entry: (name, sequence dim)
+    inputs: tuple[tuple[str, int], ...]  # placeholders carrying the sequence: (name, sequence dim)
     positions: tuple[str, ...]  # aranges over the sequence: the chunk's global positions instead
     attention: tuple[RingCall, ...]
     losses: tuple[TokenLoss, ...]
     outputs: tuple[tuple[int, int], ...]  # outputs carrying the sequence: (output index, sequence dim), gathered
+    # parameter reads (get_attr nodes) whose gradients cover this rank's tokens only: summed over the group
+    grads: tuple[str, ...] = ()
+    length: int = 0  # the sequence length it was planned at (every call's must divide by 2·cp)
+    dropped: tuple[str, ...] = ()  # nodes only the replaced attentions read (written-out scores, masks)
+    # values cut to this rank's chunk where ops on chunks read them: (node, sequence dim), the inputs or
+    # what ops on the whole inputs made of them (``whole``: a label shift), which keep reading them whole
+    chunks: tuple[tuple[str, int], ...] = ()
+    whole: tuple[str, ...] = ()
+    sizes: tuple[str, ...] = ()  # the sequence length read off the whole inputs: s/cp to ops on chunks
+    tables: tuple[tuple[str, int], ...] = ()  # ``table[:s]`` along dim: the rows of the chunk's positions
 
-
-def context_plan(gm: fx.GraphModule, facts: ContextFacts, cp: int) -> ContextPlan:
-    """The rewrite of ``gm`` for ``cp`` ranks; raises :class:`ContextRefused` naming each blocker."""
-    if not facts.runs:
-        raise ContextRefused(f"context parallelism (cp {cp}) cannot run this forward on a sequence chunk:\n" +
-                             "\n".join(f"  {b.where or 'the model'}: {b.detail}" for b in facts.blockers))
-    nodes = {n.name: n for n in gm.graph.nodes}
-    losses = []
-    for r in facts.reductions:
-        n = nodes[r.node]
-        if n.target is not torch.ops.aten.cross_entropy_loss.default or arg_named(n, "reduction", 1) != 1 \
-                or arg_named(n, "weight") is not None:
-            raise ContextRefused(f"context parallelism: {r.where}: only an unweighted cross-entropy's mean is "
-                                 "completed over the cp group yet")
-        losses.append(TokenLoss(r.node, arg_named(n, "ignore_index", -100), arg_named(n, "label_smoothing", 0.0)))
-    attention = tuple(RingCall(a.node, bool(arg_named(nodes[a.node], "is_causal", False)),
-                               arg_named(nodes[a.node], "scale")) for a in facts.attention)
-    return ContextPlan(cp, facts.inputs, tuple(p.node for p in facts.positions), attention, tuple(losses),
-                       facts.outputs)
+    @classmethod
+    def from_dict(cls, d: dict) -> ContextPlan:
+        return cls(d["cp"], tuple((n, dim) for n, dim in d["inputs"]), tuple(d["positions"]),
+                   tuple(RingCall(**{**a, "inputs": tuple(a.get("inputs", ()))}) for a in d["attention"]), tuple(TokenLoss(**x) for x in d["losses"]),
+                   tuple((i, dim) for i, dim in d["outputs"]), tuple(d.get("grads", ())), d.get("length", 0),
+                   tuple(d.get("dropped", ())), tuple((n, dim) for n, dim in d.get("chunks", ())),
+                   tuple(d.get("whole", ())), tuple(d.get("sizes", ())),
+                   tuple((n, dim) for n, dim in d.get("tables", ())))

@@ -15,14 +15,15 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from autotp.plan.context import ContextPlan
 from autotp.shard_spec import (Segment, VocabRows, local_runs, shard_tensor, unshard_tensor, vocab_shard,
                                vocab_unshard)
 
-PLAN_VERSION = 11
-_READS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11)  # 1: no gathered outputs or sharded inputs, 2: no statistics, 3: no sequence
+PLAN_VERSION = 12
+_READS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12)  # 1: no gathered outputs or sharded inputs, 2: no statistics, 3: no sequence
 # parallelism or grouped segments, 4: no collective dtypes, 5: no list of the weights left whole, 6: no expert
 # parallelism, 7: no column forms or reduction arguments of statistics (read only for their shards), 8: no units,
-# 9: no pipeline stages, 10: no parameters cut in the graph
+# 9: no pipeline stages, 10: no parameters cut in the graph, 11: no context parallelism
 # the module the one gradient all-reduce of parameters applied to sequence slices is reported under
 SEQ_PARAMS = "(sequence-parallel parameters)"
 
@@ -413,6 +414,7 @@ class Plan:
     units: tuple[Unit, ...] = ()  # the repeated blocks, in the order the graph runs them
     stages: tuple[Stage, ...] = ()  # pipeline stages, in order (empty without pipelining)
     graph_cuts: tuple[GraphCut, ...] = ()  # parameters held whole and cut in the graph (FSDP with kv copies)
+    context: ContextPlan | None = None  # context parallelism: the forward run on a chunk of the sequence
     version: int = field(default=PLAN_VERSION)
 
     def param(self, name: str) -> ParamShard | None:
@@ -496,7 +498,8 @@ class Plan:
                          for u in d.get("units", ())),
                    tuple(Stage(tuple(x["blocks"]), tuple(x.get("params", ())), x.get("flops", 0),
                                x.get("param_bytes", 0)) for x in d.get("stages", ())),
-                   tuple(GraphCut.from_dict(x) for x in d.get("graph_cuts", ())), PLAN_VERSION)
+                   tuple(GraphCut.from_dict(x) for x in d.get("graph_cuts", ())),
+                   None if d.get("context") is None else ContextPlan.from_dict(d["context"]), PLAN_VERSION)
 
     @classmethod
     def from_json(cls, text: str) -> Plan:

@@ -19,11 +19,14 @@ def _nanogpt_sdpa(layers: int):
 
 
 def context_parity(cp_steps: int = 3, seq: int = 32, ignore: bool = False) -> dict:
-    """The graph rewritten for the world as one cp group: the loss, the logits (gathered) and, after the
-    parameter gradients are summed over the group, ``cp_steps`` AdamW steps, against one device."""
+    """The graph rewritten for the world as one cp group: the loss, the logits (gathered), the parameter
+    gradients (summed over the group in the graph's backward) and ``cp_steps`` AdamW steps, against one device."""
     from autotp.analysis.context import find_context
     from autotp.capture.tracer import capture
-    from autotp.plan.context import context_plan
+    from autotp.operators.collectives import bind_collectives
+    from autotp.operators.gathered import bind_outputs
+    from autotp.plan.context_planner import context_plan
+    from autotp.plan.plan import Plan
     from autotp.passes.context_parallel import context_parallel
 
     cp, group = dist.get_world_size(), dist.group.WORLD
@@ -37,12 +40,11 @@ def context_parity(cp_steps: int = 3, seq: int = 32, ignore: bool = False) -> di
             t[:, : seq // 3] = -1
     gm, _ = capture(model, batches[0], {})
     plan = context_plan(gm, find_context(gm, cp), cp)
-    gm = context_parallel(gm, plan)
+    gm = context_parallel(gm, Plan(1, context=plan))
     gm.graph.lint()
     gm.recompile()
-    for m in gm.modules():
-        if hasattr(m, "bind") and m is not gm:
-            m.bind(group)
+    bind_collectives(gm, group, axis="cp")
+    bind_outputs(gm, group, dist.get_rank(group), axis="cp")
     opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=1e-3, eps=1e-6) for m in (gm, ref))
     errors = {"loss": 0.0, "logits": 0.0, "grads": 0.0, "params": 0.0}
     calls = None
@@ -52,8 +54,6 @@ def context_parity(cp_steps: int = 3, seq: int = 32, ignore: bool = False) -> di
             loss.backward()
         if step == 0:
             calls = log.calls
-        for p in gm.parameters():  # each rank's gradient covers its own tokens: summed over the group
-            dist.all_reduce(p.grad, group=group)
         want_logits, want = ref(idx, targets)
         want.backward()
         errors["loss"] = max(errors["loss"], abs(loss.item() - want.item()))
@@ -68,3 +68,83 @@ def context_parity(cp_steps: int = 3, seq: int = 32, ignore: bool = False) -> di
 def context_parities(steps: int = 3, seq: int = 32) -> dict[bool, dict]:
     """:func:`context_parity` without and with ignored targets, in one launch."""
     return {ignore: context_parity(steps, seq, ignore) for ignore in (False, True)}
+
+
+def _build(kind: str):
+    """(model, args, kwargs) of a spelling: tests/support/context_models.py's, examples/nanogpt.py
+    (attention written out), Hugging Face Llama from a config (SDPA with a mask made from positions, labels
+    shifted inside its loss), or pattern_models' interleaved rotary."""
+    import context_models
+
+    if kind == "nanogpt_example":
+        from nanogpt import GPT, GPTConfig
+
+        torch.manual_seed(0)
+        g = torch.Generator().manual_seed(1)
+        model = GPT(GPTConfig(n_layer=2, n_head=4, n_embd=64, block_size=64, vocab_size=128))
+        return model, tuple(torch.randint(0, 128, (2, 32), generator=g) for _ in range(2)), {}
+    if kind == "hf_llama":
+        import llama
+
+        torch.manual_seed(0)
+        return llama.build_model(), (), llama.example_batch()
+    if kind == "rope_interleaved":
+        import pattern_models
+
+        return pattern_models.build(kind)
+    return context_models.build(kind)
+
+
+def _loss(out) -> torch.Tensor:
+    return out[1] if isinstance(out, tuple) else out.loss
+
+
+def _logits(out) -> torch.Tensor:
+    return out[0] if isinstance(out, tuple) else out.logits
+
+
+def parallelize_parity(kinds: list[str], steps: int = 3, tp: int = 1) -> dict[str, dict]:
+    """Each spelling under ``autotp.parallelize(model, context_parallel=world / tp)`` (with tp > 1 on a
+    (cp, tp) mesh): the loss, the logits (read after the step), the gradients (tp 1) and ``steps`` AdamW steps
+    against the unsharded model; the collectives of a step that reads only the loss; the error a sequence
+    length 2·cp does not divide gets before any rank computes."""
+    import autotp
+    from autotp.errors import ShardingError
+    from torch.distributed.device_mesh import init_device_mesh
+
+    cp, out = dist.get_world_size() // tp, {}
+    mesh = init_device_mesh("cpu", (cp, tp), mesh_dim_names=("cp", "tp")) if tp > 1 else None
+    for kind in kinds:
+        model, args, kwargs = _build(kind)
+        ref = copy.deepcopy(model)
+        autotp.parallelize(model, example_inputs=(args, kwargs), context_parallel=cp, mesh=mesh)
+        opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=1e-3, eps=1e-6) for m in (model, ref))
+        errors, calls = {"loss": 0.0, "logits": 0.0, "grads": 0.0, "params": 0.0}, None
+        for step in range(steps):
+            with CollectiveLog() as log:
+                got = model(*args, **kwargs)
+                loss = _loss(got)
+                loss.backward()
+            calls = calls if calls is not None else log.calls
+            want = ref(*args, **kwargs)
+            _loss(want).backward()
+            errors["loss"] = max(errors["loss"], abs(loss.item() - _loss(want).item()))
+            errors["logits"] = max(errors["logits"], (_logits(got) - _logits(want)).abs().max().item())
+            mine, theirs = dict(model.named_parameters()), dict(ref.named_parameters())
+            if tp == 1:  # whole parameters: compared as they are (with tp, the steps' losses compare them)
+                errors["grads"] = max(errors["grads"], max((mine[k].grad - theirs[k].grad).abs().max().item()
+                                                           for k in mine))
+            opt.step(), ref_opt.step(), opt.zero_grad(), ref_opt.zero_grad()
+            if tp == 1:
+                errors["params"] = max(errors["params"], max((mine[k] - theirs[k]).abs().max().item()
+                                                             for k in mine))
+        st = autotp.tp_state(model)
+        short = [t[:, : 2 * cp + 2] if isinstance(t, torch.Tensor) else t for t in args]
+        short_kw = {k: t[:, : 2 * cp + 2] if isinstance(t, torch.Tensor) else t for k, t in kwargs.items()}
+        try:
+            model(*short, **short_kw)
+            refused = ""
+        except ShardingError as e:
+            refused = str(e)
+        out[kind] = {"errors": errors, "calls": calls, "context": st.plan.context, "refused": refused}
+    return out

@@ -1,0 +1,59 @@
+"""The process groups of context parallelism: which ranks share a sequence, and which share its tensor shards.
+
+Megatron's order puts tp innermost, then cp, then dp: the ranks of a cp group are tp apart, and a tp group
+lies inside one cp rank. A mesh the caller built names its dims; under ``autotp run --cp`` the launcher's
+layout has them; otherwise the world is cut into groups of cp consecutive ranks (tp 1), the rest of the
+world data-parallel.
+"""
+from __future__ import annotations
+
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from autotp.distributed.launch import cp_from_env, current_cp_group, current_tp_group
+from autotp.errors import ProcessGroupError
+
+
+def context_mesh(mesh: DeviceMesh | None, tp_group: dist.ProcessGroup | None,
+                 cp: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+    """(tp group, cp group) for ``cp`` context-parallel ranks; collective (it may build the groups)."""
+    if mesh is not None:
+        names = mesh.mesh_dim_names or ()
+        if "cp" not in names:
+            raise ProcessGroupError(f"context_parallel={cp} needs a mesh with a 'cp' dim, and this one has "
+                                    f"{', '.join(names) or 'no names'}",
+                                    hint="build it with init_device_mesh(device, (dp, cp, tp), "
+                                         "mesh_dim_names=('dp', 'cp', 'tp'))")
+        size = mesh.get_group("cp").size()
+        if size != cp:
+            raise ProcessGroupError(f"context_parallel={cp}, and the mesh's cp dim has {size} ranks")
+        tp = mesh.get_group("tp") if "tp" in names else None
+        return tp if tp is not None else _alone(), mesh.get_group("cp")
+    if cp_from_env() > 1:  # under `autotp run --cp`: the layout's groups
+        if cp_from_env() != cp:
+            raise ProcessGroupError(f"context_parallel={cp}, and `autotp run --cp {cp_from_env()}` laid out the ranks",
+                                    hint="pass no context_parallel (the launcher's), or the same number")
+        return tp_group or current_tp_group(), current_cp_group()
+    if tp_group is not None:
+        raise ProcessGroupError(f"context_parallel={cp} with a tp_group: pass a mesh with 'cp' and 'tp' dims "
+                                "instead, so that both groups are known")
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ProcessGroupError(f"context_parallel={cp} needs a process group, and none is initialised",
+                                hint="call torch.distributed.init_process_group first (under torchrun)")
+    world = dist.get_world_size()
+    if world % cp:
+        raise ProcessGroupError(f"context_parallel={cp} does not divide the world size {world}",
+                                hint=f"start a multiple of {cp} ranks, or use a cp that divides {world}")
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    made = init_device_mesh(device, (world // cp, cp, 1), mesh_dim_names=("dp", "cp", "tp"))
+    return made.get_group("tp"), made.get_group("cp")
+
+
+def _alone() -> dist.ProcessGroup:
+    """A group of this rank alone (tp 1); collective: every rank makes every one."""
+    mine = None
+    for r in range(dist.get_world_size()):
+        g = dist.new_group([r])
+        if r == dist.get_rank():
+            mine = g
+    return mine

@@ -1,0 +1,51 @@
+"""The context plan of a captured graph (:class:`~autotp.plan.context.ContextPlan`), from the analysis'
+:class:`~autotp.analysis.context.ContextFacts`; a forward that cannot run on a sequence chunk is refused
+here, before any rank computes, with every op that stops it."""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from autotp.analysis.context import ContextFacts
+from autotp.analysis.ops import arg_named
+from autotp.errors import ShardingError
+from autotp.plan.context import ContextPlan, RingCall, TokenLoss
+
+
+class ContextRefused(ShardingError):
+    """The forward cannot run on a sequence chunk; the message names every op that stops it."""
+
+
+def context_plan(gm: fx.GraphModule, facts: ContextFacts, cp: int) -> ContextPlan:
+    """The rewrite of ``gm`` for ``cp`` ranks; raises :class:`ContextRefused` naming each blocker."""
+    if not facts.runs:
+        raise ContextRefused(f"context parallelism (cp {cp}) cannot run this forward on a sequence chunk:\n" +
+                             "\n".join(f"  {b.where or 'the model'}: {b.detail}" for b in facts.blockers))
+    nodes = {n.name: n for n in gm.graph.nodes}
+    losses = []
+    for r in facts.reductions:
+        n = nodes[r.node]
+        if n.target is not torch.ops.aten.cross_entropy_loss.default or arg_named(n, "reduction", 1) != 1 \
+                or arg_named(n, "weight") is not None:
+            raise ContextRefused(f"context parallelism: {r.where}: only an unweighted cross-entropy's mean is "
+                                 "completed over the cp group yet")
+        losses.append(TokenLoss(r.node, arg_named(n, "ignore_index", -100), arg_named(n, "label_smoothing", 0.0)))
+    attention = tuple(RingCall(a.node, a.causal, a.scale, (a.written.q, a.written.k, a.written.v) if a.written else ())
+                      for a in facts.attention)
+    trained = {name for name, p in gm.named_parameters(remove_duplicate=False) if p.requires_grad}
+    grads = tuple(n.name for n in gm.graph.nodes if n.op == "get_attr" and n.target in trained)
+    return ContextPlan(cp, facts.inputs, tuple(p.node for p in facts.positions), attention, tuple(losses),
+                       facts.outputs, grads, _length(gm, facts), facts.dropped, facts.chunks, facts.whole,
+                       facts.sizes, facts.tables)
+
+
+def _length(gm: fx.GraphModule, facts: ContextFacts) -> int:
+    """The sequence length of the capture's example (its hint), 0 where no input carries it."""
+    nodes = {n.name: n for n in gm.graph.nodes}
+    for name, dim in facts.inputs:
+        val = nodes[name].meta.get("val")
+        if val is not None:
+            size = val.shape[dim]
+            hint = getattr(getattr(size, "node", None), "hint", size)
+            return int(hint) if hint is not None else 0
+    return 0

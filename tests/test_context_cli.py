@@ -1,0 +1,65 @@
+"""Context parallelism from the command line: ``autotp layout --cp`` places cp between tp and dp, ``autotp
+shard --cp`` trains with it and its checkpoints resume at other cp (and tp) sizes exactly, and a batch whose
+length 2·cp does not divide is refused before any rank starts."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from autotp.cli.main import app
+from autotp.distributed.layout import RankLayout
+from ranks import ROOT
+
+NANOGPT = os.path.join(ROOT, "examples", "nanogpt.py")
+runner = CliRunner()
+
+
+def _shard(*args: str):
+    result = runner.invoke(app, ["shard", NANOGPT, *args], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    return result
+
+
+def test_layout_puts_cp_between_tp_and_dp() -> None:
+    """Megatron's order tp, cp, dp, pp: a cp group's ranks are tp apart, a dp group's tp·cp apart."""
+    lay = RankLayout.build(16, 2, pp=2, cp=2)
+    assert lay.dp == 2 and lay.coords(5) == {"tp": 1, "cp": 0, "dp": 1, "pp": 0}
+    assert lay.cp_groups[:2] == [[0, 2], [1, 3]] and lay.dp_groups[:2] == [[0, 4], [1, 5]]
+    assert lay.pp_groups[0] == [0, 8] and lay.tp_groups[0] == [0, 1]
+    assert "cp" not in RankLayout.build(8, 2).groups()  # without cp, as before
+    result = runner.invoke(app, ["layout", "-w", "8", "--tp", "2", "--cp", "2", "--json"])
+    assert result.exit_code == 0 and json.loads(result.stdout)["cp"] == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    with pytest.raises(ValueError, match=r"tp \(2\) × cp \(3\) × pp \(1\) = 6 does not divide world size 8"):
+        RankLayout.build(8, 2, cp=3)
+
+
+def test_a_length_2cp_does_not_divide_is_refused_before_any_rank_starts(tmp_path: Path) -> None:
+    """examples/nanogpt.py's batch has 32 tokens: cp 3 needs multiples of 6."""
+    result = runner.invoke(app, ["shard", NANOGPT, "--tp", "1", "--cp", "3", "--out", str(tmp_path / "o")],
+                           env={"COLUMNS": "300"})
+    assert result.exit_code == 2, result.output
+    assert "sequence length 32 is not divisible by 2·cp = 6 (cp 3)" in result.output
+    assert "starting" not in result.output and not (tmp_path / "o").exists()
+
+
+@pytest.mark.slow
+def test_shard_with_cp_resumes_at_other_cp_and_tp_sizes_exactly(tmp_path: Path) -> None:
+    """2 steps at cp 2, resumed at tp 2 × cp 2 for steps 3-4: the losses of 4 uninterrupted steps on one
+    rank, within 1e-5; the checkpoint names cp 2, the plan the rings."""
+    out, ref = tmp_path / "out", tmp_path / "ref"
+    first = _shard("--tp", "1", "--cp", "2", "--steps", "2", "--out", str(out))
+    assert "tp 1 × cp 2 × dp 1" in first.output and "pass" in first.output
+    step2 = json.loads((out / "checkpoints" / "step-000002" / "autotp.json").read_text())
+    assert step2["cp"] == 2 and step2["world_size"] == 2
+    plan = json.loads((out / "plan.json").read_text())
+    assert plan["context"]["cp"] == 2 and len(plan["context"]["attention"]) == 2
+    _shard("--tp", "2", "--cp", "2", "--steps", "4", "--resume", "--out", str(out))
+    resumed = json.loads((out / "summary.json").read_text())
+    assert resumed["cp"] == 2 and resumed["start_step"] == 2 and resumed["parity"]["ok"]
+    _shard("--tp", "1", "--steps", "4", "--out", str(ref))
+    want = json.loads((ref / "summary.json").read_text())["losses"]
+    assert max(abs(a - b) for a, b in zip(resumed["losses"], want[2:])) <= 1e-5, (resumed["losses"], want)
