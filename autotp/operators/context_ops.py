@@ -77,9 +77,8 @@ class RingSDPA(_ContextOp):
         if self.group is None:
             return F.scaled_dot_product_attention(q, k, v, is_causal=self.is_causal, scale=self.scale,
                                                   enable_gqa=q.size(1) != k.size(1))
-        out = ring_attention(q, k, v, self.group, is_causal=self.is_causal, scale=self.scale)  # (b, h, s/cp, d)
-        # laid out as SDPA lays out its result, (b, s, h, d) in memory: the graph may view its transpose
-        return out.transpose(1, 2).contiguous().transpose(1, 2)
+        # (b, h, s/cp, d), laid out (b, s/cp, h, d) in memory as SDPA's result: the graph may view its transpose
+        return ring_attention(q, k, v, self.group, is_causal=self.is_causal, scale=self.scale)
 
 
 class TokenMean(_ContextOp):

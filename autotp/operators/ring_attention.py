@@ -92,6 +92,10 @@ class _RingAttention(torch.autograd.Function):
         with _balance(is_causal):
             out, lse, *_ = _cp._templated_ring_attention(group, SEQ_DIM, fwd, q, k, v, is_causal=is_causal,
                                                          dropout_p=0.0, scale=scale)
+        # laid out as SDPA lays out its result, (b, s, h, d) in memory: the model's ``y.transpose(1, 2)
+        # .contiguous()`` then copies nothing, and this one tensor is both what backward keeps and the output
+        # projection's input
+        out = out.transpose(1, 2).contiguous().transpose(1, 2)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.group, ctx.is_causal, ctx.scale, ctx.bwd = group, is_causal, scale, bwd
         return out
