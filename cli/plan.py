@@ -48,7 +48,9 @@ def plan(
     split_points: str | None = typer.Option(None, "--split-points", metavar="BLOCK,BLOCK,...",
                                             help="With --pp: the blocks that start stages 1, 2, ... (default: "
                                             "balanced by forward FLOPs)."),
-    world_size: int | None = typer.Option(None, "--world-size", "-w", help="Total ranks; default tp × dp × pp."),
+    cp: int = typer.Option(1, "--cp", help="Context-parallel size: show what runs on each rank's 1/cp of the "
+                           "sequence (attention as rings), its activation memory and K/V traffic."),
+    world_size: int | None = typer.Option(None, "--world-size", "-w", help="Total ranks; default tp × cp × dp × pp."),
     gpus_per_node: int | None = typer.Option(None, "--gpus-per-node", help="GPUs per node: marks node boundaries."),
     batch: int | None = typer.Option(None, "--batch", help="Batch size the numbers are for (default: the "
                                      "example batch's)."),
@@ -93,10 +95,13 @@ def plan(
         if value is not None and value < 1:
             abort(f"{name} must be >= 1, got {value}", debug, code=USAGE_ERROR)
     try:
-        world = world_size if world_size is not None else tp * (dp or 1) * pp
-        layout = RankLayout.build(world, tp, pp=pp, dp=dp, gpus_per_node=gpus_per_node)
+        world = world_size if world_size is not None else tp * cp * (dp or 1) * pp
+        layout = RankLayout.build(world, tp, pp=pp, dp=dp, gpus_per_node=gpus_per_node, cp=cp)
     except (ValueError, TypeError) as exc:
         abort(str(exc), debug, code=USAGE_ERROR)
+    if cp > 1:
+        check_layout_options(pp=pp, fsdp=fsdp, sequence_parallel=sequence_parallel, expert_parallel=expert_parallel,
+                             compile_=False, schedule=schedule, cp=cp)
     if fsdp and layout.dp < 2:
         abort(f"--fsdp shards over the data-parallel ranks: it needs --dp 2 or more (dp is {layout.dp})", debug,
               code=USAGE_ERROR)
@@ -119,8 +124,20 @@ def plan(
     if fsdp and spec is None:  # with pipeline stages each stage is one unit: the per-block tables do not apply
         fsdp_info = fsdp_from_rows(the_plan, report.params, layout.dp)
 
+    context = None
+    if cp > 1:
+        from autotp.parallel.planning import context_file
+
+        try:
+            context = context_file(model, batch, seq, cp)
+        except (AutotpError, ValueError) as exc:  # an op that mixes positions, a length 2·cp does not divide
+            abort(str(exc), debug, code=USAGE_ERROR)
     console = _console()
     render(console, model, the_plan, report, layout, names, batch_note, fsdp_info, pipe)
+    if context is not None:
+        from autotp.cli.plan_tables import context_table
+
+        console.print(context_table(context))
     if fsdp and spec is not None:
         console.print(f"fsdp with pipeline stages: each of a rank's stages is one FSDP2 unit over dp {layout.dp}; "
                       "per step one all-gather of each stage before its first micro-batch (kept gathered to the "
@@ -139,6 +156,8 @@ def plan(
             data["fsdp"] = fsdp_info.to_dict()
         if pipe is not None:
             data["pipeline"] = pipe.to_dict()
+        if context is not None:
+            data["context"] = context.to_dict()
         json_out.write_text(json.dumps(data, indent=2))
     if svg is not None:
         from autotp.cli.diagram import draw

@@ -8,6 +8,7 @@ from rich.table import Table
 from rich.markup import escape
 
 from autotp.cli.fit import FitTable
+from autotp.plan.context_report import ContextReport
 from autotp.plan.pipeline_report import PipelineReport
 from autotp.plan.report import FSDPReport, FSDPUnitRow
 from autotp.cli.plan_format import DIRECTION, fmt_count, fmt_kind, fmt_ratio, fmt_shape, fmt_size
@@ -89,6 +90,33 @@ def fsdp_traffic_table(fsdp: FSDPReport) -> Table:
     table.caption = ("bytes: the units' tp shards whole, in the parameters' dtypes (no fsdp mixed precision); "
                      f"a ring all-gather or reduce-scatter sends ≈ (d−1)/d = {(d - 1) / d:.2f}× them per rank. "
                      "Replaces data parallelism's gradient all-reduce.")
+    return table
+
+
+# -- context parallelism (--cp) --------------------------------------------------------------------------
+def context_table(c: ContextReport) -> Table:
+    """What runs on each rank's 1/cp of the sequence, and what it costs per rank."""
+    table = FitTable(title=f"context parallelism: cp {c.cp}, each rank runs {c.seq // c.cp} of the {c.seq} "
+                           f"tokens (chunks r and {2 * c.cp - 1}−r of {2 * c.cp})", show_header=False)
+    table.add_column(style="bold")
+    table.add_column()
+    written = f", {c.written} written out by hand run as SDPA" if c.written else ""
+    table.add_row("attention", f"{c.rings} as rings over the cp group ({c.causal} causal{written})")
+    table.add_row("positions", f"{c.positions} arange(s) → the chunk's global positions; {c.tables} table(s) read "
+                               "up to the length → the chunk's rows")
+    if c.whole:
+        table.add_row("on the whole inputs", f"{c.whole} op(s) on the inputs alone (a label shift), their results cut")
+    table.add_row("loss", f"{c.losses} cross-entropy mean(s) over every counted token of the group (2 all-reduces "
+                          "of one number each)")
+    table.add_row("activations / rank", f"{fmt_size(c.activation_bytes)} of {fmt_size(c.activation_unsharded)} "
+                                        f"unsharded (÷ cp), attention layers at b {c.batch} × s {c.seq}")
+    table.add_row("K/V received / layer", f"{fmt_size(c.kv_bytes)} forward, as much again backward "
+                                          f"(2·b·s·h_kv·(cp−1)/cp each way)")
+    table.add_row("gradients", "summed over the cp group in one all-reduce of them all (with dp: then averaged "
+                               "over dp)")
+    table.add_row("tp collectives", f"each carries 1/{c.cp} of the elements counted above (b·s/cp rows)")
+    table.caption = ("activations: Korthikanti et al. 2022 with fused attention, no dropout (64·sbh + 4·asb + "
+                     "16·sb fp32 bytes per layer); measured at 1.00× by benchmarks/context_parallel.py")
     return table
 
 

@@ -167,8 +167,7 @@ def preflight(mf: ModelFile, tp: int, weights: Path | None = None, sequence_para
 def _check_context(gm, cp: int) -> None:
     """The context plan the ranks would make (refused naming each op that stops it), and the batch's length."""
     from autotp.analysis.context import find_context
-    from autotp.parallel.parallelize import check_chunks
-    from autotp.plan.context_planner import context_plan
+    from autotp.plan.context_planner import check_chunks, context_plan
 
     plan = context_plan(gm, find_context(gm, cp), cp)
     if plan.length:

@@ -24,9 +24,11 @@ def rank_grid(layout: RankLayout) -> Table:
     TP groups never straddle a node (RankLayout checks), so a line between rows marks a node boundary.
     """
     nodes = layout.gpus_per_node is not None
-    table = FitTable(title="ranks (one row per tp group)", keys=2)
+    table = FitTable(title="ranks (one row per tp group)", keys=3 if layout.cp > 1 else 2)
     table.add_column("pp", justify="right", no_wrap=True)
     table.add_column("dp", justify="right", no_wrap=True)
+    if layout.cp > 1:
+        table.add_column("cp", justify="right", no_wrap=True)
     wide = layout.tp <= 8
     for t in range(layout.tp) if wide else ():
         table.add_column(f"tp {t}", justify="right", no_wrap=True)
@@ -34,21 +36,24 @@ def rank_grid(layout: RankLayout) -> Table:
         table.add_column(f"tp 0..{layout.tp - 1}", justify="right", no_wrap=True)
     if nodes:
         table.add_column("node", justify="right", no_wrap=True)
-    groups = [(p, d) for p in range(layout.pp) for d in range(layout.dp)]
-    for i, (p, d) in enumerate(groups):
-        ranks = [layout.rank(t, d, p) for t in range(layout.tp)]
+    groups = [(p, d, c) for p in range(layout.pp) for d in range(layout.dp) for c in range(layout.cp)]
+    for i, (p, d, c) in enumerate(groups):
+        ranks = [layout.rank(t, d, p, c) for t in range(layout.tp)]
         cells = [str(r) for r in ranks] if wide else [f"{ranks[0]}–{ranks[-1]}"]
         node = layout.coords(ranks[0]).get("node")
         if i + 1 < len(groups):
-            nxt = layout.coords(layout.rank(0, groups[i + 1][1], groups[i + 1][0])).get("node")
+            p2, d2, c2 = groups[i + 1]
+            nxt = layout.coords(layout.rank(0, d2, p2, c2)).get("node")
         else:
             nxt = node
-        table.add_row(str(p), str(d), *cells, *([str(node)] if nodes else []), end_section=nxt != node)
+        table.add_row(str(p), str(d), *([str(c)] if layout.cp > 1 else []), *cells,
+                      *([str(node)] if nodes else []), end_section=nxt != node)
     return table
 
 
 def world_line(layout: RankLayout) -> str:
-    line = f"world {layout.world_size} = tp {layout.tp} × dp {layout.dp} × pp {layout.pp}"
+    cp = f" × cp {layout.cp}" if layout.cp > 1 else ""
+    line = f"world {layout.world_size} = tp {layout.tp}{cp} × dp {layout.dp} × pp {layout.pp}"
     if layout.gpus_per_node is not None:
         line += f", {layout.num_nodes} node(s) of {layout.gpus_per_node} GPUs (a line in the grid is a node boundary)"
     return line

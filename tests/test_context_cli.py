@@ -13,6 +13,7 @@ from typer.testing import CliRunner
 from autotp.cli.main import app
 from autotp.distributed.layout import RankLayout
 from ranks import ROOT
+from readme import readme_folder, run_readme
 
 NANOGPT = os.path.join(ROOT, "examples", "nanogpt.py")
 runner = CliRunner()
@@ -48,18 +49,59 @@ def test_a_length_2cp_does_not_divide_is_refused_before_any_rank_starts(tmp_path
 
 @pytest.mark.slow
 def test_shard_with_cp_resumes_at_other_cp_and_tp_sizes_exactly(tmp_path: Path) -> None:
-    """2 steps at cp 2, resumed at tp 2 × cp 2 for steps 3-4: the losses of 4 uninterrupted steps on one
-    rank, within 1e-5; the checkpoint names cp 2, the plan the rings."""
-    out, ref = tmp_path / "out", tmp_path / "ref"
-    first = _shard("--tp", "1", "--cp", "2", "--steps", "2", "--out", str(out))
-    assert "tp 1 × cp 2 × dp 1" in first.output and "pass" in first.output
+    """The README's two commands: 2 steps at cp 2, resumed at tp 2 × cp 2 for steps 3-4: the losses of 4
+    uninterrupted steps on one rank, within 1e-5; the checkpoint names cp 2, the plan the rings."""
+    here = readme_folder(tmp_path / "readme")
+    first = run_readme("autotp shard examples/nanogpt.py --tp 1 --cp 2 --steps 2 --out cp", here, columns=200)
+    assert first.returncode == 0, first.stdout + first.stderr
+    assert "tp 1 × cp 2 × dp 1" in first.stdout and "pass" in first.stdout
+    out = here / "cp"
     step2 = json.loads((out / "checkpoints" / "step-000002" / "autotp.json").read_text())
     assert step2["cp"] == 2 and step2["world_size"] == 2
     plan = json.loads((out / "plan.json").read_text())
     assert plan["context"]["cp"] == 2 and len(plan["context"]["attention"]) == 2
-    _shard("--tp", "2", "--cp", "2", "--steps", "4", "--resume", "--out", str(out))
+    again = run_readme("autotp shard examples/nanogpt.py --tp 2 --cp 2 --steps 4 --out cp --resume", here)
+    assert again.returncode == 0, again.stdout + again.stderr
     resumed = json.loads((out / "summary.json").read_text())
     assert resumed["cp"] == 2 and resumed["start_step"] == 2 and resumed["parity"]["ok"]
+    ref = tmp_path / "ref"
     _shard("--tp", "1", "--steps", "4", "--out", str(ref))
     want = json.loads((ref / "summary.json").read_text())["losses"]
     assert max(abs(a - b) for a, b in zip(resumed["losses"], want[2:])) <= 1e-5, (resumed["losses"], want)
+
+
+def test_plan_shows_the_rings_and_what_a_rank_keeps_and_receives(tmp_path: Path) -> None:
+    """``autotp plan --cp 2``: both attentions of the example (written out) as rings, the activations ÷ cp, and
+    K/V per layer 2·b·s·h·(cp−1)/cp elements (fp32) each way."""
+    out = tmp_path / "plan.json"
+    result = runner.invoke(app, ["plan", NANOGPT, "--tp", "1", "--cp", "2", "--no-cache", "--json", str(out)],
+                           env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    assert "context parallelism: cp 2, each rank runs 16 of the 32 tokens" in result.output
+    c = json.loads(out.read_text())["context"]
+    assert (c["rings"], c["causal"], c["written"], c["losses"]) == (2, 2, 2, 1)
+    assert c["activation_bytes"] * 2 == c["activation_unsharded"]
+    b, s, h = 4, 32, 64
+    assert c["kv_bytes"] == 2 * b * s * h * 4 // 2
+
+
+def test_plan_names_an_op_that_mixes_positions(tmp_path: Path) -> None:
+    """A running sum over the sequence cannot run on a chunk: named with its line, before anything runs."""
+    path = tmp_path / "cumsum_gpt.py"
+    path.write_text(
+        "import torch\nimport torch.nn as nn\nimport torch.nn.functional as F\n\n\n"
+        "class M(nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.emb, self.head = nn.Embedding(32, 16), nn.Linear(16, 32)\n\n"
+        "    def forward(self, idx, targets):\n"
+        "        x = self.emb(idx).cumsum(1)  # (b, s, h)\n"
+        "        q = x.view(x.size(0), x.size(1), 2, 8).transpose(1, 2)\n"
+        "        y = F.scaled_dot_product_attention(q, q, q, is_causal=True).transpose(1, 2).reshape(x.shape)\n"
+        "        logits = self.head(y)\n"
+        "        return logits, F.cross_entropy(logits.view(-1, 32), targets.view(-1))\n\n\n"
+        "def build_model():\n    return M()\n\n\n"
+        "def example_batch():\n    return torch.zeros(2, 8, dtype=torch.long), torch.zeros(2, 8, dtype=torch.long)\n")
+    result = runner.invoke(app, ["plan", str(path), "--tp", "1", "--cp", "2", "--no-cache"], env={"COLUMNS": "300"})
+    assert result.exit_code == 2, result.output
+    assert "aten.cumsum" in result.output and "cumsum_gpt.py:12" in result.output

@@ -25,6 +25,8 @@ CLAIMED = {
     "autotp shard examples/nanogpt.py --tp 2 --dp 2 --fsdp --out fsdp": "tests/test_fsdp.py",
     "autotp shard examples/nanogpt.py --tp 2 --steps 3 --out run": "tests/test_reliability.py",
     "autotp shard examples/nanogpt.py --tp 4 --steps 6 --out run --resume": "tests/test_reliability.py",
+    "autotp shard examples/nanogpt.py --tp 1 --cp 2 --steps 2 --out cp": "tests/test_context_cli.py",
+    "autotp shard examples/nanogpt.py --tp 2 --cp 2 --steps 4 --out cp --resume": "tests/test_context_cli.py",
 }
 
 

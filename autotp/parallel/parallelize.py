@@ -49,6 +49,7 @@ from autotp.operators.rng import SEED_OFFSET, RegionRNG, bind_rng
 from autotp.shard_spec import shard_tensor
 from autotp.operators.vocab_ops import bind_vocab
 from autotp.options import Options, PipelineOptions
+from autotp.plan.context_planner import check_chunks
 from autotp.distributed.context import context_mesh
 from autotp.state import Captured, RankIdentity, TPState, attach_state, find_tp_state, tp_state
 
@@ -173,16 +174,6 @@ def _graph_for(model: nn.Module, st: TPState, args: tuple, kwargs: dict, key: Ha
         n += 1
         variant = (key, "guards", n)
     return _build(model, st, args, kwargs, variant, sequence_parallel=sequence_parallel)
-
-
-def check_chunks(length: int, cp: int) -> None:
-    """Context parallelism cuts the sequence into 2·cp chunks (rank r holds chunks r and 2·cp−1−r, so causal
-    attention's work is balanced): a length they do not divide is refused before any rank computes."""
-    if length % (2 * cp):
-        raise ShardingError(f"sequence length {length} is not divisible by 2·cp = {2 * cp} (cp {cp}): context "
-                            f"parallelism gives each rank 2 of {2 * cp} equal chunks of the sequence",
-                            hint=f"use a sequence length that is a multiple of {2 * cp} (pad the batch, with "
-                                 "targets the loss ignores), or a smaller cp")
 
 
 def _whole_sequence(model: nn.Module, st: TPState, args: tuple, kwargs: dict, key: Hashable,

@@ -21,12 +21,15 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
+from autotp.analysis.context import find_context
 from autotp.capture.meta_run import Recorder
 from autotp.capture.modelfile import load_model_file, planning_batch
 from autotp.capture.repeats import record_whole
 from autotp.capture.tracer import capture, meta_call, stand_ins
 from autotp.errors import PlanSizeError
 from autotp.plan import cache as plan_cache
+from autotp.plan.context_planner import check_chunks, context_plan
+from autotp.plan.context_report import ContextReport, context_report
 from autotp.plan.pipeline_report import PipelineReport, PipelineSpec, check_microbatches, pipeline_report
 from autotp.plan.plan import Plan
 from autotp.plan.planner import cut_copies_in_graph, group_seq_grads, make_plan
@@ -194,3 +197,17 @@ def check_sizes(report: Report, ranges: dict[str, tuple[int, int | None]]) -> No
             bounds = f"{lo}..{hi if hi is not None else '∞'}"
             raise PlanSizeError(f"{what} size {value} is outside what the model's forward accepts ({bounds}, "
                                 "found when capturing it)", hint=f"pass a {flag} in {bounds}")
+
+
+def context_file(model: str, batch: int | None, seq: int | None, cp: int) -> ContextReport:
+    """The context-parallel report of the model file at ``cp`` (captured on meta as :func:`plan_file` does);
+    raises the refusal a rank would raise, naming each op that stops it, or a length 2·cp does not divide."""
+    mf = load_model_file(model)
+    with torch.device("meta"):
+        net = mf.build()
+    args, kwargs, _, _, _ = planning_batch(mf, net, batch, seq)
+    gm, _ = capture(net, args, kwargs, device=torch.device("cpu"))
+    plan = context_plan(gm, find_context(gm, cp), cp)
+    if plan.length:
+        check_chunks(plan.length, cp)
+    return context_report(gm, plan)

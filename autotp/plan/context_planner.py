@@ -49,3 +49,13 @@ def _length(gm: fx.GraphModule, facts: ContextFacts) -> int:
             hint = getattr(getattr(size, "node", None), "hint", size)
             return int(hint) if hint is not None else 0
     return 0
+
+
+def check_chunks(length: int, cp: int) -> None:
+    """Context parallelism cuts the sequence into 2·cp chunks (rank r holds chunks r and 2·cp−1−r, so causal
+    attention's work is balanced): a length they do not divide is refused before any rank computes."""
+    if length % (2 * cp):
+        raise ShardingError(f"sequence length {length} is not divisible by 2·cp = {2 * cp} (cp {cp}): context "
+                            f"parallelism gives each rank 2 of {2 * cp} equal chunks of the sequence",
+                            hint=f"use a sequence length that is a multiple of {2 * cp} (pad the batch, with "
+                                 "targets the loss ignores), or a smaller cp")
