@@ -73,7 +73,7 @@ def context_parallel(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
         return gm
     nodes = {n.name: n for n in gm.graph.nodes}
     if plan.grads:
-        _sum_grads(gm, [nodes[p] for p in plan.grads])
+        _sum_grads(gm, [nodes[p] for p in plan.grads])  # the parameters' reads, untouched by the tp passes
     whole = frozenset(plan.whole)
     sizes = frozenset(plan.sizes)
     for i, (name, dim) in enumerate(plan.chunks):
@@ -93,7 +93,7 @@ def context_parallel(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
         n = nodes[call.node]
         qkv = tuple(nodes[x] for x in call.inputs) if call.inputs else tuple(n.args[:3])
         _replace(gm, n, f"autotp_cp_attention_{i}", RingSDPA(call.is_causal, call.scale), qkv)
-    for name in reversed(plan.dropped):  # the written-out scores and the masks, now read by nothing
+    for name in reversed(plan.dropped):  # the written-out scores and the masks, now read by nothing (latest first)
         if not nodes[name].users:
             gm.graph.erase_node(nodes[name])
     for i, loss in enumerate(plan.losses):  # summed over the rank's tokens, then the group's mean
