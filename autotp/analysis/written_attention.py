@@ -15,8 +15,8 @@ Face writes it). Each op is needed by the chain alone: probabilities the model a
 
 A mask is *causal* when what it lets through is ``tril(ones(T, T))``. That is proven by computing it: its
 ops may read sizes, constants and buffers (never the batch's data), and it is evaluated at several sequence
-lengths, the capture's own among them; each must give the lower triangle, the same for every batch row and
-head. A mask read from a buffer of a model built on meta has no values to compute: it is not proven.
+lengths, the capture's own among them (up to 4096 tokens); each must give the lower triangle, the same for
+every batch row and head. A mask read from a buffer of a model built on meta has no values to compute: it is not proven.
 
 Read-only, as every analysis: the facts name nodes; the context pass rewrites them.
 """
@@ -37,6 +37,7 @@ _CASTS = (aten._to_copy.default, aten.to.dtype, aten.to.dtype_layout, aten.type_
 _FILL = (aten.masked_fill.Scalar, aten.masked_fill.Tensor)
 # an additive bias this negative is -inf to a softmax in any float dtype: exp(x - max) is 0
 _NEGATIVE = -1e30
+_LONGEST = 4096  # the longest sequence a mask is computed at: 16M entries per batch row and head
 
 
 @dataclass(frozen=True)
@@ -201,8 +202,11 @@ def mask_is_causal(gm: fx.GraphModule, mask: str, how: str, length: sympy.Symbol
     evaluated at; else why not."""
     node = next(n for n in gm.graph.nodes if n.name == mask)
     hint = _hint(length, node)
+    # the capture's length, the ones around it and a few small ones; a long context is checked up to
+    # _LONGEST (its s × s masks would take gigabytes), which it shares the mask's code with
+    own = min(hint, _LONGEST)
     tried = set()
-    for t in sorted({1, 2, 3, hint, hint + 1, 2 * hint} - {0}):
+    for t in sorted({t for t in (1, 2, 3, 5, own, own + 1, 2 * own) if 0 < t <= _LONGEST} | {own}):
         try:
             value = _evaluate(gm, node, {length: t})
         except _Unknown as e:
@@ -215,7 +219,7 @@ def mask_is_causal(gm: fx.GraphModule, mask: str, how: str, length: sympy.Symbol
         if kept.shape[-2:] != (t, t) or not bool((kept == torch.ones(t, t, dtype=torch.bool).tril()).all()):
             return f"the mask is not causal (at sequence length {t} it is not the lower triangle)"
         tried.add(t)
-    if hint not in tried or len(tried) < 2:
+    if own not in tried or len(tried) < 2:
         return "the mask could not be computed at the capture's sequence length and another"
     return ""
 
