@@ -61,7 +61,8 @@ LAYERS = (1, 3)  # per layer = (bytes at 3 layers − bytes at 1) / 2
 TOLERANCE = 0.10
 
 
-def build(layers: int, attention: str, seq: int):
+def build(layers: int, attention: str, seq: int, hidden: int = HIDDEN, heads: int = HEADS, vocab: int = VOCAB,
+          dropout: float = DROPOUT):
     """nanoGPT (examples/nanogpt.py) with ``layers`` blocks; ``sdpa``: its attention through
     scaled_dot_product_attention, as nanoGPT does when flash attention is available."""
     import torch
@@ -80,7 +81,7 @@ def build(layers: int, attention: str, seq: int):
             return self.resid_dropout(self.c_proj(y))
 
     torch.manual_seed(0)
-    cfg = GPTConfig(block_size=seq, vocab_size=VOCAB, n_layer=layers, n_head=HEADS, n_embd=HIDDEN, dropout=DROPOUT)
+    cfg = GPTConfig(block_size=seq, vocab_size=vocab, n_layer=layers, n_head=heads, n_embd=hidden, dropout=dropout)
     model = GPT(cfg)
     if attention == "sdpa":
         for block in model.transformer.h:
@@ -110,11 +111,11 @@ def saved_bytes(model, args: tuple) -> int:
     return total
 
 
-def batch(b: int, s: int):
+def batch(b: int, s: int, vocab: int = VOCAB):
     import torch
 
     g = torch.Generator().manual_seed(1)
-    return torch.randint(0, VOCAB, (b, s), generator=g), torch.randint(0, VOCAB, (b, s), generator=g)
+    return torch.randint(0, vocab, (b, s), generator=g), torch.randint(0, vocab, (b, s), generator=g)
 
 
 def per_layer(make, args: tuple) -> float:

@@ -31,31 +31,19 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT / "benchmarks"), str(ROOT / "examples"), str(ROOT / "tests" / "support")]
 
+import activation_memory  # noqa: E402 - its counting (saved_tensors_hooks, 3 layers − 1) and its model
+from activation_memory import LAYERS, per_layer  # noqa: E402
+
 HIDDEN, HEADS, VOCAB = 64, 4, 256
-LAYERS = (1, 3)
 TOLERANCE = 0.10
 
 
 def build(layers: int, attention: str, seq: int):
-    import activation_memory
-
-    activation_memory.HIDDEN, activation_memory.HEADS, activation_memory.VOCAB = HIDDEN, HEADS, VOCAB
-    activation_memory.DROPOUT = 0.0
-    return activation_memory.build(layers, attention, seq)
+    return activation_memory.build(layers, attention, seq, HIDDEN, HEADS, VOCAB, dropout=0.0)
 
 
 def batch(b: int, s: int):
-    import torch
-
-    g = torch.Generator().manual_seed(1)
-    return torch.randint(0, VOCAB, (b, s), generator=g), torch.randint(0, VOCAB, (b, s), generator=g)
-
-
-def per_layer(make, args: tuple) -> float:
-    from activation_memory import saved_bytes
-
-    lo, hi = (saved_bytes(make(n), args) for n in LAYERS)
-    return (hi - lo) / (LAYERS[1] - LAYERS[0])
+    return activation_memory.batch(b, s, VOCAB)
 
 
 def worker(opts: dict) -> dict:
