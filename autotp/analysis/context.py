@@ -28,6 +28,7 @@ Read-only: it reports facts; nothing here rewrites the graph.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import sympy
 import torch
@@ -255,10 +256,15 @@ def _whole(gm: fx.GraphModule, lengths: set, placeholders: dict[str, int],
     return whole, cut
 
 
-def _attentions(gm: fx.GraphModule, s: sympy.Symbol) -> tuple[dict[str, Attention], list[Site], set[str], set[str]]:
-    """The attentions over the sequence that run as rings (by output node), the blockers among the others,
-    the nodes the rest of the analysis skips (attentions and their chains, checked here), and those dropped
-    with the rewrite: written-out chains, and masks only the rings' attentions read."""
+class _Attentions(NamedTuple):
+    found: dict[str, Attention]  # the attentions over the sequence that run as rings, by output node
+    blockers: list[Site]  # among the others
+    inside: set[str]  # nodes the rest of the analysis skips (attentions and their chains, checked here)
+    dropped: set[str]  # gone with the rewrite: written-out chains, and masks only the rings read
+
+
+def _attentions(gm: fx.GraphModule, s: sympy.Symbol) -> _Attentions:
+    """Every attention over the sequence: run as a ring, or a blocker (see :class:`_Attentions`)."""
     nodes = {n.name: n for n in gm.graph.nodes}
     found: dict[str, Attention] = {}
     blockers, inside, masks = [], set(), []
@@ -294,7 +300,8 @@ def _attentions(gm: fx.GraphModule, s: sympy.Symbol) -> tuple[dict[str, Attentio
     rings = {nodes[a.node] for a in found.values()} | {nodes[c] for a in found.values() if a.written
                                                         for c in a.written.chain}
     dropped = _only_read_by(masks, rings)
-    return found, blockers, inside | dropped, dropped | {c for a in found.values() if a.written for c in a.written.chain}
+    chains = {c for a in found.values() if a.written for c in a.written.chain}
+    return _Attentions(found, blockers, inside | dropped, dropped | chains)
 
 
 def _only_read_by(roots: list[fx.Node], readers: set[fx.Node]) -> set[str]:
