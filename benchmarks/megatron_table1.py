@@ -131,14 +131,15 @@ def run_row(row: Row, every_knob: bool) -> dict:
     start = time.perf_counter()
     facts = capture_facts(net, (ids, ids), {}, tp_sizes(row.gpus, GPUS_PER_NODE, row.heads), 1, SEQ)
     captured = time.perf_counter() - start
-    megatron = Space(row.gpus, GPUS_PER_NODE, row.batch, fsdp=(False,), sp=(False,), recompute=(True,))
+    megatron = Space(row.gpus, GPUS_PER_NODE, row.batch, fsdp=(False,), sp=(False,), recompute=(True,),
+                     context=False)
     out = {"row": row.__dict__, "params": facts.params, "capture_and_plans_s": captured}
     for name, space in (("megatron_knobs", megatron), ("every_knob", Space(row.gpus, GPUS_PER_NODE, row.batch))):
         if name == "every_knob" and not every_knob:
             continue
         result = search(facts, A100, space, Training(act_bytes=2))
         best = result.best
-        meshes = {(e.layout.tp, e.layout.pp): e for e in best_per_mesh(result)}
+        meshes = {(e.layout.tp, e.layout.pp): e for e in best_per_mesh(result) if e.layout.cp == 1}
         paper = meshes.get((row.tp, row.pp))
         out[name] = {
             "considered": result.considered, "fit": len(result.ranked),

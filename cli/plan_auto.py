@@ -18,7 +18,7 @@ from autotp.capture.modelfile import load_model_file, planning_batch
 from autotp.cli.fit import FitTable
 from autotp.cli.plan_format import fmt_size
 from autotp.layout.auto import Search, Space, explain, search, tp_sizes
-from autotp.layout.cost import RESERVED, Training
+from autotp.layout.cost import RESERVED, Estimate, Training
 from autotp.layout.facts import ModelFacts, capture_facts
 from autotp.layout.hardware import PRESETS, Hardware, resolve
 
@@ -77,6 +77,9 @@ def _gib(x: float) -> str:
     return fmt_size(int(x))
 
 
+_SHORT = {"optimizer": "optim"}  # column headers of the terms
+
+
 def top_table(auto: Auto, top: int) -> Table:
     hw, sp = auto.hardware, auto.space
     batch = f"{sp.batch} per replica" if sp.per_replica else f"global batch {sp.batch}"
@@ -85,19 +88,22 @@ def top_table(auto: Auto, top: int) -> Table:
     table = FitTable(title=f"Layouts for {sp.world} devices ({sp.gpus_per_node} per node) on {hw.name}, {batch} × "
                            f"{auto.training.seq} tokens: predicted, best first (memory of {cap} usable per device)",
                      keys=2, breaks=(7,))
-    cols = ("#", "layout", "step", "tokens/s per dev", "TFLOP/s per dev", "% peak", "memory", "compute", "tp comm",
-            "pp bubble", "pp comm", "dp comm", "optim")
+    shown = auto.result.ranked[:top]
+    terms = [k for k in Estimate.TERMS if k != "cp comm" or any(e.layout.cp > 1 for e in shown)]
+    cols = ("#", "layout", "step", "tokens/s per dev", "TFLOP/s per dev", "% peak", "memory",
+            *(_SHORT.get(k, k) for k in terms))
     for c in cols:  # a narrow console wraps a layout's label between its parts (tp4 dp2 ...), never a number
         table.add_column(c, justify="left" if c == "layout" else "right", no_wrap=c != "layout")
-    for i, e in enumerate(auto.result.ranked[:top], 1):
+    for i, e in enumerate(shown, 1):
         mem = e.memory
         table.add_row(str(i), e.layout.label(), _secs(e.step),
                       f"{e.tokens_per_device:,.0f}", f"{e.flops_per_device / 1e12:.1f}",
                       f"{e.flops_per_device / hw.peak_flops:.0%}", f"{_gib(mem.total)} ({mem.total / mem.capacity:.0%})",
-                      *(_secs(v) for v in e.terms().values()))
-    table.caption = ("layout: tp, dp (·fsdp: FSDP over dp), pp (v: stages per rank), micro-batch × micro-batches "
-                     "per step, sp: sequence parallel, rc: activations recomputed (the model's own checkpointing). "
-                     "Every layout listed is one autotp runs. TFLOP/s: 3 × the forward's matmul FLOPs per step. memory: per rank (share of what is "
+                      *(_secs(e.terms()[k]) for k in terms))
+    table.caption = ("layout: tp, cp (context parallel: each rank 1/cp of every sequence), dp (·fsdp: FSDP over "
+                     "dp), pp (v: stages per rank), micro-batch × micro-batches per step, sp: sequence parallel, "
+                     "rc: activations recomputed (the model's own checkpointing). Every layout listed is one autotp "
+                     "runs. TFLOP/s: 3 × the forward's matmul FLOPs per step. memory: per rank (share of what is "
                      "usable). Terms per step; dp comm: what the backward does not hide.")
     return table
 

@@ -360,8 +360,9 @@ def shard(
     from autotp.io.ckpt_io import check_resumable
 
     if auto:
-        tp, dp, pp, fsdp, microbatches, virtual_stages, schedule = _choose(
-            model, tp, dp, pp, fsdp, microbatches, virtual_stages, world_size, nnodes, gpu, debug)
+        tp, dp, pp, fsdp, microbatches, virtual_stages, schedule, cp = _choose(
+            model, tp, dp, pp, fsdp, microbatches, virtual_stages, world_size, nnodes, gpu, debug, launcher.cp)
+        launcher = launcher._replace(cp=cp)
     elif tp is None:
         abort("give --tp N, or --auto --world-size N to choose the layout", debug, code=USAGE_ERROR)
     elif world_size is not None:
@@ -485,14 +486,15 @@ def _earlier_run(out: Path) -> str:
 
 def _choose(model: str, tp: int | None, dp: int, pp: int, fsdp: bool, microbatches: int | None,
             virtual_stages: int | None, world_size: int | None, nnodes: int, gpu: str | None,
-            debug: bool) -> tuple[int, int, int, bool, int | None, int | None, str]:
+            debug: bool, cp: int = 1) -> tuple[int, int, int, bool, int | None, int | None, str, int]:
     """--auto: the fastest layout ``autotp shard`` runs, for ``world_size`` ranks on ``nnodes`` nodes, each data-
     parallel replica training on the example batch; printed before any rank starts."""
     from autotp.cli import plan_auto  # the cost model: only when asked for
 
     given = [f for f, v in (("--tp", tp), ("--dp", None if dp == 1 else dp), ("--pp", None if pp == 1 else pp),
                             ("--fsdp", fsdp or None), ("--microbatches", microbatches),
-                            ("--virtual-stages", virtual_stages)) if v is not None]
+                            ("--virtual-stages", virtual_stages), ("--cp", None if cp == 1 else cp))
+             if v is not None]
     if given:
         abort(f"--auto chooses the layout: drop {', '.join(given)}", debug, code=USAGE_ERROR)
     if world_size is None or world_size < 1 or world_size % nnodes:
@@ -514,7 +516,7 @@ def _choose(model: str, tp: int | None, dp: int, pp: int, fsdp: bool, microbatch
                                f"rank (`autotp plan --auto` shows the others)", soft_wrap=True)
     schedule = lay.schedule or "1F1B"
     return (lay.tp, lay.dp // nnodes, lay.pp, lay.fsdp, lay.microbatches if lay.pp > 1 else None,
-            lay.v if lay.pp > 1 else None, schedule)
+            lay.v if lay.pp > 1 else None, schedule, lay.cp)
 
 
 def register(app: typer.Typer) -> None:

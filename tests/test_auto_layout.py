@@ -2,6 +2,7 @@
 divisibility and memory rules, the facts read from a captured graph, and ``autotp plan --auto``."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -200,6 +201,47 @@ def test_recompute_keeps_layer_inputs_and_pipelines_keep_micro_batches_in_flight
     assert rc.memory.activations == pytest.approx(2 * 2 * 32 * 64 * 2 + layer)
 
 
+def test_context_parallel_terms():
+    """cp 2: every rank computes, keeps and sends 1/2 of the tokens' work; per layer it gathers K and V twice
+    (forward, backward) and hands dK and dV back; the gradients are summed over the pair once per backward."""
+    f, h = facts(), hw(overhead=1e-4)
+    one = estimate(f, h, Layout(2, 1, 1, 2, 1), Training(act_bytes=2))
+    two = estimate(f, h, Layout(2, 1, 1, 2, 1, cp=2), Training(act_bytes=2))
+    ring_ops = 3 * 1e-4 * 4 * 2 * 2  # 3 passes, 4 layers, 2 ops per ring step, 2 steps
+    assert two.compute == pytest.approx(one.compute / 2 + 3 * 1e-4 * (5 + 4 * 10 + 6) / 2 + ring_ops)
+    assert two.tp_comm < one.tp_comm and two.memory.activations == pytest.approx(one.memory.activations / 2)
+    kv = 2 * 32 * (2 * 64) * 2 / 2  # b·s·(K and V of width h) bf16, each tp rank its half of the heads
+    grads = (500 // 2 + 4000 // 2 + 300 // 2) * 4
+    gather, scatter = (1e-5 + kv / 2 / 1e10), (1e-5 + kv / 2 / 1e10)
+    assert two.cp_comm == pytest.approx(4 * (2 * gather + scatter) + (1e-5 + grads / 1e10) + 2 * grads * 2 / 1e11)
+    assert one.cp_comm == 0 and two.step == pytest.approx(sum(two.terms().values()))
+    # memory: the logits of half the tokens, one layer's gathered K and V (autocast's bf16 weight copies whole)
+    copies = 2 * grads // 4
+    assert two.memory.other == pytest.approx((one.memory.other - copies) / 2 + copies + kv)
+    assert two.memory.state == one.memory.state  # the parameters are whole on every cp rank
+    assert Layout(2, 1, 1, 2, 1, cp=2).label() == "tp2 cp2 dp1 pp1 mb2×1" and Layout(2, 1, 1, 2, 1, cp=2).world == 4
+
+
+def test_context_parallel_where_nothing_else_can_split_a_long_sample():
+    """One sample per step on 8 devices of 4 heads: without cp only tp 4 × pp 2 is left, and a pipeline of one
+    micro-batch is not run; with cp the search finds layouts and explains the winner by its mesh."""
+    f = facts(s=4096)
+    space = Space(world=8, gpus_per_node=8, batch=1)
+    without = search(f, hw(), Space(world=8, gpus_per_node=8, batch=1, context=False))
+    assert without.best is None
+    found = search(f, hw(), space, Training(act_bytes=2))
+    assert found.best.layout.cp > 1 and found.best.layout.world == 8
+    assert {e.layout.cp for e in found.ranked} <= {2, 4, 8}
+    assert any("cp" in line for line in explain(found))
+    # a model whose attention cannot run as a ring (the reason the ranks would give) gets no cp layout, said
+    refused = dataclasses.replace(f, cp_refused="context parallelism (cp 2) cannot run this forward: ALiBi")
+    none = search(refused, hw(), space)
+    assert none.best is None and any("context parallelism not considered: " in n and "ALiBi" in n for n in none.notes)
+    # the sequence in 2·cp equal chunks: 4096 tokens allow cp 8, 40 tokens only cp 2 and 4 (not 8: 16 ∤ 40)
+    short = dataclasses.replace(f, seq=40)
+    assert {x.cp for x in layouts(short, space)} == {2, 4}
+
+
 # -- the enumeration -----------------------------------------------------------------------------------------
 def test_tp_sizes_stay_inside_a_node_and_divide_the_heads():
     assert tp_sizes(64, 8, 96) == [1, 2, 4, 8]
@@ -214,8 +256,10 @@ def test_every_layout_respects_the_rules():
     seen = list(layouts(f, space))
     assert seen
     for lay in seen:
-        assert lay.tp * lay.dp * lay.pp == 8 and 4 % lay.tp == 0 and 4 % lay.tp == 0
+        assert lay.tp * lay.cp * lay.dp * lay.pp == lay.world == 8 and 4 % lay.tp == 0
         assert f.layers % lay.pp == 0
+        # context parallelism: 2·cp chunks of the 32 tokens, alone with tp and data parallelism (as autotp runs it)
+        assert lay.cp == 1 or (f.seq % (2 * lay.cp) == 0 and lay.pp == 1 and not lay.fsdp and not lay.sp)
         assert lay.batch == 16
         assert lay.pp == 1 or lay.microbatches >= lay.pp
         assert lay.v == 1 or (f.layers % (lay.pp * lay.v) == 0 and lay.microbatches % lay.pp == 0)
@@ -223,6 +267,7 @@ def test_every_layout_respects_the_rules():
         assert lay.tp > 1 or not lay.sp
         assert lay.micro_batch <= space.max_micro_batch
     assert {(x.tp, x.pp) for x in seen} == {(1, 1), (1, 2), (1, 4), (2, 1), (2, 2), (2, 4), (4, 1), (4, 2)}
+    assert {(x.tp, x.cp) for x in seen if x.cp > 1} == {(1, 2), (1, 4), (1, 8), (2, 2), (2, 4), (4, 2)}
     # a batch the data-parallel size does not divide: no such layout
     odd = list(layouts(f, Space(world=8, gpus_per_node=8, batch=2)))
     assert all(2 % x.dp == 0 for x in odd) and {x.dp for x in odd} <= {1, 2}
@@ -294,6 +339,8 @@ def test_facts_of_the_example_gpt():
     fwd = [c for c in t2.comm[BLOCKS] if c.direction == "forward"]
     assert sum(c.count for c in fwd) == 2 * L and sum(c.elements for c in fwd) == 2 * L * s * h
     assert t2.params[BLOCKS] < f.tp(1).params[BLOCKS] and math.isclose(t2.flops_split, 1.0)
+    # its written-out attention is proven causal: it runs as a ring, gathering K and V of h each per token
+    assert f.cp_refused is None and (f.kv_width, f.kv_heads) == (2 * h, 4)
 
 
 runner = CliRunner()
@@ -308,6 +355,20 @@ def test_plan_auto_command(tmp_path):
     data = json.loads(out.read_text())
     assert len(data["ranked"]) == 3 and data["ranked"][0]["layout"]["tp"] * data["ranked"][0]["layout"]["dp"] \
         * data["ranked"][0]["layout"]["pp"] == 4
+
+
+def test_plan_auto_prices_context_parallelism(tmp_path):
+    """One sequence per step on 4 devices: the data-parallel layouts are gone, and the cp layouts (the example's
+    written-out attention runs as a ring) are priced with their own term."""
+    out = tmp_path / "auto.json"
+    r = runner.invoke(app, ["plan", "examples/nanogpt.py", "--auto", "--world-size", "4", "--gpu", "a100",
+                            "--global-batch", "1", "--json", str(out)], env={"COLUMNS": "200"})
+    assert r.exit_code == 0, r.output
+    ranked = json.loads(out.read_text())["ranked"]
+    meshes = {(e["layout"]["tp"], e["layout"]["cp"]) for e in ranked}
+    assert meshes == {(4, 1), (2, 2), (1, 4)} and all(e["layout"]["dp"] == 1 for e in ranked)
+    assert all((e["cp_comm_s"] > 0) == (e["layout"]["cp"] > 1) for e in ranked)
+    assert "cp comm" in r.output and "tp1 cp4 dp1 pp1" in r.output
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -335,13 +396,16 @@ def test_shard_auto_runs_the_layout_it_chose(tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     assert "--auto: tp" in r.stderr and "predicted" in r.stderr
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
-    chosen = r.stderr.split("--auto:")[1].split()[:3]  # "tp1", "dp2", "pp1"
-    assert [f"tp{summary['tp']}", f"dp{summary['dp']}"] == [c.split("·")[0] for c in chosen[:2]]
+    label = r.stderr.split("--auto:")[1].split(" on ")[0].split()  # "tp1", ("cp2",) "dp2", "pp1", "mb..."
+    chosen = {part[:2]: part[2:].split("·")[0] for part in label if part[:2] in ("tp", "cp", "dp", "pp")}
+    assert (chosen["tp"], chosen["dp"]) == (str(summary["tp"]), str(summary["dp"]))
+    assert chosen.get("cp", "1") == str(summary.get("cp", 1))
 
 
 @pytest.mark.parametrize("argv, message", [
     (["--auto", "--gpu", "a100"], "--auto needs --world-size"),
     (["--auto", "--world-size", "2", "--tp", "2", "--gpu", "a100"], "drop --tp"),
+    (["--auto", "--world-size", "4", "--cp", "2", "--gpu", "a100"], "drop --cp"),
     (["--world-size", "2", "--tp", "2"], "goes with --auto"),
     ([], "give --tp N, or --auto"),
 ])

@@ -1,7 +1,9 @@
 """Choose the layout: enumerate what the sizes allow, drop what does not fit, rank the rest by predicted step.
 
 The knobs (DESIGN §6): tp ``t`` dividing the GPUs per node, the world and the attention heads; pp ``p``
-dividing the blocks, ``t·p`` dividing the world; dp = world/(t·p), dividing the global batch; the
+dividing the blocks, ``t·p`` dividing the world; cp ``c`` dividing what is left, with the sequence in 2·c
+equal chunks, where the model's attention runs as a ring (:attr:`ModelFacts.cp_refused`); dp =
+world/(t·c·p), dividing the global batch; the
 micro-batch size (a divisor of each replica's share, at most ``max_micro_batch``) and so the micro-batches
 per step ``m`` (at least ``p`` with a pipeline); ``v`` stages per pipeline rank (the interleaved schedule:
 L divisible by p·v, m by p); FSDP over dp, sequence parallelism over tp, full activation recomputation.
@@ -35,6 +37,7 @@ class Space:
     sp: tuple[bool, ...] = (False, True)
     recompute: tuple[bool, ...] = (False, True)
     virtual: tuple[int, ...] = (1, 2, 4)
+    context: bool = True  # context parallelism considered (where the model and the sequence allow it)
     runnable: bool = False
     per_replica: bool = False  # the batch is each data-parallel replica's (autotp shard: the example batch)
 
@@ -74,7 +77,16 @@ def tp_sizes(world: int, gpus_per_node: int, heads: int | None) -> list[int]:
     return [t for t in divisors(world) if gpus_per_node % t == 0 and (heads is None or heads % t == 0)]
 
 
-def layouts(facts: ModelFacts, space: Space) -> Iterator[Layout]:
+def cp_sizes(facts: ModelFacts, space: Space, rest: int, seq: int) -> list[int]:
+    """The context-parallel sizes worth planning in ``rest`` ranks: 1, and where the model's attention runs as a
+    ring, each divisor whose 2·cp chunks divide the sequence."""
+    if not space.context or facts.cp_refused is not None:
+        return [1]
+    return [c for c in divisors(rest) if c == 1 or seq % (2 * c) == 0]
+
+
+def layouts(facts: ModelFacts, space: Space, seq: int | None = None) -> Iterator[Layout]:
+    """Every layout the sizes allow (``seq``: the sequence trained on, default the captured one)."""
     L = facts.layers
     for t in tp_sizes(space.world, space.gpus_per_node, facts.heads):
         if t not in facts.tps:
@@ -82,32 +94,40 @@ def layouts(facts: ModelFacts, space: Space) -> Iterator[Layout]:
         for p in divisors(L):
             if space.world % (t * p):
                 continue
-            d = space.world // (t * p)
-            if not space.per_replica and space.batch % d:
-                continue
-            share = space.batch if space.per_replica else space.batch // d
-            for b in divisors(share):
-                m = share // b
-                if b > space.max_micro_batch or p > 1 and m < p:
+            for c in cp_sizes(facts, space, space.world // (t * p), seq or facts.seq):
+                d = space.world // (t * p * c)
+                if not space.per_replica and space.batch % d:
                     continue
-                for v in space.virtual if p > 1 else (1,):
-                    if v > 1 and (L % (p * v) or m % p):
-                        continue
-                    for fsdp in space.fsdp if d > 1 else (False,):
-                        for sp in space.sp if t > 1 else (False,):
-                            for rc in space.recompute:
-                                lay = Layout(t, d, p, b, m, v, fsdp, sp, rc)
-                                # priced only where autotp runs it (autotp.options.refused)
-                                if not supported(lay) or space.runnable and not runnable(lay):
-                                    continue
-                                yield lay
+                share = space.batch if space.per_replica else space.batch // d
+                yield from _within(facts, space, t, c, d, p, share)
+
+
+def _within(facts: ModelFacts, space: Space, t: int, c: int, d: int, p: int, share: int) -> Iterator[Layout]:
+    """The layouts of one (tp, cp, dp, pp) mesh: micro-batches, stages per rank, FSDP, sp, recomputation."""
+    L = facts.layers
+    for b in divisors(share):
+        m = share // b
+        if b > space.max_micro_batch or p > 1 and m < p:
+            continue
+        for v in space.virtual if p > 1 else (1,):
+            if v > 1 and (L % (p * v) or m % p):
+                continue
+            for fsdp in space.fsdp if d > 1 else (False,):
+                for sp in space.sp if t > 1 else (False,):
+                    for rc in space.recompute:
+                        lay = Layout(t, d, p, b, m, v, fsdp, sp, rc, c)
+                        # priced only where autotp runs it (autotp.options.refused)
+                        if not supported(lay) or space.runnable and not runnable(lay):
+                            continue
+                        yield lay
 
 
 def supported(lay: Layout) -> bool:
     """Whether autotp shards this layout today (:func:`autotp.options.refused`, the rule parallelize applies).
     Recomputation and gradient accumulation are the training script's (activation checkpointing in the
     model, several backwards per step)."""
-    return refused(pipeline=lay.pp * lay.v, schedule=lay.schedule, fsdp=lay.fsdp, sequence_parallel=lay.sp) is None
+    return refused(pipeline=lay.pp * lay.v, schedule=lay.schedule, fsdp=lay.fsdp, sequence_parallel=lay.sp,
+                   context_parallel=lay.cp) is None
 
 
 def runnable(lay: Layout) -> bool:
@@ -118,7 +138,7 @@ def runnable(lay: Layout) -> bool:
 
 def search(facts: ModelFacts, hw: Hardware, space: Space, training: Training = Training()) -> Search:
     ranked, rejected, n = [], [], 0
-    for lay in layouts(facts, space):
+    for lay in layouts(facts, space, training.seq):
         n += 1
         est = estimate(facts, hw, lay, training)
         if est.memory.fits:
@@ -137,14 +157,25 @@ def search(facts: ModelFacts, hw: Hardware, space: Space, training: Training = T
         notes.append(f"no layout: world {space.world}, {space.gpus_per_node} per node, global batch {space.batch}, "
                      f"{facts.layers} blocks, heads {facts.heads}: no tp ≤ {space.gpus_per_node} dividing world "
                      "and heads, pp dividing the blocks and dp the batch")
+    if space.context and facts.cp_refused is not None and space.world > 1:
+        notes.append(f"context parallelism not considered: {facts.cp_refused}")
     return Search(tuple(ranked), tuple(rejected), n, tuple(notes))
 
 
+def _mesh(lay: Layout) -> tuple[int, int, int]:
+    return lay.tp, lay.cp, lay.pp
+
+
+def mesh_name(lay: Layout) -> str:
+    """``tp 2 × pp 2``, with ``× cp c`` where there is context parallelism."""
+    return f"tp {lay.tp}" + (f" × cp {lay.cp}" if lay.cp > 1 else "") + f" × pp {lay.pp}"
+
+
 def best_per_mesh(result: Search) -> list[Estimate]:
-    """The fastest layout of each (tp, pp), fastest first."""
+    """The fastest layout of each (tp, cp, pp), fastest first."""
     seen, out = set(), []
     for e in result.ranked:
-        key = (e.layout.tp, e.layout.pp)
+        key = _mesh(e.layout)
         if key not in seen:
             seen.add(key)
             out.append(e)
@@ -152,7 +183,7 @@ def best_per_mesh(result: Search) -> list[Estimate]:
 
 
 def explain(result: Search) -> list[str]:
-    """Why the winner wins: against the best layout of another (tp, pp), the terms that differ most; what
+    """Why the winner wins: against the best layout of another (tp, cp, pp), the terms that differ most; what
     memory ruled out."""
     lines = []
     best = result.best
@@ -164,16 +195,16 @@ def explain(result: Search) -> list[str]:
         other = meshes[1]
         diffs = sorted(((other.terms()[k] - v, k) for k, v in best.terms().items()), key=lambda x: -abs(x[0]))
         said = [f"{k} {abs(dv):.3g} s {'less' if dv > 0 else 'more'}" for dv, k in diffs[:3] if abs(dv) > 1e-9]
-        lines.append(f"tp {lay.tp} × pp {lay.pp} beats the best tp {other.layout.tp} × pp {other.layout.pp} layout "
+        lines.append(f"{mesh_name(lay)} beats the best {mesh_name(other.layout)} layout "
                      f"({other.layout.label()}) by {best.tokens_per_device / other.tokens_per_device - 1:.1%}: "
                      f"{', '.join(said)}")
-    same = [e for e in result.ranked[1:] if (e.layout.tp, e.layout.pp) == (lay.tp, lay.pp)]
+    same = [e for e in result.ranked[1:] if _mesh(e.layout) == _mesh(lay)]
     if same:
-        lines.append(f"within tp {lay.tp} × pp {lay.pp}, the next option ({same[0].layout.label()}) is "
+        lines.append(f"within {mesh_name(lay)}, the next option ({same[0].layout.label()}) is "
                      f"{best.tokens_per_device / same[0].tokens_per_device - 1:.1%} slower")
     if result.rejected:
-        by_mesh = Counter((r.layout.tp, r.layout.pp) for r in result.rejected)
+        by_mesh = Counter(_mesh(r.layout) for r in result.rejected)
         worst = max(result.rejected, key=lambda r: r.over)
         lines.append(f"memory ruled out {len(result.rejected)} of {result.considered} layouts "
-                     f"({len(by_mesh)} (tp, pp) meshes had some), e.g. {worst.layout.label()}: {worst.reason}")
+                     f"({len(by_mesh)} meshes had some), e.g. {worst.layout.label()}: {worst.reason}")
     return lines + list(result.notes)

@@ -1,9 +1,10 @@
 """The predicted step time and memory of one layout: an analytic model over :class:`ModelFacts` and a
 :class:`~autotp.layout.hardware.Hardware` profile.
 
-A layout is tp × dp × pp ranks, ``v`` stages per pipeline rank, micro-batches of ``micro_batch`` samples,
-``microbatches`` of them per step on each data-parallel replica (global batch = dp · micro_batch ·
-microbatches), with or without FSDP over dp, sequence parallelism and full activation recomputation.
+A layout is tp × cp × dp × pp ranks (Megatron's order, tp innermost), ``v`` stages per pipeline rank,
+micro-batches of ``micro_batch`` samples, ``microbatches`` of them per step on each data-parallel replica
+(global batch = dp · micro_batch · microbatches; a context-parallel group of cp ranks shares each sample, each
+rank 1/cp of its tokens), with or without FSDP over dp, sequence parallelism and full activation recomputation.
 
 Per micro-batch on the busiest pipeline rank (the terms of :class:`Estimate`):
 - compute: the rank's matmul FLOPs (forward 1×, backward 2×, recomputation another forward) at the
@@ -13,6 +14,10 @@ Per micro-batch on the busiest pipeline rank (the terms of :class:`Estimate`):
   each op of the graph, per pass;
 - tp comm: the plan's collectives for the rank's layers (the forward's again when recomputing), not
   overlapped (each is waited on before its consumer runs);
+- cp comm: ring attention (torch's, load-balanced: each rank 1/cp of every layer's attention FLOPs) gathers
+  every rank's K and V per layer before its forward (2·b·s·h_kv elements over the group, the full tensor),
+  gathers them again in the backward and hands each rank's dK and dV back (as many bytes again), none of it
+  overlapped; the gradients are summed over the cp group once per backward (one all-reduce of them all);
 - pp: the bubble (p − 1)/(v·m) of the ideal time (Narayanan et al. 2021, §2.2), and two point-to-point
   sends of b·s·h activations per micro-batch and stage boundary (v per rank);
 - dp comm: DDP's gradient all-reduce of the rank's parameters, overlapped with the last micro-batch's
@@ -27,6 +32,9 @@ Per micro-batch on the busiest pipeline rank (the terms of :class:`Estimate`):
 
 Ranks that take turns on one device (``Hardware.share`` > 1: more CPU ranks than cores, pipeline stages
 dealt round the cores) hand their idle time to each other: the bubble shrinks by (share − 1)/(p − 1).
+
+Context parallelism divides a rank's FLOPs, activations, tp collectives and logits by cp; its parameters are
+whole on every cp rank, and one layer's gathered K and V are held while it runs.
 
 Memory per rank: 16 bytes per parameter it holds (weights, gradients, Adam; ÷ dp with FSDP, plus two
 blocks gathered; pipelined, the stage's weights gathered and its gradients unsharded through the step), the activations of the micro-batches in flight (Korthikanti et al.'s formula, or one
@@ -59,10 +67,11 @@ class Layout:
     fsdp: bool = False
     sp: bool = False
     recompute: bool = False
+    cp: int = 1  # context-parallel ranks sharing each sample's sequence
 
     @property
     def world(self) -> int:
-        return self.tp * self.dp * self.pp
+        return self.tp * self.cp * self.dp * self.pp
 
     @property
     def batch(self) -> int:
@@ -73,7 +82,7 @@ class Layout:
         return None if self.pp == 1 else "1F1B" if self.v == 1 else "Interleaved1F1B"
 
     def label(self) -> str:
-        parts = [f"tp{self.tp}", f"dp{self.dp}" + ("·fsdp" if self.fsdp else ""), f"pp{self.pp}"]
+        parts = [f"tp{self.tp}", *([f"cp{self.cp}"] if self.cp > 1 else []), f"dp{self.dp}" + ("·fsdp" if self.fsdp else ""), f"pp{self.pp}"]
         if self.v > 1:
             parts.append(f"v{self.v}")
         parts.append(f"mb{self.micro_batch}×{self.microbatches}")
@@ -124,10 +133,12 @@ class Estimate:
     memory: Memory
     tokens: int  # per step, all replicas
     model_flops: float  # per step, all ranks: 3 × the forward's matmul FLOPs (no recomputation)
+    cp_comm: float = 0.0  # ring attention's K/V gathers and the gradients' sum over the cp group
 
     @property
     def step(self) -> float:
-        return self.compute + self.tp_comm + self.pp_bubble + self.pp_comm + self.dp_comm + self.optimizer
+        return (self.compute + self.tp_comm + self.cp_comm + self.pp_bubble + self.pp_comm + self.dp_comm
+                + self.optimizer)
 
     @property
     def tokens_per_device(self) -> float:
@@ -137,9 +148,13 @@ class Estimate:
     def flops_per_device(self) -> float:
         return self.model_flops / self.step / self.layout.world
 
+    TERMS = ("compute", "tp comm", "cp comm", "pp bubble", "pp comm", "dp comm", "optimizer")
+
     def terms(self) -> dict[str, float]:
-        return {"compute": self.compute, "tp comm": self.tp_comm, "pp bubble": self.pp_bubble,
-                "pp comm": self.pp_comm, "dp comm": self.dp_comm, "optimizer": self.optimizer}
+        """The step's terms, in :attr:`TERMS` order: they add up to :attr:`step`."""
+        values = (self.compute, self.tp_comm, self.cp_comm, self.pp_bubble, self.pp_comm, self.dp_comm,
+                  self.optimizer)
+        return dict(zip(self.TERMS, values))
 
     def to_dict(self) -> dict:
         return {"layout": asdict(self.layout), "label": self.layout.label(), "step_s": self.step, **{
@@ -172,7 +187,7 @@ def _comm_time(hw: Hardware, facts: ModelFacts, lay: Layout, part: str, samples:
 
 def estimate(facts: ModelFacts, hw: Hardware, lay: Layout, training: Training = Training()) -> Estimate:
     """Price ``lay`` for ``facts`` on ``hw``."""
-    t, d, p, v, b, m = lay.tp, lay.dp, lay.pp, lay.v, lay.micro_batch, lay.microbatches
+    t, c, d, p, v, b, m = lay.tp, lay.cp, lay.dp, lay.pp, lay.v, lay.micro_batch, lay.microbatches
     tf = facts.tp(t)
     act = training.act_bytes
     s = training.seq or facts.seq
@@ -180,6 +195,7 @@ def estimate(facts: ModelFacts, hw: Hardware, lay: Layout, training: Training = 
     L = facts.layers
     ls = L / p  # layers on one pipeline rank (v chunks of L/(p·v))
     passes = 4 if lay.recompute else 3  # forward, backward (2×), recomputed forward
+    tokens = b * scale / c  # samples' worth of tokens one rank computes per micro-batch
 
     def flops_time(fwd_flops: float) -> float:
         split = tf.flops_split
@@ -187,40 +203,54 @@ def estimate(facts: ModelFacts, hw: Hardware, lay: Layout, training: Training = 
         return passes * per_rank / hw.matmul_flops
 
     # -- compute per micro-batch: the blocks on this rank, plus the first or last part's extra ------------
-    # with sequence parallelism norms, dropouts and residuals are split over t too
+    # with sequence parallelism norms, dropouts and residuals are split over t too; with cp every term is
+    # the rank's 1/cp of the tokens, and the attention runs fused (ring attention is SDPA's)
     layer_bytes = layer_activation_bytes(b, s, facts.hidden, facts.heads, t, act, facts.dropout,
-                                         facts.fused_attention, lay.sp and t > 1)
+                                         facts.fused_attention or c > 1, lay.sp and t > 1) / c
     launch = passes * hw.overhead  # per op of the forward: the backward dispatches about twice as many
-    blocks_time = ls * (flops_time(facts.block_flops * b * scale) + passes * layer_bytes / hw.memory_bandwidth
-                        + launch * facts.ops[BLOCKS] / L)
-    first = flops_time(facts.flops[FIRST] * b * scale) + launch * facts.ops[FIRST]
-    last = flops_time(facts.flops[LAST] * b * scale) + launch * facts.ops[LAST]
+    ring_ops = 2 * c if c > 1 else 0  # per layer: an attention call and a merge of its output per ring step
+    blocks_time = ls * (flops_time(facts.block_flops * tokens) + passes * layer_bytes / hw.memory_bandwidth
+                        + launch * (facts.ops[BLOCKS] / L + ring_ops))
+    first = flops_time(facts.flops[FIRST] * tokens) + launch * facts.ops[FIRST]
+    last = flops_time(facts.flops[LAST] * tokens) + launch * facts.ops[LAST]
     share = 1 / p
-    comm_blocks = _comm_time(hw, facts, lay, BLOCKS, b * scale, share, act, lay.recompute)
-    comm_first = _comm_time(hw, facts, lay, FIRST, b * scale, 1, act, False)
-    comm_last = _comm_time(hw, facts, lay, LAST, b * scale, 1, act, False)
+    comm_blocks = _comm_time(hw, facts, lay, BLOCKS, tokens, share, act, lay.recompute)
+    comm_first = _comm_time(hw, facts, lay, FIRST, tokens, 1, act, False)
+    comm_last = _comm_time(hw, facts, lay, LAST, tokens, 1, act, False)
     if p == 1:
         compute_mb, comm_mb = blocks_time + first + last, comm_blocks + comm_first + comm_last
     else:  # the busier end stage sets the pace
         ends = [(blocks_time + first, comm_blocks + comm_first), (blocks_time + last, comm_blocks + comm_last)]
         compute_mb, comm_mb = max(ends, key=lambda x: sum(x))
 
+    # -- context parallel: K and V gathered per layer, forward (again when recomputing) and backward, and dK
+    # and dV handed back; the group's ranks are tp apart
+    local = _local_params(facts, lay)
+    grad_bytes = local * facts.param_bytes
+    copy = 2 / hw.memory_bandwidth  # bytes copied in and out of communication buffers: read and written
+    cp_mb = cp_step = 0.0
+    if c > 1:
+        cp_node = _per_node(c, t, hw.gpus_per_node)
+        kv = kv_bytes(facts, b, s, t, act)
+        gathers = 3 if lay.recompute else 2
+        cp_mb = ls * (gathers * hw.collective("all_gather", kv, c, cp_node)
+                      + hw.collective("reduce_scatter", kv, c, cp_node))
+        # the gradients summed over the group after each backward, copied into the flat buffer and back
+        cp_step = hw.collective("all_reduce", grad_bytes, c, cp_node) + 2 * grad_bytes * copy
+
     # -- pipeline: bubble and point-to-point sends ------------------------------------------------------------
     bubble = (p - 1) / (v * m) if p > 1 else 0.0
     p2p = 0.0
     if p > 1:
-        per_node = 2 if t * d < hw.gpus_per_node else 1
-        p2p = 2 * v * hw.collective("send", b * s * facts.hidden * act, 2, per_node)
+        per_node = 2 if t * c * d < hw.gpus_per_node else 1
+        p2p = 2 * v * hw.collective("send", b * s * facts.hidden * act / c, 2, per_node)
 
     # -- data parallel ---------------------------------------------------------------------------------------
-    local = _local_params(facts, lay)
-    grad_bytes = local * facts.param_bytes
-    dp_node = _per_node(d, t, hw.gpus_per_node)
+    dp_node = _per_node(d, t * c, hw.gpus_per_node)
     backward_mb = compute_mb * (2 + int(lay.recompute)) / passes
     forward_mb = compute_mb / passes
     dp_exposed = 0.0
     hide = 1.0 if hw.overlap else 0.0  # where collectives share the compute's cores, nothing hides them
-    copy = 2 / hw.memory_bandwidth  # bytes copied in and out of communication buffers: read and written
     if d > 1 and not lay.fsdp:  # one all-reduce per 25 MB bucket; gradients copied into buckets and back
         buckets = max(1, math.ceil(grad_bytes / DDP_BUCKET))
         total = hw.collective("all_reduce", grad_bytes / buckets, d, dp_node, count=buckets)
@@ -246,13 +276,23 @@ def estimate(facts: ModelFacts, hw: Hardware, lay: Layout, training: Training = 
 
     compute = m * compute_mb
     tp_comm = m * comm_mb
+    cp_comm = m * (cp_mb + cp_step)
     # ranks taking turns on a device (stages dealt round the cores) hand their idle time to each other
     absorbed = min(1.0, (hw.share - 1) / (p - 1)) if p > 1 else 0.0
-    pp_bubble = bubble * (1 - absorbed) * (compute + tp_comm + m * p2p)
+    pp_bubble = bubble * (1 - absorbed) * (compute + tp_comm + cp_comm + m * p2p)
     memory = _memory(facts, hw, lay, layer_bytes, s, act)
-    tokens = lay.batch * s
+    tokens_step = lay.batch * s
     model_flops = 3 * (facts.flops[FIRST] + facts.flops[BLOCKS] + facts.flops[LAST]) * scale * lay.batch
-    return Estimate(lay, compute, tp_comm, pp_bubble, m * p2p, dp_exposed, optimizer, memory, tokens, model_flops)
+    return Estimate(lay, compute, tp_comm, pp_bubble, m * p2p, dp_exposed, optimizer, memory, tokens_step,
+                    model_flops, cp_comm)
+
+
+def kv_bytes(facts: ModelFacts, b: int, s: int, t: int, act: int) -> float:
+    """One layer's K and V over the whole sequence on one tp rank: what ring attention gathers (its kv heads
+    split over t, or whole where they are fewer than t)."""
+    width = facts.kv_width or 2 * facts.hidden
+    heads = facts.kv_heads or facts.heads or t
+    return b * s * width * act / (t if heads % t == 0 else 1)
 
 
 def _local_params(facts: ModelFacts, lay: Layout) -> float:
@@ -276,15 +316,17 @@ def _memory(facts: ModelFacts, hw: Hardware, lay: Layout, layer_bytes: float, s:
         sched = lay.schedule or "1F1B"
         flight = in_flight(sched, p, v, m, 0) / v
     if lay.recompute:  # each layer's input, plus one layer being recomputed
-        layer_input = b * s * facts.hidden * act / (t if lay.sp else 1)
+        layer_input = b * s * facts.hidden * act / (t if lay.sp else 1) / lay.cp
         activations = flight * ls * layer_input + layer_bytes
     else:
         activations = flight * ls * layer_bytes
     other = 0.0
+    if lay.cp > 1:  # one layer's K and V gathered from the group while it runs
+        other += kv_bytes(facts, b, s, t, act)
     if act < facts.param_bytes:  # autocast's 16-bit copies of the weights, saved for the backward: of the
         other += act * local  # gathered weights under FSDP too
     if facts.vocab:  # the last stage's logits: its vocab slice, the loss in fp32
-        other += b * s * facts.vocab / t * (act + 4)
+        other += b * s * facts.vocab / t / lay.cp * (act + 4)
     if lay.fsdp and d > 1 and p > 1:  # the stage gathered through the step, its gradients unsharded until the
         other += 2 * local * facts.param_bytes  # one reduce-scatter after the last micro-batch
     elif lay.fsdp and d > 1:  # two blocks gathered at once (one computing, one prefetched)

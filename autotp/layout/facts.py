@@ -58,6 +58,11 @@ class ModelFacts:
     fused_attention: bool  # scaled_dot_product_attention: no s×s scores kept
     dropout: bool
     tps: Mapping[int, TpFacts]
+    # context parallelism: why it cannot run on this model (None: it can, every attention as a ring), and what
+    # a ring gathers per layer: K's and V's elements per token together, and their heads
+    cp_refused: str | None = None
+    kv_width: int | None = None  # None: K and V as wide as the hidden size
+    kv_heads: int | None = None
 
     @property
     def block_flops(self) -> float:
@@ -141,6 +146,28 @@ def _split_share(plan: Plan, gm: fx.GraphModule) -> float:
     return 1 - whole / total if total else 1.0
 
 
+def context_facts(gm: fx.GraphModule) -> tuple[str | None, int | None, int | None]:
+    """(why context parallelism cannot run, K's and V's width per token, their heads) from the context plan
+    the ranks would make (:mod:`autotp.plan.context_planner`): the ring's operands' (b, heads, s, d) shapes."""
+    from autotp.analysis.context import find_context
+    from autotp.errors import AutotpError
+    from autotp.plan.context_planner import context_plan
+
+    try:
+        plan = context_plan(gm, find_context(gm, 2), 2)
+    except AutotpError as exc:
+        return str(exc).splitlines()[0].rstrip(":"), None, None
+    if not plan.attention:
+        return "no attention over the sequence to run as a ring", None, None
+    nodes = {n.name: n for n in gm.graph.nodes}
+    ring = plan.attention[0]
+    operands = [nodes[x] for x in ring.inputs] if ring.inputs else list(nodes[ring.node].args[:3])
+    k, v = (shape_of(x) for x in operands[1:3])
+    if not (k and v and len(k) == 4 and len(v) == 4):
+        return None, None, None
+    return None, k[1] * k[3] + v[1] * v[3], k[1]
+
+
 def model_facts(gm: fx.GraphModule, plans: Iterable[tuple[Plan, Report]], batch: int) -> ModelFacts:
     """The facts of ``gm`` (captured at ``batch`` samples) from its plans at several tensor-parallel sizes."""
     plans = list(plans)
@@ -167,7 +194,9 @@ def model_facts(gm: fx.GraphModule, plans: Iterable[tuple[Plan, Report]], batch:
     elem = max((p.element_size() for p in seen.values()), default=4)
     seq = plans[0][1].seq
     tps = {plan.tp: tp_facts(plan, report, gm, parts, owners) for plan, report in plans}
-    return ModelFacts(len(blocks), seq, hidden, heads, vocab, flops, ops, total, elem, fused, dropout, tps)
+    cp_refused, kv_width, kv_heads = context_facts(gm)
+    return ModelFacts(len(blocks), seq, hidden, heads, vocab, flops, ops, total, elem, fused, dropout, tps,
+                      cp_refused, kv_width, kv_heads)
 
 
 def capture_facts(net: torch.nn.Module, args: tuple, kwargs: dict, tps: Iterable[int], batch: int,
