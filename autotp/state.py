@@ -75,6 +75,7 @@ class TPState:
     rng: RegionRNG | None = None  # this rank's stream for random ops in sharded regions
     # pipelined: the parameter names this rank's stages of a split graph read (never allocated: the others)
     stage_params: Callable[[fx.GraphModule], set[str]] | None = None
+    context_rng: RegionRNG | None = None  # with cp: this rank's stream for random ops on its sequence chunk
     # -- found by the calls -----------------------------------------------------------------------------
     shards: dict[str, ParamShard] = field(default_factory=dict)  # every name of a sharded parameter
     # tp 1 only: how fused parameters divide into segments (q|k|v), which checkpoints name at every tp

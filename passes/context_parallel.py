@@ -23,6 +23,7 @@ After::
     pos = autotp_cp_positions_0(aten.arange.start(0, sym_size(x_cp, 1)))   # their global positions
     cos = autotp_cp_rows_0(cos_table, s // cp)         # cos_table[:s] -> the rows of those positions
     ...
+    h = autotp_rng_drop(x2, 0.1, True)                 # dropout on the chunk: RegionRandom, the chunk's stream
     y = autotp_cp_attention_0(q, k, v)                 # ring attention over the cp group
     y2 = autotp_cp_attention_1(q2, k2, v2)             # (scale c, causal); the scores and mask are gone
     ...
@@ -43,6 +44,7 @@ import torch.fx as fx
 
 from autotp.operators.context_ops import (ContextGrads, GatherSequence, LocalPositions, PositionRows, RingSDPA,
                                           ShardSequence, TokenMean)
+from autotp.operators.rng import RegionRandom
 from autotp.plan.plan import Plan
 
 
@@ -89,6 +91,11 @@ def context_parallel(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
         n = nodes[name]
         end = n.args[3]  # slice(x, dim, 0, s) or narrow(x, dim, 0, s)
         _replace(gm, n, f"autotp_cp_rows_{i}", PositionRows(dim), (n.args[0], end))
+    for name in plan.random:  # a sharded region's already draw from their (tp, cp) rank's stream
+        n = nodes[name]
+        if n.op == "call_function":
+            gm.add_submodule(f"autotp_rng_{name}", RegionRandom(n.target, stream="cp"))
+            n.op, n.target = "call_module", f"autotp_rng_{name}"
     for i, call in enumerate(plan.attention):
         n = nodes[call.node]
         qkv = tuple(nodes[x] for x in call.inputs) if call.inputs else tuple(n.args[:3])

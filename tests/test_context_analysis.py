@@ -46,6 +46,17 @@ def test_nanogpt_runs_on_a_chunk():
     assert [d for _, d in f.inputs] == [1, 1]  # ids and targets, (b, s)
 
 
+def test_dropout_on_the_chunks_is_listed_for_a_stream_of_its_own():
+    """Dropout on the embeddings and the residual branches reads values carrying the sequence: each rank draws
+    its chunk's masks from its own stream; at p = 0 nothing is random."""
+    import context_models
+
+    model, args, _ = context_models.build("bool_sdpa_mask", dropout=0.1)
+    f = _built(model, args, {})
+    assert f.runs and len(f.random) == 3 and all("dropout" in name for name in f.random)
+    assert _built(*context_models.build("bool_sdpa_mask")).random == ()
+
+
 def test_the_last_tokens_logits_and_attention_dropout_are_named():
     idx = torch.randint(0, 128, (2, 8))
     f = _facts(_nanogpt(), idx)  # no targets: the head reads x[:, [-1], :]

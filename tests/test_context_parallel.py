@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 import context_models
-from context_workers import context_parities, parallelize_parity
+from context_workers import context_dropout, context_parities, parallelize_parity
 from ranks import Launches
 
 # every spelling at cp 2; at cp 4 one of each kind of attention (written out, SDPA with a mask, einsum + rotary)
@@ -19,6 +19,7 @@ def runs() -> Launches:
     """Both tests' jobs in one launch per cp."""
     jobs = {cp: {"graph": (context_parities, 3, 32), "parallelize": (parallelize_parity, AT[cp])} for cp in AT}
     jobs[4]["cp2_tp2"] = (parallelize_parity, TP2, 3, 2)  # 4 ranks: cp 2 × tp 2
+    jobs[2]["dropout"], jobs[4]["dropout"] = (context_dropout, 1), (context_dropout, 2)  # cp 2; cp 2 × tp 2
     return Launches(jobs)
 
 
@@ -79,3 +80,16 @@ def test_context_parallel_composes_with_tensor_parallelism(runs):
         for kind, r in by_kind.items():
             assert r["errors"]["loss"] <= 1e-5 and r["errors"]["logits"] <= 1e-5, (kind, rank, r["errors"])
             assert r["context"].cp == 2 and all(a.is_causal for a in r["context"].attention)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 4])
+def test_each_chunk_draws_its_own_dropout_masks(runs, world):
+    """Dropout on the embeddings and the residual branches at cp 2 (and cp 2 × tp 2): the three dropouts run on
+    the chunk's stream, so the two chunks' masks differ where they would otherwise repeat position by position;
+    the tp ranks of a chunk drop the same elements of their replicated activations; the default generator is
+    not advanced apart on any rank."""
+    for rank, r in runs(world, "dropout").items():
+        assert r["streams"] == ["cp"] * 3, (rank, r["streams"])
+        assert all(0.2 < d < 0.4 for d in r["dropped"]), r["dropped"]  # p = 0.3 of the live elements
+        assert r["chunks_differ"] and r["tp_identical"] and r["default_in_step"], (rank, r)

@@ -17,6 +17,8 @@ do not:
   or a difference along them (a packed-sequence check) would be wrong, and is named;
 - *reductions*: a loss (cross-entropy, NLL) or a sum or mean over tokens: completed over the cp group (the
   global mean over every counted token);
+- *random*: dropout (or any random op) on a value carrying the sequence: each rank draws its chunk's masks
+  from a stream of its own (:mod:`autotp.operators.rng`), not the same masks as every other chunk;
 - *blockers*: anything else that reads across positions — a cumulative sum, a shift or a convolution
   along the sequence, an index or slice of positions, a hand-written attention that is not SDPA's —
   named with its op, module and source line. For an op without a rule of autotp's own, DTensor's sharding
@@ -36,7 +38,7 @@ import torch.fx as fx
 
 from autotp.analysis.matmuls import where
 from autotp.analysis.op_rules import op_rule
-from autotp.analysis.ops import arg_named, reduction_args
+from autotp.analysis.ops import arg_named, is_random, reduction_args
 from autotp.analysis.torch_rules import TorchRefused, ask_torch
 from autotp.analysis.written_attention import Written, mask_is_causal, written_attention
 
@@ -96,6 +98,7 @@ class ContextFacts:
     sizes: tuple[str, ...] = ()  # the sequence length read off the whole inputs (sym_size nodes)
     # tables read by position (``cos[:s]`` of a rotary table): (node, dim), the chunk's rows instead
     tables: tuple[tuple[str, int], ...] = ()
+    random: tuple[str, ...] = ()  # random ops on values carrying the sequence: a stream per chunk
 
     @property
     def runs(self) -> bool:
@@ -138,7 +141,7 @@ def find_context(gm: fx.GraphModule, cp: int = 2) -> ContextFacts:
     if s is None:
         return ContextFacts("", (), (), (), (), (Site("", "", "no attention whose query length varies with the "
                                                           "input was found (a length fixed by the model?)"),))
-    attention, positions, reductions, tables = [], [], [], []
+    attention, positions, reductions, tables, random = [], [], [], [], []
     found, blockers, inside, dropped = _attentions(gm, s)
     inputs = [(n.name, _seq_dims(n, s)[0]) for n in gm.graph.find_nodes(op="placeholder") if _seq_dims(n, s)]
     inside |= _whole(gm, _lengths(gm, inputs), dict(inputs), dropped)[0]  # run on the whole inputs: unchecked
@@ -166,6 +169,8 @@ def find_context(gm: fx.GraphModule, cp: int = 2) -> ContextFacts:
             reason = _from_length(node, s, tables) if _seq_dims(node, s) else ""
         else:
             reason = _blocked(node, operands, s, cp, reductions, site)
+            if not reason and (rule := op_rule(node.target)) is not None and is_random(node, rule):
+                random.append(node.name)
         if reason:
             blockers.append(Site(node.name, site.where, reason))
     for r in reductions:
@@ -188,7 +193,7 @@ def find_context(gm: fx.GraphModule, cp: int = 2) -> ContextFacts:
     return ContextFacts(str(s), tuple(inputs), tuple(attention), tuple(positions), tuple(reductions),
                         tuple(blockers), outputs, tuple(n.name for n in gm.graph.nodes if n.name in dropped),
                         tuple(chunks), tuple(n.name for n in gm.graph.nodes if n.name in whole), sizes,
-                        tuple(tables))
+                        tuple(tables), tuple(random))
 
 
 def _is_size(node: fx.Node) -> bool:

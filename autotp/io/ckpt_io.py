@@ -23,7 +23,8 @@ coordinates, so it resumes at any tp and dp the model's sizes allow (weights and
 * ``optim``: the optimizer's per-parameter tensors laid out like their parameters (:mod:`autotp.io.optim_state`);
 * ``train``: the step counter;
 * ``rng``: the default generator's state per data-parallel replica (the ranks of a TP group keep it in step),
-  and each rank's sharded-region stream (:mod:`autotp.operators.rng`), restored where the layout allows.
+  and each rank's sharded-region stream, and with cp its chunk's stream (:mod:`autotp.operators.rng`), restored
+  where the layout allows.
 
 Next to the DCP files rank 0 writes the manifest ``autotp.json``: format, step, tp, dp, world size, the
 optimizer's plain data (class, hyper-parameters) and each file's CRC-32, taken while it was written and checked
@@ -295,25 +296,33 @@ def _replica(ctx: RankContext) -> str:
 
 def _rng_state(tpm: torch.nn.Module, ctx: RankContext) -> dict[str, torch.Tensor]:
     """This rank's generators as tensors: the default ones (CPU, and the rank's GPU) under its dp replica (and
-    pipeline rank), the sharded-region stream under its (dp, tp) coordinates."""
+    pipeline rank), the sharded-region stream under its (dp, cp, tp) coordinates and the context stream under
+    its (dp, cp) ones."""
     d, t = _replica(ctx), ctx.coords["tp"]
+    c = f".cp{ctx.coords['cp']}" if "cp" in ctx.coords else ""
     out = {f"{d}.cpu": torch.get_rng_state()}
     if ctx.device.type == "cuda":
         out[f"{d}.cuda"] = torch.cuda.get_rng_state(ctx.device)
-    region = tp_state(tpm).rng
-    if region is not None:
-        out[f"{d}.tp{t}.region"] = region.get_state()
+    st = tp_state(tpm)
+    if st.rng is not None:
+        out[f"{d}{c}.tp{t}.region"] = st.rng.get_state()
+    if st.context_rng is not None:
+        out[f"{d}{c}.context.region"] = st.context_rng.get_state()
     return out
 
 
 def _set_rng_state(tpm: torch.nn.Module, ctx: RankContext, loaded: dict[str, torch.Tensor]) -> None:
     d, t = _replica(ctx), ctx.coords["tp"]
+    c = f".cp{ctx.coords['cp']}" if "cp" in ctx.coords else ""
     if f"{d}.cpu" in loaded:
         torch.set_rng_state(loaded[f"{d}.cpu"])
     if f"{d}.cuda" in loaded:
         torch.cuda.set_rng_state(loaded[f"{d}.cuda"], ctx.device)
-    if f"{d}.tp{t}.region" in loaded:
-        tp_state(tpm).rng.set_state(loaded[f"{d}.tp{t}.region"])
+    st = tp_state(tpm)
+    if f"{d}{c}.tp{t}.region" in loaded:
+        st.rng.set_state(loaded[f"{d}{c}.tp{t}.region"])
+    if f"{d}{c}.context.region" in loaded:
+        st.context_rng.set_state(loaded[f"{d}{c}.context.region"])
 
 
 def save_training_state(run_dir: Path | str, step: int, tpm: torch.nn.Module,

@@ -45,43 +45,46 @@ def region_of(node: fx.Node) -> Hashable | None:
 class Recompute(nn.Module):
     """Run ``region`` under activation checkpointing: only its inputs are kept for backward."""
 
-    def __init__(self, region: fx.GraphModule, rng: RegionRNG | None) -> None:
+    def __init__(self, region: fx.GraphModule, streams: tuple[RegionRNG, ...] = ()) -> None:
         super().__init__()
         self.region = region
-        self.__dict__["rng"] = rng  # not a module: the model's one region stream
+        self.__dict__["streams"] = streams  # not modules: the model's region and context streams it draws from
 
     def forward(self, *args):
-        if self.rng is None:
+        if not self.streams:
             return checkpoint(self.region, *args, use_reentrant=False)
         return checkpoint(self.region, *args, use_reentrant=False, context_fn=self._contexts)
 
     def _contexts(self):
-        saved = {}
+        saved = []
 
         @contextlib.contextmanager
         def forward() -> Iterator[None]:
-            saved["state"] = self.rng.get_state()
+            saved[:] = [rng.get_state() for rng in self.streams]
             yield
 
         @contextlib.contextmanager
-        def again() -> Iterator[None]:  # the recomputation draws the forward's masks, then the stream moves on
-            now = self.rng.get_state()
-            self.rng.set_state(saved["state"])
+        def again() -> Iterator[None]:  # the recomputation draws the forward's masks, then the streams move on
+            now = [rng.get_state() for rng in self.streams]
+            for rng, state in zip(self.streams, saved):
+                rng.set_state(state)
             try:
                 yield
             finally:
-                self.rng.set_state(now)
+                for rng, state in zip(self.streams, now):
+                    rng.set_state(state)
 
         return forward(), again()
 
 
-def outline_recompute(gm: fx.GraphModule, rng: RegionRNG | None) -> int:
-    """Replace each checkpointed region of ``gm`` by a :class:`Recompute` call; the number replaced."""
+def outline_recompute(gm: fx.GraphModule) -> int:
+    """Replace each checkpointed region of ``gm`` by a :class:`Recompute` call; the number replaced. Its random
+    ops' streams are those they were bound to (:func:`~autotp.operators.rng.bind_rng`)."""
     found = regions(gm, region_of)
 
     def make(region: fx.GraphModule, owners: dict[str, nn.Module], tag: Hashable) -> nn.Module:
-        random = any(isinstance(m, RegionRandom) for m in owners.values())
-        return Recompute(region, rng if random else None)
+        streams = {id(m.rng): m.rng for m in owners.values() if isinstance(m, RegionRandom) and m.rng is not None}
+        return Recompute(region, tuple(streams.values()))
 
     for k, nodes in enumerate(found):
         outline(gm, nodes, f"autotp_recompute_{k}", make, KEY)

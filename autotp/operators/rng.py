@@ -4,6 +4,11 @@ Replicated activations draw from the default generator, which every rank of a TP
 their dropout masks are identical across the group. Random ops inside a sharded region (attention dropout
 on local heads) draw from a per-rank stream held by :class:`RegionRNG`, seeded ``seed + 2718 + tp_rank``,
 so each rank's heads get independent masks and the default stream is not advanced by them.
+
+With context parallelism each rank holds a chunk of every sequence: a random op on a chunk that tp leaves
+replicated draws from the context stream, seeded ``seed + 3141 + cp_rank`` (the same on the tp ranks of a
+chunk, different between chunks); the sharded-region stream is then seeded per (tp, cp) rank. Without it the
+chunks would get the same masks, position by position.
 """
 from __future__ import annotations
 
@@ -14,6 +19,7 @@ import torch
 import torch.nn as nn
 
 SEED_OFFSET = 2718
+CONTEXT_SEED_OFFSET = 3141
 
 
 class RegionRNG:
@@ -58,11 +64,13 @@ class RegionRNG:
 
 
 class RegionRandom(nn.Module):
-    """Runs one random op (dropout, attention with dropout) on the region stream when one is bound."""
+    """Runs one random op (dropout, attention with dropout) on its stream when one is bound: the sharded
+    region's (``stream="tp"``) or, on a sequence chunk that tp leaves replicated, the context's (``"cp"``)."""
 
-    def __init__(self, op) -> None:
+    def __init__(self, op, stream: str = "tp") -> None:
         super().__init__()
         self.op = op
+        self.stream = stream
         self.rng: RegionRNG | None = None
 
     def forward(self, *args, **kwargs):
@@ -72,7 +80,8 @@ class RegionRandom(nn.Module):
             return self.op(*args, **kwargs)
 
 
-def bind_rng(module: nn.Module, rng: RegionRNG | None) -> None:
+def bind_rng(module: nn.Module, rng: RegionRNG | None, context: RegionRNG | None = None) -> None:
+    """Bind each :class:`RegionRandom` of ``module`` to its stream: the region's ``rng``, or ``context``."""
     for m in module.modules():
         if isinstance(m, RegionRandom):
-            m.rng = rng
+            m.rng = context if m.stream == "cp" else rng

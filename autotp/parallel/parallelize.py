@@ -45,7 +45,7 @@ from autotp.plan.stages import StageRequest
 from autotp.operators.autocast import outline_autocast
 from autotp.operators.functions import outline_functions
 from autotp.operators.recompute import outline_recompute
-from autotp.operators.rng import SEED_OFFSET, RegionRNG, bind_rng
+from autotp.operators.rng import CONTEXT_SEED_OFFSET, SEED_OFFSET, RegionRNG, bind_rng
 from autotp.shard_spec import shard_tensor
 from autotp.operators.vocab_ops import bind_vocab
 from autotp.options import Options, PipelineOptions
@@ -306,7 +306,7 @@ def _finish(model: nn.Module, st: TPState, gm: fx.GraphModule, spec: Spec, key: 
     bind_collectives(gm, st.cp_group, axis="cp")
     if st.tp > 1:
         define_ops()  # the user may torch.compile the model: its CPU all-reduces then trace as one op each
-    bind_rng(gm, st.rng)
+    bind_rng(gm, st.rng, st.context_rng)
     bind_vocab(gm, st.group, st.rank)
     bind_outputs(gm, st.group, st.rank)
     if st.cp_group is not None:
@@ -314,7 +314,7 @@ def _finish(model: nn.Module, st: TPState, gm: fx.GraphModule, spec: Spec, key: 
     bind_pieces(gm, model)
     outline_functions(gm)  # the model's own autograd Functions, called again (inside any region below)
     outline_autocast(gm)  # the model's autocast regions, inside its checkpointed ones
-    outline_recompute(gm, st.rng)  # last: the regions' modules are bound already
+    outline_recompute(gm)  # last: the regions' modules are bound already
     run: nn.Module = gm
     call, wrap = None, {}
     if st.options.compile:
@@ -454,9 +454,13 @@ def parallelize_state(model: nn.Module, *, tp_group: dist.ProcessGroup | None = 
     group = _resolve_group(tp_group if mesh is None else mesh.get_group("tp"))
     tp, rank = dist.get_world_size(group), dist.get_rank(group)
     device = _device(model, group, device)
-    rng = RegionRNG(torch.initial_seed() + SEED_OFFSET + rank, device) if tp > 1 else None
+    # random ops' streams (autotp.operators.rng): a sharded region's per (tp, cp) rank; a chunk's per cp rank
+    cp_rank = dist.get_rank(cp_group) if cp_group is not None else 0
+    seed = torch.initial_seed()
+    rng = RegionRNG(seed + SEED_OFFSET + rank + tp * cp_rank, device) if tp > 1 else None
+    context_rng = RegionRNG(seed + CONTEXT_SEED_OFFSET + cp_rank, device) if cp_group is not None else None
     st = TPState(RankIdentity(group, tp, rank, device, mesh, cp_group, options.context_parallel), options,
-                 type(model), model.__dict__.get("forward"), rng, stage_params)
+                 type(model), model.__dict__.get("forward"), rng, stage_params, context_rng=context_rng)
     args, kwargs = _split_example(example_inputs, _user_forward(model, st))
     training = model.training
     with preserved(model, on_failure_only=True):  # a failure leaves the model exactly as it was: class, tensors

@@ -44,6 +44,7 @@ class ContextPlan:
     whole: tuple[str, ...] = ()
     sizes: tuple[str, ...] = ()  # the sequence length read off the whole inputs: s/cp to ops on chunks
     tables: tuple[tuple[str, int], ...] = ()  # ``table[:s]`` along dim: the rows of the chunk's positions
+    random: tuple[str, ...] = ()  # random ops on a chunk: each rank draws its own masks (a stream per chunk)
 
     @classmethod
     def from_dict(cls, d: dict) -> ContextPlan:
@@ -52,4 +53,4 @@ class ContextPlan:
                    tuple((i, dim) for i, dim in d["outputs"]), tuple(d.get("grads", ())), d.get("length", 0),
                    tuple(d.get("dropped", ())), tuple((n, dim) for n, dim in d.get("chunks", ())),
                    tuple(d.get("whole", ())), tuple(d.get("sizes", ())),
-                   tuple((n, dim) for n, dim in d.get("tables", ())))
+                   tuple((n, dim) for n, dim in d.get("tables", ())), tuple(d.get("random", ())))

@@ -36,7 +36,7 @@ def context_plan(gm: fx.GraphModule, facts: ContextFacts, cp: int) -> ContextPla
     grads = tuple(n.name for n in gm.graph.nodes if n.op == "get_attr" and n.target in trained)
     return ContextPlan(cp, facts.inputs, tuple(p.node for p in facts.positions), attention, tuple(losses),
                        facts.outputs, grads, _length(gm, facts), facts.dropped, facts.chunks, facts.whole,
-                       facts.sizes, facts.tables)
+                       facts.sizes, facts.tables, facts.random)
 
 
 def _length(gm: fx.GraphModule, facts: ContextFacts) -> int:

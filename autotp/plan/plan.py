@@ -19,11 +19,12 @@ from autotp.plan.context import ContextPlan
 from autotp.shard_spec import (Segment, VocabRows, local_runs, shard_tensor, unshard_tensor, vocab_shard,
                                vocab_unshard)
 
-PLAN_VERSION = 12
-_READS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12)  # 1: no gathered outputs or sharded inputs, 2: no statistics, 3: no sequence
+PLAN_VERSION = 13
+_READS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13)  # 1: no gathered outputs or sharded inputs, 2: no statistics, 3: no sequence
 # parallelism or grouped segments, 4: no collective dtypes, 5: no list of the weights left whole, 6: no expert
 # parallelism, 7: no column forms or reduction arguments of statistics (read only for their shards), 8: no units,
-# 9: no pipeline stages, 10: no parameters cut in the graph, 11: no context parallelism
+# 9: no pipeline stages, 10: no parameters cut in the graph, 11: no context parallelism, 12: no random ops on
+# sequence chunks
 # the module the one gradient all-reduce of parameters applied to sequence slices is reported under
 SEQ_PARAMS = "(sequence-parallel parameters)"
 

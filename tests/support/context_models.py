@@ -65,23 +65,25 @@ class Attention(nn.Module):
 
 
 class LM(nn.Module):
-    def __init__(self, kind: str):
+    def __init__(self, kind: str, dropout: float = 0.0):
         super().__init__()
+        # dropout on the embeddings and the residual branches (GPT-2's embd_pdrop / resid_pdrop)
+        self.drop = nn.Dropout(dropout) if dropout else nn.Identity()
         self.emb = nn.Embedding(V, H)
         self.attn = nn.ModuleList([Attention(kind) for _ in range(2)])
         self.norm = nn.LayerNorm(H)
         self.head = nn.Linear(H, V, bias=False)
 
     def forward(self, idx, targets):
-        x = self.emb(idx)
+        x = self.drop(self.emb(idx))
         for a in self.attn:
             y = a(self.norm(x))
-            x = x + (y[0] + y[1].sum() * 0 if isinstance(y, tuple) else y)
+            x = x + self.drop(y[0] + y[1].sum() * 0 if isinstance(y, tuple) else y)
         logits = self.head(x)
         return logits, F.cross_entropy(logits.view(-1, V), targets.view(-1))
 
 
-def build(kind: str):
+def build(kind: str, dropout: float = 0.0):
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(1)
-    return LM(kind), (torch.randint(0, V, (2, S), generator=g), torch.randint(0, V, (2, S), generator=g)), {}
+    return LM(kind, dropout), (torch.randint(0, V, (2, S), generator=g), torch.randint(0, V, (2, S), generator=g)), {}

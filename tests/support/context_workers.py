@@ -148,3 +148,49 @@ def parallelize_parity(kinds: list[str], steps: int = 3, tp: int = 1) -> dict[st
             refused = str(e)
         out[kind] = {"errors": errors, "calls": calls, "context": st.plan.context, "refused": refused}
     return out
+
+
+def context_dropout(tp: int = 1) -> dict:
+    """Dropout on the embeddings and residual branches under ``context_parallel=world / tp``: each cp rank
+    draws its chunk's masks from a stream of its own (the chunks' masks differ), the tp ranks of a chunk the
+    same ones (the activations dropped are replicated over tp), and the default generator stays in step
+    everywhere."""
+    import context_models
+
+    import autotp
+    from autotp.operators.rng import RegionRandom
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world = dist.get_world_size()
+    cp = world // tp
+    mesh = init_device_mesh("cpu", (cp, tp), mesh_dim_names=("cp", "tp")) if tp > 1 else None
+    model, args, _ = context_models.build("bool_sdpa_mask", dropout=0.3)
+    torch.manual_seed(5)
+    autotp.parallelize(model, example_inputs=args, context_parallel=cp, mesh=mesh)
+    masks: list[torch.Tensor] = []
+    streams = []
+    for gm in (c.module for c in autotp.tp_state(model).graphs.values()):
+        for m in gm.modules():
+            if isinstance(m, RegionRandom):
+                streams.append(m.stream)
+                m.register_forward_hook(lambda mod, inp, o: masks.append(((o == 0) & (inp[0] != 0)).to(torch.uint8)))
+    _, loss = model(*args)
+    loss.backward()
+    cp_group, tp_group = (mesh["cp"].get_group(), mesh["tp"].get_group()) if mesh is not None else (dist.group.WORLD,
+                                                                                                     None)
+
+    def gathered(t: torch.Tensor, group) -> list[torch.Tensor]:
+        got = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(got, t.contiguous(), group=group)
+        return got
+
+    return {
+        "streams": streams,
+        "dropped": [m.float().mean().item() for m in masks],
+        "chunks_differ": all(not torch.equal(*gathered(m, cp_group)[:2]) for m in masks),
+        "tp_identical": tp_group is None or all(all(torch.equal(g, m) for g in gathered(m, tp_group))
+                                                for m in masks),
+        "default_in_step": all(torch.equal(g, torch.get_rng_state()) for g in gathered(torch.get_rng_state(),
+                                                                                          dist.group.WORLD)),
+        "loss": loss.item(),
+    }
