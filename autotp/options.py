@@ -94,8 +94,7 @@ def refused(*, pipeline: int = 1, schedule: str | None = None, fsdp: bool = Fals
     """Why these dimensions do not run together yet (None: they do). The one rule :meth:`Options.validate`,
     :func:`autotp.pipeline`, the command line and the layout search all ask."""
     if context_parallel > 1:
-        other = [name for name, on in (("pipeline stages", pipeline > 1),
-                                       ("fsdp", fsdp), ("sequence parallelism", sequence_parallel),
+        other = [name for name, on in (("pipeline stages", pipeline > 1), ("sequence parallelism", sequence_parallel),
                                        ("expert parallelism", expert_parallel), ("compile", compile)) if on]
         if other:
             return Refusal(f"context parallelism (cp {context_parallel}) does not run with {', '.join(other)} yet",

@@ -220,6 +220,10 @@ def test_context_parallel_terms():
     assert two.memory.other == pytest.approx((one.memory.other - copies) / 2 + copies + kv)
     assert two.memory.state == one.memory.state  # the parameters are whole on every cp rank
     assert Layout(2, 1, 1, 2, 1, cp=2).label() == "tp2 cp2 dp1 pp1 mb2×1" and Layout(2, 1, 1, 2, 1, cp=2).world == 4
+    # with FSDP the cp ranks shard the state with the dp ranks, and FSDP's reduce-scatter sums the gradients
+    fs = estimate(f, h, Layout(2, 1, 1, 2, 1, fsdp=True, cp=2), Training(act_bytes=2))
+    assert fs.memory.state == two.memory.state / 2 and fs.dp_comm > 0
+    assert fs.cp_comm == pytest.approx(4 * (2 * gather + scatter))  # the K/V gathers only
 
 
 def test_context_parallel_where_nothing_else_can_split_a_long_sample():
@@ -259,11 +263,11 @@ def test_every_layout_respects_the_rules():
         assert lay.tp * lay.cp * lay.dp * lay.pp == lay.world == 8 and 4 % lay.tp == 0
         assert f.layers % lay.pp == 0
         # context parallelism: 2·cp chunks of the 32 tokens, alone with tp and data parallelism (as autotp runs it)
-        assert lay.cp == 1 or (f.seq % (2 * lay.cp) == 0 and lay.pp == 1 and not lay.fsdp and not lay.sp)
+        assert lay.cp == 1 or (f.seq % (2 * lay.cp) == 0 and lay.pp == 1 and not lay.sp)
         assert lay.batch == 16
         assert lay.pp == 1 or lay.microbatches >= lay.pp
         assert lay.v == 1 or (f.layers % (lay.pp * lay.v) == 0 and lay.microbatches % lay.pp == 0)
-        assert lay.dp > 1 or not lay.fsdp
+        assert lay.dp * lay.cp > 1 or not lay.fsdp  # FSDP over the dp and cp ranks
         assert lay.tp > 1 or not lay.sp
         assert lay.micro_batch <= space.max_micro_batch
     assert {(x.tp, x.pp) for x in seen} == {(1, 1), (1, 2), (1, 4), (2, 1), (2, 2), (2, 4), (4, 1), (4, 2)}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 import context_models
-from context_workers import context_dropout, context_parities, parallelize_parity
+from context_workers import context_dropout, context_fsdp_parity, context_parities, parallelize_parity
 from ranks import Launches
 
 # every spelling at cp 2; at cp 4 one of each kind of attention (written out, SDPA with a mask, einsum + rotary)
@@ -20,6 +20,8 @@ def runs() -> Launches:
     jobs = {cp: {"graph": (context_parities, 3, 32), "parallelize": (parallelize_parity, AT[cp])} for cp in AT}
     jobs[4]["cp2_tp2"] = (parallelize_parity, TP2, 3, 2)  # 4 ranks: cp 2 × tp 2
     jobs[2]["dropout"], jobs[4]["dropout"] = (context_dropout, 1), (context_dropout, 2)  # cp 2; cp 2 × tp 2
+    jobs[4]["fsdp"] = (context_fsdp_parity, ["nanogpt_example", "hf_llama"], 1)  # dp 2 × cp 2
+    jobs[4]["fsdp_tp2"] = (context_fsdp_parity, ["nanogpt_example"], 2)  # cp 2 × tp 2
     return Launches(jobs)
 
 
@@ -93,3 +95,22 @@ def test_each_chunk_draws_its_own_dropout_masks(runs, world):
         assert r["streams"] == ["cp"] * 3, (rank, r["streams"])
         assert all(0.2 < d < 0.4 for d in r["dropped"]), r["dropped"]  # p = 0.3 of the live elements
         assert r["chunks_differ"] and r["tp_identical"] and r["default_in_step"], (rank, r)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("job, tp", [("fsdp", 1), ("fsdp_tp2", 2)])
+def test_fsdp_shards_over_the_data_and_context_ranks_exactly(runs, job, tp):
+    """FSDP with cp 2 (dp 2 × cp 2, and cp 2 × tp 2): FSDP shards over the dp and cp ranks together and its
+    reduce-scatter sums the chunks' gradients, averaged over dp only: the losses, the clipped gradient norm
+    and the parameters after 3 AdamW steps within 1e-5 of one device on the whole batch. The graph sums no
+    gradient of its own: its only all-reduces are the loss's sum and count (and with tp, Megatron's)."""
+    for rank, by_kind in runs(4, job).items():
+        for kind, r in by_kind.items():
+            assert max(r["errors"].values()) <= 1e-5, (job, kind, rank, r["errors"])
+            assert r["grads_in_graph"] == 0
+            kinds = [c[0] for c in r["calls"]]
+            assert kinds.count("all_to_all_single") == 2 * r["rings"], kinds  # the ring's backward, cp per layer
+            scalars = [c for c in r["calls"] if c[0] == "all_reduce" and c[2] == 1]
+            assert scalars == [("all_reduce", "sum", 1)] * 2, scalars  # Σ loss, Σ counted tokens
+            if tp == 1:
+                assert kinds.count("all_reduce") == 2 and kinds.count("reduce_scatter") >= 4, kinds

@@ -63,6 +63,8 @@ def fsdp_meshes(mesh: DeviceMesh, config: FSDPConfig) -> tuple[DeviceMesh, Devic
     if "tp" not in names:
         raise ProcessGroupError(f"the device mesh for fsdp needs a 'tp' dim; it has {names}",
                                 hint="e.g. init_device_mesh(device, (dp, tp), mesh_dim_names=('dp', 'tp'))")
+    if "cp" in names and mesh["cp"].size() > 1:
+        return _with_context(mesh, config), mesh["tp"]
     if all(n in names for n in HSDP_DIMS):
         return _joined(mesh, HSDP_DIMS), mesh["tp"]
     if "dp" not in names:
@@ -75,6 +77,24 @@ def fsdp_meshes(mesh: DeviceMesh, config: FSDPConfig) -> tuple[DeviceMesh, Devic
         raise ValueError(f"hsdp: {config.replicas} replica groups do not divide the data-parallel size {dp}")
     split = mesh._unflatten(names.index("dp"), (config.replicas, dp // config.replicas), HSDP_DIMS)
     return _joined(split, HSDP_DIMS), split["tp"]
+
+
+def _with_context(mesh: DeviceMesh, config: FSDPConfig) -> DeviceMesh:
+    """With context parallelism FSDP shards over the dp and cp ranks together (a cp rank holds the same
+    parameters as its group, torchtitan's ``dp_shard_cp``): the two dims flattened into one, ``dp_cp``, and with
+    the tp dim into one more for the gradient norm's single all-reduce."""
+    names = mesh.mesh_dim_names or ()
+    if "dp" not in names:
+        raise ProcessGroupError(f"fsdp with context parallelism needs a mesh with 'dp', 'cp' and 'tp' dims; it has "
+                                f"{names}", hint="e.g. init_device_mesh(device, (dp, cp, tp), "
+                                                 "mesh_dim_names=('dp', 'cp', 'tp'))")
+    if config.replicas > 1:
+        raise ValueError(f"hsdp ({config.replicas} replica groups) with context parallelism is not supported yet: "
+                         "use fsdp (one replica group) with cp, or hsdp without it")
+    shard = mesh[("dp", "cp")]._flatten("dp_cp")
+    if mesh["tp"].size() > 1:
+        mesh[("dp", "cp", "tp")]._flatten()
+    return shard
 
 
 def _joined(mesh: DeviceMesh, dp_dims: tuple[str, ...]) -> DeviceMesh:

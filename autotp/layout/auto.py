@@ -112,7 +112,7 @@ def _within(facts: ModelFacts, space: Space, t: int, c: int, d: int, p: int, sha
         for v in space.virtual if p > 1 else (1,):
             if v > 1 and (L % (p * v) or m % p):
                 continue
-            for fsdp in space.fsdp if d > 1 else (False,):
+            for fsdp in space.fsdp if d * c > 1 else (False,):  # FSDP shards over the dp and cp ranks
                 for sp in space.sp if t > 1 else (False,):
                     for rc in space.recompute:
                         lay = Layout(t, d, p, b, m, v, fsdp, sp, rc, c)

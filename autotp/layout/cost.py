@@ -4,7 +4,8 @@
 A layout is tp × cp × dp × pp ranks (Megatron's order, tp innermost), ``v`` stages per pipeline rank,
 micro-batches of ``micro_batch`` samples, ``microbatches`` of them per step on each data-parallel replica
 (global batch = dp · micro_batch · microbatches; a context-parallel group of cp ranks shares each sample, each
-rank 1/cp of its tokens), with or without FSDP over dp, sequence parallelism and full activation recomputation.
+rank 1/cp of its tokens), with or without FSDP over dp (over dp·cp with context parallelism), sequence
+parallelism and full activation recomputation.
 
 Per micro-batch on the busiest pipeline rank (the terms of :class:`Estimate`):
 - compute: the rank's matmul FLOPs (forward 1×, backward 2×, recomputation another forward) at the
@@ -20,7 +21,7 @@ Per micro-batch on the busiest pipeline rank (the terms of :class:`Estimate`):
   overlapped; the gradients are summed over the cp group once per backward (one all-reduce of them all);
 - pp: the bubble (p − 1)/(v·m) of the ideal time (Narayanan et al. 2021, §2.2), and two point-to-point
   sends of b·s·h activations per micro-batch and stage boundary (v per rank);
-- dp comm: DDP's gradient all-reduce of the rank's parameters, overlapped with the last micro-batch's
+- dp comm: DDP's gradient all-reduce of the rank's parameters over dp, overlapped with the last micro-batch's
   backward but for its last 25 MB bucket; with FSDP, all-gathers before forward and backward and a
   reduce-scatter after it, per micro-batch, each overlapped with that pass's compute (prefetch) but for one
   block's worth (pipelined, each stage one unit kept gathered: one all-gather before the first
@@ -36,7 +37,7 @@ dealt round the cores) hand their idle time to each other: the bubble shrinks by
 Context parallelism divides a rank's FLOPs, activations, tp collectives and logits by cp; its parameters are
 whole on every cp rank, and one layer's gathered K and V are held while it runs.
 
-Memory per rank: 16 bytes per parameter it holds (weights, gradients, Adam; ÷ dp with FSDP, plus two
+Memory per rank: 16 bytes per parameter it holds (weights, gradients, Adam; ÷ dp·cp with FSDP, plus two
 blocks gathered; pipelined, the stage's weights gathered and its gradients unsharded through the step), the activations of the micro-batches in flight (Korthikanti et al.'s formula, or one
 layer input per layer with recomputation, plus one layer's worth being recomputed) and the last stage's
 logits in fp32 (and under autocast the 16-bit copies of the weights the backward keeps), against 90% of
@@ -235,8 +236,10 @@ def estimate(facts: ModelFacts, hw: Hardware, lay: Layout, training: Training = 
         gathers = 3 if lay.recompute else 2
         cp_mb = ls * (gathers * hw.collective("all_gather", kv, c, cp_node)
                       + hw.collective("reduce_scatter", kv, c, cp_node))
-        # the gradients summed over the group after each backward, copied into the flat buffer and back
-        cp_step = hw.collective("all_reduce", grad_bytes, c, cp_node) + 2 * grad_bytes * copy
+        # the gradients summed over the group after each backward, copied into the flat buffer and back (with
+        # FSDP its reduce-scatter over the dp and cp ranks sums them instead)
+        if not lay.fsdp:
+            cp_step = hw.collective("all_reduce", grad_bytes, c, cp_node) + 2 * grad_bytes * copy
 
     # -- pipeline: bubble and point-to-point sends ------------------------------------------------------------
     bubble = (p - 1) / (v * m) if p > 1 else 0.0
@@ -245,8 +248,9 @@ def estimate(facts: ModelFacts, hw: Hardware, lay: Layout, training: Training = 
         per_node = 2 if t * c * d < hw.gpus_per_node else 1
         p2p = 2 * v * hw.collective("send", b * s * facts.hidden * act / c, 2, per_node)
 
-    # -- data parallel ---------------------------------------------------------------------------------------
-    dp_node = _per_node(d, t * c, hw.gpus_per_node)
+    # -- data parallel: DDP over d; FSDP over the d·c ranks holding the same parameters -------------------------
+    f = d * c if lay.fsdp else d
+    dp_node = _per_node(f, t, hw.gpus_per_node) if lay.fsdp else _per_node(d, t * c, hw.gpus_per_node)
     backward_mb = compute_mb * (2 + int(lay.recompute)) / passes
     forward_mb = compute_mb / passes
     dp_exposed = 0.0
@@ -256,22 +260,22 @@ def estimate(facts: ModelFacts, hw: Hardware, lay: Layout, training: Training = 
         total = hw.collective("all_reduce", grad_bytes / buckets, d, dp_node, count=buckets)
         tail = total / buckets
         dp_exposed = max(tail, total - hide * backward_mb) + 2 * grad_bytes * copy
-    elif d > 1 and p > 1:  # pipelined FSDP: each stage one unit, kept gathered through the step (torchtitan's
+    elif f > 1 and p > 1:  # pipelined FSDP: each stage one unit, kept gathered through the step (torchtitan's
         # choice): one all-gather before the first micro-batch, one reduce-scatter after the last, neither hidden
-        gather = hw.collective("all_gather", grad_bytes, d, dp_node)
-        scatter = hw.collective("reduce_scatter", grad_bytes, d, dp_node)
+        gather = hw.collective("all_gather", grad_bytes, f, dp_node)
+        scatter = hw.collective("reduce_scatter", grad_bytes, f, dp_node)
         dp_exposed = gather + scatter + 3 * grad_bytes * copy
-    elif d > 1:  # FSDP: per unit (each block, the two ends) gathers before forward and backward, reduce-scatter
+    elif f > 1:  # FSDP: per unit (each block, the two ends) gathers before forward and backward, reduce-scatter
         # after, each through a flat buffer the parameters and gradients are copied out of and into
         units = math.ceil(ls) + 1
-        gather = hw.collective("all_gather", grad_bytes / units, d, dp_node, count=units)
-        scatter = hw.collective("reduce_scatter", grad_bytes / units, d, dp_node, count=units)
+        gather = hw.collective("all_gather", grad_bytes / units, f, dp_node, count=units)
+        scatter = hw.collective("reduce_scatter", grad_bytes / units, f, dp_node, count=units)
         one_block = gather / units
         dp_exposed = m * (max(one_block, gather - hide * forward_mb)
                           + max(one_block, gather + scatter - hide * backward_mb) + 3 * grad_bytes * copy)
 
     # -- optimizer: read and write the state once ------------------------------------------------------------
-    held = local / (d if lay.fsdp else 1)
+    held = local / (d * c if lay.fsdp else 1)
     optimizer = held * (hw.optimizer or 2 * STATE_BYTES / hw.memory_bandwidth)
 
     compute = m * compute_mb
@@ -308,7 +312,7 @@ def _local_params(facts: ModelFacts, lay: Layout) -> float:
 def _memory(facts: ModelFacts, hw: Hardware, lay: Layout, layer_bytes: float, s: int, act: int) -> Memory:
     t, d, p, v, b, m = lay.tp, lay.dp, lay.pp, lay.v, lay.micro_batch, lay.microbatches
     local = _local_params(facts, lay)
-    state = STATE_BYTES * local / (d if lay.fsdp else 1)
+    state = STATE_BYTES * local / (d * lay.cp if lay.fsdp else 1)
     ls = facts.layers / p
     if p == 1:
         flight = 1  # micro-batches run one after another (gradient accumulation)
@@ -327,8 +331,8 @@ def _memory(facts: ModelFacts, hw: Hardware, lay: Layout, layer_bytes: float, s:
         other += act * local  # gathered weights under FSDP too
     if facts.vocab:  # the last stage's logits: its vocab slice, the loss in fp32
         other += b * s * facts.vocab / t / lay.cp * (act + 4)
-    if lay.fsdp and d > 1 and p > 1:  # the stage gathered through the step, its gradients unsharded until the
+    if lay.fsdp and d * lay.cp > 1 and p > 1:  # the stage gathered through the step, its gradients unsharded until the
         other += 2 * local * facts.param_bytes  # one reduce-scatter after the last micro-batch
-    elif lay.fsdp and d > 1:  # two blocks gathered at once (one computing, one prefetched)
+    elif lay.fsdp and d * lay.cp > 1:  # two blocks gathered at once (one computing, one prefetched)
         other += 2 * facts.tp(t).params[BLOCKS] / facts.layers * facts.param_bytes
     return Memory(state, activations, other, (1 - RESERVED) * hw.memory_bytes)

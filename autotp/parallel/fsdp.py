@@ -22,6 +22,7 @@ import types
 from collections.abc import Iterator
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.fsdp import (CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard,
                                     register_fsdp_forward_method)
@@ -97,6 +98,12 @@ def apply_fsdp(model: nn.Module, st: TPState, plan: Plan) -> None:
     # the root's parameters (a tied embedding / LM head, code between the blocks) are the first the backward
     # needs: FSDP's default keeps them
     fully_shard(model, **{**options, "reshard_after_forward": None})
+    if st.cp > 1:  # a cp group's gradients are parts of the same samples': summed over cp, averaged over dp
+        gloo = dist.get_backend(dp_mesh.get_group()) == "gloo"  # no PREMUL_SUM: a sum, then the division
+        for m in model.modules():
+            if isinstance(m, FSDPModule):
+                m.set_gradient_divide_factor(dp_mesh.size() // st.cp)
+                m.set_force_sum_reduction_for_comms(gloo)
     model.register_forward_hook(_free_root_without_backward)  # after FSDP's own post-forward hook
     if config.prefetch:
         for before, after in zip(units, units[1:]):

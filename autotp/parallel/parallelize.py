@@ -408,7 +408,9 @@ def parallelize(model: nn.Module, *, tp_group: dist.ProcessGroup | None = None, 
     chunks r and 2·cp−1−r of the sequence (causal attention's work balanced), attention exchanges keys and
     values around the group (torch's ring attention), positions are the chunk's global ones, a cross-entropy's
     mean is taken over every counted token of the group, and outputs that carry the sequence come back whole;
-    parameter gradients are summed over the group in the backward (one all-reduce). A forward that mixes
+    parameter gradients are summed over the group in the backward (one all-reduce; with ``fsdp``, FSDP shards
+    over the dp and cp dims together and its reduce-scatter sums them, averaging over dp only). Dropout on a
+    chunk draws from the chunk's own stream. A forward that mixes
     positions other than in attention (a cumulative sum, a causal convolution) is refused naming the op.
     The groups: ``mesh``'s ``cp`` dim when it has one, else the layout's under ``autotp run --cp`` (also the
     default cp there), else the world cut into groups of cp consecutive ranks (the other ranks
@@ -447,7 +449,11 @@ def parallelize_state(model: nn.Module, *, tp_group: dist.ProcessGroup | None = 
                       schedule, whole_kv_copies=config is not None or stage_fsdp, stage_fsdp=stage_fsdp,
                       context_parallel=context_parallel).validate()
     cp_group = None
-    if options.context_parallel > 1:  # the groups from a mesh with a cp dim: tp's is its tp dim
+    if options.context_parallel > 1 and config is not None:  # FSDP shards over the dp and cp dims of the mesh
+        mesh = _resolve_mesh(mesh, config, tp_group)
+        tp_group, cp_group = context_mesh(mesh, None, options.context_parallel)
+        tp_group = None  # the mesh's tp dim
+    elif options.context_parallel > 1:  # the groups from a mesh with a cp dim: tp's is its tp dim
         tp_group, cp_group = context_mesh(mesh, tp_group, options.context_parallel)
         mesh = None
     mesh = _resolve_mesh(mesh, config, tp_group)

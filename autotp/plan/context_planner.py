@@ -16,8 +16,10 @@ class ContextRefused(ShardingError):
     """The forward cannot run on a sequence chunk; the message names every op that stops it."""
 
 
-def context_plan(gm: fx.GraphModule, facts: ContextFacts, cp: int) -> ContextPlan:
-    """The rewrite of ``gm`` for ``cp`` ranks; raises :class:`ContextRefused` naming each blocker."""
+def context_plan(gm: fx.GraphModule, facts: ContextFacts, cp: int, sum_grads: bool = True) -> ContextPlan:
+    """The rewrite of ``gm`` for ``cp`` ranks; raises :class:`ContextRefused` naming each blocker.
+    ``sum_grads``: the graph sums the parameters' gradients over the group (False: FSDP's reduce-scatter over
+    the dp and cp ranks does)."""
     if not facts.runs:
         raise ContextRefused(f"context parallelism (cp {cp}) cannot run this forward on a sequence chunk:\n" +
                              "\n".join(f"  {b.where or 'the model'}: {b.detail}" for b in facts.blockers))
@@ -33,7 +35,7 @@ def context_plan(gm: fx.GraphModule, facts: ContextFacts, cp: int) -> ContextPla
     attention = tuple(RingCall(a.node, a.causal, a.scale, (a.written.q, a.written.k, a.written.v) if a.written else ())
                       for a in facts.attention)
     trained = {name for name, p in gm.named_parameters(remove_duplicate=False) if p.requires_grad}
-    grads = tuple(n.name for n in gm.graph.nodes if n.op == "get_attr" and n.target in trained)
+    grads = tuple(n.name for n in gm.graph.nodes if n.op == "get_attr" and n.target in trained) if sum_grads else ()
     return ContextPlan(cp, facts.inputs, tuple(p.node for p in facts.positions), attention, tuple(losses),
                        facts.outputs, grads, _length(gm, facts), facts.dropped, facts.chunks, facts.whole,
                        facts.sizes, facts.tables, facts.random)

@@ -194,3 +194,48 @@ def context_dropout(tp: int = 1) -> dict:
                                                                                           dist.group.WORLD)),
         "loss": loss.item(),
     }
+
+
+def context_fsdp_parity(kinds: list[str], tp: int = 1, steps: int = 3) -> dict[str, dict]:
+    """Each spelling under ``parallelize(model, fsdp=True, context_parallel=2)`` on a (dp, cp, tp) mesh of the
+    world, each data-parallel replica on its share of the batch: FSDP shards over the dp and cp ranks together
+    and its reduce-scatter sums the chunks' gradients (averaging over dp only). The losses, the clipped
+    gradient norm and the parameters after ``steps`` AdamW steps against the unsharded model on the whole batch;
+    the collectives of a step."""
+    from fsdp_workers import _full, _replica, _side_by_side
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import autotp
+
+    cp = 2
+    dp = dist.get_world_size() // (cp * tp)
+    out = {}
+    for kind in kinds:
+        mesh = init_device_mesh("cpu", (dp, cp, tp), mesh_dim_names=("dp", "cp", "tp"))
+        ref, args, kwargs = _build(kind)
+        la, lk = _replica((args, kwargs), mesh["dp"].get_local_rank(), dp)
+        model = autotp.parallelize(copy.deepcopy(ref), example_inputs=(la, lk), fsdp=True, context_parallel=cp,
+                                   mesh=mesh)
+        opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=1e-3, eps=1e-6) for m in (model, ref))
+        errors, calls = {"loss": 0.0, "norm": 0.0, "params": 0.0}, None
+        for _ in range(steps):
+            with CollectiveLog() as log:
+                loss = _loss(model(*la, **lk))
+                loss.backward()
+            calls = calls if calls is not None else log.calls
+            norm = _full(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5))
+            mean = loss.detach().clone()
+            dist.all_reduce(mean, group=mesh["dp"].get_group())
+            want = _loss(ref(*args, **kwargs))
+            want.backward()
+            want_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+            errors["loss"] = max(errors["loss"], abs(mean.item() / dp - want.item()))
+            errors["norm"] = max(errors["norm"], abs(norm.item() - want_norm.item()))
+            opt.step(), ref_opt.step(), opt.zero_grad(), ref_opt.zero_grad()
+        theirs = dict(ref.named_parameters())
+        errors["params"] = max((_full(p).detach() - _side_by_side(theirs[n].detach(), n, model)).abs().max().item()
+                               for n, p in model.named_parameters())
+        st = autotp.tp_state(model)
+        out[kind] = {"errors": errors, "calls": calls, "grads_in_graph": len(st.plan.context.grads),
+                     "rings": len(st.plan.context.attention)}
+    return out
