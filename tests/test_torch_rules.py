@@ -42,6 +42,16 @@ def test_torch_places_ops_autotp_does_not_list(op, args, sharded, outputs):
     assert answer.outputs == outputs and answer.slices == ()
 
 
+def test_a_linear_captured_under_autocast_cut_along_its_rows_is_local():
+    """A graph captured under autocast holds linears of a bf16 activation and the fp32 weight and bias
+    (autocast casts them when it runs): cut along the sequence, each part is the whole's rows. The check runs
+    16-bit operands in fp32, as the op computes them under autocast, not as mixed dtypes outside it."""
+    x, w, b = _x(2, 32, 64, dtype=torch.bfloat16), _x(64, 64), _x(64)
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # the call's value, as the capture recorded it
+        node, inputs = _graph(aten.linear.default, x, w, b)
+    assert ask_torch(node, {inputs[0]: 1}, 2).outputs == (1,)
+
+
 def test_a_replicated_operand_read_as_a_shard_is_sliced():
     idx = torch.randint(0, 6, (2, 4, 3))
     answer, (x, index) = _ask(aten.gather.default, {0: 1}, _x(2, 4, 6), -1, idx)

@@ -223,7 +223,10 @@ def _check(node: fx.Node, sharded: dict[fx.Node, int], answer: TorchAnswer, tp: 
     for x in operands:
         val = x.meta["val"]
         if val.dtype.is_floating_point or val.dtype.is_complex:
-            whole[x] = torch.randn(shapes[x], generator=gen, dtype=val.dtype)
+            # 16-bit floats (a graph captured under autocast) checked in fp32: the check asks which values a
+            # part depends on, and a bf16 matmul cut in parts rounds differently from the whole
+            dtype = torch.float32 if val.dtype.is_floating_point and val.dtype.itemsize < 4 else val.dtype
+            whole[x] = torch.randn(shapes[x], generator=gen, dtype=dtype)
         elif val.dtype == torch.bool:
             whole[x] = torch.rand(shapes[x], generator=gen) < 0.5
         else:  # index-like: small values stay valid indices along any dim of size 2 or more

@@ -239,3 +239,55 @@ def context_fsdp_parity(kinds: list[str], tp: int = 1, steps: int = 3) -> dict[s
         out[kind] = {"errors": errors, "calls": calls, "grads_in_graph": len(st.plan.context.grads),
                      "rings": len(st.plan.context.attention)}
     return out
+
+
+def context_script_parity(steps: int = 3) -> dict:
+    """What GPU training scripts do, at ``context_parallel=world``: layers under ``torch.utils.checkpoint``
+    (non-reentrant and reentrant; the ring's collectives run again in the recomputation) against the model
+    without it, fp32; and the example under ``torch.autocast`` (bf16, and fp16 with a GradScaler) for
+    ``steps`` AdamW steps against the unsharded model under the same autocast, with the unsharded fp32 run
+    giving the scale of autocast's own error."""
+    import recompute_models
+
+    import autotp
+
+    cp, out = dist.get_world_size(), {}
+    for style in ("layer", "reentrant"):
+        model, args = recompute_models.build(style, True)
+        ref, _ = recompute_models.build(style, False)
+        autotp.parallelize(model, example_inputs=args, context_parallel=cp)
+        opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=1e-3, eps=1e-6) for m in (model, ref))
+        loss_diff = 0.0
+        for _ in range(steps):
+            loss, want = (recompute_models.loss_of(m, style, *args) for m in (model, ref))
+            loss.backward(), want.backward()
+            loss_diff = max(loss_diff, abs(loss.item() - want.item()))
+            opt.step(), ref_opt.step(), opt.zero_grad(), ref_opt.zero_grad()
+        theirs = dict(ref.named_parameters())
+        out[style] = {"loss": loss_diff, "params": max((p - theirs[n]).abs().max().item()
+                                                       for n, p in model.named_parameters())}
+    for name, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
+        model, args, kwargs = _build("nanogpt_example")
+        ref, ref32 = copy.deepcopy(model), copy.deepcopy(model)
+        autotp.parallelize(model, example_inputs=(args, kwargs), context_parallel=cp)
+        runs = ((model, True), (ref, True), (ref32, False))
+        opts = [torch.optim.AdamW(m.parameters(), lr=1e-3, eps=1e-6) for m, _ in runs]
+        scalers = [torch.amp.GradScaler("cpu", enabled=dtype == torch.float16 and on) for _, on in runs]
+        losses = []
+        for _ in range(steps):
+            for (m, on), opt, scaler in zip(runs, opts, scalers):
+                with torch.autocast("cpu", dtype=dtype, enabled=on):
+                    loss = _loss(m(*args, **kwargs))
+                scaler.scale(loss).backward()
+                scaler.step(opt)
+                scaler.update()
+                opt.zero_grad()
+                losses.append(loss.item())
+        got, want, fp32 = losses[0::3], losses[1::3], losses[2::3]
+        theirs, theirs32 = dict(ref.named_parameters()), dict(ref32.named_parameters())
+        out[name] = {"loss": max(abs(a - b) for a, b in zip(got, want)),
+                     "autocast_loss": max(abs(a - b) for a, b in zip(want, fp32)),
+                     "params": max((p - theirs[n]).abs().max().item() for n, p in model.named_parameters()),
+                     "autocast_params": max((theirs[n] - p).abs().max().item() for n, p in theirs32.items()),
+                     "scale": scalers[0].get_scale() if dtype == torch.float16 else None}
+    return out
