@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 import context_models
-from context_workers import (context_dropout, context_fsdp_parity, context_parities, context_script_parity,
-                             parallelize_parity)
+from context_workers import (context_dropout, context_fsdp_parity, context_parities, context_sampling,
+                             context_script_parity, parallelize_parity)
 from ranks import Launches
 
 # every spelling at cp 2; at cp 4 one of each kind of attention (written out, SDPA with a mask, einsum + rotary)
@@ -22,6 +22,7 @@ def runs() -> Launches:
     jobs[4]["cp2_tp2"] = (parallelize_parity, TP2, 3, 2)  # 4 ranks: cp 2 × tp 2
     jobs[2]["dropout"], jobs[4]["dropout"] = (context_dropout, 1), (context_dropout, 2)  # cp 2; cp 2 × tp 2
     jobs[2]["script"] = (context_script_parity, 3)
+    jobs[2]["sampling"] = (context_sampling,)
     jobs[4]["fsdp"] = (context_fsdp_parity, ["nanogpt_example", "hf_llama"], 1)  # dp 2 × cp 2
     jobs[4]["fsdp_tp2"] = (context_fsdp_parity, ["nanogpt_example"], 2)  # cp 2 × tp 2
     return Launches(jobs)
@@ -132,3 +133,15 @@ def test_checkpointed_layers_and_autocast_train_as_on_one_device(runs):
             a = r[name]
             assert a["loss"] <= 2 * a["autocast_loss"] + 1e-5 and a["params"] <= 2 * a["autocast_params"], (name, a)
         assert r["fp16"]["scale"] == 65536.0  # no step skipped: nothing overflowed
+
+
+@pytest.mark.slow
+def test_a_sampling_loop_runs_whole_where_chunks_cannot(runs):
+    """The example's own sampling loop under torch.no_grad() at cp 2: its calls read the last position's logits
+    and grow one token at a time, so they run the whole sequence on every rank (said once) and draw the same
+    tokens as one device; training afterwards is exact; a training call of length 5 is refused with the
+    numbers."""
+    for rank, r in runs(2, "sampling").items():
+        assert r["same_tokens"] and r["loss"] <= 1e-5, (rank, r)
+        assert r["graphs"] == ["whole context"] and len(r["warned"]) == 1 and "x[:, [-1]]" in r["warned"][0]
+        assert "sequence length 5 is not divisible by 2·cp = 4" in r["refused"]

@@ -39,7 +39,10 @@ def _single_and_under_autotp_run(script: str, tmp_path: Path, env: dict[str, str
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     got = _results(proc.stdout)
-    assert len(got) == (4 if "--fsdp" in flags else 2)
+    ranks = 2  # tp 2, times each other dimension asked for
+    for flag in ("--dp", "--cp"):
+        ranks *= int(flags[flags.index(flag) + 1]) if flag in flags else 1
+    assert len(got) == ranks
     return want, got
 
 
@@ -64,6 +67,18 @@ def test_single_device_script_under_autotp_run_fsdp(tmp_path: Path):
         assert r["sample"] == want["sample"]
         assert r["is_gpt"] and r["block_size"] == want["block_size"] and r["mfu"]
         assert r["params"] == want["params"]  # FSDP's DTensors count the whole model
+
+
+@pytest.mark.slow
+def test_single_device_script_under_autotp_run_cp(tmp_path: Path):
+    """The same one added line under ``autotp run --tp 2 --cp 2``: parallelize with no example captures the
+    forward's default inputs (no targets: the last position's logits), which cannot run on chunks; it says so
+    once and runs such calls whole on every cp rank, so the script's sampling loop draws the same tokens,
+    while its training calls (with targets) run on chunks, exact."""
+    want, got = _single_and_under_autotp_run("train.py", tmp_path, {}, ("--cp", "2"))
+    for r in got:
+        assert max(abs(a - b) for a, b in zip(r["losses"], want["losses"])) <= 1e-5, (r["losses"], want["losses"])
+        assert r["sample"] == want["sample"] and r["is_gpt"] and r["mfu"]
 
 
 def in_place_worker() -> dict:

@@ -218,37 +218,18 @@ def _check(node: fx.Node, sharded: dict[fx.Node, int], answer: TorchAnswer, tp: 
         return
     if any(shapes[x][d] < tp for x, d in cut.items()):
         return
-    gen = torch.Generator().manual_seed(0)
-    whole = {}
-    for x in operands:
-        val = x.meta["val"]
-        if val.dtype.is_floating_point or val.dtype.is_complex:
-            # 16-bit floats (a graph captured under autocast) checked in fp32: the check asks which values a
-            # part depends on, and a bf16 matmul cut in parts rounds differently from the whole
-            dtype = torch.float32 if val.dtype.is_floating_point and val.dtype.itemsize < 4 else val.dtype
-            whole[x] = torch.randn(shapes[x], generator=gen, dtype=dtype)
-        elif val.dtype == torch.bool:
-            whole[x] = torch.rand(shapes[x], generator=gen) < 0.5
-        else:  # index-like: small values stay valid indices along any dim of size 2 or more
-            whole[x] = torch.randint(0, 2, shapes[x], generator=gen, dtype=val.dtype)
-    args, kwargs = node.args, dict(node.kwargs)
-
-    def run(values: dict) -> object:
-        def sub(a: object) -> object:
-            if not isinstance(a, fx.Node):
-                return a
-            if a in values:
-                return values[a]
-            return _size(a.meta.get("val"))
-        return node.target(*tree_map(sub, args), **tree_map(sub, kwargs))
-
     name = str(node.target)
     try:
-        full, again = run(whole), run(whole)
-        parts = [run({x: (t.tensor_split(tp, cut[x])[r] if x in cut else t) for x, t in whole.items()})
-                 for r in range(tp)]
+        # in float64 first: the check asks which values a part depends on, and a matmul cut in parts may round
+        # differently from the whole (another kernel for fewer rows; bf16 operands of a graph captured under
+        # autocast, with fp32 weights that only autocast would cast); an op float64 cannot run, as captured
+        try:
+            full, again, parts = _run_parts(node, operands, shapes, cut, tp, wide=True)
+        except Exception:  # noqa: BLE001 - the op has no float64 kernel (or mixed dtypes need it as captured)
+            full, again, parts = _run_parts(node, operands, shapes, cut, tp, wide=False)
     except Exception as e:
         raise TorchRefused(f"{name} could not be checked on a shard: {type(e).__name__}: {e}") from None
+
     def listed(v: object) -> list:
         return list(v) if isinstance(v, (list, tuple)) else [v]
 
@@ -265,6 +246,37 @@ def _check(node: fx.Node, sharded: dict[fx.Node, int], answer: TorchAnswer, tp: 
                                                             rtol=1e-5, atol=1e-6, equal_nan=True):
                 raise TorchRefused(f"{name}: torch's rule says each rank's part is computed from its shard alone, "
                                    "but a check on random values disagrees")
+
+
+def _run_parts(node: fx.Node, operands: list[fx.Node], shapes: dict, cut: dict, tp: int,
+               wide: bool) -> tuple[object, object, list]:
+    """The op run twice on random operands of ``shapes`` (float64 where ``wide``, else as captured: 16-bit
+    floats in fp32) and once per part cut as ``cut`` says: (whole, whole again, parts)."""
+    gen = torch.Generator().manual_seed(0)
+    whole = {}
+    for x in operands:
+        val = x.meta["val"]
+        if val.dtype.is_floating_point or val.dtype.is_complex:
+            dtype = (torch.complex128 if val.dtype.is_complex else torch.float64) if wide else \
+                torch.float32 if val.dtype.is_floating_point and val.dtype.itemsize < 4 else val.dtype
+            whole[x] = torch.randn(shapes[x], generator=gen, dtype=dtype)
+        elif val.dtype == torch.bool:
+            whole[x] = torch.rand(shapes[x], generator=gen) < 0.5
+        else:  # index-like: small values stay valid indices along any dim of size 2 or more
+            whole[x] = torch.randint(0, 2, shapes[x], generator=gen, dtype=val.dtype)
+
+    def run(values: dict) -> object:
+        def sub(a: object) -> object:
+            if not isinstance(a, fx.Node):
+                return a
+            if a in values:
+                return values[a]
+            return _size(a.meta.get("val"))
+        return node.target(*tree_map(sub, node.args), **tree_map(sub, dict(node.kwargs)))
+
+    parts = [run({x: (t.tensor_split(tp, cut[x])[r] if x in cut else t) for x, t in whole.items()})
+             for r in range(tp)]
+    return run(whole), run(whole), parts
 
 
 def _said(p: object) -> str:

@@ -36,7 +36,7 @@ from autotp.passes import PassError, run_passes
 from autotp.passes.split_stages import split_stages
 from autotp.passes.split_units import split_units
 from autotp.parallel.fsdp import apply_fsdp, fsdp_hooks_off
-from autotp.parallel.reuse import lookup, remember
+from autotp.parallel.reuse import Lookup, lookup, remember
 from autotp.parallel.rewrite import rewrite, warn_plan
 from autotp.parallel.shard import hold, other_stages
 from autotp.operators.units import bind_pieces
@@ -49,7 +49,7 @@ from autotp.operators.rng import CONTEXT_SEED_OFFSET, SEED_OFFSET, RegionRNG, bi
 from autotp.shard_spec import shard_tensor
 from autotp.operators.vocab_ops import bind_vocab
 from autotp.options import Options, PipelineOptions
-from autotp.plan.context_planner import check_chunks
+from autotp.plan.context_planner import ContextRefused, check_chunks
 from autotp.distributed.context import context_mesh
 from autotp.state import Captured, RankIdentity, TPState, attach_state, find_tp_state, tp_state
 
@@ -148,9 +148,17 @@ def _dispatch(model: nn.Module, args: tuple, kwargs: dict) -> tuple[Captured, li
             check_same_inputs(args, kwargs, group)  # before any rank computes with them
         st.checked.add(key)
     flat = flatten((args, kwargs))[0]
-    c = _graph_for(model, st, args, kwargs, key, flat)
-    if c.cp_length is not None:
-        check_chunks(flat[c.cp_length[0]].shape[c.cp_length[1]], st.cp)
+    try:
+        c = _graph_for(model, st, args, kwargs, key, flat)
+    except ContextRefused as refused:  # a call that cannot run on chunks (a sampling loop's last-position logits)
+        if torch.is_grad_enabled():
+            raise
+        c = _whole_context(model, st, args, kwargs, key, flat, str(refused).splitlines()[-1].strip())
+    if c.cp_length is not None and (length := flat[c.cp_length[0]].shape[c.cp_length[1]]) % (2 * st.cp):
+        if torch.is_grad_enabled():  # a training call: refused, naming the numbers
+            check_chunks(length, st.cp)
+        c = _whole_context(model, st, args, kwargs, key, flat, f"sequence length {length} is not divisible by "
+                                                               f"2·cp = {2 * st.cp}")
     if c.seq_length is not None and flat[c.seq_length[0]].shape[c.seq_length[1]] % st.tp:
         c = _whole_sequence(model, st, args, kwargs, key, flat, flat[c.seq_length[0]].shape[c.seq_length[1]])
     for i, s in c.local_inputs:
@@ -159,7 +167,7 @@ def _dispatch(model: nn.Module, args: tuple, kwargs: dict) -> tuple[Captured, li
 
 
 def _graph_for(model: nn.Module, st: TPState, args: tuple, kwargs: dict, key: Hashable, flat: list[torch.Tensor],
-               sequence_parallel: bool | None = None) -> Captured:
+               sequence_parallel: bool | None = None, context: bool = True) -> Captured:
     """The graph of this call signature whose guards take ``flat``; captured when none does yet.
 
     The key leaves sizes other than 0 and 1 dynamic, but export may tell sizes of one signature apart and
@@ -173,7 +181,7 @@ def _graph_for(model: nn.Module, st: TPState, args: tuple, kwargs: dict, key: Ha
             return c
         n += 1
         variant = (key, "guards", n)
-    return _build(model, st, args, kwargs, variant, sequence_parallel=sequence_parallel)
+    return _build(model, st, args, kwargs, variant, sequence_parallel=sequence_parallel, context=context)
 
 
 def _whole_sequence(model: nn.Module, st: TPState, args: tuple, kwargs: dict, key: Hashable,
@@ -185,6 +193,25 @@ def _whole_sequence(model: nn.Module, st: TPState, args: tuple, kwargs: dict, ke
         warnings.warn(f"autotp: sequence length {length} is not divisible by tp={st.tp}: calls like this one run "
                       "without sequence parallelism (plain tensor parallelism, the same numbers)", stacklevel=3)
     return _graph_for(model, st, args, kwargs, whole, flat, sequence_parallel=False)
+
+
+def _whole_context(model: nn.Module, st: TPState, args: tuple, kwargs: dict, key: Hashable,
+                   flat: list[torch.Tensor], why: str) -> Captured:
+    """A call without gradients that cannot run on chunks (a sampling loop: its growing context's lengths,
+    the last position's logits) runs the whole sequence on every cp rank: the same numbers, no ring;
+    captured once for the signature. With gradients such a call is refused, naming what stops it."""
+    whole = (key, "whole context")
+    if whole not in st.graphs:
+        _say_whole(st, why, 4)
+    return _graph_for(model, st, args, kwargs, whole, flat, context=False)
+
+
+def _say_whole(st: TPState, why: str, stacklevel: int) -> None:
+    """Say once per reason that calls without gradients run the whole sequence on every cp rank."""
+    if ("whole context", why) not in st.warned:
+        st.warned.add(("whole context", why))
+        warnings.warn(f"autotp: context parallelism: {why}: calls like this one without gradients run the whole "
+                      "sequence on every cp rank (the same numbers, no ring)", stacklevel=stacklevel)
 
 
 def _local_input(x: torch.Tensor, s: ShardedInput, st: TPState) -> torch.Tensor:
@@ -203,7 +230,7 @@ def _user_forward(model: nn.Module, st: TPState) -> Callable:
 
 
 def _build(model: nn.Module, st: TPState, args: tuple, kwargs: dict, key: Hashable,
-           sequence_parallel: bool | None = None, recorded: Recorder | None = None) -> Captured:
+           sequence_parallel: bool | None = None, recorded: Recorder | None = None, context: bool = True) -> Captured:
     swap = None
     # built on meta (autotp.empty_weights): no weights allocated yet
     empty = {n: p for n, p in model.named_parameters(remove_duplicate=False) if p.is_meta}
@@ -225,7 +252,7 @@ def _build(model: nn.Module, st: TPState, args: tuple, kwargs: dict, key: Hashab
                             static=st.options.pipeline is not None and not st.options.sequence_parallel, recorded=recorded)
         accepts = input_guard(cg.gm)  # before the passes give sharded inputs their local shapes
         gm, spec, plan, copied = rewrite(st, cg, st.options.sequence_parallel if sequence_parallel is None
-                                         else sequence_parallel, stacklevel=4)
+                                         else sequence_parallel, stacklevel=4, context=context)
     if st.options.fsdp is not None:
         gm, plan = _split_units(gm, plan, st)
     if st.options.pipeline is not None:
@@ -477,6 +504,21 @@ def parallelize_state(model: nn.Module, *, tp_group: dist.ProcessGroup | None = 
         if found.plan is not None:
             _shard_from(model, st, found.plan, str(found.path))
         else:
-            remember(found, _build(model, st, args, kwargs, call_key(args, kwargs, training),
-                                   recorded=found.recorded).plan)
+            remember(found, _first(model, st, args, kwargs, training, found, example_inputs is None))
     return model
+
+
+def _first(model: nn.Module, st: TPState, args: tuple, kwargs: dict, training: bool, found: Lookup,
+           default: bool) -> Plan:
+    """Capture and shard by the first signature: the example's, or with none given the forward's default
+    inputs. With context parallelism a default signature that cannot run on chunks (a forward without targets
+    returns the last position's logits) runs whole, said once: each call is planned for its own signature,
+    and a training call that cannot run on chunks is refused then, naming the op."""
+    key = call_key(args, kwargs, training)
+    try:
+        return _build(model, st, args, kwargs, key, recorded=found.recorded).plan
+    except ContextRefused as refused:
+        if not default:
+            raise
+        _say_whole(st, str(refused).splitlines()[-1].strip(), 5)  # a call with targets still runs on chunks
+        return _build(model, st, args, kwargs, (key, "whole context"), recorded=found.recorded, context=False).plan

@@ -42,12 +42,12 @@ class Rewritten(NamedTuple):
     copied: bool  # the blocks were rewritten once and copied
 
 
-def rewrite(st: TPState, cg: CutGraph, sequence_parallel: bool, stacklevel: int) -> Rewritten:
+def rewrite(st: TPState, cg: CutGraph, sequence_parallel: bool, stacklevel: int, context: bool = True) -> Rewritten:
     """Plan ``cg`` for ``st`` and run the passes: the rewritten blocks copied where that holds (see the
     module doc), else the whole graph planned and rewritten."""
     if cg.copies is not None and st.shards and not sequence_parallel and st.options.pipeline is None \
             and st.options.fsdp is None and st.cp == 1:
-        plan = _plan(st, cg.gm, sequence_parallel, stacklevel + 1)
+        plan = _plan(st, cg.gm, sequence_parallel, stacklevel + 1, context)
         check_consistent(st, plan, cg.copies)
         gm = run_passes(cg.gm, plan)
         spec = cg.copies.apply(gm)
@@ -56,7 +56,7 @@ def rewrite(st: TPState, cg: CutGraph, sequence_parallel: bool, stacklevel: int)
         gm, spec = cg.export_whole()  # the rewritten blocks are not wired one after another
     else:
         gm, spec = cg.whole()
-    plan = _plan(st, gm, sequence_parallel, stacklevel + 1)
+    plan = _plan(st, gm, sequence_parallel, stacklevel + 1, context)
     check_consistent(st, plan)
     if st.tp == 1 and not st.graphs:  # read off the graph as captured (the passes may wrap its parameters)
         st.segments = fused_segments(gm)
@@ -65,14 +65,15 @@ def rewrite(st: TPState, cg: CutGraph, sequence_parallel: bool, stacklevel: int)
     return Rewritten(run_passes(gm, plan), spec, plan, False)
 
 
-def _plan(st: TPState, gm: fx.GraphModule, sequence_parallel: bool, stacklevel: int) -> Plan:
+def _plan(st: TPState, gm: fx.GraphModule, sequence_parallel: bool, stacklevel: int, context: bool = True) -> Plan:
+    """The plan of ``gm`` for this rank's dimensions; ``context`` False: the whole sequence on every cp rank."""
     plan = make_plan(gm, st.tp, st.options.vocab_multiple, sequence_parallel=sequence_parallel,
                      expert_parallel=st.options.expert_parallel, stages=st.options.pipeline if not st.graphs else None)
     if st.options.pipeline is not None and st.graphs:  # a later call signature runs the first one's stages
         plan = group_seq_grads(gm, dataclasses.replace(plan, stages=st.plan.stages), "stage")
     if st.options.whole_kv_copies:
         plan = cut_copies_in_graph(gm, plan)
-    if st.cp > 1:  # the forward on a chunk of the sequence: refused here, naming the ops, if it cannot run so
+    if st.cp > 1 and context:  # the forward on a chunk of the sequence: refused here, naming the ops, if it cannot run so
         # (with FSDP its reduce-scatter over the dp and cp ranks sums the chunks' gradients: no sum of its own)
         plan = dataclasses.replace(plan, context=context_plan(gm, find_context(gm, st.cp), st.cp,
                                                               sum_grads=st.options.fsdp is None))

@@ -291,3 +291,34 @@ def context_script_parity(steps: int = 3) -> dict:
                      "autocast_params": max((theirs[n] - p).abs().max().item() for n, p in theirs32.items()),
                      "scale": scalers[0].get_scale() if dtype == torch.float16 else None}
     return out
+
+
+def context_sampling(new_tokens: int = 9) -> dict:
+    """A sampling loop under ``torch.no_grad()`` at ``context_parallel=world``: the context grows one token at a
+    time, so most lengths are not multiples of 2·cp; those run the whole sequence on every rank, the others
+    as rings. The tokens drawn equal one device's (the same seed), and a training step after it is exact; a
+    training call of such a length is refused, naming the numbers."""
+    import warnings
+
+    import autotp
+    from autotp.errors import ShardingError
+
+    cp = dist.get_world_size()
+    model, (idx, targets), _ = _build("nanogpt_example")
+    ref = copy.deepcopy(model)
+    autotp.parallelize(model, example_inputs=(idx, targets), context_parallel=cp)
+    drawn = []
+    with warnings.catch_warnings(record=True) as said, torch.no_grad():
+        warnings.simplefilter("always")
+        for m in (model, ref):
+            torch.manual_seed(3)
+            drawn.append(m.generate(idx[:, :3], new_tokens, top_k=8))
+    loss, want = _loss(model(idx, targets)), _loss(ref(idx, targets))
+    try:
+        _loss(model(idx[:, :5], targets[:, :5])).backward()
+        refused = ""
+    except ShardingError as e:
+        refused = str(e)
+    return {"same_tokens": torch.equal(*drawn), "loss": abs(loss.item() - want.item()), "refused": refused,
+            "graphs": sorted(str(k[-1]) for k in autotp.tp_state(model).graphs if isinstance(k[-1], str)),
+            "warned": [str(w.message) for w in said if "autotp" in str(w.message)]}
