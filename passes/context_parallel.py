@@ -26,6 +26,7 @@ After::
     h = autotp_rng_drop(x2, 0.1, True)                 # dropout on the chunk: RegionRandom, the chunk's stream
     y = autotp_cp_attention_0(q, k, v)                 # ring attention over the cp group
     y2 = autotp_cp_attention_1(q2, k2, v2)             # (scale c, causal); the scores and mask are gone
+    y3 = flatten(autotp_cp_attention_2(q3, k3, v3), 0, 1)   # a bmm over (b·h, s, d), folded back
     ...
     total = aten.cross_entropy_loss(logits_2d, targets_1d, None, 2)   # reduction "sum" (or the vocab loss's)
     loss = autotp_cp_loss_0(total, targets_1d)         # Σ loss / Σ counted tokens over the group
@@ -99,6 +100,15 @@ def context_parallel(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
     for i, call in enumerate(plan.attention):
         n = nodes[call.node]
         qkv = tuple(nodes[x] for x in call.inputs) if call.inputs else tuple(n.args[:3])
+        if call.folded:  # bmm over (b·h, s, d): the ring's (b, h, s, d) output folded back
+            gm.add_submodule(f"autotp_cp_attention_{i}", RingSDPA(call.is_causal, call.scale))
+            with gm.graph.inserting_before(n):
+                ring = gm.graph.call_module(f"autotp_cp_attention_{i}", qkv)
+                out = gm.graph.call_function(torch.flatten, (ring, 0, 1))
+            out.meta = dict(n.meta)
+            n.replace_all_uses_with(out)
+            gm.graph.erase_node(n)
+            continue
         _replace(gm, n, f"autotp_cp_attention_{i}", RingSDPA(call.is_causal, call.scale), qkv)
     for name in reversed(plan.dropped):  # the written-out scores and the masks, now read by nothing (latest first)
         if not nodes[name].users:

@@ -46,6 +46,20 @@ def test_nanogpt_runs_on_a_chunk():
     assert [d for _, d in f.inputs] == [1, 1]  # ids and targets, (b, s)
 
 
+def test_heads_folded_into_the_batch_run_as_sdpa():
+    """GPT-2 / BLOOM's spelling: q, k and v reshaped to (b·h, s, d), ``baddbmm(zeros, q, kᵀ, beta=0, alpha=c)``,
+    a masked softmax and ``bmm(p, v)``: the (b, h, s, d) q, k and v are found behind the folds, the output
+    folded back; with an ALiBi bias (beta=1) it is not SDPA's computation, and is named."""
+    import pattern_models
+
+    f = _built(*pattern_models.build("baddbmm"))
+    assert f.runs and [a.detail for a in f.attention] == ["causal", "causal"]
+    assert all(a.written.folded and a.scale == pattern_models.HD ** -0.5 for a in f.attention)
+    assert all(a.written.q.startswith("transpose") for a in f.attention)  # (b, h, s, d), before the fold
+    alibi = _built(*pattern_models.build("baddbmm_alibi"))
+    assert not alibi.runs and len(alibi.blockers) == 2
+
+
 def test_dropout_on_the_chunks_is_listed_for_a_stream_of_its_own():
     """Dropout on the embeddings and the residual branches reads values carrying the sequence: each rank draws
     its chunk's masks from its own stream; at p = 0 nothing is random."""

@@ -10,7 +10,7 @@ from context_workers import (context_dropout, context_fsdp_parity, context_parit
 from ranks import Launches
 
 # every spelling at cp 2; at cp 4 one of each kind of attention (written out, SDPA with a mask, einsum + rotary)
-AT = {2: ["nanogpt_example", "hf_llama", "rope_interleaved", *context_models.RUNS],
+AT = {2: ["nanogpt_example", "hf_llama", "rope_interleaved", "baddbmm", *context_models.RUNS],
       4: ["nanogpt_example", "hf_llama", "einsum_rope"]}
 TP2 = ["nanogpt_example", "hf_llama", "einsum_rope"]
 
@@ -53,7 +53,8 @@ def test_context_parallel_training_matches_one_device(runs, cp):
 @pytest.mark.parametrize("cp", [2, 4])
 def test_parallelize_context_parallel_trains_every_causal_spelling_exactly(runs, cp):
     """``autotp.parallelize(model, context_parallel=cp)``: attention written out by hand (examples/nanogpt.py,
-    a mask from a buffer, ``where``, a very negative bias, einsum with rotary tables read up to the length),
+    a mask from a buffer, ``where``, a very negative bias, einsum with rotary tables read up to the length,
+    baddbmm and bmm with the heads folded into the batch),
     Hugging Face Llama's SDPA with a mask made from positions (proven causal) and its labels shifted inside
     the loss (the shift computed on the whole labels): 3 AdamW steps within 1e-5 of one device. A step that
     reads only the loss gathers no logits: its all-gathers are the rings' K/V only (one per layer forward,
@@ -66,6 +67,7 @@ def test_parallelize_context_parallel_trains_every_causal_spelling_exactly(runs,
             ctx = r["context"]
             layers = len(ctx.attention)
             assert layers >= 2 and all(a.is_causal for a in ctx.attention), (kind, ctx.attention)
+            assert all(a.folded for a in ctx.attention) == (kind == "baddbmm"), (kind, ctx.attention)
             gathers = [c for c in r["calls"] if c[0] == "all_gather"]
             assert len(gathers) == 2 * layers, (kind, gathers)  # K/V: forward and backward, per layer
             kinds = [c[0] for c in r["calls"]]

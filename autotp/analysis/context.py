@@ -274,7 +274,7 @@ def _attentions(gm: fx.GraphModule, s: sympy.Symbol) -> _Attentions:
     found: dict[str, Attention] = {}
     blockers, inside, masks = [], set(), []
     for w in written_attention(gm):
-        if _seq_dims(nodes[w.out], s) != [2] or _seq_dims(nodes[w.k], s) != [2]:
+        if _seq_dims(nodes[w.q], s) != [2] or _seq_dims(nodes[w.k], s) != [2]:
             continue  # not over this sequence (attention across heads or features)
         scores = nodes[w.chain[1]]
         reason = mask_is_causal(gm, w.mask, w.how, s) if w.mask is not None else ""

@@ -7,8 +7,9 @@ A model written for one device often spells attention itself (nanoGPT's slow pat
     att = att.masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), float("-inf"))
     y = F.softmax(att, dim=-1) @ v                                      # (b, h, s, d)
 
-The chain is recognised on the captured graph from the ops alone: the ·v matmul reads a softmax over the
-last dim (through casts to the same dtype, and dropout that drops nothing: p = 0, or not training), whose
+The chain is recognised on the captured graph from the ops alone: the ·v matmul (or ``bmm`` with the heads
+folded into the batch, ``(b·h, s, d)``, GPT-2's and BLOOM's spelling, with ``baddbmm(·, q, kᵀ, beta=0,
+alpha=c)`` for the scores) reads a softmax over the last dim (through casts to the same dtype, and dropout that drops nothing: p = 0, or not training), whose
 input is the q·kᵀ matmul (k transposed in its last two dims) scaled by constants and masked at most once
 (``masked_fill`` / ``where`` with -inf, or an added bias of 0 and -inf, or a very negative number as Hugging
 Face writes it). Each op is needed by the chain alone: probabilities the model also returns keep it whole.
@@ -31,7 +32,9 @@ from torch.utils._pytree import tree_map
 
 aten = torch.ops.aten
 
-_MATMUL = (aten.matmul.default,)
+_MATMUL = (aten.matmul.default, aten.bmm.default)
+_SCORES = (*_MATMUL, aten.baddbmm.default)
+_FOLDS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
 _SOFTMAX = (aten.softmax.int, aten._softmax.default)
 _CASTS = (aten._to_copy.default, aten.to.dtype, aten.to.dtype_layout, aten.type_as.default)
 _FILL = (aten.masked_fill.Scalar, aten.masked_fill.Tensor)
@@ -52,6 +55,7 @@ class Written:
     mask: str | None  # the node whose value the scores are masked by (None: no mask, full attention)
     how: str  # how the mask applies: "fill" (masked where True), "keep" (kept where True), "add" (a bias)
     chain: tuple[str, ...]  # the scores' nodes up to the softmax's output (replaced with the output)
+    folded: bool = False  # heads folded into the batch: ``out`` is (b·h, s, d), q, k and v are (b, h, s, d)
 
 
 class _Unknown(Exception):
@@ -75,26 +79,31 @@ def _only_user(node: fx.Node, user: fx.Node) -> bool:
 
 def _chain(gm: fx.GraphModule, out: fx.Node) -> Written | None:
     probs, v = out.args[0], out.args[1]
-    if not isinstance(probs, fx.Node) or _rank(out) != 4 or _rank(v) != 4:
+    folded = out.target is aten.bmm.default
+    if folded:  # bmm over (b·h, s, ·): v is a (b, h, s, d) value with its heads folded into the batch
+        v, fold_v = _unfolded(v), v
+    if not isinstance(probs, fx.Node) or v is None or _rank(out) != (3 if folded else 4) or _rank(v) != 4:
         return None
     chain, x = [], probs
     while isinstance(x, fx.Node) and x.op == "call_function" and x.target not in _SOFTMAX:
-        if not _passes_through(x) or not _only_user(x, chain[-1] if chain else out):
+        if not (_passes_through(x) or _refolds(x)) or not _only_user(x, chain[-1] if chain else out):
             return None
         chain.append(x)
         x = x.args[0]
-    if not isinstance(x, fx.Node) or x.op != "call_function" or x.args[1] not in (-1, 3) \
+    if not isinstance(x, fx.Node) or x.op != "call_function" or x.args[1] not in (-1, _rank(x) - 1) \
             or not _only_user(x, chain[-1] if chain else out) or not _same_dtype(x, x.args[0]):
         return None
     chain.append(x)
     scale, mask, how = 1.0, None, ""
     x = x.args[0]
-    while isinstance(x, fx.Node) and x.op == "call_function" and x.target not in _MATMUL:
+    while isinstance(x, fx.Node) and x.op == "call_function" and x.target not in _SCORES:
         if not _only_user(x, chain[-1]):
             return None
         factor = _scalar_factor(x)
         if factor is not None:
             scale *= factor
+            nxt = x.args[0]
+        elif _refolds(x):
             nxt = x.args[0]
         elif mask is None and (masked := _masking(gm, x)) is not None:
             nxt, mask, how = masked
@@ -104,13 +113,56 @@ def _chain(gm: fx.GraphModule, out: fx.Node) -> Written | None:
         x = nxt
     if not isinstance(x, fx.Node) or x.op != "call_function" or not _only_user(x, chain[-1]):
         return None
-    q, kt = x.args[0], x.args[1]
+    extra = []
+    if x.target is aten.baddbmm.default:  # baddbmm(bias, q, kᵀ, beta=0, alpha=c): the bias counts for nothing
+        bias, q, kt = x.args[:3]
+        beta, alpha = x.kwargs.get("beta", 1), x.kwargs.get("alpha", 1)
+        if beta != 0 or not isinstance(alpha, (int, float)) or isinstance(alpha, bool):
+            return None
+        scale *= float(alpha)
+        extra += [bias] if isinstance(bias, fx.Node) and _only_user(bias, x) else []
+    else:
+        q, kt = x.args[0], x.args[1]
     k = _untransposed(kt)
-    if k is None or _rank(q) != 4 or not _only_user(kt, x):
+    if x.target is not aten.matmul.default:  # the heads folded: q and k unfolded to (b, h, s, d)
+        folds = [q, k]
+        q, k = _unfolded(q), _unfolded(k)
+        extra += [f for f, user in zip(folds, (x, kt)) if isinstance(f, fx.Node) and _only_user(f, user)]
+    if k is None or q is None or _rank(q) != 4 or not _only_user(kt, x):
         return None
-    chain += [x, kt]
+    chain += [x, kt, *extra]
+    if folded and _only_user(fold_v, out):
+        chain.append(fold_v)
     return Written(out.name, q.name, k.name, v.name, scale, None if mask is None else mask.name, how,
-                   tuple(n.name for n in reversed(chain)))
+                   tuple(n.name for n in reversed(chain)), folded)
+
+
+def _size_expr(size: object) -> sympy.Expr:
+    return size.node.expr if isinstance(size, torch.SymInt) else sympy.Integer(int(size))
+
+
+def _unfolded(node: object) -> fx.Node | None:
+    """x of ``x.reshape(b·h, s, d)``: a (b, h, s, d) value with its first two dims folded together."""
+    if not isinstance(node, fx.Node) or node.op != "call_function" or node.target not in _FOLDS:
+        return None
+    x = node.args[0]
+    if _rank(x) != 4 or _rank(node) != 3:
+        return None
+    (b, h, s, d), (bh, s2, d2) = (tuple(_size_expr(n) for n in _shape(y)) for y in (x, node))
+    same = all(sympy.simplify(a - c) == 0 for a, c in ((b * h, bh), (s, s2), (d, d2)))
+    return x if same else None
+
+
+def _refolds(node: fx.Node) -> bool:
+    """A view that folds the heads into the batch (rank 4 to 3) or unfolds them (3 to 4), the last two dims
+    kept: the scores or probabilities reshaped between the bmm's (b·h, s, s) and a (b, h, s, s) view."""
+    if node.target not in _FOLDS or not isinstance(node.args[0], fx.Node):
+        return False
+    low, high = (node, node.args[0]) if _rank(node) == 3 else (node.args[0], node)
+    if _rank(low) != 3 or _rank(high) != 4:
+        return False
+    (b, h, s, t), (bh, s2, t2) = (tuple(_size_expr(n) for n in _shape(y)) for y in (high, low))
+    return all(sympy.simplify(a - c) == 0 for a, c in ((b * h, bh), (s, s2), (t, t2)))
 
 
 def _rank(node: object) -> int:
@@ -154,12 +206,12 @@ def _masking(gm: fx.GraphModule, node: fx.Node) -> tuple[fx.Node, fx.Node, str] 
     if node.target in _FILL and isinstance(a[1], fx.Node) and _is_minus_inf(a[2]):
         return a[0], a[1], "fill"
     if node.target is aten.where.self and isinstance(a[0], fx.Node):
-        if _is_minus_inf(a[2]) and isinstance(a[1], fx.Node) and _rank(a[1]) == 4:
+        if _is_minus_inf(a[2]) and isinstance(a[1], fx.Node) and _rank(a[1]) == _rank(node):
             return a[1], a[0], "keep"
-        if _is_minus_inf(a[1]) and isinstance(a[2], fx.Node) and _rank(a[2]) == 4:
+        if _is_minus_inf(a[1]) and isinstance(a[2], fx.Node) and _rank(a[2]) == _rank(node):
             return a[2], a[0], "fill"
     if node.target is aten.add.Tensor and all(isinstance(x, fx.Node) for x in a[:2]) and len(a) < 3:
-        scores, bias = (a[0], a[1]) if _rank(a[0]) == 4 and _shape(a[0]) == _shape(node) else (a[1], a[0])
+        scores, bias = (a[0], a[1]) if _rank(a[0]) == _rank(node) and _shape(a[0]) == _shape(node) else (a[1], a[0])
         return scores, bias, "add"
     return None
 

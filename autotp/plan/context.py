@@ -15,6 +15,7 @@ class RingCall:
     is_causal: bool
     scale: float | None
     inputs: tuple[str, ...] = ()
+    folded: bool = False  # written with the heads folded into the batch: the output goes back to (b·h, s, d)
 
 
 @dataclass(frozen=True)

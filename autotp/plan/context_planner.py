@@ -32,8 +32,8 @@ def context_plan(gm: fx.GraphModule, facts: ContextFacts, cp: int, sum_grads: bo
             raise ContextRefused(f"context parallelism: {r.where}: only an unweighted cross-entropy's mean is "
                                  "completed over the cp group yet")
         losses.append(TokenLoss(r.node, arg_named(n, "ignore_index", -100), arg_named(n, "label_smoothing", 0.0)))
-    attention = tuple(RingCall(a.node, a.causal, a.scale, (a.written.q, a.written.k, a.written.v) if a.written else ())
-                      for a in facts.attention)
+    attention = tuple(RingCall(a.node, a.causal, a.scale, (a.written.q, a.written.k, a.written.v) if a.written else (),
+                               bool(a.written and a.written.folded)) for a in facts.attention)
     trained = {name for name, p in gm.named_parameters(remove_duplicate=False) if p.requires_grad}
     grads = tuple(n.name for n in gm.graph.nodes if n.op == "get_attr" and n.target in trained) if sum_grads else ()
     return ContextPlan(cp, facts.inputs, tuple(p.node for p in facts.positions), attention, tuple(losses),

@@ -73,7 +73,7 @@ def context_parities(steps: int = 3, seq: int = 32) -> dict[bool, dict]:
 def _build(kind: str):
     """(model, args, kwargs) of a spelling: tests/support/context_models.py's, examples/nanogpt.py
     (attention written out), Hugging Face Llama from a config (SDPA with a mask made from positions, labels
-    shifted inside its loss), or pattern_models' interleaved rotary."""
+    shifted inside its loss), or pattern_models' interleaved rotary and baddbmm over (b·h, s, d)."""
     import context_models
 
     if kind == "nanogpt_example":
@@ -88,7 +88,7 @@ def _build(kind: str):
 
         torch.manual_seed(0)
         return llama.build_model(), (), llama.example_batch()
-    if kind == "rope_interleaved":
+    if kind in ("rope_interleaved", "baddbmm"):  # baddbmm: heads folded into the batch, GPT-2 / BLOOM style
         import pattern_models
 
         return pattern_models.build(kind)
