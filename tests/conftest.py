@@ -28,16 +28,6 @@ def pytest_unconfigure(config):
     shutil.rmtree(config._autotp_plans, ignore_errors=True)
 
 
-def pytest_collection_modifyitems(config, items):
-    """Under ``-n 2 --dist loadgroup`` (pytest-xdist, as CI runs the suite) every test marked ``slow`` is one
-    unit of work, run on one worker in order: their ranks already use every core, and two launches at once
-    would only take turns. The unit and structural tests (one core each, launching nothing) run on the other
-    worker meanwhile, on the core the ranks leave idle while they start, rendezvous and wait on each other."""
-    for item in items:
-        if item.get_closest_marker("slow") is not None:
-            item.add_marker(pytest.mark.xdist_group("ranks"))
-
-
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     """A test not marked ``slow`` belongs to the unit or structural tier: neither it nor its fixtures may
