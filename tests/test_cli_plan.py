@@ -37,7 +37,7 @@ def test_plan_nanogpt_tp2(planned) -> None:
     out, result = planned
     assert result.exit_code == 0, result.output
     data = json.loads((out / "out.json").read_text())
-    assert data["plan"]["version"] == 12 and data["plan"]["tp"] == 2
+    assert data["plan"]["version"] == 13 and data["plan"]["tp"] == 2
     # the completeness check: the one weight every rank holds whole is the position embedding, with why
     assert [w["name"] for w in data["plan"]["whole"]] == ["transformer.wpe.weight"]
     assert "not sharded: 1 weight(s) every rank holds whole" in result.stdout

@@ -74,10 +74,10 @@ MODELS = {
 }
 
 
-def _whole_first(st, cg, sequence_parallel, stacklevel):
+def _whole_first(st, cg, sequence_parallel, stacklevel, context=True):
     """parallelize's rewrite as the first signature runs it: blocks copied in, then the whole graph rewritten."""
     gm, spec = cg.whole()
-    return _rewrite(st, cg._replace(gm=gm, spec=spec, copies=None), sequence_parallel, stacklevel)
+    return _rewrite(st, cg._replace(gm=gm, spec=spec, copies=None), sequence_parallel, stacklevel, context)
 
 
 _rewrite = par.rewrite
