@@ -155,8 +155,9 @@ def context_facts(gm: fx.GraphModule) -> tuple[str | None, int | None, int | Non
 
     try:
         plan = context_plan(gm, find_context(gm, 2), 2)
-    except AutotpError as exc:
-        return str(exc).splitlines()[0].rstrip(":"), None, None
+    except AutotpError as exc:  # the first op that stops it, with its line (the header says no more than that)
+        lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+        return (lines[1] if len(lines) > 1 else lines[0]).rstrip(":"), None, None
     if not plan.attention:
         return "no attention over the sequence to run as a ring", None, None
     nodes = {n.name: n for n in gm.graph.nodes}
