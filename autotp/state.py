@@ -84,6 +84,8 @@ class TPState:
     graphs: dict[Hashable, Captured] = field(default_factory=dict)  # call signature -> its graph and plan
     checked: set[Hashable] = field(default_factory=set)
     warned: set[tuple[str, str]] = field(default_factory=set)
+    # with cp: call signatures whose graph cannot run on chunks -> why (calls without gradients run whole)
+    unchunked: dict[Hashable, str] = field(default_factory=dict)
     unloaded: tuple[str, ...] = ()  # tensors of a model built on meta that no load gave values yet
     units: tuple[str, ...] | None = None  # with fsdp: the blocks FSDP gathers one at a time, once applied
     dropped: frozenset[str] = frozenset()  # pipelined: parameters of other ranks' stages (meta here)

@@ -332,6 +332,9 @@ def shard(
                                         "device and load each rank's slices from PATH: a Hugging Face "
                                         "safetensors folder or file, an autotp/DCP checkpoint, a torch file."),
     compile_: bool = typer.Option(False, "--compile", help="torch.compile the rewritten graphs."),
+    compile_backend: str | None = typer.Option(None, "--compile-backend", metavar="NAME", help="torch.compile's "
+                                               "backend for --compile (default inductor; aot_eager runs "
+                                               "AOTAutograd's graphs without generating code); implies --compile."),
     sequence_parallel: bool = SEQUENCE_PARALLEL,
     expert_parallel: bool = EXPERT_PARALLEL,
     resume: bool = typer.Option(False, "--resume", help="Continue from the latest complete checkpoint in --out "
@@ -371,6 +374,7 @@ def shard(
 
     if steps < 0:
         abort(f"--steps must be >= 0, got {steps}", debug, code=USAGE_ERROR)
+    compile_ = compile_ or compile_backend is not None
     if not lr > 0:
         abort(f"--lr must be > 0, got {lr}", debug, code=USAGE_ERROR)
     if log_every < 1:
@@ -407,6 +411,7 @@ def shard(
         flops = preflight(load_model_file(model), tp, weights, sequence_parallel, expert_parallel, fsdp, stages,
                           launcher.cp)
         peak = _peak_flops(gpu)
+        _check_backend(compile_backend)
     except (AutotpError, ValueError) as exc:
         abort(str(exc), debug, code=USAGE_ERROR)
     if node_rank == 0 and (why := _unwritable(out)):  # makes the folder: only for a model that will run
@@ -420,7 +425,8 @@ def shard(
     job = ShardJob(model=f"{path.resolve()}:{factory}" if factory else str(path.resolve()),
                    steps=steps, lr=lr, out=str(out.resolve()), verify=weights is None if verify is None else verify,
                    resume=resume, resume_from=resume_from, keep=keep, run=uuid.uuid4().hex,
-                   save_every=save_every, compile=compile_, sequence_parallel=sequence_parallel,
+                   save_every=save_every,
+                   compile={"backend": compile_backend} if compile_backend else compile_, sequence_parallel=sequence_parallel,
                    expert_parallel=expert_parallel, fsdp=spec.hsdp if fsdp else 0, schedule=schedule,
                    microbatches=microbatches or pp, virtual_stages=virtual_stages,
                    weights=None if weights is None else str(weights.resolve()), started=started,
@@ -450,6 +456,17 @@ def shard(
         p = report.parity
         abort(f"sharded model differs from the unsharded one: max |Δloss| {p.loss_diff}, max |Δoutput| "
               f"{p.output_diff} exceed {PARITY_TOL:g}", debug, trace="")
+
+
+def _check_backend(name: str | None) -> None:
+    """A --compile-backend torch.compile knows (its own registry), said before any rank starts."""
+    if name is None:
+        return
+    import torch._dynamo
+
+    known = torch._dynamo.list_backends(exclude_tags=())
+    if name not in known:
+        raise ValueError(f"--compile-backend {name!r} is not a torch.compile backend; known: {', '.join(known)}")
 
 
 def _peak_flops(gpu: str | None) -> float | None:

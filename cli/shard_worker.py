@@ -58,7 +58,7 @@ class ShardJob:
     resume_from: str | None = None  # a checkpoint folder to resume instead of the one `latest` names
     keep: int | None = None  # this run's newest checkpoints kept (None: all)
     run: str | None = None  # this run's id, in each manifest (whose checkpoints --keep thins)
-    compile: bool = False
+    compile: bool | dict = False  # True, or torch.compile's options ({"backend": "aot_eager"})
     weights: str | None = None  # load from this checkpoint into a model built on meta
     sequence_parallel: bool = False
     expert_parallel: bool = False

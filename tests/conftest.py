@@ -58,3 +58,15 @@ def _own_plan_cache(tmp_path_factory, monkeypatch):
     first), except where a test turns it on for its ranks (tests/support/reuse_workers.py)."""
     monkeypatch.setenv("AUTOTP_CACHE_DIR", str(tmp_path_factory.mktemp("plan-cache")))
     monkeypatch.setenv("AUTOTP_PLAN_CACHE", "0")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist (the README's ``-n 2 --dist loadgroup``) every ``slow`` test joins one group, which
+    one worker runs in collection order: launches never overlap (two 4-rank launches on 2 cores would
+    oversubscribe them) and a module's batched launch (:class:`ranks.Launches`) stays one launch, while the
+    other worker runs the unit and structural tiers on the CPU the ranks leave idle (process starts,
+    rendezvous, rank 0's checkpoint writes). Before xdist's own hook, which reads the group."""
+    for item in items:
+        if item.get_closest_marker("slow") is not None:
+            item.add_marker(pytest.mark.xdist_group("ranks"))

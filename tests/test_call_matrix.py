@@ -1,7 +1,7 @@
 """Every way a training script calls its model reaches the right graph, exactly: ``example_inputs`` in each
 documented form, train → eval → generate → train, generate first, batch and length changes, inference mode,
-Hugging Face ``generate`` with and without its cache; eager, ``parallelize(compile=True)`` and the user's own
-``torch.compile(model)`` (tests/support/call_workers.py). tp 2, against the unsharded model: losses within 1e-5 (fp32),
+Hugging Face ``generate`` with and without its cache; eager, ``parallelize(compile=...)`` and the user's own
+``torch.compile(model)``, both with aot_eager (tests/support/call_workers.py). tp 2, against the unsharded model: losses within 1e-5 (fp32),
 parameters after the steps within 1e-5, generated tokens identical."""
 from __future__ import annotations
 

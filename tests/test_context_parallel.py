@@ -142,8 +142,10 @@ def test_a_sampling_loop_runs_whole_where_chunks_cannot(runs):
     """The example's own sampling loop under torch.no_grad() at cp 2: its calls read the last position's logits
     and grow one token at a time, so they run the whole sequence on every rank (said once) and draw the same
     tokens as one device; training afterwards is exact; a training call of length 5 is refused with the
-    numbers."""
+    numbers. The signature found not to run on chunks is not captured again for that on every token: the loop's
+    nine calls capture two graphs: the chunked attempt, then the whole sequence (it captured on every call)."""
     for rank, r in runs(2, "sampling").items():
+        assert r["captures"] == 2, (rank, r["captures"])
         assert r["same_tokens"] and r["loss"] <= 1e-5, (rank, r)
         assert r["graphs"] == ["whole context"] and len(r["warned"]) == 1 and "x[:, [-1]]" in r["warned"][0]
         assert "sequence length 5 is not divisible by 2·cp = 4" in r["refused"]

@@ -148,12 +148,18 @@ def _dispatch(model: nn.Module, args: tuple, kwargs: dict) -> tuple[Captured, li
             check_same_inputs(args, kwargs, group)  # before any rank computes with them
         st.checked.add(key)
     flat = flatten((args, kwargs))[0]
-    try:
-        c = _graph_for(model, st, args, kwargs, key, flat)
-    except ContextRefused as refused:  # a call that cannot run on chunks (a sampling loop's last-position logits)
-        if torch.is_grad_enabled():
-            raise
-        c = _whole_context(model, st, args, kwargs, key, flat, str(refused).splitlines()[-1].strip())
+    # a signature found not to run on chunks is not captured again to find that out (a sampling loop calls it
+    # once per token)
+    why = None if torch.is_grad_enabled() else st.unchunked.get(key)
+    if why is None:
+        try:
+            c = _graph_for(model, st, args, kwargs, key, flat)
+        except ContextRefused as refused:  # cannot run on chunks (a sampling loop's last-position logits)
+            if torch.is_grad_enabled():
+                raise
+            why = st.unchunked[key] = str(refused).splitlines()[-1].strip()
+    if why is not None:
+        c = _whole_context(model, st, args, kwargs, key, flat, why)
     if c.cp_length is not None and (length := flat[c.cp_length[0]].shape[c.cp_length[1]]) % (2 * st.cp):
         if torch.is_grad_enabled():  # a training call: refused, naming the numbers
             check_chunks(length, st.cp)

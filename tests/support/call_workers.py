@@ -6,8 +6,10 @@ A case is ``model:example:sequence:mode``:
 - example: what ``example_inputs`` parallelize gets: ``none``, ``tuple`` (positional), ``argskw``
   (``(args, kwargs)``) or ``dict`` (keyword);
 - sequence: the calls, in order (see :data:`SEQUENCES`);
-- mode: ``eager``, ``compile`` (``parallelize(compile=True)``) or ``user`` (the user's own
-  ``torch.compile(model)`` after parallelize, every call through it).
+- mode: ``eager``, ``compile`` (``parallelize(compile=...)``) or ``user`` (the user's own
+  ``torch.compile(model)`` after parallelize, every call through it). Both compile with aot_eager: dynamo and
+  AOTAutograd over autotp's graphs, which is where a call sequence can break (guards, recompiles, graph breaks);
+  Inductor's code generation is tests/test_compile.py's (a cold C++ build per graph costs seconds on 2 cores).
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ import autotp
 from parity_workers import _local, _max_diff
 
 V, S = 1003, 16
+_AOT = {"backend": "aot_eager"}
 
 
 def _nanogpt():
@@ -130,8 +133,8 @@ def call_case(case: str) -> dict:
     build = _llama if llama else _nanogpt
     vocab = 128 if llama else V
     ref, model = build(), build()
-    model = autotp.parallelize(model, example_inputs=_example(example, llama), compile=mode == "compile")
-    call = torch.compile(model) if mode == "user" else model
+    model = autotp.parallelize(model, example_inputs=_example(example, llama), compile=mode == "compile" and _AOT)
+    call = torch.compile(model, **_AOT) if mode == "user" else model
     got, want = Run(model, call, llama), Run(ref, ref, llama)
     for r in (got, want):
         torch.manual_seed(11)

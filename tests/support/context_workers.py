@@ -308,11 +308,23 @@ def context_sampling(new_tokens: int = 9) -> dict:
     ref = copy.deepcopy(model)
     autotp.parallelize(model, example_inputs=(idx, targets), context_parallel=cp)
     drawn = []
-    with warnings.catch_warnings(record=True) as said, torch.no_grad():
-        warnings.simplefilter("always")
-        for m in (model, ref):
-            torch.manual_seed(3)
-            drawn.append(m.generate(idx[:, :3], new_tokens, top_k=8))
+    import autotp.parallel.parallelize as par
+
+    build, builds = par._build, []
+
+    def counted(*args, **kwargs):  # every capture the loop's calls make
+        builds.append(args[4])
+        return build(*args, **kwargs)
+
+    par._build = counted
+    try:
+        with warnings.catch_warnings(record=True) as said, torch.no_grad():
+            warnings.simplefilter("always")
+            for m in (model, ref):
+                torch.manual_seed(3)
+                drawn.append(m.generate(idx[:, :3], new_tokens, top_k=8))
+    finally:
+        par._build = build
     loss, want = _loss(model(idx, targets)), _loss(ref(idx, targets))
     try:
         _loss(model(idx[:, :5], targets[:, :5])).backward()
@@ -321,4 +333,4 @@ def context_sampling(new_tokens: int = 9) -> dict:
         refused = str(e)
     return {"same_tokens": torch.equal(*drawn), "loss": abs(loss.item() - want.item()), "refused": refused,
             "graphs": sorted(str(k[-1]) for k in autotp.tp_state(model).graphs if isinstance(k[-1], str)),
-            "warned": [str(w.message) for w in said if "autotp" in str(w.message)]}
+            "warned": [str(w.message) for w in said if "autotp" in str(w.message)], "captures": len(builds)}
