@@ -148,7 +148,9 @@ def runs(tmp_path_factory) -> dict:
     # the README's: three steps at tp 2, then resumed at tp 4 up to step 6 (weights and AdamW state resharded)
     here = readme_folder(tmp / "readme")
     res["saved"] = run_readme("autotp shard examples/nanogpt.py --tp 2 --steps 3 --out run", here)
-    res["resumed"] = run_readme("autotp shard examples/nanogpt.py --tp 4 --steps 6 --out run --resume", here)
+    # wide: the summary's table would otherwise wrap its cells by the length of the temporary folder's path
+    res["resumed"] = run_readme("autotp shard examples/nanogpt.py --tp 4 --steps 6 --out run --resume", here,
+                                columns=250)
     res["out"] = here / "run"
     return res
 
@@ -159,8 +161,8 @@ def test_resume_at_another_tp_matches_uninterrupted_training(runs) -> None:
     checkpoint sits beside the one resumed from, its manifest naming the layout and the optimizer."""
     for proc in (runs["saved"], runs["resumed"]):
         assert proc.returncode == 0, proc.stdout + proc.stderr
-    text = runs["resumed"].stdout
-    assert "from step 3" in text and "resumed from tp 2 → tp 4: weights and optimizer state resharded" in text
+    text = " ".join(runs["resumed"].stdout.split())  # as read, whatever the terminal's width wrapped
+    assert "from step 3" in text and "resumed from tp 2 → tp 4: weights and optimizer state resharded" in text, text
     full, resumed = _summary(runs["tmp"] / "full"), _summary(runs["out"])
     assert resumed["tp"] == 4 and resumed["start_step"] == 3 and len(resumed["losses"]) == 3
     assert max(abs(a - b) for a, b in zip(resumed["losses"], full["losses"][3:])) <= 1e-5, \
