@@ -372,9 +372,9 @@ def shard(
         abort("--world-size goes with --auto (without it the world is tp × dp × pp × nnodes)", debug,
               code=USAGE_ERROR)
 
+    compile_ = compile_ or compile_backend is not None  # a backend named asks for compilation
     if steps < 0:
         abort(f"--steps must be >= 0, got {steps}", debug, code=USAGE_ERROR)
-    compile_ = compile_ or compile_backend is not None
     if not lr > 0:
         abort(f"--lr must be > 0, got {lr}", debug, code=USAGE_ERROR)
     if log_every < 1:
@@ -425,8 +425,8 @@ def shard(
     job = ShardJob(model=f"{path.resolve()}:{factory}" if factory else str(path.resolve()),
                    steps=steps, lr=lr, out=str(out.resolve()), verify=weights is None if verify is None else verify,
                    resume=resume, resume_from=resume_from, keep=keep, run=uuid.uuid4().hex,
-                   save_every=save_every,
-                   compile={"backend": compile_backend} if compile_backend else compile_, sequence_parallel=sequence_parallel,
+                   save_every=save_every, compile={"backend": compile_backend} if compile_backend else compile_,
+                   sequence_parallel=sequence_parallel,
                    expert_parallel=expert_parallel, fsdp=spec.hsdp if fsdp else 0, schedule=schedule,
                    microbatches=microbatches or pp, virtual_stages=virtual_stages,
                    weights=None if weights is None else str(weights.resolve()), started=started,

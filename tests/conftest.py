@@ -62,7 +62,7 @@ def _own_plan_cache(tmp_path_factory, monkeypatch):
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
-    """Under pytest-xdist (the README's ``-n 2 --dist loadgroup``) every ``slow`` test joins one group, which
+    """Under pytest-xdist (``pyproject.toml``'s ``-n 2 --dist loadgroup``) every ``slow`` test joins one group, which
     one worker runs in collection order: launches never overlap (two 4-rank launches on 2 cores would
     oversubscribe them) and a module's batched launch (:class:`ranks.Launches`) stays one launch, while the
     other worker runs the unit and structural tiers on the CPU the ranks leave idle (process starts,
