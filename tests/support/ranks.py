@@ -5,6 +5,7 @@ import multiprocessing
 import multiprocessing.forkserver
 import os
 import sys
+import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -34,7 +35,7 @@ def _entry(fn: Callable, *args):
     # oversubscribe them (on 2 cores a tp-4 test runs ~2.5x slower)
     torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // dist.get_world_size()))
     try:
-        return fn(*args)
+        return _timed("", fn, *args)
     finally:
         dist.destroy_process_group()
 
@@ -105,8 +106,23 @@ class CollectiveLog(TorchDispatchMode):
 
 def run_jobs(jobs: dict[str, tuple]) -> dict[str, object]:
     """Inside each rank: every job ``name -> (function, *args)`` in turn; name -> what the function returned.
-    The ranks run the same jobs in the same order, so their collectives (and random streams) stay in step."""
-    return {name: fn(*args) for name, (fn, *args) in jobs.items()}
+    The ranks run the same jobs in the same order, so their collectives (and random streams) stay in step.
+    Each job is timed where the suite is profiled (:func:`_timed`)."""
+    return {name: _timed(name, fn, *args) for name, (fn, *args) in jobs.items()}
+
+
+def _timed(job: str, fn: Callable, *args) -> object:
+    """``fn(*args)``; with ``AUTOTP_SUITE_PROFILE_JOBS`` set (``benchmarks/suite_profile.py``), one line appended
+    to that file: process, rank, function, job, start and end (epoch seconds), this process's CPU seconds."""
+    log = os.environ.get("AUTOTP_SUITE_PROFILE_JOBS")
+    start, cpu = time.time(), time.process_time()
+    try:
+        return fn(*args)
+    finally:
+        if log:
+            with open(log, "a") as f:
+                f.write(f"{os.getpid()}\t{os.environ.get('RANK', '?')}\t{getattr(fn, '__qualname__', fn)}\t{job}\t"
+                        f"{start:.3f}\t{time.time():.3f}\t{time.process_time() - cpu:.3f}\n")
 
 
 class Launches:
