@@ -60,49 +60,13 @@ def _own_plan_cache(tmp_path_factory, monkeypatch):
     monkeypatch.setenv("AUTOTP_PLAN_CACHE", "0")
 
 
-# the rank-launching tests run in this many streams side by side, each one xdist worker's (pyproject.toml)
-SLOW_STREAMS = 2
-
-
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
-    """Under pytest-xdist (``pyproject.toml``'s ``-n 3 --dist loadgroup``) the ``slow`` tests run in two streams,
-    each one worker's, the third worker running the unit and structural tiers beside them. A module's slow
-    tests stay in one stream, in collection order, so its batched launch (:class:`ranks.Launches`) stays one
-    launch. The modules are dealt to the streams heaviest first, by the seconds the last suite profile
-    measured (``benchmarks/results/suite_profile.json``; a module it lacks counts as its median). Two streams,
-    not one: a stream alone leaves about a quarter of 2 cores idle (process starts, imports, rendezvous,
-    rank 0's checkpoint writes, a launcher waiting for its command), which the other stream's ranks use.
-    The slow tests come first, so that each stream starts at once. Before xdist's own hook, which reads the
-    group."""
-    slow = [item for item in items if item.get_closest_marker("slow") is not None]
-    if not slow:
-        return
-    files = list(dict.fromkeys(item.nodeid.split("::")[0] for item in slow))
-    stream = _deal(files, _measured_seconds(), SLOW_STREAMS)
-    for item in slow:
-        item.add_marker(pytest.mark.xdist_group(f"ranks-{stream[item.nodeid.split('::')[0]]}"))
-    ranked = set(map(id, slow))
-    items[:] = slow + [item for item in items if id(item) not in ranked]
-
-
-def _measured_seconds() -> dict[str, float]:
-    import json
-
-    try:
-        with open(os.path.join(ROOT, "benchmarks", "results", "suite_profile.json")) as f:
-            return {str(k): float(v) for k, v in dict(json.load(f)["per_file"]).items()}
-    except (OSError, ValueError, KeyError, TypeError):
-        return {}
-
-
-def _deal(files: list[str], seconds: dict[str, float], streams: int) -> dict[str, int]:
-    """Each file's stream: heaviest first, to the stream with the fewest seconds so far."""
-    known = sorted(seconds.get(f, 0.0) for f in files if f in seconds)
-    default = known[len(known) // 2] if known else 1.0
-    load = [0.0] * streams
-    out = {}
-    for f in sorted(files, key=lambda f: -seconds.get(f, default)):
-        out[f] = min(range(streams), key=lambda i: load[i])
-        load[out[f]] += seconds.get(f, default)
-    return out
+    """Under pytest-xdist (``pyproject.toml``'s ``-n 2 --dist loadgroup``) every ``slow`` test joins one group, which
+    one worker runs in collection order: launches never overlap (two 4-rank launches on 2 cores would
+    oversubscribe them) and a module's batched launch (:class:`ranks.Launches`) stays one launch, while the
+    other worker runs the unit and structural tiers on the CPU the ranks leave idle (process starts,
+    rendezvous, rank 0's checkpoint writes). Before xdist's own hook, which reads the group."""
+    for item in items:
+        if item.get_closest_marker("slow") is not None:
+            item.add_marker(pytest.mark.xdist_group("ranks"))
