@@ -121,7 +121,8 @@ def _timed(job: str, fn: Callable, *args) -> object:
     finally:
         if log:
             with open(log, "a") as f:
-                f.write(f"{os.getpid()}\t{os.environ.get('RANK', '?')}\t{getattr(fn, '__qualname__', fn)}\t{job}\t"
+                name = getattr(getattr(fn, "func", fn), "__qualname__", repr(fn))  # a partial by its function's name
+                f.write(f"{os.getpid()}\t{os.environ.get('RANK', '?')}\t{name}\t{job}\t"
                         f"{start:.3f}\t{time.time():.3f}\t{time.process_time() - cpu:.3f}\n")
 
 
