@@ -131,24 +131,28 @@ def test_no_steps_trains_and_writes_no_checkpoint(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_first_line_within_5_s_when_piped(tmp_path: Path) -> None:
-    """Piped (``| cat``), the command says what it is doing before it imports torch: the first line comes
-    within 5 s (before: nothing for 50-100 s). The command is stopped once it has spoken."""
+def test_first_line_comes_before_torch_is_imported(tmp_path: Path) -> None:
+    """Piped (``| cat``), the command says what it is doing before it imports torch (before: nothing for
+    50-100 s). Checked without a clock: a ``torch`` that never finishes importing is put first on the path,
+    and the first line still comes. The command is stopped once it has spoken."""
+    import select
     import signal
-    import time
 
-    begin = time.perf_counter()
+    stuck = tmp_path / "stuck" / "torch"
+    stuck.mkdir(parents=True)
+    (stuck / "__init__.py").write_text("import time\ntime.sleep(3600)\n")
+    env = {**os.environ, "COLUMNS": "80",
+           "PYTHONPATH": os.pathsep.join([str(stuck.parent), ROOT, os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.Popen([sys.executable, "-m", "autotp.cli", "shard", NANOGPT, "--tp", "2", "--out",
                              str(tmp_path / "out")], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True, env={**os.environ, "COLUMNS": "80"})
+                            start_new_session=True, env=env)
     try:
-        first = proc.stdout.readline()
-        took = time.perf_counter() - begin
+        ready, _, _ = select.select([proc.stdout], [], [], 300)  # a hang guard, not a speed target
+        first = proc.stdout.readline() if ready else ""
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
     assert first.startswith("[") and "] check: " in first, first
-    assert took < 5, took
 
 
 def _load_worker(out: str) -> tuple[float, float, torch.Tensor]:
