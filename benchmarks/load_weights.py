@@ -75,6 +75,27 @@ def _peak() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+def _library_rss() -> int:
+    """Resident bytes of shared libraries' mappings (/proc/self/smaps: ``*.so`` files): the code pages of
+    libtorch and the rest that the ops run so far have touched. File-backed and clean, shared by every rank
+    on the machine and dropped first under memory pressure, yet counted in each rank's RSS."""
+    total, lib = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split(maxsplit=6)
+            if "-" in head[0] and not head[0].endswith(":"):  # a mapping's first line: range, perms, ..., path
+                path = head[5].strip() if len(head) > 5 else ""
+                lib = path.endswith(".so") or ".so." in path
+            elif lib and head[0] == "Rss:":
+                total += int(head[1]) * 1024
+    return total
+
+
+def _phase() -> tuple[int, int, int]:
+    """(RSS now, peak RSS so far, shared libraries' resident code pages)."""
+    return _rss(), _peak(), _library_rss()
+
+
 def _status(key: str) -> int:
     """A /proc/self/status field in bytes (VmRSS, VmHWM)."""
     with open("/proc/self/status") as f:
@@ -142,21 +163,21 @@ def autotp_rank(folder: str, plans: str, hf: bool = False, mmap: bool = False) -
         c = json.loads(Path(folder, "config.json").read_text())
         build = lambda: LlamaShaped(Config(**{k: c[k] for k in Config.__dataclass_fields__ if k in c}))  # noqa: E731
         example, call = None, None  # parallelize's default example: a (2, 8) batch of token ids
-    phases = {"start": (_rss(), _peak())}
+    phases = {"start": _phase()}
     start = phases["start"][0]
     t0 = time.perf_counter()
     with autotp.empty_weights():
         model = build()
     t1 = time.perf_counter()
-    phases["build"] = (_rss(), _peak())
+    phases["build"] = _phase()
     model = autotp.parallelize(model, example_inputs=example)
     t2 = time.perf_counter()
-    phases["parallelize"] = (_rss(), _peak())
+    phases["parallelize"] = _phase()
     rss_planned = phases["parallelize"][0]
 
     loaded = autotp.load_weights(model, folder, mmap=mmap)
     t3 = time.perf_counter()
-    phases["load"] = (_rss(), _peak())
+    phases["load"] = _phase()
     # a spot check that the slices are the checkpoint's: this rank's rows of the first q projection
     from safetensors import safe_open
 
@@ -168,11 +189,12 @@ def autotp_rank(folder: str, plans: str, hf: bool = False, mmap: bool = False) -
         want = f.get_slice(name)[st.rank * rows:(st.rank + 1) * rows]
     assert torch.equal(model.get_parameter(name), want), "loaded slice differs from the checkpoint"
     first, logits = _first_call(model, ids, call)
-    phases["forward"] = (_rss(), _peak())
+    phases["forward"] = _phase()
     peak = _peak()
     held = _held(model)
     touch = _touch(model)
     out = {"start_rss": start, "planned_rss": rss_planned, "peak_rss": peak, "held": held,
+           "library_growth": phases["forward"][2] - phases["start"][2],
            "phases": {k: list(v) for k, v in phases.items()},
            "bytes_read": loaded.bytes_read, "expected_read": _expected_read(model), "mapped": loaded.mapped,
            "cached": st.cached is not None, "build_s": t1 - t0, "parallelize_s": t2 - t1, "load_s": t3 - t2,
@@ -227,17 +249,18 @@ def hf_rank(folder: str, plans: str) -> dict:
 
     start = _status("VmRSS")
     t0 = time.perf_counter()
-    phases = {"start": (_rss(), _peak())}
+    phases = {"start": _phase()}
     model = LlamaForCausalLM.from_pretrained(folder, distributed_config=DistributedConfig(tp_plan="auto"))
     t1 = time.perf_counter()
-    phases["load"] = (_rss(), _peak())
+    phases["load"] = _phase()
     import torch
 
     ids = torch.randint(0, 32000, (2, 8), generator=torch.Generator().manual_seed(0))
     first, logits = _first_call(model, ids, {"input_ids": ids, "use_cache": False})
-    phases["forward"] = (_rss(), _peak())
+    phases["forward"] = _phase()
     peak = _peak()
     out = {"start_rss": start, "peak_rss": peak, "held": _held(model), "total_s": t1 - t0,
+           "library_growth": phases["forward"][2] - phases["start"][2],
            "touch_s": _touch(model), "first_call_s": first, "phases": {k: list(v) for k, v in phases.items()}}
     if os.environ.get("AUTOTP_BENCH_CHECK_LOGITS") == "1":
         out["logits_max_diff"] = _logits_diff(folder, ids, logits)
@@ -294,6 +317,9 @@ def _worst(ranks: dict, ideal_base: int) -> dict:
     out["ideal_rss"] = max(r["held"] for r in rs) + ideal_base
     out["rss_ratio"] = max(r["peak_rss"] / (r["held"] + ideal_base) for r in rs)
     out["rss_ratio_own"] = max(r["peak_rss"] / (r["held"] + r["start_rss"]) for r in rs)
+    if "library_growth" in rs[0]:  # the same, less the shared libraries' code pages the run touched
+        out["rss_ratio_own_less_code"] = max((r["peak_rss"] - r["library_growth"]) / (r["held"] + r["start_rss"])
+                                             for r in rs)
     if "phases" in rs[0]:  # the phases of the rank whose peak is the furthest above its own ideal
         out["phases"] = max(rs, key=lambda r: r["peak_rss"] / (r["held"] + r["start_rss"]))["phases"]
     if "bytes_read" in out:
@@ -396,10 +422,13 @@ def _markdown(r: dict) -> str:
                      f"{read[0]} | {read[1]} | {read[2]} | {v['total_s']:.1f} s | {touched} | {first} |")
     lines += ["", "RSS after each phase, MiB (the peak so far where it is higher), of the rank furthest above its "
               "own ideal; \"+\" is the peak over the rank's start less what it holds (its shard bytes): what is "
-              "not the model's own.", "",
+              "not the model's own. Library code pages: the resident pages of shared libraries (libtorch's code "
+              "above all) that the run touched between start and the first forward; file-backed and clean, shared "
+              "by every rank on the machine, dropped first under memory pressure, yet part of each rank's RSS.", "",
               "| path | tp | " + " | ".join(PHASES)
-              + " | shard bytes | peak − start − shards | logits vs unsharded |",
-              "|---|---|" + "---|" * (len(PHASES) + 3)]
+              + " | shard bytes | peak − start − shards | of which library code pages | ratio to own start, less "
+              "them | logits vs unsharded |",
+              "|---|---|" + "---|" * (len(PHASES) + 5)]
     mib = 2**20
     for key, v in r["runs"].items():
         if "phases" not in v:
@@ -410,13 +439,17 @@ def _markdown(r: dict) -> str:
             if ph not in v["phases"]:
                 cells.append("-")
                 continue
-            now, high = v["phases"][ph]
+            now, high = v["phases"][ph][:2]
             cells.append(f"{now / mib:.0f}" + (f" ({high / mib:.0f})" if high > now + mib else ""))
         start = v["phases"]["start"][0]
-        extra = max(high for _, high in v["phases"].values()) - start - v["held"]
+        extra = max(high for _, high, *_ in v["phases"].values()) - start - v["held"]
+        code = v["phases"]["forward"][2] - v["phases"]["start"][2] if len(v["phases"]["start"]) > 2 else None
         diff = f"{v['logits_max_diff']:.1e}" if "logits_max_diff" in v else "-"
         lines.append(f"| {path} | {tp[2:]} | " + " | ".join(cells)
-                     + f" | {v['held'] / mib:.0f} | {extra / mib:+.0f} | {diff} |")
+                     + f" | {v['held'] / mib:.0f} | {extra / mib:+.0f} | "
+                     + (f"{code / mib:+.0f} | " if code is not None else "- | ")
+                     + (f"{v['rss_ratio_own_less_code']:.3f} | " if "rss_ratio_own_less_code" in v else "- | ")
+                     + f"{diff} |")
     for key, v in r["runs"].items():
         if key.startswith("autotp") and "peak_rss" in v:
             lines.append(f"\n{key}: build {v['build_s']:.1f} s, parallelize {v['parallelize_s']:.1f} s, load "

@@ -116,7 +116,7 @@ def ref(tmp_path_factory) -> dict:
     faulty = tmp / "faulty.py"
     faulty.write_text(FAULTY)
     out = tmp / "ref"
-    code, text, _ = _shard(faulty, out, *STEPS)
+    code, text = _shard(faulty, out, *STEPS)
     assert code == 0, text
     params = {p.name: _params(out, p) for p in complete_checkpoints(out)}
     assert sorted(params) == ["step-000001", "step-000002", "step-000003"]
@@ -153,13 +153,13 @@ KILLS = {
 def test_a_rank_killed_loses_nothing(ref, fault: str) -> None:
     rank, where, complete, latest = KILLS[fault]
     out = ref["tmp"] / f"kill-{fault}"
-    code, text, _ = _shard(ref["faulty"], out, *STEPS, env={"FAULT": f"{fault}@2"})
+    code, text = _shard(ref["faulty"], out, *STEPS, env={"FAULT": f"{fault}@2"})
     assert code == 1, text
     assert re.fullmatch(rf"error: rank {rank} \(pid \d+\) was killed by SIGKILL {where}", _last_line(text)), text
     assert "Traceback" not in text
     _nothing_lost(ref, out, complete, latest)
     if fault in ("rank", "rename"):  # resumed, the run ends where the uninterrupted one did, to the bit
-        code, text, _ = _shard(NANOGPT, out, *STEPS, "--resume")
+        code, text = _shard(NANOGPT, out, *STEPS, "--resume")
         assert code == 0, text
         final = latest_checkpoint(out)
         got, want = _params(out, final), ref["params"]["step-000003"]
@@ -171,7 +171,7 @@ def test_the_launcher_killed_loses_nothing(ref) -> None:
     """The launcher dies (SIGKILL): its ranks go with it (children of its fork server, which ends with it),
     and the checkpoint published before stays the latest."""
     out = ref["tmp"] / "kill-launcher"
-    code, text, _ = _shard(ref["faulty"], out, *STEPS, env={"FAULT": "launcher@2"})
+    code, text = _shard(ref["faulty"], out, *STEPS, env={"FAULT": "launcher@2"})
     assert code == -signal.SIGKILL, text
     _nothing_lost(ref, out, ["step-000001"], "step-000001")
 
@@ -179,7 +179,7 @@ def test_the_launcher_killed_loses_nothing(ref) -> None:
 def test_a_restart_is_said(ref) -> None:
     """--max-restarts 1: which rank died, its pid, how, where; which restart; from where; what is redone."""
     out = ref["tmp"] / "restart"
-    code, text, _ = _shard(ref["faulty"], out, *STEPS, "--max-restarts", "1", env={"FAULT": "write@3"})
+    code, text = _shard(ref["faulty"], out, *STEPS, "--max-restarts", "1", env={"FAULT": "write@3"})
     assert code == 0, text
     line = r"rank 1 \(pid \d+\) was killed by SIGKILL while saving step 3; restart 1 of 1"
     assert re.search(rf"restart: {line}\n", text), text  # said when it happened
@@ -218,7 +218,7 @@ def test_one_flipped_byte_is_refused_by_name(ref, kind: str) -> None:
         target.write_text("step-000013\n")
     else:
         _flip(target)
-    code_, text, _ = _shard(NANOGPT, out, "--steps", "4", "--no-verify", "--resume")
+    code_, text = _shard(NANOGPT, out, "--steps", "4", "--no-verify", "--resume")
     assert code_ == code, text
     assert re.match(says, _last_line(text)), text
     assert "Traceback" not in text
@@ -227,7 +227,7 @@ def test_one_flipped_byte_is_refused_by_name(ref, kind: str) -> None:
         got, want = _params(out, out / "checkpoints" / name), ref["params"][name]
         assert all(torch.equal(got[k], want[k]) for k in want)
     if kind == "__1_0.distcp":  # the user picks an older one, and the run ends as the uninterrupted one did
-        code_, text, _ = _shard(NANOGPT, out, *STEPS, "--resume-from", "step-000002")
+        code_, text = _shard(NANOGPT, out, *STEPS, "--resume-from", "step-000002")
         assert code_ == 0, text
         got, want = _params(out, latest_checkpoint(out)), ref["params"]["step-000003"]
         assert all(torch.equal(got[k], want[k]) for k in want)
