@@ -101,7 +101,9 @@ def context_table(c: ContextReport) -> Table:
     table.add_column(style="bold")
     table.add_column()
     written = f", {c.written} written out by hand run as SDPA" if c.written else ""
-    table.add_row("attention", f"{c.rings} as rings over the cp group ({c.causal} causal{written})")
+    keyed = f"; {c.keyed} written out with scores no ring computes, their keys and values all-gathered" \
+        if c.keyed else ""
+    table.add_row("attention", f"{c.rings} as rings over the cp group ({c.causal} causal{written}){keyed}")
     table.add_row("positions", f"{c.positions} arange(s) → the chunk's global positions; {c.tables} table(s) read "
                                "up to the length → the chunk's rows")
     if c.whole:

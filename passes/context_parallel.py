@@ -27,6 +27,9 @@ After::
     y = autotp_cp_attention_0(q, k, v)                 # ring attention over the cp group
     y2 = autotp_cp_attention_1(q2, k2, v2)             # (scale c, causal); the scores and mask are gone
     y3 = flatten(autotp_cp_attention_2(q3, k3, v3), 0, 1)   # a bmm over (b·h, s, d), folded back
+    kt_ = autotp_cp_keys_0_0(kt4); v_ = autotp_cp_keys_0_1(v4)   # scores no ring computes (ALiBi, a
+    bias = autotp_cp_rows_0_0(<alibi bias, copied: the whole length>)   # window, tanh capping): every key
+    y4 = matmul(softmax(tanh(matmul(q4, kt_) / c) + bias), v_)  # (b, h, s/cp, s) scores, as written
     ...
     total = aten.cross_entropy_loss(logits_2d, targets_1d, None, 2)   # reduction "sum" (or the vocab loss's)
     loss = autotp_cp_loss_0(total, targets_1d)         # Σ loss / Σ counted tokens over the group
@@ -43,9 +46,10 @@ import operator
 import torch
 import torch.fx as fx
 
-from autotp.operators.context_ops import (ContextGrads, GatherSequence, LocalPositions, PositionRows, RingSDPA,
-                                          ShardSequence, TokenMean)
+from autotp.operators.context_ops import (ContextGrads, GatherKeys, GatherSequence, LocalPositions, PositionRows,
+                                          RingSDPA, ShardSequence, TokenMean)
 from autotp.operators.rng import RegionRandom
+from autotp.plan.context import KeyedCall
 from autotp.plan.plan import Plan
 
 
@@ -77,7 +81,10 @@ def context_parallel(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
     nodes = {n.name: n for n in gm.graph.nodes}
     if plan.grads:
         _sum_grads(gm, [nodes[p] for p in plan.grads])  # the parameters' reads, untouched by the tp passes
-    whole = frozenset(plan.whole)
+    copies: set[str] = set()
+    for i, call in enumerate(plan.keyed):  # before the sizes: the copies read the whole length
+        copies |= _keyed(gm, call, i, nodes)
+    whole = frozenset(plan.whole) | copies
     sizes = frozenset(plan.sizes)
     for i, (name, dim) in enumerate(plan.chunks):
         _after(gm, nodes[name], f"autotp_cp_shard_{i}", ShardSequence(dim), whole | sizes)
@@ -134,6 +141,37 @@ def context_parallel(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
             outs[index] = gm.graph.call_module(f"autotp_cp_gather_{i}", (outs[index],))
     out.args = (type(out.args[0])(outs),)
     return gm
+
+
+def _keyed(gm: fx.GraphModule, call: KeyedCall, i: int, nodes: dict[str, fx.Node]) -> set[str]:
+    """Gather the attention's keys and values; the values its scores read that are made from positions,
+    computed by copies at the whole length and cut to this rank's rows. Returns the copies' names."""
+    # the scores' ops, or what an earlier pass put between (a tensor-parallel slice of the heads)
+    whole = set(call.whole)
+    readers = [u for name, _ in call.rows for u in nodes[name].users if u.name not in whole]
+    order = {n: k for k, n in enumerate(gm.graph.nodes)}
+    env: dict[fx.Node, fx.Node] = {}
+    if readers:
+        with gm.graph.inserting_before(min(readers, key=order.__getitem__)):
+            for name in call.whole:
+                env[nodes[name]] = gm.graph.node_copy(nodes[name], lambda a: env.get(a, a))
+            for j, (name, dim) in enumerate(call.rows):
+                rows = env[nodes[name]]
+                if dim is not None:  # (.., s, s) -> (.., s/cp, s): this rank's query rows
+                    gm.add_submodule(f"autotp_cp_rows_{i}_{j}", ShardSequence(dim))
+                    rows = gm.graph.call_module(f"autotp_cp_rows_{i}_{j}", (rows,))
+                    rows.meta = dict(nodes[name].meta)
+                nodes[name].replace_all_uses_with(rows, delete_user_cb=lambda u: u in readers)
+    for j, ((name, dim), reader) in enumerate(zip(call.keys, (nodes[call.scores], nodes[call.out]))):
+        gm.add_submodule(f"autotp_cp_keys_{i}_{j}", GatherKeys(dim))
+        with gm.graph.inserting_before(reader):
+            keys = gm.graph.call_module(f"autotp_cp_keys_{i}_{j}", (nodes[name],))
+        keys.meta = dict(nodes[name].meta)
+        reader.replace_input_with(nodes[name], keys)
+    for name in reversed(call.whole):  # the originals only the scores read: gone
+        if not nodes[name].users:
+            gm.graph.erase_node(nodes[name])
+    return {n.name for n in env.values()}
 
 
 def _sum_grads(gm: fx.GraphModule, params: list[fx.Node]) -> None:

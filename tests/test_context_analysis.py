@@ -110,12 +110,12 @@ def test_hand_written_causal_attention_runs_as_sdpa(kind):
     assert len(f.tables) == (4 if kind == "rope_interleaved" else 2 if kind == "rope_complex" else 0), f.tables
 
 
-def test_alibi_scores_are_named_once_per_layer():
-    """A bias of distances added to the scores is not a causal mask: one reason per attention, where its
-    scores are made."""
+def test_a_written_attention_left_whole_is_named_once_per_layer():
+    """An ALiBi bias over heads folded into the batch (BLOOM's baddbmm spelling) is neither SDPA's scores nor
+    run with its keys gathered yet: one reason per attention, where its scores are made."""
     import pattern_models
 
-    f = _built(*pattern_models.build("alibi"))
+    f = _built(*pattern_models.build("baddbmm_alibi"))
     assert [b.where.split(", ")[1] for b in f.blockers] == ["blocks.0.attn", "blocks.1.attn"], f.blockers
     assert all("hand-written attention" in b.detail for b in f.blockers)
 
@@ -132,10 +132,10 @@ def test_masks_proven_causal_in_every_spelling(kind):
     assert all((a.written is None) == (kind == "bool_sdpa_mask") for a in f.attention)
 
 
-@pytest.mark.parametrize("kind", ["window", "probs_out", "offset_table"])
+@pytest.mark.parametrize("kind", ["probs_out", "offset_table"])
 def test_what_is_not_causal_attention_is_named(kind):
-    """A sliding-window mask (the lower triangle only up to 4 back), probabilities the model also returns,
-    a rotary table read from an offset: each named, with the model's line."""
+    """Probabilities the model also returns, a rotary table read from an offset: each named, with the
+    model's line (a sliding window runs with its keys gathered: tests/test_keyed_attention.py)."""
     import context_models
 
     f = _built(*context_models.build(kind))
@@ -144,15 +144,18 @@ def test_what_is_not_causal_attention_is_named(kind):
         f.blockers
 
 
-def test_a_mask_buffer_on_meta_is_not_proven():
-    """Built on meta, the mask buffer has no values to compute: named, not assumed."""
+def test_a_mask_buffer_on_meta_is_not_proven_causal_and_runs_with_its_keys_gathered():
+    """Built on meta, the mask buffer has no values to compute: not assumed causal (no ring), but the mask
+    is made from a buffer alone, so the attention runs as written with its keys gathered, the mask read
+    from whatever the buffer holds when it runs."""
     import context_models
 
     with torch.device("meta"):
         model = context_models.build("buffer_mask")[0]
     args = tuple(torch.zeros(2, context_models.S, dtype=torch.long) for _ in range(2))
     f = _facts(model, *args)
-    assert any("built on meta" in b.detail for b in f.blockers), f.blockers
+    assert f.runs and [a.detail for a in f.attention] == ["keys gathered", "keys gathered"], f.blockers
+    assert all(any(n.startswith("slice") for n in a.keyed.whole) for a in f.attention)
 
 
 def test_hugging_face_llama_runs_with_its_mask_proven_and_its_labels_shifted_whole():

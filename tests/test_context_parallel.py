@@ -13,6 +13,10 @@ from ranks import Launches
 AT = {2: ["nanogpt_example", "hf_llama", "rope_interleaved", "baddbmm", *context_models.RUNS],
       4: ["nanogpt_example", "hf_llama", "einsum_rope"]}
 TP2 = ["nanogpt_example", "hf_llama", "einsum_rope"]
+# scores no ring computes, run with their keys gathered: ALiBi, soft-capping, a sliding window, two spellings
+# each at cp 2 (pattern_models' sequence of 12 takes cp 2 only); context_models' at cp 4; cp 2 × tp 2
+KEYED = {2: ["alibi", "softcap", *context_models.KEYED], 4: list(context_models.KEYED)}
+KEYED_TP2 = ["alibi", "softcap_where"]
 
 
 @pytest.fixture(scope="module")
@@ -20,6 +24,9 @@ def runs() -> Launches:
     """Both tests' jobs in one launch per cp."""
     jobs = {cp: {"graph": (context_parities, 3, 32), "parallelize": (parallelize_parity, AT[cp])} for cp in AT}
     jobs[4]["cp2_tp2"] = (parallelize_parity, TP2, 3, 2)  # 4 ranks: cp 2 × tp 2
+    for cp in KEYED:
+        jobs[cp]["keyed"] = (parallelize_parity, KEYED[cp])
+    jobs[4]["keyed_tp2"] = (parallelize_parity, KEYED_TP2, 3, 2)
     jobs[2]["dropout"], jobs[4]["dropout"] = (context_dropout, 1), (context_dropout, 2)  # cp 2; cp 2 × tp 2
     jobs[2]["script"] = (context_script_parity, 3)
     jobs[2]["sampling"] = (context_sampling,)
@@ -47,6 +54,28 @@ def test_context_parallel_training_matches_one_device(runs, cp):
             assert kinds.count("all_to_all_single") == 2 * cp, kinds
             assert kinds.count("all_reduce") == 3, kinds  # the loss's sum and count, the gradients
 
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cp, tp", [(2, 1), (4, 1), (2, 2)])
+def test_scores_no_ring_computes_train_exactly_with_their_keys_gathered(runs, cp, tp):
+    """Attention written out with scores a ring cannot compute — ALiBi (a slopes buffer times distances; -|i−j|
+    with slopes from a list), tanh soft-capping (Gemma-2's; with methods and a ``where`` mask), a sliding-window
+    mask — runs as written on the chunk's query rows over every key: 3 AdamW steps within 1e-5 of one device
+    at cp 2 and 4 and cp 2 × tp 2. Per layer K and V are all-gathered once forward and their gradients
+    reduce-scattered once backward; no ring (no all-to-all)."""
+    kinds = KEYED[cp] if tp == 1 else KEYED_TP2
+    for rank, by_kind in runs(cp * tp, "keyed" if tp == 1 else "keyed_tp2").items():
+        assert list(by_kind) == kinds
+        for kind, r in by_kind.items():
+            assert max(r["errors"].values()) <= 1e-5, (cp, tp, kind, rank, r["errors"])
+            ctx = r["context"]
+            assert len(ctx.keyed) == 2 and not ctx.attention, (kind, ctx)
+            kinds_ = [c[0] for c in r["calls"]]
+            assert kinds_.count("all_gather") == 4 and kinds_.count("reduce_scatter") == 4, (kind, kinds_)
+            assert "all_to_all_single" not in kinds_, (kind, kinds_)
+            if tp == 1:  # the loss's sum and count, and every parameter gradient in one bucket
+                assert kinds_.count("all_reduce") == 3, (kind, kinds_)
 
 
 @pytest.mark.slow

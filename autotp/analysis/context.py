@@ -10,7 +10,9 @@ do not:
   ``b·s`` rows of a flattened loss);
 - *attention*: each SDPA call, run as ring attention over the cp group (causal or full; a mask only where
   it is proven causal, :func:`~autotp.analysis.written_attention.mask_is_causal`; dropout is refused), and
-  each attention written out by hand that is exactly SDPA (:mod:`autotp.analysis.written_attention`);
+  each attention written out by hand that is exactly SDPA (:mod:`autotp.analysis.written_attention`); one
+  written out with scores no ring computes (a bias of distances, a sliding window, soft-capping) runs as
+  written with its keys and values gathered (:mod:`autotp.analysis.keyed_attention`);
 - *positions*: an ``arange`` over the sequence length (position embeddings, rotary tables, causal masks
   made from positions): indexed by the chunk's global positions instead. What is computed from them is
   held to the same rules as the tokens' data: on a chunk the positions are not in order, so a running sum
@@ -20,7 +22,8 @@ do not:
 - *random*: dropout (or any random op) on a value carrying the sequence: each rank draws its chunk's masks
   from a stream of its own (:mod:`autotp.operators.rng`), not the same masks as every other chunk;
 - *blockers*: anything else that reads across positions — a cumulative sum, a shift or a convolution
-  along the sequence, an index or slice of positions, a hand-written attention that is not SDPA's —
+  along the sequence, an index or slice of positions, a hand-written attention whose scores are read
+  elsewhere or mix query rows —
   named with its op, module and source line. For an op without a rule of autotp's own, DTensor's sharding
   rule decides (:func:`~autotp.analysis.torch_rules.ask_torch`): an op torch keeps local on a sequence
   shard is per-token; one torch would gather is a blocker.
@@ -40,6 +43,7 @@ from autotp.analysis.matmuls import where
 from autotp.analysis.op_rules import op_rule
 from autotp.analysis.ops import arg_named, is_random, reduction_args
 from autotp.analysis.torch_rules import TorchRefused, ask_torch
+from autotp.analysis.keyed_attention import Keyed, keyed_attention
 from autotp.analysis.written_attention import Written, mask_is_causal, written_attention
 
 aten = torch.ops.aten
@@ -72,10 +76,11 @@ class Attention:
     causal: bool
     scale: float | None
     written: Written | None = None
+    keyed: Keyed | None = None  # written out with scores no ring computes: its keys and values gathered
 
     @property
     def detail(self) -> str:
-        return "causal" if self.causal else "full"
+        return "keys gathered" if self.keyed else "causal" if self.causal else "full"
 
 
 @dataclass(frozen=True)
@@ -142,8 +147,8 @@ def find_context(gm: fx.GraphModule, cp: int = 2) -> ContextFacts:
         return ContextFacts("", (), (), (), (), (Site("", "", "no attention whose query length varies with the "
                                                           "input was found (a length fixed by the model?)"),))
     attention, positions, reductions, tables, random = [], [], [], [], []
-    found, blockers, inside, dropped = _attentions(gm, s)
     inputs = [(n.name, _seq_dims(n, s)[0]) for n in gm.graph.find_nodes(op="placeholder") if _seq_dims(n, s)]
+    found, blockers, inside, dropped = _attentions(gm, s, {name for name, _ in inputs})
     inside |= _whole(gm, _lengths(gm, inputs), dict(inputs), dropped)[0]  # run on the whole inputs: unchecked
     for node in gm.graph.nodes:
         if node.name in found:
@@ -268,8 +273,9 @@ class _Attentions(NamedTuple):
     dropped: set[str]  # gone with the rewrite: written-out chains, and masks only the rings read
 
 
-def _attentions(gm: fx.GraphModule, s: sympy.Symbol) -> _Attentions:
-    """Every attention over the sequence: run as a ring, or a blocker (see :class:`_Attentions`)."""
+def _attentions(gm: fx.GraphModule, s: sympy.Symbol, inputs: set[str]) -> _Attentions:
+    """Every attention over the sequence: run as a ring, with its keys gathered, or a blocker (see
+    :class:`_Attentions`)."""
     nodes = {n.name: n for n in gm.graph.nodes}
     found: dict[str, Attention] = {}
     blockers, inside, masks = [], set(), []
@@ -278,12 +284,27 @@ def _attentions(gm: fx.GraphModule, s: sympy.Symbol) -> _Attentions:
             continue  # not over this sequence (attention across heads or features)
         scores = nodes[w.chain[1]]
         reason = mask_is_causal(gm, w.mask, w.how, s) if w.mask is not None else ""
+        if reason and keyed_attention(nodes[w.out], s, inputs)[0] is not None:
+            continue  # not SDPA's mask, yet each query row alone: its keys gathered (below)
         inside.update(w.chain)
         if reason:  # named once, where the scores are made
             blockers.append(Site(scores.name, where(scores), f"a hand-written attention: {reason}"))
             continue
         found[w.out] = Attention(w.out, where(scores), w.mask is not None, w.scale, w)
         masks += [nodes[w.mask]] if w.mask is not None else []
+    for node in gm.graph.nodes:  # the others: scores that are not SDPA's, each query row on its own
+        if node.name in found or node.name in inside:
+            continue
+        k, why = keyed_attention(node, s, inputs)
+        if k is None:
+            if why:  # an attention's ·v matmul: named once, where its scores are made
+                blockers.append(Site(node.name, where(node), f"a hand-written attention: {why}"))
+                inside.update(_scores_of(node, s))
+            continue
+        found[k.out] = Attention(k.out, where(nodes[k.scores]), False, None, keyed=k)
+        region = {nodes[n] for n in (*k.region, k.scores, k.out)}
+        inside.update(k.region + (k.scores,))
+        inside.update(_only_read_by([nodes[r] for r, _ in k.rows], region))  # positions only its scores read
     for node in gm.graph.nodes:
         if node.op != "call_function" or op_rule(node.target) is None or op_rule(node.target).kind != "sdpa" \
                 or 2 not in _seq_dims(node.args[0], s):
@@ -302,11 +323,23 @@ def _attentions(gm: fx.GraphModule, s: sympy.Symbol) -> _Attentions:
             causal = True
             masks.append(mask)
         found[node.name] = Attention(node.name, where(node), causal, arg_named(node, "scale"))
-    rings = {nodes[a.node] for a in found.values()} | {nodes[c] for a in found.values() if a.written
-                                                        for c in a.written.chain}
+    rings = {nodes[a.node] for a in found.values() if not a.keyed} | {
+        nodes[c] for a in found.values() if a.written for c in a.written.chain}
     dropped = _only_read_by(masks, rings)
     chains = {c for a in found.values() if a.written for c in a.written.chain}
     return _Attentions(found, blockers, inside | dropped, dropped | chains)
+
+
+def _scores_of(out: fx.Node, s: sympy.Symbol) -> set[str]:
+    """The (.., s, s) values an attention's ·v matmul reads, up to its scores: skipped by the rest of the
+    analysis once the attention is named."""
+    seen, todo = set(), [out.args[0]]
+    while todo:
+        n = todo.pop()
+        if isinstance(n, fx.Node) and n.name not in seen and len(_seq_dims(n, s)) > 1:
+            seen.add(n.name)
+            todo += n.all_input_nodes
+    return seen
 
 
 def _only_read_by(roots: list[fx.Node], readers: set[fx.Node]) -> set[str]:

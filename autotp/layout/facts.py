@@ -158,9 +158,14 @@ def context_facts(gm: fx.GraphModule) -> tuple[str | None, int | None, int | Non
     except AutotpError as exc:  # the first op that stops it, with its line (the header says no more than that)
         lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
         return (lines[1] if len(lines) > 1 else lines[0]).rstrip(":"), None, None
+    nodes = {n.name: n for n in gm.graph.nodes}
+    if not plan.attention and plan.keyed:  # keys and values all-gathered: kᵀ (b, h, d, s), v (b, h, s, d)
+        kt, v = (shape_of(nodes[name]) for name, _ in plan.keyed[0].keys)
+        if not (kt and v and len(kt) == 4 and len(v) == 4):
+            return None, None, None
+        return None, kt[1] * kt[2] + v[1] * v[3], kt[1]
     if not plan.attention:
         return "no attention over the sequence to run as a ring", None, None
-    nodes = {n.name: n for n in gm.graph.nodes}
     ring = plan.attention[0]
     operands = [nodes[x] for x in ring.inputs] if ring.inputs else list(nodes[ring.node].args[:3])
     k, v = (shape_of(x) for x in operands[1:3])

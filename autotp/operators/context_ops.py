@@ -6,6 +6,8 @@ binds to the cp group (:meth:`bind`), as :mod:`autotp.operators.collectives`' ar
   positions of this rank's tokens;
 - :class:`PositionRows`: ``table[:s]`` (a rotary table read up to the length) → the rows of this rank's positions;
 - :class:`RingSDPA`: ``scaled_dot_product_attention`` → ring attention over the group;
+- :class:`GatherKeys`: a written-out attention's keys or values (the chunk's) → the whole sequence's, in
+  sequence order (backward: the gradients summed over the group, each rank's part: a reduce-scatter);
 - :class:`TokenMean`: a cross-entropy summed over local tokens → the mean over every counted token of the
   group (ignore_index respected): the local sum and count all-reduced;
 - :class:`GatherSequence`: a chunked output → the whole one, in sequence order, gathered when first read
@@ -22,7 +24,7 @@ import torch.nn.functional as F
 from autotp.operators.collectives import _Collective, _Leave, all_reduce
 from autotp.operators.gathered import GatherOutput, gathered_on_use
 from autotp.operators.ring_attention import local_positions, ring_attention, unshard_sequence
-from autotp.operators.seq_ops import _SumGrads
+from autotp.operators.seq_ops import _AllGather, _SumGrads
 
 
 class _ContextOp(_Collective):
@@ -79,6 +81,28 @@ class RingSDPA(_ContextOp):
                                                   enable_gqa=q.size(1) != k.size(1))
         # (b, h, s/cp, d), laid out (b, s/cp, h, d) in memory as SDPA's result: the graph may view its transpose
         return ring_attention(q, k, v, self.group, is_causal=self.is_causal, scale=self.scale)
+
+
+class GatherKeys(_ContextOp):
+    """Keys (``kᵀ`` as the scores' matmul reads it) or values of this rank's chunk along ``dim`` → the whole
+    sequence's, in sequence order: an all-gather over the group (backward: the gradient of the whole summed
+    over the group, this rank's part), then the head-tail chunks put back in place. Every rank then
+    computes its query rows' scores over every key, exactly as one device does."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.dim = dim
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.group is None:
+            return x
+        cp, dim = dist.get_world_size(self.group), self.dim % x.dim()
+        full = _AllGather.apply(x, dim, self.group)  # (.., s, ..): rank 0's chunk, then rank 1's, ...
+        order = torch.cat([local_positions(full.size(dim), cp, r, x.device) for r in range(cp)])
+        return full.index_select(dim, torch.argsort(order))
+
+    def extra_repr(self) -> str:
+        return f"dim={self.dim}"
 
 
 class TokenMean(_ContextOp):

@@ -19,6 +19,26 @@ class RingCall:
 
 
 @dataclass(frozen=True)
+class KeyedCall:
+    """An attention written out with scores a ring cannot compute (a bias of distances, a window,
+    soft-capping): ``keys`` (the scores' kᵀ and the ·v matmul's v: node, sequence dim) gathered whole over
+    the group in sequence order; ``rows``, values made from positions that the scores read (node, query dim
+    or None), computed at the whole length by copies of ``whole`` and cut to this rank's query rows."""
+
+    scores: str
+    out: str
+    keys: tuple[tuple[str, int], ...]
+    rows: tuple[tuple[str, int | None], ...]
+    whole: tuple[str, ...]
+    region: tuple[str, ...]  # the ops on the scores between the two matmuls: they read the rows
+
+    @classmethod
+    def from_dict(cls, d: dict) -> KeyedCall:
+        return cls(d["scores"], d["out"], tuple((n, dim) for n, dim in d["keys"]),
+                   tuple((n, dim) for n, dim in d["rows"]), tuple(d["whole"]), tuple(d["region"]))
+
+
+@dataclass(frozen=True)
 class TokenLoss:
     """A cross-entropy's mean, completed over the group's counted tokens."""
 
@@ -46,6 +66,7 @@ class ContextPlan:
     sizes: tuple[str, ...] = ()  # the sequence length read off the whole inputs: s/cp to ops on chunks
     tables: tuple[tuple[str, int], ...] = ()  # ``table[:s]`` along dim: the rows of the chunk's positions
     random: tuple[str, ...] = ()  # random ops on a chunk: each rank draws its own masks (a stream per chunk)
+    keyed: tuple[KeyedCall, ...] = ()  # written-out attentions run with their keys and values gathered
 
     @classmethod
     def from_dict(cls, d: dict) -> ContextPlan:
@@ -54,4 +75,5 @@ class ContextPlan:
                    tuple((i, dim) for i, dim in d["outputs"]), tuple(d.get("grads", ())), d.get("length", 0),
                    tuple(d.get("dropped", ())), tuple((n, dim) for n, dim in d.get("chunks", ())),
                    tuple(d.get("whole", ())), tuple(d.get("sizes", ())),
-                   tuple((n, dim) for n, dim in d.get("tables", ())), tuple(d.get("random", ())))
+                   tuple((n, dim) for n, dim in d.get("tables", ())), tuple(d.get("random", ())),
+                   tuple(KeyedCall.from_dict(k) for k in d.get("keyed", ())))

@@ -9,7 +9,7 @@ import torch.fx as fx
 from autotp.analysis.context import ContextFacts
 from autotp.analysis.ops import arg_named
 from autotp.errors import ShardingError
-from autotp.plan.context import ContextPlan, RingCall, TokenLoss
+from autotp.plan.context import ContextPlan, KeyedCall, RingCall, TokenLoss
 
 
 class ContextRefused(ShardingError):
@@ -33,12 +33,14 @@ def context_plan(gm: fx.GraphModule, facts: ContextFacts, cp: int, sum_grads: bo
                                  "completed over the cp group yet")
         losses.append(TokenLoss(r.node, arg_named(n, "ignore_index", -100), arg_named(n, "label_smoothing", 0.0)))
     attention = tuple(RingCall(a.node, a.causal, a.scale, (a.written.q, a.written.k, a.written.v) if a.written else (),
-                               bool(a.written and a.written.folded)) for a in facts.attention)
+                               bool(a.written and a.written.folded)) for a in facts.attention if not a.keyed)
+    keyed = tuple(KeyedCall(k.scores, k.out, k.keys, k.rows, k.whole, k.region)
+                  for k in (a.keyed for a in facts.attention) if k is not None)
     trained = {name for name, p in gm.named_parameters(remove_duplicate=False) if p.requires_grad}
     grads = tuple(n.name for n in gm.graph.nodes if n.op == "get_attr" and n.target in trained) if sum_grads else ()
     return ContextPlan(cp, facts.inputs, tuple(p.node for p in facts.positions), attention, tuple(losses),
                        facts.outputs, grads, _length(gm, facts), facts.dropped, facts.chunks, facts.whole,
-                       facts.sizes, facts.tables, facts.random)
+                       facts.sizes, facts.tables, facts.random, keyed)
 
 
 def _length(gm: fx.GraphModule, facts: ContextFacts) -> int:

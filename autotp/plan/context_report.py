@@ -5,7 +5,9 @@ rings, what else the rewrite touches, and per rank the activation bytes and the 
 Per transformer layer, fp32 terms scaled to the model's dtype, no dropout (Korthikanti et al. 2022 with fused
 attention, benchmarks/activation_memory.py derives each term): ``(64·sbh + 4·asb + 16·sb) / cp`` bytes kept for
 backward on each rank; K and V of the other ranks received, ``2·b·s·h_kv·(cp−1)/cp`` elements forward and as
-many backward (the ring gathers them again rather than keeping them).
+many backward (the ring gathers them again rather than keeping them). An attention written out with scores no
+ring computes (:class:`~autotp.plan.context.KeyedCall`) receives as much by one all-gather of K and V, and
+keeps its (b, a, s/cp, s) scores and probabilities for backward: ``2·b·a·s·s / cp`` elements more.
 """
 from __future__ import annotations
 
@@ -32,6 +34,7 @@ class ContextReport:
     activation_bytes: int  # kept for backward per rank, all attention layers (formula)
     activation_unsharded: int  # the same on one device
     kv_bytes: int  # K and V each rank receives per layer, forward (as much again backward)
+    keyed: int = 0  # attentions written out with scores no ring computes: keys and values gathered
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -55,7 +58,15 @@ def context_report(gm: fx.GraphModule, plan: ContextPlan) -> ContextReport:
         size = qv.element_size()
         act += (16 * s * b * a * d + a * s * b + 4 * s * b) * size  # fp32's 64·sbh + 4·asb + 16·sb, per byte
         kv += 2 * b * s * hk * size * (plan.cp - 1) // plan.cp
-    layers = max(1, len(plan.attention))
+    for call in plan.keyed:
+        q, kt = nodes[call.scores].args[0], nodes[call.keys[0][0]]  # (b, h, s, d), (b, h_kv, d, s)
+        qv, kv_ = q.meta["val"], kt.meta["val"]
+        b, a, s, d = (_hint(x) for x in qv.shape)
+        hk = _hint(kv_.shape[1]) * _hint(kv_.shape[2])
+        size = qv.element_size()
+        act += (16 * s * b * a * d + a * s * b + 4 * s * b + 2 * b * a * s * s) * size
+        kv += 2 * b * s * hk * size * (plan.cp - 1) // plan.cp
+    layers = max(1, len(plan.attention) + len(plan.keyed))
     return ContextReport(plan.cp, b, s, len(plan.attention), sum(r.is_causal for r in plan.attention),
                          sum(bool(r.inputs) for r in plan.attention), len(plan.positions), len(plan.tables),
-                         len(plan.whole), len(plan.losses), act // plan.cp, act, kv // layers)
+                         len(plan.whole), len(plan.losses), act // plan.cp, act, kv // layers, len(plan.keyed))

@@ -1,7 +1,9 @@
 """Causal attention written out in the spellings of public model code, for context parallelism: the mask as a
 buffer sliced to the length (GPT-2), made by ``torch.where`` or added as a very negative bias (Hugging Face's
 eager attention), scores by einsum, rotary tables read up to the length; and spellings that must not run on a
-chunk (a sliding-window mask, probabilities returned too, a table read from an offset)."""
+chunk (probabilities returned too, a table read from an offset). Scores no ring computes — a sliding-window
+mask, a symmetric ALiBi bias of distances, tanh soft-capping with a ``where`` mask — run with the keys
+gathered (:mod:`autotp.analysis.keyed_attention`)."""
 from __future__ import annotations
 
 import math
@@ -13,7 +15,8 @@ import torch.nn.functional as F
 V, H, NH, HD, S, L = 64, 32, 4, 8, 16, 32  # vocab, width, heads, head dim, sequence, longest sequence
 
 RUNS = ("buffer_mask", "where_mask", "additive_min", "einsum_rope", "bool_sdpa_mask")
-NAMED = {"window": "not causal", "probs_out": "not softmax", "offset_table": "not a table's first rows"}
+KEYED = ("window", "alibi_abs", "softcap_where")  # scores a ring cannot compute: keys and values gathered
+NAMED = {"probs_out": "also read outside the attention", "offset_table": "not a table's first rows"}
 
 
 def _rope(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:  # t: (b, h, s, d)
@@ -56,6 +59,14 @@ class Attention(nn.Module):
             att = att + (~tril).to(att.dtype)[None, None] * torch.finfo(att.dtype).min
         elif self.kind == "window":  # each position sees the 4 before it: not causal attention
             att = att.masked_fill(~(tril & ~torch.ones_like(tril).tril(-4)), float("-inf"))
+        elif self.kind == "alibi_abs":  # a bias of -|i - j| per head (the slopes a Python list), then causal
+            i = torch.arange(s, device=x.device)
+            dist = (i.view(-1, 1) - i.view(1, -1)).abs().float()  # (s, s)
+            slopes = torch.tensor([2.0 ** -(h + 1) for h in range(NH)], device=x.device).view(1, NH, 1, 1)
+            att = (att - slopes * dist).masked_fill(~tril, float("-inf"))
+        elif self.kind == "softcap_where":  # Gemma-2's capping, spelled with methods, masked by where
+            att = att.div(30.0).tanh().mul(30.0)
+            att = torch.where(tril, att, torch.full_like(att, float("-inf")))
         else:
             att = att.masked_fill(~tril, float("-inf"))
         p = F.softmax(att, dim=-1)

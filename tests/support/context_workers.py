@@ -88,7 +88,7 @@ def _build(kind: str):
 
         torch.manual_seed(0)
         return llama.build_model(), (), llama.example_batch()
-    if kind in ("rope_interleaved", "baddbmm"):  # baddbmm: heads folded into the batch, GPT-2 / BLOOM style
+    if kind in ("rope_interleaved", "baddbmm", "alibi", "softcap"):  # baddbmm: heads folded into the batch
         import pattern_models
 
         return pattern_models.build(kind)

@@ -1,0 +1,176 @@
+"""Attention written out by hand that is not SDPA's, run on a sequence chunk with its keys gathered.
+
+A ring needs scores that SDPA computes: ``softmax(q·kᵀ·c + causal mask)``. Public model code adds other
+things to the scores — a bias of distances (ALiBi), a sliding-window mask, tanh soft-capping (Gemma-2)::
+
+    att = q @ k.transpose(-2, -1) / math.sqrt(d)                  # (b, h, s, s)
+    att = att + slopes[:, None, None] * (pos[None, :] - pos[:, None])
+    att = torch.tanh(att / 50.0) * 50.0
+    y = att.masked_fill(~window_mask, float("-inf")).softmax(-1) @ v
+
+Every op between the q·kᵀ matmul and the ·v matmul treats each query row alone, given the row's whole set of
+keys. So with the keys (kᵀ, as the scores' matmul reads it) and values (as the ·v matmul reads them)
+gathered whole over the cp group, in sequence order, the chunk's rows of the scores are exactly the one
+device's rows: the chain runs as written on (b, h, s/cp, s). What else the scores read is computed from
+positions alone (sizes, constants, buffers, parameters: never the batch) — it is computed at the whole
+length and this rank's rows taken.
+
+The region between the two matmuls may hold pointwise ops (with the scores, or with values without the
+sequence: slopes, scalars), casts, and a softmax over the keys; its values must be read by nothing else
+(probabilities the model also returns are named). Read-only: facts by node name; the context pass rewrites.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import sympy
+import torch
+import torch.fx as fx
+
+from autotp.analysis.op_rules import op_rule
+from autotp.analysis.ops import is_random
+
+aten = torch.ops.aten
+
+# ops on each element alone, and values made in the scores' shape (``full_like(att, -inf)``)
+_REGION_KINDS = frozenset({"pointwise", "same_shape", "like"})
+_REGION_OPS = (aten.masked_fill.Tensor,)  # a fill value given as a tensor (``torch.tensor(-inf)``)
+
+
+@dataclass(frozen=True)
+class Keyed:
+    """An attention whose keys and values are gathered whole: ``scores`` the q·kᵀ matmul, ``out`` the ·v
+    matmul, ``keys`` (operand, its sequence dim) gathered over the group, ``rows`` values made from positions
+    that the scores read (node, the query dim or None where it has only the keys'), computed at the whole
+    length by ``whole`` (those nodes, in graph order) and cut to this rank's query rows."""
+
+    scores: str
+    out: str
+    keys: tuple[tuple[str, int], ...]
+    rows: tuple[tuple[str, int | None], ...]
+    whole: tuple[str, ...]
+    region: tuple[str, ...]  # the ops on the scores between the two matmuls
+
+
+def _symbols(size: object) -> set:
+    return set(size.node.expr.free_symbols) if isinstance(size, torch.SymInt) else set()
+
+
+def _seq_dims(node: object, s: sympy.Symbol) -> list[int]:
+    val = node.meta.get("val") if isinstance(node, fx.Node) else None
+    if not isinstance(val, torch.Tensor):
+        return []
+    return [i for i, size in enumerate(val.shape) if s in _symbols(size)]
+
+
+def _rank(node: object) -> int:
+    val = node.meta.get("val") if isinstance(node, fx.Node) else None
+    return val.dim() if isinstance(val, torch.Tensor) else -1
+
+
+def _is_scores(node: fx.Node, s: sympy.Symbol) -> bool:
+    """q·kᵀ: a 4-D matmul of (b, h, s, d) by (b, h, d, s)."""
+    return node.op == "call_function" and node.target is aten.matmul.default and _rank(node) == 4 and \
+        _seq_dims(node.args[0], s) == [2] and _seq_dims(node.args[1], s) == [3] and _seq_dims(node, s) == [2, 3]
+
+
+def _in_region(node: fx.Node) -> bool:
+    if node.op != "call_function":
+        return False
+    if node.target in _REGION_OPS:
+        return True
+    rule = op_rule(node.target)
+    if rule is None:
+        return False
+    if rule.kind == "softmax":  # over the keys only: the last dim
+        return node.args[1] in (-1, _rank(node.args[0]) - 1)
+    return rule.kind in _REGION_KINDS
+
+
+def positions_only(node: fx.Node, inputs: set[str]) -> tuple[list[fx.Node], str]:
+    """(the nodes computing ``node``, in graph order; '') where it is made from sizes of the inputs,
+    constants, buffers and parameters alone; ([], why) where it reads the batch, a size of anything but an
+    input, or random numbers."""
+    seen: set[fx.Node] = set()
+    todo = [node]
+    while todo:
+        n = todo.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n.op == "placeholder":
+            return [], f"it reads the batch ({n.name})"
+        if n.op == "get_attr":
+            continue
+        if n.op != "call_function":
+            return [], f"it reads {n.op} {n.target}"
+        rule = op_rule(n.target)
+        if rule is not None and rule.kind == "sym_size":
+            if not (isinstance(n.args[0], fx.Node) and n.args[0].name in inputs):
+                return [], f"it reads a size of {n.args[0]}, not of an input"
+            continue  # the whole length: read off the whole input
+        if rule is not None and is_random(n, rule):
+            return [], f"it draws random numbers ({n.target})"
+        todo += n.all_input_nodes
+    order = {n: i for i, n in enumerate(node.graph.nodes)}
+    made = sorted((n for n in seen if n.op == "call_function" and not (
+        op_rule(n.target) is not None and op_rule(n.target).kind == "sym_size")), key=order.__getitem__)
+    return made, ""
+
+
+def keyed_attention(out: fx.Node, s: sympy.Symbol, inputs: set[str]) -> tuple[Keyed | None, str]:
+    """The attention whose ·v matmul is ``out``, run with its keys gathered; (None, why) where it cannot."""
+    if out.op != "call_function" or out.target is not aten.matmul.default or _rank(out) != 4 \
+            or _seq_dims(out, s) != [2]:
+        return None, ""
+    probs, v = out.args[0], out.args[1]
+    if _seq_dims(probs, s) != [2, 3] or _seq_dims(v, s) != [2] or _rank(v) != 4:
+        return None, ""
+    region: list[fx.Node] = []
+    rows: list[tuple[fx.Node, int | None]] = []
+    scores, todo, seen = None, [probs], set()
+    while todo:
+        n = todo.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if _is_scores(n, s):
+            if scores is not None:
+                return None, "the scores come from two q·kᵀ matmuls"
+            scores = n
+            continue
+        if not _in_region(n):
+            return None, f"{n.target} on the scores: not an op on each query row alone"
+        region.append(n)
+        for a in n.all_input_nodes:
+            dims = _seq_dims(a, s)
+            if not dims:
+                continue  # no sequence dim: slopes, scalars
+            made, why = positions_only(a, inputs)
+            if not why:
+                r = _rank(a)
+                if not set(dims) <= {r - 2, r - 1}:
+                    return None, f"{a.name}, added to the scores, has the sequence in dims {dims}"
+                rows.append((a, r - 2 if r - 2 in dims else None))
+            elif _seq_dims(a, s) == [2, 3] and _rank(a) == 4:
+                todo.append(a)  # the scores, further up
+            else:
+                return None, f"the scores read {a.name}, which is neither the scores nor made from positions: {why}"
+    if scores is None:
+        return None, "no q·kᵀ matmul feeds the softmax"
+    inside = set(region) | {scores}
+    for n in region:
+        if any(u not in inside and u is not out for u in n.users):
+            return None, f"{n.name} (the scores or probabilities) is also read outside the attention"
+    if any(u not in inside for u in scores.users):
+        return None, "the scores are also read outside the attention"
+    for a, _ in rows:
+        if any(u not in inside for u in a.users):
+            return None, f"{a.name}, made from positions for the scores, is also read outside the attention"
+    whole: list[fx.Node] = []
+    for a, _ in rows:
+        whole += [m for m in positions_only(a, inputs)[0] if m not in whole]
+    order = {n: i for i, n in enumerate(out.graph.nodes)}
+    return Keyed(scores.name, out.name, ((scores.args[1].name, 3), (v.name, 2)),
+                 tuple((a.name, d) for a, d in rows), tuple(n.name for n in sorted(whole, key=order.__getitem__)),
+                 tuple(n.name for n in sorted(region, key=order.__getitem__))), ""

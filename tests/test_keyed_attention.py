@@ -1,0 +1,88 @@
+"""Attention written out with scores no ring computes (ALiBi, a sliding window, tanh soft-capping), run on a
+sequence chunk with its keys and values gathered (autotp.analysis.keyed_attention). Structural: captured
+graphs, no process group; the parity at cp 2 and 4 is tests/test_context_parallel.py's."""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import context_models
+import pattern_models
+from autotp.analysis.context import find_context
+from autotp.capture.tracer import capture
+from autotp.plan.context import ContextPlan
+from autotp.plan.context_planner import context_plan
+from autotp.plan.context_report import context_report
+from passes.context_parallel import context_parallel
+
+SPELLINGS = [(pattern_models, "alibi"), (pattern_models, "softcap"),
+             *((context_models, kind) for kind in context_models.KEYED)]
+
+
+def _captured(module, kind: str):
+    model, args, kwargs = module.build(kind)
+    return model, args, capture(model, args, kwargs)[0]
+
+
+@pytest.mark.parametrize("module, kind", SPELLINGS, ids=[k for _, k in SPELLINGS])
+def test_scores_no_ring_computes_run_with_their_keys_gathered(module, kind):
+    """Each layer's attention: kᵀ and v gathered (their sequence dims 3 and 2), the ops between the two
+    matmuls kept as written, a mask or bias made from positions (ALiBi's distances, the window, the causal
+    triangle) listed with its query dim, computed at the whole length."""
+    _, _, gm = _captured(module, kind)
+    f = find_context(gm)
+    assert f.runs, f.blockers
+    assert [a.detail for a in f.attention] == ["keys gathered", "keys gathered"]
+    for a in f.attention:
+        k = a.keyed
+        assert [d for _, d in k.keys] == [3, 2]
+        assert any(n.startswith("softmax") for n in k.region)
+        assert k.rows and all(d in (0, 1, 2) for _, d in k.rows), k.rows  # the (s, s) or (1, h, s, s) rows dim
+        assert k.whole and set(name for name, _ in k.rows) <= set(k.whole)
+    assert not f.positions  # an arange only the scores read is theirs: computed whole, not the chunk's
+
+
+def test_the_rewrite_inserts_the_gathers_and_rows_and_computes_the_same_unbound():
+    """Unbound (no process group) the operators are the identity, and at cp 1 the lengths are the whole's:
+    the rewritten graph computes the model's numbers; per layer two key gathers, one row cut per mask or
+    bias, the originals of the copied mask gone."""
+    model, args, gm = _captured(pattern_models, "alibi")
+    plan = context_plan(gm, find_context(gm), 1)
+    assert len(plan.keyed) == 2 and not plan.attention
+    assert ContextPlan.from_dict(json.loads(json.dumps(asdict(plan)))) == plan  # the plan's JSON round trip
+    want = model(*args)[1]
+    gm = context_parallel(gm, SimpleNamespace(context=plan))
+    gm.graph.lint()
+    gm.recompile()
+    mods = [n.target for n in gm.graph.nodes if n.op == "call_module"]
+    assert sum(m.startswith("autotp_cp_keys_") for m in mods) == 4
+    assert sum(m.startswith("autotp_cp_rows_") for m in mods) == sum(d is not None for k in plan.keyed
+                                                                     for _, d in k.rows)
+    names = {n.name for n in gm.graph.nodes}
+    assert not any(name in names for k in plan.keyed for name in k.whole), "the originals are gone"
+    torch.testing.assert_close(gm(*args)[1], want, rtol=0, atol=0)
+
+
+def test_the_plan_reports_the_gathered_keys():
+    """``autotp plan --cp``: the attentions with keys gathered counted, K and V bytes per layer priced as a
+    ring's, the scores kept for backward in the activation bytes."""
+    _, _, gm = _captured(context_models, "window")
+    r = context_report(gm, context_plan(gm, find_context(gm), 2))
+    assert r.keyed == 2 and r.rings == 0
+    b, s, h, d = 2, context_models.S, context_models.NH, context_models.HD
+    assert r.kv_bytes == 2 * b * s * h * d * 4 // 2
+    assert r.activation_bytes * 2 >= 2 * b * h * s * s * 4 * 2  # two layers' scores and probabilities
+
+
+def test_probabilities_read_elsewhere_and_folded_heads_are_still_named():
+    """Probabilities the model also returns, and ALiBi over heads folded into the batch (BLOOM's baddbmm):
+    named with their line, not run."""
+    _, _, gm = _captured(context_models, "probs_out")
+    f = find_context(gm)
+    assert not f.runs and any("also read outside the attention" in b.detail for b in f.blockers), f.blockers
+    _, _, gm = _captured(pattern_models, "baddbmm_alibi")
+    assert not find_context(gm).runs
