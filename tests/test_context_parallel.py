@@ -14,8 +14,10 @@ AT = {2: ["nanogpt_example", "hf_llama", "rope_interleaved", "baddbmm", *context
       4: ["nanogpt_example", "hf_llama", "einsum_rope"]}
 TP2 = ["nanogpt_example", "hf_llama", "einsum_rope"]
 # scores no ring computes, run with their keys gathered: ALiBi, soft-capping, a sliding window, two spellings
-# each at cp 2 (pattern_models' sequence of 12 takes cp 2 only); context_models' at cp 4; cp 2 × tp 2
-KEYED = {2: ["alibi", "softcap", *context_models.KEYED], 4: list(context_models.KEYED)}
+# each at cp 2 (pattern_models' sequence of 12 takes cp 2 only), and Hugging Face's Gemma-2 (eager attention:
+# soft-capped scores, a sliding window every other layer, one mask made for every layer); context_models' at
+# cp 4; cp 2 × tp 2
+KEYED = {2: ["alibi", "softcap", *context_models.KEYED, "hf_gemma2"], 4: list(context_models.KEYED)}
 KEYED_TP2 = ["alibi", "softcap_where"]
 
 
@@ -61,7 +63,7 @@ def test_context_parallel_training_matches_one_device(runs, cp):
 def test_scores_no_ring_computes_train_exactly_with_their_keys_gathered(runs, cp, tp):
     """Attention written out with scores a ring cannot compute — ALiBi (a slopes buffer times distances; -|i−j|
     with slopes from a list), tanh soft-capping (Gemma-2's; with methods and a ``where`` mask), a sliding-window
-    mask — runs as written on the chunk's query rows over every key: 3 AdamW steps within 1e-5 of one device
+    mask, Gemma-2's — runs as written on the chunk's query rows over every key: 3 AdamW steps within 1e-5 of one device
     at cp 2 and 4 and cp 2 × tp 2. Per layer K and V are all-gathered once forward and their gradients
     reduce-scattered once backward; no ring (no all-to-all)."""
     kinds = KEYED[cp] if tp == 1 else KEYED_TP2

@@ -86,3 +86,34 @@ def test_probabilities_read_elsewhere_and_folded_heads_are_still_named():
     assert not f.runs and any("also read outside the attention" in b.detail for b in f.blockers), f.blockers
     _, _, gm = _captured(pattern_models, "baddbmm_alibi")
     assert not find_context(gm).runs
+
+
+def test_one_mask_made_for_every_layer_is_theirs():
+    """A mask made once and read by every layer's attention, all run with their keys gathered: it is theirs,
+    copied once at the whole length and cut to the rows; unbound at cp 1 the rewrite computes the model's
+    numbers."""
+    model, (ids, targets), _ = context_models.build("shared_window")
+    gm = capture(model, (ids, targets), {})[0]
+    f = find_context(gm)
+    assert f.runs, f.blockers
+    keyed = [a.keyed for a in f.attention]
+    assert len(keyed) == 2 and set(keyed[0].rows) == set(keyed[1].rows), [k.rows for k in keyed]
+    plan = context_plan(gm, f, 1)
+    gm = context_parallel(gm, SimpleNamespace(context=plan))
+    gm.graph.lint()
+    gm.recompile()
+    copies = [n for n in gm.graph.nodes if n.op == "call_module" and n.target.startswith("autotp_cp_rows_")]
+    assert len(copies) == 1 and len(copies[0].users) == 2  # one copy, read by both layers
+    torch.testing.assert_close(gm(ids, targets)[1], model(ids, targets)[1], rtol=0, atol=0)
+
+
+def test_gemma2_soft_capped_and_windowed_scores_run_with_keys_gathered():
+    """Gemma-2 (eager): tanh-capped scores, a sliding window every other layer; the mask machinery's ops
+    over positions (a cumulative sum, a difference) are computed whole with the mask, not refused."""
+    import context_workers
+
+    model, args, kwargs = context_workers._build("hf_gemma2")
+    f = find_context(capture(model, args, kwargs)[0])
+    assert f.runs, f.blockers
+    assert [a.detail for a in f.attention] == ["keys gathered", "keys gathered"]
+    assert all(any("tanh" in n for n in a.keyed.region) for a in f.attention)

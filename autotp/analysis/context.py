@@ -292,19 +292,32 @@ def _attentions(gm: fx.GraphModule, s: sympy.Symbol, inputs: set[str]) -> _Atten
             continue
         found[w.out] = Attention(w.out, where(scores), w.mask is not None, w.scale, w)
         masks += [nodes[w.mask]] if w.mask is not None else []
+    keyed: list[Keyed] = []
     for node in gm.graph.nodes:  # the others: scores that are not SDPA's, each query row on its own
         if node.name in found or node.name in inside:
             continue
         k, why = keyed_attention(node, s, inputs)
-        if k is None:
-            if why:  # an attention's ·v matmul: named once, where its scores are made
-                blockers.append(Site(node.name, where(node), f"a hand-written attention: {why}"))
-                inside.update(_scores_of(node, s))
-            continue
+        if k is not None:
+            keyed.append(k)
+        elif why:  # an attention's ·v matmul: named once, where its scores are made
+            blockers.append(Site(node.name, where(node), f"a hand-written attention: {why}"))
+            inside.update(_scores_of(node, s))
+    while True:  # a mask or bias made once for several layers (Hugging Face's) is theirs if only they read it
+        region = {nodes[n] for k in keyed for n in (*k.region, k.scores)}
+        shared = [k for k in keyed if any(u not in region for r, _ in k.rows for u in nodes[r].users)]
+        if not shared:
+            break
+        for k in shared:
+            keyed.remove(k)
+            blockers.append(Site(k.out, where(nodes[k.scores]), "a hand-written attention: a mask or bias its "
+                                                                 "scores read is also read outside the attention"))
+            inside.update(_scores_of(nodes[k.out], s))
+    for k in keyed:
         found[k.out] = Attention(k.out, where(nodes[k.scores]), False, None, keyed=k)
-        region = {nodes[n] for n in (*k.region, k.scores, k.out)}
         inside.update(k.region + (k.scores,))
-        inside.update(_only_read_by([nodes[r] for r, _ in k.rows], region))  # positions only its scores read
+    # the positions only their scores read: computed whole by the rewrite, not checked as ops on chunks
+    inside.update(_only_read_by([nodes[r] for k in keyed for r, _ in k.rows],
+                                {nodes[n] for k in keyed for n in (*k.region, k.scores, k.out)}))
     for node in gm.graph.nodes:
         if node.op != "call_function" or op_rule(node.target) is None or op_rule(node.target).kind != "sdpa" \
                 or 2 not in _seq_dims(node.args[0], s):

@@ -17,7 +17,9 @@ length and this rank's rows taken.
 
 The region between the two matmuls may hold pointwise ops (with the scores, or with values without the
 sequence: slopes, scalars), casts, and a softmax over the keys; its values must be read by nothing else
-(probabilities the model also returns are named). Read-only: facts by node name; the context pass rewrites.
+(probabilities the model also returns are named), and a mask or bias made from positions by nothing but
+attentions run this way (Hugging Face makes one mask for every layer: the caller checks them together).
+Read-only: facts by node name; the context pass rewrites.
 """
 from __future__ import annotations
 
@@ -164,9 +166,6 @@ def keyed_attention(out: fx.Node, s: sympy.Symbol, inputs: set[str]) -> tuple[Ke
             return None, f"{n.name} (the scores or probabilities) is also read outside the attention"
     if any(u not in inside for u in scores.users):
         return None, "the scores are also read outside the attention"
-    for a, _ in rows:
-        if any(u not in inside for u in a.users):
-            return None, f"{a.name}, made from positions for the scores, is also read outside the attention"
     whole: list[fx.Node] = []
     for a, _ in rows:
         whole += [m for m in positions_only(a, inputs)[0] if m not in whole]

@@ -15,7 +15,8 @@ import torch.nn.functional as F
 V, H, NH, HD, S, L = 64, 32, 4, 8, 16, 32  # vocab, width, heads, head dim, sequence, longest sequence
 
 RUNS = ("buffer_mask", "where_mask", "additive_min", "einsum_rope", "bool_sdpa_mask")
-KEYED = ("window", "alibi_abs", "softcap_where")  # scores a ring cannot compute: keys and values gathered
+# scores a ring cannot compute: keys and values gathered
+KEYED = ("window", "alibi_abs", "softcap_where", "shared_window")
 NAMED = {"probs_out": "also read outside the attention", "offset_table": "not a table's first rows"}
 
 
@@ -94,7 +95,32 @@ class LM(nn.Module):
         return logits, F.cross_entropy(logits.view(-1, V), targets.view(-1))
 
 
+class SharedMaskLM(nn.Module):
+    """One sliding-window mask made in the model's forward and read by every layer (as Hugging Face passes
+    one mask to all of them)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(V, H)
+        self.qkv = nn.ModuleList(nn.Linear(H, 3 * H) for _ in range(2))
+        self.o = nn.ModuleList(nn.Linear(H, H) for _ in range(2))
+        self.head = nn.Linear(H, V, bias=False)
+
+    def forward(self, idx, targets):
+        b, s = idx.shape
+        i = torch.arange(s, device=idx.device)
+        hide = ~((i[:, None] >= i[None, :]) & (i[:, None] - i[None, :] < 4))  # (s, s): all but the last 4
+        x = self.emb(idx)
+        for qkv, o in zip(self.qkv, self.o):
+            q, k, v = qkv(x).view(b, s, 3, NH, HD).permute(2, 0, 3, 1, 4)  # (b, h, s, d) each
+            att = (q @ k.transpose(-2, -1) * HD ** -0.5).masked_fill(hide, float("-inf")).softmax(-1)
+            x = x + o((att @ v).transpose(1, 2).reshape(b, s, H))
+        logits = self.head(x)
+        return logits, F.cross_entropy(logits.view(-1, V), targets.view(-1))
+
+
 def build(kind: str, dropout: float = 0.0):
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(1)
-    return LM(kind, dropout), (torch.randint(0, V, (2, S), generator=g), torch.randint(0, V, (2, S), generator=g)), {}
+    model = SharedMaskLM() if kind == "shared_window" else LM(kind, dropout)
+    return model, (torch.randint(0, V, (2, S), generator=g), torch.randint(0, V, (2, S), generator=g)), {}

@@ -88,6 +88,21 @@ def _build(kind: str):
 
         torch.manual_seed(0)
         return llama.build_model(), (), llama.example_batch()
+    if kind in ("hf_gpt2_eager", "hf_gemma2"):  # Hugging Face's eager attention: one mask for every layer
+        import transformers
+
+        torch.manual_seed(0)
+        if kind == "hf_gpt2_eager":
+            config = transformers.GPT2Config(vocab_size=128, n_embd=64, n_layer=2, n_head=4, n_positions=64,
+                                             resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0,
+                                             eos_token_id=0, attn_implementation="eager")
+        else:  # tanh soft-capping of the scores and the logits, a sliding window on every other layer
+            config = transformers.Gemma2Config(vocab_size=128, hidden_size=64, intermediate_size=128,
+                                               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                               head_dim=16, sliding_window=8, attn_implementation="eager")
+        ids = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(1))
+        return transformers.AutoModelForCausalLM.from_config(config), (), {"input_ids": ids, "labels": ids,
+                                                                          "use_cache": False}
     if kind in ("rope_interleaved", "baddbmm", "alibi", "softcap"):  # baddbmm: heads folded into the batch
         import pattern_models
 
