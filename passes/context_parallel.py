@@ -168,10 +168,7 @@ def _keyed(gm: fx.GraphModule, call: KeyedCall, i: int, nodes: dict[str, fx.Node
             keys = gm.graph.call_module(f"autotp_cp_keys_{i}_{j}", (nodes[name],))
         keys.meta = dict(nodes[name].meta)
         reader.replace_input_with(nodes[name], keys)
-    for name in reversed(call.whole):  # the originals only the scores read: gone (once, where layers share them)
-        if not nodes[name].users and not getattr(nodes[name], "_erased", False):
-            gm.graph.erase_node(nodes[name])
-    return {n.name for n in env.values()}
+    return {n.name for n in env.values()}  # the originals only the scores read are in ``plan.dropped``
 
 
 def _sum_grads(gm: fx.GraphModule, params: list[fx.Node]) -> None:

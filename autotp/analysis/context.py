@@ -43,7 +43,7 @@ from autotp.analysis.matmuls import where
 from autotp.analysis.op_rules import op_rule
 from autotp.analysis.ops import arg_named, is_random, reduction_args
 from autotp.analysis.torch_rules import TorchRefused, ask_torch
-from autotp.analysis.keyed_attention import Keyed, keyed_attention
+from autotp.analysis.keyed_attention import Keyed, keyed_attention, keyed_sdpa
 from autotp.analysis.written_attention import Written, mask_is_causal, written_attention
 
 aten = torch.ops.aten
@@ -302,22 +302,6 @@ def _attentions(gm: fx.GraphModule, s: sympy.Symbol, inputs: set[str]) -> _Atten
         elif why:  # an attention's ·v matmul: named once, where its scores are made
             blockers.append(Site(node.name, where(node), f"a hand-written attention: {why}"))
             inside.update(_scores_of(node, s))
-    while True:  # a mask or bias made once for several layers (Hugging Face's) is theirs if only they read it
-        region = {nodes[n] for k in keyed for n in (*k.region, k.scores)}
-        shared = [k for k in keyed if any(u not in region for r, _ in k.rows for u in nodes[r].users)]
-        if not shared:
-            break
-        for k in shared:
-            keyed.remove(k)
-            blockers.append(Site(k.out, where(nodes[k.scores]), "a hand-written attention: a mask or bias its "
-                                                                 "scores read is also read outside the attention"))
-            inside.update(_scores_of(nodes[k.out], s))
-    for k in keyed:
-        found[k.out] = Attention(k.out, where(nodes[k.scores]), False, None, keyed=k)
-        inside.update(k.region + (k.scores,))
-    # the positions only their scores read: computed whole by the rewrite, not checked as ops on chunks
-    inside.update(_only_read_by([nodes[r] for k in keyed for r, _ in k.rows],
-                                {nodes[n] for k in keyed for n in (*k.region, k.scores, k.out)}))
     for node in gm.graph.nodes:
         if node.op != "call_function" or op_rule(node.target) is None or op_rule(node.target).kind != "sdpa" \
                 or 2 not in _seq_dims(node.args[0], s):
@@ -330,15 +314,36 @@ def _attentions(gm: fx.GraphModule, s: sympy.Symbol, inputs: set[str]) -> _Atten
         causal = bool(arg_named(node, "is_causal", False))
         if isinstance(mask, fx.Node):  # a mask made from positions (Hugging Face's): causal, or refused
             reason = mask_is_causal(gm, mask.name, "keep" if mask.meta["val"].dtype == torch.bool else "add", s)
+            if reason and not causal and (k := keyed_sdpa(node, mask, s, inputs)) is not None:
+                keyed.append(k)  # a padding mask, a window: K and V gathered, the mask's rows
+                continue
             if reason:
                 blockers.append(Site(node.name, where(node), f"attention with an explicit mask: {reason}"))
                 continue
             causal = True
             masks.append(mask)
         found[node.name] = Attention(node.name, where(node), causal, arg_named(node, "scale"))
+    while True:  # a mask or bias made once for several layers (Hugging Face's) is theirs if only they read it
+        region = {nodes[n] for k in keyed for n in (*k.region, k.scores)}
+        shared = [k for k in keyed if any(u not in region for r, _ in k.rows for u in nodes[r].users)]
+        if not shared:
+            break
+        for k in shared:
+            keyed.remove(k)
+            blockers.append(Site(k.out, where(nodes[k.scores]), "a hand-written attention: a mask or bias its "
+                                                                 "scores read is also read outside the attention"))
+            if k.region != (k.out,):  # written out: its (s, s) values skipped, named once here
+                inside.update(_scores_of(nodes[k.out], s))
+    for k in keyed:
+        found[k.out] = Attention(k.out, where(nodes[k.scores]), False, None, keyed=k)
+        inside.update(k.region + (k.scores,))
+    # what only their scores read (masks, biases from positions or the whole inputs): computed whole by the
+    # rewrite's copies, the originals dropped
+    computed = _only_read_by([nodes[r] for k in keyed for r, _ in k.rows],
+                             {nodes[n] for k in keyed for n in (*k.region, k.scores, k.out)})
     rings = {nodes[a.node] for a in found.values() if not a.keyed} | {
         nodes[c] for a in found.values() if a.written for c in a.written.chain}
-    dropped = _only_read_by(masks, rings)
+    dropped = _only_read_by(masks, rings) | computed
     chains = {c for a in found.values() if a.written for c in a.written.chain}
     return _Attentions(found, blockers, inside | dropped, dropped | chains)
 

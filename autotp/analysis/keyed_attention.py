@@ -12,8 +12,9 @@ Every op between the q·kᵀ matmul and the ·v matmul treats each query row alo
 keys. So with the keys (kᵀ, as the scores' matmul reads it) and values (as the ·v matmul reads them)
 gathered whole over the cp group, in sequence order, the chunk's rows of the scores are exactly the one
 device's rows: the chain runs as written on (b, h, s/cp, s). What else the scores read is computed from
-positions alone (sizes, constants, buffers, parameters: never the batch) — it is computed at the whole
-length and this rank's rows taken.
+positions and the whole inputs (sizes, constants, buffers, parameters, a padding mask: never random) — is
+computed at the whole length, as every rank has the inputs whole, and this rank's rows taken. The same holds
+for ``scaled_dot_product_attention`` given a mask that is not causal (:func:`keyed_sdpa`).
 
 The region between the two matmuls may hold pointwise ops (with the scores, or with values without the
 sequence: slopes, scalars), casts, and a softmax over the keys; its values must be read by nothing else
@@ -37,6 +38,10 @@ aten = torch.ops.aten
 # ops on each element alone, and values made in the scores' shape (``full_like(att, -inf)``)
 _REGION_KINDS = frozenset({"pointwise", "same_shape", "like"})
 _REGION_OPS = (aten.masked_fill.Tensor,)  # a fill value given as a tensor (``torch.tensor(-inf)``)
+# what a mask or bias computed whole may not hold: the model's own layers (they run on the chunk)
+_LAYER_KINDS = frozenset({"matmul", "baddbmm", "sdpa", "conv", "norm", "cross_entropy", "nll_loss"})
+_LAYER_OPS = (aten.linear.default, aten.embedding.default, aten.mm.default, aten.addmm.default,
+              aten.einsum.default, aten._embedding_bag.default)
 
 
 @dataclass(frozen=True)
@@ -89,10 +94,10 @@ def _in_region(node: fx.Node) -> bool:
     return rule.kind in _REGION_KINDS
 
 
-def positions_only(node: fx.Node, inputs: set[str]) -> tuple[list[fx.Node], str]:
-    """(the nodes computing ``node``, in graph order; '') where it is made from sizes of the inputs,
-    constants, buffers and parameters alone; ([], why) where it reads the batch, a size of anything but an
-    input, or random numbers."""
+def computable_whole(node: fx.Node, inputs: set[str]) -> tuple[list[fx.Node], str]:
+    """(the nodes computing ``node``, in graph order; '') where it is made from the whole inputs that carry
+    the sequence (a padding mask), their sizes, constants, buffers and parameters alone; ([], why) where it
+    reads another input, a size of anything but an input, or random numbers."""
     seen: set[fx.Node] = set()
     todo = [node]
     while todo:
@@ -101,12 +106,16 @@ def positions_only(node: fx.Node, inputs: set[str]) -> tuple[list[fx.Node], str]
             continue
         seen.add(n)
         if n.op == "placeholder":
-            return [], f"it reads the batch ({n.name})"
+            if n.name in inputs:
+                continue  # the whole input, as every rank has it (ids, a padding mask)
+            return [], f"it reads the input {n.name}, which does not carry the sequence"
         if n.op == "get_attr":
             continue
         if n.op != "call_function":
             return [], f"it reads {n.op} {n.target}"
         rule = op_rule(n.target)
+        if n.target in _LAYER_OPS or rule is not None and rule.kind in _LAYER_KINDS:
+            return [], f"it runs a layer of the model ({n.target})"
         if rule is not None and rule.kind == "sym_size":
             if not (isinstance(n.args[0], fx.Node) and n.args[0].name in inputs):
                 return [], f"it reads a size of {n.args[0]}, not of an input"
@@ -118,6 +127,21 @@ def positions_only(node: fx.Node, inputs: set[str]) -> tuple[list[fx.Node], str]
     made = sorted((n for n in seen if n.op == "call_function" and not (
         op_rule(n.target) is not None and op_rule(n.target).kind == "sym_size")), key=order.__getitem__)
     return made, ""
+
+
+def keyed_sdpa(node: fx.Node, mask: fx.Node, s: sympy.Symbol, inputs: set[str]) -> Keyed | None:
+    """``scaled_dot_product_attention(q, k, v, attn_mask=mask)`` with a mask that is not causal (a padding
+    mask, a sliding window): k and v gathered, the mask computed whole and cut to the query rows; None where
+    the mask cannot be computed whole."""
+    q, k, v = node.args[:3]
+    if not all(_seq_dims(x, s) == [2] and _rank(x) == 4 for x in (q, k, v)):
+        return None
+    made, why = computable_whole(mask, inputs)
+    r, dims = _rank(mask), _seq_dims(mask, s)
+    if why or not set(dims) <= {r - 2, r - 1}:
+        return None
+    return Keyed(node.name, node.name, ((k.name, 2), (v.name, 2)), ((mask.name, r - 2 if r - 2 in dims else None),),
+                 tuple(n.name for n in made), (node.name,))
 
 
 def keyed_attention(out: fx.Node, s: sympy.Symbol, inputs: set[str]) -> tuple[Keyed | None, str]:
@@ -148,7 +172,7 @@ def keyed_attention(out: fx.Node, s: sympy.Symbol, inputs: set[str]) -> tuple[Ke
             dims = _seq_dims(a, s)
             if not dims:
                 continue  # no sequence dim: slopes, scalars
-            made, why = positions_only(a, inputs)
+            made, why = computable_whole(a, inputs)
             if not why:
                 r = _rank(a)
                 if not set(dims) <= {r - 2, r - 1}:
@@ -168,7 +192,7 @@ def keyed_attention(out: fx.Node, s: sympy.Symbol, inputs: set[str]) -> tuple[Ke
         return None, "the scores are also read outside the attention"
     whole: list[fx.Node] = []
     for a, _ in rows:
-        whole += [m for m in positions_only(a, inputs)[0] if m not in whole]
+        whole += [m for m in computable_whole(a, inputs)[0] if m not in whole]
     order = {n: i for i, n in enumerate(out.graph.nodes)}
     return Keyed(scores.name, out.name, ((scores.args[1].name, 3), (v.name, 2)),
                  tuple((a.name, d) for a, d in rows), tuple(n.name for n in sorted(whole, key=order.__getitem__)),

@@ -159,11 +159,12 @@ def context_facts(gm: fx.GraphModule) -> tuple[str | None, int | None, int | Non
         lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
         return (lines[1] if len(lines) > 1 else lines[0]).rstrip(":"), None, None
     nodes = {n.name: n for n in gm.graph.nodes}
-    if not plan.attention and plan.keyed:  # keys and values all-gathered: kᵀ (b, h, d, s), v (b, h, s, d)
-        kt, v = (shape_of(nodes[name]) for name, _ in plan.keyed[0].keys)
-        if not (kt and v and len(kt) == 4 and len(v) == 4):
+    if not plan.attention and plan.keyed:  # keys and values all-gathered: kᵀ (b, h, d, s) or k, v (b, h, s, d)
+        (kname, kseq), (vname, _) = plan.keyed[0].keys
+        k, v = shape_of(nodes[kname]), shape_of(nodes[vname])
+        if not (k and v and len(k) == 4 and len(v) == 4):
             return None, None, None
-        return None, kt[1] * kt[2] + v[1] * v[3], kt[1]
+        return None, k[1] * k[2 if kseq == 3 else 3] + v[1] * v[3], k[1]
     if not plan.attention:
         return "no attention over the sequence to run as a ring", None, None
     ring = plan.attention[0]

@@ -59,10 +59,11 @@ def context_report(gm: fx.GraphModule, plan: ContextPlan) -> ContextReport:
         act += (16 * s * b * a * d + a * s * b + 4 * s * b) * size  # fp32's 64·sbh + 4·asb + 16·sb, per byte
         kv += 2 * b * s * hk * size * (plan.cp - 1) // plan.cp
     for call in plan.keyed:
-        q, kt = nodes[call.scores].args[0], nodes[call.keys[0][0]]  # (b, h, s, d), (b, h_kv, d, s)
-        qv, kv_ = q.meta["val"], kt.meta["val"]
+        (name, seq), = call.keys[:1]  # kᵀ (b, h_kv, d, s) as a written-out matmul reads it, or SDPA's k
+        q, k = nodes[call.scores].args[0], nodes[name]  # q (b, h, s, d)
+        qv, kv_ = q.meta["val"], k.meta["val"]
         b, a, s, d = (_hint(x) for x in qv.shape)
-        hk = _hint(kv_.shape[1]) * _hint(kv_.shape[2])
+        hk = _hint(kv_.shape[1]) * _hint(kv_.shape[2 if seq == 3 else 3])
         size = qv.element_size()
         act += (16 * s * b * a * d + a * s * b + 4 * s * b + 2 * b * a * s * s) * size
         kv += 2 * b * s * hk * size * (plan.cp - 1) // plan.cp

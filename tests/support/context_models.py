@@ -16,7 +16,7 @@ V, H, NH, HD, S, L = 64, 32, 4, 8, 16, 32  # vocab, width, heads, head dim, sequ
 
 RUNS = ("buffer_mask", "where_mask", "additive_min", "einsum_rope", "bool_sdpa_mask")
 # scores a ring cannot compute: keys and values gathered
-KEYED = ("window", "alibi_abs", "softcap_where", "shared_window")
+KEYED = ("window", "alibi_abs", "softcap_where", "shared_window", "sdpa_window")
 NAMED = {"probs_out": "also read outside the attention", "offset_table": "not a table's first rows"}
 
 
@@ -46,6 +46,12 @@ class Attention(nn.Module):
         if self.kind == "bool_sdpa_mask":  # a boolean mask made from positions, passed to SDPA
             pos = torch.arange(s, device=x.device)
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=pos[:, None] >= pos[None, :])
+            return self.o(y.transpose(1, 2).reshape(b, s, H))
+        if self.kind == "sdpa_window":  # Mistral's sliding window as SDPA's additive mask
+            pos = torch.arange(s, device=x.device)
+            near = (pos[:, None] >= pos[None, :]) & (pos[:, None] - pos[None, :] < 4)
+            bias = torch.zeros(s, s, device=x.device).masked_fill(~near, float("-inf"))
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
             return self.o(y.transpose(1, 2).reshape(b, s, H))
         if self.kind == "einsum_rope":
             att = torch.einsum("bhid,bhjd->bhij", q, k) * HD ** -0.5

@@ -88,6 +88,15 @@ def _build(kind: str):
 
         torch.manual_seed(0)
         return llama.build_model(), (), llama.example_batch()
+    if kind == "hf_llama_padded":  # a padding mask: SDPA given a mask that is not causal
+        import llama
+
+        torch.manual_seed(0)
+        batch = llama.example_batch()
+        mask = torch.ones_like(batch["input_ids"])
+        mask[0, :5], mask[1, :12] = 0, 0  # left padding, as batched generation and fine-tuning pad
+        labels = batch["input_ids"].masked_fill(mask == 0, -100)
+        return llama.build_model(), (), {**batch, "attention_mask": mask, "labels": labels}
     if kind in ("hf_gpt2_eager", "hf_gemma2"):  # Hugging Face's eager attention: one mask for every layer
         import transformers
 
