@@ -162,12 +162,19 @@ def _keyed(gm: fx.GraphModule, call: KeyedCall, i: int, nodes: dict[str, fx.Node
                     rows = gm.graph.call_module(f"autotp_cp_rows_{i}_{j}", (rows,))
                     rows.meta = dict(nodes[name].meta)
                 nodes[name].replace_all_uses_with(rows, delete_user_cb=lambda u: u in readers)
-    for j, ((name, dim), reader) in enumerate(zip(call.keys, (nodes[call.scores], nodes[call.out]))):
+    for j, ((name, dim), span, attention) in enumerate(zip(call.keys, call.spans,
+                                                            (nodes[call.scores], nodes[call.out]))):
+        reader = nodes[span[0]] if span else attention  # the kv heads' repeat runs on the gathered keys
         gm.add_submodule(f"autotp_cp_keys_{i}_{j}", GatherKeys(dim))
         with gm.graph.inserting_before(reader):
             keys = gm.graph.call_module(f"autotp_cp_keys_{i}_{j}", (nodes[name],))
         keys.meta = dict(nodes[name].meta)
         reader.replace_input_with(nodes[name], keys)
+    for name, dim in call.widen:  # expand / reshape of the gathered keys: the whole length, not s/cp
+        n = nodes[name]
+        sizes = list(n.args[1])
+        sizes[dim] = -1
+        n.args = (n.args[0], sizes, *n.args[2:])
     return {n.name for n in env.values()}  # the originals only the scores read are in ``plan.dropped``
 
 

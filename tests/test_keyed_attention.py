@@ -127,12 +127,21 @@ def test_sdpa_with_a_mask_that_is_not_causal_runs_with_keys_gathered(kind):
     import context_workers
 
     model, args, kwargs = context_workers._build(kind)
-    f = find_context(capture(model, args, kwargs)[0])
+    gm = capture(model, args, kwargs)[0]
+    f = find_context(gm)
     assert f.runs, f.blockers
     assert f.attention and all(a.detail == "keys gathered" for a in f.attention)
+    nodes = {n.name: n for n in gm.graph.nodes}
     for a in f.attention:
         assert a.keyed.region == (a.keyed.out,) == (a.keyed.scores,)  # the SDPA call itself
-        assert [d for _, d in a.keyed.keys] == [2, 2] and len(a.keyed.rows) == 1
+        assert len(a.keyed.rows) == 1
+        for (name, dim), span in zip(a.keyed.keys, a.keyed.spans):
+            shape = nodes[name].meta["val"].shape
+            per_token = shape.numel() // (shape[0] * shape[dim])
+            if kind == "hf_llama_padded":  # gathered before repeat_kv: the 2 kv heads travel, not all 4
+                assert span and per_token == model.config.num_key_value_heads * 16, (name, shape, span)
+            else:
+                assert not span and dim == 2 and per_token == context_models.NH * context_models.HD
     if kind == "hf_llama_padded":  # one mask for all four layers, read off the whole padding mask
         assert len({a.keyed.rows for a in f.attention}) == 1
         assert len(f.inputs) == 3, f.inputs  # ids, the padding mask and the labels, each (b, s)

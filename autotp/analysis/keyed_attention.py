@@ -25,6 +25,7 @@ Read-only: facts by node name; the context pass rewrites.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import sympy
 import torch
@@ -57,6 +58,10 @@ class Keyed:
     rows: tuple[tuple[str, int | None], ...]
     whole: tuple[str, ...]
     region: tuple[str, ...]  # the ops on the scores between the two matmuls
+    # per key: the ops from the gathered value to the attention's operand (grouped-query heads repeated
+    # after the gather, so only the kv heads travel), and those of them whose size at ``dim`` becomes -1
+    spans: tuple[tuple[str, ...], ...] = ((), ())
+    widen: tuple[tuple[str, int], ...] = ()
 
 
 def _symbols(size: object) -> set:
@@ -129,6 +134,42 @@ def computable_whole(node: fx.Node, inputs: set[str]) -> tuple[list[fx.Node], st
     return made, ""
 
 
+_MOVES = (aten.transpose.int, aten.permute.default, aten.unsqueeze.default, aten.clone.default)
+_SIZED = (aten.expand.default, aten.reshape.default, aten.view.default, aten._unsafe_view.default)
+
+
+class _Gathered(NamedTuple):
+    node: fx.Node  # what is gathered
+    dim: int  # its sequence dim
+    span: tuple[str, ...]  # the ops from it to the attention's operand, first to last
+    widen: tuple[tuple[str, int], ...]  # of them, those whose size at the sequence dim becomes -1 (whole)
+
+
+def _before_repeat(x: fx.Node, s: sympy.Symbol) -> _Gathered:
+    """Where to gather the attention's operand ``x``: before the grouped-query heads are repeated
+    (``k[:, :, None].expand(b, kv, n, s, d).reshape(b, h, s, d)``, Hugging Face's ``repeat_kv``), so that only
+    the kv heads travel; ``x`` itself where nothing is repeated. Each op on the way is read by the next
+    alone (gathering earlier changes no other reader), and keeps one sequence dim."""
+    chain, n = [], x
+    while n.op == "call_function" and n.target in _MOVES + _SIZED and len(n.users) == 1 \
+            and isinstance(n.args[0], fx.Node) and len(_seq_dims(n.args[0], s)) == 1 and len(_seq_dims(n, s)) == 1:
+        if n.target in _SIZED[1:] and -1 in list(n.args[1]):
+            break  # a view that infers a size already: its sequence size cannot be left to it
+        chain.append(n)
+        n = n.args[0]
+    if not any(c.target is aten.expand.default for c in chain):
+        return _Gathered(x, _seq_dims(x, s)[0], (), ())
+    return _Gathered(n, _seq_dims(n, s)[0], tuple(c.name for c in reversed(chain)),
+                     tuple((c.name, _seq_dims(c, s)[0]) for c in reversed(chain) if c.target in _SIZED))
+
+
+def _keys(k: fx.Node, v: fx.Node, s: sympy.Symbol) -> dict:
+    """The ``keys``, ``spans`` and ``widen`` of a :class:`Keyed` gathering ``k`` and ``v``."""
+    gk, gv = _before_repeat(k, s), _before_repeat(v, s)
+    return {"keys": ((gk.node.name, gk.dim), (gv.node.name, gv.dim)), "spans": (gk.span, gv.span),
+            "widen": gk.widen + gv.widen}
+
+
 def keyed_sdpa(node: fx.Node, mask: fx.Node, s: sympy.Symbol, inputs: set[str]) -> Keyed | None:
     """``scaled_dot_product_attention(q, k, v, attn_mask=mask)`` with a mask that is not causal (a padding
     mask, a sliding window): k and v gathered, the mask computed whole and cut to the query rows; None where
@@ -140,8 +181,9 @@ def keyed_sdpa(node: fx.Node, mask: fx.Node, s: sympy.Symbol, inputs: set[str]) 
     r, dims = _rank(mask), _seq_dims(mask, s)
     if why or not set(dims) <= {r - 2, r - 1}:
         return None
-    return Keyed(node.name, node.name, ((k.name, 2), (v.name, 2)), ((mask.name, r - 2 if r - 2 in dims else None),),
-                 tuple(n.name for n in made), (node.name,))
+    keys = _keys(k, v, s)
+    return Keyed(node.name, node.name, keys["keys"], ((mask.name, r - 2 if r - 2 in dims else None),),
+                 tuple(n.name for n in made), (node.name,), keys["spans"], keys["widen"])
 
 
 def keyed_attention(out: fx.Node, s: sympy.Symbol, inputs: set[str]) -> tuple[Keyed | None, str]:
@@ -194,6 +236,7 @@ def keyed_attention(out: fx.Node, s: sympy.Symbol, inputs: set[str]) -> tuple[Ke
     for a, _ in rows:
         whole += [m for m in computable_whole(a, inputs)[0] if m not in whole]
     order = {n: i for i, n in enumerate(out.graph.nodes)}
-    return Keyed(scores.name, out.name, ((scores.args[1].name, 3), (v.name, 2)),
+    keys = _keys(scores.args[1], v, s)
+    return Keyed(scores.name, out.name, keys["keys"],
                  tuple((a.name, d) for a, d in rows), tuple(n.name for n in sorted(whole, key=order.__getitem__)),
-                 tuple(n.name for n in sorted(region, key=order.__getitem__))), ""
+                 tuple(n.name for n in sorted(region, key=order.__getitem__)), keys["spans"], keys["widen"]), ""

@@ -31,11 +31,17 @@ class KeyedCall:
     rows: tuple[tuple[str, int | None], ...]
     whole: tuple[str, ...]
     region: tuple[str, ...]  # the ops on the scores between the two matmuls: they read the rows
+    # per key: the ops from the gathered value to the attention (the kv heads repeated after the gather),
+    # and those whose size at the sequence dim becomes -1 (the whole length)
+    spans: tuple[tuple[str, ...], ...] = ((), ())
+    widen: tuple[tuple[str, int], ...] = ()
 
     @classmethod
     def from_dict(cls, d: dict) -> KeyedCall:
         return cls(d["scores"], d["out"], tuple((n, dim) for n, dim in d["keys"]),
-                   tuple((n, dim) for n, dim in d["rows"]), tuple(d["whole"]), tuple(d["region"]))
+                   tuple((n, dim) for n, dim in d["rows"]), tuple(d["whole"]), tuple(d["region"]),
+                   tuple(tuple(span) for span in d.get("spans", ((), ()))),
+                   tuple((n, dim) for n, dim in d.get("widen", ())))
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,7 @@ def context_plan(gm: fx.GraphModule, facts: ContextFacts, cp: int, sum_grads: bo
         losses.append(TokenLoss(r.node, arg_named(n, "ignore_index", -100), arg_named(n, "label_smoothing", 0.0)))
     attention = tuple(RingCall(a.node, a.causal, a.scale, (a.written.q, a.written.k, a.written.v) if a.written else (),
                                bool(a.written and a.written.folded)) for a in facts.attention if not a.keyed)
-    keyed = tuple(KeyedCall(k.scores, k.out, k.keys, k.rows, k.whole, k.region)
+    keyed = tuple(KeyedCall(k.scores, k.out, k.keys, k.rows, k.whole, k.region, k.spans, k.widen)
                   for k in (a.keyed for a in facts.attention) if k is not None)
     trained = {name for name, p in gm.named_parameters(remove_duplicate=False) if p.requires_grad}
     grads = tuple(n.name for n in gm.graph.nodes if n.op == "get_attr" and n.target in trained) if sum_grads else ()
