@@ -110,8 +110,9 @@ def context_table(c: ContextReport) -> Table:
         table.add_row("on the whole inputs", f"{c.whole} op(s) on the inputs alone (a label shift), their results cut")
     table.add_row("loss", f"{c.losses} cross-entropy mean(s) over every counted token of the group (2 all-reduces "
                           "of one number each)")
+    kept = ", the gathered K and V whole" if c.keyed else ""
     table.add_row("activations / rank", f"{fmt_size(c.activation_bytes)} of {fmt_size(c.activation_unsharded)} "
-                                        f"unsharded (÷ cp), attention layers at b {c.batch} × s {c.seq}")
+                                        f"unsharded (÷ cp{kept}), attention layers at b {c.batch} × s {c.seq}")
     table.add_row("K/V received / layer", f"{fmt_size(c.kv_bytes)} forward, as much again backward "
                                           f"(2·b·s·h_kv·(cp−1)/cp each way)")
     table.add_row("gradients", "summed over the cp group in one all-reduce of them all (with dp: then averaged "

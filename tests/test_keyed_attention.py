@@ -69,13 +69,15 @@ def test_the_rewrite_inserts_the_gathers_and_rows_and_computes_the_same_unbound(
 
 def test_the_plan_reports_the_gathered_keys():
     """``autotp plan --cp``: the attentions with keys gathered counted, K and V bytes per layer priced as a
-    ring's, the scores kept for backward in the activation bytes."""
+    ring's, the scores and the gathered K and V kept for backward in the activation bytes."""
     _, _, gm = _captured(context_models, "window")
     r = context_report(gm, context_plan(gm, find_context(gm), 2))
     assert r.keyed == 2 and r.rings == 0
     b, s, h, d = 2, context_models.S, context_models.NH, context_models.HD
     assert r.kv_bytes == 2 * b * s * h * d * 4 // 2
-    assert r.activation_bytes * 2 >= 2 * b * h * s * s * 4 * 2  # two layers' scores and probabilities
+    assert r.activation_unsharded >= 2 * b * h * s * s * 4 * 2  # two layers' scores and probabilities
+    # each rank: 1/cp of it, and the gathered K and V of both layers kept whole for the backward
+    assert r.activation_bytes == r.activation_unsharded // 2 + 2 * (2 * b * s * h * d * 4 // 2)
 
 
 def test_probabilities_read_elsewhere_and_folded_heads_are_still_named():

@@ -7,7 +7,8 @@ attention, benchmarks/activation_memory.py derives each term): ``(64·sbh + 4·a
 backward on each rank; K and V of the other ranks received, ``2·b·s·h_kv·(cp−1)/cp`` elements forward and as
 many backward (the ring gathers them again rather than keeping them). An attention written out with scores no
 ring computes (:class:`~autotp.plan.context.KeyedCall`) receives as much by one all-gather of K and V, and
-keeps its (b, a, s/cp, s) scores and probabilities for backward: ``2·b·a·s·s / cp`` elements more.
+keeps its (b, a, s/cp, s) scores and probabilities for backward, ``2·b·a·s·s / cp`` elements more, and the
+gathered K and V themselves (the ring gathers them anew in backward): ``2·b·s·h_kv·(cp−1)/cp`` more.
 """
 from __future__ import annotations
 
@@ -47,7 +48,7 @@ def _hint(size) -> int:
 def context_report(gm: fx.GraphModule, plan: ContextPlan) -> ContextReport:
     """The report of ``plan`` on the graph it was made from, at the capture's batch and length."""
     nodes = {n.name: n for n in gm.graph.nodes}
-    act = kv = 0
+    act = kv = whole = 0
     b = s = 0
     for ring in plan.attention:
         n = nodes[ring.node]
@@ -67,7 +68,9 @@ def context_report(gm: fx.GraphModule, plan: ContextPlan) -> ContextReport:
         size = qv.element_size()
         act += (16 * s * b * a * d + a * s * b + 4 * s * b + 2 * b * a * s * s) * size
         kv += 2 * b * s * hk * size * (plan.cp - 1) // plan.cp
+        whole += 2 * b * s * hk * size * (plan.cp - 1) // plan.cp  # the gathered K and V, kept for backward
     layers = max(1, len(plan.attention) + len(plan.keyed))
     return ContextReport(plan.cp, b, s, len(plan.attention), sum(r.is_causal for r in plan.attention),
                          sum(bool(r.inputs) for r in plan.attention), len(plan.positions), len(plan.tables),
-                         len(plan.whole), len(plan.losses), act // plan.cp, act, kv // layers, len(plan.keyed))
+                         len(plan.whole), len(plan.losses), act // plan.cp + whole, act, kv // layers,
+                         len(plan.keyed))
