@@ -64,15 +64,18 @@ class Keyed:
     widen: tuple[tuple[str, int], ...] = ()
 
 
-def _symbols(size: object) -> set:
+def symbols(size: object) -> set:
+    """The size symbols a (symbolic) size is made of."""
     return set(size.node.expr.free_symbols) if isinstance(size, torch.SymInt) else set()
 
 
-def _seq_dims(node: object, s: sympy.Symbol) -> list[int]:
+def seq_dims(node: object, s: sympy.Symbol) -> list[int]:
+    """The dims of ``node``'s value whose size involves the sequence length ``s``."""
     val = node.meta.get("val") if isinstance(node, fx.Node) else None
     if not isinstance(val, torch.Tensor):
         return []
-    return [i for i, size in enumerate(val.shape) if s in _symbols(size)]
+    return [i for i, size in enumerate(val.shape) if s in symbols(size)]
+
 
 
 def _rank(node: object) -> int:
@@ -83,7 +86,7 @@ def _rank(node: object) -> int:
 def _is_scores(node: fx.Node, s: sympy.Symbol) -> bool:
     """q·kᵀ: a 4-D matmul of (b, h, s, d) by (b, h, d, s)."""
     return node.op == "call_function" and node.target is aten.matmul.default and _rank(node) == 4 and \
-        _seq_dims(node.args[0], s) == [2] and _seq_dims(node.args[1], s) == [3] and _seq_dims(node, s) == [2, 3]
+        seq_dims(node.args[0], s) == [2] and seq_dims(node.args[1], s) == [3] and seq_dims(node, s) == [2, 3]
 
 
 def _in_region(node: fx.Node) -> bool:
@@ -152,15 +155,15 @@ def _before_repeat(x: fx.Node, s: sympy.Symbol) -> _Gathered:
     alone (gathering earlier changes no other reader), and keeps one sequence dim."""
     chain, n = [], x
     while n.op == "call_function" and n.target in _MOVES + _SIZED and len(n.users) == 1 \
-            and isinstance(n.args[0], fx.Node) and len(_seq_dims(n.args[0], s)) == 1 and len(_seq_dims(n, s)) == 1:
+            and isinstance(n.args[0], fx.Node) and len(seq_dims(n.args[0], s)) == 1 and len(seq_dims(n, s)) == 1:
         if n.target in _SIZED[1:] and -1 in list(n.args[1]):
             break  # a view that infers a size already: its sequence size cannot be left to it
         chain.append(n)
         n = n.args[0]
     if not any(c.target is aten.expand.default for c in chain):
-        return _Gathered(x, _seq_dims(x, s)[0], (), ())
-    return _Gathered(n, _seq_dims(n, s)[0], tuple(c.name for c in reversed(chain)),
-                     tuple((c.name, _seq_dims(c, s)[0]) for c in reversed(chain) if c.target in _SIZED))
+        return _Gathered(x, seq_dims(x, s)[0], (), ())
+    return _Gathered(n, seq_dims(n, s)[0], tuple(c.name for c in reversed(chain)),
+                     tuple((c.name, seq_dims(c, s)[0]) for c in reversed(chain) if c.target in _SIZED))
 
 
 def _keys(k: fx.Node, v: fx.Node, s: sympy.Symbol) -> dict:
@@ -175,10 +178,10 @@ def keyed_sdpa(node: fx.Node, mask: fx.Node, s: sympy.Symbol, inputs: set[str]) 
     mask, a sliding window): k and v gathered, the mask computed whole and cut to the query rows; None where
     the mask cannot be computed whole."""
     q, k, v = node.args[:3]
-    if not all(_seq_dims(x, s) == [2] and _rank(x) == 4 for x in (q, k, v)):
+    if not all(seq_dims(x, s) == [2] and _rank(x) == 4 for x in (q, k, v)):
         return None
     made, why = computable_whole(mask, inputs)
-    r, dims = _rank(mask), _seq_dims(mask, s)
+    r, dims = _rank(mask), seq_dims(mask, s)
     if why or not set(dims) <= {r - 2, r - 1}:
         return None
     keys = _keys(k, v, s)
@@ -189,10 +192,10 @@ def keyed_sdpa(node: fx.Node, mask: fx.Node, s: sympy.Symbol, inputs: set[str]) 
 def keyed_attention(out: fx.Node, s: sympy.Symbol, inputs: set[str]) -> tuple[Keyed | None, str]:
     """The attention whose ·v matmul is ``out``, run with its keys gathered; (None, why) where it cannot."""
     if out.op != "call_function" or out.target is not aten.matmul.default or _rank(out) != 4 \
-            or _seq_dims(out, s) != [2]:
+            or seq_dims(out, s) != [2]:
         return None, ""
     probs, v = out.args[0], out.args[1]
-    if _seq_dims(probs, s) != [2, 3] or _seq_dims(v, s) != [2] or _rank(v) != 4:
+    if seq_dims(probs, s) != [2, 3] or seq_dims(v, s) != [2] or _rank(v) != 4:
         return None, ""
     region: list[fx.Node] = []
     rows: list[tuple[fx.Node, int | None]] = []
@@ -211,7 +214,7 @@ def keyed_attention(out: fx.Node, s: sympy.Symbol, inputs: set[str]) -> tuple[Ke
             return None, f"{n.target} on the scores: not an op on each query row alone"
         region.append(n)
         for a in n.all_input_nodes:
-            dims = _seq_dims(a, s)
+            dims = seq_dims(a, s)
             if not dims:
                 continue  # no sequence dim: slopes, scalars
             made, why = computable_whole(a, inputs)
@@ -220,7 +223,7 @@ def keyed_attention(out: fx.Node, s: sympy.Symbol, inputs: set[str]) -> tuple[Ke
                 if not set(dims) <= {r - 2, r - 1}:
                     return None, f"{a.name}, added to the scores, has the sequence in dims {dims}"
                 rows.append((a, r - 2 if r - 2 in dims else None))
-            elif _seq_dims(a, s) == [2, 3] and _rank(a) == 4:
+            elif seq_dims(a, s) == [2, 3] and _rank(a) == 4:
                 todo.append(a)  # the scores, further up
             else:
                 return None, f"the scores read {a.name}, which is neither the scores nor made from positions: {why}"

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from autotp.operators.collectives import _Collective, _Leave, all_reduce
 from autotp.operators.gathered import GatherOutput, gathered_on_use
-from autotp.operators.ring_attention import local_positions, ring_attention, unshard_sequence
+from autotp.operators.ring_attention import in_sequence_order, local_positions, ring_attention, unshard_sequence
 from autotp.operators.seq_ops import _AllGather, _SumGrads
 
 
@@ -34,11 +34,16 @@ class _ContextOp(_Collective):
         return dist.get_world_size(self.group), dist.get_rank(self.group)
 
 
-class ShardSequence(_ContextOp):
+class _AlongSequence(_ContextOp):
     def __init__(self, dim: int) -> None:
         super().__init__()
-        self.dim = dim
+        self.dim = dim  # the sequence's
 
+    def extra_repr(self) -> str:
+        return f"dim={self.dim}"
+
+
+class ShardSequence(_AlongSequence):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.group is None:
             return x
@@ -55,13 +60,9 @@ class LocalPositions(_ContextOp):
         return start + local_positions(positions.numel() * cp, cp, rank, positions.device).to(positions.dtype)
 
 
-class PositionRows(_ContextOp):
+class PositionRows(_AlongSequence):
     """``table[:s]`` along ``dim`` (a rotary or position table read up to the length) → the rows of this
     rank's positions: ``length`` is the chunk's, s/cp."""
-
-    def __init__(self, dim: int) -> None:
-        super().__init__()
-        self.dim = dim
 
     def forward(self, table: torch.Tensor, length: int) -> torch.Tensor:
         if self.group is None:
@@ -83,26 +84,18 @@ class RingSDPA(_ContextOp):
         return ring_attention(q, k, v, self.group, is_causal=self.is_causal, scale=self.scale)
 
 
-class GatherKeys(_ContextOp):
+class GatherKeys(_AlongSequence):
     """Keys (``kᵀ`` as the scores' matmul reads it) or values of this rank's chunk along ``dim`` → the whole
     sequence's, in sequence order: an all-gather over the group (backward: the gradient of the whole summed
     over the group, this rank's part), then the head-tail chunks put back in place. Every rank then
     computes its query rows' scores over every key, exactly as one device does."""
 
-    def __init__(self, dim: int) -> None:
-        super().__init__()
-        self.dim = dim
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.group is None:
             return x
-        cp, dim = dist.get_world_size(self.group), self.dim % x.dim()
+        dim = self.dim % x.dim()
         full = _AllGather.apply(x, dim, self.group)  # (.., s, ..): rank 0's chunk, then rank 1's, ...
-        order = torch.cat([local_positions(full.size(dim), cp, r, x.device) for r in range(cp)])
-        return full.index_select(dim, torch.argsort(order))
-
-    def extra_repr(self) -> str:
-        return f"dim={self.dim}"
+        return in_sequence_order(full, dim, dist.get_world_size(self.group))
 
 
 class TokenMean(_ContextOp):

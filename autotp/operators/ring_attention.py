@@ -57,8 +57,11 @@ def shard_sequence(x: torch.Tensor, dim: int, cp: int, rank: int) -> torch.Tenso
 
 def unshard_sequence(parts: list[torch.Tensor], dim: int) -> torch.Tensor:
     """The whole tensor from every rank's part (``parts[r]`` from rank r), in sequence order."""
-    cp = len(parts)
-    joined = torch.cat(parts, dim=dim)
+    return in_sequence_order(torch.cat(parts, dim=dim), dim, len(parts))
+
+
+def in_sequence_order(joined: torch.Tensor, dim: int, cp: int) -> torch.Tensor:
+    """Every rank's part joined along ``dim`` in rank order (an all-gather's result) → sequence order."""
     order = torch.cat([local_positions(joined.size(dim), cp, r, joined.device) for r in range(cp)])
     return joined.index_select(dim, torch.argsort(order))
 
