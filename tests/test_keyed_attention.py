@@ -147,3 +147,38 @@ def test_sdpa_with_a_mask_that_is_not_causal_runs_with_keys_gathered(kind):
     if kind == "hf_llama_padded":  # one mask for all four layers, read off the whole padding mask
         assert len({a.keyed.rows for a in f.attention}) == 1
         assert len(f.inputs) == 3, f.inputs  # ids, the padding mask and the labels, each (b, s)
+
+
+class _DroppedProbs(torch.nn.Module):
+    """Attention written out with dropout on its probabilities (training) and a sliding window."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.qkv, self.head = torch.nn.Embedding(64, 32), torch.nn.Linear(32, 96), torch.nn.Linear(32, 64)
+
+    def forward(self, idx, targets):
+        b, s = idx.shape
+        q, k, v = self.qkv(self.emb(idx)).view(b, s, 3, 4, 8).permute(2, 0, 3, 1, 4)
+        i = torch.arange(s, device=idx.device)
+        near = (i[:, None] >= i[None, :]) & (i[:, None] - i[None, :] < 4)
+        att = torch.nn.functional.dropout((q @ k.transpose(-2, -1)).masked_fill(~near, float("-inf")).softmax(-1),
+                                          0.1, self.training)
+        logits = self.head((att @ v).transpose(1, 2).reshape(b, s, 32))
+        return logits, torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def test_attention_dropout_on_the_rows_draws_from_the_chunks_stream():
+    """Dropout on the probabilities of a keys-gathered attention runs on the chunk's rows: listed with the
+    random ops, so each cp rank draws its own masks (not the same masks for different rows); the layout
+    search leaves such a model's cp unpriced, naming the attention."""
+    from autotp.layout.facts import context_facts
+
+    torch.manual_seed(0)
+    ids = torch.randint(0, 64, (2, 16))
+    gm = capture(_DroppedProbs(), (ids, ids), {})[0]
+    f = find_context(gm)
+    assert f.runs and f.attention[0].keyed is not None, f.blockers
+    assert [n for n in f.random if n in f.attention[0].keyed.region] == [n for n in f.random], f.random
+    assert len(f.random) == 1
+    why, width, heads = context_facts(gm)
+    assert "keys gathered" in why and width is None

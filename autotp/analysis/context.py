@@ -111,9 +111,15 @@ def find_context(gm: fx.GraphModule, cp: int = 2) -> ContextFacts:
     inputs = [(n.name, _seq_dims(n, s)[0]) for n in gm.graph.find_nodes(op="placeholder") if _seq_dims(n, s)]
     found, blockers, inside, dropped = attentions(gm, s, {name for name, _ in inputs})
     inside |= _whole(gm, _lengths(gm, inputs), dict(inputs), dropped)[0]  # run on the whole inputs: unchecked
+    nodes = {n.name: n for n in gm.graph.nodes}
     for node in gm.graph.nodes:
         if node.name in found:
             attention.append(found[node.name])
+            keyed = found[node.name].keyed
+            for name in keyed.region if keyed else ():  # attention dropout on the chunk's rows: its own stream
+                rule = op_rule(nodes[name].target)
+                if rule is not None and is_random(nodes[name], rule):
+                    random.append(name)
             continue
         if node.op != "call_function" or node.name in inside or \
                 op_rule(node.target) is not None and op_rule(node.target).kind == "sym_size":

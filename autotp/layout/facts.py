@@ -158,13 +158,11 @@ def context_facts(gm: fx.GraphModule) -> tuple[str | None, int | None, int | Non
     except AutotpError as exc:  # the first op that stops it, with its line (the header says no more than that)
         lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
         return (lines[1] if len(lines) > 1 else lines[0]).rstrip(":"), None, None
+    if plan.keyed:  # the search prices rings: (s/cp, s) scores and whole K and V kept are not in its model
+        call = plan.keyed[0]
+        return (f"{call.out}: attention whose scores no ring computes runs with its keys gathered, which the "
+                "layout search does not price"), None, None
     nodes = {n.name: n for n in gm.graph.nodes}
-    if not plan.attention and plan.keyed:  # keys and values all-gathered: kᵀ (b, h, d, s) or k, v (b, h, s, d)
-        (kname, kseq), (vname, _) = plan.keyed[0].keys
-        k, v = shape_of(nodes[kname]), shape_of(nodes[vname])
-        if not (k and v and len(k) == 4 and len(v) == 4):
-            return None, None, None
-        return None, k[1] * k[2 if kseq == 3 else 3] + v[1] * v[3], k[1]
     if not plan.attention:
         return "no attention over the sequence to run as a ring", None, None
     ring = plan.attention[0]
