@@ -62,11 +62,29 @@ def _own_plan_cache(tmp_path_factory, monkeypatch):
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
-    """Under pytest-xdist (``pyproject.toml``'s ``-n 2 --dist loadgroup``) every ``slow`` test joins one group, which
-    one worker runs in collection order: launches never overlap (two 4-rank launches on 2 cores would
-    oversubscribe them) and a module's batched launch (:class:`ranks.Launches`) stays one launch, while the
-    other worker runs the unit and structural tiers on the CPU the ranks leave idle (process starts,
-    rendezvous, rank 0's checkpoint writes). Before xdist's own hook, which reads the group."""
+    """Two things, before xdist's own hook reads the groups:
+
+    - ``extended`` tests (the rest of a matrix whose core the default run covers: more spellings at tp 4,
+      more schedules, more fault points) run only when ``-m`` names them (``pytest -m extended``);
+    - under pytest-xdist (``pyproject.toml``'s ``-n 2 --dist loadgroup``) the rank-launching tests of a module
+      form one group, which one worker runs in order, so a module's batched launch (:class:`ranks.Launches`)
+      stays one launch. Groups of different modules run on both workers: a launch leaves its cores idle
+      part of the time (process starts, rendezvous, rank 0's checkpoint writes, waits on a peer), which the
+      other worker's launch uses. The modules whose tests time how a failure is handled
+      (timeouts, restarts, a killed rank) share one group, so they never overlap each other."""
+    if "extended" not in (config.getoption("markexpr") or ""):
+        kept = [item for item in items if item.get_closest_marker("extended") is None]
+        if len(kept) != len(items):
+            config.hook.pytest_deselected(items=[item for item in items if item not in kept])
+            items[:] = kept
     for item in items:
         if item.get_closest_marker("slow") is not None:
-            item.add_marker(pytest.mark.xdist_group("ranks"))
+            module = item.module.__name__.rsplit(".", 1)[-1]
+            item.add_marker(pytest.mark.xdist_group("ranks-timed" if module in TIMED else f"ranks-{module}"))
+    # the rank-launching groups first, the unit tests (a fraction of a second each) after them: whichever
+    # worker finishes its groups first takes the unit tests, so neither waits on the other at the end
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
+# modules whose tests bound a failure's handling in time (a hang's timeout, a restart, a killed rank's exit)
+TIMED = {"test_reliability", "test_faults", "test_ckpt_retention", "test_warm_ranks", "test_cpu_binding"}

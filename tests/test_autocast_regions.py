@@ -17,8 +17,8 @@ from autotp.passes import run_passes
 from autotp.plan.planner import make_plan
 from autotp.operators.autocast import Autocast, AutocastRegion, outline_autocast, region_of
 from autocast_models import KINDS, WIDTH_NORM, build
-from ranks import Launches
-from parity_workers import dense_step_collectives, pattern_parity
+from spelling_runs import SpellingRuns
+from parity_workers import dense_step_collectives
 from pattern_models import H, S
 
 
@@ -91,17 +91,15 @@ def test_the_regions_of_fsdp_units_run_under_their_autocast_again():
     assert torch.equal(got, want)
 
 
-@pytest.fixture(scope="module")
-def runs() -> Launches:
-    return Launches({w: {"autocast": (pattern_parity, list(KINDS), 3, False, "autocast_models")} for w in (2, 4)})
+RUNS = SpellingRuns("autocast", "autocast_models", KINDS, ["qk_norm_decorated", "rope_matmul_with"])
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world", [2, 4])
-def test_autocast_regions_train_exactly_with_megatron_collectives(runs, world: int):
+@pytest.mark.parametrize("world,part", RUNS.params)
+def test_autocast_regions_train_exactly_with_megatron_collectives(world: int, part: str):
     bsh, layers = 2 * S * H, 2
-    for rank, by_kind in runs(world, "autocast").items():
-        assert list(by_kind) == list(KINDS)
+    for rank, by_kind in RUNS(world, part).items():
+        assert list(by_kind) == RUNS.kinds(part)
         for kind, r in by_kind.items():
             assert r["loss_diff"] <= 1e-5 and r["grad_diff"] <= 1e-5 and r["param_diff"] <= 1e-5, (rank, kind, r)
             assert not r["replicated"] and r["unexplained"] == [] and r["whole"] == {}, (kind, r)

@@ -74,8 +74,8 @@ DEFAULT_CALLS = ["gpt2", "llama", "test_transformer"]
 @pytest.fixture(scope="module")
 def runs() -> Launches:
     """The multi-process tests' jobs, one launch per world."""
-    return Launches({2: {"styles": (capture_styles, list(STYLES)), "default calls": (default_calls, DEFAULT_CALLS)},
-                     4: {"default calls": (default_calls, DEFAULT_CALLS)}})
+    return Launches({2: {"styles": (capture_styles, list(STYLES)), "default calls": (default_calls, DEFAULT_CALLS)}},
+                    extended={4: {"default calls": (default_calls, DEFAULT_CALLS)}})
 
 
 @pytest.mark.slow
@@ -91,7 +91,7 @@ def test_capture_styles_train_exactly_at_tp2(runs):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.extended)])  # tp 4: the extended run
 def test_bare_parallelize_trains_exactly(runs, world: int):
     """``parallelize(model)`` with no example, then the model's own training call (HF: ``use_cache`` as
     configured, so a KV cache comes back) for 3 AdamW steps."""

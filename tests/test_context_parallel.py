@@ -16,10 +16,11 @@ TP2 = ["nanogpt_example", "hf_llama", "einsum_rope"]
 # scores no ring computes, run with their keys gathered: ALiBi, soft-capping, a sliding window, two spellings
 # each at cp 2 (pattern_models' sequence of 12 takes cp 2 only), and Hugging Face's Gemma-2 (eager attention:
 # soft-capped scores, a sliding window every other layer, one mask made for every layer); context_models' at
-# cp 4; cp 2 × tp 2
+# cp 4; cp 2 × tp 2 (at 4 ranks a mask per layer and SDPA's with a padding mask; the others in the extended run)
 KEYED = {2: ["alibi", "softcap", *context_models.KEYED, "hf_gemma2", "hf_llama_padded"],
-         4: [*context_models.KEYED, "hf_llama_padded"]}
-KEYED_TP2 = ["alibi", "softcap_where", "sdpa_window", "hf_llama_padded"]
+         4: ["window", "hf_llama_padded"]}
+KEYED_TP2 = ["softcap_where", "hf_llama_padded"]
+KEYED_REST = {(4, 1): ["alibi_abs", "softcap_where", "shared_window", "sdpa_window"], (2, 2): ["alibi", "sdpa_window"]}
 
 
 @pytest.fixture(scope="module")
@@ -30,12 +31,13 @@ def runs() -> Launches:
     for cp in KEYED:
         jobs[cp]["keyed"] = (parallelize_parity, KEYED[cp])
     jobs[4]["keyed_tp2"] = (parallelize_parity, KEYED_TP2, 3, 2)
+    rest = {"keyed rest": (parallelize_parity, KEYED_REST[4, 1]), "keyed_tp2 rest": (parallelize_parity, KEYED_REST[2, 2], 3, 2)}
     jobs[2]["dropout"], jobs[4]["dropout"] = (context_dropout, 1), (context_dropout, 2)  # cp 2; cp 2 × tp 2
     jobs[2]["script"] = (context_script_parity, 3)
     jobs[2]["sampling"] = (context_sampling,)
     jobs[4]["fsdp"] = (context_fsdp_parity, ["nanogpt_example", "hf_llama"], 1)  # dp 2 × cp 2
     jobs[4]["fsdp_tp2"] = (context_fsdp_parity, ["nanogpt_example"], 2)  # cp 2 × tp 2
-    return Launches(jobs)
+    return Launches(jobs, extended={4: rest})
 
 
 @pytest.mark.slow
@@ -60,16 +62,18 @@ def test_context_parallel_training_matches_one_device(runs, cp):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("cp, tp", [(2, 1), (4, 1), (2, 2)])
-def test_scores_no_ring_computes_train_exactly_with_their_keys_gathered(runs, cp, tp):
+@pytest.mark.parametrize("cp, tp, rest", [(2, 1, False), (4, 1, False), (2, 2, False),
+                                          *(pytest.param(cp, tp, True, marks=pytest.mark.extended) for cp, tp in KEYED_REST)])
+def test_scores_no_ring_computes_train_exactly_with_their_keys_gathered(runs, cp, tp, rest):
     """Attention written out with scores a ring cannot compute — ALiBi (a slopes buffer times distances; -|i−j|
     with slopes from a list), tanh soft-capping (Gemma-2's; with methods and a ``where`` mask), a sliding-window
     mask (one per layer, one for all layers, SDPA's additive mask), Gemma-2's, and Hugging Face Llama's SDPA
     given a padding mask — runs as written on the chunk's query rows over every key: 3 AdamW steps within 1e-5 of one device
     at cp 2 and 4 and cp 2 × tp 2. Per layer K and V are all-gathered once forward and their gradients
     reduce-scattered once backward; no ring (no all-to-all)."""
-    kinds = KEYED[cp] if tp == 1 else KEYED_TP2
-    for rank, by_kind in runs(cp * tp, "keyed" if tp == 1 else "keyed_tp2").items():
+    kinds = KEYED_REST[cp, tp] if rest else KEYED[cp] if tp == 1 else KEYED_TP2
+    part = ("keyed" if tp == 1 else "keyed_tp2") + (" rest" if rest else "")
+    for rank, by_kind in runs(cp * tp, part).items():
         assert list(by_kind) == kinds
         for kind, r in by_kind.items():
             assert max(r["errors"].values()) <= 1e-5, (cp, tp, kind, rank, r["errors"])

@@ -251,10 +251,15 @@ def _kinds(calls, *names) -> Counter:
     return Counter((c[0], c[1]) for c in calls if c[0] in names)
 
 
-PARITY = [("nanogpt", 2), ("llama", 2), ("nanogpt", 1), ("llama", 1)]
+# (nanoGPT at tp 1 × fsdp 4 in the extended run: Llama's covers that layout)
+PARITY = [("nanogpt", 2), ("llama", 2), pytest.param("nanogpt", 1, marks=pytest.mark.extended), ("llama", 1)]
 META = [("nanogpt", 2, "dcp"), ("llama", 1, "torch")]
-SPELLINGS = ["pattern:qk_norm_width", "pattern:parallel", "pattern:gqa_qk_norm", "pattern:offset_slices"]
+# (parallel blocks and offset slices in the extended run)
+SPELLINGS = ["pattern:qk_norm_width", "pattern:gqa_qk_norm"]
 MQA = ["pattern:mqa_repeat", "pattern:falcon_mqa"]  # k and v projections of their own; fused q|k|v
+REST = {"spellings": ["pattern:parallel", "pattern:offset_slices"]}
+CORE = [p for p in PARITY if not hasattr(p, "marks")]
+EXTENDED = [tuple(p.values) for p in PARITY if hasattr(p, "marks")]
 
 
 @pytest.fixture(scope="module")
@@ -266,7 +271,7 @@ def runs(tmp_path_factory) -> Launches:
     import torch.distributed.checkpoint as dcp
 
     tmp = tmp_path_factory.mktemp("fsdp")
-    jobs: dict[str, tuple] = {f"parity {model} {tp}": (fsdp_parity, model, tp) for model, tp in PARITY}
+    jobs: dict[str, tuple] = {f"parity {model} {tp}": (fsdp_parity, model, tp) for model, tp in CORE}
     jobs["kept"] = (fsdp_parity, "modulelist", 2, 3, 0.05, False, False)
     jobs["hsdp"] = (fsdp_parity, "dense_first", 1, 3, 0.05, True, True, 2)
     jobs["resume"] = (fsdp_resume_matrix, str(tmp / "resume"), ["nanogpt", "llama"])
@@ -291,7 +296,9 @@ def runs(tmp_path_factory) -> Launches:
     # AOTAutograd's graphs run eagerly: Inductor over FSDP is the 8-rank command test's (tests/test_pipeline.py)
     jobs["sp compile nanogpt"] = (partial(fsdp_parity, sequence_parallel=True, compile={"backend": "aot_eager"}),
                                   "nanogpt", 2)
-    return Launches({4: jobs})
+    rest = {f"parity {model} {tp}": (fsdp_parity, model, tp) for model, tp in EXTENDED}
+    rest.update({f"{name} rest": (fsdp_parity_many, kinds, 2) for name, kinds in REST.items()})
+    return Launches({4: jobs}, extended={4: rest})
 
 
 @pytest.mark.slow
@@ -517,10 +524,12 @@ def test_fsdp_without_units_shards_the_whole_model(runs):
 
 
 @pytest.mark.slow
-def test_fsdp_parity_across_spellings(runs):
-    """q/k norms over the whole width (their statistics completed over tp in the graph), parallel attention
-    and MLP, grouped-query attention with q/k norms, q|k|v read by offset slices: tp 2 × fsdp 2 exact."""
-    for rank, results in runs(4, "spellings").items():
+@pytest.mark.parametrize("part", ["spellings", pytest.param("spellings rest", marks=pytest.mark.extended)])
+def test_fsdp_parity_across_spellings(runs, part: str):
+    """q/k norms over the whole width (their statistics completed over tp in the graph), grouped-query
+    attention with q/k norms; in the extended run parallel attention and MLP, q|k|v read by offset slices:
+    tp 2 × fsdp 2 exact."""
+    for rank, results in runs(4, part).items():
         for name, r in results.items():
             assert r["units"] == ["emb", "blocks.0", "blocks.1", "norm"], (name, r["units"])
             for got, want in [(r["losses"], r["ref_losses"]), (r["norms"], r["ref_norms"])]:

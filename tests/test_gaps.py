@@ -8,12 +8,12 @@ import pytest
 
 from autotp.capture.tracer import capture
 from autotp.plan.planner import make_plan
-from ranks import launch
+from spelling_runs import SpellingRuns
 from gap_models import CASTS, VALUES, build
 from pattern_models import HD, NH, H, S, V
-from parity_workers import pattern_parity
 
 KINDS = [*CASTS, *VALUES]
+RUNS = SpellingRuns("gaps", "gap_models", KINDS, ["cast_bias", "value_lambda"])
 
 
 def _megatron(kind: str, layers: int = 2) -> tuple[list, list]:
@@ -31,10 +31,11 @@ def _megatron(kind: str, layers: int = 2) -> tuple[list, list]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world", [2, 4])
-def test_cast_weights_and_value_residuals_shard_exactly(world: int):
-    results = launch(pattern_parity, world, KINDS, 3, False, "gap_models")
+@pytest.mark.parametrize("world,part", RUNS.params)
+def test_cast_weights_and_value_residuals_shard_exactly(world: int, part: str):
+    results = RUNS(world, part)
     for rank, by_kind in results.items():
+        assert list(by_kind) == RUNS.kinds(part)
         for kind, r in by_kind.items():
             assert r["loss_diff"] <= 1e-5 and r["grad_diff"] <= 1e-5 and r["param_diff"] <= 1e-5, (rank, kind, r)
             assert not r["replicated"], (kind, r["replicated"])

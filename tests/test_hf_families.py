@@ -11,10 +11,9 @@ import pytest
 
 from autotp.capture.tracer import capture
 from autotp.plan.planner import make_plan
-from ranks import Launches
+from spelling_runs import SpellingRuns
 from hf_family_models import KINDS, build
 from parity_checks import assert_exact, assert_fully_sharded
-from parity_workers import pattern_parity
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -26,15 +25,14 @@ def test_the_family_is_planned_fully_sharded(kind: str):
         assert plan.replicated == (), plan.replicated
 
 
-@pytest.fixture(scope="module")
-def runs() -> Launches:
-    return Launches({w: {"hf": (pattern_parity, list(KINDS), 3, False, "hf_family_models")} for w in (2, 4)})
+RUNS = SpellingRuns("hf", "hf_family_models", KINDS, ["lfm3"])
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world", [2, 4])
-def test_the_family_trains_exactly(runs, world: int):
-    for rank, by_kind in runs(world, "hf").items():
+@pytest.mark.parametrize("world,part", RUNS.params)
+def test_the_family_trains_exactly(world: int, part: str):
+    for rank, by_kind in RUNS(world, part).items():
+        assert list(by_kind) == RUNS.kinds(part)
         for kind, r in by_kind.items():
             assert_exact(r, (rank, kind), param_tol=1e-4)
             assert_fully_sharded(r, world, (rank, kind), slack=0.2)

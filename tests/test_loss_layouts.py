@@ -8,10 +8,9 @@ from autotp.capture.tracer import capture
 from autotp.passes import run_passes
 from autotp.plan.planner import make_plan
 from autotp.operators.vocab_ops import VocabCrossEntropy
-from ranks import Launches
+from spelling_runs import SpellingRuns
 from loss_layout_models import KINDS, build
 from parity_checks import assert_patterns_train_exactly
-from parity_workers import pattern_parity
 from pattern_models import H, S
 
 
@@ -31,13 +30,11 @@ def test_loss_over_class_dim_one_is_vocab_parallel(kind: str):
     assert not any("log_softmax" in str(n.target) for n in sharded.graph.nodes)  # folded into the loss
 
 
-@pytest.fixture(scope="module")
-def runs() -> Launches:
-    return Launches({w: {"losses": (pattern_parity, list(KINDS), 3, False, "loss_layout_models")} for w in (2, 4)})
+RUNS = SpellingRuns("losses", "loss_layout_models", KINDS, ["ce_transpose", "nll_dim1"])
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world", [2, 4])
-def test_class_dim_one_losses_train_exactly_with_megatron_collectives(runs, world: int):
+@pytest.mark.parametrize("world,part", RUNS.params)
+def test_class_dim_one_losses_train_exactly_with_megatron_collectives(world: int, part: str):
     # forward: the embedding and 2 per layer (b·s·h); the loss's max and two sums of b·s, never b·s·V
-    assert_patterns_train_exactly(runs(world, "losses"), list(KINDS), world, bsh=2 * S * H, tokens=2 * S)
+    assert_patterns_train_exactly(RUNS(world, part), RUNS.kinds(part), world, bsh=2 * S * H, tokens=2 * S)

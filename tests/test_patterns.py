@@ -30,27 +30,30 @@ WIDTH_NORMS = {"qk_norm_width": [1], "qk_rmsnorm_width": [1], "qk_layernorm_widt
 # per-head norms: each learned vector (weight, and bias for LayerNorm) of q's and k's norm enters through f
 HEAD_NORMS = {"qk_norm_head": 1, "gqa_qk_norm": 1, "qk_layernorm_head": 2}
 CACHES = ["index_put", "index_copy", "mqa"]
-# every spelling at tp 2; at tp 4 those whose sharding changes with tp (kv heads fewer than 4, fused and
-# grouped splits, width statistics, one head per rank) and one of each other family
-AT = {2: SHARDED, 4: ["plain", "rope_interleaved", "qk_norm_head", "qk_norm_width", "qk_layernorm_width", "alibi",
-                      "parallel", "offset_slices", "gqa_qk_norm", "grouped_view", "grouped_index", "falcon_mqa",
-                      "falcon_mqa_index", "mqa_bcast", "mqa_bcast_bias", "falcon_bcast_bias", "bigcode_bias"]}
+# every spelling at tp 2; at tp 4 one of each way the sharding changes with tp (kv heads fewer than 4 in a
+# fused split, by offsets, by groups, broadcast with a bias; width statistics; a parallel block), the others
+# at tp 4 in the extended run (each spelling's plan at tp 4 is tests/test_structure.py's)
+AT = {2: SHARDED, 4: ["plain", "qk_norm_width", "parallel", "offset_slices", "grouped_view", "falcon_mqa",
+                      "mqa_bcast_bias"]}
+REST = ["rope_interleaved", "qk_norm_head", "qk_layernorm_width", "alibi", "gqa_qk_norm", "grouped_index",
+        "falcon_mqa_index", "mqa_bcast", "falcon_bcast_bias", "bigcode_bias"]
 
 
 @pytest.fixture(scope="module")
 def runs() -> Launches:
     """Both tests' jobs in one launch per world."""
     return Launches({world: {"patterns": (pattern_parity, AT[world]), "caches": (cache_parity, CACHES)}
-                     for world in (2, 4)})
+                     for world in (2, 4)}, extended={4: {"rest": (pattern_parity, REST)}})
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world", [2, 4])
-def test_patterns_shard_exactly_with_megatron_collectives(runs, world: int):
-    results = runs(world, "patterns")
+@pytest.mark.parametrize("world,part", [(2, "patterns"), (4, "patterns"),
+                                        pytest.param(4, "rest", marks=pytest.mark.extended)])
+def test_patterns_shard_exactly_with_megatron_collectives(runs, world: int, part: str):
+    results = runs(world, part)
     bsh, layers = 2 * S * NH * HD, 2
     for rank, by_kind in results.items():
-        assert list(by_kind) == AT[world]
+        assert list(by_kind) == (REST if part == "rest" else AT[world])
         for kind, r in by_kind.items():
             assert r["loss_diff"] <= 1e-5 and r["grad_diff"] <= 1e-5 and r["param_diff"] <= 1e-5, (rank, kind, r)
             assert not r["replicated"], (kind, r["replicated"])

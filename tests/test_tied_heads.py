@@ -8,9 +8,8 @@ import torch
 
 from autotp.capture.tracer import capture
 from autotp.plan.planner import make_plan
-from ranks import Launches
+from spelling_runs import SpellingRuns
 from parity_checks import assert_patterns_train_exactly
-from parity_workers import pattern_parity
 from pattern_models import H, S
 from tied_head_models import KINDS, V, build
 
@@ -28,12 +27,10 @@ def test_matmul_tied_head_is_vocab_parallel(kind: str):
         assert len(plan.vocab.heads) == 1 and len(plan.vocab.embeddings) == 1 and len(plan.vocab.losses) == 1
 
 
-@pytest.fixture(scope="module")
-def runs() -> Launches:
-    return Launches({w: {"tied": (pattern_parity, list(KINDS), 3, False, "tied_head_models")} for w in (2, 4)})
+RUNS = SpellingRuns("tied", "tied_head_models", KINDS, ["T_property", "einsum"])
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world", [2, 4])
-def test_matmul_tied_heads_train_exactly_with_megatron_collectives(runs, world: int):
-    assert_patterns_train_exactly(runs(world, "tied"), list(KINDS), world, bsh=2 * S * H, tokens=2 * S)
+@pytest.mark.parametrize("world,part", RUNS.params)
+def test_matmul_tied_heads_train_exactly_with_megatron_collectives(world: int, part: str):
+    assert_patterns_train_exactly(RUNS(world, part), RUNS.kinds(part), world, bsh=2 * S * H, tokens=2 * S)

@@ -13,9 +13,8 @@ from autotp.analysis.op_rules import TORCH, op_rule
 from autotp.analysis.torch_rules import TorchRefused, ask_torch, torch_rule_source
 from autotp.capture.tracer import capture
 from autotp.plan.planner import make_plan
-from ranks import Launches
+from spelling_runs import SpellingRuns
 from parity_checks import assert_patterns_train_exactly
-from parity_workers import pattern_parity
 from pattern_models import H, S, LMWith, build_with
 from test_op_rules import _graph, _out, _refuses, _s, _x
 from torch_rule_models import KINDS, Attention, build
@@ -132,12 +131,10 @@ def test_sequence_parallelism_asks_torch_too():
             assert stopped and all("aten.cumsum.default needs" in r for r in stopped), seq.gathers
 
 
-@pytest.fixture(scope="module")
-def runs() -> Launches:
-    return Launches({w: {"torch_rules": (pattern_parity, list(KINDS), 3, False, "torch_rule_models")} for w in (2, 4)})
+RUNS = SpellingRuns("torch_rules", "torch_rule_models", KINDS, ["cumsum_method", "topk_scatter"])
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world", [2, 4])
-def test_attention_through_torchs_rules_trains_exactly_with_megatron_collectives(runs, world: int):
-    assert_patterns_train_exactly(runs(world, "torch_rules"), list(KINDS), world, bsh=2 * S * H, tokens=2 * S)
+@pytest.mark.parametrize("world,part", RUNS.params)
+def test_attention_through_torchs_rules_trains_exactly_with_megatron_collectives(world: int, part: str):
+    assert_patterns_train_exactly(RUNS(world, part), RUNS.kinds(part), world, bsh=2 * S * H, tokens=2 * S)

@@ -11,20 +11,20 @@ import torch.nn as nn
 from autotp.analysis.ops import TRANSPOSES, permutation
 from autotp.capture.tracer import capture
 from autotp.plan.planner import make_plan
-from ranks import launch
-from parity_workers import pattern_parity
+from spelling_runs import SpellingRuns
 from view_gap_models import KINDS, NH, HD, S, build
 
 aten = torch.ops.aten
+RUNS = SpellingRuns("views", "view_gap_models", KINDS, ["mT_softcap", "swapaxes"])
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world", [2, 4])
-def test_view_gaps_shard_exactly_with_megatron_collectives(world: int):
-    results = launch(pattern_parity, world, list(KINDS), 3, False, "view_gap_models")
+@pytest.mark.parametrize("world,part", RUNS.params)
+def test_view_gaps_shard_exactly_with_megatron_collectives(world: int, part: str):
+    results = RUNS(world, part)
     bsh, layers = 2 * S * NH * HD, 2
     for rank, by_kind in results.items():
-        assert sorted(by_kind) == sorted(KINDS)
+        assert list(by_kind) == RUNS.kinds(part)
         for kind, r in by_kind.items():
             assert r["loss_diff"] <= 1e-5 and r["grad_diff"] <= 1e-5 and r["param_diff"] <= 1e-5, (rank, kind, r)
             assert not r["replicated"] and not r["quarter"] and not r["kv_replicated"], (kind, r)

@@ -130,18 +130,23 @@ class Launches:
     """The jobs of a test module, one launch per world size (made when a test first asks for that world):
     a launch costs process start, rendezvous and group set-up on every rank, a job only its own work.
     ``launches(world, name)``: rank -> what job ``name`` returned. Each job builds its own model and state.
-    A launch that failed fails every test of its world with the same error, without launching again."""
+    ``extended``: jobs only ``extended`` tests ask for (tests/conftest.py), launched apart, when one of them
+    first asks, so the default run never pays for them. A launch that failed fails every test of its batch
+    with the same error, without launching again."""
 
-    def __init__(self, jobs: dict[int, dict[str, tuple]]):
-        self.jobs, self.done, self.failed = jobs, {}, {}
+    def __init__(self, jobs: dict[int, dict[str, tuple]], extended: dict[int, dict[str, tuple]] | None = None):
+        self.batches = {**{(world, False): batch for world, batch in jobs.items()},
+                        **{(world, True): batch for world, batch in (extended or {}).items()}}
+        self.done, self.failed = {}, {}
 
     def __call__(self, world: int, name: str) -> dict[int, object]:
-        if world in self.failed:
-            raise RuntimeError(f"the launch of every {world}-rank job of this module failed") from self.failed[world]
-        if world not in self.done:
+        key = (world, name in self.batches.get((world, True), {}))
+        if key in self.failed:
+            raise RuntimeError(f"the launch of this module's {world}-rank jobs failed") from self.failed[key]
+        if key not in self.done:
             try:
-                self.done[world] = launch(run_jobs, world, self.jobs[world])
+                self.done[key] = launch(run_jobs, world, self.batches[key])
             except Exception as exc:
-                self.failed[world] = exc
+                self.failed[key] = exc
                 raise
-        return {rank: by_job[name] for rank, by_job in self.done[world].items()}
+        return {rank: by_job[name] for rank, by_job in self.done[key].items()}
