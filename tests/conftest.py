@@ -73,10 +73,10 @@ def pytest_collection_modifyitems(config, items):
       other worker's launch uses. The modules whose tests time how a failure is handled
       (timeouts, restarts, a killed rank) share one group, so they never overlap each other."""
     if "extended" not in (config.getoption("markexpr") or ""):
-        kept = [item for item in items if item.get_closest_marker("extended") is None]
-        if len(kept) != len(items):
-            config.hook.pytest_deselected(items=[item for item in items if item not in kept])
-            items[:] = kept
+        extended = [item for item in items if item.get_closest_marker("extended") is not None]
+        if extended:
+            config.hook.pytest_deselected(items=extended)
+            items[:] = [item for item in items if item.get_closest_marker("extended") is None]
     for item in items:
         if item.get_closest_marker("slow") is not None:
             module = item.module.__name__.rsplit(".", 1)[-1]

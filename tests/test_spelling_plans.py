@@ -12,27 +12,23 @@ import pytest
 from autotp.capture.tracer import capture
 from autotp.plan.planner import make_plan
 
-# module -> (spellings, those that keep a block whole by design: only exact, not 1/tp)
+# module -> its spellings that keep a block whole by design (only exact, not 1/tp; the reason in the plan);
+# pattern_models' are those whose kv heads several ranks hold (tests/test_patterns.py)
 MODULES = {
-    "pattern_models": None, "autocast_models": (), "einsum_models": ("mqa",), "function_models": ("grad_norm",),
+    "pattern_models": (), "autocast_models": (), "einsum_models": ("mqa",), "function_models": ("grad_norm",),
     "loss_layout_models": (), "tied_head_models": (), "torch_rule_models": (), "gap_models": (),
     "view_gap_models": (),
 }
-# pattern_models: the spellings its parity test trains (tests/test_patterns.py), kv heads fewer than tp held
-# by several ranks by design
-KV_HELD = ("offset_slices", "fused_mqa", "falcon_mqa", "gqa_qk_norm", "falcon_mqa_index", "grouped_view",
-           "grouped_index")
 
 
 def _cases() -> list:
-    from test_patterns import SHARDED
+    from test_patterns import KV_HEADS, SHARDED
 
     cases = []
     for module, whole in MODULES.items():
         kinds = SHARDED if module == "pattern_models" else importlib.import_module(module).KINDS
         for kind in kinds:
-            partial = kind in (whole or ()) or (module == "pattern_models" and (kind in KV_HELD or "mqa" in kind
-                                                                               or "bias" in kind))
+            partial = kind in whole or (module == "pattern_models" and kind in KV_HEADS)
             cases.append(pytest.param(module, kind, partial, id=f"{module}-{kind}"))
     return cases
 
