@@ -17,7 +17,7 @@ from autotp.capture.tracer import capture
 from autotp.plan.context import ContextPlan
 from autotp.plan.context_planner import context_plan
 from autotp.plan.context_report import context_report
-from passes.context_parallel import context_parallel
+from autotp.passes.context_parallel import context_parallel
 
 SPELLINGS = [(pattern_models, "alibi"), (pattern_models, "softcap"),
              *((context_models, kind) for kind in context_models.KEYED if kind != "sdpa_window")]
