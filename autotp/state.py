@@ -40,12 +40,15 @@ class Captured:
     accepts: Callable[[list[torch.Tensor]], bool] | None = None
     # ``plan`` is of the exported blocks only: they were rewritten once and copied (autotp.parallel.rewrite)
     copied: bool = False
-    # what the forward calls: ``module`` with its gathered-on-use outputs returned as local tensors, and
-    # (flat output index, the module that wraps it) applied after, outside any compiler's trace
+    # what a compiler traces: ``module`` with its gathered-on-use outputs returned as local tensors, and
+    # (flat output index, the module that wraps it) applied after, outside the trace
     call: nn.Module | None = None
     wrap: tuple[tuple[int, nn.Module], ...] = ()
     # context parallelism: (flat input index, dim) of the sequence each rank takes a chunk of
     cp_length: tuple[int, int] | None = None
+    # whether ``call`` and ``wrap`` are settled: an eager graph gets them on its first call under the user's
+    # torch.compile
+    local: bool = True
 
 
 @dataclass(frozen=True)

@@ -105,3 +105,64 @@ def test_a_mapped_shard_faults_in_only_its_own_pages(tmp_path) -> None:
     with open("/proc/self/maps") as f:
         spans = [[int(x, 16) for x in line.split()[0].split("-")] for line in f if "m.safetensors" in line]
     assert [lo, hi] in spans, (hex(lo), hex(hi), [[hex(a), hex(b)] for a, b in spans])
+
+
+def test_source_lines_read_in_the_block_are_not_kept(tmp_path) -> None:
+    """linecache keeps no file the block read (capture's stack traces read every frame's file whole), and
+    keeps what it held before, lines registered by their owner (no file holds them) and lazy entries."""
+    import linecache
+
+    from autotp.capture.source_lines import source_lines_released
+
+    before, during = tmp_path / "before.py", tmp_path / "during.py"
+    before.write_text("a = 1\n")
+    during.write_text("b = 2\n")
+    assert linecache.getline(str(before), 1) == "a = 1\n"
+    with source_lines_released():
+        assert linecache.getline(str(during), 1) == "b = 2\n"
+        linecache.cache["<generated>"] = (6, None, ["c = 3\n"], "<generated>")  # as fx registers its code
+        linecache.lazycache(str(tmp_path / "lazy.py"), {"__name__": "lazy", "__loader__": None})
+    try:
+        assert str(during) not in linecache.cache
+        assert str(before) in linecache.cache and "<generated>" in linecache.cache
+        assert linecache.getline(str(during), 1) == "b = 2\n"  # read again when asked
+    finally:
+        for name in (str(before), str(during), "<generated>", str(tmp_path / "lazy.py")):
+            linecache.cache.pop(name, None)
+
+
+@pytest.fixture
+def fake_tp2():
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    yield
+    dist.destroy_process_group()
+
+
+def test_parallelize_keeps_neither_source_files_nor_a_second_graph(fake_tp2) -> None:
+    """After parallelize the process holds no source file its capture read (the model's own file among them),
+    and an eager model one graph per signature: the copy a compiler traces (gathered-on-use outputs returned
+    local) is made on the first call under torch.compile, and then computes what the graph computes."""
+    import linecache
+
+    import autotp
+    import nanogpt
+    from autotp.parallel.parallelize import _for_compiler
+
+    model_file = nanogpt.__file__
+    linecache.cache.pop(model_file, None)
+    model = nanogpt.GPT(nanogpt.GPTConfig(n_layer=1))
+    idx, targets = nanogpt.example_batch()
+    autotp.parallelize(model, example_inputs=(idx, targets))
+    assert model_file not in linecache.cache
+    st = autotp.tp_state(model)
+    (key, c), = st.graphs.items()
+    assert not c.local and c.call is None and c.wrap == ()
+    want = model(idx, targets)
+    local = _for_compiler(st, c)
+    assert st.graphs[key] is local and local.local and local.wrap  # the logits are gathered on use
+    assert local.call is not c.module
+    got = model(idx, targets)  # now through the copy, its logits wrapped after the call
+    assert torch.equal(got[0].full_tensor(), want[0].full_tensor()) and torch.equal(got[1], want[1])

@@ -47,6 +47,7 @@ from autotp.capture.canonical import canonicalize
 from autotp.capture.meta_run import Recorder
 from autotp.capture.preserve import preserved, unique_names
 from autotp.capture.repeats import Copies, Repeats, cut, find_repeats
+from autotp.capture.source_lines import source_lines_released
 from autotp.capture.structure import Spec, flatten, unflatten
 
 _HOOK_DICTS = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called",
@@ -248,7 +249,8 @@ def _export(model: nn.Module, tensors: list[torch.Tensor], forward: Callable, st
             # Functions (regions the runtime calls the Function for, so its backward is kept)
             # fake tensors' dispatch cache: pays for itself only over many repeated layers, and capture
             # exports a few blocks (autotp.capture.repeats): without it a small model exports ~30% faster
-            with marking_checkpoints(), marking_functions(), torch._dynamo.config.patch(fake_tensor_cache_enabled=False):
+            with marking_checkpoints(), marking_functions(), source_lines_released(), \
+                    torch._dynamo.config.patch(fake_tensor_cache_enabled=False):
                 ep = torch.export.export(model, tuple(tensors), dynamic_shapes=(dynamic,), strict=False)
     except Exception as e:  # noqa: BLE001 - every export failure becomes one readable error
         raise CaptureError(

@@ -23,6 +23,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from autotp.capture.meta_run import Recorder
 from autotp.capture.preserve import preserved
+from autotp.capture.source_lines import source_lines_released
 from autotp.capture.tracer import capture_blocks, input_guard, stand_ins
 from autotp.capture.structure import Spec, call_key, flatten, unflatten
 from autotp.operators.collectives import bind_collectives, define_ops
@@ -114,7 +115,7 @@ class TPModule(nn.Module):
     """Mixin placed in front of the user's class by :func:`parallelize`; only ``forward`` is replaced."""
 
     def forward(self, *args, **kwargs):
-        c, flat = _dispatch(self, args, kwargs)
+        c, flat = _dispatch(self, args, kwargs, torch.compiler.is_compiling())
         return _outputs(c, (c.call or c.module)(*flat))  # under the user's torch.compile: the graph it compiles
 
 
@@ -129,11 +130,13 @@ def _outputs(c: Captured, flat: tuple) -> object:
 
 
 @torch.compiler.disable
-def _dispatch(model: nn.Module, args: tuple, kwargs: dict) -> tuple[Captured, list[torch.Tensor]]:
+def _dispatch(model: nn.Module, args: tuple, kwargs: dict,
+              compiling: bool = False) -> tuple[Captured, list[torch.Tensor]]:
     """The graph for this call and its flat inputs (local shards where the graph takes them).
 
     Never traced by dynamo: under the user's ``torch.compile(model)`` this runs eagerly (the key, the input
-    check, a capture on a new signature), and dynamo compiles what follows, the rewritten graph itself."""
+    check, a capture on a new signature), and dynamo compiles what follows, the rewritten graph itself:
+    ``compiling`` (the forward is being traced) gives an eager graph its compiler's form first."""
     st = tp_state(model)
     if st.options.pipeline is not None:
         raise ShardingError(f"{type(model).__name__} is cut into pipeline stages: this rank holds only its own "
@@ -169,7 +172,21 @@ def _dispatch(model: nn.Module, args: tuple, kwargs: dict) -> tuple[Captured, li
         c = _whole_sequence(model, st, args, kwargs, key, flat, flat[c.seq_length[0]].shape[c.seq_length[1]])
     for i, s in c.local_inputs:
         flat[i] = _local_input(flat[i], s, st)
+    if compiling and not c.local:
+        c = _for_compiler(st, c)
     return c, flat
+
+
+def _for_compiler(st: TPState, c: Captured) -> Captured:
+    """An eager graph as a compiler traces it: a copy returning its gathered-on-use outputs as local tensors,
+    wrapped after the traced call (:func:`~autotp.operators.gathered.local_outputs`). Made on the first traced
+    call, not at capture: an eager model would otherwise keep a second copy of every graph it never uses."""
+    call, wrap = local_outputs(c.module)
+    local = dataclasses.replace(c, call=call if wrap else None, wrap=tuple(wrap.items()), local=True)
+    for key, known in list(st.graphs.items()):
+        if known is c:
+            st.graphs[key] = local
+    return local
 
 
 def _graph_for(model: nn.Module, st: TPState, args: tuple, kwargs: dict, key: Hashable, flat: list[torch.Tensor],
@@ -187,7 +204,8 @@ def _graph_for(model: nn.Module, st: TPState, args: tuple, kwargs: dict, key: Ha
             return c
         n += 1
         variant = (key, "guards", n)
-    return _build(model, st, args, kwargs, variant, sequence_parallel=sequence_parallel, context=context)
+    with source_lines_released():  # the files its stack traces read are not kept
+        return _build(model, st, args, kwargs, variant, sequence_parallel=sequence_parallel, context=context)
 
 
 def _whole_sequence(model: nn.Module, st: TPState, args: tuple, kwargs: dict, key: Hashable,
@@ -359,15 +377,14 @@ def _finish(model: nn.Module, st: TPState, gm: fx.GraphModule, spec: Spec, key: 
         else:  # FSDP gathers around each unit's piece: the pieces are compiled, as torchtitan compiles blocks
             compile_pieces(gm, **options)
             call, wrap = local_outputs(gm)
-    else:
-        call, wrap = local_outputs(gm)
     index = {n.name: i for i, n in enumerate(n for n in gm.graph.nodes if n.op == "placeholder")}
     seq = plan.sequence
     length = (index[seq.length[0]], seq.length[1]) if seq is not None and seq.length and seq.leaves else None
     chunked = plan.context.inputs[0] if plan.context is not None and plan.context.inputs else None
     st.graphs[key] = Captured(run, plan, spec, tuple((index[s.node], s) for s in plan.sharded_inputs), length, accepts,
                              copied, call if wrap else None, tuple(wrap.items()),
-                             None if chunked is None else (index[chunked[0]], chunked[1]))
+                             None if chunked is None else (index[chunked[0]], chunked[1]),
+                             local=bool(st.options.compile))
     return st.graphs[key]
 
 
@@ -502,7 +519,8 @@ def parallelize_state(model: nn.Module, *, tp_group: dist.ProcessGroup | None = 
                  type(model), model.__dict__.get("forward"), rng, stage_params, context_rng=context_rng)
     args, kwargs = _split_example(example_inputs, _user_forward(model, st))
     training = model.training
-    with preserved(model, on_failure_only=True):  # a failure leaves the model exactly as it was: class, tensors
+    # a failure leaves the model exactly as it was (class, tensors); the process keeps no source file capture read
+    with preserved(model, on_failure_only=True), source_lines_released():
         _swap_class(model)
         model.__dict__.pop("forward", None)
         attach_state(model, st)
