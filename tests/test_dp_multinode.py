@@ -17,7 +17,6 @@ import torch.distributed as dist
 from autotp.distributed.launch import LaunchSpec, launch
 from autotp.distributed.layout import RankLayout
 from ranks import ROOT
-from torch.distributed.elastic.utils.distributed import get_free_port
 
 NANOGPT = os.path.join(ROOT, "examples", "nanogpt.py")
 TP, DP, STEPS, LR, EPS, TOL = 2, 2, 3, 1e-3, 1e-6, 1e-5

@@ -5,7 +5,6 @@ import copy
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import autotp
