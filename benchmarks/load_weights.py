@@ -22,6 +22,9 @@ For each tp, on gloo ranks of this machine (one path at a time, so they do not c
 - autotp-mmap-cached: the same job restarted: ``parallelize`` finds the plan the first run stored in the plan
   cache (:mod:`autotp.parallel.reuse`), shards from it and captures on the model's first call instead.
   Every other autotp path starts with an empty plan cache of its own;
+- cli: the same model file through the command line, ``autotp shard FILE --tp N --weights folder --steps 0``
+  (build on meta, load, check; nothing trained or saved): each rank's peak (``VmHWM``, read every 20 ms while
+  the job runs) against its shard bytes (the autotp path's) plus the RSS of the fork server it started from;
 - old: ``LlamaForCausalLM.from_pretrained(folder)`` (the whole model on every rank), then ``autotp.parallelize``;
 - hf: ``from_pretrained(folder, distributed_config=DistributedConfig(tp_plan="auto"))`` (needs accelerate).
 
@@ -300,6 +303,70 @@ def _save(folder: Path, config: dict, shard_size: str) -> None:
     model.save_pretrained(folder, max_shard_size=shard_size)
 
 
+CLI_MODEL = """\
+import json
+import sys
+
+sys.path.insert(0, {bench!r})
+from llama_shaped import Config, LlamaShaped
+
+
+def build_model():
+    c = json.loads(open({config!r}).read())
+    return LlamaShaped(Config(**{{k: c[k] for k in Config.__dataclass_fields__ if k in c}}))
+"""
+
+
+def _processes() -> dict[int, tuple[int, int]]:
+    """{pid: (parent pid, peak RSS in bytes)} of every process this user can read."""
+    out = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{pid}/status") as f:
+                hwm = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+        except (OSError, StopIteration, ValueError):
+            continue
+        out[int(pid)] = (ppid, hwm)
+    return out
+
+
+def cli_run(folder: Path, cache: Path, tp: int, held: int | None, base: int) -> dict:
+    """``autotp shard`` on the checkpoint with ``--steps 0``, its ranks' peaks read from /proc while it runs."""
+    model = cache / "cli_model.py"
+    model.write_text(CLI_MODEL.format(bench=str(ROOT / "benchmarks"), config=str(folder / "config.json")))
+    out = cache / f"cli-out-tp{tp}"
+    shutil.rmtree(out, ignore_errors=True)
+    log = open(cache / f"cli-tp{tp}.log", "w+")  # a file, not a pipe: a pipe left unread while polling fills up
+    t0 = time.perf_counter()
+    proc = subprocess.Popen([sys.executable, "-m", "autotp.cli", "shard", str(model), "--tp", str(tp), "--weights",
+                             str(folder), "--steps", "0", "--out", str(out)], stdout=log, stderr=subprocess.STDOUT)
+    seen: dict[int, tuple[int, int]] = {}
+    while proc.poll() is None:
+        now = _processes()
+        family, todo = set(), [proc.pid]
+        while todo:
+            pid = todo.pop()
+            family.add(pid)
+            todo += [c for c, (parent, _) in now.items() if parent == pid and c not in family]
+        seen.update({pid: now[pid] for pid in family if pid in now})
+        time.sleep(0.02)
+    wall = time.perf_counter() - t0
+    log.seek(0)
+    said = log.read().strip().splitlines() or [""]
+    log.close()
+    if proc.returncode != 0:
+        return {"failed": f"exit {proc.returncode}: {said[-1][:300]}"}
+    ranks = sorted(seen.items(), key=lambda kv: -kv[1][1])[:tp]  # the ranks hold the shards: the largest peaks
+    server = seen.get(ranks[0][1][0], (0, 0))[1]  # the fork server they started from: a rank's start
+    peak = max(h for _, (_, h) in ranks)
+    if held is None:
+        return {"skipped": "needs the autotp path's shard bytes at this tp (run it too)"}
+    return {"peak_rss": peak, "ideal_rss": held + base, "rss_ratio": peak / (held + base),
+            "rss_ratio_own": peak / (held + server), "start_rss": server, "held": held, "total_s": wall}
+
+
 def _empty_rss() -> int:
     code = ("import torch\nwith open('/proc/self/status') as f:\n    print(next(int(l.split()[1]) * 1024 for l in f "
             "if l.startswith('VmRSS:')))")
@@ -372,6 +439,11 @@ def main() -> None:
                 shutil.rmtree(plans, ignore_errors=True)
             elif not plans.is_dir():  # a restarted job: the plan its first run stored
                 launch(PATHS[path], tp, str(folder), str(plans))
+            if path == "cli":
+                own = result["runs"].get(f"autotp@tp{tp}", {})
+                result["runs"][key] = cli_run(folder, a.cache, tp, own.get("held"), base)
+                print(key, result["runs"][key], flush=True)
+                continue
             t0 = time.perf_counter()
             try:
                 ranks = launch(PATHS[path], tp, str(folder), str(plans))
@@ -460,7 +532,7 @@ def _markdown(r: dict) -> str:
 
 PATHS = {"autotp": autotp_rank, "autotp-hf": autotp_hf_rank, "autotp-hf-mmap": autotp_hf_mmap_rank,
          "autotp-mmap": autotp_mmap_rank,
-         "autotp-mmap-cached": autotp_mmap_rank, "old": old_rank, "hf": hf_rank}
+         "autotp-mmap-cached": autotp_mmap_rank, "cli": None, "old": old_rank, "hf": hf_rank}
 
 if __name__ == "__main__":
     main()
