@@ -508,3 +508,24 @@ def test_visitors_dispatch_on_the_table_only():
         src = (ANALYSIS / name).read_text()
         assert not re.search(r"^_?(MOVES|TRANSPOSES\w*)\s*=\s*\{", src, re.M), name
         assert not [m for m in moves if re.search(re.escape(m) + r"\b", src)], name
+
+
+def test_fingerprints_keep_the_divisions_the_graph_makes():
+    """A size the graph divides (positions folded in groups of 4: ``view(b, s // 4, 4, f)``) is fingerprinted as a
+    prime times the divisor, so the fold's view keeps the number of elements; other sizes stay distinct primes."""
+    import view_gap_models
+
+    from autotp.capture.tracer import capture
+    from autotp.analysis.shapes import view_groups
+
+    model, args, kwargs = view_gap_models.build("seq_fold")
+    gm = capture(model, args, kwargs)[0]
+    fp = Fingerprinter(gm)
+    folds = [n for n in gm.graph.nodes if n.op == "call_function" and isinstance(n.meta.get("val"), torch.Tensor)
+             and n.meta["val"].dim() == 4 and fp.shape(n)[-2:] == [4, 128] and n.args[0].meta["val"].dim() == 3]
+    assert len(folds) == 2, folds  # both layers' spellings
+    for n in folds:
+        src, dst = fp.shape(n.args[0]), fp.shape(n)
+        b, s = src[:2]
+        assert dst[:3] == [b, s // 4, 4] and s % 4 == 0 and b % 2 == 1  # only the divided size carries the 4
+        assert view_groups(src, dst) == [([0], [0]), ([1], [1, 2]), ([2], [3])]

@@ -1,7 +1,9 @@
 """Ops that only move dims or do nothing: the transpose family in attention (``k.mT`` with tanh soft-capping,
 ``swapaxes``, ``movedim``, ``permute``/``transpose`` with negative dims, ``adjoint``, ``mH``) shards by heads
-like ``transpose``, and identity views, no-op casts and copies in front of each input projection do not
-split its column group (one input-gradient all-reduce per attention and per MLP, Megatron's count)."""
+like ``transpose``, identity views, no-op casts and copies in front of each input projection do not split its
+column group (one input-gradient all-reduce per attention and per MLP, Megatron's count), and positions folded
+in groups of 4 inside the MLP (``view(b, s // 4, 4, f)``, ``reshape(b, -1, 4, f)``) are read as the sequence
+they are."""
 from __future__ import annotations
 
 import pytest

@@ -107,7 +107,7 @@ def analyze(gm: fx.GraphModule, tp: int) -> Analysis:
     by_node = {m.node: m for m in matmuls}
     g = dataflow_graph(gm)
     feed = feeders(g, set(by_node) | set(embeddings))
-    fp = Fingerprinter()
+    fp = Fingerprinter(gm)
     assigned: set[fx.Node] = set()
     failed: set[fx.Node] = set()
     attempts: list[tuple[fx.Node, str, str]] = []  # (row, module, reason) of the pairs that failed

@@ -147,7 +147,7 @@ def sequence_symbol(a: Analysis) -> sympy.Symbol | None:
 class _Sequence:
     def __init__(self, gm: fx.GraphModule, a: Analysis, v: VocabFacts, seq: sympy.Symbol):
         self.gm, self.seq, self.facts, self.tp = gm, seq, SeqFacts(), a.tp
-        self.fp = Fingerprinter()
+        self.fp = Fingerprinter(gm)
         self.params = {n for n, _ in gm.named_parameters(remove_duplicate=False)}
         self.inside: dict[fx.Node, str] = {}  # nodes of the tensor-parallel regions -> their module
         self.sinks: dict[fx.Node, tuple[str, list[fx.Node]]] = {}  # column / head input -> module, matmuls

@@ -1,24 +1,32 @@
 """Shapes of captured nodes as plain integers, and the dim grouping of a view.
 
 Symbolic sizes (batch, sequence) are replaced by distinct large primes so that products of sizes can be
-compared exactly: two products of dims are equal as numbers only when they are equal as symbols.
+compared exactly: two products of dims are equal as numbers only when they are equal as symbols. A size the
+graph divides (``s // 4``: a model that folds groups of 4 positions, ``view(b, s // 4, 4, d)``) gets its prime
+times the divisors, so that the quotient times the divisor is the size again, as it is for every size the
+model accepts.
 """
 from __future__ import annotations
+
+import math
 
 import sympy
 import torch
 import torch.fx as fx
+from torch.utils._sympy.functions import CleanDiv, FloorDiv, Mod, PythonMod
 
 _PRIMES = [1_000_003, 1_000_033, 1_000_037, 1_000_039, 1_000_081, 1_000_099, 1_000_117, 1_000_121,
            1_000_133, 1_000_151, 1_000_159, 1_000_171, 1_000_183, 1_000_187, 1_000_193, 1_000_199]
 
 
 class Fingerprinter:
-    """Maps SymInts to exact integers, consistently within one graph."""
+    """Maps SymInts to exact integers, consistently within one graph (``gm``: read for the divisors of its
+    sizes)."""
 
-    def __init__(self) -> None:
+    def __init__(self, gm: fx.GraphModule | None = None) -> None:
         self._sym: dict[sympy.Symbol, int] = {}
         self._sizes: dict[sympy.Expr, int] = {}  # a deep graph asks for the same few sizes thousands of times
+        self._divisors = _divisors(gm) if gm is not None else {}
 
     def size(self, s: int | torch.SymInt) -> int:
         if isinstance(s, int):
@@ -32,7 +40,8 @@ class Fingerprinter:
         subs = {}
         for sym in sorted(expr.free_symbols, key=str):
             if sym not in self._sym:
-                self._sym[sym] = _PRIMES[len(self._sym) % len(_PRIMES)] + 2 * (len(self._sym) // len(_PRIMES))
+                prime = _PRIMES[len(self._sym) % len(_PRIMES)] + 2 * (len(self._sym) // len(_PRIMES))
+                self._sym[sym] = prime * self._divisors.get(sym, 1)
             subs[sym] = self._sym[sym]
         self._sizes[expr] = value = int(expr.subs(subs))
         return value
@@ -40,6 +49,23 @@ class Fingerprinter:
     def shape(self, node: fx.Node | torch.Tensor) -> list[int]:
         val = node.meta["val"] if isinstance(node, fx.Node) else node
         return [self.size(s) for s in val.shape]
+
+
+def _divisors(gm: fx.GraphModule) -> dict[sympy.Symbol, int]:
+    """{symbol: the least common multiple of the constants the graph's sizes divide it by} (``s // 4``,
+    ``s % 4``, of the symbol itself)."""
+    found: dict[sympy.Symbol, int] = {}
+    exprs = set()
+    for node in gm.graph.nodes:
+        val = node.meta.get("val")
+        sizes = val.shape if isinstance(val, torch.Tensor) else [val] if isinstance(val, torch.SymInt) else ()
+        exprs.update(s.node.expr for s in sizes if isinstance(s, torch.SymInt))
+    for expr in exprs:
+        for atom in expr.atoms(FloorDiv, CleanDiv, Mod, PythonMod):
+            base, divisor = atom.args
+            if isinstance(base, sympy.Symbol) and isinstance(divisor, sympy.Integer) and int(divisor) > 1:
+                found[base] = math.lcm(found.get(base, 1), int(divisor))
+    return found
 
 
 def is_static(s: object) -> bool:

@@ -381,7 +381,7 @@ def analyze_vocab(gm: fx.GraphModule, a: Analysis, tp: int, multiple: int = 1) -
     facts = VocabFacts()
     if tp == 1:
         return facts
-    fp = Fingerprinter()
+    fp = Fingerprinter(gm)
     paired = {m.node for p in a.pairs for m in [*p.columns, p.row]}
     params = dict(gm.named_parameters(remove_duplicate=False))
     uses: dict[str, list[fx.Node]] = {}

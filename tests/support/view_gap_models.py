@@ -2,7 +2,7 @@
 of 16, vocab 96, 2 layers): the transpose family in attention (``k.mT`` with tanh soft-capping, ``swapaxes``,
 ``movedim``, ``permute`` and ``transpose`` with negative dims, ``adjoint``, ``mH``) and identity views, no-op
 casts and copies in front of every input projection (each projection reads its own such node of the normed
-activations). Every model is ``(idx, targets) -> (logits, loss)``; tests/test_view_gaps.py runs them."""
+activations), and positions folded in groups of 4 around the MLP's activation (``view(b, s // 4, 4, f)``). Every model is ``(idx, targets) -> (logits, loss)``; tests/test_view_gaps.py runs them."""
 from __future__ import annotations
 
 import math
@@ -45,11 +45,19 @@ IDENTITIES = {
                lambda x: x.expand(x.shape[0], -1, -1), lambda x: x.clone().expand_as(x)],
 }
 
+# positions folded in groups of 4 around the MLP's activation, and back: (b, s, f) -> (b, s // 4, 4, f); the
+# quotient is a size of its own in the graph, which the shape analysis must read as s / 4
+FOLDS = {"fold_div": (lambda y: y.view(y.shape[0], y.shape[1] // 4, 4, y.shape[2]),
+                      lambda y, like: y.view(like.shape)),
+         "fold_neg": (lambda y: y.reshape(y.size(0), -1, 4, y.size(-1)),
+                      lambda y, like: y.flatten(1, 2))}
+
 # each kind spells its two layers differently (one kind, two spellings: half the cost of a test run);
 # seq_first keeps its own layout (movedim, permute with negative dims, swapaxes) and takes only k's spelling
 LAYERS = {"mT_softcap": ("mT", "mH"), "swapaxes": ("swapaxes", "movedim_list"),
           "permute_neg": ("permute_neg", "adjoint"), "seq_first": ("movedim", "movedim"),
-          "view_as": ("view_as", "reshape_same"), "noop_casts": ("noop_casts", "slices"), "copies": ("copies", "view_as")}
+          "view_as": ("view_as", "reshape_same"), "noop_casts": ("noop_casts", "slices"), "copies": ("copies", "view_as"),
+          "seq_fold": ("fold_div", "fold_neg")}
 KINDS = tuple(LAYERS)
 
 
@@ -92,6 +100,10 @@ class MLP(nn.Module):
 
     def forward(self, x):
         g, u = (f(x) for f in IDENTITIES[self.spelling][3:]) if self.spelling in IDENTITIES else (x, x)
+        if self.spelling in FOLDS:  # (b, s, f) -> (b, s / 4, 4, f) around the activation, and back
+            fold, unfold = FOLDS[self.spelling]
+            gate = self.gate(g)
+            return self.down(unfold(F.silu(fold(gate)), gate) * self.up(u))
         return self.down(F.silu(self.gate(g)) * self.up(u))
 
 
