@@ -100,9 +100,41 @@ def common_module(paths: list[str]) -> str:
 
 
 def analyze(gm: fx.GraphModule, tp: int) -> Analysis:
-    """Find the column→row pairs of ``gm`` for tensor-parallel size ``tp``."""
+    """Find the column→row pairs of ``gm`` for tensor-parallel size ``tp``.
+
+    A weight the forward uses more than once (a block applied in a loop, a block listed twice, weights tied
+    between blocks) is cut when every use is cut alike: each one a column, or each one a row, of a pair, on the
+    same dim in the same segments; its one shard then serves every use. Otherwise the pairs are found again
+    with that weight left whole, and every pair using it with it."""
     matmuls = find_param_matmuls(gm)
     embeddings = {e.node: e for e in find_param_embeddings(gm)}
+    weight_uses: dict[tuple[str, int | None], int] = {}  # one expert W[e] of a 3-D W is a weight of its own
+    for m in [*matmuls, *embeddings.values()]:
+        weight_uses[m.key] = weight_uses.get(m.key, 0) + 1
+    banned: set[tuple[str, int | None]] = set()
+    while True:
+        result = _analyze(gm, tp, matmuls, embeddings, weight_uses, banned)
+        unlike = _cut_unlike(result, weight_uses) - banned
+        if not unlike:
+            return result
+        for node in gm.graph.nodes:  # the next attempt writes its own facts
+            node.meta.pop("autotp", None)
+        banned |= unlike
+
+
+def _cut_unlike(result: Analysis, weight_uses: dict[tuple[str, int | None], int]) -> set[tuple[str, int | None]]:
+    """The weights used more than once whose uses are not all cut alike by ``result``'s pairs."""
+    cuts: dict[tuple[str, int | None], list[tuple]] = {}
+    for p in result.pairs:
+        for c in p.columns:
+            cuts.setdefault(c.key, []).append(("column", c.out_dim, p.column_specs[c.node.name].segments))
+        cuts.setdefault(p.row.key, []).append(("row", p.row.in_dim, p.region.row_input.segments))
+    return {key for key, n in weight_uses.items()
+            if n > 1 and key in cuts and (len(cuts[key]) != n or len(set(cuts[key])) != 1)}
+
+
+def _analyze(gm: fx.GraphModule, tp: int, matmuls: list[ParamMatmul], embeddings: dict[fx.Node, ParamMatmul],
+             weight_uses: dict[tuple[str, int | None], int], banned: set[tuple[str, int | None]]) -> Analysis:
     result = Analysis(tp, matmuls)
     by_node = {m.node: m for m in matmuls}
     g = dataflow_graph(gm)
@@ -111,9 +143,6 @@ def analyze(gm: fx.GraphModule, tp: int) -> Analysis:
     assigned: set[fx.Node] = set()
     failed: set[fx.Node] = set()
     attempts: list[tuple[fx.Node, str, str]] = []  # (row, module, reason) of the pairs that failed
-    weight_uses: dict[tuple[str, int | None], int] = {}  # one expert W[e] of a 3-D W is a weight of its own
-    for m in [*matmuls, *embeddings.values()]:
-        weight_uses[m.key] = weight_uses.get(m.key, 0) + 1
     # attention first: its output projection's pair is the one to keep where a low-rank projection (DeepSeek's
     # q_a -> q_b) could otherwise pair with the up-projection that attention reads
     order = _order(gm)  # once: a graph walk per pair would make a deep model's analysis quadratic
@@ -131,9 +160,10 @@ def analyze(gm: fx.GraphModule, tp: int) -> Analysis:
         columns = [by_node.get(c) or embeddings[c] for c in sorted(cols, key=order)]
         name = common_module([c.module for c in columns if c.kind != "embedding"] + [row.module]) or row.module \
             or "<root>"
-        shared = [m.weight for m in [*columns, row] if weight_uses[m.key] > 1]
+        shared = [m.weight for m in [*columns, row] if m.key in banned]
         if shared:
-            result.replicated.append((name, f"weight {shared[0]} is used by more than one matmul"))
+            result.replicated.append((name, f"weight {shared[0]} is used by more than one matmul, and its uses "
+                                            "cannot all be cut alike"))
             continue
         specs = {}
         try:

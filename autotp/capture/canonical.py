@@ -11,6 +11,7 @@ import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from autotp.capture.autocast import inline_autocast
+from autotp.capture.grad_mode import detach_no_grad_regions
 from autotp.operators.functions import is_marker
 from autotp.capture.einsum import einsums_as_batched_matmuls
 
@@ -22,7 +23,7 @@ def canonicalize(gm: fx.GraphModule) -> None:
     bodies of autocast regions are inlined (:mod:`autotp.capture.autocast`), so the rest rewrite them too."""
     changed = [inline_autocast(gm), index_lists_as_slices(gm), views_as_views(gm), einsums_as_matmuls(gm),
                einsums_as_batched_matmuls(gm), drop_identities(gm),
-               drop_dtype_asserts(gm)]
+               drop_dtype_asserts(gm), detach_no_grad_regions(gm)]
     if any(changed):
         gm.recompile()
 

@@ -42,6 +42,7 @@ from torch.nn.utils.stateless import _reparametrize_module
 from autotp.errors import CaptureError
 from autotp.operators.gathered import GatheredOnUse
 from autotp.capture.functions import marking_functions
+from autotp.capture.grad_mode import marking_grad_mode
 from autotp.capture.recompute import marking_checkpoints
 from autotp.capture.canonical import canonicalize
 from autotp.capture.meta_run import Recorder
@@ -249,8 +250,9 @@ def _export(model: nn.Module, tensors: list[torch.Tensor], forward: Callable, st
             # Functions (regions the runtime calls the Function for, so its backward is kept)
             # fake tensors' dispatch cache: pays for itself only over many repeated layers, and capture
             # exports a few blocks (autotp.capture.repeats): without it a small model exports ~30% faster
-            with marking_checkpoints(), marking_functions(), source_lines_released(), \
-                    torch._dynamo.config.patch(fake_tensor_cache_enabled=False):
+            # and the model's own no-grad regions (autotp.capture.grad_mode)
+            with marking_checkpoints(), marking_functions(), marking_grad_mode(_not_user_code()), \
+                    source_lines_released(), torch._dynamo.config.patch(fake_tensor_cache_enabled=False):
                 ep = torch.export.export(model, tuple(tensors), dynamic_shapes=(dynamic,), strict=False)
     except Exception as e:  # noqa: BLE001 - every export failure becomes one readable error
         raise CaptureError(
