@@ -94,7 +94,8 @@ def _called_by_model(user_code: object) -> bool:
     return not user_code(filename)
 
 
-def _mode(node: fx.Node) -> bool:
+def _with_grad(node: fx.Node) -> bool:
+    """Whether the node ran outside every no-grad region of the model's own."""
     custom = node.meta.get("custom")
     return not (isinstance(custom, dict) and custom.get(KEY) is False)
 
@@ -109,9 +110,9 @@ def detach_no_grad_regions(gm: fx.GraphModule) -> bool:
         if node.op == "get_attr" and node.target in params or \
                 node.op != "get_attr" and any(i in reached for i in node.all_input_nodes):
             reached.add(node)
-        if _mode(node) or node not in reached or node.op not in ("call_function", "call_module"):
+        if _with_grad(node) or node not in reached or node.op not in ("call_function", "call_module"):
             continue
-        outside = [u for u in node.users if _mode(u)]
+        outside = [u for u in node.users if _with_grad(u)]
         val = node.meta.get("val")
         if not outside or not isinstance(val, torch.Tensor) or not (val.dtype.is_floating_point or val.is_complex()):
             continue

@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from pattern_models import H, S, V, Block, RMSNorm
+from pattern_models import H, V, Block, RMSNorm, build_with
 
 KINDS = ("truncated", "decorated", "set_grad", "enable_inside")
 APPLIED = {"truncated": (3, 1), "decorated": (2, 1), "set_grad": (2, 1), "enable_inside": (1, 0)}
@@ -66,6 +66,4 @@ class LM(nn.Module):
 
 def build(kind: str):
     torch.manual_seed(0)
-    model = LM(kind)
-    g = torch.Generator().manual_seed(1)
-    return model, (torch.randint(0, V, (2, S), generator=g), torch.randint(0, V, (2, S), generator=g)), {}
+    return build_with(LM(kind))

@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from pattern_models import H, S, V, Block, RMSNorm
+from pattern_models import H, V, Block, RMSNorm, build_with
 
 KINDS = ("looped", "shared_list", "tied_attrs", "unlike")
 LAYERS = {"looped": 3, "shared_list": 3, "tied_attrs": 2, "unlike": 2}  # blocks run per forward
@@ -55,6 +55,4 @@ class LM(nn.Module):
 
 def build(kind: str):
     torch.manual_seed(0)
-    model = LM(kind)
-    g = torch.Generator().manual_seed(1)
-    return model, (torch.randint(0, V, (2, S), generator=g), torch.randint(0, V, (2, S), generator=g)), {}
+    return build_with(LM(kind))
