@@ -15,6 +15,7 @@ from autotp.capture.tracer import capture
 from autotp.plan.planner import make_plan
 from autotp.operators.functions import CustomFunction, outline_functions
 from spelling_runs import SpellingRuns
+import helper_models
 from function_models import KINDS, GradNorm, RoundSTE, build
 from parity_checks import assert_patterns_train_exactly
 from pattern_models import H, S
@@ -131,3 +132,92 @@ def test_the_wrap_higher_order_op_is_traced_through():
     assert all(isinstance(n.target, torch._ops.OpOverload) for n in gm.graph.nodes if n.op == "call_function")
     plan = make_plan(gm, 2)
     assert plan.param("up.weight").role == "column" and plan.param("down.weight").role == "row"
+
+
+# -- the spellings of state-space, recurrent and RWKV-style model files (tests/support/helper_models.py) ------
+def _no_fake_cached() -> None:
+    """No fake or meta tensor, and no symbolic size, in any of the helpers' caches."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    for key, value in helper_models.MEMO.items():
+        assert not isinstance(value, FakeTensor) and not value.is_meta, key
+        assert all(isinstance(k, (int, torch.device, torch.dtype)) for k in key), key
+    for cached in (helper_models.lru_mask, helper_models.Attention.cached_mask):
+        assert cached.cache_info().currsize <= 1, cached.cache_info()
+
+
+@pytest.mark.parametrize("kind", helper_models.LOSSES + ("grad_max",))
+def test_a_function_whose_backward_reads_the_whole_sharded_dim_runs_whole_and_the_plan_names_it(kind: str):
+    """A loss helper whose backward builds a term over the vocab (a max, an argmax, a logsumexp), however it
+    is called (apply, an alias bound at import, functools.partial, a staticmethod), keeps the LM head whole;
+    a backward normalizing by a max over the features keeps its attention whole; each with the Function's
+    name and reason."""
+    model, args, _ = helper_models.build(kind)
+    gm = capture(model, args, {})[0]
+    name = {"loss_argmax": "ArgmaxTerm", "loss_lse": "LseTerm", "grad_max": "GradMax"}.get(kind, "MaxTerm")
+    for tp in (2, 4):
+        reasons = dict(make_plan(gm, tp).replicated)
+        want = {"blocks.0.attn", "blocks.1.attn"} if kind == "grad_max" else {"head"}
+        assert set(reasons) == want, reasons
+        why = "backward run on a rank's shards does not give" if kind == "grad_max" else "gives a whole result"
+        assert all(f"helper_models.{name}" in r and why in r for r in reasons.values()), reasons
+
+
+@pytest.mark.parametrize("kind", helper_models.SCANS)
+def test_a_scan_writing_in_place_is_seen_by_every_spelling_and_keeps_its_backward(kind: str):
+    """``scan = Scan.apply`` bound at import, ``Scan.apply`` and an ``allow_in_graph`` subclass: each call is
+    one Function region; the outlined graph calls the Function (no in-place error from differentiating its
+    traced forward) and gives the eager gradients."""
+    model, args, _ = helper_models.build(kind)
+    gm = capture(model, args, {})[0]
+    assert len({call_of(n) for n in gm.graph.nodes} - {None}) == 2
+    assert outline_functions(gm) == 2
+    want, got = _grads(model, args), _grads(gm, args)
+    assert want.keys() == got.keys()
+    for name, g in want.items():
+        assert torch.allclose(got[name], g, atol=1e-6), name
+    plan = make_plan(gm, 2)  # the MLPs around the scan's mixing sharded as ever
+    assert plan.param("blocks.0.mlp.down.weight").role == "row"
+
+
+@pytest.mark.parametrize("kind", helper_models.MASKS)
+def test_a_cached_mask_builder_neither_fails_the_capture_nor_keeps_its_values(kind: str):
+    """An lru-cached, a functools.cache staticmethod and a dict-memo mask builder called with the sequence
+    length: captured (symbolic sizes never hashed), the attention sharded, the caches as they were (what the
+    model's own eager call put there, the same objects), and the model's next eager call the same."""
+    helper_models.clear_caches()
+    model, args, _ = helper_models.build(kind)
+    want = model(*args)[0]
+    memo, lru = dict(helper_models.MEMO), helper_models.lru_mask.cache_info()
+    gm = capture(model, args, {})[0]
+    assert helper_models.MEMO == memo and all(helper_models.MEMO[k] is v for k, v in memo.items())
+    assert helper_models.lru_mask.cache_info().currsize == lru.currsize
+    _no_fake_cached()
+    assert torch.equal(model(*args)[0], want)
+    for tp in (2, 4):
+        plan = make_plan(gm, tp)
+        assert plan.replicated == (), plan.replicated
+        assert plan.param("blocks.0.attn.qkv.weight").role == "column"
+
+
+HELPERS = SpellingRuns("helpers", "helper_models", helper_models.KINDS,
+                       ["loss_max", "loss_lse", "scan_alias", "mask_lru", "mask_memo", "grad_max"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world,part", HELPERS.params)
+def test_models_with_their_own_helpers_train_exactly(world: int, part: str):
+    """Loss, gradients and 3 AdamW steps within 1e-5 of the unsharded model (which runs after parallelize:
+    the helpers' caches hold nothing of the capture); the mask spellings fully sharded with Megatron's
+    collectives, the others whole where their Function needs it, with its reason."""
+    results = HELPERS(world, part)
+    kinds = HELPERS.kinds(part)
+    assert_patterns_train_exactly(results, kinds, world, bsh=2 * S * H, tokens=2 * S,
+                                  sharded=lambda kind: kind in helper_models.MASKS)
+    for rank, by_kind in results.items():
+        for kind, r in by_kind.items():
+            assert r["unexplained"] == [], (rank, kind, r)
+            if kind in helper_models.LOSSES:
+                assert [m for m, _ in r["replicated"]] == ["head"], (rank, kind, r["replicated"])
+            elif kind == "grad_max":
+                assert [m for m, _ in r["replicated"]] == ["blocks.0.attn", "blocks.1.attn"], (rank, r)

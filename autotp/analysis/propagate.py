@@ -50,6 +50,7 @@ class Propagator(ShapeRules, ValueRules):
         self.region = Region()
         self._broadcast: frozenset[fx.Node] = frozenset()  # operands of the node being visited read as replicated
         self._checked: set[FunctionCall] = set()  # the model's autograd Functions checked to run on shards
+        self._entered: dict[FunctionCall, fx.Node] = {}  # each Function entered: its first node visited
 
     # -- public interface ------------------------------------------------------------------------
     def spec(self, x: object) -> Sharding | None:
@@ -77,6 +78,14 @@ class Propagator(ShapeRules, ValueRules):
         if call is not None:
             self._inside_function(node, call, marks)
 
+    def check_functions(self) -> None:
+        """Check every model's own autograd Function the propagation entered whose results it did not reach: a
+        loss helper that takes the vocab-sharded logits and returns the (whole) loss computed before it never
+        has a sharded result, and is refused here (its result is whole) rather than run on shards unchecked."""
+        for call, node in list(self._entered.items()):
+            if call not in self._checked:
+                self._check(node, call)
+
     def _marks(self) -> tuple[int, ...]:
         r = self.region
         return len(r.slices), len(r.entering), len(r.params), len(r.stats), len(r.random_nodes), len(r.inputs)
@@ -88,12 +97,18 @@ class Propagator(ShapeRules, ValueRules):
         if self._marks() != marks:
             raise Unshardable(node, f"inside the custom autograd Function {call.name()}: sharding it would need "
                                     "communication or slicing inside the model's own code")
-        if not is_result(node) or call in self._checked:
-            return
+        self._entered.setdefault(call, node)
+        if is_result(node) and call not in self._checked:
+            self._check(node, call)
+
+    def _check(self, node: fx.Node, call: FunctionCall) -> None:
+        """Run ``call``'s Function on random shards laid out as propagation found its arguments and results
+        (a result propagation did not reach is whole); Unshardable at ``node`` unless it gives each rank its
+        shards, forward and backward."""
         args = [n for n in node.graph.nodes if call_of(n) == call and arg_index(n) is not None]
         args.sort(key=arg_index)
         outs = [n for n in node.graph.nodes if call_of(n) == call and is_result(n)]
-        results: list[Operand | None] = [None] * result_count(node)
+        results: list[Operand | None] = [None] * (result_count(outs[0]) if outs else 0)
         for o in outs:
             s = self.spec(o.args[0])  # the result itself: the markers after this one are not visited yet
             if s is not None and (s.inner or s.outer or s.group):
@@ -335,6 +350,7 @@ def propagate(columns: dict[fx.Node, Sharding], row: fx.Node, row_x: fx.Node, fp
             break
         if any(isinstance(a, fx.Node) and a in p.region.specs for a in node.all_input_nodes):
             p.visit(node)
+    p.check_functions()
     rs = p.spec(row_x)
     if rs is None or rs.dim != x_dim % ndim_of(row_x) or rs.inner or rs.outer:
         raise Unshardable(row, "the row-parallel input is not sharded on its contracted dim")

@@ -345,6 +345,7 @@ def _propagate_head(m: ParamMatmul, layout: VocabRows, fp: Fingerprinter, tp: in
             continue
         if node.op == "call_function" and any(a in p.region.specs for a in node.all_input_nodes):
             p.visit(node)
+    p.prop.check_functions()
     # replicated operands spanning the vocab: not planned for heads
     if p.region.slices:
         x = p.region.slices[0]

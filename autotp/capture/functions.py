@@ -39,16 +39,25 @@ def is_models_own(function: type) -> bool:
 
 @contextlib.contextmanager
 def marking_functions() -> Iterator[None]:
-    """Inside: each call of a custom Function defined outside torch has its ops tagged (see the module)."""
+    """Inside: each call of a custom Function defined outside torch has its ops tagged (see the module).
+
+    The hook sits one class below ``Function``: ``Function.apply`` ends in ``super().apply(...)``, which finds
+    it on ``_SingleLevelFunction`` before torch's C ``_FunctionBase.apply``. So every spelling of the call is
+    seen, ``Scan.apply(a, x)`` as much as ``scan(a, x)`` with ``scan = Scan.apply`` bound at import (a bound
+    method of the original classmethod, which a patch of ``Function.apply`` itself would miss),
+    ``functools.partial(Scan.apply, ...)``, ``staticmethod(Scan.apply)`` on a class, or a class passed
+    through ``torch.compiler.allow_in_graph`` (a no-op outside dynamo)."""
     calls = itertools.count()
-    base = torch.autograd.Function.__dict__["apply"]  # the classmethod every Function inherits
-    alias = torch.ops.aten.alias.default
+    below = torch.autograd.function._SingleLevelFunction  # Function's base: where super().apply looks first
+    assert "apply" not in below.__dict__, "torch's Function.apply chain changed"
 
     def apply(cls, *args, **kwargs):
+        base = super(below, cls).apply  # torch._C._FunctionBase.apply, bound to cls
         if not is_models_own(cls):
-            return base.__func__(cls, *args, **kwargs)
+            return base(*args, **kwargs)
         flat, spec = tree_flatten((args, kwargs))
         call = FunctionCall(cls, tuple(None if isinstance(x, torch.Tensor) else x for x in flat), spec, next(calls))
+        alias = torch.ops.aten.alias.default
         with fx_traceback.annotate({KEY: call}):
             marked, k = [], itertools.count()
             for x in flat:
@@ -57,7 +66,7 @@ def marking_functions() -> Iterator[None]:
                         x = alias(x)
                 marked.append(x)
             a, kw = tree_unflatten(marked, spec)
-            out = base.__func__(cls, *a, **kw)
+            out = base(*a, **kw)
             results, out_spec = tree_flatten(out)
             for j, r in enumerate(results):
                 if isinstance(r, torch.Tensor):
@@ -65,12 +74,12 @@ def marking_functions() -> Iterator[None]:
                         results[j] = alias(r)
         return tree_unflatten(results, out_spec)
 
-    torch.autograd.Function.apply = classmethod(apply)
+    below.apply = classmethod(apply)
     try:
         with fx_traceback.preserve_node_meta():
             yield
     finally:
-        torch.autograd.Function.apply = base
+        del below.apply
 
 
 def renamed_region(meta: dict, block: str) -> dict:

@@ -26,6 +26,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from autotp.capture.cached import helpers_uncached
 from autotp.capture.preserve import preserved, unique_names
 from autotp.capture.structure import Spec, flatten
 
@@ -170,7 +171,8 @@ def run_once(model: nn.Module, blocks: nn.Module | None, run: Callable[[], objec
     level = quiet.level
     quiet.setLevel(logging.CRITICAL)  # fake tensor mode logs an op that fails; here failing is an answer
     try:
-        with preserved(model), torch.no_grad(), tensors, _on_meta(model, rec.names, params), rec:
+        with preserved(model), helpers_uncached(model), torch.no_grad(), tensors, \
+                _on_meta(model, rec.names, params), rec:
             rec.output = run()
     except Exception:  # noqa: BLE001 - anything the meta run cannot do: capture the whole model instead
         return None

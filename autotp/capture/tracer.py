@@ -41,6 +41,7 @@ from torch.nn.utils.stateless import _reparametrize_module
 
 from autotp.errors import CaptureError
 from autotp.operators.gathered import GatheredOnUse
+from autotp.capture.cached import helpers_uncached, keyed_by_size
 from autotp.capture.functions import marking_functions
 from autotp.capture.grad_mode import marking_grad_mode
 from autotp.capture.recompute import marking_checkpoints
@@ -213,7 +214,8 @@ def _export_on(model: nn.Module, forward: Callable, args: tuple, kwargs: dict,
     tensors = [place(t) for t in tensors]
     box: list[Spec] = []
     swap = _reparametrize_module(model, unique_names(model, params)) if params else contextlib.nullcontext()
-    with preserved(model), swap, _as_flat_forward(model, forward, in_spec, box):  # the model as it was, always
+    # the model as it was, always; its cached helpers run uncached (autotp.capture.cached)
+    with preserved(model), helpers_uncached(model), swap, _as_flat_forward(model, forward, in_spec, box):
         gm = _export(model, tensors, forward, static)
     return gm, box[-1]
 
@@ -253,7 +255,15 @@ def _export(model: nn.Module, tensors: list[torch.Tensor], forward: Callable, st
             # and the model's own no-grad regions (autotp.capture.grad_mode)
             with marking_checkpoints(), marking_functions(), marking_grad_mode(_not_user_code()), \
                     source_lines_released(), torch._dynamo.config.patch(fake_tensor_cache_enabled=False):
-                ep = torch.export.export(model, tuple(tensors), dynamic_shapes=(dynamic,), strict=False)
+                try:
+                    with preserved(model, on_failure_only=True):  # a failed try leaves nothing to the next
+                        ep = torch.export.export(model, tuple(tensors), dynamic_shapes=(dynamic,), strict=False)
+                except Exception as e:  # noqa: BLE001 - told apart below, else raised as it was
+                    if static or not keyed_by_size(e):
+                        raise
+                    # a memo keyed by a symbolic size: every size as given, the graph guarded on them
+                    dynamic = tuple({i: Dim.STATIC for i in range(t.dim())} for t in tensors)
+                    ep = torch.export.export(model, tuple(tensors), dynamic_shapes=(dynamic,), strict=False)
     except Exception as e:  # noqa: BLE001 - every export failure becomes one readable error
         raise CaptureError(
             f"torch.export could not capture {name}: {_reason(e)}{_user_line(e)}",
