@@ -1,8 +1,8 @@
 """What :func:`autotp.parallelize` and :func:`autotp.pipeline` are asked for, as one frozen value validated once.
 
 :class:`Options` holds every choice beyond the process group (vocab padding, compile, input checks,
-sequence and expert parallelism, FSDP with its mixed precision, pipeline stages with their schedule,
-micro-batches and virtual stages: :class:`PipelineOptions`); :meth:`Options.validate` refuses a combination
+sequence and expert parallelism, FSDP with its mixed precision, DDP's options, pipeline stages with their
+schedule, micro-batches and virtual stages: :class:`PipelineOptions`); :meth:`Options.validate` refuses a combination
 that does not run, in one place, before any rank does work. The command line and the layout search ask the
 same rules (:func:`refused`, :meth:`PipelineOptions.validate`) without torch. The model's state
 (:class:`~autotp.state.TPState`) keeps it beside this rank's identity and what the calls have cached.
@@ -94,8 +94,8 @@ def refused(*, pipeline: int = 1, schedule: str | None = None, fsdp: bool = Fals
     """Why these dimensions do not run together yet (None: they do). The one rule :meth:`Options.validate`,
     :func:`autotp.pipeline`, the command line and the layout search all ask."""
     if context_parallel > 1:
-        other = [name for name, on in (("pipeline stages", pipeline > 1), ("sequence parallelism", sequence_parallel),
-                                       ("expert parallelism", expert_parallel), ("compile", compile)) if on]
+        other = [name for name, on in (("pipeline stages", pipeline > 1),
+                                       ("expert parallelism", expert_parallel)) if on]
         if other:
             return Refusal(f"context parallelism (cp {context_parallel}) does not run with {', '.join(other)} yet",
                            "run context parallelism alone (with data parallelism beside it), or drop cp")
@@ -105,6 +105,25 @@ def refused(*, pipeline: int = 1, schedule: str | None = None, fsdp: bool = Fals
                        "apart from the backward FSDP reduces after", "use 1F1B, GPipe, Interleaved1F1B or "
                        "LoopedBFS with fsdp, or drop fsdp (DDP over the data-parallel ranks)")
     return None
+
+
+# DistributedDataParallel's arguments autotp sets itself (the layout's or mesh's data-parallel group, the device)
+_DDP_OWN = ("module", "process_group", "device_mesh", "device_ids", "output_device")
+
+
+def _check_data_parallel(value: object) -> None:
+    """``data_parallel``: True, False, or a dict of DistributedDataParallel's keyword arguments
+    (``bucket_cap_mb``, ``find_unused_parameters``, ...) other than those autotp sets."""
+    if isinstance(value, bool):
+        return
+    if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+        raise ShardingError(f"data_parallel must be True, False or a dict of DistributedDataParallel's keyword "
+                            f"arguments, got {value!r}")
+    own = [k for k in value if k in _DDP_OWN]
+    if own:
+        raise ShardingError(f"data_parallel sets {', '.join(own)}, which autotp sets itself (the data-parallel "
+                            "group of the layout or mesh, and the device)",
+                            hint="pass a mesh with a 'dp' dim, or run under `autotp run --dp D`")
 
 
 @dataclass(frozen=True)
@@ -124,6 +143,9 @@ class Options:
     whole_kv_copies: bool = False
     stage_fsdp: bool = False  # pipelined: each stage is made one FSDP unit after parallelize
     context_parallel: int = 1  # ranks each running 1/cp of the sequence (ring attention between them)
+    # gradients averaged over the data-parallel group by DDP where no FSDP or pipeline does it (a dict:
+    # DistributedDataParallel's keyword arguments); False: the script averages them itself
+    data_parallel: bool | dict = True
 
     def validate(self) -> Options:
         """``self``, or a :class:`ShardingError` naming what does not run together and the numbers given.
@@ -134,6 +156,11 @@ class Options:
         cp = self.context_parallel
         if isinstance(cp, bool) or not isinstance(cp, int) or cp < 1:
             raise ShardingError(f"context_parallel must be a positive integer, got {cp!r}")
+        _check_data_parallel(self.data_parallel)
+        if isinstance(self.data_parallel, dict) and (self.fsdp is not None or self.stage_fsdp):
+            raise ShardingError("data_parallel options (DistributedDataParallel's) were given with fsdp, whose "
+                                "reduce-scatter averages the gradients over the data-parallel ranks instead",
+                                hint="drop data_parallel, or drop fsdp to average with DDP")
         schedule = self.schedule.validate() if self.schedule is not None else None
         if schedule is not None and self.pipeline is not None and schedule.count != self.pipeline.count:
             raise PipelineError(f"{self.pipeline.count} stages asked for, and the schedule {schedule.schedule} "

@@ -18,6 +18,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from autotp.capture.structure import Spec
+from autotp.distributed.replicas import Replicas
 from autotp.operators.rng import RegionRNG
 from autotp.options import Options
 from autotp.plan.plan import ParamShard, Plan, ShardedInput
@@ -79,6 +80,9 @@ class TPState:
     # pipelined: the parameter names this rank's stages of a split graph read (never allocated: the others)
     stage_params: Callable[[fx.GraphModule], set[str]] | None = None
     context_rng: RegionRNG | None = None  # with cp: this rank's stream for random ops on its sequence chunk
+    # which data parallelism runs (replicas.kind: "ddp", "script ddp", "fsdp", "pipeline", "off", "none") and,
+    # for autotp's DDP over the data-parallel group, its engine
+    replicas: Replicas | None = None
     # -- found by the calls -----------------------------------------------------------------------------
     shards: dict[str, ParamShard] = field(default_factory=dict)  # every name of a sharded parameter
     # tp 1 only: how fused parameters divide into segments (q|k|v), which checkpoints name at every tp

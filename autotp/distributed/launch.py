@@ -474,11 +474,11 @@ def init_from_env(environ: Mapping[str, str] | None = None) -> RankContext:
                             environ.get(ENV_BACKEND) or None, _env_int(ENV_CP, environ) or 1)
 
 
-def _existing_group(ranks: list[int]) -> dist.ProcessGroup | None:
+def _existing_group(ranks: list[int], dim: str = "tp") -> dist.ProcessGroup | None:
     # torch's own registry of live groups; private, hence the getattr guards and the fallback in the caller
     registry = getattr(getattr(dist.distributed_c10d, "_world", None), "pg_group_ranks", None) or {}
     matches = [pg for pg, members in registry.items() if sorted(members) == ranks]
-    preferred = [pg for pg in matches if getattr(pg, "group_desc", "") == "mesh_tp"]
+    preferred = [pg for pg in matches if getattr(pg, "group_desc", "") == f"mesh_{dim}"]
     return (preferred or matches or [None])[0]
 
 
@@ -525,6 +525,24 @@ def current_cp_group(environ: Mapping[str, str] | None = None) -> dist.ProcessGr
         if found is not None:
             return found
     return init_from_env(environ).cp_group()
+
+
+def current_dp_group(environ: Mapping[str, str] | None = None) -> dist.ProcessGroup | None:
+    """The layout's data-parallel group under ``autotp run``; None when not under it or when dp is 1.
+    Collective when no such group exists yet (it builds the layout's mesh): every rank must reach this call."""
+    environ = os.environ if environ is None else environ
+    tp = _env_int(ENV_TP, environ)
+    if tp is None or not dist.is_initialized():
+        return None
+    try:
+        layout = RankLayout.build(dist.get_world_size(), tp, pp=_env_int(ENV_PP, environ) or 1,
+                                  dp=_env_int(ENV_DP, environ), cp=cp_from_env(environ))
+    except (TypeError, ValueError) as exc:
+        raise LaunchError(str(exc)) from exc
+    if layout.dp == 1:
+        return None
+    found = _existing_group(next(g for g in layout.dp_groups if dist.get_rank() in g), "dp")
+    return found if found is not None else init_from_env(environ).dp_group()
 
 
 def fsdp_from_env(environ: Mapping[str, str] | None = None) -> int | None:

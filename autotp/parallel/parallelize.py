@@ -20,6 +20,7 @@ import torch.distributed as dist
 import torch.fx as fx
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.nn.parallel import DistributedDataParallel
 
 from autotp.capture.meta_run import Recorder
 from autotp.capture.preserve import preserved
@@ -33,6 +34,7 @@ from autotp.capture.modelfile import default_example as _default_example
 from autotp.errors import PipelineError, ProcessGroupError, ShardingError
 from autotp.operators.gathered import GatheredOnUse, bind_outputs, local_outputs
 from autotp.distributed.data_parallel import FSDPConfig
+from autotp.distributed.replicas import AUTOTP_DDP, FSDP, NONE, OFF, PIPELINE, Replicas
 from autotp.passes import PassError, run_passes
 from autotp.passes.split_stages import split_stages
 from autotp.passes.split_units import split_units
@@ -115,24 +117,27 @@ class TPModule(nn.Module):
     """Mixin placed in front of the user's class by :func:`parallelize`; only ``forward`` is replaced."""
 
     def forward(self, *args, **kwargs):
-        c, flat = _dispatch(self, args, kwargs, torch.compiler.is_compiling())
-        return _outputs(c, (c.call or c.module)(*flat))  # under the user's torch.compile: the graph it compiles
+        c, flat, engine = _dispatch(self, args, kwargs, torch.compiler.is_compiling())
+        # under the user's torch.compile: the graph it compiles
+        return _outputs(c, (c.call or c.module)(*flat), engine)
 
 
 @torch.compiler.disable
-def _outputs(c: Captured, flat: tuple) -> object:
-    """The forward's output rebuilt around the graph's flat results, gathered-on-use ones wrapped here."""
+def _outputs(c: Captured, flat: tuple, engine: DistributedDataParallel | None = None) -> object:
+    """The forward's output rebuilt around the graph's flat results, gathered-on-use ones wrapped here; with
+    data parallelism it reaches the DDP engine (whose reducer then expects this call's backward)."""
     if c.wrap:
         flat = list(flat)
         for i, module in c.wrap:
             flat[i] = module(flat[i])
-    return unflatten(flat, c.out)
+    return Replicas.after(engine, unflatten(flat, c.out))
 
 
 @torch.compiler.disable
 def _dispatch(model: nn.Module, args: tuple, kwargs: dict,
-              compiling: bool = False) -> tuple[Captured, list[torch.Tensor]]:
-    """The graph for this call and its flat inputs (local shards where the graph takes them).
+              compiling: bool = False) -> tuple[Captured, list[torch.Tensor], DistributedDataParallel | None]:
+    """The graph for this call, its flat inputs (local shards where the graph takes them) and the DDP engine
+    averaging its gradients over the data-parallel ranks (None: no data parallelism, or the script's own DDP).
 
     Never traced by dynamo: under the user's ``torch.compile(model)`` this runs eagerly (the key, the input
     check, a capture on a new signature), and dynamo compiles what follows, the rewritten graph itself:
@@ -174,7 +179,8 @@ def _dispatch(model: nn.Module, args: tuple, kwargs: dict,
         flat[i] = _local_input(flat[i], s, st)
     if compiling and not c.local:
         c = _for_compiler(st, c)
-    return c, flat
+    engine = st.replicas.before(model, model.parameters) if st.replicas is not None else None
+    return c, flat, engine
 
 
 def _for_compiler(st: TPState, c: Captured) -> Captured:
@@ -415,7 +421,8 @@ def parallelize(model: nn.Module, *, tp_group: dist.ProcessGroup | None = None, 
                 vocab_multiple: int = 1, compile: bool | dict = False, check_inputs: bool = False,
                 sequence_parallel: bool = False, expert_parallel: bool = False,
                 device: torch.device | str | None = None, fsdp: bool | FSDPConfig | None = None,
-                mesh: DeviceMesh | None = None, context_parallel: int | None = None) -> nn.Module:
+                mesh: DeviceMesh | None = None, context_parallel: int | None = None,
+                data_parallel: bool | dict = True) -> nn.Module:
     """Shard ``model`` Megatron-style over ``tp_group``, in place, and return it.
 
     The model keeps its class (a subclass of it is swapped in), attributes and methods; its parameters
@@ -454,6 +461,18 @@ def parallelize(model: nn.Module, *, tp_group: dist.ProcessGroup | None = None, 
     device mesh with ``dp`` and ``tp`` dims (tp innermost), default the layout's under ``autotp run``; its
     ``tp`` dim is the tensor-parallel group.
 
+    Without FSDP, where the ranks hold data-parallel replicas (``autotp run --dp D`` with no ``tp_group``
+    given, or a ``mesh`` with a ``dp`` dim of more than one rank), the gradients are averaged over the
+    data-parallel group by torch's DDP (``data_parallel=True``, the default): bucketed, each bucket all-reduced
+    as soon as the backward has made it, a rank's gradient bytes over dp once per step and nothing over tp for
+    them (see :mod:`autotp.distributed.replicas`). It is driven from the model's own forward (the model stays
+    the user's object, no wrapper) and made at the first call with gradients, broadcasting dp rank 0's
+    parameters. A script that wraps the model in its own ``DistributedDataParallel`` over the dp group keeps
+    working: that DDP is found at its first call and left to average, once; one over ranks that hold different
+    tensor-parallel shards (the whole job) is refused there. ``data_parallel``: a dict of
+    ``DistributedDataParallel``'s keyword arguments (``{"find_unused_parameters": True}`` for parameters the
+    loss does not reach, ``bucket_cap_mb``), or False when the script averages the gradients itself.
+
     ``context_parallel=cp`` runs every op on 1/cp of the sequence (context parallelism): each of cp ranks takes
     chunks r and 2·cp−1−r of the sequence (causal attention's work balanced), attention exchanges keys and
     values around the group (torch's ring attention), positions are the chunk's global ones, a cross-entropy's
@@ -473,7 +492,7 @@ def parallelize(model: nn.Module, *, tp_group: dist.ProcessGroup | None = None, 
     return parallelize_state(model, tp_group=tp_group, example_inputs=example_inputs, vocab_multiple=vocab_multiple,
                              compile=compile, check_inputs=check_inputs, sequence_parallel=sequence_parallel,
                              expert_parallel=expert_parallel, device=device, fsdp=fsdp, mesh=mesh,
-                             context_parallel=context_parallel)
+                             context_parallel=context_parallel, data_parallel=data_parallel)
 
 
 def parallelize_state(model: nn.Module, *, tp_group: dist.ProcessGroup | None = None, example_inputs: object = None,
@@ -483,7 +502,7 @@ def parallelize_state(model: nn.Module, *, tp_group: dist.ProcessGroup | None = 
                       mesh: DeviceMesh | None = None, pipeline: StageRequest | None = None,
                       stage_params: Callable[[fx.GraphModule], set[str]] | None = None,
                       stage_fsdp: bool = False, schedule: PipelineOptions | None = None,
-                      context_parallel: int | None = None) -> nn.Module:
+                      context_parallel: int | None = None, data_parallel: bool | dict = True) -> nn.Module:
     """:func:`parallelize`, and for :func:`autotp.parallel.pipeline.pipeline` every graph cut into the
     stages ``pipeline`` asks for (captured with static shapes); ``stage_params`` names the parameters this
     rank's stages of the first split graph read: no other parameter is allocated or sliced here;
@@ -497,7 +516,8 @@ def parallelize_state(model: nn.Module, *, tp_group: dist.ProcessGroup | None = 
         context_parallel = cp_from_env()
     options = Options(vocab_multiple, compile, check_inputs, sequence_parallel, expert_parallel, config, pipeline,
                       schedule, whole_kv_copies=config is not None or stage_fsdp, stage_fsdp=stage_fsdp,
-                      context_parallel=context_parallel).validate()
+                      context_parallel=context_parallel, data_parallel=data_parallel).validate()
+    given_mesh, given_group = mesh, tp_group  # where the data-parallel group comes from (_replicas)
     cp_group = None
     if options.context_parallel > 1 and config is not None:  # FSDP shards over the dp and cp dims of the mesh
         mesh = _resolve_mesh(mesh, config, tp_group)
@@ -516,7 +536,8 @@ def parallelize_state(model: nn.Module, *, tp_group: dist.ProcessGroup | None = 
     rng = RegionRNG(seed + SEED_OFFSET + rank + tp * cp_rank, device) if tp > 1 else None
     context_rng = RegionRNG(seed + CONTEXT_SEED_OFFSET + cp_rank, device) if cp_group is not None else None
     st = TPState(RankIdentity(group, tp, rank, device, mesh, cp_group, options.context_parallel), options,
-                 type(model), model.__dict__.get("forward"), rng, stage_params, context_rng=context_rng)
+                 type(model), model.__dict__.get("forward"), rng, stage_params, context_rng=context_rng,
+                 replicas=_replicas(options, given_mesh, given_group, group, device))
     args, kwargs = _split_example(example_inputs, _user_forward(model, st))
     training = model.training
     # a failure leaves the model exactly as it was (class, tensors); the process keeps no source file capture read
@@ -530,6 +551,32 @@ def parallelize_state(model: nn.Module, *, tp_group: dist.ProcessGroup | None = 
         else:
             remember(found, _first(model, st, args, kwargs, training, found, example_inputs is None))
     return model
+
+
+def _replicas(options: Options, mesh: DeviceMesh | None, tp_group: dist.ProcessGroup | None,
+              group: dist.ProcessGroup, device: torch.device) -> Replicas:
+    """Which data parallelism the model runs: the pipeline's or FSDP's where they run, else autotp's DDP over
+    the data-parallel group of ``mesh`` (its 'dp' dim) or, with neither a mesh nor a tp group given, of the
+    layout ``autotp run`` made; none where no such group has more than one rank (or ``data_parallel=False``)."""
+    shards = tuple(dist.get_process_group_ranks(group))
+    if options.pipeline is not None:
+        return Replicas(PIPELINE, shard_ranks=shards)
+    if options.fsdp is not None or options.stage_fsdp:
+        return Replicas(FSDP, shard_ranks=shards)
+    if mesh is not None:
+        dp = mesh["dp"].get_group() if "dp" in (mesh.mesh_dim_names or ()) else None
+    elif tp_group is None:
+        from autotp.distributed.launch import current_dp_group
+
+        dp = current_dp_group()
+    else:
+        dp = None
+    if dp is None or dist.get_world_size(dp) == 1:
+        return Replicas(NONE, shard_ranks=shards)
+    if options.data_parallel is False:
+        return Replicas(OFF, dp, shards)
+    ddp = options.data_parallel if isinstance(options.data_parallel, dict) else {}
+    return Replicas(AUTOTP_DDP, dp, shards, dict(ddp), device)
 
 
 def _first(model: nn.Module, st: TPState, args: tuple, kwargs: dict, training: bool, found: Lookup,
