@@ -79,3 +79,30 @@ class PipelineError(AutotpError, ValueError):
 
 class PlanCacheError(AutotpError, ValueError):
     """A plan cache file that is not what autotp wrote: edited, truncated, or of another format."""
+
+
+# Python's errors that mean the code itself is wrong (a removed function imported, a misspelt name or
+# attribute), not that an input is: a broad ``except`` in autotp re-raises these when autotp's code raised them
+_CODE_ERRORS = (ImportError, NameError, AttributeError)
+
+
+def own_bug(exc: BaseException) -> bool:
+    """Whether ``exc`` is autotp's own bug: an ImportError, NameError or AttributeError raised in autotp's code.
+
+    The frame deciding is the innermost one but for module-level ``__getattr__`` hooks (``torch.gone`` raises in
+    torch's, on autotp's behalf) and import machinery. An error of the user's model or of torch's own logic
+    (raised in their frames) is not autotp's, and a broad ``except`` may turn it into a verdict; autotp's own
+    must surface as they are (``if own_bug(exc): raise``)."""
+    if not isinstance(exc, _CODE_ERRORS):
+        return False
+    frames = []
+    tb = exc.__traceback__
+    while tb is not None:
+        frames.append(tb.tb_frame)
+        tb = tb.tb_next
+    for frame in reversed(frames):
+        if frame.f_code.co_name == "__getattr__" or frame.f_code.co_filename.startswith("<frozen importlib"):
+            continue
+        name = frame.f_globals.get("__name__") or ""
+        return name == "autotp" or name.startswith("autotp.")
+    return False

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 from xml.sax.saxutils import escape, quoteattr
 
-from autotp.cli.plan_format import DIRECTION, fmt_kind
+from autotp.cli.plan_format import DIRECTION, data_parallel_name, fmt_kind
 
 if TYPE_CHECKING:
     from autotp.distributed.layout import RankLayout
@@ -313,7 +313,8 @@ def draw(title: str, plan: Plan, report: Report, layout: RankLayout, names: Sequ
     what = [f"world {layout.world_size} = tp {layout.tp} × dp {layout.dp} × pp {layout.pp}"]
     if layout.gpus_per_node is not None:
         what.append(f"{layout.num_nodes} node(s) of {layout.gpus_per_node} GPUs")
-    what += ["sequence parallel"] * sp + [f"FSDP over dp {layout.dp}"] * fsdp
+    kind = data_parallel_name(layout.dp, int(fsdp))  # DDP, or FSDP, over the dp ranks ('' at dp 1)
+    what += ["sequence parallel"] * sp + [f"{kind} over dp {layout.dp}"] * bool(kind)
     what.append(f"{len(plan.pairs)} column→row pairs, {len(report.collectives)} collectives per step "
                 f"(b={report.batch}, s={report.seq})")
     svg.text(m, 44, "; ".join(what), 12, fill="#333")

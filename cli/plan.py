@@ -133,7 +133,7 @@ def plan(
         except (AutotpError, ValueError) as exc:  # an op that mixes positions, a length 2·cp does not divide
             abort(str(exc), debug, code=USAGE_ERROR)
     console = _console()
-    render(console, model, the_plan, report, layout, names, batch_note, fsdp_info, pipe)
+    render(console, model, the_plan, report, layout, names, batch_note, fsdp_info, pipe, fsdp)
     if context is not None:
         from autotp.cli.plan_tables import context_table
 
@@ -170,7 +170,7 @@ def plan(
         # drawn again, off screen and at least 160 columns wide, so a file does not inherit a narrow
         # (or absent, under a pipe) terminal's wrapping
         pic = Console(record=True, file=io.StringIO(), width=max(console.width, 160), force_terminal=True)
-        render(pic, model, the_plan, report, layout, names, batch_note, fsdp_info, pipe)
+        render(pic, model, the_plan, report, layout, names, batch_note, fsdp_info, pipe, fsdp)
         _write(html, pic.export_html(), "--html", debug)
         console.print(f"wrote tables {escape(str(html))}", soft_wrap=True)
 
@@ -280,7 +280,8 @@ def _console() -> Console:
 
 
 def render(console: Console, model: str, the_plan, report: Report, layout: RankLayout, names: list[str],
-           batch_note: str = "", fsdp: FSDPReport | None = None, pipe: PipelineReport | None = None) -> None:
+           batch_note: str = "", fsdp: FSDPReport | None = None, pipe: PipelineReport | None = None,
+           sharded_dp: bool = False) -> None:
     from autotp.cli.plan_tables import (fsdp_memory_table, fsdp_traffic_table, fsdp_units_table, p2p_table,
                                         ranks_table, schedule_table, stages_table)
     from autotp.cli.tp_tables import (comm_table, experts_table, layer_table, not_sharded_table, rank_grid,
@@ -288,7 +289,7 @@ def render(console: Console, model: str, the_plan, report: Report, layout: RankL
 
     sp = ", sequence parallel" if the_plan.sequence is not None and the_plan.sequence.leaves else ""
     console.print(f"[bold]{escape(model)}[/bold]: tp {report.tp}{sp}, {len(the_plan.pairs)} column→row pairs, "
-                  f"{len(the_plan.collectives)} collectives per step; {world_line(layout)}")
+                  f"{len(the_plan.collectives)} collectives per step; {world_line(layout, int(sharded_dp))}")
     if batch_note:
         console.print(f"[yellow]note:[/yellow] {escape(batch_note)}")
     console.print(rank_grid(layout))

@@ -32,3 +32,14 @@ def fmt_shape(s: tuple[int, ...]) -> str:
 
 
 # -- the tables ----------------------------------------------------------------------------------------
+
+
+def data_parallel_name(dp: int, fsdp: int) -> str:
+    """Which data parallelism runs over ``dp`` replicas: ``DDP`` (gradients averaged by all-reduce), ``FSDP``
+    (``fsdp`` 1: parameters, gradients and optimizer state sharded over the dp ranks), ``HSDP 2×2`` (``fsdp``
+    replica groups × the ranks each shards over); '' at dp 1."""
+    if dp <= 1:
+        return ""
+    if fsdp > 1:
+        return f"HSDP {fsdp}×{dp // fsdp}"
+    return "FSDP" if fsdp == 1 else "DDP"

@@ -35,6 +35,7 @@ from autotp.distributed.data_parallel import FSDPConfig
 from autotp.io.checkpoint import tp_local_shape
 from autotp.io.ckpt_io import (checkpoint_info, latest_checkpoint, load_training_state, resume_target,
                               save_training_state)
+from autotp.parallel.held import held_grads, held_params, held_state
 from autotp.plan.report import build_report
 from autotp.distributed.launch import RankContext, init_from_env
 from autotp.distributed.restarts import last_failure, note_progress
@@ -76,12 +77,13 @@ class ShardJob:
 @dataclass(frozen=True)
 class Parity:
     loss_diff: float | None  # None when the model returns no loss on the example batch
-    output_diff: float
+    output_diff: float | None  # None when the outputs were not compared (through a pipeline: the loss only)
     note: str = ""
 
     @property
     def ok(self) -> bool:
-        return self.output_diff <= PARITY_TOL and (self.loss_diff is None or self.loss_diff <= PARITY_TOL)
+        return (self.output_diff is None or self.output_diff <= PARITY_TOL) and \
+            (self.loss_diff is None or self.loss_diff <= PARITY_TOL)
 
 
 @dataclass(frozen=True)
@@ -89,11 +91,13 @@ class RankStats:
     rank: int
     tp_rank: int
     dp_rank: int
-    param_bytes: int
+    param_bytes: int  # this rank's parameters (autotp.parallel.held: local shards, FSDP's included)
     step_s: tuple[float, ...]
     pp_rank: int = 0
     peak_memory: int = 0  # bytes, after training (CUDA: max allocated; CPU: peak resident set)
     cp_rank: int = 0
+    grad_bytes: int = 0  # this rank's gradients as the optimizer's last step read them (0: no step)
+    state_bytes: int = 0  # this rank's optimizer state after training (the moments; 0: no step)
 
 
 @dataclass(frozen=True)
@@ -131,6 +135,7 @@ class ShardReport:
     tensorboard: str = ""  # its TensorBoard folder ("" without the tensorboard package)
     mfu: float | None = None  # the median step's, when the device's peak is known
     cp: int = 1  # context-parallel ranks sharing each sequence
+    step_flops: float | None = None  # a data-parallel replica's FLOPs per training step (None: not counted)
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -140,7 +145,19 @@ class ShardReport:
 
 def _param_bytes(module: torch.nn.Module) -> int:
     """Bytes of parameters this rank holds (an FSDP-sharded parameter: its local piece)."""
-    return sum((p.to_local() if isinstance(p, DTensor) else p).numel() * p.element_size() for p in module.parameters())
+    return held_params(module).bytes
+
+
+def _grads_at_step(opt: torch.optim.Optimizer) -> list[int]:
+    """A one-item list holding the bytes of gradients this rank holds each time ``opt`` steps (after backward
+    and clipping, before zero_grad), kept up to date by a step pre-hook."""
+    seen = [0]
+
+    def measure(optimizer, args, kwargs) -> None:
+        seen[0] = held_grads(p for g in optimizer.param_groups for p in g["params"]).bytes
+
+    opt.register_step_pre_hook(measure)
+    return seen
 
 
 def _verify(tpm, reference, args: tuple, kwargs: dict, device: torch.device) -> Parity:
@@ -445,6 +462,7 @@ def _shard(job: ShardJob, ctx: RankContext) -> ShardReport | None:
     out = Path(job.out)
     plan_path = out / "plan.json"
     opt = torch.optim.AdamW(tpm.parameters(), lr=job.lr)
+    grads = _grads_at_step(opt)
     start, resumed_from, resharded, restarted = _start(job, out, tpm, opt, autotp.tp_state(tpm).plan, ctx)
 
     def save(step: int) -> Path:
@@ -470,7 +488,8 @@ def _shard(job: ShardJob, ctx: RankContext) -> ShardReport | None:
     ckpt_path = _final_checkpoint(job, resumed_from, start, done, save)
 
     mine = RankStats(ctx.rank, ctx.coords["tp"], ctx.coords["dp"], _param_bytes(tpm), tuple(times),
-                     peak_memory=peak_memory(ctx.device.type), cp_rank=ctx.coords.get("cp", 0))
+                     peak_memory=peak_memory(ctx.device.type), cp_rank=ctx.coords.get("cp", 0),
+                     grad_bytes=grads[0], state_bytes=held_state(opt).bytes)
     everyone: list[RankStats | None] = [None] * ctx.layout.world_size
     dist.all_gather_object(everyone, mine)
     if ctx.rank != 0:
@@ -484,7 +503,7 @@ def _shard(job: ShardJob, ctx: RankContext) -> ShardReport | None:
         plan_path=str(plan_path), checkpoint_path=str(ckpt_path or ""), start_step=start, resumed_from=resumed_from,
         resharded=resharded, restarted=restarted, weights=weights,
         # the formula is a training step's (with the loss's backward); untrained, there was none
-        comm=() if skipped else _comm_vs_formula(tpm, args, kwargs),
+        comm=() if skipped else _comm_vs_formula(tpm, args, kwargs, ctx.layout.cp),
         batch=_describe_batch(mf, tpm, args, kwargs, ctx.layout.tp), training_skipped=skipped,
         fsdp=job.fsdp, fsdp_units=autotp.tp_state(tpm).units or (), **_throughput(job, ctx, args, kwargs, times, log),
     )
@@ -500,16 +519,17 @@ def _throughput(job: ShardJob, ctx: RankContext, args: tuple, kwargs: dict, time
     return dict(tokens_per_step=batch_tokens(args, kwargs) * ctx.layout.dp,
                 metrics_path=str(log.path) if log is not None and log.active and log.path else "",
                 tensorboard=str(log.tensorboard) if log is not None and log.tensorboard else "",
-                mfu=mfu(per_rank, median, job.peak_flops))
+                mfu=mfu(per_rank, median, job.peak_flops), step_flops=job.flops)
 
 
-def _comm_vs_formula(tpm: autotp.TPModule, args: tuple, kwargs: dict) -> tuple[tuple, ...]:
-    """The plan's collectives for this batch against the formula (b, s: the first 2-D+ tensor input)."""
+def _comm_vs_formula(tpm: autotp.TPModule, args: tuple, kwargs: dict, cp: int = 1) -> tuple[tuple, ...]:
+    """The plan's collectives for this batch against the formula (b, s: the first 2-D+ tensor input); with
+    context parallelism each rank's collectives carry its s/cp positions, as ``autotp plan --cp`` says."""
     first = next((x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor) and x.dim() >= 2), None)
     if first is None or autotp.tp_state(tpm).tp == 1:
         return ()
     rep = build_report(autotp.tp_state(tpm).plan, _tp_local(tpm.named_parameters(remove_duplicate=False)),
-                       first.shape[0], first.shape[1])
+                       first.shape[0], first.shape[1], cp=cp)
     return tuple((c.direction, c.kind, c.op, c.count, c.formula_count, c.elements, c.formula_elements,
                   c.bytes) for c in [*rep.comm, rep.total()])
 
@@ -565,11 +585,12 @@ def _shard_pipeline(job: ShardJob, ctx: RankContext, mf: ModelFile, batch: tuple
         with torch.no_grad():
             want = find_loss(reference.eval()(*args, **kwargs))
         if got is not None and want is not None:
-            parity = Parity(abs(got - want.item()), 0.0, note)
+            parity = Parity(abs(got - want.item()), None, note)  # the outputs stay on the last stage: not compared
     del reference
     out = Path(job.out)
     plan_path = out / "plan.json"
     opt = torch.optim.AdamW(list(pipe.parameters()), lr=job.lr)
+    grads = _grads_at_step(opt)
     start, resumed_from, resharded, restarted = _start(job, out, model, opt, st.plan, ctx)
 
     def step(a: tuple, k: dict, norm: bool) -> Stepped:
@@ -593,9 +614,9 @@ def _shard_pipeline(job: ShardJob, ctx: RankContext, mf: ModelFile, batch: tuple
     except autotp.PipelineError:
         pass
     ckpt_path = _final_checkpoint(job, resumed_from, start, done, save)
-    held = sum(p.numel() * p.element_size() for p in pipe.parameters())
-    mine = RankStats(ctx.rank, ctx.coords["tp"], ctx.coords["dp"], held, tuple(times), ctx.coords["pp"],
-                     peak_memory(ctx.device.type))
+    mine = RankStats(ctx.rank, ctx.coords["tp"], ctx.coords["dp"], held_params(pipe.parameters()).bytes,
+                     tuple(times), ctx.coords["pp"], peak_memory(ctx.device.type), grad_bytes=grads[0],
+                     state_bytes=held_state(opt).bytes)
     everyone: list[RankStats | None] = [None] * ctx.layout.world_size
     dist.all_gather_object(everyone, mine)
     if ctx.rank != 0:

@@ -10,7 +10,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from autotp.cli.fit import FitTable
-from autotp.cli.plan_format import DIRECTION, fmt_count, fmt_kind, fmt_ratio, fmt_shape, fmt_size
+from autotp.cli.plan_format import DIRECTION, data_parallel_name, fmt_count, fmt_kind, fmt_ratio, fmt_shape, fmt_size
 from autotp.distributed.layout import RankLayout
 from autotp.plan.report import Report
 
@@ -51,9 +51,13 @@ def rank_grid(layout: RankLayout) -> Table:
     return table
 
 
-def world_line(layout: RankLayout) -> str:
+def world_line(layout: RankLayout, fsdp: int = 0) -> str:
+    """``world 4 = tp 2 × dp 2 · DDP × pp 1``: the layout, with the data parallelism its dp runs (``fsdp``:
+    FSDP replica groups, 0 without FSDP)."""
     cp = f" × cp {layout.cp}" if layout.cp > 1 else ""
-    line = f"world {layout.world_size} = tp {layout.tp}{cp} × dp {layout.dp} × pp {layout.pp}"
+    kind = data_parallel_name(layout.dp, fsdp)
+    dp = f" × dp {layout.dp}" + (f" · {kind}" if kind else "")
+    line = f"world {layout.world_size} = tp {layout.tp}{cp}{dp} × pp {layout.pp}"
     if layout.gpus_per_node is not None:
         line += f", {layout.num_nodes} node(s) of {layout.gpus_per_node} GPUs (a line in the grid is a node boundary)"
     return line

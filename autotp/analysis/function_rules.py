@@ -15,6 +15,7 @@ from typing import NamedTuple
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from autotp.errors import own_bug
 from autotp.operators.functions import FunctionCall
 
 
@@ -90,4 +91,6 @@ def check_function(call: FunctionCall, args: list[Operand], outs: list[Operand |
     except FunctionRefused:
         raise
     except Exception as e:  # the model's code, run on shapes it was not written for
+        if own_bug(e):  # autotp's own bug: shown, never a verdict
+            raise
         raise FunctionRefused(f"{name} fails on a rank's shards: {type(e).__name__}: {e}") from None

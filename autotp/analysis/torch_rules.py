@@ -27,6 +27,7 @@ import torch
 import torch.fx as fx
 from torch.utils._pytree import tree_flatten, tree_map
 
+from autotp.errors import own_bug
 
 
 class TorchRefused(Exception):
@@ -137,6 +138,8 @@ def ask_torch(node: fx.Node, sharded: dict[fx.Node, int], tp: int) -> TorchAnswe
     except NotImplementedError:
         raise TorchRefused(f"torch has no sharding strategy for {name}") from None
     except Exception as e:  # a strategy that cannot place these shapes
+        if own_bug(e):  # autotp's own bug: shown, never a verdict
+            raise
         raise TorchRefused(f"torch's sharding rule for {name} failed: {type(e).__name__}: {e}") from None
 
     slices = []
@@ -225,9 +228,13 @@ def _check(node: fx.Node, sharded: dict[fx.Node, int], answer: TorchAnswer, tp: 
         # autocast, with fp32 weights that only autocast would cast); an op float64 cannot run, as captured
         try:
             full, again, parts = _run_parts(node, operands, shapes, cut, tp, wide=True)
-        except Exception:  # noqa: BLE001 - the op has no float64 kernel (or mixed dtypes need it as captured)
+        except Exception as exc:  # noqa: BLE001 - the op has no float64 kernel (or mixed dtypes need it as captured)
+            if own_bug(exc):  # autotp's own bug: shown, never a verdict
+                raise
             full, again, parts = _run_parts(node, operands, shapes, cut, tp, wide=False)
     except Exception as e:
+        if own_bug(e):  # autotp's own bug: shown, never a verdict
+            raise
         raise TorchRefused(f"{name} could not be checked on a shard: {type(e).__name__}: {e}") from None
 
     def listed(v: object) -> list:

@@ -30,6 +30,8 @@ import torch
 import torch.fx as fx
 from torch.utils._pytree import tree_map
 
+from autotp.errors import own_bug
+
 aten = torch.ops.aten
 
 _MATMUL = (aten.matmul.default, aten.bmm.default)
@@ -228,7 +230,9 @@ def _minus_inf(gm: fx.GraphModule, x: object) -> bool:
         return False
     try:
         value = _evaluate(gm, x, {})
-    except Exception:  # noqa: BLE001 - not computable from constants: not a fill value
+    except Exception as exc:  # noqa: BLE001 - not computable from constants: not a fill value
+        if own_bug(exc):  # autotp's own bug: shown, never a verdict
+            raise
         return False
     return value.is_floating_point() and bool((value <= _NEGATIVE).all()) and value.numel() == 1
 
@@ -263,7 +267,9 @@ def mask_is_causal(gm: fx.GraphModule, mask: str, how: str, length: sympy.Symbol
             value = _evaluate(gm, node, {length: t})
         except _Unknown as e:
             return f"the mask reads {e}: its values cannot be computed before the batch"
-        except Exception:  # noqa: BLE001 - a length this model cannot take (past a buffer's end): not tried
+        except Exception as exc:  # noqa: BLE001 - a length this model cannot take (past a buffer's end): not tried
+            if own_bug(exc):  # autotp's own bug: shown, never a verdict
+                raise
             continue
         kept = _kept(value, how)
         if kept is None:

@@ -29,6 +29,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from autotp.capture.cached import helpers_uncached
 from autotp.capture.preserve import preserved, unique_names
 from autotp.capture.structure import Spec, flatten
+from autotp.errors import own_bug
 
 
 @dataclass(frozen=True)
@@ -174,7 +175,9 @@ def run_once(model: nn.Module, blocks: nn.Module | None, run: Callable[[], objec
         with preserved(model), helpers_uncached(model), torch.no_grad(), tensors, \
                 _on_meta(model, rec.names, params), rec:
             rec.output = run()
-    except Exception:  # noqa: BLE001 - anything the meta run cannot do: capture the whole model instead
+    except Exception as exc:  # noqa: BLE001 - anything the meta run cannot do: capture the whole model instead
+        if own_bug(exc):  # autotp's own bug: shown, never a verdict
+            raise
         return None
     finally:
         quiet.setLevel(level)

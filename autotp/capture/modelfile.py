@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from autotp.errors import ModelFileError
+from autotp.errors import ModelFileError, own_bug
 
 __all__ = [
     "DEFAULT_BATCH_SHAPE",
@@ -66,6 +66,8 @@ class ModelFile:
         try:
             model = self.factory()
         except Exception as exc:
+            if own_bug(exc):  # autotp's own bug: shown, never a verdict
+                raise
             raise ModelFileError(f"{self.factory_name}() in {self.path} raised {type(exc).__name__}: {exc}") from exc
         if not isinstance(model, nn.Module):
             raise ModelFileError(
@@ -83,6 +85,8 @@ class ModelFile:
         try:
             batch = self.batch_fn()
         except Exception as exc:
+            if own_bug(exc):  # autotp's own bug: shown, never a verdict
+                raise
             raise ModelFileError(f"example_batch() in {self.path} raised {type(exc).__name__}: {exc}") from exc
         return split_batch(batch)
 
@@ -145,6 +149,8 @@ def _import(path: Path) -> types.ModuleType:
     try:
         spec.loader.exec_module(module)
     except (Exception, SystemExit) as exc:
+        if own_bug(exc):  # autotp's own bug: shown, never a verdict
+            raise
         sys.modules.pop(name, None)
         where = _user_line(exc, path)
         raise ModelFileError(f"importing {path} failed{where}: {type(exc).__name__}: {exc}") from exc

@@ -39,6 +39,7 @@ from autotp.capture import autocast, functions
 from autotp.capture.recompute import renamed_region
 from autotp.capture.meta_run import Outputs, Recorder, outputs, record, text
 from autotp.capture.structure import Spec
+from autotp.errors import own_bug
 
 MIN_BLOCKS = 3  # a list shorter than this is captured whole
 
@@ -388,7 +389,9 @@ def _same_but_device(a: Spec, b: Spec, devices: dict) -> bool:
         try:
             if type(a.value) is not type(b.value) or not bool(a.value == b.value):
                 return False
-        except Exception:  # noqa: BLE001 - a value that cannot be compared is no proof of sameness
+        except Exception as exc:  # noqa: BLE001 - a value that cannot be compared is no proof of sameness
+            if own_bug(exc):  # autotp's own bug: shown, never a verdict
+                raise
             return False
     elif a.value is not b.value:  # "object": the same class
         return False

@@ -39,7 +39,7 @@ import torch.utils._pytree as pytree
 from torch.export import Dim
 from torch.nn.utils.stateless import _reparametrize_module
 
-from autotp.errors import CaptureError
+from autotp.errors import CaptureError, own_bug
 from autotp.operators.gathered import GatheredOnUse
 from autotp.capture.cached import helpers_uncached, keyed_by_size
 from autotp.capture.functions import marking_functions
@@ -265,6 +265,8 @@ def _export(model: nn.Module, tensors: list[torch.Tensor], forward: Callable, st
                     dynamic = tuple({i: Dim.STATIC for i in range(t.dim())} for t in tensors)
                     ep = torch.export.export(model, tuple(tensors), dynamic_shapes=(dynamic,), strict=False)
     except Exception as e:  # noqa: BLE001 - every export failure becomes one readable error
+        if own_bug(e):  # autotp's own bug: shown, never a verdict
+            raise
         raise CaptureError(
             f"torch.export could not capture {name}: {_reason(e)}{_user_line(e)}",
             hint="make the forward traceable (no data-dependent Python control flow on tensor values), "
@@ -292,7 +294,9 @@ def input_guard(gm: fx.GraphModule) -> Callable[[Sequence[torch.Tensor]], bool]:
         def accepts(flat: Sequence[torch.Tensor]) -> bool:
             try:
                 guards(*flat)  # torch._assert per guard: reads sizes only, never values
-            except Exception:  # noqa: BLE001 - a failed assert, or a guard this call cannot answer: not mine
+            except Exception as exc:  # noqa: BLE001 - a failed assert, or a guard this call cannot answer: not mine
+                if own_bug(exc):  # autotp's own bug: shown, never a verdict
+                    raise
                 return False
             return True
 

@@ -40,7 +40,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta, TensorStorageMetadata
 
-from autotp.errors import CheckpointError
+from autotp.errors import CheckpointError, own_bug
 
 __all__ = ["METADATA", "read_metadata", "safe_load", "verify", "verify_files"]
 
@@ -81,6 +81,8 @@ def read_metadata(path: Path | str) -> Metadata:
     except FileNotFoundError:
         raise CheckpointError(f"{file} is missing: {path} is not a complete checkpoint") from None
     except Exception as exc:  # noqa: BLE001 - any failure to parse is the same verdict for the user
+        if own_bug(exc):  # autotp's own bug: shown, never a verdict
+            raise
         raise CheckpointError(f"{file} is not checkpoint metadata: {_first_line(exc)}; it was not loaded and "
                               "nothing in it was run",
                               hint="the file is damaged or was tampered with: resume from another checkpoint") from None
@@ -210,6 +212,8 @@ def safe_load(state: dict[str, Any], path: Path | str, *, metadata: Metadata | N
     except CheckpointError:
         raise
     except (Exception, CheckpointException) as exc:  # noqa: BLE001 - DCP's errors name keys, not the cause
+        if own_bug(exc):  # autotp's own bug: shown, never a verdict
+            raise
         raise CheckpointError(f"cannot load checkpoint {path}: {cause(exc, path)}",
                               hint="the shard files are damaged, or were written for another model: resume "
                                    "from another checkpoint (--resume-from)") from None

@@ -35,7 +35,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorStorageMetadata
 
 from autotp.io.ckpt_safety import METADATA, _TensorsOnlyPlanner, _VerifiedReader, read_metadata, verify_files
-from autotp.errors import CheckpointError
+from autotp.errors import CheckpointError, own_bug
 
 __all__ = ["DcpSource", "CopyRange", "SafetensorsSource", "Source", "TensorInfo", "TorchFileSource", "open_source"]
 
@@ -121,6 +121,8 @@ class SafetensorsSource(Source):
             except CheckpointError:
                 raise
             except Exception as exc:  # noqa: BLE001 - safetensors' errors do not name the file
+                if own_bug(exc):  # autotp's own bug: shown, never a verdict
+                    raise
                 raise CheckpointError(f"{file} is not a readable safetensors file: {exc}") from None
         absent = sorted(n for n, f in self._files.items() if n not in self._info)
         if absent:
@@ -207,6 +209,8 @@ class TorchFileSource(Source):
         try:
             state = torch.load(self.path, mmap=True, weights_only=True, map_location="cpu")
         except Exception as exc:  # noqa: BLE001 - one verdict: not a state dict autotp can map
+            if own_bug(exc):  # autotp's own bug: shown, never a verdict
+                raise
             raise CheckpointError(f"{self.path} is not a torch state-dict file that loads with mmap=True and "
                                   f"weights_only=True: {str(exc).strip().splitlines()[0] if str(exc).strip() else exc}",
                                   hint="save it with torch.save(model.state_dict(), path)") from None
@@ -312,6 +316,8 @@ class DcpSource(Source):
         except CheckpointError:
             raise
         except Exception as exc:  # noqa: BLE001 - DCP's errors name keys, not the cause a user can act on
+            if own_bug(exc):  # autotp's own bug: shown, never a verdict
+                raise
             raise CheckpointError(f"cannot read checkpoint {self.path}: {type(exc).__name__}: {exc}",
                                   hint="the shard files are damaged, or were written for another model") from exc
 

@@ -11,7 +11,7 @@ from autotp.analysis.coverage import whole_params
 from autotp.analysis.experts import ExpertFacts, ExpertLayerFacts
 from autotp.analysis.pairs import Analysis, analyze, common_module
 from autotp.analysis.result import GraphFacts, analyze_graph
-from autotp.errors import ShardingError
+from autotp.errors import ShardingError, own_bug
 from autotp.analysis.matmuls import ParamMatmul, column_form, module_path
 from autotp.analysis.ops import STAT_KINDS, reduction_args
 from autotp.plan.plan import (SEQ_PARAMS, Collective, ColumnForm, ExpertLayer, ExpertSlot, GatheredOutput, GraphCut,
@@ -479,7 +479,9 @@ def fused_segments(gm: fx.GraphModule) -> dict[str, ParamShard]:
     for tp in (2, 3, 1):
         try:
             plan = plan_from_analysis(gm, analyze(gm, tp))
-        except Exception:  # noqa: BLE001 - only checkpoint key names depend on it
+        except Exception as exc:  # noqa: BLE001 - only checkpoint key names depend on it
+            if own_bug(exc):  # autotp's own bug: shown, never a verdict
+                raise
             continue
         fused = {name: shard for name, shard in plan.params if len(shard.segments) > 1 or shard.segments[0].inner}
         if fused or tp == 1:

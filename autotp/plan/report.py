@@ -303,8 +303,13 @@ def comm_lines(rows: tuple[CollectiveRow, ...], terms: tuple[FormulaTerm, ...]) 
     return tuple(lines)
 
 
-def build_report(plan: Plan, named_params: Iterable[tuple[str, torch.Tensor]], batch: int, seq: int) -> Report:
-    """Everything ``autotp plan`` prints, for a training step on a ``batch`` × ``seq`` batch."""
+def build_report(plan: Plan, named_params: Iterable[tuple[str, torch.Tensor]], batch: int, seq: int,
+                 cp: int = 1) -> Report:
+    """Everything ``autotp plan`` prints, for a training step on a ``batch`` × ``seq`` batch.
+
+    ``cp`` > 1: the batch's sequences are split over that many context-parallel ranks, so each rank's tensor-
+    parallel collectives (and the formula's terms) carry its ``seq / cp`` positions; ``Report.seq`` stays the
+    whole length."""
     notes = []
     roles = symbol_roles(plan)
     # a dim export fixed to a number is what the graph computes, whatever batch was asked for
@@ -315,7 +320,8 @@ def build_report(plan: Plan, named_params: Iterable[tuple[str, torch.Tensor]], b
             notes.append(f"the {what} dim was fixed at {fixed} during capture (export specialises size 1); "
                          f"numbers use {fixed}, not {(b, s)[dim]}")
             b, s = (fixed, s) if dim == 0 else (b, fixed)
-    values = {sym: (b if role == "b" else s) for sym, role in roles.items()}
+    s_local = s // cp  # the positions one rank's collectives carry
+    values = {sym: (b if role == "b" else s_local) for sym, role in roles.items()}
     rows = param_rows(plan, named_params)
     act_bytes = _act_bytes(rows)
     attach = _attach(plan)
@@ -332,7 +338,7 @@ def build_report(plan: Plan, named_params: Iterable[tuple[str, torch.Tensor]], b
         notes.append(f"sizes {', '.join(sorted(unknown))} are neither batch nor sequence: "
                      "collectives using them have no element count")
     h = _hidden(plan, values)
-    terms = _sized(formula_terms(plan, b, s, h), collectives)
+    terms = _sized(formula_terms(plan, b, s_local, h), collectives)
     return Report(plan.tp, b, s, h, len(plan.pairs) / 2, roles, act_bytes, rows, tuple(collectives), terms,
                   comm_lines(tuple(collectives), terms), memory(rows, plan.tp), tuple(notes))
 
