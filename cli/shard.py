@@ -260,6 +260,10 @@ def render(report: ShardReport, console: Console) -> None:
         summary.add_row("parity vs unsharded", f"{verdict} max |Δloss| {loss}{output} (tol {PARITY_TOL:g})"
                         + (f"; compared: {escape(p.note)}" if p.output_diff is None and p.note else
                            f" {escape(p.note)}" if p.note else ""))
+    if p is not None and p.grad_diff is not None:
+        verdict = "[green]pass[/green]" if p.grads_ok else "[red]FAIL[/red]"
+        summary.add_row("gradient parity", f"{verdict} max |Δgrad| {p.grad_diff:.2e} ({escape(p.grad_param)}), "
+                        f"after one AdamW step max |Δparam| {p.step_diff:.2e} ({escape(p.step_param)})")
     if report.restarted:
         summary.add_row("restarted", escape(report.restarted))
     if report.resumed_from is not None:
@@ -469,6 +473,11 @@ def shard(
         return
     render(report, console)
     console.print(f"output: {escape(str(out.resolve()))}", soft_wrap=True)
+    if report.parity is not None and not report.parity.grads_ok:
+        p = report.parity
+        abort(f"sharded model's gradients differ from the unsharded one's: max |Δgrad| {p.grad_diff} in "
+              f"{p.grad_param}, max |Δparam| after one AdamW step {p.step_diff} in {p.step_param} "
+              f"(tol {PARITY_TOL:g})", debug, trace="")
     if report.parity is not None and not report.parity.ok:
         p = report.parity
         output = "" if p.output_diff is None else f", max |Δoutput| {p.output_diff}"

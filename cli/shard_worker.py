@@ -39,6 +39,7 @@ from autotp.parallel.held import held_grads, held_params, held_state
 from autotp.plan.report import build_report
 from autotp.distributed.launch import RankContext, init_from_env
 from autotp.distributed.restarts import last_failure, note_progress
+from autotp.cli.grad_parity import compare_grads
 from autotp.cli.progress import Phases
 from autotp.cli.train_log import StepMetrics, TrainLog, mfu, peak_memory, size as _size
 from autotp.capture.modelfile import (DEFAULT_BATCH_SHAPE, ModelFile, ModelFileError, default_example,
@@ -79,10 +80,19 @@ class Parity:
     loss_diff: float | None  # None when the model returns no loss on the example batch
     output_diff: float | None  # None when the outputs were not compared (through a pipeline: the loss only)
     note: str = ""
+    grad_diff: float | None = None  # the largest gradient difference (None: not compared, cli/grad_parity.py)
+    grad_param: str = ""  # the parameter it is in
+    step_diff: float | None = None  # the largest parameter difference after one AdamW step
+    step_param: str = ""
+
+    @property
+    def grads_ok(self) -> bool:
+        return (self.grad_diff is None or self.grad_diff <= PARITY_TOL) and \
+            (self.step_diff is None or self.step_diff <= PARITY_TOL)
 
     @property
     def ok(self) -> bool:
-        return (self.output_diff is None or self.output_diff <= PARITY_TOL) and \
+        return self.grads_ok and (self.output_diff is None or self.output_diff <= PARITY_TOL) and \
             (self.loss_diff is None or self.loss_diff <= PARITY_TOL)
 
 
@@ -181,7 +191,9 @@ def _verify(tpm, reference, args: tuple, kwargs: dict, device: torch.device) -> 
     # the worst rank decides
     worst = torch.tensor([loss_diff or 0.0, out_diff], dtype=torch.float64, device=device)
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-    return Parity(None if loss_diff is None else worst[0].item(), worst[1].item(), note)
+    grads = compare_grads(tpm, reference, args, kwargs)  # a wrong backward, named by its parameter
+    return Parity(None if loss_diff is None else worst[0].item(), worst[1].item(), note,
+                  *((grads.grad_diff, grads.grad_param, grads.step_diff, grads.step_param) if grads else ()))
 
 
 def _eval_loss(tpm, args: tuple, kwargs: dict) -> float | None:
