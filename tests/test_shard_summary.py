@@ -50,6 +50,13 @@ def _by(summary: dict, *keys: str) -> dict[tuple, list[dict]]:
     return groups
 
 
+def _once_per_replica(ranks: list[dict], summary: dict, report) -> None:
+    """The ranks of one model replica hold the unsharded model once between them, but for the tensors the plan
+    leaves whole (norms, row biases), which each of the tp ranks holds (nanoGPT's sizes need no padding)."""
+    whole = sum(r.full_bytes for r in report.params if r.role == "replicated")
+    assert whole > 0 and sum(r["param_bytes"] for r in ranks) == summary["unsharded_bytes"] + (report.tp - 1) * whole
+
+
 def _training_state_is_the_parameters(summary: dict) -> None:
     """Every parameter trains: each rank's gradients are its parameters' size, AdamW's two moments twice it."""
     for r in summary["ranks"]:
@@ -71,6 +78,7 @@ def test_fsdp_summary_counts_local_shards(tmp_path: Path) -> None:
         assert len(ranks) == 2
         assert sum(r["param_bytes"] for r in ranks) == report.memory.bytes_per_rank, tp_rank
         assert all(r["param_bytes"] < report.memory.bytes_per_rank for r in ranks)
+    _once_per_replica(summary["ranks"], summary, report)
     _training_state_is_the_parameters(summary)
     _mfu_present(summary, stdout)
     assert "tp 2 × dp 2 · FSDP (gloo)" in stdout
@@ -105,6 +113,8 @@ def test_context_parallel_summary_counts_each_ranks_positions(tmp_path: Path) ->
     summary, stdout = _shard(tmp_path / "out", "--tp", "2", "--cp", "2")
     _, whole = _per_tp_rank(tmp_path / "out")
     assert {r["param_bytes"] for r in summary["ranks"]} == {whole.memory.bytes_per_rank}
+    for replica in _by(summary, "cp_rank").values():
+        _once_per_replica(replica, summary, whole)
     _training_state_is_the_parameters(summary)
     _mfu_present(summary, stdout)
     *_, total = summary["comm"]
