@@ -32,6 +32,7 @@ from torch.utils.checkpoint import checkpoint
 
 from autotp.operators.regions import outline, regions
 from autotp.operators.rng import RegionRandom, RegionRNG
+from autotp.operators.units import PieceCall
 
 KEY = "autotp_recompute"  # node.meta["custom"][KEY]: the checkpoint call a node ran in (tagged at capture)
 
@@ -77,18 +78,31 @@ class Recompute(nn.Module):
         return forward(), again()
 
 
+def _make(region: fx.GraphModule, owners: dict[str, nn.Module], tag: Hashable) -> nn.Module:
+    streams = {id(m.rng): m.rng for m in owners.values() if isinstance(m, RegionRandom) and m.rng is not None}
+    return Recompute(region, tuple(streams.values()))
+
+
 def outline_recompute(gm: fx.GraphModule) -> int:
-    """Replace each checkpointed region of ``gm`` by a :class:`Recompute` call; the number replaced. Its random
-    ops' streams are those they were bound to (:func:`~autotp.operators.rng.bind_rng`)."""
-    found = regions(gm, region_of)
+    """Replace each checkpointed region of ``gm``, and of every piece ``gm`` was split into (FSDP units,
+    pipeline stages: each :class:`~autotp.operators.units.PieceCall`'s graph), by a :class:`Recompute` call; the
+    number replaced. Its random ops' streams are those they were bound to (:func:`~autotp.operators.rng.bind_rng`).
 
-    def make(region: fx.GraphModule, owners: dict[str, nn.Module], tag: Hashable) -> nn.Module:
-        streams = {id(m.rng): m.rng for m in owners.values() if isinstance(m, RegionRandom) and m.rng is not None}
-        return Recompute(region, tuple(streams.values()))
-
-    for k, nodes in enumerate(found):
-        outline(gm, nodes, f"autotp_recompute_{k}", make, KEY)
-    if found:
-        gm.graph.lint()
-        gm.recompile()
-    return len(found)
+    Inside a piece the region recomputes within the piece's backward: an FSDP unit's parameters are gathered
+    again before it (FSDP's pre-backward hook on the piece's outputs) and the recomputation reads them through
+    the same tensors, refilled; a pipeline stage recomputes in its own backward of each micro-batch. A region
+    the split cut in two (a checkpoint around two blocks) is recomputed piece by piece. Not the regions' own
+    graphs (an autocast region inside a checkpointed one is already inside it)."""
+    pieces = [m for m in gm.modules() if isinstance(m, PieceCall) and isinstance(m.piece, fx.GraphModule)]
+    n = 0
+    for g in (gm, *(m.piece for m in pieces)):
+        found = regions(g, region_of)
+        for k, nodes in enumerate(found):
+            outline(g, nodes, f"autotp_recompute_{k}", _make, KEY)
+        if found:
+            g.graph.lint()
+            g.recompile()
+        n += len(found)
+    for m in pieces:  # a copy made for running before the regions were outlined is stale
+        m.__dict__.pop("_lazy", None)
+    return n
