@@ -44,7 +44,22 @@ masks at 4 bytes; TP keeps 24 = 2·8 + 4·2 of it whole, the paper's 10, and spl
              TP         24·sbh + 48·sbh/t + 12·as²b/t + s² + 16·sb
              TP + SP    (72·sbh + 12·as²b + 16·sb) / t + s²
 
-Writes ``OUT/activation_memory.json`` and ``OUT/activation_memory.md``.
+With recomputation (``--recompute``): the model checkpoints each block (``torch.utils.checkpoint``, non-
+reentrant), and the peak of a whole training step is measured per rank at tp 2 × FSDP 2 (4 ranks) and at pp 2
+(2 ranks, 1F1B, 2 micro-batches), with and without the checkpointing. :class:`ActivationPeak` counts every
+storage an op of the rewritten graph allocates (each storage once, freed when it is), during the forward and
+during a region's recomputation in the backward: so FSDP's gathered parameters, pipelining's receive buffers
+and the backward's gradients are not activations. No dropout there, attention through SDPA. The figure it is
+held to is the layout search's (:mod:`autotp.layout.cost`): with recomputation each layer's input for every
+micro-batch in flight, plus one layer's activations being recomputed,
+
+    flight · (L/p) · s·b·h·4  +  layer(b)          (flight: 1 without a pipeline, min(m, p) on 1F1B's rank 0)
+
+and without it flight · (L/p) · layer(b), layer() the fp32 formula above without its dropout terms (64·sbh
+instead of 72: the two residual dropouts' noise; TP keeps 16 of it whole).
+
+Writes ``OUT/activation_memory.json`` and ``OUT/activation_memory.md`` (``--recompute``:
+``OUT/activation_recompute.json`` and ``.md``).
 """
 from __future__ import annotations
 
@@ -141,6 +156,211 @@ def worker(opts: dict) -> dict:
     return {"rank0": out, "ranks_agree": all(o == out for o in everyone)}
 
 
+class ActivationPeak:
+    """The peak, over the ops run inside it, of the bytes live in storages that ops of an autotp graph
+    allocated: every op run inside a rewritten graph (an ``fx.GraphModule``: the whole graph, an FSDP unit's
+    or a pipeline stage's piece, a checkpointed region recomputed in the backward) and the operators it
+    calls, but not directly in a piece's call (:class:`~autotp.operators.units.PieceCall`), where FSDP
+    gathers the unit's parameters. A storage counts once, from the op that allocated it (an output aliasing
+    none of the op's inputs: views, in-place ops and a parameter's local shard allocate nothing) until it is
+    freed. Parameters, FSDP's gathered parameters, the pipeline's receive buffers and the backward's
+    gradients are not counted; what the forward keeps for the backward and what a recomputation makes are."""
+
+    def __init__(self) -> None:
+        self.live: dict[int, tuple[object, int]] = {}  # storage -> (weak reference, bytes)
+        self.peak = 0
+        self.stack: list[str] = []  # per module being called: "graph", "piece" or "module"
+
+    def counting(self) -> bool:
+        return "graph" in self.stack and self.stack[-1] != "piece"
+
+    def __enter__(self):
+        import torch.fx as fx
+        from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        from autotp.operators.units import PieceCall
+
+        tracker = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                if tracker.counting():
+                    tracker._record((args, kwargs), out)
+                return out
+
+        def enter(module, args) -> None:
+            self.stack.append("graph" if isinstance(module, fx.GraphModule) else
+                              "piece" if isinstance(module, PieceCall) else "module")
+
+        def leave(module, args, output) -> None:  # None: the output stays the module's
+            self.stack.pop()
+
+        self._hooks = [register_module_forward_pre_hook(enter), register_module_forward_hook(leave, always_call=True)]
+        self._mode = Mode()
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._mode.__exit__(*exc)
+        for h in self._hooks:
+            h.remove()
+
+    @staticmethod
+    def _storages(tree) -> list:
+        import torch
+        from torch.distributed.tensor import DTensor
+        from torch.utils._pytree import tree_leaves
+
+        out = []
+        for t in tree_leaves(tree):
+            if isinstance(t, DTensor):
+                t = t._local_tensor
+            if isinstance(t, torch.Tensor) and not t.is_meta:
+                out.append(t.untyped_storage())
+        return out
+
+    def _record(self, inputs, out) -> None:
+        from torch.multiprocessing.reductions import StorageWeakRef
+
+        read = {st._cdata for st in self._storages(inputs)}
+        for st in self._storages(out):
+            if st._cdata not in read and st._cdata not in self.live:
+                self.live[st._cdata] = (StorageWeakRef(st), st.nbytes())
+        for key in [k for k, (ref, _) in self.live.items() if ref.expired()]:
+            del self.live[key]
+        self.peak = max(self.peak, sum(n for _, n in self.live.values()))
+
+
+def recompute_build(layers: int, seq: int, recompute: bool):
+    """nanoGPT with SDPA attention and no dropout; with ``recompute`` each block's forward runs under
+    ``torch.utils.checkpoint`` (non-reentrant), as a training script checkpoints its layers."""
+    from torch.utils.checkpoint import checkpoint
+
+    model = build(layers, "sdpa", seq, dropout=0.0)
+    if recompute:
+        for block in model.transformer.h:
+            plain = type(block)
+            block.__class__ = type("CheckpointedBlock", (plain,), {
+                "forward": lambda self, x, plain=plain: checkpoint(plain.forward, self, x, use_reentrant=False)})
+    return model
+
+
+def recompute_worker(opts: dict) -> dict:
+    """On each rank: the activation peak of one training step (after one untimed step: FSDP's buffers and
+    the pieces' graphs made) with and without recomputation, tp 2 × FSDP 2 or pp 2."""
+    import copy
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import autotp
+
+    b, s, layers, layout = opts["batch"], opts["seq"], opts["layers"], opts["layout"]
+    idx, targets = batch(b, s)
+    out = {}
+    for rc in (False, True):
+        model = recompute_build(layers, s, rc)
+        if layout == "fsdp":
+            mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+            d = mesh["dp"].get_local_rank()
+            mine = (idx.chunk(2)[d], targets.chunk(2)[d])
+            model = autotp.parallelize(model, example_inputs=mine, fsdp=True, mesh=mesh)
+
+            def step():
+                _, loss = model(*mine)
+                loss.backward()
+        else:
+            mesh = init_device_mesh("cpu", (2, 1, 1), mesh_dim_names=("pp", "dp", "tp"))
+            pipe = autotp.pipeline(model, example_inputs=(idx, targets), microbatches=opts["microbatches"],
+                                   schedule="1F1B", mesh=mesh)
+
+            def step():
+                pipe.step(idx, targets)
+        step()
+        peak = ActivationPeak()
+        with peak:
+            step()
+        out["rc" if rc else "plain"] = peak.peak
+        del model
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, out)
+    return {"ranks": everyone}
+
+
+def recompute_formulas(b: int, s: int, h: int, a: int, t: int, layers: int, pp: int, m: int,
+                       rank: int = 0) -> dict[str, float]:
+    """The layout search's activation figure (:func:`autotp.layout.cost`'s ``_memory``, which prices the
+    busiest rank, pipeline rank 0; here for pipeline rank ``rank``, in fp32 without dropout): each layer's
+    input per micro-batch in flight plus one layer recomputed, and without recomputation every layer's
+    activations per micro-batch in flight."""
+    from autotp.plan.pipeline_report import in_flight
+
+    sbh, asb, sb = s * b * h, a * s * b, s * b
+    layer = 16 * sbh + 48 * sbh / t + 4 * asb / t + 16 * sb  # formulas()'s sdpa/tp less its dropout noise
+    flight = 1 if pp == 1 else in_flight("1F1B", pp, 1, m, rank)
+    held = flight * layers / pp
+    return {"rc": held * sbh * 4 + layer, "plain": held * layer, "layer": layer, "input": sbh * 4, "held": held}
+
+
+def _recompute_markdown(r: dict) -> str:
+    o = r["options"]
+    lines = [
+        "# Activation peak per rank with recomputation: tp 2 × FSDP 2 and pp 2",
+        "",
+        f"nanoGPT, {o['layers']} layers, h={HIDDEN}, a={HEADS} heads, vocab {VOCAB}, SDPA, no dropout, fp32; each "
+        f"block checkpointed (torch.utils.checkpoint, non-reentrant) or not. Peak over one training step of the "
+        f"bytes in storages the rewritten graph's ops allocated (forward and recomputation; each storage once), "
+        f"per rank, after one warm-up step (benchmarks/activation_memory.py --recompute, ActivationPeak).",
+        "",
+        "Formula: the layout search's (autotp/layout/cost.py) in fp32 without dropout: with recomputation "
+        "flight·(L/p)·s·b·h·4 + one layer's activations; without, flight·(L/p)·layer.",
+        "",
+        "| layout | batch per rank | rank | recompute MiB | formula MiB | recompute / formula | no recompute MiB "
+        "| formula MiB | recompute / no recompute |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in r["rows"]:
+        lines.append(f"| {row['layout']} | {row['micro']} | {row['rank']} | {row['rc'] / 2**20:.3f} | "
+                     f"{row['formula_rc'] / 2**20:.3f} | {row['rc'] / row['formula_rc']:.3f} | "
+                     f"{row['plain'] / 2**20:.3f} | {row['formula_plain'] / 2**20:.3f} | "
+                     f"{row['rc'] / row['plain']:.3f} |")
+    lines += ["", f"Every rank's peak with recomputation at most its formula + {TOLERANCE:.0%}: "
+              f"{r['within_formula']}; below the peak without it: {r['below_plain']}.", "",
+              "Not counted: what torch's pipelining allocates outside the graph (pp rank 1's receive buffer, one "
+              "layer input per micro-batch in flight), FSDP's gathered parameters, the backward's gradients. "
+              "Without recomputation the peak is also above the layers' formula by the embedding, the final "
+              "norm, the logits and the loss's saved tensors, which the layout search prices apart. The formula "
+              "for pp rank 1 counts 1F1B's one micro-batch in flight there (the search prices rank 0, the "
+              "busiest)."]
+    return "\n".join(lines) + "\n"
+
+
+def recompute_main(a) -> None:
+    from ranks import launch
+
+    rows = []
+    for layout, world, label in (("fsdp", 4, "tp 2 × fsdp 2"), ("pp", 2, "pp 2 (1F1B)")):
+        opts = {"batch": 2 * a.batch, "seq": a.seq, "layers": a.layers, "layout": layout, "microbatches": 2}
+        ranks = launch(recompute_worker, world, opts)[0]["ranks"]
+        micro = a.batch  # fsdp: each replica's half of the batch; pp: each of 2 micro-batches
+        tp, pp = (2, 1) if layout == "fsdp" else (1, 2)
+        for rank, got in enumerate(ranks):
+            f = recompute_formulas(micro, a.seq, HIDDEN, HEADS, tp, a.layers, pp, 2, rank if pp > 1 else 0)
+            rows.append({"layout": label, "rank": rank, "micro": micro, "rc": got["rc"], "plain": got["plain"],
+                         "formula_rc": f["rc"], "formula_plain": f["plain"]})
+    result = {"options": {"batch": a.batch, "seq": a.seq, "layers": a.layers}, "rows": rows,
+              "within_formula": all(r["rc"] <= (1 + TOLERANCE) * r["formula_rc"] for r in rows),
+              "below_plain": all(r["rc"] < r["plain"] for r in rows)}
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "activation_recompute.json").write_text(json.dumps(result, indent=2))
+    (out / "activation_recompute.md").write_text(_recompute_markdown(result))
+    print(_recompute_markdown(result))
+
+
 def formulas(b: int, s: int, h: int, a: int, t: int) -> dict[str, float]:
     """Per-layer bytes of the paper, recomputed for fp32, CPU dropout noise, fused or written-out attention
     (see the module docstring); t = 1 is the unsharded model."""
@@ -201,7 +421,13 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    ap.add_argument("--recompute", action="store_true",
+                    help="the activation peak with and without recomputation at tp 2 × FSDP 2 and pp 2 instead")
+    ap.add_argument("--layers", type=int, default=4, help="--recompute: the model's blocks")
     a = ap.parse_args()
+    if a.recompute:
+        recompute_main(a)
+        return
     opts = {"batch": a.batch, "seq": a.seq, "tp": a.tp}
     args = batch(a.batch, a.seq)
     unsharded = {att: per_layer(lambda n, att=att: build(n, att, a.seq), args) for att in ("sdpa", "matmul")}
