@@ -39,7 +39,8 @@ def runs() -> Launches:
     from replica_workers import refused_over_the_world, train
 
     return Launches({4: {"default": (train, "default"), "script": (train, "script"), "off": (train, "off"),
-                         "world": (refused_over_the_world,)}})
+                         "world": (refused_over_the_world,), "context": (train, "context")}},
+                    extended={4: {"context, no mesh": (train, "context, no mesh")}})
 
 
 @pytest.mark.slow
@@ -61,6 +62,20 @@ def test_replicas_train_as_one_device_on_the_whole_batch(runs, mode: str, kind: 
             assert 0 < len(calls) < r["params"], (rank, step, calls)
         assert r["tp_calls"] == off[rank]["tp_calls"], rank  # the tp group's traffic is the model's own
         assert all(n < r["grad_elements"] for calls in r["tp_calls"] for _, n in calls)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["context", pytest.param("context, no mesh", marks=pytest.mark.extended)])
+def test_context_parallel_replicas_sum_over_cp_then_average_over_dp(runs, mode: str):
+    """cp 2 × dp 2 (tp 1), on a (dp, cp) mesh or on the groups ``context_parallel=2`` makes alone (the world
+    cut into cp groups, the rest replicas): each chunk's gradients summed over cp in the backward, then
+    averaged over dp by DDP: one device's numbers on the whole batch, replicas bit-identical, the dp group
+    carrying each rank's gradient elements once per step."""
+    for rank, r in runs(4, mode).items():
+        assert r["kind"] == "ddp" and r["dp_ranks"] == (rank % 2, rank % 2 + 2), (rank, r["kind"], r["dp_ranks"])
+        assert max(r["grads"].values()) <= TOL and max(r["diffs"].values()) <= TOL, (rank, r["grads"], r["diffs"])
+        assert r["identical"], (rank, r["differing"])
+        assert all(sum(calls) == r["grad_elements"] for calls in r["dp_calls"]), (rank, r["dp_calls"])
 
 
 @pytest.mark.slow

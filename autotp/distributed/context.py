@@ -49,6 +49,18 @@ def context_mesh(mesh: DeviceMesh | None, tp_group: dist.ProcessGroup | None,
     return made.get_group("tp"), made.get_group("cp")
 
 
+def context_dp_group(cp: int) -> dist.ProcessGroup | None:
+    """The data-parallel group of the world :func:`context_mesh` cut into groups of ``cp`` consecutive ranks
+    (no mesh, not under ``autotp run``): the ranks holding the same chunk of other replicas' sequences. None
+    when there is only one replica, or that mesh was not made."""
+    world = dist.get_world_size()
+    if world // cp == 1:
+        return None
+    from autotp.distributed.launch import _existing_group
+
+    return _existing_group(list(range(dist.get_rank() % cp, world, cp)), "dp")
+
+
 def _alone() -> dist.ProcessGroup:
     """A group of this rank alone (tp 1); collective: every rank makes every one."""
     mine = None

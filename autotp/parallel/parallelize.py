@@ -53,7 +53,7 @@ from autotp.shard_spec import shard_tensor
 from autotp.operators.vocab_ops import bind_vocab
 from autotp.options import Options, PipelineOptions
 from autotp.plan.context_planner import ContextRefused, check_chunks
-from autotp.distributed.context import context_mesh
+from autotp.distributed.context import context_dp_group, context_mesh
 from autotp.state import Captured, RankIdentity, TPState, attach_state, find_tp_state, tp_state
 
 
@@ -566,9 +566,11 @@ def _replicas(options: Options, mesh: DeviceMesh | None, tp_group: dist.ProcessG
     if mesh is not None:
         dp = mesh["dp"].get_group() if "dp" in (mesh.mesh_dim_names or ()) else None
     elif tp_group is None:
-        from autotp.distributed.launch import current_dp_group
+        from autotp.distributed.launch import cp_from_env, current_dp_group
 
         dp = current_dp_group()
+        if dp is None and options.context_parallel > 1 and cp_from_env() == 1:  # the world cut into cp groups
+            dp = context_dp_group(options.context_parallel)
     else:
         dp = None
     if dp is None or dist.get_world_size(dp) == 1:

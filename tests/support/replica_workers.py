@@ -8,13 +8,14 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
-BATCH, STEPS, LR, EPS = 2, 3, 1e-3, 1e-6  # BATCH: per replica; eps 1e-6: see tests/test_dp_multinode.py
+# BATCH per replica. eps 1e-6: Adam's first steps divide each gradient by its own size plus eps, so with
+# torch's 1e-8 the fp32 rounding of the smallest gradients (summed in another order) moves parameters by ~lr
+BATCH, STEPS, LR, EPS = 2, 3, 1e-3, 1e-6
 
 
 class GroupLog(TorchDispatchMode):
-    """Every eager all-reduce (``c10d::allreduce_``, DDP's reducer included: it dispatches its buckets' too)
-    as (global ranks of its group, elements); autotp's own collectives (functional ones) as ("functional",
-    elements)."""
+    """Every eager all-reduce (``c10d::allreduce_``: autotp's and DDP's reducer's buckets alike) as (global
+    ranks of its group, elements); functional all-reduces (a compiled graph's) as ("functional", elements)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -38,29 +39,36 @@ def _batches(config) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def train(mode: str) -> dict:
-    """``mode``: "default" (parallelize on the mesh, nothing else), "script" (the script wraps it in its own
-    DDP over the mesh's dp group), "off" (``data_parallel=False``). Per rank: the dp all-reduces of the last
-    step, the functional collectives of each step, the largest difference of each gradient (last step) and each
-    parameter (after the steps) from the unsharded model's on the whole batch, and the parameters flattened,
-    gathered over dp (are the replicas bit-identical?)."""
+    """``mode``: "default" (parallelize on a (dp, tp) mesh, nothing else), "script" (the script wraps it in its
+    own DDP over the mesh's dp group), "off" (``data_parallel=False``), "context" (a (dp, cp) mesh, each
+    replica's sequences in two chunks: gradients summed over cp in the backward, then averaged over dp),
+    "context, no mesh" (the same on the groups ``context_parallel=2`` alone makes).
+    Per rank: each step's all-reduces over the dp group and over other groups (elements), the largest
+    difference of each gradient (last step) and each parameter (after the steps) from the unsharded model's
+    on the whole batch, and whether the parameters are bit-identical across the dp replicas."""
     from nanogpt_model import GPT, GPTConfig
     from torch.distributed.device_mesh import init_device_mesh
 
     import autotp
 
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    dp_group, dp_rank = mesh["dp"].get_group(), mesh["dp"].get_local_rank()
+    context = mode.startswith("context")
+    mesh = None if mode == "context, no mesh" else \
+        init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "cp" if context else "tp"))
     config = GPTConfig()
     torch.manual_seed(0)
     model = GPT(config)
     ref = copy.deepcopy(model)
-    autotp.parallelize(model, mesh=mesh, data_parallel=mode != "off")
+    ids, targets = _batches(config)
+    autotp.parallelize(model, mesh=mesh, data_parallel=mode != "off", context_parallel=2 if context else 1,
+                       example_inputs=(ids[0, :BATCH], targets[0, :BATCH]))  # the one signature trained
+    st = autotp.tp_state(model)
+    # without a mesh: the world cut into cp groups of consecutive ranks, replicas the rest (ranks 0, 2 / 1, 3)
+    dp_group = mesh["dp"].get_group() if mesh is not None else st.replicas.group
+    dp_rank = dist.get_rank(dp_group)
     call = model
     if mode == "script":
         call = torch.nn.parallel.DistributedDataParallel(model, process_group=dp_group)
-    st = autotp.tp_state(model)
     opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=LR, eps=EPS) for m in (model, ref))
-    ids, targets = _batches(config)
     mine = slice(dp_rank * BATCH, (dp_rank + 1) * BATCH)
     logs = []
     for step in range(STEPS):
@@ -115,9 +123,9 @@ def refused_over_the_world() -> str:
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     config = GPTConfig()
     torch.manual_seed(0)
-    model = autotp.parallelize(GPT(config), mesh=mesh)
-    wrapped = torch.nn.parallel.DistributedDataParallel(model)
     ids, targets = _batches(config)
+    model = autotp.parallelize(GPT(config), mesh=mesh, example_inputs=(ids[0, :BATCH], targets[0, :BATCH]))
+    wrapped = torch.nn.parallel.DistributedDataParallel(model)
     try:
         wrapped(ids[0, :BATCH], targets[0, :BATCH])
     except ProcessGroupError as e:
