@@ -18,6 +18,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from autotp.capture.structure import Spec
+from autotp.capture.writes import Writes
 from autotp.distributed.replicas import Replicas
 from autotp.operators.rng import RegionRNG
 from autotp.options import Options
@@ -50,6 +51,10 @@ class Captured:
     # whether ``call`` and ``wrap`` are settled: an eager graph gets them on its first call under the user's
     # torch.compile
     local: bool = True
+    # the state the forward writes on the model, replayed after each call (autotp.parallel.writeback), and
+    # the written state the model held when this graph was captured (a call on other state captures again)
+    writes: Writes | None = None
+    state: tuple = ()
 
 
 @dataclass(frozen=True)
@@ -91,6 +96,7 @@ class TPState:
     graphs: dict[Hashable, Captured] = field(default_factory=dict)  # call signature -> its graph and plan
     checked: set[Hashable] = field(default_factory=set)
     warned: set[tuple[str, str]] = field(default_factory=set)
+    written: dict[tuple, None] = field(default_factory=dict)  # every piece of state a graph writes, in order
     # with cp: call signatures whose graph cannot run on chunks -> why (calls without gradients run whole)
     unchunked: dict[Hashable, str] = field(default_factory=dict)
     unloaded: tuple[str, ...] = ()  # tensors of a model built on meta that no load gave values yet

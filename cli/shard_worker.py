@@ -36,6 +36,7 @@ from autotp.io.checkpoint import tp_local_shape
 from autotp.io.ckpt_io import (checkpoint_info, latest_checkpoint, load_training_state, resume_target,
                               save_training_state)
 from autotp.parallel.held import held_grads, held_params, held_state
+from autotp.parallel.writeback import state_difference
 from autotp.plan.report import build_report
 from autotp.distributed.launch import RankContext, init_from_env
 from autotp.distributed.restarts import last_failure, note_progress
@@ -78,7 +79,8 @@ class ShardJob:
 @dataclass(frozen=True)
 class Parity:
     loss_diff: float | None  # None when the model returns no loss on the example batch
-    output_diff: float | None  # None when the outputs were not compared (through a pipeline: the loss only)
+    # the outputs and the model state the forward wrote (None: not compared, through a pipeline: the loss only)
+    output_diff: float | None
     note: str = ""
     grad_diff: float | None = None  # the largest gradient difference (None: not compared, cli/grad_parity.py)
     grad_param: str = ""  # the parameter it is in
@@ -188,6 +190,11 @@ def _verify(tpm, reference, args: tuple, kwargs: dict, device: torch.device) -> 
         for (_, g), (_, w) in zip(outs_got, outs_want):
             if g.numel():
                 out_diff = max(out_diff, (g.double() - w.double()).abs().max().item())
+    # what the forward wrote on the model (``self.last_loss``, a cache) is what a script reads too
+    state_diff, state_at = state_difference(tpm, reference, autotp.tp_state(tpm).written)
+    if state_diff > PARITY_TOL and not note:
+        note = f"the model state the forward writes differs at {state_at}"
+    out_diff = max(out_diff, state_diff)
     # the worst rank decides
     worst = torch.tensor([loss_diff or 0.0, out_diff], dtype=torch.float64, device=device)
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)

@@ -51,6 +51,7 @@ from autotp.capture.preserve import preserved, unique_names
 from autotp.capture.repeats import Copies, Repeats, cut, find_repeats
 from autotp.capture.source_lines import source_lines_released
 from autotp.capture.structure import Spec, flatten, unflatten
+from autotp.capture.writes import WRITES_KEY, StateWatch, drop_buffer_copies
 
 _HOOK_DICTS = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called",
                "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs")
@@ -58,15 +59,23 @@ _HOOK_DICTS = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_a
 
 # -- capture -------------------------------------------------------------------------------------------
 @contextlib.contextmanager
-def _as_flat_forward(model: nn.Module, forward: Callable, in_spec: Spec, box: list) -> Iterator[None]:
+def _as_flat_forward(model: nn.Module, forward: Callable, in_spec: Spec, box: list,
+                     written: list | None = None) -> Iterator[None]:
     """Export ``model`` as if ``forward`` took and returned flat tensors: root hooks off (they run around
-    the rewritten graph at call time, as before), the output's structure stored in ``box``."""
+    the rewritten graph at call time, as before), the output's structure stored in ``box``. ``written``: the
+    state the forward writes on the model is returned after its outputs, and what replays it
+    (:mod:`autotp.capture.writes`) stored there."""
 
     def flat_forward(*tensors):
         args, kwargs = unflatten(tensors, in_spec)
+        watch = StateWatch(model) if written is not None else None
         out, spec = flatten(forward(*args, **kwargs))
         box.append(spec)
-        return tuple(out)
+        if watch is None:
+            return tuple(out)
+        extra, writes, rebound = watch.writes(len(out))
+        written.append((writes, rebound))
+        return tuple(out) + tuple(extra)
 
     saved = {name: getattr(model, name) for name in _HOOK_DICTS if hasattr(model, name)}
     had_forward = "forward" in model.__dict__
@@ -134,26 +143,28 @@ def capture(model: nn.Module, args: tuple, kwargs: dict, *, forward: Callable | 
 
 def capture_blocks(model: nn.Module, args: tuple, kwargs: dict, *, forward: Callable | None = None,
                    params: dict[str, torch.Tensor] | None = None, device: torch.device | None = None,
-                   static: bool = False, recorded: Recorder | None = None) -> CutGraph:
+                   static: bool = False, recorded: Recorder | None = None, writes: bool = False) -> CutGraph:
     """:func:`capture`, the repeated blocks not yet copied in: a caller may rewrite the exported blocks
-    first and copy the rewritten ones (:meth:`CutGraph.whole` copies them as exported)."""
+    first and copy the rewritten ones (:meth:`CutGraph.whole` copies them as exported). ``writes``: the
+    state the forward writes on the model is returned after its outputs, and ``gm.meta[WRITES_KEY]`` says
+    how to replay it (:mod:`autotp.capture.writes`); a graph with such outputs is exported whole."""
     forward = forward or type(model).forward.__get__(model)
     source = _model_device(model, params)
     rep = find_repeats(model, meta_call(forward, args, kwargs), params, recorded)
-    gm, spec, copies = _export_blocks(model, forward, args, kwargs, params, source, static, rep)
+    gm, spec, copies = _export_blocks(model, forward, args, kwargs, params, source, static, rep, writes)
     if source.type == "meta" and _meta_constants(gm):
         cpu = torch.device("cpu")
         state = {**dict(model.named_parameters(remove_duplicate=False)),
                  **{n: b for n, b in model.named_buffers(remove_duplicate=False) if b.is_meta}, **(params or {})}
         try:
             on_cpu = stand_ins(state, cpu)
-            gm, spec, copies = _export_blocks(model, forward, args, kwargs, on_cpu, cpu, static, rep)
+            gm, spec, copies = _export_blocks(model, forward, args, kwargs, on_cpu, cpu, static, rep, writes)
             source, params = cpu, on_cpu
         except CaptureError:
             pass  # the meta constants are the model's own meta tensor attributes: the meta graph is all there is
 
     def export_whole() -> tuple[fx.GraphModule, Spec]:
-        whole, whole_spec = _export_on(model, forward, args, kwargs, params, source, static)
+        whole, whole_spec = _export_on(model, forward, args, kwargs, params, source, static, writes)
         retarget_device(whole, device or source, source)
         canonicalize(whole)
         return whole, whole_spec
@@ -177,16 +188,19 @@ def meta_call(forward: Callable, args: tuple, kwargs: dict) -> Callable[[], obje
 
 def _export_blocks(model: nn.Module, forward: Callable, args: tuple, kwargs: dict,
                    params: dict[str, torch.Tensor] | None, device: torch.device, static: bool,
-                   rep: Repeats | None) -> tuple[fx.GraphModule, Spec, Copies | None]:
+                   rep: Repeats | None, writes: bool = False) -> tuple[fx.GraphModule, Spec, Copies | None]:
     """Export with the blocks cut to ``rep.keep``, with what copies the rest (:mod:`autotp.capture.repeats`);
-    the whole model where ``rep`` is None."""
+    the whole model where ``rep`` is None, or where the forward writes state (the blocks' copies would not
+    write theirs)."""
     if rep is None:
-        return (*_export_on(model, forward, args, kwargs, params, device, static), None)
+        return (*_export_on(model, forward, args, kwargs, params, device, static, writes), None)
     blocks = model.get_submodule(rep.container)
     gone = tuple(f"{rep.container}.{name}." for name in list(blocks._modules)[rep.keep:])
     kept = {n: t for n, t in params.items() if not n.startswith(gone)} if params else params
     with cut(blocks, rep.keep):
-        gm, spec = _export_on(model, forward, args, kwargs, kept, device, static)
+        gm, spec = _export_on(model, forward, args, kwargs, kept, device, static, writes)
+    if gm.meta.get(WRITES_KEY):
+        return (*_export_on(model, forward, args, kwargs, params, device, static, writes), None)
     state = {**dict(model.named_parameters(remove_duplicate=False)),
              **dict(model.named_buffers(remove_duplicate=False)), **(params or {})}
     return gm, spec, Copies(rep, state, spec)
@@ -200,7 +214,7 @@ def _model_device(model: nn.Module, params: dict[str, torch.Tensor] | None) -> t
 
 def _export_on(model: nn.Module, forward: Callable, args: tuple, kwargs: dict,
                params: dict[str, torch.Tensor] | None, device: torch.device,
-               static: bool = False) -> tuple[fx.GraphModule, Spec]:
+               static: bool = False, writes: bool = False) -> tuple[fx.GraphModule, Spec]:
     def place(x: torch.Tensor) -> torch.Tensor:
         # export reads shapes, not values: a tensor elsewhere, or a gathered-on-use output fed back (a KV
         # cache, which reading would gather), is replaced by an uninitialised plain tensor of its shape; so is
@@ -213,10 +227,15 @@ def _export_on(model: nn.Module, forward: Callable, args: tuple, kwargs: dict,
     tensors, in_spec = flatten((tuple(args), dict(kwargs)))
     tensors = [place(t) for t in tensors]
     box: list[Spec] = []
+    written: list | None = [] if writes else None
     swap = _reparametrize_module(model, unique_names(model, params)) if params else contextlib.nullcontext()
     # the model as it was, always; its cached helpers run uncached (autotp.capture.cached)
-    with preserved(model), helpers_uncached(model), swap, _as_flat_forward(model, forward, in_spec, box):
+    with preserved(model), helpers_uncached(model), swap, _as_flat_forward(model, forward, in_spec, box, written):
         gm = _export(model, tensors, forward, static)
+    found, rebound = written[-1] if written else (None, set())
+    drop_buffer_copies(gm, rebound)  # a buffer re-assigned to itself never writes in the graph
+    if found:
+        gm.meta[WRITES_KEY] = found
     return gm, box[-1]
 
 
@@ -247,7 +266,7 @@ def _export(model: nn.Module, tensors: list[torch.Tensor], forward: Callable, st
                 warnings.catch_warnings():
             # a cache the forward writes (``self.cos_cached = ...``) is the model's own business: capture puts
             # the model back as it was (autotp.capture.preserve), so export's advice to register it is moot
-            warnings.filterwarnings("ignore", message=r"The tensor attributes .* were assigned during export")
+            warnings.filterwarnings("ignore", message=r"The tensor attributes? .* (were|was) assigned during export")
             # the model's activation checkpointing (regions the runtime recomputes) and its own autograd
             # Functions (regions the runtime calls the Function for, so its backward is kept)
             # fake tensors' dispatch cache: pays for itself only over many repeated layers, and capture

@@ -26,6 +26,7 @@ from autotp.capture.meta_run import Recorder
 from autotp.capture.preserve import preserved
 from autotp.capture.source_lines import source_lines_released
 from autotp.capture.tracer import capture_blocks, input_guard, stand_ins
+from autotp.capture.writes import WRITES_KEY
 from autotp.capture.structure import Spec, call_key, flatten, unflatten
 from autotp.operators.collectives import bind_collectives, define_ops
 from autotp.parallel.data import check_same_inputs
@@ -35,6 +36,7 @@ from autotp.errors import PipelineError, ProcessGroupError, ShardingError
 from autotp.operators.gathered import GatheredOnUse, bind_outputs, local_outputs
 from autotp.distributed.data_parallel import FSDPConfig
 from autotp.distributed.replicas import AUTOTP_DDP, FSDP, NONE, OFF, PIPELINE, Replicas
+from autotp.parallel.writeback import fingerprint, state_matches, write_back, written_at
 from autotp.passes import PassError, run_passes
 from autotp.passes.split_stages import split_stages
 from autotp.passes.split_units import split_units
@@ -119,17 +121,21 @@ class TPModule(nn.Module):
     def forward(self, *args, **kwargs):
         c, flat, engine = _dispatch(self, args, kwargs, torch.compiler.is_compiling())
         # under the user's torch.compile: the graph it compiles
-        return _outputs(c, (c.call or c.module)(*flat), engine)
+        return _outputs(c, (c.call or c.module)(*flat), engine, self)
 
 
 @torch.compiler.disable
-def _outputs(c: Captured, flat: tuple, engine: DistributedDataParallel | None = None) -> object:
+def _outputs(c: Captured, flat: tuple, engine: DistributedDataParallel | None = None,
+             model: nn.Module | None = None) -> object:
     """The forward's output rebuilt around the graph's flat results, gathered-on-use ones wrapped here; with
     data parallelism it reaches the DDP engine (whose reducer then expects this call's backward)."""
     if c.wrap:
         flat = list(flat)
         for i, module in c.wrap:
             flat[i] = module(flat[i])
+    if c.writes and model is not None:  # what the forward writes on the model, written as one device does
+        st = tp_state(model)
+        write_back(model, c.writes, flat, [g.module for g in st.graphs.values()], st.warned)
     return Replicas.after(engine, unflatten(flat, c.out))
 
 
@@ -206,7 +212,7 @@ def _graph_for(model: nn.Module, st: TPState, args: tuple, kwargs: dict, key: Ha
     """
     variant, n = key, 0
     while (c := st.graphs.get(variant)) is not None:
-        if c.accepts is None or c.accepts(flat):
+        if (c.accepts is None or c.accepts(flat)) and state_matches(model, c.state):
             return c
         n += 1
         variant = (key, "guards", n)
@@ -279,7 +285,8 @@ def _build(model: nn.Module, st: TPState, args: tuple, kwargs: dict, key: Hashab
     hooks_off = fsdp_hooks_off(model) if st.units is not None else contextlib.nullcontext()
     with hooks_off:  # the rewrite too: it exports the whole model where the blocks cannot be copied
         cg = capture_blocks(model, args, kwargs, forward=_user_forward(model, st), params=swap, device=st.device,
-                            static=st.options.pipeline is not None and not st.options.sequence_parallel, recorded=recorded)
+                            static=st.options.pipeline is not None and not st.options.sequence_parallel, recorded=recorded,
+                            writes=st.options.pipeline is None)
         accepts = input_guard(cg.gm)  # before the passes give sharded inputs their local shapes
         gm, spec, plan, copied = rewrite(st, cg, st.options.sequence_parallel if sequence_parallel is None
                                          else sequence_parallel, stacklevel=4, context=context)
@@ -293,7 +300,13 @@ def _build(model: nn.Module, st: TPState, args: tuple, kwargs: dict, key: Hashab
     hold(model, st, plan, fresh)
     if st.options.fsdp is not None and st.units is None:
         apply_fsdp(model, st, plan)  # on allocated shards: FSDP keeps the tensors it is given
-    return _finish(model, st, gm, spec, key, plan, accepts, copied)
+    writes = gm.meta.get(WRITES_KEY)
+    c = _finish(model, st, gm, spec, key, plan, accepts, copied)
+    if writes:  # the state this graph writes, and the written state it was captured on (as the model holds it now)
+        st.written.update(dict.fromkeys(written_at(w) for w in writes.items))
+    if st.written:
+        c = st.graphs[key] = dataclasses.replace(c, writes=writes, state=fingerprint(model, st.written))
+    return c
 
 
 def _shard_from(model: nn.Module, st: TPState, plan: Plan, path: str) -> None:

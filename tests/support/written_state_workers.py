@@ -1,0 +1,108 @@
+"""Rank functions of tests/test_written_state.py: each spelling of tests/support/written_state_models.py parallelized,
+trained with the loss the forward keeps on the model, sampled, and its whole ``__dict__`` state compared with the
+unsharded model's after each phase."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+import autotp
+from autotp.operators.gathered import GatheredOnUse
+from parity_workers import _local, _max_diff
+from written_state_models import S, build
+
+# what parallelize documents it changes (parameters: this rank's shards; its own state on the root)
+SKIP = {"_parameters", "_autotp", "_modules", "forward"}
+
+
+def _plain(x: object) -> object:
+    if isinstance(x, GatheredOnUse):
+        x = x.full_tensor()
+    return x.detach() if isinstance(x, torch.Tensor) else x
+
+
+def _close(x: torch.Tensor, y: torch.Tensor) -> bool:
+    if x.is_floating_point() or x.is_complex():
+        return x.numel() == 0 or (x - y).abs().max().item() <= 1e-5
+    return torch.equal(x, y)
+
+
+def state_diff(a: torch.nn.Module, b: torch.nn.Module) -> list[str]:
+    """Where two models' ``__dict__`` state differs, recursively (buffers, plain attributes, dicts, lists):
+    tensors by shape, dtype and values (1e-5), other values by equality."""
+    out: list[str] = []
+
+    def cmp(x: object, y: object, at: str, depth: int = 0) -> None:
+        x, y = _plain(x), _plain(y)
+        if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
+            if not (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor)) or x.shape != y.shape \
+                    or x.dtype != y.dtype or not _close(x, y):
+                out.append(f"{at}: {type(x).__name__} {getattr(x, 'shape', x)} vs {type(y).__name__} "
+                           f"{getattr(y, 'shape', y)}")
+        elif isinstance(x, dict) and isinstance(y, dict) and depth < 4:
+            if set(x) != set(y):
+                out.append(f"{at}: keys {sorted(map(str, x))} vs {sorted(map(str, y))}")
+            for k in set(x) & set(y):
+                cmp(x[k], y[k], f"{at}[{k!r}]", depth + 1)
+        elif isinstance(x, (list, tuple)) and isinstance(y, (list, tuple)) and depth < 4:
+            if len(x) != len(y):
+                out.append(f"{at}: length {len(x)} vs {len(y)}")
+            for i, (p, q) in enumerate(zip(x, y)):
+                cmp(p, q, f"{at}[{i}]", depth + 1)
+        elif isinstance(x, (int, float, str, bool, type(None))) or isinstance(y, (int, float, str, bool, type(None))):
+            if x != y:
+                out.append(f"{at}: {x!r} vs {y!r}")
+
+    mods = dict(b.named_modules())
+    for name, m in a.named_modules():
+        other = mods.get(name)
+        if other is None:
+            out.append(f"module {name} missing")
+            continue
+        keys = (set(m.__dict__) | set(other.__dict__)) - SKIP
+        for k in sorted(keys):
+            cmp(m.__dict__.get(k, "<absent>"), other.__dict__.get(k, "<absent>"), f"{name or '<root>'}.{k}")
+    return out
+
+
+def _greedy(model: torch.nn.Module, idx: torch.Tensor, steps: int) -> torch.Tensor:
+    with torch.no_grad():
+        for _ in range(steps):
+            logits = model(idx[:, -S:])
+            idx = torch.cat((idx, logits[:, -1, :].argmax(-1, keepdim=True)), dim=1)
+    return idx
+
+
+def written_state_parity(styles: list[str], steps: int = 3) -> dict:
+    out = {}
+    for style in styles:
+        ref, (x, y) = build(style)
+        model = autotp.parallelize(build(style)[0], example_inputs=(x, y))
+        opt, ropt = (torch.optim.AdamW(m.parameters(), lr=1e-2, eps=1e-6) for m in (model, ref))
+        r = {"logits": 0.0, "loss": 0.0, "grad": 0.0, "state": []}
+        for step in range(steps):
+            got, want = model(x, y), ref(x, y)
+            r["logits"] = max(r["logits"], _max_diff(got, want))
+            # the training script reads the loss off the model, as llama2.c's does
+            r["loss"] = max(r["loss"], _max_diff(model.last_loss, ref.last_loss))
+            r["state"] += [f"step {step}: {d}" for d in state_diff(model, ref)]
+            for o, m in ((opt, model), (ropt, ref)):
+                o.zero_grad()
+                m.last_loss.backward()
+            rg = {n: p.grad for n, p in ref.named_parameters()}
+            r["grad"] = max(r["grad"], max(_max_diff(p.grad, _local(rg[n], n, model))
+                                           for n, p in model.named_parameters()))
+            opt.step()
+            ropt.step()
+        rparams = dict(ref.named_parameters())
+        r["param"] = max(_max_diff(p, _local(rparams[n], n, model)) for n, p in model.named_parameters())
+        r["tokens"] = torch.equal(_greedy(model, x[:, :3], 5), _greedy(ref, x[:, :3], 5))
+        r["state"] += [f"sampled: {d}" for d in state_diff(model, ref)]
+        if style == "lazy_caches":  # a method of the model reads what its forward cached
+            model.reset_cache()
+            ref.reset_cache()
+            r["state"] += [f"reset: {d}" for d in state_diff(model, ref)]
+        r["fraction"] = sum(p.numel() for p in model.parameters()) / sum(p.numel() for p in ref.parameters())
+        r["graphs"] = len(autotp.tp_state(model).graphs)
+        out[style] = r
+    return out
