@@ -8,8 +8,10 @@ The script runs as ``python SCRIPT ARGS...`` under torch's elastic launcher, wit
     tpm = autotp.parallelize(model, tp_group=ctx.tp_group())
     # data parallelism: DistributedDataParallel(tpm, process_group=ctx.dp_group())
 
-With ``--fsdp`` (``--hsdp GROUPS``) a plain ``autotp.parallelize(model)`` shards over the layout's mesh with
-FSDP2 as well (no DDP then); build the optimizer after it. With ``--pp P``,
+A plain ``autotp.parallelize(model)`` (no ``tp_group``) takes the layout's groups, and with ``--dp D`` averages
+the gradients over the data-parallel ranks itself (torch's DDP, driven from the model's forward; a DDP the
+script wraps over ``ctx.dp_group()`` is found at its first call and averages alone). With ``--fsdp``
+(``--hsdp GROUPS``) it shards over the layout's mesh with FSDP2 instead; build the optimizer after it. With ``--pp P``,
 ``pipe = autotp.pipeline(model, example_inputs=batch, microbatches=M)`` cuts it into stages over the layout's
 pipeline ranks (``pipe.step(x, y)`` trains, ``pipe.parameters()`` for the optimizer).
 

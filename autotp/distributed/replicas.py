@@ -72,7 +72,10 @@ class Replicas:
         if self.kind != AUTOTP_DDP or not torch.is_grad_enabled():
             return None
         if self.engine is None:
-            self.engine = self._make(params())
+            trained = [p for p in params() if p.requires_grad]
+            if not trained:  # a frozen model called with gradients on: nothing to average (DDP refuses it)
+                return None
+            self.engine = self._make(trained)
         if not self.engine.require_backward_grad_sync:
             return None
         self.engine._pre_forward()  # torch's replicate does the same before its module's forward
@@ -83,10 +86,12 @@ class Replicas:
         """The call's output through the engine's ``_post_forward`` (its reducer then expects this backward)."""
         return output if engine is None else engine._post_forward(output)
 
-    def _make(self, params: list[nn.Parameter]) -> DistributedDataParallel:
-        trained = nn.ParameterList(p for p in params if p.requires_grad)
+    def _make(self, trained: list[nn.Parameter]) -> DistributedDataParallel:
+        """DDP over the parameters alone (a ParameterList, as torch's replicate builds it): the model's buffers
+        are not broadcast on every call, and the model is not a submodule of anything autotp holds."""
         ids = [self.device.index] if self.device is not None and self.device.type == "cuda" else None
-        return DistributedDataParallel(trained, process_group=self.group, device_ids=ids, **self.options)
+        return DistributedDataParallel(nn.ParameterList(trained), process_group=self.group, device_ids=ids,
+                                       **self.options)
 
     def _wraps(self, outer: DistributedDataParallel, model: nn.Module) -> bool:
         """Whether ``outer`` (a DDP running its module's forward) averages ``model``'s gradients; the first time,
