@@ -79,8 +79,8 @@ def context_parallel(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
     if plan is None:
         return gm
     nodes = {n.name: n for n in gm.graph.nodes}
-    if plan.grads:
-        _sum_grads(gm, [nodes[p] for p in plan.grads])  # the parameters' reads, untouched by the tp passes
+    if plan.grads:  # the parameters' reads, untouched by the tp passes; a tied tensor's other reads take its sum
+        _sum_grads(gm, [nodes[p] for p in plan.grads], [(nodes[a], nodes[b]) for a, b in plan.tied])
     copies: set[str] = set()
     for i, call in enumerate(plan.keyed):  # before the sizes: the copies read the whole length
         copies |= _keyed(gm, call, i, nodes)
@@ -178,14 +178,19 @@ def _keyed(gm: fx.GraphModule, call: KeyedCall, i: int, nodes: dict[str, fx.Node
     return {n.name for n in env.values()}  # the originals only the scores read are in ``plan.dropped``
 
 
-def _sum_grads(gm: fx.GraphModule, params: list[fx.Node]) -> None:
-    """Every parameter read through one :class:`ContextGrads`, placed after the last of them."""
+def _sum_grads(gm: fx.GraphModule, params: list[fx.Node], tied: list[tuple[fx.Node, fx.Node]]) -> None:
+    """Every parameter read through one :class:`ContextGrads`, placed after the last of them (and of the tied
+    reads); a tied read's users read its tensor's output (each tensor enters once)."""
     gm.add_submodule("autotp_cp_grads", ContextGrads())
-    last = max(params, key=list(gm.graph.nodes).index)
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    last = max([*params, *(a for a, _ in tied)], key=order.__getitem__)
     with gm.graph.inserting_after(last):
         group = gm.graph.call_module("autotp_cp_grads", tuple(params))
+    outs = {}
     with gm.graph.inserting_after(group):
         for i, p in reversed(list(enumerate(params))):
-            out = gm.graph.call_function(operator.getitem, (group, i))
+            out = outs[p] = gm.graph.call_function(operator.getitem, (group, i))
             out.meta = dict(p.meta)
             p.replace_all_uses_with(out, delete_user_cb=lambda u: u is not group)
+    for read, first in tied:
+        read.replace_all_uses_with(outs[first])

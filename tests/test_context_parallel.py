@@ -5,14 +5,15 @@ from __future__ import annotations
 import pytest
 
 import context_models
-from context_workers import (context_dropout, context_fsdp_parity, context_parities, context_sampling,
-                             context_script_parity, parallelize_parity)
+from context_workers import (context_compile, context_dropout, context_fsdp_parity, context_parities,
+                             context_sampling, context_script_parity, parallelize_parity, sequence_parity)
 from ranks import Launches
 
 # every spelling at cp 2; at cp 4 one of each kind of attention (written out, SDPA with a mask, einsum + rotary)
 AT = {2: ["nanogpt_example", "hf_llama", "rope_interleaved", "baddbmm", *context_models.RUNS],
       4: ["nanogpt_example", "hf_llama", "einsum_rope"]}
 TP2 = ["nanogpt_example", "hf_llama", "einsum_rope"]
+SP = ["nanogpt_example", "hf_llama"]  # cp 2 × tp 2 with sequence parallelism: written-out and SDPA attention
 # scores no ring computes, run with their keys gathered: ALiBi, soft-capping, a sliding window, two spellings
 # each at cp 2 (pattern_models' sequence of 12 takes cp 2 only), and Hugging Face's Gemma-2 (eager attention:
 # soft-capped scores, a sliding window every other layer, one mask made for every layer); context_models' at
@@ -28,16 +29,20 @@ def runs() -> Launches:
     """Both tests' jobs in one launch per cp."""
     jobs = {cp: {"graph": (context_parities, 3, 32), "parallelize": (parallelize_parity, AT[cp])} for cp in AT}
     jobs[4]["cp2_tp2"] = (parallelize_parity, TP2, 3, 2)  # 4 ranks: cp 2 × tp 2
+    jobs[4]["cp2_tp2_sp"] = (sequence_parity, SP, 3, 2)  # and sequence parallelism inside each cp chunk
     for cp in KEYED:
         jobs[cp]["keyed"] = (parallelize_parity, KEYED[cp])
     jobs[4]["keyed_tp2"] = (parallelize_parity, KEYED_TP2, 3, 2)
     rest = {"keyed rest": (parallelize_parity, KEYED_REST[4, 1]), "keyed_tp2 rest": (parallelize_parity, KEYED_REST[2, 2], 3, 2)}
+    inductor = {"compile inductor": (context_compile, ["nanogpt_example", "hf_llama"], 3, "inductor")}
     jobs[2]["dropout"], jobs[4]["dropout"] = (context_dropout, 1), (context_dropout, 2)  # cp 2; cp 2 × tp 2
     jobs[2]["script"] = (context_script_parity, 3)
     jobs[2]["sampling"] = (context_sampling,)
+    # compile: AOTAutograd's trace of forward and backward here, Inductor's code in the extended run
+    jobs[2]["compile"] = (context_compile, ["nanogpt_example"], 3, "aot_eager")
     jobs[4]["fsdp"] = (context_fsdp_parity, ["nanogpt_example", "hf_llama"], 1)  # dp 2 × cp 2
     jobs[4]["fsdp_tp2"] = (context_fsdp_parity, ["nanogpt_example"], 2)  # cp 2 × tp 2
-    return Launches(jobs, extended={4: rest})
+    return Launches(jobs, extended={4: rest, 2: inductor})
 
 
 @pytest.mark.slow
@@ -125,6 +130,45 @@ def test_context_parallel_composes_with_tensor_parallelism(runs):
         for kind, r in by_kind.items():
             assert r["errors"]["loss"] <= 1e-5 and r["errors"]["logits"] <= 1e-5, (kind, rank, r["errors"])
             assert r["context"].cp == 2 and all(a.is_causal for a in r["context"].attention)
+
+
+@pytest.mark.slow
+def test_sequence_parallelism_splits_each_context_chunk_exactly(runs):
+    """cp 2 × tp 2 with sequence parallelism (Megatron's and torchtitan's order: the tp group's norm and
+    residual regions split the cp chunk further, each rank holding (b, s/(cp·tp), h)): the loss and the
+    logits of 3 AdamW steps within 1e-5 of one device. Collectives of a step that reads only the loss, per
+    rank: the tp group's 2·(2L + 1) reduce-scatters (the embedding, attention and MLP outputs forward; the
+    column inputs' gradients backward), each carrying the cp chunk, b·(s/cp)·h elements, not the whole
+    sequence; the ring's cp all-to-alls per layer; no all-reduce of b·(s/cp)·h (sequence parallelism
+    replaced them all)."""
+    for rank, by_kind in runs(4, "cp2_tp2_sp").items():
+        assert list(by_kind) == SP
+        for kind, r in by_kind.items():
+            assert r["errors"]["loss"] <= 1e-5 and r["errors"]["logits"] <= 1e-5, (kind, rank, r["errors"])
+            assert r["sequence"] and r["context"].cp == 2, (kind, r["sequence"])
+            layers = len(r["context"].attention)
+            kinds = [c[0] for c in r["calls"]]
+            assert kinds.count("all_to_all_single") == 2 * layers, (kind, kinds)
+            scatters = [c[2] for c in r["calls"] if c[0] == "reduce_scatter"]
+            chunk = scatters[0]  # b·(s/cp)·h
+            assert len(scatters) == 2 * (2 * layers + 1) and set(scatters) == {chunk}, (kind, scatters)
+            assert not [c for c in r["calls"] if c[0] == "all_reduce" and c[2] == chunk], (kind, r["calls"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("job", ["compile", pytest.param("compile inductor", marks=pytest.mark.extended)])
+def test_compiled_context_parallel_is_one_graph_and_exact(runs, job):
+    """``parallelize(model, context_parallel=2, compile=...)``: the rewritten graph traces as one dynamo graph
+    with no break, each ring attention one opaque op (``autotp::ring_attention``, its backward another: dynamo
+    cannot trace torch's ring itself), a tied embedding's gradient summed over the group once (a tensor handed
+    twice to one autograd Function breaks the graph); the loss, logits, gradients and 3 AdamW steps of the
+    compiled model within 1e-5 of the eager unsharded model (AOTAutograd here; Inductor, with Hugging Face
+    Llama too, in the extended run)."""
+    for rank, by_kind in runs(2, job).items():
+        for kind, r in by_kind.items():
+            assert max(r["errors"].values()) <= 1e-5, (job, kind, rank, r["errors"])
+            assert r["graphs"] == 1 and r["breaks"] == 0, (kind, r["reasons"])
+            assert r["traced"] == r["rings"] >= 2, (kind, r)
 
 
 @pytest.mark.slow

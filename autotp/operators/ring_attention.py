@@ -27,6 +27,8 @@ import torch.distributed as dist
 from torch.distributed.tensor.experimental._context_parallel import _attention as _cp
 from torch.distributed.tensor.experimental._context_parallel._load_balancer import _HeadTailLoadBalancer
 
+from autotp.operators.ring_op import ring_forward
+
 aten = torch.ops.aten
 
 SEQ_DIM = 2  # q, k, v are (b, h, s, d), as scaled_dot_product_attention takes them
@@ -88,28 +90,43 @@ def _balance(is_causal: bool):
         _cp._cp_options.enable_load_balance = saved
 
 
+def ring_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup,
+                           is_causal: bool, scale: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """torch's ring forward: (out ``(b, h, s/cp, d)`` laid out as SDPA lays out its result, ``(b, s/cp, h, d)``
+    in memory, and the log-sum-exp ``(b, h, s/cp)`` its backward reads)."""
+    fwd, _ = _kernels(q)
+    with _balance(is_causal):
+        out, lse, *_ = _cp._templated_ring_attention(group, SEQ_DIM, fwd, q, k, v, is_causal=is_causal,
+                                                     dropout_p=0.0, scale=scale)
+    # the model's ``y.transpose(1, 2).contiguous()`` then copies nothing, and this one tensor is both what
+    # backward keeps and the output projection's input
+    return out.transpose(1, 2).contiguous().transpose(1, 2), lse
+
+
+def ring_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                            out: torch.Tensor, lse: torch.Tensor, group: dist.ProcessGroup, is_causal: bool,
+                            scale: float | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """torch's ring backward: (dq, dk, dv) of this rank's chunk."""
+    _, bwd = _kernels(q)
+    with _balance(is_causal):
+        dq, dk, dv, *_ = _cp._templated_ring_attention_backward(
+            group, SEQ_DIM, bwd, dout.contiguous(), "grad_out", q, k, v, out, lse, is_causal,
+            dropout_p=0.0, scale=scale)
+    return dq, dk, dv
+
+
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, group, is_causal, scale):
-        fwd, bwd = _kernels(q)
-        with _balance(is_causal):
-            out, lse, *_ = _cp._templated_ring_attention(group, SEQ_DIM, fwd, q, k, v, is_causal=is_causal,
-                                                         dropout_p=0.0, scale=scale)
-        # laid out as SDPA lays out its result, (b, s, h, d) in memory: the model's ``y.transpose(1, 2)
-        # .contiguous()`` then copies nothing, and this one tensor is both what backward keeps and the output
-        # projection's input
-        out = out.transpose(1, 2).contiguous().transpose(1, 2)
+        out, lse = ring_attention_forward(q, k, v, group, is_causal, scale)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group, ctx.is_causal, ctx.scale, ctx.bwd = group, is_causal, scale, bwd
+        ctx.group, ctx.is_causal, ctx.scale = group, is_causal, scale
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        with _balance(ctx.is_causal):
-            dq, dk, dv, *_ = _cp._templated_ring_attention_backward(
-                ctx.group, SEQ_DIM, ctx.bwd, dout.contiguous(), "grad_out", q, k, v, out, lse, ctx.is_causal,
-                dropout_p=0.0, scale=ctx.scale)
+        dq, dk, dv = ring_attention_backward(dout, q, k, v, out, lse, ctx.group, ctx.is_causal, ctx.scale)
         return dq, dk, dv, None, None, None
 
 
@@ -126,4 +143,6 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dis
     if q.size(1) != k.size(1) and q.device.type != "cpu":
         k = k.repeat_interleave(q.size(1) // k.size(1), dim=1)  # (b, h, s/cp, d)
         v = v.repeat_interleave(q.size(1) // v.size(1), dim=1)
+    if torch.compiler.is_compiling():  # one opaque op of the compiled graph (autotp/operators/ring_op.py)
+        return ring_forward(q, k, v, group.group_name, is_causal, scale)[0]
     return _RingAttention.apply(q, k, v, group, is_causal, scale)

@@ -73,6 +73,7 @@ class ContextPlan:
     tables: tuple[tuple[str, int], ...] = ()  # ``table[:s]`` along dim: the rows of the chunk's positions
     random: tuple[str, ...] = ()  # random ops on a chunk: each rank draws its own masks (a stream per chunk)
     keyed: tuple[KeyedCall, ...] = ()  # written-out attentions run with their keys and values gathered
+    tied: tuple[tuple[str, str], ...] = ()  # a tensor's other reads (tied weights): (read, the one in ``grads``)
 
     @classmethod
     def from_dict(cls, d: dict) -> ContextPlan:
@@ -82,4 +83,5 @@ class ContextPlan:
                    tuple(d.get("dropped", ())), tuple((n, dim) for n, dim in d.get("chunks", ())),
                    tuple(d.get("whole", ())), tuple(d.get("sizes", ())),
                    tuple((n, dim) for n, dim in d.get("tables", ())), tuple(d.get("random", ())),
-                   tuple(KeyedCall.from_dict(k) for k in d.get("keyed", ())))
+                   tuple(KeyedCall.from_dict(k) for k in d.get("keyed", ())),
+                   tuple((n, first) for n, first in d.get("tied", ())))

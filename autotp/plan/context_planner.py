@@ -36,11 +36,29 @@ def context_plan(gm: fx.GraphModule, facts: ContextFacts, cp: int, sum_grads: bo
                                bool(a.written and a.written.folded)) for a in facts.attention if not a.keyed)
     keyed = tuple(KeyedCall(k.scores, k.out, k.keys, k.rows, k.whole, k.region, k.spans, k.widen)
                   for k in (a.keyed for a in facts.attention) if k is not None)
-    trained = {name for name, p in gm.named_parameters(remove_duplicate=False) if p.requires_grad}
-    grads = tuple(n.name for n in gm.graph.nodes if n.op == "get_attr" and n.target in trained) if sum_grads else ()
+    grads, tied = _grads(gm) if sum_grads else ((), ())
     return ContextPlan(cp, facts.inputs, tuple(p.node for p in facts.positions), attention, tuple(losses),
                        facts.outputs, grads, _length(gm, facts), facts.dropped, facts.chunks, facts.whole,
-                       facts.sizes, facts.tables, facts.random, keyed)
+                       facts.sizes, facts.tables, facts.random, keyed, tied)
+
+
+def _grads(gm: fx.GraphModule) -> tuple[tuple[str, ...], tuple[tuple[str, str], ...]]:
+    """The parameter reads whose gradients the graph sums over the group, one per tensor, and the other reads
+    of a tensor read under several names (tied weights: nanoGPT's embedding and LM head), each with the read
+    whose sum it takes. A tensor handed twice to one autograd Function is what dynamo cannot trace (a graph
+    break under compile); summed once, the two uses' gradients are added before the all-reduce."""
+    trained = {name: p for name, p in gm.named_parameters(remove_duplicate=False) if p.requires_grad}
+    first: dict[int, str] = {}
+    grads, tied = [], []
+    for n in gm.graph.nodes:
+        if n.op == "get_attr" and n.target in trained:
+            key = id(trained[n.target])
+            if key in first:
+                tied.append((n.name, first[key]))
+            else:
+                first[key] = n.name
+                grads.append(n.name)
+    return tuple(grads), tuple(tied)
 
 
 def _length(gm: fx.GraphModule, facts: ContextFacts) -> int:

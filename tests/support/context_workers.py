@@ -112,6 +112,10 @@ def _build(kind: str):
         ids = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(1))
         return transformers.AutoModelForCausalLM.from_config(config), (), {"input_ids": ids, "labels": ids,
                                                                           "use_cache": False}
+    if kind.startswith("moe:"):  # tests/support/moe_models.py: experts read by a loop, by W[ids] with bmm, ...
+        import moe_models
+
+        return moe_models.build(kind[4:])
     if kind in ("rope_interleaved", "baddbmm", "alibi", "softcap"):  # baddbmm: heads folded into the batch
         import pattern_models
 
@@ -127,7 +131,7 @@ def _logits(out) -> torch.Tensor:
     return out[0] if isinstance(out, tuple) else out.logits
 
 
-def parallelize_parity(kinds: list[str], steps: int = 3, tp: int = 1) -> dict[str, dict]:
+def parallelize_parity(kinds: list[str], steps: int = 3, tp: int = 1, **options) -> dict[str, dict]:
     """Each spelling under ``autotp.parallelize(model, context_parallel=world / tp)`` (with tp > 1 on a
     (cp, tp) mesh): the loss, the logits (read after the step), the gradients (tp 1) and ``steps`` AdamW steps
     against the unsharded model; the collectives of a step that reads only the loss; the error a sequence
@@ -141,7 +145,7 @@ def parallelize_parity(kinds: list[str], steps: int = 3, tp: int = 1) -> dict[st
     for kind in kinds:
         model, args, kwargs = _build(kind)
         ref = copy.deepcopy(model)
-        autotp.parallelize(model, example_inputs=(args, kwargs), context_parallel=cp, mesh=mesh)
+        autotp.parallelize(model, example_inputs=(args, kwargs), context_parallel=cp, mesh=mesh, **options)
         # eps 1e-5: Adam's first step divides each gradient by its own size plus eps, so the fp32 rounding of
         # the summed gradients (4e-8) on Gemma-2's smallest ones (tied embedding rows, 4e-7) moved parameters by
         # up to lr·4e-8/eps: 4e-6 with eps 1e-6, and the logits after the steps by 1.1e-5
@@ -173,8 +177,21 @@ def parallelize_parity(kinds: list[str], steps: int = 3, tp: int = 1) -> dict[st
             refused = ""
         except ShardingError as e:
             refused = str(e)
-        out[kind] = {"errors": errors, "calls": calls, "context": st.plan.context, "refused": refused}
+        out[kind] = {"errors": errors, "calls": calls, "context": st.plan.context, "refused": refused,
+                     "sequence": st.plan.sequence is not None}
     return out
+
+
+def sequence_parity(kinds: list[str], steps: int = 3, tp: int = 2) -> dict[str, dict]:
+    """:func:`parallelize_parity` with sequence parallelism: the tp group's norm and residual regions split
+    the cp chunk further, ``(b, s/(cp·tp), h)`` per rank."""
+    return parallelize_parity(kinds, steps, tp, sequence_parallel=True)
+
+
+def expert_parity(kinds: list[str], steps: int = 3, tp: int = 2) -> dict[str, dict]:
+    """:func:`parallelize_parity` with expert parallelism: E/tp whole experts per tp rank, each computing what
+    the router sends them of the cp chunk's tokens."""
+    return parallelize_parity(kinds, steps, tp, expert_parallel=True)
 
 
 def context_dropout(tp: int = 1) -> dict:
@@ -223,16 +240,17 @@ def context_dropout(tp: int = 1) -> dict:
     }
 
 
-def context_fsdp_parity(kinds: list[str], tp: int = 1, steps: int = 3) -> dict[str, dict]:
+def context_fsdp_parity(kinds: list[str], tp: int = 1, steps: int = 3, replicas: int = 1) -> dict[str, dict]:
     """Each spelling under ``parallelize(model, fsdp=True, context_parallel=2)`` on a (dp, cp, tp) mesh of the
     world, each data-parallel replica on its share of the batch: FSDP shards over the dp and cp ranks together
     and its reduce-scatter sums the chunks' gradients (averaging over dp only). The losses, the clipped
     gradient norm and the parameters after ``steps`` AdamW steps against the unsharded model on the whole batch;
-    the collectives of a step."""
+    the collectives of a step. ``replicas`` > 1: HSDP, its replica groups splitting dp."""
     from fsdp_workers import _full, _replica, _side_by_side
     from torch.distributed.device_mesh import init_device_mesh
 
     import autotp
+    from autotp.distributed.data_parallel import FSDPConfig
 
     cp = 2
     dp = dist.get_world_size() // (cp * tp)
@@ -241,8 +259,8 @@ def context_fsdp_parity(kinds: list[str], tp: int = 1, steps: int = 3) -> dict[s
         mesh = init_device_mesh("cpu", (dp, cp, tp), mesh_dim_names=("dp", "cp", "tp"))
         ref, args, kwargs = _build(kind)
         la, lk = _replica((args, kwargs), mesh["dp"].get_local_rank(), dp)
-        model = autotp.parallelize(copy.deepcopy(ref), example_inputs=(la, lk), fsdp=True, context_parallel=cp,
-                                   mesh=mesh)
+        model = autotp.parallelize(copy.deepcopy(ref), example_inputs=(la, lk), context_parallel=cp, mesh=mesh,
+                                   fsdp=FSDPConfig(replicas=replicas) if replicas > 1 else True)
         opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=1e-3, eps=1e-6) for m in (model, ref))
         errors, calls = {"loss": 0.0, "norm": 0.0, "params": 0.0}, None
         for _ in range(steps):
@@ -361,3 +379,47 @@ def context_sampling(new_tokens: int = 9) -> dict:
     return {"same_tokens": torch.equal(*drawn), "loss": abs(loss.item() - want.item()), "refused": refused,
             "graphs": sorted(str(k[-1]) for k in autotp.tp_state(model).graphs if isinstance(k[-1], str)),
             "warned": [str(w.message) for w in said if "autotp" in str(w.message)], "captures": len(builds)}
+
+
+def context_compile(kinds: list[str], steps: int = 3, backend: str = "inductor") -> dict[str, dict]:
+    """Each spelling under ``parallelize(model, context_parallel=world, compile={"backend": backend})``:
+    dynamo's graphs and breaks of the compiled graph (the ring one opaque op, ``autotp::ring_attention``, and
+    its backward), and the loss, logits, gradients and ``steps`` AdamW steps of the compiled model against the
+    unsharded eager model."""
+    import torch._dynamo
+
+    import autotp
+    from autotp.operators.compile import DYNAMO_CONFIG, uncompiled
+    from autotp.operators.gathered import local_outputs
+
+    cp, out = dist.get_world_size(), {}
+    for kind in kinds:
+        model, args, kwargs = _build(kind)
+        ref = copy.deepcopy(model)
+        autotp.parallelize(model, example_inputs=(args, kwargs), context_parallel=cp, compile={"backend": backend})
+        (compiled,) = (c.module for c in autotp.tp_state(model).graphs.values())
+        gm = uncompiled(compiled)
+        rings = sum(1 for n in gm.graph.nodes if n.op == "call_module" and n.target.startswith("autotp_cp_attention"))
+        torch._dynamo.reset()
+        with torch._dynamo.config.patch(**DYNAMO_CONFIG):  # as compile=True traces it
+            explained = torch._dynamo.explain(local_outputs(gm)[0])(*args, **kwargs)
+        torch._dynamo.reset()
+        traced = sum(n.target is torch.ops.autotp.ring_attention.default for g in explained.graphs for n in g.graph.nodes)
+        opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=1e-3, eps=1e-5) for m in (model, ref))
+        errors = {"loss": 0.0, "logits": 0.0, "grads": 0.0, "params": 0.0}
+        for _ in range(steps):
+            got = model(*args, **kwargs)
+            loss = _loss(got)
+            loss.backward()
+            want = ref(*args, **kwargs)
+            _loss(want).backward()
+            errors["loss"] = max(errors["loss"], abs(loss.item() - _loss(want).item()))
+            errors["logits"] = max(errors["logits"], (_logits(got) - _logits(want)).abs().max().item())
+            mine, theirs = dict(model.named_parameters()), dict(ref.named_parameters())
+            errors["grads"] = max(errors["grads"], max((mine[k].grad - theirs[k].grad).abs().max().item()
+                                                       for k in mine))
+            opt.step(), ref_opt.step(), opt.zero_grad(), ref_opt.zero_grad()
+            errors["params"] = max(errors["params"], max((mine[k] - theirs[k]).abs().max().item() for k in mine))
+        out[kind] = {"errors": errors, "rings": rings, "graphs": explained.graph_count, "traced": traced,
+                     "breaks": explained.graph_break_count, "reasons": [str(r) for r in explained.break_reasons]}
+    return out
