@@ -94,6 +94,7 @@ def refused(*, pipeline: int = 1, schedule: str | None = None, fsdp: bool = Fals
     """Why these dimensions do not run together yet (None: they do). The one rule :meth:`Options.validate`,
     :func:`autotp.pipeline`, the command line and the layout search all ask."""
     if context_parallel > 1:
+        # expert routing (tokens picked per expert by index over the flattened b·s) is read as mixing positions
         other = [name for name, on in (("pipeline stages", pipeline > 1),
                                        ("expert parallelism", expert_parallel)) if on]
         if other:

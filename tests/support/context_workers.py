@@ -404,7 +404,8 @@ def context_compile(kinds: list[str], steps: int = 3, backend: str = "inductor")
         with torch._dynamo.config.patch(**DYNAMO_CONFIG):  # as compile=True traces it
             explained = torch._dynamo.explain(local_outputs(gm)[0])(*args, **kwargs)
         torch._dynamo.reset()
-        traced = sum(n.target is torch.ops.autotp.ring_attention.default for g in explained.graphs for n in g.graph.nodes)
+        traced = sum(n.target is torch.ops.autotp.ring_attention.default
+                     for g in explained.graphs for n in g.graph.nodes)
         opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=1e-3, eps=1e-5) for m in (model, ref))
         errors = {"loss": 0.0, "logits": 0.0, "grads": 0.0, "params": 0.0}
         for _ in range(steps):
