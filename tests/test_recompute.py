@@ -161,7 +161,13 @@ PIECES = {
     2: [("layer", 1, dict(pp=2)), ("dropout", 1, dict(pp=2, schedule="GPipe"))],
     4: [("layer", 2, dict(fsdp=True)), ("dropout", 2, dict(fsdp=True)), ("mlp_only", 1, dict(pp=2, fsdp=True))],
 }
-EXTENDED = {4: [("function", 2, dict(pp=2)), ("reentrant", 2, dict(pp=2, schedule="GPipe", microbatches=1))]}
+# the rest of the layouts the layout search prices with recomputation: sequence parallelism in FSDP units and
+# pipeline stages, context parallelism with FSDP over dp × cp, DDP over dp, tp 2 × pp 2
+EXTENDED = {4: [("layer", 2, dict(fsdp=True, sequence_parallel=True)),
+                ("function", 2, dict(pp=2, sequence_parallel=True)),
+                ("layer", 1, dict(fsdp=True, context_parallel=2)),
+                ("layer", 2, {}),
+                ("reentrant", 2, dict(pp=2, schedule="GPipe"))]}
 
 
 def _jobs(table: dict) -> dict:

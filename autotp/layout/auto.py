@@ -125,7 +125,9 @@ def _within(facts: ModelFacts, space: Space, t: int, c: int, d: int, p: int, sha
 def supported(lay: Layout) -> bool:
     """Whether autotp shards this layout today (:func:`autotp.options.refused`, the rule parallelize applies).
     Recomputation and gradient accumulation are the training script's (activation checkpointing in the
-    model, several backwards per step)."""
+    model, several backwards per step). A model's checkpointed layers recompute in every layout this admits
+    (the whole graph, each FSDP unit's piece, each pipeline stage's, with sequence and context parallelism),
+    so ``rc`` is priced for each: its memory as measured (benchmarks/results/activation_recompute.md)."""
     return refused(pipeline=lay.pp * lay.v, schedule=lay.schedule, fsdp=lay.fsdp, sequence_parallel=lay.sp,
                    context_parallel=lay.cp) is None
 

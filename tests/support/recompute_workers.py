@@ -89,7 +89,8 @@ def _expected(ref: torch.Tensor, name: str, model, fsdp: bool) -> torch.Tensor:
 
 
 def recompute_in_pieces(style: str, tp: int, pp: int = 1, fsdp: bool = False, compile: bool = False,
-                        microbatches: int = 2, schedule: str = "1F1B", steps: int = 3) -> dict:
+                        microbatches: int = 2, schedule: str = "1F1B", steps: int = 3,
+                        sequence_parallel: bool = False, context_parallel: int = 1) -> dict:
     """A checkpointing model (tests/support/recompute_models.py) under FSDP units (tp × dp, fsdp) or pipeline
     stages (pp × dp × tp): loss, gradients and parameters after AdamW steps against the unsharded checkpointing
     model on the whole batch (each data-parallel replica on its share; with dropout, against the same layout
@@ -100,8 +101,10 @@ def recompute_in_pieces(style: str, tp: int, pp: int = 1, fsdp: bool = False, co
 
     from autotp.distributed.data_parallel import FSDPConfig
 
-    dp = dist.get_world_size() // (tp * pp)
-    dims, names = ((pp, dp, tp), ("pp", "dp", "tp")) if pp > 1 else ((dp, tp), ("dp", "tp"))
+    cp = context_parallel
+    dp = dist.get_world_size() // (tp * pp * cp)
+    dims, names = ((pp, dp, tp), ("pp", "dp", "tp")) if pp > 1 else ((dp, cp, tp), ("dp", "cp", "tp")) if cp > 1 \
+        else ((dp, tp), ("dp", "tp"))
     mesh = init_device_mesh("cpu", dims, mesh_dim_names=names)
     d = mesh["dp"].get_local_rank()
     _, (idx, targets) = build(style)
@@ -114,10 +117,12 @@ def recompute_in_pieces(style: str, tp: int, pp: int = 1, fsdp: bool = False, co
         model = build(style, recompute)[0]
         if pp > 1:
             pipe = autotp.pipeline(model, example_inputs=la, microbatches=microbatches, schedule=schedule,
-                                   mesh=mesh, compile=compile, fsdp=fsdp)
+                                   mesh=mesh, compile=compile, fsdp=fsdp, sequence_parallel=sequence_parallel)
             return model, pipe.step, list(pipe.parameters()), dict(pipe.named_parameters())
+        extra = {"context_parallel": cp} if cp > 1 else {}
         model = autotp.parallelize(model, example_inputs=la, mesh=mesh, compile=compile,
-                                   fsdp=FSDPConfig() if fsdp else False)
+                                   fsdp=FSDPConfig() if fsdp else False, sequence_parallel=sequence_parallel,
+                                   **extra)
         return model, lambda *a: loss_of(model, style, *a), list(model.parameters()), dict(model.named_parameters())
 
     model, step, params, named = make(True)
