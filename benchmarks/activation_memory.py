@@ -250,9 +250,6 @@ def recompute_build(layers: int, seq: int, recompute: bool):
 def recompute_worker(opts: dict) -> dict:
     """On each rank: the activation peak of one training step (after one untimed step: FSDP's buffers and
     the pieces' graphs made) with and without recomputation, tp 2 × FSDP 2 or pp 2."""
-    import copy
-
-    import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
