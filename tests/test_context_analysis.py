@@ -211,3 +211,24 @@ def test_outputs_carrying_the_sequence_are_found_by_symbol():
     """The logits (b, s, V) are gathered back, the scalar loss is not."""
     idx = torch.randint(0, 128, (2, 8))
     assert _facts(_nanogpt(), idx, idx).outputs == ((0, 1),)
+
+
+def test_a_tied_weight_enters_the_cp_gradient_sum_once():
+    """nanoGPT ties its embedding and LM head: the plan sums the tensor's gradient through one read, and the
+    other read takes that sum (a tensor handed twice to one autograd Function is a graph break under compile);
+    after the pass one ContextGrads reads each trained tensor once."""
+    from autotp.passes.context_parallel import context_parallel
+    from autotp.plan.context_planner import context_plan
+    from autotp.plan.plan import Plan
+
+    idx = torch.randint(0, 128, (2, 8))
+    gm = capture(_nanogpt(), (idx, idx), {})[0]
+    plan = context_plan(gm, find_context(gm, 2), 2)
+    ((read, first),) = plan.tied
+    nodes = {n.name: n for n in gm.graph.nodes}
+    assert gm.get_parameter(nodes[read].target) is gm.get_parameter(nodes[first].target) and first in plan.grads
+    tensors = [gm.get_parameter(nodes[n].target) for n in plan.grads]
+    assert len({id(t) for t in tensors}) == len(tensors) == len(list(gm.parameters()))
+    gm = context_parallel(gm, Plan(1, context=plan))
+    (group,) = [n for n in gm.graph.nodes if n.op == "call_module" and n.target == "autotp_cp_grads"]
+    assert len(group.args) == len(plan.grads) and not nodes[read].users
