@@ -82,19 +82,26 @@ def fsdp_meshes(mesh: DeviceMesh, config: FSDPConfig) -> tuple[DeviceMesh, Devic
 def _with_context(mesh: DeviceMesh, config: FSDPConfig) -> DeviceMesh:
     """With context parallelism FSDP shards over the dp and cp ranks together (a cp rank holds the same
     parameters as its group, torchtitan's ``dp_shard_cp``): the two dims flattened into one, ``dp_cp``, and with
-    the tp dim into one more for the gradient norm's single all-reduce."""
+    the tp dim into one more for the gradient norm's single all-reduce. With HSDP (``replicas`` > 1) the mesh
+    is (``dp_replicate``, ``dp_shard_cp``)."""
     names = mesh.mesh_dim_names or ()
     if "dp" not in names:
         raise ProcessGroupError(f"fsdp with context parallelism needs a mesh with 'dp', 'cp' and 'tp' dims; it has "
                                 f"{names}", hint="e.g. init_device_mesh(device, (dp, cp, tp), "
                                                  "mesh_dim_names=('dp', 'cp', 'tp'))")
-    if config.replicas > 1:
-        raise ValueError(f"hsdp ({config.replicas} replica groups) with context parallelism is not supported yet: "
-                         "use fsdp (one replica group) with cp, or hsdp without it")
+    dp = mesh["dp"].size()
+    if dp % config.replicas:
+        raise ValueError(f"hsdp: {config.replicas} replica groups do not divide the data-parallel size {dp}")
     shard = mesh[("dp", "cp")]._flatten("dp_cp")
     if mesh["tp"].size() > 1:
         mesh[("dp", "cp", "tp")]._flatten()
-    return shard
+    if config.replicas == 1:
+        return shard
+    # HSDP (torchtitan's dp_replicate × dp_shard_cp): FSDP shards over dp/replicas · cp ranks and all-reduces
+    # over the replicas; dp_cp's rank i·cp + j (dp i, cp j) is replica i // (dp / replicas), shard
+    # (i % (dp / replicas))·cp + j
+    return shard._unflatten(0, (config.replicas, dp // config.replicas * mesh["cp"].size()),
+                            ("dp_replicate", "dp_shard_cp"))
 
 
 def _joined(mesh: DeviceMesh, dp_dims: tuple[str, ...]) -> DeviceMesh:

@@ -99,7 +99,8 @@ def apply_fsdp(model: nn.Module, st: TPState, plan: Plan) -> None:
     # needs: FSDP's default keeps them
     fully_shard(model, **{**options, "reshard_after_forward": None})
     if st.cp > 1:  # a cp group's gradients are parts of the same samples': summed over cp, averaged over dp
-        gloo = dist.get_backend(dp_mesh.get_group()) == "gloo"  # no PREMUL_SUM: a sum, then the division
+        # no PREMUL_SUM: a sum, then the division (HSDP's mesh has two dims, both on one backend)
+        gloo = dist.get_backend(dp_mesh.get_all_groups()[0]) == "gloo"
         for m in model.modules():
             if isinstance(m, FSDPModule):
                 m.set_gradient_divide_factor(dp_mesh.size() // st.cp)
