@@ -201,6 +201,9 @@ def _for_compiler(st: TPState, c: Captured) -> Captured:
     return local
 
 
+_MANY_STATES = 8  # graphs of one call signature past which a state the forward keeps changing is said
+
+
 def _graph_for(model: nn.Module, st: TPState, args: tuple, kwargs: dict, key: Hashable, flat: list[torch.Tensor],
                sequence_parallel: bool | None = None, context: bool = True) -> Captured:
     """The graph of this call signature whose guards take ``flat``; captured when none does yet.
@@ -216,6 +219,11 @@ def _graph_for(model: nn.Module, st: TPState, args: tuple, kwargs: dict, key: Ha
             return c
         n += 1
         variant = (key, "guards", n)
+    if n == _MANY_STATES and st.written and ("writes", "many") not in st.warned:
+        st.warned.add(("writes", "many"))
+        pieces = ", ".join(".".join(p for p in at[:2] if p) for at in list(st.written)[:4])
+        warnings.warn(f"autotp: one call signature captured {n + 1} times: the state the forward writes ({pieces}) "
+                      "keeps changing (a counter?), and each new value is captured once", stacklevel=4)
     with source_lines_released():  # the files its stack traces read are not kept
         return _build(model, st, args, kwargs, variant, sequence_parallel=sequence_parallel, context=context)
 
@@ -290,6 +298,7 @@ def _build(model: nn.Module, st: TPState, args: tuple, kwargs: dict, key: Hashab
         accepts = input_guard(cg.gm)  # before the passes give sharded inputs their local shapes
         gm, spec, plan, copied = rewrite(st, cg, st.options.sequence_parallel if sequence_parallel is None
                                          else sequence_parallel, stacklevel=4, context=context)
+    writes = gm.meta.get(WRITES_KEY)  # read before the graph is cut into FSDP units' or stages' pieces
     if st.options.fsdp is not None:
         gm, plan = _split_units(gm, plan, st)
     if st.options.pipeline is not None:
@@ -300,7 +309,6 @@ def _build(model: nn.Module, st: TPState, args: tuple, kwargs: dict, key: Hashab
     hold(model, st, plan, fresh)
     if st.options.fsdp is not None and st.units is None:
         apply_fsdp(model, st, plan)  # on allocated shards: FSDP keeps the tensors it is given
-    writes = gm.meta.get(WRITES_KEY)
     c = _finish(model, st, gm, spec, key, plan, accepts, copied)
     if writes:  # the state this graph writes, and the written state it was captured on (as the model holds it now)
         st.written.update(dict.fromkeys(written_at(w) for w in writes.items))

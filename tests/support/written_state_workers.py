@@ -78,7 +78,7 @@ def written_state_parity(styles: list[str], steps: int = 3) -> dict:
     for style in styles:
         ref, (x, y) = build(style)
         model = autotp.parallelize(build(style)[0], example_inputs=(x, y))
-        opt, ropt = (torch.optim.AdamW(m.parameters(), lr=1e-2, eps=1e-6) for m in (model, ref))
+        opt, ropt = (torch.optim.AdamW(m.parameters(), lr=1e-3, eps=1e-6) for m in (model, ref))
         r = {"logits": 0.0, "loss": 0.0, "grad": 0.0, "state": []}
         for step in range(steps):
             got, want = model(x, y), ref(x, y)
