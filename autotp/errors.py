@@ -72,6 +72,22 @@ class RankFailedError(AutotpError, RuntimeError):
         return f"rank {self.rank}{' ' if message.startswith('(pid ') else ': '}{message}"
 
 
+class LaunchInterrupted(AutotpError, RuntimeError):
+    """The launcher was stopped by a signal (Ctrl-C's SIGINT, a scheduler's SIGTERM); the ranks were sent it and
+    have ended. ``code`` is the shell's exit status for it (128 + the signal's number)."""
+
+    def __init__(self, signum: int, forced: bool = False):
+        import signal
+
+        self.signum, self.forced = signum, forced
+        self.name = signal.Signals(signum).name
+        super().__init__(f"interrupted by {self.name}" + (" twice: the ranks were killed" if forced else ""))
+
+    @property
+    def code(self) -> int:
+        return 128 + self.signum
+
+
 class PipelineError(AutotpError, ValueError):
     """The pipeline cannot be arranged as asked: more stages than blocks, a split point that is no block,
     micro-batches that do not divide the batch, a schedule that needs another number of stages per rank."""

@@ -45,7 +45,9 @@ from rich.markup import escape
 from autotp.cli.common import (EXPERT_PARALLEL, MICROBATCHES, SEQUENCE_PARALLEL, USAGE_ERROR, VIRTUAL_STAGES,
                                check_layout_options)
 from autotp.cli.run import DEBUG, DP, PP, Launcher, abort, launch_spec, say_restart, with_launcher
-from autotp.errors import AutotpError, CaptureError, ModelFileError, PipelineError, RankFailedError, own_bug
+from autotp.cli.run_folder import interrupted_line
+from autotp.errors import (AutotpError, CaptureError, LaunchInterrupted, ModelFileError, PipelineError, RankFailedError,
+                           own_bug)
 
 # torch and the capture stack are imported where they are used, so that `autotp shard --help` imports neither
 if TYPE_CHECKING:
@@ -363,7 +365,10 @@ def shard(
     resume_from: str | None = typer.Option(None, "--resume-from", metavar="NAME", help="Resume this checkpoint "
                                            "(a step folder under --out/checkpoints, or a path) instead of the "
                                            "one `latest` names; implies --resume."),
-    save_every: int = typer.Option(0, "--save-every", help="Also checkpoint every N steps (0: only at the end)."),
+    save_every: int = typer.Option(0, "--save-every", help="Also checkpoint every N steps (0: by time only)."),
+    save_minutes: float = typer.Option(30.0, "--save-minutes", metavar="M", help="Also checkpoint once M "
+                                       "minutes have passed since the last checkpoint (0: never by time). A "
+                                       "run also saves at the end and when interrupted (Ctrl-C, SIGTERM)."),
     keep: int | None = typer.Option(None, "--keep", min=1, help="Keep this run's newest N checkpoints, removing "
                                     "its older ones (default: keep every checkpoint; never another run's)."),
     debug: bool = DEBUG,
@@ -404,6 +409,8 @@ def shard(
         abort(f"--clip-grad must be >= 0, got {clip_grad}", debug, code=USAGE_ERROR)
     if save_every < 0:
         abort(f"--save-every must be >= 0, got {save_every}", debug, code=USAGE_ERROR)
+    if not save_minutes >= 0:
+        abort(f"--save-minutes must be >= 0, got {save_minutes}", debug, code=USAGE_ERROR)
     if out.exists() and not out.is_dir():
         abort(f"--out {out} exists and is not a folder", debug, code=USAGE_ERROR)
     spec = launch_spec(tp, dp, pp, launcher._replace(fsdp=fsdp), debug)  # --auto may have chosen FSDP
@@ -446,7 +453,7 @@ def shard(
     job = ShardJob(model=f"{path.resolve()}:{factory}" if factory else str(path.resolve()),
                    steps=steps, lr=lr, out=str(out.resolve()), verify=weights is None if verify is None else verify,
                    resume=resume, resume_from=resume_from, keep=keep, run=uuid.uuid4().hex,
-                   save_every=save_every, compile={"backend": compile_backend} if compile_backend else compile_,
+                   save_every=save_every, save_minutes=save_minutes, compile={"backend": compile_backend} if compile_backend else compile_,
                    sequence_parallel=sequence_parallel,
                    expert_parallel=expert_parallel, fsdp=spec.hsdp if fsdp else 0, schedule=schedule,
                    microbatches=microbatches or pp, virtual_stages=virtual_stages,
@@ -458,6 +465,10 @@ def shard(
                + (f" × pp {spec.pp}" if spec.pp > 1 else "") + (" (FSDP)" if spec.fsdp else ""))
     try:
         results = launch(spec, shard_worker, job, quiet=not debug, on_restart=say_restart)
+    except LaunchInterrupted as exc:
+        Console(stderr=True).print(f"[yellow]{escape(interrupted_line(exc, out, job.run))}[/yellow]",
+                                   soft_wrap=True)
+        raise typer.Exit(code=exc.code) from None
     except RankFailedError as exc:
         why = ""
         if timeout is not None and "timed out" in exc.message.lower():

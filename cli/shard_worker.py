@@ -42,6 +42,7 @@ from autotp.distributed.launch import RankContext, init_from_env
 from autotp.distributed.restarts import last_failure, note_progress
 from autotp.cli.grad_parity import compare_grads
 from autotp.cli.progress import Phases
+from autotp.cli.stopping import Stops
 from autotp.cli.train_log import StepMetrics, TrainLog, mfu, peak_memory, size as _size
 from autotp.capture.modelfile import (DEFAULT_BATCH_SHAPE, ModelFile, ModelFileError, default_example,
                                      find_loss, load_model_file, output_tensors, replica_batch, to_device)
@@ -58,6 +59,7 @@ class ShardJob:
     verify: bool
     resume: bool = False
     save_every: int = 0
+    save_minutes: float = 0.0  # also checkpoint once this many minutes have passed since the last save (0: never)
     resume_from: str | None = None  # a checkpoint folder to resume instead of the one `latest` names
     keep: int | None = None  # this run's newest checkpoints kept (None: all)
     run: str | None = None  # this run's id, in each manifest (whose checkpoints --keep thins)
@@ -267,8 +269,11 @@ def _train(step_fn, args: tuple, kwargs: dict, job: ShardJob, ctx: RankContext, 
     """Steps ``start`` ... ``job.steps - 1`` of ``step_fn(args, kwargs, norm) -> Stepped`` (one optimizer step
     on this replica's batch, with the gradient norm when ``norm``); every ``job.log_every`` steps (and the last)
     rank 0 logs their metrics (:mod:`autotp.cli.train_log`); ``save(step)`` after every ``job.save_every``-th
-    (not the last)."""
+    (not the last) and when ``job.save_minutes`` have passed since the last save; a stop signal (any rank's)
+    saves the step finished and exits with 128 + its number (:mod:`autotp.cli.stopping`)."""
     losses, times = [], []
+    stops = Stops(job.save_minutes).install()
+    stops.training = True
     show = ctx.rank == 0 and job.steps > start
     console = Console()
     # a bar in a terminal; piped, one whole line per logged step: a rank stopped mid-step (a peer failed) leaves
@@ -306,8 +311,17 @@ def _train(step_fn, args: tuple, kwargs: dict, job: ShardJob, ctx: RankContext, 
                     console.print(f"training {m.line()}", highlight=False, soft_wrap=True)
             if task is not None:
                 progress.update(task, advance=1, loss=f"{losses[-1]:.4f}", rate=f"{tokens / took:,.0f} tok/s")
-            if save is not None and job.save_every and done % job.save_every == 0 and done != job.steps:
+            signum, due = stops.check(ctx.device)
+            if save is not None and signum:  # the step finished is kept; the launcher says so, in one line
+                note_progress(done, f"while saving step {done}")
+                save(done)
+            elif save is not None and done != job.steps and (due or job.save_every and done % job.save_every == 0):
                 saving(save, done, job.started)
+                stops.saved()
+            if signum:
+                if log is not None:
+                    log.close()
+                raise SystemExit(128 + signum)
     return losses, times
 
 
@@ -374,6 +388,7 @@ def _start(job: ShardJob, out: Path, model: torch.nn.Module, opt: torch.optim.Op
 
 def shard_worker(job: ShardJob) -> ShardReport | None:
     """One rank of ``autotp shard``; rank 0 returns the report, the others None."""
+    Stops().install()  # until training starts, a stop signal ends the rank at once (nothing to keep yet)
     ctx = init_from_env()
     report = _shard(job, ctx)
     # on success only: a rank that raises leaves at once, so its error is recorded before a peer that fails

@@ -18,6 +18,7 @@ import datetime
 import logging
 import os
 import re
+import signal
 import sys
 import tempfile
 import threading
@@ -30,7 +31,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.elastic.utils.distributed import get_free_port
 
-from autotp.errors import LaunchError, ProcessGroupError, RankFailedError
+from autotp.errors import LaunchError, LaunchInterrupted, ProcessGroupError, RankFailedError
 from autotp.distributed.cpu_binding import ENV_BIND, bind_from_env
 from autotp.distributed.layout import RankLayout
 from autotp.distributed.restarts import Failure, final_failure, stopped_by_agent, watching
@@ -286,6 +287,7 @@ def launch(spec: LaunchSpec, entrypoint: Callable[..., Any] | str, *args: Any, q
     Without ``output`` the ranks write to this process's stdout and stderr directly; with one, through files
     (:class:`RankOutput`), and ``on_logs(folder)`` says where they stay once the ranks have ended.
     """
+    from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -310,9 +312,17 @@ def launch(spec: LaunchSpec, entrypoint: Callable[..., Any] | str, *args: Any, q
             start_method="forkserver" if warm else "spawn", **logs,
         )
         try:
-            if warm:  # the server's environment is the launcher's when it started: the rank gets today's
-                return elastic_launch(config, as_launched)(dict(os.environ), entrypoint, *args)
-            return elastic_launch(config, entrypoint)(*args)
+            with _signals_restored():
+                if warm:  # the server's environment is the launcher's when it started: the rank gets today's
+                    return elastic_launch(config, as_launched)(dict(os.environ), entrypoint, *args)
+                return elastic_launch(config, entrypoint)(*args)
+        except SignalException as exc:
+            # torch's agent sent the signal on to every rank and waited for them (the ranks stop at a step
+            # boundary); a second signal arrives while it waits, and then the ranks left are killed here
+            forced = isinstance(exc.__context__, SignalException)
+            if forced:
+                _kill_ranks()
+            raise LaunchInterrupted(int(exc.sigval), forced) from None
         except ChildFailedError as exc:
             rank, failure, message = _picked(exc.failures)
             _, trace = _failure_text(failure)
@@ -321,6 +331,56 @@ def launch(spec: LaunchSpec, entrypoint: Callable[..., Any] | str, *args: Any, q
                 where = f" {ended.where}" if ended is not None and ended.rank == rank and ended.where else ""
                 message = f"(pid {failure.pid}) {_ended(failure)}{where}"
             raise RankFailedError(rank, failure.exitcode, message, trace) from None
+
+
+_STOPS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)  # the ones torch's agent handles
+
+
+@contextlib.contextmanager
+def _signals_restored() -> Iterator[None]:
+    """The launching process's own signal handlers back once the ranks have ended: torch's agent installs
+    handlers that raise SignalException and leaves them, so a later Ctrl-C would raise in whatever runs next."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    saved = {s: signal.getsignal(s) for s in _STOPS}
+    try:
+        yield
+    finally:
+        for s, handler in saved.items():
+            if handler is not None:
+                signal.signal(s, handler)
+
+
+def _kill_ranks() -> None:
+    """SIGKILL the ranks still alive when torch's agent was interrupted while it waited for them (a second
+    Ctrl-C). Spawned and forked ranks are this process's multiprocessing children; an executable's ranks
+    (``autotp run``) are direct children that torch starts in sessions of their own, found in /proc (the
+    fork server and multiprocessing's resource tracker share this session and are left alone)."""
+    import multiprocessing
+
+    pids = {p.pid for p in multiprocessing.active_children() if p.pid is not None}
+    me = str(os.getpid())
+    for stat in _proc_stats():
+        pid, fields = stat.partition(" ")[0], stat.rpartition(")")[2].split()  # state ppid pgrp session ...
+        if len(fields) > 3 and fields[1] == me and fields[3] == pid:
+            pids.add(int(pid))
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def _proc_stats() -> Iterator[str]:
+    try:
+        names = [n for n in os.listdir("/proc") if n.isdigit()]
+    except OSError:  # no /proc (macOS): the multiprocessing children are all there is
+        return
+    for name in names:
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                yield f.read()
+        except OSError:  # ended meanwhile
+            continue
 
 
 def _ended(failure: Any) -> str:

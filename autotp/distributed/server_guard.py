@@ -13,6 +13,8 @@ import ctypes
 import os
 import signal
 
+from autotp.distributed.warm import SERVER_IGNORES
+
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
@@ -30,3 +32,5 @@ def end_with_parent() -> None:
 
 
 end_with_parent()
+for _sig in SERVER_IGNORES:  # the server outlives a signal to the process group: its ranks are waited for
+    signal.signal(_sig, signal.SIG_IGN)

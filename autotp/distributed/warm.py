@@ -19,6 +19,7 @@ from __future__ import annotations
 import multiprocessing
 import multiprocessing.forkserver
 import os
+import signal
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -44,6 +45,12 @@ def warmed(module: str) -> bool:
     return server._forkserver_pid is not None and module in server._preload_modules
 
 
+# The server ignores these (as Python's fork server ignores SIGINT) and each rank forked from it takes them
+# back: a signal sent to the command's process group (a scheduler's SIGTERM, a closed terminal's SIGHUP) would
+# otherwise end the server, and torch's agent, which waits for its ranks through the server, would stop waiting
+# while they still save the step they finished.
+SERVER_IGNORES = (signal.SIGTERM, signal.SIGHUP)
+
 # what torch's elastic agent sets in each worker's environment (its rank, the world, the store, the error file)
 _AGENT = ("RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
           "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCH_NCCL_ASYNC_ERROR_HANDLING")
@@ -58,6 +65,8 @@ def as_launched(environ: Mapping[str, str], fn: Callable[..., Any], *args: Any) 
     agent set for this worker, then ``fn(*args)``. The server imported torch before the launcher chose the
     threads per rank (``OMP_NUM_THREADS``, which torch reads when it loads), so they are set here as a spawned
     rank's import would have set them."""
+    for sig in SERVER_IGNORES:
+        signal.signal(sig, signal.SIG_DFL)
     agent = {k: v for k, v in os.environ.items() if _by_agent(k)}
     os.environ.clear()
     os.environ.update({k: v for k, v in environ.items() if not _by_agent(k)})

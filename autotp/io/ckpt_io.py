@@ -106,6 +106,9 @@ def resume_target(run_dir: Path | str, choice: str | None = None) -> Path | None
             f"nothing in {root} can be resumed: start afresh with another --out")
     if choice is not None:
         path = Path(choice) if os.sep in choice else root / choice
+        if not path.exists():
+            raise CheckpointError(f"checkpoint {path} does not exist (complete ones in {root}: {names})",
+                                  hint=hint)
         if not ((path / ".metadata").is_file() and (path / INFO).is_file()):
             raise CheckpointError(f"{path} is not a complete checkpoint (complete ones in {root}: {names})",
                                   hint=hint)

@@ -1,0 +1,102 @@
+"""Interrupting ``autotp shard`` as people do: Ctrl-C's SIGINT to the launcher, and a scheduler's SIGTERM to the
+whole process group of a command started without a terminal (its own session, as setsid or a job scheduler
+starts it). Each time: the exit code a shell gives (130 / 143), within seconds, one line naming the step kept,
+that step's checkpoint complete and loading bit-identically to the same step of an uninterrupted run, and
+nothing newer written after the command ended. Plus the pieces without processes: the ranks' agreement on a
+stop, the line, and the metrics a resume keeps."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from autotp.cli.run_folder import interrupted_line, traces, truncate_metrics
+from autotp.errors import LaunchInterrupted
+from autotp.io.ckpt_io import complete_checkpoints, latest_checkpoint
+from test_reliability import NANOGPT, ROOT, _params, _shard
+
+STOP_S = 10  # the issue's bound from the signal to the command's exit
+
+
+def _interrupt(out: Path, how: str) -> tuple[int, list[str], float]:
+    """Start a long run, signal it once its 3rd step is logged; (exit code, lines after the signal, seconds to exit)."""
+    cmd = [sys.executable, "-m", "autotp.cli", "shard", NANOGPT, "--tp", "2", "--steps", "100000", "--no-verify",
+           "--out", str(out)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
+                            env={**os.environ, "COLUMNS": "200"}, start_new_session=True)
+    try:
+        for line in proc.stdout:
+            if line.startswith("training step 3 "):
+                break
+        else:
+            pytest.fail("the run ended before training")
+        sent = time.monotonic()
+        if how == "int":
+            os.kill(proc.pid, signal.SIGINT)
+        else:
+            os.killpg(proc.pid, signal.SIGTERM)
+        rest = proc.stdout.read()
+        proc.wait(timeout=60)
+        took = time.monotonic() - sent
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    return proc.returncode, [ln for ln in rest.splitlines() if not ln.startswith("training step")], took
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how, code, name", [("int", 130, "SIGINT"), ("term", 143, "SIGTERM")])
+def test_interrupt_keeps_the_finished_step(tmp_path, how, code, name) -> None:
+    out = tmp_path / "run"
+    rc, lines, took = _interrupt(out, how)
+    assert rc == code, lines
+    assert took < STOP_S, took
+    assert len(lines) == 1, lines
+    kept = latest_checkpoint(out)
+    assert kept is not None and complete_checkpoints(out) == [kept], lines
+    step = int(kept.name.split("-")[1])
+    assert step >= 3
+    assert lines[0] == f"interrupted by {name} at step {step}: saved checkpoints/{kept.name}; continue with --resume"
+    newest = max(p.stat().st_mtime for p in out.rglob("*"))
+    time.sleep(2)  # nothing is written after the command ended
+    assert max(p.stat().st_mtime for p in out.rglob("*")) == newest
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["latest", kept.name]
+    if how == "int":  # the same step of an uninterrupted run, bit for bit
+        ref = tmp_path / "ref"
+        rc, text = _shard(NANOGPT, ref, "--steps", str(step), "--no-verify")
+        assert rc == 0, text
+        got, want = _params(out, kept), _params(ref, latest_checkpoint(ref))
+        assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_interrupted_line_names_the_kept_step(tmp_path) -> None:
+    ckpt = tmp_path / "checkpoints" / "step-000007"
+    ckpt.mkdir(parents=True)
+    (ckpt / ".metadata").write_bytes(b"")
+    (ckpt / "autotp.json").write_text(json.dumps({"step": 7, "run": "r1"}))
+    (tmp_path / "checkpoints" / "latest").write_text("step-000007")
+    exc = LaunchInterrupted(signal.SIGINT)
+    assert exc.code == 130 and LaunchInterrupted(signal.SIGTERM).code == 143
+    assert interrupted_line(exc, tmp_path, "r1") == \
+        "interrupted by SIGINT at step 7: saved checkpoints/step-000007; continue with --resume"
+    assert "before this run's first checkpoint: the newest is still checkpoints/step-000007 (step 7)" in \
+        interrupted_line(exc, tmp_path, "r2")
+    assert interrupted_line(exc, tmp_path / "empty", "r1").endswith("before the first checkpoint: nothing was "
+                                                                      f"saved in {tmp_path / 'empty'}")
+
+
+def test_metrics_truncated_to_the_resumed_step(tmp_path) -> None:
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps({"step": s, "loss": 1.0}) + "\n" for s in range(1, 8)) + '{"step": 8, "lo')
+    truncate_metrics(path, 5)
+    assert [json.loads(ln)["step"] for ln in path.read_text().splitlines()] == [1, 2, 3, 4, 5]
+    truncate_metrics(tmp_path / "none.jsonl", 3)  # no file: nothing to do
+    assert not (tmp_path / "none.jsonl").exists()
+    assert traces(tmp_path) == ["metrics.jsonl"]
