@@ -51,3 +51,11 @@ def truncate_metrics(path: Path, step: int) -> None:
         tmp = path.with_name(path.name + ".tmp")
         tmp.write_text("".join(kept))
         tmp.replace(path)
+
+
+def checkpoint_step(path: Path) -> int | None:
+    """The step a checkpoint's manifest records (None when it says none)."""
+    from autotp.io.ckpt_io import checkpoint_info
+
+    step = checkpoint_info(path).get("step")
+    return step if isinstance(step, int) else None

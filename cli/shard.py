@@ -45,7 +45,7 @@ from rich.markup import escape
 from autotp.cli.common import (EXPERT_PARALLEL, MICROBATCHES, SEQUENCE_PARALLEL, USAGE_ERROR, VIRTUAL_STAGES,
                                check_layout_options)
 from autotp.cli.run import DEBUG, DP, PP, Launcher, abort, launch_spec, say_restart, with_launcher
-from autotp.cli.run_folder import interrupted_line
+from autotp.cli.run_folder import checkpoint_step, interrupted_line, traces
 from autotp.errors import (AutotpError, CaptureError, LaunchInterrupted, ModelFileError, PipelineError, RankFailedError,
                            own_bug)
 
@@ -432,7 +432,7 @@ def shard(
     except AutotpError as exc:
         abort(str(exc), debug, code=USAGE_ERROR)
     if not resume and (earlier := _earlier_run(out)):
-        abort(f"--out {out} already holds a run's checkpoints ({earlier}): continue that run with --resume, or "
+        abort(f"--out {out} already holds a run's files ({earlier}): continue that run with --resume, or "
               "write this one elsewhere with --out; nothing there was changed", debug, code=USAGE_ERROR)
     try:
         # before any rank starts
@@ -445,8 +445,14 @@ def shard(
     if node_rank == 0 and (why := _unwritable(out)):  # makes the folder: only for a model that will run
         abort(f"--out {out} cannot be written: {why}", debug, code=USAGE_ERROR)
     if resume and node_rank == 0 and resumable is None:
-        Console(stderr=True).print(f"[yellow]note:[/yellow] --resume: no checkpoint in {escape(str(out))} yet; "
-                                   "starting from step 0", soft_wrap=True)
+        left = traces(out)
+        why = (f"{escape(str(out))} holds a run's {', '.join(left)} but no checkpoint (it ended before its "
+               "first)" if left else f"no checkpoint in {escape(str(out))} yet")
+        Console(stderr=True).print(f"[yellow]note:[/yellow] --resume: {why}; starting from step 0", soft_wrap=True)
+    if resumable is not None and isinstance(at := checkpoint_step(resumable), int) and at >= steps:
+        Console().print(f"already at step {at} of {steps} ({escape(str(resumable))}): give --steps N to train "
+                        "further", soft_wrap=True)
+        return
     Console().print(f"output: {escape(str(out.resolve()))}" + (f" (resuming {escape(resumable.name)})"
                                                                if resumable else ""), soft_wrap=True)
     path, factory = parse_spec(model)
@@ -531,12 +537,11 @@ def _unwritable(out: Path) -> str:
 
 def _earlier_run(out: Path) -> str:
     """What a new run (no --resume) in ``out`` would sit beside: the step folders and pointer of an earlier
-    run ('' when there are none)."""
+    run, or without them its plan and metrics ('' when there are none)."""
     root = out / "checkpoints"
-    if not root.is_dir():
-        return ""
-    found = sorted(p.name for p in root.iterdir() if p.name.startswith("step-") or p.name == "latest")
-    return ", ".join(found)
+    found = sorted(p.name for p in root.iterdir() if p.name.startswith("step-") or p.name == "latest") \
+        if root.is_dir() else []
+    return ", ".join(found or traces(out))  # a run interrupted before its first checkpoint left these
 
 
 def _choose(model: str, tp: int | None, dp: int, pp: int, fsdp: bool, microbatches: int | None,

@@ -42,8 +42,9 @@ from autotp.distributed.launch import RankContext, init_from_env
 from autotp.distributed.restarts import last_failure, note_progress
 from autotp.cli.grad_parity import compare_grads
 from autotp.cli.progress import Phases
+from autotp.cli.run_folder import truncate_metrics
 from autotp.cli.stopping import Stops
-from autotp.cli.train_log import StepMetrics, TrainLog, mfu, peak_memory, size as _size
+from autotp.cli.train_log import METRICS_FILE, StepMetrics, TrainLog, mfu, peak_memory, size as _size
 from autotp.capture.modelfile import (DEFAULT_BATCH_SHAPE, ModelFile, ModelFileError, default_example,
                                      find_loss, load_model_file, output_tensors, replica_batch, to_device)
 
@@ -381,6 +382,8 @@ def _start(job: ShardJob, out: Path, model: torch.nn.Module, opt: torch.optim.Op
     if ctx.rank == 0:
         out.mkdir(parents=True, exist_ok=True)
         (out / "plan.json").write_text(plan.to_json())
+        if job.resume or restarted:  # the steps after the checkpoint are trained, and logged, again
+            truncate_metrics(out / METRICS_FILE, start)
     failure = last_failure() if restarted else None
     return Start(start, None if found is None else str(found), resharded,
                  "" if failure is None else failure.resumed(start))

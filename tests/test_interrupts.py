@@ -100,3 +100,56 @@ def test_metrics_truncated_to_the_resumed_step(tmp_path) -> None:
     truncate_metrics(tmp_path / "none.jsonl", 3)  # no file: nothing to do
     assert not (tmp_path / "none.jsonl").exists()
     assert traces(tmp_path) == ["metrics.jsonl"]
+
+
+def test_new_run_refused_beside_an_interrupted_runs_traces(tmp_path) -> None:
+    from typer.testing import CliRunner
+
+    from autotp.cli.main import app
+
+    (tmp_path / "plan.json").write_text("{}")
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')
+    result = CliRunner().invoke(app, ["shard", NANOGPT, "--tp", "2", "--out", str(tmp_path)],
+                                env={"COLUMNS": "300"})
+    assert result.exit_code == 2, result.output
+    assert "already holds a run's files (plan.json, metrics.jsonl)" in result.output
+    assert "--resume" in result.output
+    assert (tmp_path / "plan.json").read_text() == "{}"
+
+
+@pytest.mark.slow
+def test_resume_at_the_final_step_says_so(tmp_path, monkeypatch) -> None:
+    from typer.testing import CliRunner
+
+    from autotp.cli.main import app
+
+    rc, text = _shard(NANOGPT, tmp_path, "--steps", "2", "--no-verify")
+    assert rc == 0, text
+    metrics = (tmp_path / "metrics.jsonl").read_text()
+    monkeypatch.setattr("autotp.distributed.launch.launch", lambda *a, **k: pytest.fail("a rank was started"))
+    result = CliRunner().invoke(app, ["shard", NANOGPT, "--tp", "2", "--steps", "2", "--resume", "--out",
+                                      str(tmp_path)], env={"COLUMNS": "300"})
+    assert result.exit_code == 0, result.output
+    assert "already at step 2 of 2" in result.output and "give --steps N to train further" in result.output
+    assert (tmp_path / "metrics.jsonl").read_text() == metrics
+
+
+@pytest.mark.parametrize("layout", ["folder", "file"])
+def test_garbage_safetensors_names_the_file(tmp_path, layout) -> None:
+    from autotp.errors import CheckpointError
+    from autotp.io.sources import open_source
+
+    folder = tmp_path / "w"
+    folder.mkdir()
+    bad = folder / "model.safetensors"
+    bad.write_bytes(b"\xff" * 64)
+    with pytest.raises(CheckpointError, match=f"^{bad} is not a readable safetensors file: .+"):
+        open_source(folder if layout == "folder" else bad)
+
+
+def test_resume_from_a_missing_folder_says_it_does_not_exist(tmp_path) -> None:
+    from autotp.errors import CheckpointError
+    from autotp.io.ckpt_io import resume_target
+
+    with pytest.raises(CheckpointError, match="/no/such/dir does not exist"):
+        resume_target(tmp_path, "/no/such/dir")

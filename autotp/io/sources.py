@@ -130,12 +130,21 @@ class SafetensorsSource(Source):
                                   f"{self._files[absent[0]].name}, which does not hold it")
 
     @staticmethod
-    def _weight_map(path: Path) -> dict[str, Path]:
-        if path.is_file():
-            from safetensors import safe_open
+    def _names(file: Path) -> list[str]:
+        """The tensor names in one safetensors file; CheckpointError naming the file (and the reader's reason)
+        when its header cannot be read (safetensors' own errors name no file)."""
+        from safetensors import SafetensorError, safe_open
 
-            with safe_open(str(path), framework="pt") as f:
-                return {name: path for name in f.keys()}
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                return list(f.keys())
+        except (SafetensorError, OSError) as exc:
+            raise CheckpointError(f"{file} is not a readable safetensors file: {exc}") from None
+
+    @classmethod
+    def _weight_map(cls, path: Path) -> dict[str, Path]:
+        if path.is_file():
+            return {name: path for name in cls._names(path)}
         if (path / INDEX).is_file():
             try:
                 weight_map = json.loads((path / INDEX).read_text())["weight_map"]
@@ -149,12 +158,9 @@ class SafetensorsSource(Source):
                     raise CheckpointError(f"{path / file} is missing: {path / INDEX} stores {name} there")
                 files[name] = path / file
             return files
-        from safetensors import safe_open
-
         files = {}
         for file in [path / SINGLE] if (path / SINGLE).is_file() else sorted(path.glob("*.safetensors")):
-            with safe_open(str(file), framework="pt") as f:
-                files.update({name: file for name in f.keys()})
+            files.update({name: file for name in cls._names(file)})
         return files
 
     def tensors(self) -> dict[str, TensorInfo]:
