@@ -12,8 +12,11 @@ TRACES = ("plan.json", "metrics.jsonl", "summary.json")  # what a run writes bef
 
 
 def traces(out: Path) -> list[str]:
-    """The files of a run that ``out`` holds, checkpoints aside ([] for a fresh folder)."""
-    return [name for name in TRACES if (out / name).is_file()]
+    """The files of a run that trained or did not finish in ``out``, checkpoints aside: its metrics, or a plan
+    with no summary ([] for a fresh folder, and for a finished run that trained nothing, ``--steps 0``)."""
+    found = [name for name in TRACES if (out / name).is_file()]
+    unfinished = "metrics.jsonl" in found or "plan.json" in found and "summary.json" not in found
+    return found if unfinished else []
 
 
 def interrupted_line(exc: LaunchInterrupted, out: Path, run: str | None) -> str:

@@ -100,6 +100,11 @@ def test_metrics_truncated_to_the_resumed_step(tmp_path) -> None:
     truncate_metrics(tmp_path / "none.jsonl", 3)  # no file: nothing to do
     assert not (tmp_path / "none.jsonl").exists()
     assert traces(tmp_path) == ["metrics.jsonl"]
+    (tmp_path / "metrics.jsonl").unlink()
+    (tmp_path / "plan.json").write_text("{}")
+    assert traces(tmp_path) == ["plan.json"]  # a plan and no summary: the run did not finish
+    (tmp_path / "summary.json").write_text("{}")
+    assert traces(tmp_path) == []  # a finished run that trained nothing (--steps 0)
 
 
 def test_new_run_refused_beside_an_interrupted_runs_traces(tmp_path) -> None:
