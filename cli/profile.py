@@ -21,7 +21,7 @@ from rich.table import Table
 from autotp.cli.common import USAGE_ERROR
 from autotp.cli.plan_format import fmt_size
 from autotp.cli.run import DEBUG, TIMEOUT, abort, as_flags
-from autotp.errors import AutotpError, LaunchError, RankFailedError
+from autotp.errors import AutotpError, LaunchError, LaunchInterrupted, RankFailedError
 from autotp.layout.hardware import Hardware, save
 
 MAX_SHAPES = 8  # the largest by flops: a model's many small matmuls add little but time
@@ -179,6 +179,8 @@ def profile(
     job = ProfileJob.make(device, dtype, shapes, quick, shapes_from)
     try:
         results = launch(spec, profile_worker, job, quiet=not debug)
+    except LaunchInterrupted as exc:
+        abort(f"{exc}: nothing was written", debug, code=exc.code, trace="")
     except RankFailedError as exc:
         abort(exc.said(), debug, trace=exc.traceback)
     hw = Hardware.from_dict(results[0])

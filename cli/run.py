@@ -37,7 +37,7 @@ from rich.markup import escape
 
 from autotp.cli.common import USAGE_ERROR, fail
 from autotp.distributed.restarts import Failure
-from autotp.errors import LaunchError, RankFailedError
+from autotp.errors import LaunchError, LaunchInterrupted, RankFailedError
 
 if TYPE_CHECKING:
     from autotp.distributed.launch import LaunchSpec, RankOutput
@@ -202,11 +202,15 @@ def run(
     spec = launch_spec(tp, dp, pp, launcher, debug)
     output = rank_output(spec.world_size, spec.nproc_per_node, ranks, log_dir, debug)
     try:
-        launch(spec, sys.executable, str(script), *(args or []), quiet=not debug, on_restart=say_restart,
-               output=output, on_logs=say_logs)
+        # through autotp.distributed.script_rank: the exception that ends a rank is recorded for the launcher
+        launch(spec, sys.executable, "-m", "autotp.distributed.script_rank", str(script), *(args or []),
+               quiet=not debug, on_restart=say_restart, output=output, on_logs=say_logs)
+    except LaunchInterrupted as exc:
+        fail(f"{script}: {exc} (the ranks were sent it and have ended)", code=exc.code)
     except RankFailedError as exc:
         code = exc.exitcode if 0 < exc.exitcode < 256 else 1
-        how = f"{exc.said()}" if exc.exitcode < 0 else f"failed on rank {exc.rank} with exit code {exc.exitcode}"
+        recorded = exc.exitcode < 0 or exc.message and not exc.message.startswith("(pid ")
+        how = exc.said() if recorded else f"failed on rank {exc.rank} with exit code {exc.exitcode}"
         abort(f"{script}: {how} (of {spec.world_size} ranks)", debug, code=code,
               trace="")  # the script printed its own traceback
     if debug:

@@ -14,6 +14,7 @@ would be ignored until torch's agent gives up waiting and kills them.
 """
 from __future__ import annotations
 
+import os
 import signal
 import time
 from types import FrameType
@@ -33,6 +34,7 @@ class Stops:
         self.training = False  # before the loop, a signal ends the rank at once: nothing would be kept
         self.every_s = save_minutes * 60.0
         self.last = time.monotonic()
+        self.parent = os.getppid()
 
     def install(self) -> Stops:
         for sig in STOP_SIGNALS:
@@ -40,7 +42,9 @@ class Stops:
         return self
 
     def _received(self, signum: int, frame: FrameType | None) -> None:
-        if not self.training:
+        if not self.training or os.getppid() != self.parent:
+            # before training nothing would be kept; with the launcher gone (its death signal: SIGINT through
+            # torch's worker wrapper) nobody would say what was, so nothing is written after it
             raise SystemExit(128 + signum)
         self.signum = self.signum or signum  # the launcher sends on the signal the group already got: once
 

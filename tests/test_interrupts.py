@@ -158,3 +158,17 @@ def test_resume_from_a_missing_folder_says_it_does_not_exist(tmp_path) -> None:
 
     with pytest.raises(CheckpointError, match="/no/such/dir does not exist"):
         resume_target(tmp_path, "/no/such/dir")
+
+
+@pytest.mark.slow
+def test_autotp_run_names_the_rank_that_raised(tmp_path) -> None:
+    script = tmp_path / "raises.py"
+    script.write_text("import os, sys, time\nimport torch.distributed\n"  # the rank's peers wait until stopped
+                      "print('[rank0]: a line a rank prefixes itself', flush=True)\n"
+                      "if os.environ['RANK'] == '0':\n    raise ValueError('boom on rank 0')\ntime.sleep(120)\n")
+    proc = subprocess.run([sys.executable, "-m", "autotp.cli", "run", str(script), "--tp", "2"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120, env={**os.environ, "COLUMNS": "200"})
+    assert proc.returncode == 1, proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last == f"error: {script}: rank 0: ValueError: boom on rank 0 (of 2 ranks)", proc.stderr
+    assert "[rank0]:[rank0]:" not in proc.stdout + proc.stderr

@@ -227,6 +227,8 @@ class _WholeLines:
                 return len(text)
             prefix = prefixed.group()
             line = self._held.pop(prefix, "") + text[len(prefix):]
+            while line.startswith(prefix):  # torch's own logs in a rank already start with its rank: once is enough
+                line = line[len(prefix):]
             if line.endswith("\n"):
                 self._stream.write(prefix + line)
                 self._stream.flush()  # shown as the rank prints it, through a pipe too
