@@ -190,7 +190,7 @@ def stages_table(pipe: PipelineReport) -> Table:
         "params, bytes: what one tp rank of the stage holds" + (
             f" ({', '.join(pipe.shared)} in every stage that reads it, so the column adds up to more than the model)"
             if pipe.shared else "") + ". fwd FLOPs: matmuls and attention of one micro-batch through the whole "
-        "stage, each tp rank doing ≈ 1/t. activations: one micro-batch's, per tp rank, the blocks' own (Korthikanti et al. 2022, DESIGN §4, GPT block with a "
+        "stage, each tp rank doing ≈ 1/t. activations: one micro-batch's, per tp rank, the blocks' own (Korthikanti et al. 2022, README \"What a step costs\", GPT block with a "
         f"4h MLP; {a.elem}-byte activations, {'1-byte dropout masks' if a.dropout else 'no dropout'}, "
         f"{'fused attention: no s×s scores' if a.fused else 's×s scores kept'}): {formula}; embeddings, LM head "
         f"and loss not counted." + (f" Assumed in flight: {_in_flight_rule(pipe)}. {MEMORY_NOTE}" if one else ""))
