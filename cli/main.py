@@ -46,8 +46,20 @@ _GROUP_TITLES = {
 }
 
 
+def _version(asked: bool) -> None:
+    if asked:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            print(f"autotp {version('autotp')}")
+        except PackageNotFoundError:  # run from a checkout that was never installed
+            print("autotp (not installed: no version recorded)")
+        raise typer.Exit()
+
+
 @app.callback()
-def main() -> None:
+def main(show_version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                           help="Print autotp's version and exit.")) -> None:
     """autotp: automatic tensor parallelism for PyTorch GPT models."""
 
 
