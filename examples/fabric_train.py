@@ -27,8 +27,11 @@ try:  # the `lightning` package, or the smaller `lightning-fabric`
     from lightning.fabric import Fabric
     from lightning.fabric.strategies import ModelParallelStrategy
 except ImportError:
-    from lightning_fabric import Fabric
-    from lightning_fabric.strategies import ModelParallelStrategy
+    try:
+        from lightning_fabric import Fabric
+        from lightning_fabric.strategies import ModelParallelStrategy
+    except ImportError as exc:
+        raise ImportError(f"{__file__} trains with Lightning Fabric: pip install 'autotp[lightning]'") from exc
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from nanogpt import GPT, GPTConfig  # noqa: E402

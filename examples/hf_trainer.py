@@ -23,7 +23,11 @@ import tempfile
 import torch
 import torch.distributed as dist
 from torch.utils.data import Dataset
-from transformers import Trainer, TrainingArguments
+try:
+    from transformers import Trainer, TrainingArguments
+except ImportError as exc:
+    raise ImportError(f"{__file__} trains with Hugging Face's Trainer and needs transformers and accelerate: "
+                      "pip install 'autotp[hf]'") from exc
 
 import autotp
 from autotp.integrations import Trainer as TPTrainer

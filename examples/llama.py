@@ -10,7 +10,11 @@ For a real checkpoint build the model from its config the same way and pass ``--
 from __future__ import annotations
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+try:
+    from transformers import LlamaConfig, LlamaForCausalLM
+except ImportError as exc:
+    raise ImportError(f"{__file__} builds Hugging Face's Llama and needs transformers: "
+                      "pip install 'autotp[hf]'") from exc
 
 
 def build_model() -> LlamaForCausalLM:
