@@ -7,6 +7,7 @@ stop, the line, and the metrics a resume keeps."""
 from __future__ import annotations
 
 import json
+import re
 import os
 import signal
 import subprocess
@@ -68,6 +69,14 @@ def test_interrupt_keeps_the_finished_step(tmp_path, how, code, name) -> None:
     time.sleep(2)  # nothing is written after the command ended
     assert max(p.stat().st_mtime for p in out.rglob("*")) == newest
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["latest", kept.name]
+    if how == "term":  # resumed: each step logged once; --save-minutes saves by the clock between the steps
+        rc, text = _shard(NANOGPT, out, "--steps", str(step + 6), "--no-verify", "--resume", "--save-minutes",
+                          "0.002")
+        assert rc == 0, text
+        logged = [json.loads(ln)["step"] for ln in (out / "metrics.jsonl").read_text().splitlines()]
+        assert logged == list(range(1, step + 7)), logged
+        between = [p.name for p in complete_checkpoints(out) if step < int(p.name.split("-")[1]) < step + 6]
+        assert between, [p.name for p in complete_checkpoints(out)]
     if how == "int":  # the same step of an uninterrupted run, bit for bit
         ref = tmp_path / "ref"
         rc, text = _shard(NANOGPT, ref, "--steps", str(step), "--no-verify")
@@ -172,3 +181,35 @@ def test_autotp_run_names_the_rank_that_raised(tmp_path) -> None:
     last = proc.stderr.strip().splitlines()[-1]
     assert last == f"error: {script}: rank 0: ValueError: boom on rank 0 (of 2 ranks)", proc.stderr
     assert "[rank0]:[rank0]:" not in proc.stdout + proc.stderr
+
+
+def test_version() -> None:
+    from importlib.metadata import version
+
+    from typer.testing import CliRunner
+
+    from autotp.cli.main import app
+
+    result = CliRunner().invoke(app, ["--version"])
+    assert result.exit_code == 0 and result.output == f"autotp {version('autotp')}\n", result.output
+
+
+@pytest.mark.parametrize("example, blocked, extra", [("llama.py", "transformers", "autotp[hf]"),
+                                                    ("hf_trainer.py", "transformers", "autotp[hf]"),
+                                                    ("fabric_train.py", "lightning_fabric", "autotp[lightning]")])
+def test_examples_name_the_extra_they_need(example, blocked, extra) -> None:
+    import runpy
+
+    path = Path(ROOT) / "examples" / example
+    hidden = {name: None for name in (blocked, "lightning")}  # None in sys.modules: the import fails
+    saved = {name: sys.modules.get(name) for name in hidden}
+    sys.modules.update(hidden)
+    try:
+        with pytest.raises(ImportError, match=re.escape(f"pip install '{extra}'")):
+            runpy.run_path(str(path), run_name="not_main")
+    finally:
+        for name, module in saved.items():
+            if module is None:
+                sys.modules.pop(name, None)
+            else:
+                sys.modules[name] = module
