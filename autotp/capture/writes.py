@@ -38,8 +38,8 @@ __all__ = ["Write", "Writes", "StateWatch", "drop_buffer_copies", "WRITES_KEY"]
 
 WRITES_KEY = "autotp_writes"  # the exported GraphModule's ``meta`` entry holding its :class:`Writes`
 
-# torch's own bookkeeping in every module's __dict__ (and autotp's own): never the model's state
-_INTERNAL = frozenset(nn.Module().__dict__) | {"forward", "_autotp"}
+# torch's own bookkeeping in every module's __dict__ (and the forward capture patches in): never the model's state
+_INTERNAL = frozenset(nn.Module().__dict__) | {"forward"}  # autotp's own state object is never rebound in forward
 _SYM = (torch.SymInt, torch.SymFloat, torch.SymBool)
 _ALIASES = {torch.ops.aten.to.dtype_layout, torch.ops.aten.to.dtype, torch.ops.aten.to.device,
             torch.ops.aten.to.other, torch.ops.aten._to_copy.default, torch.ops.aten.alias.default,

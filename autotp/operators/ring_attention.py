@@ -20,18 +20,12 @@ gradients passed around the ring (``cp`` all-to-alls of ``2·b·h_kv·(s/cp)·d`
 """
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor.experimental._context_parallel import _attention as _cp
 from torch.distributed.tensor.experimental._context_parallel._load_balancer import _HeadTailLoadBalancer
 
-from autotp.operators.ring_op import ring_forward
-
-aten = torch.ops.aten
-
-SEQ_DIM = 2  # q, k, v are (b, h, s, d), as scaled_dot_product_attention takes them
+from autotp.operators.ring_op import ring_attention_backward, ring_attention_forward, ring_forward
 
 
 def load_balanced() -> bool:
@@ -66,53 +60,6 @@ def in_sequence_order(joined: torch.Tensor, dim: int, cp: int) -> torch.Tensor:
     """Every rank's part joined along ``dim`` in rank order (an all-gather's result) → sequence order."""
     order = torch.cat([local_positions(joined.size(dim), cp, r, joined.device) for r in range(cp)])
     return joined.index_select(dim, torch.argsort(order))
-
-
-def _kernels(q: torch.Tensor):
-    if q.device.type == "cpu":
-        return (aten._scaled_dot_product_flash_attention_for_cpu.default,
-                aten._scaled_dot_product_flash_attention_for_cpu_backward.default)
-    if q.dtype in (torch.float16, torch.bfloat16):
-        return aten._scaled_dot_product_flash_attention.default, aten._scaled_dot_product_flash_attention_backward.default
-    raise NotImplementedError(f"ring attention on {q.device.type} in {q.dtype}: only CPU (any dtype) and "
-                              "fp16/bf16 accelerators (flash attention) have a kernel here")
-
-
-@contextlib.contextmanager
-def _balance(is_causal: bool):
-    """torch's ring refuses load balancing without a causal mask; attention without one is the same for any
-    order of the keys, so the head-tail chunks need no balancing there: the option is off for the call."""
-    saved = _cp._cp_options.enable_load_balance
-    _cp._cp_options.enable_load_balance = saved and is_causal
-    try:
-        yield
-    finally:
-        _cp._cp_options.enable_load_balance = saved
-
-
-def ring_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup,
-                           is_causal: bool, scale: float | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """torch's ring forward: (out ``(b, h, s/cp, d)`` laid out as SDPA lays out its result, ``(b, s/cp, h, d)``
-    in memory, and the log-sum-exp ``(b, h, s/cp)`` its backward reads)."""
-    fwd, _ = _kernels(q)
-    with _balance(is_causal):
-        out, lse, *_ = _cp._templated_ring_attention(group, SEQ_DIM, fwd, q, k, v, is_causal=is_causal,
-                                                     dropout_p=0.0, scale=scale)
-    # the model's ``y.transpose(1, 2).contiguous()`` then copies nothing, and this one tensor is both what
-    # backward keeps and the output projection's input
-    return out.transpose(1, 2).contiguous().transpose(1, 2), lse
-
-
-def ring_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                            out: torch.Tensor, lse: torch.Tensor, group: dist.ProcessGroup, is_causal: bool,
-                            scale: float | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """torch's ring backward: (dq, dk, dv) of this rank's chunk."""
-    _, bwd = _kernels(q)
-    with _balance(is_causal):
-        dq, dk, dv, *_ = _cp._templated_ring_attention_backward(
-            group, SEQ_DIM, bwd, dout.contiguous(), "grad_out", q, k, v, out, lse, is_causal,
-            dropout_p=0.0, scale=scale)
-    return dq, dk, dv
 
 
 class _RingAttention(torch.autograd.Function):
