@@ -47,12 +47,12 @@ OFF = "off"  # data_parallel=False: the script averages the gradients itself
 @dataclass
 class Replicas:
     """This rank's data parallelism: which kind runs (:data:`kind`, for reports) and, for autotp's own, the
-    DDP engine over ``group``. ``shard_ranks``: the global ranks of this rank's tensor-parallel group (other
-    shards of the same parameters), which no data-parallel average may mix."""
+    DDP engine over ``group``. ``shards``: this rank's tensor-parallel group, whose ranks hold the other
+    shards of the same parameters, which no data-parallel average may mix."""
 
     kind: str
     group: dist.ProcessGroup | None = None
-    shard_ranks: tuple[int, ...] = ()
+    shards: dist.ProcessGroup | None = None
     options: dict = field(default_factory=dict)  # DistributedDataParallel's keyword arguments
     device: torch.device | None = None
     engine: DistributedDataParallel | None = None  # autotp's, made at the first call with gradients
@@ -104,7 +104,7 @@ class Replicas:
         if not any(id(p) in mine for p in outer.module.parameters()):
             return False  # a DDP around other modules: model's gradients are still autotp's to average
         ranks = dist.get_process_group_ranks(outer.process_group)
-        mixed = sorted(set(ranks) & set(self.shard_ranks))
+        mixed = sorted(set(ranks) & set(dist.get_process_group_ranks(self.shards) if self.shards is not None else ()))
         if len(mixed) > 1:
             raise ProcessGroupError(
                 f"{type(model).__name__} is wrapped in a DistributedDataParallel over ranks {ranks}, which hold "

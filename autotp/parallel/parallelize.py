@@ -579,11 +579,10 @@ def _replicas(options: Options, mesh: DeviceMesh | None, tp_group: dist.ProcessG
     """Which data parallelism the model runs: the pipeline's or FSDP's where they run, else autotp's DDP over
     the data-parallel group of ``mesh`` (its 'dp' dim) or, with neither a mesh nor a tp group given, of the
     layout ``autotp run`` made; none where no such group has more than one rank (or ``data_parallel=False``)."""
-    shards = tuple(dist.get_process_group_ranks(group))
     if options.pipeline is not None:
-        return Replicas(PIPELINE, shard_ranks=shards)
+        return Replicas(PIPELINE, shards=group)
     if options.fsdp is not None or options.stage_fsdp:
-        return Replicas(FSDP, shard_ranks=shards)
+        return Replicas(FSDP, shards=group)
     if mesh is not None:
         dp = mesh["dp"].get_group() if "dp" in (mesh.mesh_dim_names or ()) else None
     elif tp_group is None:
@@ -595,11 +594,11 @@ def _replicas(options: Options, mesh: DeviceMesh | None, tp_group: dist.ProcessG
     else:
         dp = None
     if dp is None or dist.get_world_size(dp) == 1:
-        return Replicas(NONE, shard_ranks=shards)
+        return Replicas(NONE, shards=group)
     if options.data_parallel is False:
-        return Replicas(OFF, dp, shards)
+        return Replicas(OFF, dp, group)
     ddp = options.data_parallel if isinstance(options.data_parallel, dict) else {}
-    return Replicas(AUTOTP_DDP, dp, shards, dict(ddp), device)
+    return Replicas(AUTOTP_DDP, dp, group, dict(ddp), device)
 
 
 def _first(model: nn.Module, st: TPState, args: tuple, kwargs: dict, training: bool, found: Lookup,
