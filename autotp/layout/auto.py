@@ -1,6 +1,6 @@
 """Choose the layout: enumerate what the sizes allow, drop what does not fit, rank the rest by predicted step.
 
-The knobs (DESIGN §6): tp ``t`` dividing the GPUs per node, the world and the attention heads; pp ``p``
+The knobs (Narayanan et al. 2021; the README's layout search): tp ``t`` dividing the GPUs per node, the world and the attention heads; pp ``p``
 dividing the blocks, ``t·p`` dividing the world; cp ``c`` dividing what is left, with the sequence in 2·c
 equal chunks, where the model's attention runs as a ring (:attr:`ModelFacts.cp_refused`); dp =
 world/(t·c·p), dividing the global batch; the

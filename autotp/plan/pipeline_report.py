@@ -3,7 +3,7 @@
 Pure functions over the captured graph, a :class:`~autotp.plan.plan.Plan` with its ``stages`` and the
 :class:`~autotp.plan.report.Report` of the same batch; nothing here prints. Per stage: its blocks, its
 parameters per tp rank, its forward FLOPs and the activations it keeps for backward per micro-batch
-(Korthikanti et al. 2022, README "What a step costs" / DESIGN §4); per pipeline rank: the micro-batches its
+(Korthikanti et al. 2022, README "What a step costs"); per pipeline rank: the micro-batches its
 schedule keeps in flight; per cut between two stages: the values that cross it (the point-to-point traffic);
 and the schedule's bubble (Narayanan et al. 2021, §2.2).
 
@@ -211,7 +211,7 @@ def in_flight(schedule: str, pp: int, v: int, m: int, rank: int) -> int:
 
 def bubble(schedule: str, pp: int, v: int, m: int) -> Bubble:
     """The idle time of a step as a fraction of its ideal time: (p − 1)/m with one stage per rank, (p − 1)/(v·m)
-    with v per rank (Narayanan et al. 2021, §2.2; DESIGN §6)."""
+    with v per rank (Narayanan et al. 2021, §2.2)."""
     if schedule in ONE_PER_RANK:
         return Bubble("(p − 1)/m", (pp - 1) / m, False)
     return Bubble("(p − 1)/(v·m)", (pp - 1) / (v * m), schedule in ZERO_BUBBLE)
