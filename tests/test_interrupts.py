@@ -53,7 +53,8 @@ def _interrupt(out: Path, how: str) -> tuple[int, list[str], float]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("how, code, name", [("int", 130, "SIGINT"), ("term", 143, "SIGTERM")])
+@pytest.mark.parametrize("how, code, name", [("int", 130, "SIGINT"),
+                                             pytest.param("term", 143, "SIGTERM", marks=pytest.mark.extended)])
 def test_interrupt_keeps_the_finished_step(tmp_path, how, code, name) -> None:
     out = tmp_path / "run"
     rc, lines, took = _interrupt(out, how)
