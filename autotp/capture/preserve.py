@@ -85,7 +85,10 @@ def preserved(model: nn.Module, *, on_failure_only: bool = False) -> Iterator[No
     it held has the values it had (see the module doc). ``on_failure_only``: put the model back only where the
     body raises (a failed ``parallelize`` leaves the model as it was; a successful one keeps its changes)."""
     saved = _snapshot(model)
-    versions = {id(t): (name, t, t._version) for s in saved for name, t in _tensors(s) if _real(t)}
+    # an inference tensor (made under torch.inference_mode, e.g. state a no-grad call wrote) keeps no version
+    # counter, and nothing outside inference mode can write it in place: there is nothing to watch
+    versions = {id(t): (name, t, t._version) for s in saved for name, t in _tensors(s)
+                if _real(t) and not t.is_inference()}
     failed = True
     try:
         yield
@@ -108,7 +111,7 @@ def _restore(saved: list[_Saved], versions: dict, failed: bool) -> None:
         for key, clone in s.plain.items():
             t = s.attrs[key]
             undone.add(id(t))
-            if t._version != versions[id(t)][2]:
+            if id(t) in versions and t._version != versions[id(t)][2]:
                 with torch.no_grad():
                     t.copy_(clone)
     changed = sorted(name for i, (name, t, version) in versions.items() if t._version != version and i not in undone)
