@@ -199,7 +199,7 @@ def test_shard_two_nodes_on_loopback(tmp_path: Path) -> None:
     # first-started node 0 has the lower pid and holds ranks 0-1, unless the pids wrapped in between
     host = 0 if procs[0].pid < procs[1].pid else 1
     other = 1 - host
-    assert "tp 2 × dp 2 (gloo)" in text[host], shown
+    assert "tp 2 × dp 2 · DDP (gloo)" in text[host], shown
     assert "parity vs unsharded" in text[host] and "pass" in text[host], shown
     assert f"node {other}: 2 ranks finished" in text[other], shown
     assert "parity" not in text[other], shown

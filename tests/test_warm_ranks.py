@@ -101,6 +101,8 @@ def _failure(exitcode: int, message: str = "", timestamp: int = 0):
     ({0: _failure(-9), 1: _failure(1, "ValueError: bad batch", 5), 2: _failure(1, "Connection reset", 0)}, 1),
     # the agent's SIGTERM to the others is not a cause; a recorded timeout is
     ({0: _failure(1, "no peer answered within --timeout 3 s", 3), 1: _failure(-15, timestamp=0)}, 0),
+    # a script's own exit code (sys.exit(3)) beats the agent's SIGTERM to its peer in the same second
+    ({0: _failure(-15, timestamp=4), 1: _failure(3, timestamp=4)}, 1),
     # otherwise the earliest, then the lowest rank
     ({0: _failure(-9, timestamp=2), 1: _failure(-9, timestamp=1), 2: _failure(-9, timestamp=1)}, 1),
 ])

@@ -411,8 +411,8 @@ def _failure_text(failure: Any) -> tuple[str, str]:
 def root_failure(failures: Mapping[int, Any]) -> tuple[int, Any]:
     """The failure that caused the others, in this order: an error a rank recorded that is not a lost peer
     or a timed-out collective; a rank killed from outside (SIGKILL: the OOM killer, a user); a recorded lost
-    peer or timeout; the rest (SIGTERM and SIGINT: the agent stopping the others, a dead launcher's ranks);
-    then the earliest.
+    peer or timeout; a rank that exited with a code of its own (``sys.exit(3)``); the rest (SIGTERM and
+    SIGINT: the agent stopping the others, a dead launcher's ranks); then the earliest.
 
     When one rank raises or is killed, its peers fail too (their collectives lose the peer, or the agent kills
     them), often within the same second, and which the agent sees first depends on how the ranks were started
@@ -425,7 +425,8 @@ def root_failure(failures: Mapping[int, Any]) -> tuple[int, Any]:
         recorded = _recorded(failure)
         own = recorded and bool(message) and not any(s in message.lower() for s in _PEER_FAILURE)
         killed = failure.exitcode < 0 and not stopped_by_agent(failure.exitcode)
-        return (not own, not killed, not recorded, failure.timestamp, rank)
+        exited = failure.exitcode > 0  # its own exit; the agent's SIGTERM to its peers comes in the same second
+        return (not own, not killed, not recorded, not exited, failure.timestamp, rank)
 
     return min(failures.items(), key=key)
 
