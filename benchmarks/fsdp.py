@@ -205,14 +205,12 @@ def _accounting(model, fsdp: bool) -> dict:
 
 
 def _state_bytes(model, opt) -> dict:
-    """Exact bytes of the training state this rank holds now: parameters' local tensors, gradients, AdamW."""
-    def local(t):
-        return t.to_local() if hasattr(t, "to_local") else t
+    """Exact bytes of the training state this rank holds now (autotp.parallel.held: parameters' and gradients'
+    local shards, AdamW's moments)."""
+    from autotp.parallel.held import held_grads, held_params, held_state
 
     params = list(model.parameters())
-    out = {"params": sum(local(p).nbytes for p in params),
-           "grads": sum(local(p.grad).nbytes for p in params if p.grad is not None),
-           "adam": sum(local(v).nbytes for s in opt.state.values() for v in s.values() if hasattr(v, "nbytes"))}
+    out = {"params": held_params(params).bytes, "grads": held_grads(params).bytes, "adam": held_state(opt).bytes}
     out["total"] = sum(out.values())
     return out
 

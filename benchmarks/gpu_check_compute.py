@@ -30,6 +30,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 import autotp  # noqa: E402
+from autotp.parallel.held import held_params  # noqa: E402
 from llama_shaped import Config, Layer, rope_table  # noqa: E402
 
 WARMUP, TIMED = 2, 5
@@ -207,7 +208,7 @@ def measured_memory(c: Config, t: int, layers: int, b: int, s: int, sp: bool, re
         step()
         _sync(device)
         peak = torch.cuda.max_memory_allocated(device) if cuda else None
-        held = sum(p.numel() for p in model.parameters())
+        held = held_params(model).elements  # this rank's: local shards, a tied weight once
         model = opt = None
         _free(device)
     return {"peak": peak, "params": held, "marks": marks}

@@ -117,15 +117,11 @@ def _config(folder: str | None = None):
 
 
 def _held(model) -> int:
-    """Bytes of the distinct tensors the model holds on this rank (a DTensor's local shard)."""
-    seen, total = set(), 0
-    for t in [*model.parameters(), *model.buffers()]:
-        local = t.to_local() if hasattr(t, "to_local") else t
-        key = (local.data_ptr(), tuple(local.shape), local.dtype)
-        if key not in seen:
-            seen.add(key)
-            total += local.numel() * local.element_size()
-    return total
+    """Bytes of the distinct tensors the model holds on this rank (a DTensor's local shard): parameters and
+    buffers, counted by autotp.parallel.held as every report counts them."""
+    from autotp.parallel.held import held
+
+    return held([*model.parameters(), *model.buffers()]).bytes
 
 
 def _expected_read(model) -> int:

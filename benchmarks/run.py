@@ -41,6 +41,8 @@ import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
+from autotp.parallel.held import held_grads, held_params, held_state  # noqa: E402
+
 TARGETS = {"step_vs_dtensor": 0.85, "comm_count": 1.00, "comm_elements": 1.01, "memory": 1.02, "plan_48_s": 10.0}
 MODEL = dict(n_layers=4, dim=256, vocab_size=8192, max_seq_len=128, n_heads=4, dropout_p=0.0)
 BATCH, SEQ = 4, 128
@@ -91,15 +93,11 @@ def _transformer():
 
 
 def _state_bytes(module: nn.Module, opt: torch.optim.Optimizer) -> dict:
-    def nbytes(t):
-        if hasattr(t, "to_local"):
-            t = t.to_local()
-        return t.numel() * t.element_size()
-
-    params = list({id(p): p for p in module.parameters()}.values())
-    p = sum(nbytes(x) for x in params)
-    g = sum(nbytes(x.grad) for x in params if x.grad is not None)
-    s = sum(nbytes(v) for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor))
+    """This rank's training state (autotp.parallel.held, as ``autotp shard``'s summary counts it): parameters and
+    gradients (each DTensor its local shard, a tied tensor once) and AdamW's moments (its step counts are not
+    state per parameter)."""
+    params = list(module.parameters())
+    p, g, s = held_params(params).bytes, held_grads(params).bytes, held_state(opt).bytes
     return {"params": p, "grads": g, "adam": s, "total": p + g + s}
 
 
