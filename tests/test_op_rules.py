@@ -214,6 +214,24 @@ def _triangle(op, rule: OpRule) -> None:
     _refuses(op, "of the sharded dim", {0: _s(2, 4)}, _x(2, 3, 4, 4))
 
 
+def _where_scalar(op, rule: OpRule) -> None:
+    """``torch.where(mask, scores, -inf)``: torch decomposes each scalar overload into ``where.self`` (tagged
+    pointwise), so the scores keep their heads and the mask (s, s) broadcasts over them."""
+    from torch._decomp import decomposition_table
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    mask, x = torch.rand(3, 8) < 0.5, _x(2, 3, 8)
+    args = {aten.where.ScalarOther: (mask, x, -1.0), aten.where.ScalarSelf: (mask, -1.0, x),
+            aten.where.Scalar: (mask, 1.0, -1.0)}[op]
+    gm = make_fx(lambda *a: op(*a), decomposition_table={op: decomposition_table[op]})(*args)
+    assert aten.where.self in [n.target for n in gm.graph.nodes]
+    assert torch.Tag.pointwise in aten.where.self.tags and rule is POINTWISE
+    if op is not aten.where.Scalar:  # the scalar-only overload has no tensor to shard
+        assert _out(op, {1: _s(2, 8)}, *args) == _s(2, 8)
+    if op is aten.where.ScalarOther:  # a mask cut on another dim than the scores is no pointwise pairing
+        _refuses(op, "sharded differently", {0: _s(1, 4), 1: _s(2, 8)}, torch.rand(2, 4, 8) < 0.5, _x(2, 4, 8), 0.0)
+
+
 def _conv(op, rule: OpRule) -> None:
     """A depthwise convolution of channels sharded on dim 1: the filters cut with them, groups made local."""
     g = fx.Graph()
@@ -431,6 +449,7 @@ CHECKS = {
     aten.to.device: lambda op, r: _same_shape(op, r, torch.device("cpu"), torch.float64),
     aten._to_copy.default: lambda op, r: _same_shape(op, r, dtype=torch.float64),
     aten.type_as.default: _type_as,
+    **dict.fromkeys((aten.where.ScalarOther, aten.where.ScalarSelf, aten.where.Scalar), _where_scalar),
     **dict.fromkeys((aten.dropout.default, aten.feature_dropout.default, aten.alpha_dropout.default), _dropout),
     aten.softmax.int: _softmax, aten.log_softmax.int: _softmax,
     aten._softmax.default: lambda op, r: _softmax(op, r, False),

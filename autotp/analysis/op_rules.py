@@ -45,6 +45,7 @@ class OpRule:
     broadcasts: bool = False  # broadcasts its first operand to more or larger dims, aligned from the right
 
 
+POINTWISE = OpRule("pointwise")  # the rule of every op tagged pointwise that the table does not list
 _CAST = OpRule("same_shape", cast=True)
 _SAME = OpRule("same_shape")
 _DROPOUT = OpRule("same_shape", random_p=1)
@@ -76,6 +77,9 @@ OP_RULES: MappingProxyType[object, OpRule] = MappingProxyType({
     aten.type_as.default: OpRule("same_shape", cast=True, dtype_arg=1),
     aten.detach.default: _SAME, aten.lift_fresh_copy.default: _SAME,
     aten.dropout.default: _DROPOUT, aten.feature_dropout.default: _DROPOUT, aten.alpha_dropout.default: _DROPOUT,
+    # ``torch.where(mask, scores, -inf)``: a Python scalar on either side is not tagged pointwise, but torch
+    # decomposes each overload into ``where.self`` (pointwise) with the scalar as a 0-d tensor
+    **dict.fromkeys((aten.where.ScalarOther, aten.where.ScalarSelf, aten.where.Scalar), POINTWISE),
     aten.softmax.int: _SOFTMAX, aten._softmax.default: _SOFTMAX,
     aten.log_softmax.int: _LOG_SOFTMAX, aten._log_softmax.default: _LOG_SOFTMAX,
     # dims regrouped, moved, broadcast or repeated
@@ -132,7 +136,6 @@ OP_RULES: MappingProxyType[object, OpRule] = MappingProxyType({
     aten.nll_loss.default: OpRule("nll_loss"), aten.nll_loss_nd.default: OpRule("nll_loss"),
 })
 
-POINTWISE = OpRule("pointwise")  # the rule of every op tagged pointwise that the table does not list
 TORCH = OpRule("torch")  # the rule of every other op DTensor can place: asked of torch (analysis.torch_rules)
 _PERMUTES = frozenset({"pair", "last_two", "t", "reverse", "perm", "movedim"})
 
