@@ -17,8 +17,24 @@ VIRTUAL_STAGES = typer.Option(None, "--virtual-stages", help="With --pp: stages 
                               "interleaved and V schedules).")
 MICROBATCHES = typer.Option(None, "--microbatches", help="With --pp: micro-batches per step (default: pp); they "
                             "must divide the batch.")
+FSDP_PARAM_DTYPE = typer.Option(None, "--fsdp-param-dtype", metavar="bf16|fp16", help="With --fsdp: gather the "
+                                 "parameters in this dtype and compute in it, reducing gradients in float32 (FSDP2's "
+                                 "mixed precision; the sharded weights and optimizer state stay in the model's dtype).")
+FSDP_DTYPES = {"bf16": "bfloat16", "fp16": "float16"}  # --fsdp-param-dtype -> torch dtype name
 EXPERT_PARALLEL = typer.Option(False, "--expert-parallel", help="Place E/tp whole experts of each "
                                "mixture-of-experts layer on every rank (default: 1/tp of every expert).")
+
+
+def fsdp_param_dtype(value: str | None, fsdp: bool) -> str | None:
+    """``--fsdp-param-dtype``'s torch dtype name, or None; ValueError naming the flag when it is not one of
+    :data:`FSDP_DTYPES` or comes without ``--fsdp``."""
+    if value is None:
+        return None
+    if value not in FSDP_DTYPES:
+        raise ValueError(f"--fsdp-param-dtype must be one of {', '.join(FSDP_DTYPES)}, got {value}")
+    if not fsdp:
+        raise ValueError("--fsdp-param-dtype sets FSDP's mixed precision: it goes with --fsdp")
+    return FSDP_DTYPES[value]
 
 
 def fail(message: str, code: int = USAGE_ERROR) -> NoReturn:

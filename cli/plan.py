@@ -19,8 +19,8 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from autotp.cli.common import (EXPERT_PARALLEL, MICROBATCHES, SEQUENCE_PARALLEL, USAGE_ERROR, VIRTUAL_STAGES,
-                               check_layout_options)
+from autotp.cli.common import (EXPERT_PARALLEL, FSDP_PARAM_DTYPE, MICROBATCHES, SEQUENCE_PARALLEL, USAGE_ERROR,
+                               VIRTUAL_STAGES, check_layout_options, fsdp_param_dtype)
 from autotp.cli.plan_format import fmt_size
 from autotp.cli.run import DEBUG, abort
 from autotp.distributed.layout import RankLayout
@@ -60,6 +60,7 @@ def plan(
     expert_parallel: bool = EXPERT_PARALLEL,
     fsdp: bool = typer.Option(False, "--fsdp", help="Shard each tp rank's parameters, gradients and optimizer "
                               "state over the --dp ranks (FSDP2): show its units, memory and traffic."),
+    fsdp_dtype: str | None = FSDP_PARAM_DTYPE,
     autocast: str | None = typer.Option(None, "--autocast", help="bf16 or fp16: count the collectives' bytes "
                                         "as a forward under torch.autocast moves them."),
     json_out: Path | None = typer.Option(None, "--json", help="Write plan, layout and report as JSON here."),
@@ -102,6 +103,10 @@ def plan(
     if cp > 1:
         check_layout_options(pp=pp, fsdp=fsdp, sequence_parallel=sequence_parallel, expert_parallel=expert_parallel,
                              compile_=False, schedule=schedule, cp=cp)
+    try:
+        param_dtype = fsdp_param_dtype(fsdp_dtype, fsdp)
+    except ValueError as exc:
+        abort(str(exc), debug, code=USAGE_ERROR)
     if fsdp and layout.dp < 2:
         abort(f"--fsdp shards over the data-parallel ranks: it needs --dp 2 or more (dp is {layout.dp})", debug,
               code=USAGE_ERROR)
@@ -143,6 +148,10 @@ def plan(
                       "per step one all-gather of each stage before its first micro-batch (kept gathered to the "
                       "last one's backward, as torchtitan pipelines) and one reduce-scatter after the last",
                       soft_wrap=True)
+    if param_dtype is not None:  # FSDP2's MixedPrecisionPolicy, as autotp shard --fsdp-param-dtype sets it
+        console.print(f"fsdp mixed precision: parameters gathered and computed in {param_dtype}, gradients "
+                      f"reduced in float32 (the sharded weights and optimizer state stay in the model's dtype)",
+                      soft_wrap=True)
     if pipe is not None and gpu is not None:
         _device_memory(console, pipe, gpu, debug)
     if cached is not None:
@@ -154,6 +163,8 @@ def plan(
                 "report": report.to_dict()}
         if fsdp_info is not None:
             data["fsdp"] = fsdp_info.to_dict()
+        if param_dtype is not None:
+            data["fsdp_param_dtype"] = param_dtype
         if pipe is not None:
             data["pipeline"] = pipe.to_dict()
         if context is not None:

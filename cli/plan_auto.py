@@ -16,6 +16,7 @@ from rich.table import Table
 
 from autotp.capture.modelfile import load_model_file, planning_batch
 from autotp.cli.fit import FitTable
+from autotp.cli.plan_command import command
 from autotp.cli.plan_format import fmt_size
 from autotp.layout.auto import Search, Space, explain, search, tp_sizes
 from autotp.layout.cost import RESERVED, Estimate, Training
@@ -32,6 +33,8 @@ class Auto(NamedTuple):
     space: Space
     training: Training
     result: Search
+    model: str = ""
+    default_batch: bool = False  # the global batch is the default (one example batch per device)
 
 
 def hardware(gpu: str | None) -> Hardware:
@@ -55,9 +58,10 @@ def act_bytes(hw: Hardware, autocast: str | None) -> int:
 
 def run_search(model: str, world: int, gpus_per_node: int | None, hw: Hardware, batch: int | None,
                seq: int | None, global_batch: int | None, autocast: str | None, runnable: bool = False,
-               max_micro_batch: int = 16) -> Auto:
+               max_micro_batch: int = 16, per_replica: bool = False) -> Auto:
     """Load and build MODEL_PY on meta, capture once, plan at each tp, search. ``global_batch`` None: one
-    example batch per data-parallel replica (what ``autotp shard`` trains on)."""
+    example batch per device (``world`` of them: one global batch for every layout compared); with
+    ``per_replica``, one example batch per data-parallel replica (what ``autotp shard`` trains on)."""
 
     mf = load_model_file(model)
     with torch.device("meta"):
@@ -66,11 +70,16 @@ def run_search(model: str, world: int, gpus_per_node: int | None, hw: Hardware, 
     g = gpus_per_node or min(world, hw.gpus_per_node)
     # every size a node allows: the heads are read from the graph, and the search keeps the sizes they allow
     facts = capture_facts(net, args, kwargs, tp_sizes(world, g, None), b, s)
-    per_replica = global_batch is None
-    space = Space(world, g, global_batch or b, max_micro_batch=max_micro_batch, runnable=runnable,
-                  per_replica=per_replica)
-    training = Training(act_bytes=act_bytes(hw, autocast), seq=s)
-    return Auto(facts, hw, space, training, search(facts, hw, space, training))
+    per_replica = per_replica and global_batch is None
+    # autotp shard --auto runs what it chose and verifies it against the model's own dtype: no FSDP gathering
+    # in a narrower one
+    space = Space(world, g, b if per_replica else global_batch or world * b, max_micro_batch=max_micro_batch,
+                  runnable=runnable, per_replica=per_replica, fsdp_mixed=(False,) if runnable else (False, True))
+    act = act_bytes(hw, autocast)
+    name = autocast or str(hw.extra.get("dtype", "bf16"))
+    training = Training(act_bytes=act, seq=s, act_dtype={"bfloat16": "bf16", "float16": "fp16"}.get(name, name))
+    return Auto(facts, hw, space, training, search(facts, hw, space, training), model,
+                not per_replica and global_batch is None)
 
 
 def _gib(x: float) -> str:
@@ -82,7 +91,8 @@ _SHORT = {"optimizer": "optim"}  # column headers of the terms
 
 def top_table(auto: Auto, top: int) -> Table:
     hw, sp = auto.hardware, auto.space
-    batch = f"{sp.batch} per replica" if sp.per_replica else f"global batch {sp.batch}"
+    batch = f"{sp.batch} per replica" if sp.per_replica else f"global batch {sp.batch}" + (
+        " (one example batch per device; --global-batch sets it)" if auto.default_batch else "")
     cap = _gib(auto.result.ranked[0].memory.capacity) if auto.result.ranked else "?"
     # the first columns say how fast and how full, the terms after "compute" what a step's time is made of
     table = FitTable(title=f"Layouts for {sp.world} devices ({sp.gpus_per_node} per node) on {hw.name}, {batch} × "
@@ -104,7 +114,10 @@ def top_table(auto: Auto, top: int) -> Table:
                      "dp), pp (v: stages per rank), micro-batch × micro-batches per step, sp: sequence parallel, "
                      "rc: activations recomputed (the model's own checkpointing). Every layout listed is one autotp "
                      "runs. TFLOP/s: 3 × the forward's matmul FLOPs per step. memory: per rank (share of what is "
-                     "usable). Terms per step; dp comm: what the backward does not hide.")
+                     "usable). Terms per step; dp comm: the data-parallel collectives forward and backward do "
+                     "not hide, with their buffer copies (assumed, not measured: each byte read and written once at "
+                     "memory bandwidth). ·fsdp(bf16): FSDP gathers bf16 weights, reduces in the model's dtype; keep: "
+                     "FSDP keeps weights gathered and gradients unsharded through a step's micro-batches.")
     return table
 
 
@@ -141,11 +154,21 @@ def render(console: Console, model: str, auto: Auto, top: int) -> None:
                       f"{best.tokens_per_device:,.0f} tokens/s per device", soft_wrap=True)
     for line in explain(auto.result):
         console.print(f"  {escape(line)}", soft_wrap=True)
+    if best is not None:
+        cmd = command(model, best.layout, auto.space)
+        if cmd.line is not None:
+            console.print(f"[bold]run it:[/bold] {escape(cmd.line)}", soft_wrap=True)
+        for note in cmd.notes:
+            console.print(f"  {escape(note)}", soft_wrap=True)
     console.print(f"[dim]hardware: {escape(auto.hardware.source)}[/dim]", soft_wrap=True)
 
 
 def to_dict(auto: Auto, top: int) -> dict:
     return {"hardware": auto.hardware.to_dict(), "space": auto.space.__dict__,
             "ranked": [e.to_dict() for e in auto.result.ranked[:top]],
-            "rejected": len(auto.result.rejected), "considered": auto.result.considered,
-            "why": explain(auto.result)}
+            "rejected": [r.to_dict() for r in sorted(auto.result.rejected,
+                                                      key=lambda r: -r.estimate.tokens_per_device)[:top]],
+            "rejected_count": len(auto.result.rejected), "considered": auto.result.considered,
+            "why": explain(auto.result),
+            "command": command(auto.model, auto.result.best.layout, auto.space)._asdict() if auto.result.best
+            else None}

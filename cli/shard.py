@@ -42,8 +42,8 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from autotp.cli.common import (EXPERT_PARALLEL, MICROBATCHES, SEQUENCE_PARALLEL, USAGE_ERROR, VIRTUAL_STAGES,
-                               check_layout_options)
+from autotp.cli.common import (EXPERT_PARALLEL, FSDP_PARAM_DTYPE, MICROBATCHES, SEQUENCE_PARALLEL, USAGE_ERROR,
+                               VIRTUAL_STAGES, check_layout_options, fsdp_param_dtype)
 from autotp.cli.run import DEBUG, DP, PP, Launcher, abort, launch_spec, say_restart, with_launcher
 from autotp.cli.run_folder import checkpoint_step, interrupted_line, traces
 from autotp.errors import (AutotpError, CaptureError, LaunchInterrupted, ModelFileError, PipelineError, RankFailedError,
@@ -360,6 +360,7 @@ def shard(
                                                "AOTAutograd's graphs without generating code); implies --compile."),
     sequence_parallel: bool = SEQUENCE_PARALLEL,
     expert_parallel: bool = EXPERT_PARALLEL,
+    fsdp_dtype: str | None = FSDP_PARAM_DTYPE,
     resume: bool = typer.Option(False, "--resume", help="Continue from the latest complete checkpoint in --out "
                                 "(model, optimizer, step) up to --steps in total."),
     resume_from: str | None = typer.Option(None, "--resume-from", metavar="NAME", help="Resume this checkpoint "
@@ -414,6 +415,10 @@ def shard(
     if out.exists() and not out.is_dir():
         abort(f"--out {out} exists and is not a folder", debug, code=USAGE_ERROR)
     spec = launch_spec(tp, dp, pp, launcher._replace(fsdp=fsdp), debug)  # --auto may have chosen FSDP
+    try:
+        param_dtype = fsdp_param_dtype(fsdp_dtype, fsdp)
+    except ValueError as exc:
+        abort(str(exc), debug, code=USAGE_ERROR)
     check_layout_options(pp=pp, fsdp=fsdp, sequence_parallel=sequence_parallel, expert_parallel=expert_parallel,
                          compile_=compile_, schedule=schedule, cp=launcher.cp)
     stages = None
@@ -461,8 +466,8 @@ def shard(
                    resume=resume, resume_from=resume_from, keep=keep, run=uuid.uuid4().hex,
                    save_every=save_every, save_minutes=save_minutes, compile={"backend": compile_backend} if compile_backend else compile_,
                    sequence_parallel=sequence_parallel,
-                   expert_parallel=expert_parallel, fsdp=spec.hsdp if fsdp else 0, schedule=schedule,
-                   microbatches=microbatches or pp, virtual_stages=virtual_stages,
+                   expert_parallel=expert_parallel, fsdp=spec.hsdp if fsdp else 0, fsdp_param_dtype=param_dtype,
+                   schedule=schedule, microbatches=microbatches or pp, virtual_stages=virtual_stages,
                    weights=None if weights is None else str(weights.resolve()), started=started,
                    log_every=log_every, clip_grad=clip_grad, flops=flops, peak_flops=peak)
     node = f" on node {node_rank} of {nnodes}" if nnodes > 1 else ""
@@ -563,7 +568,7 @@ def _choose(model: str, tp: int | None, dp: int, pp: int, fsdp: bool, microbatch
     try:
         hw = plan_auto.hardware(gpu)
         found = plan_auto.run_search(model, world_size, world_size // nnodes, hw, None, None, None, None,
-                                     runnable=True)
+                                     runnable=True, per_replica=True)
     except (AutotpError, ValueError) as exc:
         abort(str(exc), debug, code=USAGE_ERROR)
     best = next((e for e in found.result.ranked if e.layout.dp % nnodes == 0), None)

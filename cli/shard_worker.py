@@ -69,6 +69,7 @@ class ShardJob:
     sequence_parallel: bool = False
     expert_parallel: bool = False
     fsdp: int = 0  # FSDP replica groups (1: FSDP, > 1: HSDP); 0: DDP when dp > 1
+    fsdp_param_dtype: str | None = None  # FSDP's mixed precision: gathered in this torch dtype, reduced in fp32
     schedule: str = "1F1B"  # with pp > 1: the pipeline schedule
     microbatches: int = 0  # with pp > 1: micro-batches per step (0: pp)
     virtual_stages: int | None = None  # with pp > 1: stages per rank (None: the schedule's default)
@@ -445,7 +446,7 @@ def _build(mf: ModelFile, job: ShardJob, ctx: RankContext, batch: tuple[tuple, d
             reference = mf.build().to(ctx.device)
             autotp.load_weights(reference, job.weights, device=ctx.device)
     forward = model.forward  # the user's: its keywords shape the default batch, and parallelize replaces it
-    fsdp = dict(fsdp=FSDPConfig(replicas=job.fsdp), mesh=ctx.mesh) if job.fsdp else \
+    fsdp = dict(fsdp=_fsdp_config(job), mesh=ctx.mesh) if job.fsdp else \
         dict(fsdp=False, tp_group=ctx.tp_group())
     tpm = autotp.parallelize(model, example_inputs=batch, compile=job.compile,
                              sequence_parallel=job.sequence_parallel, expert_parallel=job.expert_parallel,
@@ -548,6 +549,14 @@ def _shard(job: ShardJob, ctx: RankContext) -> ShardReport | None:
     return report
 
 
+def _fsdp_config(job: ShardJob) -> FSDPConfig:
+    """The job's FSDP: its replica groups, and with ``--fsdp-param-dtype`` the parameters gathered in that dtype
+    and the gradients reduced in float32 (torchtitan's mixed precision)."""
+    if job.fsdp_param_dtype is None:
+        return FSDPConfig(replicas=job.fsdp)
+    return FSDPConfig(replicas=job.fsdp, param_dtype=getattr(torch, job.fsdp_param_dtype), reduce_dtype=torch.float32)
+
+
 def _throughput(job: ShardJob, ctx: RankContext, args: tuple, kwargs: dict, times: list[float],
                 log: TrainLog | None) -> dict:
     """The report's throughput fields: tokens per step, the metrics files, the median step's MFU."""
@@ -607,7 +616,7 @@ def _shard_pipeline(job: ShardJob, ctx: RankContext, mf: ModelFile, batch: tuple
                            schedule=job.schedule, virtual_stages=job.virtual_stages, mesh=ctx.mesh,
                            device=None if job.weights is None else ctx.device, compile=job.compile,
                            sequence_parallel=job.sequence_parallel, expert_parallel=job.expert_parallel,
-                           fsdp=FSDPConfig(replicas=job.fsdp) if job.fsdp else False)
+                           fsdp=_fsdp_config(job) if job.fsdp else False)
     if job.weights is not None:
         weights = _load(model, job.weights)
     st = autotp.tp_state(model)

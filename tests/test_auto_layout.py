@@ -158,11 +158,71 @@ def test_pipelined_fsdp_gathers_each_stage_once_per_step():
     for m in (2, 4):
         e = estimate(f, slow, Layout(1, 2, 2, 1, m, fsdp=True), Training(act_bytes=2))
         one = 1e-5 + 1 / 2 * stage / 1e8
-        assert e.dp_comm == pytest.approx(2 * one + 3 * stage * 2 / 1e11)
+        assert e.dp_comm == pytest.approx(2 * one + 2 * stage * 2 / 1e11)  # one copy out, one copy in
         ddp_state = estimate(f, slow, Layout(1, 2, 2, 1, m), Training(act_bytes=2)).memory.state
         assert e.memory.state == pytest.approx(ddp_state / 2)
         logits, copies = 1 * 32 * 256 * (2 + 4), stage / 4 * 2  # autocast's bf16 copies of the gathered weights
         assert e.memory.other == pytest.approx(logits + copies + 2 * stage)
+
+
+def test_fsdp_mixed_precision_gathers_16_bit_weights_and_makes_no_autocast_copies():
+    """FSDP2's MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32), as torchtitan runs it: the all-gathers
+    carry half the bytes, the reduce-scatters the model's fp32, and no rank holds autocast copies of its
+    weights (the gathered 16-bit weights are what the compute reads)."""
+    f = facts(comm=False, per_layer=10**7)
+    slow = hw(intra=Link(1e-5, 1e8), overlap=False)
+    grad = (500 + 4 * 10**7 + 300) * 4
+    units = 4 + 1
+    plain = estimate(f, slow, Layout(1, 4, 1, 1, 1, fsdp=True), Training(act_bytes=2))
+    mixed = estimate(f, slow, Layout(1, 4, 1, 1, 1, fsdp=True, fsdp_dtype="bf16"), Training(act_bytes=2))
+    gather = units * (1e-5 + 3 / 4 * grad / 2 / units / 1e8)
+    scatter = units * (1e-5 + 3 / 4 * grad / units / 1e8)
+    assert mixed.dp_comm == pytest.approx(2 * gather + scatter + (2 * grad / 2 + grad) * 2 / 1e11)
+    assert plain.dp_comm > mixed.dp_comm
+    names = dict(mixed.memory.parts)
+    assert "autocast weight copies" not in names and dict(plain.memory.parts)["autocast weight copies"] == grad / 2
+    assert names["gathered blocks"] == pytest.approx(2 * 10**7 * 2)  # two blocks, 16-bit
+    assert mixed.layout.label() == "tp1 dp4·fsdp(bf16) pp1 mb1×1"
+    # searched where activations are narrower than the parameters, never in the model's own dtype
+    space = Space(world=4, gpus_per_node=4, batch=8)
+    assert any(x.fsdp_dtype == "bf16" for x in layouts(f, space, mixed="bf16"))
+    assert not any(x.fsdp_dtype for x in layouts(f, space))
+    assert not any(e.layout.fsdp_dtype for e in search(f, hw(), space, Training(act_bytes=4)).ranked)
+
+
+def test_fsdp_keep_gathers_and_reduces_once_per_step():
+    """Several micro-batches without a pipeline: FSDP per micro-batch gathers and reduce-scatters m times;
+    kept gathered (FSDP2's reshard_after_backward off, gradient sync off until the last micro-batch) once per
+    step, holding the weights gathered and the gradients unsharded."""
+    f = facts(comm=False, per_layer=10**7)
+    slow = hw(intra=Link(1e-5, 1e8), overlap=False)
+    grad = (500 + 4 * 10**7 + 300) * 4
+    per_mb = [estimate(f, slow, Layout(1, 4, 1, 1, m, fsdp=True), Training(act_bytes=4)) for m in (2, 4)]
+    assert per_mb[1].dp_comm == pytest.approx(2 * per_mb[0].dp_comm)
+    kept = [estimate(f, slow, Layout(1, 4, 1, 1, m, fsdp=True, keep=True), Training(act_bytes=4)) for m in (2, 4)]
+    one = 1e-5 + 3 / 4 * grad / 1e8
+    assert kept[0].dp_comm == pytest.approx(kept[1].dp_comm) == pytest.approx(2 * one + 2 * grad * 2 / 1e11)
+    assert dict(kept[0].memory.parts)["gathered weights and unsharded gradients"] == 2 * grad
+    space = Space(world=4, gpus_per_node=4, batch=8)
+    every = list(layouts(f, space))
+    assert all(x.fsdp and x.pp == 1 and x.microbatches > 1 for x in every if x.keep)
+    assert any(x.keep for x in every) and not any(runnable(x) for x in every if x.keep)
+
+
+def test_rejects_name_the_fastest_with_its_memory_terms():
+    """The fastest layout memory rules out is named with the terms that rule it out; every reject carries
+    its price."""
+    f = facts(comm=False, per_layer=10**7)
+    base = search(f, hw(), Space(world=4, gpus_per_node=4, batch=8, fsdp=(False,)))
+    fastest = base.best  # the memory cap set under it: it and every faster layout is ruled out
+    result = search(f, hw(memory_bytes=int(fastest.memory.total / 0.9 * 0.999)),
+                    Space(world=4, gpus_per_node=4, batch=8, fsdp=(False,)))
+    out = result.fastest_rejected()
+    assert out is not None and out.estimate.tokens_per_device >= fastest.tokens_per_device * (1 - 1e-9)
+    lines = explain(result)
+    said = next(x for x in lines if x.startswith("the fastest layout ruled out"))
+    assert out.layout.label() in said and "state" in said and "autocast weight copies" in said
+    assert out.to_dict()["estimate"]["memory"]["fits"] is False
 
 
 def test_shared_devices_absorb_the_bubble():

@@ -19,7 +19,7 @@ from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from autotp.layout.cost import Estimate, Layout, Training, estimate
+from autotp.layout.cost import Estimate, Layout, Memory, Training, estimate
 from autotp.layout.facts import ModelFacts
 from autotp.layout.hardware import Hardware
 from autotp.options import refused
@@ -36,6 +36,8 @@ class Space:
     fsdp: tuple[bool, ...] = (False, True)
     sp: tuple[bool, ...] = (False, True)
     recompute: tuple[bool, ...] = (False, True)
+    fsdp_mixed: tuple[bool, ...] = (False, True)  # FSDP gathering 16-bit weights (where activations are 16-bit)
+    keep: tuple[bool, ...] = (False, True)  # FSDP kept gathered through a step's micro-batches (no pipeline)
     virtual: tuple[int, ...] = (1, 2, 4)
     context: bool = True  # context parallelism considered (where the model and the sequence allow it)
     runnable: bool = False
@@ -53,6 +55,11 @@ class Rejected:
     layout: Layout
     reason: str
     over: float = 0.0  # bytes over the device's memory
+    estimate: Estimate | None = None  # its price: the step it would take, the memory terms that reject it
+
+    def to_dict(self) -> dict:
+        return {"label": self.layout.label(), "reason": self.reason, "over_bytes": self.over,
+                **({"estimate": self.estimate.to_dict()} if self.estimate is not None else {})}
 
 
 @dataclass(frozen=True)
@@ -65,6 +72,11 @@ class Search:
     @property
     def best(self) -> Estimate | None:
         return self.ranked[0] if self.ranked else None
+
+    def fastest_rejected(self) -> Rejected | None:
+        """The layout memory rules out that would have been the fastest (by tokens per second per device)."""
+        priced = [r for r in self.rejected if r.estimate is not None]
+        return max(priced, key=lambda r: r.estimate.tokens_per_device) if priced else None
 
 
 def divisors(n: int) -> list[int]:
@@ -85,8 +97,9 @@ def cp_sizes(facts: ModelFacts, space: Space, rest: int, seq: int) -> list[int]:
     return [c for c in divisors(rest) if c == 1 or seq % (2 * c) == 0]
 
 
-def layouts(facts: ModelFacts, space: Space, seq: int | None = None) -> Iterator[Layout]:
-    """Every layout the sizes allow (``seq``: the sequence trained on, default the captured one)."""
+def layouts(facts: ModelFacts, space: Space, seq: int | None = None, mixed: str | None = None) -> Iterator[Layout]:
+    """Every layout the sizes allow (``seq``: the sequence trained on, default the captured one; ``mixed``: the
+    16-bit dtype FSDP may gather in, where the activations are narrower than the parameters)."""
     L = facts.layers
     for t in tp_sizes(space.world, space.gpus_per_node, facts.heads):
         if t not in facts.tps:
@@ -99,10 +112,11 @@ def layouts(facts: ModelFacts, space: Space, seq: int | None = None) -> Iterator
                 if not space.per_replica and space.batch % d:
                     continue
                 share = space.batch if space.per_replica else space.batch // d
-                yield from _within(facts, space, t, c, d, p, share)
+                yield from _within(facts, space, t, c, d, p, share, mixed)
 
 
-def _within(facts: ModelFacts, space: Space, t: int, c: int, d: int, p: int, share: int) -> Iterator[Layout]:
+def _within(facts: ModelFacts, space: Space, t: int, c: int, d: int, p: int, share: int,
+            mixed: str | None) -> Iterator[Layout]:
     """The layouts of one (tp, cp, dp, pp) mesh: micro-batches, stages per rank, FSDP, sp, recomputation."""
     L = facts.layers
     for b in divisors(share):
@@ -113,13 +127,17 @@ def _within(facts: ModelFacts, space: Space, t: int, c: int, d: int, p: int, sha
             if v > 1 and (L % (p * v) or m % p):
                 continue
             for fsdp in space.fsdp if d * c > 1 else (False,):  # FSDP shards over the dp and cp ranks
-                for sp in space.sp if t > 1 else (False,):
-                    for rc in space.recompute:
-                        lay = Layout(t, d, p, b, m, v, fsdp, sp, rc, c)
-                        # priced only where autotp runs it (autotp.options.refused)
-                        if not supported(lay) or space.runnable and not runnable(lay):
-                            continue
-                        yield lay
+                dtypes = [mixed if x else None for x in space.fsdp_mixed] if fsdp and mixed else [None]
+                keeps = space.keep if fsdp and p == 1 and m > 1 else (False,)
+                for dtype in dict.fromkeys(dtypes):
+                    for keep in keeps:
+                        for sp in space.sp if t > 1 else (False,):
+                            for rc in space.recompute:
+                                lay = Layout(t, d, p, b, m, v, fsdp, sp, rc, c, dtype, keep)
+                                # priced only where autotp runs it (autotp.options.refused)
+                                if not supported(lay) or space.runnable and not runnable(lay):
+                                    continue
+                                yield lay
 
 
 def supported(lay: Layout) -> bool:
@@ -135,20 +153,19 @@ def supported(lay: Layout) -> bool:
 def runnable(lay: Layout) -> bool:
     """What ``autotp shard`` runs by itself: a supported layout, one micro-batch per step without a pipeline,
     and no recomputation (its training loop has neither knob)."""
-    return supported(lay) and not lay.recompute and (lay.pp > 1 or lay.microbatches == 1)
+    return supported(lay) and not lay.recompute and not lay.keep and (lay.pp > 1 or lay.microbatches == 1)
 
 
 def search(facts: ModelFacts, hw: Hardware, space: Space, training: Training = Training()) -> Search:
     ranked, rejected, n = [], [], 0
-    for lay in layouts(facts, space, training.seq):
+    mixed = training.act_dtype if training.act_bytes < facts.param_bytes else None
+    for lay in layouts(facts, space, training.seq, mixed):
         n += 1
         est = estimate(facts, hw, lay, training)
         if est.memory.fits:
             ranked.append(est)
         else:
-            mem = est.memory
-            rejected.append(Rejected(lay, f"needs {mem.total / GiB:.1f} GiB of {mem.capacity / GiB:.1f} GiB "
-                                          f"(over by {mem.over / GiB:.1f} GiB)", mem.over))
+            rejected.append(Rejected(lay, memory_reason(est.memory), est.memory.over, est))
     # tokens per second per device: the step time when the global batch is fixed, and fair when it is not
     ranked.sort(key=lambda e: (-e.tokens_per_device, e.layout.microbatches, e.memory.total))
     notes = []
@@ -162,6 +179,17 @@ def search(facts: ModelFacts, hw: Hardware, space: Space, training: Training = T
     if space.context and facts.cp_refused is not None and space.world > 1:
         notes.append(f"context parallelism not considered: {facts.cp_refused}")
     return Search(tuple(ranked), tuple(rejected), n, tuple(notes))
+
+
+def memory_reason(mem: Memory) -> str:
+    """``needs 157.6 GiB of 72.0 GiB (over by 85.6): state 20.1, activations 9.0, autocast weight copies 128.5``:
+    the terms, largest first."""
+    terms = [("state", mem.state), ("activations", mem.activations), *mem.parts]
+    if not mem.parts and mem.other:
+        terms.append(("other", mem.other))
+    said = ", ".join(f"{k} {v / GiB:.1f}" for k, v in sorted(terms, key=lambda x: -x[1]) if v >= 0.01 * mem.total)
+    return (f"needs {mem.total / GiB:.1f} GiB of {mem.capacity / GiB:.1f} GiB (over by {mem.over / GiB:.1f})"
+            + (f": {said} GiB" if said else ""))
 
 
 def _mesh(lay: Layout) -> tuple[int, int, int]:
@@ -197,16 +225,34 @@ def explain(result: Search) -> list[str]:
         other = meshes[1]
         diffs = sorted(((other.terms()[k] - v, k) for k, v in best.terms().items()), key=lambda x: -abs(x[0]))
         said = [f"{k} {abs(dv):.3g} s {'less' if dv > 0 else 'more'}" for dv, k in diffs[:3] if abs(dv) > 1e-9]
-        lines.append(f"{mesh_name(lay)} beats the best {mesh_name(other.layout)} layout "
-                     f"({other.layout.label()}) by {best.tokens_per_device / other.tokens_per_device - 1:.1%}: "
-                     f"{', '.join(said)}")
+        if best.layout.batch == other.layout.batch:  # one global batch: the step times compare
+            lines.append(f"{mesh_name(lay)} beats the best {mesh_name(other.layout)} layout "
+                         f"({other.layout.label()}): {_secs(best.step)} per step against {_secs(other.step)} "
+                         f"({best.tokens_per_device / other.tokens_per_device - 1:.1%} more tokens/s per device): "
+                         f"{', '.join(said)}")
+        else:  # per-replica batches (autotp shard --auto): the steps train different batches
+            lines.append(f"{mesh_name(lay)} beats the best {mesh_name(other.layout)} layout "
+                         f"({other.layout.label()}) by {best.tokens_per_device / other.tokens_per_device - 1:.1%} "
+                         f"tokens/s per device (its step trains {best.layout.batch} sequences, the other's "
+                         f"{other.layout.batch}: the terms are not compared)")
     same = [e for e in result.ranked[1:] if _mesh(e.layout) == _mesh(lay)]
     if same:
         lines.append(f"within {mesh_name(lay)}, the next option ({same[0].layout.label()}) is "
                      f"{best.tokens_per_device / same[0].tokens_per_device - 1:.1%} slower")
     if result.rejected:
         by_mesh = Counter(_mesh(r.layout) for r in result.rejected)
-        worst = max(result.rejected, key=lambda r: r.over)
         lines.append(f"memory ruled out {len(result.rejected)} of {result.considered} layouts "
-                     f"({len(by_mesh)} meshes had some), e.g. {worst.layout.label()}: {worst.reason}")
+                     f"({len(by_mesh)} meshes had some)")
+        fastest = result.fastest_rejected()
+        if fastest is not None:
+            e = fastest.estimate
+            gain = e.tokens_per_device / best.tokens_per_device - 1
+            than = f"{gain:.1%} faster than the best" if gain > 5e-4 else \
+                "no faster than the best" if gain > -5e-4 else f"{-gain:.1%} slower than the best"
+            lines.append(f"the fastest layout ruled out, {fastest.layout.label()} ({_secs(e.step)} per step, "
+                         f"{than}), {fastest.reason}")
     return lines + list(result.notes)
+
+
+def _secs(x: float) -> str:
+    return f"{x * 1e3:.1f} ms" if x < 1 else f"{x:.2f} s"

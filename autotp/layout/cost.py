@@ -21,12 +21,16 @@ Per micro-batch on the busiest pipeline rank (the terms of :class:`Estimate`):
   overlapped; the gradients are summed over the cp group once per backward (one all-reduce of them all);
 - pp: the bubble (p − 1)/(v·m) of the ideal time (Narayanan et al. 2021, §2.2), and two point-to-point
   sends of b·s·h activations per micro-batch and stage boundary (v per rank);
-- dp comm: DDP's gradient all-reduce of the rank's parameters over dp, overlapped with the last micro-batch's
-  backward but for its last 25 MB bucket; with FSDP, all-gathers before forward and backward and a
+- dp comm: the data-parallel collectives the compute does not hide, and the copies into and out of their
+  buffers (assumed: each byte read and written once at the memory bandwidth; not measured). DDP: the
+  gradient all-reduce once per step (``no_sync`` between micro-batches), overlapped with the last
+  micro-batch's backward but for its last 25 MB bucket. FSDP: all-gathers before forward and backward and a
   reduce-scatter after it, per micro-batch, each overlapped with that pass's compute (prefetch) but for one
-  block's worth (pipelined, each stage one unit kept gathered: one all-gather before the first
-  micro-batch and one reduce-scatter after the last, neither hidden); both copy the bytes into and out of
-  their buffers. Where the collectives run on the
+  block's worth; or, pipelined (each stage one unit kept gathered, as torch's schedules run FSDP) or with
+  ``keep`` (FSDP2's ``set_reshard_after_backward(False)`` and ``set_requires_gradient_sync(False)`` between a
+  step's micro-batches), one all-gather before the first micro-batch and one reduce-scatter after the last.
+  With FSDP's mixed precision (``fsdp_dtype``, torchtitan's ``param_dtype=bf16, reduce_dtype=fp32``) the
+  gathers carry 16-bit weights and the reduce-scatters the model's dtype. Where the collectives run on the
   compute's own cores (gloo on a CPU: ``Hardware.overlap`` false) nothing is hidden;
 - optimizer: the profile's measured AdamW time per parameter the rank holds, or reading and writing 16
   bytes of state per parameter at memory bandwidth (a fused step).
@@ -40,7 +44,8 @@ whole on every cp rank, and one layer's gathered K and V are held while it runs.
 Memory per rank: 16 bytes per parameter it holds (weights, gradients, Adam; ÷ dp·cp with FSDP, plus two
 blocks gathered; pipelined, the stage's weights gathered and its gradients unsharded through the step), the activations of the micro-batches in flight (Korthikanti et al.'s formula, or one
 layer input per layer with recomputation, plus one layer's worth being recomputed) and the last stage's
-logits in fp32 (and under autocast the 16-bit copies of the weights the backward keeps), against 90% of
+logits in fp32 (and under autocast the 16-bit copies of the weights autocast caches, which FSDP's mixed
+precision does not make: its gathered weights are already 16-bit), against 90% of
 the device's memory. Nothing here is measured; :mod:`autotp.layout.auto` enumerates layouts and ranks them.
 """
 from __future__ import annotations
@@ -69,6 +74,14 @@ class Layout:
     sp: bool = False
     recompute: bool = False
     cp: int = 1  # context-parallel ranks sharing each sample's sequence
+    # FSDP's mixed precision (FSDP2's MixedPrecisionPolicy): the dtype its all-gathers carry and the compute
+    # reads ("bf16": torchtitan's param_dtype), the gradients reduced in the model's own dtype (reduce_dtype
+    # fp32); None: parameters gathered in the model's dtype, autocast casting its own copies
+    fsdp_dtype: str | None = None
+    # FSDP without a pipeline, several micro-batches: the weights kept gathered and the gradients unsharded
+    # through the step (one all-gather and one reduce-scatter per step, FSDP2's set_reshard_after_backward(False)
+    # and set_requires_gradient_sync(False) between micro-batches), instead of both per micro-batch
+    keep: bool = False
 
     @property
     def world(self) -> int:
@@ -83,7 +96,8 @@ class Layout:
         return None if self.pp == 1 else "1F1B" if self.v == 1 else "Interleaved1F1B"
 
     def label(self) -> str:
-        parts = [f"tp{self.tp}", *([f"cp{self.cp}"] if self.cp > 1 else []), f"dp{self.dp}" + ("·fsdp" if self.fsdp else ""), f"pp{self.pp}"]
+        fsdp = ("·fsdp" + (f"({self.fsdp_dtype})" if self.fsdp_dtype else "")) if self.fsdp else ""
+        parts = [f"tp{self.tp}", *([f"cp{self.cp}"] if self.cp > 1 else []), f"dp{self.dp}" + fsdp, f"pp{self.pp}"]
         if self.v > 1:
             parts.append(f"v{self.v}")
         parts.append(f"mb{self.micro_batch}×{self.microbatches}")
@@ -91,6 +105,8 @@ class Layout:
             parts.append("sp")
         if self.recompute:
             parts.append("rc")
+        if self.keep:
+            parts.append("keep")
         return " ".join(parts)
 
 
@@ -100,6 +116,7 @@ class Training:
 
     act_bytes: int = 2  # bf16 autocast
     seq: int | None = None  # default: the captured sequence length
+    act_dtype: str = "bf16"  # its name: what FSDP's mixed precision gathers in
 
 
 @dataclass(frozen=True)
@@ -108,6 +125,7 @@ class Memory:
     activations: float
     other: float  # FSDP's gathered blocks, the last stage's fp32 logits
     capacity: float
+    parts: tuple[tuple[str, float], ...] = ()  # what ``other`` is made of, named (bytes)
 
     @property
     def total(self) -> float:
@@ -227,7 +245,9 @@ def estimate(facts: ModelFacts, hw: Hardware, lay: Layout, training: Training = 
     # -- context parallel: K and V gathered per layer, forward (again when recomputing) and backward, and dK
     # and dV handed back; the group's ranks are tp apart
     local = _local_params(facts, lay)
-    grad_bytes = local * facts.param_bytes
+    grad_bytes = local * facts.param_bytes  # gradients travel in the model's dtype (FSDP's reduce_dtype: fp32)
+    gather_elem = _gather_bytes(facts, lay, act)  # FSDP's all-gathers: in the mixed-precision dtype
+    gather_bytes = local * gather_elem
     copy = 2 / hw.memory_bandwidth  # bytes copied in and out of communication buffers: read and written
     cp_mb = cp_step = 0.0
     if c > 1:
@@ -260,19 +280,28 @@ def estimate(facts: ModelFacts, hw: Hardware, lay: Layout, training: Training = 
         total = hw.collective("all_reduce", grad_bytes / buckets, d, dp_node, count=buckets)
         tail = total / buckets
         dp_exposed = max(tail, total - hide * backward_mb) + 2 * grad_bytes * copy
-    elif f > 1 and p > 1:  # pipelined FSDP: each stage one unit, kept gathered through the step (torchtitan's
-        # choice): one all-gather before the first micro-batch, one reduce-scatter after the last, neither hidden
-        gather = hw.collective("all_gather", grad_bytes, f, dp_node)
-        scatter = hw.collective("reduce_scatter", grad_bytes, f, dp_node)
-        dp_exposed = gather + scatter + 3 * grad_bytes * copy
+    elif f > 1 and (p > 1 or lay.keep):  # each stage one unit (torchtitan's choice), or the whole model kept
+        # gathered between micro-batches: one all-gather before the first micro-batch, one reduce-scatter after
+        # the last; pipelined, neither hidden (the stage has nothing else to run), else the first forward and
+        # the last backward hide them but for one block's worth
+        gather = hw.collective("all_gather", local * gather_elem, f, dp_node)
+        scatter = hw.collective("reduce_scatter", local * facts.param_bytes, f, dp_node)
+        copies = (gather_bytes + grad_bytes) * copy  # into and out of the flat buffers once each
+        if p > 1:
+            dp_exposed = gather + scatter + copies
+        else:
+            units = math.ceil(ls) + 1
+            dp_exposed = (max(gather / units, gather - hide * forward_mb)
+                          + max(scatter / units, scatter - hide * backward_mb) + copies)
     elif f > 1:  # FSDP: per unit (each block, the two ends) gathers before forward and backward, reduce-scatter
-        # after, each through a flat buffer the parameters and gradients are copied out of and into
+        # after, each through a flat buffer the parameters and gradients are copied out of and into, per micro-batch
         units = math.ceil(ls) + 1
-        gather = hw.collective("all_gather", grad_bytes / units, f, dp_node, count=units)
+        gather = hw.collective("all_gather", gather_bytes / units, f, dp_node, count=units)
         scatter = hw.collective("reduce_scatter", grad_bytes / units, f, dp_node, count=units)
         one_block = gather / units
         dp_exposed = m * (max(one_block, gather - hide * forward_mb)
-                          + max(one_block, gather + scatter - hide * backward_mb) + 3 * grad_bytes * copy)
+                          + max(one_block, gather + scatter - hide * backward_mb)
+                          + (2 * gather_bytes + grad_bytes) * copy)
 
     # -- optimizer: read and write the state once ------------------------------------------------------------
     held = local / (d * c if lay.fsdp else 1)
@@ -297,6 +326,12 @@ def kv_bytes(facts: ModelFacts, b: int, s: int, t: int, act: int) -> float:
     width = facts.kv_width or 2 * facts.hidden
     heads = facts.kv_heads or facts.heads or t
     return b * s * width * act / (t if heads % t == 0 else 1)
+
+
+def _gather_bytes(facts: ModelFacts, lay: Layout, act: int) -> int:
+    """Bytes per parameter element FSDP's all-gathers carry: the mixed-precision dtype's (the activations'),
+    else the model's own."""
+    return act if lay.fsdp and lay.fsdp_dtype else facts.param_bytes
 
 
 def _local_params(facts: ModelFacts, lay: Layout) -> float:
@@ -324,15 +359,21 @@ def _memory(facts: ModelFacts, hw: Hardware, lay: Layout, layer_bytes: float, s:
         activations = flight * ls * layer_input + layer_bytes
     else:
         activations = flight * ls * layer_bytes
-    other = 0.0
+    parts: list[tuple[str, float]] = []
     if lay.cp > 1:  # one layer's K and V gathered from the group while it runs
-        other += kv_bytes(facts, b, s, t, act)
-    if act < facts.param_bytes:  # autocast's 16-bit copies of the weights, saved for the backward: of the
-        other += act * local  # gathered weights under FSDP too
+        parts.append(("K/V gathered", kv_bytes(facts, b, s, t, act)))
+    gather = _gather_bytes(facts, lay, act)
+    sharded = lay.fsdp and d * lay.cp > 1
+    if act < facts.param_bytes and not (lay.fsdp and lay.fsdp_dtype):  # autocast's 16-bit copies of the
+        # weights, cached for the step (of the gathered weights under FSDP too); with FSDP's mixed precision the
+        # gathered 16-bit weights are what the compute reads, and nothing is cast
+        parts.append(("autocast weight copies", act * local))
     if facts.vocab:  # the last stage's logits: its vocab slice, the loss in fp32
-        other += b * s * facts.vocab / t / lay.cp * (act + 4)
-    if lay.fsdp and d * lay.cp > 1 and p > 1:  # the stage gathered through the step, its gradients unsharded until the
-        other += 2 * local * facts.param_bytes  # one reduce-scatter after the last micro-batch
-    elif lay.fsdp and d * lay.cp > 1:  # two blocks gathered at once (one computing, one prefetched)
-        other += 2 * facts.tp(t).params[BLOCKS] / facts.layers * facts.param_bytes
-    return Memory(state, activations, other, (1 - RESERVED) * hw.memory_bytes)
+        parts.append(("logits", b * s * facts.vocab / t / lay.cp * (act + 4)))
+    if sharded and (p > 1 or lay.keep):  # the stage (or model) gathered through the step, its gradients
+        # unsharded until the one reduce-scatter after the last micro-batch
+        parts.append(("gathered weights and unsharded gradients", local * (gather + facts.param_bytes)))
+    elif sharded:  # two blocks gathered at once (one computing, one prefetched)
+        parts.append(("gathered blocks", 2 * facts.tp(t).params[BLOCKS] / facts.layers * gather))
+    other = sum(v for _, v in parts)
+    return Memory(state, activations, other, (1 - RESERVED) * hw.memory_bytes, tuple(parts))

@@ -1,0 +1,57 @@
+"""The layout ``autotp plan --auto`` chose, as the ``autotp shard`` command line that runs it, and what that
+command leaves to the training script (recomputation, gradient accumulation without a pipeline).
+
+``autotp shard``'s ``--dp`` counts the replicas of one node (world = tp × cp × dp × pp × nnodes), so a layout
+over several nodes is spelled with ``--nnodes``; one whose replicas the nodes do not divide evenly has no
+command line, and the reason is said instead.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from autotp.layout.auto import Space
+from autotp.layout.cost import Layout
+
+
+class Command(NamedTuple):
+    line: str | None  # None: autotp shard cannot spell this layout (``notes`` says why)
+    notes: tuple[str, ...]  # what the training script does for the layout to run as priced
+
+
+def command(model: str, lay: Layout, space: Space) -> Command:
+    """The ``autotp shard`` command line of ``lay`` for ``model`` over ``space.world`` devices."""
+    per_node = min(space.gpus_per_node, space.world)
+    nnodes = space.world // per_node if space.world % per_node == 0 else 1
+    notes = []
+    if lay.dp % nnodes:
+        return Command(None, (f"dp {lay.dp} does not divide into the {nnodes} nodes autotp shard's --dp counts "
+                              "per node",))
+    flags = [f"--tp {lay.tp}"]
+    if lay.cp > 1:
+        flags.append(f"--cp {lay.cp}")
+    flags.append(f"--dp {lay.dp // nnodes}")
+    if lay.pp > 1:
+        flags += [f"--pp {lay.pp}", f"--microbatches {lay.microbatches}"]
+        if lay.v > 1:
+            flags += [f"--virtual-stages {lay.v}", f"--schedule {lay.schedule}"]
+    if lay.fsdp:
+        flags.append("--fsdp")
+        if lay.fsdp_dtype:
+            flags.append(f"--fsdp-param-dtype {lay.fsdp_dtype}")
+    if lay.sp:
+        flags.append("--sequence-parallel")
+    if nnodes > 1:
+        flags.append(f"--nnodes {nnodes} --node-rank R --master-addr HOST")
+        notes.append(f"run it on each of the {nnodes} nodes, R its index (0 on HOST)")
+    per_replica = lay.micro_batch * lay.microbatches
+    notes.append(f"each data-parallel replica trains on {per_replica} sequences per step"
+                 + (f" ({lay.microbatches} micro-batches of {lay.micro_batch})" if lay.microbatches > 1 else "")
+                 + ": the model file's example_batch() sets it")
+    if lay.pp == 1 and lay.microbatches > 1:
+        notes.append(f"the {lay.microbatches} micro-batches are the training script's gradient accumulation"
+                     + (" (FSDP2: set_requires_gradient_sync(False) and set_reshard_after_backward(False) on the "
+                        "model for all but the last micro-batch)" if lay.keep else ""))
+    if lay.recompute:
+        notes.append("rc: the model's own activation checkpointing of its blocks "
+                     "(torch.utils.checkpoint), which autotp keeps")
+    return Command(f"autotp shard {model} " + " ".join(flags), tuple(notes))
