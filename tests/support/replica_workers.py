@@ -38,8 +38,9 @@ def _batches(config) -> tuple[torch.Tensor, torch.Tensor]:
     return ids[..., :-1].contiguous(), ids[..., 1:].contiguous()
 
 
-def train(mode: str) -> dict:
-    """``mode``: "default" (parallelize on a (dp, tp) mesh, nothing else), "script" (the script wraps it in its
+def train(mode: str, tp: int = 2) -> dict:
+    """``mode``: "default" (parallelize on a (dp 2, tp) mesh, nothing else), "compile" (the same with
+    ``compile=True``: DDP's hooks around the compiled graph), "script" (the script wraps it in its
     own DDP over the mesh's dp group), "off" (``data_parallel=False``), "context" (a (dp, cp) mesh, each
     replica's sequences in two chunks: gradients summed over cp in the backward, then averaged over dp),
     "context, no mesh" (the same on the groups ``context_parallel=2`` alone makes).
@@ -53,13 +54,14 @@ def train(mode: str) -> dict:
 
     context = mode.startswith("context")
     mesh = None if mode == "context, no mesh" else \
-        init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "cp" if context else "tp"))
+        init_device_mesh("cpu", (2, 2 if context else tp), mesh_dim_names=("dp", "cp" if context else "tp"))
     config = GPTConfig()
     torch.manual_seed(0)
     model = GPT(config)
     ref = copy.deepcopy(model)
     ids, targets = _batches(config)
     autotp.parallelize(model, mesh=mesh, data_parallel=mode != "off", context_parallel=2 if context else 1,
+                       compile=mode == "compile",
                        example_inputs=(ids[0, :BATCH], targets[0, :BATCH]))  # the one signature trained
     st = autotp.tp_state(model)
     # without a mesh: the world cut into cp groups of consecutive ranks, replicas the rest (ranks 0, 2 / 1, 3)
