@@ -39,6 +39,7 @@ from autotp.parallel.held import held_grads, held_params, held_state
 from autotp.parallel.writeback import state_difference
 from autotp.plan.report import build_report
 from autotp.distributed.launch import RankContext, init_from_env
+from autotp.distributed.layout import RankLayout
 from autotp.distributed.restarts import last_failure, note_progress
 from autotp.cli.grad_parity import compare_grads
 from autotp.cli.progress import Phases
@@ -286,7 +287,7 @@ def _train(step_fn, args: tuple, kwargs: dict, job: ShardJob, ctx: RankContext, 
                         console=console) if live else contextlib.nullcontext()
     tokens = batch_tokens(args, kwargs) * ctx.layout.dp
     world = ctx.layout.world_size
-    per_rank_flops = job.flops / (ctx.layout.tp * ctx.layout.pp) if job.flops else None
+    per_rank_flops = rank_flops(job.flops, ctx.layout)
     with progress:
         task = progress.add_task("train", total=job.steps, completed=start, loss="-", rate="") if live else None
         for step in range(start, job.steps):
@@ -557,10 +558,17 @@ def _fsdp_config(job: ShardJob) -> FSDPConfig:
     return FSDPConfig(replicas=job.fsdp, param_dtype=getattr(torch, job.fsdp_param_dtype), reduce_dtype=torch.float32)
 
 
+def rank_flops(flops: float | None, layout: RankLayout) -> float | None:
+    """One rank's share of a data-parallel replica's FLOPs per step (None: not counted). A replica spans
+    tp · cp · pp ranks: each holds 1/tp of the heads and widths, 1/cp of the sequence (causal attention's work
+    balanced by the chunk pairs), 1/pp of the blocks."""
+    return flops / (layout.tp * layout.cp * layout.pp) if flops else None
+
+
 def _throughput(job: ShardJob, ctx: RankContext, args: tuple, kwargs: dict, times: list[float],
                 log: TrainLog | None) -> dict:
     """The report's throughput fields: tokens per step, the metrics files, the median step's MFU."""
-    per_rank = job.flops / (ctx.layout.tp * ctx.layout.pp) if job.flops else None
+    per_rank = rank_flops(job.flops, ctx.layout)
     median = statistics.median(times) if times else 0.0  # the summary's median step
     return dict(tokens_per_step=batch_tokens(args, kwargs) * ctx.layout.dp,
                 metrics_path=str(log.path) if log is not None and log.active and log.path else "",

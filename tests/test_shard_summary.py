@@ -176,3 +176,16 @@ def test_pipeline_parity_says_what_was_compared() -> None:
     assert "max |Δoutput| 2.00e-07" in _text(_report())
     assert "3e+09 FLOPs per replica step; MFU: no device peak" in _text(_report())
     assert "MFU: FLOPs not counted" in _text(_report(step_flops=None))
+
+
+@pytest.mark.parametrize("tp,cp,pp,dp", [(2, 1, 1, 2), (2, 2, 1, 1), (1, 2, 2, 2), (2, 2, 2, 1)])
+def test_mfu_counts_a_ranks_share_of_its_replica(tp: int, cp: int, pp: int, dp: int) -> None:
+    """A replica's FLOPs per step are shared by its tp · cp · pp ranks (1/cp of the sequence each under context
+    parallelism: at cp 2 the summary once gave each rank the FLOPs of two), never by the dp replicas."""
+    from autotp.cli.shard_worker import rank_flops
+    from autotp.distributed.layout import RankLayout
+
+    layout = RankLayout.build(tp * cp * pp * dp, tp=tp, pp=pp, cp=cp)
+    assert layout.dp == dp
+    assert rank_flops(8e9, layout) == 8e9 / (tp * cp * pp)
+    assert rank_flops(None, layout) is None
