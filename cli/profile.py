@@ -18,13 +18,15 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from autotp.capture.model_spec import model_path
 from autotp.cli.common import USAGE_ERROR
 from autotp.cli.plan_format import fmt_size
 from autotp.cli.run import DEBUG, TIMEOUT, abort, as_flags
-from autotp.errors import AutotpError, LaunchError, LaunchInterrupted, RankFailedError
+from autotp.errors import AutotpError, LaunchError, LaunchInterrupted, ModelFileError, RankFailedError
 from autotp.layout.hardware import Hardware, save
 
 MAX_SHAPES = 8  # the largest by flops: a model's many small matmuls add little but time
+DTYPE_NAMES = ("fp32", "bf16")  # autotp.layout.profile.DTYPES' names, checked here before torch is imported
 
 
 def model_shapes(model: str, limit: int = MAX_SHAPES) -> list[tuple[int, int, int]]:
@@ -141,30 +143,42 @@ def profile(
 ) -> None:
     """Measure this node (matmul rate, memory bandwidth, collectives per group size) and write a hardware
     profile for the layout planner."""
-    import torch
+    from autotp.cli.progress import Phases, RankPhases
 
-    from autotp.distributed.launch import LaunchSpec, launch
-    from autotp.layout.profile import DTYPES, ProfileJob, profile_worker
-
+    phases = Phases()
+    phases.say("check", f"the options, then this node's devices (importing torch: seconds)"
+               f"{f' and {model} matmuls' if model else ''}, before any rank starts")
+    # what needs no torch first (a second or more to import): a mistake is said at once
     if nproc < 2:
         abort(f"--nproc must be >= 2 (collectives need two ranks), got {nproc}", debug, code=USAGE_ERROR)
-    if device is None:
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device not in ("cpu", "cuda"):
+    if device not in (None, "cpu", "cuda"):
         abort(f"--device must be cpu or cuda, got {device}", debug, code=USAGE_ERROR)
-    if dtype is None:
-        dtype = "bf16" if device == "cuda" else "fp32"
-    if dtype not in DTYPES:
-        abort(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype}", debug, code=USAGE_ERROR)
-    have = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if device == "cuda" and have < nproc:
-        abort(f"--device cuda: --nproc {nproc} needs {nproc} GPUs, this node has {have}", debug, code=USAGE_ERROR)
+    if dtype is not None and dtype not in DTYPE_NAMES:
+        abort(f"--dtype must be one of {', '.join(DTYPE_NAMES)}, got {dtype}", debug, code=USAGE_ERROR)
     if out.is_dir():
         abort(f"--out {out} is a folder: give a file path", debug, code=USAGE_ERROR)
     if not out.parent.is_dir():
         abort(f"--out {out}: folder {out.parent} does not exist", debug, code=USAGE_ERROR)
+    if model is not None:
+        try:
+            model_path(model)
+        except ModelFileError as exc:
+            abort(str(exc), debug, code=USAGE_ERROR)
+    import torch
+
+    from autotp.distributed.launch import LaunchSpec, launch
+    from autotp.layout.profile import ProfileJob, profile_worker
+
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if dtype is None:
+        dtype = "bf16" if device == "cuda" else "fp32"
+    have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if device == "cuda" and have < nproc:
+        abort(f"--device cuda: --nproc {nproc} needs {nproc} GPUs, this node has {have}", debug, code=USAGE_ERROR)
     shapes, shapes_from = None, None
     if model is not None:
+        phases.say("check", f"{model}: capturing its forward on the meta device for the shapes of its matmuls")
         try:
             shapes = model_shapes(model)
         except (AutotpError, ValueError) as exc:  # model file and capture problems: the user's to fix
@@ -177,8 +191,9 @@ def profile(
     except LaunchError as exc:
         abort(as_flags(exc), debug, code=USAGE_ERROR)
     job = ProfileJob.make(device, dtype, shapes, quick, shapes_from)
+    phases.say("launch", f"starting {nproc} {device} ranks; rank 0 says each measurement as it starts")
     try:
-        results = launch(spec, profile_worker, job, quiet=not debug)
+        results = launch(spec, profile_worker, job, RankPhases(phases.started), quiet=not debug)
     except LaunchInterrupted as exc:
         abort(f"{exc}: nothing was written", debug, code=exc.code, trace="")
     except RankFailedError as exc:

@@ -33,3 +33,14 @@ class Phases:
         self.console.print(f"[dim]\\[{self.elapsed():6.1f} s][/dim] [bold]{escape(phase)}:[/bold] {escape(what)}",
                            soft_wrap=True, highlight=False)
         self.console.file.flush()
+
+
+class RankPhases:
+    """Phase lines a rank says, timed from the command's start: sent to the ranks with the job (it pickles
+    as its start time alone; the console is made in the rank)."""
+
+    def __init__(self, started: float):
+        self.started = started
+
+    def __call__(self, phase: str, what: str) -> None:
+        Phases(self.started).say(phase, what)

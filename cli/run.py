@@ -195,12 +195,26 @@ def run(
 
     With more than one rank, each line the ranks print starts with the global rank that printed it: \\[rank1]:."""
 
+    from autotp.cli.progress import Phases
+
+    # on stderr: stdout is the script's own (a script may print data there)
+    phases = Phases(console=Console(stderr=True, highlight=False), quiet=launcher.node_rank != 0)
+    phases.say("check", f"{script} and the layout, before any rank starts")
+    # what needs no torch first (a second or more to import): a mistake is said at once
+    if not script.is_file():
+        what = "is a folder, not a script" if script.is_dir() else "does not exist"
+        abort(f"script {script} {what}", debug, code=USAGE_ERROR)
+    if log_dir is not None and log_dir.exists() and not log_dir.is_dir():
+        abort(f"--log-dir {log_dir} exists and is not a folder", debug, code=USAGE_ERROR)
     from autotp.distributed.launch import launch
 
-    if not script.is_file():
-        abort(f"script {script} does not exist", debug, code=USAGE_ERROR)
     spec = launch_spec(tp, dp, pp, launcher, debug)
     output = rank_output(spec.world_size, spec.nproc_per_node, ranks, log_dir, debug)
+    node = f" on node {launcher.node_rank} of {launcher.nnodes}" if launcher.nnodes > 1 else ""
+    phases.say("launch", f"starting {spec.nproc_per_node} ranks{node}: tp {spec.tp}"
+               + (f" × cp {spec.cp}" if spec.cp > 1 else "") + f" × dp {spec.dp * launcher.nnodes}"
+               + (f" × pp {spec.pp}" if spec.pp > 1 else "") + (" (FSDP)" if spec.fsdp else "")
+               + f"; each runs python {script}" + (" " + " ".join(args) if args else ""))
     try:
         # through autotp.distributed.script_rank: the exception that ends a rank is recorded for the launcher
         launch(spec, sys.executable, "-m", "autotp.distributed.script_rank", str(script), *(args or []),

@@ -45,6 +45,7 @@ from rich.markup import escape
 from autotp.cli.common import (EXPERT_PARALLEL, FSDP_PARAM_DTYPE, MICROBATCHES, SEQUENCE_PARALLEL, USAGE_ERROR,
                                VIRTUAL_STAGES, check_layout_options, fsdp_param_dtype)
 from autotp.cli.run import DEBUG, DP, PP, Launcher, abort, launch_spec, say_restart, with_launcher
+from autotp.capture.model_spec import model_path
 from autotp.cli.run_folder import checkpoint_step, interrupted_line, traces
 from autotp.errors import (AutotpError, CaptureError, LaunchInterrupted, ModelFileError, PipelineError, RankFailedError,
                            own_bug)
@@ -384,43 +385,53 @@ def shard(
     if tp is not None or auto:  # said before torch is imported (a second or more): the command is alive at once
         phases.say("check", f"{model}: importing it, capturing it on the meta device and planning it"
                    + (f" at tp {tp}" if tp else "") + ", before any rank starts")
-    from autotp.capture.modelfile import load_model_file, parse_spec
-    from autotp.cli.shard_worker import PARITY_TOL, ShardJob, shard_worker  # the ranks' code: only when sharding
-    from autotp.distributed.launch import launch
-    from autotp.io.ckpt_io import check_resumable
-
+    # what needs no torch first (options, paths, the output folder): a mistake is said in a moment, not after
+    # the imports and the capture
     if auto:
-        tp, dp, pp, fsdp, microbatches, virtual_stages, schedule, cp = _choose(
-            model, tp, dp, pp, fsdp, microbatches, virtual_stages, world_size, nnodes, gpu, debug, launcher.cp)
-        launcher = launcher._replace(cp=cp)
+        _check_auto(tp, dp, pp, fsdp, microbatches, virtual_stages, world_size, nnodes, debug, launcher.cp)
     elif tp is None:
         abort("give --tp N, or --auto --world-size N to choose the layout", debug, code=USAGE_ERROR)
     elif world_size is not None:
         abort("--world-size goes with --auto (without it the world is tp × dp × pp × nnodes)", debug,
               code=USAGE_ERROR)
-
     compile_ = compile_ or compile_backend is not None  # a backend named asks for compilation
-    if steps < 0:
-        abort(f"--steps must be >= 0, got {steps}", debug, code=USAGE_ERROR)
-    if not lr > 0:
-        abort(f"--lr must be > 0, got {lr}", debug, code=USAGE_ERROR)
-    if log_every < 1:
-        abort(f"--log-every must be >= 1, got {log_every}", debug, code=USAGE_ERROR)
-    if clip_grad < 0:
-        abort(f"--clip-grad must be >= 0, got {clip_grad}", debug, code=USAGE_ERROR)
-    if save_every < 0:
-        abort(f"--save-every must be >= 0, got {save_every}", debug, code=USAGE_ERROR)
-    if not save_minutes >= 0:
-        abort(f"--save-minutes must be >= 0, got {save_minutes}", debug, code=USAGE_ERROR)
+    for bad, flag, value, rule in ((steps < 0, "--steps", steps, ">= 0"), (not lr > 0, "--lr", lr, "> 0"),
+                                   (log_every < 1, "--log-every", log_every, ">= 1"),
+                                   (clip_grad < 0, "--clip-grad", clip_grad, ">= 0"),
+                                   (save_every < 0, "--save-every", save_every, ">= 0"),
+                                   (not save_minutes >= 0, "--save-minutes", save_minutes, ">= 0")):
+        if bad:
+            abort(f"{flag} must be {rule}, got {value}", debug, code=USAGE_ERROR)
+    if not auto:  # --auto chooses pp, FSDP and cp: their rules are checked once it has
+        check_layout_options(pp=pp, fsdp=fsdp, sequence_parallel=sequence_parallel, expert_parallel=expert_parallel,
+                             compile_=compile_, schedule=schedule, cp=launcher.cp)
+    resume = resume or resume_from is not None
+    try:
+        path, factory = model_path(model)
+    except ModelFileError as exc:
+        abort(str(exc), debug, code=USAGE_ERROR)
+    if weights is not None and not weights.exists():
+        abort(f"--weights {weights} does not exist", debug, code=USAGE_ERROR)
     if out.exists() and not out.is_dir():
         abort(f"--out {out} exists and is not a folder", debug, code=USAGE_ERROR)
+    if not resume and (earlier := _earlier_run(out)):
+        abort(f"--out {out} already holds a run's files ({earlier}): continue that run with --resume, or "
+              "write this one elsewhere with --out; nothing there was changed", debug, code=USAGE_ERROR)
+    from autotp.capture.modelfile import load_model_file
+    from autotp.cli.shard_worker import PARITY_TOL, ShardJob, shard_worker  # the ranks' code: only when sharding
+    from autotp.distributed.launch import launch
+    from autotp.io.ckpt_io import check_resumable
+
+    if auto:
+        tp, dp, pp, fsdp, microbatches, virtual_stages, schedule, cp = _choose(model, world_size, nnodes, gpu, debug)
+        launcher = launcher._replace(cp=cp)
+        check_layout_options(pp=pp, fsdp=fsdp, sequence_parallel=sequence_parallel, expert_parallel=expert_parallel,
+                             compile_=compile_, schedule=schedule, cp=launcher.cp)
     spec = launch_spec(tp, dp, pp, launcher._replace(fsdp=fsdp), debug)  # --auto may have chosen FSDP
     try:
         param_dtype = fsdp_param_dtype(fsdp_dtype, fsdp)
     except ValueError as exc:
         abort(str(exc), debug, code=USAGE_ERROR)
-    check_layout_options(pp=pp, fsdp=fsdp, sequence_parallel=sequence_parallel, expert_parallel=expert_parallel,
-                         compile_=compile_, schedule=schedule, cp=launcher.cp)
     stages = None
     if pp > 1:
         from autotp.options import PipelineOptions  # the rules autotp.pipeline validates with (no torch)
@@ -430,15 +441,11 @@ def shard(
         except AutotpError as exc:
             abort(str(exc), debug, code=USAGE_ERROR)
         schedule, stages = asked.schedule, (asked.count, asked.microbatches)
-    # the output first: a checkpoint that cannot be resumed is said in a moment, not after the capture
-    resume = resume or resume_from is not None
+    # the checkpoint next: one that cannot be resumed is said in a moment, not after the capture
     try:
         resumable = check_resumable(out, resume_from) if resume else None
     except AutotpError as exc:
         abort(str(exc), debug, code=USAGE_ERROR)
-    if not resume and (earlier := _earlier_run(out)):
-        abort(f"--out {out} already holds a run's files ({earlier}): continue that run with --resume, or "
-              "write this one elsewhere with --out; nothing there was changed", debug, code=USAGE_ERROR)
     try:
         # before any rank starts
         flops = preflight(load_model_file(model), tp, weights, sequence_parallel, expert_parallel, stages,
@@ -460,7 +467,6 @@ def shard(
         return
     Console().print(f"output: {escape(str(out.resolve()))}" + (f" (resuming {escape(resumable.name)})"
                                                                if resumable else ""), soft_wrap=True)
-    path, factory = parse_spec(model)
     job = ShardJob(model=f"{path.resolve()}:{factory}" if factory else str(path.resolve()),
                    steps=steps, lr=lr, out=str(out.resolve()), verify=weights is None if verify is None else verify,
                    resume=resume, resume_from=resume_from, keep=keep, run=uuid.uuid4().hex,
@@ -549,13 +555,10 @@ def _earlier_run(out: Path) -> str:
     return ", ".join(found or traces(out))  # a run interrupted before its first checkpoint left these
 
 
-def _choose(model: str, tp: int | None, dp: int, pp: int, fsdp: bool, microbatches: int | None,
-            virtual_stages: int | None, world_size: int | None, nnodes: int, gpu: str | None,
-            debug: bool, cp: int = 1) -> tuple[int, int, int, bool, int | None, int | None, str, int]:
-    """--auto: the fastest layout ``autotp shard`` runs, for ``world_size`` ranks on ``nnodes`` nodes, each data-
-    parallel replica training on the example batch; printed before any rank starts."""
-    from autotp.cli import plan_auto  # the cost model: only when asked for
-
+def _check_auto(tp: int | None, dp: int, pp: int, fsdp: bool, microbatches: int | None, virtual_stages: int | None,
+                world_size: int | None, nnodes: int, debug: bool, cp: int) -> None:
+    """--auto's flags, before torch is imported: it chooses the layout, so none of its sizes may be given, and it
+    needs the ranks to lay out, a multiple of the nodes."""
     given = [f for f, v in (("--tp", tp), ("--dp", None if dp == 1 else dp), ("--pp", None if pp == 1 else pp),
                             ("--fsdp", fsdp or None), ("--microbatches", microbatches),
                             ("--virtual-stages", virtual_stages), ("--cp", None if cp == 1 else cp))
@@ -565,6 +568,15 @@ def _choose(model: str, tp: int | None, dp: int, pp: int, fsdp: bool, microbatch
     if world_size is None or world_size < 1 or world_size % nnodes:
         abort(f"--auto needs --world-size N, a multiple of --nnodes {nnodes} (got {world_size})", debug,
               code=USAGE_ERROR)
+
+
+def _choose(model: str, world_size: int, nnodes: int, gpu: str | None,
+            debug: bool) -> tuple[int, int, int, bool, int | None, int | None, str, int]:
+    """--auto: the fastest layout ``autotp shard`` runs, for ``world_size`` ranks on ``nnodes`` nodes, each data-
+    parallel replica training on the example batch; printed before any rank starts (its flags checked by
+    :func:`_check_auto`)."""
+    from autotp.cli import plan_auto  # the cost model: only when asked for
+
     try:
         hw = plan_auto.hardware(gpu)
         found = plan_auto.run_search(model, world_size, world_size // nnodes, hw, None, None, None, None,

@@ -46,6 +46,19 @@ def _lines(text: str) -> list[tuple[str, str]]:
     return found
 
 
+# autotp's own lines on stderr ("[   0.0 s] check: ..."), the script's stdout left to it
+PHASE = re.compile(r"\[\s*\d+\.\d s\] (\w+): ")
+
+
+def _phases(text: str) -> list[str]:
+    return [m[1] for line in text.splitlines() if (m := PHASE.match(line))]
+
+
+def _said(text: str) -> list[str]:
+    """The ranks' lines on stderr, autotp's phase lines left out."""
+    return [line for line in text.splitlines() if not PHASE.match(line)]
+
+
 @pytest.mark.slow
 def test_every_line_carries_its_rank(script: Path) -> None:
     result = runner.invoke(app, ["run", str(script), "--tp", "2"])
@@ -53,7 +66,8 @@ def test_every_line_carries_its_rank(script: Path) -> None:
     found = _lines(result.stdout)
     assert all(prefix == said for prefix, said in found), result.stdout
     assert sorted(found) == sorted((r, r) for r in "01" for _ in range(LINES))
-    assert sorted(result.stderr.splitlines()) == ["[rank0]:warning of rank 0", "[rank1]:warning of rank 1"]
+    assert _phases(result.stderr) == ["check", "launch"]
+    assert sorted(_said(result.stderr)) == ["[rank0]:warning of rank 0", "[rank1]:warning of rank 1"]
 
 
 @pytest.mark.slow
@@ -61,7 +75,7 @@ def test_ranks_shows_only_those_ranks(script: Path) -> None:
     result = runner.invoke(app, ["run", str(script), "--tp", "2", "--ranks", "1"])
     assert result.exit_code == 0, result.output
     assert _lines(result.stdout) == [("1", "1")] * LINES
-    assert result.stderr.splitlines() == ["[rank1]:warning of rank 1"]
+    assert _said(result.stderr) == ["[rank1]:warning of rank 1"]
 
 
 @pytest.mark.slow
@@ -86,4 +100,5 @@ def test_bad_output_flags_fail_before_any_rank(script: Path, flags: list[str], s
     flags = [f.format(script=script) for f in flags]
     result = runner.invoke(app, ["run", str(script), "--tp", "2", *flags], env={"COLUMNS": "500"})
     assert result.exit_code == 2, result.output
-    assert result.stderr.startswith("error: ") and said in result.stderr, result.stderr
+    (error,) = _said(result.stderr)  # one line after the check's
+    assert error.startswith("error: ") and said in error, result.stderr

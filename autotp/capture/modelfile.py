@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
+from autotp.capture.model_spec import model_path, parse_spec
 from autotp.errors import ModelFileError, own_bug
 
 __all__ = [
@@ -44,7 +45,6 @@ __all__ = [
 
 DEFAULT_FACTORIES: tuple[str, ...] = ("build_model", "model")
 DEFAULT_BATCH_SHAPE: tuple[int, int] = (2, 8)
-_IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
 @dataclass(frozen=True)
@@ -91,23 +91,9 @@ class ModelFile:
         return split_batch(batch)
 
 
-def parse_spec(spec: str | Path) -> tuple[Path, str | None]:
-    """``"model.py:factory"`` -> (path, "factory"); a bare path -> (path, None)."""
-    text = str(spec)
-    head, sep, tail = text.rpartition(":")
-    # only an identifier after the colon names a factory; "C:\\models\\m.py" is a path
-    if sep and head and _IDENTIFIER.fullmatch(tail):
-        return Path(head), tail
-    return Path(text), None
-
-
 def load_model_file(spec: str | Path) -> ModelFile:
     """Import the file named by ``spec`` and find its factory and ``example_batch``."""
-    path, factory_name = parse_spec(spec)
-    if not path.is_file():
-        what = "is a directory, not a file" if path.is_dir() else "does not exist"
-        raise ModelFileError(f"model file {path} {what}",
-                             hint="pass the path of a .py file that defines build_model()")
+    path, factory_name = model_path(spec)
     module = _import(path.resolve())
     public = _public_names(module)
     names = (factory_name,) if factory_name else DEFAULT_FACTORIES

@@ -34,6 +34,8 @@ from autotp.layout.hardware import Hardware, Link, Measured, wire
 __all__ = ["DTYPES", "ProfileJob", "default_shapes", "fit_link", "message_sizes", "profile_worker", "wire_bytes"]
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+# what rank 0 says as it starts each measurement: (phase, what), e.g. ("matmuls", "8 shapes in bf16 ...")
+Say = Callable[[str, str], None]
 KiB, MiB = 2**10, 2**20
 # the fit's bound when times do not grow with size (noise at small sizes): above any real link
 MAX_BANDWIDTH = 1e13
@@ -240,7 +242,7 @@ def _pingpong(nbytes: int, dtype: torch.dtype, device: torch.device, rank: int, 
     return lambda: None  # the odd one out of an odd world
 
 
-def _collectives(ctx: _Ctx, rank: int, world: int) -> tuple[list[Measured], dict[str, str]]:
+def _collectives(ctx: _Ctx, rank: int, world: int, say: Say) -> tuple[list[Measured], dict[str, str]]:
     # gloo reduces bf16 slowly, on the CPU, element by element: the bytes on the wire are what is measured
     dtype = DTYPES[ctx.job.dtype] if ctx.device.type == "cuda" else torch.float32
     sizes = [n for n in range(2, world + 1) if world % n == 0]
@@ -252,6 +254,8 @@ def _collectives(ctx: _Ctx, rank: int, world: int) -> tuple[list[Measured], dict
                 groups[n] = g
     measured, notes = [], {}
     for n in sizes:
+        say("collectives", f"all-reduce, all-gather and reduce-scatter over groups of {n} ranks, "
+            f"{len(ctx.job.sizes)} message sizes each")
         for kind in ("all_reduce", "all_gather", "reduce_scatter"):
             listed = False
             if not _supported(kind, groups[n], n, dtype, ctx.device):
@@ -266,6 +270,7 @@ def _collectives(ctx: _Ctx, rank: int, world: int) -> tuple[list[Measured], dict
                 call, actual = _collective(kind, nbytes, groups[n], n, dtype, ctx.device, listed)
                 points.append((actual, ctx.time(call)))
             measured.append(Measured(kind, n, fit_link(kind, n, points), tuple(points)))
+    say("collectives", "send and receive between pairs of ranks")
     points = []
     for nbytes in ctx.job.sizes:
         seconds = ctx.time(_pingpong(nbytes, dtype, ctx.device, rank, world))
@@ -288,22 +293,32 @@ def _memory_bytes(device: torch.device, per_node: int) -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // per_node
 
 
-def profile_worker(job: ProfileJob) -> dict | None:
-    """One rank of ``autotp profile``; rank 0 returns the profile (``Hardware.to_dict()``), the others None."""
+def _silent(phase: str, what: str) -> None:
+    pass
+
+
+def profile_worker(job: ProfileJob, say: Say | None = None) -> dict | None:
+    """One rank of ``autotp profile``; rank 0 returns the profile (``Hardware.to_dict()``), the others None.
+    ``say(phase, what)``: rank 0 says what it measures next (the whole run takes tens of seconds)."""
     ctx = init_from_env()
     try:
-        return _profile(job, _Ctx(ctx.device, job), ctx.rank, dist.get_world_size())
+        return _profile(job, _Ctx(ctx.device, job), ctx.rank, dist.get_world_size(),
+                        say if say is not None and ctx.rank == 0 else _silent)
     finally:
         dist.destroy_process_group()
 
 
-def _profile(job: ProfileJob, ctx: _Ctx, rank: int, world: int) -> dict | None:
+def _profile(job: ProfileJob, ctx: _Ctx, rank: int, world: int, say: Say = _silent) -> dict | None:
     torch.manual_seed(rank)
+    say("matmuls", f"{len(job.shapes)} shapes in {job.dtype}, on all {world} ranks at once")
     matmuls = _matmuls(ctx)
+    say("memory", f"bandwidth: a {job.copy_bytes // MiB} MiB copy")
     bandwidth = _memory_bandwidth(ctx)
+    say("overhead", "one op's fixed cost: an add of 16 elements")
     overhead = _op_overhead(ctx)
+    say("optimizer", "an AdamW step on 4M parameters")
     optimizer = _optimizer(ctx)
-    measured, notes = _collectives(ctx, rank, world)
+    measured, notes = _collectives(ctx, rank, world, say)
     if rank != 0:
         return None
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
