@@ -28,6 +28,7 @@ import torch.fx as fx
 
 from autotp.analysis.op_rules import is_cast, kind_of, permutes
 from autotp.analysis.ops import ndim_of, permutation
+from autotp.analysis.shapes import normalize_dim
 
 aten = torch.ops.aten
 
@@ -279,9 +280,57 @@ def match_expert_matmul(gm: fx.GraphModule, node: fx.Node, params: set[str]) -> 
                 out_axis, x_dim, y_dim = cols, nd - 1, nd - 1
             return ParamMatmul(node, "bmm", xn, param, out_axis, w.shape[3 - out_axis], w.shape[out_axis], None,
                                chain, 3 - out_axis, None, x_dim, y_dim)
-        return None
     if t is aten.einsum.default and len(node.args[1]) == 2 and isinstance(node.args[0], str):
         return _einsum_matmul(gm, node, params)
+    if t is aten.matmul.default:
+        return _stacked_matmul(gm, node, params)
+    return None
+
+
+def _stacked(gm: fx.GraphModule, node: object, params: set[str]) -> tuple[str, tuple[fx.Node, ...], list] | None:
+    """(parameter, chain, dims) for a 3-D parameter read whole through unsqueezes, dim reorders and casts, each
+    read by nothing else: ``dims[j]`` is the parameter's dim that dim ``j`` of ``node`` is, None for a size-1
+    dim inserted. ``W.unsqueeze(1)`` of W [2, d, D] is [2, 1, d, D] with dims [0, None, 1, 2]."""
+    chain: list[fx.Node] = []
+    while isinstance(node, fx.Node) and not _param_node(node, params, 3):
+        if node.op != "call_function" or (chain and only_user(node) is not chain[0]) \
+                or not (node.target is aten.unsqueeze.default or permutes(node.target) or is_cast(node.target)):
+            return None
+        chain.insert(0, node)
+        node = node.args[0]
+    if not isinstance(node, fx.Node):
+        return None
+    dims: list = [0, 1, 2]
+    for n in chain:
+        if n.target is aten.unsqueeze.default:
+            dims.insert(normalize_dim(n.args[1], len(dims) + 1), None)
+        elif permutes(n.target):
+            dims = [dims[i] for i in permutation(n)]
+    return str(node.target), tuple(chain), dims
+
+
+def _stacked_matmul(gm: fx.GraphModule, node: fx.Node, params: set[str]) -> ParamMatmul | None:
+    """``x @ W'`` (or ``W' @ x``) where W' is a stacked 3-D parameter W [K, d, D] arranged with its matrix dims
+    last and its stack dim K a batch dim: the two up projections of an MLP stored as one weight and read by
+    ``einsum("bsd,kdf->kbsf", x, W)`` (which capture writes as ``unsqueeze(x, 0) @ unsqueeze(W, 1)``). The
+    stack's matrices share one cut of their output dim, so W is cut along that dim like a column's."""
+    if len(node.args) != 2 or not all(isinstance(a, fx.Node) for a in node.args):
+        return None
+    for wi in (0, 1):
+        wn, xn = node.args[wi], node.args[1 - wi]
+        src = _stacked(gm, wn, params)
+        if src is None or _stacked(gm, xn, params) is not None:
+            continue
+        param, chain, dims = src
+        if None in dims[-2:] or len(chain) and only_user(chain[-1]) is not node:
+            return None
+        w, nx, ny = gm.get_parameter(param), ndim_of(xn), ndim_of(node)
+        if wi == 0:  # W' [.., R, C] @ x [.., C, n] -> [.., R, n]
+            out_axis, in_axis, x_dim, y_dim = dims[-2], dims[-1], nx - 2, ny - 2
+        else:  # x [.., n, R] @ W' [.., R, C] -> [.., n, C]
+            out_axis, in_axis, x_dim, y_dim = dims[-1], dims[-2], nx - 1, ny - 1
+        return ParamMatmul(node, "matmul", xn, param, out_axis, w.shape[in_axis], w.shape[out_axis], None, chain,
+                           in_axis, None, x_dim, y_dim)
     return None
 
 

@@ -161,9 +161,10 @@ def _analyze(gm: fx.GraphModule, tp: int, matmuls: list[ParamMatmul], embeddings
         name = common_module([c.module for c in columns if c.kind != "embedding"] + [row.module]) or row.module \
             or "<root>"
         shared = [m.weight for m in [*columns, row] if m.key in banned]
-        if shared:
-            result.replicated.append((name, f"weight {shared[0]} is used by more than one matmul, and its uses "
-                                            "cannot all be cut alike"))
+        if shared:  # an attempt that failed: a row later made an LM head (a tied decoder) says nothing is whole
+            attempts.append((row.node, name, f"weight {shared[0]} is used by more than one matmul, and its uses "
+                                             "cannot all be cut alike"))
+            failed |= set(cols) | {row.node}
             continue
         specs = {}
         try:

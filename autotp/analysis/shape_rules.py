@@ -322,6 +322,8 @@ class ShapeRules:
         d = normalize_dim(arg_named(node, "dim", 0), ndim_of(node.args[0]))
         outs = node.meta["val"]
         if d != s.dim and not (s.inner and d == s.inner[0]):
+            if form == "unbind":  # each piece drops dim d: a sharded dim after it moves one to the left
+                s = s.moved(s.dim - (d < s.dim), None if not s.inner else s.inner[0] - (d < s.inner[0]))
             return tuple(s for _ in outs)
         if form == "unbind" or s.inner or s.outer:
             raise Unshardable(node, "unbind of the sharded dim")

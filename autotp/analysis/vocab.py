@@ -246,7 +246,7 @@ def _op_name(n: fx.Node) -> str:
     return getattr(n.target, "__name__", str(n.target)).split(".")[0].lstrip("_")
 
 
-_BY_DESIGN = ("router kept whole", "gate kept whole", "down-projection kept whole")
+_BY_DESIGN = ("router kept whole", "gate kept whole", "down-projection kept whole", "head transform kept whole")
 _CHOICES = frozenset({aten.topk.default, aten.sort.default, aten.argmax.default, aten.argsort.default})
 
 
@@ -257,8 +257,14 @@ def _latent_of(m: ParamMatmul, a, order: dict[fx.Node, int]) -> str | None:
     for the head-parallel up-projections. ``order``: each node's position in the graph."""
     if m.out_features >= m.in_features:
         return None
+    return _read_alone_by(m, {c.node: p.name for p in a.pairs for c in p.columns}, a, order)
+
+
+def _read_alone_by(m: ParamMatmul, readers: dict[fx.Node, str], a, order: dict[fx.Node, int]) -> str | None:
+    """The name ``readers`` gives the first of its matmuls that reads ``m``'s output through ops of it alone
+    (activations, norms, splits, views, with parameters but no other activation joining in, no other matmul in
+    between); None when none does."""
     matmuls = {x.node for x in a.matmuls}
-    columns = {c.node: p.name for p in a.pairs for c in p.columns}
     mine = {m.node}
     todo = [(order[u], u) for u in m.node.users]
     heapq.heapify(todo)
@@ -268,8 +274,8 @@ def _latent_of(m: ParamMatmul, a, order: dict[fx.Node, int]) -> str | None:
         if n in seen:
             continue
         seen.add(n)
-        if n in columns:
-            return columns[n]
+        if n in readers:
+            return readers[n]
         val = n.meta.get("val")
         val = val[0] if isinstance(val, (tuple, list)) and val else val  # a split's pieces
         if n in matmuls or not isinstance(val, torch.Tensor) or not val.dtype.is_floating_point:
@@ -279,6 +285,23 @@ def _latent_of(m: ParamMatmul, a, order: dict[fx.Node, int]) -> str | None:
             for u in n.users:
                 heapq.heappush(todo, (order[u], u))
     return None
+
+
+def _head_transform(m: ParamMatmul, heads: list[HeadFact], a, order: dict[fx.Node, int]) -> str | None:
+    """Why ``m`` stays whole when it computes, through ops of its output alone (an activation, a norm), the
+    input of a vocab-parallel LM head: the dense + norm transform of a masked-LM-style head (BERT's). The norm
+    reads all its features, so a cut ``m`` would need a gather (or the norm's statistics summed) before the head;
+    every rank computes it whole, as Megatron-LM's BERT head does, and the head is cut by the vocab."""
+    if m.out_features != m.in_features:
+        return None
+    head = _read_alone_by(m, {h.matmul.node: h.matmul.weight for h in heads}, a, order)
+    if head is None:
+        return None
+    shape = f"{m.in_features}→{m.out_features}"
+    return (f"head transform kept whole: its {shape} linear computes the input of the vocab-parallel LM head "
+            f"{head} through ops of its output alone (an activation, a norm over all {m.out_features} features); "
+            f"every rank computes it whole (cutting it would add a gather before the norm), and the head is cut "
+            f"by the vocab")
 
 
 def _chooses(node: fx.Node, depth: int = 8) -> bool:
@@ -391,6 +414,7 @@ def analyze_vocab(gm: fx.GraphModule, a: Analysis, tp: int, multiple: int = 1) -
             uses.setdefault(node.target, []).extend(node.users)
     layouts: dict[str, VocabRows] = {}
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    unheaded: list[tuple[ParamMatmul, str]] = []  # unpaired matmuls that are no LM head, and why
     for m in a.matmuls:
         if m.node in paired or m.in_axis is not None:  # an expert's 3-D weight is no LM head
             continue
@@ -400,9 +424,7 @@ def analyze_vocab(gm: fx.GraphModule, a: Analysis, tp: int, multiple: int = 1) -
         except (Unshardable, ShardingError) as e:
             # a projection of a block already reported replicated is not an LM head: its reason stands
             if not any(m.module == r or m.module.startswith(r + ".") for r, _ in a.replicated):
-                why = f"{e.reason} (at {where(e.node)})" if isinstance(e, Unshardable) else str(e)
-                why = _kept_whole(m, why, _latent_of(m, a, order))
-                (a.by_design if why.startswith(_BY_DESIGN) else a.replicated).append((m.module, why))
+                unheaded.append((m, f"{e.reason} (at {where(e.node)})" if isinstance(e, Unshardable) else str(e)))
             continue
         if not head.losses and not head.outputs:
             continue
@@ -413,6 +435,9 @@ def analyze_vocab(gm: fx.GraphModule, a: Analysis, tp: int, multiple: int = 1) -
             continue
         facts.heads.append(head)
         layouts[m.weight] = layout
+    for m, why in unheaded:  # named once the heads are known: a head's dense + norm transform is whole by design
+        why = _head_transform(m, facts.heads, a, order) or _kept_whole(m, why, _latent_of(m, a, order))
+        (a.by_design if why.startswith(_BY_DESIGN) else a.replicated).append((m.module, why))
     head_nodes = {h.matmul.node for h in facts.heads}
     # a failed pair whose row is an LM head after all (a gate of the last block tried as its column)
     a.replicated[:] = [e for e in a.replicated if a.failed_rows.get(e) not in head_nodes]

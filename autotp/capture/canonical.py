@@ -14,6 +14,7 @@ from autotp.capture.autocast import inline_autocast
 from autotp.capture.grad_mode import detach_no_grad_regions
 from autotp.operators.functions import is_marker
 from autotp.capture.einsum import einsums_as_batched_matmuls
+from autotp.capture.lookups import row_reads_as_embeddings
 
 aten = torch.ops.aten
 
@@ -21,8 +22,8 @@ aten = torch.ops.aten
 def canonicalize(gm: fx.GraphModule) -> None:
     """All the rewrites of this module, in place; the graph is recompiled where one changed it. First the
     bodies of autocast regions are inlined (:mod:`autotp.capture.autocast`), so the rest rewrite them too."""
-    changed = [inline_autocast(gm), index_lists_as_slices(gm), views_as_views(gm), einsums_as_matmuls(gm),
-               einsums_as_batched_matmuls(gm), drop_identities(gm),
+    changed = [inline_autocast(gm), index_lists_as_slices(gm), row_reads_as_embeddings(gm), views_as_views(gm),
+               einsums_as_matmuls(gm), einsums_as_batched_matmuls(gm), drop_identities(gm),
                drop_dtype_asserts(gm), detach_no_grad_regions(gm)]
     if any(changed):
         gm.recompile()
