@@ -13,6 +13,9 @@ After::
     split = aten.split(linear, 32, 2)
     mul_local = operator.mul(s0, 2)                  # this view's own copy: other readers keep ``mul``
     reshape = aten.reshape(transpose, [mul_local, s1, 16])
+
+A size computed at run time another way (``floordiv(mul, 2)``: kv heads folded by ``q.shape[0] // n_rep``) is
+inferred by the view from the rank's own elements: ``aten.reshape(k, [-1, s1, 16])``.
 """
 from __future__ import annotations
 
@@ -36,6 +39,11 @@ def rewrite_constants(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
             seq = list(args[r.arg])
             if r.factor_of is not None:
                 seq[r.index] = _scaled_size(gm, node, seq[r.index], r.factor_of, r.old, r.new)
+            elif r.inferred is not None:  # a size computed at run time: the view infers this rank's (-1)
+                if not (isinstance(seq[r.index], fx.Node) and seq[r.index].name == r.inferred):
+                    raise ValueError(f"{r.node}: expected the size {r.inferred} at arg {r.arg}[{r.index}], "
+                                     f"found {seq[r.index]}")
+                seq[r.index] = r.new
             elif seq[r.index] != r.old:
                 raise ValueError(f"{r.node}: expected {r.old} at arg {r.arg}[{r.index}], found {seq[r.index]}")
             else:

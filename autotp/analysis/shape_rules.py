@@ -134,9 +134,17 @@ class ShapeRules:
                 self.rewrite(node, arg, j, v, v * local // full)
             return
         c = [a for a in v.args if is_static(a)] if isinstance(v, fx.Node) and v.target is operator.mul else []
-        if len(c) != 1 or c[0] * local % full:
+        if len(c) == 1 and c[0] * local % full == 0:
+            self.region.rewrites.append(Rewrite(node.name, arg, j, c[0], c[0] * local // full, v.name))
+            return
+        # any other size computed at run time (``k.reshape(q.shape[0] // n_rep, s, d)``: heads folded under the
+        # batch, ``floordiv(4·b, 2)``): a view infers it from this rank's elements, the other sizes being local
+        hint = v.meta.get("val") if isinstance(v, fx.Node) else None
+        hint = getattr(getattr(hint, "node", None), "hint", None)
+        if kind_of(node.target) != "view" or arg != 1 or hint is None or \
+                any(is_static(a) and a == -1 for i, a in enumerate(shape_arg) if i != j):
             raise Unshardable(node, "the size of the sharded dim is computed at run time")
-        self.region.rewrites.append(Rewrite(node.name, arg, j, c[0], c[0] * local // full, v.name))
+        self.region.rewrites.append(Rewrite(node.name, arg, j, int(hint), -1, inferred=v.name))
 
     def _view_outer(self, node, s, shape_arg, dst, gi, gj) -> Sharding:
         """Views of heads folded under the batch (``[b·h, s, d]``): passed through, or unfolded again."""
@@ -395,7 +403,7 @@ class ShapeRules:
         own kv heads; where kv heads are fewer than tp, a rank holds one and repeats it for its q heads only."""
         s = self.spec(node.args[0])
         reps, d = node.args[1], arg_of(node, 2, "dim", None)
-        if d is None or s.inner or s.outer or arg_of(node, 3, "output_size", None) is not None:
+        if d is None or s.inner or arg_of(node, 3, "output_size", None) is not None:
             raise Unshardable(node, "repeat_interleave of a flattened or merged sharded tensor")
         if normalize_dim(d, ndim_of(node)) != s.dim:
             return s
@@ -404,4 +412,5 @@ class ShapeRules:
         if seg is None or not is_static(reps) or reps % q:
             raise Unshardable(node, "repeat_interleave of the sharded dim that does not split by rank")
         self.rewrite(node, 1, None, reps, reps // q)
-        return Sharding(s.dim, (Segment(seg.size * reps, self.tp),))
+        # kv heads folded under the batch ([b·n_kv, s, d]) stay folded: each rank repeats its own to [b·n_q, ..]
+        return Sharding(s.dim, (Segment(seg.size * reps, self.tp),), outer=s.outer)

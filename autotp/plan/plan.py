@@ -35,6 +35,8 @@ class Rewrite:
 
     ``factor_of``: the element is a size computed at run time, ``factor_of = x * old`` (``b * n_heads``); it
     becomes a fresh ``x * new`` for this node only (other readers of ``factor_of`` keep the full size).
+    ``inferred``: the element is the size node ``inferred`` computed at run time some other way (``old`` is its
+    value for the example inputs); this view gets ``-1`` (``new``) and infers it from the rank's elements.
     """
 
     node: str
@@ -43,6 +45,7 @@ class Rewrite:
     old: int
     new: int
     factor_of: str | None = None
+    inferred: str | None = None
 
 
 @dataclass(frozen=True)

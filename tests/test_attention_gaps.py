@@ -1,0 +1,81 @@
+"""Attention spellings that used to stay whole (tests/support/attention_gap_models.py): scores masked by
+``torch.where`` with a Python scalar, and grouped-query attention over heads folded under the batch whose kv
+heads are folded to a size computed at run time. Each is cut by heads at tp 2 and 4 (structural tests, no
+processes) and trains exactly with Megatron's collectives (gloo ranks: tp 2 by default, tp 4 extended)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from autotp.capture.tracer import capture
+from autotp.plan.planner import make_plan
+from attention_gap_models import FOLDS, KINDS, FoldedGQA, build
+from parity_workers import pattern_parity
+from pattern_models import HD, H, S, LMWith, build_with
+from ranks import Launches
+
+RUNS = Launches({2: {"attention gaps": (pattern_parity, list(KINDS), 3, False, "attention_gap_models")}},
+                extended={4: {"attention gaps": (pattern_parity, list(KINDS), 3, False, "attention_gap_models")}})
+
+
+def _plan(kind: str, tp: int):
+    model, args, kwargs = build(kind)
+    return make_plan(capture(model, args, kwargs)[0], tp)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("kind", KINDS)
+def test_each_spelling_is_cut_by_heads(kind: str, tp: int):
+    plan = _plan(kind, tp)
+    assert plan.replicated == () and plan.whole == (), (plan.replicated, plan.whole)
+    params = dict(plan.params)
+    for i in range(2):
+        q, o = params[f"blocks.{i}.attn.q.weight"], params[f"blocks.{i}.attn.o.weight"]
+        assert (q.role, q.local_shape) == ("column", (H // tp, H)) and (o.role, o.local_shape) == ("row", (H, H // tp))
+    if kind in FOLDS:
+        # k and v folded to floordiv(4·b, 2) rows per layer: each view infers this rank's size from its elements
+        inferred = [r for r in plan.rewrites if r.inferred is not None]
+        assert len(inferred) == 4 and {(r.old, r.new) for r in inferred} == {(4, -1)}, inferred
+        # the repeat to the query heads: 2 per kv head at tp 2, 1 at tp 4 (each kv head on 2 ranks)
+        reps = {r.new for r in plan.rewrites if r.node.startswith("repeat_interleave")}
+        assert reps == (set() if tp == 2 else {1}), plan.rewrites
+
+
+class _TwoRunTimeSizes(FoldedGQA):
+    """The kv heads folded by ``reshape(qf.shape[0] // n_rep, s, -1)``: the head dim already inferred."""
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q = self.q(x).view(b, s, self.heads, HD).transpose(1, 2)
+        k = self.k(x).view(b, s, self.kv_heads, HD).transpose(1, 2)
+        qf = q.reshape(b * self.heads, s, HD)
+        kf = k.reshape(qf.shape[0] // self.n_rep, s, -1).repeat_interleave(self.n_rep, dim=0)
+        y = torch.bmm(torch.softmax(torch.bmm(qf, kf.transpose(1, 2)), -1), kf).view(b, self.heads, s, HD)
+        return self.o(y.transpose(1, 2).reshape(b, s, H))
+
+
+def test_a_run_time_size_beside_an_inferred_one_is_left_whole_with_the_reason():
+    """A view infers one size only: a run-time size of the folded dim beside a ``-1`` keeps attention whole."""
+    torch.manual_seed(0)
+    model, args, kwargs = build_with(LMWith("fold_from_q", _TwoRunTimeSizes))
+    plan = make_plan(capture(model, args, kwargs)[0], 2)
+    assert [m for m, _ in plan.replicated] == ["blocks.0.attn", "blocks.1.attn"], plan.replicated
+    assert all("the size of the sharded dim is computed at run time" in why for _, why in plan.replicated)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.extended)])
+def test_attention_gaps_train_exactly_with_megatron_collectives(world: int):
+    results = RUNS(world, "attention gaps")
+    bsh, bs, layers = 2 * S * H, 2 * S, 2
+    for rank, by_kind in results.items():
+        assert list(by_kind) == list(KINDS)
+        for kind, r in by_kind.items():
+            assert r["loss_diff"] <= 1e-5 and r["grad_diff"] <= 1e-5 and r["param_diff"] <= 1e-5, (rank, kind, r)
+            assert not r["replicated"] and r["whole"] == {} and r["unexplained"] == [], (kind, r)
+            assert r["fraction"] <= 1 / world + 0.12, (kind, r["fraction"])
+            # forward: the embedding's and 2 per layer all-reduces of b·s·h, the loss's max and 2 sums of b·s;
+            # backward: one entering attention and one entering the MLP per layer, one for the LM head
+            assert sorted(r["forward"]) == sorted([("all_reduce", "sum", bsh)] * (2 * layers + 1) + [
+                ("all_reduce", "max", bs), ("all_reduce", "sum", bs), ("all_reduce", "sum", bs)]), (kind, r["forward"])
+            assert r["backward"] == [("all_reduce", "sum", bsh)] * (2 * layers + 1), (kind, r["backward"])
