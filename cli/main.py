@@ -33,6 +33,9 @@ app = typer.Typer(
     help="autotp: automatic tensor parallelism for PyTorch GPT models",
     no_args_is_help=True,
     add_completion=False,
+    # click's plain help: at 80 columns rich's panels cut long option names (--sequence-paral…) and show flags
+    # with a <bool> metavar; click gives each option its whole name and wraps only the text beside it
+    rich_markup_mode=None,
     pretty_exceptions_show_locals=False,
 )
 
@@ -107,7 +110,7 @@ def rank_grid(layout: RankLayout) -> Table:
     return table
 
 
-@app.command()
+@app.command(short_help="Which ranks form the tp, cp, dp, pp groups.")
 def layout(
     world_size: int = typer.Option(..., "--world-size", "-w", help="Total number of ranks."),
     tp: int = typer.Option(1, "--tp", help="Tensor-parallel size (innermost, adjacent ranks)."),

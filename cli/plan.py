@@ -333,4 +333,4 @@ def render(console: Console, model: str, the_plan, report: Report, layout: RankL
 
 
 def register(app: typer.Typer) -> None:
-    app.command("plan")(plan)
+    app.command("plan", short_help="A model file's sharding plan; --auto: the best layouts.")(plan)

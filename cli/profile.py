@@ -207,4 +207,4 @@ def profile(
 
 
 def register(app: typer.Typer) -> None:
-    app.command("profile")(profile)
+    app.command("profile", short_help="Measure this node for the layout planner.")(profile)

@@ -193,7 +193,7 @@ def run(
 ) -> None:
     """Run SCRIPT on tp × cp × dp × pp ranks per node with torch's elastic launcher (c10d rendezvous).
 
-    With more than one rank, each line the ranks print starts with the global rank that printed it: \\[rank1]:."""
+    With more than one rank, each line the ranks print starts with the global rank that printed it: [rank1]:."""
 
     from autotp.cli.progress import Phases
 
@@ -232,4 +232,4 @@ def run(
 
 
 def register(app: typer.Typer) -> None:
-    app.command("run")(run)
+    app.command("run", short_help="Run a training script on tp × cp × dp × pp ranks.")(run)

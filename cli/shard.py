@@ -597,4 +597,4 @@ def _choose(model: str, world_size: int, nnodes: int, gpu: str | None,
 
 
 def register(app: typer.Typer) -> None:
-    app.command("shard")(shard)
+    app.command("shard", short_help="Shard a model file, check it, train it and checkpoint it.")(shard)

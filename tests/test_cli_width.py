@@ -259,3 +259,25 @@ def test_shard_summary_says_why_fsdp_steps_are_slower(monkeypatch) -> None:
     plain = Console(file=io.StringIO(), width=200)
     render(_shard_report("/tmp/o/checkpoints/step-3"), plain)
     assert "step time" not in plain.file.getvalue()
+
+
+def test_help_at_80_columns_names_every_option_whole() -> None:
+    """``COLUMNS=80 autotp CMD --help``: no line is longer, every option's name appears whole (rich's panels cut
+    them: ``--sequence-paral…``), a flag is shown as a flag (no ``<bool>``), and the commands' summaries are
+    whole sentences (not cut with "...")."""
+    import typer
+
+    group = typer.main.get_command(app)
+    top = runner.invoke(app, ["--help"], env={"COLUMNS": str(WIDTH)})
+    assert top.exit_code == 0 and "..." not in top.stdout.split("Commands:")[1], top.stdout
+    assert "--version" in top.stdout
+    for name, command in group.commands.items():
+        result = runner.invoke(app, [name, "--help"], env={"COLUMNS": str(WIDTH)})
+        assert result.exit_code == 0, result.output
+        text = result.stdout
+        assert not [line for line in text.splitlines() if len(line) > WIDTH], text
+        assert "…" not in text and "<bool>" not in text, text
+        names = {opt for p in command.params for opt in (*p.opts, *p.secondary_opts) if opt.startswith("--")}
+        # each name at the start of its row, whole: "  --sequence-parallel   Split ..." or "-w, --world-size <int>"
+        rows = {word.rstrip(",") for line in text.splitlines() for word in line.split()[:4]}
+        assert names <= rows, (name, sorted(names - rows))
