@@ -31,7 +31,10 @@ except ImportError:
         from lightning_fabric import Fabric
         from lightning_fabric.strategies import ModelParallelStrategy
     except ImportError as exc:
-        raise ImportError(f"{__file__} trains with Lightning Fabric: pip install 'autotp[lightning]'") from exc
+        need = f"{__file__} trains with Lightning Fabric: pip install 'autotp[lightning]'"
+        if __name__ == "__main__":  # run as a script: one line, not a traceback
+            sys.exit(f"error: {need}")
+        raise ImportError(need) from exc
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from nanogpt import GPT, GPTConfig  # noqa: E402

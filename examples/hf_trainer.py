@@ -26,8 +26,11 @@ from torch.utils.data import Dataset
 try:
     from transformers import Trainer, TrainingArguments
 except ImportError as exc:
-    raise ImportError(f"{__file__} trains with Hugging Face's Trainer and needs transformers and accelerate: "
-                      "pip install 'autotp[hf]'") from exc
+    need = (f"{__file__} trains with Hugging Face's Trainer and needs transformers and accelerate: "
+            "pip install 'autotp[hf]'")
+    if __name__ == "__main__":  # run as a script: one line, not a traceback
+        sys.exit(f"error: {need}")
+    raise ImportError(need) from exc
 
 import autotp
 from autotp.integrations import Trainer as TPTrainer

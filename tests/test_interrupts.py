@@ -214,3 +214,36 @@ def test_examples_name_the_extra_they_need(example, blocked, extra) -> None:
                 sys.modules.pop(name, None)
             else:
                 sys.modules[name] = module
+
+
+@pytest.mark.parametrize("example, blocked, extra", [("llama.py", "transformers", "autotp[hf]"),
+                                                    ("hf_trainer.py", "transformers", "autotp[hf]"),
+                                                    ("fabric_train.py", "lightning_fabric", "autotp[lightning]")])
+def test_examples_missing_their_extra_say_one_line(example, blocked, extra) -> None:
+    """Run as a script (``python examples/fabric_train.py``, or each rank of ``autotp run``) an example ends
+    with one line naming its extra, not a traceback; a model file (``autotp shard examples/llama.py``) is
+    refused with the same words in autotp's one line."""
+    import runpy
+
+    from autotp.capture.modelfile import ModelFileError, load_model_file
+
+    path = Path(ROOT) / "examples" / example
+    hidden = {name: None for name in (blocked, "lightning")}
+    saved = {name: sys.modules.get(name) for name in hidden}
+    sys.modules.update(hidden)
+    try:
+        if example == "llama.py":
+            with pytest.raises(ModelFileError) as failed:
+                load_model_file(str(path))
+            said = str(failed.value)
+        else:
+            with pytest.raises(SystemExit) as failed:
+                runpy.run_path(str(path), run_name="__main__")
+            said = failed.value.code
+        assert said.count("\n") == 0 and f"pip install '{extra}'" in said, said
+    finally:
+        for name, module in saved.items():
+            if module is None:
+                sys.modules.pop(name, None)
+            else:
+                sys.modules[name] = module
