@@ -24,6 +24,16 @@ KEYED_TP2 = ["softcap_where", "hf_llama_padded"]
 KEYED_REST = {(4, 1): ["alibi_abs", "softcap_where", "shared_window", "sdpa_window"], (2, 2): ["alibi", "sdpa_window"]}
 
 
+def test_sequence_parallelism_needs_tp_times_cp_to_divide_the_length():
+    """Under cp the tp ranks split the cp chunk (s/cp), not the sequence: a length of 12 at tp 4 × cp 2 is a
+    multiple of tp and of 2·cp, yet its chunk of 6 is not one of tp; such a call runs without sequence
+    parallelism. A call run whole on every cp rank (cp 1 here) needs tp only."""
+    from autotp.parallel.parallelize import sequence_divisor
+
+    assert sequence_divisor(4, 2) == 8 and 12 % sequence_divisor(4, 2) and not 12 % 4 and not 12 % (2 * 2)
+    assert not 16 % sequence_divisor(4, 2) and not 12 % sequence_divisor(4, 1) and sequence_divisor(2, 1) == 2
+
+
 @pytest.fixture(scope="module")
 def runs() -> Launches:
     """Both tests' jobs in one launch per cp."""

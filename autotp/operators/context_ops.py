@@ -34,6 +34,14 @@ class _ContextOp(_Collective):
         return dist.get_world_size(self.group), dist.get_rank(self.group)
 
 
+class _ChunkOf(_ContextOp):
+    """An op computing this rank's part of a value from that value alone (no communication, no random stream):
+    a pipeline stage that reads its result computes it again from the graph's inputs rather than receive it
+    (:func:`autotp.plan.pieces.recomputable` reads ``recomputable``)."""
+
+    recomputable = True
+
+
 class _AlongSequence(_ContextOp):
     def __init__(self, dim: int) -> None:
         super().__init__()
@@ -43,7 +51,7 @@ class _AlongSequence(_ContextOp):
         return f"dim={self.dim}"
 
 
-class ShardSequence(_AlongSequence):
+class ShardSequence(_AlongSequence, _ChunkOf):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.group is None:
             return x
@@ -51,7 +59,7 @@ class ShardSequence(_AlongSequence):
         return x.index_select(self.dim, local_positions(x.size(self.dim), cp, rank, x.device))
 
 
-class LocalPositions(_ContextOp):
+class LocalPositions(_ChunkOf):
     def forward(self, positions: torch.Tensor) -> torch.Tensor:  # arange(start, start + s/cp)
         if self.group is None:
             return positions
@@ -60,7 +68,7 @@ class LocalPositions(_ContextOp):
         return start + local_positions(positions.numel() * cp, cp, rank, positions.device).to(positions.dtype)
 
 
-class PositionRows(_AlongSequence):
+class PositionRows(_AlongSequence, _ChunkOf):
     """``table[:s]`` along ``dim`` (a rotary or position table read up to the length) → the rows of this
     rank's positions: ``length`` is the chunk's, s/cp."""
 

@@ -179,8 +179,9 @@ def _dispatch(model: nn.Module, args: tuple, kwargs: dict,
             check_chunks(length, st.cp)
         c = _whole_context(model, st, args, kwargs, key, flat, f"sequence length {length} is not divisible by "
                                                                f"2·cp = {2 * st.cp}")
-    if c.seq_length is not None and flat[c.seq_length[0]].shape[c.seq_length[1]] % st.tp:
-        c = _whole_sequence(model, st, args, kwargs, key, flat, flat[c.seq_length[0]].shape[c.seq_length[1]])
+    if c.seq_length is not None and (length := flat[c.seq_length[0]].shape[c.seq_length[1]]) % \
+            (split := sequence_divisor(st.tp, st.cp if c.cp_length is not None else 1)):
+        c = _whole_sequence(model, st, args, kwargs, key, flat, length, split)
     for i, s in c.local_inputs:
         flat[i] = _local_input(flat[i], s, st)
     if compiling and not c.local:
@@ -228,13 +229,21 @@ def _graph_for(model: nn.Module, st: TPState, args: tuple, kwargs: dict, key: Ha
         return _build(model, st, args, kwargs, variant, sequence_parallel=sequence_parallel, context=context)
 
 
+def sequence_divisor(tp: int, cp: int) -> int:
+    """What a call's sequence length must be a multiple of for sequence parallelism to split it: each tp rank
+    takes 1/tp of what its rank runs, the whole sequence, or with context parallelism (``cp`` > 1, the call run
+    on chunks) its cp chunk of s/cp: (b, s/(cp·tp), h) per rank, so tp·cp."""
+    return tp * cp
+
+
 def _whole_sequence(model: nn.Module, st: TPState, args: tuple, kwargs: dict, key: Hashable,
-                    flat: list[torch.Tensor], length: int) -> Captured:
-    """A call whose sequence length tp does not divide runs a plan without sequence parallelism (same
-    numbers, plain tensor parallelism's collectives), captured once for the signature."""
+                    flat: list[torch.Tensor], length: int, split: int) -> Captured:
+    """A call whose sequence length tp (tp·cp, run on cp chunks) does not divide runs a plan without sequence
+    parallelism (same numbers, plain tensor parallelism's collectives), captured once for the signature."""
     whole = (key, "whole sequence")
     if whole not in st.graphs:
-        warnings.warn(f"autotp: sequence length {length} is not divisible by tp={st.tp}: calls like this one run "
+        by = f"tp·cp = {split} (tp {st.tp} × cp {split // st.tp})" if split != st.tp else f"tp={st.tp}"
+        warnings.warn(f"autotp: sequence length {length} is not divisible by {by}: calls like this one run "
                       "without sequence parallelism (plain tensor parallelism, the same numbers)", stacklevel=3)
     return _graph_for(model, st, args, kwargs, whole, flat, sequence_parallel=False)
 
@@ -293,7 +302,8 @@ def _build(model: nn.Module, st: TPState, args: tuple, kwargs: dict, key: Hashab
     hooks_off = fsdp_hooks_off(model) if st.units is not None else contextlib.nullcontext()
     with hooks_off:  # the rewrite too: it exports the whole model where the blocks cannot be copied
         cg = capture_blocks(model, args, kwargs, forward=_user_forward(model, st), params=swap, device=st.device,
-                            static=st.options.pipeline is not None and not st.options.sequence_parallel, recorded=recorded,
+                            static=st.options.pipeline is not None and not st.options.sequence_parallel
+                            and st.cp == 1, recorded=recorded,
                             writes=st.options.pipeline is None)
         accepts = input_guard(cg.gm)  # before the passes give sharded inputs their local shapes
         gm, spec, plan, copied = rewrite(st, cg, st.options.sequence_parallel if sequence_parallel is None

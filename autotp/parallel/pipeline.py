@@ -221,8 +221,9 @@ class Pipeline:
                                 hint="step with batches shaped like example_inputs (the same batch size and "
                                      "sequence length)")
         st = tp_state(self.model)
-        if st.tp > 1 and not self._checked:
-            check_same_inputs(args, kwargs, st.group)
+        if (st.tp > 1 or st.cp > 1) and not self._checked:  # the ranks of a tp or cp group share the batch
+            for group in (g for g, n in ((st.group, st.tp), (st.cp_group, st.cp)) if n > 1):
+                check_same_inputs(args, kwargs, group)
             self._checked = True
         b = _batch_size(flat)
         if b % self.microbatches:
@@ -253,6 +254,7 @@ class Pipeline:
             scale = self.scaler.scale(torch.ones((), device=index.device)).item()
         self.schedule.step(target=index, losses=losses, return_outputs=False, **inputs)
         self._sum_kv_copies()
+        self._sum_chunks()
         for p, group in self._tied:  # Megatron's embedding group: the copies of a tied weight get one gradient
             if p.grad is not None:  # under FSDP each copy's dp piece: the same rows on every holder
                 dist.all_reduce(p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad, group=group)
@@ -272,6 +274,23 @@ class Pipeline:
         local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
         flat = torch.cat([g.reshape(-1) for g in local])  # (Σ numel,): one bucket
         dist.all_reduce(flat, group=tp_state(self.model).group)
+        for g, piece in zip(local, flat.split([g.numel() for g in local])):
+            g.copy_(piece.view_as(g))
+
+    def _sum_chunks(self) -> None:
+        """With context parallelism each rank's gradients cover its own chunk's tokens (the loss is the group's
+        mean, each rank's term its own tokens'): every gradient of this rank's stages summed over the cp group
+        in one all-reduce of them all, flattened together, once per step (after DDP's average over dp: the
+        two commute)."""
+        st = tp_state(self.model)
+        if st.cp == 1:
+            return
+        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        if not grads:
+            return
+        local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+        flat = torch.cat([g.reshape(-1) for g in local])  # (Σ numel,): one bucket
+        dist.all_reduce(flat, group=st.cp_group)
         for g, piece in zip(local, flat.split([g.numel() for g in local])):
             g.copy_(piece.view_as(g))
 
@@ -352,7 +371,7 @@ def pipeline(model: nn.Module, *, example_inputs: object, microbatches: int, sch
              vocab_multiple: int = 1, device: torch.device | str | None = None,
              scaler: torch.amp.GradScaler | None = None, compile: bool | dict = False,
              sequence_parallel: bool = False, expert_parallel: bool = False,
-             fsdp: bool | FSDPConfig = False) -> Pipeline:
+             fsdp: bool | FSDPConfig = False, context_parallel: int | None = None) -> Pipeline:
     """Cut ``model`` into ``pp × virtual_stages`` pipeline stages, each sharded by autotp's TP plan, and return
     the :class:`Pipeline` that trains it.
 
@@ -367,7 +386,11 @@ def pipeline(model: nn.Module, *, example_inputs: object, microbatches: int, sch
     stage's piece runs under ``torch.compile`` (a dict: its options), as torchtitan compiles per stage.
     ``sequence_parallel``, ``expert_parallel``: as :func:`autotp.parallelize` (the hidden state crossing a cut
     is then s/t per tp rank). ``fsdp`` (True or an :class:`~autotp.distributed.data_parallel.FSDPConfig`):
-    each stage is one FSDP2 unit over its data-parallel ranks instead of DDP.
+    each stage is one FSDP2 unit over its data-parallel ranks instead of DDP. ``context_parallel``: every stage
+    runs 1/cp of the sequence, as :func:`autotp.parallelize` runs it (the hidden state crossing a cut is the
+    rank's chunk, b/m × s/cp × h); the ranks come from the mesh's ``cp`` dim (a (pp, dp, cp, tp) mesh), else
+    the layout's under ``autotp run --cp``; default: the mesh's cp dim, else the launcher's. Each step sums
+    the gradients of this rank's stages over the cp group once, after the schedule, in one all-reduce.
 
     The model keeps its class and names; its parameters become this rank's TP shards of its own stages
     (those of other ranks' stages go to the meta device), and calling it directly is refused.
@@ -381,8 +404,9 @@ def pipeline(model: nn.Module, *, example_inputs: object, microbatches: int, sch
         _batch_size(flat))
     name, v = asked.schedule, asked.virtual_stages
     # what does not run together is refused before anything is captured or allocated (the one rule)
+    cp = _context_size(mesh, context_parallel)
     Options(compile=compile, sequence_parallel=sequence_parallel, expert_parallel=expert_parallel,
-            pipeline=StageRequest(asked.count), schedule=asked, stage_fsdp=bool(fsdp)).validate()
+            pipeline=StageRequest(asked.count), schedule=asked, stage_fsdp=bool(fsdp), context_parallel=cp).validate()
     kind = SCHEDULES[name]
     count = asked.count
     micro_args, micro_kwargs = unflatten(_microbatch(flat, microbatches), in_spec)
@@ -394,14 +418,21 @@ def pipeline(model: nn.Module, *, example_inputs: object, microbatches: int, sch
     def mine(top: nn.Module) -> set[str]:  # what this rank's stages read: nothing else is allocated here
         return {n for s in indices for n in _reads(top, s)}
 
-    parallelize_state(model, tp_group=mesh.get_group("tp"), example_inputs=(tuple(micro_args), dict(micro_kwargs)),
+    # with cp the mesh gives both groups (its tp and cp dims): autotp.distributed.context.context_mesh
+    groups = {"mesh": mesh} if cp > 1 and "cp" in names else {"tp_group": mesh.get_group("tp")}
+    parallelize_state(model, example_inputs=(tuple(micro_args), dict(micro_kwargs)), **groups,
                       vocab_multiple=vocab_multiple, device=device, fsdp=False, pipeline=request, stage_params=mine,
                       sequence_parallel=sequence_parallel, expert_parallel=expert_parallel, stage_fsdp=bool(fsdp),
-                      schedule=asked)
+                      schedule=asked, context_parallel=cp)
     st = tp_state(model)
     key = call_key(args, kwargs, model.training)
     micro_key = call_key(tuple(micro_args), dict(micro_kwargs), model.training)
     captured = st.graphs[micro_key]
+    if captured.cp_length is not None:  # the input the analysis found carrying the sequence: 2·cp chunks of it
+        from autotp.plan.context_planner import check_chunks
+
+        check_chunks(flatten((tuple(micro_args), dict(micro_kwargs)))[0][captured.cp_length[0]]
+                     .shape[captured.cp_length[1]], cp)
     reads = [_reads(captured.module, s) for s in range(count)]
     if kind.placement == "v":
         _check_v_ties(dict(model.named_parameters(remove_duplicate=False)), reads, ranks, name)
@@ -413,6 +444,21 @@ def pipeline(model: nn.Module, *, example_inputs: object, microbatches: int, sch
     tied = _tied_groups(model, reads, ranks, me, mesh)
     return Pipeline(model, mesh, name, v, microbatches, key, modules, indices, count, tied,
                     (tuple(micro_args), dict(micro_kwargs)), scaler, compiled, config is not None)
+
+
+def _context_size(mesh: DeviceMesh, asked: int | None) -> int:
+    """The context-parallel size: ``asked``, else the mesh's cp dim, else ``autotp run --cp``'s (1: none)."""
+    names = mesh.mesh_dim_names or ()
+    if asked is None:
+        if "cp" in names:
+            return mesh.size(names.index("cp"))
+        from autotp.distributed.launch import cp_from_env
+
+        return cp_from_env()
+    if "cp" in names and mesh.size(names.index("cp")) != asked:
+        raise ProcessGroupError(f"context_parallel={asked}, and the mesh's cp dim has "
+                                f"{mesh.size(names.index('cp'))} ranks")
+    return asked
 
 
 def _stage_modules(model: nn.Module, captured: Captured, indices: list[int] | tuple[int, ...],

@@ -74,9 +74,11 @@ def _plan(st: TPState, gm: fx.GraphModule, sequence_parallel: bool, stacklevel: 
     if st.options.whole_kv_copies:
         plan = cut_copies_in_graph(gm, plan)
     if st.cp > 1 and context:  # the forward on a chunk of the sequence: refused here, naming the ops, if it cannot run so
-        # (with FSDP its reduce-scatter over the dp and cp ranks sums the chunks' gradients: no sum of its own)
+        # (with FSDP its reduce-scatter over the dp and cp ranks sums the chunks' gradients, and a pipeline's
+        # step sums its stages' after the schedule: no sum of its own)
         plan = dataclasses.replace(plan, context=context_plan(gm, find_context(gm, st.cp), st.cp,
-                                                              sum_grads=st.options.fsdp is None))
+                                                              sum_grads=st.options.fsdp is None
+                                                              and st.options.pipeline is None))
     warn_plan(st, plan, stacklevel=stacklevel + 1)
     return plan
 

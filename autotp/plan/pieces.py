@@ -47,12 +47,21 @@ def unit_keys(gm: fx.GraphModule, blocks: list[str]) -> dict[fx.Node, int]:
     return keys
 
 
-def _pure(node: fx.Node) -> bool:
-    """An ATen op that reads its inputs only: no random stream, no write to an input."""
+# Python's arithmetic on sizes (``s // cp`` of a symbolic length): a size computed from sizes
+_SIZE_ARITHMETIC = frozenset({operator.add, operator.sub, operator.mul, operator.floordiv, operator.truediv,
+                              operator.mod, operator.neg, operator.pow})
+
+
+def _pure(node: fx.Node, gm: fx.GraphModule | None = None) -> bool:
+    """An ATen op that reads its inputs only: no random stream, no write to an input; arithmetic on sizes; a
+    module of the rewritten graph that says it is ``recomputable`` (a value of its inputs alone: this rank's
+    chunk of an input under context parallelism)."""
     target = node.target
+    if node.op == "call_module" and gm is not None:
+        return getattr(gm.get_submodule(str(target)), "recomputable", False) is True
     if node.op != "call_function":
         return False
-    if target is operator.getitem:
+    if target is operator.getitem or target in _SIZE_ARITHMETIC:
         return True
     if not isinstance(target, torch._ops.OpOverload):
         return False
@@ -68,6 +77,6 @@ def recomputable(gm: fx.GraphModule) -> set[fx.Node]:
     for node in gm.graph.nodes:
         if node.op == "placeholder" or node.op == "get_attr" and node.target not in params:
             out.add(node)
-        elif _pure(node) and all(a in out for a in node.all_input_nodes):
+        elif _pure(node, gm) and all(a in out for a in node.all_input_nodes):
             out.add(node)
-    return {n for n in out if n.op == "call_function"}
+    return {n for n in out if n.op in ("call_function", "call_module")}

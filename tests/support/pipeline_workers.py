@@ -22,16 +22,20 @@ def _replica(batch, d: int, dp: int):
 def pipeline_parity(model_name: str, tp: int, pp: int, schedule: str, microbatches: int,
                     virtual_stages: int | None = None, steps: int = 3, clip: float = 0.05,
                     compile: bool | dict = False, sequence_parallel: bool = False,
-                    expert_parallel: bool = False, fsdp: bool = False) -> dict:
+                    expert_parallel: bool = False, fsdp: bool = False, cp: int = 1) -> dict:
     """Losses, clipped gradient norms and parameters after AdamW steps of the pipelined model (each
     data-parallel replica on its share of the batch) against the unsharded model on the whole batch.
-    ``compile``: each stage's piece compiled (graph breaks counted)."""
+    ``compile``: each stage's piece compiled (graph breaks counted). ``cp`` > 1: on a (pp, dp, cp, tp) mesh,
+    every stage on 1/cp of the sequence."""
     from torch._dynamo.utils import counters
 
     counters.clear()
     ref, args, kwargs = MODELS[model_name]()
-    dp = dist.get_world_size() // (tp * pp)
-    mesh = init_device_mesh("cpu", (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
+    dp = dist.get_world_size() // (tp * pp * cp)
+    if cp > 1:
+        mesh = init_device_mesh("cpu", (pp, dp, cp, tp), mesh_dim_names=("pp", "dp", "cp", "tp"))
+    else:
+        mesh = init_device_mesh("cpu", (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
     d = mesh["dp"].get_local_rank()
     la, lk = _replica((args, kwargs), d, dp)
     model = copy.deepcopy(ref)
