@@ -142,7 +142,7 @@ def plan(
     if context is not None:
         from autotp.cli.plan_tables import context_table
 
-        console.print(context_table(context))
+        console.print(context_table(context, tp_collectives=tp > 1))
     if fsdp and spec is not None:
         console.print(f"fsdp with pipeline stages: each of a rank's stages is one FSDP2 unit over dp {layout.dp}; "
                       "per step one all-gather of each stage before its first micro-batch (kept gathered to the "
@@ -298,6 +298,8 @@ def render(console: Console, model: str, the_plan, report: Report, layout: RankL
     from autotp.cli.tp_tables import (comm_table, experts_table, layer_table, not_sharded_table, rank_grid,
                                       replicated_table, sequence_table, totals_table, world_line)
 
+    if report.tp == 1 and layout.cp > 1:  # no weight is cut: the per-layer and tp tables would say nothing
+        return _render_context_only(console, model, report, layout, batch_note, fsdp, sharded_dp)
     sp = ", sequence parallel" if the_plan.sequence is not None and the_plan.sequence.leaves else ""
     console.print(f"[bold]{escape(model)}[/bold]: tp {report.tp}{sp}, {len(the_plan.pairs)} column→row pairs, "
                   f"{len(the_plan.collectives)} collectives per step; {world_line(layout, int(sharded_dp))}")
@@ -328,6 +330,28 @@ def render(console: Console, model: str, the_plan, report: Report, layout: RankL
             console.print(ranks_table(pipe))
         console.print(p2p_table(pipe))
         console.print(schedule_table(pipe))
+    for note in report.notes:
+        console.print(f"[yellow]note:[/yellow] {escape(note)}")
+
+
+def _render_context_only(console: Console, model: str, report: Report, layout: RankLayout, batch_note: str,
+                         fsdp: FSDPReport | None, sharded_dp: bool) -> None:
+    """tp 1 with cp: every weight whole on every rank, each rank 1/cp of every sequence. The header, the rank
+    grid and what a rank holds; the context-parallelism table (printed after this) says what cp does."""
+    from autotp.cli.plan_tables import context_totals_table, fsdp_memory_table, fsdp_traffic_table, fsdp_units_table
+    from autotp.cli.tp_tables import rank_grid, world_line
+
+    console.print(f"[bold]{escape(model)}[/bold]: cp {layout.cp}, tp 1: no weight is cut (every rank holds the "
+                  f"whole model) and each rank runs 1/{layout.cp} of every sequence; "
+                  f"{world_line(layout, int(sharded_dp))}", soft_wrap=True)
+    if batch_note:
+        console.print(f"[yellow]note:[/yellow] {escape(batch_note)}")
+    console.print(rank_grid(layout))
+    console.print(context_totals_table(report, layout, ddp=fsdp is None))
+    if fsdp is not None:
+        console.print(fsdp_units_table(fsdp))
+        console.print(fsdp_memory_table(fsdp))
+        console.print(fsdp_traffic_table(fsdp))
     for note in report.notes:
         console.print(f"[yellow]note:[/yellow] {escape(note)}")
 

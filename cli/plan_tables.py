@@ -10,7 +10,8 @@ from rich.markup import escape
 from autotp.cli.fit import FitTable
 from autotp.plan.context_report import ContextReport
 from autotp.plan.pipeline_report import PipelineReport
-from autotp.plan.report import FSDPReport, FSDPUnitRow
+from autotp.distributed.layout import RankLayout
+from autotp.plan.report import FSDPReport, FSDPUnitRow, Report
 from autotp.cli.plan_format import DIRECTION, fmt_count, fmt_kind, fmt_ratio, fmt_shape, fmt_size
 
 
@@ -94,8 +95,9 @@ def fsdp_traffic_table(fsdp: FSDPReport) -> Table:
 
 
 # -- context parallelism (--cp) --------------------------------------------------------------------------
-def context_table(c: ContextReport) -> Table:
-    """What runs on each rank's 1/cp of the sequence, and what it costs per rank."""
+def context_table(c: ContextReport, tp_collectives: bool = True) -> Table:
+    """What runs on each rank's 1/cp of the sequence, and what it costs per rank (``tp_collectives``: with tp
+    > 1, what cp does to the tp communication table above it)."""
     table = FitTable(title=f"context parallelism: cp {c.cp}, each rank runs {c.seq // c.cp} of the {c.seq} "
                            f"tokens (chunks r and {2 * c.cp - 1}−r of {2 * c.cp})", show_header=False)
     table.add_column(style="bold")
@@ -117,9 +119,27 @@ def context_table(c: ContextReport) -> Table:
                                           f"(2·b·s·h_kv·(cp−1)/cp each way)")
     table.add_row("gradients", "summed over the cp group in one all-reduce of them all (with dp: then averaged "
                                "over dp)")
-    table.add_row("tp collectives", f"each carries 1/{c.cp} of the elements counted above (b·s/cp rows)")
+    if tp_collectives:
+        table.add_row("tp collectives", f"each carries 1/{c.cp} of the elements counted above (b·s/cp rows)")
     table.caption = ("activations: Korthikanti et al. 2022 with fused attention, no dropout (64·sbh + 4·asb + "
                      "16·sb fp32 bytes per layer); measured at 1.00× by benchmarks/context_parallel.py")
+    return table
+
+
+def context_totals_table(report: Report, layout: RankLayout, ddp: bool = True) -> Table:
+    """What each rank holds at tp 1 with cp: the whole model (cp cuts the sequence, not the weights), and the
+    gradients' sum over the cp group each step."""
+    m = report.memory
+    table = FitTable(title=f"per rank (tp 1 × cp {layout.cp}: every weight whole)", show_header=False)
+    table.add_column(style="bold")
+    table.add_column(justify="right", no_wrap=True)
+    table.add_column()
+    table.add_row("parameters", fmt_count(m.params), f"{fmt_size(m.bytes_full)}, as on one device")
+    table.add_row("training memory (16 B/param)", fmt_size(m.train_bytes_full), "weights, gradients and AdamW "
+                  "state, as on one device; the activations are 1/cp (below)")
+    over = f" then over dp {layout.dp}" if layout.dp > 1 and ddp else ""
+    table.add_row("gradient all-reduce / step", fmt_count(m.params),
+                  f"elements over cp {layout.cp}{over} ({fmt_size(m.bytes_full)}: the parameters' dtype)")
     return table
 
 

@@ -78,6 +78,12 @@ def test_plan_shows_the_rings_and_what_a_rank_keeps_and_receives(tmp_path: Path)
                            env={"COLUMNS": "200"})
     assert result.exit_code == 0, result.output
     assert "context parallelism: cp 2, each rank runs 16 of the 32 tokens" in result.output
+    # tp 1: what cp does and what a rank holds, not a table of 28 weights "tp 1: nothing is sharded" and a tp
+    # communication table of h=?, L=0
+    text = " ".join(result.stdout.split())
+    assert "cp 2, tp 1: no weight is cut" in text and "gradient all-reduce / step │ 120,576 │" in text, text
+    assert "h=?" not in text and "nothing is sharded" not in text and "transformer.h.0" not in text, text
+    assert "tp collectives" not in text and len(result.stdout.splitlines()) < 40, result.stdout
     c = json.loads(out.read_text())["context"]
     assert (c["rings"], c["causal"], c["written"], c["losses"]) == (2, 2, 2, 1)
     assert c["activation_bytes"] * 2 == c["activation_unsharded"]
