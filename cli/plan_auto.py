@@ -18,7 +18,7 @@ from autotp.capture.modelfile import load_model_file, planning_batch
 from autotp.cli.fit import FitTable
 from autotp.cli.plan_command import command
 from autotp.cli.plan_format import fmt_size
-from autotp.layout.auto import Search, Space, explain, search, tp_sizes
+from autotp.layout.auto import Search, Space, best_per_mesh, explain, mesh_name, search, tp_sizes
 from autotp.layout.cost import RESERVED, Estimate, Training
 from autotp.layout.facts import ModelFacts, capture_facts
 from autotp.layout.hardware import PRESETS, Hardware, resolve
@@ -138,6 +138,47 @@ def rejected_table(auto: Auto, top: int = 5) -> Table | None:
     return table
 
 
+def _duration(x: float) -> str:
+    """Three significant digits in the unit that fits: a term's difference may be nanoseconds."""
+    for unit, size in (("s", 1.0), ("ms", 1e-3), ("µs", 1e-6)):
+        if x >= size:
+            return f"{x / size:.3g} {unit}"
+    return f"{x * 1e9:.3g} ns"
+
+
+def beats_line(auto: Auto) -> str | None:
+    """Why the best layout beats the best of another (tp, cp, pp): the terms that favour it, largest first, then
+    those that favour the other. Per step when both train one global batch; per token when they do not (one
+    example batch per data-parallel replica, autotp shard --auto), since their steps train different batches."""
+    best, meshes = auto.result.best, best_per_mesh(auto.result)
+    if best is None or len(meshes) < 2:
+        return None
+    other = meshes[1]
+    s = auto.training.seq or 1
+    same = best.tokens == other.tokens
+    # seconds per step, or per token: every term over the tokens its step trains
+    per = (lambda e, x: x) if same else (lambda e, x: x / e.tokens)
+    diffs = {k: per(other, other.terms()[k]) - per(best, v) for k, v in best.terms().items()}
+    eps = 1e-4 * per(best, best.step)  # a hundredth of a percent of the step: no term worth naming
+    favour = sorted(((d, k) for k, d in diffs.items() if d > eps), reverse=True)
+    against = sorted(((-d, k) for k, d in diffs.items() if d < -eps), reverse=True)
+    unit = "per step" if same else "per token"
+    batch = (f"both at {best.tokens // s:,} sequences per step" if same else
+             f"its step trains {best.tokens // s:,} sequences, the other's {other.tokens // s:,}: compared per token")
+    line = (f"{mesh_name(best.layout)} beats the best {mesh_name(other.layout)} layout ({other.layout.label()}) by "
+            f"{best.tokens_per_device / other.tokens_per_device - 1:.1%} tokens/s per device ({batch}): "
+            + ", ".join(f"{k} {_duration(d)} less" for d, k in favour[:3]) + f" {unit}")
+    if against:
+        line += "; against it: " + ", ".join(f"{k} {_duration(d)} more" for d, k in against[:2])
+    return line
+
+
+def why(auto: Auto) -> list[str]:
+    """The search's explanation, its line on the runner-up's mesh told by :func:`beats_line`."""
+    mine = beats_line(auto)
+    return [mine if mine is not None and " beats the best " in line else line for line in explain(auto.result)]
+
+
 def render(console: Console, model: str, auto: Auto, top: int) -> None:
     f = auto.facts
     console.print(f"[bold]{escape(model)}[/bold]: {f.params:,} parameters, {f.layers} blocks, hidden {f.hidden}, "
@@ -152,7 +193,7 @@ def render(console: Console, model: str, auto: Auto, top: int) -> None:
     if best is not None:
         console.print(f"[bold green]best:[/bold green] {best.layout.label()} — {_secs(best.step)} per step, "
                       f"{best.tokens_per_device:,.0f} tokens/s per device", soft_wrap=True)
-    for line in explain(auto.result):
+    for line in why(auto):
         console.print(f"  {escape(line)}", soft_wrap=True)
     if best is not None:
         cmd = command(model, best.layout, auto.space)
@@ -169,6 +210,6 @@ def to_dict(auto: Auto, top: int) -> dict:
             "rejected": [r.to_dict() for r in sorted(auto.result.rejected,
                                                       key=lambda r: -r.estimate.tokens_per_device)[:top]],
             "rejected_count": len(auto.result.rejected), "considered": auto.result.considered,
-            "why": explain(auto.result),
+            "why": why(auto),
             "command": command(auto.model, auto.result.best.layout, auto.space)._asdict() if auto.result.best
             else None}
