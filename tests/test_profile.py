@@ -165,3 +165,11 @@ def test_profile_two_cpu_ranks(tmp_path) -> None:
     # reduce-scatter is measured, or the profile says why not
     assert ("reduce_scatter", 2) in kinds or "reduce_scatter" in hw.extra["collective_notes"]
     assert Hardware.from_dict(hw.to_dict()) == hw
+
+
+def test_the_dtypes_checked_before_torch_are_the_profilers() -> None:
+    """``autotp profile --dtype`` is checked before torch is imported, against names kept beside the command."""
+    from autotp.cli.profile import DTYPE_NAMES
+    from autotp.layout.profile import DTYPES
+
+    assert DTYPE_NAMES == tuple(DTYPES)
