@@ -2,7 +2,7 @@
 of tp 2 × pp 2 × fsdp 2 against tp 2 × pp 2 with DDP over the same dp 2; peak memory per rank against the
 formula for the FSDP layouts.
 
-    python benchmarks/compose.py [--steps 8] [--mem-steps 3] [--layers 4] [--out benchmarks/results]
+    python benchmarks/compose_speed.py [--steps 8] [--mem-steps 3] [--layers 4] [--out benchmarks/results]
 
 Model: benchmarks/fsdp.py's nanoGPT (dim 1024, 16 heads, vocab 8192 tied to the LM head, block 128, dropout 0,
 attention written out) with ``--layers`` blocks, built on meta and initialised per local piece; batch 2 × 64
@@ -32,7 +32,7 @@ largest over the ranks, against (L: the elements a rank's tp shard holds, of its
                                              micro-batch; A_r = A · min(m, p − r) / (m · p): the micro-batches
                                              1F1B keeps on pipeline rank r, each through 1/p of the blocks
 
-Writes ``OUT/compose.json`` and ``OUT/compose.md``.
+Writes ``OUT/compose_speed.json`` and ``OUT/compose_speed.md``.
 """
 from __future__ import annotations
 
@@ -270,7 +270,7 @@ def _markdown(res: dict) -> str:
         "",
         f"autotp: HEAD {res['source']['commit'][:12]}, sources digest {res['source']['sources']}.",
         "",
-        f"Reproduce: `python benchmarks/compose.py --steps {res['options']['steps']} --mem-steps "
+        f"Reproduce: `python benchmarks/compose_speed.py --steps {res['options']['steps']} --mem-steps "
         f"{res['options']['mem_steps']} --layers {res['options']['layers']}` (this run: {res['wall_s']:.0f} s).",
     ]
     return "\n".join(lines) + "\n"
@@ -314,8 +314,8 @@ def main() -> None:
               "goal": GOAL, "source": source, "wall_s": time.perf_counter() - start}
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "compose.json").write_text(json.dumps(result, indent=2))
-    (out / "compose.md").write_text(_markdown(result))
+    (out / "compose_speed.json").write_text(json.dumps(result, indent=2))
+    (out / "compose_speed.md").write_text(_markdown(result))
     console.print(Markdown(_markdown(result)))
 
 
