@@ -478,3 +478,69 @@ def test_shard_auto_bad_flags(argv, message):
     r = runner.invoke(app, ["shard", "examples/nanogpt.py", *argv])
     assert r.exit_code == 2
     assert message in " ".join(r.output.split())
+
+
+def test_command_spells_the_layout_as_autotp_shard_runs_it():
+    """The best layout's command line: autotp shard's --dp counts one node's replicas, FSDP's mixed precision
+    and the pipeline's knobs are flags, and what the script does (accumulation, recomputation) is said."""
+    from autotp.cli.plan_command import command
+
+    space = Space(world=64, gpus_per_node=8, batch=64)
+    lay = Layout(8, 8, 1, 1, 1, fsdp=True, sp=True, recompute=True, fsdp_dtype="bf16")
+    cmd = command("llama70b.py", lay, space)
+    assert cmd.line.startswith("autotp shard llama70b.py --tp 8 --dp 1 --fsdp --fsdp-param-dtype bf16 "
+                               "--sequence-parallel --nnodes 8")
+    assert any("checkpointing" in n for n in cmd.notes)
+    piped = command("m.py", Layout(2, 2, 4, 1, 16, v=2), Space(world=16, gpus_per_node=8, batch=32))
+    assert "--tp 2 --dp 1 --pp 4 --microbatches 16 --virtual-stages 2 --schedule Interleaved1F1B" in piped.line
+    kept = command("m.py", Layout(1, 8, 1, 2, 4, fsdp=True, keep=True), Space(world=8, gpus_per_node=8, batch=64))
+    assert "--nnodes" not in kept.line and any("set_requires_gradient_sync(False)" in n for n in kept.notes)
+    odd = command("m.py", Layout(8, 3, 1, 1, 1), Space(world=48, gpus_per_node=8, batch=3))
+    assert odd.line is None and "does not divide" in odd.notes[0]
+
+
+def test_the_chosen_command_plans_the_same_layout(tmp_path):
+    """`autotp plan` of the command printed for a layout (autotp shard's per-node --dp and --nnodes read back as
+    the whole dp) plans that layout: its sizes, FSDP and FSDP's gather dtype, sequence parallelism."""
+    from autotp.cli.plan_command import command
+
+    lay = Layout(2, 8, 1, 1, 1, fsdp=True, sp=True, fsdp_dtype="bf16")
+    line = command("examples/nanogpt.py", lay, Space(world=16, gpus_per_node=8, batch=8)).line
+    argv = line.split()[1:]  # "shard", the model, its flags
+    nnodes = int(argv[argv.index("--nnodes") + 1])
+    argv = [x for x in argv[:argv.index("--nnodes")]]
+    argv[argv.index("--dp") + 1] = str(int(argv[argv.index("--dp") + 1]) * nnodes)
+    out = tmp_path / "plan.json"
+    r = runner.invoke(app, ["plan", *argv[1:], "--world-size", "16", "--gpus-per-node", "8", "--json", str(out)],
+                      env={"COLUMNS": "200"})
+    assert r.exit_code == 0, r.output
+    data = json.loads(out.read_text())
+    assert (data["world"]["tp"], data["world"]["dp"], data["world"]["pp"]) == (lay.tp, lay.dp, lay.pp)
+    assert "fsdp" in data and data["fsdp_param_dtype"] == "bfloat16"
+    assert data["plan"]["sequence"] is not None  # sequence parallelism planned
+    assert "gathered and computed in bfloat16" in r.output
+    bad = runner.invoke(app, ["plan", "examples/nanogpt.py", "--tp", "2", "--fsdp-param-dtype", "bf16"])
+    assert bad.exit_code == 2 and "goes with --fsdp" in " ".join(bad.output.split())
+
+
+def test_matmul_rate_falls_with_fewer_rows_and_a_narrower_model():
+    """The presets' matmul curve: matmul_flops · M/(M + M0) · h/(h + h0); a profile without it runs every
+    matmul at matmul_flops. The compute term follows the micro-batch's rows."""
+    h = hw(matmul_tokens=300, matmul_width=840)
+    assert h.matmul_rate(2048, 4096) == pytest.approx(1e12 * 2048 / 2348 * 4096 / 4936)
+    assert hw().matmul_rate(1, 1) == 1e12
+    assert A100.matmul_rate(2048, 4096) == pytest.approx(0.579 * A100.peak_flops, rel=1e-3)
+    f = facts(comm=False)
+    one = estimate(f, h, Layout(1, 1, 1, 1, 8), Training(act_bytes=4))
+    eight = estimate(f, h, Layout(1, 1, 1, 8, 1), Training(act_bytes=4))
+    assert one.compute > eight.compute  # the same FLOPs in micro-batches of 32 rows, not 256
+
+
+def test_ddp_after_the_backward_hides_nothing():
+    """Training(ddp_overlap=False): the all-reduce waits for the backward (Megatron-LM's 2021 loop)."""
+    f = facts(comm=False, per_layer=10**7)
+    fast = hw(intra=Link(1e-5, 1e13))
+    grad = (500 + 4 * 10**7 + 300) * 4
+    buckets = math.ceil(grad / (25 * 2**20))
+    after = estimate(f, fast, Layout(1, 4, 1, 1, 1), Training(act_bytes=2, ddp_overlap=False))
+    assert after.dp_comm == pytest.approx(buckets * (1e-5 + 2 * 3 / 4 * grad / buckets / 1e13) + 2 * grad * 2 / 1e11)

@@ -117,6 +117,7 @@ class Training:
     act_bytes: int = 2  # bf16 autocast
     seq: int | None = None  # default: the captured sequence length
     act_dtype: str = "bf16"  # its name: what FSDP's mixed precision gathers in
+    ddp_overlap: bool = True  # DDP's all-reduce runs beside the backward (torch's DDP); False: after it
 
 
 @dataclass(frozen=True)
@@ -216,10 +217,12 @@ def estimate(facts: ModelFacts, hw: Hardware, lay: Layout, training: Training = 
     passes = 4 if lay.recompute else 3  # forward, backward (2×), recomputed forward
     tokens = b * scale / c  # samples' worth of tokens one rank computes per micro-batch
 
+    rate = hw.matmul_rate(b * s / c, facts.hidden)  # a micro-batch's tokens on one rank: its matmuls' rows
+
     def flops_time(fwd_flops: float) -> float:
         split = tf.flops_split
         per_rank = fwd_flops * (split / t + (1 - split))
-        return passes * per_rank / hw.matmul_flops
+        return passes * per_rank / rate
 
     # -- compute per micro-batch: the blocks on this rank, plus the first or last part's extra ------------
     # with sequence parallelism norms, dropouts and residuals are split over t too; with cp every term is
@@ -274,12 +277,15 @@ def estimate(facts: ModelFacts, hw: Hardware, lay: Layout, training: Training = 
     backward_mb = compute_mb * (2 + int(lay.recompute)) / passes
     forward_mb = compute_mb / passes
     dp_exposed = 0.0
-    hide = 1.0 if hw.overlap else 0.0  # where collectives share the compute's cores, nothing hides them
+    # where collectives share the compute's cores nothing hides them; nor DDP's all-reduce where the training
+    # loop reduces the gradients after the backward (Megatron-LM 2021)
+    hide = 1.0 if hw.overlap else 0.0
+    ddp_hide = hide if training.ddp_overlap else 0.0
     if d > 1 and not lay.fsdp:  # one all-reduce per 25 MB bucket; gradients copied into buckets and back
         buckets = max(1, math.ceil(grad_bytes / DDP_BUCKET))
         total = hw.collective("all_reduce", grad_bytes / buckets, d, dp_node, count=buckets)
         tail = total / buckets
-        dp_exposed = max(tail, total - hide * backward_mb) + 2 * grad_bytes * copy
+        dp_exposed = max(tail, total - ddp_hide * backward_mb) + 2 * grad_bytes * copy
     elif f > 1 and (p > 1 or lay.keep):  # each stage one unit (torchtitan's choice), or the whole model kept
         # gathered between micro-batches: one all-gather before the first micro-batch, one reduce-scatter after
         # the last; pipelined, neither hidden (the stage has nothing else to run), else the first forward and

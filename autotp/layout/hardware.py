@@ -61,6 +61,11 @@ class Hardware:
     optimizer: float = 0.0  # seconds of an AdamW step per parameter (0: its state read and written once)
     overlap: bool = True  # collectives run beside compute (GPUs' copy engines); not where they share its cores
     share: float = 1.0  # ranks taking turns on one device (more ranks than CPU cores): one's idle time is another's
+    # how the matmuls' rate falls with their size: a micro-batch of M tokens on a rank, of a model of hidden size
+    # h, runs its matmuls at matmul_flops · M / (M + matmul_tokens) · h / (h + matmul_width) (0: at matmul_flops
+    # whatever the size); fewer rows and a shorter inner dimension leave more of the GPU's tiles idle
+    matmul_tokens: float = 0.0
+    matmul_width: float = 0.0
     measured: tuple[Measured, ...] = ()
     matmuls: tuple[tuple[int, int, int, float], ...] = ()  # (m, k, n, FLOP/s) measured by autotp profile
     source: str = ""
@@ -83,6 +88,12 @@ class Hardware:
         link = self.link(kind, ranks, ranks if per_node is None else per_node)
         return count * (link.latency + wire(kind, nbytes, ranks) / link.bandwidth)
 
+    def matmul_rate(self, tokens: float, hidden: float) -> float:
+        """FLOP/s of the matmuls of a model of ``hidden`` size for a micro-batch of ``tokens`` rows on one rank."""
+        rows = tokens / (tokens + self.matmul_tokens) if tokens > 0 else 1.0
+        width = hidden / (hidden + self.matmul_width) if hidden > 0 else 1.0
+        return self.matmul_flops * rows * width
+
     def to_dict(self) -> dict:
         return {"version": PROFILE_VERSION, **asdict(self)}
 
@@ -99,7 +110,8 @@ class Hardware:
                      memory_bandwidth=float(d["memory_bandwidth"]), memory_bytes=int(d["memory_bytes"]),
                      gpus_per_node=int(d["gpus_per_node"]), intra=Link(**d["intra"]), inter=Link(**d["inter"]),
                      overhead=float(d.get("overhead", 0.0)), optimizer=float(d.get("optimizer", 0.0)),
-                     overlap=bool(d.get("overlap", True)), share=float(d.get("share", 1.0)), measured=measured, matmuls=tuple(tuple(x) for x in d.get("matmuls", ())),
+                     overlap=bool(d.get("overlap", True)), share=float(d.get("share", 1.0)),
+                     matmul_tokens=float(d.get("matmul_tokens", 0.0)), matmul_width=float(d.get("matmul_width", 0.0)), measured=measured, matmuls=tuple(tuple(x) for x in d.get("matmuls", ())),
                      source=str(d.get("source", "")), extra=dict(d.get("extra", {})))
         except (KeyError, TypeError) as exc:
             raise ValueError(f"hardware profile is missing or mistypes a field: {exc}") from None
@@ -115,10 +127,14 @@ GiB = 2**30
 
 def _datasheet(name: str, peak: float, hbm: float, nvlink: int, infiniband: int, sheet: str) -> Hardware:
     """An 8-GPU node of 80 GB parts from its datasheet numbers (``peak`` dense bf16 FLOP/s, HBM GB/s, NVLink
-    and InfiniBand GB/s each way per GPU), with the stated assumptions for what a training step sustains."""
+    and InfiniBand GB/s each way per GPU), with the stated assumptions for what a training step sustains: the
+    matmuls' rate a curve in the micro-batch's rows and the model's width whose three constants reproduce
+    Megatron's published A100 throughput (``benchmarks/megatron_table1.py``), carried over to the H100."""
     return Hardware(
         name=name,
-        matmul_flops=0.6 * peak,
+        matmul_flops=0.8 * peak,
+        matmul_tokens=300,
+        matmul_width=840,
         peak_flops=peak,
         memory_bandwidth=hbm * GB,
         memory_bytes=80 * GB,
@@ -126,7 +142,9 @@ def _datasheet(name: str, peak: float, hbm: float, nvlink: int, infiniband: int,
         intra=Link(10e-6, 0.8 * nvlink * GB),
         inter=Link(20e-6, 0.9 * infiniband * GB),
         overhead=5e-6,
-        source=f"{sheet} Assumed, not measured: matmuls sustain 60% of peak, NVLink collectives 80% of {nvlink} "
+        source=f"{sheet} Assumed, not measured: matmuls sustain 80% of peak × M/(M + 300) × h/(h + 840) for "
+               "micro-batches of M tokens per rank and hidden size h (the curve fitted to Narayanan et al. 2021, "
+               f"Table 1, A100s: 58% of peak at M 2048, h 4096), NVLink collectives 80% of {nvlink} "
                f"GB/s each way, InfiniBand 90% of {infiniband} GB/s, 5 µs per op launched; run `autotp profile` "
                "on the cluster for measured numbers.",
     )
