@@ -55,6 +55,9 @@ class Captured:
     # the written state the model held when this graph was captured (a call on other state captures again)
     writes: Writes | None = None
     state: tuple = ()
+    # checks the forward made on the values of the model's state, with the answers this graph was captured for
+    # (autotp.capture.values): a call whose state answers otherwise is captured again
+    checks: tuple = ()
 
 
 @dataclass(frozen=True)
@@ -104,6 +107,8 @@ class TPState:
     dropped: frozenset[str] = frozenset()  # pipelined: parameters of other ranks' stages (meta here)
     cached: Plan | None = None  # the plan parallelize sharded by, read from the plan cache (nothing captured)
     cached_from: str = ""  # its file
+    # blocks run eagerly because their code branches on the data: path -> how they are cut (autotp.plan.islands)
+    islands: dict = field(default_factory=dict)
 
     # this rank's identity, read everywhere
     group = property(lambda self: self.who.group)

@@ -51,6 +51,8 @@ from autotp.capture.preserve import preserved, unique_names
 from autotp.capture.repeats import Copies, Repeats, cut, find_repeats
 from autotp.capture.source_lines import source_lines_released
 from autotp.capture.structure import Spec, flatten, unflatten
+from autotp.capture.islands import ISLANDS_KEY, island_for, islanded
+from autotp.capture.values import CHECKS_KEY, ValueWatch, real_state
 from autotp.capture.writes import WRITES_KEY, StateWatch, drop_buffer_copies
 
 _HOOK_DICTS = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called",
@@ -60,16 +62,22 @@ _HOOK_DICTS = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_a
 # -- capture -------------------------------------------------------------------------------------------
 @contextlib.contextmanager
 def _as_flat_forward(model: nn.Module, forward: Callable, in_spec: Spec, box: list,
-                     written: list | None = None) -> Iterator[None]:
+                     written: list | None = None, checks: tuple[dict, list] | None = None) -> Iterator[None]:
     """Export ``model`` as if ``forward`` took and returned flat tensors: root hooks off (they run around
     the rewritten graph at call time, as before), the output's structure stored in ``box``. ``written``: the
     state the forward writes on the model is returned after its outputs, and what replays it
-    (:mod:`autotp.capture.writes`) stored there."""
+    (:mod:`autotp.capture.writes`) stored there. ``checks``: (the model's real state, a list): checks on
+    that state's values are answered from it and stored in the list (:mod:`autotp.capture.values`)."""
 
     def flat_forward(*tensors):
         args, kwargs = unflatten(tensors, in_spec)
         watch = StateWatch(model) if written is not None else None
-        out, spec = flatten(forward(*args, **kwargs))
+        values = ValueWatch(model, checks[0]) if checks is not None else contextlib.nullcontext()
+        with values:
+            result = forward(*args, **kwargs)
+        if checks is not None:
+            checks[1].append(tuple(values.checks))
+        out, spec = flatten(result)
         box.append(spec)
         if watch is None:
             return tuple(out)
@@ -199,7 +207,8 @@ def _export_blocks(model: nn.Module, forward: Callable, args: tuple, kwargs: dic
     kept = {n: t for n, t in params.items() if not n.startswith(gone)} if params else params
     with cut(blocks, rep.keep):
         gm, spec = _export_on(model, forward, args, kwargs, kept, device, static, writes)
-    if gm.meta.get(WRITES_KEY):
+    if gm.meta.get(WRITES_KEY) or gm.meta.get(CHECKS_KEY) or gm.meta.get(ISLANDS_KEY):
+        # the copies would neither write nor check their state, and an island's node names its own block
         return (*_export_on(model, forward, args, kwargs, params, device, static, writes), None)
     state = {**dict(model.named_parameters(remove_duplicate=False)),
              **dict(model.named_buffers(remove_duplicate=False)), **(params or {})}
@@ -228,14 +237,31 @@ def _export_on(model: nn.Module, forward: Callable, args: tuple, kwargs: dict,
     tensors = [place(t) for t in tensors]
     box: list[Spec] = []
     written: list | None = [] if writes else None
-    swap = _reparametrize_module(model, unique_names(model, params)) if params else contextlib.nullcontext()
-    # the model as it was, always; its cached helpers run uncached (autotp.capture.cached)
-    with preserved(model), helpers_uncached(model), swap, _as_flat_forward(model, forward, in_spec, box, written):
-        gm = _export(model, tensors, forward, static)
+    # checks on the state's values are answered from its real tensors, read before export swaps in fake ones
+    checks: tuple[dict, list] = (real_state(model, params or ()), [])
+    islands: list[str] = []  # blocks whose own code branches on the data: each one opaque call
+    island_specs: dict = {}  # path -> the structure of the block's inputs
+    while True:
+        swap = _reparametrize_module(model, unique_names(model, params)) if params else contextlib.nullcontext()
+        try:
+            # the model as it was, always; its cached helpers run uncached (autotp.capture.cached)
+            with preserved(model), helpers_uncached(model), swap, islanded(model, islands, island_specs), \
+                    _as_flat_forward(model, forward, in_spec, box, written, checks):
+                gm = _export(model, tensors, forward, static)
+            break
+        except CaptureError as err:
+            path = island_for(err, model, _not_user_code(), islands)
+            if path is None:
+                raise
+            islands.append(path)
+    if islands:
+        gm.meta[ISLANDS_KEY] = {p: island_specs[p] for p in islands}
     found, rebound = written[-1] if written else (None, set())
     drop_buffer_copies(gm, rebound)  # a buffer re-assigned to itself never writes in the graph
     if found:
         gm.meta[WRITES_KEY] = found
+    if checks[1] and checks[1][-1]:
+        gm.meta[CHECKS_KEY] = checks[1][-1]
     return gm, box[-1]
 
 

@@ -26,6 +26,8 @@ from autotp.capture.meta_run import Recorder
 from autotp.capture.preserve import preserved
 from autotp.capture.source_lines import source_lines_released
 from autotp.capture.tracer import capture_blocks, input_guard, stand_ins
+from autotp.capture.islands import ISLANDS_KEY
+from autotp.capture.values import CHECKS_KEY, checks_hold
 from autotp.capture.writes import WRITES_KEY
 from autotp.capture.structure import Spec, call_key, flatten, unflatten
 from autotp.operators.collectives import bind_collectives, define_ops
@@ -36,6 +38,7 @@ from autotp.errors import PipelineError, ProcessGroupError, ShardingError
 from autotp.operators.gathered import GatheredOnUse, bind_outputs, local_outputs
 from autotp.distributed.data_parallel import FSDPConfig
 from autotp.distributed.replicas import AUTOTP_DDP, FSDP, NONE, OFF, PIPELINE, Replicas
+from autotp.parallel.islands import bind_islands, plan_islands
 from autotp.parallel.writeback import fingerprint, state_matches, write_back, written_at
 from autotp.passes import PassError, run_passes
 from autotp.passes.split_stages import split_stages
@@ -216,7 +219,7 @@ def _graph_for(model: nn.Module, st: TPState, args: tuple, kwargs: dict, key: Ha
     """
     variant, n = key, 0
     while (c := st.graphs.get(variant)) is not None:
-        if (c.accepts is None or c.accepts(flat)) and state_matches(model, c.state):
+        if (c.accepts is None or c.accepts(flat)) and state_matches(model, c.state) and checks_hold(model, c.checks):
             return c
         n += 1
         variant = (key, "guards", n)
@@ -306,9 +309,22 @@ def _build(model: nn.Module, st: TPState, args: tuple, kwargs: dict, key: Hashab
                             and st.cp == 1, recorded=recorded,
                             writes=st.options.pipeline is None)
         accepts = input_guard(cg.gm)  # before the passes give sharded inputs their local shapes
+        checks = cg.gm.meta.get(CHECKS_KEY, ())
+        islands = cg.gm.meta.get(ISLANDS_KEY)
+        if islands and (st.options.fsdp is not None or st.options.pipeline is not None):
+            raise ShardingError(f"{next(iter(islands))} branches on the data, so it runs eagerly as one call "
+                                "(an island), which FSDP units and pipeline stages do not run yet",
+                                hint="parallelize it without fsdp or pipeline stages, or write its loop in a "
+                                     "dense form (every expert on every token, weighted by the routing)")
+        if islands:  # before the passes: the blocks' inputs as captured
+            plan_islands(model, st, cg.gm, islands, stacklevel=5)
         gm, spec, plan, copied = rewrite(st, cg, st.options.sequence_parallel if sequence_parallel is None
                                          else sequence_parallel, stacklevel=4, context=context)
     writes = gm.meta.get(WRITES_KEY)  # read before the graph is cut into FSDP units' or stages' pieces
+    if islands:  # the blocks' own parameters, cut as each block's plan says
+        gm.meta[ISLANDS_KEY] = islands
+        plan = dataclasses.replace(plan, params=plan.params + tuple(
+            (n, s) for path in islands for n, s in st.islands[path].params))
     if st.options.fsdp is not None:
         gm, plan = _split_units(gm, plan, st)
     if st.options.pipeline is not None:
@@ -322,8 +338,9 @@ def _build(model: nn.Module, st: TPState, args: tuple, kwargs: dict, key: Hashab
     c = _finish(model, st, gm, spec, key, plan, accepts, copied)
     if writes:  # the state this graph writes, and the written state it was captured on (as the model holds it now)
         st.written.update(dict.fromkeys(written_at(w) for w in writes.items))
-    if st.written:
-        c = st.graphs[key] = dataclasses.replace(c, writes=writes, state=fingerprint(model, st.written))
+    if st.written or checks:
+        c = st.graphs[key] = dataclasses.replace(c, writes=writes, state=fingerprint(model, st.written),
+                                                 checks=checks)
     return c
 
 
@@ -391,6 +408,7 @@ def _finish(model: nn.Module, st: TPState, gm: fx.GraphModule, spec: Spec, key: 
         if node.op == "get_attr" and node.target in tensors:
             _set_attr(gm, node.target, tensors[node.target])
     bind_collectives(gm, st.group)
+    bind_islands(gm, model, st.islands, st.group)
     bind_collectives(gm, st.cp_group, axis="cp")
     if st.tp > 1:
         define_ops()  # the user may torch.compile the model: its CPU all-reduces then trace as one op each

@@ -121,7 +121,8 @@ def check_consistent(st: TPState, plan: Plan, copies: Copies | None = None) -> N
         if known != shard:
             raise ShardingError(f"{name} is sharded as {known} by {by} and {shard} by this call")
     first = {n for n, _ in (*st.plan.params, *st.plan.buffers)}
-    lost = sorted(first - set(cuts))
+    islands = {n for ip in st.islands.values() for n, _ in ip.params}  # cut by the block, not by the graph
+    lost = sorted(first - set(cuts) - islands)
     if lost:
         reasons = "; ".join(f"{m}: {r}" for m, r in plan.replicated) or "no reason recorded"
         raise ShardingError(
