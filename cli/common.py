@@ -2,6 +2,7 @@
 choose how a model is sharded (``autotp plan`` and ``autotp shard`` read them alike)."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import NoReturn
 
 import typer
@@ -35,6 +36,25 @@ def fsdp_param_dtype(value: str | None, fsdp: bool) -> str | None:
     if not fsdp:
         raise ValueError("--fsdp-param-dtype sets FSDP's mixed precision: it goes with --fsdp")
     return FSDP_DTYPES[value]
+
+
+@dataclass(frozen=True)
+class Startup:
+    """What the console script hands the command (click's context object): the modules its ranks' fork server
+    preloads; none when the app is called otherwise (a test's CliRunner): ranks are then spawned, or forked
+    from a server the caller started."""
+
+    warm: tuple[str, ...] = ()
+
+
+def warm_ranks(ctx: typer.Context) -> None:
+    """Start the fork server of the command's ranks, if the console script asked for one: called once the
+    checks that need no torch have passed and before torch is imported, so the server imports beside the
+    command's own imports, not beside its first checks."""
+    if isinstance(ctx.obj, Startup) and ctx.obj.warm:
+        from autotp.distributed.warm import warm_ranks as start
+
+        start(ctx.obj.warm)
 
 
 def fail(message: str, code: int = USAGE_ERROR) -> NoReturn:

@@ -1,9 +1,12 @@
 """The ``autotp`` console script (also ``python -m autotp.cli``).
 
-Before it imports the CLI (torch and the capture stack: seconds), it reads which command runs: ``shard`` and
-``profile`` launch ranks that run one of autotp's functions, so their fork server starts first and imports
-the ranks' module on another core while this process imports and checks (:mod:`autotp.distributed.warm`).
-Everything else (argument parsing, help, errors) is the typer app's, in :mod:`autotp.cli.main`.
+Before it imports the CLI, it reads which command runs: ``shard`` and ``profile`` launch ranks that run one of
+autotp's functions, so the command is handed the modules their fork server preloads; it starts the server once
+its checks that need no torch have passed, and the server imports the ranks' modules on another core while the
+command imports torch and checks the model (:mod:`autotp.distributed.warm`). Started before those checks, the
+server's import of torch would compete with them for the cores: a mistyped path took 3.5-5 s to be said on
+2 busy cores instead of 1.5 s. Everything else (argument parsing, help, errors) is the typer app's, in
+:mod:`autotp.cli.main`.
 """
 from __future__ import annotations
 
@@ -27,12 +30,7 @@ def rank_modules(argv: list[str]) -> tuple[str, ...]:
 
 
 def run() -> None:
-    """Warm the ranks of a command that launches them, then run the app."""
-    modules = rank_modules(sys.argv[1:])
-    if modules:
-        from autotp.distributed.warm import warm_ranks
-
-        warm_ranks(modules)
+    """Run the app, handing a command that launches ranks the modules to warm them with."""
     from autotp.cli.main import run as main
 
-    main()
+    main(warm=rank_modules(sys.argv[1:]))

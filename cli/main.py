@@ -25,7 +25,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from autotp.cli import plan as _plan, profile as _profile, run as _run, shard as _shard
-from autotp.cli.common import fail
+from autotp.cli.common import Startup, fail
 from autotp.distributed.layout import GROUP_KINDS, RankLayout
 
 app = typer.Typer(
@@ -143,11 +143,12 @@ for _command in (_run, _shard, _plan, _profile):
     _command.register(app)
 
 
-def run() -> None:
+def run(warm: tuple[str, ...] = ()) -> None:
     """The ``autotp`` console script: the app, then an exit that skips the final collection of every
-    object torch's import made (half a second of a warm ``autotp plan``; nothing is left to free)."""
+    object torch's import made (half a second of a warm ``autotp plan``; nothing is left to free). ``warm``: the
+    modules of the command's ranks (:mod:`autotp.cli.entry`), for :func:`autotp.cli.common.warm_ranks`."""
     try:
-        app()
+        app(obj=Startup(warm))
     finally:
         gc.freeze()
 

@@ -19,7 +19,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from autotp.capture.model_spec import model_path
-from autotp.cli.common import USAGE_ERROR
+from autotp.cli.common import USAGE_ERROR, warm_ranks
 from autotp.cli.plan_format import fmt_size
 from autotp.cli.run import DEBUG, TIMEOUT, abort, as_flags
 from autotp.errors import AutotpError, LaunchError, LaunchInterrupted, ModelFileError, RankFailedError
@@ -129,6 +129,7 @@ def render(hw: Hardware, console: Console) -> None:
 
 
 def profile(
+    ctx: typer.Context,
     nproc: int = typer.Option(2, "--nproc", help="Ranks to launch on this node (collectives need 2 or more)."),
     device: str | None = typer.Option(None, "--device", help="cuda (one GPU per rank, nccl) or cpu (gloo); "
                                       "default cuda when this node has a GPU, else cpu."),
@@ -164,6 +165,7 @@ def profile(
             model_path(model)
         except ModelFileError as exc:
             abort(str(exc), debug, code=USAGE_ERROR)
+    warm_ranks(ctx)
     import torch
 
     from autotp.distributed.launch import LaunchSpec, launch

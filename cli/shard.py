@@ -43,7 +43,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from autotp.cli.common import (EXPERT_PARALLEL, FSDP_PARAM_DTYPE, MICROBATCHES, SEQUENCE_PARALLEL, USAGE_ERROR,
-                               VIRTUAL_STAGES, check_layout_options, fsdp_param_dtype)
+                               VIRTUAL_STAGES, check_layout_options, fsdp_param_dtype, warm_ranks)
 from autotp.cli.run import DEBUG, DP, PP, Launcher, abort, launch_spec, say_restart, with_launcher
 from autotp.capture.model_spec import model_path
 from autotp.cli.run_folder import checkpoint_step, interrupted_line, traces
@@ -327,6 +327,7 @@ def render(report: ShardReport, console: Console) -> None:
 
 @with_launcher
 def shard(
+    ctx: typer.Context,
     model: str = typer.Argument(..., metavar="MODEL_PY", help="Model file defining build_model() and "
                                 "optionally example_batch(); path.py:NAME names another factory."),
     tp: int | None = typer.Option(None, "--tp", help="Tensor-parallel size: ranks that share one model replica "
@@ -417,6 +418,7 @@ def shard(
     if not resume and (earlier := _earlier_run(out)):
         abort(f"--out {out} already holds a run's files ({earlier}): continue that run with --resume, or "
               "write this one elsewhere with --out; nothing there was changed", debug, code=USAGE_ERROR)
+    warm_ranks(ctx)
     from autotp.capture.modelfile import load_model_file
     from autotp.cli.shard_worker import PARITY_TOL, ShardJob, shard_worker  # the ranks' code: only when sharding
     from autotp.distributed.launch import launch
