@@ -316,6 +316,22 @@ def _matmul(op, rule: OpRule) -> None:
     s = _s(len(lead) - 1, 4)
     assert _out(op, {0: s, 1: s}, a, b) == s
     _refuses(op, "contracted outside the row-parallel matmul", {0: _s(len(lead) + 1, 5)}, a, b)
+    # a replicated right side reads each rank's rows of the left (a scan's readout ``h @ C``): the rows stay cut
+    assert _out(op, {0: _s(len(lead), 3)}, a, b) == _s(len(lead), 3)
+    assert _out(op, {1: _s(len(lead) + 1, 3)}, a, b) == _s(len(lead) + 1, 3)  # and the columns of the right
+
+
+def _einsum(op, rule: OpRule) -> None:
+    """Any number of operands, read per letter: a kept letter stays cut, a replicated operand with it is read as
+    its slice (a parameter: cut), one without it broadcast; a contracted letter is refused."""
+    d, bn, x, a = _x(2, 4, 8), _x(2, 4, 4), _x(2, 4, 8), _x(8, 4)
+    assert _out(op, {0: _s(2, 8), 2: _s(2, 8)}, "bld,bln,bld->bldn", [d, bn, x]) == _s(2, 8)
+    p, node = _propagate(op, {0: _s(2, 8)}, "bld,dn->bldn", [d, a])
+    assert p.region.specs[node] == _s(2, 8) and [(c.operand.name, c.dim) for c in p.region.slices] == [("x1", 0)]
+    assert _out(op, {0: _s(2, 8)}, "...d,dn->...dn", [d, a]) == _s(2, 8)  # an ellipsis, and no arrow
+    assert _out(op, {0: _s(2, 8)}, "bld,bln", [d, bn]) == _s(0, 8)  # implicit output: the letters used once, d n
+    _refuses(op, "contracts the sharded letter", {0: _s(2, 8)}, "bld,bld->bl", [d, x])
+    _refuses(op, "sharded on different letters", {0: _s(2, 8), 1: _s(1, 4)}, "bld,bld->bld", [d, x])
 
 
 def _baddbmm(op, rule: OpRule) -> None:
@@ -468,6 +484,7 @@ CHECKS = {
     **{op: _reduction for op, r in OP_RULES.items() if r.kind == "reduction"},
     aten.max.dim: _max_min, aten.min.dim: _max_min, aten.rms_norm.default: _norm, aten.layer_norm.default: _norm,
     aten.matmul.default: _matmul, aten.bmm.default: _matmul, aten.baddbmm.default: _baddbmm,
+    aten.einsum.default: _einsum,
     aten.scaled_dot_product_attention.default: _sdpa,
     aten.index_put_.default: _index_put, aten.index_put.default: _index_put,
     aten.index_copy_.default: _index_copy, aten.index_copy.default: _index_copy, aten.copy_.default: _copy,

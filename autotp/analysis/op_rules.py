@@ -118,6 +118,8 @@ OP_RULES: MappingProxyType[object, OpRule] = MappingProxyType({
     aten.tril.default: OpRule("triangle"), aten.triu.default: OpRule("triangle"),
     # convolutions over the sequence: depthwise ones (one filter per channel) stay local to sharded channels
     aten.conv1d.default: OpRule("conv"), aten.conv1d.padding: OpRule("conv"),
+    # einsum of any number of operands, read per letter (DTensor's einsum strategy places two at most)
+    aten.einsum.default: OpRule("einsum"),
     # batched matmuls and attention
     aten.matmul.default: OpRule("matmul"), aten.bmm.default: OpRule("matmul"), aten.baddbmm.default: OpRule("baddbmm"),
     aten.scaled_dot_product_attention.default: OpRule("sdpa", random_p=4),

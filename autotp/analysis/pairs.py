@@ -19,6 +19,7 @@ import torch
 import torch.fx as fx
 
 from autotp.analysis.matmuls import ParamMatmul, find_param_embeddings, find_param_matmuls, where
+from autotp.analysis.channels import ChannelForm, channel_form, check_columns_inside, summed_inputs
 from autotp.analysis.column_layout import column_segments
 from autotp.analysis.ops import Unshardable
 from autotp.analysis.partial import deferred
@@ -39,6 +40,9 @@ class PairFacts:
     row: ParamMatmul
     column_specs: dict[str, Sharding]  # column node name -> output sharding
     region: Region
+    # a channel-parallel mixer's reducing projections (row-parallel inside the region, autotp.analysis.channels)
+    reduces: list[ParamMatmul] = field(default_factory=list)
+    summed: frozenset[fx.Node] = frozenset()  # column inputs whose gradient the reductions' all-reduce sums
 
 
 @dataclass
@@ -147,6 +151,7 @@ def _analyze(gm: fx.GraphModule, tp: int, matmuls: list[ParamMatmul], embeddings
     # q_a -> q_b) could otherwise pair with the up-projection that attention reads
     order = _order(gm)  # once: a graph walk per pair would make a deep model's analysis quadratic
     attention = _after_attention(gm, by_node.keys() | embeddings.keys())
+    inside: set[fx.Node] | None = None  # per-head matmuls a channel-parallel region computes through
     for row in sorted(matmuls, key=lambda m: not attention[m.x]):
         cols = feed[row.x] | ({row.x} if row.x in by_node else frozenset())
         # a matmul that feeds another candidate's input is no column of this pair (a column's input is whole):
@@ -174,6 +179,20 @@ def _analyze(gm: fx.GraphModule, tp: int, matmuls: list[ParamMatmul], embeddings
                 specs[c.node] = Sharding(c.y_dim % nd, segs)
             region = propagate(specs, row.node, row.x, fp, tp, name, row.x_dim)
         except Unshardable as e:
+            if inside is None:  # once: the matmuls a mixer's region computes through, and the feeders without them
+                inside = _per_head(gm, by_node)
+                feed_c = feeders(g, (set(by_node) - inside) | set(embeddings)) if inside else feed
+            found = feed_c[row.x] | ({row.x} if row.x in by_node else frozenset())
+            mixer = None if found & assigned or row.node in inside else \
+                channel_form(found, feed_c, {n: m for n, m in by_node.items() if n not in inside}, weight_uses,
+                             order, bool(inside & feed[row.x]))
+            if mixer is not None:
+                try:
+                    result.pairs.append(_channel_pair(mixer, row, fp, tp))
+                    assigned |= found | {row.node} | {m.node for m in mixer.reduces} | _within(inside, result.pairs[-1])
+                    continue
+                except Unshardable as why:
+                    e = why
             # a block left whole is reported once: a later attempt that pairs its output projection with
             # the next block's input fails only because of it
             if not cols & failed:
@@ -195,6 +214,36 @@ def _analyze(gm: fx.GraphModule, tp: int, matmuls: list[ParamMatmul], embeddings
     d = deferred([p.row.node for p in result.pairs if p.row.bias is None], params)
     result.leave_at, result.partial_enter = d.leave_at, d.enter
     return result
+
+
+def _per_head(gm: fx.GraphModule, by_node: dict[fx.Node, ParamMatmul]) -> set[fx.Node]:
+    """Matmuls by a 3-D parameter read whole, one matrix per head of a batch dim of the input (RecurrentGemma's
+    block-diagonal gates, ``einsum('... h i, h i j -> ... h j', x, w)``): inside a channel-parallel region
+    they are cut with the heads, like any per-head parameter, not paired themselves."""
+    return {n for n, m in by_node.items() if m.expert is None and gm.get_parameter(m.weight).dim() == 3}
+
+
+def _within(inside: set[fx.Node], pair: PairFacts) -> set[fx.Node]:
+    """The per-head matmuls ``pair``'s region computes through (sharded there)."""
+    return {n for n in inside if n in pair.region.specs}
+
+
+def _channel_pair(form: ChannelForm, row: ParamMatmul, fp: Fingerprinter, tp: int) -> PairFacts:
+    """The region of a channel-parallel mixer (:mod:`autotp.analysis.channels`): its columns cut per segment,
+    its reductions row-parallel inside it; raises Unshardable where the cut does not stay local."""
+    name = common_module([m.module for m in [*form.columns, *form.reduces, row]]) or row.module
+    specs = {}
+    for c in form.columns:
+        nd = c.node.meta["val"].dim()
+        segs = column_segments(c.node, fp, tp, f"{c.module} (out_features={c.out_features})", c.y_dim % nd)
+        specs[c.node] = Sharding(c.y_dim % nd, segs)
+    region = propagate(specs, row.node, row.x, fp, tp, name, row.x_dim,
+                       reduces={m.node: (m.x, m.x_dim) for m in form.reduces})
+    check_columns_inside(form, region)
+    for n, s in region.specs.items():
+        n.meta["autotp"] = s
+    return PairFacts(name, form.columns, row, {c.name: s for c, s in specs.items()}, region, form.reduces,
+                     frozenset(summed_inputs(form, region)))
 
 
 def _after_attention(gm: fx.GraphModule, matmuls: set[fx.Node]) -> dict[fx.Node, bool]:

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import torch.fx as fx
 
+from autotp.analysis.einsum_rules import EinsumRules
 from autotp.analysis.op_rules import OpRule, handler, kind_of, op_rule
 from autotp.analysis.ops import Unshardable, held_whole, is_guard, is_random, ndim_of, reaches
-from autotp.analysis.region import Entering, OperandSlice, ParamCut, Region
+from autotp.analysis.region import Entering, OperandSlice, ParamCut, Region, StatFact
 from autotp.analysis.shape_rules import ShapeRules
 from autotp.analysis.shapes import Fingerprinter, is_static, normalize_dim
 from autotp.analysis.torch_rules import TorchRefused, ask_torch
@@ -33,7 +34,7 @@ def _param_view(target: object) -> bool:
     return rule is not None and (rule.kind in ("view", "expand") or rule.form == "insert")
 
 
-class Propagator(ShapeRules, ValueRules):
+class Propagator(ShapeRules, ValueRules, EinsumRules):
     """Tensor-parallel sharding propagation: :meth:`visit` each node that reads a sharded value, in graph order.
 
     The node's op is looked up in :mod:`~autotp.analysis.op_rules` and its kind's ``_on_<kind>`` handler
@@ -242,7 +243,8 @@ class Propagator(ShapeRules, ValueRules):
             self.region.params.append(ParamCut(picked[0], xd - picked[1] + 1, s))
             self.region.specs[x] = s.moved(xd)
             return
-        if self.viewed_parameter(x, s.moved(xd)) or self.elementwise_parameter(x, s.moved(xd)):
+        if self.viewed_parameter(x, s.moved(xd)) or self.elementwise_parameter(x, s.moved(xd)) \
+                or self.picked_parameter(x, s.moved(xd)):
             return
         if kind_of(x.target) == "factory" and len(x.users) == 1:
             self._set_view_size(x, list(x.args[0]), xd, sum(g.size for g in s.segments), s.local_size, arg=0)
@@ -270,6 +272,21 @@ class Propagator(ShapeRules, ValueRules):
         for n in chain:
             self.region.specs[n] = s
         self.region.params.append(ParamCut(node, s.dim, s))
+        return True
+
+    def picked_parameter(self, x: fx.Node, s: Sharding) -> bool:
+        """``w[k]``: one row of a parameter picked by a constant index and read only here (RecurrentGemma's
+        temporal convolution weights its shifted window ``k`` by ``w[k]``, ``w (width, channels)``): the parameter
+        is cut on the dim the row keeps, so every pick of it is this rank's channels."""
+        if s.inner or s.outer or kind_of(x.target) != "select" or len(x.users) != 1 \
+                or not isinstance(x.args[0], fx.Node) or self._parameter(x.args[0]) is None:
+            return False
+        w, d = x.args[0], normalize_dim(x.args[1], ndim_of(x.args[0]))
+        pd = s.dim if s.dim < d else s.dim + 1  # the parameter's dim that the row's sharded dim is
+        if any(kind_of(u.target) != "select" or normalize_dim(u.args[1], ndim_of(w)) != d for u in w.users):
+            return False  # every read of w picks a row the same way, so one cut serves them all
+        self.region.specs[x] = s
+        self.region.params.append(ParamCut(w, pd, s.moved(pd)))
         return True
 
     def viewed_parameter(self, x: object, s: Sharding) -> bool:
@@ -334,9 +351,13 @@ def _operand(node: fx.Node, s: Sharding | None) -> Operand:
 
 
 def propagate(columns: dict[fx.Node, Sharding], row: fx.Node, row_x: fx.Node, fp: Fingerprinter, tp: int,
-              where: str, x_dim: int = -1) -> Region:
+              where: str, x_dim: int = -1, reduces: dict[fx.Node, tuple[fx.Node, int]] | None = None) -> Region:
     """Propagate the column shardings to ``row`` (which contracts ``x_dim`` of ``row_x``); raise
-    :class:`Unshardable` if the region leaks."""
+    :class:`Unshardable` if the region leaks. ``reduces``: parameter matmuls inside the region (node -> its
+    input and the dim it contracts) that reduce a channel-cut value, as Mamba's Δ/B/C projection does: each
+    is row-parallel, its output completed by one all-reduce forward and backward (a ``sum`` statistic) and
+    read whole after it, also by the columns its output feeds (``dt_proj``)."""
+    reduces = reduces or {}
     p = Propagator(fp, tp, where)
     p.region.specs.update(columns)
     started = False
@@ -348,6 +369,14 @@ def propagate(columns: dict[fx.Node, Sharding], row: fx.Node, row_x: fx.Node, fp
             continue
         if node is row:
             break
+        if node in reduces:
+            x, d = reduces[node]
+            s = p.spec(x)
+            if s is None or s.dim != d % ndim_of(x) or s.inner or s.outer or s.group:
+                raise Unshardable(node, "the reducing projection's input is not sharded on its contracted dim")
+            p.region.stats[node] = StatFact("sum", 1.0)
+            p.region.reduced[node] = s
+            continue
         if any(isinstance(a, fx.Node) and a in p.region.specs for a in node.all_input_nodes):
             p.visit(node)
     p.check_functions()

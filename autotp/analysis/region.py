@@ -60,3 +60,5 @@ class Region:
     entering: list[Entering] = field(default_factory=list)
     stats: dict[fx.Node, StatFact] = field(default_factory=dict)  # reduction or norm node -> its statistic
     params: list[ParamCut] = field(default_factory=list)
+    # reducing projections inside the region (row-parallel, completed by a sum statistic) -> their input's cut
+    reduced: dict[fx.Node, Sharding] = field(default_factory=dict)

@@ -360,7 +360,8 @@ class ShapeRules:
             raise Unshardable(node, "cat of tensors sharded differently")
         s = specs.pop()
         for x in tensors:
-            if self.spec(x) is None and not self.expanded_head(x, s) and not self.viewed_parameter(x, s):
+            if self.spec(x) is None and not self.expanded_head(x, s) and not self.viewed_parameter(x, s) \
+                    and not self._local_factory(x, s):
                 self._local_input(node, x, s)
         if d == s.dim or (s.inner and d == s.inner[0]):
             raise Unshardable(node, "cat along the sharded dim")
@@ -375,6 +376,18 @@ class ShapeRules:
         """Is ``x`` a parameter per head, viewed and expanded to meet the heads ``s`` shards (made this
         rank's; see :meth:`autotp.analysis.propagate.Propagator.viewed_parameter`)?"""
         return False
+
+    def _local_factory(self, x: object, s: Sharding) -> bool:
+        """``torch.zeros(b, pad, width)`` made in the forward and read only by this cat (a left padding of
+        channel-cut windows, RecurrentGemma's shifted-window convolution): each rank makes its own channels'."""
+        if not (isinstance(x, fx.Node) and kind_of(x.target) == "factory" and len(x.users) == 1) \
+                or s.inner or s.outer or ndim_of(x) is None or s.dim >= ndim_of(x):
+            return False
+        full = sum(g.size for g in s.segments)
+        if self.fp.shape(x)[s.dim] != full:
+            return False
+        self._set_view_size(x, list(x.args[0]), s.dim, full, s.local_size, arg=0)
+        return True
 
     def _local_input(self, node: fx.Node, x: object, s: Sharding) -> None:
         """A replicated graph input concatenated with a sharded value (a KV cache's past keys and the new

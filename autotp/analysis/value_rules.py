@@ -53,7 +53,22 @@ class ValueRules:
         return out, out
 
     def _on_matmul(self, node: fx.Node, rule: OpRule) -> Sharding:
-        return self.batched(node, [node.args[0], node.args[1]], 2)
+        free = self._free_rows(node)
+        return free if free is not None else self.batched(node, [node.args[0], node.args[1]], 2)
+
+    def _free_rows(self, node: fx.Node) -> Sharding | None:
+        """``a @ b`` with ``a`` sharded on its rows or ``b`` on its columns, the other replicated: each rank's
+        rows (columns) of the product are its own (DTensor's matmul strategy: Shard(-2) @ Replicate, Replicate
+        @ Shard(-1)); a state-space scan's readout ``h @ C.unsqueeze(-1)`` of channel-cut states ``h (b, l, d, n)``."""
+        a, b = node.args[0], node.args[1]
+        sa, sb = self.spec(a), self.spec(b)
+        if (sa is None) == (sb is None) or min(ndim_of(a), ndim_of(b)) < 2:
+            return None
+        x, s, at = (a, sa, -2) if sa is not None else (b, sb, -1)
+        if s.inner or s.outer or s.dim != ndim_of(x) + at:
+            return None
+        self._enter_if_learned(node, b if x is a else a)
+        return s.moved(ndim_of(node) + at)
 
     def _on_triangle(self, node: fx.Node, rule: OpRule) -> Sharding:
         """``tril``/``triu`` keep a triangle of the last two dims (a chunk's causal mask over positions): a tensor
@@ -264,7 +279,10 @@ class ValueRules:
                 continue
             xd = result.dim - (out_nd - nd)
             if xd >= 0 and xd < nd - core and self.fp.shape(x)[xd] != 1:
-                if nd != out_nd or self.fp.shape(x)[xd] != self.fp.shape(node)[result.dim]:
+                # a parameter of fewer dims is a per-head weight broadcast over the batch (a block-diagonal gate
+                # ``(heads, i, j)`` against ``(b, heads, s, i)``): cut with the heads
+                if (nd != out_nd and self._parameter(x) is None) \
+                        or self.fp.shape(x)[xd] != self.fp.shape(node)[result.dim]:
                     raise Unshardable(node, f"replicated operand {x.name} spans the sharded batch dim")
                 # a recurrent state started as zeros(b, heads, dk, dv), or a per-head parameter: this rank's heads
                 self._local_operand(node, x, xd, result)

@@ -227,7 +227,11 @@ def plan_from_analysis(gm: fx.GraphModule, a: Analysis, v: VocabFacts | None = N
             acc.add_form(gm, c, names)
         row_segs = p.region.row_input.segments
         acc.params[p.row.weight] = _shard("row", p.row.module, _weight_shape(gm, p.row), p.row.in_dim, row_segs)
-        matmuls = [c for c in p.columns if c.kind != "embedding"]  # an embedding's ids need no gradient
+        for r in p.reduces:  # a mixer's reducing projection: row-parallel, its sum a statistic of the region
+            acc.params[r.weight] = _shard("row", r.module, _weight_shape(gm, r), r.in_dim,
+                                          p.region.reduced[r.node].segments)
+        # an embedding's ids need no gradient; a column fed by a reduction has its input's gradient summed by it
+        matmuls = [c for c in p.columns if c.kind != "embedding" and c.x not in p.summed]
         xs = list(dict.fromkeys(c.x for c in matmuls))
         via = _entering_via(xs, {c.node for c in matmuls}) if fold else {}
         xs = [x for x in xs if x not in via]
