@@ -94,11 +94,6 @@ def refused(*, pipeline: int = 1, schedule: str | None = None, fsdp: bool = Fals
     """Why these dimensions do not run together yet (None: they do). The one rule :meth:`Options.validate`,
     :func:`autotp.pipeline`, the command line and the layout search all ask."""
     if context_parallel > 1:
-        # expert routing (tokens picked per expert by index over the flattened b·s) is read as mixing positions
-        other = [name for name, on in (("expert parallelism", expert_parallel),) if on]
-        if other:
-            return Refusal(f"context parallelism (cp {context_parallel}) does not run with {', '.join(other)} yet",
-                           "run context parallelism alone (with data parallelism beside it), or drop cp")
         if pipeline > 1 and fsdp:  # the stages' FSDP shards summed over cp after the step: not measured yet
             return Refusal(f"context parallelism (cp {context_parallel}) with pipeline stages does not run with "
                            "fsdp over the stages yet", "drop fsdp (DDP over the data-parallel ranks), or drop cp")

@@ -232,3 +232,25 @@ def test_a_tied_weight_enters_the_cp_gradient_sum_once():
     gm = context_parallel(gm, Plan(1, context=plan))
     (group,) = [n for n in gm.graph.nodes if n.op == "call_module" and n.target == "autotp_cp_grads"]
     assert len(group.args) == len(plan.grads) and not nodes[read].users
+
+
+def test_expert_routing_runs_on_a_chunk():
+    """A mixture of experts' routing is per token: top-k over each token's own scores, its ids one-hot per
+    expert, each token repeated per slot (``repeat_interleave``) and an expert weight gathered per slot by id
+    (``W[ids]``: only the ids carry the sequence): all commute with a sequence split. Counting tokens in order
+    (an expert capacity's ``cumsum`` over the flattened b·s) does not, and is named with its line; a
+    load-balancing loss (a product of two means over tokens) is refused by the planner, which completes only a
+    cross-entropy's mean over the group."""
+    import moe_models
+
+    from autotp.plan.context_planner import ContextRefused, context_plan
+
+    f = _built(*moe_models.build("gathered_bmm"))
+    assert f.runs and not f.blockers, f.blockers
+    capacity = _built(*moe_models.build("capacity"))
+    assert [b.node for b in capacity.blockers] == ["cumsum", "cumsum_1"]
+    assert all("moe_models.py:" in b.where for b in capacity.blockers)
+    model, args, kwargs = moe_models.build("top1_aux")
+    gm = capture(model, args, kwargs)[0]
+    with pytest.raises(ContextRefused, match="only an unweighted cross-entropy's mean is completed"):
+        context_plan(gm, find_context(gm), 2)

@@ -6,13 +6,16 @@ import pytest
 
 import context_models
 from context_workers import (context_compile, context_dropout, context_fsdp_parity, context_parities,
-                             context_sampling, context_script_parity, parallelize_parity, sequence_parity)
+                             context_sampling, context_script_parity, expert_parity, parallelize_parity,
+                             sequence_parity)
 from ranks import Launches
 
 # every spelling at cp 2; at cp 4 one of each kind of attention (written out, SDPA with a mask, einsum + rotary)
 AT = {2: ["nanogpt_example", "hf_llama", "rope_interleaved", "baddbmm", *context_models.RUNS],
       4: ["nanogpt_example", "hf_llama", "einsum_rope"]}
 TP2 = ["nanogpt_example", "hf_llama", "einsum_rope"]
+# cp 2 × tp 2 with expert parallelism: experts read by W[ids] per slot (each token repeated per slot)
+EXPERTS = ["moe:gathered_bmm"]
 SP = ["nanogpt_example", "hf_llama"]  # cp 2 × tp 2 with sequence parallelism: written-out and SDPA attention
 # scores no ring computes, run with their keys gathered: ALiBi, soft-capping, a sliding window, two spellings
 # each at cp 2 (pattern_models' sequence of 12 takes cp 2 only), and Hugging Face's Gemma-2 (eager attention:
@@ -53,6 +56,7 @@ def runs() -> Launches:
     jobs[4]["fsdp"] = (context_fsdp_parity, ["nanogpt_example", "hf_llama"], 1)  # dp 2 × cp 2
     jobs[4]["fsdp_tp2"] = (context_fsdp_parity, ["nanogpt_example"], 2)  # cp 2 × tp 2
     jobs[4]["hsdp"] = (context_fsdp_parity, ["nanogpt_example"], 1, 3, 2)  # 2 replicas × (dp_shard 1 · cp 2)
+    jobs[4]["experts"] = (expert_parity, EXPERTS, 3, 2)  # cp 2 × tp 2, E/tp whole experts per tp rank
     return Launches(jobs, extended={4: rest, 2: inductor})
 
 
@@ -164,6 +168,23 @@ def test_sequence_parallelism_splits_each_context_chunk_exactly(runs):
             chunk = scatters[0]  # b·(s/cp)·h
             assert len(scatters) == 2 * (2 * layers + 1) and set(scatters) == {chunk}, (kind, scatters)
             assert not [c for c in r["calls"] if c[0] == "all_reduce" and c[2] == chunk], (kind, r["calls"])
+
+
+@pytest.mark.slow
+def test_expert_parallelism_routes_each_chunks_tokens_exactly(runs):
+    """cp 2 × tp 2 with expert parallelism: each tp rank holds E/tp whole experts and computes what the router
+    sends them of its cp chunk's tokens (routing is per token: top-k, each token repeated per slot, an expert's
+    weights gathered per slot by id); the loss and the logits of 3 AdamW steps within 1e-5 of one device. Per
+    layer one K/V ring (cp all-to-alls in the backward); the loss's sum and count over the cp group."""
+    for rank, by_kind in runs(4, "experts").items():
+        assert list(by_kind) == EXPERTS
+        for kind, r in by_kind.items():
+            assert r["errors"]["loss"] <= 1e-5 and r["errors"]["logits"] <= 1e-5, (kind, rank, r["errors"])
+            assert r["experts"] == [("blocks.0.moe", 4), ("blocks.1.moe", 4)], r["experts"]  # whole experts
+            layers = len(r["context"].attention)
+            kinds = [c[0] for c in r["calls"]]
+            assert layers == 2 and kinds.count("all_to_all_single") == 2 * layers, (kind, kinds)
+            assert [c for c in r["calls"] if c[0] == "all_reduce" and c[2] == 1][:2] == [("all_reduce", "sum", 1)] * 2
 
 
 @pytest.mark.slow

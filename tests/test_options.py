@@ -46,14 +46,16 @@ def test_options_validate_the_schedule_with_the_other_dimensions() -> None:
         Options(vocab_multiple=0).validate()
 
 
-def test_context_parallelism_runs_with_pipeline_stages() -> None:
-    """cp with pipeline stages is one rule's answer, the same for every caller: it runs (exact at cp 2 × pp 2,
-    tests/test_pipeline.py)."""
+def test_context_parallelism_runs_with_pipeline_stages_and_expert_parallelism() -> None:
+    """cp with pipeline stages and with expert parallelism is one rule's answer, the same for every caller: they
+    run (exact at cp 2 × pp 2, tests/test_pipeline.py; cp 2 × tp 2 with whole experts per rank,
+    tests/test_context_parallel.py); FSDP over the stages with cp stays refused, naming it."""
     from autotp.options import refused
 
     assert refused(pipeline=2, context_parallel=2) is None
     assert refused(pipeline=4, schedule="Interleaved1F1B", context_parallel=2, sequence_parallel=True) is None
     assert Options(pipeline=StageRequest(2), schedule=PipelineOptions(2), context_parallel=2).validate()
+    assert refused(expert_parallel=True, context_parallel=2) is None  # routing is per token (test_context_parallel)
     with pytest.raises(PipelineError, match=r"context parallelism \(cp 2\) with pipeline stages does not run with "
                                             "fsdp over the stages yet"):
         Options(pipeline=StageRequest(2), schedule=PipelineOptions(2), context_parallel=2, stage_fsdp=True).validate()

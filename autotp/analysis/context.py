@@ -52,6 +52,10 @@ _PER_TOKEN = frozenset({"pointwise", "same_shape", "view", "flatten", "move", "e
                         "complex_view"})
 # kinds that make values (sizes, masks) or pick outputs, reading no position's values
 _NEUTRAL = frozenset({"getitem", "sym_size", "no_output", "factory", "like", "new_like", "triangle"})
+# ops whose every output element is made from one input element (one_hot's classes, repeat_interleave's
+# copies, each beside its source), so a chunk's tokens give exactly the chunk's rows, wherever they lie:
+# the routing of a mixture of experts (top-k ids one-hot per expert, each token repeated per slot)
+_PER_ELEMENT = frozenset({aten.one_hot.default, aten.repeat_interleave.self_int})
 # kinds whose named dim (``dim`` argument) must not be the sequence's
 _ALONG_DIM = frozenset({"softmax", "split", "slice", "narrow", "select", "cat", "stack"})
 
@@ -313,8 +317,14 @@ def _blocked(node: fx.Node, operands: list[fx.Node], s, cp: int, reductions: lis
         ndim = operands[0].meta["val"].dim()
         return f"{node.target} along the sequence" if isinstance(d, int) and d % ndim in dims else ""
     if kind == "index":  # x[:, [-1]]: the positions picked are the whole sequence's, not a chunk's
+        if node.args[0] not in operands:  # W[ids]: only the indices carry the sequence, and each of the chunk's
+            return ""  # tokens picks its own rows (an expert's weights per routed token): a gather per token
         picked = {i for i, ix in enumerate(node.args[1]) if ix is not None}
-        return "picks positions by index (x[:, [-1]] and the like)" if picked & dims else ""
+        own = set(_seq_dims(node.args[0], s))
+        indices = [ix for ix in node.args[1] if isinstance(ix, fx.Node) and ix in operands]
+        return "picks positions by index (x[:, [-1]] and the like)" if picked & own or indices else ""
+    if node.target in _PER_ELEMENT:
+        return ""
     if kind == "norm":
         ndim, norm = node.args[0].meta["val"].dim(), len(node.args[1])
         return f"{node.target} normalizes over the sequence" if dims & set(range(ndim - norm, ndim)) else ""

@@ -116,6 +116,12 @@ def _build(kind: str):
         import moe_models
 
         return moe_models.build(kind[4:])
+    if kind.startswith("hf_moe:"):  # tests/support/hf_moe_models.py: Hugging Face's, on 16 tokens
+        import hf_moe_models
+
+        model, args, kwargs = hf_moe_models.build(kind[7:])
+        ids = torch.randint(0, hf_moe_models.V, (2, 16), generator=torch.Generator().manual_seed(1))
+        return model, args, {**kwargs, "input_ids": ids, "labels": ids}
     if kind in ("rope_interleaved", "baddbmm", "alibi", "softcap"):  # baddbmm: heads folded into the batch
         import pattern_models
 
@@ -178,7 +184,7 @@ def parallelize_parity(kinds: list[str], steps: int = 3, tp: int = 1, **options)
         except ShardingError as e:
             refused = str(e)
         out[kind] = {"errors": errors, "calls": calls, "context": st.plan.context, "refused": refused,
-                     "sequence": st.plan.sequence is not None}
+                     "sequence": st.plan.sequence is not None, "experts": [(x.module, x.count) for x in st.plan.experts]}
     return out
 
 
