@@ -1,6 +1,7 @@
 """Attention spellings that used to stay whole (tests/support/attention_gap_models.py): scores masked by
-``torch.where`` with a Python scalar, and grouped-query attention over heads folded under the batch whose kv
-heads are folded to a size computed at run time. Each is cut by heads at tp 2 and 4 (structural tests, no
+``torch.where`` with a Python scalar, grouped-query attention over heads folded under the batch whose kv heads
+are folded to a size computed at run time, and a parallel block's one fused ``q | k | v | ff`` projection with
+a single shared k and v head (segments of unequal sizes, the one-head segments whole on every rank). Each is cut by heads at tp 2 and 4 (structural tests, no
 processes) and trains exactly with Megatron's collectives (gloo ranks: tp 2 by default, tp 4 extended)."""
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import torch
 
 from autotp.capture.tracer import capture
 from autotp.plan.planner import make_plan
-from attention_gap_models import FOLDS, KINDS, FoldedGQA, build
+from attention_gap_models import FF, FOLDS, KINDS, NKV, PARALLEL, FoldedGQA, build
 from parity_workers import pattern_parity
 from pattern_models import HD, H, S, LMWith, build_with
 from ranks import Launches
@@ -39,6 +40,28 @@ def test_each_spelling_is_cut_by_heads(kind: str, tp: int):
         # the repeat to the query heads: 2 per kv head at tp 2, 1 at tp 4 (each kv head on 2 ranks)
         reps = {r.new for r in plan.rewrites if r.node.startswith("repeat_interleave")}
         assert reps == (set() if tp == 2 else {1}), plan.rewrites
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("kind", PARALLEL)
+def test_a_parallel_blocks_fused_projection_is_read_in_its_unequal_segments(kind: str, tp: int):
+    """``q | k | v | ff`` with one shared k and v head: q and ff (PaLM's ff itself SwiGLU's gate | up) cut by
+    tp, the one-head k and v whole on every rank (``rotate_half``'s halves of k read as one whole head). The
+    block still stays whole, exact, with the reason: its feed-forward's row matmul is a second row of the one
+    fused column, which no pair holds yet."""
+    from autotp.analysis.column_layout import column_segments
+    from autotp.analysis.shapes import Fingerprinter
+
+    model, args, kwargs = build(kind)
+    gm = capture(model, args, kwargs)[0]
+    fused = [n for n in gm.graph.nodes if n.target is torch.ops.aten.linear.default
+             and n.args[1].target == "blocks.0.attn.fused.weight"]
+    segments = column_segments(fused[0], Fingerprinter(gm), tp, "fused")
+    ff = [(FF, tp)] * (2 if kind == "palm_swiglu" else 1)
+    assert [(g.size, g.parts) for g in segments] == [(H, tp), (HD, 1), (HD, 1), *ff], segments
+    plan = make_plan(gm, tp)
+    assert [m for m, _ in plan.replicated] == ["blocks.0.attn", "blocks.1.attn"], plan.replicated
+    assert all("escapes the region" in why and "ff_out" in why for _, why in plan.replicated), plan.replicated
 
 
 class _TwoRunTimeSizes(FoldedGQA):
@@ -74,8 +97,15 @@ def test_attention_gaps_train_exactly_with_megatron_collectives(world: int):
             assert r["loss_diff"] <= 1e-5 and r["grad_diff"] <= 1e-5 and r["param_diff"] <= 1e-5, (rank, kind, r)
             assert not r["replicated"] and r["whole"] == {} and r["unexplained"] == [], (kind, r)
             assert r["fraction"] <= 1 / world + 0.12, (kind, r["fraction"])
-            # forward: the embedding's and 2 per layer all-reduces of b·s·h, the loss's max and 2 sums of b·s;
-            # backward: one entering attention and one entering the MLP per layer, one for the LM head
-            assert sorted(r["forward"]) == sorted([("all_reduce", "sum", bsh)] * (2 * layers + 1) + [
+            # forward: the embedding's and 2 per layer all-reduces of b·s·h (3 in a parallel block: its attention's
+            # and its feed-forward's rows, then the MLP's), the loss's max and 2 sums of b·s
+            rows = 3 if kind in PARALLEL else 2
+            assert sorted(r["forward"]) == sorted([("all_reduce", "sum", bsh)] * (rows * layers + 1) + [
                 ("all_reduce", "max", bs), ("all_reduce", "sum", bs), ("all_reduce", "sum", bs)]), (kind, r["forward"])
-            assert r["backward"] == [("all_reduce", "sum", bsh)] * (2 * layers + 1), (kind, r["backward"])
+            # backward: one entering attention (the fused projection) and one entering the MLP per layer, one for
+            # the LM head; kv heads held by several ranks (2 kv heads at tp 4, the one shared head of a parallel
+            # block) have their k and v weight gradients summed over those ranks, one head of h each
+            assert [c for c in r["backward"] if c[2] == bsh] == [("all_reduce", "sum", bsh)] * (2 * layers + 1), kind
+            shared = kind in PARALLEL or (kind in FOLDS and world > NKV)
+            assert [c for c in r["backward"] if c[2] != bsh] == [("all_reduce", "sum", HD * H)] * 2 * layers * shared, \
+                (kind, r["backward"])

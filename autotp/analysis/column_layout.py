@@ -40,14 +40,20 @@ def _fused(found: list[tuple[tuple[Segment, ...] | None, fx.Node | None, int, st
     """The segments of a fused projection from what probing each one's reader found: ``(heads, reader, size,
     what)``. A segment that no view splits into heads is plain features; beside segments split into heads, it
     is one head where attention reads it as the per-head dim (multi-query keys kept as ``(b, s, d)`` and
-    unsqueezed to ``(b, 1, s, d)``): every rank holds it."""
-    beside_heads = any(heads for heads, _, _, _ in found)
+    unsqueezed to ``(b, 1, s, d)``): every rank holds it. A segment split again (PaLM's ``q | k | v | ff``
+    whose ff is chunked into SwiGLU's halves) is fused itself: its pieces are segments of their own, unequal
+    ones included ([64, 16, 16, 128, 128]); a one-head segment split again (``rotate_half``'s halves of the
+    one k head) stays one whole segment."""
+    beside_heads = any(heads and len(heads) == 1 for heads, _, _, _ in found)
     out = []
     for heads, reader, n, what in found:
-        if heads:
+        if heads and len(heads) == 1:
             out.append(heads[0])
             continue
         one = beside_heads and reader is not None and _per_head_dim(reader, dim, fp, 0)
+        if heads and not one and sum(h.size for h in heads) == n:
+            out.extend(heads)
+            continue
         out.append(Segment(n, parts_for(1 if one else n, n, tp, what)))
     return tuple(out)
 

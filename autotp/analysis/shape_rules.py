@@ -19,6 +19,21 @@ from autotp.errors import ShardingError
 from autotp.shard_spec import Segment, Sharding
 
 
+def _grouped_segments(sizes: list[int], segments: tuple[Segment, ...]) -> tuple[tuple[Segment, ...], ...] | None:
+    """The segments each piece of a split holds: consecutive runs whose sizes add up to the pieces' (a fused
+    ``q | k | v | ff`` split into 4 where ff is gate | up); None where a piece would cut a segment."""
+    pieces, i = [], 0
+    for n in sizes:
+        run = []
+        while i < len(segments) and sum(g.size for g in run) < n:
+            run.append(segments[i])
+            i += 1
+        if sum(g.size for g in run) != n:
+            return None
+        pieces.append(tuple(run))
+    return tuple(pieces) if i == len(segments) else None
+
+
 class ShapeRules:
     """Rules of :class:`~autotp.analysis.propagate.Propagator` that change where the sharded dim is."""
 
@@ -336,12 +351,16 @@ class ShapeRules:
         if form == "unbind" or s.inner or s.outer:
             raise Unshardable(node, "unbind of the sharded dim")
         sizes = [self.fp.shape(o)[d] for o in outs]
-        if form == "chunks" and len(s.segments) == 1:
-            # equal chunks of a contiguous shard would mix ranks' blocks; segments must follow the chunks
-            raise Unshardable(node, "chunk of a contiguously sharded dim")
-        if tuple(sizes) != tuple(g.size for g in s.segments):
+        if held_whole(s):  # one head every rank holds (rotate_half's halves of a multi-query key): cut alike
+            pieces = tuple((Segment(n, 1),) for n in sizes)
+        else:
+            if form == "chunks" and len(s.segments) == 1:
+                # equal chunks of a contiguous shard would mix ranks' blocks; segments must follow the chunks
+                raise Unshardable(node, "chunk of a contiguously sharded dim")
+            pieces = _grouped_segments(sizes, s.segments)
+        if pieces is None:
             raise Unshardable(node, f"split sizes {sizes} do not follow the segments {[g.size for g in s.segments]}")
-        local = [g.local() for g in s.segments]
+        local = [sum(g.local() for g in piece) for piece in pieces]
         if form == "size" and len(set(local)) == 1:
             self.rewrite(node, 1, None, node.args[1], local[0])
         elif form == "sizes":
@@ -349,7 +368,7 @@ class ShapeRules:
                 self.rewrite(node, 1, i, old, new)
         elif form != "chunks":
             raise Unshardable(node, f"{t} of the sharded dim with unequal local segments")
-        return tuple(Sharding(d, (g,)) for g in s.segments)
+        return tuple(Sharding(d, piece) for piece in pieces)
 
     def _on_cat(self, node: fx.Node, rule: OpRule) -> Sharding:
         # torch.cat skips 1-D empty tensors (a cache's lazily made ``torch.tensor([])``): they take no part
@@ -359,6 +378,9 @@ class ShapeRules:
         if len(specs) != 1:
             raise Unshardable(node, "cat of tensors sharded differently")
         s = specs.pop()
+        if (d == s.dim and held_whole(s) and len(s.segments) == 1
+                and all(self.spec(x) is not None for x in tensors)):  # rotate_half's halves of one whole head
+            return Sharding(d, (Segment(self.fp.shape(node)[d], 1),))
         for x in tensors:
             if self.spec(x) is None and not self.expanded_head(x, s) and not self.viewed_parameter(x, s) \
                     and not self._local_factory(x, s):

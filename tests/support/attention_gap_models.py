@@ -8,7 +8,11 @@ is ``(idx, targets) -> (logits, loss)``; tests/test_attention_gaps.py runs them.
 - ``fold_from_q``, ``fold_from_counts``: grouped-query attention (2 kv heads) with the heads folded under the
   batch, ``(b·heads, s, d)``, the kv heads folded by a size computed at run time from another tensor's shape
   (``qf.shape[0] // n_rep``; ``q.size(0) * q.size(1) // (heads // kv_heads)``) and repeated by
-  ``repeat_interleave`` over the folded dim.
+  ``repeat_interleave`` over the folded dim;
+- ``palm_swiglu``, ``mqa_slices``: a parallel block (attention and feed-forward side by side) whose one fused
+  projection is ``q | k | v | ff`` with k and v a single shared head: lucidrains' PaLM (``split`` of unequal
+  sizes, ff chunked into SwiGLU's halves, rotary by ``rotate_half`` on q and the one k head, scores by matmul)
+  and Falcon-style offset slices with a GELU feed-forward and ``scaled_dot_product_attention``.
 """
 from __future__ import annotations
 
@@ -16,10 +20,12 @@ import math
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
-from pattern_models import HD, NH, H, LMWith, build_with
+from pattern_models import HD, NH, H, LMWith, build_with, rope_tables
 
 NKV = 2  # kv heads of the grouped-query spellings
+FF = 128  # the parallel blocks' feed-forward width
 
 
 class WhereAttention(nn.Module):
@@ -71,13 +77,57 @@ class FoldedGQA(nn.Module):
         return self.o(y.transpose(1, 2).reshape(b, s, H))
 
 
+class ParallelMQA(nn.Module):
+    """A parallel block's one fused projection ``q | k | v | ff`` with k and v a single shared head
+    (multi-query), attention and feed-forward side by side: lucidrains' PaLM (``split`` of unequal sizes, a
+    SwiGLU whose two halves are ``chunk``-ed from ff, rotary on q and the one k head) and Falcon-style offset
+    slices with a GELU feed-forward."""
+
+    def __init__(self, kind: str):
+        super().__init__()
+        self.kind = kind
+        self.ff = FF * (2 if kind == "palm_swiglu" else 1)
+        self.fused = nn.Linear(H, NH * HD + 2 * HD + self.ff, bias=False)
+        self.attn_out, self.ff_out = nn.Linear(H, H, bias=False), nn.Linear(FF, H, bias=False)
+        cos, sin = rope_tables(HD)  # (s, HD / 2), each half rotated by rotate_half
+        self.register_buffer("cos", torch.cat((cos, cos), -1), persistent=False)
+        self.register_buffer("sin", torch.cat((sin, sin), -1), persistent=False)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        f = self.fused(x)
+        if self.kind == "palm_swiglu":
+            q, k, v, ff = f.split((NH * HD, HD, HD, self.ff), dim=-1)
+            a, gate = ff.chunk(2, dim=-1)
+            ff = F.silu(gate) * a
+            q = q.view(b, s, NH, HD).transpose(1, 2)  # (b, nh, s, d); k and v stay (b, s, d)
+            cos, sin = self.cos[:s], self.sin[:s]
+            q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+            att = (q * HD ** -0.5) @ k.unsqueeze(1).transpose(-2, -1)  # (b, nh, s, s)
+            mask = torch.ones(s, s, dtype=torch.bool, device=x.device).triu(1)
+            y = att.masked_fill(mask, float("-inf")).softmax(-1) @ v.unsqueeze(1)
+        else:
+            q, k, v, ff = f[..., :NH * HD], f[..., NH * HD:NH * HD + HD], f[..., NH * HD + HD:NH * HD + 2 * HD], \
+                f[..., NH * HD + 2 * HD:]
+            ff = F.gelu(ff)
+            q = q.view(b, s, NH, HD).transpose(1, 2)
+            y = F.scaled_dot_product_attention(q, k[:, None], v[:, None], is_causal=True)
+        return self.attn_out(y.transpose(1, 2).reshape(b, s, H)) + self.ff_out(ff)
+
+
+def _rotate_half(t):
+    t1, t2 = t.chunk(2, dim=-1)
+    return torch.cat((-t2, t1), dim=-1)
+
+
 WHERE = ("where_other", "where_self")
 FOLDS = ("fold_from_q", "fold_from_counts")
+PARALLEL = ("palm_swiglu", "mqa_slices")  # their two rows keep the block whole (tests/test_attention_gaps.py)
 KINDS = (*WHERE, *FOLDS)
 
 
 def _attention(kind: str) -> nn.Module:
-    return WhereAttention(kind) if kind in WHERE else FoldedGQA(kind)
+    return WhereAttention(kind) if kind in WHERE else FoldedGQA(kind) if kind in FOLDS else ParallelMQA(kind)
 
 
 def build(kind: str):
