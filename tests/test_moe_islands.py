@@ -41,7 +41,7 @@ def test_each_expert_is_cut_column_to_row_and_the_router_kept_whole(style: str, 
     plan = _plan(MoE(style))
     assert plan.reason == "" and plan.outputs == outputs
     roles = {n: s.role for n, s in plan.params}
-    assert len(roles) == E * (4 if style == "bool_mask" else 3)  # (w1, w3 | up, its bias) column, (w2 | down) row
+    assert len(roles) == E * 3  # (w1, w3 | up and its bias) column, (w2 | down) row
     assert all(r == ("row" if n.endswith(("w2.weight", "2.weight")) else "column") for n, r in roles.items()), roles
     assert plan.whole_params == ("moe.gate.weight",)
 

@@ -219,7 +219,8 @@ def _graph_for(model: nn.Module, st: TPState, args: tuple, kwargs: dict, key: Ha
     """
     variant, n = key, 0
     while (c := st.graphs.get(variant)) is not None:
-        if (c.accepts is None or c.accepts(flat)) and state_matches(model, c.state) and checks_hold(model, c.checks):
+        if (c.accepts is None or c.accepts(flat)) and state_matches(model, c.state) \
+                and checks_hold(model, c.checks, st.shards):
             return c
         n += 1
         variant = (key, "guards", n)
