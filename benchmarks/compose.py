@@ -15,8 +15,8 @@ Every supported pair, and every dimension at once as far as this machine's ranks
                       cp under DDP (replicas), and a tensor the tp group keeps whole over tp
     (e) collectives   one step's collectives, counted per group, equal the plan's: over tp the plan's
                       collectives (× micro-batches through a pipeline, summed over its stages; a checkpointed
-                      block's forward ones once more in the backward, all but its output's, which torch's
-                      recomputation stops before); over dp DDP's all-reduces carry each
+                      block's forward ones once more in the backward, all but its output's reduction, which
+                      torch's recomputation stops before); over dp DDP's all-reduces carry each
                       gradient element once, FSDP's all-gathers and reduce-scatters are
                       autotp.plan.report.fsdp_report's (one of each per stage and step through a pipeline);
                       over cp one all-reduce of the gradients (without FSDP), the loss's sum and count (one
@@ -353,16 +353,18 @@ def _check_collectives(row: Row, ranks: dict) -> tuple[bool, str]:
     # tp: the plan's, per micro-batch through each stage; a checkpointed block's forward ones again in backward
     if row.tp > 1:
         want = Counter((direction, kind, op) for direction, kind, op, _ in r0["plan"])
-        if row.rc:  # a checkpointed block's forward collectives run again in its backward, all but its last:
-            # torch's recomputation stops once it has remade what the backward saved (early stop), and the
-            # block's output (its last reduction's) is none of that
-            blocks: dict[str, list] = defaultdict(list)
+        if row.rc:  # a checkpointed block's forward collectives run again in its backward, all but the
+            # reduction of its output (the last row-parallel sum, an all-reduce, or a reduce-scatter with sequence
+            # parallelism): torch's recomputation stops once it has remade what the backward saved (early
+            # stop), and the block's output is none of that
+            blocks: dict[str, Counter] = defaultdict(Counter)
             for direction, kind, op, module in r0["plan"]:
                 if direction == "forward" and module.startswith("blocks."):
-                    blocks[".".join(module.split(".")[:2])].append((kind, op))
+                    blocks[".".join(module.split(".")[:2])][(kind, op)] += 1
             for found in blocks.values():
-                for kind, op in found[:-1]:
-                    want[("backward", kind, op)] += 1
+                found[("reduce_scatter" if row.sp else "all_reduce", "sum")] -= 1
+                for (kind, op), n in found.items():
+                    want[("backward", kind, op)] += n
         if row.pp > 1:
             want = Counter({k: v * MICRO for k, v in want.items()})
         mine = [r for r in ranks.values() if r["coords"]["tp"] == 0 and r["coords"]["dp"] == 0
@@ -535,7 +537,7 @@ def main() -> None:
         res.update(wall_s=before["wall_s"], commit=before["commit"], quick=before["quick"])
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "compose.json").write_text(json.dumps(res, indent=1, default=str))
+    (out / "compose.json").write_text(json.dumps(res, separators=(",", ":"), default=str) + "\n")  # ranks included
     (out / "compose.md").write_text(_markdown(res))
     print(_markdown(res))
 
