@@ -434,6 +434,10 @@ def shard(
         param_dtype = fsdp_param_dtype(fsdp_dtype, fsdp)
     except ValueError as exc:
         abort(str(exc), debug, code=USAGE_ERROR)
+    if param_dtype is not None and verify:  # the parity check compares with the model's dtype to 1e-5
+        abort(f"--fsdp-param-dtype {fsdp_dtype} computes in {param_dtype}: the parity check against the unsharded "
+              "model in its own dtype cannot hold to 1e-5; drop --verify (it is off by default with it)", debug,
+              code=USAGE_ERROR)
     stages = None
     if pp > 1:
         from autotp.options import PipelineOptions  # the rules autotp.pipeline validates with (no torch)
@@ -470,7 +474,7 @@ def shard(
     Console().print(f"output: {escape(str(out.resolve()))}" + (f" (resuming {escape(resumable.name)})"
                                                                if resumable else ""), soft_wrap=True)
     job = ShardJob(model=f"{path.resolve()}:{factory}" if factory else str(path.resolve()),
-                   steps=steps, lr=lr, out=str(out.resolve()), verify=weights is None if verify is None else verify,
+                   steps=steps, lr=lr, out=str(out.resolve()), verify=weights is None and param_dtype is None if verify is None else verify,
                    resume=resume, resume_from=resume_from, keep=keep, run=uuid.uuid4().hex,
                    save_every=save_every, save_minutes=save_minutes, compile={"backend": compile_backend} if compile_backend else compile_,
                    sequence_parallel=sequence_parallel,

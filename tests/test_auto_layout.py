@@ -472,6 +472,7 @@ def test_shard_auto_runs_the_layout_it_chose(tmp_path):
     (["--auto", "--world-size", "2", "--tp", "2", "--gpu", "a100"], "drop --tp"),
     (["--auto", "--world-size", "4", "--cp", "2", "--gpu", "a100"], "drop --cp"),
     (["--world-size", "2", "--tp", "2"], "goes with --auto"),
+    (["--tp", "1", "--dp", "2", "--fsdp", "--fsdp-param-dtype", "bf16", "--verify"], "drop --verify"),
     ([], "give --tp N, or --auto"),
 ])
 def test_shard_auto_bad_flags(argv, message):
