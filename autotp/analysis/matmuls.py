@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from autotp.analysis.op_rules import is_cast, kind_of, permutes
+from autotp.analysis.op_rules import inserts_dim, is_cast, kind_of, permutes
 from autotp.analysis.ops import ndim_of, permutation
 from autotp.analysis.shapes import normalize_dim
 
@@ -294,7 +294,7 @@ def _stacked(gm: fx.GraphModule, node: object, params: set[str]) -> tuple[str, t
     chain: list[fx.Node] = []
     while isinstance(node, fx.Node) and not _param_node(node, params, 3):
         if node.op != "call_function" or (chain and only_user(node) is not chain[0]) \
-                or not (node.target is aten.unsqueeze.default or permutes(node.target) or is_cast(node.target)):
+                or not (inserts_dim(node.target) or permutes(node.target) or is_cast(node.target)):
             return None
         chain.insert(0, node)
         node = node.args[0]
@@ -302,7 +302,7 @@ def _stacked(gm: fx.GraphModule, node: object, params: set[str]) -> tuple[str, t
         return None
     dims: list = [0, 1, 2]
     for n in chain:
-        if n.target is aten.unsqueeze.default:
+        if inserts_dim(n.target):
             dims.insert(normalize_dim(n.args[1], len(dims) + 1), None)
         elif permutes(n.target):
             dims = [dims[i] for i in permutation(n)]

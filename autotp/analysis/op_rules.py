@@ -175,6 +175,12 @@ def permutes(target: object) -> bool:
     return rule is not None and rule.kind == "move" and rule.form in _PERMUTES
 
 
+def inserts_dim(target: object) -> bool:
+    """Does ``target`` only insert one size-1 dim (``unsqueeze``, ``x[:, None]``)?"""
+    rule = op_rule(target)
+    return rule is not None and rule.kind == "move" and rule.form == "insert"
+
+
 def is_cast(target: object) -> bool:
     """Does ``target`` keep its input's values (up to rounding) and shape (``W.to(dtype)``, ``W.contiguous()``)?"""
     rule = op_rule(target)

@@ -5,7 +5,9 @@ table written as a raw ``nn.Parameter`` like an ``nn.Embedding`` (vocab-parallel
 integer tensor ids [...] give ``E``'s rows, [..., h]: ``aten.embedding(E, ids)`` computes the same values, and
 its backward sums each id's output gradients into that row as index's does. Only ids that are tensors of
 int64/int32 (what embedding accepts), one index on dim 0; a bool mask, several index tensors, or a 1-D or
-3-D parameter are left as they are. An id outside [0, V) (index counts a negative one from the end) is an
+3-D parameter are left as they are, and so are ids computed from the model's parameters (a router's top-k
+choice reading an expert's bias by expert index: a selection the expert analysis owns, not a vocabulary of
+tokens). An id outside [0, V) (index counts a negative one from the end) is an
 error of the lookup, as it is of ``nn.Embedding``.
 
 Before::
@@ -49,6 +51,21 @@ def _ids(node: fx.Node) -> fx.Node | None:
     return ids if isinstance(val, torch.Tensor) and val.dtype in _IDS else None
 
 
+def _from_parameters(gm: fx.GraphModule, ids: fx.Node) -> bool:
+    """Does ``ids`` depend on any of ``gm``'s parameters (a router's choice), rather than on inputs alone?"""
+    params = {name for name, _ in gm.named_parameters()}
+    seen, todo = set(), [ids]
+    while todo:
+        node = todo.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        if node.op == "get_attr" and node.target in params:
+            return True
+        todo.extend(node.all_input_nodes)
+    return False
+
+
 def row_reads_as_embeddings(gm: fx.GraphModule) -> bool:
     """Rewrite the row reads described in the module doc, in place; whether any was."""
     changed = False
@@ -56,7 +73,7 @@ def row_reads_as_embeddings(gm: fx.GraphModule) -> bool:
         if node.op != "call_function" or not _table(gm, node.args[0] if node.args else None):
             continue
         ids = _ids(node)
-        if ids is None:
+        if ids is None or _from_parameters(gm, ids):
             continue
         with gm.graph.inserting_before(node):
             emb = gm.graph.call_function(aten.embedding.default, (node.args[0], ids))
