@@ -303,6 +303,7 @@ def test_context_parallel_pipeline_matches_one_device(rest):
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # CI's time: the 4- and 8-rank compositions are benchmarks/compose.py's rows
 def test_pipeline_tensor_and_data_parallel_eight_ranks():
     """Megatron's 3-D layout (tp 2, dp 2, pp 2) on 8 ranks: DDP per stage over dp, each replica on its half;
     and FSDP per stage with sequence parallelism. (Llama under GPipe is the 2- and 4-rank tests'.)"""
@@ -320,6 +321,7 @@ def test_pipeline_tensor_and_data_parallel_eight_ranks():
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # CI's time: the 4- and 8-rank compositions are benchmarks/compose.py's rows
 def test_checkpoint_resumes_with_every_dimension_changed(tmp_path):
     """Saved at tp 2 × fsdp 2 with sequence parallelism, resumed at tp 2 × pp 2 with sequence parallelism,
     at tp 1 × dp 2 × pp 2 (DDP) and at tp 4: weights and optimizer state as if uninterrupted."""
@@ -336,6 +338,7 @@ def test_checkpoint_resumes_with_every_dimension_changed(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # CI's time: the 4- and 8-rank compositions are benchmarks/compose.py's rows
 def test_pipeline_checkpoint_resumes_at_other_pipeline_sizes(tmp_path):
     """Saved at (tp 2, pp 2), resumed at (tp 4, pp 1) and (tp 1, pp 4), optimizer included: as if uninterrupted."""
     from pipeline_workers import pipeline_resume_matrix
@@ -455,7 +458,7 @@ if torch.distributed.is_initialized():  # a script that ends its own group, as t
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("amp, tol", [(False, 1e-5), (True, 1e-3)])
+@pytest.mark.parametrize("amp, tol", [(False, 1e-5), pytest.param(True, 1e-3, marks=pytest.mark.extended)])
 def test_user_script_under_autotp_run_pp(tmp_path, amp, tol):
     """A script of the user's own with autotp.pipeline under `autotp run --tp 1 --pp 2`: the layout's mesh is
     picked up, and every rank gets the single-device losses; under bf16 autocast too (built inside it)."""
@@ -483,6 +486,7 @@ def test_user_script_under_autotp_run_pp(tmp_path, amp, tol):
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # CI's time: the 4- and 8-rank compositions are benchmarks/compose.py's rows
 def test_pipeline_of_a_model_built_on_meta_loads_only_its_stages(tmp_path):
     """Built inside autotp.empty_weights() and pipelined at (tp 2, pp 2): each rank allocates only its own
     stages' TP shards, autotp.load_weights reads only those, and training matches the unsharded model."""
