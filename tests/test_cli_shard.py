@@ -378,7 +378,8 @@ def test_autotp_run_failing_script(tmp_path: Path) -> None:
     script.write_text("import sys\nsys.exit(3)\n")
     result = runner.invoke(app, ["run", str(script), "--tp", "2"], env={"COLUMNS": "500"})
     assert result.exit_code == 3
-    assert "exit code 3" in result.stderr and len(result.stderr.strip().splitlines()) == 1
+    *phases, error = result.stderr.strip().splitlines()  # the phase lines (check, launch), then one error line
+    assert "exit code 3" in error and error.startswith("error: ") and all(p.startswith("[") for p in phases), phases
 
 
 def test_a_save_says_that_it_saves_where_and_how_long(tmp_path: Path, capsys) -> None:
