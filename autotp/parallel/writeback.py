@@ -88,7 +88,10 @@ def write_back(model: nn.Module, writes: Writes, flat: Sequence[torch.Tensor], g
         elif w.kind == "buffer":
             _rebind(model, m, w, value, graphs)
         else:
+            old = getattr(m, w.name, None)
             setattr(m, w.name, value)
+            if isinstance(old, torch.Tensor) and isinstance(value, torch.Tensor):
+                _rebind_constant(old, value, graphs)
 
 
 def _rebind(model: nn.Module, m: nn.Module, w: Write, value: object, graphs: Iterable[nn.Module]) -> None:
@@ -101,6 +104,19 @@ def _rebind(model: nn.Module, m: nn.Module, w: Write, value: object, graphs: Ite
     if old is None:
         return
     for holder in (*model.modules(), *(g for graph in graphs for g in graph.modules())):
+        for name, b in holder._buffers.items():
+            if b is old:
+                holder._buffers[name] = value
+
+
+def _rebind_constant(old: torch.Tensor, value: torch.Tensor, graphs: Iterable[nn.Module]) -> None:
+    """A plain tensor attribute the forward re-assigns (``self.step = self.step + 1``) is a constant of the
+    graphs that read it (export lifts it as the tensor it was): each graph holding that tensor holds the new
+    one now, so the next call reads what one device's next call would."""
+    for holder in (g for graph in graphs for g in graph.modules()):
+        for name, v in list(vars(holder).items()):
+            if v is old:
+                setattr(holder, name, value)
         for name, b in holder._buffers.items():
             if b is old:
                 holder._buffers[name] = value

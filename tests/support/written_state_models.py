@@ -92,8 +92,10 @@ class GPT(nn.Module):
         self.head = nn.Linear(H, V, bias=False)
         if style == "complex_root":
             self.register_buffer("freqs_cis", polar_table(2 * S), persistent=False)
-        elif style == "complex_sub":
+        elif style in ("complex_sub", "counter"):
             self.rope = Rope()
+            if style == "counter":  # a plain tensor attribute the forward counts its calls in
+                self.calls = torch.zeros(())
         elif style == "lazy_caches":
             self.rope_cache = self.mask_cache = None
             self.max_seq_length = S
@@ -113,7 +115,7 @@ class GPT(nn.Module):
             self.freqs_cis = self.freqs_cis.to(idx.device)
             table = self.freqs_cis[:n]
             return (lambda x: rotate(x, table)), None
-        if self.style == "complex_sub":
+        if self.style in ("complex_sub", "counter"):
             table = self.rope(idx)
             return (lambda x: rotate(x, table)), None
         if self.style == "lazy_caches":
@@ -133,6 +135,8 @@ class GPT(nn.Module):
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         rope, mask = self._rope(idx)
+        if self.style == "counter":  # re-assigned every call: each call reads the count the last one wrote
+            self.calls = self.calls + 1
         x = self.emb(idx)
         for blk in self.blocks:
             x = blk(x, rope, mask)
@@ -144,7 +148,7 @@ class GPT(nn.Module):
         return logits
 
 
-STYLES = ["complex_root", "complex_sub", "lazy_caches", "dict_cache"]
+STYLES = ["complex_root", "complex_sub", "lazy_caches", "dict_cache", "counter"]
 
 
 def build(style: str) -> tuple[nn.Module, tuple[torch.Tensor, torch.Tensor]]:
