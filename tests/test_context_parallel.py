@@ -24,6 +24,8 @@ SP = ["nanogpt_example", "hf_llama"]  # cp 2 × tp 2 with sequence parallelism: 
 KEYED = {2: ["alibi", "softcap", *context_models.KEYED, "hf_gemma2", "hf_llama_padded"],
          4: ["window", "hf_llama_padded"]}
 KEYED_TP2 = ["softcap_where", "hf_llama_padded"]
+# the 4-rank jobs of the extended run (the default 4-rank launch: cp2_tp2, cp2_tp2_sp, experts, fsdp_tp2)
+AT_4_EXTENDED = ("graph", "parallelize", "keyed", "keyed_tp2", "dropout", "fsdp", "hsdp")
 KEYED_REST = {(4, 1): ["alibi_abs", "softcap_where", "shared_window", "sdpa_window"], (2, 2): ["alibi", "sdpa_window"]}
 
 
@@ -57,11 +59,15 @@ def runs() -> Launches:
     jobs[4]["fsdp_tp2"] = (context_fsdp_parity, ["nanogpt_example"], 2)  # cp 2 × tp 2
     jobs[4]["hsdp"] = (context_fsdp_parity, ["nanogpt_example"], 1, 3, 2)  # 2 replicas × (dp_shard 1 · cp 2)
     jobs[4]["experts"] = (expert_parity, EXPERTS, 3, 2)  # cp 2 × tp 2, E/tp whole experts per tp rank
+    # CI's time: the default 4-rank launch runs the pairings (cp 2 × tp 2, with sequence parallelism, experts,
+    # FSDP); cp 4, the keyed spellings at 4 ranks, dropout at cp 2 × tp 2, FSDP over dp × cp and HSDP run in the
+    # extended run
+    rest.update({name: jobs[4].pop(name) for name in AT_4_EXTENDED})
     return Launches(jobs, extended={4: rest, 2: inductor})
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("cp", [2, 4])
+@pytest.mark.parametrize("cp", [2, pytest.param(4, marks=pytest.mark.extended)])
 def test_context_parallel_training_matches_one_device(runs, cp):
     """nanoGPT (SDPA, causal, learned positions) at cp 2 and 4: the loss, the gathered logits, the summed
     parameter gradients and 3 AdamW steps within 1e-5 of one device (fp32), with and without ignored
@@ -82,7 +88,8 @@ def test_context_parallel_training_matches_one_device(runs, cp):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("cp, tp, rest", [(2, 1, False), (4, 1, False), (2, 2, False),
+@pytest.mark.parametrize("cp, tp, rest", [(2, 1, False), pytest.param(4, 1, False, marks=pytest.mark.extended),
+                                          pytest.param(2, 2, False, marks=pytest.mark.extended),
                                           *(pytest.param(cp, tp, True, marks=pytest.mark.extended) for cp, tp in KEYED_REST)])
 def test_scores_no_ring_computes_train_exactly_with_their_keys_gathered(runs, cp, tp, rest):
     """Attention written out with scores a ring cannot compute — ALiBi (a slopes buffer times distances; -|i−j|
@@ -108,7 +115,7 @@ def test_scores_no_ring_computes_train_exactly_with_their_keys_gathered(runs, cp
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("cp", [2, 4])
+@pytest.mark.parametrize("cp", [2, pytest.param(4, marks=pytest.mark.extended)])
 def test_parallelize_context_parallel_trains_every_causal_spelling_exactly(runs, cp):
     """``autotp.parallelize(model, context_parallel=cp)``: attention written out by hand (examples/nanogpt.py,
     a mask from a buffer, ``where``, a very negative bias, einsum with rotary tables read up to the length,
@@ -204,7 +211,7 @@ def test_compiled_context_parallel_is_one_graph_and_exact(runs, job):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.extended)])
 def test_each_chunk_draws_its_own_dropout_masks(runs, world):
     """Dropout on the embeddings and the residual branches at cp 2 (and cp 2 × tp 2): the three dropouts run on
     the chunk's stream, so the two chunks' masks differ where they would otherwise repeat position by position;
@@ -217,7 +224,7 @@ def test_each_chunk_draws_its_own_dropout_masks(runs, world):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("job, tp", [("fsdp", 1), ("fsdp_tp2", 2)])
+@pytest.mark.parametrize("job, tp", [pytest.param("fsdp", 1, marks=pytest.mark.extended), ("fsdp_tp2", 2)])
 def test_fsdp_shards_over_the_data_and_context_ranks_exactly(runs, job, tp):
     """FSDP with cp 2 (dp 2 × cp 2, and cp 2 × tp 2): FSDP shards over the dp and cp ranks together and its
     reduce-scatter sums the chunks' gradients, averaged over dp only: the losses, the clipped gradient norm
@@ -236,6 +243,7 @@ def test_fsdp_shards_over_the_data_and_context_ranks_exactly(runs, job, tp):
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_hsdp_shards_over_the_context_ranks_and_replicates_over_the_rest(runs):
     """HSDP with cp 2 (2 replica groups × (dp_shard 1 · cp 2), torchtitan's dp_replicate × dp_shard_cp): the
     losses, the clipped gradient norm and the parameters after 3 AdamW steps within 1e-5 of one device on the
