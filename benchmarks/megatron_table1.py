@@ -161,9 +161,11 @@ def run_row(row: Row, every_knob: bool, cache: Path | None = None) -> dict:
     for name, space in (("megatron_knobs", megatron), ("every_knob", Space(row.gpus, GPUS_PER_NODE, row.batch))):
         if name == "every_knob" and not every_knob:
             continue
-        # Megatron-LM of 2021 all-reduced the gradients after the backward (no overlap with it); torch's DDP
-        # overlaps them
-        result = search(facts, A100, space, Training(act_bytes=2, ddp_overlap=name != "megatron_knobs"))
+        # Megatron-LM of 2021 all-reduced the gradients after the backward (no overlap with it; torch's DDP
+        # overlaps them) and sent the hidden state between stages with its scatter/gather (§4.1; Table 1 ran
+        # with it)
+        of_2021 = name == "megatron_knobs"
+        result = search(facts, A100, space, Training(act_bytes=2, ddp_overlap=not of_2021, scatter_gather=of_2021))
         best = result.best
         meshes = {(e.layout.tp, e.layout.pp): e for e in best_per_mesh(result) if e.layout.cp == 1}
         paper = meshes.get((row.tp, row.pp))
@@ -268,6 +270,25 @@ def markdown(results: list[dict], key: str) -> str:
     return "\n".join(lines)
 
 
+def _terms(est: dict) -> str:
+    """``12.74 s: compute 10.36, tp comm 0.75, ...``: a priced layout's step and its non-zero terms."""
+    terms = [(k[:-2].replace("_", " "), v) for k, v in est.items() if k.endswith("_s") and k != "step_s" and v]
+    return f"{est['step_s']:.2f} s: " + ", ".join(f"{k} {v:.2f}" for k, v in terms)
+
+
+def differences(results: list[dict], key: str) -> str:
+    """Each row whose chosen (t, p) is not the paper's: both layouts' terms, side by side (seconds per step)."""
+    lines = []
+    for r in results:
+        res = r.get(key)
+        if not res or not res["best"] or exact(r, key):
+            continue
+        row, best, paper = r["row"], res["best"], res["paper_layout"]
+        lines.append(f"- {row['params_b']:g}B: chosen `{best['label']}` {_terms(best)}; paper's "
+                     + (f"`{paper['label']}` {_terms(paper)}" if paper else "(t, p) not priced (memory)"))
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", default=None, help="comma-separated row numbers (1-10), default all")
@@ -305,7 +326,9 @@ def main() -> None:
                   "the search priced it, else for the chosen layout). \"paper's t, p predicted\": how much slower the "
                   "model predicts the best layout with the paper's (t, p) than the chosen one.\n\n"
                   "## The knobs Megatron had in 2021 (recomputation, interleaving; no FSDP, no sequence parallelism)\n\n"
-                  + markdown(results, "megatron_knobs") + "\n\n## Every knob\n\n" + markdown(results, "every_knob")
+                  + markdown(results, "megatron_knobs")
+                  + "\n\nWhere the chosen (t, p) is not the paper's, the terms of both (seconds per step):\n\n"
+                  + differences(results, "megatron_knobs") + "\n\n## Every knob\n\n" + markdown(results, "every_knob")
                   + "\n\n## torchtitan's 70B row\n\n"
                   "Source: pytorch/torchtitan `docs/performance.md` (commit eaea6f6, versions of 2024-12-26), Table 4, "
                   "\"2D parallelism (FSDP + TP) + torch.compile + Float8. Llama 3.1 70B model. 256 GPUs (FSDP 32, TP 8). "

@@ -127,7 +127,10 @@ def plan(
         abort(str(exc), debug, code=USAGE_ERROR)
     fsdp_info = None
     if fsdp and spec is None:  # with pipeline stages each stage is one unit: the per-block tables do not apply
-        fsdp_info = fsdp_from_rows(the_plan, report.params, layout.dp)
+        # with --fsdp-param-dtype the gathers (and the units held gathered) in that dtype, the reduce-scatters in
+        # float32, as autotp shard's FSDPConfig sets FSDP2's MixedPrecisionPolicy
+        fsdp_info = fsdp_from_rows(the_plan, report.params, layout.dp, param_dtype,
+                                   "float32" if param_dtype is not None else None)
 
     context = None
     if cp > 1:

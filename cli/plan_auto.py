@@ -18,6 +18,7 @@ from autotp.capture.modelfile import load_model_file, planning_batch
 from autotp.cli.fit import FitTable
 from autotp.cli.plan_command import command
 from autotp.cli.plan_format import fmt_size
+from autotp.layout.assumed import assumed_terms
 from autotp.layout.auto import Search, Space, best_per_mesh, explain, mesh_name, search, tp_sizes
 from autotp.layout.cost import RESERVED, Estimate, Training
 from autotp.layout.facts import ModelFacts, capture_facts
@@ -115,10 +116,24 @@ def top_table(auto: Auto, top: int) -> Table:
                      "rc: activations recomputed (the model's own checkpointing). Every layout listed is one autotp "
                      "runs. TFLOP/s: 3 × the forward's matmul FLOPs per step. memory: per rank (share of what is "
                      "usable). Terms per step; dp comm: the data-parallel collectives forward and backward do "
-                     "not hide, with their buffer copies (assumed, not measured: each byte read and written once at "
-                     "memory bandwidth). ·fsdp(bf16): FSDP gathers bf16 weights, reduces in the model's dtype; keep: "
-                     "FSDP keeps weights gathered and gradients unsharded through a step's micro-batches.")
+                     "not hide, with their buffer copies (each byte read and written once, at the copy rate "
+                     "autotp profile measures, else at memory bandwidth). ·fsdp(bf16): FSDP gathers bf16 weights, "
+                     "reduces in the model's dtype; keep: FSDP keeps weights gathered and gradients unsharded "
+                     "through a step's micro-batches.")
     return table
+
+
+def assumed_line(auto: Auto, top: int) -> str | None:
+    """The terms of the rows shown that rest on numbers not measured on the device priced, said once each."""
+    said: dict[str, str] = {}
+    for e in auto.result.ranked[:top]:
+        for term, why in assumed_terms(auto.hardware, e, auto.training).items():
+            said.setdefault(term, why)
+    if not said:
+        return None
+    if len(set(said.values())) == 1:
+        return f"assumed, not measured on {auto.hardware.name}: {', '.join(said)} ({next(iter(said.values()))})"
+    return f"assumed, not measured on {auto.hardware.name}: " + "; ".join(f"{k} ({v})" for k, v in said.items())
 
 
 def _secs(x: float) -> str:
@@ -186,6 +201,9 @@ def render(console: Console, model: str, auto: Auto, top: int) -> None:
                   f"{auto.result.considered} layouts considered", soft_wrap=True)
     if auto.result.ranked:
         console.print(top_table(auto, top))
+        assumed = assumed_line(auto, top)
+        if assumed is not None:
+            console.print(f"[dim]{escape(assumed)}[/dim]", soft_wrap=True)
     rej = rejected_table(auto)
     if rej is not None:
         console.print(rej)
@@ -206,7 +224,8 @@ def render(console: Console, model: str, auto: Auto, top: int) -> None:
 
 def to_dict(auto: Auto, top: int) -> dict:
     return {"hardware": auto.hardware.to_dict(), "space": auto.space.__dict__,
-            "ranked": [e.to_dict() for e in auto.result.ranked[:top]],
+            "ranked": [{**e.to_dict(), "assumed": assumed_terms(auto.hardware, e, auto.training)}
+                       for e in auto.result.ranked[:top]],
             "rejected": [r.to_dict() for r in sorted(auto.result.rejected,
                                                       key=lambda r: -r.estimate.tokens_per_device)[:top]],
             "rejected_count": len(auto.result.rejected), "considered": auto.result.considered,

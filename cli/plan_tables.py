@@ -88,7 +88,10 @@ def fsdp_traffic_table(fsdp: FSDPReport) -> Table:
                       str(x.count), x.what, fmt_size(x.bytes), fmt_size(x.sent), end_section=i == len(lines) - 1)
     table.add_row("all", "all", str(sum(x.count for x in lines)), "", fmt_size(sum(x.bytes for x in lines)),
                   fmt_size(sum(x.sent for x in lines)))
-    table.caption = ("bytes: the units' tp shards whole, in the parameters' dtypes (no fsdp mixed precision); "
+    dtypes = ("in the parameters' dtypes (no fsdp mixed precision)" if fsdp.param_dtype is None else
+              f"gathered in {fsdp.param_dtype}, reduced in {fsdp.reduce_dtype or 'the parameters dtypes'} (fsdp "
+              "mixed precision)")
+    table.caption = (f"bytes: the units' tp shards whole, {dtypes}; "
                      f"a ring all-gather or reduce-scatter sends ≈ (d−1)/d = {(d - 1) / d:.2f}× them per rank. "
                      "Replaces data parallelism's gradient all-reduce.")
     return table

@@ -35,7 +35,7 @@ def model_shapes(model: str, limit: int = MAX_SHAPES) -> list[tuple[int, int, in
 
     from autotp.analysis.flops import shape_of
     from autotp.capture.modelfile import load_model_file, planning_batch
-    from autotp.capture.tracer import capture
+    from autotp.parallel.planning import How, PlanJob, capture_and_plan
 
     aten = torch.ops.aten
     # m = the leading output dims folded together, k = the contracted dim (its operand), n = the last output dim
@@ -45,7 +45,8 @@ def model_shapes(model: str, limit: int = MAX_SHAPES) -> list[tuple[int, int, in
     with torch.device("meta"):
         net = mf.build()
     args, kwargs, *_ = planning_batch(mf, net, None, None)
-    gm, _ = capture(net, args, kwargs, device=torch.device("cpu"))
+    # captured as everything that plans captures (at tp 1 the plan is the blocks alone: the graph is the point)
+    gm = capture_and_plan(net, args, kwargs, PlanJob(1), how=How(device=torch.device("cpu"))).gm
     shapes: set[tuple[int, int, int]] = set()
     for node in gm.graph.nodes:
         operand = matmuls.get(node.target) if node.op == "call_function" else None
@@ -75,6 +76,8 @@ def summary_table(hw: Hardware) -> Table:
     table.add_row("matmul (sustained)", _rate(hw.matmul_flops), "total flops / total time over the shapes below")
     table.add_row("matmul (best shape)", _rate(hw.peak_flops), "peak_flops: the fastest shape measured")
     table.add_row("memory bandwidth", f"{hw.memory_bandwidth / 1e9:.1f} GB/s", "per rank, read + write")
+    table.add_row("buffer copies", f"{hw.copy_bandwidth / 1e9:.1f} GB/s" if hw.copy_bandwidth else "not measured",
+                  "a block's parameters into a flat buffer and out, read + write (what DDP and FSDP copy)")
     table.add_row("op overhead", f"{hw.overhead * 1e6:.1f} µs", "per op launched or dispatched (an add of 16 elements)")
     table.add_row("AdamW step", f"{hw.optimizer * 1e9:.2f} ns/param", "torch.optim.AdamW on 4M parameters")
     table.add_row("ranks per device", f"{hw.share:g}", "more ranks than cores: they take turns")

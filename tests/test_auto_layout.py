@@ -91,7 +91,9 @@ def test_compute_term():
     per_mb = 3 * (1e9 + 1e8) * 2 / 1e12 + 4 * 3 * layer / 1e11 + 3 * ops * 1e-4
     assert e.compute == pytest.approx(3 * per_mb)
     rc = estimate(f, h, Layout(1, 1, 1, 2, 3, recompute=True), Training(act_bytes=2))
-    assert rc.compute == pytest.approx(3 * (4 * 1.1e9 * 2 / 1e12 + 4 * 4 * layer / 1e11 + 4 * ops * 1e-4))
+    # the checkpointed blocks run their forward again; the ends (embeddings, head and loss) do not
+    assert rc.compute == pytest.approx(3 * (4 * 1e9 * 2 / 1e12 + 3 * 1e8 * 2 / 1e12 + 4 * 4 * layer / 1e11
+                                            + (4 * 4 * 10 + 3 * (5 + 6)) * 1e-4))
 
 
 def test_tp_comm_term():
@@ -116,6 +118,50 @@ def test_pipeline_terms():
     # the busier end: the last stage's 2 blocks and LM head (1e8 > 0 FLOPs of the first)
     assert e.compute == pytest.approx(4 * 3 * (0.5e9 + 1e8) / 1e12 + 4 * 2 * 3 * layer_activation_bytes(
         1, 32, 64, 4, 1, 2, False, True) / 1e11)
+
+
+def test_pipeline_sends_with_sequence_parallelism_and_megatrons_scatter_gather():
+    f, h = facts(comm=False), hw()
+    full = estimate(f, h, Layout(2, 1, 2, 1, 4), Training(act_bytes=2))
+    hidden = 32 * 64 * 2  # (b, s, h) in bf16
+    assert full.pp_comm == pytest.approx(4 * 2 * (1e-5 + hidden / 1e10))  # each tp rank its whole copy
+    sp = estimate(f, h, Layout(2, 1, 2, 1, 4, sp=True), Training(act_bytes=2))
+    assert sp.pp_comm == pytest.approx(4 * 2 * (1e-5 + hidden / 2 / 1e10))  # its s/t positions
+    # Megatron-LM's scatter/gather: 1/t across, all-gathered inside the receiving tp group
+    sg = estimate(f, h, Layout(2, 1, 2, 1, 4), Training(act_bytes=2, scatter_gather=True))
+    assert sg.pp_comm == pytest.approx(4 * 2 * (1e-5 + hidden / 2 / 1e10 + 1e-5 + hidden / 2 / 1e10))
+    assert estimate(f, h, Layout(2, 1, 2, 1, 4, sp=True), Training(act_bytes=2, scatter_gather=True)).pp_comm \
+        == pytest.approx(sp.pp_comm)  # already split: nothing to gather
+
+
+def test_buffer_copies_at_the_measured_copy_rate():
+    f = facts(comm=False, per_layer=10**7)
+    grad = (500 + 4 * 10**7 + 300) * 4
+    lay, tr = Layout(1, 4, 1, 1, 1), Training(act_bytes=2)
+    assumed = estimate(f, hw(), lay, tr)
+    measured = estimate(f, hw(copy_bandwidth=2.5e10), lay, tr)
+    assert hw().copy_rate == 1e11 and hw(copy_bandwidth=2.5e10).copy_rate == 2.5e10
+    assert measured.dp_comm - assumed.dp_comm == pytest.approx(2 * grad * 2 * (1 / 2.5e10 - 1 / 1e11))
+
+
+def test_terms_not_measured_on_the_priced_device_are_assumed():
+    from autotp.layout.assumed import assumed_terms
+
+    f, lay, tr = facts(), Layout(2, 2, 2, 1, 4), Training(act_bytes=2)
+    preset = estimate(f, hw(), lay, tr)
+    assert set(assumed_terms(hw(), preset)) == {k for k, v in preset.terms().items() if v}  # datasheet: all
+    timed = tuple(Measured(k, n, Link(1e-5, 1e10)) for k, n in (("all_reduce", 2), ("send", 2)))
+    profiled = hw(matmuls=((8, 8, 8, 1e12),), measured=timed, optimizer=1e-9, copy_bandwidth=5e10)
+    assert assumed_terms(profiled, estimate(f, profiled, lay, tr)) == {}  # every term timed on this node
+    no_copy = dataclasses.replace(profiled, copy_bandwidth=0.0)
+    said = assumed_terms(no_copy, estimate(f, no_copy, lay, tr))
+    assert list(said) == ["dp comm"] and "copy rate not measured" in said["dp comm"]
+    # 2 per node: the tp 2 groups fit a node, the dp groups and the stage neighbours do not
+    small = dataclasses.replace(profiled, gpus_per_node=2)
+    said = assumed_terms(small, estimate(f, small, lay, tr))
+    assert set(said) == {"dp comm", "pp comm"} and "across nodes" in said["dp comm"]
+    sp = Layout(2, 2, 2, 1, 4, sp=True)  # reduce-scatters and all-gathers over tp, never timed here
+    assert "tp comm" in assumed_terms(profiled, estimate(f, profiled, sp, tr))
 
 
 def test_dp_comm_term_ddp_and_fsdp():

@@ -311,6 +311,32 @@ def test_fsdp_report_pads_uneven_rows() -> None:
     assert (alone.prefetch_bytes, alone.kept_bytes) == (60, 0)
 
 
+def test_fsdp_report_in_the_gather_dtype() -> None:
+    """--fsdp-param-dtype bf16: the gathers and the units held gathered in bf16, the reduce-scatters in fp32
+    (FSDP2's MixedPrecisionPolicy as autotp shard sets it); the sharded state stays in the model's dtype."""
+    from rich.console import Console
+
+    from autotp.cli.plan_tables import fsdp_traffic_table
+    from autotp.plan.plan import Plan, Unit
+    from autotp.plan.report import fsdp_report
+
+    block, norm = torch.nn.Linear(4, 4), torch.nn.LayerNorm(4)
+    named = [("block.weight", block.weight), ("block.bias", block.bias), ("norm.weight", norm.weight),
+             ("norm.bias", norm.bias)]
+    plan = Plan(tp=1, units=(Unit("block", ("block.weight", "block.bias")),
+                             Unit("norm", ("norm.weight", "norm.bias"), "last", ("norm",))))
+    plain, mixed = fsdp_report(plan, named, 2), fsdp_report(plan, named, 2, "bfloat16", "float32")
+    assert [u.gathered_bytes for u in plain.units] == [80, 32] and [u.gathered_bytes for u in mixed.units] == [40, 16]
+    assert [u.sharded_bytes for u in mixed.units] == [u.sharded_bytes for u in plain.units]
+    assert mixed.state_bytes == plain.state_bytes and mixed.kept_bytes == 16 and mixed.prefetch_bytes == 40
+    bytes_of = {(x.direction, x.kind): (x.bytes, x.sent) for x in mixed.traffic}
+    assert bytes_of == {("forward", "all_gather"): (56, 28), ("backward", "all_gather"): (40, 20),
+                        ("backward", "reduce_scatter"): (112, 56)}
+    console = Console(width=200, record=True)
+    console.print(fsdp_traffic_table(mixed))
+    assert "gathered in bfloat16, reduced in float32" in console.export_text()
+
+
 # -- --pp: pipeline stages, what crosses each cut, the bubble ---------------------------------------------------
 def _model_file(tmp_path, name: str, body: str) -> str:
     path = tmp_path / f"{name}.py"

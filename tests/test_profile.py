@@ -117,6 +117,27 @@ def test_model_shapes_are_the_largest_matmuls() -> None:
     assert shapes[0] in {(128, 64, 256), (128, 256, 64)} and (128, 64, 256) in shapes
 
 
+def test_buffer_copies_count_every_byte_read_and_written() -> None:
+    """The copy micro-benchmark: a block's parameters into one flat buffer and back out, 2 × 2 × bytes per
+    call (timed here by a stand-in for the ranks' clock: no processes)."""
+    import torch
+
+    from autotp.layout.profile import _buffer_copies, block_sizes
+
+    class Clock:
+        job = ProfileJob.make("cpu", "fp32")
+        device = torch.device("cpu")
+
+        def time(self, fn) -> float:
+            fn()
+            return 0.5
+
+    h = Clock.job.buffer_hidden
+    assert sum(block_sizes(h)) == 12 * h * h + 13 * h  # a GPT block: 12h² weights, 13h biases and norms
+    assert _buffer_copies(Clock()) == 2 * 2 * 4 * sum(block_sizes(h)) / 0.5
+    assert ProfileJob.make("cuda", "bf16").buffer_hidden == 4096
+
+
 def test_job_defaults() -> None:
     quick, full = ProfileJob.make("cpu", "fp32", quick=True), ProfileJob.make("cpu", "fp32")
     assert full.sizes[0] == 4096 and full.sizes[-1] == 16 * 2**20
@@ -153,6 +174,7 @@ def test_profile_two_cpu_ranks(tmp_path) -> None:
     assert hw.extra["dtype"] == "fp32" and hw.extra["threads_per_rank"] >= 1
     assert hw.matmul_flops > 0 and hw.peak_flops >= hw.matmul_flops and hw.memory_bandwidth > 0
     assert hw.overhead > 0 and hw.optimizer > 0 and not hw.overlap and hw.share >= 1  # gloo shares the cores
+    assert hw.copy_bandwidth > 0 and hw.copy_rate == hw.copy_bandwidth and "buffer copies" in result.output
     assert len(hw.matmuls) == len(ProfileJob.make("cpu", "fp32", quick=True).shapes)
     assert all(rate > 0 for *_, rate in hw.matmuls)
     kinds = {(m.kind, m.ranks): m for m in hw.measured}

@@ -8,7 +8,8 @@ rank 1/cp of its tokens), with or without FSDP over dp (over dp·cp with context
 parallelism and full activation recomputation.
 
 Per micro-batch on the busiest pipeline rank (the terms of :class:`Estimate`):
-- compute: the rank's matmul FLOPs (forward 1×, backward 2×, recomputation another forward) at the
+- compute: the rank's matmul FLOPs (forward 1×, backward 2×, recomputation another forward of the
+  blocks: the embeddings, head and loss are not checkpointed) at the
   profile's sustained matmul rate, plus the memory-bound work: the activations a layer keeps (Korthikanti
   et al. 2022's bytes per layer, :func:`~autotp.plan.pipeline_report.layer_activation_bytes`) cross memory
   once per pass, at the memory bandwidth; and the profile's fixed cost per op (a launch, a dispatch) for
@@ -20,9 +21,11 @@ Per micro-batch on the busiest pipeline rank (the terms of :class:`Estimate`):
   gathers them again in the backward and hands each rank's dK and dV back (as many bytes again), none of it
   overlapped; the gradients are summed over the cp group once per backward (one all-reduce of them all);
 - pp: the bubble (p − 1)/(v·m) of the ideal time (Narayanan et al. 2021, §2.2), and two point-to-point
-  sends of b·s·h activations per micro-batch and stage boundary (v per rank);
+  sends of b·s·h activations per micro-batch and stage boundary (v per rank; s/t of them per tp rank with
+  sequence parallelism, or with Megatron-LM's scatter/gather, which then all-gathers them inside the node);
 - dp comm: the data-parallel collectives the compute does not hide, and the copies into and out of their
-  buffers (assumed: each byte read and written once at the memory bandwidth; not measured). DDP: the
+  buffers (each byte read and written once at :attr:`Hardware.copy_rate`: the rate `autotp profile`
+  measured for copies into a flat buffer and out of it, else, assumed, the memory bandwidth). DDP: the
   gradient all-reduce once per step (``no_sync`` between micro-batches), overlapped with the last
   micro-batch's backward but for its last 25 MB bucket. FSDP: all-gathers before forward and backward and a
   reduce-scatter after it, per micro-batch, each overlapped with that pass's compute (prefetch) but for one
@@ -118,6 +121,10 @@ class Training:
     seq: int | None = None  # default: the captured sequence length
     act_dtype: str = "bf16"  # its name: what FSDP's mixed precision gathers in
     ddp_overlap: bool = True  # DDP's all-reduce runs beside the backward (torch's DDP); False: after it
+    # a pipeline's replicated hidden state (no sequence parallelism) sent as Megatron-LM sends it (Narayanan et
+    # al. 2021, §4.1, on in their Table 1): each tp rank sends 1/t of it across, and the receiving tp group
+    # all-gathers it over the node's links; False: each tp rank sends its whole copy (autotp's pipeline)
+    scatter_gather: bool = False
 
 
 @dataclass(frozen=True)
@@ -233,8 +240,11 @@ def estimate(facts: ModelFacts, hw: Hardware, lay: Layout, training: Training = 
     ring_ops = 2 * c if c > 1 else 0  # per layer: an attention call and a merge of its output per ring step
     blocks_time = ls * (flops_time(facts.block_flops * tokens) + passes * layer_bytes / hw.memory_bandwidth
                         + launch * (facts.ops[BLOCKS] / L + ring_ops))
-    first = flops_time(facts.flops[FIRST] * tokens) + launch * facts.ops[FIRST]
-    last = flops_time(facts.flops[LAST] * tokens) + launch * facts.ops[LAST]
+    # the ends (embeddings; final norm, head and loss) run forward and backward once: what recomputes is the
+    # checkpointed blocks (the paper's equation 3 counts the head's 2·s·h·V three times, not four)
+    ends = 3 / passes
+    first = ends * (flops_time(facts.flops[FIRST] * tokens) + launch * facts.ops[FIRST])
+    last = ends * (flops_time(facts.flops[LAST] * tokens) + launch * facts.ops[LAST])
     share = 1 / p
     comm_blocks = _comm_time(hw, facts, lay, BLOCKS, tokens, share, act, lay.recompute)
     comm_first = _comm_time(hw, facts, lay, FIRST, tokens, 1, act, False)
@@ -251,7 +261,7 @@ def estimate(facts: ModelFacts, hw: Hardware, lay: Layout, training: Training = 
     grad_bytes = local * facts.param_bytes  # gradients travel in the model's dtype (FSDP's reduce_dtype: fp32)
     gather_elem = _gather_bytes(facts, lay, act)  # FSDP's all-gathers: in the mixed-precision dtype
     gather_bytes = local * gather_elem
-    copy = 2 / hw.memory_bandwidth  # bytes copied in and out of communication buffers: read and written
+    copy = 2 / hw.copy_rate  # bytes copied in and out of communication buffers: read and written
     cp_mb = cp_step = 0.0
     if c > 1:
         cp_node = _per_node(c, t, hw.gpus_per_node)
@@ -269,7 +279,13 @@ def estimate(facts: ModelFacts, hw: Hardware, lay: Layout, training: Training = 
     p2p = 0.0
     if p > 1:
         per_node = 2 if t * c * d < hw.gpus_per_node else 1
-        p2p = 2 * v * hw.collective("send", b * s * facts.hidden * act / c, 2, per_node)
+        hidden = b * s * facts.hidden * act / c  # the hidden state crossing a cut, (b, s/cp, h)
+        # with sequence parallelism each tp rank holds (and sends) its s/t positions; with Megatron's
+        # scatter/gather 1/t of the replicated state, all-gathered inside the receiving tp group
+        split = t if lay.sp or training.scatter_gather else 1
+        p2p = 2 * v * hw.collective("send", hidden / split, 2, per_node)
+        if training.scatter_gather and not lay.sp:
+            p2p += 2 * v * hw.collective("all_gather", hidden, t, _per_node(t, 1, hw.gpus_per_node))
 
     # -- data parallel: DDP over d; FSDP over the d·c ranks holding the same parameters -------------------------
     f = d * c if lay.fsdp else d

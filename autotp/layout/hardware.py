@@ -66,6 +66,10 @@ class Hardware:
     # whatever the size); fewer rows and a shorter inner dimension leave more of the GPU's tiles idle
     matmul_tokens: float = 0.0
     matmul_width: float = 0.0
+    # bytes/s read + written copying parameters and gradients into a collective's flat buffer and back out
+    # (DDP's buckets, FSDP2's copy-in and copy-out), measured by autotp profile; 0: not measured, and the
+    # memory bandwidth is assumed (:attr:`copy_rate`)
+    copy_bandwidth: float = 0.0
     measured: tuple[Measured, ...] = ()
     matmuls: tuple[tuple[int, int, int, float], ...] = ()  # (m, k, n, FLOP/s) measured by autotp profile
     source: str = ""
@@ -87,6 +91,12 @@ class Hardware:
             return 0.0
         link = self.link(kind, ranks, ranks if per_node is None else per_node)
         return count * (link.latency + wire(kind, nbytes, ranks) / link.bandwidth)
+
+    @property
+    def copy_rate(self) -> float:
+        """Bytes/s (read + written) of the copies into and out of communication buffers: measured, else the
+        memory bandwidth (assumed)."""
+        return self.copy_bandwidth or self.memory_bandwidth
 
     def matmul_rate(self, tokens: float, hidden: float) -> float:
         """FLOP/s of the matmuls of a model of ``hidden`` size for a micro-batch of ``tokens`` rows on one rank."""
@@ -111,7 +121,9 @@ class Hardware:
                      gpus_per_node=int(d["gpus_per_node"]), intra=Link(**d["intra"]), inter=Link(**d["inter"]),
                      overhead=float(d.get("overhead", 0.0)), optimizer=float(d.get("optimizer", 0.0)),
                      overlap=bool(d.get("overlap", True)), share=float(d.get("share", 1.0)),
-                     matmul_tokens=float(d.get("matmul_tokens", 0.0)), matmul_width=float(d.get("matmul_width", 0.0)), measured=measured, matmuls=tuple(tuple(x) for x in d.get("matmuls", ())),
+                     matmul_tokens=float(d.get("matmul_tokens", 0.0)), matmul_width=float(d.get("matmul_width", 0.0)),
+                     copy_bandwidth=float(d.get("copy_bandwidth", 0.0)), measured=measured,
+                     matmuls=tuple(tuple(x) for x in d.get("matmuls", ())),
                      source=str(d.get("source", "")), extra=dict(d.get("extra", {})))
         except (KeyError, TypeError) as exc:
             raise ValueError(f"hardware profile is missing or mistypes a field: {exc}") from None

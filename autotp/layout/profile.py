@@ -31,7 +31,8 @@ import torch.distributed as dist
 from autotp.distributed.launch import init_from_env
 from autotp.layout.hardware import Hardware, Link, Measured, wire
 
-__all__ = ["DTYPES", "ProfileJob", "default_shapes", "fit_link", "message_sizes", "profile_worker", "wire_bytes"]
+__all__ = ["DTYPES", "ProfileJob", "block_sizes", "default_shapes", "fit_link", "message_sizes", "profile_worker",
+           "wire_bytes"]
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 # what rank 0 says as it starts each measurement: (phase, what), e.g. ("matmuls", "8 shapes in bf16 ...")
@@ -107,6 +108,7 @@ class ProfileJob:
     repeats: int  # samples per number (the median is kept)
     target: float  # seconds a sample should last at least
     shapes_from: str = "default transformer shapes"  # for the profile's source line
+    buffer_hidden: int = 1024  # the buffer copies' tensors: one transformer block's parameters of this width
 
     @classmethod
     def make(cls, device: str, dtype: str, shapes: Sequence[tuple[int, int, int]] | None = None,
@@ -114,7 +116,7 @@ class ProfileJob:
         copy_bytes = (512 if device == "cuda" else 64) * MiB
         return cls(device, dtype, tuple(shapes or default_shapes(device, quick)), message_sizes(device, quick),
                    copy_bytes, 3 if quick else 5, 0.005 if quick else 0.02,
-                   shapes_from or "default transformer shapes")
+                   shapes_from or "default transformer shapes", 4096 if device == "cuda" else 1024)
 
 
 class _Ctx:
@@ -172,6 +174,28 @@ def _memory_bandwidth(ctx: _Ctx) -> float:
     dst = torch.empty_like(src)
     seconds = ctx.time(lambda: dst.copy_(src))
     return 2 * src.numel() * src.element_size() / seconds  # read + written
+
+
+def block_sizes(h: int) -> list[int]:
+    """Elements of one GPT block's parameters at width ``h`` (qkv, projection, MLP in and out with their biases,
+    two norms): the tensors a DDP bucket or an FSDP unit copies into one flat buffer."""
+    return [3 * h * h, 3 * h, h * h, h, 4 * h * h, 4 * h, 4 * h * h, h, h, h, h, h]
+
+
+def _buffer_copies(ctx: _Ctx) -> float:
+    """Bytes/s (read + written) of copying a block's parameters into one flat buffer and back out, as DDP's
+    buckets and FSDP2's all-gather copy-in and copy-out do around each collective: ``torch.cat`` into the
+    buffer, ``split_with_sizes_copy`` out of it (fp32, as gradients are reduced)."""
+    sizes = block_sizes(ctx.job.buffer_hidden)
+    tensors = [torch.ones(n, device=ctx.device) for n in sizes]
+    flat = torch.empty(sum(sizes), device=ctx.device)
+
+    def both() -> None:
+        torch.cat(tensors, out=flat)
+        torch.split_with_sizes_copy(flat, sizes, out=tensors)
+
+    seconds = ctx.time(both)
+    return 2 * 2 * flat.numel() * flat.element_size() / seconds  # two copies, each read + written
 
 
 def _op_overhead(ctx: _Ctx) -> float:
@@ -314,6 +338,8 @@ def _profile(job: ProfileJob, ctx: _Ctx, rank: int, world: int, say: Say = _sile
     matmuls = _matmuls(ctx)
     say("memory", f"bandwidth: a {job.copy_bytes // MiB} MiB copy")
     bandwidth = _memory_bandwidth(ctx)
+    say("memory", f"buffer copies: a block's parameters (width {job.buffer_hidden}) into a flat buffer and out")
+    copies = _buffer_copies(ctx)
     say("overhead", "one op's fixed cost: an add of 16 elements")
     overhead = _op_overhead(ctx)
     say("optimizer", "an AdamW step on 4M parameters")
@@ -331,7 +357,9 @@ def _profile(job: ProfileJob, ctx: _Ctx, rank: int, world: int, say: Say = _sile
               f"{datetime.date.today().isoformat()}, every measurement on all ranks at once, the slowest rank's "
               f"median kept. matmul_flops: sustained over {len(matmuls)} shapes ({job.shapes_from}), total "
               f"flops / total time; peak_flops: the best single shape measured, not a datasheet peak; "
-              f"memory_bandwidth: a {job.copy_bytes // MiB} MiB copy per rank, bytes read + written; overhead: "
+              f"memory_bandwidth: a {job.copy_bytes // MiB} MiB copy per rank, bytes read + written; copy_bandwidth: "
+              f"a GPT block's fp32 parameters (width {job.buffer_hidden}) copied into one flat buffer (torch.cat) and "
+              f"out of it (split_with_sizes_copy), bytes read + written; overhead: "
               f"one add of 16 elements; optimizer: an AdamW step on 4M parameters, per parameter; overlap: "
               f"{'collectives on copy engines beside compute' if cuda else 'none, gloo runs on the ranks cores'}; "
               f"share: ranks per core; "
@@ -342,7 +370,7 @@ def _profile(job: ProfileJob, ctx: _Ctx, rank: int, world: int, say: Say = _sile
     hw = Hardware(
         name=torch.cuda.get_device_name(ctx.device) if cuda else f"cpu-{socket.gethostname()}",
         matmul_flops=flops / seconds, peak_flops=max(rate for *_, rate in matmuls),
-        memory_bandwidth=bandwidth, overhead=overhead, optimizer=optimizer, overlap=cuda,
+        memory_bandwidth=bandwidth, copy_bandwidth=copies, overhead=overhead, optimizer=optimizer, overlap=cuda,
         share=1.0 if cuda else max(1.0, per_node / (os.cpu_count() or per_node)), memory_bytes=_memory_bytes(ctx.device, per_node), gpus_per_node=per_node,
         intra=largest.link, inter=largest.link, measured=tuple(measured), matmuls=tuple(matmuls), source=source,
         extra={"nproc": world, "device": job.device, "dtype": job.dtype, "torch": torch.__version__,

@@ -394,10 +394,12 @@ class FSDPUnitRow:
     tensors: int  # distinct tensors, a tied one once
     params: int  # elements of the full (unsharded) tensors
     local: int  # elements one TP rank holds: what FSDP all-gathers over dp
-    gathered_bytes: int  # this TP rank's shards whole, in the parameters' dtypes: one all-gather's output
+    gathered_bytes: int  # this TP rank's shards whole, in the gather dtype (FSDP's param_dtype, else the
+    # parameters' own): one all-gather's output
     # what one rank keeps between gathers: dim 0 of each TP shard cut in d, FSDP's padding included
     sharded_bytes: int
     modules: tuple[str, ...] = ()  # the modules FSDP shards as this unit (none for the root: the model)
+    reduced_bytes: int = 0  # its gradients whole in the reduce dtype (FSDP's reduce_dtype, else the parameters')
 
     @property
     def resharded(self) -> bool:
@@ -413,7 +415,7 @@ class FSDPTraffic:
     kind: str  # "all_gather" | "reduce_scatter"
     what: str
     count: int
-    bytes: int  # the gathered (or reduced) size of all of them, in the parameters' dtypes
+    bytes: int  # the gathered (or reduced) size of all of them, in the gather (or reduce) dtype
     sent: int  # what a ring sends per rank: (d−1)/d × bytes
 
 
@@ -432,6 +434,10 @@ class FSDPReport:
     prefetch_bytes: int
     ddp_bytes: int  # 16·P/t: the same rank under plain data parallelism (DDP), every rank holding it all
     traffic: tuple[FSDPTraffic, ...]
+    # FSDP's mixed precision (torch dtype names): what its all-gathers carry and its reduce-scatters sum in;
+    # None: the parameters' own dtypes
+    param_dtype: str | None = None
+    reduce_dtype: str | None = None
 
     @property
     def blocks(self) -> tuple[FSDPUnitRow, ...]:
@@ -461,10 +467,20 @@ class FSDPReport:
         return {**asdict(self), "peak_bytes": self.peak_bytes, "saving": self.saving}
 
 
-def fsdp_units(plan: Plan, rows: tuple[ParamRow, ...], dp: int) -> tuple[FSDPUnitRow, ...]:
+def _cast_bytes(r: ParamRow, dtype: str | None) -> int:
+    """``r``'s TP shard whole in ``dtype``, as FSDP2's mixed precision casts a floating-point parameter (its
+    own dtype when ``dtype`` is None or the parameter is not floating point)."""
+    own = getattr(torch, r.dtype, None)
+    if dtype is None or not (isinstance(own, torch.dtype) and own.is_floating_point):
+        return r.local_bytes
+    return math.prod(r.local_shape) * itemsize(dtype, 4)
+
+
+def fsdp_units(plan: Plan, rows: tuple[ParamRow, ...], dp: int, param_dtype: str | None = None,
+               reduce_dtype: str | None = None) -> tuple[FSDPUnitRow, ...]:
     """The plan's units in the order they run (first, blocks, last), then the root with every tensor no unit
     owns (only when there is one); a tensor under several names (tied) belongs to the first unit that names it
-    under any of them, and is counted once."""
+    under any of them, and is counted once. Gathered in ``param_dtype``, reduced in ``reduce_dtype``."""
     owner: dict[str, int] = {}
     for i, unit in enumerate(plan.units):
         for name in unit.params:
@@ -475,8 +491,10 @@ def fsdp_units(plan: Plan, rows: tuple[ParamRow, ...], dp: int) -> tuple[FSDPUni
         members[next((owner[a] for a in r.aliases if a in owner), root)].append(r)
     heads = [(u.module, u.kind, u.members) for u in plan.units] + [(ROOT_UNIT, "root", ())]
     return tuple(FSDPUnitRow(module, kind, len(rs), sum(math.prod(r.full_shape) for r in rs),
-                             sum(math.prod(r.local_shape) for r in rs), sum(r.local_bytes for r in rs),
-                             sum(_fsdp_shard_bytes(r, dp) for r in rs), modules)
+                             sum(math.prod(r.local_shape) for r in rs),
+                             sum(_cast_bytes(r, param_dtype) for r in rs), sum(_fsdp_shard_bytes(r, dp) for r in rs),
+                             modules,
+                             sum(_cast_bytes(r, reduce_dtype) for r in rs))
                  for (module, kind, modules), rs in zip(heads, members) if rs or kind != "root")
 
 
@@ -504,32 +522,35 @@ def _fsdp_shard_bytes(r: ParamRow, dp: int) -> int:
     return -(-shape[0] // dp) * (n // shape[0]) * (r.local_bytes // n)
 
 
-def fsdp_report(plan: Plan, named_params: Iterable[tuple[str, torch.Tensor]], dp: int) -> FSDPReport:
+def fsdp_report(plan: Plan, named_params: Iterable[tuple[str, torch.Tensor]], dp: int,
+                param_dtype: str | None = None, reduce_dtype: str | None = None) -> FSDPReport:
     """FSDP's units, memory and traffic per rank for ``plan`` (at its tp) over ``dp`` data-parallel ranks;
     ``named_params`` as for :func:`param_rows`: every alias, shapes and dtypes only."""
-    return fsdp_from_rows(plan, param_rows(plan, named_params), dp)
+    return fsdp_from_rows(plan, param_rows(plan, named_params), dp, param_dtype, reduce_dtype)
 
 
-def fsdp_from_rows(plan: Plan, rows: tuple[ParamRow, ...], dp: int) -> FSDPReport:
+def fsdp_from_rows(plan: Plan, rows: tuple[ParamRow, ...], dp: int, param_dtype: str | None = None,
+                   reduce_dtype: str | None = None) -> FSDPReport:
     """:func:`fsdp_report` from the rows a :class:`Report` already holds (``report.params``).
 
     Follows ``autotp.parallel.fsdp.apply_fsdp`` with its defaults (resharding after forward): every unit and
     the root are gathered once in forward; the first unit and the blocks are freed after their forward and
     gathered again for their backward, while the last unit (its backward starts as its forward ends) and the
     root are kept gathered from their forward into their backward; every unit's gradients and the root's are
-    reduce-scattered once. No mixed precision policy: gathers and reductions travel in the parameters' own
-    dtypes.
+    reduce-scattered once. With FSDP's mixed precision (``param_dtype``, ``reduce_dtype``: torch dtype names, as
+    ``FSDPConfig`` passes them to FSDP2's MixedPrecisionPolicy) the gathers, and the units held gathered, are in
+    ``param_dtype`` and the reduce-scatters in ``reduce_dtype``; else in the parameters' own dtypes.
     """
     if dp < 1:
         raise ValueError(f"dp must be >= 1, got {dp}")
-    units = fsdp_units(plan, rows, dp)
+    units = fsdp_units(plan, rows, dp, param_dtype, reduce_dtype)
     local = sum(math.prod(r.local_shape) for r in rows)
     resharded = [u for u in units if u.resharded]
     kept = [u for u in units if not u.resharded]
     k = TRAIN_BYTES_PER_PARAM
 
     def line(direction: str, kind: str, what: str, of: list[FSDPUnitRow]) -> FSDPTraffic:
-        size = sum(u.gathered_bytes for u in of)
+        size = sum(u.reduced_bytes if kind == "reduce_scatter" else u.gathered_bytes for u in of)
         return FSDPTraffic(direction, kind, what, len(of), size, round(size * (dp - 1) / dp))
 
     again = f"{unit_kinds(resharded)}: gathered again (resharded after forward)"
@@ -540,4 +561,4 @@ def fsdp_from_rows(plan: Plan, rows: tuple[ParamRow, ...], dp: int) -> FSDPRepor
                line("backward", "reduce_scatter", f"every unit's gradients ({unit_kinds(units)})", list(units)))
     return FSDPReport(plan.tp, dp, units, local, round(k * local / dp), sum(u.gathered_bytes for u in kept),
                       _in_flight(resharded), k * local,
-                      tuple(t for t in traffic if t.count))
+                      tuple(t for t in traffic if t.count), param_dtype, reduce_dtype)
