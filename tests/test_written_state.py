@@ -13,9 +13,9 @@ import torch
 from autotp.capture.tracer import capture_blocks
 from autotp.capture.writes import WRITES_KEY
 from autotp.parallel.writeback import state_difference
-from ranks import Launches
-from written_state_models import STYLES, build
-from written_state_workers import written_state_parity
+from ranks import Launches, launch
+from written_state_models import PIPELINE_STYLES, STYLES, build
+from written_state_workers import pipeline_written_state, written_state_parity
 
 
 def _writes(style: str):
@@ -96,3 +96,72 @@ def test_written_state_equals_the_unsharded_models(runs, world: int, part: str):
             assert r["fraction"] <= 1 / world + 0.12, (style, r["fraction"])
             # train (loss None, then kept), sample (kept, then None): each state captured once, then cheap
             assert r["graphs"] <= 4, (style, r["graphs"])
+
+
+# -- pipeline stages: which stage keeps what, and how micro-batches make the whole batch's value ----------
+@pytest.fixture(scope="module")
+def kept_split():
+    """kept_outputs (logits per sample, the ids, the loss on the model) captured and cut into 2 stages."""
+    from autotp.operators.stages import wire_stages
+    from autotp.parallel.stage_writes import mark_outputs, output_facts, output_stages, written_loss
+    from autotp.passes import run_passes, split_stages
+    from autotp.plan.planner import make_plan
+    from autotp.plan.stages import StageRequest
+
+    model, (x, y) = build("kept_outputs")
+    gm = capture_blocks(model, (x, y), {}, writes=True, static=True).gm
+    writes = gm.meta[WRITES_KEY]
+    facts = output_facts(gm)
+    top = run_passes(gm, make_plan(gm, 1, stages=StageRequest(2)), (split_stages,))
+    mark_outputs(top, facts)
+    loss = written_loss(top, writes)
+    owner = output_stages(top, [w.results for w in wire_stages(top, loss)])
+    return top, writes, loss, owner
+
+
+def test_pipeline_stages_keep_what_the_forward_writes(kept_split):
+    from autotp.parallel.stage_writes import stage_writes
+
+    top, writes, loss, owner = kept_split
+    at = {w.where: w.value.value for w in writes.items}
+    # the forward returns only logits: the loss it keeps on the model is what the last stage ends in
+    assert loss == at["last_loss"]
+    sw = stage_writes(top, writes, loss, owner, cut={0, 1})
+    how = dict(sw.how)
+    assert how[at["last_loss"]] == ("loss", torch.float32)  # every rank writes the step's loss
+    assert how[at["last_logits"]] == "batch"  # per sample: the micro-batches' concatenated
+    assert how[at["last_idx"]] == ("input", 0)  # the step's own input
+    assert set(sw.keep(1)) == {at["last_logits"], at["last_loss"]} and sw.keep(0) == ()
+    # with nothing cut into micro-batches (a batch of one), the logits are the same on every micro-batch
+    assert dict(stage_writes(top, writes, loss, owner, cut=set()).how)[at["last_logits"]] == "same"
+
+
+def test_micro_batches_make_the_whole_batch_value_or_none():
+    from autotp.parallel.stage_writes import _combine
+
+    a, b = torch.arange(6.).view(2, 3), torch.arange(6., 12.).view(2, 3)
+    assert torch.equal(_combine([a, b], "batch", 2), torch.cat([a, b]))
+    assert torch.equal(_combine([a, b], "same", 2), b)
+    # a mean over the batch kept on the model has no whole-batch value from the micro-batches': not written
+    assert _combine([a.mean(), b.mean()], "batch", 2) is None
+
+
+# pp 2 (1F1B, 2 micro-batches): the first stage computes the caches and the counter, the last the logits; every
+# rank writes the loss (the step's, which each rank has) and the ids. What each pipeline rank does not hold:
+ELSEWHERE = {0: {"kept_outputs": {"last_logits"}},
+             1: {"lazy_caches": {"rope_cache", "mask_cache"}, "dict_cache": {"caches"}, "counter": {"calls"}}}
+PIPELINED = {1: PIPELINE_STYLES, 2: ["lazy_caches", "counter", "kept_outputs"]}
+
+
+@pytest.mark.slow
+@pytest.mark.extended
+@pytest.mark.parametrize("tp", [1, 2])
+def test_pipelined_written_state_equals_the_unsharded_models(tp: int):
+    """After each of 3 training steps and an eval_step, every ``__dict__`` entry of each rank's model equals the
+    unsharded model's, but for the pieces another pipeline rank's stage computes (left as they were)."""
+    for rank, by_style in launch(pipeline_written_state, 2 * tp, PIPELINED[tp], tp).items():
+        for style, r in by_style.items():
+            assert max(r["loss"], r["param"], r["eval"]) <= 1e-5, (rank, style, r)
+            assert r["stages"] == [rank // tp]
+            for phase, differs in enumerate(r["phases"]):
+                assert set(differs) == ELSEWHERE[rank // tp].get(style, set()), (rank, style, phase, differs)

@@ -93,11 +93,16 @@ def wire_stages(top: fx.GraphModule, loss_index: int) -> tuple[StageWiring, ...]
 class StageModule(nn.Module):
     """One pipeline stage: ``forward(*received, **inputs)`` runs the stage's piece and returns what the next
     stage needs (the last stage: the loss). ``held`` registers the parameters the piece reads (the model's
-    own Parameter objects), so ``parameters()`` (the optimizer's, DDP's) are this stage's."""
+    own Parameter objects), so ``parameters()`` (the optimizer's, DDP's) are this stage's. ``keep``: (flat
+    output, its value's name) of what the forward writes on the model that this stage computes: ``kept`` holds
+    it per micro-batch, detached, until the step writes it back (:mod:`autotp.parallel.stage_writes`)."""
 
-    def __init__(self, top: fx.GraphModule, wiring: StageWiring, held: list[nn.Parameter], last: bool):
+    def __init__(self, top: fx.GraphModule, wiring: StageWiring, held: list[nn.Parameter], last: bool,
+                 keep: tuple[tuple[int, str], ...] = ()):
         super().__init__()
         self.last = last
+        self.keep = keep
+        self.__dict__["kept"] = {}  # flat output -> [its value on each micro-batch]
         # the split graph (its buffers are the model's) and this stage's piece: not submodules of this one
         self.__dict__["top"] = top
         self.__dict__["piece"] = top.get_submodule(wiring.piece)
@@ -113,6 +118,8 @@ class StageModule(nn.Module):
             env[w.results[0]] = out
         else:
             env.update((n, v) for n, v in zip(w.results, out) if n)
+        for i, name in self.keep:
+            self.kept.setdefault(i, []).append(env[name].detach())
         if self.last:  # (1,): the schedule concatenates the micro-batches' outputs, which a 0-dim loss cannot;
             # a copy, not a view: an FSDP root returning a view warns on every micro-batch (one element)
             return env[w.send[0]].reshape(1).clone()

@@ -39,6 +39,7 @@ from autotp.operators.gathered import GatheredOnUse, bind_outputs, local_outputs
 from autotp.distributed.data_parallel import FSDPConfig
 from autotp.distributed.replicas import AUTOTP_DDP, FSDP, NONE, OFF, PIPELINE, Replicas
 from autotp.parallel.islands import bind_islands, plan_islands
+from autotp.parallel.stage_writes import mark_outputs, output_facts
 from autotp.parallel.writeback import fingerprint, state_matches, write_back, written_at
 from autotp.passes import PassError, run_passes
 from autotp.passes.split_stages import split_stages
@@ -308,7 +309,7 @@ def _build(model: nn.Module, st: TPState, args: tuple, kwargs: dict, key: Hashab
         cg = capture_blocks(model, args, kwargs, forward=_user_forward(model, st), params=swap, device=st.device,
                             static=st.options.pipeline is not None and not st.options.sequence_parallel
                             and st.cp == 1, recorded=recorded,
-                            writes=st.options.pipeline is None)
+                            writes=True)
         accepts = input_guard(cg.gm)  # before the passes give sharded inputs their local shapes
         checks = cg.gm.meta.get(CHECKS_KEY, ())
         islands = cg.gm.meta.get(ISLANDS_KEY)
@@ -376,11 +377,13 @@ def _split_units(gm: fx.GraphModule, plan: Plan, st: TPState) -> tuple[fx.GraphM
 
 def _split_stages(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
     """The graph cut into one piece per pipeline stage, each reading the model's parameters when it runs."""
+    facts = output_facts(gm)  # each output's value and the inputs it is made from (the loss, the written state)
     try:
         top = run_passes(gm, plan, (split_stages,))
     except PassError as e:
         raise PipelineError(f"the graph cannot be cut into pipeline stages at the blocks "
                             f"{', '.join(s.blocks[0] for s in plan.stages)}: {e.__cause__}") from e
+    mark_outputs(top, facts)
     for name, _ in list(gm.named_parameters(remove_duplicate=False)):
         path, _, leaf = name.rpartition(".")
         (gm.get_submodule(path) if path else gm)._parameters.pop(leaf, None)

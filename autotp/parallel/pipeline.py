@@ -39,6 +39,7 @@ from autotp.options import Options, PipelineOptions
 from autotp.parallel.data import check_same_inputs
 from autotp.parallel.fsdp import apply_stage_fsdp
 from autotp.parallel.parallelize import _graph_for, _split_example, parallelize_state
+from autotp.parallel.stage_writes import StageWrites, output_stages, stage_writes, written_loss
 from autotp.plan.stages import StageRequest
 from autotp.operators.stages import STAGE_PREFIX, StageModule, Whole, input_name, wire_stages
 from autotp.state import Captured, tp_state
@@ -107,8 +108,12 @@ def _loss_index(c: Captured) -> int:
         marks.append(torch.empty((1,) * (val.dim() if isinstance(val, torch.Tensor) else 0), device="meta"))
     loss = find_loss(unflatten(marks, c.out))
     if loss is None:
-        raise PipelineError("the model's output carries no loss (looked for out.loss, out['loss'] and a 0-dim "
-                            "tensor last in a tuple): the last pipeline stage must end in the loss",
+        kept = written_loss(c.module, c.writes)  # llama2.c: the forward returns logits, keeps the loss on the model
+        if kept is not None:
+            return kept
+        raise PipelineError("the model's output carries no loss (looked for out.loss, out['loss'], a 0-dim "
+                            "tensor last in a tuple and a 0-dim tensor the forward keeps on the model): the last "
+                            "pipeline stage must end in the loss",
                             hint="give example_inputs (and each step) the targets the forward computes the loss from")
     return next(i for i, t in enumerate(marks) if t is loss)
 
@@ -141,8 +146,10 @@ class Pipeline:
     def __init__(self, model: nn.Module, mesh: DeviceMesh, schedule: str, v: int, microbatches: int,
                  key, modules: list[StageModule], indices: list[int], count: int,
                  tied: list[tuple[nn.Parameter, dist.ProcessGroup]], micro: tuple[tuple, dict],
-                 scaler: torch.amp.GradScaler | None = None, compiled: dict | None = None, fsdp: bool = False):
+                 scaler: torch.amp.GradScaler | None = None, compiled: dict | None = None, fsdp: bool = False,
+                 writes: StageWrites | None = None, cut: set[int] = frozenset()):
         self.model = model
+        self._writes, self._cut = writes, set(cut)  # the state the forward writes, and the inputs cut per micro-batch
         self.compiled = compiled  # torch.compile's options for each stage's piece; None: eager
         self.fsdp = fsdp  # each stage an FSDP unit over dp (else DDP when dp > 1)
         self.scaler = scaler
@@ -252,6 +259,7 @@ class Pipeline:
         scale = 1.0
         if self.scaler is not None:  # on every rank, loss or not: the scaler's state exists for its unscale_
             scale = self.scaler.scale(torch.ones((), device=index.device)).item()
+        _clear_kept(self.modules)  # the metadata probe's forward, or a step that failed, kept some
         self.schedule.step(target=index, losses=losses, return_outputs=False, **inputs)
         self._sum_kv_copies()
         self._sum_chunks()
@@ -260,7 +268,23 @@ class Pipeline:
                 dist.all_reduce(p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad, group=group)
         if self.scaler is not None:
             self._agree_non_finite()
-        return self._loss(losses) / scale
+        loss = self._loss(losses) / scale
+        self._write_back(self._writes, self.modules, args, kwargs, loss)
+        return loss
+
+    def _write_back(self, writes: StageWrites | None, modules: list[StageModule], args: tuple, kwargs: dict,
+                    loss: torch.Tensor) -> None:
+        """What the forward writes on the model, written on it for the whole batch by the rank whose stage
+        computes it (:mod:`autotp.parallel.stage_writes`)."""
+        if writes is None:
+            return
+        kept: dict[int, list[torch.Tensor]] = {}
+        for m in modules:
+            kept.update(m.kept)
+        st = tp_state(self.model)
+        writes.write(self.model, kept, self.stage_indices, flatten((args, kwargs))[0], loss, self.microbatches,
+                     [g.module for g in st.graphs.values()], st.warned)
+        _clear_kept(modules)
 
     def _sum_kv_copies(self) -> None:
         """The gradients of parameters held whole and cut in the graph (kv heads on several tp ranks, under
@@ -317,11 +341,12 @@ class Pipeline:
                 c = _graph_for(self.model, st, args, kwargs, call_key(args, kwargs, False), flatten(self._micro)[0])
             finally:
                 self.model.train(was)
-            modules = _stage_modules(self.model, c, self.stage_indices, self.num_stages, self.compiled)
+            modules, writes = _stage_modules(self.model, c, self.stage_indices, self.num_stages, self.compiled,
+                                             self._cut)
             for m, unit in zip(modules, st.units if self.fsdp else ()):  # the same FSDP unit per stage
                 m.piece.unit = unit
                 m.piece.bind(self.model)
-            self._eval = self._runner(modules, train=False)
+            self._eval = (*self._runner(modules, train=False), modules, writes)
         return self._eval
 
     @torch.no_grad()
@@ -360,9 +385,13 @@ class Pipeline:
         inputs = self._inputs(args, kwargs)
         losses: list[torch.Tensor] = []
         index = torch.arange(self.microbatches, device=tp_state(self.model).device)
-        self._eval_runner()[1].eval(target=index, losses=losses, **inputs)
+        stages, schedule, modules, writes = self._eval_runner()
+        _clear_kept(modules)
+        schedule.eval(target=index, losses=losses, **inputs)
         _reshard(self.modules)  # no backward frees what a forward kept gathered
-        return self._loss(losses)
+        loss = self._loss(losses)
+        self._write_back(writes, modules, args, kwargs, loss)
+        return loss
 
 
 def pipeline(model: nn.Module, *, example_inputs: object, microbatches: int, schedule: str = "1F1B",
@@ -437,13 +466,15 @@ def pipeline(model: nn.Module, *, example_inputs: object, microbatches: int, sch
     if kind.placement == "v":
         _check_v_ties(dict(model.named_parameters(remove_duplicate=False)), reads, ranks, name)
     compiled = None if not compile else compile if isinstance(compile, dict) else {}
-    modules = _stage_modules(model, captured, indices, count, compiled)
+    b = _batch_size(flat)
+    cut = {i for i, t in enumerate(flat) if t.dim() > 0 and t.shape[0] == b}  # what each step cuts into micro-batches
+    modules, writes = _stage_modules(model, captured, indices, count, compiled, cut)
     config = FSDPConfig() if fsdp is True else fsdp or None
     if config is not None:  # each stage one FSDP unit; the stages then hold FSDP's parameters
         apply_stage_fsdp(model, st, modules, mesh, config)
     tied = _tied_groups(model, reads, ranks, me, mesh)
     return Pipeline(model, mesh, name, v, microbatches, key, modules, indices, count, tied,
-                    (tuple(micro_args), dict(micro_kwargs)), scaler, compiled, config is not None)
+                    (tuple(micro_args), dict(micro_kwargs)), scaler, compiled, config is not None, writes, cut)
 
 
 def _context_size(mesh: DeviceMesh, asked: int | None) -> int:
@@ -462,19 +493,27 @@ def _context_size(mesh: DeviceMesh, asked: int | None) -> int:
 
 
 def _stage_modules(model: nn.Module, captured: Captured, indices: list[int] | tuple[int, ...],
-                   count: int, compiled: dict | None = None) -> list[StageModule]:
-    """This rank's stages of a captured, split graph, each holding the parameters its piece reads; with
-    ``compiled`` (torch.compile's options) each piece runs compiled."""
-    wirings = wire_stages(captured.module, _loss_index(captured))
+                   count: int, compiled: dict | None = None,
+                   cut: set[int] = frozenset()) -> tuple[list[StageModule], StageWrites | None]:
+    """This rank's stages of a captured, split graph, each holding the parameters its piece reads and keeping
+    the written state it computes; with ``compiled`` (torch.compile's options) each piece runs compiled.
+    ``cut``: the flat inputs a step cuts into micro-batches. Also how the written state is written back."""
+    loss = _loss_index(captured)
+    wirings = wire_stages(captured.module, loss)
+    owner = output_stages(captured.module, [w.results for w in wirings])
+    writes = stage_writes(captured.module, captured.writes, loss, owner, set(cut))
     by_name = dict(model.named_parameters(remove_duplicate=False))
+    outs = next(n for n in captured.module.graph.nodes if n.op == "output").args[0]
+    outs = outs if isinstance(outs, (tuple, list)) else (outs,)
     modules = [StageModule(captured.module, wirings[s], _unique([by_name[n] for n in _reads(captured.module, s)]),
-                           s == count - 1) for s in indices]
+                           s == count - 1, () if writes is None else tuple((i, outs[i].name) for i in writes.keep(s)))
+               for s in indices]
     if compiled is not None:
         from autotp.operators.compile import compile_pieces
 
         for m in modules:
             compile_pieces(m.piece, **compiled)
-    return modules
+    return modules, writes
 
 
 class _Meta(NamedTuple):
@@ -524,6 +563,11 @@ def _probe(model: nn.Module, mine: dict[int, StageModule], ranks: list[int], gro
     if region is not None:
         st.rng.set_state(region)
     return out
+
+
+def _clear_kept(modules: list[StageModule]) -> None:
+    for m in modules:
+        m.kept.clear()
 
 
 def _reshard(modules: list[StageModule]) -> None:

@@ -2,7 +2,7 @@
 on the model (``self.last_loss``) and ``None`` when sampling, rotary and mask caches built on first use with a
 ``reset_cache()`` that reads them, a dict of caches, a flag and a length kept in Python, and a complex-number
 rotary table (``torch.polar``) re-assigned to itself every call (``self.freqs_cis = self.freqs_cis.to(dev)``),
-at the root or in a submodule. Every model is ``(idx, targets=None) -> logits`` with 2 blocks, width 32,
+at the root or in a submodule; the last position's logits and the ids kept on the model. Every model is ``(idx, targets=None) -> logits`` with 2 blocks, width 32,
 4 heads."""
 from __future__ import annotations
 
@@ -90,7 +90,7 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleList([Block() for _ in range(2)])
         self.norm = nn.LayerNorm(H)
         self.head = nn.Linear(H, V, bias=False)
-        if style == "complex_root":
+        if style in ("complex_root", "kept_outputs"):
             self.register_buffer("freqs_cis", polar_table(2 * S), persistent=False)
         elif style in ("complex_sub", "counter"):
             self.rope = Rope()
@@ -111,7 +111,7 @@ class GPT(nn.Module):
 
     def _rope(self, idx: torch.Tensor):
         n = idx.shape[1]
-        if self.style == "complex_root":
+        if self.style in ("complex_root", "kept_outputs"):
             self.freqs_cis = self.freqs_cis.to(idx.device)
             table = self.freqs_cis[:n]
             return (lambda x: rotate(x, table)), None
@@ -145,10 +145,15 @@ class GPT(nn.Module):
             self.last_loss = F.cross_entropy(logits.view(-1, V), targets.view(-1))  # llama2.c: loss on the model
         else:
             self.last_loss = None
+        if self.style == "kept_outputs":  # the last position's logits per sample, and the ids, kept on the model
+            self.last_logits = logits[:, -1, :]
+            self.last_idx = idx
         return logits
 
 
 STYLES = ["complex_root", "complex_sub", "lazy_caches", "dict_cache", "counter"]
+# a pipeline's micro-batches: per-sample values and inputs kept on the model (tests/test_written_state.py)
+PIPELINE_STYLES = [*STYLES, "kept_outputs"]
 
 
 def build(style: str) -> tuple[nn.Module, tuple[torch.Tensor, torch.Tensor]]:

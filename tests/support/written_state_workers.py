@@ -106,3 +106,51 @@ def written_state_parity(styles: list[str], steps: int = 3) -> dict:
         r["graphs"] = len(autotp.tp_state(model).graphs)
         out[style] = r
     return out
+
+
+def _written(model: torch.nn.Module, ref: torch.nn.Module) -> dict[str, list[str]]:
+    """The attributes (``module.name``) whose state differs between the two models: state_diff's entries by
+    the piece they name."""
+    out: dict[str, list[str]] = {}
+    for d in state_diff(model, ref):
+        at = d.split(":")[0].split("[")[0].removeprefix("<root>.")
+        out.setdefault(at, []).append(d)
+    return out
+
+
+def pipeline_written_state(styles: list[str], tp: int = 1, steps: int = 3) -> dict:
+    """Each spelling cut into 2 pipeline stages (1F1B, 2 micro-batches; ``tp`` ranks per stage), trained from
+    its step's loss (the one the forward keeps on the model), then evaluated: per phase, the pieces of
+    ``__dict__`` state where this rank's model differs from the unsharded model's, and the numbers."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 1, tp), mesh_dim_names=("pp", "dp", "tp"))
+    out = {}
+    for style in styles:
+        ref, (x, y) = build(style)
+        model = build(style)[0]
+        pipe = autotp.pipeline(model, example_inputs=(x, y), microbatches=2, mesh=mesh)
+        st = autotp.tp_state(model)
+        opt = torch.optim.AdamW(list(pipe.parameters()), lr=1e-3, eps=1e-6)
+        ropt = torch.optim.AdamW(ref.parameters(), lr=1e-3, eps=1e-6)
+        r = {"loss": 0.0, "phases": [], "stages": list(pipe.stage_indices)}
+        for _ in range(steps):
+            loss = pipe.step(x, y)
+            ref(x, y)
+            r["loss"] = max(r["loss"], abs(loss.item() - ref.last_loss.item()))
+            r["phases"].append(_written(model, ref))
+            ref.last_loss.backward()
+            for o in (opt, ropt):
+                o.step()
+                o.zero_grad(set_to_none=True)
+        refs = dict(ref.named_parameters())
+        r["param"] = max(_max_diff(p, _local(refs[n], n, model)) for n, p in pipe.named_parameters())
+        ref.eval()
+        with torch.no_grad():
+            ref(x, y)
+        ref.train()  # eval_step runs the eval-mode graph; the model keeps its mode
+        r["eval"] = abs(pipe.eval_step(x, y).item() - ref.last_loss.item())
+        r["phases"].append(_written(model, ref))
+        r["written"] = sorted(".".join(p for p in at[:2] if p) for at in st.written)
+        out[style] = r
+    return out
