@@ -73,6 +73,17 @@ class Sharding:
             all(s.size * self.local_size == s.local() * full for s in self.segments) else None
 
 
+def strided(s: Sharding, full: int) -> Sharding:
+    """A parameter's cut for an ``outer`` sharding of its dim of size ``full``: ``[k, segments]`` with the k
+    blocks whole on every rank is a grouped segment of k groups held by every rank (parts 1), each group cut by
+    its inner segments. The query projection of grouped-query attention whose kv heads are repeated head-minor
+    (query head h reads kv head h % n_kv): rank r holds, in every one of the n_rep groups, the query heads of
+    its own kv heads; the output projection's rows likewise."""
+    if not s.outer:
+        return s
+    return Sharding(s.dim, (Segment(full, 1, s.segments),))
+
+
 def block_index(parts: int, tp: int, rank: int) -> int:
     """Which of a segment's ``parts`` blocks rank ``rank`` of ``tp`` holds."""
     return rank // (tp // parts)

@@ -16,7 +16,10 @@ from pattern_models import HD, H, S, LMWith, build_with
 from ranks import Launches
 
 RUNS = Launches({2: {"attention gaps": (pattern_parity, list(KINDS), 3, False, "attention_gap_models")}},
-                extended={4: {"attention gaps": (pattern_parity, list(KINDS), 3, False, "attention_gap_models")}})
+                extended={4: {"attention gaps": (pattern_parity, list(KINDS), 3, False, "attention_gap_models"),
+                              "parallel blocks": (pattern_parity, list(PARALLEL), 3, False, "attention_gap_models")},
+                          2: {"parallel blocks": (pattern_parity, list(PARALLEL), 3, False, "attention_gap_models"),
+                              "parallel blocks sp": (pattern_parity, list(PARALLEL), 3, True, "attention_gap_models")}})
 
 
 def _plan(kind: str, tp: int):
@@ -47,8 +50,9 @@ def test_each_spelling_is_cut_by_heads(kind: str, tp: int):
 def test_a_parallel_blocks_fused_projection_is_read_in_its_unequal_segments(kind: str, tp: int):
     """``q | k | v | ff`` with one shared k and v head: q and ff (PaLM's ff itself SwiGLU's gate | up) cut by
     tp, the one-head k and v whole on every rank (``rotate_half``'s halves of k read as one whole head). The
-    block still stays whole, exact, with the reason: its feed-forward's row matmul is a second row of the one
-    fused column, which no pair holds yet."""
+    feed-forward's output projection is a second row of the one fused column: row-parallel beside attention's,
+    and the two partial sums, added, are completed by one all-reduce for the block (GPT-NeoX's parallel
+    residual; Megatron's parallel block reduces each row apart, two)."""
     from autotp.analysis.column_layout import column_segments
     from autotp.analysis.shapes import Fingerprinter
 
@@ -60,8 +64,18 @@ def test_a_parallel_blocks_fused_projection_is_read_in_its_unequal_segments(kind
     ff = [(FF, tp)] * (2 if kind == "palm_swiglu" else 1)
     assert [(g.size, g.parts) for g in segments] == [(H, tp), (HD, 1), (HD, 1), *ff], segments
     plan = make_plan(gm, tp)
-    assert [m for m, _ in plan.replicated] == ["blocks.0.attn", "blocks.1.attn"], plan.replicated
-    assert all("escapes the region" in why and "ff_out" in why for _, why in plan.replicated), plan.replicated
+    assert plan.replicated == () and plan.whole == (), (plan.replicated, plan.whole)
+    params = dict(plan.params)
+    for i in range(2):
+        attn_out, ff_out = params[f"blocks.{i}.attn.attn_out.weight"], params[f"blocks.{i}.attn.ff_out.weight"]
+        assert (attn_out.role, attn_out.local_shape) == ("row", (H, H // tp)), attn_out
+        assert (ff_out.role, ff_out.local_shape) == ("row", (H, FF // tp)), ff_out
+    # per block: one forward all-reduce of the two rows' summed partial outputs, one backward entering the
+    # fused column; the MLP's pair its own two
+    attn = [(c.direction, c.node) for c in plan.collectives if c.module == "blocks.0.attn"]
+    add = [p.leave_at for p in plan.pairs if p.module == "blocks.0.attn"]
+    assert len(add) == 2 and add[0] == add[1] is not None, plan.pairs
+    assert sorted(d for d, _ in attn) == ["backward", "forward"] and ("forward", add[0]) in attn, attn
 
 
 class _TwoRunTimeSizes(FoldedGQA):
@@ -84,6 +98,43 @@ def test_a_run_time_size_beside_an_inferred_one_is_left_whole_with_the_reason():
     plan = make_plan(capture(model, args, kwargs)[0], 2)
     assert [m for m, _ in plan.replicated] == ["blocks.0.attn", "blocks.1.attn"], plan.replicated
     assert all("the size of the sharded dim is computed at run time" in why for _, why in plan.replicated)
+
+
+@pytest.mark.slow
+@pytest.mark.extended
+@pytest.mark.parametrize("world", [2, 4])
+def test_parallel_blocks_train_exactly_with_one_all_reduce_per_block(world: int):
+    """The parallel blocks cut whole (q and ff by tp, the one k and v head on every rank), trained 3 AdamW steps:
+    per layer two forward all-reduces of b·s·h (the parallel block's attention and feed-forward rows summed,
+    then the MLP's), where one per row would be three."""
+    results = RUNS(world, "parallel blocks")
+    bsh, bs, layers = 2 * S * H, 2 * S, 2
+    for rank, by_kind in results.items():
+        assert list(by_kind) == list(PARALLEL)
+        for kind, r in by_kind.items():
+            assert r["loss_diff"] <= 1e-5 and r["grad_diff"] <= 1e-5 and r["param_diff"] <= 1e-5, (rank, kind, r)
+            assert not r["replicated"] and r["whole"] == {} and r["unexplained"] == [], (kind, r)
+            assert r["fraction"] <= 1 / world + 0.12, (kind, r["fraction"])
+            assert sorted(r["forward"]) == sorted([("all_reduce", "sum", bsh)] * (2 * layers + 1) + [
+                ("all_reduce", "max", bs), ("all_reduce", "sum", bs), ("all_reduce", "sum", bs)]), (kind, r["forward"])
+            # backward: entering the fused column and the MLP per layer, the LM head; the one shared k and v head,
+            # held by every rank, has its weight gradient (h·d each) summed over them
+            assert [c for c in r["backward"] if c[2] == bsh] == [("all_reduce", "sum", bsh)] * (2 * layers + 1), kind
+            assert [c for c in r["backward"] if c[2] != bsh] == [("all_reduce", "sum", HD * H)] * 2 * layers, \
+                (kind, r["backward"])
+
+
+@pytest.mark.slow
+@pytest.mark.extended
+def test_parallel_blocks_train_exactly_with_sequence_parallelism():
+    """With sequence parallelism each of a parallel block's two rows is reduce-scattered along the sequence
+    (Megatron's parallel block: one per row), the MLP's and the embedding's too: 3 per layer + 1, exact."""
+    results = RUNS(2, "parallel blocks sp")
+    for rank, by_kind in results.items():
+        for kind, r in by_kind.items():
+            assert r["loss_diff"] <= 1e-5 and r["grad_diff"] <= 1e-5 and r["param_diff"] <= 1e-5, (rank, kind, r)
+            assert not r["replicated"] and r["whole"] == {}, (kind, r)
+            assert [c[0] for c in r["forward"]].count("reduce_scatter") == 3 * 2 + 1, (kind, r["forward"])
 
 
 @pytest.mark.slow

@@ -134,7 +134,10 @@ def _expand_as(op, rule: OpRule) -> None:
 
 def _repeat(op, rule: OpRule) -> None:
     assert _out(op, {0: _s(2, 8)}, _x(2, 3, 8), [2, 1, 1]) == _s(2, 8)
-    _refuses(op, "repeat of the sharded dim", {0: _s(2, 8)}, _x(2, 3, 8), [1, 1, 2])
+    # tiled along the sharded dim (kv heads repeated head-minor): [2 whole copies, this rank's heads]
+    assert _out(op, {0: _s(2, 8)}, _x(2, 3, 8), [1, 1, 2]) == Sharding(2, (Segment(8, TP),), outer=True)
+    _refuses(op, "repeat of the sharded dim", {0: Sharding(2, (Segment(8, TP),), inner=(1, 2))}, _x(2, 3, 8),
+             [1, 1, 2])
 
 
 def _repeat_interleave(op, rule: OpRule) -> None:
@@ -262,7 +265,10 @@ def _conv(op, rule: OpRule) -> None:
 
 def _cat(op, rule: OpRule) -> None:
     assert _out(op, {0: _s(2, 8), 1: _s(2, 8)}, [_x(2, 3, 8), _x(2, 3, 8)], 0) == _s(2, 8)
-    _refuses(op, "cat along the sharded dim", {0: _s(2, 8), 1: _s(2, 8)}, [_x(2, 3, 8), _x(2, 3, 8)], 2)
+    # pieces cut alike joined along their cut dim: [2 whole pieces, this rank's part of each]
+    assert _out(op, {0: _s(2, 8), 1: _s(2, 8)}, [_x(2, 3, 8), _x(2, 3, 8)], 2) == Sharding(2, (Segment(8, TP),),
+                                                                                         outer=True)
+    _refuses(op, "cat along the sharded dim", {0: _s(2, 8)}, [_x(2, 3, 8), _x(2, 3, 8)], 2)
 
 
 def _stack(op, rule: OpRule) -> None:

@@ -66,6 +66,17 @@ class Unshardable(Exception):
         super().__init__(f"{node.name}: {reason}")
 
 
+class Strided(Unshardable):
+    """Heads cut in order meet heads repeated head-minor (``k.repeat(1, n_rep, 1, 1)``: query head ``h`` reads
+    kv head ``h % n_kv``), which each rank holds as ``[n_rep whole, its kv heads]`` (an ``outer`` sharding):
+    the pair may still be cut if the column feeding the in-order operand is cut with that stride instead, its
+    ``blocks`` repeats each whole on every rank (see :func:`autotp.shard_spec.strided`)."""
+
+    def __init__(self, node: fx.Node, reason: str, blocks: int):
+        super().__init__(node, reason)
+        self.blocks = blocks
+
+
 def held_whole(s: object) -> bool:
     """Every rank holds all of ``s``: each segment is one block (a single kv head, replicated Megatron's way),
     so its size is the same on every rank and no dim of it is cut, whichever dim ``s`` names."""

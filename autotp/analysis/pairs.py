@@ -21,14 +21,14 @@ import torch.fx as fx
 from autotp.analysis.matmuls import ParamMatmul, find_param_embeddings, find_param_matmuls, where
 from autotp.analysis.channels import ChannelForm, channel_form, check_columns_inside, summed_inputs
 from autotp.analysis.column_layout import column_segments
-from autotp.analysis.ops import Unshardable
+from autotp.analysis.ops import Strided, Unshardable
 from autotp.analysis.partial import deferred
 
 if TYPE_CHECKING:
     import networkx as nx
 from autotp.analysis.propagate import Region, propagate
 from autotp.analysis.shapes import Fingerprinter
-from autotp.shard_spec import Sharding
+from autotp.shard_spec import Segment, Sharding, strided
 
 aten = torch.ops.aten
 
@@ -43,6 +43,8 @@ class PairFacts:
     # a channel-parallel mixer's reducing projections (row-parallel inside the region, autotp.analysis.channels)
     reduces: list[ParamMatmul] = field(default_factory=list)
     summed: frozenset[fx.Node] = frozenset()  # column inputs whose gradient the reductions' all-reduce sums
+    # other row-parallel matmuls of the same columns (:func:`_side_rows`), their inputs cut as ``region.sides``
+    sides: list[ParamMatmul] = field(default_factory=list)
 
 
 @dataclass
@@ -133,6 +135,8 @@ def _cut_unlike(result: Analysis, weight_uses: dict[tuple[str, int | None], int]
         for c in p.columns:
             cuts.setdefault(c.key, []).append(("column", c.out_dim, p.column_specs[c.node.name].segments))
         cuts.setdefault(p.row.key, []).append(("row", p.row.in_dim, p.region.row_input.segments))
+        for m in p.sides:
+            cuts.setdefault(m.key, []).append(("row", m.in_dim, p.region.sides[m.node].segments))
     return {key for key, n in weight_uses.items()
             if n > 1 and key in cuts and (len(cuts[key]) != n or len(set(cuts[key])) != 1)}
 
@@ -171,13 +175,15 @@ def _analyze(gm: fx.GraphModule, tp: int, matmuls: list[ParamMatmul], embeddings
                                              "cannot all be cut alike"))
             failed |= set(cols) | {row.node}
             continue
-        specs = {}
+        sides = []
         try:
-            for c in columns:
-                nd = c.node.meta["val"].dim()
-                segs = column_segments(c.node, fp, tp, f"{c.module} (out_features={c.out_features})", c.y_dim % nd)
-                specs[c.node] = Sharding(c.y_dim % nd, segs)
-            region = propagate(specs, row.node, row.x, fp, tp, name, row.x_dim)
+            try:
+                specs, region = _cut(columns, row, fp, tp, name)
+            except Unshardable as first:
+                sides = _side_rows(first, cols, row, by_node, feed, assigned | failed)
+                if not sides:
+                    raise
+                specs, region = _cut(columns, row, fp, tp, name, sides)
         except Unshardable as e:
             if inside is None:  # once: the matmuls a mixer's region computes through, and the feeders without them
                 inside = _per_head(gm, by_node)
@@ -201,8 +207,9 @@ def _analyze(gm: fx.GraphModule, tp: int, matmuls: list[ParamMatmul], embeddings
             continue
         for n, s in region.specs.items():
             n.meta["autotp"] = s
-        result.pairs.append(PairFacts(name, columns, row, {c.name: s for c, s in specs.items()}, region))
-        assigned |= set(cols) | {row.node}
+        result.pairs.append(PairFacts(name, columns, row, {c.name: strided(s, fp.shape(c)[s.dim])
+                                                           for c, s in specs.items()}, region, sides=sides))
+        assigned |= set(cols) | {row.node} | {m.node for m in sides}
     _whole_experts(result, matmuls, assigned)
     order = _order(gm)
     result.pairs.sort(key=lambda p: order(p.row.node))  # graph order, whichever was paired first
@@ -211,9 +218,51 @@ def _analyze(gm: fx.GraphModule, tp: int, matmuls: list[ParamMatmul], embeddings
     result.replicated += [(name, why) for row, name, why in attempts if row not in assigned]
     result.failed_rows = {(name, why): row for row, name, why in attempts}
     params = {n for n, _ in gm.named_parameters(remove_duplicate=False)}
-    d = deferred([p.row.node for p in result.pairs if p.row.bias is None], params)
+    d = deferred([m.node for p in result.pairs for m in (p.row, *p.sides) if m.bias is None], params)
     result.leave_at, result.partial_enter = d.leave_at, d.enter
     return result
+
+
+def _side_rows(e: Unshardable, cols: frozenset[fx.Node], row: ParamMatmul, by_node: dict[fx.Node, ParamMatmul],
+               feed: dict[fx.Node, frozenset[fx.Node]], taken: set[fx.Node]) -> list[ParamMatmul]:
+    """Where a sharded value of the pair escapes into another parameter matmul fed by the pair's columns alone
+    (PaLM's and Falcon's parallel block: the feed-forward's output projection reads the ``ff`` segment of the
+    one fused ``q | k | v | ff`` projection whose ``q | k | v`` attention's output projection reads): every such
+    matmul, to be row-parallel beside ``row``. It cannot feed ``row`` (the columns are all ``row``'s feeders);
+    a matmul whose weight is 3-D (an expert's) is not one. Empty where the escape is not into one of them."""
+    found = [m for n, m in by_node.items() if n is not row.node and n not in taken and n not in cols
+             and m.expert is None and m.kind != "embedding" and m.x.meta["val"].dim() >= 2
+             and (feed[m.x] | ({m.x} if m.x in by_node else frozenset())) <= cols and feed[m.x]]
+    return found if any(e.node is m.node for m in found) else []
+
+
+def _cut(columns: list[ParamMatmul], row: ParamMatmul, fp: Fingerprinter, tp: int, name: str,
+         sides: list[ParamMatmul] = ()) -> tuple[dict[fx.Node, Sharding], Region]:
+    """The columns' cuts (:func:`column_segments`, each on its output features) and the region they give.
+
+    Where attention's query heads, cut in order, meet kv heads repeated head-minor (:class:`Strided`), the
+    pair is propagated again with one column cut with that stride, ``[n_rep whole, width / n_rep cut]``, so
+    that each rank's query heads are those of its own kv heads; the first column for which the region then
+    holds is the query projection (the keys' or values' column cut so meets the others in order again)."""
+    specs = {}
+    for c in columns:
+        nd = c.node.meta["val"].dim()
+        segs = column_segments(c.node, fp, tp, f"{c.module} (out_features={c.out_features})", c.y_dim % nd)
+        specs[c.node] = Sharding(c.y_dim % nd, segs)
+    others = {m.node: (m.x, m.x_dim) for m in sides}
+    try:
+        return specs, propagate(specs, row.node, row.x, fp, tp, name, row.x_dim, sides=others)
+    except Strided as e:
+        for c, s in specs.items():
+            seg = s.single()
+            if seg is None or seg.inner or seg.parts != tp or seg.size % e.blocks or (seg.size // e.blocks) % tp:
+                continue
+            tried = {**specs, c: Sharding(s.dim, (Segment(seg.size // e.blocks, tp),), outer=True)}
+            try:
+                return tried, propagate(tried, row.node, row.x, fp, tp, name, row.x_dim, sides=others)
+            except Unshardable:
+                continue  # not the query projection: the first attempt's reason stands
+        raise
 
 
 def _per_head(gm: fx.GraphModule, by_node: dict[fx.Node, ParamMatmul]) -> set[fx.Node]:

@@ -23,7 +23,7 @@ from autotp.analysis.function_rules import FunctionRefused, Operand, check_funct
 from autotp.plan.plan import Rewrite
 from autotp.operators.functions import FunctionCall, arg_index, call_of, is_result, result_count, result_index
 from autotp.errors import ShardingError
-from autotp.shard_spec import Sharding
+from autotp.shard_spec import Sharding, local_runs, strided
 
 __all__ = ["Propagator", "Region", "propagate"]
 
@@ -344,6 +344,25 @@ class Propagator(ShapeRules, ValueRules, EinsumRules):
         return reaches(x, lambda n: self._parameter(n) is not None,
                        lambda n: n in self.region.specs or n in self.region.stats)
 
+def _row_input(p: Propagator, row: fx.Node, x: fx.Node, x_dim: int, fp: Fingerprinter, tp: int, where: str
+               ) -> Sharding:
+    """How a row-parallel matmul's input ``x`` is cut on the dim it contracts; Unshardable where it is not."""
+    rs = p.spec(x)
+    if rs is not None and rs.outer and rs.inner is None and rs.group is None and is_static(fp.shape(x)[rs.dim]):
+        # heads cut with a stride (grouped-query attention over kv heads repeated head-minor): the row's input
+        # features are [n_rep whole, this rank's heads]; its weight's rows are cut alike
+        rs = strided(rs, fp.shape(x)[rs.dim])
+    if rs is None or rs.dim != x_dim % ndim_of(x) or rs.inner or rs.outer:
+        raise Unshardable(row, "the row-parallel input is not sharded on its contracted dim")
+    copies = max(r.copies for r in local_runs(rs.segments, tp))
+    if copies > 1:
+        # heads fewer than ranks reach the row matmul: the ranks holding a copy would each add it
+        raise ShardingError(f"{where}: the {sum(g.size for g in rs.segments)} features entering the row-parallel "
+                            f"matmul come in {tp // copies} blocks of heads, fewer than "
+                            f"tp={tp}", hint="choose a tp that divides the number of query heads")
+    return rs
+
+
 def _operand(node: fx.Node, s: Sharding | None) -> Operand:
     val = node.meta["val"]
     shape = tuple(d if isinstance(d, int) else d.node.hint for d in val.shape)
@@ -351,13 +370,17 @@ def _operand(node: fx.Node, s: Sharding | None) -> Operand:
 
 
 def propagate(columns: dict[fx.Node, Sharding], row: fx.Node, row_x: fx.Node, fp: Fingerprinter, tp: int,
-              where: str, x_dim: int = -1, reduces: dict[fx.Node, tuple[fx.Node, int]] | None = None) -> Region:
+              where: str, x_dim: int = -1, reduces: dict[fx.Node, tuple[fx.Node, int]] | None = None,
+              sides: dict[fx.Node, tuple[fx.Node, int]] | None = None) -> Region:
     """Propagate the column shardings to ``row`` (which contracts ``x_dim`` of ``row_x``); raise
     :class:`Unshardable` if the region leaks. ``reduces``: parameter matmuls inside the region (node -> its
     input and the dim it contracts) that reduce a channel-cut value, as Mamba's Δ/B/C projection does: each
     is row-parallel, its output completed by one all-reduce forward and backward (a ``sum`` statistic) and
-    read whole after it, also by the columns its output feeds (``dt_proj``)."""
-    reduces = reduces or {}
+    read whole after it, also by the columns its output feeds (``dt_proj``). ``sides``: other parameter
+    matmuls (node -> input, contracted dim) where sharded values end as they do at ``row``: a parallel
+    block's feed-forward output projection reading the ``ff`` segment of the one fused ``q | k | v | ff``
+    column; each is row-parallel, its partial output completed by g (``Region.sides``)."""
+    reduces, sides = reduces or {}, sides or {}
     p = Propagator(fp, tp, where)
     p.region.specs.update(columns)
     started = False
@@ -368,7 +391,13 @@ def propagate(columns: dict[fx.Node, Sharding], row: fx.Node, row_x: fx.Node, fp
         if not started or node.op != "call_function":
             continue
         if node is row:
-            break
+            if sides.keys() <= p.region.sides.keys():
+                break
+            continue  # a side row after it (the feed-forward's output projection after attention's)
+        if node in sides:
+            x, d = sides[node]
+            p.region.sides[node] = _row_input(p, node, x, d, fp, tp, where)
+            continue
         if node in reduces:
             x, d = reduces[node]
             s = p.spec(x)
@@ -380,15 +409,7 @@ def propagate(columns: dict[fx.Node, Sharding], row: fx.Node, row_x: fx.Node, fp
         if any(isinstance(a, fx.Node) and a in p.region.specs for a in node.all_input_nodes):
             p.visit(node)
     p.check_functions()
-    rs = p.spec(row_x)
-    if rs is None or rs.dim != x_dim % ndim_of(row_x) or rs.inner or rs.outer:
-        raise Unshardable(row, "the row-parallel input is not sharded on its contracted dim")
-    if any(g.parts < tp for g in rs.segments):
-        # heads fewer than ranks reach the row matmul: the ranks holding a copy would each add it
-        raise ShardingError(f"{where}: the {sum(g.size for g in rs.segments)} features entering the row-parallel "
-                            f"matmul come in {min(g.parts for g in rs.segments)} blocks of heads, fewer than "
-                            f"tp={tp}", hint="choose a tp that divides the number of query heads")
-    p.region.row_input = rs
+    p.region.row_input = _row_input(p, row, row_x, x_dim, fp, tp, where)
     for x in p.region.params:
         # a parameter or buffer sharded with the heads must be read nowhere else
         if any(u not in p.region.specs and u not in p.region.stats for u in x.node.users):
@@ -397,7 +418,8 @@ def propagate(columns: dict[fx.Node, Sharding], row: fx.Node, row_x: fx.Node, fp
         for u in n.users:
             rule = op_rule(u.target)
             kind = rule.kind if rule is not None else None
-            if u in p.region.specs or u in p.region.stats or u is row or kind == "no_output" or is_guard(u):
+            if u in p.region.specs or u in p.region.stats or u is row or u in p.region.sides or kind == "no_output" \
+                    or is_guard(u):
                 continue
             if kind == "sym_size" or (rule is not None and rule.dtype_arg is not None
                                       and all(a is not n for i, a in enumerate(u.args) if i != rule.dtype_arg)):

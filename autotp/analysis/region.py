@@ -62,3 +62,6 @@ class Region:
     params: list[ParamCut] = field(default_factory=list)
     # reducing projections inside the region (row-parallel, completed by a sum statistic) -> their input's cut
     reduced: dict[fx.Node, Sharding] = field(default_factory=dict)
+    # other row-parallel matmuls of the same columns (a parallel block's feed-forward output beside attention's)
+    # -> their input's cut; each output is a partial sum, completed by g like the row's
+    sides: dict[fx.Node, Sharding] = field(default_factory=dict)

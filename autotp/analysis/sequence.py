@@ -195,8 +195,7 @@ class _Sequence:
     # -- seeds ---------------------------------------------------------------------------------------------
     def seeds(self, a: Analysis, v: VocabFacts) -> dict[fx.Node, int]:
         at: dict[fx.Node, int] = {}
-        for p in a.pairs:
-            row = p.row.node
+        for p, row in ((p, m.node) for p in a.pairs for m in (p.row, *p.sides)):  # a parallel block's two rows
             d = self.seq_dim(row)
             if d is not None:
                 self.facts.leaves.append(LeaveFact(p.name, row, row, d))

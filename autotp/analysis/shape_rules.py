@@ -119,7 +119,7 @@ class ShapeRules:
             gi_real = [i for i in gi if src[i] != 1 or i == s.dim]
             gj_real = split_dims(gj, dst)
             if s.outer:
-                return self._view_outer(node, s, shape_arg, dst, gi_real, gj_real)
+                return self._view_outer(node, s, shape_arg, src, dst, gi_real, gj_real)
             if len(gi_real) == 1 and unflattened_sequence_of_one(gj_real, dst, src[s.dim]):
                 gj_real = gj_real[1:]
             if len(gi_real) == 1 and len(gj_real) == 1:  # the sharded dim passes through
@@ -161,7 +161,7 @@ class ShapeRules:
             raise Unshardable(node, "the size of the sharded dim is computed at run time")
         self.region.rewrites.append(Rewrite(node.name, arg, j, int(hint), -1, inferred=v.name))
 
-    def _view_outer(self, node, s, shape_arg, dst, gi, gj) -> Sharding:
+    def _view_outer(self, node, s, shape_arg, src, dst, gi, gj) -> Sharding:
         """Views of heads folded under the batch (``[b·h, s, d]``): passed through, or unfolded again."""
         full, local = sum(g.size for g in s.segments), s.local_size
         if len(gi) == 1 and len(gj) == 1:
@@ -170,6 +170,17 @@ class ShapeRules:
         if len(gi) == 1 and len(gj) == 2 and dst[gj[1]] == full:  # [b·h, ..] -> [b, h, ..]
             self._set_view_size(node, shape_arg, gj[1], full, local)
             return Sharding(gj[1], s.segments)
+        if len(gi) == 1 and len(gj) == 2 and gi[0] == s.dim and is_static(dst[gj[1]]):
+            # [k·W] -> [k·W/d, d]: a strided projection's features into heads, the k blocks still whole
+            n2 = dst[gj[1]]
+            if all(g.size % n2 == 0 and (g.size // n2) % g.parts == 0 for g in s.segments):
+                self._set_view_size(node, shape_arg, gj[0], full, local)
+                return Sharding(gj[0], tuple(Segment(g.size // n2, g.parts) for g in s.segments), outer=True)
+        if len(gi) == 2 and len(gj) == 1 and gi[0] == s.dim and is_static(src[gi[1]]):
+            # [k·W, d] -> [k·W·d]: heads merged with their head dim, the k blocks still whole
+            n2 = src[gi[1]]
+            self._set_view_size(node, shape_arg, gj[0], full, local)
+            return Sharding(gj[0], tuple(Segment(g.size * n2, g.parts) for g in s.segments), outer=True)
         raise Unshardable(node, "view regroups heads folded under the batch")
 
     def _view_split(self, node, s, shape_arg, dst, gj) -> Sharding:
@@ -320,6 +331,11 @@ class ShapeRules:
         if grown is not None:
             return grown
         dims = [s.dim + off, *([s.inner[0] + off] if s.inner else [])]
+        n = reps[s.dim + off]
+        if not s.inner and s.group is None and is_static(n) and n > 1:
+            # kv heads tiled head-minor (``k.repeat(1, n_rep, 1, 1)``): [n_rep copies, heads]; each rank tiles
+            # its own heads, so it holds [n_rep whole, its heads]; the repeat count stays
+            return Sharding(s.dim + off, s.segments, outer=True)
         if s.outer or any(not (is_static(reps[d]) and reps[d] == 1) for d in dims):
             raise Unshardable(node, "repeat of the sharded dim")
         return s.moved(s.dim + off, None if not s.inner else s.inner[0] + off)
@@ -381,6 +397,11 @@ class ShapeRules:
         if (d == s.dim and held_whole(s) and len(s.segments) == 1
                 and all(self.spec(x) is not None for x in tensors)):  # rotate_half's halves of one whole head
             return Sharding(d, (Segment(self.fp.shape(node)[d], 1),))
+        if d == s.dim and not s.inner and s.group is None and len({self.fp.shape(x)[d] for x in tensors}) == 1 \
+                and all(self.spec(x) is not None for x in tensors):
+            # pieces cut alike joined along their cut dim (``torch.cat([k] * n_rep, dim=1)``: kv heads repeated
+            # head-minor): [pieces, heads] with each rank's own heads of every piece, the pieces whole
+            return Sharding(d, s.segments, outer=True)
         for x in tensors:
             if self.spec(x) is None and not self.expanded_head(x, s) and not self.viewed_parameter(x, s) \
                     and not self._local_factory(x, s):

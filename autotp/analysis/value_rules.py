@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch.fx as fx
 
 from autotp.analysis.op_rules import OpRule, op_rule
-from autotp.analysis.ops import Unshardable, arg_of, ndim_of, reduction_args
+from autotp.analysis.ops import Strided, Unshardable, arg_of, ndim_of, reduction_args
 from autotp.analysis.region import ParamCut, StatFact
 from autotp.analysis.shapes import is_static, normalize_dim
 from autotp.shard_spec import Sharding
@@ -258,6 +258,25 @@ class ValueRules:
         shift = lambda x: x - sum(d < x for d in dims)  # noqa: E731
         return s.moved(shift(s.dim), None if not s.inner else shift(s.inner[0]))
 
+    def head_minor(self, node: fx.Node, a: Sharding, b: Sharding) -> None:
+        """Raise :class:`Strided` where heads cut in order (``a`` or ``b``) meet on the same dim heads repeated
+        head-minor, ``[n_rep whole, kv heads cut]`` (an ``outer`` sharding): query head h reads kv head
+        h % n_kv, so each rank's query heads in order would read other ranks' kv heads. The pair is analysed
+        again with the in-order column cut with that stride; where the kv heads are fewer than tp no stride
+        gives each rank its own (their copies sit on adjacent ranks, Megatron's way), and that is the reason."""
+        plain, minor = (a, b) if b.outer else (b, a)
+        if plain.outer or not minor.outer or plain.dim != minor.dim or plain.inner or minor.inner \
+                or plain.group or minor.group:
+            return
+        heads, period = sum(g.size for g in plain.segments), sum(g.size for g in minor.segments)
+        if heads % period or heads == period:
+            return
+        kv = f"{period} kv heads repeated head-minor (query head h reads kv head h % {period})"
+        if any(g.parts != self.tp or g.inner for g in minor.segments):
+            raise Unshardable(node, f"{kv} are fewer than tp={self.tp}: each kv head's query heads are not on the "
+                                    "ranks that hold it")
+        raise Strided(node, f"{kv} meet {heads} query heads cut in order", heads // period)
+
     def batched(self, node: fx.Node, operands: list, core: int) -> Sharding:
         """Matmul-like op: the sharded dim must be a batch dim of the sharded operands."""
         out_nd = ndim_of(node)
@@ -271,6 +290,7 @@ class ValueRules:
                 raise Unshardable(node, "the sharded dim is contracted outside the row-parallel matmul")
             aligned = s.moved(s.dim + out_nd - nd, None if not s.inner else s.inner[0] + out_nd - nd)
             if result is not None and aligned != result:
+                self.head_minor(node, result, aligned)
                 raise Unshardable(node, f"operands sharded differently: {result} vs {aligned}")
             result = aligned
         for x in operands:
@@ -307,6 +327,7 @@ class ValueRules:
                 or (sk is not None and sv is not None and sk != sv):
             raise Unshardable(node, "attention not sharded by heads")
         if sk is not None and sq != sk and not gqa:
+            self.head_minor(node, sq, sk)
             raise Unshardable(node, f"q and k heads sharded differently: {sq} vs {sk}")
         if sq.inner or (sk is not None and sk.inner):
             raise Unshardable(node, "attention over unmerged replicated heads")

@@ -267,6 +267,18 @@ def plan_from_analysis(gm: fx.GraphModule, a: Analysis, v: VocabFacts | None = N
         for x in xs:
             acc.collectives.append(Collective("all_reduce", "sum", "backward", p.name, x.name, _shape(x),
                                               _compute_dtype(x, [c.node for c in matmuls if c.x is x])))
+        for m in p.sides:  # another row of the same columns (a parallel block's feed-forward output): its own g,
+            # or the one all-reduce of its partial sum added to the row's (attention's output + feed-forward's)
+            acc.params[m.weight] = _shard("row", m.module, _weight_shape(gm, m), m.in_dim,
+                                          p.region.sides[m.node].segments)
+            at = a.leave_at.get(m.node) if fold else None
+            acc.pairs.append(PairPlan(p.name, (), (), (), m.node.name, m.weight, m.bias,
+                                      leave_at=at.name if at is not None else None))
+            if at is None or at not in left:
+                node = m.node if at is None else at
+                left |= {at} - {None}
+                acc.collectives.append(Collective("all_reduce", "sum", "forward", p.name, node.name, _shape(node),
+                                                  _dtype(node)))
         if ep:  # an expert's inner dims are whole: nothing inside it changes
             continue
         acc.rewrites.extend(p.region.rewrites)
@@ -318,7 +330,7 @@ def sequence_plan(gm: fx.GraphModule, a: Analysis, v: VocabFacts, f: SeqFacts, p
     """``plan`` with sequence parallelism (the regions ``f`` found): the pairs' and the embedding's
     all-reduces become reduce-scatters, the inputs of column matmuls and LM heads are all-gathered (see
     :mod:`autotp.analysis.sequence`)."""
-    rows = {p.row.node: p for p in a.pairs}
+    rows = {m.node: m for p in a.pairs for m in (p.row, *p.sides)}
     matmuls = {p.name: [c.node for c in p.columns] for p in a.pairs}
     for h in v.heads:
         matmuls[h.matmul.module] = [h.matmul.node]
@@ -330,9 +342,9 @@ def sequence_plan(gm: fx.GraphModule, a: Analysis, v: VocabFacts, f: SeqFacts, p
         dropped.add(("forward", module, source.name))
         added += [Collective("reduce_scatter", "sum", "forward", module, node.name, _shape(node), _dtype(node)),
                   Collective("all_gather", "", "backward", module, node.name, _shape(node), _dtype(node))]
-        pair = rows.get(source)
-        if pair is not None and pair.row.bias is not None:  # added after the reduce-scatter, to s/t positions
-            bias = source.args[2 if pair.row.kind == "linear" else 0]  # the parameter, or its cast
+        row = rows.get(source)
+        if row is not None and row.bias is not None:  # added after the reduce-scatter, to s/t positions
+            bias = source.args[2 if row.kind == "linear" else 0]  # the parameter, or its cast
             grads.append((source.name, bias.name))
     for module, x, node, dim, flatten in f.enters:
         users = [c for c in matmuls[module] if x in c.all_input_nodes]

@@ -122,7 +122,7 @@ def _rotate_half(t):
 
 WHERE = ("where_other", "where_self")
 FOLDS = ("fold_from_q", "fold_from_counts")
-PARALLEL = ("palm_swiglu", "mqa_slices")  # their two rows keep the block whole (tests/test_attention_gaps.py)
+PARALLEL = ("palm_swiglu", "mqa_slices")  # two rows of one fused column: their runs are extended ones
 KINDS = (*WHERE, *FOLDS)
 
 
