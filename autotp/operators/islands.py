@@ -7,8 +7,10 @@ expert gives this rank's partial sum; then:
 * each output that is the experts' sum is all-reduced once (forward; backward identity): Megatron's g;
 * each output independent of them (a load-balancing loss) is every rank's already; backward passes 1/tp of
   its gradient to each rank, so the sums below count it once;
-* backward, the gradients of the block's inputs and of its whole parameters (the router) are all-reduced:
-  Megatron's f, one all-reduce per input and per whole parameter.
+* backward, the gradients of the block's inputs and of its whole parameters (the router) are all-reduced
+  together, flattened into one bucket (one per dtype): Megatron's f, one all-reduce for the block, as
+  Megatron has one for each column→row pair's input (the router's gradient rides along with the input's;
+  Megatron sums a replicated weight's partial gradients after the backward, here they are ready together).
 
 Exact: summed over the ranks, each rank's gradient of the block is the block's own (its outputs are the sums
 of each rank's). An island left whole runs the block unchanged on every rank, with no collective.
@@ -23,7 +25,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.utils.stateless import _reparametrize_module
 
-from autotp.operators.collectives import _Enter, all_reduce
+from autotp.operators.collectives import all_reduce
 
 __all__ = ["IslandCall"]
 
@@ -38,6 +40,34 @@ class _Sum(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         return grad, None
+
+
+class _EnterAll(torch.autograd.Function):
+    """Megatron's f on every tensor entering the island (its inputs, the parameters it keeps whole): identity
+    forward; backward their gradients summed over the group in one all-reduce per dtype, flattened together
+    (autograd calls this once, when the block's backward has made all of them). A tensor whose gradient is
+    None (unused) takes zeros in the bucket, so every rank's bucket is the same size, and gets None back."""
+
+    @staticmethod
+    def forward(ctx, group: dist.ProcessGroup, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.group = group
+        ctx.metas = [(x.shape, x.dtype, x.device) for x in xs]
+        return tuple(x.view_as(x) for x in xs)
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor | None):
+        out: list[torch.Tensor | None] = [None] * len(grads)
+        by_dtype: dict[torch.dtype, list[int]] = {}
+        for i, (_, dtype, _) in enumerate(ctx.metas):
+            by_dtype.setdefault(dtype, []).append(i)
+        for dtype, idx in by_dtype.items():
+            parts = [grads[i].reshape(-1) if grads[i] is not None else
+                     torch.zeros(ctx.metas[i][0].numel(), dtype=dtype, device=ctx.metas[i][2]) for i in idx]
+            summed = all_reduce(torch.cat(parts), ctx.group)  # (Σ numel,): one bucket
+            for i, piece in zip(idx, summed.split([p.numel() for p in parts])):
+                if grads[i] is not None:
+                    out[i] = piece.view(ctx.metas[i][0])
+        return (None, *out)
 
 
 class _Share(torch.autograd.Function):
@@ -73,12 +103,19 @@ class IslandCall(nn.Module):
 
     def forward(self, *flat: torch.Tensor) -> list[torch.Tensor]:
         block, group = self.__dict__["block"], self.group
-        if group is not None:  # f: each rank's gradient of the inputs is its experts' share
-            flat = tuple(_Enter.apply(t, group) if t.requires_grad else t for t in flat)
         swap = contextlib.nullcontext()
-        if group is not None and torch.is_grad_enabled():  # f on the router's (and any whole) parameters
+        if group is not None and torch.is_grad_enabled():
+            # f on the inputs (each rank's gradient of them is its experts' share) and on the router's (and any
+            # whole) parameters, in one all-reduce backward
             own = dict(block.named_parameters())
-            swap = _reparametrize_module(block, {n: _Enter.apply(own[n], group) for n in self.whole if n in own})
+            entering = [i for i, t in enumerate(flat) if t.requires_grad]
+            names = [n for n in self.whole if n in own and own[n].requires_grad]
+            if entering or names:
+                made = _EnterAll.apply(group, *(flat[i] for i in entering), *(own[n] for n in names))
+                flat = list(flat)
+                for i, t in zip(entering, made):
+                    flat[i] = t
+                swap = _reparametrize_module(block, dict(zip(names, made[len(entering):])))
         with swap:
             tensors = self.__dict__["run"](list(flat))
         if group is None:

@@ -1,0 +1,25 @@
+"""An eager island's backward communicates as Megatron's block does: one all-reduce for the block, its
+input's gradient and the router's (the parameters it keeps whole) flattened into one bucket, exact."""
+from __future__ import annotations
+
+import pytest
+
+from moe_island_models import E, H, S
+from island_workers import backward_collectives
+from ranks import launch
+
+STYLES = ["nonzero", "bool_mask"]  # index_add_ over nonzero's tokens; a boolean mask with a load-balancing loss
+
+
+@pytest.mark.slow
+@pytest.mark.extended
+@pytest.mark.parametrize("style", STYLES)
+def test_an_island_backward_is_one_all_reduce(style: str):
+    bsh = 2 * S * H  # the batch's hidden state: (2, S, H)
+    for rank, r in launch(backward_collectives, 2, style).items():
+        assert r["grad"] <= 1e-5, (rank, r)
+        assert r["cut"] <= 1 / 2 + 0.12, r["cut"]
+        assert all(w == [f"{p}.gate.weight"] for p, w in r["islands"].items()) and len(r["islands"]) == 2
+        # Megatron's 2L + 1: per block the f before attention and the island's bucket (its input's gradient
+        # and the router's, E·H), then the LM head's input; no all-reduce of the router's gradient alone
+        assert r["backward"] == [("sum", bsh), ("sum", bsh + E * H)] * 2 + [("sum", bsh)], (rank, r["backward"])
