@@ -118,12 +118,14 @@ def plan(
     spec = _pipeline_spec(pp, schedule, virtual_stages, microbatches, split_points, batch, debug,
                           fsdp=fsdp, sequence_parallel=sequence_parallel, expert_parallel=expert_parallel)
     try:
-        the_plan, report, names, batch_note, pipe, cached = plan_file(
+        # with --cp the context plan and its report come from the same capture
+        the_plan, report, names, batch_note, pipe, cached, context = plan_file(
             model, tp, batch, seq, vocab_multiple, sequence_parallel, autocast, expert_parallel, spec, cache, fsdp,
-            layout.dp)
+            layout.dp, cp)
     except PipelineError as exc:  # micro-batches the batch does not divide, more stages than blocks, split points
         abort(_as_flags(str(exc)), debug, code=USAGE_ERROR)
     except (AutotpError, ValueError) as exc:  # a ValueError of the plan names the sizes (experts tp does not divide)  # model file, capture and sharding problems: the user's to fix
+        # (and with --cp an op that mixes positions, or a length 2·cp does not divide)
         abort(str(exc), debug, code=USAGE_ERROR)
     fsdp_info = None
     if fsdp and spec is None:  # with pipeline stages each stage is one unit: the per-block tables do not apply
@@ -132,14 +134,6 @@ def plan(
         fsdp_info = fsdp_from_rows(the_plan, report.params, layout.dp, param_dtype,
                                    "float32" if param_dtype is not None else None)
 
-    context = None
-    if cp > 1:
-        from autotp.parallel.planning import context_file
-
-        try:
-            context = context_file(model, batch, seq, cp)
-        except (AutotpError, ValueError) as exc:  # an op that mixes positions, a length 2·cp does not divide
-            abort(str(exc), debug, code=USAGE_ERROR)
     console = _console()
     render(console, model, the_plan, report, layout, names, batch_note, fsdp_info, pipe, fsdp)
     if context is not None:

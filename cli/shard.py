@@ -21,7 +21,9 @@ A checkpoint is checked before any rank starts, and loading it unpickles nothing
 
 Before any rank starts, the launching process imports the model file, builds the model on the meta device,
 captures the example batch and plans the sharding, so a broken file, a batch the model rejects or a size the
-tp degree does not divide fails at once with exit code 2.
+tp degree does not divide fails at once with exit code 2. The job plans once: with plain tensor parallelism
+that plan is stored in a plan cache folder of the job's own, where every rank's ``parallelize`` finds it
+and shards from it instead of capturing and planning again (the summary's ``plan_cached`` per rank).
 
 ``--weights PATH`` is for models that do not fit one device: every rank calls ``build_model()`` inside
 ``autotp.empty_weights()`` (parameters on meta, buffers computed by the model's own code), ``parallelize``
@@ -32,7 +34,9 @@ against the model before any rank starts. No unsharded reference is built unless
 from __future__ import annotations
 
 import os
+import shutil
 import statistics
+import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -106,10 +110,13 @@ def _check_batch(mf: ModelFile, args: tuple, kwargs: dict, microbatches: int) ->
 
 
 def preflight(mf: ModelFile, tp: int, weights: Path | None = None, sequence_parallel: bool = False,
-              expert_parallel: bool = False, stages: tuple[int, int] | None = None, cp: int = 1) -> float | None:
-    """Build the model on the meta device, capture the example batch and plan for ``tp``, in this process;
-    the FLOPs of one training step on the batch (three times the forward's matmuls and attention, from the
-    captured graph's shapes), or None when the graph could not be captured here.
+              expert_parallel: bool = False, stages: tuple[int, int] | None = None, cp: int = 1, *,
+              plans: Path | None = None) -> float | None:
+    """Build the model on the meta device, capture the example batch and plan for ``tp``, in this process, as
+    every rank's ``parallelize`` would (the same job, the same capture); the FLOPs of one training step on the
+    batch (three times the forward's matmuls and attention, from the captured graph's shapes), or None when
+    the graph could not be captured or planned here. ``plans``: the job's own plan cache folder: where the
+    ranks look the plan up (plain tensor parallelism at tp > 1), it is stored there for them.
 
     Raises the :class:`AutotpError` a rank would raise (the factory's or forward's own message, a size ``tp``
     does not divide, ``weights`` whose names or shapes do not fit the model), before any rank starts. Failures that are not autotp's (a model that cannot be built or
@@ -119,8 +126,10 @@ def preflight(mf: ModelFile, tp: int, weights: Path | None = None, sequence_para
     import torch
 
     from autotp.capture.modelfile import default_example
-    from autotp.capture.tracer import capture
-    from autotp.plan.planner import make_plan
+    from autotp.options import Options
+    from autotp.parallel.planning import How, capture_and_plan, job_of
+    from autotp.parallel.reuse import plan_cache_for
+    from autotp.plan.context_planner import check_chunks
     from autotp.plan.stages import StageRequest
 
     try:
@@ -139,43 +148,34 @@ def preflight(mf: ModelFile, tp: int, weights: Path | None = None, sequence_para
     args, kwargs = mf.example_batch() if mf.batch_fn is not None else default_example(model.forward)
     if stages is not None:
         _check_batch(mf, args, kwargs, stages[1])
+    # the ranks' job (FSDP takes every plan, kv heads held by several ranks included: nothing more to check
+    # for it here) and the ranks' capture: the same key, so the plan stored here is the one they look up
+    job = job_of(tp, Options(sequence_parallel=sequence_parallel, expert_parallel=expert_parallel,
+                             pipeline=None if stages is None else StageRequest(stages[0]), context_parallel=cp))
     try:
-        gm, _ = capture(model, args, kwargs, device=torch.device("cpu"))  # export computes nothing
+        planned = capture_and_plan(model, args, kwargs, job, None if plans is None else plan_cache_for(job, plans),
+                                   how=How(device=torch.device("cpu"), writes=True))  # export computes nothing
     except CaptureError:
         # export reports a model's own check on symbolic sizes ("length s75"); the plain forward on meta
         # tensors reports it with the real ones
         if all(t.is_meta for t in model.parameters()):
             _eager_on_meta(mf, model, args, kwargs)
         raise
-    except Exception as exc:  # noqa: BLE001
-        if own_bug(exc):  # autotp's own bug: shown, never a verdict
-            raise
-        return None
-    from autotp.analysis.flops import node_flops
-
-    flops = 3.0 * sum(node_flops(n) for n in gm.graph.nodes)  # backward: twice the forward's matmul work
-    if cp > 1:
-        _check_context(gm, cp)
-    try:
-        # FSDP takes every plan (kv heads held by several ranks included): nothing more to check for it here
-        make_plan(gm, tp, sequence_parallel=sequence_parallel, expert_parallel=expert_parallel,
-                  stages=None if stages is None else StageRequest(stages[0]))
     except (AutotpError, ValueError):  # a ValueError of the plan names the sizes (experts tp does not divide)
-        raise
+        raise  # (with cp > 1 the context plan's refusal names each op that stops it)
     except Exception as exc:  # noqa: BLE001 - not a user error autotp can explain; the ranks will show it in full
         if own_bug(exc):  # autotp's own bug: shown, never a verdict
             raise
-    return flops or None  # the graph's FLOPs whatever the planner said: they are the model's, not the plan's
+        return None
+    context = planned.plan.context
+    if context is not None and context.length:  # the batch's length: 2·cp must divide it
+        check_chunks(context.length, cp)
+    if planned.gm is None:  # a plan this job stored already: its graph's FLOPs are not counted again
+        return None
+    from autotp.analysis.flops import node_flops
 
-
-def _check_context(gm, cp: int) -> None:
-    """The context plan the ranks would make (refused naming each op that stops it), and the batch's length."""
-    from autotp.analysis.context import find_context
-    from autotp.plan.context_planner import check_chunks, context_plan
-
-    plan = context_plan(gm, find_context(gm, cp), cp)
-    if plan.length:
-        check_chunks(plan.length, cp)
+    flops = 3.0 * sum(node_flops(n) for n in planned.gm.graph.nodes)  # backward: twice the forward's matmul work
+    return flops or None
 
 
 def _spread(report: ShardReport) -> str:
@@ -251,6 +251,9 @@ def render(report: ShardReport, console: Console) -> None:
         summary.add_row("DP sharding", f"FSDP2 over {report.dp} ranks, the whole model one unit (no repeated blocks)")
     else:
         summary.add_row("DP gradient sync", f"DDP all-reduce over {report.dp} replicas" if report.dp > 1 else "none (dp 1)")
+    if report.ranks and all(r.plan_cached for r in report.ranks):
+        summary.add_row("plan", f"made once, by the check before the ranks started: all {len(report.ranks)} ranks "
+                        "sharded by it from the job's plan cache, none planned again (a first call checks its cuts)")
     p = report.parity
     if p is None:
         why = "--weights: no whole copy of the model per rank unless --verify" if report.weights else "--no-verify"
@@ -452,10 +455,15 @@ def shard(
         resumable = check_resumable(out, resume_from) if resume else None
     except AutotpError as exc:
         abort(str(exc), debug, code=USAGE_ERROR)
+    # the job's own plan cache: the check stores its plan there and the ranks shard from it (FSDP cuts its
+    # units from the graph when it parallelizes: its ranks plan themselves); removed when the command ends
+    plans = None if fsdp else Path(tempfile.mkdtemp(prefix="autotp-job-plans-"))
+    if plans is not None:
+        ctx.call_on_close(lambda: shutil.rmtree(plans, ignore_errors=True))
     try:
         # before any rank starts
         flops = preflight(load_model_file(model), tp, weights, sequence_parallel, expert_parallel, stages,
-                          launcher.cp)
+                          launcher.cp, plans=plans)
         peak = _peak_flops(gpu)
         _check_backend(compile_backend)
     except (AutotpError, ValueError) as exc:
@@ -481,7 +489,8 @@ def shard(
                    expert_parallel=expert_parallel, fsdp=spec.hsdp if fsdp else 0, fsdp_param_dtype=param_dtype,
                    schedule=schedule, microbatches=microbatches or pp, virtual_stages=virtual_stages,
                    weights=None if weights is None else str(weights.resolve()), started=started,
-                   log_every=log_every, clip_grad=clip_grad, flops=flops, peak_flops=peak)
+                   log_every=log_every, clip_grad=clip_grad, flops=flops, peak_flops=peak,
+                   plans=None if plans is None else str(plans))
     node = f" on node {node_rank} of {nnodes}" if nnodes > 1 else ""
     phases.say("launch", f"starting {spec.nproc_per_node} ranks{node}: tp {spec.tp}"
                + (f" × cp {spec.cp}" if spec.cp > 1 else "") + f" × dp {spec.dp * nnodes}"

@@ -36,6 +36,7 @@ from autotp.io.checkpoint import tp_local_shape
 from autotp.io.ckpt_io import (checkpoint_info, latest_checkpoint, load_training_state, resume_target,
                               save_training_state)
 from autotp.parallel.held import held_grads, held_params, held_state
+from autotp.parallel.parallelize import parallelize_state
 from autotp.parallel.writeback import state_difference
 from autotp.plan.report import build_report
 from autotp.distributed.launch import RankContext, init_from_env
@@ -79,6 +80,7 @@ class ShardJob:
     clip_grad: float = 0.0  # clip the gradients' full norm to this (0: no clipping)
     flops: float | None = None  # a data-parallel replica's FLOPs per training step (3 × the forward's)
     peak_flops: float | None = None  # one device's peak FLOP/s, for MFU (None: not known, MFU left out)
+    plans: str | None = None  # the job's own plan cache folder, where the check stored its plan for the ranks
 
 
 @dataclass(frozen=True)
@@ -115,6 +117,7 @@ class RankStats:
     cp_rank: int = 0
     grad_bytes: int = 0  # this rank's gradients as the optimizer's last step read them (0: no step)
     state_bytes: int = 0  # this rank's optimizer state after training (the moments; 0: no step)
+    plan_cached: str = ""  # the job's cached plan this rank sharded from ("": it planned itself)
 
 
 @dataclass(frozen=True)
@@ -449,9 +452,10 @@ def _build(mf: ModelFile, job: ShardJob, ctx: RankContext, batch: tuple[tuple, d
     forward = model.forward  # the user's: its keywords shape the default batch, and parallelize replaces it
     fsdp = dict(fsdp=_fsdp_config(job), mesh=ctx.mesh) if job.fsdp else \
         dict(fsdp=False, tp_group=ctx.tp_group())
-    tpm = autotp.parallelize(model, example_inputs=batch, compile=job.compile,
-                             sequence_parallel=job.sequence_parallel, expert_parallel=job.expert_parallel,
-                             device=None if job.weights is None else ctx.device, **fsdp)
+    # autotp.parallelize, with the job's plan cache: the plan the check made before the ranks started
+    tpm = parallelize_state(model, example_inputs=batch, compile=job.compile,
+                            sequence_parallel=job.sequence_parallel, expert_parallel=job.expert_parallel,
+                            device=None if job.weights is None else ctx.device, plan_cache=job.plans, **fsdp)
     if job.weights is not None:
         note = _load(tpm, job.weights)
     if batch is None:
@@ -528,7 +532,8 @@ def _shard(job: ShardJob, ctx: RankContext) -> ShardReport | None:
 
     mine = RankStats(ctx.rank, ctx.coords["tp"], ctx.coords["dp"], _param_bytes(tpm), tuple(times),
                      peak_memory=peak_memory(ctx.device.type), cp_rank=ctx.coords.get("cp", 0),
-                     grad_bytes=grads[0], state_bytes=held_state(opt).bytes)
+                     grad_bytes=grads[0], state_bytes=held_state(opt).bytes,
+                     plan_cached=autotp.tp_state(tpm).cached_from)
     everyone: list[RankStats | None] = [None] * ctx.layout.world_size
     dist.all_gather_object(everyone, mine)
     if ctx.rank != 0:

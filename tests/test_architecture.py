@@ -157,3 +157,85 @@ def test_cache_check_sees_caches(tmp_path: Path, source: str, expected: int) -> 
     path = tmp_path / "m.py"
     path.write_text(source)
     assert len(_module_caches(path)) == expected
+
+
+# The one capture-then-plan function (autotp.parallel.planning.capture_and_plan): outside the capture stage
+# nothing exports a model or calls capture's entry points, and outside the plan stage nothing calls the
+# planner's; only the orchestration's planning module does, for everything that plans.
+PLANNING = "autotp.parallel.planning"
+ENTRIES = {
+    "autotp.capture": ("autotp.capture.tracer", {"capture", "capture_blocks"}),
+    "autotp.plan": ("autotp.plan.planner", {"make_plan", "plan_from_facts", "plan_from_analysis", "fused_segments"}),
+}
+CONTEXT_PLANNER = ("autotp.plan.context_planner", {"context_plan"})
+
+
+def _is_torch_export(node: ast.AST) -> bool:
+    """``torch.export`` (``torch.export.export(...)`` reaches it)."""
+    return isinstance(node, ast.Attribute) and node.attr == "export" and isinstance(node.value, ast.Name) \
+        and node.value.id == "torch"
+
+
+def _captures_or_plans(module: str, tree: ast.AST) -> list[str]:
+    """Where ``module`` (outside the capture stage, the plan stage and the planning module) exports a model or
+    reaches capture's or the planner's entry points: ``torch.export``, an entry point imported by name, or
+    the module that defines them imported whole."""
+    if module == PLANNING:
+        return []
+    stages = [(defining, names) for stage, (defining, names) in (*ENTRIES.items(), ("autotp.plan", CONTEXT_PLANNER))
+              if module != stage and not module.startswith(stage + ".")]
+    exports = not module.startswith("autotp.capture")
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            if exports and node.module == "torch.export":
+                found += [f"{module}:{node.lineno}: from torch.export import {a.name}" for a in node.names]
+            for defining, names in stages:
+                package, _, leaf = defining.rpartition(".")
+                found += [f"{module}:{node.lineno}: {defining}.{a.name}" for a in node.names
+                          if (node.module == defining and a.name in names) or (node.module == package and a.name == leaf)]
+        elif isinstance(node, ast.Import):
+            found += [f"{module}:{node.lineno}: import {a.name}" for a in node.names
+                      for defining, _ in stages if a.name == defining]
+        elif exports and _is_torch_export(node):
+            found.append(f"{module}:{node.lineno}: torch.export")
+    return found
+
+
+@pytest.fixture(scope="module")
+def trees() -> dict[str, ast.AST]:
+    """Every module's syntax tree, parsed once for the tests below."""
+    return {m: ast.parse(path.read_text()) for m, path in _modules().items()}
+
+
+def test_only_capture_and_plan_captures_and_plans(trees: dict[str, ast.AST]) -> None:
+    found = [f for m, tree in trees.items() for f in _captures_or_plans(m, tree)]
+    assert not found, found
+
+
+def test_capture_and_plan_is_written_once(trees: dict[str, ast.AST]) -> None:
+    """One function captures then plans, and the plan cache's key is made in one place."""
+    defined = {n.name for n in trees[PLANNING].body if isinstance(n, ast.FunctionDef)}
+    assert "capture_and_plan" in defined and "plan_model" not in defined and "context_file" not in defined
+    keyed = [f"{m}:{n.lineno}" for m, tree in trees.items() for n in ast.walk(tree)
+             if isinstance(n, ast.Call) and isinstance(n.func, (ast.Attribute, ast.Name))
+             and (n.func.attr if isinstance(n.func, ast.Attribute) else n.func.id) == "plan_key"]
+    assert [k.split(":")[0] for k in keyed] == [PLANNING], keyed
+
+
+@pytest.mark.parametrize("module, source, expected", [
+    ("autotp.cli.x", "from autotp.capture.tracer import capture\n", 1),
+    ("autotp.cli.x", "from autotp.capture.tracer import stand_ins, meta_call\n", 0),
+    ("autotp.cli.x", "from autotp.capture import tracer\n", 1),
+    ("autotp.parallel.x", "import autotp.plan.planner\n", 1),
+    ("autotp.parallel.x", "from autotp.plan.planner import make_plan, group_seq_grads\n", 1),
+    ("autotp.layout.x", "from autotp.plan.context_planner import context_plan\n", 1),
+    ("autotp.plan.x", "from autotp.plan.planner import make_plan\n", 0),
+    ("autotp.plan.x", "from autotp.capture.tracer import capture_blocks\n", 1),
+    ("autotp.cli.x", "import torch\nep = torch.export.export(m, (x,))\n", 1),
+    ("autotp.cli.x", "from torch.export import export\n", 1),
+    ("autotp.capture.x", "import torch\nep = torch.export.export(m, (x,))\n", 0),
+    (PLANNING, "from autotp.plan.planner import make_plan\n", 0),
+])
+def test_capture_check_sees_captures(module: str, source: str, expected: int) -> None:
+    assert len(_captures_or_plans(module, ast.parse(source))) == expected

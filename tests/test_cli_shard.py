@@ -63,6 +63,21 @@ def test_shard_nanogpt_tp2(sharded) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.extended
+def test_shard_plans_once_per_job(sharded) -> None:
+    """The check before any rank starts plans the model and stores the plan in the job's own cache folder;
+    every rank's parallelize shards from it instead of capturing and planning again (the tests' user cache
+    is off: the job's folder is its own), and the folder is gone when the command ends."""
+    out, result = sharded
+    assert result.exit_code == 0, result.output
+    summary = json.loads((out / "summary.json").read_text())
+    cached = {r["plan_cached"] for r in summary["ranks"]}
+    assert len(cached) == 1 and "autotp-job-plans-" in next(iter(cached)), cached
+    assert not Path(next(iter(cached))).exists()
+    assert "made once, by the check before the ranks started: all 2 ranks" in " ".join(result.stdout.split())
+
+
+@pytest.mark.slow
 def test_shard_says_each_phase_and_logs_metrics(sharded) -> None:
     """Each phase is said as it starts, with the time since the command started; every --log-every steps
     (and the last) the metrics trainers log go to the console, OUT/metrics.jsonl and TensorBoard; the

@@ -11,7 +11,7 @@ import torch.nn as nn
 
 from autotp.capture.islands import ISLANDS_KEY
 from autotp.capture.tracer import capture_blocks
-from autotp.parallel.islands import bind_islands
+from autotp.parallel.islands import bind_islands, module_planner
 from autotp.plan.islands import IslandPlan, plan_island
 from moe_island_models import E, H, STYLES, MoE, build
 from ranks import Launches
@@ -20,7 +20,7 @@ from value_check_workers import forward_parity
 
 def _plan(block: nn.Module, tp: int = 2) -> IslandPlan:
     shapes = dict([*block.named_parameters(), *block.named_buffers()])
-    return plan_island(block, "moe", (torch.randn(2, 8, H),), {}, tp, shapes)
+    return plan_island(block, "moe", (torch.randn(2, 8, H),), {}, tp, shapes, module_planner(tp))
 
 
 @pytest.mark.parametrize("style", STYLES)

@@ -153,3 +153,27 @@ def test_one_meta_run_serves_the_key_and_the_capture(monkeypatch):
     assert key == cache.plan_key(net, call, {"tp": 2})  # the same key as its own meta run gives
     again = tracer.capture(net, (idx,), {})[0]
     assert [str(n.target) for n in gm.graph.nodes] == [str(n.target) for n in again.graph.nodes]
+
+
+def test_the_shard_check_stores_the_plan_the_ranks_look_up(tmp_path, monkeypatch):
+    """``autotp shard`` plans once per job: its check (meta model) stores the plan in the job's own folder,
+    under the key a rank's ``parallelize`` (the model built on the CPU, its own capture) looks up, whatever
+    AUTOTP_PLAN_CACHE says (the tests' default is off); a job the ranks do not reuse (tp 1) has no cache."""
+    from autotp.cli.shard import preflight
+    from autotp.options import Options
+    from autotp.parallel import planning
+    from autotp.parallel.reuse import plan_cache_for
+
+    mf = load_model_file("examples/nanogpt.py")
+    assert preflight(mf, 2, plans=tmp_path / "plans") > 0  # the FLOPs, counted from the same capture
+    [entry] = list((tmp_path / "plans").glob("*.json"))
+    assert plan_cache_for(planning.job_of(1, Options()), tmp_path / "plans") is None  # tp 1: the ranks plan
+
+    torch.manual_seed(0)
+    net = mf.build()  # as a rank builds it: real weights on the CPU
+    job = planning.job_of(2, Options().validate())  # the job parallelize makes of its options
+    assert plan_cache_for(job) is None  # the user's cache is off in tests; the job's own folder is not
+    monkeypatch.setattr(planning, "capture", lambda *a, **k: pytest.fail("captured although the check planned"))
+    planned = planning.capture_and_plan(net, *mf.example_batch(), job, plan_cache_for(job, tmp_path / "plans"),
+                                        how=planning.How(net.forward, device=torch.device("cpu"), writes=True))
+    assert planned.cached and planned.path == entry and planned.plan.tp == 2 and planned.plan.params

@@ -39,13 +39,17 @@ class GraphFacts:
 
 
 def analyze_graph(gm: fx.GraphModule, tp: int, *, vocab_multiple: int = 1, sequence_parallel: bool = False,
-                  expert_parallel: bool = False) -> GraphFacts:
+                  expert_parallel: bool = False, pairs_only: bool = False) -> GraphFacts:
     """Analyze ``gm`` for ``tp`` ranks: the units, then (tp > 1) the pairs, the vocab-parallel layers, the
-    experts and the sequence-parallel regions where asked, and the candidates for the whole-weight report."""
+    experts and the sequence-parallel regions where asked, and the candidates for the whole-weight report.
+    ``pairs_only``: the units and the pairs alone, at any tp (at tp 1 each pair's segments are whole blocks):
+    what a fused projection's segments are read from (:func:`~autotp.plan.planner.fused_segments`)."""
     units = find_units(gm)
-    if tp == 1:
+    if tp == 1 and not pairs_only:
         return GraphFacts(1, units)
     a = analyze(gm, tp)
+    if pairs_only:
+        return GraphFacts(tp, units, a)
     v = analyze_vocab(gm, a, tp, vocab_multiple)
     return GraphFacts(
         tp, units, a, v,

@@ -149,12 +149,11 @@ def _split_share(plan: Plan, gm: fx.GraphModule) -> float:
 def context_facts(gm: fx.GraphModule) -> tuple[str | None, int | None, int | None]:
     """(why context parallelism cannot run, K's and V's width per token, their heads) from the context plan
     the ranks would make (:mod:`autotp.plan.context_planner`): the ring's operands' (b, heads, s, d) shapes."""
-    from autotp.analysis.context import find_context
     from autotp.errors import AutotpError
-    from autotp.plan.context_planner import context_plan
+    from autotp.parallel.planning import context_of
 
     try:
-        plan = context_plan(gm, find_context(gm, 2), 2)
+        plan = context_of(gm, 2)
     except AutotpError as exc:  # the first op that stops it, with its line (the header says no more than that)
         lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
         return (lines[1] if len(lines) > 1 else lines[0]).rstrip(":"), None, None
@@ -208,10 +207,11 @@ def capture_facts(net: torch.nn.Module, args: tuple, kwargs: dict, tps: Iterable
                   seq: int) -> ModelFacts:
     """Capture ``net`` once on ``(args, kwargs)`` (``batch`` samples of ``seq`` tokens) and plan it at each
     tensor-parallel size in ``tps``; a size the planner refuses is left out (the search skips it)."""
-    from autotp.parallel.planning import plan_model
+    from autotp.parallel.planning import How, PlanJob, capture_and_plan
     from autotp.plan.report import build_report
 
-    planned = plan_model(net, args, kwargs, set(tps) | {1}, device=torch.device("cpu"), skip_refused=True)
+    planned = capture_and_plan(net, args, kwargs, PlanJob(1), how=How(device=torch.device("cpu")),
+                               tps=set(tps) | {1}, skip_refused=True)
     named = list(net.named_parameters(remove_duplicate=False))
     plans = [(plan, build_report(plan, named, batch, seq)) for _, plan in sorted(planned.plans.items())]
     return model_facts(planned.gm, plans, batch)

@@ -12,10 +12,11 @@ import torch.nn as nn
 from autotp.capture.islands import ISLANDS_KEY, hint, is_island
 from autotp.capture.structure import flatten, unflatten
 from autotp.operators.islands import IslandCall
-from autotp.plan.islands import plan_island
+from autotp.parallel.planning import How, PlanJob, capture_and_plan
+from autotp.plan.islands import PlanModule, plan_island
 from autotp.state import TPState
 
-__all__ = ["bind_islands", "plan_islands"]
+__all__ = ["bind_islands", "module_planner", "plan_islands"]
 
 
 def plan_islands(model: nn.Module, st: TPState, gm: fx.GraphModule, specs: dict, stacklevel: int) -> None:
@@ -31,10 +32,20 @@ def plan_islands(model: nn.Module, st: TPState, gm: fx.GraphModule, specs: dict,
         prefix = f"{path}."
         shapes = {n: st.full.get(prefix + n, t) for n, t in [*block.named_parameters(remove_duplicate=False),
                                                              *block.named_buffers(remove_duplicate=False)]}
-        plan = st.islands[path] = plan_island(block, path, tuple(args), dict(kwargs), st.tp, shapes)
+        plan = st.islands[path] = plan_island(block, path, tuple(args), dict(kwargs), st.tp, shapes,
+                                              module_planner(st.tp))
         if plan.reason and st.tp > 1:
             warnings.warn(f"autotp: {path} runs whole on every rank (exact, not sharded): its code branches on "
                           f"the data, so it runs eagerly, and {plan.reason}", stacklevel=stacklevel)
+
+
+def module_planner(tp: int) -> PlanModule:
+    """How an island's modules are planned: each captured alone on its call's arguments, with its own
+    tensors' stand-ins, and planned at ``tp`` (:func:`~autotp.parallel.planning.capture_and_plan`)."""
+    def plan(module: nn.Module, args: tuple, own: dict[str, torch.Tensor]):
+        return capture_and_plan(module, args, {}, PlanJob(tp), how=How(params=own)).plan
+
+    return plan
 
 
 def _example(val: torch.Tensor) -> torch.Tensor:

@@ -14,6 +14,7 @@ import contextlib
 import dataclasses
 import warnings
 from collections.abc import Callable, Hashable, Mapping
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -22,10 +23,9 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.parallel import DistributedDataParallel
 
-from autotp.capture.meta_run import Recorder
 from autotp.capture.preserve import preserved
 from autotp.capture.source_lines import source_lines_released
-from autotp.capture.tracer import capture_blocks, input_guard, stand_ins
+from autotp.capture.tracer import stand_ins
 from autotp.capture.islands import ISLANDS_KEY
 from autotp.capture.values import CHECKS_KEY, checks_hold
 from autotp.capture.writes import WRITES_KEY
@@ -45,7 +45,8 @@ from autotp.passes import PassError, run_passes
 from autotp.passes.split_stages import split_stages
 from autotp.passes.split_units import split_units
 from autotp.parallel.fsdp import apply_fsdp, fsdp_hooks_off
-from autotp.parallel.reuse import Lookup, lookup, remember
+from autotp.parallel.planning import How, PlanCache, capture_and_plan, job_of
+from autotp.parallel.reuse import plan_cache_for
 from autotp.parallel.rewrite import rewrite, warn_plan
 from autotp.parallel.shard import hold, other_stages
 from autotp.operators.units import bind_pieces
@@ -288,7 +289,10 @@ def _user_forward(model: nn.Module, st: TPState) -> Callable:
 
 
 def _build(model: nn.Module, st: TPState, args: tuple, kwargs: dict, key: Hashable,
-           sequence_parallel: bool | None = None, recorded: Recorder | None = None, context: bool = True) -> Captured:
+           sequence_parallel: bool | None = None, context: bool = True,
+           cache: PlanCache | None = None) -> Captured | None:
+    """Capture and plan this call signature for this rank's job, rewrite it and bind it; None where ``cache``
+    held the plan: the model is sharded by it and nothing is captured."""
     swap = None
     # built on meta (autotp.empty_weights): no weights allocated yet
     empty = {n: p for n, p in model.named_parameters(remove_duplicate=False) if p.is_meta}
@@ -305,23 +309,33 @@ def _build(model: nn.Module, st: TPState, args: tuple, kwargs: dict, key: Hashab
             swap.update(stand_ins(dict(model.named_buffers(remove_duplicate=False)), where))
     # once FSDP shards the model, its hooks would gather parameters inside the export: it sees stand-ins
     hooks_off = fsdp_hooks_off(model) if st.units is not None else contextlib.nullcontext()
-    with hooks_off:  # the rewrite too: it exports the whole model where the blocks cannot be copied
-        cg = capture_blocks(model, args, kwargs, forward=_user_forward(model, st), params=swap, device=st.device,
-                            static=st.options.pipeline is not None and not st.options.sequence_parallel
-                            and st.cp == 1, recorded=recorded,
-                            writes=True)
-        accepts = input_guard(cg.gm)  # before the passes give sharded inputs their local shapes
-        checks = cg.gm.meta.get(CHECKS_KEY, ())
-        islands = cg.gm.meta.get(ISLANDS_KEY)
+    # a later signature of a pipeline runs the first one's stages
+    job = job_of(st.tp, st.options, sequence_parallel=sequence_parallel, context=context,
+                 stages_of=st.plan.stages if st.graphs and st.options.pipeline is not None else ())
+    how = How(_user_forward(model, st), swap, st.device,
+              static=st.options.pipeline is not None and not st.options.sequence_parallel and st.cp == 1,
+              writes=True)
+    # a later signature plans the exported blocks alone where it can: its cuts are checked against the first's
+    blocks, segments = bool(st.shards), st.tp == 1 and not st.graphs
+    with hooks_off:  # the rewrite too: it captures the whole model where the blocks cannot be copied
+        planned = capture_and_plan(model, args, kwargs, job, cache, how=how, blocks=blocks, segments=segments)
+        if planned.cached:
+            _shard_from(model, st, planned.plan, str(planned.path))
+            return None
+        accepts = planned.accepts
+        checks = planned.gm.meta.get(CHECKS_KEY, ())
+        islands = planned.gm.meta.get(ISLANDS_KEY)
         if islands and (st.options.fsdp is not None or st.options.pipeline is not None):
             raise ShardingError(f"{next(iter(islands))} branches on the data, so it runs eagerly as one call "
                                 "(an island), which FSDP units and pipeline stages do not run yet",
                                 hint="parallelize it without fsdp or pipeline stages, or write its loop in a "
                                      "dense form (every expert on every token, weighted by the routing)")
         if islands:  # before the passes: the blocks' inputs as captured
-            plan_islands(model, st, cg.gm, islands, stacklevel=5)
-        gm, spec, plan, copied = rewrite(st, cg, st.options.sequence_parallel if sequence_parallel is None
-                                         else sequence_parallel, stacklevel=4, context=context)
+            plan_islands(model, st, planned.gm, islands, stacklevel=5)
+        rewritten = rewrite(st, planned, stacklevel=4)
+        if rewritten is None:  # the rewritten blocks are not wired one after another: the whole model
+            rewritten = rewrite(st, capture_and_plan(model, args, kwargs, job, how=how, segments=segments), 4)
+        gm, spec, plan, copied = rewritten
     writes = gm.meta.get(WRITES_KEY)  # read before the graph is cut into FSDP units' or stages' pieces
     if islands:  # the blocks' own parameters, cut as each block's plan says
         gm.meta[ISLANDS_KEY] = islands
@@ -555,11 +569,14 @@ def parallelize_state(model: nn.Module, *, tp_group: dist.ProcessGroup | None = 
                       mesh: DeviceMesh | None = None, pipeline: StageRequest | None = None,
                       stage_params: Callable[[fx.GraphModule], set[str]] | None = None,
                       stage_fsdp: bool = False, schedule: PipelineOptions | None = None,
-                      context_parallel: int | None = None, data_parallel: bool | dict = True) -> nn.Module:
+                      context_parallel: int | None = None, data_parallel: bool | dict = True,
+                      plan_cache: Path | str | None = None) -> nn.Module:
     """:func:`parallelize`, and for :func:`autotp.parallel.pipeline.pipeline` every graph cut into the
     stages ``pipeline`` asks for (captured with static shapes); ``stage_params`` names the parameters this
     rank's stages of the first split graph read: no other parameter is allocated or sliced here;
-    ``stage_fsdp``: the pipeline makes its stages FSDP units afterwards; ``schedule``: how they run."""
+    ``stage_fsdp``: the pipeline makes its stages FSDP units afterwards; ``schedule``: how they run;
+    ``plan_cache``: a job's own plan cache folder (``autotp shard``'s, where its check stored the plan), used
+    whatever ``AUTOTP_PLAN_CACHE`` says."""
     if (known := find_tp_state(model)) is not None:
         raise ShardingError(f"{type(model).__name__} is already parallelized (tp={known.tp})")
     config = _fsdp_config(fsdp)
@@ -598,11 +615,9 @@ def parallelize_state(model: nn.Module, *, tp_group: dist.ProcessGroup | None = 
         _swap_class(model)
         model.__dict__.pop("forward", None)
         attach_state(model, st)
-        found = lookup(model, st, _user_forward(model, st), args, kwargs, training)
-        if found.plan is not None:
-            _shard_from(model, st, found.plan, str(found.path))
-        else:
-            remember(found, _first(model, st, args, kwargs, training, found, example_inputs is None))
+        # a plan the cache holds shards the model here, and nothing is captured until its first call
+        _first(model, st, args, kwargs, training, example_inputs is None,
+               plan_cache_for(job_of(st.tp, st.options), plan_cache))
     return model
 
 
@@ -633,17 +648,18 @@ def _replicas(options: Options, mesh: DeviceMesh | None, tp_group: dist.ProcessG
     return Replicas(AUTOTP_DDP, dp, group, dict(ddp), device)
 
 
-def _first(model: nn.Module, st: TPState, args: tuple, kwargs: dict, training: bool, found: Lookup,
-           default: bool) -> Plan:
+def _first(model: nn.Module, st: TPState, args: tuple, kwargs: dict, training: bool, default: bool,
+           cache: PlanCache | None) -> None:
     """Capture and shard by the first signature: the example's, or with none given the forward's default
-    inputs. With context parallelism a default signature that cannot run on chunks (a forward without targets
-    returns the last position's logits) runs whole, said once: each call is planned for its own signature,
-    and a training call that cannot run on chunks is refused then, naming the op."""
+    inputs; or shard by the plan ``cache`` holds for it. With context parallelism a default signature that
+    cannot run on chunks (a forward without targets returns the last position's logits) runs whole, said
+    once: each call is planned for its own signature, and a training call that cannot run on chunks is
+    refused then, naming the op."""
     key = call_key(args, kwargs, training)
     try:
-        return _build(model, st, args, kwargs, key, recorded=found.recorded).plan
+        _build(model, st, args, kwargs, key, cache=cache)
     except ContextRefused as refused:
         if not default:
             raise
         _say_whole(st, str(refused).splitlines()[-1].strip(), 5)  # a call with targets still runs on chunks
-        return _build(model, st, args, kwargs, (key, "whole context"), recorded=found.recorded, context=False).plan
+        _build(model, st, args, kwargs, (key, "whole context"), context=False)

@@ -13,7 +13,8 @@ checked against the cut every parameter already has, under the copy's own names.
 sequence parallelism, whose rewrite groups several blocks' values in one node (the norms' weight gradients
 are summed in one bucket over all blocks): the blocks are copied first then, as on the first signature.
 Copying refuses such a node anyway (:func:`~autotp.capture.repeats.expand`), and a rewritten graph it
-refuses is exported whole.
+refuses is captured and planned whole. Which path a capture takes, and the plan, are
+:func:`~autotp.parallel.planning.capture_and_plan`'s (``blocks``); this module checks and rewrites.
 """
 from __future__ import annotations
 
@@ -23,15 +24,12 @@ from typing import NamedTuple
 
 import torch.fx as fx
 
-from autotp.analysis.context import find_context
 from autotp.capture.repeats import Copies
 from autotp.capture.structure import Spec
-from autotp.capture.tracer import CutGraph
 from autotp.errors import ShardingError
+from autotp.parallel.planning import Planned
 from autotp.passes import run_passes
-from autotp.plan.context_planner import context_plan
 from autotp.plan.plan import ParamShard, Plan
-from autotp.plan.planner import cut_copies_in_graph, fused_segments, group_seq_grads, make_plan
 from autotp.state import TPState
 
 
@@ -42,45 +40,23 @@ class Rewritten(NamedTuple):
     copied: bool  # the blocks were rewritten once and copied
 
 
-def rewrite(st: TPState, cg: CutGraph, sequence_parallel: bool, stacklevel: int, context: bool = True) -> Rewritten:
-    """Plan ``cg`` for ``st`` and run the passes: the rewritten blocks copied where that holds (see the
-    module doc), else the whole graph planned and rewritten."""
-    if cg.copies is not None and st.shards and not sequence_parallel and st.options.pipeline is None \
-            and st.options.fsdp is None and st.cp == 1:
-        plan = _plan(st, cg.gm, sequence_parallel, stacklevel + 1, context)
-        check_consistent(st, plan, cg.copies)
-        gm = run_passes(cg.gm, plan)
-        spec = cg.copies.apply(gm)
-        if spec is not None:
-            return Rewritten(gm, spec, plan, True)
-        gm, spec = cg.export_whole()  # the rewritten blocks are not wired one after another
-    else:
-        gm, spec = cg.whole()
-    plan = _plan(st, gm, sequence_parallel, stacklevel + 1, context)
-    check_consistent(st, plan)
-    if st.tp == 1 and not st.graphs:  # read off the graph as captured (the passes may wrap its parameters)
-        st.segments = fused_segments(gm)
-    if st.options.fsdp is not None:
-        plan = group_seq_grads(gm, plan, "unit")
-    return Rewritten(run_passes(gm, plan), spec, plan, False)
-
-
-def _plan(st: TPState, gm: fx.GraphModule, sequence_parallel: bool, stacklevel: int, context: bool = True) -> Plan:
-    """The plan of ``gm`` for this rank's dimensions; ``context`` False: the whole sequence on every cp rank."""
-    plan = make_plan(gm, st.tp, st.options.vocab_multiple, sequence_parallel=sequence_parallel,
-                     expert_parallel=st.options.expert_parallel, stages=st.options.pipeline if not st.graphs else None)
-    if st.options.pipeline is not None and st.graphs:  # a later call signature runs the first one's stages
-        plan = group_seq_grads(gm, dataclasses.replace(plan, stages=st.plan.stages), "stage")
-    if st.options.whole_kv_copies:
-        plan = cut_copies_in_graph(gm, plan)
-    if st.cp > 1 and context:  # the forward on a chunk of the sequence: refused here, naming the ops, if it cannot run so
-        # (with FSDP its reduce-scatter over the dp and cp ranks sums the chunks' gradients, and a pipeline's
-        # step sums its stages' after the schedule: no sum of its own)
-        plan = dataclasses.replace(plan, context=context_plan(gm, find_context(gm, st.cp), st.cp,
-                                                              sum_grads=st.options.fsdp is None
-                                                              and st.options.pipeline is None))
+def rewrite(st: TPState, planned: Planned, stacklevel: int) -> Rewritten | None:
+    """Run the passes of ``planned`` (:func:`~autotp.parallel.planning.capture_and_plan`'s, for this rank's
+    job) after checking its cuts against the ones already made: the rewritten blocks copied where the plan is
+    of the exported blocks (see the module doc), else the whole graph rewritten. None where the rewritten
+    blocks cannot be copied (they are not wired one after another): the caller captures and plans the whole
+    model then."""
+    plan = planned.plan
     warn_plan(st, plan, stacklevel=stacklevel + 1)
-    return plan
+    if planned.copies is not None:
+        check_consistent(st, plan, planned.copies)
+        gm = run_passes(planned.gm, plan)
+        spec = planned.copies.apply(gm)
+        return Rewritten(gm, spec, plan, True) if spec is not None else None
+    check_consistent(st, plan)
+    if planned.segments is not None:  # read off the graph as captured (the passes may wrap its parameters)
+        st.segments = planned.segments
+    return Rewritten(run_passes(planned.gm, plan), planned.spec, plan, False)
 
 
 def warn_plan(st: TPState, plan: Plan, stacklevel: int = 4) -> None:

@@ -3,7 +3,8 @@
 The block runs eagerly on every rank of the group, with the same inputs and the same routing. Its experts
 are cut by the same analysis as the rest of the model, applied per module: each submodule the block calls
 with two or more matrices (an expert's ``w1``/``w3``/``w2``, an ``nn.Sequential`` of linears) is captured
-alone on the inputs the block gave it and planned (:func:`~autotp.plan.planner.make_plan`): its column→row
+alone on the inputs the block gave it and planned (by the caller's ``plan_module``, the orchestration's one
+capture-and-plan, :func:`~autotp.parallel.planning.capture_and_plan`): its column→row
 pairs. Run eagerly on its slices, such a module gives this rank's partial sum of its output; that is proven
 on the module itself before it is cut: random weights of its shapes, the module on the full weights against
 the sum of its runs on every rank's slices (a module whose code reads a size the cut changes, or adds a bias
@@ -19,7 +20,7 @@ each rank's share is its experts' slice, and a value the block returns unchanged
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 
 import torch
@@ -27,14 +28,16 @@ import torch.nn as nn
 from torch.nn.utils.stateless import _reparametrize_module
 
 from autotp.capture.structure import flatten
-from autotp.capture.tracer import capture
 from autotp.errors import CaptureError, ShardingError
-from autotp.plan.plan import ParamShard
-from autotp.plan.planner import make_plan
+from autotp.plan.plan import ParamShard, Plan
 
 __all__ = ["IslandPlan", "plan_island"]
 
 _TOL = 1e-4  # relative: the probes run fp32 on random values
+
+# a module captured alone on its call's arguments, with these tensors for its own, and planned at the island's
+# tp; CaptureError or ShardingError where it cannot be
+PlanModule = Callable[[nn.Module, tuple, dict[str, torch.Tensor]], Plan]
 
 
 @dataclass(frozen=True)
@@ -51,10 +54,11 @@ class IslandPlan:
 
 
 def plan_island(block: nn.Module, path: str, inputs: tuple, kwargs: dict, tp: int,
-                shapes: Mapping[str, torch.Tensor]) -> IslandPlan:
+                shapes: Mapping[str, torch.Tensor], plan_module: PlanModule) -> IslandPlan:
     """``block`` (at ``path``) cut for ``tp`` ranks; ``inputs``/``kwargs``: real tensors shaped like its call's
     (values are not read); ``shapes``: each of its parameters' and buffers' full-size tensor (a shard's full
-    shape where the model holds shards), by its name inside the block."""
+    shape where the model holds shards), by its name inside the block; ``plan_module``: a submodule's plan
+    at ``tp``."""
     gen = torch.Generator().manual_seed(0)
     state = {n: (torch.randn(t.shape, generator=gen) * t.shape[-1] ** -0.5).to(t.dtype)
              if t.is_floating_point() and t.dim() else torch.zeros(t.shape, dtype=t.dtype)
@@ -77,7 +81,7 @@ def plan_island(block: nn.Module, path: str, inputs: tuple, kwargs: dict, tp: in
         if any(sub.startswith(f"{c}.") for c in kept) or \
                 sum(p.dim() >= 2 for p in block.get_submodule(sub).parameters()) < 2:
             continue
-        found = _cut_module(block.get_submodule(sub), sub, args, tp, state)
+        found = _cut_module(block.get_submodule(sub), sub, args, tp, state, plan_module)
         if found:
             cut.update(found)
             kept.append(sub)
@@ -91,14 +95,13 @@ def plan_island(block: nn.Module, path: str, inputs: tuple, kwargs: dict, tp: in
                       outputs, whole)
 
 
-def _cut_module(module: nn.Module, sub: str, args: tuple, tp: int,
-                state: dict[str, torch.Tensor]) -> dict[str, ParamShard]:
+def _cut_module(module: nn.Module, sub: str, args: tuple, tp: int, state: dict[str, torch.Tensor],
+                plan_module: PlanModule) -> dict[str, ParamShard]:
     """``module`` (at ``sub`` inside the block) planned alone: its cut parameters by name inside the block,
     each's module path inside the block; empty where it has no pair or its slices do not sum to its output."""
     own = {n[len(sub) + 1:]: t for n, t in state.items() if n.startswith(f"{sub}.")}
     try:
-        gm, _ = capture(module, tuple(args), {}, params=own)
-        plan = make_plan(gm, tp, 1)
+        plan = plan_module(module, tuple(args), own)
     except (CaptureError, ShardingError):
         return {}
     shards = dict(plan.params)

@@ -9,7 +9,7 @@ import torch.fx as fx
 
 from autotp.analysis.coverage import whole_params
 from autotp.analysis.experts import ExpertFacts, ExpertLayerFacts
-from autotp.analysis.pairs import Analysis, analyze, common_module
+from autotp.analysis.pairs import Analysis, common_module
 from autotp.analysis.result import GraphFacts, analyze_graph
 from autotp.errors import ShardingError, own_bug
 from autotp.analysis.matmuls import ParamMatmul, column_form, module_path
@@ -491,10 +491,10 @@ def fused_segments(gm: fx.GraphModule) -> dict[str, ParamShard]:
     other. The segments are read from the analysis at the smallest tp that cuts the model (2, else 3): at tp 1
     every segment is one block, so a single kv head (held whole at any tp) and a group of heads (cut at
     tp > 1) look alike there and attention reads them differently. A graph analysis cannot read leaves every
-    parameter whole."""
+    parameter whole. The pairs are :func:`~autotp.analysis.result.analyze_graph`'s, as every plan's are."""
     for tp in (2, 3, 1):
         try:
-            plan = plan_from_analysis(gm, analyze(gm, tp))
+            plan = plan_from_analysis(gm, analyze_graph(gm, tp, pairs_only=True).pairs)
         except Exception as exc:  # noqa: BLE001 - only checkpoint key names depend on it
             if own_bug(exc):  # autotp's own bug: shown, never a verdict
                 raise
