@@ -140,7 +140,7 @@ def worker(kind: str, layers: int, tp: int) -> dict:
         lap("passes")
         # a later call signature (eval mode: parallelize captures each signature on its first call), all of it,
         # as _build runs it: the exported blocks planned and rewritten, then copied (autotp.parallel.rewrite)
-        from autotp.capture.tracer import capture_blocks
+        from autotp.parallel.planning import How, capture_and_plan, job_of
         from autotp.parallel.rewrite import rewrite
         from autotp.options import Options
         from autotp.state import RankIdentity, TPState
@@ -149,11 +149,11 @@ def worker(kind: str, layers: int, tp: int) -> dict:
         st.shards, st.cached = {**dict(plan.params), **dict(plan.buffers)}, plan
         net.eval()
         mark = time.perf_counter()
-        cg = capture_blocks(net, (ids,), {}, forward=type(net).forward.__get__(net), params=swap, device=cpu)
-        input_guard(cg.gm)
-        later = rewrite(st, cg, False, stacklevel=2)
+        planned = capture_and_plan(net, (ids,), {}, job_of(tp, st.options), blocks=True,
+                                   how=How(type(net).forward.__get__(net), swap, cpu))
+        later = rewrite(st, planned, stacklevel=2)
         lap("later call")
-        t["later copied"] = float(later.copied)
+        t["later copied"] = float(later is not None and later.copied)  # None: captured whole again
     return {"phases": t, "nodes": len(gm.graph.nodes), "pairs": len(plan.pairs), "torch": torch.__version__,
             "autotp": str(Path(autotp.__file__).parent)}
 
