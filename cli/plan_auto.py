@@ -16,7 +16,7 @@ from rich.table import Table
 
 from autotp.capture.modelfile import load_model_file, planning_batch
 from autotp.cli.fit import FitTable
-from autotp.cli.plan_command import command
+from autotp.cli.plan_command import Command, command
 from autotp.cli.plan_format import fmt_size
 from autotp.layout.assumed import assumed_terms
 from autotp.layout.auto import Search, Space, best_per_mesh, explain, mesh_name, search, tp_sizes
@@ -203,7 +203,7 @@ def render(console: Console, model: str, auto: Auto, top: int) -> None:
         console.print(top_table(auto, top))
         assumed = assumed_line(auto, top)
         if assumed is not None:
-            console.print(f"[dim]{escape(assumed)}[/dim]", soft_wrap=True)
+            console.print(f"[dim]{escape(assumed)}[/dim]")  # wrapped to the console, as the tables fit it
     rej = rejected_table(auto)
     if rej is not None:
         console.print(rej)
@@ -219,7 +219,24 @@ def render(console: Console, model: str, auto: Auto, top: int) -> None:
             console.print(f"[bold]run it:[/bold] {escape(cmd.line)}", soft_wrap=True)
         for note in cmd.notes:
             console.print(f"  {escape(note)}", soft_wrap=True)
+        spelled = None if cmd.line is not None else spelled_best(auto)
+        if spelled is not None:  # the best autotp shard spells, and what it costs against the best
+            est, other = spelled
+            console.print(f"[bold]run it:[/bold] the fastest layout autotp shard spells, {est.layout.label()} "
+                          f"({best.tokens_per_device / est.tokens_per_device - 1:.1%} slower): {escape(other.line)}",
+                          soft_wrap=True)
+            for note in other.notes:
+                console.print(f"  {escape(note)}", soft_wrap=True)
     console.print(f"[dim]hardware: {escape(auto.hardware.source)}[/dim]", soft_wrap=True)
+
+
+def spelled_best(auto: Auto) -> tuple[Estimate, Command] | None:
+    """The fastest layout that ``autotp shard`` has a command line for, with it (None: none has one)."""
+    for e in auto.result.ranked:
+        cmd = command(auto.model, e.layout, auto.space)
+        if cmd.line is not None:
+            return e, cmd
+    return None
 
 
 def to_dict(auto: Auto, top: int) -> dict:
@@ -231,4 +248,14 @@ def to_dict(auto: Auto, top: int) -> dict:
             "rejected_count": len(auto.result.rejected), "considered": auto.result.considered,
             "why": why(auto),
             "command": command(auto.model, auto.result.best.layout, auto.space)._asdict() if auto.result.best
-            else None}
+            else None, "spelled": _spelled_dict(auto)}
+
+
+def _spelled_dict(auto: Auto) -> dict | None:
+    """The fastest layout autotp shard spells, its command and its step (where the best has no command)."""
+    best = auto.result.best
+    if best is None or command(auto.model, best.layout, auto.space).line is not None:
+        return None
+    spelled = spelled_best(auto)
+    return None if spelled is None else {"label": spelled[0].layout.label(), "step_s": spelled[0].step,
+                                         "command": spelled[1]._asdict()}

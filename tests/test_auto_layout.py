@@ -546,6 +546,23 @@ def test_command_spells_the_layout_as_autotp_shard_runs_it():
     assert odd.line is None and "does not divide" in odd.notes[0]
 
 
+def test_a_best_layout_autotp_shard_cannot_spell_gets_the_fastest_it_can():
+    """A pipeline spanning nodes (autotp shard's --dp counts one node's replicas) has no command line: the
+    fastest layout that has one is printed beside it, with what it costs."""
+    from autotp.cli.plan_auto import Auto, _spelled_dict, spelled_best
+    from autotp.layout.auto import Search
+
+    f, tr = facts(), Training(act_bytes=2)
+    across, spelled = (estimate(f, hw(), lay, tr) for lay in (Layout(4, 1, 4, 1, 4), Layout(2, 2, 4, 1, 2)))
+    space = Space(world=16, gpus_per_node=8, batch=4)
+    auto = Auto(f, hw(), space, tr, Search((across, spelled), (), 2), "m.py")
+    est, cmd = spelled_best(auto)
+    assert est is spelled and cmd.line.startswith("autotp shard m.py --tp 2 --dp 1 --pp 4 --microbatches 2")
+    assert _spelled_dict(auto)["label"] == spelled.layout.label()
+    first = Auto(f, hw(), space, tr, Search((spelled, across), (), 2), "m.py")
+    assert spelled_best(first)[0] is spelled and _spelled_dict(first) is None  # the best has its own line
+
+
 def test_the_chosen_command_plans_the_same_layout(tmp_path):
     """`autotp plan` of the command printed for a layout (autotp shard's per-node --dp and --nnodes read back as
     the whole dp) plans that layout: its sizes, FSDP and FSDP's gather dtype, sequence parallelism."""
