@@ -12,8 +12,10 @@ against the paper's in the paper's own measure: F = 96·B·s·l·h²·(1 + s/(6h
 (its equation 3, which counts the recomputed forward) over the predicted step time and the GPUs.
 
 The search is run with the knobs Megatron had in 2021 (full activation recomputation, the interleaved
-schedule, the data-parallel all-reduce after the backward, no FSDP, no sequence parallelism: Korthikanti et
-al. 2022 came a year later), and once more with every knob, reported alongside.
+schedule, the scatter/gather of the hidden state between stages (§4.1), the data-parallel all-reduce after
+the backward, no FSDP, no sequence parallelism: Korthikanti et al. 2022 came a year later), and once more
+with every knob, reported alongside. Where the chosen (t, p) is not the paper's, the results list both
+layouts' terms.
 
 It then prices torchtitan's published 70B row (``docs/performance.md`` of pytorch/torchtitan, Table 4: Llama 3.1
 70B on 256 H100s, FSDP 32 × TP 8, local batch 16 × 8192 tokens, full activation checkpointing) with the H100
@@ -325,7 +327,8 @@ def main() -> None:
                   "Predicted TFLOP/s per GPU in the paper's measure (its equation 3, for the paper's own (t, p) where "
                   "the search priced it, else for the chosen layout). \"paper's t, p predicted\": how much slower the "
                   "model predicts the best layout with the paper's (t, p) than the chosen one.\n\n"
-                  "## The knobs Megatron had in 2021 (recomputation, interleaving; no FSDP, no sequence parallelism)\n\n"
+                  "## The knobs Megatron had in 2021 (recomputation, interleaving, scatter/gather between stages, the "
+                  "gradients all-reduced after the backward; no FSDP, no sequence parallelism)\n\n"
                   + markdown(results, "megatron_knobs")
                   + "\n\nWhere the chosen (t, p) is not the paper's, the terms of both (seconds per step):\n\n"
                   + differences(results, "megatron_knobs") + "\n\n## Every knob\n\n" + markdown(results, "every_knob")
