@@ -1,11 +1,12 @@
 """An eager island's backward communicates as Megatron's block does: one all-reduce for the block, its
-input's gradient and the router's (the parameters it keeps whole) flattened into one bucket, exact."""
+input's gradient and the router's (the parameters it keeps whole) flattened into one bucket, exact; and an
+island runs inside its block's FSDP unit (FSDP over dp gathers its experts' TP shards), exact."""
 from __future__ import annotations
 
 import pytest
 
 from moe_island_models import E, H, S
-from island_workers import backward_collectives
+from island_workers import backward_collectives, fsdp_island_parity
 from ranks import launch
 
 STYLES = ["nonzero", "bool_mask"]  # index_add_ over nonzero's tokens; a boolean mask with a load-balancing loss
@@ -23,3 +24,12 @@ def test_an_island_backward_is_one_all_reduce(style: str):
         # Megatron's 2L + 1: per block the f before attention and the island's bucket (its input's gradient
         # and the router's, E·H), then the LM head's input; no all-reduce of the router's gradient alone
         assert r["backward"] == [("sum", bsh), ("sum", bsh + E * H)] * 2 + [("sum", bsh)], (rank, r["backward"])
+
+
+@pytest.mark.slow
+@pytest.mark.extended
+def test_islands_train_inside_fsdp_units():
+    """dp 2 × tp 2: each data-parallel replica on half the batch, 3 AdamW steps against the unsharded model."""
+    for rank, r in launch(fsdp_island_parity, 4, "where").items():
+        assert r["units"] == ["emb", "blocks.0", "blocks.1", "norm"], r["units"]  # the islands in their blocks'
+        assert max(r["loss"], r["param"]) <= 1e-5, (rank, r)

@@ -23,6 +23,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 from torch.nn.utils.stateless import _reparametrize_module
 
 from autotp.operators.collectives import all_reduce
@@ -103,19 +104,23 @@ class IslandCall(nn.Module):
 
     def forward(self, *flat: torch.Tensor) -> list[torch.Tensor]:
         block, group = self.__dict__["block"], self.group
-        swap = contextlib.nullcontext()
+        own = dict(block.named_parameters())
+        # inside an FSDP unit the block holds FSDP's DTensors (gathered over dp, this rank's TP shards): it
+        # runs on their local tensors, as the graph's pieces do (autotp.operators.units)
+        params = {n: p.to_local() if isinstance(p, DTensor) else p for n, p in own.items()}
+        swapped = {n: t for n, t in params.items() if t is not own[n]}
         if group is not None and torch.is_grad_enabled():
             # f on the inputs (each rank's gradient of them is its experts' share) and on the router's (and any
             # whole) parameters, in one all-reduce backward
-            own = dict(block.named_parameters())
             entering = [i for i, t in enumerate(flat) if t.requires_grad]
-            names = [n for n in self.whole if n in own and own[n].requires_grad]
+            names = [n for n in self.whole if n in params and params[n].requires_grad]
             if entering or names:
-                made = _EnterAll.apply(group, *(flat[i] for i in entering), *(own[n] for n in names))
+                made = _EnterAll.apply(group, *(flat[i] for i in entering), *(params[n] for n in names))
                 flat = list(flat)
                 for i, t in zip(entering, made):
                     flat[i] = t
-                swap = _reparametrize_module(block, dict(zip(names, made[len(entering):])))
+                swapped.update(zip(names, made[len(entering):]))
+        swap = _reparametrize_module(block, swapped) if swapped else contextlib.nullcontext()
         with swap:
             tensors = self.__dict__["run"](list(flat))
         if group is None:

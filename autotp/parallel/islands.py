@@ -57,23 +57,27 @@ def _example(val: torch.Tensor) -> torch.Tensor:
 
 
 def bind_islands(gm: fx.GraphModule, model: nn.Module, plans: dict, group: dist.ProcessGroup | None) -> None:
-    """Turn each island node of ``gm`` into a call of its block (``plans``: path -> its IslandPlan)."""
+    """Turn each island node of ``gm`` (or of its pieces, where it is cut into FSDP units) into a call of its
+    block (``plans``: path -> its IslandPlan)."""
     specs = gm.meta.get(ISLANDS_KEY) or {}
-    n = 0
-    for node in list(gm.graph.nodes):
-        if not is_island(node):
-            continue
-        path, xs = node.args[0], node.args[1]
-        plan, block = plans[path], model.get_submodule(path)
-        call = IslandCall(block, _runner(block, specs[path]), plan.outputs,
-                          tuple(p[len(path) + 1:] for p in plan.whole_params))
-        call.bind(group)
-        name = f"autotp_island_{n}"
-        n += 1
-        gm.add_submodule(name, call)
-        node.op, node.target, node.args, node.kwargs = "call_module", name, tuple(xs), {}
-    if n:
-        gm.recompile()
+    if not specs:
+        return
+    for holder in [m for m in gm.modules() if isinstance(m, fx.GraphModule)]:
+        n = 0
+        for node in list(holder.graph.nodes):
+            if not is_island(node):
+                continue
+            path, xs = node.args[0], node.args[1]
+            plan, block = plans[path], model.get_submodule(path)
+            call = IslandCall(block, _runner(block, specs[path]), plan.outputs,
+                              tuple(p[len(path) + 1:] for p in plan.whole_params))
+            call.bind(group)
+            name = f"autotp_island_{n}"
+            n += 1
+            holder.add_submodule(name, call)
+            node.op, node.target, node.args, node.kwargs = "call_module", name, tuple(xs), {}
+        if n:
+            holder.recompile()
 
 
 def _runner(block: nn.Module, in_spec: object):

@@ -325,11 +325,12 @@ def _build(model: nn.Module, st: TPState, args: tuple, kwargs: dict, key: Hashab
         accepts = planned.accepts
         checks = planned.gm.meta.get(CHECKS_KEY, ())
         islands = planned.gm.meta.get(ISLANDS_KEY)
-        if islands and (st.options.fsdp is not None or st.options.pipeline is not None):
+        if islands and st.options.pipeline is not None:
             raise ShardingError(f"{next(iter(islands))} branches on the data, so it runs eagerly as one call "
-                                "(an island), which FSDP units and pipeline stages do not run yet",
-                                hint="parallelize it without fsdp or pipeline stages, or write its loop in a "
-                                     "dense form (every expert on every token, weighted by the routing)")
+                                "(an island), which pipeline stages do not run yet",
+                                hint="parallelize it without pipeline stages (FSDP runs islands in their blocks' "
+                                     "units), or write its loop in a dense form (every expert on every token, "
+                                     "weighted by the routing)")
         if islands:  # before the passes: the blocks' inputs as captured
             plan_islands(model, st, planned.gm, islands, stacklevel=5)
         rewritten = rewrite(st, planned, stacklevel=4)
@@ -343,6 +344,8 @@ def _build(model: nn.Module, st: TPState, args: tuple, kwargs: dict, key: Hashab
             (n, s) for path in islands for n, s in st.islands[path].params))
     if st.options.fsdp is not None:
         gm, plan = _split_units(gm, plan, st)
+        if islands:  # in the units' pieces: each runs inside its block's unit, its parameters gathered by FSDP
+            gm.meta[ISLANDS_KEY] = islands
     if st.options.pipeline is not None:
         gm = _split_stages(gm, plan)
         if not st.graphs and st.stage_params is not None:  # the first call: other ranks' stages are never allocated

@@ -29,3 +29,39 @@ def backward_collectives(style: str) -> dict:
             "islands": {p: list(plan.whole_params) for p, plan in st.islands.items()},
             "grad": max(_max_diff(p.grad, _local(grads[n], n, model)) for n, p in model.named_parameters()),
             "cut": sum(p.numel() for p in model.parameters()) / sum(p.numel() for p in ref.parameters())}
+
+
+def fsdp_island_parity(style: str, tp: int = 2, steps: int = 3) -> dict:
+    """``style`` under FSDP over dp × autotp over tp (each data-parallel replica on its half of the batch),
+    against the unsharded model on the whole batch: losses and parameters after AdamW steps."""
+    import copy
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from fsdp_workers import _full, _side_by_side
+
+    ref, (x, y) = build(style)
+    dp = dist.get_world_size() // tp
+    mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+    d = mesh["dp"].get_local_rank()
+    xs, ys = x.chunk(dp)[d], y.chunk(dp)[d]
+    model = autotp.parallelize(copy.deepcopy(ref), example_inputs=(xs, ys), fsdp=True, mesh=mesh)
+    opt, ropt = (torch.optim.AdamW(m.parameters(), lr=1e-3, eps=1e-6) for m in (model, ref))
+    out = {"loss": 0.0, "units": list(autotp.tp_state(model).units or ())}
+    for _ in range(steps):
+        loss = model(xs, ys)[1]
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean, group=mesh["dp"].get_group())
+        rloss = ref(x, y)[1]
+        rloss.backward()
+        ropt.step()
+        ropt.zero_grad()
+        out["loss"] = max(out["loss"], abs(mean.item() / dp - rloss.item()))
+    refs = dict(ref.named_parameters())
+    out["param"] = max((_full(p).detach() - _side_by_side(refs[n].detach(), n, model)).abs().max().item()
+                       for n, p in model.named_parameters())
+    return out
