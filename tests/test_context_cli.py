@@ -111,3 +111,15 @@ def test_plan_names_an_op_that_mixes_positions(tmp_path: Path) -> None:
     result = runner.invoke(app, ["plan", str(path), "--tp", "1", "--cp", "2", "--no-cache"], env={"COLUMNS": "300"})
     assert result.exit_code == 2, result.output
     assert "aten.cumsum" in result.output and "cumsum_gpt.py:12" in result.output
+
+
+def test_plan_with_cp_captures_the_model_once(monkeypatch) -> None:
+    """``autotp plan --cp 2``: the tensor-parallel plan and the context plan come from one capture."""
+    from autotp.parallel import planning
+
+    calls = []
+    real = planning.capture
+    monkeypatch.setattr(planning, "capture", lambda *a, **k: calls.append(1) or real(*a, **k))
+    result = runner.invoke(app, ["plan", NANOGPT, "--tp", "2", "--cp", "2", "--no-cache"], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    assert "context parallelism: cp 2, each rank runs 16 of the 32 tokens" in result.output and calls == [1]

@@ -26,6 +26,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from autotp.analysis.context import find_context
+from autotp.capture.islands import ISLANDS_KEY
 from autotp.capture.meta_run import Recorder
 from autotp.capture.modelfile import load_model_file, planning_batch
 from autotp.capture.repeats import Copies, record_whole
@@ -188,8 +189,6 @@ def capture_and_plan(model: nn.Module, args: tuple, kwargs: dict, job: PlanJob, 
     parallelism, stages, FSDP or context parallelism), plan the exported blocks alone (a later call
     signature of a sharded model: its cuts are checked against the first one's). ``segments``: read the fused
     projections' segments off the whole graph as captured (before any pass wraps its parameters)."""
-    from autotp.capture.islands import ISLANDS_KEY
-
     sizes = sorted(set(tps) if tps is not None else {job.tp})
     forward = how.forward or type(model).forward.__get__(model)
     found = Lookup(None)
