@@ -4,12 +4,33 @@ island runs inside its block's FSDP unit (FSDP over dp gathers its experts' TP s
 from __future__ import annotations
 
 import pytest
+import torch
+import torch.nn as nn
 
-from moe_island_models import E, H, S
+from autotp.parallel.islands import module_planner
+from autotp.plan.islands import plan_island
+from moe_island_models import E, H, S, MoE
 from island_workers import backward_collectives, fsdp_island_parity
 from ranks import launch
 
 STYLES = ["nonzero", "bool_mask"]  # index_add_ over nonzero's tokens; a boolean mask with a load-balancing loss
+
+
+def test_experts_with_dropout_stay_whole_with_the_reason_and_the_stream_untouched():
+    """Dropout inside an expert: a rank's slice of its mask would not be the unsharded model's. Found whatever
+    mode the block is planned in (a model parallelized in eval mode trains later); the probes leave the
+    random stream where it was, so the model's own dropout draws stay the unsharded model's."""
+    block = MoE("nonzero")
+    for ex in block.experts:  # SwiGLU's product dropped out before its row matmul
+        ex.w2 = nn.Sequential(nn.Dropout(0.1), ex.w2)
+    block.eval()
+    x = torch.randn(2, 8, H)
+    before = torch.get_rng_state()
+    shapes = dict([*block.named_parameters(), *block.named_buffers()])
+    plan = plan_island(block, "moe", (x,), {}, 2, shapes, module_planner(2))
+    assert plan.params == () and plan.reason.startswith("experts.0, experts.1, experts.2 ... draw random numbers "
+                                                        "in training (dropout)"), plan.reason
+    assert torch.equal(torch.get_rng_state(), before) and not any(m.training for m in block.modules())
 
 
 @pytest.mark.slow

@@ -58,7 +58,14 @@ def plan_island(block: nn.Module, path: str, inputs: tuple, kwargs: dict, tp: in
     """``block`` (at ``path``) cut for ``tp`` ranks; ``inputs``/``kwargs``: real tensors shaped like its call's
     (values are not read); ``shapes``: each of its parameters' and buffers' full-size tensor (a shard's full
     shape where the model holds shards), by its name inside the block; ``plan_module``: a submodule's plan
-    at ``tp``."""
+    at ``tp``. The probes never advance the model's random stream (a training forward's dropout draws from
+    it: the parallel model's draws must stay the unsharded model's)."""
+    with torch.random.fork_rng(devices=[]):
+        return _plan_island(block, path, inputs, kwargs, tp, shapes, plan_module)
+
+
+def _plan_island(block: nn.Module, path: str, inputs: tuple, kwargs: dict, tp: int,
+                 shapes: Mapping[str, torch.Tensor], plan_module: PlanModule) -> IslandPlan:
     gen = torch.Generator().manual_seed(0)
     state = {n: (torch.randn(t.shape, generator=gen) * t.shape[-1] ** -0.5).to(t.dtype)
              if t.is_floating_point() and t.dim() else torch.zeros(t.shape, dtype=t.dtype)
@@ -77,14 +84,21 @@ def plan_island(block: nn.Module, path: str, inputs: tuple, kwargs: dict, tp: in
             h.remove()
     cut: dict[str, ParamShard] = {}
     kept: list[str] = []
+    random: list[str] = []
     for sub, args in calls.items():
         if any(sub.startswith(f"{c}.") for c in kept) or \
                 sum(p.dim() >= 2 for p in block.get_submodule(sub).parameters()) < 2:
             continue
         found = _cut_module(block.get_submodule(sub), sub, args, tp, state, plan_module)
-        if found:
+        if found is None:
+            random.append(sub)
+        elif found:
             cut.update(found)
             kept.append(sub)
+    if random:  # one expert left whole would leave the block's sum uncut: the block runs whole
+        return IslandPlan(path, reason=f"{', '.join(random[:3])}{' ...' if len(random) > 3 else ''} draw random "
+                                       "numbers in training (dropout), and a rank's slice of their masks would not "
+                                       "be the unsharded model's")
     if not cut:
         return IslandPlan(path, reason="no module it calls has a column→row pair that runs exactly on its slices")
     outputs = _outputs(block, inputs, kwargs, state, kept)
@@ -96,10 +110,14 @@ def plan_island(block: nn.Module, path: str, inputs: tuple, kwargs: dict, tp: in
 
 
 def _cut_module(module: nn.Module, sub: str, args: tuple, tp: int, state: dict[str, torch.Tensor],
-                plan_module: PlanModule) -> dict[str, ParamShard]:
+                plan_module: PlanModule) -> dict[str, ParamShard] | None:
     """``module`` (at ``sub`` inside the block) planned alone: its cut parameters by name inside the block,
-    each's module path inside the block; empty where it has no pair or its slices do not sum to its output."""
+    each's module path inside the block; empty where it has no pair or its slices do not sum to its output;
+    None where it draws random numbers in training, whatever mode it is in now (a model parallelized in
+    eval mode trains later)."""
     own = {n[len(sub) + 1:]: t for n, t in state.items() if n.startswith(f"{sub}.")}
+    if _draws_random(module, args, own):
+        return None
     try:
         plan = plan_module(module, tuple(args), own)
     except (CaptureError, ShardingError):
@@ -124,6 +142,19 @@ def _cut_module(module: nn.Module, sub: str, args: tuple, tp: int, state: dict[s
     if not _close(got, want):
         return {}
     return {f"{sub}.{n}": replace(s, module=f"{sub}.{s.module}" if s.module else sub) for n, s in shards.items()}
+
+
+def _draws_random(module: nn.Module, args: tuple, own: dict[str, torch.Tensor]) -> bool:
+    """Whether two training-mode runs of ``module`` on the same inputs differ (dropout inside it)."""
+    was = [(m, m.training) for m in module.modules()]
+    module.train()
+    try:
+        with torch.no_grad(), _reparametrize_module(module, own):
+            first, second = module(*args), module(*args)
+    finally:
+        for m, mode in was:
+            m.training = mode
+    return isinstance(first, torch.Tensor) and isinstance(second, torch.Tensor) and not torch.equal(first, second)
 
 
 def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
