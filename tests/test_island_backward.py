@@ -10,7 +10,7 @@ import torch.nn as nn
 from autotp.parallel.islands import module_planner
 from autotp.plan.islands import plan_island
 from moe_island_models import E, H, S, MoE
-from island_workers import backward_collectives, fsdp_island_parity
+from island_workers import backward_collectives, expert_parallel_islands, fsdp_island_parity
 from ranks import launch
 
 STYLES = ["nonzero", "bool_mask"]  # index_add_ over nonzero's tokens; a boolean mask with a load-balancing loss
@@ -54,3 +54,13 @@ def test_islands_train_inside_fsdp_units():
     for rank, r in launch(fsdp_island_parity, 4, "where").items():
         assert r["units"] == ["emb", "blocks.0", "blocks.1", "norm"], r["units"]  # the islands in their blocks'
         assert max(r["loss"], r["param"]) <= 1e-5, (rank, r)
+
+
+@pytest.mark.slow
+@pytest.mark.extended
+def test_expert_parallel_says_each_island_keeps_expert_tensor_parallelism():
+    for rank, r in launch(expert_parallel_islands, 2, "nonzero").items():
+        assert r["loss"] <= 1e-5, (rank, r)
+        # exact, and said: the experts of an island are cut by columns and rows, not placed whole per rank
+        assert r["said"] and r["said"][0].startswith("autotp: expert_parallel: blocks.0.moe branches on the data"), r
+        assert all("cut by columns and rows on every rank" in m for m in r["said"]), r["said"]

@@ -37,6 +37,10 @@ def plan_islands(model: nn.Module, st: TPState, gm: fx.GraphModule, specs: dict,
         if plan.reason and st.tp > 1:
             warnings.warn(f"autotp: {path} runs whole on every rank (exact, not sharded): its code branches on "
                           f"the data, so it runs eagerly, and {plan.reason}", stacklevel=stacklevel)
+        elif st.options.expert_parallel and st.tp > 1:  # asked for, and not what an island's cut gives
+            warnings.warn(f"autotp: expert_parallel: {path} branches on the data, so it runs eagerly as one call, "
+                          "with its experts cut by columns and rows on every rank (expert tensor parallelism: one "
+                          "all-reduce forward, one backward), not placed whole per rank", stacklevel=stacklevel)
 
 
 def module_planner(tp: int) -> PlanModule:

@@ -65,3 +65,16 @@ def fsdp_island_parity(style: str, tp: int = 2, steps: int = 3) -> dict:
     out["param"] = max((_full(p).detach() - _side_by_side(refs[n].detach(), n, model)).abs().max().item()
                        for n, p in model.named_parameters())
     return out
+
+
+def expert_parallel_islands(style: str) -> dict:
+    """``style`` parallelized with ``expert_parallel=True``: what autotp says, and the loss against the
+    unsharded model's."""
+    import warnings
+
+    ref, (x, y) = build(style)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = autotp.parallelize(build(style)[0], example_inputs=(x, y), expert_parallel=True)
+    return {"loss": (model(x, y)[1] - ref(x, y)[1]).abs().item(),
+            "said": [str(w.message) for w in caught if "expert_parallel" in str(w.message)]}
