@@ -92,26 +92,35 @@ def _later(model, args, kwargs, **options):
     return st, capture_blocks(model, args, kwargs), first
 
 
+def _planned(st, model, args, kwargs, sequence_parallel: bool):
+    """A later signature of ``model`` captured and planned as parallelize's ``_build`` does (the exported
+    blocks alone, where the job lets them be copied)."""
+    from autotp.parallel.planning import capture_and_plan, job_of
+
+    return capture_and_plan(model, args, kwargs, job_of(st.tp, st.options, sequence_parallel=sequence_parallel),
+                            blocks=True)
+
+
 def test_rewrite_copies_a_later_signature_and_checks_every_copy_by_its_own_name(monkeypatch):
     from autotp.errors import ShardingError
     from autotp.parallel import rewrite as rw
 
     model, args, kwargs = MODELS["dense_first_dropout"]()
     st, cut, first = _later(model, args, kwargs)
-    done = rw.rewrite(st, cut, False, stacklevel=2)
+    done = rw.rewrite(st, _planned(st, model, args, kwargs, False), stacklevel=2)
     assert done.copied and len(done.plan.params) < len(first.params)
-    whole = rw.rewrite(st, capture_blocks(model, args, kwargs), True, stacklevel=2)  # sequence parallel: whole
+    whole = rw.rewrite(st, _planned(st, model, args, kwargs, True), stacklevel=2)  # sequence parallel: whole
     assert not whole.copied
 
     # a copy cut differently from its template's cut: named by its own name
     name, kept = "h.4.fc.weight", st.shards["h.4.fc.weight"]
     st.shards[name] = kept.__class__(**{**kept.__dict__, "dim": 1})
     with pytest.raises(ShardingError, match=r"h\.4\.fc\.weight is sharded as"):
-        rw.rewrite(st, capture_blocks(model, args, kwargs), False, stacklevel=2)
+        rw.rewrite(st, _planned(st, model, args, kwargs, False), stacklevel=2)
     st.shards[name] = kept
 
     # copies refused after the passes: the whole model is exported and rewritten instead
     cut = capture_blocks(model, args, kwargs)
     monkeypatch.setattr(type(cut.copies), "apply", lambda self, gm: None)
-    done = rw.rewrite(st, cut, False, stacklevel=2)
+    done = rw.rewrite(st, _planned(st, model, args, kwargs, False), stacklevel=2)
     assert not done.copied and dict(done.plan.params) == dict(first.params)

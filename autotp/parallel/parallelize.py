@@ -333,10 +333,7 @@ def _build(model: nn.Module, st: TPState, args: tuple, kwargs: dict, key: Hashab
                                      "weighted by the routing)")
         if islands:  # before the passes: the blocks' inputs as captured
             plan_islands(model, st, planned.gm, islands, stacklevel=5)
-        rewritten = rewrite(st, planned, stacklevel=4)
-        if rewritten is None:  # the rewritten blocks are not wired one after another: the whole model
-            rewritten = rewrite(st, capture_and_plan(model, args, kwargs, job, how=how, segments=segments), 4)
-        gm, spec, plan, copied = rewritten
+        gm, spec, plan, copied = rewrite(st, planned, stacklevel=4)
     writes = gm.meta.get(WRITES_KEY)  # read before the graph is cut into FSDP units' or stages' pieces
     if islands:  # the blocks' own parameters, cut as each block's plan says
         gm.meta[ISLANDS_KEY] = islands

@@ -146,8 +146,10 @@ class Planned:
     """The plans of one call: ``plans[tp]`` for each size asked (a size the planner refuses is missing when
     ``skip_refused``); the graph they are of and its output structure (None: the plan came from the cache);
     where the plan is cached. ``copies``: the plan is of the exported blocks only, and the caller copies
-    the rewritten blocks in (:class:`~autotp.capture.repeats.Copies`). ``accepts``: the graph's input guard,
-    taken as captured; ``segments``: the fused projections' segments, asked for at tp 1."""
+    the rewritten blocks in (:class:`~autotp.capture.repeats.Copies`); where they cannot be (the rewritten
+    blocks are not wired one after another), ``whole()`` is the whole model exported and planned for the same
+    job. ``accepts``: the graph's input guard, taken as captured; ``segments``: the fused projections'
+    segments, asked for at tp 1."""
 
     plans: dict[int, Plan]
     gm: fx.GraphModule | None
@@ -157,6 +159,7 @@ class Planned:
     copies: Copies | None = None
     accepts: Callable | None = None
     segments: dict[str, ParamShard] | None = None
+    whole: Callable[[], Planned] | None = None
 
     @property
     def cached(self) -> bool:
@@ -202,7 +205,13 @@ def capture_and_plan(model: nn.Module, args: tuple, kwargs: dict, job: PlanJob, 
     accepts = input_guard(cg.gm)  # before the caller's passes give sharded inputs their local shapes
     if blocks and cg.copies is not None and not (job.sequence_parallel or job.pipelined or job.fsdp or job.cp > 1):
         # sequence parallelism groups several blocks' values in one node: the blocks are copied first then
-        return Planned({job.tp: plan_graph(cg.gm, job)}, cg.gm, cg.spec, found, copies=cg.copies, accepts=accepts)
+
+        def whole() -> Planned:  # the cut graph is rewritten by then: the whole model exported afresh
+            gm, spec = cg.export_whole()
+            return Planned({job.tp: plan_graph(gm, job)}, gm, spec, found, accepts=accepts)
+
+        return Planned({job.tp: plan_graph(cg.gm, job)}, cg.gm, cg.spec, found, copies=cg.copies, accepts=accepts,
+                       whole=whole)
     gm, spec = cg.whole()
     found_segments = fused_segments(gm) if segments else None
     plans = {}

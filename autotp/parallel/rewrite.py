@@ -40,19 +40,21 @@ class Rewritten(NamedTuple):
     copied: bool  # the blocks were rewritten once and copied
 
 
-def rewrite(st: TPState, planned: Planned, stacklevel: int) -> Rewritten | None:
+def rewrite(st: TPState, planned: Planned, stacklevel: int) -> Rewritten:
     """Run the passes of ``planned`` (:func:`~autotp.parallel.planning.capture_and_plan`'s, for this rank's
     job) after checking its cuts against the ones already made: the rewritten blocks copied where the plan is
-    of the exported blocks (see the module doc), else the whole graph rewritten. None where the rewritten
-    blocks cannot be copied (they are not wired one after another): the caller captures and plans the whole
-    model then."""
+    of the exported blocks (see the module doc), else the whole graph rewritten."""
     plan = planned.plan
     warn_plan(st, plan, stacklevel=stacklevel + 1)
     if planned.copies is not None:
         check_consistent(st, plan, planned.copies)
         gm = run_passes(planned.gm, plan)
         spec = planned.copies.apply(gm)
-        return Rewritten(gm, spec, plan, True) if spec is not None else None
+        if spec is not None:
+            return Rewritten(gm, spec, plan, True)
+        planned = planned.whole()  # the rewritten blocks are not wired one after another
+        plan = planned.plan
+        warn_plan(st, plan, stacklevel=stacklevel + 1)
     check_consistent(st, plan)
     if planned.segments is not None:  # read off the graph as captured (the passes may wrap its parameters)
         st.segments = planned.segments

@@ -74,10 +74,9 @@ MODELS = {
 }
 
 
-def _whole_first(st, cg, sequence_parallel, stacklevel, context=True):
-    """parallelize's rewrite as the first signature runs it: blocks copied in, then the whole graph rewritten."""
-    gm, spec = cg.whole()
-    return _rewrite(st, cg._replace(gm=gm, spec=spec, copies=None), sequence_parallel, stacklevel, context)
+def _whole_first(st, planned, stacklevel):
+    """parallelize's rewrite as the first signature runs it: the whole graph planned and rewritten."""
+    return _rewrite(st, planned.whole() if planned.copies is not None else planned, stacklevel)
 
 
 _rewrite = par.rewrite
