@@ -1,5 +1,7 @@
 """Channel-parallel mixers (tests/support/mixer_models.py): blocks that are not attention or a two-linear MLP, cut by
-their inner width as Megatron cuts them. A Mamba-style mixer in two spellings: the input and Δ projections
+their inner width as Megatron cuts them. A Mamba-style mixer in four spellings (two as the reference
+mamba_simple.py writes it, channels on dim 1 and the input and Δ projections' weights on the left, ``W @ x``,
+its scan a loop or a ``cumprod``): the input and Δ projections
 column-parallel (x | z per segment), the depthwise convolution, ``A_log`` and ``D`` per channel, the scan local,
 the Δ/B/C projection row-parallel with one all-reduce of its b·s·(r + 2n) outputs forward and backward, the
 output projection row-parallel. RecurrentGemma's recurrent block in two spellings: both input projections
@@ -24,9 +26,12 @@ def _job(kinds) -> tuple:
 # the default run trains the spellings whose scan is in closed form (fast to capture); the extended run those
 # whose scan is a Python loop over time (each step captured) at tp 2, and every spelling at tp 4
 CLOSED, LOOPS = ["mamba_cumsum", "hawk"], ["mamba_einsum", "griffin"]
-PARTS = {"mixers": CLOSED, "mixers with loops": LOOPS, "mixers at tp 4": list(KINDS)}
+LEFT = ["mamba_simple", "mamba_cumprod"]  # weights on the left of their matmuls (W @ x): extended only
+PARTS = {"mixers": CLOSED, "mixers with loops": LOOPS, "mixers at tp 4": [k for k in KINDS if k not in LEFT],
+         "left weights": LEFT, "left weights at tp 4": LEFT}
 RUNS = Launches({2: {"mixers": _job(CLOSED)}},
-                extended={2: {"mixers with loops": _job(LOOPS)}, 4: {"mixers at tp 4": _job(KINDS)}})
+                extended={2: {"mixers with loops": _job(LOOPS), "left weights": _job(LEFT)},
+                          4: {"mixers at tp 4": _job(PARTS["mixers at tp 4"]), "left weights at tp 4": _job(LEFT)}})
 
 
 def _megatron(kind: str, layers: int = 2) -> tuple[list, list]:
@@ -45,7 +50,10 @@ def _megatron(kind: str, layers: int = 2) -> tuple[list, list]:
 @pytest.mark.slow
 @pytest.mark.parametrize("world,part", [pytest.param(2, "mixers", id="2"),
                                         pytest.param(2, "mixers with loops", id="2-loops", marks=pytest.mark.extended),
-                                        pytest.param(4, "mixers at tp 4", id="4", marks=pytest.mark.extended)])
+                                        pytest.param(4, "mixers at tp 4", id="4", marks=pytest.mark.extended),
+                                        pytest.param(2, "left weights", id="2-left", marks=pytest.mark.extended),
+                                        pytest.param(4, "left weights at tp 4", id="4-left",
+                                                     marks=pytest.mark.extended)])
 def test_mixers_shard_by_channels_exactly_with_megatron_collectives(world: int, part: str):
     results = RUNS(world, part)
     for rank, by_kind in results.items():

@@ -206,6 +206,8 @@ def match_param_matmul(gm: fx.GraphModule, node: fx.Node, params: set[str]) -> P
     if not isinstance(x, fx.Node) or not isinstance(wn, fx.Node):
         return None
     src = weight_source(gm, wn, params)
+    if src is None and kind in ("mm", "matmul"):
+        return _left_matmul(gm, node, kind, params)
     if src is None or (src.chain and only_user(src.chain[-1]) is not node):
         return None
     bias = None
@@ -221,6 +223,23 @@ def match_param_matmul(gm: fx.GraphModule, node: fx.Node, params: set[str]) -> P
     lead = weight.dim() - 2  # the expert dim of W [E, a, b]
     return ParamMatmul(node, kind, x, src.param, out_dim + lead, weight.shape[lead + 1 - out_dim],
                        weight.shape[lead + out_dim], bias, src.chain, lead + 1 - out_dim if lead else None, src.expert)
+
+
+def _left_matmul(gm: fx.GraphModule, node: fx.Node, kind: str, params: set[str]) -> ParamMatmul | None:
+    """``W @ x`` with the 2-D parameter on the left (mamba_simple's ``self.dt_proj.weight @ dt.t()``, of
+    ``x [.., in, n]``): W [out, in] (or its transpose), the features on dim -2 of ``x`` and of the output."""
+    wn, x = node.args[0], node.args[1]
+    if not isinstance(x, fx.Node) or not isinstance(wn, fx.Node) or ndim_of(x) is None or ndim_of(x) < 2:
+        return None
+    src = weight_source(gm, wn, params)
+    if src is None or src.expert is not None or (src.chain and only_user(src.chain[-1]) is not node):
+        return None
+    weight = gm.get_parameter(src.param)
+    if weight.dim() != 2:
+        return None
+    out_dim = src.flips % 2  # W [out, in] as the matmul reads it: dim 0 of the stored weight, or 1 transposed
+    return ParamMatmul(node, kind, x, src.param, out_dim, weight.shape[1 - out_dim], weight.shape[out_dim], None,
+                       src.chain, x_dim=-2, y_dim=-2)
 
 
 def _gathered(gm: fx.GraphModule, node: object, params: set[str]) -> tuple[str, tuple[fx.Node, ...], int, int] | None:
@@ -374,8 +393,8 @@ def column_form(gm: fx.GraphModule, c: fx.Node, x: fx.Node, params: set[str]) ->
     its cast); layout ``"out_in"`` for a weight read as [out, in], ``"in_out"`` for [in, out]. A lone
     transpose of W is undone (the group reads W itself); a cast stays in the graph, the group reads it."""
     pm = match_param_matmul(gm, c, params)
-    if pm is None or pm.x is not x or c.kwargs or sum(a is x for a in c.args) != 1:
-        return None
+    if pm is None or pm.x is not x or c.kwargs or sum(a is x for a in c.args) != 1 or pm.y_dim != -1:
+        return None  # (a weight on the left, ``W @ x``, is computed by the graph itself)
     operand = c.args[2 if pm.kind == "addmm" else 1]
     layout = "out_in" if pm.kind == "linear" else "in_out"
     if len(pm.chain) == 1 and permutes(pm.chain[0].target):

@@ -29,9 +29,10 @@ __all__ = ["Propagator", "Region", "propagate"]
 
 
 def _param_view(target: object) -> bool:
-    """What a per-head parameter passes through on its way to meet the heads: a view, an expand, an unsqueeze."""
+    """What a per-head parameter passes through on its way to meet the heads: a view, an expand, an unsqueeze,
+    a cast (Hugging Face Mamba's ``dt_proj.bias.float()[:, None]``)."""
     rule = op_rule(target)
-    return rule is not None and (rule.kind in ("view", "expand") or rule.form == "insert")
+    return rule is not None and (rule.kind in ("view", "expand") or rule.form == "insert" or rule.cast)
 
 
 class Propagator(ShapeRules, ValueRules, EinsumRules):
@@ -262,8 +263,10 @@ class Propagator(ShapeRules, ValueRules, EinsumRules):
         chain, node = [], x
         while node.op == "call_function":
             rule, ins = op_rule(node.target), node.all_input_nodes
+            # beside this read, x may give its dtype to new tensors (``A.new_zeros((b, d, n))``, cut alike)
+            others = [u for u in node.users if not (node is x and kind_of(u.target) == "new_like" and u.args[0] is x)]
             if rule is None or not (rule.kind == "pointwise" or rule.cast) or len(ins) != 1 \
-                    or len(node.users) != 1 or self.fp.shape(ins[0]) != self.fp.shape(node):
+                    or len(others) != 1 or self.fp.shape(ins[0]) != self.fp.shape(node):
                 return False
             chain.append(node)
             node = ins[0]

@@ -137,11 +137,12 @@ class ValueRules:
         buffer of this rank's heads (DeepSeek's key, filled by in-place copies of the per-head parts)."""
         s, size = self.spec(node.args[0]), list(node.args[1])
         full = sum(g.size for g in s.segments)
-        if s.inner or s.outer or len(size) != ndim_of(node.args[0]) or not is_static(size[s.dim]) \
-                or size[s.dim] != self.fp.shape(node.args[0])[s.dim]:
+        d = s.dim + len(size) - ndim_of(node.args[0])  # dims aligned from the right, as broadcasting aligns them:
+        # mamba_simple's state ``A.new_zeros((b, d_inner, n))`` of the per-channel ``A (d_inner, n)``
+        if s.inner or s.outer or d < 0 or not is_static(size[d]) or size[d] != self.fp.shape(node.args[0])[s.dim]:
             raise Unshardable(node, "a new tensor whose sharded dim is not its input's")
-        self._set_view_size(node, size, s.dim, full, s.local_size)
-        return s
+        self._set_view_size(node, size, d, full, s.local_size)
+        return s.moved(d)
 
     def _on_copy(self, node: fx.Node, rule: OpRule) -> Sharding:
         """``dst.copy_(src)`` into a sharded buffer (or a slice of it): the source sharded alike; or one head

@@ -10,7 +10,13 @@ blocks that are not attention, whose inner width (channels) Megatron cuts. Every
 - ``mamba_cumsum``: the same mixer as mamba.py writes it, its scan in closed form: ``chunk`` of the input
   projection, ``F.conv1d`` of a left-padded input with the module's weight and ``groups`` = channels, the
   discretisation by broadcasting (``Δ.unsqueeze(-1) * A``), the decays as a ``torch.cumsum`` over time with a
-  causal ``masked_fill``, each step's output as a batched ``matmul`` with C.
+  causal ``masked_fill``, each step's output as a batched ``matmul`` with C;
+- ``mamba_simple``: as the reference mamba_simple.py writes it, channels on dim 1 ``(b, d, l)``: the input
+  projection and the Δ projection with the weight on the left (``W @ x.t()`` over ``(d, b·l)``, the Δ bias added
+  in the scan), ``x_proj`` over ``(b·l, d)``, the scan as selective_scan_ref's Python loop over time from
+  ``A.new_zeros((b, d, n))``;
+- ``mamba_cumprod``: the same, its scan in closed form: the decays between each two positions by a
+  ``torch.cumprod`` over time of ``torch.where(t > s, dA_t, 1.0)``, masked to ``s <= t``.
 """
 from __future__ import annotations
 
@@ -43,7 +49,37 @@ class Mamba(nn.Module):
         self.out_proj = nn.Linear(D_INNER, H, bias=False)
 
     def forward(self, hidden):
+        if self.kind in ("mamba_simple", "mamba_cumprod"):
+            return self._simple(hidden)
         return self._einsum(hidden) if self.kind == "mamba_einsum" else self._cumsum(hidden)
+
+    def _simple(self, hidden):
+        b, l, _ = hidden.shape
+        xz = (self.in_proj.weight @ hidden.reshape(b * l, H).t()).reshape(2 * D_INNER, b, l).permute(1, 0, 2)
+        x, z = xz.chunk(2, dim=1)  # (b, d, l)
+        x = F.silu(self.conv1d(x)[..., :l])
+        x_dbl = self.x_proj(x.transpose(1, 2).reshape(b * l, D_INNER))  # (b·l, r + 2n)
+        dt, B, C = torch.split(x_dbl, [DT_RANK, D_STATE, D_STATE], dim=-1)
+        dt = (self.dt_proj.weight @ dt.t()).reshape(D_INNER, b, l).permute(1, 0, 2)  # (b, d, l)
+        B, C = B.reshape(b, l, D_STATE).transpose(1, 2), C.reshape(b, l, D_STATE).transpose(1, 2)  # (b, n, l)
+        A = -torch.exp(self.A_log.float())
+        delta = F.softplus(dt + self.dt_proj.bias[..., None])
+        dA = torch.exp(torch.einsum("bdl,dn->bdln", delta, A))
+        dBu = torch.einsum("bdl,bnl,bdl->bdln", delta, B, x)
+        if self.kind == "mamba_simple":
+            h, ys = A.new_zeros((b, D_INNER, D_STATE)), []
+            for i in range(l):
+                h = dA[:, :, i] * h + dBu[:, :, i]
+                ys.append(torch.einsum("bdn,bn->bd", h, C[:, :, i]))
+            y = torch.stack(ys, dim=2)
+        else:  # h_t = sum over s <= t of (dA_{s+1} ... dA_t) dBu_s: the products by a cumprod over t of dA_t where
+            # t > s, else 1, masked to s <= t
+            t = torch.arange(l, device=x.device)
+            picked = torch.where((t[:, None] > t[None, :])[:, :, None], dA.unsqueeze(3), 1.0)  # (b, d, t, s, n)
+            decay = torch.cumprod(picked, dim=2).masked_fill(~(t[:, None] >= t[None, :])[:, :, None], 0.0)
+            y = torch.einsum("bdln,bnl->bdl", (decay * dBu.unsqueeze(2)).sum(3), C)
+        y = (y + x * self.D[:, None]) * F.silu(z)
+        return self.out_proj(y.transpose(1, 2))
 
     def _einsum(self, hidden):
         b, l, _ = hidden.shape
@@ -201,7 +237,7 @@ class LM(nn.Module):
         return logits, F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
-MAMBA = ("mamba_einsum", "mamba_cumsum")
+MAMBA = ("mamba_einsum", "mamba_cumsum", "mamba_simple", "mamba_cumprod")
 RECURRENT = ("griffin", "hawk")
 KINDS = (*MAMBA, *RECURRENT)
 
