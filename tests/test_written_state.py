@@ -165,3 +165,29 @@ def test_pipelined_written_state_equals_the_unsharded_models(tp: int):
             assert r["stages"] == [rank // tp]
             for phase, differs in enumerate(r["phases"]):
                 assert set(differs) == ELSEWHERE[rank // tp].get(style, set()), (rank, style, phase, differs)
+
+
+def test_blocks_are_copied_where_the_writes_are_outside_them():
+    """Capture exports a few blocks and copies the rest unless the copies would have to write state too: a
+    write on a block's module, a number the forward may have counted over its blocks, or one not replayed."""
+    from autotp.capture.structure import Spec
+    from autotp.capture.tracer import _writes_outside
+    from autotp.capture.writes import Write, Writes
+
+    loss, flag = Write("", "last_loss", "attr", Spec("tensor", 1)), Write("", "ready", "attr", Spec("const", True))
+    assert _writes_outside(Writes(1, (loss, flag)), "blocks")
+    assert not _writes_outside(Writes(1, (Write("blocks.2.attn", "kv", "attr", Spec("tensor", 1)),)), "blocks")
+    assert not _writes_outside(Writes(1, (Write("", "n_run", "attr", Spec("const", 4)),)), "blocks")
+    assert not _writes_outside(Writes(1, (loss,), ("seen: a list changed in place",)), "blocks")
+
+
+@pytest.mark.slow
+@pytest.mark.extended
+def test_written_state_with_copied_blocks_equals_the_unsharded_models():
+    """4 blocks (capture exports a few and copies the rest) with the loss, lazy caches and per-sample
+    logits written outside them: the copying stays on, and every ``__dict__`` entry equals the unsharded model's."""
+    for rank, by_style in launch(written_state_parity, 2, ["lazy_caches", "kept_outputs"], 3, 4).items():
+        for style, r in by_style.items():
+            assert r["state"] == [], (rank, style, r["state"][:5])
+            assert max(r["logits"], r["loss"], r["grad"], r["param"]) <= 1e-5, (rank, style, r)
+            assert r["tokens"] and any(r["copied"]), (rank, style, r)

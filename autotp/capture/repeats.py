@@ -350,6 +350,13 @@ def _returned(output: fx.Node, member: dict[fx.Node, int | None], rep: Repeats,
     if rep.whole is None or rep.cut is None:
         return None
     flat = list(output.args[0]) if isinstance(output.args[0], (tuple, list)) else None
+    # after the forward's own outputs, what the forward writes on the model (autotp.capture.writes): made
+    # outside the blocks, returned as they are, where the whole model returns as many outputs as the cut one
+    extra = flat[len(rep.cut.made_in):] if flat is not None else []
+    if extra and (len(rep.whole.made_in) != len(rep.cut.made_in) or
+                  any(not isinstance(nd, fx.Node) or member[nd] is not None for nd in extra)):
+        return None
+    flat = flat[:len(rep.cut.made_in)] if flat is not None else None
     if flat is None or len(flat) != len(rep.cut.made_in) or any(
             not isinstance(nd, fx.Node) or member[nd] != b for nd, b in zip(flat, rep.cut.made_in)):
         return None
@@ -375,7 +382,7 @@ def _returned(output: fx.Node, member: dict[fx.Node, int | None], rep: Repeats,
             k != len(by_block.get(rep.template[rep.kinds[b]], [])) for b, k in counts.items()
             if b is not None and b >= rep.keep):
         return None
-    return _with_devices(rep.whole.spec, devices), picks
+    return _with_devices(rep.whole.spec, devices), picks + [(nd, None) for nd in extra]
 
 
 def _same_but_device(a: Spec, b: Spec, devices: dict) -> bool:

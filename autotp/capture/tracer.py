@@ -207,12 +207,33 @@ def _export_blocks(model: nn.Module, forward: Callable, args: tuple, kwargs: dic
     kept = {n: t for n, t in params.items() if not n.startswith(gone)} if params else params
     with cut(blocks, rep.keep):
         gm, spec = _export_on(model, forward, args, kwargs, kept, device, static, writes)
-    if gm.meta.get(WRITES_KEY) or gm.meta.get(CHECKS_KEY) or gm.meta.get(ISLANDS_KEY):
+    if not _writes_outside(gm.meta.get(WRITES_KEY), rep.container) or gm.meta.get(CHECKS_KEY) \
+            or gm.meta.get(ISLANDS_KEY):
         # the copies would neither write nor check their state, and an island's node names its own block
         return (*_export_on(model, forward, args, kwargs, params, device, static, writes), None)
     state = {**dict(model.named_parameters(remove_duplicate=False)),
              **dict(model.named_buffers(remove_duplicate=False)), **(params or {})}
     return gm, spec, Copies(rep, state, spec)
+
+
+def _writes_outside(writes, container: str) -> bool:
+    """Whether the copies of the blocks need not write anything: no state written, or all of it on modules
+    outside the blocks (the loss kept on the root, a cache the model builds before its blocks), each write
+    replayable (its extra outputs stay after the copied graph's own)."""
+    if not writes:
+        return True
+    return not writes.named and all(w.path != container and not w.path.startswith(f"{container}.")
+                                    and _no_count(w.value) for w in writes.items)
+
+
+def _no_count(spec) -> bool:
+    """Whether a written value holds no Python number: the cut export ran ``keep`` blocks, so a number the
+    forward counted over its blocks (``self.n_run = len(self.blocks)``) would be the cut model's."""
+    if spec is None or spec.kind in ("tensor", "size", "ref"):
+        return True
+    if spec.kind == "const":
+        return isinstance(spec.value, (bool, str, type(None), torch.dtype, torch.device))
+    return all(_no_count(c) for c in spec.children)
 
 
 def _model_device(model: nn.Module, params: dict[str, torch.Tensor] | None) -> torch.device:

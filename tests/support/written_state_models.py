@@ -83,11 +83,11 @@ class Rope(nn.Module):
 
 
 class GPT(nn.Module):
-    def __init__(self, style: str):
+    def __init__(self, style: str, blocks: int = 2):
         super().__init__()
         self.style = style
         self.emb = nn.Embedding(V, H)
-        self.blocks = nn.ModuleList([Block() for _ in range(2)])
+        self.blocks = nn.ModuleList([Block() for _ in range(blocks)])
         self.norm = nn.LayerNorm(H)
         self.head = nn.Linear(H, V, bias=False)
         if style in ("complex_root", "kept_outputs"):
@@ -156,8 +156,10 @@ STYLES = ["complex_root", "complex_sub", "lazy_caches", "dict_cache", "counter"]
 PIPELINE_STYLES = [*STYLES, "kept_outputs"]
 
 
-def build(style: str) -> tuple[nn.Module, tuple[torch.Tensor, torch.Tensor]]:
+def build(style: str, blocks: int = 2) -> tuple[nn.Module, tuple[torch.Tensor, torch.Tensor]]:
+    """``style``'s model with ``blocks`` blocks (from 3 on, capture exports a few and copies the rest) and a
+    batch of inputs and targets."""
     torch.manual_seed(0)
-    model = GPT(style)
+    model = GPT(style, blocks)
     g = torch.Generator().manual_seed(1)
     return model, (torch.randint(0, V, (2, S), generator=g), torch.randint(0, V, (2, S), generator=g))

@@ -73,11 +73,11 @@ def _greedy(model: torch.nn.Module, idx: torch.Tensor, steps: int) -> torch.Tens
     return idx
 
 
-def written_state_parity(styles: list[str], steps: int = 3) -> dict:
+def written_state_parity(styles: list[str], steps: int = 3, blocks: int = 2) -> dict:
     out = {}
     for style in styles:
-        ref, (x, y) = build(style)
-        model = autotp.parallelize(build(style)[0], example_inputs=(x, y))
+        ref, (x, y) = build(style, blocks)
+        model = autotp.parallelize(build(style, blocks)[0], example_inputs=(x, y))
         opt, ropt = (torch.optim.AdamW(m.parameters(), lr=1e-3, eps=1e-6) for m in (model, ref))
         r = {"logits": 0.0, "loss": 0.0, "grad": 0.0, "state": []}
         for step in range(steps):
@@ -104,6 +104,7 @@ def written_state_parity(styles: list[str], steps: int = 3) -> dict:
             r["state"] += [f"reset: {d}" for d in state_diff(model, ref)]
         r["fraction"] = sum(p.numel() for p in model.parameters()) / sum(p.numel() for p in ref.parameters())
         r["graphs"] = len(autotp.tp_state(model).graphs)
+        r["copied"] = [c.copied for c in autotp.tp_state(model).graphs.values()]
         out[style] = r
     return out
 
