@@ -155,7 +155,8 @@ def capture_blocks(model: nn.Module, args: tuple, kwargs: dict, *, forward: Call
     """:func:`capture`, the repeated blocks not yet copied in: a caller may rewrite the exported blocks
     first and copy the rewritten ones (:meth:`CutGraph.whole` copies them as exported). ``writes``: the
     state the forward writes on the model is returned after its outputs, and ``gm.meta[WRITES_KEY]`` says
-    how to replay it (:mod:`autotp.capture.writes`); a graph with such outputs is exported whole."""
+    how to replay it (:mod:`autotp.capture.writes`); a graph whose blocks' copies would have to write state
+    too (a write on a block's module) is exported whole."""
     forward = forward or type(model).forward.__get__(model)
     source = _model_device(model, params)
     rep = find_repeats(model, meta_call(forward, args, kwargs), params, recorded)
@@ -198,8 +199,8 @@ def _export_blocks(model: nn.Module, forward: Callable, args: tuple, kwargs: dic
                    params: dict[str, torch.Tensor] | None, device: torch.device, static: bool,
                    rep: Repeats | None, writes: bool = False) -> tuple[fx.GraphModule, Spec, Copies | None]:
     """Export with the blocks cut to ``rep.keep``, with what copies the rest (:mod:`autotp.capture.repeats`);
-    the whole model where ``rep`` is None, or where the forward writes state (the blocks' copies would not
-    write theirs)."""
+    the whole model where ``rep`` is None, or where the forward writes state the copies would have to write
+    too (:func:`_writes_outside`)."""
     if rep is None:
         return (*_export_on(model, forward, args, kwargs, params, device, static, writes), None)
     blocks = model.get_submodule(rep.container)
