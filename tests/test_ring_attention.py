@@ -30,7 +30,7 @@ def test_a_sequence_not_divisible_by_twice_cp_is_named():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("cp", [2, 4])
+@pytest.mark.parametrize("cp", [2, pytest.param(4, marks=pytest.mark.extended)])  # 4 ranks: the extended run
 def test_ring_attention_matches_one_device(cp):
     """Causal (load-balanced) and full attention, GQA and MQA, a given scale: the output and the q, k, v
     gradients of each rank's chunk are one device's SDPA within 1e-5 (fp32). Forward: one all-gather of

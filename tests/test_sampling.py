@@ -35,6 +35,7 @@ def test_sampling_loops_tp2():
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_sampling_loop_tp4():
     names = ["masked/own/train/b2/p5"]  # the default capture (2, 8) rejects T = 5: a second graph
     _check(launch(sampling_loops, 4, names), names, 4)

@@ -86,13 +86,13 @@ def test_cuts_that_are_not_vocab_padding_keep_the_head_whole(kind: str):
 
 
 # at tp 4 the crops (two ranks hold no class of crop_past_ranks) and one MoE model (its experts' one all-reduce
-# of the router-weighted sum); what a gate or router is called does not depend on tp (keeps the suite cheap)
+# of the router-weighted sum), in the extended run; what a gate or router is called does not depend on tp
 WORLDS = {2: (list(KINDS), list(CLASSES)),
           4: ([*CLASSES, "router_softmax_topk"], ["crop_narrow_tied", "crop_past_ranks"])}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world", list(WORLDS))
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.extended)])
 def test_cropped_heads_train_exactly_and_gates_are_named(world: int):
     """3 AdamW steps against the unsharded model; the cropped heads vocab-parallel with exactly the collectives
     of an uncropped one; gates and routers whole, each reported as what it is; the returned logits with V
