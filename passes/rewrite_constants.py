@@ -30,6 +30,11 @@ def rewrite_constants(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
     nodes = {n.name: n for n in gm.graph.nodes}
     for r in plan.rewrites:
         node = nodes[r.node]
+        if isinstance(r.arg, str):  # a keyword-only argument
+            if r.index is not None or node.kwargs.get(r.arg) != r.old:
+                raise ValueError(f"{r.node}: expected {r.old} as {r.arg}, found {node.kwargs.get(r.arg)}")
+            node.kwargs = {**node.kwargs, r.arg: r.new}
+            continue
         args = list(node.args)
         if r.index is None:
             if args[r.arg] != r.old:

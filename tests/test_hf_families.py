@@ -8,12 +8,16 @@ of up to 1.8e-5 over 3 steps (measured at tp 2)."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from autotp.capture.tracer import capture
+from autotp.errors import ShardingError
 from autotp.plan.planner import make_plan
 from spelling_runs import SpellingRuns
-from hf_family_models import KINDS, build
+from hf_family_models import KINDS, MIXER_KINDS, build
 from parity_checks import assert_exact, assert_fully_sharded
+from parity_workers import pattern_parity
+from ranks import Launches
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -36,3 +40,65 @@ def test_the_family_trains_exactly(world: int, part: str):
         for kind, r in by_kind.items():
             assert_exact(r, (rank, kind), param_tol=1e-4)
             assert_fully_sharded(r, world, (rank, kind), slack=0.2)
+
+
+@pytest.fixture(scope="module")
+def nemotron_h():
+    model, args, kwargs = build("nemotron_h")
+    return capture(model, args, kwargs)[0]
+
+
+def test_nemotron_h_mamba2_is_planned_by_channels(nemotron_h):
+    """Megatron's Mamba-2 cut at tp 2 and 4: in_proj column-parallel per segment (z | x | B | C | dt, the
+    groups of B and C whole per rank), the conv1d filters (also read by a squeeze nothing uses), ``A_log``
+    (its ``-exp`` also computed in a branch nothing reads), ``D``, ``dt_bias`` and the gated norm's weight by
+    channels, out_proj row-parallel: one all-reduce forward (the output projection's) and one backward (f)."""
+    m = "model.layers.0.mixer"
+    for tp in (2, 4):
+        plan = make_plan(nemotron_h, tp)
+        assert plan.replicated == () and plan.whole == (), (tp, plan.replicated, plan.whole)
+        cut = {n[len(m) + 1:]: (s.role, s.dim, s.local_shape) for n, s in plan.params if n.startswith(m)}
+        assert cut == {
+            "in_proj.weight": ("column", 0, (392 // tp, 64)), "conv1d.weight": ("column", 0, (256 // tp, 1, 4)),
+            "conv1d.bias": ("column", 0, (256 // tp,)), "A_log": ("column", 0, (8 // tp,)),
+            "D": ("column", 0, (8 // tp,)), "dt_bias": ("column", 0, (8 // tp,)),
+            "norm.weight": ("column", 0, (128 // tp,)), "out_proj.weight": ("row", 1, (64, 128 // tp)),
+        }, (tp, cut)
+        assert [g.size for g in dict(plan.params)[m + ".in_proj.weight"].segments] == [128, 128, 64, 64, 8]
+        mixer = [(c.op, c.direction) for c in plan.collectives if c.module == m]
+        assert sorted(mixer) == [("sum", "backward"), ("sum", "forward")], (tp, mixer)
+        # B and C (b, s, 4 groups, 16) repeated to the 8 heads: each rank repeats its own groups for its own heads
+        assert {(r.arg, r.old, r.new) for r in plan.rewrites if r.node.startswith("repeat_interleave")} == \
+            {("output_size", 8, 8 // tp)}, (tp, plan.rewrites)
+    assert nemotron_h.graph.find_nodes(op="call_function", target=torch.ops.aten.squeeze.dim)  # the unused read is there
+
+
+@pytest.mark.extended
+def test_nemotron_h_groups_fewer_than_ranks_name_the_mixer():
+    """2 groups of B/C states cannot be cut by 4 ranks (a rank would hold part of a group's states)."""
+    model, args, kwargs = build("nemotron_h_2_groups")
+    gm = capture(model, args, kwargs)[0]
+    assert make_plan(gm, 2).replicated == ()
+    with pytest.raises(ShardingError, match=r"model\.layers\.0\.mixer: 2 heads are not divisible into 4 parts"):
+        make_plan(gm, 4)
+
+
+MIXERS = Launches({}, extended={w: {"mixers": (pattern_parity, list(MIXER_KINDS[:1]), 3, False, "hf_family_models")}
+                                for w in (2, 4)})
+
+
+@pytest.mark.slow
+@pytest.mark.extended
+@pytest.mark.parametrize("world", [2, 4])
+def test_hybrid_mixers_train_exactly_with_megatron_collectives(world: int):
+    """Loss, gradients and parameters after 3 AdamW steps within 1e-5; one step's all-reduces are Megatron's:
+    forward per layer the row-parallel output's (b·s·h), the embedding's and the loss's max and two sums (b·s);
+    backward per layer one f and the head's."""
+    bsh, bs = 2 * 8 * 64, 2 * 8
+    for rank, by_kind in MIXERS(world, "mixers").items():
+        for kind, r in by_kind.items():
+            assert_exact(r, (rank, kind))
+            assert_fully_sharded(r, world, (rank, kind))
+            assert sorted(r["forward"]) == sorted([("all_reduce", "sum", bsh)] * 3 + [("all_reduce", "max", bs)]
+                                                  + [("all_reduce", "sum", bs)] * 2), r["forward"]
+            assert sorted(r["backward"]) == [("all_reduce", "sum", bsh)] * 3, r["backward"]

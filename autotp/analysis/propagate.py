@@ -60,7 +60,7 @@ class Propagator(ShapeRules, ValueRules, EinsumRules):
         s = self.region.specs.get(x) if isinstance(x, fx.Node) and x not in self._broadcast else None
         return s if isinstance(s, Sharding) else None
 
-    def rewrite(self, node: fx.Node, arg: int, index: int | None, old: int, new: int) -> None:
+    def rewrite(self, node: fx.Node, arg: int | str, index: int | None, old: int, new: int) -> None:
         """Record that the integer ``node.args[arg]`` (its element ``index``) becomes ``new`` on each rank."""
         if old != new:
             self.region.rewrites.append(Rewrite(node.name, arg, index, old, new))
@@ -260,22 +260,44 @@ class Propagator(ShapeRules, ValueRules, EinsumRules):
         each rank computes its own heads' values."""
         if s.inner or s.outer:
             return False
-        chain, node = [], x
+        chain, unread, node = [], [], x
         while node.op == "call_function":
             rule, ins = op_rule(node.target), node.all_input_nodes
             # beside this read, x may give its dtype to new tensors (``A.new_zeros((b, d, n))``, cut alike)
             others = [u for u in node.users if not (node is x and kind_of(u.target) == "new_like" and u.args[0] is x)]
+            dead = self._unread(node)
             if rule is None or not (rule.kind == "pointwise" or rule.cast) or len(ins) != 1 \
-                    or len(others) != 1 or self.fp.shape(ins[0]) != self.fp.shape(node):
+                    or len([u for u in others if u not in dead]) != 1 or self.fp.shape(ins[0]) != self.fp.shape(node):
                 return False
             chain.append(node)
+            unread += dead
             node = ins[0]
-        if not chain or self._parameter(node) is None or len(node.users) != 1:
+        dead = self._unread(node) if self._parameter(node) is not None else []
+        if not chain or self._parameter(node) is None or len([u for u in node.users if u not in dead]) != 1:
             return False
-        for n in chain:
+        for n in chain + unread + dead:
             self.region.specs[n] = s
         self.region.params.append(ParamCut(node, s.dim, s))
         return True
+
+    def _unread(self, x: fx.Node) -> list[fx.Node]:
+        """The values computed from ``x`` by elementwise ops and casts of its shape that nothing reads (Nemotron-H
+        computes ``-exp(A_log.float())`` twice, once for a fused kernel's path it does not take): cut alike with
+        ``x`` at no cost. Users of ``x`` that lead anywhere else are not listed: the caller judges them."""
+        out = []
+        for u in x.users:
+            branch, todo = [], [u]
+            while todo and branch is not None:
+                n = todo.pop()
+                rule = op_rule(n.target) if n.op == "call_function" else None
+                if rule is None or not (rule.kind == "pointwise" or rule.cast) or len(n.all_input_nodes) != 1 \
+                        or self.fp.shape(n) != self.fp.shape(x):
+                    branch = None
+                else:
+                    branch.append(n)
+                    todo.extend(n.users)
+            out += branch or []
+        return out
 
     def picked_parameter(self, x: fx.Node, s: Sharding) -> bool:
         """``w[k]``: one row of a parameter picked by a constant index and read only here (RecurrentGemma's

@@ -459,14 +459,17 @@ class ShapeRules:
         own kv heads; where kv heads are fewer than tp, a rank holds one and repeats it for its q heads only."""
         s = self.spec(node.args[0])
         reps, d = node.args[1], arg_of(node, 2, "dim", None)
-        if d is None or s.inner or arg_of(node, 3, "output_size", None) is not None:
+        size = node.kwargs.get("output_size")  # the repeated dim's size (export writes it: ``(b, l, 8, n) -> 128``)
+        if d is None or s.inner:
             raise Unshardable(node, "repeat_interleave of a flattened or merged sharded tensor")
         if normalize_dim(d, ndim_of(node)) != s.dim:
             return s
         seg = s.single()
         q = self.tp // seg.parts if seg else 0
-        if seg is None or not is_static(reps) or reps % q:
+        if seg is None or not is_static(reps) or reps % q or not (size is None or is_static(size)):
             raise Unshardable(node, "repeat_interleave of the sharded dim that does not split by rank")
         self.rewrite(node, 1, None, reps, reps // q)
+        if size is not None:  # Nemotron-H's B and C: each rank's groups repeated for its own heads
+            self.rewrite(node, "output_size", None, size, size // self.tp)
         # kv heads folded under the batch ([b·n_kv, s, d]) stay folded: each rank repeats its own to [b·n_q, ..]
         return Sharding(s.dim, (Segment(seg.size * reps, self.tp),), outer=s.outer)

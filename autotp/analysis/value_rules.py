@@ -95,7 +95,9 @@ class ValueRules:
         if found is None:
             raise Unshardable(node, f"{node.target}'s filters are not a parameter read by it alone")
         param, chain = found
-        for n in chain:  # ``weight.squeeze(1)`` then ``.unsqueeze(1)`` (transformers' reference causal conv)
+        for n in chain + self._other_reads(param, shape[1]):
+            # ``weight.squeeze(1)`` then ``.unsqueeze(1)`` (transformers' reference causal conv), and the
+            # parameter's other reads, cut alike: each keeps the channels on dim 0
             self.region.specs[n] = s.moved(0)
         self.region.params.append(ParamCut(param, 0, s.moved(0)))
         bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
@@ -122,7 +124,33 @@ class ValueRules:
                 return None
             chain.append(w)
             w = w.args[0]
-        return (w, chain) if self._parameter(w) is not None and len(w.users) == 1 else None
+        if self._parameter(w) is None or self._other_reads(w, channels, chain[-1] if chain else None) is None:
+            return None
+        return w, chain
+
+    def _other_reads(self, param: fx.Node, channels: int, read: fx.Node | None = None) -> list[fx.Node] | None:
+        """The nodes of ``param``'s reads other than ``read`` (the filters' own chain) when each is a chain of
+        casts and size-1 squeezes/unsqueezes that keep the channels first and ends in nothing (Nemotron-H's
+        reference path computes ``conv1d.weight.squeeze(1)`` for a fused kernel, then convolves with the
+        module: ``(C, k)`` read by no op), or in another depthwise convolution's filters (which its own visit
+        cuts alike, on the same channels, or finds outside the region); None where a read does anything else."""
+        out, todo = [], [u for u in param.users if u is not read]
+        while todo:
+            u = todo.pop()
+            rule = op_rule(u.target) if u.op == "call_function" else None
+            if rule is not None and rule.kind == "conv" and len(u.args) > 1 and u.args[1] is not None \
+                    and u.all_input_nodes.count(u.args[1]) == 1 and u.args[1] in out + [param]:
+                continue  # filters of a depthwise convolution: cut by its own rule
+            moves = rule is not None and rule.kind == "move" and rule.form in ("insert", "drop")
+            if rule is None or not (rule.cast or moves) or u.args[0] not in out + [param] \
+                    or self.fp.shape(u)[:1] != [channels]:
+                return None
+            if moves and any(normalize_dim(d, max(ndim_of(u), ndim_of(u.args[0]))) == 0
+                             for d in (u.args[1] if isinstance(u.args[1], (list, tuple)) else [u.args[1]])):
+                return None
+            out.append(u)
+            todo.extend(u.users)
+        return out
 
     def _on_index_put(self, node: fx.Node, rule: OpRule) -> Sharding:
         return self.index_put(node, node.args[0], node.args[1], node.args[2])

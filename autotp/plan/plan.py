@@ -31,7 +31,8 @@ SEQ_PARAMS = "(sequence-parallel parameters)"
 
 @dataclass(frozen=True)
 class Rewrite:
-    """``node.args[arg]`` (or its element ``index`` when the arg is a list) changes from ``old`` to ``new``.
+    """``node.args[arg]`` (or its element ``index`` when the arg is a list) changes from ``old`` to ``new``; a
+    string ``arg`` names a keyword-only argument (``repeat_interleave``'s ``output_size``).
 
     ``factor_of``: the element is a size computed at run time, ``factor_of = x * old`` (``b * n_heads``); it
     becomes a fresh ``x * new`` for this node only (other readers of ``factor_of`` keep the full size).
@@ -40,7 +41,7 @@ class Rewrite:
     """
 
     node: str
-    arg: int
+    arg: int | str
     index: int | None
     old: int
     new: int
