@@ -83,22 +83,64 @@ def test_nemotron_h_groups_fewer_than_ranks_name_the_mixer():
         make_plan(gm, 4)
 
 
-MIXERS = Launches({}, extended={w: {"mixers": (pattern_parity, list(MIXER_KINDS[:1]), 3, False, "hf_family_models")}
-                                for w in (2, 4)})
+@pytest.mark.extended
+@pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_5_moe"])
+def test_gated_delta_net_is_planned_by_heads(kind: str):
+    """Qwen3.5's gated-delta-net at tp 2 and 4 (a capture of tens of seconds: extended run): in_proj_qkv
+    column-parallel per segment (q | k | v), z, b, a and the convolution (q | k | v channels), ``dt_bias`` and
+    ``A_log`` by heads; the gated norm's output ``(b·s·h, d)`` unfolds to ``(b, s, h·d)`` with this rank's heads;
+    out_proj row-parallel. One all-reduce forward (out_proj's) and backward f and the per-head norm's weight
+    gradient (``(d,)``, read by every head)."""
+    model, args, kwargs = build(kind)
+    gm = capture(model, args, kwargs)[0]
+    m = "model.layers.0.linear_attn"
+    for tp in (2, 4):
+        plan = make_plan(gm, tp)
+        assert plan.replicated == (), (tp, plan.replicated)
+        cut = {n[len(m) + 1:]: (s.role, s.dim, [g.size for g in s.segments], s.local_shape)
+               for n, s in plan.params if n.startswith(m)}
+        assert cut == {
+            "in_proj_qkv.weight": ("column", 0, [64, 64, 128], (256 // tp, 64)),
+            "in_proj_z.weight": ("column", 0, [128], (128 // tp, 64)),
+            "in_proj_b.weight": ("column", 0, [8], (8 // tp, 64)), "in_proj_a.weight": ("column", 0, [8], (8 // tp, 64)),
+            "conv1d.weight": ("column", 0, [64, 64, 128], (256 // tp, 1, 4)),
+            "dt_bias": ("column", 0, [8], (8 // tp,)), "A_log": ("column", 0, [8], (8 // tp,)),
+            "out_proj.weight": ("row", 1, [128], (64, 128 // tp)),
+        }, (tp, cut)
+        mixer = sorted((c.op, c.direction, c.shape) for c in plan.collectives if c.module == m)
+        assert mixer == [("sum", "backward", ("16",)), ("sum", "backward", ("s95", "s85", "64")),
+                         ("sum", "forward", ("s95", "s85", "64"))], (tp, mixer)
+
+
+@pytest.mark.extended
+def test_gated_delta_net_with_key_heads_fewer_than_ranks_is_replicated_with_its_reason():
+    """2 key heads repeated to 4 value heads: cut at tp 2; at tp 4 a rank would need part of a key head's
+    channels, which the fused q | k | v split would move between ranks: the block is replicated, named."""
+    model, args, kwargs = build("qwen3_5_2_key_heads")
+    gm = capture(model, args, kwargs)[0]
+    assert make_plan(gm, 2).replicated == ()
+    (module, reason), = make_plan(gm, 4).replicated
+    assert module == "model.layers.0.linear_attn" and "tensor_split" in reason and "would move data" in reason, reason
+
+
+MIXERS = Launches({}, extended={w: {"mixers": (pattern_parity, ["nemotron_h", "qwen3_5", "qwen3_5_moe"], 3, False,
+                                               "hf_family_models")} for w in (2, 4)})
 
 
 @pytest.mark.slow
 @pytest.mark.extended
 @pytest.mark.parametrize("world", [2, 4])
 def test_hybrid_mixers_train_exactly_with_megatron_collectives(world: int):
-    """Loss, gradients and parameters after 3 AdamW steps within 1e-5; one step's all-reduces are Megatron's:
-    forward per layer the row-parallel output's (b·s·h), the embedding's and the loss's max and two sums (b·s);
-    backward per layer one f and the head's."""
+    """Nemotron-H and Qwen3.5 (dense and MoE): loss, gradients and parameters after 3 AdamW steps within 1e-5,
+    every block cut; Nemotron-H's step is Megatron's all-reduces: forward per layer the row-parallel output's
+    (b·s·h), the embedding's and the loss's max and two sums (b·s); backward per layer one f and the head's."""
     bsh, bs = 2 * 8 * 64, 2 * 8
     for rank, by_kind in MIXERS(world, "mixers").items():
         for kind, r in by_kind.items():
             assert_exact(r, (rank, kind))
             assert_fully_sharded(r, world, (rank, kind))
+            if kind != "nemotron_h":
+                continue
             assert sorted(r["forward"]) == sorted([("all_reduce", "sum", bsh)] * 3 + [("all_reduce", "max", bs)]
                                                   + [("all_reduce", "sum", bs)] * 2), r["forward"]
             assert sorted(r["backward"]) == [("all_reduce", "sum", bsh)] * 3, r["backward"]

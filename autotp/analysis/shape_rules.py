@@ -181,6 +181,14 @@ class ShapeRules:
             n2 = src[gi[1]]
             self._set_view_size(node, shape_arg, gj[0], full, local)
             return Sharding(gj[0], tuple(Segment(g.size * n2, g.parts) for g in s.segments), outer=True)
+        if len(gi) == 2 and len(gj) >= 2 and gi[0] == s.dim and is_static(src[gi[1]]) \
+                and dst[gj[-1]] == full * src[gi[1]] and not any(g.inner for g in s.segments):
+            # [k·h, d] -> [.., h·d] with the leading dims k: heads unfolded from under the batch and merged with
+            # their head dim (a gated norm over each head, ``(b·s·h, d) -> (b, s, h·d)``, Qwen3.5's linear
+            # attention): every head stays whole, so the last dim holds this rank's heads first
+            n2 = src[gi[1]]
+            self._set_view_size(node, shape_arg, gj[-1], full * n2, local * n2)
+            return Sharding(gj[-1], tuple(Segment(g.size * n2, g.parts) for g in s.segments))
         raise Unshardable(node, "view regroups heads folded under the batch")
 
     def _view_split(self, node, s, shape_arg, dst, gj) -> Sharding:
