@@ -73,3 +73,15 @@ def test_strided_gqa_trains_exactly_with_megatron_collectives(world: int):
                 ("all_reduce", "max", bs), ("all_reduce", "sum", bs), ("all_reduce", "sum", bs)]), (kind, r["forward"])
             # backward: one entering attention and one entering the MLP per layer, one for the LM head; nothing else
             assert r["backward"] == [("all_reduce", "sum", bsh)] * (2 * layers + 1), (kind, r["backward"])
+
+
+def test_checkpoint_keys_of_a_strided_query_are_the_parameters_own():
+    """A grouped segment of one inner segment (the query cut with the stride of kv heads repeated head-minor)
+    is no fusion: checkpoints name the parameter itself at every tp, so a tp 2 × FSDP checkpoint of
+    Hugging Face's Llama (4 q / 2 kv heads) resumes at tp 1 × FSDP 4 and tp 4."""
+    from autotp.capture.tracer import capture
+    from autotp.plan.planner import fused_segments
+    from fsdp_workers import _model
+
+    model, args, kwargs = _model("llama")
+    assert fused_segments(capture(model, args, kwargs)[0]) == {}

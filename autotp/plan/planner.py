@@ -499,7 +499,10 @@ def fused_segments(gm: fx.GraphModule) -> dict[str, ParamShard]:
             if own_bug(exc):  # autotp's own bug: shown, never a verdict
                 raise
             continue
-        fused = {name: shard for name, shard in plan.params if len(shard.segments) > 1 or shard.segments[0].inner}
+        # a grouped segment of one inner segment is a strided cut of one projection (grouped-query heads repeated
+        # head-minor), not a fusion: its checkpoint key is the parameter's own name at every tp
+        fused = {name: shard for name, shard in plan.params
+                 if len(shard.segments) > 1 or len(shard.segments[0].inner) > 1}
         if fused or tp == 1:
             return {name: _shard(shard.role, shard.module, shard.full_shape, shard.dim,
                                  tuple(_uncut(seg) for seg in shard.segments)) for name, shard in fused.items()}
