@@ -2,6 +2,11 @@
 
 The runner owns ``lint()`` and ``recompile()`` and, when a pass fails, says which passes ran before it.
 Passes never read the rank or call torch.distributed.
+
+Three more rewrites put the model's own regions back, as runtime modules, into the graph once it is bound to
+the model (its pieces bound, its random ops to their streams): ``outline_functions``, ``outline_autocast``,
+``outline_recompute`` (``gm -> count``, each lints and recompiles the graphs it changes). Where they run
+among the steps after planning is :data:`autotp.parallel.apply.APPLY_ORDER`.
 """
 from __future__ import annotations
 
@@ -16,6 +21,9 @@ from autotp.passes.gather_outputs import gather_outputs
 from autotp.passes.graph_cuts import graph_cuts
 from autotp.passes.insert_collectives import insert_collectives
 from autotp.passes.local_inputs import local_inputs
+from autotp.passes.outline_autocast import outline_autocast
+from autotp.passes.outline_functions import outline_functions
+from autotp.passes.outline_recompute import outline_recompute
 from autotp.passes.region_rng import region_rng
 from autotp.passes.rewrite_constants import rewrite_constants
 from autotp.passes.sequence_grads import sequence_grads
@@ -57,7 +65,9 @@ def run_passes(gm: fx.GraphModule, plan: Plan, passes: Sequence[Pass] = DEFAULT_
     return gm
 
 
-__all__ = ["DEFAULT_PASSES", "PassError", "context_parallel", "expert_parallel", "gather_outputs", "graph_cuts", "insert_collectives", "local_inputs", "region_rng",
+__all__ = ["DEFAULT_PASSES", "PassError", "context_parallel", "expert_parallel", "gather_outputs", "graph_cuts",
+           "insert_collectives", "local_inputs", "outline_autocast", "outline_functions", "outline_recompute",
+           "region_rng",
            "rewrite_constants", "row_bias_after_reduce", "run_passes", "sequence_grads", "sequence_split",
            "sharded_stats", "slice_replicated", "split_stages", "split_units",
            "vocab_embedding", "vocab_loss", "vocab_output"]

@@ -16,11 +16,11 @@ import torch.nn.functional as F
 
 from autotp.capture.structure import flatten, unflatten
 from autotp.capture.tracer import capture
-from autotp.passes import run_passes, split_stages
+from autotp.passes import outline_autocast, run_passes, split_stages
 from autotp.plan.planner import make_plan
 from autotp.plan.stages import StageRequest
-from autotp.operators.autocast import Autocast, outline_autocast, region_of
-from autotp.operators.regions import regions
+from autotp.operators.autocast import Autocast, region_of
+from autotp.passes.regions import regions
 from autotp.operators.stages import StageModule, input_name, wire_stages
 from autotp.operators.units import bind_pieces
 from autocast_models import KINDS, build, rotate_plain

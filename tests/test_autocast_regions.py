@@ -13,9 +13,9 @@ from autotp.capture.structure import flatten, unflatten
 from autotp.capture.tracer import capture
 from autotp.passes.split_units import split_units
 from autotp.operators.units import PieceCall, bind_pieces
-from autotp.passes import run_passes
+from autotp.passes import outline_autocast, run_passes
 from autotp.plan.planner import make_plan
-from autotp.operators.autocast import Autocast, AutocastRegion, outline_autocast, region_of
+from autotp.operators.autocast import Autocast, AutocastRegion, region_of
 from autocast_models import KINDS, WIDTH_NORM, build
 from spelling_runs import SpellingRuns
 from parity_workers import dense_step_collectives

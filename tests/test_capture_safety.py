@@ -86,8 +86,8 @@ def _fail_after(monkeypatch, target: str, name: str) -> None:
     monkeypatch.setattr(module, name, failing)
 
 
-@pytest.mark.parametrize("where", [("autotp.capture.tracer", "_export"), ("autotp.parallel.parallelize", "hold"),
-                                   ("autotp.parallel.parallelize", "_finish")])
+@pytest.mark.parametrize("where", [("autotp.capture.tracer", "_export"), ("autotp.parallel.apply", "hold"),
+                                   ("autotp.parallel.parallelize", "apply")])
 @pytest.mark.parametrize("style", ["lazy_mask", "plain_cache", "shared_rotary", "tied_module"])
 def test_failed_parallelize_leaves_the_model_exactly_as_it_was(style: str, where: tuple[str, str], fake_tp2,
                                                                monkeypatch):

@@ -13,7 +13,8 @@ from autotp.analysis.function_rules import FunctionRefused, Operand, check_funct
 from autotp.operators.functions import FunctionCall, call_of
 from autotp.capture.tracer import capture
 from autotp.plan.planner import make_plan
-from autotp.operators.functions import CustomFunction, outline_functions
+from autotp.operators.functions import CustomFunction
+from autotp.passes import outline_functions
 from spelling_runs import SpellingRuns
 import helper_models
 from function_models import KINDS, GradNorm, RoundSTE, build

@@ -104,7 +104,8 @@ def _tagged_piece() -> fx.GraphModule:
 def test_regions_are_outlined_inside_pieces():
     """A graph split into pieces (FSDP units, pipeline stages) has its checkpointed regions inside the pieces:
     each becomes a Recompute there, and the piece's forward keeps only the region's input for backward."""
-    from autotp.operators.recompute import Recompute, outline_recompute
+    from autotp.operators.recompute import Recompute
+    from autotp.passes import outline_recompute
     from autotp.operators.units import PieceCall
 
     g = fx.Graph()

@@ -1,20 +1,9 @@
 """Autocast regions kept: each region the model ran under ``torch.autocast(...)`` (a ``with`` block or a
 decorated function, which export wraps in the ``wrap_with_autocast`` higher-order op; the capture inlines its
-body and tags the nodes, :mod:`autotp.capture.autocast`) runs in the rewritten graph under the same
+body and tags the nodes, :mod:`autotp.capture.autocast`) runs in the rewritten graph as an :class:`Autocast`
+call (the region outlined by :mod:`autotp.passes.outline_autocast`): under the same
 ``torch.autocast(device_type, dtype, enabled, cache_enabled)`` again, with whatever the passes inserted in it.
-
-Before (an RMSNorm of the q projection in fp32, autocast off, the norm's variance summed over the group)::
-
-    q = call_module[autotp_column_0](x)       # (b, s, h/t)
-    to = aten.to.dtype(q, float32)            # region 0: autocast(cpu, bf16, enabled=False)
-    var = aten.sum.dim_IntList(pow, [-1])     # region 0
-    var = call_module[autotp_reduce_1](var)   # no tag: between two nodes of region 0, so in it
-    normed = aten.mul.Tensor(to, rsqrt)       # region 0
-
-After::
-
-    autocast = call_module[autotp_autocast_0](q, weight)  # Autocast: with torch.autocast(...): region(...)
-    normed = getitem(autocast, 0)
+Here: the tag the capture writes (:class:`AutocastRegion`) and the module that runs a region under it.
 """
 from __future__ import annotations
 
@@ -24,8 +13,6 @@ from typing import NamedTuple
 import torch
 import torch.fx as fx
 import torch.nn as nn
-
-from autotp.operators.regions import outline, regions, tag
 
 KEY = "autotp_autocast"  # node.meta["custom"][KEY]: the AutocastRegion a node ran in (tagged at capture)
 
@@ -45,7 +32,9 @@ class AutocastRegion(NamedTuple):
 
 
 def region_of(node: fx.Node) -> AutocastRegion | None:
-    found = tag(node, KEY)
+    """The autocast region ``node`` ran in (None: outside any)."""
+    custom = node.meta.get("custom")
+    found = custom.get(KEY) if isinstance(custom, dict) else None
     return found if isinstance(found, AutocastRegion) else None
 
 
@@ -61,22 +50,3 @@ class Autocast(nn.Module):
         s = self.settings
         with torch.autocast(s.device_type, dtype=s.dtype, enabled=s.enabled, cache_enabled=s.cache_enabled):
             return self.region(*args)
-
-
-def outline_autocast(gm: fx.GraphModule) -> int:
-    """Replace each autocast region of ``gm`` by an :class:`Autocast` call, and of every graph ``gm`` was split
-    into (FSDP units' pieces, pipeline stages: graph modules among its submodules); the number replaced.
-    Before the recomputation regions are outlined: an autocast region inside a checkpointed one stays inside
-    it."""
-    pieces = [m for m in gm.modules() if isinstance(m, fx.GraphModule) and m is not gm]
-    n = 0
-    for g in (gm, *pieces):
-        found = regions(g, region_of)
-        for k, nodes in enumerate(found):
-            outline(g, nodes, f"autotp_autocast_{k}", lambda region, owners, settings: Autocast(region, settings),
-                    KEY)
-        if found:
-            g.graph.lint()
-            g.recompile()
-        n += len(found)
-    return n

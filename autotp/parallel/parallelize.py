@@ -26,38 +26,26 @@ from torch.nn.parallel import DistributedDataParallel
 from autotp.capture.preserve import preserved
 from autotp.capture.source_lines import source_lines_released
 from autotp.capture.tracer import stand_ins
-from autotp.capture.islands import ISLANDS_KEY
-from autotp.capture.values import CHECKS_KEY, checks_hold
-from autotp.capture.writes import WRITES_KEY
-from autotp.capture.structure import Spec, call_key, flatten, unflatten
-from autotp.operators.collectives import bind_collectives, define_ops
+from autotp.capture.values import checks_hold
+from autotp.capture.structure import call_key, flatten, unflatten
 from autotp.parallel.data import check_same_inputs
 from autotp.io.empty import check_materialized
 from autotp.capture.modelfile import default_example as _default_example
-from autotp.errors import PipelineError, ProcessGroupError, ShardingError
-from autotp.operators.gathered import GatheredOnUse, bind_outputs, local_outputs
+from autotp.errors import ProcessGroupError, ShardingError
+from autotp.operators.gathered import GatheredOnUse, local_outputs
 from autotp.distributed.data_parallel import FSDPConfig
 from autotp.distributed.replicas import AUTOTP_DDP, FSDP, NONE, OFF, PIPELINE, Replicas
-from autotp.parallel.islands import bind_islands, plan_islands
-from autotp.parallel.stage_writes import mark_outputs, output_facts
-from autotp.parallel.writeback import fingerprint, state_matches, write_back, written_at
-from autotp.passes import PassError, run_passes
-from autotp.passes.split_stages import split_stages
-from autotp.passes.split_units import split_units
-from autotp.parallel.fsdp import apply_fsdp, fsdp_hooks_off
+from autotp.parallel.writeback import state_matches, write_back
+from autotp.parallel.apply import apply
+from autotp.parallel.fsdp import fsdp_hooks_off
 from autotp.parallel.planning import How, PlanCache, capture_and_plan, job_of
 from autotp.parallel.reuse import plan_cache_for
-from autotp.parallel.rewrite import rewrite, warn_plan
-from autotp.parallel.shard import hold, other_stages
-from autotp.operators.units import bind_pieces
+from autotp.parallel.rewrite import warn_plan
+from autotp.parallel.shard import hold
 from autotp.plan.plan import Plan, ShardedInput
 from autotp.plan.stages import StageRequest
-from autotp.operators.autocast import outline_autocast
-from autotp.operators.functions import outline_functions
-from autotp.operators.recompute import outline_recompute
-from autotp.operators.rng import CONTEXT_SEED_OFFSET, SEED_OFFSET, RegionRNG, bind_rng
+from autotp.operators.rng import CONTEXT_SEED_OFFSET, SEED_OFFSET, RegionRNG
 from autotp.shard_spec import shard_tensor
-from autotp.operators.vocab_ops import bind_vocab
 from autotp.options import Options, PipelineOptions
 from autotp.plan.context_planner import ContextRefused, check_chunks
 from autotp.distributed.context import context_dp_group, context_mesh
@@ -291,8 +279,9 @@ def _user_forward(model: nn.Module, st: TPState) -> Callable:
 def _build(model: nn.Module, st: TPState, args: tuple, kwargs: dict, key: Hashable,
            sequence_parallel: bool | None = None, context: bool = True,
            cache: PlanCache | None = None) -> Captured | None:
-    """Capture and plan this call signature for this rank's job, rewrite it and bind it; None where ``cache``
-    held the plan: the model is sharded by it and nothing is captured."""
+    """Capture and plan this call signature for this rank's job, then rewrite, cut, shard, bind and compile it
+    (the steps of :data:`autotp.parallel.apply.APPLY_ORDER`, in that order); None where ``cache`` held the
+    plan: the model is sharded by it and nothing is captured."""
     swap = None
     # built on meta (autotp.empty_weights): no weights allocated yet
     empty = {n: p for n, p in model.named_parameters(remove_duplicate=False) if p.is_meta}
@@ -317,47 +306,12 @@ def _build(model: nn.Module, st: TPState, args: tuple, kwargs: dict, key: Hashab
               writes=True)
     # a later signature plans the exported blocks alone where it can: its cuts are checked against the first's
     blocks, segments = bool(st.shards), st.tp == 1 and not st.graphs
-    with hooks_off:  # the rewrite too: it captures the whole model where the blocks cannot be copied
+    with hooks_off:
         planned = capture_and_plan(model, args, kwargs, job, cache, how=how, blocks=blocks, segments=segments)
-        if planned.cached:
-            _shard_from(model, st, planned.plan, str(planned.path))
-            return None
-        accepts = planned.accepts
-        checks = planned.gm.meta.get(CHECKS_KEY, ())
-        islands = planned.gm.meta.get(ISLANDS_KEY)
-        if islands and st.options.pipeline is not None:
-            raise ShardingError(f"{next(iter(islands))} branches on the data, so it runs eagerly as one call "
-                                "(an island), which pipeline stages do not run yet",
-                                hint="parallelize it without pipeline stages (FSDP runs islands in their blocks' "
-                                     "units), or write its loop in a dense form (every expert on every token, "
-                                     "weighted by the routing)")
-        if islands:  # before the passes: the blocks' inputs as captured
-            plan_islands(model, st, planned.gm, islands, stacklevel=5)
-        gm, spec, plan, copied = rewrite(st, planned, stacklevel=4)
-    writes = gm.meta.get(WRITES_KEY)  # read before the graph is cut into FSDP units' or stages' pieces
-    if islands:  # the blocks' own parameters, cut as each block's plan says
-        gm.meta[ISLANDS_KEY] = islands
-        plan = dataclasses.replace(plan, params=plan.params + tuple(
-            (n, s) for path in islands for n, s in st.islands[path].params))
-    if st.options.fsdp is not None:
-        gm, plan = _split_units(gm, plan, st)
-        if islands:  # in the units' pieces: each runs inside its block's unit, its parameters gathered by FSDP
-            gm.meta[ISLANDS_KEY] = islands
-    if st.options.pipeline is not None:
-        gm = _split_stages(gm, plan)
-        if not st.graphs and st.stage_params is not None:  # the first call: other ranks' stages are never allocated
-            st.dropped = other_stages(model, st.stage_params(gm))
-            fresh = [n for n in fresh if n not in st.dropped]
-    hold(model, st, plan, fresh)
-    if st.options.fsdp is not None and st.units is None:
-        apply_fsdp(model, st, plan)  # on allocated shards: FSDP keeps the tensors it is given
-    c = _finish(model, st, gm, spec, key, plan, accepts, copied)
-    if writes:  # the state this graph writes, and the written state it was captured on (as the model holds it now)
-        st.written.update(dict.fromkeys(written_at(w) for w in writes.items))
-    if st.written or checks:
-        c = st.graphs[key] = dataclasses.replace(c, writes=writes, state=fingerprint(model, st.written),
-                                                 checks=checks)
-    return c
+    if planned.cached:
+        _shard_from(model, st, planned.plan, str(planned.path))
+        return None
+    return apply(model, st, planned, key, fresh)  # the steps after planning, in their one order
 
 
 def _shard_from(model: nn.Module, st: TPState, plan: Plan, path: str) -> None:
@@ -366,99 +320,6 @@ def _shard_from(model: nn.Module, st: TPState, plan: Plan, path: str) -> None:
     warn_plan(st, plan)
     st.cached, st.cached_from = plan, path
     hold(model, st, plan, [n for n, p in model.named_parameters(remove_duplicate=False) if p.is_meta])
-
-
-def _split_units(gm: fx.GraphModule, plan: Plan, st: TPState) -> tuple[fx.GraphModule, Plan]:
-    """The graph cut into one piece per FSDP unit (a block), each run as that unit's forward. A graph that
-    cannot be cut makes the whole model one unit (the first call), with a warning that says why."""
-    if st.units is not None:  # FSDP is applied: a later call signature runs the same units (the pass checks
-        plan = dataclasses.replace(plan, units=st.plan.units)  # that each piece reads only its unit's)
-    try:
-        top = run_passes(gm, plan, (split_units,))
-    except PassError as e:
-        if st.units:
-            raise ShardingError(f"this call's graph cannot be cut at the blocks FSDP shards: {e.__cause__}") from e
-        warnings.warn(f"autotp: fsdp shards the whole model as one unit (all parameters gathered at once): "
-                      f"{e.__cause__}", stacklevel=4)
-        plan = dataclasses.replace(plan, units=())
-        top = run_passes(gm, plan, (split_units,))  # one piece: it still reads the parameters when it runs
-    # the pieces read the model's parameters; the captured graph's stand-ins (full size) are dropped
-    for name, _ in list(gm.named_parameters(remove_duplicate=False)):
-        path, _, leaf = name.rpartition(".")
-        (gm.get_submodule(path) if path else gm)._parameters.pop(leaf, None)
-    return top, plan
-
-
-def _split_stages(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
-    """The graph cut into one piece per pipeline stage, each reading the model's parameters when it runs."""
-    facts = output_facts(gm)  # each output's value and the inputs it is made from (the loss, the written state)
-    try:
-        top = run_passes(gm, plan, (split_stages,))
-    except PassError as e:
-        raise PipelineError(f"the graph cannot be cut into pipeline stages at the blocks "
-                            f"{', '.join(s.blocks[0] for s in plan.stages)}: {e.__cause__}") from e
-    mark_outputs(top, facts)
-    for name, _ in list(gm.named_parameters(remove_duplicate=False)):
-        path, _, leaf = name.rpartition(".")
-        (gm.get_submodule(path) if path else gm)._parameters.pop(leaf, None)
-    return top
-
-
-def _set_attr(root: nn.Module, name: str, value: torch.Tensor) -> None:
-    *path, leaf = name.split(".")
-    mod = root
-    for p in path:
-        mod = getattr(mod, p)
-    if isinstance(value, nn.Parameter):
-        mod._buffers.pop(leaf, None)
-        mod._parameters[leaf] = value
-    else:
-        mod._parameters.pop(leaf, None)
-        mod._buffers[leaf] = value
-
-
-def _finish(model: nn.Module, st: TPState, gm: fx.GraphModule, spec: Spec, key: Hashable,
-            plan: Plan, accepts: Callable[[list[torch.Tensor]], bool] | None = None, copied: bool = False) -> Captured:
-    """Point the graph at the model's own tensors (shards, buffers) and bind group, rank and RNG."""
-    tensors = {**dict(model.named_parameters(remove_duplicate=False)),
-               **dict(model.named_buffers(remove_duplicate=False))}
-    for node in gm.graph.nodes:
-        if node.op == "get_attr" and node.target in tensors:
-            _set_attr(gm, node.target, tensors[node.target])
-    bind_collectives(gm, st.group)
-    bind_islands(gm, model, st.islands, st.group)
-    bind_collectives(gm, st.cp_group, axis="cp")
-    if st.tp > 1:
-        define_ops()  # the user may torch.compile the model: its CPU all-reduces then trace as one op each
-    bind_rng(gm, st.rng, st.context_rng)
-    bind_vocab(gm, st.group, st.rank)
-    bind_outputs(gm, st.group, st.rank)
-    if st.cp_group is not None:
-        bind_outputs(gm, st.cp_group, dist.get_rank(st.cp_group), axis="cp")
-    bind_pieces(gm, model)
-    outline_functions(gm)  # the model's own autograd Functions, called again (inside any region below)
-    outline_autocast(gm)  # the model's autocast regions, inside its checkpointed ones
-    outline_recompute(gm)  # last: the regions' modules are bound already
-    run: nn.Module = gm
-    call, wrap = None, {}
-    if st.options.compile:
-        from autotp.operators.compile import compile_graph, compile_pieces
-
-        options = st.options.compile if isinstance(st.options.compile, dict) else {}
-        if st.options.fsdp is None:
-            run = compile_graph(gm, **options)
-        else:  # FSDP gathers around each unit's piece: the pieces are compiled, as torchtitan compiles blocks
-            compile_pieces(gm, **options)
-            call, wrap = local_outputs(gm)
-    index = {n.name: i for i, n in enumerate(n for n in gm.graph.nodes if n.op == "placeholder")}
-    seq = plan.sequence
-    length = (index[seq.length[0]], seq.length[1]) if seq is not None and seq.length and seq.leaves else None
-    chunked = plan.context.inputs[0] if plan.context is not None and plan.context.inputs else None
-    st.graphs[key] = Captured(run, plan, spec, tuple((index[s.node], s) for s in plan.sharded_inputs), length, accepts,
-                             copied, call if wrap else None, tuple(wrap.items()),
-                             None if chunked is None else (index[chunked[0]], chunked[1]),
-                             local=bool(st.options.compile))
-    return st.graphs[key]
 
 
 def _swap_class(model: nn.Module) -> None:

@@ -11,7 +11,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import autotp
-import autotp.parallel.parallelize as par
+import autotp.parallel.apply as par
 from ranks import CollectiveLog
 from small_models import llama, loss_and_logits
 

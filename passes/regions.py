@@ -1,7 +1,8 @@
-"""Outline tagged regions of a rewritten graph into submodules: the machinery behind keeping the model's
-activation checkpointing (:mod:`autotp.operators.recompute`) and its autocast regions
-(:mod:`autotp.operators.autocast`), which the capture inlined and tagged so that analysis and the passes see
-plain ops.
+"""Outline tagged regions of a rewritten graph into submodules: the machinery behind keeping the model's own
+autograd Functions (:mod:`autotp.passes.outline_functions`), its autocast regions
+(:mod:`autotp.passes.outline_autocast`) and its activation checkpointing
+(:mod:`autotp.passes.outline_recompute`), which the capture inlined and tagged so that analysis and the
+passes see plain ops. The modules the outlined calls run are the runtime's (:mod:`autotp.operators`).
 
 A region is a maximal run of computing nodes with one tag; a node the passes inserted (a collective, a
 sharded operator) carries no tag, and between two nodes of one region it belongs to that region. The
