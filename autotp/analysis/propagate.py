@@ -329,14 +329,21 @@ class Propagator(ShapeRules, ValueRules, EinsumRules):
                 return False
             chain.append((node, d))
             node, d = src, at[0]
-        if not chain or self._parameter(node) is None or len(node.users) != 1:
+        if not chain:
             return False
+        if self._parameter(node) is None or len(node.users) != 1:
+            # views of a value computed from one parameter elementwise (Hugging Face Mamba's
+            # A[None, :, None, :] of A = -exp(A_log.float()), (d_inner, n) -> (1, d_inner, 1, n)): the
+            # parameter is cut on the dim the views keep, and the views' sizes become local as above
+            if not self.elementwise_parameter(node, Sharding(d, s.segments)):
+                return False
+        else:
+            self.region.params.append(ParamCut(node, d, Sharding(d, s.segments)))
         for n, dim in chain:
             size = list(n.args[1]) if len(n.args) > 1 and isinstance(n.args[1], (list, tuple)) else None
             if size is not None and is_static(size[dim]) and size[dim] != -1:
                 self._set_view_size(n, size, dim, full, s.local_size)
             self.region.specs[n] = Sharding(dim, s.segments)
-        self.region.params.append(ParamCut(node, d, Sharding(d, s.segments)))
         return True
 
     def _gathered_parameter(self, x: fx.Node) -> tuple[fx.Node, int] | None:

@@ -20,14 +20,18 @@ logits.
   repeated to the value heads) and a grouped-query attention layer, an MLP or a mixture of 4 experts with a
   shared expert; its gated norm runs on the heads folded under the batch, ``(b·s·h, d)``, then unfolds them
   merged with the head dim, ``(b, s, h·d)``;
-- ``qwen3_5_2_key_heads``: Qwen3.5 with 2 key heads for 4 value heads (key heads fewer than 4 ranks).
+- ``qwen3_5_2_key_heads``: Qwen3.5 with 2 key heads for 4 value heads (key heads fewer than 4 ranks);
+- ``mamba``: Mamba (d_inner 128, 16 states, Δ rank 4), its reference path on CPU: in_proj's output
+  ``(b, 2·d_inner, l)`` chunked into x | z, the depthwise ``conv1d`` by ``F.conv1d`` on the squeezed filters,
+  ``x_proj`` split into Δ, B, C, ``dt_proj.weight @ Δ``, and the selective scan looped over time from
+  ``A[None, :, None, :] * dt[:, :, :, None]``.
 """
 from __future__ import annotations
 
 import torch
 
 KINDS = ("xlstm", "lfm3", "hrm_text")
-MIXER_KINDS = ("nemotron_h", "nemotron_h_2_groups", "qwen3_5", "qwen3_5_moe", "qwen3_5_2_key_heads")
+MIXER_KINDS = ("nemotron_h", "nemotron_h_2_groups", "qwen3_5", "qwen3_5_moe", "qwen3_5_2_key_heads", "mamba")
 
 
 def _qwen3_5(moe: bool, key_heads: int, ids: dict):
@@ -53,7 +57,7 @@ def _nemotron_h(groups: int, ids: dict):
 
 
 def build(kind: str):
-    from transformers import AutoModelForCausalLM, HrmTextConfig, Lfm3Config, xLSTMConfig
+    from transformers import AutoModelForCausalLM, HrmTextConfig, Lfm3Config, MambaConfig, xLSTMConfig
 
     ids = {"pad_token_id": 0, "bos_token_id": 0, "eos_token_id": 0, "use_cache": False}
     cfg = {"xlstm": lambda: xLSTMConfig(hidden_size=64, num_hidden_layers=2, num_heads=4, vocab_size=128, **ids),
@@ -68,6 +72,8 @@ def build(kind: str):
            "qwen3_5": lambda: _qwen3_5(False, 4, ids),
            "qwen3_5_moe": lambda: _qwen3_5(True, 4, ids),
            "qwen3_5_2_key_heads": lambda: _qwen3_5(False, 2, ids),
+           "mamba": lambda: MambaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, state_size=16,
+                                        time_step_rank=4, num_hidden_layers=2, **ids),
            }[kind]()
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg)
