@@ -52,6 +52,9 @@ def plan(
                            "sequence (attention as rings), its activation memory and K/V traffic."),
     world_size: int | None = typer.Option(None, "--world-size", "-w", help="Total ranks; default tp × cp × dp × pp."),
     gpus_per_node: int | None = typer.Option(None, "--gpus-per-node", help="GPUs per node: marks node boundaries."),
+    nnodes: int | None = typer.Option(None, "--nnodes", help="Nodes, as `autotp shard` counts them: world / "
+                                      "nnodes GPUs per node; without --world-size, --dp counts one node's "
+                                      "replicas (world = tp × cp × dp × pp × nnodes), as autotp shard reads it."),
     batch: int | None = typer.Option(None, "--batch", help="Batch size the numbers are for (default: the "
                                      "example batch's)."),
     seq: int | None = typer.Option(None, "--seq", help="Sequence length the numbers are for."),
@@ -87,10 +90,18 @@ def plan(
         abort("--svg and --html draw one layout's plan: drop them with --auto, then plan the layout it chooses "
               "with --tp/--dp/--pp", debug, code=USAGE_ERROR)
     if auto:
+        if nnodes is not None and world_size is not None:
+            gpus_per_node = _per_node(world_size, nnodes, gpus_per_node, debug)
         return _plan_auto(model, tp, dp, pp, world_size, gpus_per_node, gpu, batch, seq, global_batch, autocast,
                           top, json_out, debug)
     if tp is None:
         abort("give --tp N, or --auto to choose the layout", debug, code=USAGE_ERROR)
+    if nnodes is not None and world_size is None:  # autotp shard's per-node --dp: the nodes multiply it
+        if nnodes < 1:
+            abort(f"--nnodes must be >= 1, got {nnodes}", debug, code=USAGE_ERROR)
+        dp, world_size = (dp or 1) * nnodes, tp * cp * (dp or 1) * pp * nnodes
+    if nnodes is not None:
+        gpus_per_node = _per_node(world_size, nnodes, gpus_per_node, debug)
 
     for name, value in (("--batch", batch), ("--seq", seq), ("--vocab-multiple", vocab_multiple)):
         if value is not None and value < 1:
@@ -181,6 +192,17 @@ def plan(
         render(pic, model, the_plan, report, layout, names, batch_note, fsdp_info, pipe, fsdp)
         _write(html, pic.export_html(), "--html", debug)
         console.print(f"wrote tables {escape(str(html))}", soft_wrap=True)
+
+
+def _per_node(world: int, nnodes: int, gpus_per_node: int | None, debug: bool) -> int:
+    """The GPUs per node ``--nnodes`` implies: equal shares of the world, agreeing with --gpus-per-node."""
+    if nnodes < 1 or world % nnodes:
+        abort(f"--nnodes {nnodes}: the {world} ranks do not divide into {nnodes} equal nodes", debug,
+              code=USAGE_ERROR)
+    if gpus_per_node is not None and gpus_per_node != world // nnodes:
+        abort(f"--gpus-per-node {gpus_per_node} and --nnodes {nnodes} disagree: {nnodes} nodes of {world} ranks hold "
+              f"{world // nnodes} each; give one of them", debug, code=USAGE_ERROR)
+    return world // nnodes
 
 
 def _write(path: Path, text: str, flag: str, debug: bool) -> None:

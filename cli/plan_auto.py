@@ -19,7 +19,7 @@ from autotp.cli.fit import FitTable
 from autotp.cli.plan_command import Command, command
 from autotp.cli.plan_format import fmt_size
 from autotp.layout.assumed import assumed_terms
-from autotp.layout.auto import Search, Space, best_per_mesh, explain, mesh_name, search, tp_sizes
+from autotp.layout.auto import Rejected, Search, Space, best_per_mesh, explain, mesh_name, search, tp_sizes
 from autotp.layout.cost import RESERVED, Estimate, Training
 from autotp.layout.facts import ModelFacts, capture_facts
 from autotp.layout.hardware import PRESETS, Hardware, resolve
@@ -243,12 +243,19 @@ def to_dict(auto: Auto, top: int) -> dict:
     return {"hardware": auto.hardware.to_dict(), "space": auto.space.__dict__,
             "ranked": [{**e.to_dict(), "assumed": assumed_terms(auto.hardware, e, auto.training)}
                        for e in auto.result.ranked[:top]],
-            "rejected": [r.to_dict() for r in sorted(auto.result.rejected,
-                                                      key=lambda r: -r.estimate.tokens_per_device)[:top]],
+            # a rejected layout's terms rest on the same numbers as a ranked one's: labelled alike
+            "rejected": [{**r.to_dict(), **({"assumed": assumed_terms(auto.hardware, r.estimate, auto.training)}
+                                            if r.estimate is not None else {})}
+                         for r in sorted(auto.result.rejected, key=_rejected_order)[:top]],
             "rejected_count": len(auto.result.rejected), "considered": auto.result.considered,
             "why": why(auto),
             "command": command(auto.model, auto.result.best.layout, auto.space)._asdict() if auto.result.best
             else None, "spelled": _spelled_dict(auto)}
+
+
+def _rejected_order(r: Rejected) -> float:
+    """Fastest first (the JSON's order): one priced by tokens per second per device, one not priced last."""
+    return -r.estimate.tokens_per_device if r.estimate is not None else 0.0
 
 
 def _spelled_dict(auto: Auto) -> dict | None:

@@ -1,14 +1,17 @@
 """The layout ``autotp plan --auto`` chose, as the ``autotp shard`` command line that runs it, and what that
 command leaves to the training script (recomputation, gradient accumulation without a pipeline).
 
-``autotp shard``'s ``--dp`` counts the replicas of one node (world = tp × cp × dp × pp × nnodes), so a layout
-over several nodes is spelled with ``--nnodes``; one whose replicas the nodes do not divide evenly has no
-command line, and the reason is said instead.
+Over several nodes a layout is spelled with ``--nnodes``: where its replicas divide evenly into the nodes with
+``--dp`` counting one node's (world = tp × cp × dp × pp × nnodes), else with ``--world-size`` and ``--dp``
+counting every node's (world = tp × cp × dp × pp, world / nnodes ranks per node: a pipeline's stages on
+different nodes). Both put the ranks in Megatron's order, so both run the layout priced. A layout whose tp
+groups would straddle two nodes has no command line, and the reason is said instead.
 """
 from __future__ import annotations
 
 from typing import NamedTuple
 
+from autotp.distributed.layout import RankLayout
 from autotp.layout.auto import Space
 from autotp.layout.cost import Layout
 
@@ -23,13 +26,15 @@ def command(model: str, lay: Layout, space: Space) -> Command:
     per_node = min(space.gpus_per_node, space.world)
     nnodes = space.world // per_node if space.world % per_node == 0 else 1
     notes = []
-    if lay.dp % nnodes:
-        return Command(None, (f"dp {lay.dp} does not divide into the {nnodes} nodes autotp shard's --dp counts "
-                              "per node",))
+    try:  # the ranks autotp shard would start: tp groups inside a node, sizes that multiply to the world
+        RankLayout.build(space.world, lay.tp, pp=lay.pp, dp=lay.dp, gpus_per_node=space.world // nnodes, cp=lay.cp)
+    except ValueError as exc:
+        return Command(None, (f"autotp shard cannot lay it out on {nnodes} nodes of {space.world // nnodes}: {exc}",))
+    per_node_dp = lay.dp % nnodes == 0  # the per-node spelling, where the nodes take equal shares of the replicas
     flags = [f"--tp {lay.tp}"]
     if lay.cp > 1:
         flags.append(f"--cp {lay.cp}")
-    flags.append(f"--dp {lay.dp // nnodes}")
+    flags.append(f"--dp {lay.dp // nnodes if per_node_dp else lay.dp}")
     if lay.pp > 1:
         flags += [f"--pp {lay.pp}", f"--microbatches {lay.microbatches}"]
         if lay.v > 1:
@@ -40,9 +45,16 @@ def command(model: str, lay: Layout, space: Space) -> Command:
             flags.append(f"--fsdp-param-dtype {lay.fsdp_dtype}")
     if lay.sp:
         flags.append("--sequence-parallel")
+    if not per_node_dp:  # --dp is every node's replicas
+        flags.append(f"--world-size {space.world}")
     if nnodes > 1:
-        flags.append(f"--nnodes {nnodes} --node-rank R --master-addr HOST")
-        notes.append(f"run it on each of the {nnodes} nodes, R its index (0 on HOST)")
+        flags.append(f"--nnodes {nnodes} --node-rank R --master-addr HOST --master-port PORT")
+        notes.append(f"run it on each of the {nnodes} nodes, R its index (0 on HOST), PORT a free port on HOST")
+        if not per_node_dp:
+            order = "tp fastest, then " + ("cp, " if lay.cp > 1 else "") + "dp, pp"
+            stages = f", so the {lay.pp} pipeline stages sit on different nodes" if lay.pp > 1 else ""
+            notes.append(f"--dp {lay.dp} counts every node's replicas (--world-size given): {space.world // nnodes} "
+                         f"ranks per node in Megatron's order ({order}){stages}")
     per_replica = lay.micro_batch * lay.microbatches
     notes.append(f"each data-parallel replica trains on {per_replica} sequences per step"
                  + (f" ({lay.microbatches} micro-batches of {lay.micro_batch})" if lay.microbatches > 1 else "")

@@ -61,8 +61,9 @@ BIND_CORES = typer.Option(True, "--bind-cores/--no-bind-cores",
                                "when there are fewer cores than ranks; no effect on GPU ranks).")
 FSDP = typer.Option(False, "--fsdp", help="Also shard every parameter's TP shard over the data-parallel ranks "
                     "(FSDP2, one unit per transformer block): 1/(tp·dp) of the training state per rank.")
-HSDP = typer.Option(1, "--hsdp", metavar="GROUPS", help="With --fsdp: shard within GROUPS replica groups of "
-                    "dp / GROUPS ranks and replicate across them (HSDP; e.g. the number of nodes).")
+HSDP = typer.Option(None, "--hsdp", metavar="GROUPS", help="With --fsdp: shard within GROUPS replica groups of "
+                    "dp / GROUPS ranks, each inside a node, and replicate across them (HSDP; e.g. the number of "
+                    "nodes). Without it FSDP shards over every data-parallel rank, across nodes too.")
 CP = typer.Option(1, "--cp", help="Context-parallel ranks (between tp and dp): each runs 1/cp of every sequence, "
                   "attention as a ring over them; sequence lengths must be multiples of 2·cp.")
 DEVICE = typer.Option("auto", "--device", help="cuda (one GPU per rank, nccl), cpu (gloo), or auto: cuda when "
@@ -101,7 +102,7 @@ class Launcher(NamedTuple):
     device: str = "auto"
     bind_cores: bool = True
     fsdp: bool = False
-    hsdp: int = 1
+    hsdp: int | None = None  # None: FSDP over every data-parallel rank, across nodes too
     cp: int = 1
 
 
@@ -109,7 +110,7 @@ class Launcher(NamedTuple):
 _LAUNCHER_OPTIONS = {"nnodes": (int, NNODES), "node_rank": (int, NODE_RANK), "master_addr": (str | None, MASTER_ADDR),
                      "master_port": (int | None, MASTER_PORT), "timeout": (float | None, TIMEOUT),
                      "max_restarts": (int, MAX_RESTARTS), "device": (str, DEVICE), "bind_cores": (bool, BIND_CORES),
-                     "fsdp": (bool, FSDP), "hsdp": (int, HSDP), "cp": (int, CP)}
+                     "fsdp": (bool, FSDP), "hsdp": (int | None, HSDP), "cp": (int, CP)}
 
 
 def with_launcher(command: Callable) -> Callable:
@@ -158,11 +159,13 @@ def say_logs(folder: str) -> None:
                                soft_wrap=True)
 
 
-def launch_spec(tp: int, dp: int, pp: int, launcher: Launcher, debug: bool) -> LaunchSpec:
+def launch_spec(tp: int, dp: int, pp: int, launcher: Launcher, debug: bool, world: int | None = None) -> LaunchSpec:
+    """The job's launch, its sizes checked (exit 2 naming the flags). ``world``: ``--world-size``, with which
+    ``dp`` counts every node's replicas rather than one node's."""
     from autotp.distributed.launch import LaunchSpec  # torch: only once a command runs, never for --help
 
     try:
-        return LaunchSpec(tp=tp, dp=dp, pp=pp, **launcher._asdict())
+        return LaunchSpec(tp=tp, dp=dp, pp=pp, world=world, **launcher._asdict())
     except LaunchError as exc:
         abort(as_flags(exc), debug, code=USAGE_ERROR)
 
@@ -212,7 +215,7 @@ def run(
     output = rank_output(spec.world_size, spec.nproc_per_node, ranks, log_dir, debug)
     node = f" on node {launcher.node_rank} of {launcher.nnodes}" if launcher.nnodes > 1 else ""
     phases.say("launch", f"starting {spec.nproc_per_node} ranks{node}: tp {spec.tp}"
-               + (f" × cp {spec.cp}" if spec.cp > 1 else "") + f" × dp {spec.dp * launcher.nnodes}"
+               + (f" × cp {spec.cp}" if spec.cp > 1 else "") + f" × dp {spec.data_parallel}"
                + (f" × pp {spec.pp}" if spec.pp > 1 else "") + (" (FSDP)" if spec.fsdp else "")
                + f"; each runs python {script}" + (" " + " ".join(args) if args else ""))
     try:

@@ -48,7 +48,7 @@ from rich.markup import escape
 
 from autotp.cli.common import (EXPERT_PARALLEL, FSDP_PARAM_DTYPE, MICROBATCHES, SEQUENCE_PARALLEL, USAGE_ERROR,
                                VIRTUAL_STAGES, check_layout_options, fsdp_param_dtype, warm_ranks)
-from autotp.cli.run import DEBUG, DP, PP, Launcher, abort, launch_spec, say_restart, with_launcher
+from autotp.cli.run import DEBUG, PP, Launcher, abort, launch_spec, say_restart, with_launcher
 from autotp.capture.model_spec import model_path
 from autotp.cli.run_folder import checkpoint_step, interrupted_line, traces
 from autotp.errors import (AutotpError, CaptureError, LaunchInterrupted, ModelFileError, PipelineError, RankFailedError,
@@ -63,6 +63,12 @@ if TYPE_CHECKING:
 
 
 # -- the command ---------------------------------------------------------------------------------------
+# autotp run's --dp counts one node's replicas; autotp shard's does too unless --world-size gives the world
+DP = typer.Option(1, "--dp", help="Data-parallel replicas: per node (world = tp × cp × dp × pp × nnodes), or with "
+                  "--world-size in all (world = tp × cp × dp × pp, world / nnodes ranks per node in Megatron's "
+                  "order, tp fastest then cp, dp, pp: a pipeline's stages may sit on different nodes).")
+
+
 def _eager_on_meta(mf: ModelFile, skeleton: torch.nn.Module, args: tuple, kwargs: dict) -> None:
     """Run the meta-device ``skeleton`` on meta copies of the batch; a ModelFileError carrying the forward's
     own exception."""
@@ -339,7 +345,10 @@ def shard(
     pp: int = PP,
     auto: bool = typer.Option(False, "--auto", help="Choose tp, dp, pp, FSDP and micro-batches for --world-size "
                               "ranks by predicted throughput (as `autotp plan --auto` shows), then run that."),
-    world_size: int | None = typer.Option(None, "--world-size", "-w", help="With --auto: ranks in all."),
+    world_size: int | None = typer.Option(None, "--world-size", "-w", help="Ranks in all: with --auto, those to "
+                                          "lay out; with --tp, --dp then counts every node's replicas (world = "
+                                          "tp × cp × dp × pp, world / nnodes ranks per node), as `autotp plan` "
+                                          "and `autotp plan --auto`'s commands read it."),
     gpu: str | None = typer.Option(None, "--gpu", help="a100, h100 or a profile written by `autotp profile` "
                                    "(default ./autotp-profile.json): the device --auto plans for, and whose "
                                    "peak FLOP/s the training log's MFU is measured against."),
@@ -395,9 +404,8 @@ def shard(
         _check_auto(tp, dp, pp, fsdp, microbatches, virtual_stages, world_size, nnodes, debug, launcher.cp)
     elif tp is None:
         abort("give --tp N, or --auto --world-size N to choose the layout", debug, code=USAGE_ERROR)
-    elif world_size is not None:
-        abort("--world-size goes with --auto (without it the world is tp × dp × pp × nnodes)", debug,
-              code=USAGE_ERROR)
+    elif world_size is not None and world_size < 1:
+        abort(f"--world-size must be >= 1, got {world_size}", debug, code=USAGE_ERROR)
     compile_ = compile_ or compile_backend is not None  # a backend named asks for compilation
     for bad, flag, value, rule in ((steps < 0, "--steps", steps, ">= 0"), (not lr > 0, "--lr", lr, "> 0"),
                                    (log_every < 1, "--log-every", log_every, ">= 1"),
@@ -432,7 +440,8 @@ def shard(
         launcher = launcher._replace(cp=cp)
         check_layout_options(pp=pp, fsdp=fsdp, sequence_parallel=sequence_parallel, expert_parallel=expert_parallel,
                              compile_=compile_, schedule=schedule, cp=launcher.cp)
-    spec = launch_spec(tp, dp, pp, launcher._replace(fsdp=fsdp), debug)  # --auto may have chosen FSDP
+    # --auto may have chosen FSDP; with --world-size (--auto's too) --dp counts every node's replicas
+    spec = launch_spec(tp, dp, pp, launcher._replace(fsdp=fsdp), debug, world=world_size)
     try:
         param_dtype = fsdp_param_dtype(fsdp_dtype, fsdp)
     except ValueError as exc:
@@ -486,14 +495,14 @@ def shard(
                    resume=resume, resume_from=resume_from, keep=keep, run=uuid.uuid4().hex,
                    save_every=save_every, save_minutes=save_minutes, compile={"backend": compile_backend} if compile_backend else compile_,
                    sequence_parallel=sequence_parallel,
-                   expert_parallel=expert_parallel, fsdp=spec.hsdp if fsdp else 0, fsdp_param_dtype=param_dtype,
+                   expert_parallel=expert_parallel, fsdp=spec.replica_groups if fsdp else 0, fsdp_param_dtype=param_dtype,
                    schedule=schedule, microbatches=microbatches or pp, virtual_stages=virtual_stages,
                    weights=None if weights is None else str(weights.resolve()), started=started,
                    log_every=log_every, clip_grad=clip_grad, flops=flops, peak_flops=peak,
                    plans=None if plans is None else str(plans))
     node = f" on node {node_rank} of {nnodes}" if nnodes > 1 else ""
     phases.say("launch", f"starting {spec.nproc_per_node} ranks{node}: tp {spec.tp}"
-               + (f" × cp {spec.cp}" if spec.cp > 1 else "") + f" × dp {spec.dp * nnodes}"
+               + (f" × cp {spec.cp}" if spec.cp > 1 else "") + f" × dp {spec.data_parallel}"
                + (f" × pp {spec.pp}" if spec.pp > 1 else "") + (" (FSDP)" if spec.fsdp else ""))
     try:
         results = launch(spec, shard_worker, job, quiet=not debug, on_restart=say_restart)
@@ -589,7 +598,8 @@ def _choose(model: str, world_size: int, nnodes: int, gpu: str | None,
             debug: bool) -> tuple[int, int, int, bool, int | None, int | None, str, int]:
     """--auto: the fastest layout ``autotp shard`` runs, for ``world_size`` ranks on ``nnodes`` nodes, each data-
     parallel replica training on the example batch; printed before any rank starts (its flags checked by
-    :func:`_check_auto`)."""
+    :func:`_check_auto`). Its dp is the whole data-parallel size (``--world-size`` given), so a pipeline's
+    stages may sit on different nodes."""
     from autotp.cli import plan_auto  # the cost model: only when asked for
 
     try:
@@ -598,7 +608,7 @@ def _choose(model: str, world_size: int, nnodes: int, gpu: str | None,
                                      runnable=True, per_replica=True)
     except (AutotpError, ValueError) as exc:
         abort(str(exc), debug, code=USAGE_ERROR)
-    best = next((e for e in found.result.ranked if e.layout.dp % nnodes == 0), None)
+    best = found.result.best
     if best is None:
         why = "; ".join(plan_auto.explain(found.result)) or "no layout the sizes allow"
         abort(f"--auto found no layout autotp shard runs on {world_size} ranks: {why}", debug, code=USAGE_ERROR)
@@ -607,7 +617,7 @@ def _choose(model: str, world_size: int, nnodes: int, gpu: str | None,
                                f"{best.step * 1e3:.1f} ms per step, {best.tokens_per_device:,.0f} tokens/s per "
                                f"rank (`autotp plan --auto` shows the others)", soft_wrap=True)
     schedule = lay.schedule or "1F1B"
-    return (lay.tp, lay.dp // nnodes, lay.pp, lay.fsdp, lay.microbatches if lay.pp > 1 else None,
+    return (lay.tp, lay.dp, lay.pp, lay.fsdp, lay.microbatches if lay.pp > 1 else None,
             lay.v if lay.pp > 1 else None, schedule, lay.cp)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 
 import pytest
 from typer.testing import CliRunner
@@ -15,6 +16,7 @@ from autotp.layout.cost import STATE_BYTES, Layout, Training, estimate
 from autotp.layout.facts import BLOCKS, FIRST, LAST, Comm, ModelFacts, TpFacts
 from autotp.layout.hardware import A100, H100, Hardware, Link, Measured, load, resolve, save
 from autotp.plan.pipeline_report import layer_activation_bytes
+from ranks import ROOT
 
 GB = 10**9
 
@@ -162,6 +164,27 @@ def test_terms_not_measured_on_the_priced_device_are_assumed():
     assert set(said) == {"dp comm", "pp comm"} and "across nodes" in said["dp comm"]
     sp = Layout(2, 2, 2, 1, 4, sp=True)  # reduce-scatters and all-gathers over tp, never timed here
     assert "tp comm" in assumed_terms(profiled, estimate(f, profiled, sp, tr))
+
+
+def test_the_json_labels_rejected_layouts_assumed_as_the_table_labels_ranked_ones():
+    """`autotp plan --auto --json`: each rejected layout carries the terms that rest on numbers not measured on
+    the device, as a ranked one does (a profile that timed this node's collectives: only what crosses nodes)."""
+    from autotp.cli.plan_auto import Auto, to_dict
+    from autotp.layout.assumed import assumed_terms
+    from autotp.layout.auto import Rejected, Search
+
+    f, tr = facts(), Training(act_bytes=2)
+    timed = tuple(Measured(k, n, Link(1e-5, 1e10)) for k, n in (("all_reduce", 2), ("send", 2)))
+    h = hw(matmuls=((8, 8, 8, 1e12),), measured=timed, optimizer=1e-9, copy_bandwidth=5e10, gpus_per_node=2)
+    fits, over, wide = (estimate(f, h, lay, tr) for lay in (Layout(2, 1, 1, 1, 1), Layout(2, 2, 2, 1, 4),
+                                                           Layout(1, 1, 1, 1, 1)))
+    rejected = (Rejected(over.layout, "needs more", 1.0, over), Rejected(wide.layout, "needs more", 2.0, wide))
+    data = to_dict(Auto(f, h, Space(world=8, gpus_per_node=2, batch=4), tr, Search((fits,), rejected, 3)), 5)
+    said = {r["label"]: r["assumed"] for r in data["rejected"]}
+    assert said == {e.layout.label(): assumed_terms(h, e, tr) for e in (over, wide)}
+    # dp 2 over tp 2 ranks and the stage neighbours span the nodes of 2: assumed; a rank alone: nothing
+    assert set(said[over.layout.label()]) == {"dp comm", "pp comm"} and said[wide.layout.label()] == {}
+    assert data["ranked"][0]["assumed"] == assumed_terms(h, fits, tr)
 
 
 def test_dp_comm_term_ddp_and_fsdp():
@@ -517,7 +540,7 @@ def test_shard_auto_runs_the_layout_it_chose(tmp_path):
     (["--auto", "--gpu", "a100"], "--auto needs --world-size"),
     (["--auto", "--world-size", "2", "--tp", "2", "--gpu", "a100"], "drop --tp"),
     (["--auto", "--world-size", "4", "--cp", "2", "--gpu", "a100"], "drop --cp"),
-    (["--world-size", "2", "--tp", "2"], "goes with --auto"),
+    (["--world-size", "3", "--tp", "2"], "tp 2 × --dp 1 × --pp 1 = 2 ranks, not the --world-size 3"),
     (["--tp", "1", "--dp", "2", "--fsdp", "--fsdp-param-dtype", "bf16", "--verify"], "drop --verify"),
     ([], "give --tp N, or --auto"),
 ])
@@ -542,14 +565,20 @@ def test_command_spells_the_layout_as_autotp_shard_runs_it():
     assert "--tp 2 --dp 1 --pp 4 --microbatches 16 --virtual-stages 2 --schedule Interleaved1F1B" in piped.line
     kept = command("m.py", Layout(1, 8, 1, 2, 4, fsdp=True, keep=True), Space(world=8, gpus_per_node=8, batch=64))
     assert "--nnodes" not in kept.line and any("set_requires_gradient_sync(False)" in n for n in kept.notes)
-    odd = command("m.py", Layout(8, 3, 1, 1, 1), Space(world=48, gpus_per_node=8, batch=3))
-    assert odd.line is None and "does not divide" in odd.notes[0]
+    # replicas the nodes do not take in equal shares: --dp counts them all, --world-size says so
+    odd = command("m.py", Layout(4, 3, 4, 1, 4), Space(world=48, gpus_per_node=8, batch=12))
+    assert "--tp 4 --dp 3 --pp 4 --microbatches 4 --world-size 48 --nnodes 6 --node-rank R" in odd.line
+    assert any("--dp 3 counts every node's replicas" in n and "4 pipeline stages sit on different nodes" in n
+               for n in odd.notes)
+    straddling = command("m.py", Layout(8, 2, 1, 1, 1), Space(world=16, gpus_per_node=4, batch=2))
+    assert straddling.line is None and "tp (8) exceeds gpus per node (4)" in straddling.notes[0]
 
 
-def test_a_best_layout_autotp_shard_cannot_spell_gets_the_fastest_it_can():
-    """A pipeline spanning nodes (autotp shard's --dp counts one node's replicas) has no command line: the
-    fastest layout that has one is printed beside it, with what it costs."""
-    from autotp.cli.plan_auto import Auto, _spelled_dict, spelled_best
+def test_the_best_layout_is_spelled_and_the_fastest_spelled_one_only_where_it_is_not():
+    """A pipeline spanning nodes is spelled with --world-size (--dp the whole data-parallel size), so the best
+    layout has its own command line; the fastest layout that has one is printed beside it only for a best that
+    autotp shard cannot lay out (a tp group straddling two nodes)."""
+    from autotp.cli.plan_auto import Auto, _spelled_dict, spelled_best, to_dict
     from autotp.layout.auto import Search
 
     f, tr = facts(), Training(act_bytes=2)
@@ -557,10 +586,78 @@ def test_a_best_layout_autotp_shard_cannot_spell_gets_the_fastest_it_can():
     space = Space(world=16, gpus_per_node=8, batch=4)
     auto = Auto(f, hw(), space, tr, Search((across, spelled), (), 2), "m.py")
     est, cmd = spelled_best(auto)
-    assert est is spelled and cmd.line.startswith("autotp shard m.py --tp 2 --dp 1 --pp 4 --microbatches 2")
-    assert _spelled_dict(auto)["label"] == spelled.layout.label()
-    first = Auto(f, hw(), space, tr, Search((spelled, across), (), 2), "m.py")
-    assert spelled_best(first)[0] is spelled and _spelled_dict(first) is None  # the best has its own line
+    assert est is across and cmd.line.startswith("autotp shard m.py --tp 4 --dp 1 --pp 4 --microbatches 4 "
+                                                 "--world-size 16 --nnodes 2")
+    assert _spelled_dict(auto) is None and to_dict(auto, 2)["command"]["line"] == cmd.line
+    # tp 4 on nodes of 2 (a made-up search: the search itself keeps tp within a node)
+    small = Space(world=16, gpus_per_node=2, batch=4)
+    fallback = Auto(f, hw(), small, tr, Search((across, spelled), (), 2), "m.py")
+    assert spelled_best(fallback)[0] is spelled and _spelled_dict(fallback)["label"] == spelled.layout.label()
+
+
+def test_a_pipeline_across_nodes_reads_back_as_the_layout(tmp_path):
+    """The --world-size spelling (--dp every node's replicas, stages on different nodes) read back by `autotp
+    plan` with the command's own flags (all but the rendezvous's): the same sizes, nodes, pipeline, FSDP's gather
+    dtype and sequence parallelism."""
+    from autotp.cli.plan_command import command
+
+    lay = Layout(2, 2, 2, 1, 4, fsdp=True, sp=True, fsdp_dtype="bf16")
+    line = command("examples/nanogpt.py", lay, Space(world=8, gpus_per_node=2, batch=4)).line
+    assert "--world-size 8 --nnodes 4" in line
+    out = tmp_path / "plan.json"
+    r = runner.invoke(app, [*plan_argv(line), "--json", str(out)], env={"COLUMNS": "200"})
+    assert r.exit_code == 0, r.output
+    assert_plans(json.loads(out.read_text()), r.output, lay, 8, 2)
+
+
+@pytest.mark.extended
+def test_the_70b_search_best_row_is_the_command_it_prints(tmp_path):
+    """Llama-shaped 70B on 64 H100s at global batch 256 (benchmarks/results/llama70b_auto.md): the best row's
+    own command (a pipeline over nodes, with --world-size), no fallback, and `autotp plan` of that command on
+    the meta model plans that layout (its --batch the per-replica batch the note asks example_batch() for).
+    Extended: the search and the plan capture 80 blocks (about 40 s of CPU)."""
+    model = os.path.join(ROOT, "benchmarks", "llama70b.py")
+    found = tmp_path / "auto.json"
+    r = runner.invoke(app, ["plan", model, "--auto", "--world-size", "64", "--gpus-per-node", "8", "--gpu", "h100",
+                            "--global-batch", "256", "--top", "1", "--json", str(found)], env={"COLUMNS": "200"})
+    assert r.exit_code == 0, r.output
+    data = json.loads(found.read_text())
+    lay = Layout(**data["ranked"][0]["layout"])
+    line = data["command"]["line"]
+    assert data["spelled"] is None and "fastest layout autotp shard spells" not in r.output
+    assert f"run it: {line}" in " ".join(r.output.split())
+    assert "--world-size 64 --nnodes 8" in line and lay.pp > 1 and lay.dp % 8  # stages on different nodes
+    out = tmp_path / "plan.json"
+    r = runner.invoke(app, [*plan_argv(line), "--batch", str(lay.micro_batch * lay.microbatches),
+                            "--json", str(out)], env={"COLUMNS": "200"})
+    assert r.exit_code == 0, r.output
+    assert_plans(json.loads(out.read_text()), r.output, lay, 64, 8)
+
+
+def plan_argv(line: str) -> list[str]:
+    """``autotp plan``'s arguments for an ``autotp shard`` command line: the same model and flags, less the
+    rendezvous's (--node-rank, --master-addr, --master-port and their values)."""
+    argv = line.split()[1:]  # "shard", the model, its flags
+    launch_only = {"--node-rank", "--master-addr", "--master-port"}
+    kept = [x for i, x in enumerate(argv) if x not in launch_only and argv[i - 1] not in launch_only]
+    return ["plan", *kept[1:]]
+
+
+def assert_plans(data: dict, output: str, lay: Layout, world: int, per_node: int) -> None:
+    """`autotp plan --json`'s output is ``lay`` on ``world`` ranks, ``per_node`` to a node."""
+    assert (data["world"]["tp"], data["world"]["dp"], data["world"]["pp"], data["world"].get("cp", 1)) == \
+        (lay.tp, lay.dp, lay.pp, lay.cp)
+    assert (data["world"]["world_size"], data["world"]["gpus_per_node"]) == (world, per_node)
+    if lay.pp > 1:
+        pipe = data["pipeline"]
+        assert (pipe["virtual_stages"], pipe["microbatches"], pipe["micro_batch"], pipe["schedule"]) == \
+            (lay.v, lay.microbatches, lay.micro_batch, lay.schedule)
+    if lay.fsdp:
+        said = " ".join(output.split())
+        assert "fsdp" in data or f"one FSDP2 unit over dp {lay.dp}" in said
+    if lay.fsdp_dtype:
+        assert data["fsdp_param_dtype"] == {"bf16": "bfloat16", "fp16": "float16"}[lay.fsdp_dtype]
+    assert (data["plan"]["sequence"] is not None) == lay.sp
 
 
 def test_the_chosen_command_plans_the_same_layout(tmp_path):

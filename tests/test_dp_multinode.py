@@ -146,22 +146,22 @@ def _free_ipv4_port() -> int:
         return s.getsockname()[1]
 
 
-def _two_nodes(where: Path):
-    """``autotp shard`` as node 0 and node 1 on this host: (processes, logs, their text, which timed out,
-    the output folder)."""
+def _two_nodes(where: Path, sizes: tuple[str, ...] = ("--tp", str(TP)), timeout: float = TWO_NODE_TIMEOUT_S):
+    """``autotp shard`` with ``sizes`` as node 0 and node 1 on this host: (processes, logs, their text, which
+    timed out, the output folder)."""
     where.mkdir()
     port, out = _free_ipv4_port(), where / "out"
     env = {**os.environ, "COLUMNS": "200"}
     procs, logs = [], []
     for node in (0, 1):
-        cmd = [sys.executable, "-m", "autotp.cli", "shard", NANOGPT, "--tp", str(TP), "--steps", "2",
+        cmd = [sys.executable, "-m", "autotp.cli", "shard", NANOGPT, *sizes, "--steps", "2",
                "--nnodes", "2", "--node-rank", str(node), "--master-addr", "127.0.0.1",
                "--master-port", str(port), "--out", str(out)]
         logs.append(where / f"node{node}.log")
         with open(logs[-1], "w") as log:
             procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
                                           start_new_session=True))
-    deadline = time.monotonic() + TWO_NODE_TIMEOUT_S
+    deadline = time.monotonic() + timeout
     try:
         for proc in procs:
             proc.wait(timeout=max(1.0, deadline - time.monotonic()))
@@ -210,6 +210,41 @@ def test_shard_two_nodes_on_loopback(tmp_path: Path) -> None:
         [(0, 0, 0), (1, 1, 0), (2, 0, 1), (3, 1, 1)]
     assert len(summary["losses"]) == 2
     # every rank of both nodes wrote its part of the checkpoint: it loads into the unsharded model
+    model = nanogpt.build_model().eval()
+    load_unsharded(model, Plan.from_json((out / "plan.json").read_text()), out / "checkpoint")
+    with torch.no_grad():
+        _, loss = model(*nanogpt.example_batch())
+    assert abs(loss.item() - summary["final_loss"]) < 1e-5
+
+
+@pytest.mark.slow
+@pytest.mark.extended
+def test_shard_pipeline_stages_on_two_nodes_with_world_size(tmp_path: Path) -> None:
+    """``--world-size 2 --nnodes 2 --pp 2``: --dp counts every node's replicas (here 1), one rank per node, so
+    stage 0 runs on one node and stage 1 on the other (the spelling ``autotp plan --auto`` prints for a pipeline
+    over nodes; the per-node --dp could not say it). The loss through the stages matches the unsharded model's
+    and the trained checkpoint loads into it."""
+    import nanogpt
+
+    from autotp.io.checkpoint import load_unsharded
+    from autotp.plan.plan import Plan
+
+    for attempt in range(2):  # as test_shard_two_nodes_on_loopback: one retry for a stall at gloo's teardown
+        procs, logs, text, timed_out, out = _two_nodes(tmp_path / f"attempt{attempt}",
+                                                       ("--tp", "1", "--pp", "2", "--world-size", "2"), 2 * TWO_NODE_TIMEOUT_S)
+        if not all(timed_out):
+            break
+    shown = "\n".join(f"--- node {n} ---\n{t}" for n, t in enumerate(text))
+    assert not any(timed_out), f"not finished within {2 * TWO_NODE_TIMEOUT_S} s\n{shown}"
+    assert [p.returncode for p in procs] == [0, 0], shown
+    host = 0 if procs[0].pid < procs[1].pid else 1  # the node holding rank 0 (see the test above)
+    assert "parity vs unsharded" in text[host] and "pass" in text[host], shown
+    assert f"node {1 - host}: 1 ranks finished" in text[1 - host], shown
+
+    summary = json.loads((out / "summary.json").read_text())
+    assert (summary["tp"], summary["dp"], summary["pp"]) == (1, 1, 2) and summary["parity"]["ok"]
+    assert [(r["rank"], r["pp_rank"]) for r in summary["ranks"]] == [(0, 0), (1, 1)]  # one stage per node
+    assert len(summary["losses"]) == 2
     model = nanogpt.build_model().eval()
     load_unsharded(model, Plan.from_json((out / "plan.json").read_text()), out / "checkpoint")
     with torch.no_grad():

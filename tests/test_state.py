@@ -54,9 +54,30 @@ def test_swap_tensors_keeps_ties_and_calls_make_once_per_tensor() -> None:
     (dict(tp=0), "--tp must be an integer >= 1, got 0"),
     (dict(tp=2, nnodes=2, node_rank=2, master_addr="a", master_port=1), "--node-rank 2 is out of range [0, 2) for --nnodes 2"),
     (dict(tp=2, nnodes=2), "--nnodes 2 needs --master-addr and --master-port"),
+    (dict(tp=2, dp=2, world=8), "--tp 2 × --dp 2 × --pp 1 = 4 ranks, not the --world-size 8"),
+    (dict(tp=2, dp=3, world=6, nnodes=4, master_addr="a", master_port=1),
+     "--world-size 6 ranks do not divide into --nnodes 4 equal nodes"),
+    (dict(tp=4, dp=4, world=16, nnodes=4, master_addr="a", master_port=1, fsdp=True, hsdp=2),
+     "--hsdp 2: a shard group of 2 data-parallel ranks would span nodes (4 ranks per node)"),
 ])
 def test_launch_errors_name_settings_and_the_cli_names_flags(kwargs: dict, message: str) -> None:
     with pytest.raises(LaunchError) as info:
         LaunchSpec(**kwargs)
     assert "--" not in str(info.value).split("\n")[0]  # the library names its own fields
     assert as_flags(info.value).startswith(message)
+
+
+def test_with_world_dp_counts_every_nodes_replicas_and_stages_sit_on_different_nodes() -> None:
+    """LaunchSpec(world=W) (autotp shard --world-size): world = tp × cp × dp × pp, W / nnodes ranks per node, in
+    Megatron's order; the per-node spelling (no world) multiplies dp by the nodes, as before."""
+    spec = LaunchSpec(tp=4, dp=4, pp=4, world=64, nnodes=8, master_addr="h", master_port=1, fsdp=True)
+    assert (spec.nproc_per_node, spec.world_size, spec.data_parallel) == (8, 64, 4)
+    assert spec.env("gloo")["AUTOTP_DP"] == "4" and spec.layout.gpus_per_node == 8
+    stage0 = next(g for g in spec.layout.pp_groups if 0 in g)
+    assert stage0 == [0, 16, 32, 48]  # stage p on nodes 2p and 2p + 1
+    assert [spec.layout.coords(r)["node"] for r in stage0] == [0, 2, 4, 6]
+    assert spec.layout.tp_groups[:2] == [[0, 1, 2, 3], [4, 5, 6, 7]]  # each inside a node
+    per_node = LaunchSpec(tp=2, dp=1, pp=2, nnodes=2, master_addr="h", master_port=1)
+    assert (per_node.nproc_per_node, per_node.world_size, per_node.data_parallel) == (4, 8, 2)
+    # HSDP's shard groups inside a node: allowed either way
+    LaunchSpec(tp=2, dp=8, world=16, nnodes=2, master_addr="h", master_port=1, fsdp=True, hsdp=2)

@@ -67,7 +67,12 @@ def choose_backend(nproc_per_node: int) -> str:
 
 @dataclass(frozen=True)
 class LaunchSpec:
-    """``tp × cp × dp × pp`` processes on each of ``nnodes`` nodes; data parallelism spans nodes (dp × nnodes)."""
+    """The ranks of one job and how they sit on ``nnodes`` nodes. Without ``world``, ``dp`` counts one node's
+    replicas: ``tp × cp × dp × pp`` processes on each node, dp × nnodes replicas in all. With ``world`` (``autotp
+    shard --world-size``), ``dp`` counts every node's: world = tp × cp × dp × pp ranks, world / nnodes per node.
+    Either way global ranks follow Megatron's order (tp fastest, then cp, dp, pp) and node n holds ranks
+    n·(world / nnodes) onwards, so a pipeline's stages may sit on different nodes (tp 4 × dp 4 × pp 4 on 8 nodes of
+    8: each stage's 16 ranks fill two nodes)."""
 
     tp: int
     dp: int = 1
@@ -81,14 +86,19 @@ class LaunchSpec:
     device: str = "auto"  # "cuda": one GPU per rank (nccl), "cpu": gloo, "auto": cuda when every rank has a GPU
     bind_cores: bool = True  # CPU ranks: each bound to its own share of this node's cores (cpu_binding.py)
     fsdp: bool = False  # shard each TP shard over the data-parallel ranks (FSDP2)
-    hsdp: int = 1  # with fsdp: replica groups (HSDP: shard within a group of dp / hsdp ranks, replicate across)
+    # with fsdp: replica groups (HSDP: shard within a group of dp / hsdp ranks, each inside a node, replicate
+    # across them); None: FSDP over every data-parallel rank, across nodes too (torchtitan's FSDP over nodes)
+    hsdp: int | None = None
     cp: int = 1  # context parallelism: ranks that each run a chunk of the same sequences (between tp and dp)
+    world: int | None = None  # ranks in all, dp then the whole data-parallel size; None: dp per node × nnodes
 
     def __post_init__(self) -> None:
         for name in ("tp", "dp", "pp", "nnodes", "cp"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise LaunchError(f"{name} must be an integer >= 1, got {value!r}", fields=(name,))
+        if self.world is not None:
+            self._check_world()
         if not 0 <= self.node_rank < self.nnodes:
             raise LaunchError(f"node_rank {self.node_rank} is out of range [0, {self.nnodes}) "
                               f"for nnodes {self.nnodes}", fields=("node_rank", "nnodes"))
@@ -105,8 +115,8 @@ class LaunchSpec:
             have = torch.cuda.device_count() if torch.cuda.is_available() else 0
             if have < self.nproc_per_node:
                 raise LaunchError(
-                    f"device cuda: tp {self.tp} × cp {self.cp} × dp {self.dp} × pp {self.pp} = {self.nproc_per_node} ranks "
-                    f"per node need {self.nproc_per_node} GPUs, this node has {have}",
+                    f"device cuda: {self._per_node()} = {self.nproc_per_node} ranks per node need "
+                    f"{self.nproc_per_node} GPUs, this node has {have}",
                     hint=f"use at most {have} ranks per node (tp × cp × dp × pp)" if have else
                     "run on the CPU (device cpu: gloo)", fields=("device",))
         if self.nnodes > 1 and (self.master_addr is None or self.master_port is None):
@@ -116,31 +126,80 @@ class LaunchSpec:
         self.layout  # validates tp × dp × pp against the world size now, not inside the workers
         self._check_fsdp()
 
+    def _check_world(self) -> None:
+        """``world`` is the product of the sizes, and the nodes take equal shares of it."""
+        w = self.world
+        if isinstance(w, bool) or not isinstance(w, int) or w < 1:
+            raise LaunchError(f"world_size must be an integer >= 1, got {w!r}", fields=("world_size",))
+        product = self.tp * self.cp * self.dp * self.pp
+        if product != w:
+            cp = f" × cp {self.cp}" if self.cp > 1 else ""
+            raise LaunchError(f"tp {self.tp}{cp} × dp {self.dp} × pp {self.pp} = {product} ranks, not the world_size "
+                              f"{w} (with world_size, dp counts every node's replicas)",
+                              fields=("tp", "cp", "dp", "pp", "world_size"),
+                              hint=f"give dp {w // (product // self.dp)}" if w % (product // self.dp) == 0 else
+                              f"tp × cp × pp = {product // self.dp} does not divide {w}: change them or world_size")
+        if w % self.nnodes:
+            raise LaunchError(f"world_size {w} ranks do not divide into nnodes {self.nnodes} equal nodes",
+                              fields=("world_size", "nnodes"))
+
+    def _per_node(self) -> str:
+        """How this node's ranks are counted, for messages."""
+        if self.world is not None:
+            return f"world_size {self.world} / nnodes {self.nnodes}"
+        return f"tp {self.tp} × cp {self.cp} × dp {self.dp} × pp {self.pp}"
+
+    def _replicas(self) -> str:
+        return f"dp {self.dp}" if self.world is not None else f"dp {self.dp} × nnodes {self.nnodes}"
+
+    @property
+    def replica_groups(self) -> int:
+        """FSDP's replica groups: hsdp's, or 1 (plain FSDP)."""
+        return self.hsdp or 1
+
+    @property
+    def data_parallel(self) -> int:
+        """The data-parallel size of the whole job (every node's replicas)."""
+        return self.dp if self.world is not None else self.dp * self.nnodes
+
     def _check_fsdp(self) -> None:
-        dp = self.dp * self.nnodes
-        if isinstance(self.hsdp, bool) or not isinstance(self.hsdp, int) or self.hsdp < 1:
+        dp = self.data_parallel
+        if self.hsdp is not None and (isinstance(self.hsdp, bool) or not isinstance(self.hsdp, int) or self.hsdp < 1):
             raise LaunchError(f"hsdp must be an integer >= 1, got {self.hsdp!r}", fields=("hsdp",))
-        if self.hsdp > 1 and not self.fsdp:
+        if self.hsdp is not None and self.hsdp > 1 and not self.fsdp:
             raise LaunchError(f"hsdp {self.hsdp} shards within replica groups: it needs fsdp", fields=("hsdp", "fsdp"))
         if not self.fsdp:
             return
         if dp == 1:
             raise LaunchError(f"fsdp shards the parameters over the data-parallel ranks, and there is one "
-                              f"(dp {self.dp} × nnodes {self.nnodes})", fields=("fsdp", "dp"),
+                              f"({self._replicas()})", fields=("fsdp", "dp"),
                               hint="use dp > 1 (world = tp × dp × nnodes), or drop fsdp")
+        if self.hsdp is None:  # plain FSDP: one group of every data-parallel rank, wherever they are
+            return
         if dp % self.hsdp:
             raise LaunchError(f"hsdp {self.hsdp} replica groups do not divide the {dp} data-parallel ranks "
-                              f"(dp {self.dp} × nnodes {self.nnodes})", fields=("hsdp", "dp"))
+                              f"({self._replicas()})", fields=("hsdp", "dp"))
         shard = dp // self.hsdp
-        if self.nnodes > 1 and self.dp % shard:
+        # HSDP asked for: its point is gathers inside a node
+        if self.nnodes > 1 and self._shards_span_nodes(shard):
+            per = f"{self.dp} per node" if self.world is None else f"{self.nproc_per_node} ranks per node"
             raise LaunchError(f"hsdp {self.hsdp}: a shard group of {shard} data-parallel ranks would span nodes "
-                              f"({self.dp} per node), so every all-gather would cross them",
+                              f"({per}), so every all-gather would cross them",
                               fields=("hsdp", "dp", "nnodes"),
                               hint=f"use hsdp {self.nnodes} (or a multiple that divides {dp}): shard within a "
                                    f"node, replicate across nodes")
 
+    def _shards_span_nodes(self, shard: int) -> bool:
+        """Whether an HSDP shard group (``shard`` consecutive data-parallel ranks of one tp, cp and pp coordinate)
+        holds ranks of two nodes."""
+        per = self.nproc_per_node
+        return any(g[k] // per != g[k + shard - 1] // per
+                   for g in self.layout.dp_groups for k in range(0, len(g), shard))
+
     @property
     def nproc_per_node(self) -> int:
+        if self.world is not None:
+            return self.world // self.nnodes
         return self.tp * self.cp * self.dp * self.pp
 
     @property
@@ -150,13 +209,13 @@ class LaunchSpec:
     @property
     def layout(self) -> RankLayout:
         try:
-            return RankLayout.build(self.world_size, self.tp, pp=self.pp, dp=self.dp * self.nnodes,
+            return RankLayout.build(self.world_size, self.tp, pp=self.pp, dp=self.data_parallel,
                                     gpus_per_node=self.nproc_per_node, cp=self.cp)
         except (TypeError, ValueError) as exc:
             raise LaunchError(str(exc)) from exc
 
     def env(self, backend: str) -> dict[str, str]:
-        env = {ENV_TP: str(self.tp), ENV_DP: str(self.dp * self.nnodes), ENV_PP: str(self.pp), ENV_BACKEND: backend}
+        env = {ENV_TP: str(self.tp), ENV_DP: str(self.data_parallel), ENV_PP: str(self.pp), ENV_BACKEND: backend}
         if self.cp > 1:
             env[ENV_CP] = str(self.cp)
         if self.timeout is not None:
@@ -166,7 +225,7 @@ class LaunchSpec:
             env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // self.nproc_per_node))
         env[ENV_BIND] = "1" if backend == "gloo" and self.bind_cores else "0"  # "0" overrides an inherited "1"
         if self.fsdp:
-            env[ENV_FSDP] = str(self.hsdp)
+            env[ENV_FSDP] = str(self.replica_groups)
         return env
 
 
