@@ -270,13 +270,13 @@ APPLY_ORDER: tuple[Step, ...] = (
 )
 
 
-def apply(model: nn.Module, st: TPState, planned: Planned, key: Hashable, fresh: list[str],
-          steps: tuple[Step, ...] = APPLY_ORDER) -> Captured:
-    """Run ``steps`` on ``planned`` for this rank and record the graph the model runs for call signature
-    ``key`` (``st.graphs[key]``), with the state its forward writes and the checks it was captured under."""
+def apply(model: nn.Module, st: TPState, planned: Planned, key: Hashable, fresh: list[str]) -> Captured:
+    """Run :data:`APPLY_ORDER` on ``planned`` for this rank and record the graph the model runs for call
+    signature ``key`` (``st.graphs[key]``), with the state its forward writes and the checks it was captured
+    under."""
     checks = planned.gm.meta.get(CHECKS_KEY, ())  # as captured, before any step
     a = Applying(model, st, planned, fresh)
-    for step in steps:
+    for step in APPLY_ORDER:
         step(a)
     index = {n.name: i for i, n in enumerate(n for n in a.gm.graph.nodes if n.op == "placeholder")}
     seq = a.plan.sequence
