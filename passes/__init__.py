@@ -40,6 +40,11 @@ from autotp.plan.plan import Plan
 
 Pass = Callable[[fx.GraphModule, Plan], fx.GraphModule]
 
+# The rewrite step of autotp.parallel.apply.APPLY_ORDER. Where the order matters: sequence_split and
+# sequence_grads read edges the plan names in the captured graph, so they run before insert_collectives puts
+# f and g on them; row_bias_after_reduce adds a row's bias after the collective insert_collectives put after
+# that row, so it runs after; context_parallel runs the finished tensor-parallel graph on this rank's chunk of
+# the sequence, so it runs last.
 DEFAULT_PASSES: tuple[Pass, ...] = (rewrite_constants, sequence_split, sequence_grads, insert_collectives, expert_parallel,
                                     sharded_stats, row_bias_after_reduce,
                                     vocab_embedding, vocab_loss, vocab_output, gather_outputs, local_inputs,

@@ -37,3 +37,13 @@ def test_the_model_regions_are_outlined_by_passes_innermost_first() -> None:
     assert steps.index("bind_streams") < steps.index("outline_recompute") < steps.index("compile_graph")
     for name in outlines:
         assert getattr(passes, name).__module__ == f"autotp.passes.{name}"
+
+
+def test_the_plans_passes_run_in_their_documented_order() -> None:
+    """The rewrite step's passes: the sequence edges taken before f and g go on them, a row's bias moved after
+    its collective, context parallelism on the finished tensor-parallel graph."""
+    order = [p.__name__ for p in passes.DEFAULT_PASSES]
+    at = order.index
+    assert at("sequence_split") < at("insert_collectives") and at("sequence_grads") < at("insert_collectives")
+    assert at("insert_collectives") < at("row_bias_after_reduce")
+    assert order[-1] == "context_parallel"
