@@ -2,8 +2,9 @@
 with ``@torch.autocast``/``torch.amp.custom_fwd`` become a ``wrap_with_autocast`` higher-order op whose body is
 a submodule, which no rule of analysis reads. :func:`inline_autocast` copies each body into the graph in the
 op's place, its nodes tagged with the region's arguments (:class:`~autotp.operators.autocast.AutocastRegion`),
-so analysis and the passes see plain ops (a q/k norm computed in fp32 is a norm like any other); the runtime
-outlines the tagged nodes again under the same ``torch.autocast`` (:func:`~autotp.operators.autocast.outline_autocast`).
+so analysis and the passes see plain ops (a q/k norm computed in fp32 is a norm like any other); after the
+rewrite the tagged nodes are outlined again under the same ``torch.autocast``
+(:func:`~autotp.passes.outline_autocast.outline_autocast`).
 
 Before::
 
