@@ -113,14 +113,31 @@ def test_gated_delta_net_is_planned_by_heads(kind: str):
 
 
 @pytest.mark.extended
-def test_gated_delta_net_with_key_heads_fewer_than_ranks_is_replicated_with_its_reason():
-    """2 key heads repeated to 4 value heads: cut at tp 2; at tp 4 a rank would need part of a key head's
-    channels, which the fused q | k | v split would move between ranks: the block is replicated, named."""
+def test_gated_delta_net_with_key_heads_fewer_than_ranks_replicates_them_per_rank_group():
+    """2 key heads repeated to 4 value heads at tp 4, as grouped-query attention's kv heads fewer than tp: each
+    key head's q and k channels (in_proj_qkv's and the convolution's) are held by the 2 ranks whose value heads
+    read it, v, z, b, a, ``dt_bias`` and ``A_log`` cut by the 4 value heads; each rank repeats its one key head
+    for its one value head (repeat_interleave 2 -> 1), and the sequence split of q and k is torch's rule for 2
+    blocks. The mixer's collectives are those of 4 key heads: out_proj's all-reduce, f backward and the per-head
+    norm's weight gradient."""
     model, args, kwargs = build("qwen3_5_2_key_heads")
     gm = capture(model, args, kwargs)[0]
+    m = "model.layers.0.linear_attn"
     assert make_plan(gm, 2).replicated == ()
-    (module, reason), = make_plan(gm, 4).replicated
-    assert module == "model.layers.0.linear_attn" and "tensor_split" in reason and "would move data" in reason, reason
+    plan = make_plan(gm, 4)
+    assert plan.replicated == (), plan.replicated
+    cut = {n[len(m) + 1:]: ([(g.size, g.parts) for g in s.segments], s.local_shape)
+           for n, s in plan.params if n.startswith(m)}
+    assert cut == {
+        "in_proj_qkv.weight": ([(32, 2), (32, 2), (64, 4)], (48, 64)), "in_proj_z.weight": ([(64, 4)], (16, 64)),
+        "in_proj_b.weight": ([(4, 4)], (1, 64)), "in_proj_a.weight": ([(4, 4)], (1, 64)),
+        "conv1d.weight": ([(32, 2), (32, 2), (64, 4)], (48, 1, 4)), "dt_bias": ([(4, 4)], (1,)),
+        "A_log": ([(4, 4)], (1,)), "out_proj.weight": ([(64, 4)], (64, 16)),
+    }, cut
+    assert {(r.old, r.new) for r in plan.rewrites if r.node.startswith("repeat_interleave") and r.arg == 1} \
+        == {(2, 1)}, plan.rewrites
+    mixer = sorted((c.op, c.direction, c.shape[-1]) for c in plan.collectives if c.module == m)
+    assert mixer == [("sum", "backward", "16"), ("sum", "backward", "64"), ("sum", "forward", "64")], mixer
 
 
 @pytest.mark.extended
@@ -150,8 +167,10 @@ def test_hf_mamba_is_planned_by_channels():
                          ("sum", "forward", "64")], (tp, mixer)
 
 
-MIXERS = Launches({}, extended={w: {"mixers": (pattern_parity, ["nemotron_h", "qwen3_5", "qwen3_5_moe"], 3, False,
-                                               "hf_family_models"),
+# at 4 ranks also Qwen3.5 with 2 key heads (each held by the 2 ranks whose value heads read it)
+MIXER_RUNS = {2: ["nemotron_h", "qwen3_5", "qwen3_5_moe"], 4: ["nemotron_h", "qwen3_5", "qwen3_5_moe",
+                                                               "qwen3_5_2_key_heads"]}
+MIXERS = Launches({}, extended={w: {"mixers": (pattern_parity, MIXER_RUNS[w], 3, False, "hf_family_models"),
                                     "mamba": (pattern_parity, ["mamba"], 3, False, "hf_family_models")}
                                 for w in (2, 4)})
 
@@ -160,11 +179,12 @@ MIXERS = Launches({}, extended={w: {"mixers": (pattern_parity, ["nemotron_h", "q
 @pytest.mark.extended
 @pytest.mark.parametrize("world", [2, 4])
 def test_hybrid_mixers_train_exactly_with_megatron_collectives(world: int):
-    """Nemotron-H and Qwen3.5 (dense and MoE): loss, gradients and parameters after 3 AdamW steps within 1e-5,
-    every block cut; Nemotron-H's step is Megatron's all-reduces: forward per layer the row-parallel output's
+    """Nemotron-H and Qwen3.5 (dense and MoE; at 4 ranks also with 2 key heads): loss, gradients and parameters
+    after 3 AdamW steps within 1e-5, every block cut; Nemotron-H's step is Megatron's all-reduces: forward per layer the row-parallel output's
     (b·s·h), the embedding's and the loss's max and two sums (b·s); backward per layer one f and the head's."""
     bsh, bs = 2 * 8 * 64, 2 * 8
     for rank, by_kind in MIXERS(world, "mixers").items():
+        assert list(by_kind) == MIXER_RUNS[world], (rank, list(by_kind))
         for kind, r in by_kind.items():
             assert_exact(r, (rank, kind))
             assert_fully_sharded(r, world, (rank, kind))

@@ -184,8 +184,12 @@ class Propagator(ShapeRules, ValueRules, EinsumRules):
         if any(s.inner or s.outer or s.group or s.segments != first.segments for s in sharded.values()):
             raise Unshardable(node, f"{node.target} reads a sharded value laid out in a way torch's rules do not "
                                     "describe")
+        # a dim whose blocks are fewer than the ranks (2 key heads at tp 4: each held by 2 ranks) is cut as
+        # torch would cut it into that many blocks: each rank's block is one of them
+        parts = {g.parts for g in first.segments}
+        blocks = parts.pop() if len(parts) == 1 else self.tp
         try:
-            answer = ask_torch(node, {x: s.dim for x, s in sharded.items()}, self.tp)
+            answer = ask_torch(node, {x: s.dim for x, s in sharded.items()}, blocks)
         except TorchRefused as e:
             raise Unshardable(node, str(e)) from None
         outs = tuple(None if d is None else first.moved(d) for d in answer.outputs)
