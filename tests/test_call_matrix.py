@@ -28,9 +28,11 @@ CASES = [
     "nanogpt:argskw:train_eval_generate_train:user",
     "nanogpt:tuple:generate_first:user",
 ]
-# a second spelling of a sequence another case runs: in the extended run only
+# a second spelling of a sequence another case runs, and the example forms and call shapes beyond one each: in
+# the extended run only
 EXTENDED = ["nanogpt:tuple:train_eval_generate_train:eager", "llama:none:generate_first:eager",
-            "nanogpt:tuple:generate_first:user"]
+            "nanogpt:tuple:generate_first:user", "nanogpt:dict:train_eval_generate_train:eager",
+            "nanogpt:tuple:shapes:eager", "nanogpt:argskw:train_eval_generate_train:user"]
 
 
 @pytest.fixture(scope="module")

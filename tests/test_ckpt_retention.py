@@ -198,6 +198,7 @@ def test_cli_refuses_an_unwritable_out_and_a_model_without_parameters(tmp_path: 
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_a_restart_resumes_from_its_own_newest_checkpoint(tmp_path: Path):
     """--resume-from step 2, a checkpoint at step 3, then rank 1 dies in the save of step 4: the elastic
     restart resumes from step 3, this run's own, not from the step 2 the command named."""

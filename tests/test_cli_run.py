@@ -71,6 +71,7 @@ def test_every_line_carries_its_rank(script: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_ranks_shows_only_those_ranks(script: Path) -> None:
     result = runner.invoke(app, ["run", str(script), "--tp", "2", "--ranks", "1"])
     assert result.exit_code == 0, result.output
@@ -79,6 +80,7 @@ def test_ranks_shows_only_those_ranks(script: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_log_dir_keeps_each_ranks_files(script: Path, tmp_path: Path) -> None:
     logs = tmp_path / "logs"
     result = runner.invoke(app, ["run", str(script), "--tp", "2", "--log-dir", str(logs)])

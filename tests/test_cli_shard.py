@@ -132,6 +132,7 @@ def test_shard_says_each_phase_and_logs_metrics(sharded) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_no_steps_trains_and_writes_no_checkpoint(tmp_path: Path) -> None:
     """``--steps 0`` builds, shards and checks the model, and neither steps nor checkpoints (a load check of
     ``--weights`` costs no save)."""
@@ -311,6 +312,7 @@ def _tiny_gpt_file(path: Path, batch: str) -> Path:
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_shard_unseeded_example_batch(tmp_path: Path) -> None:
     # each rank drawing its own ids would be refused (InputMismatchError): tp rank 0's batch is broadcast
     model = _tiny_gpt_file(tmp_path / "unseeded.py", """
@@ -330,6 +332,7 @@ def test_shard_unseeded_example_batch(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_shard_without_example_batch(tmp_path: Path) -> None:
     model = _tiny_gpt_file(tmp_path / "no_batch.py", "")
     out = tmp_path / "out"
@@ -388,6 +391,7 @@ def test_autotp_run_script(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_autotp_run_failing_script(tmp_path: Path) -> None:
     script = tmp_path / "fails.py"
     script.write_text("import sys\nsys.exit(3)\n")

@@ -25,7 +25,9 @@ KEYED = {2: ["alibi", "softcap", *context_models.KEYED, "hf_gemma2", "hf_llama_p
          4: ["window", "hf_llama_padded"]}
 KEYED_TP2 = ["softcap_where", "hf_llama_padded"]
 # the 4-rank jobs of the extended run (the default 4-rank launch: cp2_tp2, cp2_tp2_sp, experts, fsdp_tp2)
-AT_4_EXTENDED = ("graph", "parallelize", "keyed", "keyed_tp2", "dropout", "fsdp", "hsdp")
+AT_4_EXTENDED = ("graph", "parallelize", "keyed", "keyed_tp2", "dropout", "fsdp", "hsdp", "cp2_tp2_sp", "experts")
+# at cp 2: the keyed spellings and the sampling loop in the extended run too
+AT_2_EXTENDED = ("keyed", "sampling")
 KEYED_REST = {(4, 1): ["alibi_abs", "softcap_where", "shared_window", "sdpa_window"], (2, 2): ["alibi", "sdpa_window"]}
 
 
@@ -49,7 +51,7 @@ def runs() -> Launches:
         jobs[cp]["keyed"] = (parallelize_parity, KEYED[cp])
     jobs[4]["keyed_tp2"] = (parallelize_parity, KEYED_TP2, 3, 2)
     rest = {"keyed rest": (parallelize_parity, KEYED_REST[4, 1]), "keyed_tp2 rest": (parallelize_parity, KEYED_REST[2, 2], 3, 2)}
-    inductor = {"compile inductor": (context_compile, ["nanogpt_example"], 3, "inductor")}
+    rest2 = {"compile inductor": (context_compile, ["nanogpt_example"], 3, "inductor")}
     jobs[2]["dropout"], jobs[4]["dropout"] = (context_dropout, 1), (context_dropout, 2)  # cp 2; cp 2 × tp 2
     jobs[2]["script"] = (context_script_parity, 3)
     jobs[2]["sampling"] = (context_sampling,)
@@ -59,11 +61,12 @@ def runs() -> Launches:
     jobs[4]["fsdp_tp2"] = (context_fsdp_parity, ["nanogpt_example"], 2)  # cp 2 × tp 2
     jobs[4]["hsdp"] = (context_fsdp_parity, ["nanogpt_example"], 1, 3, 2)  # 2 replicas × (dp_shard 1 · cp 2)
     jobs[4]["experts"] = (expert_parity, EXPERTS, 3, 2)  # cp 2 × tp 2, E/tp whole experts per tp rank
-    # CI's time: the default 4-rank launch runs the pairings (cp 2 × tp 2, with sequence parallelism, experts,
-    # FSDP); cp 4, the keyed spellings at 4 ranks, dropout at cp 2 × tp 2, FSDP over dp × cp and HSDP run in the
-    # extended run
+    # CI's time: the default 4-rank launch runs two pairings (cp 2 × tp 2, FSDP over cp 2 × tp 2); cp 4, the keyed
+    # spellings, dropout at cp 2 × tp 2, sequence parallelism and experts inside the chunks, FSDP over dp × cp,
+    # HSDP and the sampling loop run in the extended run
     rest.update({name: jobs[4].pop(name) for name in AT_4_EXTENDED})
-    return Launches(jobs, extended={4: rest, 2: inductor})
+    rest2.update({name: jobs[2].pop(name) for name in AT_2_EXTENDED})
+    return Launches(jobs, extended={4: rest, 2: rest2})
 
 
 @pytest.mark.slow
@@ -88,6 +91,7 @@ def test_context_parallel_training_matches_one_device(runs, cp):
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 @pytest.mark.parametrize("cp, tp, rest", [(2, 1, False), pytest.param(4, 1, False, marks=pytest.mark.extended),
                                           pytest.param(2, 2, False, marks=pytest.mark.extended),
                                           *(pytest.param(cp, tp, True, marks=pytest.mark.extended) for cp, tp in KEYED_REST)])
@@ -155,6 +159,7 @@ def test_context_parallel_composes_with_tensor_parallelism(runs):
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_sequence_parallelism_splits_each_context_chunk_exactly(runs):
     """cp 2 × tp 2 with sequence parallelism (Megatron's and torchtitan's order: the tp group's norm and
     residual regions split the cp chunk further, each rank holding (b, s/(cp·tp), h)): the loss and the
@@ -178,6 +183,7 @@ def test_sequence_parallelism_splits_each_context_chunk_exactly(runs):
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_expert_parallelism_routes_each_chunks_tokens_exactly(runs):
     """cp 2 × tp 2 with expert parallelism: each tp rank holds E/tp whole experts and computes what the router
     sends them of its cp chunk's tokens (routing is per token: top-k, each token repeated per slot, an expert's
@@ -275,6 +281,7 @@ def test_checkpointed_layers_and_autocast_train_as_on_one_device(runs):
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_a_sampling_loop_runs_whole_where_chunks_cannot(runs):
     """The example's own sampling loop under torch.no_grad() at cp 2: its calls read the last position's logits
     and grow one token at a time, so they run the whole sequence on every rank (said once) and draw the same

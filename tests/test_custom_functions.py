@@ -208,6 +208,7 @@ HELPERS = SpellingRuns("helpers", "helper_models", helper_models.KINDS,
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world,part", HELPERS.params)
+@pytest.mark.extended
 def test_models_with_their_own_helpers_train_exactly(world: int, part: str):
     """Loss, gradients and 3 AdamW steps within 1e-5 of the unsharded model (which runs after parallelize:
     the helpers' caches hold nothing of the capture); the mask spellings fully sharded with Megatron's

@@ -36,6 +36,7 @@ def test_mismatched_tp_inputs_are_refused_and_broadcast_fixes_them():
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_dp_sampler_and_broadcast_follow_the_layout():
     r = launch(dp_sampling, 4)
     # tp innermost: TP groups [0,1] [2,3]; DP groups [0,2] [1,3]

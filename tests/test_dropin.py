@@ -58,6 +58,7 @@ def test_single_device_script_with_one_added_line(tmp_path: Path):
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_single_device_script_under_autotp_run_fsdp(tmp_path: Path):
     """The same one added line under ``autotp run --tp 2 --dp 2 --fsdp``: FSDP2 over the data-parallel ranks,
     the script's own optimizer groups, clip_grad_norm_ (the full model's norm) and sampling loop unchanged."""
@@ -70,6 +71,7 @@ def test_single_device_script_under_autotp_run_fsdp(tmp_path: Path):
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_single_device_script_under_autotp_run_cp(tmp_path: Path):
     """The same one added line under ``autotp run --tp 2 --cp 2``: parallelize with no example captures the
     forward's default inputs (no targets: the last position's logits), which cannot run on chunks; it says so

@@ -38,9 +38,10 @@ HF_KINDS = {2: ["mixtral", "mixtral:batched_mm", "qwen2_moe", "deepseek_v3_idle"
 @pytest.fixture(scope="module")
 def runs() -> Launches:
     """Both multi-process tests' jobs in one launch per world."""
-    return Launches({world: {"spellings": (pattern_parity, KINDS[world], 3, False, "moe_models", True),
-                             "hugging face": (pattern_parity, HF_KINDS[world], 3, False, "hf_moe_models", True)}
-                     for world in (2, 4)})
+    jobs = {world: {"spellings": (pattern_parity, KINDS[world], 3, False, "moe_models", True),
+                    "hugging face": (pattern_parity, HF_KINDS[world], 3, False, "hf_moe_models", True)}
+            for world in (2, 4)}
+    return Launches({2: jobs[2]}, extended={4: jobs[4]})  # tp 4 in the extended run
 
 
 def _rewritten(model, args, kwargs, tp: int):
@@ -100,7 +101,7 @@ def test_experts_as_modules_or_with_late_biases_keep_expert_tensor_parallelism_a
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.extended)])
 def test_expert_parallel_is_exact_with_one_all_reduce_per_layer(runs, world: int):
     """3 AdamW steps within 1e-5 of the unsharded model, E/tp whole experts per rank, and the collectives of
     expert tensor parallelism (forward one all-reduce per attention and MoE layer; backward one entering
@@ -120,7 +121,7 @@ def test_expert_parallel_is_exact_with_one_all_reduce_per_layer(runs, world: int
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.extended)])
 def test_hugging_face_experts_whole_per_rank_with_idle_experts(runs, world: int):
     """Mixtral (grouped GEMM; batched_mm), Qwen2-MoE (a shared expert) and DeepSeek-V3 with its routing bias
     ruling out experts 2 and 3 (at tp 2 rank 1 holds only experts that get no tokens; at tp 4 ranks 2 and 3):

@@ -251,8 +251,9 @@ def _kinds(calls, *names) -> Counter:
     return Counter((c[0], c[1]) for c in calls if c[0] in names)
 
 
-# (nanoGPT at tp 1 × fsdp 4 in the extended run: Llama's covers that layout)
-PARITY = [("nanogpt", 2), ("llama", 2), pytest.param("nanogpt", 1, marks=pytest.mark.extended), ("llama", 1)]
+# the default run: Llama at tp 2 × fsdp 2 (the other layouts in the extended run)
+PARITY = [pytest.param("nanogpt", 2, marks=pytest.mark.extended), ("llama", 2),
+          pytest.param("nanogpt", 1, marks=pytest.mark.extended), pytest.param("llama", 1, marks=pytest.mark.extended)]
 META = [("nanogpt", 2, "dcp"), ("llama", 1, "torch")]
 # (parallel blocks and offset slices in the extended run)
 SPELLINGS = ["pattern:qk_norm_width", "pattern:gqa_qk_norm"]
@@ -272,10 +273,13 @@ def runs(tmp_path_factory) -> Launches:
 
     tmp = tmp_path_factory.mktemp("fsdp")
     jobs: dict[str, tuple] = {f"parity {model} {tp}": (fsdp_parity, model, tp) for model, tp in CORE}
-    jobs["kept"] = (fsdp_parity, "modulelist", 2, 3, 0.05, False, False)
-    jobs["hsdp"] = (fsdp_parity, "dense_first", 1, 3, 0.05, True, True, 2)
     jobs["resume"] = (fsdp_resume_matrix, str(tmp / "resume"), ["nanogpt", "llama"])
     jobs["mixed precision"] = (fsdp_workers_mp, "nanogpt", 2)
+    jobs["sp llama"] = (partial(fsdp_parity, sequence_parallel=True), "llama", 2)
+    # the extended run's jobs: the other layouts and options, meta models, kv heads, spellings
+    rest: dict[str, tuple] = {f"parity {model} {tp}": (fsdp_parity, model, tp) for model, tp in EXTENDED}
+    rest["kept"] = (fsdp_parity, "modulelist", 2, 3, 0.05, False, False)
+    rest["hsdp"] = (fsdp_parity, "dense_first", 1, 3, 0.05, True, True, 2)
     for name, tp, kind in META:
         # a torch state-dict file (read tensor by tensor) or a DCP folder (read in one go at the end)
         state = _model(name)[0].state_dict()
@@ -287,16 +291,14 @@ def runs(tmp_path_factory) -> Launches:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # "assuming the intent is to save in a single process"
                 dcp.save(state, checkpoint_id=str(path))
-        jobs[f"meta {name}"] = (fsdp_load_weights, name, str(path), tp)
-    jobs.update({f"without units {kind}": (fsdp_parity, kind, 2) for kind in ("single", "twice")})
-    jobs["spellings"] = (fsdp_parity_many, SPELLINGS, 2)
-    jobs["sp llama"] = (partial(fsdp_parity, sequence_parallel=True), "llama", 2)
-    jobs["kv llama"] = (fsdp_parity, "llama", 4)  # 2 kv heads, each on two of the 4 tp ranks (dp 1)
-    jobs["kv spellings"] = (fsdp_parity_many, MQA, 2)  # one kv head on both tp ranks, dp 2
+        rest[f"meta {name}"] = (fsdp_load_weights, name, str(path), tp)
+    rest.update({f"without units {kind}": (fsdp_parity, kind, 2) for kind in ("single", "twice")})
+    rest["spellings"] = (fsdp_parity_many, SPELLINGS, 2)
+    rest["kv llama"] = (fsdp_parity, "llama", 4)  # 2 kv heads, each on two of the 4 tp ranks (dp 1)
+    rest["kv spellings"] = (fsdp_parity_many, MQA, 2)  # one kv head on both tp ranks, dp 2
     # AOTAutograd's graphs run eagerly: Inductor over FSDP is the 8-rank command test's (tests/test_pipeline.py)
-    jobs["sp compile nanogpt"] = (partial(fsdp_parity, sequence_parallel=True, compile={"backend": "aot_eager"}),
+    rest["sp compile nanogpt"] = (partial(fsdp_parity, sequence_parallel=True, compile={"backend": "aot_eager"}),
                                   "nanogpt", 2)
-    rest = {f"parity {model} {tp}": (fsdp_parity, model, tp) for model, tp in EXTENDED}
     rest.update({f"{name} rest": (fsdp_parity_many, kinds, 2) for name, kinds in REST.items()})
     return Launches({4: jobs}, extended={4: rest})
 
@@ -333,7 +335,7 @@ def test_fsdp_training_parity(runs, model: str, tp: int):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("job", ["sp llama", "sp compile nanogpt"])
+@pytest.mark.parametrize("job", ["sp llama", pytest.param("sp compile nanogpt", marks=pytest.mark.extended)])
 def test_fsdp_with_sequence_parallelism_and_compile(runs, job: str):
     """tp 2 with sequence parallelism × fsdp 2 (and each unit's piece compiled): exact after 3 AdamW steps
     with clip_grad_norm_; the collectives are each dimension's own, added: FSDP's all-gathers and
@@ -358,6 +360,7 @@ def test_fsdp_with_sequence_parallelism_and_compile(runs, job: str):
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_fsdp_with_kv_heads_held_by_several_ranks(runs):
     """Fewer kv heads than tp under FSDP (llama's 2 at tp 4; one at tp 2 × dp 2, k and v projections of their
     own or fused with q): exact after 3 AdamW steps with clip_grad_norm_ (the whole k and v weights counted
@@ -377,6 +380,7 @@ def test_fsdp_with_kv_heads_held_by_several_ranks(runs):
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_fsdp_options_and_hsdp(runs):
     """Keeping the gathered blocks until backward (no all-gather in backward), no prefetch, HSDP (2 replica
     groups × 2 shards: gradients reduce-scattered in a group, then all-reduced across the groups) on a
@@ -469,6 +473,7 @@ def test_fsdp_mixed_precision_under_autocast(runs):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name, tp, kind", META)
+@pytest.mark.extended
 def test_fsdp_model_built_on_meta_loads_its_weights(runs, name: str, tp: int, kind: str):
     """A torch state-dict file (read tensor by tensor) or a DCP folder (read in one go at the end): written
     by the ``runs`` fixture."""
@@ -508,6 +513,7 @@ def test_hsdp_at_tp2_on_8_ranks_structure():
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_fsdp_without_units_shards_the_whole_model(runs):
     """Nothing repeats (one block), or the blocks cannot be cut apart (a stack run twice): the whole model is
     one FSDP unit (said once, for the stack run twice), exact, its parameters read when the graph runs."""
@@ -524,7 +530,8 @@ def test_fsdp_without_units_shards_the_whole_model(runs):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("part", ["spellings", pytest.param("spellings rest", marks=pytest.mark.extended)])
+@pytest.mark.extended
+@pytest.mark.parametrize("part", ["spellings", "spellings rest"])
 def test_fsdp_parity_across_spellings(runs, part: str):
     """q/k norms over the whole width (their statistics completed over tp in the graph), grouped-query
     attention with q/k norms; in the extended run parallel attention and MLP, q|k|v read by offset slices:

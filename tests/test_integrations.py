@@ -102,6 +102,7 @@ def test_hf_trainer_tp2_dp2_matches_unsharded_trainer(tmp_path: Path):
 
 @pytest.mark.slow
 @needs_fabric
+@pytest.mark.extended
 def test_fabric_model_parallel_strategy_tp2_fsdp2_under_autotp_run(tmp_path: Path):
     """tp 2 × dp 2 under ``autotp run`` (Fabric takes the ranks torchelastic started): FSDP2 over Fabric's
     "data_parallel" dim, its data split by Fabric over that dim only."""

@@ -133,6 +133,7 @@ def test_new_run_refused_beside_an_interrupted_runs_traces(tmp_path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_resume_at_the_final_step_says_so(tmp_path, monkeypatch) -> None:
     from typer.testing import CliRunner
 

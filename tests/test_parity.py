@@ -17,9 +17,11 @@ LOSSES = ["nll_sum", "smoothing_none", "ignore_mean"]
 ROUND_TRIPS = {"nanogpt": 2, "gpt2_50257": 4, "llama": 4}
 # in the extended run only (tests/conftest.py): models at tp 4 whose plan does not change from tp 2 but for
 # sizes (Llama's kv heads and the 50257 vocab's padding do), those at tp 1 that stay untouched as nanoGPT
-# does, and one of each pair of spellings below
+# does, and one of each pair of spellings below; the default run keeps one model per kind of plan (nanoGPT at
+# tp 2, a padded 50257 vocabulary at tp 2, Llama's kv heads replicated at tp 4, a deep Llama with its cache)
 EXTENDED = {("nanogpt", 4), ("gpt2", 4), ("llama_deep", 4), ("gpt2", 1), ("gpt2_50257", 1), ("llama_deep", 1),
-            ("llama", 1), ("handwritten", 4), ("nll_sum", 4), ("smoothing_none", 4)}
+            ("llama", 1), ("handwritten", 4), ("nll_sum", 4), ("smoothing_none", 4), ("nanogpt", 1), ("gpt2", 2),
+            ("llama", 2), ("llama_deep", 2), ("gpt2_50257", 4), ("interleaved", 4), ("fused_mqa", 4)}
 
 
 def _marked(model: str, world: int):
@@ -41,8 +43,9 @@ for _name, _world in EXTENDED:
 JOBS[2].update({"preloaded": (preloaded,), "large logits": (large_logits_cross_entropy,),
                 "other calls": (other_calls,),
                 "dropout": (dropout_streams,), "replicated block": (replicated_block,)})
-for _model, _world in ROUND_TRIPS.items():
-    JOBS[_world][f"round trip {_model}"] = (checkpoint_round_trip, _model)
+for _model, _world in ROUND_TRIPS.items():  # Llama's at tp 4 by default, the others in the extended run
+    (JOBS if _model == "llama" else REST).setdefault(_world, {})[f"round trip {_model}"] = \
+        (checkpoint_round_trip, _model)
 
 
 @pytest.fixture(scope="module")
@@ -169,7 +172,8 @@ def test_dropout_streams(runs):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model,world", list(ROUND_TRIPS.items()))
+@pytest.mark.parametrize("model,world", [(m, w) if m == "llama" else pytest.param(m, w, marks=pytest.mark.extended)
+                                         for m, w in ROUND_TRIPS.items()])
 def test_full_state_dict_round_trip(runs, model: str, world: int):
     for r in runs(world, f"round trip {model}").values():
         assert r["keys_match"] and r["shapes_match"], "original names, un-padded shapes"

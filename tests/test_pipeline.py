@@ -278,6 +278,7 @@ CONTEXT = {False: [("nanogpt", 1, 2, "1F1B", 2, None, 3, 0.05, False, False, Fal
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 @pytest.mark.parametrize("rest", [False, pytest.param(True, marks=pytest.mark.extended)])
 def test_context_parallel_pipeline_matches_one_device(rest):
     """cp 2 × pp 2: every stage runs its rank's chunk of the sequence (the ring between the cp pair of each
@@ -458,6 +459,7 @@ if torch.distributed.is_initialized():  # a script that ends its own group, as t
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 @pytest.mark.parametrize("amp, tol", [(False, 1e-5), pytest.param(True, 1e-3, marks=pytest.mark.extended)])
 def test_user_script_under_autotp_run_pp(tmp_path, amp, tol):
     """A script of the user's own with autotp.pipeline under `autotp run --tp 1 --pp 2`: the layout's mesh is
@@ -506,6 +508,7 @@ def test_pipeline_of_a_model_built_on_meta_loads_only_its_stages(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_grad_scaler_overflow_on_one_stage_skips_every_rank():
     """fp16 + GradScaler through the pipeline: an overflow in one stage's gradients skips the step on both
     pipeline ranks, and the scale halves on both, as on one device."""

@@ -157,15 +157,16 @@ def test_compiled_regions_are_recomputed(fake_tp2):
     assert kept < 0.7 * plain, (kept, plain)
 
 
-# (style, tp, options) per world: FSDP units at tp 2 × dp 2, pipeline stages at pp 2 (with FSDP per stage at
-# pp 2 × dp 2), dropout recomputed with the forward's masks in both
+# (style, tp, options) per world: FSDP units at tp 2 × dp 2, pipeline stages at pp 2 (dropout recomputed with the
+# forward's masks in both: in the extended run)
 PIECES = {
-    2: [("layer", 1, dict(pp=2)), ("dropout", 1, dict(pp=2, schedule="GPipe"))],
+    2: [("layer", 1, dict(pp=2))],
     4: [("layer", 2, dict(fsdp=True))],
 }
 # the rest of the layouts the layout search prices with recomputation: sequence parallelism in FSDP units and
 # pipeline stages, context parallelism with FSDP over dp × cp, DDP over dp, tp 2 × pp 2
-EXTENDED = {4: [("dropout", 2, dict(fsdp=True)), ("mlp_only", 1, dict(pp=2, fsdp=True)),
+EXTENDED = {2: [("dropout", 1, dict(pp=2, schedule="GPipe"))],
+            4: [("dropout", 2, dict(fsdp=True)), ("mlp_only", 1, dict(pp=2, fsdp=True)),
                 ("layer", 2, dict(fsdp=True, sequence_parallel=True)),
                 ("function", 2, dict(pp=2, sequence_parallel=True)),
                 ("layer", 1, dict(fsdp=True, context_parallel=2)),

@@ -234,6 +234,7 @@ def test_failing_rank_fails_the_job_fast_and_first(faulty: Path, tmp_path: Path)
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_hanging_rank_is_bounded_by_timeout(faulty: Path, tmp_path: Path) -> None:
     # rank 1 never reaches the next collective; rank 0's waits end after --timeout, and with it the job
     code, text = _shard(faulty, tmp_path / "out", "--steps", "3", "--timeout", "3",
@@ -252,6 +253,7 @@ def _fails_first_attempt() -> dict[str, str | None]:
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_timeout_and_restarts_reach_the_launcher() -> None:
     results = launch(LaunchSpec(tp=2, timeout=7, max_restarts=1, device="cpu"), _fails_first_attempt)
     # the launcher restarted the whole job once, and its ranks saw the timeout

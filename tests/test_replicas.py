@@ -39,13 +39,14 @@ def runs() -> Launches:
     from replica_workers import refused_over_the_world, train
 
     return Launches({2: {"compile": (train, "compile", 1)},
-                     4: {"default": (train, "default"), "script": (train, "script"), "off": (train, "off"),
-                         "world": (refused_over_the_world,), "context": (train, "context")}},
-                    extended={4: {"context, no mesh": (train, "context, no mesh"), "compile": (train, "compile")}})
+                     4: {"default": (train, "default"), "off": (train, "off"), "world": (refused_over_the_world,)}},
+                    extended={4: {"script": (train, "script"), "context": (train, "context"),
+                                  "context, no mesh": (train, "context, no mesh"), "compile": (train, "compile")}})
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode,kind", [("default", "ddp"), ("script", "script ddp")])
+@pytest.mark.parametrize("mode,kind", [("default", "ddp"),
+                                       pytest.param("script", "script ddp", marks=pytest.mark.extended)])
 def test_replicas_train_as_one_device_on_the_whole_batch(runs, mode: str, kind: str):
     """tp 2 × dp 2, each replica on its own half of each batch, 3 AdamW steps: the gradients (last step) and
     parameters equal the unsharded model's on the whole batch within 1e-5 and are bit-identical across the
@@ -66,7 +67,8 @@ def test_replicas_train_as_one_device_on_the_whole_batch(runs, mode: str, kind: 
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["context", pytest.param("context, no mesh", marks=pytest.mark.extended)])
+@pytest.mark.extended
+@pytest.mark.parametrize("mode", ["context", "context, no mesh"])
 def test_context_parallel_replicas_sum_over_cp_then_average_over_dp(runs, mode: str):
     """cp 2 × dp 2 (tp 1), on a (dp, cp) mesh or on the groups ``context_parallel=2`` makes alone (the world
     cut into cp groups, the rest replicas): each chunk's gradients summed over cp in the backward, then
@@ -133,6 +135,7 @@ print("RESULT " + json.dumps({{"rank": dist.get_rank(), "kind": autotp.tp_state(
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_example_script_under_autotp_run_ends_with_identical_replicas(tmp_path: Path):
     """``autotp run examples/train.py --tp 2 --dp 2``, the script unchanged (run by a wrapper that then compares
     the replicas): after its steps every parameter tensor is bit-identical across the data-parallel replicas."""

@@ -14,19 +14,32 @@ import torch.distributed as dist
 
 from autotp.errors import AutotpError, CheckpointError
 from ranks import launch
-from resume_workers import SAVE_TP, resume_only, save_then_resume
+from resume_workers import MODELS, SAVE_TP, resume_only, save_then_resume
 
 TOL = 1e-5
 
 
-@pytest.fixture(scope="module")
-def resumed(tmp_path_factory) -> dict:
-    out = tmp_path_factory.mktemp("resume")
+def _resumed(out: Path, names: tuple[str, ...]) -> dict:
     # two launches: the save (and the resumes a world of 2 holds), then the resumes that need 4 ranks
-    results = launch(save_then_resume, 2, str(out), (2, 1))[0]
-    for name, got in launch(resume_only, 4, str(out), (4, 2))[0].items():
+    results = launch(save_then_resume, 2, str(out), (2, 1), names)[0]
+    for name, got in launch(resume_only, 4, str(out), (4, 2), names)[0].items():
         results[name].update(got)
     return results
+
+
+# Llama with 2 kv heads (replicated at tp 4) in the default run; the padded vocabulary, Falcon's fused groups and
+# stacked experts in the extended run
+CORE = ("llama_gqa",)
+
+
+@pytest.fixture(scope="module")
+def resumed(tmp_path_factory) -> dict:
+    return _resumed(tmp_path_factory.mktemp("resume"), CORE)
+
+
+@pytest.fixture(scope="module")
+def resumed_rest(tmp_path_factory) -> dict:
+    return _resumed(tmp_path_factory.mktemp("resume-rest"), tuple(m for m in MODELS if m not in CORE))
 
 
 def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
@@ -35,9 +48,9 @@ def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model", ["gpt2_padded", "llama_gqa", "falcon_grouped", "moe_gate_up"])
-def test_resume_at_any_layout_matches_uninterrupted_training(resumed, model) -> None:
-    runs = resumed[model]
+@pytest.mark.parametrize("model", [m if m in CORE else pytest.param(m, marks=pytest.mark.extended) for m in MODELS])
+def test_resume_at_any_layout_matches_uninterrupted_training(request, model) -> None:
+    runs = request.getfixturevalue("resumed" if model in CORE else "resumed_rest")[model]
     reference = runs.pop("reference")
     assert set(runs) == {(1, 2), (2, 1), (4, 1), (2, 2)}
     diffs = {}

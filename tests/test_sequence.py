@@ -135,7 +135,8 @@ AT = {(2, False): list(SHAPES), (4, False): ["llama"], (4, True): ["nanogpt", "g
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world,rest", [(2, False), (4, False), pytest.param(4, True, marks=pytest.mark.extended)])
+@pytest.mark.parametrize("world,rest", [(2, False), pytest.param(4, False, marks=pytest.mark.extended),
+                                        pytest.param(4, True, marks=pytest.mark.extended)])
 def test_sequence_parallel_parity(world: int, rest: bool):
     # the other calls and dropout streams at tp 2 only: they are about plans, not the group's size
     results = launch(__import__("parity_workers").sequence_parallel_parity, world, AT[world, rest], world == 2)

@@ -85,7 +85,7 @@ def test_fsdp_summary_counts_local_shards(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.extended  # the fsdp and cp runs cover the count in the default tier
+@pytest.mark.extended  # the fsdp run covers the count in the default tier
 def test_pipeline_fsdp_summary_counts_local_shards(tmp_path: Path) -> None:
     """tp 2 × dp 2 × pp 2 with FSDP: each (tp, pp) rank's stage is split over its dp ranks (before, every dp
     rank counted the stage's whole DTensors: 58% of the model on each of 8 ranks); the parity line says the
@@ -108,6 +108,7 @@ def test_pipeline_fsdp_summary_counts_local_shards(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_context_parallel_summary_counts_each_ranks_positions(tmp_path: Path) -> None:
     """tp 2 × cp 2: the cp ranks are replicas of the parameters (each holds its tp rank's shards); the TP
     collectives carry each rank's s/cp positions, half of what the same plan carries at cp 1."""

@@ -92,6 +92,7 @@ def test_exports_are_the_full_trained_model(root, at_tp4) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_checkpoint_and_exports_reload_at_tp2_and_tp1(root, at_tp4) -> None:
     for rank, results in launch(reload_exports, 2, root).items():
         assert {tp for _, tp, _ in results} == {1, 2}

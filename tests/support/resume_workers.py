@@ -48,11 +48,11 @@ def _resume(out: Path, name: str, tp: int) -> dict:
     return {"step": resumed.step, "note": resumed.describe(), "state": autotp.full_state_dict(tpm)}
 
 
-def save_then_resume(out: str, resume_tps: tuple[int, ...]) -> dict:
+def save_then_resume(out: str, resume_tps: tuple[int, ...], names: tuple[str, ...] = tuple(MODELS)) -> dict:
     """At tp 2: train 3 steps, save, train 3 more (the uninterrupted reference); then resume at each of
     ``resume_tps`` (dp = world / tp) and train 3 steps. Rank 0 returns {model: {"reference"|(tp, dp): ...}}."""
     out_dir, results = Path(out), {}
-    for name in MODELS:
+    for name in names:
         ctx, tpm, opt, model, args, kwargs = _job(name, SAVE_TP)
         _train(model, opt, args, kwargs, BEFORE)
         save_training_state(out_dir / name, BEFORE, tpm, opt, ctx)
@@ -63,8 +63,8 @@ def save_then_resume(out: str, resume_tps: tuple[int, ...]) -> dict:
     return results if dist.get_rank() == 0 else {}
 
 
-def resume_only(out: str, resume_tps: tuple[int, ...]) -> dict:
-    """Resume every model's checkpoint at each of ``resume_tps`` (dp = world / tp), 3 steps each."""
+def resume_only(out: str, resume_tps: tuple[int, ...], names: tuple[str, ...] = tuple(MODELS)) -> dict:
+    """Resume each of ``names``' checkpoints at each of ``resume_tps`` (dp = world / tp), 3 steps each."""
     results = {name: {(tp, dist.get_world_size() // tp): _resume(Path(out), name, tp) for tp in resume_tps}
-               for name in MODELS}
+               for name in names}
     return results if dist.get_rank() == 0 else {}
