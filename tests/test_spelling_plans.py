@@ -1,7 +1,8 @@
 """Every spelling the parity tests train, planned at tp 2 and 4 without a process group: nothing replicated,
 every weight of two or more dims cut or listed with its reason, and each rank's share of the parameters about
-1/tp. The parity tests train every spelling at tp 2 and a sample at tp 4 (tests/support/spelling_runs.py);
-this is what holds each of the others at tp 4 between extended runs."""
+1/tp. The parity tests train each module's representative spellings at tp 2 by default and every spelling at
+tp 2 and 4 in the extended run (tests/support/spelling_runs.py); this is what holds the plans of the others
+between extended runs."""
 from __future__ import annotations
 
 import importlib
