@@ -595,10 +595,11 @@ def test_the_best_layout_is_spelled_and_the_fastest_spelled_one_only_where_it_is
     assert spelled_best(fallback)[0] is spelled and _spelled_dict(fallback)["label"] == spelled.layout.label()
 
 
+@pytest.mark.extended
 def test_a_pipeline_across_nodes_reads_back_as_the_layout(tmp_path):
     """The --world-size spelling (--dp every node's replicas, stages on different nodes) read back by `autotp
     plan` with the command's own flags (all but the rendezvous's): the same sizes, nodes, pipeline, FSDP's gather
-    dtype and sequence parallelism."""
+    dtype and sequence parallelism. Extended: a pipeline plan takes seconds on 2 cores."""
     from autotp.cli.plan_command import command
 
     lay = Layout(2, 2, 2, 1, 4, fsdp=True, sp=True, fsdp_dtype="bf16")
@@ -632,6 +633,16 @@ def test_the_70b_search_best_row_is_the_command_it_prints(tmp_path):
                             "--json", str(out)], env={"COLUMNS": "200"})
     assert r.exit_code == 0, r.output
     assert_plans(json.loads(out.read_text()), r.output, lay, 64, 8)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--tp", "2", "--dp", "2", "--world-size", "4", "--nnodes", "3"], "the 4 ranks do not divide into 3 equal nodes"),
+    (["--tp", "2", "--dp", "2", "--nnodes", "2", "--gpus-per-node", "2"],
+     "--gpus-per-node 2 and --nnodes 2 disagree: 2 nodes of 8 ranks hold 4 each"),  # per-node --dp: world 8
+])
+def test_plan_reads_nnodes_as_shard_does_and_refuses_what_does_not_add_up(argv, message):
+    r = runner.invoke(app, ["plan", "examples/nanogpt.py", *argv], env={"COLUMNS": "200"})
+    assert r.exit_code == 2 and message in " ".join(r.output.split())
 
 
 def plan_argv(line: str) -> list[str]:
