@@ -8,6 +8,7 @@ import math
 import os
 
 import pytest
+import torch
 
 from autotp.capture.tracer import capture
 from autotp.plan.planner import make_plan
@@ -30,21 +31,27 @@ MLA = {"q_down": None, "kv_down": None, "q_up": (0, "column"), "kv_up": (0, "col
 HF = ["mixtral", "mixtral:batched_mm", "qwen2_moe", "deepseek_v3", "gpt_oss"]
 # (at tp 4 one Hugging Face model per expert form: grouped GEMM, grouped with latent attention, grouped with biases)
 # (the extended run adds the others' forms at tp 4: grouped GEMM, grouped with biases)
-HF_AT = {2: HF, 4: ["deepseek_v3"]}
-# every spelling at tp 2; at tp 4 (one expert per rank) a fused and a gathered expert layout and latent
-# attention; the extended run adds one of each other routing (each spelling's plan at tp 4 is checked below)
-KINDS_AT = {2: [*KINDS], 4: ["fused_loop_t", "gathered_einsum", "mla_cat"]}
+HF_AT = {2: ["mixtral", "deepseek_v3"], 4: ["deepseek_v3"]}
+# at tp 2 by default, and at tp 4 (one expert per rank) in the extended run: a fused and a gathered expert layout
+# and latent attention; the extended run adds one of each other routing at tp 4 and the other spellings at tp 2
+# (each spelling's plan at tp 2 and 4 is checked below)
+KINDS_AT = {2: ["fused_loop_t", "gathered_einsum", "mla_cat"], 4: ["fused_loop_t", "gathered_einsum", "mla_cat"]}
 REST = {"spellings rest": ["list_dense", "shared_sigmoid", "capacity"], "hugging face rest": ["mixtral", "gpt_oss"]}
+OTHERS_AT_2 = {"spellings others": [k for k in KINDS if k not in KINDS_AT[2]],
+               "hugging face others": [k for k in HF if k not in HF_AT[2]]}
 
 
 @pytest.fixture(scope="module")
 def runs() -> Launches:
     """Both multi-process tests' jobs in one launch per world."""
-    # tp 4 in the extended run (four ranks on CI's two cores cost the most of any launch; the default run has
-    # experts at 4 ranks in tests/test_expert_parallel.py)
+    # tp 4 in the extended run (four ranks on CI's two cores cost the most of any launch)
     return Launches({2: {"spellings": (pattern_parity, KINDS_AT[2], 3, False, "moe_models"),
                          "hugging face": (pattern_parity, HF_AT[2], 3, False, "hf_moe_models")}},
-                    extended={4: {"spellings": (pattern_parity, KINDS_AT[4], 3, False, "moe_models"),
+                    extended={2: {"spellings others": (pattern_parity, OTHERS_AT_2["spellings others"], 3, False,
+                                                       "moe_models"),
+                                  "hugging face others": (pattern_parity, OTHERS_AT_2["hugging face others"], 3,
+                                                          False, "hf_moe_models")},
+                              4: {"spellings": (pattern_parity, KINDS_AT[4], 3, False, "moe_models"),
                                   "hugging face": (pattern_parity, HF_AT[4], 3, False, "hf_moe_models"),
                                   "spellings rest": (pattern_parity, REST["spellings rest"], 3, False, "moe_models"),
                                   "hugging face rest": (pattern_parity, REST["hugging face rest"], 3, False,
@@ -52,7 +59,8 @@ def runs() -> Launches:
 
 
 def _parts(name: str) -> list:
-    return [(2, name), pytest.param(4, name, marks=pytest.mark.extended),
+    return [(2, name), pytest.param(2, f"{name} others", marks=pytest.mark.extended),
+            pytest.param(4, name, marks=pytest.mark.extended),
             pytest.param(4, f"{name} rest", marks=pytest.mark.extended)]
 
 
@@ -118,7 +126,7 @@ def test_moe_spellings_shard_exactly_with_one_all_reduce_per_layer(runs, world: 
     results = runs(world, part)
     bsh, rows = 2 * S * H, 2 * S
     for rank, by_kind in results.items():
-        assert list(by_kind) == REST.get(part, KINDS_AT[world])
+        assert list(by_kind) == {**REST, **OTHERS_AT_2}.get(part, KINDS_AT[world])
         for kind, r in by_kind.items():
             assert r["loss_diff"] <= 1e-5 and r["grad_diff"] <= 1e-5 and r["param_diff"] <= 1e-5, (rank, kind, r)
             assert r["replicated"] == [] and r["unexplained"] == [], (kind, r)
@@ -151,7 +159,7 @@ def test_hugging_face_moe_models_shard_their_fused_experts(runs, world: int, par
     bias is added per (token, k) slot before the routing weights, so their all-reduce is of b·s·k·h, after the
     down-projection, where the bias is added once."""
     results = runs(world, part)
-    assert all(list(by_kind) == REST.get(part, HF_AT[world]) for by_kind in results.values())
+    assert all(list(by_kind) == {**REST, **OTHERS_AT_2}.get(part, HF_AT[world]) for by_kind in results.values())
     bsh, rows = 2 * 8 * 64, 2 * 8
     for rank, by_kind in results.items():
         for kind, r in by_kind.items():
@@ -207,3 +215,44 @@ def test_autotp_plan_shows_experts_router_and_latent_down_projections(tmp_path):
     # forward sums: the embedding, per layer attention and the MoE layer, the loss's two: 7, as the formula counts
     fwd = next(line for line in result.output.splitlines() if line.startswith("│ fwd ") and "all-reduce(sum)" in line)
     assert [c.strip() for c in fwd.split("│")[3:6]] == ["7", "7", "1.00"], fwd
+
+
+class _BiasedRouterMoE(torch.nn.Module):
+    """A router chosen among through a balancing bias: ``topk(logits + b)`` (Kolibri, DeepSeek-V3's correction
+    bias) or ``argsort(logits + b)[:, :k]``, its weights the logits gathered at the choice, then sigmoid; experts
+    every token, weighted by a dense routing matrix."""
+
+    def __init__(self, spelling: str):
+        super().__init__()
+        from moe_models import Expert, V
+        self.spelling = spelling
+        self.emb, self.head = torch.nn.Embedding(V, H), torch.nn.Linear(H, V, bias=False)
+        self.router = torch.nn.Linear(H, E, bias=False)
+        self.register_buffer("bias", torch.linspace(-0.1, 0.1, E))
+        self.experts = torch.nn.ModuleList(Expert() for _ in range(E))
+
+    def forward(self, idx):
+        x = self.emb(idx).flatten(0, 1)  # (T, h)
+        logits = self.router(x)  # (T, E)
+        if self.spelling == "topk":
+            sel = torch.topk(logits + self.bias, 2, dim=-1)[1]
+        else:
+            sel = torch.argsort(logits + self.bias, dim=-1, descending=True)[:, :2]
+        w = logits.gather(1, sel).sigmoid()  # (T, 2)
+        dense = torch.zeros_like(logits).scatter(-1, sel, w)
+        x = x + sum(dense[:, e, None] * expert(x) for e, expert in enumerate(self.experts))
+        return self.head(x).view(*idx.shape, -1)
+
+
+@pytest.mark.parametrize("spelling", ["topk", "argsort"])
+def test_a_router_chosen_among_through_a_bias_is_kept_whole_by_design(spelling: str):
+    """Its 64→4 linear is read by an add (the bias) and a gather, not by an activation: still a router, kept
+    whole by design (Megatron's), with its experts cut and nothing left replicated."""
+    torch.manual_seed(0)
+    gm = capture(_BiasedRouterMoE(spelling), (torch.randint(0, 96, (2, S)),), {})[0]
+    for tp in (2, 4):
+        plan = make_plan(gm, tp)
+        assert plan.replicated == (), plan.replicated
+        whole = {w.name: w.reason for w in plan.whole}
+        assert whole["router.weight"].startswith("router kept whole: its 64→4 linear is read by add, gather"), whole
+        assert plan.param("experts.0.w1.weight").role == "column" and plan.param("experts.0.w2.weight").role == "row"
