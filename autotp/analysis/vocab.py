@@ -331,7 +331,9 @@ def _kept_whole(m: ParamMatmul, why: str, latent_of: str | None = None) -> str:
                 f"{latent_of} read; every rank computes it whole (cutting it would add an all-reduce of the "
                 f"latent), and its weight is small")
     gated = all(_activates(u.target) or u.target in _WEIGHINGS for u in readers)
-    if m.out_features < m.in_features and readers and gated:
+    # or chosen among within a few ops whatever reads it first: a router whose topk reads its logits plus a
+    # balancing bias and whose weights are its logits gathered at the choice (``gather(logits, topk(logits + b))``)
+    if m.out_features < m.in_features and readers and (gated or _chooses(m.node)):
         then = [v for u in readers if _activates(u.target) for v in _readers(u)]  # sigmoid -> mul, softmax -> topk
         reads = " then ".join(", ".join(sorted({_op_name(u) for u in us})) for us in (readers, then) if us)
         if any(u.target is aten.topk.default for u in [*readers, *then]) or _chooses(m.node):
