@@ -3,6 +3,7 @@
     python benchmarks/op_coverage.py               # writes benchmarks/results/op_coverage.{json,md}
     python benchmarks/op_coverage.py --all         # every Hugging Face causal-LM family, not the default subset
     python benchmarks/op_coverage.py --families llama,gpt2   # just these families (and the test models)
+    python benchmarks/op_coverage.py --all --jobs 3  # three models captured at once (each alone in its process)
 
 Models:
 
@@ -388,23 +389,48 @@ def hf_families(args) -> list[str]:
     return [f for i, f in enumerate(names) if i % 5 == 0 or f in ALWAYS]
 
 
-def _run_all(jobs: list[dict], timeout: float, progress: bool) -> dict[str, dict]:
+def _run_all(jobs: list[dict], timeout: float, progress: bool, n_workers: int = 1) -> dict[str, dict]:
+    """Each job's summary, by name in the jobs' order; ``n_workers`` worker processes take jobs as they free up
+    (each model is still captured alone in its process, so the records do not depend on how many run)."""
+    import queue
+    import threading
+
     from rich.console import Console
     from rich.markup import escape
 
     err = Console(stderr=True, highlight=False)
-    workers, out = Workers(timeout), {}
-    try:
-        for i, job in enumerate(jobs):
+    pool = [Workers(timeout) for _ in range(max(1, min(n_workers, len(jobs))))]
+    todo: queue.Queue = queue.Queue()
+    for i, job in enumerate(jobs):
+        todo.put((i, job))
+    recs: dict[int, dict] = {}
+    lock = threading.Lock()
+
+    def drain(workers: Workers) -> None:
+        while True:
+            try:
+                i, job = todo.get_nowait()
+            except queue.Empty:
+                return
             t = time.perf_counter()
-            out[job["name"]] = rec = _summarise(workers.run(job))
+            rec = _summarise(workers.run(job))
             rec["seconds"] = round(time.perf_counter() - t, 1)
-            if progress:
-                status = "ok" if rec["built"] and "error" not in rec else rec.get("error", "")[:90]
-                err.print(escape(f"[{i + 1}/{len(jobs)}] {job['name']} {rec['seconds']} s {status}"))
+            with lock:
+                recs[i] = rec
+                if progress:
+                    status = "ok" if rec["built"] and "error" not in rec else rec.get("error", "")[:90]
+                    err.print(escape(f"[{len(recs)}/{len(jobs)}] {job['name']} {rec['seconds']} s {status}"))
+
+    threads = [threading.Thread(target=drain, args=(w,)) for w in pool]
+    try:
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
     finally:
-        workers.close()
-    return out
+        for w in pool:
+            w.close()
+    return {job["name"]: recs[i] for i, job in enumerate(jobs) if i in recs}
 
 
 def before_main(path_in: str, path_out: str) -> None:
@@ -416,7 +442,7 @@ def before_main(path_in: str, path_out: str) -> None:
     assert os.path.realpath(autotp.__file__).startswith(os.path.realpath(BEFORE_TREE)), autotp.__file__
     ops = {op: classify(op, todo["op_modules"]) for op in todo["ops"]}
     jobs = [{"source": "hf", "name": f, "kv": kv, "modes": (PLAN_MODE,), "plans": True} for f, kv in todo["hf"]]
-    models = _run_all(jobs, todo["timeout"], progress=True)
+    models = _run_all(jobs, todo["timeout"], progress=True, n_workers=todo.get("jobs", 1))
     with open(path_out, "w") as f:
         json.dump({"autotp": autotp.__file__, "ops": ops, "hf": models}, f)
 
@@ -429,7 +455,8 @@ def before_ref() -> str:
     return f"{added[-1]}^" if added else "HEAD"  # not committed yet: HEAD is the code without them
 
 
-def run_before(ops: list[str], modules: dict[str, str], hf: list[tuple[str, int]], timeout: float) -> dict:
+def run_before(ops: list[str], modules: dict[str, str], hf: list[tuple[str, int]], timeout: float,
+               n_workers: int = 1) -> dict:
     """The answers of the code without torch's rules: a worktree of that commit, imported by a subprocess."""
     ref = subprocess.run(["git", "-C", ROOT, "rev-parse", before_ref()], check=True, capture_output=True,
                          text=True).stdout.strip()
@@ -439,7 +466,7 @@ def run_before(ops: list[str], modules: dict[str, str], hf: list[tuple[str, int]
         with tempfile.TemporaryDirectory() as tmp:
             path_in, path_out = os.path.join(tmp, "in.json"), os.path.join(tmp, "out.json")
             with open(path_in, "w") as f:
-                json.dump({"ops": ops, "op_modules": modules, "hf": hf, "timeout": timeout}, f)
+                json.dump({"ops": ops, "op_modules": modules, "hf": hf, "timeout": timeout, "jobs": n_workers}, f)
             env = {**os.environ, "PYTHONPATH": BEFORE_TREE, "OP_COVERAGE_BEFORE": "1"}
             subprocess.run([sys.executable, os.path.abspath(__file__), "--before", path_in, path_out], env=env,
                            check=True, cwd=tmp)  # not the repo root: `import autotp` must find the worktree's
@@ -580,6 +607,7 @@ def main() -> None:
     ap.add_argument("--all", action="store_true", help="every Hugging Face causal-LM family")
     ap.add_argument("--families", help="comma-separated Hugging Face model types (instead of the subset)")
     ap.add_argument("--timeout", type=float, default=60.0, help="seconds per build or capture")
+    ap.add_argument("--jobs", type=int, default=1, help="worker processes capturing models at once (default 1)")
     ap.add_argument("--before", nargs=2, metavar=("IN", "OUT"), help=argparse.SUPPRESS)  # the subprocess's side
     args = ap.parse_args()
     if args.before:
@@ -587,16 +615,16 @@ def main() -> None:
         return
     start = time.perf_counter()
     jobs, skipped = test_model_jobs()
-    test = _run_all(jobs, args.timeout, progress=True)
+    test = _run_all(jobs, args.timeout, progress=True, n_workers=args.jobs)
     for name, rec in list(test.items()):
         if not rec["built"]:
             skipped[name] = f"build failed: {rec.get('error', '')}"
     hf_jobs = [{"source": "hf", "name": f, "modes": HF_MODES, "plans": True} for f in hf_families(args)]
-    hf = _run_all(hf_jobs, args.timeout, progress=True)
+    hf = _run_all(hf_jobs, args.timeout, progress=True, n_workers=args.jobs)
     ops = sorted({op for recs in (test, hf) for rec in recs.values() for op in rec["ops"]})
     planned = [(n, r.get("kv_heads_asked")) for n, r in hf.items() if "plans" in r]
     modules = {k: v for recs in (test, hf) for rec in recs.values() for k, v in rec.get("op_modules", {}).items()}
-    before = run_before(ops, modules, planned, args.timeout)
+    before = run_before(ops, modules, planned, args.timeout, args.jobs)
     result = report(test, hf, skipped, before, time.perf_counter() - start, args)
     out = os.path.join(HERE, "results")
     os.makedirs(out, exist_ok=True)
