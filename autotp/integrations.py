@@ -52,7 +52,10 @@ def data_parallel_layout(model: nn.Module) -> tuple[int, int, list[int]]:
     if not (dist.is_available() and dist.is_initialized()):
         return 1, 0, [0]
     world, rank, tp = dist.get_world_size(), dist.get_rank(), st.tp
-    pp = int(os.environ.get("AUTOTP_PP") or 1)
+    from autotp.distributed.launch import current_job
+
+    job = current_job()
+    pp = 1 if job is None else job.layout.pp
     if pp != 1:
         raise ValueError(f"the Trainer integration runs no pipeline stages; this job has pp={pp}")
     start = rank // tp * tp
@@ -66,7 +69,7 @@ def data_parallel_layout(model: nn.Module) -> tuple[int, int, list[int]]:
 def _group_of(ranks: list[int]) -> dist.ProcessGroup:
     """A process group of exactly ``ranks``: the one the layout's mesh already made, else one made now for
     every data-parallel group (a collective: every rank reaches it, in the same order)."""
-    from autotp.distributed.launch import _existing_group
+    from autotp.distributed.rank_context import _existing_group
 
     found = _existing_group(sorted(ranks))
     if found is not None:

@@ -1,7 +1,7 @@
 """``autotp run SCRIPT --tp N [--dp N] [--pp N] -- ARGS...``: start a training script on tp × dp × pp ranks.
 
-The script runs as ``python SCRIPT ARGS...`` under torch's elastic launcher, with ``AUTOTP_TP``,
-``AUTOTP_DP``, ``AUTOTP_PP`` and ``AUTOTP_BACKEND`` set. Inside it::
+The script runs as ``python SCRIPT ARGS...`` under torch's elastic launcher, with the job (its sizes, backend
+and timeout: one :class:`~autotp.distributed.job.RankJob`) in ``AUTOTP_JOB``. Inside it::
 
     from autotp.distributed.launch import init_from_env
     ctx = init_from_env()                      # process group + DeviceMesh

@@ -33,6 +33,7 @@ against the model before any rank starts. No unsharded reference is built unless
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import statistics
@@ -459,6 +460,7 @@ def shard(
         except AutotpError as exc:
             abort(str(exc), debug, code=USAGE_ERROR)
         schedule, stages = asked.schedule, (asked.count, asked.microbatches)
+        spec = dataclasses.replace(spec, virtual_stages=virtual_stages)  # valid now: what the ranks are told
     # the checkpoint next: one that cannot be resumed is said in a moment, not after the capture
     try:
         resumable = check_resumable(out, resume_from) if resume else None
@@ -495,8 +497,8 @@ def shard(
                    resume=resume, resume_from=resume_from, keep=keep, run=uuid.uuid4().hex,
                    save_every=save_every, save_minutes=save_minutes, compile={"backend": compile_backend} if compile_backend else compile_,
                    sequence_parallel=sequence_parallel,
-                   expert_parallel=expert_parallel, fsdp=spec.replica_groups if fsdp else 0, fsdp_param_dtype=param_dtype,
-                   schedule=schedule, microbatches=microbatches or pp, virtual_stages=virtual_stages,
+                   expert_parallel=expert_parallel, fsdp_param_dtype=param_dtype,
+                   schedule=schedule, microbatches=microbatches or pp,
                    weights=None if weights is None else str(weights.resolve()), started=started,
                    log_every=log_every, clip_grad=clip_grad, flops=flops, peak_flops=peak,
                    plans=None if plans is None else str(plans))
@@ -505,7 +507,8 @@ def shard(
                + (f" × cp {spec.cp}" if spec.cp > 1 else "") + f" × dp {spec.data_parallel}"
                + (f" × pp {spec.pp}" if spec.pp > 1 else "") + (" (FSDP)" if spec.fsdp else ""))
     try:
-        results = launch(spec, shard_worker, job, quiet=not debug, on_restart=say_restart)
+        # the sizes as one value, the function's argument: the ranks read no environment for them
+        results = launch(spec, shard_worker, spec.job(), job, quiet=not debug, on_restart=say_restart)
     except LaunchInterrupted as exc:
         Console(stderr=True).print(f"[yellow]{escape(interrupted_line(exc, out, job.run))}[/yellow]",
                                    soft_wrap=True)

@@ -39,7 +39,8 @@ from autotp.parallel.held import held_grads, held_params, held_state
 from autotp.parallel.parallelize import parallelize_state
 from autotp.parallel.writeback import state_difference
 from autotp.plan.report import build_report
-from autotp.distributed.launch import RankContext, init_from_env
+from autotp.distributed.job import RankJob
+from autotp.distributed.launch import RankContext, init_job
 from autotp.distributed.layout import RankLayout
 from autotp.distributed.restarts import last_failure, note_progress
 from autotp.cli.grad_parity import compare_grads
@@ -70,11 +71,9 @@ class ShardJob:
     weights: str | None = None  # load from this checkpoint into a model built on meta
     sequence_parallel: bool = False
     expert_parallel: bool = False
-    fsdp: int = 0  # FSDP replica groups (1: FSDP, > 1: HSDP); 0: DDP when dp > 1
     fsdp_param_dtype: str | None = None  # FSDP's mixed precision: gathered in this torch dtype, reduced in fp32
     schedule: str = "1F1B"  # with pp > 1: the pipeline schedule
     microbatches: int = 0  # with pp > 1: micro-batches per step (0: pp)
-    virtual_stages: int | None = None  # with pp > 1: stages per rank (None: the schedule's default)
     started: float = 0.0  # time.time() when the command started: phase lines count from it
     log_every: int = 1  # training metrics every N steps (and the last)
     clip_grad: float = 0.0  # clip the gradients' full norm to this (0: no clipping)
@@ -394,10 +393,11 @@ def _start(job: ShardJob, out: Path, model: torch.nn.Module, opt: torch.optim.Op
                  "" if failure is None else failure.resumed(start))
 
 
-def shard_worker(job: ShardJob) -> ShardReport | None:
-    """One rank of ``autotp shard``; rank 0 returns the report, the others None."""
+def shard_worker(ranks: RankJob, job: ShardJob) -> ShardReport | None:
+    """One rank of ``autotp shard``: ``ranks`` the sizes (the launcher's one value, handed over as this
+    argument), ``job`` what to do; rank 0 returns the report, the others None."""
     Stops().install()  # until training starts, a stop signal ends the rank at once (nothing to keep yet)
-    ctx = init_from_env()
+    ctx = init_job(ranks)
     report = _shard(job, ctx)
     # on success only: a rank that raises leaves at once, so its error is recorded before a peer that fails
     # with it (or the launcher, stopping the others) can end this process; exiting closes the group anyway
@@ -450,12 +450,13 @@ def _build(mf: ModelFile, job: ShardJob, ctx: RankContext, batch: tuple[tuple, d
             reference = mf.build().to(ctx.device)
             autotp.load_weights(reference, job.weights, device=ctx.device)
     forward = model.forward  # the user's: its keywords shape the default batch, and parallelize replaces it
-    fsdp = dict(fsdp=_fsdp_config(job), mesh=ctx.mesh) if job.fsdp else \
+    fsdp = dict(fsdp=_fsdp_config(job, ctx), mesh=ctx.mesh) if ctx.job.fsdp else \
         dict(fsdp=False, tp_group=ctx.tp_group())
     # autotp.parallelize, with the job's plan cache: the plan the check made before the ranks started
     tpm = parallelize_state(model, example_inputs=batch, compile=job.compile,
                             sequence_parallel=job.sequence_parallel, expert_parallel=job.expert_parallel,
-                            device=None if job.weights is None else ctx.device, plan_cache=job.plans, **fsdp)
+                            device=None if job.weights is None else ctx.device, plan_cache=job.plans,
+                            context_parallel=ctx.layout.cp, **fsdp)
     if job.weights is not None:
         note = _load(tpm, job.weights)
     if batch is None:
@@ -495,7 +496,7 @@ def _shard(job: ShardJob, ctx: RankContext) -> ShardReport | None:
     if ctx.layout.pp > 1:
         return _shard_pipeline(job, ctx, mf, batch, phases)
     phases.say("parallelize", "building the model on every rank, capturing it and sharding it"
-               + (" (with FSDP)" if job.fsdp else ""))
+               + (" (with FSDP)" if ctx.job.fsdp else ""))
     tpm, reference, unsharded_bytes, weights, (args, kwargs) = _build(mf, job, ctx, batch)
     if reference is not None:
         phases.say("parity", "comparing outputs and loss with the unsharded model")
@@ -549,18 +550,18 @@ def _shard(job: ShardJob, ctx: RankContext) -> ShardReport | None:
         # the formula is a training step's (with the loss's backward); untrained, there was none
         comm=() if skipped else _comm_vs_formula(tpm, args, kwargs, ctx.layout.cp),
         batch=_describe_batch(mf, tpm, args, kwargs, ctx.layout.tp), training_skipped=skipped,
-        fsdp=job.fsdp, fsdp_units=autotp.tp_state(tpm).units or (), **_throughput(job, ctx, args, kwargs, times, log),
+        fsdp=ctx.job.fsdp or 0, fsdp_units=autotp.tp_state(tpm).units or (), **_throughput(job, ctx, args, kwargs, times, log),
     )
     (out / "summary.json").write_text(json.dumps(report.to_dict(), indent=2))
     return report
 
 
-def _fsdp_config(job: ShardJob) -> FSDPConfig:
+def _fsdp_config(job: ShardJob, ctx: RankContext) -> FSDPConfig:
     """The job's FSDP: its replica groups, and with ``--fsdp-param-dtype`` the parameters gathered in that dtype
     and the gradients reduced in float32 (torchtitan's mixed precision)."""
     if job.fsdp_param_dtype is None:
-        return FSDPConfig(replicas=job.fsdp)
-    return FSDPConfig(replicas=job.fsdp, param_dtype=getattr(torch, job.fsdp_param_dtype), reduce_dtype=torch.float32)
+        return FSDPConfig(replicas=ctx.job.fsdp)
+    return FSDPConfig(replicas=ctx.job.fsdp, param_dtype=getattr(torch, job.fsdp_param_dtype), reduce_dtype=torch.float32)
 
 
 def rank_flops(flops: float | None, layout: RankLayout) -> float | None:
@@ -626,10 +627,10 @@ def _shard_pipeline(job: ShardJob, ctx: RankContext, mf: ModelFile, batch: tuple
     phases.say("parallelize", f"building the model on every rank, capturing it and cutting it into "
                f"{job.schedule} stages over {ctx.layout.pp} pipeline ranks, each stage sharded")
     pipe = autotp.pipeline(model, example_inputs=(args, kwargs), microbatches=job.microbatches or ctx.layout.pp,
-                           schedule=job.schedule, virtual_stages=job.virtual_stages, mesh=ctx.mesh,
+                           schedule=job.schedule, virtual_stages=ctx.job.virtual_stages, mesh=ctx.mesh,
                            device=None if job.weights is None else ctx.device, compile=job.compile,
                            sequence_parallel=job.sequence_parallel, expert_parallel=job.expert_parallel,
-                           fsdp=_fsdp_config(job) if job.fsdp else False)
+                           fsdp=_fsdp_config(job, ctx) if ctx.job.fsdp else False)
     if job.weights is not None:
         weights = _load(model, job.weights)
     st = autotp.tp_state(model)
@@ -689,7 +690,7 @@ def _shard_pipeline(job: ShardJob, ctx: RankContext, mf: ModelFile, batch: tuple
         checkpoint_path=str(ckpt_path or ""), start_step=start, resumed_from=resumed_from, resharded=resharded,
         restarted=restarted, weights=weights, batch=_describe_batch(mf, model, args, kwargs, ctx.layout.tp), pp=ctx.layout.pp,
         pipeline=f"{pipe.schedule_name}, {pipe.microbatches} micro-batches, {pipe.virtual_stages} stage(s) per rank",
-        stages=tuple(s.blocks for s in st.plan.stages), fsdp=job.fsdp if pipe.fsdp else 0,
+        stages=tuple(s.blocks for s in st.plan.stages), fsdp=(ctx.job.fsdp or 0) if pipe.fsdp else 0,
         fsdp_units=st.units or () if pipe.fsdp else (), **_throughput(job, ctx, args, kwargs, times, log),
     )
     (out / "summary.json").write_text(json.dumps(report.to_dict(), indent=2))

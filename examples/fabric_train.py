@@ -21,6 +21,7 @@ import sys
 import torch
 from torch.utils.data import DataLoader, RandomSampler, TensorDataset
 
+from autotp.distributed.job import job_from_env
 from autotp.integrations import fabric_parallelize_fn
 
 try:  # the `lightning` package, or the smaller `lightning-fabric`
@@ -40,8 +41,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from nanogpt import GPT, GPTConfig  # noqa: E402
 
 parser = argparse.ArgumentParser()
-parser.add_argument("--tp", type=int, default=int(os.environ.get("AUTOTP_TP", 2)))
-parser.add_argument("--dp", type=int, default=int(os.environ.get("AUTOTP_DP", 1)))
+_job = job_from_env()  # under `autotp run`: its sizes are the defaults
+parser.add_argument("--tp", type=int, default=2 if _job is None else _job.layout.tp)
+parser.add_argument("--dp", type=int, default=1 if _job is None else _job.layout.dp)
 parser.add_argument("--steps", type=int, default=4)
 parser.add_argument("--batch", type=int, default=4, help="sequences per step per data-parallel replica")
 parser.add_argument("--lr", type=float, default=1e-3)

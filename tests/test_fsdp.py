@@ -232,9 +232,9 @@ def test_kv_heads_held_by_several_ranks_are_cut_in_the_graph():
 
 def test_fsdp_without_a_mesh_says_how_to_get_one(monkeypatch):
     import autotp
-    from autotp.distributed.launch import ENV_TP
+    from autotp.distributed.job import ENV_JOB
 
-    monkeypatch.delenv(ENV_TP, raising=False)
+    monkeypatch.delenv(ENV_JOB, raising=False)
     model, args, kwargs = _model("nanogpt")
     with pytest.raises(ProcessGroupError, match="init_device_mesh"):
         autotp.parallelize(model, example_inputs=(args, kwargs), fsdp=True)

@@ -430,7 +430,7 @@ g = torch.Generator().manual_seed(0)
 X = torch.randint(0, config.vocab_size, (4, 32), generator=g)
 Y = torch.randint(0, config.vocab_size, (4, 32), generator=g)
 amp = torch.autocast("cpu", dtype=torch.bfloat16, enabled=bool(os.environ.get("AMP")))
-if os.environ.get("AUTOTP_PP"):  # under `autotp run --pp 2`: the layout's mesh, no group made here
+if os.environ.get("AUTOTP_JOB"):  # under `autotp run --pp 2`: the layout's mesh, no group made here
     with amp:  # built under the autocast it steps under: the stages send what they compute there
         pipe = autotp.pipeline(model, example_inputs=(X, Y), microbatches=2)
     params, clip = list(pipe.parameters()), pipe.clip_grad_norm_
@@ -474,7 +474,7 @@ def test_user_script_under_autotp_run_pp(tmp_path, amp, tol):
     script = tmp_path / "train_pp.py"
     script.write_text(_SCRIPT)
     env = {**os.environ, "PYTHONPATH": os.path.join(ROOT, "tests", "scripts"), "AMP": "1" if amp else ""}
-    env.pop("AUTOTP_PP", None)
+    env.pop("AUTOTP_JOB", None)
     single = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, env=env)
     assert single.returncode == 0, single.stderr[-2000:]
     want = json.loads(single.stdout.split("RESULT ")[1])["losses"]

@@ -17,7 +17,9 @@ from typer.testing import CliRunner
 
 from autotp.cli.main import app
 from autotp.io.ckpt_io import checkpoint_info, latest_checkpoint
-from autotp.distributed.launch import ENV_TIMEOUT, LaunchSpec, launch
+from autotp.distributed.job import ENV_JOB, RankJob, job_from_env
+from autotp.distributed.launch import LaunchSpec, launch
+from autotp.distributed.layout import RankLayout
 from ranks import ROOT
 from readme import readme_folder, run_readme
 from torch.distributed.elastic.utils.distributed import get_free_port
@@ -249,7 +251,7 @@ def _fails_first_attempt() -> dict[str, str | None]:
     attempt = os.environ["TORCHELASTIC_RESTART_COUNT"]
     if attempt == "0" and os.environ["RANK"] == "1":
         raise RuntimeError("rank 1 fails its first attempt")
-    return {"attempt": attempt, "timeout": os.environ.get(ENV_TIMEOUT)}
+    return {"attempt": attempt, "timeout": job_from_env().timeout}
 
 
 @pytest.mark.slow
@@ -257,8 +259,8 @@ def _fails_first_attempt() -> dict[str, str | None]:
 def test_timeout_and_restarts_reach_the_launcher() -> None:
     results = launch(LaunchSpec(tp=2, timeout=7, max_restarts=1, device="cpu"), _fails_first_attempt)
     # the launcher restarted the whole job once, and its ranks saw the timeout
-    assert results == {r: {"attempt": "1", "timeout": "7.0"} for r in (0, 1)}
-    assert ENV_TIMEOUT not in LaunchSpec(tp=2).env("gloo")
+    assert results == {r: {"attempt": "1", "timeout": 7.0} for r in (0, 1)}
+    assert LaunchSpec(tp=2).job("gloo").timeout is None
 
 
 # -- 4: the catalog of bad inputs --------------------------------------------------------------------------
@@ -331,7 +333,8 @@ def test_group_made_for_the_script_is_destroyed_at_exit(tmp_path: Path) -> None:
         "init_from_env()\n"
     )
     env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(get_free_port()), "AUTOTP_TP": "1"}
+           "MASTER_PORT": str(get_free_port()),
+           ENV_JOB: RankJob(RankLayout.build(1, 1)).to_json()}
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "INITIALIZED AT EXIT False" in proc.stdout

@@ -78,7 +78,7 @@ def test_warm_ranks_fork_from_the_server_with_the_launchers_environment(tmp_path
         s, f = spawned[rank], forked[rank]
         assert s["ppid"] == out["me"] and f["ppid"] == out["server"] != out["me"]
         assert f["preloaded"] and not s["preloaded"]
-        assert f["tp"] == s["tp"] == "2" and f["omp"] == s["omp"] and f["threads"] == s["threads"] == int(s["omp"])
+        assert f["tp"] == s["tp"] == 2 and f["omp"] == s["omp"] and f["threads"] == s["threads"] == int(s["omp"])
         assert f["progress"] and s["progress"] and f["progress"] != s["progress"]  # each launch its own folder
         assert f["cwd"] == s["cwd"] == str(tmp_path)
         assert f["late"] == "launcher" and f["early"] is None  # the launcher's environment now

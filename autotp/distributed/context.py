@@ -56,7 +56,7 @@ def context_dp_group(cp: int) -> dist.ProcessGroup | None:
     world = dist.get_world_size()
     if world // cp == 1:
         return None
-    from autotp.distributed.launch import _existing_group
+    from autotp.distributed.rank_context import _existing_group
 
     return _existing_group(list(range(dist.get_rank() % cp, world, cp)), "dp")
 

@@ -1,20 +1,21 @@
 """Start tp × dp ranks with torch's elastic launcher, and find a rank's groups inside a worker.
 
 Launcher side: :class:`LaunchSpec` (validated sizes and rendezvous) and :func:`launch`, which runs a
-function or an executable on ``tp × dp`` processes per node with c10d rendezvous. Every worker gets
-``AUTOTP_TP``, ``AUTOTP_DP``, ``AUTOTP_PP`` and ``AUTOTP_BACKEND`` in its environment. With a
+function or an executable on ``tp × dp`` processes per node with c10d rendezvous. The sizes reach the ranks
+as one value, :meth:`LaunchSpec.job` (:class:`~autotp.distributed.job.RankJob`): a function's caller may pass it
+as an argument (``autotp shard`` does), and every worker finds it in ``AUTOTP_JOB`` (``autotp run``'s script,
+which is a process of its own). With a
 :class:`RankOutput` the ranks' stdout and stderr reach the launcher's through torch's ``tee`` (as torchrun's
 ``--tee``, ``--local-ranks-filter`` and ``--log-dir``), each line prefixed with its rank.
 
-Worker side: :func:`init_from_env` initialises the default process group if needed and returns a
-:class:`RankContext` (layout, DeviceMesh, ``tp_group()``, ``dp_group()``); :func:`current_tp_group` finds
-the TP group from the environment alone, so ``autotp.parallelize(model)`` can default to it.
+Worker side (:mod:`autotp.distributed.rank_context`, its names importable from here too): :func:`init_job` and
+:func:`init_from_env` initialise the default process group if needed and return a :class:`RankContext` (layout,
+the one DeviceMesh, ``tp_group()``, ``dp_group()``); :func:`current_tp_group` returns its TP group, so
+``autotp.parallelize(model)`` can default to it.
 """
 from __future__ import annotations
 
-import atexit
 import contextlib
-import datetime
 import logging
 import os
 import re
@@ -23,30 +24,28 @@ import sys
 import tempfile
 import threading
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, TextIO
 
 import torch
-import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.elastic.utils.distributed import get_free_port
 
-from autotp.errors import LaunchError, LaunchInterrupted, ProcessGroupError, RankFailedError
-from autotp.distributed.cpu_binding import ENV_BIND, bind_from_env
+from autotp.errors import LaunchError, LaunchInterrupted, RankFailedError
+from autotp.distributed.cpu_binding import ENV_BIND
+from autotp.distributed.job import ENV_JOB, RankJob, choose_backend
 from autotp.distributed.layout import RankLayout
+from autotp.distributed.rank_context import (RankContext, cp_from_env, current_cp_group,
+                                             current_dp_group, current_job, current_mesh, current_tp_group,
+                                             fsdp_from_env, init_distributed, init_from_env, init_job)
 from autotp.distributed.restarts import Failure, final_failure, stopped_by_agent, watching
 from autotp.distributed.warm import as_launched, warmed
 
 __all__ = [
-    "ENV_BACKEND", "ENV_CP", "ENV_DP", "ENV_PP", "ENV_TIMEOUT", "ENV_TP", "LaunchError", "LaunchSpec", "RankContext",
-    "RankFailedError", "RankOutput", "choose_backend", "current_tp_group", "init_distributed", "init_from_env",
-    "launch", "root_failure",
+    "ENV_JOB", "LaunchError", "LaunchSpec", "RankContext", "RankFailedError", "RankJob", "RankOutput",
+    "choose_backend", "cp_from_env", "current_cp_group", "current_dp_group", "current_job",
+    "current_mesh", "current_tp_group", "fsdp_from_env", "init_distributed", "init_from_env", "init_job", "launch",
+    "root_failure",
 ]
-
-ENV_TP, ENV_DP, ENV_PP, ENV_BACKEND = "AUTOTP_TP", "AUTOTP_DP", "AUTOTP_PP", "AUTOTP_BACKEND"
-ENV_CP = "AUTOTP_CP"  # context-parallel ranks under `autotp run --cp` (unset: 1)
-ENV_TIMEOUT = "AUTOTP_TIMEOUT"  # seconds a collective may wait before the process group gives up
-ENV_FSDP = "AUTOTP_FSDP"  # FSDP replica groups under `autotp run --fsdp` (1: FSDP, R > 1: HSDP); unset: none
 # a rank that fails because a peer died reports one of these; the peer's own error is the one to show
 _PEER_FAILURE = ("connection closed by peer", "connection reset", "broken pipe", "socket closed",
                  "timed out", "timeout", "distbackenderror", "checkpointexception", "nccl", "watchdog",
@@ -56,13 +55,6 @@ _LAUNCHER_LOGGERS = ("torch.distributed.elastic", "torch.distributed.launcher", 
 # is the role and the local rank)
 RANK_PREFIX = "[rank${rank}]:"
 _PREFIXED = re.compile(r"\[rank\d+\]:")
-
-
-def choose_backend(nproc_per_node: int) -> str:
-    """nccl when this node has a GPU for every local rank, else gloo."""
-    if torch.cuda.is_available() and torch.cuda.device_count() >= nproc_per_node:
-        return "nccl"
-    return "gloo"
 
 
 @dataclass(frozen=True)
@@ -91,6 +83,7 @@ class LaunchSpec:
     hsdp: int | None = None
     cp: int = 1  # context parallelism: ranks that each run a chunk of the same sequences (between tp and dp)
     world: int | None = None  # ranks in all, dp then the whole data-parallel size; None: dp per node × nnodes
+    virtual_stages: int | None = None  # with pp: pipeline stages per rank (None: the schedule's default)
 
     def __post_init__(self) -> None:
         for name in ("tp", "dp", "pp", "nnodes", "cp"):
@@ -125,6 +118,7 @@ class LaunchSpec:
                               fields=("nnodes", "master_addr", "master_port"))
         self.layout  # validates tp × dp × pp against the world size now, not inside the workers
         self._check_fsdp()
+        self.job("gloo")  # and what the ranks are told (the backend is chosen at launch)
 
     def _check_world(self) -> None:
         """``world`` is the product of the sizes, and the nodes take equal shares of it."""
@@ -214,18 +208,27 @@ class LaunchSpec:
         except (TypeError, ValueError) as exc:
             raise LaunchError(str(exc)) from exc
 
-    def env(self, backend: str) -> dict[str, str]:
-        env = {ENV_TP: str(self.tp), ENV_DP: str(self.data_parallel), ENV_PP: str(self.pp), ENV_BACKEND: backend}
-        if self.cp > 1:
-            env[ENV_CP] = str(self.cp)
-        if self.timeout is not None:
-            env[ENV_TIMEOUT] = repr(float(self.timeout))
+    @property
+    def backend(self) -> str:
+        """The ranks' process group backend: ``device``'s, or with "auto" nccl when every rank has a GPU."""
+        return {"cpu": "gloo", "cuda": "nccl"}.get(self.device) or choose_backend(self.nproc_per_node)
+
+    def job(self, backend: str | None = None) -> RankJob:
+        """What every rank is told, as one value: the whole job's sizes (dp counting every node's replicas),
+        the backend (default :attr:`backend`), the timeout, FSDP's replica groups and the virtual stages."""
+        return RankJob(self.layout, self.backend if backend is None else backend,
+                       None if self.timeout is None else float(self.timeout),
+                       self.replica_groups if self.fsdp else None, self.virtual_stages)
+
+    def env(self, backend: str | None = None) -> dict[str, str]:
+        """The ranks' environment: the job in ``AUTOTP_JOB`` (one variable, the whole value), and how a CPU rank
+        shares the cores."""
+        backend = self.backend if backend is None else backend
+        env = self.job(backend).env()
         if backend == "gloo" and "OMP_NUM_THREADS" not in os.environ:
             # as torchrun does: N CPU ranks each using every core oversubscribe the machine
             env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // self.nproc_per_node))
         env[ENV_BIND] = "1" if backend == "gloo" and self.bind_cores else "0"  # "0" overrides an inherited "1"
-        if self.fsdp:
-            env[ENV_FSDP] = str(self.replica_groups)
         return env
 
 
@@ -353,7 +356,7 @@ def launch(spec: LaunchSpec, entrypoint: Callable[..., Any] | str, *args: Any, q
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     # importing the launcher registers its loggers, so they can be quietened before it runs
-    backend = {"cpu": "gloo", "cuda": "nccl"}.get(spec.device) or choose_backend(spec.nproc_per_node)
+    backend = spec.backend
     warm = callable(entrypoint) and warmed(entrypoint.__module__)
     port = spec.master_port if spec.master_port is not None else get_free_port()
     addr = spec.master_addr or "127.0.0.1"
@@ -488,195 +491,3 @@ def root_failure(failures: Mapping[int, Any]) -> tuple[int, Any]:
         return (not own, not killed, not recorded, not exited, failure.timestamp, rank)
 
     return min(failures.items(), key=key)
-
-
-@dataclass(frozen=True)
-class RankContext:
-    """This rank's place in the job: its layout coordinates and the DeviceMesh that owns its groups."""
-
-    layout: RankLayout
-    mesh: DeviceMesh
-    rank: int
-    backend: str
-    device: torch.device
-    meshes: dict[int, DeviceMesh] = field(default_factory=dict, repr=False, compare=False)  # see block_mesh
-
-    @property
-    def coords(self) -> dict[str, int]:
-        return self.layout.coords(self.rank)
-
-    def tp_group(self) -> dist.ProcessGroup:
-        return self.mesh.get_group("tp")
-
-    def dp_group(self) -> dist.ProcessGroup:
-        return self.mesh.get_group("dp")
-
-    def cp_group(self) -> dist.ProcessGroup | None:
-        """The context-parallel group; None without context parallelism."""
-        return self.mesh.get_group("cp") if self.layout.cp > 1 else None
-
-    def pp_group(self) -> dist.ProcessGroup:
-        return self.mesh.get_group("pp")
-
-    def block_mesh(self, parts: int) -> DeviceMesh:
-        """The (pp, dp, [cp,] tp_block, tp_copy) mesh of blocks held by ``tp/parts`` ranks each (kv heads fewer
-        than tp): sharded over ``parts`` blocks, replicated over their copies. Made once per job and kept here,
-        since making one creates process groups on every rank."""
-        if parts not in self.meshes:
-            lay = self.layout
-            cp = ((lay.cp,), ("cp",)) if lay.cp > 1 else ((), ())
-            self.meshes[parts] = init_device_mesh(self.device.type, (lay.pp, lay.dp, *cp[0], parts, lay.tp // parts),
-                                                  mesh_dim_names=("pp", "dp", *cp[1], "tp_block", "tp_copy"))
-        return self.meshes[parts]
-
-
-def _env_int(name: str, environ: Mapping[str, str]) -> int | None:
-    raw = environ.get(name)
-    if raw is None or raw == "":
-        return None
-    try:
-        return int(raw)
-    except ValueError:
-        raise LaunchError(f"environment variable {name}={raw!r} is not an integer") from None
-
-
-def init_distributed(tp: int, dp: int | None = None, pp: int = 1, backend: str | None = None,
-                     cp: int = 1) -> RankContext:
-    """Initialise the default process group (env://, as the launcher sets it) if needed; build the mesh.
-
-    Collective: every rank of the job must call it, in the same order relative to other group creation.
-    """
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
-    if not dist.is_initialized():
-        backend = backend or choose_backend(local_world)
-        if backend == "nccl":
-            torch.cuda.set_device(local_rank)
-        timeout = os.environ.get(ENV_TIMEOUT)
-        kwargs: dict[str, Any] = {"timeout": datetime.timedelta(seconds=float(timeout))} if timeout else {}
-        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        if restart not in ("", "0") and "MASTER_ADDR" in os.environ:
-            # after a restart (--max-restarts) the store may still hold the failed attempt's keys (gloo's peer
-            # addresses among them); a prefix per attempt keeps the new ranks from connecting to dead ones
-            store, rank, world = next(dist.rendezvous("env://", **kwargs))
-            dist.init_process_group(backend, store=dist.PrefixStore(f"autotp/attempt-{restart}", store),
-                                    rank=rank, world_size=world, **kwargs)
-        else:
-            dist.init_process_group(backend, **kwargs)
-        atexit.register(_destroy_at_exit)
-    backend = dist.get_backend()
-    bind_from_env(backend)  # before the mesh's groups: their gloo threads inherit the binding
-    try:
-        layout = RankLayout.build(dist.get_world_size(), tp, pp=pp, dp=dp, cp=cp)
-    except (TypeError, ValueError) as exc:
-        raise LaunchError(str(exc)) from exc
-    device_type = "cuda" if backend == "nccl" else "cpu"
-    device = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
-    return RankContext(layout=layout, mesh=layout.device_mesh(device_type), rank=dist.get_rank(),
-                       backend=backend, device=device)
-
-
-def _destroy_at_exit() -> None:
-    # the group made for a script that never made one (`autotp run` + parallelize): torch leaves it alive at
-    # exit, and gloo's threads outliving the interpreter can abort the rank after its last line ran
-    # ("terminate called without an active exception"), failing a job that succeeded
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
-
-def init_from_env(environ: Mapping[str, str] | None = None) -> RankContext:
-    """:func:`init_distributed` with the sizes ``autotp run`` put in the environment."""
-    environ = os.environ if environ is None else environ
-    tp = _env_int(ENV_TP, environ)
-    if tp is None:
-        raise ProcessGroupError(f"{ENV_TP} is not set, so this process was not started by `autotp run`",
-                                hint="start it with `autotp run SCRIPT --tp N [--dp N]`, or call "
-                                     "autotp.distributed.launch.init_distributed(tp=N) yourself")
-    return init_distributed(tp, _env_int(ENV_DP, environ), _env_int(ENV_PP, environ) or 1,
-                            environ.get(ENV_BACKEND) or None, _env_int(ENV_CP, environ) or 1)
-
-
-def _existing_group(ranks: list[int], dim: str = "tp") -> dist.ProcessGroup | None:
-    # torch's own registry of live groups; private, hence the getattr guards and the fallback in the caller
-    registry = getattr(getattr(dist.distributed_c10d, "_world", None), "pg_group_ranks", None) or {}
-    matches = [pg for pg, members in registry.items() if sorted(members) == ranks]
-    preferred = [pg for pg in matches if getattr(pg, "group_desc", "") == f"mesh_{dim}"]
-    return (preferred or matches or [None])[0]
-
-
-def current_tp_group(environ: Mapping[str, str] | None = None) -> dist.ProcessGroup | None:
-    """The TP group of this process under ``autotp run``; None when ``AUTOTP_TP`` is not set.
-
-    Reuses the group :func:`init_from_env` created; when there is none yet it calls ``init_from_env``,
-    which is collective: every rank must reach this call (as every rank reaches ``parallelize``).
-    """
-    environ = os.environ if environ is None else environ
-    tp = _env_int(ENV_TP, environ)
-    if tp is None:
-        return None
-    if dist.is_initialized():  # the script made its own group; bind as init_distributed would have
-        bind_from_env(dist.get_backend(), environ)
-        world = dist.get_world_size()
-        if tp == world:
-            return dist.group.WORLD
-        if world % tp:
-            raise LaunchError(f"{ENV_TP}={tp} does not divide the world size {world}")
-        start = dist.get_rank() // tp * tp
-        found = _existing_group(list(range(start, start + tp)))
-        if found is not None:
-            return found
-    return init_from_env(environ).tp_group()
-
-
-def cp_from_env(environ: Mapping[str, str] | None = None) -> int:
-    """The context-parallel size ``autotp run --cp`` asked for (1 when none, or not under autotp run)."""
-    environ = os.environ if environ is None else environ
-    return _env_int(ENV_CP, environ) or 1
-
-
-def current_cp_group(environ: Mapping[str, str] | None = None) -> dist.ProcessGroup | None:
-    """The layout's context-parallel group under ``autotp run --cp``; None without one. Collective."""
-    environ = os.environ if environ is None else environ
-    cp = cp_from_env(environ)
-    if cp == 1:
-        return None
-    if dist.is_initialized():  # the groups current_tp_group made (or the script's own) are reused
-        layout = RankLayout.build(dist.get_world_size(), _env_int(ENV_TP, environ) or 1,
-                                  pp=_env_int(ENV_PP, environ) or 1, dp=_env_int(ENV_DP, environ), cp=cp)
-        found = _existing_group(next(g for g in layout.cp_groups if dist.get_rank() in g))
-        if found is not None:
-            return found
-    return init_from_env(environ).cp_group()
-
-
-def current_dp_group(environ: Mapping[str, str] | None = None) -> dist.ProcessGroup | None:
-    """The layout's data-parallel group under ``autotp run``; None when not under it or when dp is 1.
-    Collective when no such group exists yet (it builds the layout's mesh): every rank must reach this call."""
-    environ = os.environ if environ is None else environ
-    tp = _env_int(ENV_TP, environ)
-    if tp is None or not dist.is_initialized():
-        return None
-    try:
-        layout = RankLayout.build(dist.get_world_size(), tp, pp=_env_int(ENV_PP, environ) or 1,
-                                  dp=_env_int(ENV_DP, environ), cp=cp_from_env(environ))
-    except (TypeError, ValueError) as exc:
-        raise LaunchError(str(exc)) from exc
-    if layout.dp == 1:
-        return None
-    found = _existing_group(next(g for g in layout.dp_groups if dist.get_rank() in g), "dp")
-    return found if found is not None else init_from_env(environ).dp_group()
-
-
-def fsdp_from_env(environ: Mapping[str, str] | None = None) -> int | None:
-    """The FSDP replica groups ``autotp run --fsdp [--hsdp R]`` asked for (1: plain FSDP); None: no FSDP."""
-    environ = os.environ if environ is None else environ
-    return _env_int(ENV_FSDP, environ)
-
-
-def current_mesh(environ: Mapping[str, str] | None = None) -> DeviceMesh | None:
-    """The layout's (pp, dp, tp) device mesh under ``autotp run``; None when ``AUTOTP_TP`` is not set.
-    Collective (it builds the mesh's groups): every rank must reach this call."""
-    environ = os.environ if environ is None else environ
-    if _env_int(ENV_TP, environ) is None:
-        return None
-    return init_from_env(environ).mesh

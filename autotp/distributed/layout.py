@@ -15,7 +15,10 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["GROUP_KINDS", "RankLayout"]
+__all__ = ["GROUP_KINDS", "MESH_CP", "MESH_DP", "MESH_PP", "MESH_TP", "RankLayout"]
+
+# the DeviceMesh's dim names, outermost first (Megatron's order: tp innermost); cp only with context parallelism
+MESH_PP, MESH_DP, MESH_CP, MESH_TP = "pp", "dp", "cp", "tp"
 
 GROUP_KINDS: tuple[str, ...] = ("tp", "cp", "dp", "pp", "mp", "embedding")
 
@@ -61,7 +64,7 @@ class RankLayout:
     @property
     def _sizes(self) -> dict[str, int]:
         """The dims, outermost first (cp only where there is context parallelism)."""
-        return {"pp": self.pp, "dp": self.dp, **({"cp": self.cp} if self.cp > 1 else {}), "tp": self.tp}
+        return {MESH_PP: self.pp, MESH_DP: self.dp, **({MESH_CP: self.cp} if self.cp > 1 else {}), MESH_TP: self.tp}
 
     def __post_init__(self) -> None:
         for name in ("world_size", "tp", "pp", "dp", "cp"):

@@ -13,7 +13,6 @@ Megatron has tensor-parallel rank 0 read the batch and broadcast it to its group
 """
 from __future__ import annotations
 
-import os
 import warnings
 import zlib
 
@@ -119,14 +118,10 @@ def broadcast_batch(batch: object, group: dist.ProcessGroup | None = None, src: 
 
 
 def _layout():
-    from autotp.distributed.launch import ENV_DP, ENV_PP, ENV_TP, _env_int
-    from autotp.distributed.layout import RankLayout
+    from autotp.distributed.launch import current_job
 
-    tp = _env_int(ENV_TP, os.environ)
-    if tp is None:  # not under `autotp run`: parallelize's default group is the whole job
-        return None
-    return RankLayout.build(dist.get_world_size(), tp, pp=_env_int(ENV_PP, os.environ) or 1,
-                            dp=_env_int(ENV_DP, os.environ))
+    job = current_job()  # None: not under `autotp run`: parallelize's default group is the whole job
+    return None if job is None else job.layout
 
 
 def dp_size() -> int:

@@ -59,7 +59,10 @@ def mismatch_and_broadcast() -> dict:
 
 def dp_sampling() -> dict:
     """tp 2 × dp 2 under the layout ``autotp run`` sets up."""
-    os.environ.update({"AUTOTP_TP": "2", "AUTOTP_DP": "2"})
+    from autotp.distributed.job import RankJob
+    from autotp.distributed.layout import RankLayout
+
+    os.environ.update(RankJob(RankLayout.build(4, 2, dp=2)).env())
     from autotp.distributed.launch import current_tp_group
 
     group = current_tp_group()
