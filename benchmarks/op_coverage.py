@@ -4,6 +4,7 @@
     python benchmarks/op_coverage.py --all         # every Hugging Face causal-LM family, not the default subset
     python benchmarks/op_coverage.py --families llama,gpt2   # just these families (and the test models)
     python benchmarks/op_coverage.py --all --jobs 3  # three models captured at once (each alone in its process)
+    python benchmarks/op_coverage.py --all --plans-only   # only the families' plans (op_coverage_plans.{json,md})
 
 Models:
 
@@ -389,9 +390,11 @@ def hf_families(args) -> list[str]:
     return [f for i, f in enumerate(names) if i % 5 == 0 or f in ALWAYS]
 
 
-def _run_all(jobs: list[dict], timeout: float, progress: bool, n_workers: int = 1) -> dict[str, dict]:
+def _run_all(jobs: list[dict], timeout: float, progress: bool, n_workers: int = 1,
+             on_record=None) -> dict[str, dict]:
     """Each job's summary, by name in the jobs' order; ``n_workers`` worker processes take jobs as they free up
-    (each model is still captured alone in its process, so the records do not depend on how many run)."""
+    (each model is still captured alone in its process, so the records do not depend on how many run).
+    ``on_record(records so far)``: called as each job finishes (the plans-only table is written then)."""
     import queue
     import threading
 
@@ -420,6 +423,8 @@ def _run_all(jobs: list[dict], timeout: float, progress: bool, n_workers: int = 
                 if progress:
                     status = "ok" if rec["built"] and "error" not in rec else rec.get("error", "")[:90]
                     err.print(escape(f"[{len(recs)}/{len(jobs)}] {job['name']} {rec['seconds']} s {status}"))
+                if on_record is not None:
+                    on_record({j["name"]: recs[k] for k, j in enumerate(jobs) if k in recs})
 
     threads = [threading.Thread(target=drain, args=(w,)) for w in pool]
     try:
@@ -602,16 +607,80 @@ def markdown(r: dict) -> str:
     return "\n".join(lines).replace("\n\n\n", "\n\n") + "\n"
 
 
+def _why(p2: dict) -> str:
+    """What a tp plan leaves whole or replicated, for a table cell."""
+    why = [f"{n}: {w}" for n, w in p2.get("gaps", [])[:2]] + [f"{m}: {w}" for m, w in p2.get("replicated", [])[:2]]
+    if p2.get("error"):
+        why = [p2["error"]]
+    return "; ".join(w.replace("|", "/")[:140] for w in why) or "—"
+
+
+def plans_only(args) -> None:
+    """``--plans-only``: the Hugging Face families' plans at tp 2 and 4 alone (the train/fp32 capture; no test
+    models, no eval/bf16 capture, no run without torch's rules), written to results/op_coverage_plans.{json,md}
+    as each family finishes, so a run stopped early keeps what it measured."""
+    import torch
+    import transformers
+
+    start = time.perf_counter()
+    families = hf_families(args)
+    out = os.path.join(HERE, "results")
+    os.makedirs(out, exist_ok=True)
+
+    def write(recs: dict) -> None:
+        done = {n: r for n, r in recs.items()}
+        captured = [n for n, r in done.items() if "plans" in r]
+        full = {tp: sum(bool(done[n]["plans"].get(str(tp), {}).get("fully_sharded")) for n in captured) for tp in TPS}
+        head = {"versions": {"torch": torch.__version__, "transformers": transformers.__version__},
+                "hf_selection": "all" if args.all else ("--families" if args.families else "default subset"),
+                "runtime_s": round(time.perf_counter() - start, 1), "families": len(families), "run": len(done),
+                "buildable": sum(r["built"] for r in done.values()), "captured": len(captured),
+                "fully_sharded": {str(tp): n for tp, n in full.items()}}
+        with open(os.path.join(out, "op_coverage_plans.json"), "w") as f:
+            json.dump({**head, "hf": done}, f, indent=1)
+        lines = [f"# Hugging Face plans at tp 2 and 4 (torch {torch.__version__}, transformers "
+                 f"{transformers.__version__})", "",
+                 f"`python benchmarks/op_coverage.py --plans-only` ({head['hf_selection']}): {len(done)} of "
+                 f"{len(families)} families run in {head['runtime_s']} s, {head['buildable']} buildable, "
+                 f"{len(captured)} captured (train/fp32). Fully sharded: tp 2 {full[2]}, tp 4 {full[4]} of "
+                 f"{len(captured)}. A plan is fully sharded when nothing is replicated and every weight left whole is "
+                 "whole by design (see the module docstring). No parity runs.", "",
+                 "| family | capture | tp 2 | tp 4 | left whole / replicated at tp 2 (at tp 4 where it differs) |",
+                 "|---|---|---|---|---|"]
+        for name in families:
+            if name not in done:
+                continue
+            h = done[name]
+            cap = "not built: " + h.get("error", "")[:80] if not h["built"] else \
+                str(h["captures"].get("/".join(PLAN_MODE), h.get("error", "")))[:80]
+            plans = h.get("plans")
+            why = "—"
+            if plans:
+                w2, w4 = _why(plans.get("2", {})), _why(plans.get("4", {}))
+                why = w2 if w4 == w2 else f"{w2} (tp 4: {w4})"
+            lines.append(f"| {name} | {cap.replace('|', '/')} | {_mark(plans, 2)} | {_mark(plans, 4)} | {why} |")
+        with open(os.path.join(out, "op_coverage_plans.md"), "w") as f:
+            f.write("\n".join(lines) + "\n")
+
+    jobs = [{"source": "hf", "name": f, "modes": (PLAN_MODE,), "plans": True} for f in families]
+    write(_run_all(jobs, args.timeout, progress=True, n_workers=args.jobs, on_record=write))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--all", action="store_true", help="every Hugging Face causal-LM family")
     ap.add_argument("--families", help="comma-separated Hugging Face model types (instead of the subset)")
     ap.add_argument("--timeout", type=float, default=60.0, help="seconds per build or capture")
     ap.add_argument("--jobs", type=int, default=1, help="worker processes capturing models at once (default 1)")
+    ap.add_argument("--plans-only", action="store_true",
+                    help="the Hugging Face plans at tp 2 and 4 alone (results/op_coverage_plans.{json,md})")
     ap.add_argument("--before", nargs=2, metavar=("IN", "OUT"), help=argparse.SUPPRESS)  # the subprocess's side
     args = ap.parse_args()
     if args.before:
         before_main(*args.before)
+        return
+    if args.plans_only:
+        plans_only(args)
         return
     start = time.perf_counter()
     jobs, skipped = test_model_jobs()
