@@ -79,7 +79,7 @@ class RankJob:
     def to_dict(self) -> dict[str, Any]:
         lay = self.layout
         return {"version": JOB_VERSION, "world_size": lay.world_size, "tp": lay.tp, "cp": lay.cp, "dp": lay.dp,
-                "pp": lay.pp, "gpus_per_node": lay.gpus_per_node, "backend": self.backend, "timeout": self.timeout,
+                "pp": lay.pp, "backend": self.backend, "timeout": self.timeout,
                 "fsdp": self.fsdp, "virtual_stages": self.virtual_stages}
 
     def to_json(self) -> str:
@@ -90,7 +90,7 @@ class RankJob:
         if data.get("version") != JOB_VERSION:
             raise LaunchError(f"job version {data.get('version')!r}, this autotp reads version {JOB_VERSION}: the "
                               "launcher and the ranks run different autotp versions", fields=("version",))
-        sizes = {k: data.get(k) for k in ("world_size", "tp", "cp", "dp", "pp", "gpus_per_node")}
+        sizes = {k: data.get(k) for k in ("world_size", "tp", "cp", "dp", "pp")}
         try:
             layout = RankLayout(**sizes)
         except (TypeError, ValueError) as exc:

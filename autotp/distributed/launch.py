@@ -216,7 +216,9 @@ class LaunchSpec:
     def job(self, backend: str | None = None) -> RankJob:
         """What every rank is told, as one value: the whole job's sizes (dp counting every node's replicas),
         the backend (default :attr:`backend`), the timeout, FSDP's replica groups and the virtual stages."""
-        return RankJob(self.layout, self.backend if backend is None else backend,
+        # the ranks' layout as they have always seen it: coordinates without the launcher's nodes
+        layout = RankLayout(self.world_size, self.tp, self.pp, self.data_parallel, cp=self.cp)
+        return RankJob(layout, self.backend if backend is None else backend,
                        None if self.timeout is None else float(self.timeout),
                        self.replica_groups if self.fsdp else None, self.virtual_stages)
 
