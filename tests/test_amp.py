@@ -20,6 +20,7 @@ import torch
 
 from amp_workers import autocast_parity, full_tensor_grad, grad_scaler_overflow
 from ranks import Launches
+from tiers import core_first
 
 EPS = {"bfloat16": torch.finfo(torch.bfloat16).eps, "float16": torch.finfo(torch.float16).eps}
 MOE = [("moe_bmm", False), ("mixtral", False), ("mixtral", True)]
@@ -137,7 +138,7 @@ def test_grad_scaler_overflow_on_one_rank_skips_every_rank(runs, world: int):
     assert len({tuple(r["scales"]) for r in results.values()}) == 1
 
 
-@pytest.mark.parametrize("dtype", [None, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype", core_first([None, torch.bfloat16, torch.float16], [torch.float16]))
 def test_plan_gives_bytes_in_the_dtype_that_travels(dtype):
     """Captured under autocast, the plan records each collective's dtype and ``autotp plan``'s table counts
     its bytes: the pairs' activations and input gradients in the low dtype, the embedding's output (not

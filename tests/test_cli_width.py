@@ -91,6 +91,7 @@ def test_plan_pp_at_80() -> None:
     assert "15.73 MFLOP" in text and "[2, 32, 64]" in text and "937.5 KiB" in text
 
 
+@pytest.mark.extended
 def test_plan_auto_70b_at_80() -> None:
     """The layout search's 13 columns at 80: split into tables that each repeat # and the layout; every
     header and every number whole (before: ``token…``, ``TFLO…``, ``memo…``, and 1-character columns)."""

@@ -234,6 +234,7 @@ def test_a_tied_weight_enters_the_cp_gradient_sum_once():
     assert len(group.args) == len(plan.grads) and not nodes[read].users
 
 
+@pytest.mark.extended
 def test_expert_routing_runs_on_a_chunk():
     """A mixture of experts' routing is per token: top-k over each token's own scores, its ids one-hot per
     expert, each token repeated per slot (``repeat_interleave``) and an expert weight gathered per slot by id

@@ -78,6 +78,7 @@ def test_whole_experts_per_rank_with_expert_tensor_parallelisms_collectives(kind
             (op, used)
 
 
+@pytest.mark.extended
 def test_experts_as_modules_or_with_late_biases_keep_expert_tensor_parallelism_and_say_why():
     """Experts as a ModuleList of Linears are cut 1/tp each (whole experts need one 3-D parameter per
     projection), and so are experts whose per-expert bias is added after the down-projection (GPT-OSS); a tp

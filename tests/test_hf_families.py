@@ -18,9 +18,10 @@ from hf_family_models import KINDS, MIXER_KINDS, build
 from parity_checks import assert_exact, assert_fully_sharded
 from parity_workers import pattern_parity
 from ranks import Launches
+from tiers import core_first
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", core_first(KINDS, ["lfm3"]))
 def test_the_family_is_planned_fully_sharded(kind: str):
     model, args, kwargs = build(kind)
     gm = capture(model, args, kwargs)[0]

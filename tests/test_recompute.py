@@ -16,6 +16,7 @@ import autotp
 from ranks import Launches, launch
 from recompute_models import LAYERS, STYLES, build, loss_of
 from recompute_workers import _example, recompute_in_pieces, recompute_parity
+from tiers import core_first
 
 
 @pytest.fixture
@@ -43,7 +44,7 @@ def _kept_bytes(model, style: str, idx, targets) -> int:
     return sum(seen.values())
 
 
-@pytest.mark.parametrize("style", STYLES)
+@pytest.mark.parametrize("style", core_first(STYLES, ["layer"]))
 def test_checkpointed_regions_are_recomputed(style: str, fake_tp2):
     kept = {}
     for recompute in (False, True):

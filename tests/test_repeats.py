@@ -330,11 +330,12 @@ def _hf(family: str):
 
 @pytest.mark.parametrize("family,extra,copied", [
     ("gpt2", {}, True),  # a KV cache: two tensors per block
-    ("qwen2", {}, True),
+    pytest.param("qwen2", {}, True, marks=pytest.mark.extended),
     # the hidden states are each block's input (the last block's output is returned only after the final
     # norm) and the attention weights its own: the last kept block returns less than the middle ones, so no
     # copy is proven to return what the whole model returns
-    ("gpt2", {"output_hidden_states": True, "output_attentions": True, "use_cache": False}, False),
+    pytest.param("gpt2", {"output_hidden_states": True, "output_attentions": True, "use_cache": False}, False,
+                 marks=pytest.mark.extended),
 ])
 def test_hugging_face_outputs_per_block(family, extra, copied):
     from autotp.capture.structure import flatten, unflatten

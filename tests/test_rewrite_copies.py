@@ -29,7 +29,8 @@ def _models():
         yield name, model, args, kwargs
 
 
-@pytest.mark.parametrize("case", list(_models()), ids=lambda c: c[0])
+@pytest.mark.parametrize("case", [pytest.param(c, id=c[0], marks=() if c[0] == "llama with a cache" else pytest.mark.extended)
+                                  for c in _models()])
 def test_rewritten_blocks_copied_equal_the_whole_graph_rewritten(case):
     _, model, args, kwargs = case
     cut = capture_blocks(model, args, kwargs)

@@ -102,6 +102,7 @@ def test_kv_heads_replicate_when_tp_exceeds_them():
     assert expands and all(e[1:3] == [1, 1] for e in expands)  # 1 local kv head, repeated once
 
 
+@pytest.mark.extended
 def test_one_kv_head_broadcast_over_query_heads_is_replicated_on_every_rank():
     """Multi-query attention fused with the queries (``q | k | v`` of widths ``(n·d, d, d)``, Falcon-7B's
     ``[b, s, n + 2, d]``), its one k and v head broadcast over the q heads: unexpanded into attention, in a

@@ -15,10 +15,11 @@ from autotp.errors import CaptureError
 from ranks import Launches
 from value_check_models import STYLES, build
 from value_check_workers import forward_parity
+from tiers import core_first
 
 
-@pytest.mark.parametrize("style,asked", [("zero_check", True), ("item_check", 0.0), ("flag", False),
-                                         ("step_sum", False)])
+@pytest.mark.parametrize("style,asked", core_first([("zero_check", True), ("item_check", 0.0), ("flag", False),
+                                                     ("step_sum", False)], [("item_check", 0.0)]))
 def test_each_check_is_answered_from_the_real_model_and_guards_the_graph(style: str, asked: object):
     model, (x, y) = build(style)
     cg = capture_blocks(model, (x, y), {}, writes=True)

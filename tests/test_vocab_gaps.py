@@ -19,6 +19,7 @@ from autotp.shard_spec import VocabRows, vocab_shard, vocab_unshard
 from autotp.operators.vocab_ops import VocabCrossEntropy, VocabOutput
 from ranks import launch
 from vocab_gap_models import CLASSES, EXPERTS, GATES, H, KINDS, NOT_CROPS, PADDED, ROUTERS, S, build, gap_parity
+from tiers import core_first
 
 LAYERS = 2
 
@@ -45,7 +46,7 @@ def test_cropped_layout_treats_the_rows_past_the_classes_as_padding():
     assert VocabRows(**old).classes is None and VocabRows(**old).logits() == VocabRows(**old)
 
 
-@pytest.mark.parametrize("kind", list(CLASSES))
+@pytest.mark.parametrize("kind", core_first(list(CLASSES), ["crop_slice"]))
 def test_plan_folds_the_crop_into_the_vocab_padding(kind: str):
     """No process group: the head is vocab-parallel over all 128 rows, the crop's size becomes each rank's
     local width (the identity there), the loss and the returned logits know the classes, and the plan
