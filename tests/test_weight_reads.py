@@ -91,3 +91,61 @@ def test_weight_reads_train_exactly_with_megatron_collectives(world: int, part: 
     at most 1/tp + 0.12 of the parameters; one all-reduce per block and the embedding's forward, one per block
     and the head's input backward, and the vocab-parallel loss's max and two sums."""
     assert_patterns_train_exactly(WORLDS(world, part), list(KINDS), world, bsh=2 * S * H, tokens=2 * S)
+
+
+class _RobertaHead(torch.nn.Module):
+    """RoBERTa's LM head as one module: dense, gelu, a norm, then the decoder tied to the embedding (an
+    ``nn.Linear`` sharing its weight, or ``F.linear(x, emb.weight, bias)``)."""
+
+    def __init__(self, emb: torch.nn.Embedding, spelling: str):
+        super().__init__()
+        from pattern_models import H, V
+        self.spelling, self.emb = spelling, [emb]  # the table is the LM's: not registered here again
+        self.dense, self.layer_norm = torch.nn.Linear(H, H), torch.nn.LayerNorm(H)
+        if spelling == "decoder":
+            self.decoder = torch.nn.Linear(H, V)
+            self.decoder.weight = emb.weight
+        else:
+            self.bias = torch.nn.Parameter(torch.zeros(V))
+
+    def forward(self, x):
+        x = self.layer_norm(torch.nn.functional.gelu(self.dense(x)))
+        if self.spelling == "decoder":
+            return self.decoder(x)
+        return torch.nn.functional.linear(x, self.emb[0].weight, self.bias)
+
+
+class _RobertaHeadLM(torch.nn.Module):
+    def __init__(self, spelling: str):
+        super().__init__()
+        from pattern_models import H, V
+        from weight_read_models import Block
+        self.emb = torch.nn.Embedding(V, H)
+        torch.nn.init.normal_(self.emb.weight, std=0.02)
+        self.blocks = torch.nn.ModuleList([Block("mlm_decoder")])
+        self.lm_head = _RobertaHead(self.emb, spelling)
+
+    def forward(self, idx, targets):
+        x = self.emb(idx)
+        for blk in self.blocks:
+            x = blk(x)
+        logits = self.lm_head(x)
+        return logits, torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+@pytest.mark.parametrize("spelling", ["decoder", "functional"])
+def test_a_head_module_holding_its_transform_keeps_the_dense_whole_by_design(spelling: str):
+    """The dense layer and the tied decoder in one module (RoBERTa, BERT, Camembert, Data2Vec-Text): the pair
+    tried from the dense to the decoder fails, and the decoder is the vocab-parallel head after all, so the
+    dense is named as the head's transform (whole by design, as Megatron's BERT head keeps it), not as a
+    matmul outside every pair."""
+    torch.manual_seed(0)
+    model = _RobertaHeadLM(spelling)
+    g = torch.Generator().manual_seed(1)
+    args = (torch.randint(0, V, (2, S), generator=g), torch.randint(0, V, (2, S), generator=g))
+    gm = capture(model, args, {})[0]
+    for tp in (2, 4):
+        plan = make_plan(gm, tp)
+        assert plan.replicated == () and len(plan.vocab.heads) == 1, (tp, plan.replicated)
+        (dense,) = [w for w in plan.whole if w.name == "lm_head.dense.weight"]
+        assert dense.reason.startswith("head transform kept whole: its 64→64 linear"), dense.reason

@@ -424,9 +424,7 @@ def analyze_vocab(gm: fx.GraphModule, a: Analysis, tp: int, multiple: int = 1) -
         try:
             head = _propagate_head(m, layout, fp, tp)
         except (Unshardable, ShardingError) as e:
-            # a projection of a block already reported replicated is not an LM head: its reason stands
-            if not any(m.module == r or m.module.startswith(r + ".") for r, _ in a.replicated):
-                unheaded.append((m, f"{e.reason} (at {where(e.node)})" if isinstance(e, Unshardable) else str(e)))
+            unheaded.append((m, f"{e.reason} (at {where(e.node)})" if isinstance(e, Unshardable) else str(e)))
             continue
         if not head.losses and not head.outputs:
             continue
@@ -437,12 +435,16 @@ def analyze_vocab(gm: fx.GraphModule, a: Analysis, tp: int, multiple: int = 1) -
             continue
         facts.heads.append(head)
         layouts[m.weight] = layout
+    head_nodes = {h.matmul.node for h in facts.heads}
+    # a failed pair whose row is an LM head after all (a gate of the last block tried as its column, BERT's
+    # dense tried as the column of its decoder)
+    a.replicated[:] = [e for e in a.replicated if a.failed_rows.get(e) not in head_nodes]
+    blocks = [r for r, _ in a.replicated]
     for m, why in unheaded:  # named once the heads are known: a head's dense + norm transform is whole by design
+        if any(m.module == r or m.module.startswith(r + ".") for r in blocks):
+            continue  # a projection of a block reported replicated is not an LM head: its reason stands
         why = _head_transform(m, facts.heads, a, order) or _kept_whole(m, why, _latent_of(m, a, order))
         (a.by_design if why.startswith(_BY_DESIGN) else a.replicated).append((m.module, why))
-    head_nodes = {h.matmul.node for h in facts.heads}
-    # a failed pair whose row is an LM head after all (a gate of the last block tried as its column)
-    a.replicated[:] = [e for e in a.replicated if a.failed_rows.get(e) not in head_nodes]
     head_chains = {n for h in facts.heads for n in h.matmul.chain}
     for node in gm.graph.nodes:
         if node.target is not aten.embedding.default or not isinstance(node.args[0], fx.Node):
