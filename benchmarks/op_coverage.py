@@ -5,6 +5,7 @@
     python benchmarks/op_coverage.py --families llama,gpt2   # just these families (and the test models)
     python benchmarks/op_coverage.py --all --jobs 3  # three models captured at once (each alone in its process)
     python benchmarks/op_coverage.py --all --plans-only   # only the families' plans (op_coverage_plans.{json,md})
+    python benchmarks/op_coverage.py --plans-only --update --families bert,roberta   # these again, the rest kept
 
 Models:
 
@@ -89,8 +90,9 @@ def read_as_weight(name: str) -> bool:
 # the Hugging Face families the tests build: always in the default subset
 ALWAYS = ("gpt2", "llama", "qwen2", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "gpt_oss")
 # a weight left whole for one of these reasons is whole by design (Megatron keeps it whole too), not a gap
-WHOLE_BY_DESIGN = ("router kept whole", "gate kept whole", "down-projection kept whole", "position embedding",
-                   "bias of the row-parallel", "not read by this call's graph", "read by nothing")
+WHOLE_BY_DESIGN = ("router kept whole", "gate kept whole", "down-projection kept whole", "head transform kept whole",
+                   "position embedding", "bias of the row-parallel", "not read by this call's graph",
+                   "read by nothing")
 
 # tiny sizes, by every attribute name a config may use for them
 _TINY = {
@@ -626,13 +628,22 @@ def plans_only(args) -> None:
     families = hf_families(args)
     out = os.path.join(HERE, "results")
     os.makedirs(out, exist_ok=True)
+    kept: dict = {}
+    if args.update:  # the families run again replace their records; the others stay as the last run left them
+        with open(os.path.join(out, "op_coverage_plans.json")) as f:
+            last = json.load(f)
+        again = families
+        kept = {n: r for n, r in last["hf"].items() if n not in again}
+        families = list(last["hf"]) + [f for f in again if f not in last["hf"]]
 
     def write(recs: dict) -> None:
-        done = {n: r for n, r in recs.items()}
+        done = {**kept, **recs}
+        done = {n: done[n] for n in families if n in done}
         captured = [n for n, r in done.items() if "plans" in r]
         full = {tp: sum(bool(done[n]["plans"].get(str(tp), {}).get("fully_sharded")) for n in captured) for tp in TPS}
         head = {"versions": {"torch": torch.__version__, "transformers": transformers.__version__},
-                "hf_selection": "all" if args.all else ("--families" if args.families else "default subset"),
+                "hf_selection": ("all" if args.all else ("--families" if args.families else "default subset"))
+                if not kept else f"{last['hf_selection']}; {len(again)} run again with --update",
                 "runtime_s": round(time.perf_counter() - start, 1), "families": len(families), "run": len(done),
                 "buildable": sum(r["built"] for r in done.values()), "captured": len(captured),
                 "fully_sharded": {str(tp): n for tp, n in full.items()}}
@@ -662,7 +673,7 @@ def plans_only(args) -> None:
         with open(os.path.join(out, "op_coverage_plans.md"), "w") as f:
             f.write("\n".join(lines) + "\n")
 
-    jobs = [{"source": "hf", "name": f, "modes": (PLAN_MODE,), "plans": True} for f in families]
+    jobs = [{"source": "hf", "name": f, "modes": (PLAN_MODE,), "plans": True} for f in families if f not in kept]
     write(_run_all(jobs, args.timeout, progress=True, n_workers=args.jobs, on_record=write))
 
 
@@ -674,6 +685,8 @@ def main() -> None:
     ap.add_argument("--jobs", type=int, default=1, help="worker processes capturing models at once (default 1)")
     ap.add_argument("--plans-only", action="store_true",
                     help="the Hugging Face plans at tp 2 and 4 alone (results/op_coverage_plans.{json,md})")
+    ap.add_argument("--update", action="store_true",
+                    help="with --plans-only: run these families again, keep the other records of the last run")
     ap.add_argument("--before", nargs=2, metavar=("IN", "OUT"), help=argparse.SUPPRESS)  # the subprocess's side
     args = ap.parse_args()
     if args.before:
