@@ -174,26 +174,44 @@ def _two_nodes(where: Path, sizes: tuple[str, ...] = ("--tp", str(TP)), timeout:
     return procs, logs, [log.read_text() for log in logs], timed_out, out
 
 
-@pytest.mark.slow
-def test_shard_two_nodes_on_loopback(tmp_path: Path) -> None:
+def _two_nodes_finished(tmp_path: Path, sizes: tuple[str, ...] = ("--tp", str(TP)),
+                        timeout: float = TWO_NODE_TIMEOUT_S) -> tuple[list, list[str], str, Path]:
+    """:func:`_two_nodes`, once more on a fresh port if both launchers stalled (a stall at gloo's teardown seen
+    before; a job that fails exits, and is not retried); both must have finished with exit code 0."""
+    for attempt in range(2):
+        procs, _, text, timed_out, out = _two_nodes(tmp_path / f"attempt{attempt}", sizes, timeout)
+        if not all(timed_out):
+            break
+    shown = "\n".join(f"--- node {n} ---\n{t}" for n, t in enumerate(text))
+    assert not any(timed_out), f"not finished within {timeout} s\n{shown}"
+    assert [p.returncode for p in procs] == [0, 0], shown
+    return procs, text, shown, out
+
+
+def _assert_checkpoint_loads_unsharded(out: Path, summary: dict) -> None:
+    """Every rank of both nodes wrote its part of the checkpoint: it loads into the unsharded model, whose loss
+    is the run's last."""
     import nanogpt
 
     from autotp.io.checkpoint import load_unsharded
     from autotp.plan.plan import Plan
 
+    model = nanogpt.build_model().eval()
+    load_unsharded(model, Plan.from_json((out / "plan.json").read_text()), out / "checkpoint")
+    with torch.no_grad():
+        _, loss = model(*nanogpt.example_batch())
+    assert abs(loss.item() - summary["final_loss"]) < 1e-5
+
+
+@pytest.mark.slow
+def test_shard_two_nodes_on_loopback(tmp_path: Path) -> None:
     # four ranks and two launchers on 2 cores: a rank that polled a tensor-parallel all-reduce without end
     # took the core its peer needed to finish capturing, and a run stalled past a minute about one in ten
     # (py-spy: one rank in the eval graph's all-reduce, three in export); the poll now sleeps after 100 ms
     # (autotp/operators/collectives.py: 0 stalls in 24 runs at 5 ms, none in 5 at 100 ms). One more attempt on
     # a fresh port before failing, for a stall at gloo's teardown seen before (a job that fails exits, and is
     # not retried)
-    for attempt in range(2):
-        procs, logs, text, timed_out, out = _two_nodes(tmp_path / f"attempt{attempt}")
-        if not all(timed_out):
-            break
-    shown = "\n".join(f"--- node {n} ---\n{t}" for n, t in enumerate(text))
-    assert not any(timed_out), f"not finished within {TWO_NODE_TIMEOUT_S} s\n{shown}"
-    assert [p.returncode for p in procs] == [0, 0], shown
+    procs, text, shown, out = _two_nodes_finished(tmp_path)
 
     # c10d rendezvous numbers the nodes by sorted (hostname, agent pid), not by --node-rank; on one host the
     # first-started node 0 has the lower pid and holds ranks 0-1, unless the pids wrapped in between
@@ -209,12 +227,7 @@ def test_shard_two_nodes_on_loopback(tmp_path: Path) -> None:
     assert [(r["rank"], r["tp_rank"], r["dp_rank"]) for r in summary["ranks"]] == \
         [(0, 0, 0), (1, 1, 0), (2, 0, 1), (3, 1, 1)]
     assert len(summary["losses"]) == 2
-    # every rank of both nodes wrote its part of the checkpoint: it loads into the unsharded model
-    model = nanogpt.build_model().eval()
-    load_unsharded(model, Plan.from_json((out / "plan.json").read_text()), out / "checkpoint")
-    with torch.no_grad():
-        _, loss = model(*nanogpt.example_batch())
-    assert abs(loss.item() - summary["final_loss"]) < 1e-5
+    _assert_checkpoint_loads_unsharded(out, summary)
 
 
 @pytest.mark.slow
@@ -224,19 +237,8 @@ def test_shard_pipeline_stages_on_two_nodes_with_world_size(tmp_path: Path) -> N
     stage 0 runs on one node and stage 1 on the other (the spelling ``autotp plan --auto`` prints for a pipeline
     over nodes; the per-node --dp could not say it). The loss through the stages matches the unsharded model's
     and the trained checkpoint loads into it."""
-    import nanogpt
-
-    from autotp.io.checkpoint import load_unsharded
-    from autotp.plan.plan import Plan
-
-    for attempt in range(2):  # as test_shard_two_nodes_on_loopback: one retry for a stall at gloo's teardown
-        procs, logs, text, timed_out, out = _two_nodes(tmp_path / f"attempt{attempt}",
-                                                       ("--tp", "1", "--pp", "2", "--world-size", "2"), 2 * TWO_NODE_TIMEOUT_S)
-        if not all(timed_out):
-            break
-    shown = "\n".join(f"--- node {n} ---\n{t}" for n, t in enumerate(text))
-    assert not any(timed_out), f"not finished within {2 * TWO_NODE_TIMEOUT_S} s\n{shown}"
-    assert [p.returncode for p in procs] == [0, 0], shown
+    procs, text, shown, out = _two_nodes_finished(tmp_path, ("--tp", "1", "--pp", "2", "--world-size", "2"),
+                                                  2 * TWO_NODE_TIMEOUT_S)
     host = 0 if procs[0].pid < procs[1].pid else 1  # the node holding rank 0 (see the test above)
     assert "parity vs unsharded" in text[host] and "pass" in text[host], shown
     assert f"node {1 - host}: 1 ranks finished" in text[1 - host], shown
@@ -245,8 +247,4 @@ def test_shard_pipeline_stages_on_two_nodes_with_world_size(tmp_path: Path) -> N
     assert (summary["tp"], summary["dp"], summary["pp"]) == (1, 1, 2) and summary["parity"]["ok"]
     assert [(r["rank"], r["pp_rank"]) for r in summary["ranks"]] == [(0, 0), (1, 1)]  # one stage per node
     assert len(summary["losses"]) == 2
-    model = nanogpt.build_model().eval()
-    load_unsharded(model, Plan.from_json((out / "plan.json").read_text()), out / "checkpoint")
-    with torch.no_grad():
-        _, loss = model(*nanogpt.example_batch())
-    assert abs(loss.item() - summary["final_loss"]) < 1e-5
+    _assert_checkpoint_loads_unsharded(out, summary)
