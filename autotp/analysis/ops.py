@@ -222,3 +222,50 @@ def unflattened_sequence_of_one(gj: list[int], dst: list[int], size: int) -> boo
     """``[b·s, N] -> [b, s, N]`` with s = 1 looks like one head of N (``[.., 1, N]``); a size-1 dim right
     after the batch dim is the sequence (heads come after it: ``[b, s, 1, hd]``)."""
     return len(gj) == 2 and gj[0] == 1 and dst[1] == 1 and dst[gj[1]] == size
+
+
+
+def unseen_write(node: fx.Node) -> torch._ops.OpOverload | None:
+    """The functional form of ``node`` where it is an in-place op whose write no other node can see, else None.
+
+    ``scores.masked_fill_(mask, -inf)`` (XLM) writes into the matmul's result; the graph shows the write is
+    unseen when the written tensor is a fresh intermediate (made by an op that returns no view of its inputs,
+    or by another unseen write: not a graph input, parameter, buffer or constant, not a view whose base the
+    write would reach) and every other node that reads it, or a view of it, runs before the write (a later
+    reader reads the write's result, which is the functional op's output). Then the op computes exactly
+    ``masked_fill(scores, mask, -inf)`` and a rule for the functional form places it; the graph that runs
+    keeps the in-place op, on each rank's shard."""
+    target = node.target
+    if not isinstance(target, torch._ops.OpOverload) or torch.Tag.inplace not in target.tags:
+        return None
+    schema = target._schema
+    written = [i for i, a in enumerate(schema.arguments) if a.alias_info is not None and a.alias_info.is_write]
+    if written != [0] or not node.args or not isinstance(x := node.args[0], fx.Node):
+        return None
+    if x.op != "call_function" or not isinstance(x.target, torch._ops.OpOverload):
+        return None  # a graph input, parameter, buffer or constant: the caller's or the model's tensor
+    if _aliases(x.target) and unseen_write(x) is None:
+        return None  # a view (the write would reach its base), or a write someone sees
+    order = {n: i for i, n in enumerate(node.graph.nodes)}
+    seen, todo = {x}, [x]
+    while todo:  # x and its views: every reader but the write runs before it
+        for u in todo.pop().users:
+            if u is node:
+                continue
+            if order[u] > order[node]:
+                return None
+            if u.op == "call_function" and _aliases(u.target) and u.args and u.args[0] in seen and u not in seen:
+                seen.add(u)
+                todo.append(u)
+    name = schema.name.split("::")[-1]
+    packet = getattr(torch.ops.aten, name[:-1], None) if schema.name.startswith("aten::") and name.endswith("_") \
+        else None
+    functional = getattr(packet, target._overloadname, None) if packet is not None else None
+    if functional is None or functional._schema.is_mutable:
+        return None
+    return functional
+
+
+def _aliases(target: object) -> bool:
+    """Does ``target`` return a view of (or the same tensor as) its first input: ``view``, ``transpose``, ``add_``?"""
+    return isinstance(target, torch._ops.OpOverload) and any(r.alias_info is not None for r in target._schema.returns)

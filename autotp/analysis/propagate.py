@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch.fx as fx
 
 from autotp.analysis.einsum_rules import EinsumRules
-from autotp.analysis.op_rules import OpRule, handler, kind_of, op_rule
-from autotp.analysis.ops import Unshardable, held_whole, is_guard, is_random, ndim_of, reaches
+from autotp.analysis.op_rules import OP_RULES, OpRule, handler, kind_of, op_rule
+from autotp.analysis.ops import Unshardable, held_whole, is_guard, is_random, ndim_of, reaches, unseen_write
 from autotp.analysis.region import Entering, OperandSlice, ParamCut, Region, StatFact
 from autotp.analysis.shape_rules import ShapeRules
 from autotp.analysis.shapes import Fingerprinter, is_static, normalize_dim
@@ -33,6 +33,14 @@ def _param_view(target: object) -> bool:
     a cast (Hugging Face Mamba's ``dt_proj.bias.float()[:, None]``)."""
     rule = op_rule(target)
     return rule is not None and (rule.kind in ("view", "expand") or rule.form == "insert" or rule.cast)
+
+
+def _rule_target(node: fx.Node) -> object:
+    """The op whose rule places ``node``: its own, or for an in-place op the table does not list whose write no
+    other node sees (:func:`~autotp.analysis.ops.unseen_write`), its functional form's."""
+    if node.target in OP_RULES:
+        return node.target
+    return unseen_write(node) or node.target
 
 
 class Propagator(ShapeRules, ValueRules, EinsumRules):
@@ -153,7 +161,7 @@ class Propagator(ShapeRules, ValueRules, EinsumRules):
         grouped = [s for a in node.all_input_nodes if (s := self.spec(a)) is not None and s.group]
         if grouped:
             return self.group_read(node, grouped[0])
-        found = handler(self, node.target)
+        found = handler(self, _rule_target(node))
         if found is None:
             raise Unshardable(node, f"no sharding rule for {node.target}, in autotp's table or torch's")
         on, rule = found
@@ -189,7 +197,7 @@ class Propagator(ShapeRules, ValueRules, EinsumRules):
         parts = {g.parts for g in first.segments}
         blocks = parts.pop() if len(parts) == 1 else self.tp
         try:
-            answer = ask_torch(node, {x: s.dim for x, s in sharded.items()}, blocks)
+            answer = ask_torch(node, {x: s.dim for x, s in sharded.items()}, blocks, op=_rule_target(node))
         except TorchRefused as e:
             raise Unshardable(node, str(e)) from None
         outs = tuple(None if d is None else first.moved(d) for d in answer.outputs)

@@ -88,14 +88,15 @@ def _shape(x: fx.Node) -> list[int]:
     return shape
 
 
-def ask_torch(node: fx.Node, sharded: dict[fx.Node, int], tp: int) -> TorchAnswer:
+def ask_torch(node: fx.Node, sharded: dict[fx.Node, int], tp: int, op: object = None) -> TorchAnswer:
     """DTensor's placement of ``node``'s outputs with its operands in ``sharded`` cut on the given dims over
-    ``tp`` ranks; raises :class:`TorchRefused` where running the op on each shard would not be exact."""
+    ``tp`` ranks; raises :class:`TorchRefused` where running the op on each shard would not be exact. ``op``:
+    the op asked about in place of ``node``'s own (the functional form of an in-place write no one sees)."""
     from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
     from torch.distributed.tensor._op_schema import OpSchema
     from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
-    op = node.target
+    op = node.target if op is None else op
     name = str(op)  # the caller adds where the node is
     if not has_torch_rule(op):
         raise TorchRefused(f"no sharding rule for {op}, in autotp's table or torch's")
@@ -174,7 +175,7 @@ def ask_torch(node: fx.Node, sharded: dict[fx.Node, int], tp: int) -> TorchAnswe
             raise TorchRefused(f"{name} changes the size of the sharded dim")
         dims.append(p.dim)
     answer = TorchAnswer(tuple(dims), tuple(slices))
-    _check(node, sharded, answer, tp)
+    _check(node, op, sharded, answer, tp)
     return answer
 
 
@@ -205,7 +206,7 @@ def _dims_normalized(node: fx.Node) -> tuple[tuple, dict]:
 _CHECK_ELEMENTS = 1 << 20  # operands checked by running the op on them up to this size; larger are trusted
 
 
-def _check(node: fx.Node, sharded: dict[fx.Node, int], answer: TorchAnswer, tp: int) -> None:
+def _check(node: fx.Node, op: object, sharded: dict[fx.Node, int], answer: TorchAnswer, tp: int) -> None:
     """Run the op on small random operands of the captured (example) sizes, whole and cut into ``tp`` parts as
     the answer says, and compare each part's result with the whole's: torch's rules are checked, not trusted
     (a rule that misreads an argument would otherwise make the sharded model silently wrong). Operands too
@@ -221,17 +222,17 @@ def _check(node: fx.Node, sharded: dict[fx.Node, int], answer: TorchAnswer, tp: 
         return
     if any(shapes[x][d] < tp for x, d in cut.items()):
         return
-    name = str(node.target)
+    name = str(op)
     try:
         # in float64 first: the check asks which values a part depends on, and a matmul cut in parts may round
         # differently from the whole (another kernel for fewer rows; bf16 operands of a graph captured under
         # autocast, with fp32 weights that only autocast would cast); an op float64 cannot run, as captured
         try:
-            full, again, parts = _run_parts(node, operands, shapes, cut, tp, wide=True)
+            full, again, parts = _run_parts(node, op, operands, shapes, cut, tp, wide=True)
         except Exception as exc:  # noqa: BLE001 - the op has no float64 kernel (or mixed dtypes need it as captured)
             if own_bug(exc):  # autotp's own bug: shown, never a verdict
                 raise
-            full, again, parts = _run_parts(node, operands, shapes, cut, tp, wide=False)
+            full, again, parts = _run_parts(node, op, operands, shapes, cut, tp, wide=False)
     except Exception as e:
         if own_bug(e):  # autotp's own bug: shown, never a verdict
             raise
@@ -255,7 +256,7 @@ def _check(node: fx.Node, sharded: dict[fx.Node, int], answer: TorchAnswer, tp: 
                                    "but a check on random values disagrees")
 
 
-def _run_parts(node: fx.Node, operands: list[fx.Node], shapes: dict, cut: dict, tp: int,
+def _run_parts(node: fx.Node, op: object, operands: list[fx.Node], shapes: dict, cut: dict, tp: int,
                wide: bool) -> tuple[object, object, list]:
     """The op run twice on random operands of ``shapes`` (float64 where ``wide``, else as captured: 16-bit
     floats in fp32) and once per part cut as ``cut`` says: (whole, whole again, parts)."""
@@ -279,7 +280,7 @@ def _run_parts(node: fx.Node, operands: list[fx.Node], shapes: dict, cut: dict, 
             if a in values:
                 return values[a]
             return _size(a.meta.get("val"))
-        return node.target(*tree_map(sub, node.args), **tree_map(sub, dict(node.kwargs)))
+        return op(*tree_map(sub, node.args), **tree_map(sub, dict(node.kwargs)))
 
     parts = [run({x: (t.tensor_split(tp, cut[x])[r] if x in cut else t) for x, t in whole.items()})
              for r in range(tp)]

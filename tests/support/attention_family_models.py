@@ -1,0 +1,63 @@
+"""Attention spellings of encoder-style and unusual Hugging Face families, and hand-written spellings of the same
+patterns, for tests/test_attention_families.py. The Hugging Face models are built tiny from their configs (width
+64, 4 heads of 16, 2 layers, vocab 128, no dropout) and called as a training step calls them,
+``model(input_ids=ids, labels=ids)``; the hand-written ones are tests/support/pattern_models.py's small LM
+(``(idx, targets) -> (logits, loss)``) with their own attention.
+
+- ``xlm``: XLM, whose scores are masked in place, ``scores.masked_fill_(mask, finfo.min)``, on the matmul's
+  result (the mask a ``(b, 1, 1, s)`` view expanded to the scores);
+- ``fill_inplace``: the causal mask written in place by a chain of in-place ops on the scores,
+  ``att.mul_(scale).masked_fill_(~causal, -inf)``;
+- ``fill_inplace_stale``: the same, but a view of the scores taken before the write is read after it (a
+  transposed copy added to the result): a write another node sees, never read as its functional form.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+
+from pattern_models import HD, NH, H, LMWith, build_with
+
+HF_KINDS = ("xlm",)
+KINDS = ("fill_inplace",)
+
+
+class InPlaceMasked(nn.Module):
+    """q, k, v, o projections; the scores scaled and causally masked by in-place ops."""
+
+    def __init__(self, kind: str):
+        super().__init__()
+        self.kind = kind
+        self.q, self.k, self.v, self.o = (nn.Linear(H, H, bias=False) for _ in range(4))
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q, k, v = (p(x).view(b, s, NH, HD).transpose(1, 2) for p in (self.q, self.k, self.v))
+        att = q @ k.transpose(-2, -1)  # (b, nh, s, s), a fresh tensor
+        causal = torch.ones(s, s, dtype=torch.bool, device=x.device).tril()
+        early = att.transpose(-2, -1)  # a view of the scores before the write
+        att.mul_(1 / math.sqrt(HD)).masked_fill_(~causal, float("-inf"))
+        if self.kind == "fill_inplace_stale":  # reads the written values through the earlier view
+            att = att + early.tril()
+        return self.o((att.softmax(-1) @ v).transpose(1, 2).reshape(b, s, H))
+
+
+def _hf_config(kind: str):
+    from transformers import XLMConfig
+
+    return {"xlm": lambda: XLMConfig(vocab_size=128, emb_dim=64, n_layers=2, n_heads=4, dropout=0.0,
+                                     attention_dropout=0.0, max_position_embeddings=64, pad_token_id=0,
+                                     bos_token_id=0, eos_token_id=0, use_cache=False)}[kind]()
+
+
+def build(kind: str):
+    torch.manual_seed(0)
+    if kind in HF_KINDS:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_config(_hf_config(kind))
+        ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(1))
+        return model, (), {"input_ids": ids, "labels": ids}
+    return build_with(LMWith(kind, InPlaceMasked))
