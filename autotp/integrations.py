@@ -25,6 +25,8 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset
 
+from autotp.combinations import refused
+from autotp.errors import ShardingError
 from autotp.state import TPState, find_tp_state
 
 if TYPE_CHECKING:
@@ -56,8 +58,8 @@ def data_parallel_layout(model: nn.Module) -> tuple[int, int, list[int]]:
 
     job = current_job()
     pp = 1 if job is None else job.layout.pp
-    if pp != 1:
-        raise ValueError(f"the Trainer integration runs no pipeline stages; this job has pp={pp}")
+    if (reason := refused(pipeline=pp, trainer=True)) is not None:
+        raise ShardingError(reason.message, hint=reason.hint)
     start = rank // tp * tp
     members = dist.get_process_group_ranks(st.group) if tp > 1 else [rank]
     if world % tp or sorted(members) != list(range(start, start + tp)):

@@ -2,6 +2,7 @@
 choose how a model is sharded (``autotp plan`` and ``autotp shard`` read them alike)."""
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import NoReturn
 
@@ -26,15 +27,13 @@ EXPERT_PARALLEL = typer.Option(False, "--expert-parallel", help="Place E/tp whol
                                "mixture-of-experts layer on every rank (default: 1/tp of every expert).")
 
 
-def fsdp_param_dtype(value: str | None, fsdp: bool) -> str | None:
+def fsdp_param_dtype(value: str | None) -> str | None:
     """``--fsdp-param-dtype``'s torch dtype name, or None; ValueError naming the flag when it is not one of
-    :data:`FSDP_DTYPES` or comes without ``--fsdp``."""
+    :data:`FSDP_DTYPES` (without ``--fsdp`` it is the rule's to refuse: :func:`check_layout_options`)."""
     if value is None:
         return None
     if value not in FSDP_DTYPES:
         raise ValueError(f"--fsdp-param-dtype must be one of {', '.join(FSDP_DTYPES)}, got {value}")
-    if not fsdp:
-        raise ValueError("--fsdp-param-dtype sets FSDP's mixed precision: it goes with --fsdp")
     return FSDP_DTYPES[value]
 
 
@@ -67,13 +66,32 @@ def fail(message: str, code: int = USAGE_ERROR) -> NoReturn:
 
 
 def check_layout_options(*, pp: int, fsdp: bool, sequence_parallel: bool, expert_parallel: bool,
-                         compile_: bool, schedule: str | None = None, cp: int = 1) -> None:
-    """What ``autotp.parallelize`` would refuse for these flags, said before any rank starts: the one rule
-    (:func:`autotp.options.refused`) the library, ``autotp shard``, ``autotp plan`` and the layout search
-    share."""
-    from autotp.options import refused
+                         compile_: bool, schedule: str | None = None, cp: int = 1, dp: int | None = None,
+                         hsdp: int | None = None, staged: tuple[str, ...] = (), fsdp_dtype: str | None = None,
+                         verify: bool = False) -> None:
+    """What ``autotp.parallelize`` and the launcher would refuse for these flags, said before any rank starts:
+    the one rule (:func:`autotp.combinations.refused`) the library, the launcher, ``autotp shard``, ``autotp
+    plan`` and the layout search share, its settings spelled as flags. ``dp``: the whole job's data-parallel
+    size (every node's replicas; None: not known yet); ``staged``: the pipeline flags given, as the rule names
+    them (``schedule``, ``virtual_stages``, ``microbatches``, ``split_points``); ``verify``: the parity check
+    runs."""
+    from autotp.combinations import refused
 
     reason = refused(pipeline=pp, schedule=schedule, fsdp=fsdp, sequence_parallel=sequence_parallel,
-                     expert_parallel=expert_parallel, compile=compile_, context_parallel=cp)
+                     expert_parallel=expert_parallel, compile=compile_, context_parallel=cp, dp=dp, hsdp=hsdp,
+                     staged=staged, fsdp_param_dtype=fsdp_dtype, parity_check=verify)
     if reason is not None:
-        fail(f"{reason.message}; {reason.hint}")
+        fail(as_flags(f"{reason.message}; {reason.hint}", reason.fields))
+
+
+def staged_flags(**given: object) -> tuple[str, ...]:
+    """The pipeline options given (not None), by the names the rule uses: ``staged_flags(schedule=...,
+    virtual_stages=..., microbatches=..., split_points=...)``."""
+    return tuple(name for name, value in given.items() if value is not None)
+
+
+def as_flags(text: str, fields: tuple[str, ...]) -> str:
+    """``text`` with the settings it names spelled as the command's flags (``node_rank`` -> ``--node-rank``)."""
+    for name in fields:
+        text = re.sub(rf"(?<![\w-]){name}\b", "--" + name.replace("_", "-"), text)
+    return text

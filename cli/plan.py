@@ -20,7 +20,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from autotp.cli.common import (EXPERT_PARALLEL, FSDP_PARAM_DTYPE, MICROBATCHES, SEQUENCE_PARALLEL, USAGE_ERROR,
-                               VIRTUAL_STAGES, check_layout_options, fsdp_param_dtype)
+                               VIRTUAL_STAGES, check_layout_options, fsdp_param_dtype, staged_flags)
 from autotp.cli.plan_format import fmt_size
 from autotp.cli.run import DEBUG, abort
 from autotp.distributed.layout import RankLayout
@@ -111,23 +111,21 @@ def plan(
         layout = RankLayout.build(world, tp, pp=pp, dp=dp, gpus_per_node=gpus_per_node, cp=cp)
     except (ValueError, TypeError) as exc:
         abort(str(exc), debug, code=USAGE_ERROR)
-    if cp > 1:
-        check_layout_options(pp=pp, fsdp=fsdp, sequence_parallel=sequence_parallel, expert_parallel=expert_parallel,
-                             compile_=False, schedule=schedule, cp=cp)
     try:
-        param_dtype = fsdp_param_dtype(fsdp_dtype, fsdp)
+        param_dtype = fsdp_param_dtype(fsdp_dtype)
     except ValueError as exc:
         abort(str(exc), debug, code=USAGE_ERROR)
-    if fsdp and layout.dp < 2:
-        abort(f"--fsdp shards over the data-parallel ranks: it needs --dp 2 or more (dp is {layout.dp})", debug,
-              code=USAGE_ERROR)
+    # what runs together: the rule autotp shard, its launcher and the library ask (FSDP over dp × cp ranks)
+    check_layout_options(pp=pp, fsdp=fsdp, sequence_parallel=sequence_parallel, expert_parallel=expert_parallel,
+                         compile_=False, schedule=schedule, cp=cp, dp=layout.dp, fsdp_dtype=fsdp_dtype,
+                         staged=staged_flags(schedule=schedule, virtual_stages=virtual_stages,
+                                             microbatches=microbatches, split_points=split_points))
     from autotp.parallel.planning import AUTOCAST, plan_file
     from autotp.plan.report import fsdp_from_rows
 
     if autocast is not None and autocast not in AUTOCAST:
         abort(f"--autocast must be one of {', '.join(AUTOCAST)}, got {autocast}", debug, code=USAGE_ERROR)
-    spec = _pipeline_spec(pp, schedule, virtual_stages, microbatches, split_points, batch, debug,
-                          fsdp=fsdp, sequence_parallel=sequence_parallel, expert_parallel=expert_parallel)
+    spec = _pipeline_spec(pp, schedule, virtual_stages, microbatches, split_points, batch, debug)
     try:
         # with --cp the context plan and its report come from the same capture
         the_plan, report, names, batch_note, pipe, cached, context = plan_file(
@@ -143,14 +141,14 @@ def plan(
         # with --fsdp-param-dtype the gathers (and the units held gathered) in that dtype, the reduce-scatters in
         # float32, as autotp shard's FSDPConfig sets FSDP2's MixedPrecisionPolicy
         fsdp_info = fsdp_from_rows(the_plan, report.params, layout.dp, param_dtype,
-                                   "float32" if param_dtype is not None else None)
+                                   "float32" if param_dtype is not None else None, cp=layout.cp)
 
     console = _console()
     render(console, model, the_plan, report, layout, names, batch_note, fsdp_info, pipe, fsdp)
     if context is not None:
         from autotp.cli.plan_tables import context_table
 
-        console.print(context_table(context, tp_collectives=tp > 1))
+        console.print(context_table(context, tp_collectives=tp > 1, fsdp=fsdp))
     if fsdp and spec is not None:
         console.print(f"fsdp with pipeline stages: each of a rank's stages is one FSDP2 unit over dp {layout.dp}; "
                       "per step one all-gather of each stage before its first micro-batch (kept gathered to the "
@@ -262,20 +260,12 @@ def _device_memory(console: Console, pipe: PipelineReport, gpu: str, debug: bool
 
 
 def _pipeline_spec(pp: int, schedule: str | None, virtual_stages: int | None, microbatches: int | None,
-                   split_points: str | None, batch: int | None, debug: bool, *, fsdp: bool,
-                   sequence_parallel: bool, expert_parallel: bool) -> PipelineSpec | None:
-    """The checked pipeline options (None without --pp > 1), or exit 2 before anything is captured; the
-    micro-batches are checked against the example's batch once it is known (plan_file)."""
-    given = [flag for flag, value in (("--schedule", schedule), ("--virtual-stages", virtual_stages),
-                                      ("--microbatches", microbatches), ("--split-points", split_points))
-             if value is not None]
+                   split_points: str | None, batch: int | None, debug: bool) -> PipelineSpec | None:
+    """The checked pipeline options (None without --pp > 1, where check_layout_options refused them), or exit 2
+    before anything is captured; the micro-batches are checked against the example's batch once it is known
+    (plan_file)."""
     if pp == 1:
-        if given:
-            abort(f"{', '.join(given)} {'applies' if len(given) == 1 else 'apply'} to pipeline stages: give --pp 2 "
-                  "or more", debug, code=USAGE_ERROR)
         return None
-    check_layout_options(pp=pp, fsdp=fsdp, sequence_parallel=sequence_parallel, expert_parallel=expert_parallel,
-                         compile_=False, schedule=schedule)
     from autotp.parallel.pipeline import SCHEDULES, check_pipeline, stage_ranks  # torch.distributed.pipelining
     from autotp.plan.pipeline_report import PipelineSpec
 

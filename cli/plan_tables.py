@@ -22,10 +22,15 @@ def _unit_name(u: FSDPUnitRow) -> str:
 _KEEPS = {"first": "fwd, bwd", "block": "fwd, bwd", "last": "fwd, kept", "root": "fwd, kept"}
 
 
+def _over(fsdp: FSDPReport) -> str:
+    """The ranks FSDP shards over: ``dp 2``, or with context parallelism ``dp 1 × cp 2 = 2 ranks``."""
+    return f"dp {fsdp.dp}" if fsdp.cp == 1 else f"dp {fsdp.dp} × cp {fsdp.cp} = {fsdp.ranks} ranks"
+
+
 def fsdp_units_table(fsdp: FSDPReport) -> Table:
     """One row per FSDP unit, in the order they run: first (embeddings), the blocks, last (final norm, LM
     head), then the root."""
-    table = FitTable(title=f"fsdp units: each tp rank's shards cut again over dp {fsdp.dp} (tp {fsdp.tp})", keys=2)
+    table = FitTable(title=f"fsdp units: each tp rank's shards cut again over {_over(fsdp)} (tp {fsdp.tp})", keys=2)
     for col, justify in (("kind", "left"), ("unit", "left"), ("gathered in", "left"), ("tensors", "right"),
                          ("parameters", "right"), ("per tp rank", "right"), ("gathered / rank", "right"),
                          ("sharded / rank", "right")):
@@ -47,8 +52,8 @@ def fsdp_units_table(fsdp: FSDPReport) -> Table:
 
 def fsdp_memory_table(fsdp: FSDPReport) -> Table:
     """FSDP's training memory per rank, term by term, against plain data parallelism's."""
-    t, d = fsdp.tp, fsdp.dp
-    table = FitTable(title=f"training memory per rank with fsdp (16 B/param, tp {t} × dp {d}, "
+    t, d = fsdp.tp, fsdp.ranks
+    table = FitTable(title=f"training memory per rank with fsdp (16 B/param, tp {t} × {_over(fsdp)}, "
                            "resharded after forward)", show_header=False)
     table.add_column(style="bold")
     table.add_column(justify="right", no_wrap=True)
@@ -77,8 +82,8 @@ def fsdp_memory_table(fsdp: FSDPReport) -> Table:
 
 
 def fsdp_traffic_table(fsdp: FSDPReport) -> Table:
-    d = fsdp.dp
-    table = FitTable(title=f"fsdp communication per training step, per rank, over dp {d}", keys=2)
+    d = fsdp.ranks
+    table = FitTable(title=f"fsdp communication per training step, per rank, over {_over(fsdp)}", keys=2)
     for col in ("pass", "collective", "count", "what", "bytes", "ring sends"):
         number = col not in ("pass", "collective", "what")
         table.add_column(col, justify="right" if number else "left", no_wrap=number)
@@ -98,9 +103,10 @@ def fsdp_traffic_table(fsdp: FSDPReport) -> Table:
 
 
 # -- context parallelism (--cp) --------------------------------------------------------------------------
-def context_table(c: ContextReport, tp_collectives: bool = True) -> Table:
+def context_table(c: ContextReport, tp_collectives: bool = True, fsdp: bool = False) -> Table:
     """What runs on each rank's 1/cp of the sequence, and what it costs per rank (``tp_collectives``: with tp
-    > 1, what cp does to the tp communication table above it)."""
+    > 1, what cp does to the tp communication table above it; ``fsdp``: FSDP shards over dp × cp and its
+    reduce-scatter sums the gradients over cp)."""
     table = FitTable(title=f"context parallelism: cp {c.cp}, each rank runs {c.seq // c.cp} of the {c.seq} "
                            f"tokens (chunks r and {2 * c.cp - 1}−r of {2 * c.cp})", show_header=False)
     table.add_column(style="bold")
@@ -120,8 +126,9 @@ def context_table(c: ContextReport, tp_collectives: bool = True) -> Table:
                                         f"unsharded (÷ cp{kept}), attention layers at b {c.batch} × s {c.seq}")
     table.add_row("K/V received / layer", f"{fmt_size(c.kv_bytes)} forward, as much again backward "
                                           f"(2·b·s·h_kv·(cp−1)/cp each way)")
-    table.add_row("gradients", "summed over the cp group in one all-reduce of them all (with dp: then averaged "
-                               "over dp)")
+    table.add_row("gradients", "summed over the cp group by FSDP's reduce-scatter over dp × cp (averaged over dp "
+                               "only)" if fsdp else "summed over the cp group in one all-reduce of them all (with dp: "
+                               "then averaged over dp)")
     if tp_collectives:
         table.add_row("tp collectives", f"each carries 1/{c.cp} of the elements counted above (b·s/cp rows)")
     table.caption = ("activations: Korthikanti et al. 2022 with fused attention, no dropout (64·sbh + 4·asb + "
@@ -138,9 +145,14 @@ def context_totals_table(report: Report, layout: RankLayout, ddp: bool = True) -
     table.add_column(justify="right", no_wrap=True)
     table.add_column()
     table.add_row("parameters", fmt_count(m.params), f"{fmt_size(m.bytes_full)}, as on one device")
+    if not ddp:  # FSDP over dp × cp: its tables (below) say what a rank holds and sends
+        table.add_row("training memory (16 B/param)", fmt_size(m.train_bytes_full), "without fsdp, as on one "
+                      f"device; fsdp shards it over dp {layout.dp} × cp {layout.cp} (below); the activations are "
+                      "1/cp (below)")
+        return table
     table.add_row("training memory (16 B/param)", fmt_size(m.train_bytes_full), "weights, gradients and AdamW "
                   "state, as on one device; the activations are 1/cp (below)")
-    over = f" then over dp {layout.dp}" if layout.dp > 1 and ddp else ""
+    over = f" then over dp {layout.dp}" if layout.dp > 1 else ""
     table.add_row("gradient all-reduce / step", fmt_count(m.params),
                   f"elements over cp {layout.cp}{over} ({fmt_size(m.bytes_full)}: the parameters' dtype)")
     return table

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import re
 import sys
 import traceback
 from collections.abc import Callable
@@ -36,6 +35,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from autotp.cli.common import USAGE_ERROR, fail
+from autotp.cli.common import as_flags as spelled  # this module's as_flags reads a LaunchError's fields
 from autotp.distributed.restarts import Failure
 from autotp.errors import LaunchError, LaunchInterrupted, RankFailedError
 
@@ -172,10 +172,7 @@ def launch_spec(tp: int, dp: int, pp: int, launcher: Launcher, debug: bool, worl
 
 def as_flags(exc: LaunchError) -> str:
     """The error with the settings it names spelled as this command's flags (``node_rank`` -> ``--node-rank``)."""
-    text = str(exc)
-    for name in exc.fields:
-        text = re.sub(rf"(?<![\w-]){name}\b", "--" + name.replace("_", "-"), text)
-    return text
+    return spelled(str(exc), exc.fields)
 
 
 @with_launcher

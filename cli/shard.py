@@ -48,7 +48,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from autotp.cli.common import (EXPERT_PARALLEL, FSDP_PARAM_DTYPE, MICROBATCHES, SEQUENCE_PARALLEL, USAGE_ERROR,
-                               VIRTUAL_STAGES, check_layout_options, fsdp_param_dtype, warm_ranks)
+                               VIRTUAL_STAGES, check_layout_options, fsdp_param_dtype, staged_flags, warm_ranks)
 from autotp.cli.run import DEBUG, PP, Launcher, abort, launch_spec, say_restart, with_launcher
 from autotp.capture.model_spec import model_path
 from autotp.cli.run_folder import checkpoint_step, interrupted_line, traces
@@ -353,8 +353,9 @@ def shard(
     gpu: str | None = typer.Option(None, "--gpu", help="a100, h100 or a profile written by `autotp profile` "
                                    "(default ./autotp-profile.json): the device --auto plans for, and whose "
                                    "peak FLOP/s the training log's MFU is measured against."),
-    schedule: str = typer.Option("1F1B", "--schedule", help="With --pp: the pipeline schedule (GPipe, 1F1B, "
-                                 "Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble)."),
+    schedule: str | None = typer.Option(None, "--schedule", help="With --pp: the pipeline schedule (GPipe, 1F1B, "
+                                        "Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble; "
+                                        "default 1F1B)."),
     microbatches: int | None = MICROBATCHES,
     virtual_stages: int | None = VIRTUAL_STAGES,
     steps: int = typer.Option(3, "--steps", help="AdamW training steps after the parity check."),
@@ -402,7 +403,7 @@ def shard(
     # what needs no torch first (options, paths, the output folder): a mistake is said in a moment, not after
     # the imports and the capture
     if auto:
-        _check_auto(tp, dp, pp, fsdp, microbatches, virtual_stages, world_size, nnodes, debug, launcher.cp)
+        _check_auto(tp, dp, pp, fsdp, microbatches, virtual_stages, world_size, nnodes, debug, launcher.cp, schedule)
     elif tp is None:
         abort("give --tp N, or --auto --world-size N to choose the layout", debug, code=USAGE_ERROR)
     elif world_size is not None and world_size < 1:
@@ -415,9 +416,18 @@ def shard(
                                    (not save_minutes >= 0, "--save-minutes", save_minutes, ">= 0")):
         if bad:
             abort(f"{flag} must be {rule}, got {value}", debug, code=USAGE_ERROR)
+    try:
+        param_dtype = fsdp_param_dtype(fsdp_dtype)
+    except ValueError as exc:
+        abort(str(exc), debug, code=USAGE_ERROR)
     if not auto:  # --auto chooses pp, FSDP and cp: their rules are checked once it has
+        # the rule autotp plan, the launcher and the library ask; dp: the whole job's data-parallel size
         check_layout_options(pp=pp, fsdp=fsdp, sequence_parallel=sequence_parallel, expert_parallel=expert_parallel,
-                             compile_=compile_, schedule=schedule, cp=launcher.cp)
+                             compile_=compile_, schedule=schedule, cp=launcher.cp,
+                             dp=dp if world_size is not None else dp * nnodes, hsdp=launcher.hsdp,
+                             staged=staged_flags(schedule=schedule, virtual_stages=virtual_stages,
+                                                 microbatches=microbatches),
+                             fsdp_dtype=fsdp_dtype, verify=verify is True)
     resume = resume or resume_from is not None
     try:
         path, factory = model_path(model)
@@ -440,23 +450,16 @@ def shard(
         tp, dp, pp, fsdp, microbatches, virtual_stages, schedule, cp = _choose(model, world_size, nnodes, gpu, debug)
         launcher = launcher._replace(cp=cp)
         check_layout_options(pp=pp, fsdp=fsdp, sequence_parallel=sequence_parallel, expert_parallel=expert_parallel,
-                             compile_=compile_, schedule=schedule, cp=launcher.cp)
+                             compile_=compile_, schedule=schedule, cp=launcher.cp, dp=dp, hsdp=launcher.hsdp,
+                             fsdp_dtype=fsdp_dtype, verify=verify is True)
     # --auto may have chosen FSDP; with --world-size (--auto's too) --dp counts every node's replicas
     spec = launch_spec(tp, dp, pp, launcher._replace(fsdp=fsdp), debug, world=world_size)
-    try:
-        param_dtype = fsdp_param_dtype(fsdp_dtype, fsdp)
-    except ValueError as exc:
-        abort(str(exc), debug, code=USAGE_ERROR)
-    if param_dtype is not None and verify:  # the parity check compares with the model's dtype to 1e-5
-        abort(f"--fsdp-param-dtype {fsdp_dtype} computes in {param_dtype}: the parity check against the unsharded "
-              "model in its own dtype cannot hold to 1e-5; drop --verify (it is off by default with it)", debug,
-              code=USAGE_ERROR)
     stages = None
     if pp > 1:
         from autotp.options import PipelineOptions  # the rules autotp.pipeline validates with (no torch)
 
         try:
-            asked = PipelineOptions(pp, schedule, microbatches, virtual_stages).validate()
+            asked = PipelineOptions(pp, schedule or "1F1B", microbatches, virtual_stages).validate()
         except AutotpError as exc:
             abort(str(exc), debug, code=USAGE_ERROR)
         schedule, stages = asked.schedule, (asked.count, asked.microbatches)
@@ -498,7 +501,7 @@ def shard(
                    save_every=save_every, save_minutes=save_minutes, compile={"backend": compile_backend} if compile_backend else compile_,
                    sequence_parallel=sequence_parallel,
                    expert_parallel=expert_parallel, fsdp_param_dtype=param_dtype,
-                   schedule=schedule, microbatches=microbatches or pp,
+                   schedule=schedule or "1F1B", microbatches=microbatches or pp,
                    weights=None if weights is None else str(weights.resolve()), started=started,
                    log_every=log_every, clip_grad=clip_grad, flops=flops, peak_flops=peak,
                    plans=None if plans is None else str(plans))
@@ -583,12 +586,13 @@ def _earlier_run(out: Path) -> str:
 
 
 def _check_auto(tp: int | None, dp: int, pp: int, fsdp: bool, microbatches: int | None, virtual_stages: int | None,
-                world_size: int | None, nnodes: int, debug: bool, cp: int) -> None:
+                world_size: int | None, nnodes: int, debug: bool, cp: int, schedule: str | None = None) -> None:
     """--auto's flags, before torch is imported: it chooses the layout, so none of its sizes may be given, and it
     needs the ranks to lay out, a multiple of the nodes."""
     given = [f for f, v in (("--tp", tp), ("--dp", None if dp == 1 else dp), ("--pp", None if pp == 1 else pp),
                             ("--fsdp", fsdp or None), ("--microbatches", microbatches),
-                            ("--virtual-stages", virtual_stages), ("--cp", None if cp == 1 else cp))
+                            ("--virtual-stages", virtual_stages), ("--cp", None if cp == 1 else cp),
+                            ("--schedule", schedule))
              if v is not None]
     if given:
         abort(f"--auto chooses the layout: drop {', '.join(given)}", debug, code=USAGE_ERROR)

@@ -13,6 +13,7 @@ SOURCES = {"autotp": ROOT / "autotp", "autotp.passes": ROOT / "passes", "autotp.
 # Lowest first: a module may import its own layer and the layers before it, never a later one.
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("autotp.errors", "autotp.shard_spec"),  # the vocabulary: typed errors, how a tensor is cut
+    ("autotp.combinations",),  # which sizes and options run together: the one rule every caller asks
     ("autotp.plan.plan", "autotp.plan.context"),  # the Plan's types: the contract analysis writes, passes read
     ("autotp.distributed",),  # rank layout, process groups, the launcher
     ("autotp.operators",),  # operators the rewritten graph runs; they know no graph, plan or model

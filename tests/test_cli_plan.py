@@ -554,7 +554,7 @@ def test_plan_pp_with_sequence_parallelism_sends_s_over_t() -> None:
     (["--pp", "2", "--microbatches", "1"], "needs at least as many micro-batches as pipeline ranks"),
     (["--pp", "2", "--microbatches", "3"], "3 micro-batches do not divide the batch of 4"),  # example: 4 × 32
     (["--pp", "2", "--split-points", "transformer.h.1,"], "names an empty block"),
-    (["--schedule", "GPipe"], "--schedule applies to pipeline stages: give --pp 2 or more"),
+    (["--schedule", "GPipe"], "--schedule applies to pipeline stages, and --pp is 1; give --pp 2 or more"),
     (["--pp", "2", "--dp", "2", "--fsdp", "--schedule", "ZBVZeroBubble"],
      "fsdp with the ZBVZeroBubble schedule is not supported yet"),
 ])

@@ -49,7 +49,7 @@ def test_the_job_is_one_versioned_json_value_of_ints() -> None:
     ({"version": 0}, "job version 0, this autotp reads version 1"),
     ({"tp": 3}, "tp (3) × dp (2) × pp (1) = 6 ≠ world size 4 (the job's sizes: world_size 4, tp 3, cp 1, dp 2, "
                 "pp 1)"),
-    ({"fsdp": 3}, "fsdp 3 replica groups do not divide the 2 data-parallel ranks (tp 2 × cp 1 × dp 2 × pp 1 = "
+    ({"fsdp": 3}, "hsdp 3 replica groups do not divide the dp 2 data-parallel ranks (tp 2 × cp 1 × dp 2 × pp 1 = "
                   "world 4)"),
     ({"backend": "mpi"}, "backend must be gloo or nccl, got 'mpi'"),
     ({"timeout": -1}, "timeout must be > 0 seconds, got -1"),

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from autotp.errors import ProcessGroupError
+from autotp.combinations import refused
+from autotp.errors import ProcessGroupError, ShardingError
 
 DP_DIMS = ("dp",)
 HSDP_DIMS = ("dp_replicate", "dp_shard")
@@ -73,8 +74,7 @@ def fsdp_meshes(mesh: DeviceMesh, config: FSDPConfig) -> tuple[DeviceMesh, Devic
     dp = mesh["dp"].size()
     if config.replicas == 1:
         return _joined(mesh, ("dp",)), mesh["tp"]
-    if dp % config.replicas:
-        raise ValueError(f"hsdp: {config.replicas} replica groups do not divide the data-parallel size {dp}")
+    _check_replicas(config, dp, 1)
     split = mesh._unflatten(names.index("dp"), (config.replicas, dp // config.replicas), HSDP_DIMS)
     return _joined(split, HSDP_DIMS), split["tp"]
 
@@ -90,8 +90,7 @@ def _with_context(mesh: DeviceMesh, config: FSDPConfig) -> DeviceMesh:
                                 f"{names}", hint="e.g. init_device_mesh(device, (dp, cp, tp), "
                                                  "mesh_dim_names=('dp', 'cp', 'tp'))")
     dp = mesh["dp"].size()
-    if dp % config.replicas:
-        raise ValueError(f"hsdp: {config.replicas} replica groups do not divide the data-parallel size {dp}")
+    _check_replicas(config, dp, mesh["cp"].size())
     shard = mesh[("dp", "cp")]._flatten("dp_cp")
     if mesh["tp"].size() > 1:
         mesh[("dp", "cp", "tp")]._flatten()
@@ -102,6 +101,17 @@ def _with_context(mesh: DeviceMesh, config: FSDPConfig) -> DeviceMesh:
     # (i % (dp / replicas))·cp + j
     return shard._unflatten(0, (config.replicas, dp // config.replicas * mesh["cp"].size()),
                             ("dp_replicate", "dp_shard_cp"))
+
+
+def _check_replicas(config: FSDPConfig, dp: int, cp: int) -> None:
+    """HSDP's replica groups against the mesh's dp (and cp) sizes, by the rule the launcher asks
+    (:func:`autotp.combinations.refused`): a ShardingError naming them. Plain FSDP over a mesh of one dp × cp
+    rank is left to run (a user's mesh; the launcher refuses such a job)."""
+    if config.replicas == 1:
+        return
+    reason = refused(fsdp=True, dp=dp, context_parallel=cp, hsdp=config.replicas)
+    if reason is not None:
+        raise ShardingError(f"the device mesh: {reason.message}", hint=reason.hint)
 
 
 def _joined(mesh: DeviceMesh, dp_dims: tuple[str, ...]) -> DeviceMesh:

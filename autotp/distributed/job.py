@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from autotp.combinations import refused
 from autotp.distributed.layout import RankLayout
 from autotp.errors import LaunchError
 
@@ -62,9 +63,10 @@ class RankJob:
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise LaunchError(f"{name} must be an integer >= 1 or None, got {value!r} ({self.sizes})",
                                   fields=(name,))
-        if self.fsdp is not None and lay.dp % self.fsdp:
-            raise LaunchError(f"fsdp {self.fsdp} replica groups do not divide the {lay.dp} data-parallel ranks "
-                              f"({self.sizes})", fields=("fsdp", "dp"))
+        if self.fsdp is not None:  # the rule LaunchSpec asked (autotp.combinations); a job read back asks it again
+            reason = refused(fsdp=True, dp=lay.dp, context_parallel=lay.cp, hsdp=self.fsdp)
+            if reason is not None:
+                raise LaunchError(f"{reason.message} ({self.sizes})", hint=reason.hint, fields=reason.fields)
 
     @property
     def sizes(self) -> str:

@@ -30,6 +30,7 @@ from typing import Any, TextIO
 import torch
 from torch.distributed.elastic.utils.distributed import get_free_port
 
+from autotp.combinations import refused
 from autotp.errors import LaunchError, LaunchInterrupted, RankFailedError
 from autotp.distributed.cpu_binding import ENV_BIND
 from autotp.distributed.job import ENV_JOB, RankJob, choose_backend
@@ -160,21 +161,16 @@ class LaunchSpec:
         dp = self.data_parallel
         if self.hsdp is not None and (isinstance(self.hsdp, bool) or not isinstance(self.hsdp, int) or self.hsdp < 1):
             raise LaunchError(f"hsdp must be an integer >= 1, got {self.hsdp!r}", fields=("hsdp",))
-        if self.hsdp is not None and self.hsdp > 1 and not self.fsdp:
-            raise LaunchError(f"hsdp {self.hsdp} shards within replica groups: it needs fsdp", fields=("hsdp", "fsdp"))
-        if not self.fsdp:
+        # the combinations (hsdp without fsdp, fsdp over one dp × cp rank, replicas that do not divide dp): the
+        # rule the library, the command line and the layout search ask
+        reason = refused(fsdp=self.fsdp, dp=dp, context_parallel=self.cp, hsdp=self.hsdp)
+        if reason is not None:
+            where = f" ({self._replicas()})" if self.nnodes > 1 and "dp" in reason.fields else ""
+            raise LaunchError(reason.message + where, hint=reason.hint, fields=reason.fields)
+        if not self.fsdp or self.hsdp is None:  # plain FSDP: one group of every data-parallel rank, wherever they are
             return
-        if dp == 1:
-            raise LaunchError(f"fsdp shards the parameters over the data-parallel ranks, and there is one "
-                              f"({self._replicas()})", fields=("fsdp", "dp"),
-                              hint="use dp > 1 (world = tp × dp × nnodes), or drop fsdp")
-        if self.hsdp is None:  # plain FSDP: one group of every data-parallel rank, wherever they are
-            return
-        if dp % self.hsdp:
-            raise LaunchError(f"hsdp {self.hsdp} replica groups do not divide the {dp} data-parallel ranks "
-                              f"({self._replicas()})", fields=("hsdp", "dp"))
         shard = dp // self.hsdp
-        # HSDP asked for: its point is gathers inside a node
+        # HSDP asked for: its point is gathers inside a node (topology, not a combination of options)
         if self.nnodes > 1 and self._shards_span_nodes(shard):
             per = f"{self.dp} per node" if self.world is None else f"{self.nproc_per_node} ranks per node"
             raise LaunchError(f"hsdp {self.hsdp}: a shard group of {shard} data-parallel ranks would span nodes "

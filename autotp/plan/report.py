@@ -428,7 +428,7 @@ class FSDPReport:
     dp: int
     units: tuple[FSDPUnitRow, ...]  # in the order they run: first, blocks, last, then the root
     local: int  # elements per TP rank (Memory.local): P/t with replicated parameters counted whole
-    state_bytes: int  # 16·(P/t)/d: weights, gradients and Adam state, sharded over dp
+    state_bytes: int  # 16·(P/t)/d: weights, gradients and Adam state, sharded over dp (× cp)
     kept_bytes: int  # the root and the last unit, gathered in forward and kept until their backward
     # the resharded units gathered at once: the one running and its neighbour, prefetched (the largest such pair)
     prefetch_bytes: int
@@ -438,6 +438,12 @@ class FSDPReport:
     # None: the parameters' own dtypes
     param_dtype: str | None = None
     reduce_dtype: str | None = None
+    cp: int = 1  # context-parallel ranks: FSDP shards over dp × cp of them together
+
+    @property
+    def ranks(self) -> int:
+        """The ranks FSDP shards over: dp · cp."""
+        return self.dp * self.cp
 
     @property
     def blocks(self) -> tuple[FSDPUnitRow, ...]:
@@ -530,7 +536,7 @@ def fsdp_report(plan: Plan, named_params: Iterable[tuple[str, torch.Tensor]], dp
 
 
 def fsdp_from_rows(plan: Plan, rows: tuple[ParamRow, ...], dp: int, param_dtype: str | None = None,
-                   reduce_dtype: str | None = None) -> FSDPReport:
+                   reduce_dtype: str | None = None, cp: int = 1) -> FSDPReport:
     """:func:`fsdp_report` from the rows a :class:`Report` already holds (``report.params``).
 
     Follows ``autotp.parallel.fsdp.apply_fsdp`` with its defaults (resharding after forward): every unit and
@@ -539,10 +545,13 @@ def fsdp_from_rows(plan: Plan, rows: tuple[ParamRow, ...], dp: int, param_dtype:
     root are kept gathered from their forward into their backward; every unit's gradients and the root's are
     reduce-scattered once. With FSDP's mixed precision (``param_dtype``, ``reduce_dtype``: torch dtype names, as
     ``FSDPConfig`` passes them to FSDP2's MixedPrecisionPolicy) the gathers, and the units held gathered, are in
-    ``param_dtype`` and the reduce-scatters in ``reduce_dtype``; else in the parameters' own dtypes.
+    ``param_dtype`` and the reduce-scatters in ``reduce_dtype``; else in the parameters' own dtypes. With
+    context parallelism (``cp`` > 1) FSDP shards over the dp × cp ranks together (torchtitan's dp_shard·cp),
+    as ``autotp.distributed.data_parallel`` builds its mesh: every figure is over dp · cp ranks.
     """
-    if dp < 1:
-        raise ValueError(f"dp must be >= 1, got {dp}")
+    if dp < 1 or cp < 1:
+        raise ValueError(f"dp and cp must be >= 1, got dp {dp}, cp {cp}")
+    outer, dp = dp, dp * cp  # below: the ranks FSDP shards over
     units = fsdp_units(plan, rows, dp, param_dtype, reduce_dtype)
     local = sum(math.prod(r.local_shape) for r in rows)
     resharded = [u for u in units if u.resharded]
@@ -559,6 +568,6 @@ def fsdp_from_rows(plan: Plan, rows: tuple[ParamRow, ...], dp: int, param_dtype:
     traffic = (line("forward", "all_gather", f"every unit's parameters ({unit_kinds(units)})", list(units)),
                line("backward", "all_gather", again, resharded),
                line("backward", "reduce_scatter", f"every unit's gradients ({unit_kinds(units)})", list(units)))
-    return FSDPReport(plan.tp, dp, units, local, round(k * local / dp), sum(u.gathered_bytes for u in kept),
+    return FSDPReport(plan.tp, outer, units, local, round(k * local / dp), sum(u.gathered_bytes for u in kept),
                       _in_flight(resharded), k * local,
-                      tuple(t for t in traffic if t.count), param_dtype, reduce_dtype)
+                      tuple(t for t in traffic if t.count), param_dtype, reduce_dtype, cp)
