@@ -10,7 +10,7 @@ L divisible by p·v, m by p); FSDP over dp, sequence parallelism over tp, full a
 Candidates are ranked by predicted tokens per second per device (for a fixed global batch: by step time).
 Each candidate is priced by :func:`autotp.layout.cost.estimate`; one that needs more memory than the device
 has is rejected with the amount it is over by. Only layouts autotp runs are priced (:func:`supported`: the
-rule :func:`autotp.options.refused` that parallelize applies). ``runnable`` keeps to what ``autotp shard`` runs today
+rule :func:`autotp.combinations.refused` that parallelize applies). ``runnable`` keeps to what ``autotp shard`` runs today
 (a pipeline with plain tensor and data parallelism; no recomputation knob).
 """
 from __future__ import annotations
@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from autotp.layout.cost import Estimate, Layout, Memory, Training, estimate
 from autotp.layout.facts import ModelFacts
 from autotp.layout.hardware import Hardware
-from autotp.options import refused
+from autotp.combinations import refused
 
 GiB = 2**30
 
@@ -126,7 +126,7 @@ def _within(facts: ModelFacts, space: Space, t: int, c: int, d: int, p: int, sha
         for v in space.virtual if p > 1 else (1,):
             if v > 1 and (L % (p * v) or m % p):
                 continue
-            for fsdp in space.fsdp if d * c > 1 else (False,):  # FSDP shards over the dp and cp ranks
+            for fsdp in space.fsdp:  # over the dp × cp ranks: supported() refuses it at dp · cp = 1
                 dtypes = [mixed if x else None for x in space.fsdp_mixed] if fsdp and mixed else [None]
                 keeps = space.keep if fsdp and p == 1 and m > 1 else (False,)
                 for dtype in dict.fromkeys(dtypes):
@@ -134,20 +134,20 @@ def _within(facts: ModelFacts, space: Space, t: int, c: int, d: int, p: int, sha
                         for sp in space.sp if t > 1 else (False,):
                             for rc in space.recompute:
                                 lay = Layout(t, d, p, b, m, v, fsdp, sp, rc, c, dtype, keep)
-                                # priced only where autotp runs it (autotp.options.refused)
+                                # priced only where autotp runs it (autotp.combinations.refused)
                                 if not supported(lay) or space.runnable and not runnable(lay):
                                     continue
                                 yield lay
 
 
 def supported(lay: Layout) -> bool:
-    """Whether autotp shards this layout today (:func:`autotp.options.refused`, the rule parallelize applies).
+    """Whether autotp shards this layout today (:func:`autotp.combinations.refused`, the rule parallelize applies).
     Recomputation and gradient accumulation are the training script's (activation checkpointing in the
     model, several backwards per step). A model's checkpointed layers recompute in every layout this admits
     (the whole graph, each FSDP unit's piece, each pipeline stage's, with sequence and context parallelism),
     so ``rc`` is priced for each: its memory as measured (benchmarks/results/activation_recompute.md)."""
     return refused(pipeline=lay.pp * lay.v, schedule=lay.schedule, fsdp=lay.fsdp, sequence_parallel=lay.sp,
-                   context_parallel=lay.cp) is None
+                   context_parallel=lay.cp, dp=lay.dp) is None
 
 
 def runnable(lay: Layout) -> bool:
