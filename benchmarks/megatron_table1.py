@@ -11,11 +11,14 @@ the paper's, how much slower the model predicts the paper's own (t, p) to be, an
 against the paper's in the paper's own measure: F = 96·B·s·l·h²·(1 + s/(6h) + V/(16·l·h)) FLOPs per step
 (its equation 3, which counts the recomputed forward) over the predicted step time and the GPUs.
 
-The search is run with the knobs Megatron had in 2021 (full activation recomputation, the interleaved
-schedule, the scatter/gather of the hidden state between stages (§4.1), the data-parallel all-reduce after
-the backward, no FSDP, no sequence parallelism: Korthikanti et al. 2022 came a year later), and once more
-with every knob, reported alongside. Where the chosen (t, p) is not the paper's, the results list both
-layouts' terms.
+The search is run with the knobs Megatron had in 2021, set per row as NVIDIA's scripts for the table set
+them (``examples/sc21/run_table_1.sh`` of NVIDIA/Megatron-LM: the micro-batch size, the interleaved schedule's
+stages per rank, torch's DDP overlapping the all-reduce with the backward up to 18.4B and Megatron's local DDP
+all-reducing after it from 39.1B), with full activation recomputation, the scatter/gather of the hidden state
+between stages (§4.1), no FSDP and no sequence parallelism (Korthikanti et al. 2022 came a year later); the
+search chooses (t, p). The predicted throughput is that of the paper's own configuration (its t, p, micro-batch
+and schedule). The search runs once more with every knob (the micro-batch searched), reported alongside. Where
+the chosen (t, p) is not the paper's, the results list both layouts' terms.
 
 It then prices torchtitan's published 70B row (``docs/performance.md`` of pytorch/torchtitan, Table 4: Llama 3.1
 70B on 256 H100s, FSDP 32 × TP 8, local batch 16 × 8192 tokens, full activation checkpointing) with the H100
@@ -86,6 +89,28 @@ TABLE1 = (
 )
 
 
+@dataclass(frozen=True)
+class Script:
+    """The knobs each row ran with that Table 1 does not print: NVIDIA/Megatron-LM ``examples/sc21/
+    run_table_1.sh`` (the scripts that produced the table, at the commit its README names)."""
+
+    micro_batch: int  # MBS (--micro-batch-size)
+    virtual: int  # stages per pipeline rank: layers per rank ÷ --num-layers-per-virtual-pipeline-stage (1: none)
+    torch_ddp: bool  # DDP=torch (torch's DDP: the all-reduce beside the backward); False: DDP=local (Megatron's
+    # own: the gradients all-reduced after the backward)
+
+
+SCRIPTS = (
+    Script(16, 1, True), Script(16, 1, True), Script(16, 1, True), Script(8, 1, True),
+    Script(4, 1, False),
+    Script(2, 3, False),  # 60 layers / pp 4 = 15 per rank, 5 per virtual stage
+    Script(2, 2, False),  # 80 / 8 = 10, 5 per virtual stage
+    Script(1, 2, False),  # 96 / 16 = 6, 3 per virtual stage
+    Script(1, 3, False),  # 105 / 35 = 3, 1 per virtual stage
+    Script(1, 1, False),
+)
+
+
 class Block(nn.Module):
     def __init__(self, h: int, heads: int):
         super().__init__()
@@ -147,7 +172,7 @@ def cached_facts(cache: Path | None, key: str, build) -> ModelFacts:
     return facts
 
 
-def run_row(row: Row, every_knob: bool, cache: Path | None = None) -> dict:
+def run_row(row: Row, script: Script, every_knob: bool, cache: Path | None = None) -> dict:
     def build() -> ModelFacts:
         with torch.device("meta"):
             net = GPT(row)
@@ -157,20 +182,28 @@ def run_row(row: Row, every_knob: bool, cache: Path | None = None) -> dict:
     start = time.perf_counter()
     facts = cached_facts(cache, f"megatron-{row.params_b:g}b", build)
     captured = time.perf_counter() - start
-    megatron = Space(row.gpus, GPUS_PER_NODE, row.batch, fsdp=(False,), sp=(False,), recompute=(True,),
-                     context=False)
-    out = {"row": row.__dict__, "params": facts.params, "capture_and_plans_s": captured}
-    for name, space in (("megatron_knobs", megatron), ("every_knob", Space(row.gpus, GPUS_PER_NODE, row.batch))):
+    # the 2021 knobs as the row's script set them: its micro-batch, the interleaved schedule at its stages per
+    # rank (or none), full recomputation; the search chooses t, p (and so dp and the micro-batches per step)
+    megatron = Space(row.gpus, GPUS_PER_NODE, row.batch, micro_batch=script.micro_batch, fsdp=(False,), sp=(False,),
+                     recompute=(True,), virtual=tuple(sorted({1, script.virtual})), context=False)
+    # torch's DDP all-reduces beside the backward; Megatron's local DDP after it. Megatron-LM sent the hidden
+    # state between stages with its scatter/gather (§4.1; Table 1 ran with it)
+    of_2021 = Training(act_bytes=2, ddp_overlap=script.torch_ddp, scatter_gather=True)
+    out = {"row": row.__dict__, "script": script.__dict__, "params": facts.params, "capture_and_plans_s": captured}
+    for name, space, training in (("megatron_knobs", megatron, of_2021),
+                                  ("every_knob", Space(row.gpus, GPUS_PER_NODE, row.batch), Training(act_bytes=2))):
         if name == "every_knob" and not every_knob:
             continue
-        # Megatron-LM of 2021 all-reduced the gradients after the backward (no overlap with it; torch's DDP
-        # overlaps them) and sent the hidden state between stages with its scatter/gather (§4.1; Table 1 ran
-        # with it)
-        of_2021 = name == "megatron_knobs"
-        result = search(facts, A100, space, Training(act_bytes=2, ddp_overlap=not of_2021, scatter_gather=of_2021))
+        result = search(facts, A100, space, training)
         best = result.best
-        meshes = {(e.layout.tp, e.layout.pp): e for e in best_per_mesh(result) if e.layout.cp == 1}
-        paper = meshes.get((row.tp, row.pp))
+        if name == "megatron_knobs":  # the paper's own configuration, priced as it ran
+            dp = row.gpus // (row.tp * row.pp)
+            paper = estimate(facts, A100, Layout(row.tp, dp, row.pp, script.micro_batch,
+                                                 row.batch // (dp * script.micro_batch), script.virtual,
+                                                 recompute=True), training)
+        else:  # the fastest layout the search found at the paper's (t, p)
+            paper = {(e.layout.tp, e.layout.pp): e for e in best_per_mesh(result) if e.layout.cp == 1}.get(
+                (row.tp, row.pp))
         out[name] = {
             "considered": result.considered, "fit": len(result.ranked),
             "best": best.to_dict() if best else None,
@@ -221,7 +254,7 @@ def exact(r: dict, key: str) -> bool:
 
 
 def ratio(r: dict, key: str) -> float:
-    """Predicted ÷ achieved TFLOP/s per GPU: the paper's (t, p) as priced, else the chosen layout."""
+    """Predicted ÷ achieved TFLOP/s per GPU: the paper's configuration as priced, else the chosen layout."""
     res = r[key]
     return (res["paper_layout_tflops"] or res["predicted_tflops"]) / r["row"]["tflops"]
 
@@ -299,12 +332,13 @@ def main() -> None:
                     "this script writes) and reuse them")
     ap.add_argument("--out", type=Path, default=RESULTS / "megatron_table1.json")
     a = ap.parse_args()
-    rows = [TABLE1[int(i) - 1] for i in a.rows.split(",")] if a.rows else list(TABLE1)
+    picked = [int(i) - 1 for i in a.rows.split(",")] if a.rows else range(len(TABLE1))
+    rows = [(TABLE1[i], SCRIPTS[i]) for i in picked]
     console = Console(width=200)
     results = []
-    for row in rows:
+    for row, script in rows:
         start = time.perf_counter()
-        results.append(run_row(row, not a.no_every_knob, a.facts_cache))
+        results.append(run_row(row, script, not a.no_every_knob, a.facts_cache))
         res = results[-1]["megatron_knobs"]
         console.print(f"{row.params_b:g}B: {time.perf_counter() - start:.1f} s; chosen {res['best']['label']}; "
                       + " ".join(res["why"][:1]), soft_wrap=True)
@@ -324,11 +358,19 @@ def main() -> None:
     lay = titan["layout"]
     md.write_text("# Narayanan et al. 2021, Table 1, against autotp's layout search\n\n"
                   "A100 preset (`autotp/layout/hardware.py`), bf16 activations; `python benchmarks/megatron_table1.py`. "
-                  "Predicted TFLOP/s per GPU in the paper's measure (its equation 3, for the paper's own (t, p) where "
-                  "the search priced it, else for the chosen layout). \"paper's t, p predicted\": how much slower the "
-                  "model predicts the best layout with the paper's (t, p) than the chosen one.\n\n"
-                  "## The knobs Megatron had in 2021 (recomputation, interleaving, scatter/gather between stages, the "
-                  "gradients all-reduced after the backward; no FSDP, no sequence parallelism)\n\n"
+                  "Predicted TFLOP/s per GPU in the paper's measure (its equation 3) for the paper's own configuration "
+                  "(2021 knobs: its t, p, micro-batch and schedule; every knob: the fastest layout at its (t, p) where "
+                  "the search priced one, else the chosen layout). \"paper's t, p predicted\": how much slower the "
+                  "model predicts that layout than the chosen one.\n\n"
+                  "## The knobs Megatron had in 2021, per row as NVIDIA's `examples/sc21/run_table_1.sh` set them\n\n"
+                  "Micro-batch 16, 16, 16, 8, 4, 2, 2, 1, 1, 1 (1.7B to 1T); torch's DDP (the all-reduce beside the "
+                  "backward) to 18.4B, Megatron's local DDP (after it) from 39.1B; the interleaved schedule with 3, 2, 2 "
+                  "and 3 stages per rank at 76.1B, 145.6B, 310.1B and 529.6B (the script's layers per virtual stage), "
+                  "the plain 1F1B elsewhere; full recomputation, scatter/gather between stages; no FSDP, no sequence "
+                  "parallelism. The search chooses (t, p), and so dp and the micro-batches per step. A layer's "
+                  "memory-bound work is priced as its kept activations written and read once per pass (`TRAFFIC` in "
+                  "autotp/layout/cost.py, assumed); priced as crossing memory once, the rows whose all-reduce torch's DDP "
+                  "hides (1.7B to 18.4B: a step of matmuls, elementwise work and tp collectives) read 1.09 to 1.15.\n\n"
                   + markdown(results, "megatron_knobs")
                   + "\n\nWhere the chosen (t, p) is not the paper's, the terms of both (seconds per step):\n\n"
                   + differences(results, "megatron_knobs") + "\n\n## Every knob\n\n" + markdown(results, "every_knob")

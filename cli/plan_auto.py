@@ -36,6 +36,7 @@ class Auto(NamedTuple):
     result: Search
     model: str = ""
     default_batch: bool = False  # the global batch is the default (one example batch per device)
+    example_rows: int | None = None  # sequences in the model file's example batch (None: --batch replaced it)
 
 
 def hardware(gpu: str | None) -> Hardware:
@@ -80,7 +81,7 @@ def run_search(model: str, world: int, gpus_per_node: int | None, hw: Hardware, 
     name = autocast or str(hw.extra.get("dtype", "bf16"))
     training = Training(act_bytes=act, seq=s, act_dtype={"bfloat16": "bf16", "float16": "fp16"}.get(name, name))
     return Auto(facts, hw, space, training, search(facts, hw, space, training), model,
-                not per_replica and global_batch is None)
+                not per_replica and global_batch is None, b if batch is None else None)
 
 
 def _gib(x: float) -> str:
@@ -214,7 +215,7 @@ def render(console: Console, model: str, auto: Auto, top: int) -> None:
     for line in why(auto):
         console.print(f"  {escape(line)}", soft_wrap=True)
     if best is not None:
-        cmd = command(model, best.layout, auto.space)
+        cmd = command(model, best.layout, auto.space, auto.example_rows)
         if cmd.line is not None:
             console.print(f"[bold]run it:[/bold] {escape(cmd.line)}", soft_wrap=True)
         for note in cmd.notes:
@@ -233,7 +234,7 @@ def render(console: Console, model: str, auto: Auto, top: int) -> None:
 def spelled_best(auto: Auto) -> tuple[Estimate, Command] | None:
     """The fastest layout that ``autotp shard`` has a command line for, with it (None: none has one)."""
     for e in auto.result.ranked:
-        cmd = command(auto.model, e.layout, auto.space)
+        cmd = command(auto.model, e.layout, auto.space, auto.example_rows)
         if cmd.line is not None:
             return e, cmd
     return None
@@ -249,7 +250,8 @@ def to_dict(auto: Auto, top: int) -> dict:
                          for r in sorted(auto.result.rejected, key=_rejected_order)[:top]],
             "rejected_count": len(auto.result.rejected), "considered": auto.result.considered,
             "why": why(auto),
-            "command": command(auto.model, auto.result.best.layout, auto.space)._asdict() if auto.result.best
+            "command": command(auto.model, auto.result.best.layout, auto.space, auto.example_rows)._asdict()
+            if auto.result.best
             else None, "spelled": _spelled_dict(auto)}
 
 

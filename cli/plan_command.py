@@ -21,8 +21,10 @@ class Command(NamedTuple):
     notes: tuple[str, ...]  # what the training script does for the layout to run as priced
 
 
-def command(model: str, lay: Layout, space: Space) -> Command:
-    """The ``autotp shard`` command line of ``lay`` for ``model`` over ``space.world`` devices."""
+def command(model: str, lay: Layout, space: Space, example_rows: int | None = None) -> Command:
+    """The ``autotp shard`` command line of ``lay`` for ``model`` over ``space.world`` devices. ``example_rows``:
+    the sequences the model file's example batch holds (what autotp shard trains each replica on per step),
+    where known: a note says when the layout needs another number."""
     per_node = min(space.gpus_per_node, space.world)
     nnodes = space.world // per_node if space.world % per_node == 0 else 1
     notes = []
@@ -56,9 +58,11 @@ def command(model: str, lay: Layout, space: Space) -> Command:
             notes.append(f"--dp {lay.dp} counts every node's replicas (--world-size given): {space.world // nnodes} "
                          f"ranks per node in Megatron's order ({order}){stages}")
     per_replica = lay.micro_batch * lay.microbatches
+    said = ("returns them" if example_rows == per_replica else "sets it" if example_rows is None else
+            f"sets it, and holds {example_rows} now: make it return {per_replica}")
     notes.append(f"each data-parallel replica trains on {per_replica} sequences per step"
                  + (f" ({lay.microbatches} micro-batches of {lay.micro_batch})" if lay.microbatches > 1 else "")
-                 + ": the model file's example_batch() sets it")
+                 + f": the model file's example_batch() {said}")
     if lay.pp == 1 and lay.microbatches > 1:
         notes.append(f"the {lay.microbatches} micro-batches are the training script's gradient accumulation"
                      + (" (FSDP2: set_requires_gradient_sync(False) and set_reshard_after_backward(False) on the "

@@ -90,11 +90,12 @@ def test_compute_term():
     e = estimate(f, h, Layout(1, 1, 1, 2, 3), Training(act_bytes=2))
     layer = layer_activation_bytes(2, 32, 64, 4, 1, 2, False, True)
     ops = 5 + 4 * 10 + 6  # every op of the forward, launched again (about twice) in the backward
-    per_mb = 3 * (1e9 + 1e8) * 2 / 1e12 + 4 * 3 * layer / 1e11 + 3 * ops * 1e-4
+    # 4 layers' kept activations written and read (2 bytes moved per byte) in each of 3 passes
+    per_mb = 3 * (1e9 + 1e8) * 2 / 1e12 + 4 * 3 * 2 * layer / 1e11 + 3 * ops * 1e-4
     assert e.compute == pytest.approx(3 * per_mb)
     rc = estimate(f, h, Layout(1, 1, 1, 2, 3, recompute=True), Training(act_bytes=2))
     # the checkpointed blocks run their forward again; the ends (embeddings, head and loss) do not
-    assert rc.compute == pytest.approx(3 * (4 * 1e9 * 2 / 1e12 + 3 * 1e8 * 2 / 1e12 + 4 * 4 * layer / 1e11
+    assert rc.compute == pytest.approx(3 * (4 * 1e9 * 2 / 1e12 + 3 * 1e8 * 2 / 1e12 + 4 * 4 * 2 * layer / 1e11
                                             + (4 * 4 * 10 + 3 * (5 + 6)) * 1e-4))
 
 
@@ -118,7 +119,7 @@ def test_pipeline_terms():
     assert v2.pp_comm == pytest.approx(2 * e.pp_comm)
     assert v2.pp_bubble == pytest.approx((2 - 1) / (2 * 4) * (v2.compute + v2.tp_comm + v2.pp_comm))
     # the busier end: the last stage's 2 blocks and LM head (1e8 > 0 FLOPs of the first)
-    assert e.compute == pytest.approx(4 * 3 * (0.5e9 + 1e8) / 1e12 + 4 * 2 * 3 * layer_activation_bytes(
+    assert e.compute == pytest.approx(4 * 3 * (0.5e9 + 1e8) / 1e12 + 4 * 2 * 3 * 2 * layer_activation_bytes(
         1, 32, 64, 4, 1, 2, False, True) / 1e11)
 
 
@@ -410,6 +411,19 @@ def test_every_layout_respects_the_rules():
     assert {x.dp for x in per} >= {8, 4} and all(x.micro_batch * x.microbatches == 3 for x in per)
 
 
+def test_a_fixed_micro_batch_leaves_the_search_the_meshes():
+    """Space(micro_batch=b), Megatron-LM's --micro-batch-size: every layout runs micro-batches of b (the
+    micro-batches per step follow from dp), where dp leaves each replica a multiple of b; bad values refused."""
+    f = facts()
+    fixed = list(layouts(f, Space(world=8, gpus_per_node=8, batch=16, micro_batch=2)))
+    free = list(layouts(f, Space(world=8, gpus_per_node=8, batch=16)))
+    assert fixed and {x.micro_batch for x in fixed} == {2} and {x.micro_batch for x in free} > {2}
+    assert all(x.dp * x.micro_batch * x.microbatches == 16 for x in fixed)
+    assert {(x.tp, x.pp, x.dp) for x in fixed} == {(x.tp, x.pp, x.dp) for x in free if 16 // x.dp % 2 == 0}
+    with pytest.raises(ValueError, match="micro_batch must be a positive int or None, got 0"):
+        Space(world=8, gpus_per_node=8, batch=16, micro_batch=0)
+
+
 def test_runnable_layouts_are_what_autotp_shard_runs():
     assert supported(Layout(2, 2, 1, 1, 1, fsdp=True, sp=True)) and supported(Layout(2, 1, 2, 1, 2, sp=True))
     assert supported(Layout(1, 2, 2, 1, 2, fsdp=True)) and supported(Layout(1, 2, 2, 1, 4, v=2, fsdp=True))
@@ -570,6 +584,12 @@ def test_command_spells_the_layout_as_autotp_shard_runs_it():
     assert "--tp 4 --dp 3 --pp 4 --microbatches 4 --world-size 48 --nnodes 6 --node-rank R" in odd.line
     assert any("--dp 3 counts every node's replicas" in n and "4 pipeline stages sit on different nodes" in n
                for n in odd.notes)
+    # the model file's example batch against the replica's sequences per step: said where they differ
+    assert piped.notes[-1].endswith("example_batch() sets it")
+    short = command("m.py", Layout(2, 2, 4, 1, 16, v=2), Space(world=16, gpus_per_node=8, batch=32), example_rows=1)
+    assert short.notes[-1].endswith("example_batch() sets it, and holds 1 now: make it return 16")
+    same = command("m.py", Layout(2, 2, 4, 1, 16, v=2), Space(world=16, gpus_per_node=8, batch=32), example_rows=16)
+    assert same.notes[-1].endswith("example_batch() returns them")
     straddling = command("m.py", Layout(8, 2, 1, 1, 1), Space(world=16, gpus_per_node=4, batch=2))
     assert straddling.line is None and "tp (8) exceeds gpus per node (4)" in straddling.notes[0]
 
@@ -614,9 +634,13 @@ def test_a_pipeline_across_nodes_reads_back_as_the_layout(tmp_path):
 @pytest.mark.extended
 def test_the_70b_search_best_row_is_the_command_it_prints(tmp_path):
     """Llama-shaped 70B on 64 H100s at global batch 256 (benchmarks/results/llama70b_auto.md): the best row's
-    own command (a pipeline over nodes, with --world-size), no fallback, and `autotp plan` of that command on
-    the meta model plans that layout (its --batch the per-replica batch the note asks example_batch() for).
+    own command (a pipeline over nodes, with --world-size), no fallback, and `autotp plan` of that command as
+    printed (the model file's example batch is the replica's 64 sequences the note names, which autotp shard's
+    check of the micro-batches accepts) on the meta model plans that layout.
     Extended: the search and the plan capture 80 blocks (about 40 s of CPU)."""
+    from autotp.capture.modelfile import load_model_file
+    from autotp.cli.shard import _check_batch
+
     model = os.path.join(ROOT, "benchmarks", "llama70b.py")
     found = tmp_path / "auto.json"
     r = runner.invoke(app, ["plan", model, "--auto", "--world-size", "64", "--gpus-per-node", "8", "--gpu", "h100",
@@ -628,9 +652,15 @@ def test_the_70b_search_best_row_is_the_command_it_prints(tmp_path):
     assert data["spelled"] is None and "fastest layout autotp shard spells" not in r.output
     assert f"run it: {line}" in " ".join(r.output.split())
     assert "--world-size 64 --nnodes 8" in line and lay.pp > 1 and lay.dp % 8  # stages on different nodes
+    per_replica = lay.micro_batch * lay.microbatches
+    assert f"trains on {per_replica} sequences per step" in " ".join(r.output.split())
+    assert any(n.endswith("example_batch() returns them") for n in data["command"]["notes"])
+    mf = load_model_file(model)
+    args, kwargs = mf.example_batch()
+    assert args[0].shape[0] == per_replica
+    _check_batch(mf, args, kwargs, lay.microbatches)  # autotp shard's own check of --microbatches
     out = tmp_path / "plan.json"
-    r = runner.invoke(app, [*plan_argv(line), "--batch", str(lay.micro_batch * lay.microbatches),
-                            "--json", str(out)], env={"COLUMNS": "200"})
+    r = runner.invoke(app, [*plan_argv(line), "--json", str(out)], env={"COLUMNS": "200"})
     assert r.exit_code == 0, r.output
     assert_plans(json.loads(out.read_text()), r.output, lay, 64, 8)
 

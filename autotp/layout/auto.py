@@ -4,7 +4,8 @@ The knobs (Narayanan et al. 2021; the README's layout search): tp ``t`` dividing
 dividing the blocks, ``t·p`` dividing the world; cp ``c`` dividing what is left, with the sequence in 2·c
 equal chunks, where the model's attention runs as a ring (:attr:`ModelFacts.cp_refused`); dp =
 world/(t·c·p), dividing the global batch; the
-micro-batch size (a divisor of each replica's share, at most ``max_micro_batch``) and so the micro-batches
+micro-batch size (a divisor of each replica's share, at most ``max_micro_batch``, or the one ``micro_batch``
+given) and so the micro-batches
 per step ``m`` (at least ``p`` with a pipeline); ``v`` stages per pipeline rank (the interleaved schedule:
 L divisible by p·v, m by p); FSDP over dp, sequence parallelism over tp, full activation recomputation.
 Candidates are ranked by predicted tokens per second per device (for a fixed global batch: by step time).
@@ -33,6 +34,7 @@ class Space:
     gpus_per_node: int
     batch: int  # sequences per step: all replicas together, or each replica's with per_replica
     max_micro_batch: int = 16
+    micro_batch: int | None = None  # the micro-batch size, fixed (Megatron-LM's --micro-batch-size); None: searched
     fsdp: tuple[bool, ...] = (False, True)
     sp: tuple[bool, ...] = (False, True)
     recompute: tuple[bool, ...] = (False, True)
@@ -48,6 +50,8 @@ class Space:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if self.micro_batch is not None and not (isinstance(self.micro_batch, int) and self.micro_batch >= 1):
+            raise ValueError(f"micro_batch must be a positive int or None, got {self.micro_batch!r}")
 
 
 @dataclass(frozen=True)
@@ -121,7 +125,7 @@ def _within(facts: ModelFacts, space: Space, t: int, c: int, d: int, p: int, sha
     L = facts.layers
     for b in divisors(share):
         m = share // b
-        if b > space.max_micro_batch or p > 1 and m < p:
+        if b > space.max_micro_batch or space.micro_batch not in (None, b) or p > 1 and m < p:
             continue
         for v in space.virtual if p > 1 else (1,):
             if v > 1 and (L % (p * v) or m % p):

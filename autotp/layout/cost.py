@@ -11,9 +11,10 @@ Per micro-batch on the busiest pipeline rank (the terms of :class:`Estimate`):
 - compute: the rank's matmul FLOPs (forward 1×, backward 2×, recomputation another forward of the
   blocks: the embeddings, head and loss are not checkpointed) at the
   profile's sustained matmul rate, plus the memory-bound work: the activations a layer keeps (Korthikanti
-  et al. 2022's bytes per layer, :func:`~autotp.plan.pipeline_report.layer_activation_bytes`) cross memory
-  once per pass, at the memory bandwidth; and the profile's fixed cost per op (a launch, a dispatch) for
-  each op of the graph, per pass;
+  et al. 2022's bytes per layer, :func:`~autotp.plan.pipeline_report.layer_activation_bytes`) are written
+  and read once per pass (:data:`TRAFFIC`: the forward's ops write what they keep and the next op reads it,
+  the backward reads it and writes its gradient), at the memory bandwidth; and the profile's fixed cost per
+  op (a launch, a dispatch) for each op of the graph, per pass;
 - tp comm: the plan's collectives for the rank's layers (the forward's again when recomputing), not
   overlapped (each is waited on before its consumer runs);
 - cp comm: ring attention (torch's, load-balanced: each rank 1/cp of every layer's attention FLOPs) gathers
@@ -62,6 +63,10 @@ from autotp.plan.pipeline_report import in_flight, layer_activation_bytes
 
 RESERVED = 0.1  # of the device's memory: the CUDA context, communication buffers, the allocator's fragmentation
 STATE_BYTES = 16  # weights + gradients + Adam moments (+ fp32 master weights for 16-bit weights) per parameter
+# bytes moved per byte of kept activations per pass: written once and read once (assumed; the elementwise ops
+# of a layer, norms, softmax, dropout, GeLU, residual adds, are memory-bound and each reads its input and writes
+# its output)
+TRAFFIC = 2
 DDP_BUCKET = 25 * 2**20  # torch DDP's default bucket: the last one cannot overlap the backward
 
 
@@ -238,7 +243,9 @@ def estimate(facts: ModelFacts, hw: Hardware, lay: Layout, training: Training = 
                                          facts.fused_attention or c > 1, lay.sp and t > 1) / c
     launch = passes * hw.overhead  # per op of the forward: the backward dispatches about twice as many
     ring_ops = 2 * c if c > 1 else 0  # per layer: an attention call and a merge of its output per ring step
-    blocks_time = ls * (flops_time(facts.block_flops * tokens) + passes * layer_bytes / hw.memory_bandwidth
+    # each byte a layer keeps is written by the op that makes it and read by the one that uses it, in every pass
+    # (the backward reads it and writes its gradient): twice per pass at the memory bandwidth
+    blocks_time = ls * (flops_time(facts.block_flops * tokens) + passes * TRAFFIC * layer_bytes / hw.memory_bandwidth
                         + launch * (facts.ops[BLOCKS] / L + ring_ops))
     # the ends (embeddings; final norm, head and loss) run forward and backward once: what recomputes is the
     # checkpointed blocks (the paper's equation 3 counts the head's 2·s·h·V three times, not four)
