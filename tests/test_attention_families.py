@@ -11,9 +11,10 @@ from autotp.capture.tracer import capture
 from autotp.plan.planner import make_plan
 from parity_checks import assert_exact, assert_fully_sharded, assert_megatron_step
 from parity_workers import pattern_parity
-from pattern_models import H, S
+from pattern_models import HD, H, S
 from ranks import Launches
 
+BY_DESIGN = ("position embedding", "head transform kept whole")  # what Megatron keeps whole too
 SEEN = ("fill_inplace_stale",)  # spellings whose plan must leave the attention replicated, with the reason
 RUN_KINDS = [*KINDS, *SEEN, *HF_KINDS]
 RUNS = Launches({}, extended={w: {"families": (pattern_parity, RUN_KINDS, 3, False, "attention_family_models")}
@@ -29,7 +30,8 @@ def _plan(kind: str, tp: int):
 def test_each_spelling_is_cut_by_heads(kind: str):
     for tp in (2, 4):
         plan = _plan(kind, tp)
-        assert plan.replicated == () and plan.whole == (), (tp, plan.replicated, plan.whole)
+        assert plan.replicated == (), (tp, plan.replicated)
+        assert all(w.reason.startswith("position embedding") for w in plan.whole), (tp, plan.whole)
         params = dict(plan.params)
         for i in range(2):
             q, o = params[f"blocks.{i}.attn.q.weight"], params[f"blocks.{i}.attn.o.weight"]
@@ -53,7 +55,7 @@ def test_the_family_is_planned_fully_sharded(kind: str):
     for tp in (2, 4):
         plan = make_plan(gm, tp)
         assert plan.replicated == (), (tp, plan.replicated)
-        assert all(w.name.endswith("position_embeddings.weight") for w in plan.whole), (tp, plan.whole)
+        assert all(w.reason.startswith(BY_DESIGN) for w in plan.whole), (tp, plan.whole)
 
 
 @pytest.mark.slow
@@ -74,4 +76,7 @@ def test_the_families_train_exactly_with_megatron_collectives(world: int):
                 continue
             assert_fully_sharded(r, world, (rank, kind))
             if kind in KINDS:
-                assert_megatron_step(r, 2 * S * H, 2 * S, 2, (rank, kind))
+                # a learned rotary table: per layer its sin and its cos half, (1, 1, s, HD) each, read by every
+                # rank's heads, have their gradients summed
+                extra = [("all_reduce", "sum", S * HD)] * 4 if kind == "rope_table_learned" else []
+                assert_megatron_step(r, 2 * S * H, 2 * S, 2, (rank, kind), extra)

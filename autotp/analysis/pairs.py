@@ -180,10 +180,17 @@ def _analyze(gm: fx.GraphModule, tp: int, matmuls: list[ParamMatmul], embeddings
             try:
                 specs, region = _cut(columns, row, fp, tp, name)
             except Unshardable as first:
-                sides = _side_rows(first, cols, row, by_node, feed, assigned | failed)
-                if not sides:
-                    raise
-                specs, region = _cut(columns, row, fp, tp, name, sides)
+                kept = [c for c in columns if c.kind != "embedding"]
+                try:  # the embedding read whole: a table every head reads alike (RoFormer's sin | cos by position)
+                    if len(kept) == len(columns):
+                        raise first
+                    specs, region = _cut(kept, row, fp, tp, name)
+                    columns, cols = kept, frozenset(c.node for c in kept)
+                except Unshardable:
+                    sides = _side_rows(first, cols, row, by_node, feed, assigned | failed)
+                    if not sides:
+                        raise first from None
+                    specs, region = _cut(columns, row, fp, tp, name, sides)
         except Unshardable as e:
             if inside is None:  # once: the matmuls a mixer's region computes through, and the feeders without them
                 inside = _per_head(gm, by_node)

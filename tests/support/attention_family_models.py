@@ -9,7 +9,13 @@ patterns, for tests/test_attention_families.py. The Hugging Face models are buil
 - ``fill_inplace``: the causal mask written in place by a chain of in-place ops on the scores,
   ``att.mul_(scale).masked_fill_(~causal, -inf)``;
 - ``fill_inplace_stale``: the same, but a view of the scores taken before the write is read after it (a
-  transposed copy added to the result): a write another node sees, never read as its functional form.
+  transposed copy added to the result): a write another node sees, never read as its functional form;
+- ``roformer``: RoFormer, rotary applied with a sin | cos table looked up by position in a frozen
+  ``nn.Embedding`` (one table for every layer), each half repeated pairwise by ``stack([sin, sin], -1)`` and
+  ``reshape_as``, the rotated half by ``stack([-q[..., 1::2], q[..., ::2]], -1)``;
+- ``rope_table_frozen``, ``rope_table_learned``: the same spelling by hand, the table a frozen
+  ``nn.Embedding`` or a learned ``nn.Parameter`` read by ``F.embedding(positions, table)`` (its gradient,
+  partial on each rank's heads, summed).
 """
 from __future__ import annotations
 
@@ -17,11 +23,12 @@ import math
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from pattern_models import HD, NH, H, LMWith, build_with
 
-HF_KINDS = ("xlm",)
-KINDS = ("fill_inplace",)
+HF_KINDS = ("xlm", "roformer")
+KINDS = ("fill_inplace", "rope_table_frozen", "rope_table_learned")
 
 
 class InPlaceMasked(nn.Module):
@@ -44,12 +51,47 @@ class InPlaceMasked(nn.Module):
         return self.o((att.softmax(-1) @ v).transpose(1, 2).reshape(b, s, H))
 
 
-def _hf_config(kind: str):
-    from transformers import XLMConfig
+class TableRotary(nn.Module):
+    """q, k, v, o projections; rotary from a sin | cos table looked up by position, RoFormer's spelling."""
 
+    def __init__(self, kind: str):
+        super().__init__()
+        self.kind = kind
+        self.q, self.k, self.v, self.o = (nn.Linear(H, H, bias=False) for _ in range(4))
+        pos = torch.arange(64, dtype=torch.float32)[:, None]
+        angles = pos / 10000 ** (torch.arange(0, HD, 2, dtype=torch.float32) / HD)  # (64, HD/2)
+        table = torch.cat([angles.sin(), angles.cos()], -1)  # (64, HD): sin | cos
+        if kind == "rope_table_frozen":
+            self.table = nn.Embedding.from_pretrained(table, freeze=True)
+        else:
+            self.weight = nn.Parameter(table)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        pos = torch.arange(s, device=x.device)
+        table = self.table(pos) if self.kind == "rope_table_frozen" else F.embedding(pos, self.weight)
+        table = table[None, None]  # (1, 1, s, HD)
+        sin, cos = table.chunk(2, dim=-1)
+        sin, cos = (torch.stack([t, t], dim=-1).reshape_as(table) for t in (sin, cos))  # θ0 θ0 θ1 θ1 ...
+
+        def rotate(t):
+            return t * cos + torch.stack([-t[..., 1::2], t[..., ::2]], dim=-1).reshape_as(t) * sin
+
+        q, k, v = (p(x).view(b, s, NH, HD).transpose(1, 2) for p in (self.q, self.k, self.v))
+        y = F.scaled_dot_product_attention(rotate(q), rotate(k), v, is_causal=True)
+        return self.o(y.transpose(1, 2).reshape(b, s, H))
+
+
+def _hf_config(kind: str):
+    from transformers import RoFormerConfig, XLMConfig
+
+    ids = {"pad_token_id": 0, "bos_token_id": 0, "eos_token_id": 0, "use_cache": False}
     return {"xlm": lambda: XLMConfig(vocab_size=128, emb_dim=64, n_layers=2, n_heads=4, dropout=0.0,
-                                     attention_dropout=0.0, max_position_embeddings=64, pad_token_id=0,
-                                     bos_token_id=0, eos_token_id=0, use_cache=False)}[kind]()
+                                     attention_dropout=0.0, max_position_embeddings=64, **ids),
+            "roformer": lambda: RoFormerConfig(vocab_size=128, embedding_size=64, hidden_size=64, num_hidden_layers=2,
+                                               num_attention_heads=4, intermediate_size=128, hidden_dropout_prob=0.0,
+                                               attention_probs_dropout_prob=0.0, max_position_embeddings=64,
+                                               is_decoder=True, rotary_value=False, **ids)}[kind]()
 
 
 def build(kind: str):
@@ -60,4 +102,4 @@ def build(kind: str):
         model = AutoModelForCausalLM.from_config(_hf_config(kind))
         ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(1))
         return model, (), {"input_ids": ids, "labels": ids}
-    return build_with(LMWith(kind, InPlaceMasked))
+    return build_with(LMWith(kind, TableRotary if kind.startswith("rope_table") else InPlaceMasked))
