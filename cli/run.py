@@ -1,5 +1,9 @@
 """``autotp run SCRIPT --tp N [--dp N] [--pp N] -- ARGS...``: start a training script on tp × dp × pp ranks.
 
+``--dp`` counts one node's replicas (world = tp × cp × dp × pp × nnodes); with ``--world-size W`` it counts every
+node's, as ``autotp shard --world-size`` reads it (world = tp × cp × dp × pp, W / nnodes ranks per node in
+Megatron's order): the same flags give the same ranks under either command.
+
 The script runs as ``python SCRIPT ARGS...`` under torch's elastic launcher, with the job (its sizes, backend
 and timeout: one :class:`~autotp.distributed.job.RankJob`) in ``AUTOTP_JOB``. Inside it::
 
@@ -44,7 +48,8 @@ if TYPE_CHECKING:
 
 # Shared by `autotp run` and `autotp shard`; typer reads these at registration time.
 TP = typer.Option(..., "--tp", help="Tensor-parallel size: ranks that share one model replica.")
-DP = typer.Option(1, "--dp", help="Data-parallel replicas per node (world = tp × dp × pp × nnodes).")
+DP = typer.Option(1, "--dp", help="Data-parallel replicas: per node (world = tp × cp × dp × pp × nnodes), or with "
+                  "--world-size in all (world = tp × cp × dp × pp, as autotp shard --world-size reads it).")
 PP = typer.Option(1, "--pp", help="Pipeline stages' ranks (outermost; Megatron's order tp, dp, pp).")
 NNODES = typer.Option(1, "--nnodes", help="Number of nodes; run the same command on each.")
 NODE_RANK = typer.Option(0, "--node-rank", help="This node's index in [0, nnodes); node 0 hosts the rendezvous.")
@@ -182,6 +187,10 @@ def run(
     tp: int = TP,
     dp: int = DP,
     pp: int = PP,
+    world_size: int | None = typer.Option(None, "--world-size", "-w", help="Ranks in all, over every node: --dp "
+                                          "then counts every node's replicas (world = tp × cp × dp × pp, world / "
+                                          "nnodes ranks per node in Megatron's order, tp fastest then cp, dp, pp: "
+                                          "a pipeline's stages may sit on different nodes), as autotp shard reads it."),
     ranks: str | None = typer.Option(None, "--ranks", metavar="RANK,RANK,...", help="Show only these ranks' "
                                      "output: local ranks, this node's from 0 (on one node, the global ranks). "
                                      "--log-dir still keeps every rank's."),
@@ -208,7 +217,7 @@ def run(
         abort(f"--log-dir {log_dir} exists and is not a folder", debug, code=USAGE_ERROR)
     from autotp.distributed.launch import launch
 
-    spec = launch_spec(tp, dp, pp, launcher, debug)
+    spec = launch_spec(tp, dp, pp, launcher, debug, world=world_size)
     output = rank_output(spec.world_size, spec.nproc_per_node, ranks, log_dir, debug)
     node = f" on node {launcher.node_rank} of {launcher.nnodes}" if launcher.nnodes > 1 else ""
     phases.say("launch", f"starting {spec.nproc_per_node} ranks{node}: tp {spec.tp}"

@@ -104,3 +104,28 @@ def test_bad_output_flags_fail_before_any_rank(script: Path, flags: list[str], s
     assert result.exit_code == 2, result.output
     (error,) = _said(result.stderr)  # one line after the check's
     assert error.startswith("error: ") and said in error, result.stderr
+
+
+def test_world_size_makes_dp_count_every_nodes_replicas(script: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--world-size W``: --dp counts every node's replicas, as ``autotp shard --world-size`` reads it, so a
+    pipeline whose stages sit on different nodes is spelled (tp 2 × dp 1 × pp 4 on 4 nodes of 2); without it --dp
+    is one node's (the same flags start 4 × 8 ranks). Sizes that do not multiply to W are refused before any rank
+    starts. Nothing is launched: the launch is replaced by a recorder."""
+    import autotp.distributed.launch as launching
+
+    specs = []
+    monkeypatch.setattr(launching, "launch", lambda spec, *args, **kwargs: specs.append(spec))
+    flags = ["run", str(script), "--tp", "2", "--dp", "1", "--pp", "4", "--nnodes", "4",
+             "--master-addr", "127.0.0.1", "--master-port", "29999"]
+    for extra in (["--world-size", "8"], []):
+        result = runner.invoke(app, [*flags, *extra], env={"COLUMNS": "500"})
+        assert result.exit_code == 0, result.output
+    across, per_node = specs
+    assert (across.world_size, across.nproc_per_node, across.data_parallel) == (8, 2, 1)
+    assert across.layout.pp_groups == [[0, 2, 4, 6], [1, 3, 5, 7]]  # each stage on its own node
+    assert (per_node.world_size, per_node.nproc_per_node, per_node.data_parallel) == (32, 8, 4)
+    bad = runner.invoke(app, ["run", str(script), "--tp", "2", "--dp", "3", "--world-size", "4"],
+                        env={"COLUMNS": "500"})
+    assert bad.exit_code == 2 and len(specs) == 2
+    (error,) = _said(bad.stderr)
+    assert "--tp 2 × --dp 3 × --pp 1 = 6 ranks, not the --world-size 4" in error and "give --dp 2" in error
