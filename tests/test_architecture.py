@@ -240,3 +240,19 @@ def test_capture_and_plan_is_written_once(trees: dict[str, ast.AST]) -> None:
 ])
 def test_capture_check_sees_captures(module: str, source: str, expected: int) -> None:
     assert len(_captures_or_plans(module, ast.parse(source))) == expected
+
+
+# what each refusal of a combination of sizes or options says: autotp/combinations.py alone says it, and the
+# library, the launcher, the command line and the layout search ask it (issue: one validation of combinations)
+_COMBINATION_REFUSALS = ("needs fsdp", "goes with fsdp", "to pipeline stages, and pp is",
+                         "replica groups do not divide", "there is one: dp", "runs no pipeline stages",
+                         "weight-gradient pass runs", "cannot hold to 1e-5", "does not run with fsdp",
+                         "stages asked for")
+
+
+def test_combinations_are_refused_in_one_place() -> None:
+    texts = {m: path.read_text() for m, path in _modules().items()}
+    assert [t for t in _COMBINATION_REFUSALS if t not in texts["autotp.combinations"]] == []
+    where = [f"{m}: {t!r}" for m, text in texts.items() if m != "autotp.combinations"
+             for t in _COMBINATION_REFUSALS if t in text]
+    assert not where, where

@@ -311,6 +311,36 @@ def test_fsdp_report_pads_uneven_rows() -> None:
     assert (alone.prefetch_bytes, alone.kept_bytes) == (60, 0)
 
 
+def test_fsdp_report_over_the_context_ranks() -> None:
+    """With cp FSDP shards over the dp × cp ranks (the runtime's dp_cp mesh): at dp 1 × cp 2 every figure is the
+    one over 2 data-parallel ranks, and the tables say which ranks."""
+    import io
+
+    from rich.console import Console
+
+    from autotp.cli.plan_tables import fsdp_memory_table, fsdp_traffic_table, fsdp_units_table
+    from autotp.plan.plan import Plan, Unit
+    from autotp.plan.report import fsdp_from_rows, param_rows
+
+    block = torch.nn.Linear(4, 3)
+    plan = Plan(tp=1, units=(Unit("block", ("block.weight", "block.bias")),))
+    rows = param_rows(plan, [("block.weight", block.weight), ("block.bias", block.bias)])
+    over_cp, over_dp = fsdp_from_rows(plan, rows, 1, cp=2), fsdp_from_rows(plan, rows, 2)
+    assert (over_cp.dp, over_cp.cp, over_cp.ranks, over_dp.ranks) == (1, 2, 2, 2)
+
+    def figures(r):
+        return r.units, r.state_bytes, r.kept_bytes, r.prefetch_bytes, r.traffic
+
+    assert figures(over_cp) == figures(over_dp) and over_cp.state_bytes == 16 * 15 // 2
+    assert over_cp.traffic[0].sent == 60 // 2  # a ring all-gather sends (d−1)/d of the 60 bytes, d = 2
+    out = io.StringIO()
+    console = Console(file=out, width=300)
+    for table in (fsdp_units_table, fsdp_memory_table, fsdp_traffic_table):
+        console.print(table(over_cp))
+    text = " ".join(out.getvalue().split())
+    assert text.count("dp 1 × cp 2 = 2 ranks") == 3 and "(d−1)/d = 0.50×" in text, text
+
+
 def test_fsdp_report_in_the_gather_dtype() -> None:
     """--fsdp-param-dtype bf16: the gathers and the units held gathered in bf16, the reduce-scatters in fp32
     (FSDP2's MixedPrecisionPolicy as autotp shard sets it); the sharded state stays in the model's dtype."""
