@@ -301,7 +301,7 @@ def match_expert_matmul(gm: fx.GraphModule, node: fx.Node, params: set[str]) -> 
                                chain, 3 - out_axis, None, x_dim, y_dim)
     if t is aten.einsum.default and len(node.args[1]) == 2 and isinstance(node.args[0], str):
         return _einsum_matmul(gm, node, params)
-    if t is aten.matmul.default:
+    if t in (aten.matmul.default, aten.bmm.default):
         return _stacked_matmul(gm, node, params)
     return None
 

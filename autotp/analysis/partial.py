@@ -46,8 +46,10 @@ def _linear_in(u: fx.Node, partial: set[fx.Node]) -> bool:
     if u.target is aten.mul.Tensor or u.target is aten.div.Tensor:
         # one partial factor (the numerator), the rest replicated: (a1 + .. + at)·w = a1·w + .. + at·w
         return len(mine) == 1 and (u.target is aten.mul.Tensor or u.args[0] in partial) and not u.kwargs
-    if u.target in (aten.add.Tensor, aten.sub.Tensor):
-        # partial + partial; python's sum() starts from 0 and a loop from zeros, which add nothing
+    if u.target in (aten.add.Tensor, aten.sub.Tensor) or \
+            (u.target is aten.add_.Tensor and len(u.args[0].users) == 1):
+        # partial + partial; python's sum() starts from 0 and a loop from zeros, which add nothing. In place
+        # (``shared.add_(routed)``, Llama 4's MoE) when nothing else reads the value written into
         others = [a for a in u.args[:2] if a not in partial]
         return all(_zero(a) for a in others) and u.kwargs.get("alpha", 1) == 1
     return False
