@@ -217,7 +217,10 @@ def render(report: ShardReport, console: Console) -> None:
 
     pp = f" × pp {report.pp}" if report.pp > 1 else ""
     cp = f" × cp {report.cp}" if report.cp > 1 else ""
-    kind = data_parallel_name(report.dp, report.fsdp)
+    # FSDP shards over the dp × cp ranks together (a cp rank holds its group's parameters): named over them
+    kind = data_parallel_name(report.dp * report.cp if report.fsdp else report.dp, report.fsdp)
+    sharded = f"{report.dp * report.cp} ranks (dp {report.dp} × cp {report.cp})" if report.cp > 1 else \
+        f"{report.dp} ranks"
     ranks = FitTable(title=f"{escape(report.model)}: tp {report.tp}{cp} × dp {report.dp}{pp}"
                      + (f" · {kind}" if kind else "") + f" ({report.backend})")
     # what each rank holds (autotp.parallel.held: its local shards); gradients as the last step read them
@@ -246,16 +249,16 @@ def render(report: ShardReport, console: Console) -> None:
                  for d, kind, op, n in report.collectives if d == direction]
         summary.add_row(f"TP collectives / step, {direction}", ", ".join(items) or "none")
     if report.fsdp_units and report.pp > 1:
-        summary.add_row("DP sharding", f"FSDP2 over {report.dp} ranks: each of a rank's pipeline stages one unit; "
+        summary.add_row("DP sharding", f"FSDP2 over {sharded}: each of a rank's pipeline stages one unit; "
                         "kept gathered through the step (as torchtitan pipelines): per step one all-gather per "
                         "stage before its first micro-batch, one reduce-scatter after the last")
     elif report.fsdp_units:
         groups = f", HSDP: {report.fsdp} replica groups" if report.fsdp > 1 else ""
-        summary.add_row("DP sharding", f"FSDP2 over {report.dp} ranks{groups}: {len(report.fsdp_units)} units "
+        summary.add_row("DP sharding", f"FSDP2 over {sharded}{groups}: {len(report.fsdp_units)} units "
                         f"({report.fsdp_units[0]} … {report.fsdp_units[-1]}) and the root; per step one all-gather "
                         "per unit forward, one per unit backward but the last, one reduce-scatter per unit")
     elif report.fsdp:
-        summary.add_row("DP sharding", f"FSDP2 over {report.dp} ranks, the whole model one unit (no repeated blocks)")
+        summary.add_row("DP sharding", f"FSDP2 over {sharded}, the whole model one unit (no repeated blocks)")
     else:
         summary.add_row("DP gradient sync", f"DDP all-reduce over {report.dp} replicas" if report.dp > 1 else "none (dp 1)")
     if report.ranks and all(r.plan_cached for r in report.ranks):

@@ -166,6 +166,9 @@ def test_title_names_the_data_parallelism() -> None:
     assert "tp 2 × dp 2 · FSDP (gloo)" in _text(_report(fsdp=1))
     assert "tp 2 × dp 4 · HSDP 2×2 (gloo)" in _text(_report(dp=4, fsdp=2))
     assert "tp 2 × dp 1 (gloo)" in _text(_report(dp=1))
+    # FSDP over the dp × cp ranks (cp 2 × dp 1: each rank holds half): named over both, not "over 1 ranks"
+    text = " ".join(_text(_report(dp=1, cp=2, fsdp=1, fsdp_units=("h.0", "h.1"))).split())
+    assert "tp 2 × cp 2 × dp 1 · FSDP (gloo)" in text and "FSDP2 over 2 ranks (dp 1 × cp 2): 2 units" in text, text
 
 
 def test_pipeline_parity_says_what_was_compared() -> None:
