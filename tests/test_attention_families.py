@@ -37,6 +37,10 @@ def test_each_spelling_is_cut_by_heads(kind: str):
             q, o = params[f"blocks.{i}.attn.q.weight"], params[f"blocks.{i}.attn.o.weight"]
             assert (q.role, q.local_shape) == ("column", (H // tp, H)), (tp, q)
             assert (o.role, o.local_shape) == ("row", (H, H // tp)), (tp, o)
+            if kind == "head_scale_flat":  # the flat per-head scales cut with the heads they meet
+                for name in ("sqk", "s_gate"):
+                    w = params[f"blocks.{i}.attn.{name}"]
+                    assert (w.dim, w.local_shape) == (0, (H // tp,)), (tp, name, w)
 
 
 def test_a_write_another_node_sees_leaves_the_attention_replicated_with_the_reason():

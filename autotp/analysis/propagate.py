@@ -9,6 +9,8 @@ an op with no rule, a reduction over the sharded dim, a sharded value that escap
 """
 from __future__ import annotations
 
+import math
+
 import torch.fx as fx
 
 from autotp.analysis.einsum_rules import EinsumRules
@@ -16,14 +18,14 @@ from autotp.analysis.op_rules import OP_RULES, OpRule, handler, kind_of, op_rule
 from autotp.analysis.ops import Unshardable, held_whole, is_guard, is_random, ndim_of, reaches, unseen_write
 from autotp.analysis.region import Entering, OperandSlice, ParamCut, Region, StatFact
 from autotp.analysis.shape_rules import ShapeRules
-from autotp.analysis.shapes import Fingerprinter, is_static, normalize_dim
+from autotp.analysis.shapes import Fingerprinter, is_static, normalize_dim, view_groups
 from autotp.analysis.torch_rules import TorchRefused, ask_torch
 from autotp.analysis.value_rules import ValueRules
 from autotp.analysis.function_rules import FunctionRefused, Operand, check_function
 from autotp.plan.plan import Rewrite
 from autotp.operators.functions import FunctionCall, arg_index, call_of, is_result, result_count, result_index
 from autotp.errors import ShardingError
-from autotp.shard_spec import Sharding, local_runs, strided
+from autotp.shard_spec import Segment, Sharding, local_runs, strided
 
 __all__ = ["Propagator", "Region", "propagate"]
 
@@ -275,6 +277,8 @@ class Propagator(ShapeRules, ValueRules, EinsumRules):
         chain, unread, node = [], [], x
         while node.op == "call_function":
             rule, ins = op_rule(node.target), node.all_input_nodes
+            if chain and _param_view(node.target) and not rule.cast:
+                break  # a view of what the chain reads: followed below
             # beside this read, x may give its dtype to new tensors (``A.new_zeros((b, d, n))``, cut alike)
             others = [u for u in node.users if not (node is x and kind_of(u.target) == "new_like" and u.args[0] is x)]
             dead = self._unread(node)
@@ -285,6 +289,12 @@ class Propagator(ShapeRules, ValueRules, EinsumRules):
             unread += dead
             node = ins[0]
         dead = self._unread(node) if self._parameter(node) is not None else []
+        if chain and self._parameter(node) is None and node.op == "call_function" and _param_view(node.target) \
+                and len(node.users) == 1 and self.viewed_parameter(node, s):
+            # elementwise ops of a view of a parameter (Dory's ``(sqk * c).view(-1, 1, d).square()``)
+            for n in chain + unread:
+                self.region.specs[n] = s
+            return True
         if not chain or self._parameter(node) is None or len([u for u in node.users if u not in dead]) != 1:
             return False
         for n in chain + unread + dead:
@@ -332,31 +342,48 @@ class Propagator(ShapeRules, ValueRules, EinsumRules):
         to the scores): the parameter is sharded with the heads, and the sizes on the way become local."""
         if not isinstance(x, fx.Node) or s.inner or s.outer:
             return False
-        full = sum(g.size for g in s.segments)
-        chain, node, d = [], x, s.dim
+        chain, node, d, segs = [], x, s.dim, s.segments
         while node.op == "call_function" and _param_view(node.target) and len(node.users) == 1:
-            src = node.args[0]
-            at = [i for i, n in enumerate(self.fp.shape(src)) if n == full] if isinstance(src, fx.Node) else []
-            if len(at) != 1 or self.fp.shape(node)[d] != full:
+            src, full = node.args[0], sum(g.size for g in segs)
+            if not isinstance(src, fx.Node) or self.fp.shape(node)[d] != full:
                 return False
-            chain.append((node, d))
-            node, d = src, at[0]
+            at = [i for i, n in enumerate(self.fp.shape(src)) if n == full]
+            scale = 1
+            if len(at) != 1:  # a flat per-head parameter split into heads: (n·d,) -> (n, 1, d), heads outermost
+                at, scale = self._split_from(node, src, d)
+            if len(at) != 1:
+                return False
+            chain.append((node, d, segs))
+            node, d, segs = src, at[0], tuple(Segment(g.size * scale, g.parts) for g in segs)
         if not chain:
             return False
         if self._parameter(node) is None or len(node.users) != 1:
             # views of a value computed from one parameter elementwise (Hugging Face Mamba's
             # A[None, :, None, :] of A = -exp(A_log.float()), (d_inner, n) -> (1, d_inner, 1, n)): the
             # parameter is cut on the dim the views keep, and the views' sizes become local as above
-            if not self.elementwise_parameter(node, Sharding(d, s.segments)):
+            if not self.elementwise_parameter(node, Sharding(d, segs)):
                 return False
         else:
-            self.region.params.append(ParamCut(node, d, Sharding(d, s.segments)))
-        for n, dim in chain:
+            self.region.params.append(ParamCut(node, d, Sharding(d, segs)))
+        for n, dim, at_segs in chain:
             size = list(n.args[1]) if len(n.args) > 1 and isinstance(n.args[1], (list, tuple)) else None
+            full = sum(g.size for g in at_segs)
             if size is not None and is_static(size[dim]) and size[dim] != -1:
-                self._set_view_size(n, size, dim, full, s.local_size)
-            self.region.specs[n] = Sharding(dim, s.segments)
+                self._set_view_size(n, size, dim, full, Sharding(dim, at_segs).local_size)
+            self.region.specs[n] = Sharding(dim, at_segs)
         return True
+
+    def _split_from(self, view: fx.Node, src: fx.Node, d: int) -> tuple[list[int], int]:
+        """([the dim of ``src``], k) where ``view`` splits that one dim into dims whose first (size > 1) is ``d``
+        and whose others multiply to k (each element of ``d`` is k contiguous elements of ``src``); else ([], 1)."""
+        if kind_of(view.target) != "view":
+            return [], 1
+        src_shape, dst = self.fp.shape(src), self.fp.shape(view)
+        for gi, gj in view_groups(src_shape, dst):
+            real_i, real_j = [i for i in gi if src_shape[i] != 1], [j for j in gj if dst[j] != 1]
+            if d in gj and len(real_i) == 1 and real_j and real_j[0] == d and all(is_static(dst[j]) for j in gj):
+                return real_i, math.prod(dst[j] for j in real_j[1:])
+        return [], 1
 
     def _gathered_parameter(self, x: fx.Node) -> tuple[fx.Node, int] | None:
         """(P, leading dims) for ``P[ids]``, a parameter's rows picked by replicated indices (an expert's bias for

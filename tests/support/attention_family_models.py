@@ -15,7 +15,10 @@ patterns, for tests/test_attention_families.py. The Hugging Face models are buil
   ``reshape_as``, the rotated half by ``stack([-q[..., 1::2], q[..., ::2]], -1)``;
 - ``rope_table_frozen``, ``rope_table_learned``: the same spelling by hand, the table a frozen
   ``nn.Embedding`` or a learned ``nn.Parameter`` read by ``F.embedding(positions, table)`` (its gradient,
-  partial on each rank's heads, summed).
+  partial on each rank's heads, summed);
+- ``head_scale_flat``: Dory's query scale, a flat learned parameter of one entry per head and channel read as
+  ``(sqk * c).view(-1, 1, d).square()`` and multiplied into q (cut with the heads, its sizes inferred), and a
+  flat output gate scale ``(s_gate * c).square()`` on the attention's ``(b, s, h)`` output.
 """
 from __future__ import annotations
 
@@ -28,7 +31,7 @@ import torch.nn.functional as F
 from pattern_models import HD, NH, H, LMWith, build_with
 
 HF_KINDS = ("xlm", "roformer")
-KINDS = ("fill_inplace", "rope_table_frozen", "rope_table_learned")
+KINDS = ("fill_inplace", "rope_table_frozen", "rope_table_learned", "head_scale_flat")
 
 
 class InPlaceMasked(nn.Module):
@@ -82,6 +85,24 @@ class TableRotary(nn.Module):
         return self.o(y.transpose(1, 2).reshape(b, s, H))
 
 
+class FlatHeadScale(nn.Module):
+    """q, k, v, o projections; q scaled per head and channel by a flat parameter viewed into heads, and the
+    attention's output gated by another flat parameter, as Dory spells them."""
+
+    def __init__(self, kind: str):
+        super().__init__()
+        self.q, self.k, self.v, self.o = (nn.Linear(H, H, bias=False) for _ in range(4))
+        self.sqk = nn.Parameter(torch.linspace(0.5, 1.5, H))
+        self.s_gate = nn.Parameter(torch.linspace(1.5, 0.5, H))
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q, k, v = (p(x).view(b, s, NH, HD).transpose(1, 2) for p in (self.q, self.k, self.v))
+        q = q * (self.sqk * 0.5).view(-1, 1, HD).square()  # (NH, 1, HD) against (b, NH, s, HD)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, H)
+        return self.o(y * torch.sigmoid((self.s_gate * 2.0).square()))
+
+
 def _hf_config(kind: str):
     from transformers import RoFormerConfig, XLMConfig
 
@@ -102,4 +123,6 @@ def build(kind: str):
         model = AutoModelForCausalLM.from_config(_hf_config(kind))
         ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(1))
         return model, (), {"input_ids": ids, "labels": ids}
-    return build_with(LMWith(kind, TableRotary if kind.startswith("rope_table") else InPlaceMasked))
+    attention = TableRotary if kind.startswith("rope_table") else FlatHeadScale if kind == "head_scale_flat" \
+        else InPlaceMasked
+    return build_with(LMWith(kind, attention))
