@@ -65,7 +65,8 @@ def world_line(layout: RankLayout, fsdp: int = 0) -> str:
 
 # what a weight whole by design is (the plan's reason names it first): shown as its role
 _WHOLE_ROLES = {"router kept whole": "router (whole)", "gate kept whole": "gate (whole)",
-                "down-projection kept whole": "latent down-proj (whole)"}
+                "down-projection kept whole": "latent down-proj (whole)", "indexer kept whole": "indexer (whole)",
+                "latent kept whole": "latent (whole)"}
 
 
 def layer_table(report: Report, names: list[str], whole: dict[str, str] | None = None) -> Table:

@@ -156,12 +156,17 @@ def _analyze(gm: fx.GraphModule, tp: int, matmuls: list[ParamMatmul], embeddings
     order = _order(gm)  # once: a graph walk per pair would make a deep model's analysis quadratic
     attention = _after_attention(gm, by_node.keys() | embeddings.keys())
     inside: set[fx.Node] | None = None  # per-head matmuls a channel-parallel region computes through
+    read_whole: set[fx.Node] = set()  # matmuls feeding a paired column's input: their output stays whole
     for row in sorted(matmuls, key=lambda m: not attention[m.x]):
         cols = feed[row.x] | ({row.x} if row.x in by_node else frozenset())
         # a matmul that feeds another candidate's input is no column of this pair (a column's input is whole):
         # DeepSeek's kv down-projection feeds the kv up-projection, and its rotary key part reaches attention
         inner = set().union(*(feed[by_node[d].x] for d in cols if d in by_node))  # once per row: a row reading
         cols = frozenset(c for c in cols if c not in inner)  # the residual stream has every earlier block's rows
+        # nor is a matmul whose output a column already paired reads whole (DeepSeek-V3.2's q latent, read by
+        # q_b_proj of attention's pair and by the sparse-attention indexer's wq_b): cut, it would reach that
+        # column sharded, so such an attempt can only fail, and would report the block as left replicated
+        cols = cols - read_whole
         # an embedding of the ids joins a pair beside its column matmuls (a value embedding added to v: cut
         # by its feature columns like v), never starts one (the token embedding before the first block)
         if not cols - set(embeddings) or row.node in assigned or cols & assigned:
@@ -217,6 +222,7 @@ def _analyze(gm: fx.GraphModule, tp: int, matmuls: list[ParamMatmul], embeddings
         result.pairs.append(PairFacts(name, columns, row, {c.name: strided(s, fp.shape(c)[s.dim])
                                                            for c, s in specs.items()}, region, sides=sides))
         assigned |= set(cols) | {row.node} | {m.node for m in sides}
+        read_whole.update(*(feed[c.x] for c in columns if c.kind != "embedding"))
     _whole_experts(result, matmuls, assigned)
     order = _order(gm)
     result.pairs.sort(key=lambda p: order(p.row.node))  # graph order, whichever was paired first

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 
+import torch
 import torch.fx as fx
 
 from autotp.analysis.einsum_rules import EinsumRules
@@ -412,8 +413,9 @@ class Propagator(ShapeRules, ValueRules, EinsumRules):
     def _learned(self, x: fx.Node) -> bool:
         """Whether ``x`` is computed from a parameter outside this region (so it needs a gradient that no
         collective of the region already carries)."""
+        # an integer or boolean value (topk's indices, a mask of the keys they choose) carries no gradient
         return reaches(x, lambda n: self._parameter(n) is not None,
-                       lambda n: n in self.region.specs or n in self.region.stats)
+                       lambda n: n in self.region.specs or n in self.region.stats or _discrete(n))
 
 def _row_input(p: Propagator, row: fx.Node, x: fx.Node, x_dim: int, fp: Fingerprinter, tp: int, where: str
                ) -> Sharding:
@@ -432,6 +434,11 @@ def _row_input(p: Propagator, row: fx.Node, x: fx.Node, x_dim: int, fp: Fingerpr
                             f"matmul come in {tp // copies} blocks of heads, fewer than "
                             f"tp={tp}", hint="choose a tp that divides the number of query heads")
     return rs
+
+
+def _discrete(node: fx.Node) -> bool:
+    val = node.meta.get("val")
+    return isinstance(val, torch.Tensor) and not (val.dtype.is_floating_point or val.dtype.is_complex)
 
 
 def _operand(node: fx.Node, s: Sharding | None) -> Operand:

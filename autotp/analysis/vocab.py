@@ -24,6 +24,7 @@ import torch.fx as fx
 
 from autotp.errors import ShardingError
 from autotp.analysis.pairs import Analysis
+from autotp.analysis.chosen import indexer_reason
 from autotp.analysis.matmuls import ParamMatmul, module_path, where
 from autotp.analysis.op_rules import OpRule, kind_of, op_rule
 from autotp.analysis.ops import Unshardable, arg_of, from_inputs, ndim_of, slice_range
@@ -246,7 +247,8 @@ def _op_name(n: fx.Node) -> str:
     return getattr(n.target, "__name__", str(n.target)).split(".")[0].lstrip("_")
 
 
-_BY_DESIGN = ("router kept whole", "gate kept whole", "down-projection kept whole", "head transform kept whole")
+_BY_DESIGN = ("router kept whole", "gate kept whole", "down-projection kept whole", "head transform kept whole",
+              "indexer kept whole", "latent kept whole")
 _CHOICES = frozenset({aten.topk.default, aten.sort.default, aten.argmax.default, aten.argsort.default})
 
 
@@ -254,9 +256,8 @@ def _latent_of(m: ParamMatmul, a, order: dict[fx.Node, int]) -> str | None:
     """The pair whose column matmuls read ``m``'s output through ops of it alone (norms, splits, views; no
     other activation joins in, no other matmul in between), when ``m`` maps to fewer features than it reads: a
     low-rank down-projection (DeepSeek's q_a_proj, kv_a_proj_with_mqa) whose latent every rank computes whole
-    for the head-parallel up-projections. ``order``: each node's position in the graph."""
-    if m.out_features >= m.in_features:
-        return None
+    for the head-parallel up-projections (or one mapping to as many features or more: a latent wider than the
+    model, which its norm reads whole all the same). ``order``: each node's position in the graph."""
     return _read_alone_by(m, {c.node: p.name for p in a.pairs for c in p.columns}, a, order)
 
 
@@ -326,10 +327,16 @@ def _kept_whole(m: ParamMatmul, why: str, latent_of: str | None = None) -> str:
     shape = f"{m.in_features}→{m.out_features}"
     if any(u.op == "output" or _is_loss(u.target) for u in readers):
         return f"LM head kept whole: {why}"
-    if latent_of is not None and not _chooses(m.node):
+    if latent_of is not None and not _chooses(m.node) and m.out_features < m.in_features:
         return (f"down-projection kept whole: its {shape} linear computes the latent that the column matmuls of "
                 f"{latent_of} read; every rank computes it whole (cutting it would add an all-reduce of the "
                 f"latent), and its weight is small")
+    if latent_of is not None and not _chooses(m.node):
+        # as wide as its input or wider (Dots3-Note's sliding layers: a 1024-feature latent of a 5120 model,
+        # wider than a small model's width): the up-projections need it whole all the same
+        return (f"latent kept whole: its {shape} linear computes the latent that the column matmuls of {latent_of} "
+                f"read whole, through ops of it alone; every rank computes it whole (cutting it would add a gather "
+                f"of its {m.out_features} features before them)")
     gated = all(_activates(u.target) or u.target in _WEIGHINGS for u in readers)
     # or chosen among within a few ops whatever reads it first: a router whose topk reads its logits plus a
     # balancing bias and whose weights are its logits gathered at the choice (``gather(logits, topk(logits + b))``)
@@ -420,6 +427,10 @@ def analyze_vocab(gm: fx.GraphModule, a: Analysis, tp: int, multiple: int = 1) -
     for m in a.matmuls:
         if m.node in paired or m.in_axis is not None:  # an expert's 3-D weight is no LM head
             continue
+        why = indexer_reason(m)
+        if why is not None:  # its output only chooses (a sparse-attention indexer): whole by design, no head
+            a.by_design.append((m.module, why))
+            continue
         layout = VocabRows.make(m.out_features, tp, multiple)
         try:
             head = _propagate_head(m, layout, fp, tp)
@@ -436,14 +447,20 @@ def analyze_vocab(gm: fx.GraphModule, a: Analysis, tp: int, multiple: int = 1) -
         facts.heads.append(head)
         layouts[m.weight] = layout
     head_nodes = {h.matmul.node for h in facts.heads}
+    # named once the heads are known: a head's dense + norm transform is whole by design
+    named = [(m, _head_transform(m, facts.heads, a, order) or _kept_whole(m, why, _latent_of(m, a, order)))
+             for m, why in unheaded]
     # a failed pair whose row is an LM head after all (a gate of the last block tried as its column, BERT's
-    # dense tried as the column of its decoder)
-    a.replicated[:] = [e for e in a.replicated if a.failed_rows.get(e) not in head_nodes]
+    # dense tried as the column of its decoder), or is a latent whose up-projections, paired, read it whole, or a
+    # router (tried as the row of a hyper-connection's mixing linear: HY-V4's attn_hc.fn -> q_a_proj, ffn_hc.fn ->
+    # mlp.gate): its columns are named each on their own below
+    latents = {m.node for m, why in named
+               if why.startswith(("down-projection kept whole", "latent kept whole", "router kept whole"))}
+    a.replicated[:] = [e for e in a.replicated if a.failed_rows.get(e) not in head_nodes | latents]
     blocks = [r for r, _ in a.replicated]
-    for m, why in unheaded:  # named once the heads are known: a head's dense + norm transform is whole by design
+    for m, why in named:
         if any(m.module == r or m.module.startswith(r + ".") for r in blocks):
             continue  # a projection of a block reported replicated is not an LM head: its reason stands
-        why = _head_transform(m, facts.heads, a, order) or _kept_whole(m, why, _latent_of(m, a, order))
         (a.by_design if why.startswith(_BY_DESIGN) else a.replicated).append((m.module, why))
     head_chains = {n for h in facts.heads for n in h.matmul.chain}
     for node in gm.graph.nodes:

@@ -94,6 +94,27 @@ def _called_by_model(user_code: object) -> bool:
     return not user_code(filename)
 
 
+# casts that return their input itself when it already has the dtype (``x.to(x.dtype)``, ``x.type_as(x)``)
+_NO_OP_CASTS = (aten.to.dtype, aten.to.dtype_layout, aten.to.other, aten.type_as.default)
+
+
+def _made_in_region(node: fx.Node) -> bool:
+    """Whether the region made ``node``'s value. A cast to the dtype its input already has returns the input
+    itself, and export then hands the node to every later reader of that tensor: Dots3-Note's indexer, under
+    ``@torch.no_grad()``, reads ``hidden_states.to(float32)`` of a float32 input, and the gate projection after it
+    reads the same tensor, with its gradient, as ``g_proj(hidden_states)``; the region made nothing there."""
+    while node.target in _NO_OP_CASTS and not _with_grad(node) and isinstance(node.args[0], fx.Node):
+        src, val = node.args[0], node.meta.get("val")
+        was = src.meta.get("val")
+        copies = node.kwargs.get("copy", False) or node.kwargs.get("memory_format") not in (None, torch.preserve_format) \
+            or (node.target in (aten.to.dtype, aten.to.other) and len(node.args) > 3 and node.args[3])
+        if copies or not isinstance(val, torch.Tensor) or not isinstance(was, torch.Tensor) or val.dtype != was.dtype \
+                or val.device != was.device:
+            return True
+        node = src
+    return not _with_grad(node)
+
+
 def _with_grad(node: fx.Node) -> bool:
     """Whether the node ran outside every no-grad region of the model's own."""
     custom = node.meta.get("custom")
@@ -116,6 +137,8 @@ def detach_no_grad_regions(gm: fx.GraphModule) -> bool:
         val = node.meta.get("val")
         if not outside or not isinstance(val, torch.Tensor) or not (val.dtype.is_floating_point or val.is_complex()):
             continue
+        if not _made_in_region(node):
+            continue  # the value from before the region, returned as it is: code outside reads it with its gradient
         with gm.graph.inserting_after(node):
             cut = gm.graph.call_function(aten.detach.default, (node,))
         cut.meta = {k: v for k, v in node.meta.items() if k != "custom"}  # the same value, outside the region
