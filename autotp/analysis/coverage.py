@@ -19,7 +19,7 @@ import torch.fx as fx
 
 from autotp.analysis.matmuls import ParamMatmul, module_path
 from autotp.analysis.op_rules import is_cast, kind_of, permutes
-from autotp.analysis.ops import from_inputs
+from autotp.analysis.ops import from_inputs, reaches
 from autotp.analysis.pairs import Analysis
 from autotp.plan.plan import WholeParam
 
@@ -72,6 +72,34 @@ def _row_bias_of(reader: fx.Node, a: Analysis) -> ParamMatmul | None:
     if add.target not in (aten.add.Tensor, aten.add_.Tensor):
         return None
     return next((rows[x] for x in add.all_input_nodes if x in rows), None)
+
+
+def _scales_per_row(reader: fx.Node) -> bool:
+    """Is ``reader`` ``P[ids]`` (``index`` or ``index_select`` of dim 0, one index tensor chosen from the model's
+    parameters, a router's choice: a table read by token ids is an embedding) whose picked rows (``(rows,
+    width)`` per token) only multiply other values elementwise, through casts and unsqueezes?"""
+    if reader.target is aten.index.Tensor:
+        if len(reader.args[1]) != 1 or not isinstance(reader.args[1][0], fx.Node):
+            return False
+        ids = reader.args[1][0]
+    elif reader.target is aten.index_select.default and reader.args[1] in (0, -2):
+        ids = reader.args[2]
+    else:
+        return False
+    params = {n for n, _ in reader.graph.owning_module.named_parameters(remove_duplicate=False)}
+    if not reaches(ids, lambda n: n.op == "get_attr" and n.target in params):
+        return False
+    todo, uses = [reader], []
+    while todo:
+        n = todo.pop()
+        for u in n.users:
+            if kind_of(u.target) == "no_output":
+                continue
+            if (is_cast(u.target) or u.target is aten.unsqueeze.default) and u.args[0] is n:
+                todo.append(u)
+            else:
+                uses.append(u)
+    return bool(uses) and all(u.target is aten.mul.Tensor and len(u.all_input_nodes) == 2 for u in uses)
 
 
 class WholeCandidate(NamedTuple):
@@ -127,6 +155,11 @@ def _whole(names: list[str], nodes: dict[str, fx.Node], matmuls: dict[str, Param
     elif (row := _row_bias_of(first, a)) is not None:
         reason = (f"bias of the row-parallel {row.module} (picked per token by {first.name}): added once, after "
                   "the all-reduce of its partial sums, on every rank (as Megatron adds a row-parallel bias)")
+    elif _replicated_reason(module, a) is None and all(_scales_per_row(r) for r in readers):
+        rows, width = read[0].graph.owning_module.get_parameter(name).shape[:2]
+        reason = (f"scale kept whole: its {rows} rows of {width} are picked per token by {first.name} and multiply "
+                  "a replicated activation elementwise (as a per-expert norm's weight does after the experts' "
+                  "all-reduce): every rank needs whole rows, as Megatron keeps a norm's weight whole")
     else:
         op = str(getattr(first.target, "__name__", first.target))
         known = _replicated_reason(module, a)

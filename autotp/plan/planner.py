@@ -13,6 +13,7 @@ from autotp.analysis.pairs import Analysis, common_module
 from autotp.analysis.result import GraphFacts, analyze_graph
 from autotp.errors import ShardingError, own_bug
 from autotp.analysis.matmuls import ParamMatmul, column_form, module_path
+from autotp.analysis.op_rules import kind_of
 from autotp.analysis.ops import STAT_KINDS, reduction_args
 from autotp.plan.plan import (SEQ_PARAMS, Collective, ColumnForm, ExpertLayer, ExpertSlot, GatheredOutput, GraphCut,
                               LocalSlice, PairPlan, ParamShard, Plan, Rewrite, SeqEnter, SeqGather, SeqLeave, SeqSlice,
@@ -75,6 +76,8 @@ _DERIVE = {aten.slice.Tensor, aten.select.int, aten.view.default, aten.reshape.d
 # ops that gather rows of a value (tokens dispatched to experts, one row per (token, k) slot): the value they
 # are gathered from is smaller, so f goes there
 _GATHER = {aten.index.Tensor, aten.repeat_interleave.self_int, aten.expand.default}
+# readers of a value's shape and dtype alone (export's checks, ``x.new_ones(..)``, ``zeros_like(x)``)
+_SHAPE_ONLY = frozenset({"no_output", "sym_size", "new_like", "like"})
 
 
 def _entering_via(xs: list[fx.Node], columns: set[fx.Node]) -> dict[fx.Node, tuple[fx.Node, fx.Node]]:
@@ -106,8 +109,8 @@ def _entering_via(xs: list[fx.Node], columns: set[fx.Node]) -> dict[fx.Node, tup
             if node in xs and node is not x:
                 out[x] = (reader, node)
                 break
-            if len([u for u in node.users if u.target is not aten._assert_tensor_metadata.default]) != 1:
-                break
+            if len([u for u in node.users if kind_of(u.target) not in _SHAPE_ONLY]) != 1:
+                break  # (a reader of its shape alone, ``new_ones(xs, ..)``, takes no gradient)
         if x in out:
             continue
         if gathered:
