@@ -91,7 +91,7 @@ def read_as_weight(name: str) -> bool:
 ALWAYS = ("gpt2", "llama", "qwen2", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "gpt_oss")
 # a weight left whole for one of these reasons is whole by design (Megatron keeps it whole too), not a gap
 WHOLE_BY_DESIGN = ("router kept whole", "gate kept whole", "down-projection kept whole", "head transform kept whole",
-                   "indexer kept whole", "latent kept whole",
+                   "indexer kept whole", "latent kept whole", "scale kept whole",
                    "position embedding", "bias of the row-parallel", "not read by this call's graph",
                    "read by nothing")
 
