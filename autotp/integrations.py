@@ -69,13 +69,13 @@ def data_parallel_layout(model: nn.Module) -> tuple[int, int, list[int]]:
 
 
 def _group_of(ranks: list[int]) -> dist.ProcessGroup:
-    """A process group of exactly ``ranks``: the one the layout's mesh already made, else one made now for
-    every data-parallel group (a collective: every rank reaches it, in the same order)."""
-    from autotp.distributed.rank_context import _existing_group
+    """A process group of exactly ``ranks``: the data-parallel group of the job's mesh under autotp's launchers,
+    else one made now for every data-parallel group (a collective: every rank reaches it, in the same order)."""
+    from autotp.distributed.rank_context import current_context
 
-    found = _existing_group(sorted(ranks))
-    if found is not None:
-        return found
+    ctx = current_context()
+    if ctx is not None and dist.get_process_group_ranks(ctx.dp_group()) == sorted(ranks):
+        return ctx.dp_group()
     world, size = dist.get_world_size(), len(ranks)
     tp = world // size
     mine, _ = dist.new_subgroups_by_enumeration([[r + i * tp for i in range(size)] for r in range(tp)])

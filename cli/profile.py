@@ -198,7 +198,7 @@ def profile(
     job = ProfileJob.make(device, dtype, shapes, quick, shapes_from)
     phases.say("launch", f"starting {nproc} {device} ranks; rank 0 says each measurement as it starts")
     try:
-        results = launch(spec, profile_worker, job, RankPhases(phases.started), quiet=not debug)
+        results = launch(spec, profile_worker, spec.job(), job, RankPhases(phases.started), quiet=not debug)
     except LaunchInterrupted as exc:
         abort(f"{exc}: nothing was written", debug, code=exc.code, trace="")
     except RankFailedError as exc:

@@ -19,7 +19,7 @@ from autotp.distributed import launch as launch_module
 from autotp.distributed.job import ENV_JOB, JOB_VERSION, RankJob, job_from_env
 from autotp.distributed.launch import LaunchSpec, current_tp_group, init_job
 from autotp.distributed.layout import MESH_TP, RankLayout
-from autotp.errors import LaunchError
+from autotp.errors import LaunchError, ProcessGroupError
 
 runner = CliRunner()
 
@@ -119,3 +119,124 @@ def test_tp_is_an_int_from_autotp_run_to_the_group_parallelize_takes(tmp_path: P
         assert found is ctx.tp_group() and dist.get_world_size(found) == 2
     finally:
         dist.destroy_process_group()
+
+
+_REGISTRY = ("pg_group_ranks", "pg_map", "pg_names", "group_count")  # torch's private registry of live groups
+
+
+@pytest.fixture
+def no_registry_from_autotp(monkeypatch):
+    """torch's registry of live groups (``distributed_c10d._World``'s properties) raises when autotp's own code
+    reads it; torch's reads of it go on."""
+    import sys
+
+    from torch.distributed import distributed_c10d
+
+    def guarded(name: str):
+        original = getattr(distributed_c10d._World, name)
+
+        def get(self):
+            caller = sys._getframe(1).f_globals.get("__name__", "")
+            if caller == "autotp" or caller.startswith("autotp."):
+                raise AssertionError(f"{caller} read torch's private group registry ({name})")
+            return original.fget(self)
+        return property(get, original.fset)
+
+    for name in _REGISTRY:
+        monkeypatch.setattr(distributed_c10d._World, name, guarded(name))
+
+
+def test_parallelize_takes_tp_from_the_job_not_from_torchs_group_registry(no_registry_from_autotp,
+                                                                          monkeypatch) -> None:
+    """`autotp run --tp 2 --dp 2` with the script's init_from_env(): parallelize(model) without a group takes the
+    job's context, its tp the job's int 2, the tp and dp groups its one mesh's, and never looks a group up in
+    torch's registry; a second init_job of the same job is the same context (no second mesh)."""
+    import torch
+    import torch.nn as nn
+
+    import autotp
+    from autotp.distributed.launch import current_dp_group, current_mesh
+
+    monkeypatch.setenv("AUTOTP_PLAN_CACHE", "0")
+    job = RankJob(RankLayout.build(4, 2, dp=2))
+    monkeypatch.setenv(ENV_JOB, job.to_json())
+    _fake_world(4)
+    try:
+        ctx = init_job(job)
+        assert init_job(job) is ctx and current_mesh() is ctx.mesh and current_dp_group() is ctx.dp_group()
+        with pytest.raises(LaunchError, match=r"set up for the job tp 2 × cp 1 × dp 2 × pp 1 = world 4, and were "
+                                              r"handed another: tp 4 × cp 1 × dp 1"):
+            init_job(RankJob(RankLayout.build(4, 4)))
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8))
+        tpm = autotp.parallelize(model, example_inputs=(torch.randn(2, 8),))
+        st = autotp.tp_state(tpm)
+        assert (st.tp, st.rank) == (2, 0) and type(st.tp) is int
+        assert st.group is ctx.tp_group() and st.replicas.group is ctx.dp_group()
+        assert tuple(tpm[0].weight.shape) == (8, 8) and tuple(tpm[2].weight.shape) == (8, 8)  # 16 / tp rows, cols
+    finally:
+        dist.destroy_process_group()
+    from torch.distributed import distributed_c10d
+
+    with pytest.raises(AssertionError, match="pg_group_ranks"):  # the guard bites autotp's code, not torch's
+        exec("distributed_c10d._world.pg_group_ranks", {"__name__": "autotp.probe", "distributed_c10d": distributed_c10d})
+    assert isinstance(distributed_c10d._world.pg_group_ranks, dict)
+
+
+def test_a_script_without_init_from_env_gets_the_jobs_cp_and_groups_once(no_registry_from_autotp,
+                                                                        monkeypatch) -> None:
+    """Under `autotp run --tp 1 --cp 2` a script that made no context: the first lookup makes the job's mesh and
+    keeps it, every later one (tp, cp group, the cp size parallelize defaults to) is the same; after the process
+    group is destroyed a new one gets a new context."""
+    from autotp.distributed.context import context_mesh
+    from autotp.distributed.launch import cp_from_env, current_context, current_cp_group
+
+    job = RankJob(RankLayout.build(2, 1, cp=2))
+    monkeypatch.setenv(ENV_JOB, job.to_json())
+    _fake_world(2)
+    try:
+        ctx = current_context()
+        assert ctx is not None and ctx.job == job and current_context() is ctx
+        assert current_tp_group() is ctx.tp_group() and current_cp_group() is ctx.cp_group()
+        assert dist.get_world_size(ctx.cp_group()) == cp_from_env() == 2
+        groups = context_mesh(None, None, 2, ctx)
+        assert (groups.tp, groups.cp, groups.dp) == (ctx.tp_group(), ctx.cp_group(), None)
+        with pytest.raises(ProcessGroupError, match=r"context_parallel=4, and `--cp 2` laid out the ranks"):
+            context_mesh(None, None, 4, ctx)
+    finally:
+        dist.destroy_process_group()
+    _fake_world(2)
+    try:
+        assert current_context() is not ctx
+    finally:
+        dist.destroy_process_group()
+
+
+def test_autotp_profile_hands_its_ranks_the_job(tmp_path: Path, monkeypatch) -> None:
+    """`autotp profile --nproc 2`: the ranks' function gets the RankJob as its first argument (tp the int 2),
+    as autotp shard's does, and reads no job from the environment."""
+    import inspect
+    import signal
+
+    from autotp.errors import LaunchInterrupted
+    from autotp.layout.profile import ProfileJob, profile_worker
+
+    launched = {}
+
+    def fake_launch(spec, entrypoint, *args, **kwargs):
+        launched.update(spec=spec, entrypoint=entrypoint, args=args)
+        raise LaunchInterrupted(signal.SIGINT)
+
+    monkeypatch.setattr(launch_module, "launch", fake_launch)
+    monkeypatch.delenv(ENV_JOB, raising=False)
+    result = runner.invoke(app, ["profile", "--nproc", "2", "--device", "cpu", "--quick", "--out",
+                                 str(tmp_path / "p.json")], env={"COLUMNS": "500"})
+    assert result.exit_code == 130, result.output
+    ranks, job = launched["args"][:2]
+    assert launched["entrypoint"] is profile_worker and isinstance(job, ProfileJob)
+    assert isinstance(ranks, RankJob) and ranks == launched["spec"].job() and type(ranks.layout.tp) is int
+    assert (ranks.layout.tp, ranks.layout.world_size) == (2, 2)
+    assert list(inspect.signature(profile_worker).parameters)[:2] == ["ranks", "job"]
+    import autotp.layout.profile as profile_module
+
+    assert "init_from_env" not in vars(profile_module) and "environ" not in inspect.getsource(profile_worker)

@@ -1,22 +1,34 @@
 """The process groups of context parallelism: which ranks share a sequence, and which share its tensor shards.
 
 Megatron's order puts tp innermost, then cp, then dp: the ranks of a cp group are tp apart, and a tp group
-lies inside one cp rank. A mesh the caller built names its dims; under ``autotp run --cp`` the launcher's
-layout has them; otherwise the world is cut into groups of cp consecutive ranks (tp 1), the rest of the
-world data-parallel.
+lies inside one cp rank. A mesh the caller built names its dims; under ``autotp run --cp`` the job's mesh
+(its :class:`~autotp.distributed.rank_context.RankContext`) has them; otherwise the world is cut into groups
+of cp consecutive ranks (tp 1), the rest of the world data-parallel.
 """
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from autotp.distributed.launch import cp_from_env, current_cp_group, current_tp_group
+from autotp.distributed.rank_context import RankContext
 from autotp.errors import ProcessGroupError
 
 
-def context_mesh(mesh: DeviceMesh | None, tp_group: dist.ProcessGroup | None,
-                 cp: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
-    """(tp group, cp group) for ``cp`` context-parallel ranks; collective (it may build the groups)."""
+class ContextGroups(NamedTuple):
+    tp: dist.ProcessGroup
+    cp: dist.ProcessGroup
+    # the data-parallel group of a world cut into cp groups here (None: the caller's mesh or the job says, or
+    # one replica)
+    dp: dist.ProcessGroup | None = None
+
+
+def context_mesh(mesh: DeviceMesh | None, tp_group: dist.ProcessGroup | None, cp: int,
+                 ctx: RankContext | None = None) -> ContextGroups:
+    """The (tp, cp[, dp]) groups for ``cp`` context-parallel ranks: ``mesh``'s dims, else the job's mesh (``ctx``
+    under autotp's launchers with ``--cp``), else the world cut into groups of ``cp`` consecutive ranks; collective
+    (it may build the groups)."""
     if mesh is not None:
         names = mesh.mesh_dim_names or ()
         if "cp" not in names:
@@ -28,12 +40,13 @@ def context_mesh(mesh: DeviceMesh | None, tp_group: dist.ProcessGroup | None,
         if size != cp:
             raise ProcessGroupError(f"context_parallel={cp}, and the mesh's cp dim has {size} ranks")
         tp = mesh.get_group("tp") if "tp" in names else None
-        return tp if tp is not None else _alone(), mesh.get_group("cp")
-    if cp_from_env() > 1:  # under `autotp run --cp`: the layout's groups
-        if cp_from_env() != cp:
-            raise ProcessGroupError(f"context_parallel={cp}, and `autotp run --cp {cp_from_env()}` laid out the ranks",
+        return ContextGroups(tp if tp is not None else _alone(), mesh.get_group("cp"))
+    if ctx is not None and ctx.layout.cp > 1:  # under `autotp run --cp`: the job's mesh
+        if ctx.layout.cp != cp:
+            raise ProcessGroupError(f"context_parallel={cp}, and `--cp {ctx.layout.cp}` laid out the ranks "
+                                    f"({ctx.job.sizes})",
                                     hint="pass no context_parallel (the launcher's), or the same number")
-        return tp_group or current_tp_group(), current_cp_group()
+        return ContextGroups(tp_group or ctx.tp_group(), ctx.cp_group())
     if tp_group is not None:
         raise ProcessGroupError(f"context_parallel={cp} with a tp_group: pass a mesh with 'cp' and 'tp' dims "
                                 "instead, so that both groups are known")
@@ -46,19 +59,8 @@ def context_mesh(mesh: DeviceMesh | None, tp_group: dist.ProcessGroup | None,
                                 hint=f"start a multiple of {cp} ranks, or use a cp that divides {world}")
     device = "cuda" if dist.get_backend() == "nccl" else "cpu"
     made = init_device_mesh(device, (world // cp, cp, 1), mesh_dim_names=("dp", "cp", "tp"))
-    return made.get_group("tp"), made.get_group("cp")
-
-
-def context_dp_group(cp: int) -> dist.ProcessGroup | None:
-    """The data-parallel group of the world :func:`context_mesh` cut into groups of ``cp`` consecutive ranks
-    (no mesh, not under ``autotp run``): the ranks holding the same chunk of other replicas' sequences. None
-    when there is only one replica, or that mesh was not made."""
-    world = dist.get_world_size()
-    if world // cp == 1:
-        return None
-    from autotp.distributed.rank_context import _existing_group
-
-    return _existing_group(list(range(dist.get_rank() % cp, world, cp)), "dp")
+    # dp: the ranks holding the same chunk of other replicas' sequences ([r % cp, r % cp + cp, ...])
+    return ContextGroups(made.get_group("tp"), made.get_group("cp"), made.get_group("dp") if world > cp else None)
 
 
 def _alone() -> dist.ProcessGroup:

@@ -35,7 +35,7 @@ from autotp.errors import LaunchError, LaunchInterrupted, RankFailedError
 from autotp.distributed.cpu_binding import ENV_BIND
 from autotp.distributed.job import ENV_JOB, RankJob, choose_backend
 from autotp.distributed.layout import RankLayout
-from autotp.distributed.rank_context import (RankContext, cp_from_env, current_cp_group,
+from autotp.distributed.rank_context import (RankContext, cp_from_env, current_context, current_cp_group,
                                              current_dp_group, current_job, current_mesh, current_tp_group,
                                              fsdp_from_env, init_distributed, init_from_env, init_job)
 from autotp.distributed.restarts import Failure, final_failure, stopped_by_agent, watching
@@ -43,7 +43,7 @@ from autotp.distributed.warm import as_launched, warmed
 
 __all__ = [
     "ENV_JOB", "LaunchError", "LaunchSpec", "RankContext", "RankFailedError", "RankJob", "RankOutput",
-    "choose_backend", "cp_from_env", "current_cp_group", "current_dp_group", "current_job",
+    "choose_backend", "cp_from_env", "current_context", "current_cp_group", "current_dp_group", "current_job",
     "current_mesh", "current_tp_group", "fsdp_from_env", "init_distributed", "init_from_env", "init_job", "launch",
     "root_failure",
 ]

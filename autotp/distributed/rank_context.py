@@ -4,9 +4,10 @@ process group, its one ``DeviceMesh`` and the groups that come from it.
 :func:`init_job` is where a rank starts: it initialises the default process group (the job's backend and
 timeout) if the script has not, builds the job's :class:`~autotp.distributed.layout.RankLayout` mesh once, and
 keeps the :class:`RankContext` as this process's own, so that ``autotp.parallelize(model)`` without a group,
-``autotp.pipeline``, ``broadcast_batch`` and the integrations find the same groups (:func:`current_tp_group`
-and its kin): the tp group's size is the job's tp, never parsed again. ``autotp shard``'s ranks get the job as
-their function's argument; a script under ``autotp run`` reads it from ``AUTOTP_JOB`` (:func:`init_from_env`).
+``autotp.pipeline``, ``broadcast_batch`` and the integrations find the same groups (:func:`current_context`
+and its kin): the tp group's size is the job's tp, never parsed again, and no group is looked up in torch's
+registry of live groups. ``autotp shard``'s ranks get the job as their function's argument; a script under
+``autotp run`` reads it from ``AUTOTP_JOB`` (:func:`init_from_env`, or the first :func:`current_context`).
 :func:`init_distributed` builds a context from sizes given in code, and keeps it to its caller.
 """
 from __future__ import annotations
@@ -27,7 +28,7 @@ from autotp.distributed.job import ENV_JOB, RankJob, choose_backend, job_from_en
 from autotp.distributed.layout import MESH_CP, MESH_DP, MESH_PP, MESH_TP, RankLayout
 from autotp.errors import LaunchError, ProcessGroupError
 
-__all__ = ["RankContext", "cp_from_env", "current_cp_group", "current_dp_group", "current_job",
+__all__ = ["RankContext", "cp_from_env", "current_context", "current_cp_group", "current_dp_group", "current_job",
            "current_mesh", "current_tp_group", "fsdp_from_env", "init_distributed", "init_from_env", "init_job"]
 
 
@@ -41,6 +42,8 @@ class RankContext:
     backend: str  # the process group's own (a script may have made an nccl group under a gloo job)
     device: torch.device
     meshes: dict[int, DeviceMesh] = field(default_factory=dict, repr=False, compare=False)  # see block_mesh
+    # the default process group the mesh was made on: its groups live as long as that one
+    world: dist.ProcessGroup | None = field(default=None, repr=False, compare=False)
 
     @property
     def layout(self) -> RankLayout:
@@ -49,6 +52,12 @@ class RankContext:
     @property
     def coords(self) -> dict[str, int]:
         return self.layout.coords(self.rank)
+
+    @property
+    def live(self) -> bool:
+        """Whether the process group this context was made on is still the process's default one (a job that
+        destroyed it and made another, as a test does, gets a new context)."""
+        return dist.is_initialized() and self.world is not None and dist.group.WORLD is self.world
 
     def tp_group(self) -> dist.ProcessGroup:
         return self.mesh.get_group(MESH_TP)
@@ -102,11 +111,42 @@ def _destroy_at_exit() -> None:
         dist.destroy_process_group()
 
 
+@dataclass
+class _ThisProcess:
+    """The rank context :func:`init_job` made for this process: one value per process, as torch keeps the
+    process's default group, valid while that group lives (:attr:`RankContext.live`). Not a cache: the job's
+    mesh is made once because making one creates process groups on every rank (a collective), and every later
+    caller must reach the same groups, not a second set of them."""
+
+    context: RankContext | None = None
+
+
+_THIS_PROCESS = _ThisProcess()
+
+
+def _kept() -> RankContext | None:
+    ctx = _THIS_PROCESS.context
+    return ctx if ctx is not None and ctx.live else None
+
+
 def init_job(job: RankJob) -> RankContext:
     """This rank's context for the ``job`` its launcher handed it (``autotp shard``'s argument, ``autotp run``'s
     ``AUTOTP_JOB``): the process group (made here with the job's backend and timeout unless the script made
-    one), and the job's mesh, made here. Collective: every rank of the job must call it, in the same order
-    relative to other group creation."""
+    one), and the job's mesh, made here once and kept as this process's own (a second call returns it).
+    Collective the first time: every rank of the job must call it, in the same order relative to other group
+    creation."""
+    kept = _kept()
+    if kept is not None:
+        if kept.job != job:
+            raise LaunchError(f"this process's ranks were set up for the job {kept.job.sizes}, and were handed "
+                              f"another: {job.sizes}", fields=("job",))
+        return kept
+    _THIS_PROCESS.context = _make_context(job)
+    return _THIS_PROCESS.context
+
+
+def _make_context(job: RankJob) -> RankContext:
+    """The process group (unless the script made one) and the job's mesh, made now; collective."""
     _init_process_group(job.backend, job.timeout)
     backend = dist.get_backend()
     bind_from_env(backend)  # before the mesh's groups: their gloo threads inherit the binding (once per process)
@@ -116,7 +156,7 @@ def init_job(job: RankJob) -> RankContext:
                           f"{job.layout.world_size}", fields=("world_size",))
     device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
     return RankContext(job=job, mesh=job.layout.device_mesh(device.type), rank=dist.get_rank(), backend=backend,
-                       device=device)
+                       device=device, world=dist.group.WORLD)
 
 
 def init_distributed(tp: int, dp: int | None = None, pp: int = 1, backend: str | None = None,
@@ -136,7 +176,7 @@ def init_distributed(tp: int, dp: int | None = None, pp: int = 1, backend: str |
     except (TypeError, ValueError) as exc:
         raise LaunchError(str(exc)) from exc
     # the job's backend names the device its mesh lives on (a script's own group may be "cpu:gloo,cuda:nccl")
-    return init_job(RankJob(layout, "nccl" if "nccl" in dist.get_backend() else "gloo"))
+    return _make_context(RankJob(layout, "nccl" if "nccl" in dist.get_backend() else "gloo"))
 
 
 def init_from_env(environ: Mapping[str, str] | None = None) -> RankContext:
@@ -149,64 +189,43 @@ def init_from_env(environ: Mapping[str, str] | None = None) -> RankContext:
     return init_job(job)
 
 
-def _mesh_group(job: RankJob, dim: str) -> dist.ProcessGroup | None:
-    """This rank's group along ``dim`` of the job's mesh when this process has made it already (the script's
-    :func:`init_from_env`, or an earlier lookup), found in torch's registry of live groups by the ranks the job's
-    layout puts there (the mesh's own first); None when there is none yet."""
-    lay, me = job.layout, dist.get_rank()
-    ranks = next(g for g in getattr(lay, f"{dim}_groups") if me in g)  # the layout's tp_groups, cp_groups, ...
-    return _existing_group(ranks, dim)
-
-
-def _existing_group(ranks: list[int], dim: str = MESH_TP) -> dist.ProcessGroup | None:
-    # torch's own registry of live groups (private, hence the getattr guards and the callers' fallback); a
-    # DeviceMesh names its groups mesh_<dim>, and those are preferred to another group of the same ranks
-    registry = getattr(getattr(dist.distributed_c10d, "_world", None), "pg_group_ranks", None) or {}
-    matches = [pg for pg, members in registry.items() if sorted(members) == ranks]
-    preferred = [pg for pg in matches if getattr(pg, "group_desc", "") == f"mesh_{dim}"]
-    return (preferred or matches or [None])[0]
-
-
-def _job_group(dim: str, environ: Mapping[str, str] | None) -> dist.ProcessGroup | None:
-    """The job's group along ``dim``: the mesh's made already, else the job's mesh made now (collective); None
-    outside a job."""
+def current_context(environ: Mapping[str, str] | None = None) -> RankContext | None:
+    """This process's rank context: the one :func:`init_job` kept (``autotp shard``'s ranks, a script's
+    :func:`init_from_env`), else, under ``autotp run``, the job in ``AUTOTP_JOB`` made into one now (collective:
+    every rank must reach this call, as every rank reaches ``parallelize``); None outside a job."""
+    kept = _kept()
+    if kept is not None:
+        return kept
     job = job_from_env(environ)
-    if job is None:
-        return None
-    if dist.is_initialized():  # the script made its own group, or the mesh: bind as init_job would have
-        bind_from_env(dist.get_backend(), os.environ if environ is None else environ)
-        world = dist.get_world_size()
-        if world != job.layout.world_size:
-            raise LaunchError(f"the process group has {world} ranks, and the job {job.sizes} expects "
-                              f"{job.layout.world_size}", fields=("world_size",))
-        found = _mesh_group(job, dim)
-        if found is not None:
-            return found
-    return init_job(job).mesh.get_group(dim)
+    return None if job is None else init_job(job)
 
 
 def current_job(environ: Mapping[str, str] | None = None) -> RankJob | None:
-    """The job ``autotp run`` (or ``autotp launch``'s function ranks) handed this process; None outside one."""
-    return job_from_env(environ)
+    """The job this process runs: its kept context's, else the one ``autotp run`` (or ``autotp launch``'s
+    function ranks) handed it; None outside one. Makes no group."""
+    kept = _kept()
+    return kept.job if kept is not None else job_from_env(environ)
 
 
 def current_tp_group(environ: Mapping[str, str] | None = None) -> dist.ProcessGroup | None:
-    """The job's TP group (its mesh's tp dim) under ``autotp run``; None outside a job.
-
-    Reuses the mesh :func:`init_from_env` made; when there is none yet it makes the job's mesh, which is
-    collective: every rank must reach this call (as every rank reaches ``parallelize``)."""
-    return _job_group(MESH_TP, environ)
+    """The job's TP group (its mesh's tp dim) under autotp's launchers; None outside a job. Collective when the
+    job's mesh is not made yet (:func:`current_context`)."""
+    ctx = current_context(environ)
+    return None if ctx is None else ctx.tp_group()
 
 
 def cp_from_env(environ: Mapping[str, str] | None = None) -> int:
-    """The context-parallel size of the job (``autotp run --cp``); 1 without one or outside a job."""
+    """The context-parallel size of the job (``--cp``); 1 without one or outside a job."""
     job = current_job(environ)
     return 1 if job is None else job.layout.cp
 
 
 def current_cp_group(environ: Mapping[str, str] | None = None) -> dist.ProcessGroup | None:
-    """The job's context-parallel group under ``autotp run --cp``; None without one. Collective."""
-    return None if cp_from_env(environ) == 1 else _job_group(MESH_CP, environ)
+    """The job's context-parallel group under ``--cp``; None without one. Collective."""
+    if cp_from_env(environ) == 1:
+        return None
+    ctx = current_context(environ)
+    return None if ctx is None else ctx.cp_group()
 
 
 def current_dp_group(environ: Mapping[str, str] | None = None) -> dist.ProcessGroup | None:
@@ -215,17 +234,18 @@ def current_dp_group(environ: Mapping[str, str] | None = None) -> dist.ProcessGr
     job = current_job(environ)
     if job is None or not dist.is_initialized() or job.layout.dp == 1:
         return None
-    return _job_group(MESH_DP, environ)
+    ctx = current_context(environ)
+    return None if ctx is None else ctx.dp_group()
 
 
 def fsdp_from_env(environ: Mapping[str, str] | None = None) -> int | None:
-    """The FSDP replica groups ``autotp run --fsdp [--hsdp R]`` asked for (1: plain FSDP); None: no FSDP."""
+    """The FSDP replica groups ``--fsdp [--hsdp R]`` asked for (1: plain FSDP); None: no FSDP."""
     job = current_job(environ)
     return None if job is None else job.fsdp
 
 
 def current_mesh(environ: Mapping[str, str] | None = None) -> DeviceMesh | None:
-    """The job's (pp, dp, [cp,] tp) device mesh under ``autotp run``; None outside a job. Collective (it makes
-    the mesh's groups): every rank must reach this call."""
-    job = current_job(environ)
-    return None if job is None else init_job(job).mesh
+    """The job's (pp, dp, [cp,] tp) device mesh under autotp's launchers; None outside a job. Collective when
+    it is not made yet: every rank must reach this call."""
+    ctx = current_context(environ)
+    return None if ctx is None else ctx.mesh

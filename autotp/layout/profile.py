@@ -1,11 +1,12 @@
 """Measure the machine a job runs on: matmul rate, memory bandwidth, and collectives per group size.
 
 ``autotp profile`` starts N ranks on this node with :func:`autotp.distributed.launch.launch` and runs
-:func:`profile_worker` on each. Every measurement runs on all ranks at once, as a training job's ranks run:
-an oversubscribed CPU or a shared memory bus then shows the per-rank rate a real job sees, not one rank's
-rate on an idle machine. A sample is the mean of enough back-to-back calls to outlast the timer's noise
-(the same count on every rank); a number is the median of several samples after a warm-up, and the
-slowest rank's median is kept, since a synchronous job waits for its slowest rank.
+:func:`profile_worker` on each, handing it the job (:class:`~autotp.distributed.job.RankJob`) as its argument.
+Every measurement runs on all ranks at once, as a training job's ranks run: an oversubscribed CPU or a shared
+memory bus then shows the per-rank rate a real job sees, not one rank's rate on an idle machine. A sample is
+the mean of enough back-to-back calls to outlast the timer's noise (the same count on every rank); a number is
+the median of several samples after a warm-up, and the slowest rank's median is kept, since a synchronous job
+waits for its slowest rank.
 
 Collectives run in every group size ``n`` that divides the world, on groups of adjacent ranks ([0..n-1],
 [n..2n-1], ...), all groups at once, as tensor-parallel groups are placed; point-to-point is a ping-pong
@@ -28,7 +29,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from autotp.distributed.launch import init_from_env
+from autotp.distributed.job import RankJob
+from autotp.distributed.launch import init_job
 from autotp.layout.hardware import Hardware, Link, Measured, wire
 
 __all__ = ["DTYPES", "ProfileJob", "block_sizes", "default_shapes", "fit_link", "message_sizes", "profile_worker",
@@ -321,12 +323,13 @@ def _silent(phase: str, what: str) -> None:
     pass
 
 
-def profile_worker(job: ProfileJob, say: Say | None = None) -> dict | None:
-    """One rank of ``autotp profile``; rank 0 returns the profile (``Hardware.to_dict()``), the others None.
-    ``say(phase, what)``: rank 0 says what it measures next (the whole run takes tens of seconds)."""
-    ctx = init_from_env()
+def profile_worker(ranks: RankJob, job: ProfileJob, say: Say | None = None) -> dict | None:
+    """One rank of ``autotp profile`` (``ranks``: the job the launcher handed it, its ranks all on this node);
+    rank 0 returns the profile (``Hardware.to_dict()``), the others None. ``say(phase, what)``: rank 0 says
+    what it measures next (the whole run takes tens of seconds)."""
+    ctx = init_job(ranks)
     try:
-        return _profile(job, _Ctx(ctx.device, job), ctx.rank, dist.get_world_size(),
+        return _profile(job, _Ctx(ctx.device, job), ctx.rank, ranks.layout.world_size,
                         say if say is not None and ctx.rank == 0 else _silent)
     finally:
         dist.destroy_process_group()
@@ -347,7 +350,7 @@ def _profile(job: ProfileJob, ctx: _Ctx, rank: int, world: int, say: Say = _sile
     measured, notes = _collectives(ctx, rank, world, say)
     if rank != 0:
         return None
-    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    per_node = world  # one node measured: every rank is on it
     flops = sum(2 * m * k * n for m, k, n, _ in matmuls)
     seconds = sum(2 * m * k * n / rate for m, k, n, rate in matmuls)
     largest = max((x for x in measured if x.kind == "all_reduce"), key=lambda x: x.ranks)

@@ -48,7 +48,10 @@ from autotp.operators.rng import CONTEXT_SEED_OFFSET, SEED_OFFSET, RegionRNG
 from autotp.shard_spec import shard_tensor
 from autotp.options import Options, PipelineOptions
 from autotp.plan.context_planner import ContextRefused, check_chunks
-from autotp.distributed.context import context_dp_group, context_mesh
+from autotp.distributed.context import context_mesh
+from autotp.distributed.job import RankJob
+from autotp.distributed.layout import MESH_TP
+from autotp.distributed.rank_context import RankContext, current_context, current_job
 from autotp.state import Captured, RankIdentity, TPState, attach_state, find_tp_state, tp_state
 
 
@@ -65,13 +68,23 @@ def _split_example(example_inputs, forward: Callable) -> tuple[tuple, dict]:
     return tuple(example_inputs), {}
 
 
-def _resolve_group(tp_group: dist.ProcessGroup | None) -> dist.ProcessGroup:
-    if tp_group is None:
-        from autotp.distributed.launch import current_tp_group  # under `autotp run`/`autotp shard`: the layout's tp group
-
-        tp_group = current_tp_group()
+def _tensor_parallel(mesh: DeviceMesh | None, tp_group: dist.ProcessGroup | None,
+                     ctx: RankContext | None) -> tuple[dist.ProcessGroup, int, int]:
+    """(the tensor-parallel group, its size tp, this rank's index in it), each read once: the ``mesh``'s tp dim,
+    else the group the caller gave, else the job's (autotp's launchers: the tp dim of its one mesh, tp the job's
+    int), else the whole default process group."""
+    if mesh is not None:
+        names = mesh.mesh_dim_names or ()
+        if MESH_TP not in names:
+            raise ProcessGroupError(f"the device mesh has dims {names or 'without names'}, and parallelize takes "
+                                    "the tensor-parallel group from its 'tp' dim",
+                                    hint="build it with init_device_mesh(device, (dp, tp), "
+                                         "mesh_dim_names=('dp', 'tp'))")
+        return mesh.get_group(MESH_TP), mesh.size(names.index(MESH_TP)), mesh.get_local_rank(MESH_TP)
     if tp_group is not None:
-        return tp_group
+        return tp_group, tp_group.size(), tp_group.rank()
+    if ctx is not None:
+        return ctx.tp_group(), ctx.layout.tp, ctx.coords[MESH_TP]
     if not (dist.is_available() and dist.is_initialized()):
         raise ProcessGroupError(
             "autotp.parallelize needs a process group, and none is initialised",
@@ -79,27 +92,22 @@ def _resolve_group(tp_group: dist.ProcessGroup | None) -> dist.ProcessGroup:
                  "groups), or call torch.distributed.init_process_group('gloo' on CPU, 'nccl' on GPU) first under "
                  "`torchrun --nproc-per-node 2 train.py`; a group of size 1 is valid and runs unsharded",
         )
-    return dist.group.WORLD
+    return dist.group.WORLD, dist.get_world_size(), dist.get_rank()
 
 
-def _fsdp_config(fsdp: bool | FSDPConfig | None) -> FSDPConfig | None:
+def _fsdp_config(fsdp: bool | FSDPConfig | None, job: RankJob | None) -> FSDPConfig | None:
     if fsdp is None:  # under `autotp run --fsdp`: the launcher's choice
-        from autotp.distributed.launch import fsdp_from_env
-
-        replicas = fsdp_from_env()
-        return None if replicas is None else FSDPConfig(replicas=replicas)
+        return None if job is None or job.fsdp is None else FSDPConfig(replicas=job.fsdp)
     return FSDPConfig() if fsdp is True else fsdp or None
 
 
-def _resolve_mesh(mesh: DeviceMesh | None, config: FSDPConfig | None,
-                  tp_group: dist.ProcessGroup | None) -> DeviceMesh | None:
+def _resolve_mesh(mesh: DeviceMesh | None, config: FSDPConfig | None, tp_group: dist.ProcessGroup | None,
+                  ctx: RankContext | None) -> DeviceMesh | None:
     if mesh is not None and tp_group is not None:
         raise ProcessGroupError("pass either mesh or tp_group, not both: the mesh's 'tp' dim is the group")
     if mesh is not None or config is None:
         return mesh
-    from autotp.distributed.launch import current_mesh  # under `autotp run`: the layout's (pp, dp, tp) mesh
-
-    found = current_mesh()
+    found = None if ctx is None else ctx.mesh  # under autotp's launchers: the job's (pp, dp, [cp,] tp) mesh
     if found is None:
         raise ProcessGroupError(
             "fsdp=True needs a device mesh of the data-parallel and tensor-parallel ranks, and none was given",
@@ -440,26 +448,30 @@ def parallelize_state(model: nn.Module, *, tp_group: dist.ProcessGroup | None = 
     whatever ``AUTOTP_PLAN_CACHE`` says."""
     if (known := find_tp_state(model)) is not None:
         raise ShardingError(f"{type(model).__name__} is already parallelized (tp={known.tp})")
-    config = _fsdp_config(fsdp)
-    if context_parallel is None:  # under `autotp run --cp`: the launcher's choice
-        from autotp.distributed.launch import cp_from_env
-
-        context_parallel = cp_from_env()
+    # under autotp's launchers the job's sizes, read once (its kept rank context's, else the one handed to this
+    # process); None under torchrun or a script's own groups
+    job = current_job()
+    config = _fsdp_config(fsdp, job)
+    if context_parallel is None:  # under `--cp`: the launcher's choice
+        context_parallel = 1 if job is None else job.layout.cp
     options = Options(vocab_multiple, compile, check_inputs, sequence_parallel, expert_parallel, config, pipeline,
                       schedule, whole_kv_copies=config is not None or stage_fsdp, stage_fsdp=stage_fsdp,
                       context_parallel=context_parallel, data_parallel=data_parallel).validate()
+    # the job's one mesh, where a group is taken from it (none given, or its cp group, or FSDP's mesh): made now
+    # if the script has not made it (collective: every rank reaches parallelize)
+    needs_job = mesh is None and (tp_group is None or options.context_parallel > 1 or config is not None)
+    ctx = current_context() if job is not None and needs_job else None
     given_mesh, given_group = mesh, tp_group  # where the data-parallel group comes from (_replicas)
-    cp_group = None
+    cp_group = context_dp = None
     if options.context_parallel > 1 and config is not None:  # FSDP shards over the dp and cp dims of the mesh
-        mesh = _resolve_mesh(mesh, config, tp_group)
-        tp_group, cp_group = context_mesh(mesh, None, options.context_parallel)
+        mesh = _resolve_mesh(mesh, config, tp_group, ctx)
+        cp_group = context_mesh(mesh, None, options.context_parallel, ctx).cp
         tp_group = None  # the mesh's tp dim
     elif options.context_parallel > 1:  # the groups from a mesh with a cp dim: tp's is its tp dim
-        tp_group, cp_group = context_mesh(mesh, tp_group, options.context_parallel)
+        tp_group, cp_group, context_dp = context_mesh(mesh, tp_group, options.context_parallel, ctx)
         mesh = None
-    mesh = _resolve_mesh(mesh, config, tp_group)
-    group = _resolve_group(tp_group if mesh is None else mesh.get_group("tp"))
-    tp, rank = dist.get_world_size(group), dist.get_rank(group)
+    mesh = _resolve_mesh(mesh, config, tp_group, ctx)
+    group, tp, rank = _tensor_parallel(mesh, tp_group, ctx)
     device = _device(model, group, device)
     # random ops' streams (autotp.operators.rng): a sharded region's per (tp, cp) rank; a chunk's per cp rank
     cp_rank = dist.get_rank(cp_group) if cp_group is not None else 0
@@ -468,7 +480,7 @@ def parallelize_state(model: nn.Module, *, tp_group: dist.ProcessGroup | None = 
     context_rng = RegionRNG(seed + CONTEXT_SEED_OFFSET + cp_rank, device) if cp_group is not None else None
     st = TPState(RankIdentity(group, tp, rank, device, mesh, cp_group, options.context_parallel), options,
                  type(model), model.__dict__.get("forward"), rng, stage_params, context_rng=context_rng,
-                 replicas=_replicas(options, given_mesh, given_group, group, device))
+                 replicas=_replicas(options, given_mesh, given_group, group, device, ctx, context_dp))
     args, kwargs = _split_example(example_inputs, _user_forward(model, st))
     training = model.training
     # a failure leaves the model exactly as it was (class, tensors); the process keeps no source file capture read
@@ -483,10 +495,12 @@ def parallelize_state(model: nn.Module, *, tp_group: dist.ProcessGroup | None = 
 
 
 def _replicas(options: Options, mesh: DeviceMesh | None, tp_group: dist.ProcessGroup | None,
-              group: dist.ProcessGroup, device: torch.device) -> Replicas:
+              group: dist.ProcessGroup, device: torch.device, ctx: RankContext | None = None,
+              context_dp: dist.ProcessGroup | None = None) -> Replicas:
     """Which data parallelism the model runs: the pipeline's or FSDP's where they run, else autotp's DDP over
     the data-parallel group of ``mesh`` (its 'dp' dim) or, with neither a mesh nor a tp group given, of the
-    layout ``autotp run`` made; none where no such group has more than one rank (or ``data_parallel=False``)."""
+    job's mesh (``ctx``, autotp's launchers), else of the world :func:`context_mesh` cut into cp groups
+    (``context_dp``); none where no such group has more than one rank (or ``data_parallel=False``)."""
     if options.pipeline is not None:
         return Replicas(PIPELINE, shards=group)
     if options.fsdp is not None or options.stage_fsdp:
@@ -494,11 +508,7 @@ def _replicas(options: Options, mesh: DeviceMesh | None, tp_group: dist.ProcessG
     if mesh is not None:
         dp = mesh["dp"].get_group() if "dp" in (mesh.mesh_dim_names or ()) else None
     elif tp_group is None:
-        from autotp.distributed.launch import cp_from_env, current_dp_group
-
-        dp = current_dp_group()
-        if dp is None and options.context_parallel > 1 and cp_from_env() == 1:  # the world cut into cp groups
-            dp = context_dp_group(options.context_parallel)
+        dp = ctx.dp_group() if ctx is not None and ctx.layout.dp > 1 else context_dp
     else:
         dp = None
     if dp is None or dist.get_world_size(dp) == 1:

@@ -483,9 +483,10 @@ def _context_size(mesh: DeviceMesh, asked: int | None) -> int:
     if asked is None:
         if "cp" in names:
             return mesh.size(names.index("cp"))
-        from autotp.distributed.launch import cp_from_env
+        from autotp.distributed.rank_context import current_job
 
-        return cp_from_env()
+        job = current_job()  # under autotp's launchers: the job's --cp
+        return 1 if job is None else job.layout.cp
     if "cp" in names and mesh.size(names.index("cp")) != asked:
         raise ProcessGroupError(f"context_parallel={asked}, and the mesh's cp dim has "
                                 f"{mesh.size(names.index('cp'))} ranks")
