@@ -6,10 +6,11 @@ experts are cut per expert, gate | up by columns, down by rows."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from autotp.capture.tracer import capture
 from autotp.plan.planner import make_plan
-from expert_scale_models import E, HF_KINDS, I, K, KINDS, build
+from expert_scale_models import E, HF_KINDS, I, K, KINDS, NormedExperts, build
 from parity_checks import assert_exact, assert_fully_sharded
 from parity_workers import pattern_parity
 from pattern_models import H, S
@@ -39,7 +40,7 @@ def _check_plan(kind: str, gm, tp: int) -> None:
     assert len(backward) == 1 and f"{K}*" not in "".join(backward[0]) and backward[0][-1] == "64", (tp, backward)
 
 
-@pytest.fixture(scope="module", params=core_first(KINDS, ["index_scale"]))
+@pytest.fixture(scope="module", params=core_first(KINDS, []))
 def captured(request):
     model, args, kwargs = build(request.param)
     return request.param, capture(model, args, kwargs)[0]
@@ -49,6 +50,20 @@ def test_a_per_expert_norm_weight_is_whole_by_design(captured):
     kind, gm = captured
     for tp in (2, 4):
         _check_plan(kind, gm, tp)
+
+
+def test_the_layer_alone_keeps_its_scale_whole():
+    """The layer captured alone (the default tier's check; the LMs' plans in the extended run): the scale whole
+    by design, the experts cut, the slots' outputs all-reduced before their norm."""
+    gm = capture(NormedExperts("index_scale"), (torch.randn(2, S, H),), {})[0]
+    for tp in (2, 4):
+        plan = make_plan(gm, tp)
+        assert plan.replicated == (), plan.replicated
+        assert [(w.name, w.reason.split(":")[0]) for w in plan.whole] == \
+            [("scale", "scale kept whole"), ("router.weight", "router kept whole")], plan.whole
+        assert plan.param("w_out").local_shape == (E, I // tp, H), plan.param("w_out")
+        assert [c.shape[0] for c in plan.collectives if c.direction == "forward"] == [f"{K}*s85*s95"], \
+            plan.collectives
 
 
 @pytest.mark.extended
