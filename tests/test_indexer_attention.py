@@ -87,8 +87,7 @@ def test_the_hugging_face_indexed_families_are_planned_fully_sharded(kind: str):
             assert cut[f"model.layers.0.self_attn.{name}.weight"].role == role, (tp, name)
 
 
-TRAINED = [k for k in HF_KINDS + WRITTEN_KINDS if k != "hy_v4"]
-RUN = {2: TRAINED, 4: TRAINED}
+RUN = {2: list(HF_KINDS + WRITTEN_KINDS), 4: list(HF_KINDS + WRITTEN_KINDS)}
 RUNS = Launches({}, extended={w: {"indexed": (pattern_parity, RUN[w], 3, False, "indexer_models")} for w in (2, 4)})
 
 
@@ -98,9 +97,11 @@ RUNS = Launches({}, extended={w: {"indexed": (pattern_parity, RUN[w], 3, False, 
 def test_indexed_latent_attention_trains_exactly_with_megatron_collectives(world: int):
     """Loss, gradients and parameters after 3 AdamW steps within 1e-5 of one device, at most 1/tp + 0.12 of
     the parameters per rank. Forward: attention's and the MLP's (or MoE layer's) all-reduce per layer and the
-    embedding's (b·s·h), nothing for the indexer. Backward: f on the q and kv latents per layer (b·s·24,
-    b·s·16; the Hugging Face families also on the rotary key head, b·s·8, and the routing weights, b·s·2), b·s·h
-    entering the MLP per layer (and the per-head gate of the block input) and the LM head."""
+    embedding's (b·s·h), nothing for the indexer; HY-V4's MoE layer too reduces its (b, s, h) output, before
+    its hyper-connection writes it into the 4 residual streams (not 4·b·s·h after). Backward: f on the q and kv
+    latents per layer (b·s·24, b·s·16; the Hugging Face families also on the rotary key head, b·s·8, and the
+    routing weights, b·s·2), b·s·h entering the MLP per layer (and the per-head gate of the block input) and the
+    LM head."""
     for rank, by_kind in RUNS(world, "indexed").items():
         assert list(by_kind) == RUN[world], (rank, list(by_kind))
         for kind, r in by_kind.items():
@@ -118,7 +119,8 @@ def test_indexed_latent_attention_trains_exactly_with_megatron_collectives(world
             if kind in HF_KINDS:
                 latent = [("all_reduce", "sum", rows * n) for n in (24, 16, 8)] * LAYERS
                 router = [("all_reduce", "sum", rows * 2)]  # the one MoE layer's routing weights
-                gate = LAYERS if kind == "dots3_note_text" else 0  # g_proj reads the block input
+                # a per-head gate reading the block input (g_proj, gate_proj) enters at it
+                gate = LAYERS if kind in ("dots3_note_text", "hy_v4") else 0
                 assert small == sorted(latent + router), (where, small)
                 assert entering == LAYERS + 1 + gate, (where, r["backward"])
             else:

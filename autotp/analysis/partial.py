@@ -44,8 +44,11 @@ def _linear_in(u: fx.Node, partial: set[fx.Node]) -> bool:
     if u.target is aten.einsum.default:  # a contraction with replicated operands: (Σ a_r)·w = Σ a_r·w
         return sum(a in partial for a in u.args[1]) == 1
     if u.target is aten.mul.Tensor or u.target is aten.div.Tensor:
-        # one partial factor (the numerator), the rest replicated: (a1 + .. + at)·w = a1·w + .. + at·w
-        return len(mine) == 1 and (u.target is aten.mul.Tensor or u.args[0] in partial) and not u.kwargs
+        # one partial factor (the numerator), the rest replicated: (a1 + .. + at)·w = a1·w + .. + at·w; not one
+        # that broadcasts it to more elements, whose all-reduce would cost more (HY-V4's hyper-connections write a
+        # layer's (b, s, h) output into 4 residual streams, post (b, s, 4, 1) * out (b, s, 1, h))
+        return len(mine) == 1 and (u.target is aten.mul.Tensor or u.args[0] in partial) and not u.kwargs \
+            and not _smaller(mine[0], u)
     if u.target in (aten.add.Tensor, aten.sub.Tensor) or \
             (u.target is aten.add_.Tensor and len(u.args[0].users) == 1):
         # partial + partial; python's sum() starts from 0 and a loop from zeros, which add nothing. In place

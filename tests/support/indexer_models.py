@@ -146,6 +146,8 @@ def _hf_config(kind: str):
                  kv_lora_rank=KV_LAT, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, n_routed_experts=4,
                  num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1, index_n_heads=4,
                  index_head_dim=16, index_topk=TOP, pad_token_id=0, bos_token_id=0, eos_token_id=0, use_cache=False)
+    if kind == "hy_v4":  # wider MLPs: its hyper-connections' mixing linears (whole, 4·8·256) are a fifth of 115k
+        sizes.update(intermediate_size=256, moe_intermediate_size=64)
     cfg = CONFIG_MAPPING[kind](**sizes)
     cfg.loss_type = "ForCausalLM"
     return cfg
