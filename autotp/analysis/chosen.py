@@ -48,9 +48,12 @@ def chooses_only(node: fx.Node) -> list[fx.Node] | None:
         if _discrete(val):
             ends.append(n)
             continue
-        if isinstance(val, torch.Tensor) or isinstance(val, (tuple, list)) and \
-                any(isinstance(v, torch.Tensor) for v in val):
-            todo.extend(n.users)  # a size read (a SymInt) carries no value onward
+        if isinstance(val, (torch.SymInt, int)) or val is None and not n.users:
+            continue  # a size read carries no value onward; a check (``_assert_tensor_metadata``) gives none
+        if not (isinstance(val, torch.Tensor) or isinstance(val, (tuple, list)) and
+                any(isinstance(v, torch.Tensor) for v in val)):
+            return None  # a value not known here (a region's call, a Python scalar): no claim
+        todo.extend(n.users)
     return ends or None
 
 
