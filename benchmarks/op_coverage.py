@@ -15,7 +15,8 @@ Models:
 - Hugging Face causal-LM families of the installed transformers (``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``),
   each from its config class with tiny sizes wherever the config has the attribute (width 64, 2 layers,
   4 heads, 2 kv heads (4 where 2 does not build, and for latent attention), head dim 16, intermediate 128,
-  vocab 128, 64 positions, 4 experts of 32 features with top-2 routing, special token ids 0; sub-configs
+  vocab 128, 64 positions, 4 experts of 32 features with top-2 routing, a Mamba-2 mixer's 8 heads of 16 in 4
+  groups of 16 states, special token ids 0; sub-configs
   such as ``text_config`` get the same sizes; a per-layer list keeps 2 entries, its first and the first of
   another kind, so a hybrid keeps both kinds of layer), ``torch.manual_seed(0)``,
   ``AutoModelForCausalLM.from_config``, called on ``input_ids`` of shape (2, 8) with ``labels=input_ids`` so
@@ -112,6 +113,11 @@ _TINY = {
     **dict.fromkeys(("moe_intermediate_size", "shared_expert_intermediate_size"), 32),
     **dict.fromkeys(("n_group", "topk_group", "first_k_dense_replace"), 1),
     "attn_layer_period": 2, "attn_layer_offset": 1,  # a hybrid's attention layer within the 2 layers
+    # a Mamba-2 mixer: 8 SSM heads of 16 (d_inner 128) in 4 groups of 16 B/C states. Left alone, the defaults
+    # give 128 heads of 1 in 1 group (a group's gated norm spans every head: no exact cut at tp > 1, as in
+    # Megatron, which asks tp to divide the groups); Nemotron-H's config names differ and keep their 8 groups
+    **dict.fromkeys(("mamba_n_heads", "n_mamba_heads"), 8), **dict.fromkeys(("mamba_d_head", "mamba_headdim"), 16),
+    **dict.fromkeys(("mamba_n_groups", "mamba_ngroups"), 4), "mamba_d_state": 16, "mamba_d_ssm": 128,
 }
 # latent attention (DeepSeek): set only where the default is not None (None: no such projection)
 _LATENT = {"q_lora_rank": 24, "kv_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 16, "v_head_dim": 16}

@@ -16,6 +16,7 @@ from autotp.analysis.op_rules import kind_of, op_rule, permutes
 from autotp.analysis.ops import (arg_named, arg_of, moved_dim, ndim_of, parts_for, permutation, slice_range, split_dims,
                                  squeezed_dims, unflattened_sequence_of_one)
 from autotp.analysis.shapes import Fingerprinter, normalize_dim, view_groups
+from autotp.analysis.torch_rules import TorchRefused, ask_torch
 from autotp.shard_spec import Segment
 
 
@@ -156,8 +157,10 @@ def _probe(node: fx.Node, dim: int, size: int, fp, tp, where, depth) -> tuple[Se
             if r is not None:
                 return r
         elif (kind == "conv" and u.args[0] is node and dim == 1) or \
-                (kind == "slice" and normalize_dim(arg_of(u, 1, "dim", 0), nd) != dim):
-            # a depthwise convolution keeps each channel where it was; a slice of another dim keeps this one
+                (kind == "slice" and normalize_dim(arg_of(u, 1, "dim", 0), nd) != dim) or \
+                (kind == "torch" and u.args[0] is node and _torch_keeps(u, node, dim, fp, tp)):
+            # a depthwise convolution keeps each channel where it was; a slice of another dim keeps this one, and
+            # so does an op torch's rule keeps on it (a pad over time)
             r = _probe(u, dim, size, fp, tp, where, depth + 1)
             if r is not None:
                 return r
@@ -171,6 +174,17 @@ def _probe(node: fx.Node, dim: int, size: int, fp, tp, where, depth) -> tuple[Se
             if r is not None:
                 return r
     return None
+
+
+def _torch_keeps(u: fx.Node, node: fx.Node, dim: int, fp: Fingerprinter, tp: int) -> bool:
+    """Does torch's sharding rule for ``u`` (an op autotp's table does not list) keep ``node`` cut on ``dim``
+    where it was, at the same size? A pad of other dims does: a causal convolution's input left-padded over
+    time, ``F.pad(x (b, c, l), (k - 1, 0))``."""
+    try:
+        answer = ask_torch(u, {node: dim}, tp)
+    except TorchRefused:
+        return False
+    return answer.outputs[:1] == (dim,) and fp.shape(u)[dim] == fp.shape(node)[dim]
 
 
 def _grouped(view: fx.Node, dims: list[int], within: int, size: int, tp: int, where: str) -> Segment | None:
