@@ -137,8 +137,19 @@ def _cut_unlike(result: Analysis, weight_uses: dict[tuple[str, int | None], int]
         cuts.setdefault(p.row.key, []).append(("row", p.row.in_dim, p.region.row_input.segments))
         for m in p.sides:
             cuts.setdefault(m.key, []).append(("row", m.in_dim, p.region.sides[m.node].segments))
+    # a per-head parameter the regions cut (a layer applied again in a loop reads it once per application): every
+    # reader of it is in a pair's region, and every region cuts it alike
+    params: dict[fx.Node, list[tuple]] = {}
+    covered: dict[fx.Node, set[fx.Node]] = {}
+    for p in result.pairs:
+        for x in p.region.params:
+            if x.node.op == "get_attr":
+                params.setdefault(x.node, []).append((x.dim, x.sharding.segments))
+                covered.setdefault(x.node, set()).update(u for u in x.node.users
+                                                         if u in p.region.specs or u in p.region.stats)
     return {key for key, n in weight_uses.items()
-            if n > 1 and key in cuts and (len(cuts[key]) != n or len(set(cuts[key])) != 1)}
+            if n > 1 and key in cuts and (len(cuts[key]) != n or len(set(cuts[key])) != 1)} | \
+        {(x.target, None) for x, c in params.items() if len(set(c)) != 1 or covered[x] != set(x.users)}
 
 
 def _analyze(gm: fx.GraphModule, tp: int, matmuls: list[ParamMatmul], embeddings: dict[fx.Node, ParamMatmul],
@@ -196,6 +207,7 @@ def _analyze(gm: fx.GraphModule, tp: int, matmuls: list[ParamMatmul], embeddings
                     if not sides:
                         raise first from None
                     specs, region = _cut(columns, row, fp, tp, name, sides)
+            _refuse_banned(region, banned)
         except Unshardable as e:
             if inside is None:  # once: the matmuls a mixer's region computes through, and the feeders without them
                 inside = _per_head(gm, by_node)
@@ -206,7 +218,9 @@ def _analyze(gm: fx.GraphModule, tp: int, matmuls: list[ParamMatmul], embeddings
                              order, bool(inside & feed[row.x]))
             if mixer is not None:
                 try:
-                    result.pairs.append(_channel_pair(mixer, row, fp, tp))
+                    pair = _channel_pair(mixer, row, fp, tp)
+                    _refuse_banned(pair.region, banned)
+                    result.pairs.append(pair)
                     assigned |= found | {row.node} | {m.node for m in mixer.reduces} | _within(inside, result.pairs[-1])
                     continue
                 except Unshardable as why:
@@ -234,6 +248,15 @@ def _analyze(gm: fx.GraphModule, tp: int, matmuls: list[ParamMatmul], embeddings
     d = deferred([m.node for p in result.pairs for m in (p.row, *p.sides) if m.bias is None], params)
     result.leave_at, result.partial_enter = d.leave_at, d.enter
     return result
+
+
+def _refuse_banned(region: Region, banned: set[tuple[str, int | None]]) -> None:
+    """Unshardable where ``region`` cuts a parameter that another reader does not read cut alike (found by the
+    last attempt's :func:`_cut_unlike`)."""
+    for x in region.params:
+        if (x.node.target, None) in banned:
+            raise Unshardable(x.node, f"{x.node.target} spans the sharded dim and is also read where it is not cut "
+                                      "alike")
 
 
 def _side_rows(e: Unshardable, cols: frozenset[fx.Node], row: ParamMatmul, by_node: dict[fx.Node, ParamMatmul],

@@ -296,7 +296,7 @@ class Propagator(ShapeRules, ValueRules, EinsumRules):
             for n in chain + unread:
                 self.region.specs[n] = s
             return True
-        if not chain or self._parameter(node) is None or len([u for u in node.users if u not in dead]) != 1:
+        if not chain or self._parameter(node) is None:
             return False
         for n in chain + unread + dead:
             self.region.specs[n] = s
@@ -358,7 +358,7 @@ class Propagator(ShapeRules, ValueRules, EinsumRules):
             node, d, segs = src, at[0], tuple(Segment(g.size * scale, g.parts) for g in segs)
         if not chain:
             return False
-        if self._parameter(node) is None or len(node.users) != 1:
+        if self._parameter(node) is None:
             # views of a value computed from one parameter elementwise (Hugging Face Mamba's
             # A[None, :, None, :] of A = -exp(A_log.float()), (d_inner, n) -> (1, d_inner, 1, n)): the
             # parameter is cut on the dim the views keep, and the views' sizes become local as above
@@ -489,8 +489,10 @@ def propagate(columns: dict[fx.Node, Sharding], row: fx.Node, row_x: fx.Node, fp
     p.check_functions()
     p.region.row_input = _row_input(p, row, row_x, x_dim, fp, tp, where)
     for x in p.region.params:
-        # a parameter or buffer sharded with the heads must be read nowhere else
-        if any(u not in p.region.specs and u not in p.region.stats for u in x.node.users):
+        # a buffer sharded with the heads must be read nowhere else; a parameter read by other blocks too (a layer
+        # applied again in a loop) is checked once every pair is found: each reader in a pair, all cut alike
+        if p._parameter(x.node) is None and any(u not in p.region.specs and u not in p.region.stats
+                                                for u in x.node.users):
             raise Unshardable(x.node, f"{x.node.target} spans the sharded dim and is also used outside {where}")
     for n in list(p.region.specs):
         for u in n.users:

@@ -18,7 +18,13 @@ patterns, for tests/test_attention_families.py. The Hugging Face models are buil
   partial on each rank's heads, summed);
 - ``head_scale_flat``: Dory's query scale, a flat learned parameter of one entry per head and channel read as
   ``(sqk * c).view(-1, 1, d).square()`` and multiplied into q (cut with the heads, its sizes inferred), and a
-  flat output gate scale ``(s_gate * c).square()`` on the attention's ``(b, s, h)`` output.
+  flat output gate scale ``(s_gate * c).square()`` on the attention's ``(b, s, h)`` output;
+- ``head_scale_looped``: the same blocks applied twice in a loop, as Dory runs its layers: every weight and
+  every flat scale is read twice, each read cut alike;
+- ``head_scale_stray``: the flat query scale also read whole outside attention's region (its mean added to the
+  output): cut for one reader and whole for the other would be wrong, so the attention stays replicated;
+- ``dory``: Dory, its layers run twice, with those scales, per-channel scales of its MLP (``suv_gate``,
+  ``suv_up``) and a per-token logit scale on its LM head (``logits * logit_scale``, which keeps the head whole).
 """
 from __future__ import annotations
 
@@ -30,8 +36,8 @@ import torch.nn.functional as F
 
 from pattern_models import HD, NH, H, LMWith, build_with
 
-HF_KINDS = ("xlm", "roformer")
-KINDS = ("fill_inplace", "rope_table_frozen", "rope_table_learned", "head_scale_flat")
+HF_KINDS = ("xlm", "roformer", "dory")
+KINDS = ("fill_inplace", "rope_table_frozen", "rope_table_learned", "head_scale_flat", "head_scale_looped")
 
 
 class InPlaceMasked(nn.Module):
@@ -91,6 +97,7 @@ class FlatHeadScale(nn.Module):
 
     def __init__(self, kind: str):
         super().__init__()
+        self.kind = kind
         self.q, self.k, self.v, self.o = (nn.Linear(H, H, bias=False) for _ in range(4))
         self.sqk = nn.Parameter(torch.linspace(0.5, 1.5, H))
         self.s_gate = nn.Parameter(torch.linspace(1.5, 0.5, H))
@@ -100,11 +107,26 @@ class FlatHeadScale(nn.Module):
         q, k, v = (p(x).view(b, s, NH, HD).transpose(1, 2) for p in (self.q, self.k, self.v))
         q = q * (self.sqk * 0.5).view(-1, 1, HD).square()  # (NH, 1, HD) against (b, NH, s, HD)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, H)
-        return self.o(y * torch.sigmoid((self.s_gate * 2.0).square()))
+        y = y * torch.sigmoid((self.s_gate * 2.0).square())
+        if self.kind == "head_scale_stray":
+            return self.o(y) + self.sqk.mean()
+        return self.o(y)
+
+
+class LoopedLM(LMWith):
+    """The small LM with its blocks applied twice in a loop (weights read twice per step)."""
+
+    def forward(self, idx, targets):
+        x = self.emb(idx)
+        for _ in range(2):
+            for blk in self.blocks:
+                x = blk(x)
+        logits = self.head(self.final_norm(x))
+        return logits, F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
 def _hf_config(kind: str):
-    from transformers import RoFormerConfig, XLMConfig
+    from transformers import DoryConfig, RoFormerConfig, XLMConfig
 
     ids = {"pad_token_id": 0, "bos_token_id": 0, "eos_token_id": 0, "use_cache": False}
     return {"xlm": lambda: XLMConfig(vocab_size=128, emb_dim=64, n_layers=2, n_heads=4, dropout=0.0,
@@ -112,7 +134,12 @@ def _hf_config(kind: str):
             "roformer": lambda: RoFormerConfig(vocab_size=128, embedding_size=64, hidden_size=64, num_hidden_layers=2,
                                                num_attention_heads=4, intermediate_size=128, hidden_dropout_prob=0.0,
                                                attention_probs_dropout_prob=0.0, max_position_embeddings=64,
-                                               is_decoder=True, rotary_value=False, **ids)}[kind]()
+                                               is_decoder=True, rotary_value=False, **ids),
+            # an input layer, a recurrent one run in 2 loops, an output layer
+            "dory": lambda: DoryConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                                       n_input_layers=1, n_recurrent_layers=1, n_output_layers=1, n_recurrent_loops=2,
+                                       num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                       max_position_embeddings=64, attention_dropout=0.0, **ids)}[kind]()
 
 
 def build(kind: str):
@@ -123,6 +150,6 @@ def build(kind: str):
         model = AutoModelForCausalLM.from_config(_hf_config(kind))
         ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(1))
         return model, (), {"input_ids": ids, "labels": ids}
-    attention = TableRotary if kind.startswith("rope_table") else FlatHeadScale if kind == "head_scale_flat" \
+    attention = TableRotary if kind.startswith("rope_table") else FlatHeadScale if kind.startswith("head_scale") \
         else InPlaceMasked
-    return build_with(LMWith(kind, attention))
+    return build_with((LoopedLM if kind == "head_scale_looped" else LMWith)(kind, attention))
