@@ -88,8 +88,11 @@ RUNS = Launches({}, extended={w: {"experts": (pattern_parity, [*KINDS, *HF_KINDS
 @pytest.mark.parametrize("world", [2, 4])
 def test_experts_read_by_a_batched_matmul_train_exactly(world: int):
     """3 AdamW steps against the unsharded model: losses, gradients and parameters within 1e-5, nothing
-    replicated, each rank holding at most 1/tp + 0.12 of the parameters; forward, Megatron's all-reduces: the
-    embedding's, one per attention and per MoE layer (b·s·h), the loss's max and two sums (b·s)."""
+    replicated, each rank holding at most 1/tp + 0.12 of the parameters; Megatron's all-reduces: forward the
+    embedding's, one per attention and per MoE layer (b·s·h), the loss's max and two sums (b·s); backward one
+    per attention and per MoE layer and the head's (b·s·h: the tokens enter before they are repeated per
+    expert, with a shared expert's), and the routing scores' (E·b·s) per MoE layer. Llama 4 at 4 ranks has 2
+    kv heads: the k and v weights' gradients are summed over the 2 ranks holding each (4 more)."""
     for rank, by_kind in RUNS(world, "experts").items():
         assert list(by_kind) == [*KINDS, *HF_KINDS], (rank, list(by_kind))
         for kind, r in by_kind.items():
@@ -98,3 +101,6 @@ def test_experts_read_by_a_batched_matmul_train_exactly(world: int):
             bsh, bs = (2 * 8 * 64, 2 * 8) if kind in HF_KINDS else (2 * S * H, 2 * S)
             assert sorted(r["forward"]) == sorted([("all_reduce", "sum", bsh)] * 5 + [("all_reduce", "max", bs)]
                                                   + [("all_reduce", "sum", bs)] * 2), (rank, kind, r["forward"])
+            kv = 4 if kind == "llama4_text" and world == 4 else 0  # k_proj and v_proj at 16 x 64 per rank: 1024
+            assert sorted(r["backward"]) == sorted([("all_reduce", "sum", bsh)] * (5 + kv)
+                                                   + [("all_reduce", "sum", E * bs)] * 2), (rank, kind, r["backward"])

@@ -75,19 +75,39 @@ _DERIVE = {aten.slice.Tensor, aten.select.int, aten.view.default, aten.reshape.d
 
 # ops that gather rows of a value (tokens dispatched to experts, one row per (token, k) slot): the value they
 # are gathered from is smaller, so f goes there
-_GATHER = {aten.index.Tensor, aten.repeat_interleave.self_int, aten.expand.default}
+_GATHER = {aten.index.Tensor, aten.repeat_interleave.self_int, aten.expand.default, aten.repeat.default}
 # readers of a value's shape and dtype alone (export's checks, ``x.new_ones(..)``, ``zeros_like(x)``)
 _SHAPE_ONLY = frozenset({"no_output", "sym_size", "new_like", "like"})
 
 
-def _entering_via(xs: list[fx.Node], columns: set[fx.Node]) -> dict[fx.Node, tuple[fx.Node, fx.Node]]:
+def _scaled(node: fx.Node) -> tuple[fx.Node, fx.Node] | None:
+    """(rows, factor) for ``rows * factor`` where the factor broadcasts over the rows' features and nothing
+    else reads it (Llama 4's tokens repeated per expert times each expert's routing score, ``(E·T, h) *
+    (E·T, 1)``): the rows' gradient is ``dY · factor``, the factor's ``Σ dY · rows``, both partial where dY is."""
+    if node.target is not aten.mul.Tensor or node.kwargs or len(node.args) != 2 \
+            or not all(isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor) for a in node.args):
+        return None
+    out = node.meta["val"]
+    for rows, factor in (node.args, node.args[::-1]):
+        val = factor.meta["val"]
+        if rows.meta["val"].shape == out.shape and val.dim() == out.dim() and val.shape[-1] == 1 != out.shape[-1] \
+                and len(factor.users) == 1:
+            return rows, factor
+    return None
+
+
+def _entering_via(xs: list[fx.Node], columns: set[fx.Node]) \
+        -> tuple[dict[fx.Node, tuple[fx.Node, fx.Node]], list[tuple[fx.Node, fx.Node]]]:
     """Column inputs derived from another column input ``root`` of the pair (a gate of ``x[..., :12]`` beside
     q, k and v of ``x``; ``k(x.type_as(x))`` beside ``q(x)``), or gathered from a smaller value ``root`` (the
     tokens of a MoE layer, gathered per expert slot), or several read each through its own chain from one value
     (``q(x.float())``, ``k(x.contiguous())``), through ops whose values reach only the columns:
     ``{derived: (reader of root, root)}``. Entering at ``root`` alone, one all-reduce sums the gradients (each
-    rank's covers only its own columns)."""
+    rank's covers only its own columns). Gathered rows scaled on the way (:func:`_scaled`, ``(reader, factor)``
+    in ``factors``) enter at their root too, the factor through its own f: ``T·h + E·T`` elements where the
+    scaled rows would be ``E·T·h``."""
     memo: dict[fx.Node, bool] = {}
+    factors: list[tuple[fx.Node, fx.Node]] = []
 
     def only_columns(n: fx.Node) -> bool:  # every use of n's value is a column matmul, through derive ops
         if n not in memo:
@@ -102,20 +122,31 @@ def _entering_via(xs: list[fx.Node], columns: set[fx.Node]) -> dict[fx.Node, tup
     for x in xs:
         if not only_columns(x):
             continue
-        node, reader, gathered = x, None, False
-        while node.op == "call_function" and node.target in _DERIVE | _GATHER and isinstance(node.args[0], fx.Node):
-            gathered |= node.target in _GATHER
-            node, reader = node.args[0], node
+        node, reader, gathered, scaled = x, None, False, []
+        while node.op == "call_function" and node.args and isinstance(node.args[0], fx.Node):
+            if node.target in _DERIVE | _GATHER:
+                gathered |= node.target in _GATHER
+                nxt = node.args[0]
+            elif (step := _scaled(node)) is not None and not gathered:
+                nxt = step[0]
+                scaled.append((node, step[1]))
+            else:
+                break
+            node, reader = nxt, node
             if node in xs and node is not x:
+                if scaled:  # entering at another column input: the factor's f is not planned there
+                    node, reader = x, None
+                    break
                 out[x] = (reader, node)
                 break
             if len([u for u in node.users if kind_of(u.target) not in _SHAPE_ONLY]) != 1:
                 break  # (a reader of its shape alone, ``new_ones(xs, ..)``, takes no gradient)
-        if x in out:
+        if x in out or reader is None:
             continue
         if gathered:
             out[x] = (reader, node)
-        elif reader is not None:
+            factors.extend(scaled)
+        elif not scaled:
             by_root.setdefault(node, []).append((x, reader))
     # columns reading one value each through its own chain: they enter where the chains meet
     for root, chains in by_root.items():
@@ -128,7 +159,7 @@ def _entering_via(xs: list[fx.Node], columns: set[fx.Node]) -> dict[fx.Node, tup
             seen.add(root)
             reader, root = out[root]
         out[x] = (reader, root)
-    return out
+    return out, factors
 
 
 def _compute_dtype(x: fx.Node, matmuls: list[fx.Node]) -> str:
@@ -236,7 +267,7 @@ def plan_from_analysis(gm: fx.GraphModule, a: Analysis, v: VocabFacts | None = N
         # an embedding's ids need no gradient; a column fed by a reduction has its input's gradient summed by it
         matmuls = [c for c in p.columns if c.kind != "embedding" and c.x not in p.summed]
         xs = list(dict.fromkeys(c.x for c in matmuls))
-        via = _entering_via(xs, {c.node for c in matmuls}) if fold else {}
+        via, factors = _entering_via(xs, {c.node for c in matmuls}) if fold else ({}, [])
         xs = [x for x in xs if x not in via]
         xs += [root for _, root in via.values() if root not in xs]  # tokens gathered for the experts
         # an input another pair already enters (experts of one MoE layer reading the same tokens) shares its f:
@@ -246,7 +277,7 @@ def plan_from_analysis(gm: fx.GraphModule, a: Analysis, v: VocabFacts | None = N
         xs = [x for x in xs if x not in joined]
         owner.update((x, p) for x in xs)
         enter = tuple(x.name for x in xs)
-        entering = list(p.region.entering)
+        entering = [*p.region.entering, *factors]
         if leave is not None and leave not in left:  # the router's weights of the experts' partial sums
             entering += a.partial_enter.get(leave, [])
         also = tuple((c.name, x.name) for c, x in entering)
