@@ -134,7 +134,10 @@ def _probe(node: fx.Node, dim: int, size: int, fp, tp, where, depth) -> tuple[Se
                 if dim in gi and len([i for i in gi if src[i] != 1]) == 1 and len(gj_real) == 2:
                     n1, n2 = dst[gj_real[0]], dst[gj_real[1]]
                     tiles = _tiling(_dim_reads(u, gj_real[0], n1, 0), n1)
-                    if tiles:  # Falcon's multi-query [n_heads + 2, d] read by slices: q heads, one k, one v
+                    # Falcon's multi-query [n_heads + 2, d] read by slices: q heads, one k, one v. Pieces of one
+                    # row each are heads only where attention reads d as the head dim; else they are segments
+                    # of features (Moshi's gate | up, ``fc1(x).view(b, s, 2, -1)[..., 0, :]``), cut below
+                    if tiles and (any(hi - lo > 1 for lo, hi in tiles) or _per_head_dim(u, gj_real[1], fp, 0)):
                         return tuple(Segment((hi - lo) * n2, parts_for(hi - lo, (hi - lo) * n2, tp, f"{where}: heads"))
                                      for lo, hi in tiles)
                 if dim in gi and len([i for i in gi if src[i] != 1]) == 1 and len(gj_real) > 1:
