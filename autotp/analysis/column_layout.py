@@ -182,7 +182,9 @@ def _probe(node: fx.Node, dim: int, size: int, fp, tp, where, depth) -> tuple[Se
 def _torch_keeps(u: fx.Node, node: fx.Node, dim: int, fp: Fingerprinter, tp: int) -> bool:
     """Does torch's sharding rule for ``u`` (an op autotp's table does not list) keep ``node`` cut on ``dim``
     where it was, at the same size? A pad of other dims does: a causal convolution's input left-padded over
-    time, ``F.pad(x (b, c, l), (k - 1, 0))``."""
+    time, ``F.pad(x (b, c, l), (k - 1, 0))``. Only an op giving one tensor of the same rank is asked."""
+    if ndim_of(u) != ndim_of(node):
+        return False
     try:
         answer = ask_torch(u, {node: dim}, tp)
     except TorchRefused:
