@@ -18,7 +18,7 @@ import torch
 import torch.fx as fx
 
 from autotp.analysis.matmuls import ParamMatmul, module_path
-from autotp.analysis.op_rules import is_cast, kind_of, permutes
+from autotp.analysis.op_rules import inserts_dim, is_cast, kind_of, permutes
 from autotp.analysis.ops import from_inputs, reaches
 from autotp.analysis.pairs import Analysis
 from autotp.plan.plan import WholeParam
@@ -95,7 +95,7 @@ def _scales_per_row(reader: fx.Node) -> bool:
         for u in n.users:
             if kind_of(u.target) == "no_output":
                 continue
-            if (is_cast(u.target) or u.target is aten.unsqueeze.default) and u.args[0] is n:
+            if (is_cast(u.target) or inserts_dim(u.target)) and u.args[0] is n:
                 todo.append(u)
             else:
                 uses.append(u)
