@@ -82,7 +82,7 @@ def _tensor_parallel(mesh: DeviceMesh | None, tp_group: dist.ProcessGroup | None
                                          "mesh_dim_names=('dp', 'tp'))")
         return mesh.get_group(MESH_TP), mesh.size(names.index(MESH_TP)), mesh.get_local_rank(MESH_TP)
     if tp_group is not None:
-        return tp_group, tp_group.size(), tp_group.rank()
+        return tp_group, dist.get_world_size(tp_group), dist.get_rank(tp_group)
     if ctx is not None:
         return ctx.tp_group(), ctx.layout.tp, ctx.coords[MESH_TP]
     if not (dist.is_available() and dist.is_initialized()):
