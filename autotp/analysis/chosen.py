@@ -32,7 +32,8 @@ def _discrete(val: object) -> bool:
 def chooses_only(node: fx.Node) -> list[fx.Node] | None:
     """The nodes at which every value computed from ``node`` turns discrete (``topk``'s indices, a comparison's
     mask), when no float value computed from it reaches the graph's output; None when one does (or none turns
-    discrete: a value that reaches nothing is no choice). Walks the readers of ``node`` forward, stopping at
+    discrete: a value that reaches nothing is no choice, and a choice the graph returns as it is, ``argmax``'s
+    indices of a head's logits, chooses among nothing of the model's). Walks the readers of ``node`` forward, stopping at
     discrete values; a tuple result (``topk``: values, indices) is followed through its ``getitem``s."""
     ends: list[fx.Node] = []
     seen: set[fx.Node] = set()
@@ -54,7 +55,26 @@ def chooses_only(node: fx.Node) -> list[fx.Node] | None:
                 any(isinstance(v, torch.Tensor) for v in val)):
             return None  # a value not known here (a region's call, a Python scalar): no claim
         todo.extend(n.users)
-    return ends or None
+    if not ends or _returned(ends):
+        return None  # the choice is itself an output (logits.argmax(-1) returned): nothing chosen among inside
+    return ends
+
+
+def _returned(ends: list[fx.Node]) -> bool:
+    """Does a discrete value of ``ends`` reach the graph's output through discrete values alone?"""
+    seen: set[fx.Node] = set()
+    todo = list(ends)
+    while todo:
+        n = todo.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        for u in n.users:
+            if u.op == "output":
+                return True
+            if _discrete(u.meta.get("val")):
+                todo.append(u)
+    return False
 
 
 def _maker(n: fx.Node) -> str:
