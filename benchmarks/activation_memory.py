@@ -50,7 +50,7 @@ reentrant), and the peak of a whole training step is measured per rank at tp 2 �
 storage an op of the rewritten graph allocates (each storage once, freed when it is), during the forward and
 during a region's recomputation in the backward: so FSDP's gathered parameters, pipelining's receive buffers
 and the backward's gradients are not activations. No dropout there, attention through SDPA. The figure it is
-held to is the layout search's (:mod:`autotp.layout.cost`): with recomputation each layer's input for every
+held to is the layout search's (:mod:`autotp.search.cost`): with recomputation each layer's input for every
 micro-batch in flight, plus one layer's activations being recomputed,
 
     flight · (L/p) · s·b·h·4  +  layer(b)          (flight: 1 without a pipeline, min(m, p) on 1F1B's rank 0)
@@ -289,7 +289,7 @@ def recompute_worker(opts: dict) -> dict:
 
 def recompute_formulas(b: int, s: int, h: int, a: int, t: int, layers: int, pp: int, m: int,
                        rank: int = 0) -> dict[str, float]:
-    """The layout search's activation figure (:func:`autotp.layout.cost`'s ``_memory``, which prices the
+    """The layout search's activation figure (:func:`autotp.search.cost`'s ``_memory``, which prices the
     busiest rank, pipeline rank 0; here for pipeline rank ``rank``, in fp32 without dropout): each layer's
     input per micro-batch in flight plus one layer recomputed, and without recomputation every layer's
     activations per micro-batch in flight."""
@@ -312,7 +312,7 @@ def _recompute_markdown(r: dict) -> str:
         f"bytes in storages the rewritten graph's ops allocated (forward and recomputation; each storage once), "
         f"per rank, after one warm-up step (benchmarks/activation_memory.py --recompute, ActivationPeak).",
         "",
-        "Formula: the layout search's (autotp/layout/cost.py) in fp32 without dropout: with recomputation "
+        "Formula: the layout search's (autotp/search/cost.py) in fp32 without dropout: with recomputation "
         "flight·(L/p)·s·b·h·4 + one layer's activations; without, flight·(L/p)·layer.",
         "",
         "| layout | batch per rank | rank | recompute MiB | formula MiB | recompute / formula | no recompute MiB "

@@ -163,16 +163,16 @@ def predicted_memory(c: Config, t: int, layers: int, b: int, s: int, sp: bool, r
                      capacity: float) -> dict:
     """What ``autotp plan`` predicts for one rank: the layout's memory from the model's facts (captured on
     meta), bf16 activations, fp32 weights with AdamW."""
-    from autotp.layout.cost import Layout, Training, estimate
-    from autotp.layout.facts import capture_facts
-    from autotp.layout.hardware import H100
+    from autotp.search.cost import Candidate, Training, estimate
+    from autotp.search.facts import capture_facts
+    from autotp.search.hardware import H100
 
     with torch.device("meta"):
         net = Stack(c, layers)
     x = torch.zeros(b, s, c.hidden_size, device="meta")
     facts = capture_facts(net, (x,), {}, [t], b, s)
     hw = dataclasses.replace(H100, memory_bytes=capacity)
-    lay = Layout(tp=t, dp=1, pp=1, micro_batch=b, microbatches=1, sp=sp, recompute=recompute)
+    lay = Candidate(tp=t, dp=1, pp=1, micro_batch=b, microbatches=1, sp=sp, recompute=recompute)
     mem = estimate(facts, hw, lay, Training(act_bytes=2, seq=s)).memory
     return {"state": mem.state, "activations": mem.activations, "other": mem.other, "total": mem.total}
 

@@ -1,5 +1,5 @@
 """The cost model against measurement on this machine: every layout ``benchmarks/layouts_measured.py`` timed
-on 4 CPU ranks, predicted by :func:`autotp.layout.cost.estimate` with this machine's profile.
+on 4 CPU ranks, predicted by :func:`autotp.search.cost.estimate` with this machine's profile.
 
 The model is the measured one (``benchmarks/layout_gpt.py``), built on meta and captured once at the
 benchmark's batch; the profile is what ``autotp profile --nproc 4`` measured here (matmuls, memory bandwidth,
@@ -26,9 +26,9 @@ sys.path[:0] = [p for p in (str(ROOT), str(ROOT / "benchmarks")) if p not in sys
 
 from layout_gpt import GPTConfig, build_model, example_batch  # noqa: E402
 
-from autotp.layout.cost import Layout, Training, estimate  # noqa: E402
-from autotp.layout.facts import capture_facts  # noqa: E402
-from autotp.layout.hardware import load  # noqa: E402
+from autotp.search.cost import Candidate, Training, estimate  # noqa: E402
+from autotp.search.facts import capture_facts  # noqa: E402
+from autotp.search.hardware import load  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 
@@ -76,7 +76,7 @@ def main() -> None:
     for r in measured["layouts"]:
         if r.get("status") != "ok" or r["world"] != 4:
             continue
-        lay = Layout(r["tp"], r["dp"], r["pp"], r["micro_batch"], r["microbatches"], 1, bool(r["fsdp"]))
+        lay = Candidate(r["tp"], r["dp"], r["pp"], r["micro_batch"], r["microbatches"], 1, bool(r["fsdp"]))
         est = estimate(facts, hw, lay, training)
         rows.append({"name": r["name"], "schedule": r.get("schedule"), "measured_s": r["step_s"],
                      "predicted_s": est.step, "ratio": est.step / r["step_s"],

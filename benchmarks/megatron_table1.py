@@ -43,10 +43,10 @@ import torch.nn.functional as F
 from rich.console import Console
 from rich.table import Table
 
-from autotp.layout.auto import Space, best_per_mesh, explain, search, tp_sizes
-from autotp.layout.cost import Layout, Training, estimate
-from autotp.layout.facts import ModelFacts, capture_facts
-from autotp.layout.hardware import A100, H100
+from autotp.search.auto import Space, best_per_mesh, explain, search, tp_sizes
+from autotp.search.cost import Candidate, Training, estimate
+from autotp.search.facts import ModelFacts, capture_facts
+from autotp.search.hardware import A100, H100
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from llama_shaped import Config, LlamaShaped  # noqa: E402
@@ -154,7 +154,7 @@ def paper_flops(row: Row) -> float:
 def paper_measure(row: Row, est) -> float:
     """Predicted TFLOP/s per GPU as the paper counts them: equation 3 counts four passes (the recomputed
     forward too); a layout that does not recompute runs three of them."""
-    passes = 1.0 if est.layout.recompute else 0.75
+    passes = 1.0 if est.candidate.recompute else 0.75
     return paper_flops(row) * passes / est.step / row.gpus / 1e12
 
 
@@ -198,11 +198,11 @@ def run_row(row: Row, script: Script, every_knob: bool, cache: Path | None = Non
         best = result.best
         if name == "megatron_knobs":  # the paper's own configuration, priced as it ran
             dp = row.gpus // (row.tp * row.pp)
-            paper = estimate(facts, A100, Layout(row.tp, dp, row.pp, script.micro_batch,
+            paper = estimate(facts, A100, Candidate(row.tp, dp, row.pp, script.micro_batch,
                                                  row.batch // (dp * script.micro_batch), script.virtual,
                                                  recompute=True), training)
         else:  # the fastest layout the search found at the paper's (t, p)
-            paper = {(e.layout.tp, e.layout.pp): e for e in best_per_mesh(result) if e.layout.cp == 1}.get(
+            paper = {(e.candidate.tp, e.candidate.pp): e for e in best_per_mesh(result) if e.candidate.cp == 1}.get(
                 (row.tp, row.pp))
         out[name] = {
             "considered": result.considered, "fit": len(result.ranked),
@@ -237,7 +237,7 @@ def torchtitan_row(cache: Path | None = None) -> dict:
         return capture_facts(net, (ids, ids), {}, (8,), 1, seq)
 
     facts = cached_facts(cache, "torchtitan-70b", build)
-    lay = Layout(tp=8, dp=32, pp=1, micro_batch=16, microbatches=1, fsdp=True, sp=True, recompute=True,
+    lay = Candidate(tp=8, dp=32, pp=1, micro_batch=16, microbatches=1, fsdp=True, sp=True, recompute=True,
                  fsdp_dtype="bf16")
     est = estimate(facts, H100, lay, Training(act_bytes=2, seq=seq))
     return {"layout": est.to_dict(), "published_tokens_per_s_per_gpu": TORCHTITAN_TPS,
@@ -357,7 +357,7 @@ def main() -> None:
                   f"published {TORCHTITAN_TPS}, ratio {titan['ratio']:.2f}")
     lay = titan["layout"]
     md.write_text("# Narayanan et al. 2021, Table 1, against autotp's layout search\n\n"
-                  "A100 preset (`autotp/layout/hardware.py`), bf16 activations; `python benchmarks/megatron_table1.py`. "
+                  "A100 preset (`autotp/search/hardware.py`), bf16 activations; `python benchmarks/megatron_table1.py`. "
                   "Predicted TFLOP/s per GPU in the paper's measure (its equation 3) for the paper's own configuration "
                   "(2021 knobs: its t, p, micro-batch and schedule; every knob: the fastest layout at its (t, p) where "
                   "the search priced one, else the chosen layout). \"paper's t, p predicted\": how much slower the "
@@ -369,7 +369,7 @@ def main() -> None:
                   "the plain 1F1B elsewhere; full recomputation, scatter/gather between stages; no FSDP, no sequence "
                   "parallelism. The search chooses (t, p), and so dp and the micro-batches per step. A layer's "
                   "memory-bound work is priced as its kept activations written and read once per pass (`TRAFFIC` in "
-                  "autotp/layout/cost.py, assumed); priced as crossing memory once, the rows whose all-reduce torch's DDP "
+                  "autotp/search/cost.py, assumed); priced as crossing memory once, the rows whose all-reduce torch's DDP "
                   "hides (1.7B to 18.4B: a step of matmuls, elementwise work and tp collectives) read 1.09 to 1.15.\n\n"
                   + markdown(results, "megatron_knobs")
                   + "\n\nWhere the chosen (t, p) is not the paper's, the terms of both (seconds per step):\n\n"
@@ -380,7 +380,7 @@ def main() -> None:
                   "Local batch size 16, global batch size 512. Full activation checkpointing\", row 2D: "
                   f"**{TORCHTITAN_TPS} TPS/GPU**, 71.9 GiB, on H100 96 GB HBM2e at 500 W. Table 4 has no bf16 row: the "
                   "published figure is with Float8 linears and torch.compile; autotp prices bf16 on the H100 preset "
-                  "(80 GB SXM datasheet; matmuls at the assumed curve of autotp/layout/hardware.py, 72% of its 989 TFLOP/s at this size).\n\n"
+                  "(80 GB SXM datasheet; matmuls at the assumed curve of autotp/search/hardware.py, 72% of its 989 TFLOP/s at this size).\n\n"
                   f"Priced layout: `{lay['label']}` (FSDP gathers bf16, reduces fp32), step {lay['step_s']:.2f} s: "
                   + ", ".join(f"{k[:-2].replace('_', ' ')} {v:.2f} s" for k, v in lay.items()
                               if k.endswith("_s") and k != "step_s" and v)

@@ -16,7 +16,7 @@ import sys
 # imports when it runs (the parallel runtime and the capture stack: another second per rank)
 RANK_MODULES = {
     "shard": ("autotp.cli.shard_worker", "autotp.parallel.parallelize", "autotp.parallel.pipeline"),
-    "profile": ("autotp.layout.profile",),
+    "profile": ("autotp.search.profile",),
 }
 
 

@@ -244,8 +244,8 @@ def _plan_auto(model: str, tp: int | None, dp: int | None, pp: int, world_size: 
 
 def _device_memory(console: Console, pipe: PipelineReport, gpu: str, debug: bool) -> None:
     """The busiest pipeline rank's memory against what ``gpu`` leaves usable (the layout search's reserve)."""
-    from autotp.layout.cost import RESERVED
-    from autotp.layout.hardware import resolve
+    from autotp.search.cost import RESERVED
+    from autotp.search.hardware import resolve
 
     try:
         hw = resolve(gpu)

@@ -1,7 +1,7 @@
 """``autotp plan --auto`` and ``autotp shard --auto``: capture the model once, plan it at every
-tensor-parallel size a node allows, search the layouts (:mod:`autotp.layout.auto`) and show the best.
+tensor-parallel size a node allows, search the layouts (:mod:`autotp.search.auto`) and show the best.
 
-The numbers are predictions of :mod:`autotp.layout.cost` on a hardware profile: a preset (``--gpu a100`` or
+The numbers are predictions of :mod:`autotp.search.cost` on a hardware profile: a preset (``--gpu a100`` or
 ``h100``, datasheet numbers) or a file ``autotp profile`` wrote on the machines themselves.
 """
 from __future__ import annotations
@@ -18,11 +18,11 @@ from autotp.capture.modelfile import load_model_file, planning_batch
 from autotp.cli.fit import FitTable
 from autotp.cli.plan_command import Command, command
 from autotp.cli.plan_format import fmt_size
-from autotp.layout.assumed import assumed_terms
-from autotp.layout.auto import Rejected, Search, Space, best_per_mesh, explain, mesh_name, search, tp_sizes
-from autotp.layout.cost import RESERVED, Estimate, Training
-from autotp.layout.facts import ModelFacts, capture_facts
-from autotp.layout.hardware import PRESETS, Hardware, resolve
+from autotp.search.assumed import assumed_terms
+from autotp.search.auto import Rejected, Search, Space, best_per_mesh, explain, mesh_name, search, tp_sizes
+from autotp.search.cost import RESERVED, Estimate, Training
+from autotp.search.facts import ModelFacts, capture_facts
+from autotp.search.hardware import PRESETS, Hardware, resolve
 
 DEFAULT_PROFILE = Path("autotp-profile.json")
 _DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "bfloat16": 2, "float16": 2, "float32": 4}
@@ -101,14 +101,14 @@ def top_table(auto: Auto, top: int) -> Table:
                            f"{auto.training.seq} tokens: predicted, best first (memory of {cap} usable per device)",
                      keys=2, breaks=(7,))
     shown = auto.result.ranked[:top]
-    terms = [k for k in Estimate.TERMS if k != "cp comm" or any(e.layout.cp > 1 for e in shown)]
+    terms = [k for k in Estimate.TERMS if k != "cp comm" or any(e.candidate.cp > 1 for e in shown)]
     cols = ("#", "layout", "step", "tokens/s per dev", "TFLOP/s per dev", "% peak", "memory",
             *(_SHORT.get(k, k) for k in terms))
     for c in cols:  # a narrow console wraps a layout's label between its parts (tp4 dp2 ...), never a number
         table.add_column(c, justify="left" if c == "layout" else "right", no_wrap=c != "layout")
     for i, e in enumerate(shown, 1):
         mem = e.memory
-        table.add_row(str(i), e.layout.label(), _secs(e.step),
+        table.add_row(str(i), e.candidate.label(), _secs(e.step),
                       f"{e.tokens_per_device:,.0f}", f"{e.flops_per_device / 1e12:.1f}",
                       f"{e.flops_per_device / hw.peak_flops:.0%}", f"{_gib(mem.total)} ({mem.total / mem.capacity:.0%})",
                       *(_secs(e.terms()[k]) for k in terms))
@@ -150,7 +150,7 @@ def rejected_table(auto: Auto, top: int = 5) -> Table | None:
     table.add_column("layout", no_wrap=True)
     table.add_column("why")
     for r in rejected[:top]:
-        table.add_row(r.layout.label(), r.reason)
+        table.add_row(r.candidate.label(), r.reason)
     return table
 
 
@@ -181,7 +181,7 @@ def beats_line(auto: Auto) -> str | None:
     unit = "per step" if same else "per token"
     batch = (f"both at {best.tokens // s:,} sequences per step" if same else
              f"its step trains {best.tokens // s:,} sequences, the other's {other.tokens // s:,}: compared per token")
-    line = (f"{mesh_name(best.layout)} beats the best {mesh_name(other.layout)} layout ({other.layout.label()}) by "
+    line = (f"{mesh_name(best.candidate)} beats the best {mesh_name(other.candidate)} layout ({other.candidate.label()}) by "
             f"{best.tokens_per_device / other.tokens_per_device - 1:.1%} tokens/s per device ({batch}): "
             + ", ".join(f"{k} {_duration(d)} less" for d, k in favour[:3]) + f" {unit}")
     if against:
@@ -210,12 +210,12 @@ def render(console: Console, model: str, auto: Auto, top: int) -> None:
         console.print(rej)
     best = auto.result.best
     if best is not None:
-        console.print(f"[bold green]best:[/bold green] {best.layout.label()} — {_secs(best.step)} per step, "
+        console.print(f"[bold green]best:[/bold green] {best.candidate.label()} — {_secs(best.step)} per step, "
                       f"{best.tokens_per_device:,.0f} tokens/s per device", soft_wrap=True)
     for line in why(auto):
         console.print(f"  {escape(line)}", soft_wrap=True)
     if best is not None:
-        cmd = command(model, best.layout, auto.space, auto.example_rows)
+        cmd = command(model, best.candidate, auto.space, auto.example_rows)
         if cmd.line is not None:
             console.print(f"[bold]run it:[/bold] {escape(cmd.line)}", soft_wrap=True)
         for note in cmd.notes:
@@ -223,7 +223,7 @@ def render(console: Console, model: str, auto: Auto, top: int) -> None:
         spelled = None if cmd.line is not None else spelled_best(auto)
         if spelled is not None:  # the best autotp shard spells, and what it costs against the best
             est, other = spelled
-            console.print(f"[bold]run it:[/bold] the fastest layout autotp shard spells, {est.layout.label()} "
+            console.print(f"[bold]run it:[/bold] the fastest layout autotp shard spells, {est.candidate.label()} "
                           f"({best.tokens_per_device / est.tokens_per_device - 1:.1%} slower): {escape(other.line)}",
                           soft_wrap=True)
             for note in other.notes:
@@ -234,7 +234,7 @@ def render(console: Console, model: str, auto: Auto, top: int) -> None:
 def spelled_best(auto: Auto) -> tuple[Estimate, Command] | None:
     """The fastest layout that ``autotp shard`` has a command line for, with it (None: none has one)."""
     for e in auto.result.ranked:
-        cmd = command(auto.model, e.layout, auto.space, auto.example_rows)
+        cmd = command(auto.model, e.candidate, auto.space, auto.example_rows)
         if cmd.line is not None:
             return e, cmd
     return None
@@ -250,7 +250,7 @@ def to_dict(auto: Auto, top: int) -> dict:
                          for r in sorted(auto.result.rejected, key=_rejected_order)[:top]],
             "rejected_count": len(auto.result.rejected), "considered": auto.result.considered,
             "why": why(auto),
-            "command": command(auto.model, auto.result.best.layout, auto.space, auto.example_rows)._asdict()
+            "command": command(auto.model, auto.result.best.candidate, auto.space, auto.example_rows)._asdict()
             if auto.result.best
             else None, "spelled": _spelled_dict(auto)}
 
@@ -263,8 +263,8 @@ def _rejected_order(r: Rejected) -> float:
 def _spelled_dict(auto: Auto) -> dict | None:
     """The fastest layout autotp shard spells, its command and its step (where the best has no command)."""
     best = auto.result.best
-    if best is None or command(auto.model, best.layout, auto.space).line is not None:
+    if best is None or command(auto.model, best.candidate, auto.space).line is not None:
         return None
     spelled = spelled_best(auto)
-    return None if spelled is None else {"label": spelled[0].layout.label(), "step_s": spelled[0].step,
+    return None if spelled is None else {"label": spelled[0].candidate.label(), "step_s": spelled[0].step,
                                          "command": spelled[1]._asdict()}

@@ -12,8 +12,8 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from autotp.distributed.layout import RankLayout
-from autotp.layout.auto import Space
-from autotp.layout.cost import Layout
+from autotp.search.auto import Space
+from autotp.search.cost import Candidate
 
 
 class Command(NamedTuple):
@@ -21,7 +21,7 @@ class Command(NamedTuple):
     notes: tuple[str, ...]  # what the training script does for the layout to run as priced
 
 
-def command(model: str, lay: Layout, space: Space, example_rows: int | None = None) -> Command:
+def command(model: str, lay: Candidate, space: Space, example_rows: int | None = None) -> Command:
     """The ``autotp shard`` command line of ``lay`` for ``model`` over ``space.world`` devices. ``example_rows``:
     the sequences the model file's example batch holds (what autotp shard trains each replica on per step),
     where known: a note says when the layout needs another number."""

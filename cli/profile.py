@@ -1,9 +1,9 @@
 """``autotp profile [--nproc N] [--model MODEL_PY]``: measure this node and write a hardware profile.
 
-The layout planner prices a layout with a :class:`autotp.layout.hardware.Hardware`: matmul rate, memory
+The layout planner prices a layout with a :class:`autotp.search.hardware.Hardware`: matmul rate, memory
 bandwidth and memory, and what a collective costs per group size. The presets come from datasheets; this
 command measures the machine it runs on instead. It starts ``--nproc`` ranks with torch's elastic launcher
-(:mod:`autotp.layout.profile` does the measuring, on all ranks at once), prints what it measured, and
+(:mod:`autotp.search.profile` does the measuring, on all ranks at once), prints what it measured, and
 writes the profile as JSON for ``--gpu PATH``. With ``--model`` the matmuls timed are the model's own, read
 from its captured graph (on the meta device, as ``autotp plan`` captures it), so the sustained rate is the
 one that model's shapes get.
@@ -23,10 +23,10 @@ from autotp.cli.common import USAGE_ERROR, warm_ranks
 from autotp.cli.plan_format import fmt_size
 from autotp.cli.run import DEBUG, TIMEOUT, abort, as_flags
 from autotp.errors import AutotpError, LaunchError, LaunchInterrupted, ModelFileError, RankFailedError
-from autotp.layout.hardware import Hardware, save
+from autotp.search.hardware import Hardware, save
 
 MAX_SHAPES = 8  # the largest by flops: a model's many small matmuls add little but time
-DTYPE_NAMES = ("fp32", "bf16")  # autotp.layout.profile.DTYPES' names, checked here before torch is imported
+DTYPE_NAMES = ("fp32", "bf16")  # autotp.search.profile.DTYPES' names, checked here before torch is imported
 
 
 def model_shapes(model: str, limit: int = MAX_SHAPES) -> list[tuple[int, int, int]]:
@@ -172,7 +172,7 @@ def profile(
     import torch
 
     from autotp.distributed.launch import LaunchSpec, launch
-    from autotp.layout.profile import ProfileJob, profile_worker
+    from autotp.search.profile import ProfileJob, profile_worker
 
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -622,7 +622,7 @@ def _choose(model: str, world_size: int, nnodes: int, gpu: str | None,
     if best is None:
         why = "; ".join(plan_auto.explain(found.result)) or "no layout the sizes allow"
         abort(f"--auto found no layout autotp shard runs on {world_size} ranks: {why}", debug, code=USAGE_ERROR)
-    lay = best.layout
+    lay = best.candidate
     Console(stderr=True).print(f"[bold]--auto:[/bold] {lay.label()} on {escape(hw.name)}: predicted "
                                f"{best.step * 1e3:.1f} ms per step, {best.tokens_per_device:,.0f} tokens/s per "
                                f"rank (`autotp plan --auto` shows the others)", soft_wrap=True)

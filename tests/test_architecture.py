@@ -25,7 +25,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("autotp.state",),  # what a parallelized model carries (TPState), and its one accessor
     ("autotp.io",),  # weights and checkpoints in and out of a model, read through the accessor
     ("autotp.parallel",),  # orchestration: parallelize() runs every stage and binds the result to a rank
-    ("autotp.layout",),  # the layout search over tp × dp × pp, and the hardware profiles it prices with
+    ("autotp.search",),  # the layout search over tp × dp × pp, and the hardware profiles it prices with
     ("autotp",),  # the public names
     ("autotp.cli",),  # the command line
 )
@@ -230,7 +230,7 @@ def test_capture_and_plan_is_written_once(trees: dict[str, ast.AST]) -> None:
     ("autotp.cli.x", "from autotp.capture import tracer\n", 1),
     ("autotp.parallel.x", "import autotp.plan.planner\n", 1),
     ("autotp.parallel.x", "from autotp.plan.planner import make_plan, group_seq_grads\n", 1),
-    ("autotp.layout.x", "from autotp.plan.context_planner import context_plan\n", 1),
+    ("autotp.search.x", "from autotp.plan.context_planner import context_plan\n", 1),
     ("autotp.plan.x", "from autotp.plan.planner import make_plan\n", 0),
     ("autotp.plan.x", "from autotp.capture.tracer import capture_blocks\n", 1),
     ("autotp.cli.x", "import torch\nep = torch.export.export(m, (x,))\n", 1),

@@ -11,10 +11,10 @@ import pytest
 from typer.testing import CliRunner
 
 from autotp.cli.main import app
-from autotp.layout.auto import Space, explain, layouts, runnable, search, supported, tp_sizes
-from autotp.layout.cost import STATE_BYTES, Layout, Training, estimate
-from autotp.layout.facts import BLOCKS, FIRST, LAST, Comm, ModelFacts, TpFacts
-from autotp.layout.hardware import A100, H100, Hardware, Link, Measured, load, resolve, save
+from autotp.search.auto import Space, candidates, explain, runnable, search, supported, tp_sizes
+from autotp.search.cost import STATE_BYTES, Candidate, Training, estimate
+from autotp.search.facts import BLOCKS, FIRST, LAST, Comm, ModelFacts, TpFacts
+from autotp.search.hardware import A100, H100, Hardware, Link, Measured, load, resolve, save
 from autotp.plan.pipeline_report import layer_activation_bytes
 from ranks import ROOT
 
@@ -87,13 +87,13 @@ def test_profile_round_trip_and_refusals(tmp_path):
 # -- cost terms, each against a hand computation ------------------------------------------------------------
 def test_compute_term():
     f, h = facts(), hw(overhead=1e-4)
-    e = estimate(f, h, Layout(1, 1, 1, 2, 3), Training(act_bytes=2))
+    e = estimate(f, h, Candidate(1, 1, 1, 2, 3), Training(act_bytes=2))
     layer = layer_activation_bytes(2, 32, 64, 4, 1, 2, False, True)
     ops = 5 + 4 * 10 + 6  # every op of the forward, launched again (about twice) in the backward
     # 4 layers' kept activations written and read (2 bytes moved per byte) in each of 3 passes
     per_mb = 3 * (1e9 + 1e8) * 2 / 1e12 + 4 * 3 * 2 * layer / 1e11 + 3 * ops * 1e-4
     assert e.compute == pytest.approx(3 * per_mb)
-    rc = estimate(f, h, Layout(1, 1, 1, 2, 3, recompute=True), Training(act_bytes=2))
+    rc = estimate(f, h, Candidate(1, 1, 1, 2, 3, recompute=True), Training(act_bytes=2))
     # the checkpointed blocks run their forward again; the ends (embeddings, head and loss) do not
     assert rc.compute == pytest.approx(3 * (4 * 1e9 * 2 / 1e12 + 3 * 1e8 * 2 / 1e12 + 4 * 4 * 2 * layer / 1e11
                                             + (4 * 4 * 10 + 3 * (5 + 6)) * 1e-4))
@@ -101,21 +101,21 @@ def test_compute_term():
 
 def test_tp_comm_term():
     f, h = facts(), hw()
-    e = estimate(f, h, Layout(2, 1, 1, 2, 1), Training(act_bytes=2))
+    e = estimate(f, h, Candidate(2, 1, 1, 2, 1), Training(act_bytes=2))
     each = 32 * 64 * 2 * 2  # (b·s·h) bf16 elements of one all-reduce
     one = 1e-5 + 2 * (1 / 2) * each / 1e10
     assert e.tp_comm == pytest.approx(16 * one)  # 8 forward + 8 backward
-    rc = estimate(f, h, Layout(2, 1, 1, 2, 1, recompute=True), Training(act_bytes=2))
+    rc = estimate(f, h, Candidate(2, 1, 1, 2, 1, recompute=True), Training(act_bytes=2))
     assert rc.tp_comm == pytest.approx(24 * one)  # the forward's again while recomputing
 
 
 def test_pipeline_terms():
     f, h = facts(comm=False), hw()
-    e = estimate(f, h, Layout(1, 1, 2, 1, 4), Training(act_bytes=2))
+    e = estimate(f, h, Candidate(1, 1, 2, 1, 4), Training(act_bytes=2))
     send = 1e-5 + 32 * 64 * 2 / 1e10
     assert e.pp_comm == pytest.approx(4 * 2 * send)
     assert e.pp_bubble == pytest.approx((2 - 1) / 4 * (e.compute + e.tp_comm + e.pp_comm))
-    v2 = estimate(f, h, Layout(1, 1, 2, 1, 4, v=2), Training(act_bytes=2))
+    v2 = estimate(f, h, Candidate(1, 1, 2, 1, 4, v=2), Training(act_bytes=2))
     assert v2.pp_comm == pytest.approx(2 * e.pp_comm)
     assert v2.pp_bubble == pytest.approx((2 - 1) / (2 * 4) * (v2.compute + v2.tp_comm + v2.pp_comm))
     # the busier end: the last stage's 2 blocks and LM head (1e8 > 0 FLOPs of the first)
@@ -125,22 +125,22 @@ def test_pipeline_terms():
 
 def test_pipeline_sends_with_sequence_parallelism_and_megatrons_scatter_gather():
     f, h = facts(comm=False), hw()
-    full = estimate(f, h, Layout(2, 1, 2, 1, 4), Training(act_bytes=2))
+    full = estimate(f, h, Candidate(2, 1, 2, 1, 4), Training(act_bytes=2))
     hidden = 32 * 64 * 2  # (b, s, h) in bf16
     assert full.pp_comm == pytest.approx(4 * 2 * (1e-5 + hidden / 1e10))  # each tp rank its whole copy
-    sp = estimate(f, h, Layout(2, 1, 2, 1, 4, sp=True), Training(act_bytes=2))
+    sp = estimate(f, h, Candidate(2, 1, 2, 1, 4, sp=True), Training(act_bytes=2))
     assert sp.pp_comm == pytest.approx(4 * 2 * (1e-5 + hidden / 2 / 1e10))  # its s/t positions
     # Megatron-LM's scatter/gather: 1/t across, all-gathered inside the receiving tp group
-    sg = estimate(f, h, Layout(2, 1, 2, 1, 4), Training(act_bytes=2, scatter_gather=True))
+    sg = estimate(f, h, Candidate(2, 1, 2, 1, 4), Training(act_bytes=2, scatter_gather=True))
     assert sg.pp_comm == pytest.approx(4 * 2 * (1e-5 + hidden / 2 / 1e10 + 1e-5 + hidden / 2 / 1e10))
-    assert estimate(f, h, Layout(2, 1, 2, 1, 4, sp=True), Training(act_bytes=2, scatter_gather=True)).pp_comm \
+    assert estimate(f, h, Candidate(2, 1, 2, 1, 4, sp=True), Training(act_bytes=2, scatter_gather=True)).pp_comm \
         == pytest.approx(sp.pp_comm)  # already split: nothing to gather
 
 
 def test_buffer_copies_at_the_measured_copy_rate():
     f = facts(comm=False, per_layer=10**7)
     grad = (500 + 4 * 10**7 + 300) * 4
-    lay, tr = Layout(1, 4, 1, 1, 1), Training(act_bytes=2)
+    lay, tr = Candidate(1, 4, 1, 1, 1), Training(act_bytes=2)
     assumed = estimate(f, hw(), lay, tr)
     measured = estimate(f, hw(copy_bandwidth=2.5e10), lay, tr)
     assert hw().copy_rate == 1e11 and hw(copy_bandwidth=2.5e10).copy_rate == 2.5e10
@@ -148,9 +148,9 @@ def test_buffer_copies_at_the_measured_copy_rate():
 
 
 def test_terms_not_measured_on_the_priced_device_are_assumed():
-    from autotp.layout.assumed import assumed_terms
+    from autotp.search.assumed import assumed_terms
 
-    f, lay, tr = facts(), Layout(2, 2, 2, 1, 4), Training(act_bytes=2)
+    f, lay, tr = facts(), Candidate(2, 2, 2, 1, 4), Training(act_bytes=2)
     preset = estimate(f, hw(), lay, tr)
     assert set(assumed_terms(hw(), preset)) == {k for k, v in preset.terms().items() if v}  # datasheet: all
     timed = tuple(Measured(k, n, Link(1e-5, 1e10)) for k, n in (("all_reduce", 2), ("send", 2)))
@@ -163,7 +163,7 @@ def test_terms_not_measured_on_the_priced_device_are_assumed():
     small = dataclasses.replace(profiled, gpus_per_node=2)
     said = assumed_terms(small, estimate(f, small, lay, tr))
     assert set(said) == {"dp comm", "pp comm"} and "across nodes" in said["dp comm"]
-    sp = Layout(2, 2, 2, 1, 4, sp=True)  # reduce-scatters and all-gathers over tp, never timed here
+    sp = Candidate(2, 2, 2, 1, 4, sp=True)  # reduce-scatters and all-gathers over tp, never timed here
     assert "tp comm" in assumed_terms(profiled, estimate(f, profiled, sp, tr))
 
 
@@ -171,20 +171,20 @@ def test_the_json_labels_rejected_layouts_assumed_as_the_table_labels_ranked_one
     """`autotp plan --auto --json`: each rejected layout carries the terms that rest on numbers not measured on
     the device, as a ranked one does (a profile that timed this node's collectives: only what crosses nodes)."""
     from autotp.cli.plan_auto import Auto, to_dict
-    from autotp.layout.assumed import assumed_terms
-    from autotp.layout.auto import Rejected, Search
+    from autotp.search.assumed import assumed_terms
+    from autotp.search.auto import Rejected, Search
 
     f, tr = facts(), Training(act_bytes=2)
     timed = tuple(Measured(k, n, Link(1e-5, 1e10)) for k, n in (("all_reduce", 2), ("send", 2)))
     h = hw(matmuls=((8, 8, 8, 1e12),), measured=timed, optimizer=1e-9, copy_bandwidth=5e10, gpus_per_node=2)
-    fits, over, wide = (estimate(f, h, lay, tr) for lay in (Layout(2, 1, 1, 1, 1), Layout(2, 2, 2, 1, 4),
-                                                           Layout(1, 1, 1, 1, 1)))
-    rejected = (Rejected(over.layout, "needs more", 1.0, over), Rejected(wide.layout, "needs more", 2.0, wide))
+    fits, over, wide = (estimate(f, h, lay, tr) for lay in (Candidate(2, 1, 1, 1, 1), Candidate(2, 2, 2, 1, 4),
+                                                           Candidate(1, 1, 1, 1, 1)))
+    rejected = (Rejected(over.candidate, "needs more", 1.0, over), Rejected(wide.candidate, "needs more", 2.0, wide))
     data = to_dict(Auto(f, h, Space(world=8, gpus_per_node=2, batch=4), tr, Search((fits,), rejected, 3)), 5)
     said = {r["label"]: r["assumed"] for r in data["rejected"]}
-    assert said == {e.layout.label(): assumed_terms(h, e, tr) for e in (over, wide)}
+    assert said == {e.candidate.label(): assumed_terms(h, e, tr) for e in (over, wide)}
     # dp 2 over tp 2 ranks and the stage neighbours span the nodes of 2: assumed; a rank alone: nothing
-    assert set(said[over.layout.label()]) == {"dp comm", "pp comm"} and said[wide.layout.label()] == {}
+    assert set(said[over.candidate.label()]) == {"dp comm", "pp comm"} and said[wide.candidate.label()] == {}
     assert data["ranked"][0]["assumed"] == assumed_terms(h, fits, tr)
 
 
@@ -194,22 +194,22 @@ def test_dp_comm_term_ddp_and_fsdp():
     buckets = math.ceil(grad / (25 * 2**20))
     copies = 2 * grad * 2 / 1e11  # into the buckets and back, each read and written
     slow = hw(intra=Link(1e-5, 1e8))  # a slow link: the all-reduce outlasts the backward
-    e = estimate(f, slow, Layout(1, 4, 1, 1, 1), Training(act_bytes=2))
+    e = estimate(f, slow, Candidate(1, 4, 1, 1, 1), Training(act_bytes=2))
     total = buckets * (1e-5 + 2 * 3 / 4 * grad / buckets / 1e8)
     backward = e.compute * 2 / 3
     assert total - backward > total / buckets
     assert e.dp_comm == pytest.approx(total - backward + copies)
     # a fast link: hidden behind the backward but for the last bucket
-    fast = estimate(f, hw(intra=Link(1e-5, 1e13)), Layout(1, 4, 1, 1, 1), Training(act_bytes=2))
+    fast = estimate(f, hw(intra=Link(1e-5, 1e13)), Candidate(1, 4, 1, 1, 1), Training(act_bytes=2))
     assert fast.dp_comm == pytest.approx(1e-5 + 2 * 3 / 4 * grad / buckets / 1e13 + copies)
     # collectives on the compute's own cores (gloo on a CPU): nothing hidden
-    cpu = estimate(f, hw(intra=Link(1e-5, 1e13), overlap=False), Layout(1, 4, 1, 1, 1), Training(act_bytes=2))
+    cpu = estimate(f, hw(intra=Link(1e-5, 1e13), overlap=False), Candidate(1, 4, 1, 1, 1), Training(act_bytes=2))
     assert cpu.dp_comm == pytest.approx(buckets * (1e-5 + 2 * 3 / 4 * grad / buckets / 1e13) + copies)
     # one bucket (a small model): nothing to overlap, the whole all-reduce waits for the backward
     small = facts(comm=False)
-    one = estimate(small, slow, Layout(1, 4, 1, 1, 1), Training(act_bytes=2))
+    one = estimate(small, slow, Candidate(1, 4, 1, 1, 1), Training(act_bytes=2))
     assert one.dp_comm == pytest.approx(1e-5 + 2 * 3 / 4 * (4800 * 4) / 1e8 + 2 * 4800 * 4 * 2 / 1e11)
-    fs = estimate(f, slow, Layout(1, 4, 1, 1, 1, fsdp=True), Training(act_bytes=2))
+    fs = estimate(f, slow, Candidate(1, 4, 1, 1, 1, fsdp=True), Training(act_bytes=2))
     units = 4 + 1
     gather = units * (1e-5 + 3 / 4 * grad / units / 1e8)
     scatter = gather
@@ -226,10 +226,10 @@ def test_pipelined_fsdp_gathers_each_stage_once_per_step():
     slow = hw(intra=Link(1e-5, 1e8))
     stage = (4 * 10**7 / 2 + 500) * 4  # bytes: half the blocks and the larger end (the embedding, 500)
     for m in (2, 4):
-        e = estimate(f, slow, Layout(1, 2, 2, 1, m, fsdp=True), Training(act_bytes=2))
+        e = estimate(f, slow, Candidate(1, 2, 2, 1, m, fsdp=True), Training(act_bytes=2))
         one = 1e-5 + 1 / 2 * stage / 1e8
         assert e.dp_comm == pytest.approx(2 * one + 2 * stage * 2 / 1e11)  # one copy out, one copy in
-        ddp_state = estimate(f, slow, Layout(1, 2, 2, 1, m), Training(act_bytes=2)).memory.state
+        ddp_state = estimate(f, slow, Candidate(1, 2, 2, 1, m), Training(act_bytes=2)).memory.state
         assert e.memory.state == pytest.approx(ddp_state / 2)
         logits, copies = 1 * 32 * 256 * (2 + 4), stage / 4 * 2  # autocast's bf16 copies of the gathered weights
         assert e.memory.other == pytest.approx(logits + copies + 2 * stage)
@@ -243,8 +243,8 @@ def test_fsdp_mixed_precision_gathers_16_bit_weights_and_makes_no_autocast_copie
     slow = hw(intra=Link(1e-5, 1e8), overlap=False)
     grad = (500 + 4 * 10**7 + 300) * 4
     units = 4 + 1
-    plain = estimate(f, slow, Layout(1, 4, 1, 1, 1, fsdp=True), Training(act_bytes=2))
-    mixed = estimate(f, slow, Layout(1, 4, 1, 1, 1, fsdp=True, fsdp_dtype="bf16"), Training(act_bytes=2))
+    plain = estimate(f, slow, Candidate(1, 4, 1, 1, 1, fsdp=True), Training(act_bytes=2))
+    mixed = estimate(f, slow, Candidate(1, 4, 1, 1, 1, fsdp=True, fsdp_dtype="bf16"), Training(act_bytes=2))
     gather = units * (1e-5 + 3 / 4 * grad / 2 / units / 1e8)
     scatter = units * (1e-5 + 3 / 4 * grad / units / 1e8)
     assert mixed.dp_comm == pytest.approx(2 * gather + scatter + (2 * grad / 2 + grad) * 2 / 1e11)
@@ -252,12 +252,12 @@ def test_fsdp_mixed_precision_gathers_16_bit_weights_and_makes_no_autocast_copie
     names = dict(mixed.memory.parts)
     assert "autocast weight copies" not in names and dict(plain.memory.parts)["autocast weight copies"] == grad / 2
     assert names["gathered blocks"] == pytest.approx(2 * 10**7 * 2)  # two blocks, 16-bit
-    assert mixed.layout.label() == "tp1 dp4·fsdp(bf16) pp1 mb1×1"
+    assert mixed.candidate.label() == "tp1 dp4·fsdp(bf16) pp1 mb1×1"
     # searched where activations are narrower than the parameters, never in the model's own dtype
     space = Space(world=4, gpus_per_node=4, batch=8)
-    assert any(x.fsdp_dtype == "bf16" for x in layouts(f, space, mixed="bf16"))
-    assert not any(x.fsdp_dtype for x in layouts(f, space))
-    assert not any(e.layout.fsdp_dtype for e in search(f, hw(), space, Training(act_bytes=4)).ranked)
+    assert any(x.fsdp_dtype == "bf16" for x in candidates(f, space, mixed="bf16"))
+    assert not any(x.fsdp_dtype for x in candidates(f, space))
+    assert not any(e.candidate.fsdp_dtype for e in search(f, hw(), space, Training(act_bytes=4)).ranked)
 
 
 def test_fsdp_keep_gathers_and_reduces_once_per_step():
@@ -267,14 +267,14 @@ def test_fsdp_keep_gathers_and_reduces_once_per_step():
     f = facts(comm=False, per_layer=10**7)
     slow = hw(intra=Link(1e-5, 1e8), overlap=False)
     grad = (500 + 4 * 10**7 + 300) * 4
-    per_mb = [estimate(f, slow, Layout(1, 4, 1, 1, m, fsdp=True), Training(act_bytes=4)) for m in (2, 4)]
+    per_mb = [estimate(f, slow, Candidate(1, 4, 1, 1, m, fsdp=True), Training(act_bytes=4)) for m in (2, 4)]
     assert per_mb[1].dp_comm == pytest.approx(2 * per_mb[0].dp_comm)
-    kept = [estimate(f, slow, Layout(1, 4, 1, 1, m, fsdp=True, keep=True), Training(act_bytes=4)) for m in (2, 4)]
+    kept = [estimate(f, slow, Candidate(1, 4, 1, 1, m, fsdp=True, keep=True), Training(act_bytes=4)) for m in (2, 4)]
     one = 1e-5 + 3 / 4 * grad / 1e8
     assert kept[0].dp_comm == pytest.approx(kept[1].dp_comm) == pytest.approx(2 * one + 2 * grad * 2 / 1e11)
     assert dict(kept[0].memory.parts)["gathered weights and unsharded gradients"] == 2 * grad
     space = Space(world=4, gpus_per_node=4, batch=8)
-    every = list(layouts(f, space))
+    every = list(candidates(f, space))
     assert all(x.fsdp and x.pp == 1 and x.microbatches > 1 for x in every if x.keep)
     assert any(x.keep for x in every) and not any(runnable(x) for x in every if x.keep)
 
@@ -291,24 +291,24 @@ def test_rejects_name_the_fastest_with_its_memory_terms():
     assert out is not None and out.estimate.tokens_per_device >= fastest.tokens_per_device * (1 - 1e-9)
     lines = explain(result)
     said = next(x for x in lines if x.startswith("the fastest layout ruled out"))
-    assert out.layout.label() in said and "state" in said and "autocast weight copies" in said
+    assert out.candidate.label() in said and "state" in said and "autocast weight copies" in said
     assert out.to_dict()["estimate"]["memory"]["fits"] is False
 
 
 def test_shared_devices_absorb_the_bubble():
     f = facts(comm=False)
-    lay = Layout(1, 1, 2, 1, 4)
+    lay = Candidate(1, 1, 2, 1, 4)
     alone = estimate(f, hw(), lay, Training(act_bytes=2))
     shared = estimate(f, hw(share=2.0), lay, Training(act_bytes=2))
     assert alone.pp_bubble > 0 and shared.pp_bubble == 0
-    four = estimate(f, hw(share=2.0), Layout(1, 1, 4, 1, 4), Training(act_bytes=2))
-    full = estimate(f, hw(), Layout(1, 1, 4, 1, 4), Training(act_bytes=2))
+    four = estimate(f, hw(share=2.0), Candidate(1, 1, 4, 1, 4), Training(act_bytes=2))
+    full = estimate(f, hw(), Candidate(1, 1, 4, 1, 4), Training(act_bytes=2))
     assert four.pp_bubble == pytest.approx(full.pp_bubble * (1 - 1 / 3))
 
 
 def test_optimizer_and_memory_terms():
     f, h = facts(comm=False), hw()
-    lay = Layout(2, 2, 1, 2, 1)
+    lay = Candidate(2, 2, 1, 2, 1)
     e = estimate(f, h, lay, Training(act_bytes=4))
     local = 500 // 2 + 4000 // 2 + 300 // 2
     assert e.optimizer == pytest.approx(2 * STATE_BYTES * local / 1e11)
@@ -317,7 +317,7 @@ def test_optimizer_and_memory_terms():
     assert e.memory.state == STATE_BYTES * local
     assert e.memory.activations == pytest.approx(4 * layer_activation_bytes(2, 32, 64, 4, 2, 4, False, True))
     assert e.memory.other == pytest.approx(2 * 32 * 256 / 2 * (4 + 4))  # the logits, no autocast copies
-    fs = estimate(f, h, Layout(2, 2, 1, 2, 1, fsdp=True), Training(act_bytes=4))
+    fs = estimate(f, h, Candidate(2, 2, 1, 2, 1, fsdp=True), Training(act_bytes=4))
     assert fs.memory.state == STATE_BYTES * local / 2
     assert fs.memory.capacity == pytest.approx(0.9 * 100 * GB)
 
@@ -325,9 +325,9 @@ def test_optimizer_and_memory_terms():
 def test_recompute_keeps_layer_inputs_and_pipelines_keep_micro_batches_in_flight():
     f, h = facts(comm=False), hw()
     layer = layer_activation_bytes(1, 32, 64, 4, 1, 2, False, True)
-    gpipe_like = estimate(f, h, Layout(1, 1, 2, 1, 4), Training(act_bytes=2))  # 1F1B rank 0: min(m, p) = 2
+    gpipe_like = estimate(f, h, Candidate(1, 1, 2, 1, 4), Training(act_bytes=2))  # 1F1B rank 0: min(m, p) = 2
     assert gpipe_like.memory.activations == pytest.approx(2 * 2 * layer)
-    rc = estimate(f, h, Layout(1, 1, 2, 1, 4, recompute=True), Training(act_bytes=2))
+    rc = estimate(f, h, Candidate(1, 1, 2, 1, 4, recompute=True), Training(act_bytes=2))
     assert rc.memory.activations == pytest.approx(2 * 2 * 32 * 64 * 2 + layer)
 
 
@@ -335,8 +335,8 @@ def test_context_parallel_terms():
     """cp 2: every rank computes, keeps and sends 1/2 of the tokens' work; per layer it gathers K and V twice
     (forward, backward) and hands dK and dV back; the gradients are summed over the pair once per backward."""
     f, h = facts(), hw(overhead=1e-4)
-    one = estimate(f, h, Layout(2, 1, 1, 2, 1), Training(act_bytes=2))
-    two = estimate(f, h, Layout(2, 1, 1, 2, 1, cp=2), Training(act_bytes=2))
+    one = estimate(f, h, Candidate(2, 1, 1, 2, 1), Training(act_bytes=2))
+    two = estimate(f, h, Candidate(2, 1, 1, 2, 1, cp=2), Training(act_bytes=2))
     ring_ops = 3 * 1e-4 * 4 * 2 * 2  # 3 passes, 4 layers, 2 ops per ring step, 2 steps
     assert two.compute == pytest.approx(one.compute / 2 + 3 * 1e-4 * (5 + 4 * 10 + 6) / 2 + ring_ops)
     assert two.tp_comm < one.tp_comm and two.memory.activations == pytest.approx(one.memory.activations / 2)
@@ -349,9 +349,9 @@ def test_context_parallel_terms():
     copies = 2 * grads // 4
     assert two.memory.other == pytest.approx((one.memory.other - copies) / 2 + copies + kv)
     assert two.memory.state == one.memory.state  # the parameters are whole on every cp rank
-    assert Layout(2, 1, 1, 2, 1, cp=2).label() == "tp2 cp2 dp1 pp1 mb2×1" and Layout(2, 1, 1, 2, 1, cp=2).world == 4
+    assert Candidate(2, 1, 1, 2, 1, cp=2).label() == "tp2 cp2 dp1 pp1 mb2×1" and Candidate(2, 1, 1, 2, 1, cp=2).world == 4
     # with FSDP the cp ranks shard the state with the dp ranks, and FSDP's reduce-scatter sums the gradients
-    fs = estimate(f, h, Layout(2, 1, 1, 2, 1, fsdp=True, cp=2), Training(act_bytes=2))
+    fs = estimate(f, h, Candidate(2, 1, 1, 2, 1, fsdp=True, cp=2), Training(act_bytes=2))
     assert fs.memory.state == two.memory.state / 2 and fs.dp_comm > 0
     assert fs.cp_comm == pytest.approx(4 * (2 * gather + scatter))  # the K/V gathers only
 
@@ -364,8 +364,8 @@ def test_context_parallel_where_nothing_else_can_split_a_long_sample():
     without = search(f, hw(), Space(world=8, gpus_per_node=8, batch=1, context=False))
     assert without.best is None
     found = search(f, hw(), space, Training(act_bytes=2))
-    assert found.best.layout.cp > 1 and found.best.layout.world == 8
-    assert {e.layout.cp for e in found.ranked} <= {2, 4, 8}
+    assert found.best.candidate.cp > 1 and found.best.candidate.world == 8
+    assert {e.candidate.cp for e in found.ranked} <= {2, 4, 8}
     assert any("cp" in line for line in explain(found))
     # a model whose attention cannot run as a ring (the reason the ranks would give) gets no cp layout, said
     refused = dataclasses.replace(f, cp_refused="context parallelism (cp 2) cannot run this forward: ALiBi")
@@ -373,7 +373,7 @@ def test_context_parallel_where_nothing_else_can_split_a_long_sample():
     assert none.best is None and any("context parallelism not considered: " in n and "ALiBi" in n for n in none.notes)
     # the sequence in 2·cp equal chunks: 4096 tokens allow cp 8, 40 tokens only cp 2 and 4 (not 8: 16 ∤ 40)
     short = dataclasses.replace(f, seq=40)
-    assert {x.cp for x in layouts(short, space)} == {2, 4}
+    assert {x.cp for x in candidates(short, space)} == {2, 4}
 
 
 # -- the enumeration -----------------------------------------------------------------------------------------
@@ -387,7 +387,7 @@ def test_tp_sizes_stay_inside_a_node_and_divide_the_heads():
 def test_every_layout_respects_the_rules():
     f = facts(layers=4, heads=4)
     space = Space(world=8, gpus_per_node=4, batch=16)
-    seen = list(layouts(f, space))
+    seen = list(candidates(f, space))
     assert seen
     for lay in seen:
         assert lay.tp * lay.cp * lay.dp * lay.pp == lay.world == 8 and 4 % lay.tp == 0
@@ -404,10 +404,10 @@ def test_every_layout_respects_the_rules():
     assert {(x.tp, x.pp) for x in seen} == {(1, 1), (1, 2), (1, 4), (2, 1), (2, 2), (2, 4), (4, 1), (4, 2)}
     assert {(x.tp, x.cp) for x in seen if x.cp > 1} == {(1, 2), (1, 4), (1, 8), (2, 2), (2, 4), (4, 2)}
     # a batch the data-parallel size does not divide: no such layout
-    odd = list(layouts(f, Space(world=8, gpus_per_node=8, batch=2)))
+    odd = list(candidates(f, Space(world=8, gpus_per_node=8, batch=2)))
     assert all(2 % x.dp == 0 for x in odd) and {x.dp for x in odd} <= {1, 2}
     # per replica: each replica's batch is fixed, so every dp is allowed
-    per = list(layouts(f, Space(world=8, gpus_per_node=8, batch=3, per_replica=True)))
+    per = list(candidates(f, Space(world=8, gpus_per_node=8, batch=3, per_replica=True)))
     assert {x.dp for x in per} >= {8, 4} and all(x.micro_batch * x.microbatches == 3 for x in per)
 
 
@@ -415,8 +415,8 @@ def test_a_fixed_micro_batch_leaves_the_search_the_meshes():
     """Space(micro_batch=b), Megatron-LM's --micro-batch-size: every layout runs micro-batches of b (the
     micro-batches per step follow from dp), where dp leaves each replica a multiple of b; bad values refused."""
     f = facts()
-    fixed = list(layouts(f, Space(world=8, gpus_per_node=8, batch=16, micro_batch=2)))
-    free = list(layouts(f, Space(world=8, gpus_per_node=8, batch=16)))
+    fixed = list(candidates(f, Space(world=8, gpus_per_node=8, batch=16, micro_batch=2)))
+    free = list(candidates(f, Space(world=8, gpus_per_node=8, batch=16)))
     assert fixed and {x.micro_batch for x in fixed} == {2} and {x.micro_batch for x in free} > {2}
     assert all(x.dp * x.micro_batch * x.microbatches == 16 for x in fixed)
     assert {(x.tp, x.pp, x.dp) for x in fixed} == {(x.tp, x.pp, x.dp) for x in free if 16 // x.dp % 2 == 0}
@@ -425,13 +425,13 @@ def test_a_fixed_micro_batch_leaves_the_search_the_meshes():
 
 
 def test_runnable_layouts_are_what_autotp_shard_runs():
-    assert supported(Layout(2, 2, 1, 1, 1, fsdp=True, sp=True)) and supported(Layout(2, 1, 2, 1, 2, sp=True))
-    assert supported(Layout(1, 2, 2, 1, 2, fsdp=True)) and supported(Layout(1, 2, 2, 1, 4, v=2, fsdp=True))
-    assert not runnable(Layout(1, 1, 1, 1, 1, recompute=True)) and not runnable(Layout(1, 2, 1, 1, 2))
+    assert supported(Candidate(2, 2, 1, 1, 1, fsdp=True, sp=True)) and supported(Candidate(2, 1, 2, 1, 2, sp=True))
+    assert supported(Candidate(1, 2, 2, 1, 2, fsdp=True)) and supported(Candidate(1, 2, 2, 1, 4, v=2, fsdp=True))
+    assert not runnable(Candidate(1, 1, 1, 1, 1, recompute=True)) and not runnable(Candidate(1, 2, 1, 1, 2))
     f = facts()
-    assert all(runnable(x) for x in layouts(f, Space(world=4, gpus_per_node=4, batch=8, runnable=True)))
+    assert all(runnable(x) for x in candidates(f, Space(world=4, gpus_per_node=4, batch=8, runnable=True)))
     # every layout priced is one autotp runs; a pipeline with sequence parallelism among them
-    every = list(layouts(f, Space(world=8, gpus_per_node=4, batch=8)))
+    every = list(candidates(f, Space(world=8, gpus_per_node=4, batch=8)))
     assert every and all(supported(x) for x in every) and any(x.pp > 1 and x.sp for x in every)
     assert any(x.pp > 1 and x.fsdp for x in every)
 
@@ -461,7 +461,7 @@ def test_slow_links_push_the_choice_away_from_tensor_parallelism():
     f = facts()
     fast = search(f, hw(intra=Link(0, 1e15)), Space(world=4, gpus_per_node=4, batch=4)).best
     slow = search(f, hw(intra=Link(1e-2, 1e6)), Space(world=4, gpus_per_node=4, batch=4)).best
-    assert slow.layout.tp == 1 and slow.step > fast.step
+    assert slow.candidate.tp == 1 and slow.step > fast.step
 
 
 # -- facts from a real capture, and the command ----------------------------------------------------------
@@ -469,7 +469,7 @@ def test_facts_of_the_example_gpt():
     import torch
 
     from autotp.capture.modelfile import load_model_file
-    from autotp.layout.facts import capture_facts
+    from autotp.search.facts import capture_facts
 
     mf = load_model_file("examples/nanogpt.py")
     with torch.device("meta"):
@@ -570,27 +570,27 @@ def test_command_spells_the_layout_as_autotp_shard_runs_it():
     from autotp.cli.plan_command import command
 
     space = Space(world=64, gpus_per_node=8, batch=64)
-    lay = Layout(8, 8, 1, 1, 1, fsdp=True, sp=True, recompute=True, fsdp_dtype="bf16")
+    lay = Candidate(8, 8, 1, 1, 1, fsdp=True, sp=True, recompute=True, fsdp_dtype="bf16")
     cmd = command("llama70b.py", lay, space)
     assert cmd.line.startswith("autotp shard llama70b.py --tp 8 --dp 1 --fsdp --fsdp-param-dtype bf16 "
                                "--sequence-parallel --nnodes 8")
     assert any("checkpointing" in n for n in cmd.notes)
-    piped = command("m.py", Layout(2, 2, 4, 1, 16, v=2), Space(world=16, gpus_per_node=8, batch=32))
+    piped = command("m.py", Candidate(2, 2, 4, 1, 16, v=2), Space(world=16, gpus_per_node=8, batch=32))
     assert "--tp 2 --dp 1 --pp 4 --microbatches 16 --virtual-stages 2 --schedule Interleaved1F1B" in piped.line
-    kept = command("m.py", Layout(1, 8, 1, 2, 4, fsdp=True, keep=True), Space(world=8, gpus_per_node=8, batch=64))
+    kept = command("m.py", Candidate(1, 8, 1, 2, 4, fsdp=True, keep=True), Space(world=8, gpus_per_node=8, batch=64))
     assert "--nnodes" not in kept.line and any("set_requires_gradient_sync(False)" in n for n in kept.notes)
     # replicas the nodes do not take in equal shares: --dp counts them all, --world-size says so
-    odd = command("m.py", Layout(4, 3, 4, 1, 4), Space(world=48, gpus_per_node=8, batch=12))
+    odd = command("m.py", Candidate(4, 3, 4, 1, 4), Space(world=48, gpus_per_node=8, batch=12))
     assert "--tp 4 --dp 3 --pp 4 --microbatches 4 --world-size 48 --nnodes 6 --node-rank R" in odd.line
     assert any("--dp 3 counts every node's replicas" in n and "4 pipeline stages sit on different nodes" in n
                for n in odd.notes)
     # the model file's example batch against the replica's sequences per step: said where they differ
     assert piped.notes[-1].endswith("example_batch() sets it")
-    short = command("m.py", Layout(2, 2, 4, 1, 16, v=2), Space(world=16, gpus_per_node=8, batch=32), example_rows=1)
+    short = command("m.py", Candidate(2, 2, 4, 1, 16, v=2), Space(world=16, gpus_per_node=8, batch=32), example_rows=1)
     assert short.notes[-1].endswith("example_batch() sets it, and holds 1 now: make it return 16")
-    same = command("m.py", Layout(2, 2, 4, 1, 16, v=2), Space(world=16, gpus_per_node=8, batch=32), example_rows=16)
+    same = command("m.py", Candidate(2, 2, 4, 1, 16, v=2), Space(world=16, gpus_per_node=8, batch=32), example_rows=16)
     assert same.notes[-1].endswith("example_batch() returns them")
-    straddling = command("m.py", Layout(8, 2, 1, 1, 1), Space(world=16, gpus_per_node=4, batch=2))
+    straddling = command("m.py", Candidate(8, 2, 1, 1, 1), Space(world=16, gpus_per_node=4, batch=2))
     assert straddling.line is None and "tp (8) exceeds gpus per node (4)" in straddling.notes[0]
 
 
@@ -599,10 +599,10 @@ def test_the_best_layout_is_spelled_and_the_fastest_spelled_one_only_where_it_is
     layout has its own command line; the fastest layout that has one is printed beside it only for a best that
     autotp shard cannot lay out (a tp group straddling two nodes)."""
     from autotp.cli.plan_auto import Auto, _spelled_dict, spelled_best, to_dict
-    from autotp.layout.auto import Search
+    from autotp.search.auto import Search
 
     f, tr = facts(), Training(act_bytes=2)
-    across, spelled = (estimate(f, hw(), lay, tr) for lay in (Layout(4, 1, 4, 1, 4), Layout(2, 2, 4, 1, 2)))
+    across, spelled = (estimate(f, hw(), lay, tr) for lay in (Candidate(4, 1, 4, 1, 4), Candidate(2, 2, 4, 1, 2)))
     space = Space(world=16, gpus_per_node=8, batch=4)
     auto = Auto(f, hw(), space, tr, Search((across, spelled), (), 2), "m.py")
     est, cmd = spelled_best(auto)
@@ -612,7 +612,7 @@ def test_the_best_layout_is_spelled_and_the_fastest_spelled_one_only_where_it_is
     # tp 4 on nodes of 2 (a made-up search: the search itself keeps tp within a node)
     small = Space(world=16, gpus_per_node=2, batch=4)
     fallback = Auto(f, hw(), small, tr, Search((across, spelled), (), 2), "m.py")
-    assert spelled_best(fallback)[0] is spelled and _spelled_dict(fallback)["label"] == spelled.layout.label()
+    assert spelled_best(fallback)[0] is spelled and _spelled_dict(fallback)["label"] == spelled.candidate.label()
 
 
 @pytest.mark.extended
@@ -622,7 +622,7 @@ def test_a_pipeline_across_nodes_reads_back_as_the_layout(tmp_path):
     dtype and sequence parallelism. Extended: a pipeline plan takes seconds on 2 cores."""
     from autotp.cli.plan_command import command
 
-    lay = Layout(2, 2, 2, 1, 4, fsdp=True, sp=True, fsdp_dtype="bf16")
+    lay = Candidate(2, 2, 2, 1, 4, fsdp=True, sp=True, fsdp_dtype="bf16")
     line = command("examples/nanogpt.py", lay, Space(world=8, gpus_per_node=2, batch=4)).line
     assert "--world-size 8 --nnodes 4" in line
     out = tmp_path / "plan.json"
@@ -647,7 +647,7 @@ def test_the_70b_search_best_row_is_the_command_it_prints(tmp_path):
                             "--global-batch", "256", "--top", "1", "--json", str(found)], env={"COLUMNS": "200"})
     assert r.exit_code == 0, r.output
     data = json.loads(found.read_text())
-    lay = Layout(**data["ranked"][0]["layout"])
+    lay = Candidate(**data["ranked"][0]["layout"])
     line = data["command"]["line"]
     assert data["spelled"] is None and "fastest layout autotp shard spells" not in r.output
     assert f"run it: {line}" in " ".join(r.output.split())
@@ -684,7 +684,7 @@ def plan_argv(line: str) -> list[str]:
     return ["plan", *kept[1:]]
 
 
-def assert_plans(data: dict, output: str, lay: Layout, world: int, per_node: int) -> None:
+def assert_plans(data: dict, output: str, lay: Candidate, world: int, per_node: int) -> None:
     """`autotp plan --json`'s output is ``lay`` on ``world`` ranks, ``per_node`` to a node."""
     assert (data["world"]["tp"], data["world"]["dp"], data["world"]["pp"], data["world"].get("cp", 1)) == \
         (lay.tp, lay.dp, lay.pp, lay.cp)
@@ -706,7 +706,7 @@ def test_the_chosen_command_plans_the_same_layout(tmp_path):
     the whole dp) plans that layout: its sizes, FSDP and FSDP's gather dtype, sequence parallelism."""
     from autotp.cli.plan_command import command
 
-    lay = Layout(2, 8, 1, 1, 1, fsdp=True, sp=True, fsdp_dtype="bf16")
+    lay = Candidate(2, 8, 1, 1, 1, fsdp=True, sp=True, fsdp_dtype="bf16")
     line = command("examples/nanogpt.py", lay, Space(world=16, gpus_per_node=8, batch=8)).line
     argv = line.split()[1:]  # "shard", the model, its flags
     nnodes = int(argv[argv.index("--nnodes") + 1])
@@ -733,8 +733,8 @@ def test_matmul_rate_falls_with_fewer_rows_and_a_narrower_model():
     assert hw().matmul_rate(1, 1) == 1e12
     assert A100.matmul_rate(2048, 4096) == pytest.approx(0.579 * A100.peak_flops, rel=1e-3)
     f = facts(comm=False)
-    one = estimate(f, h, Layout(1, 1, 1, 1, 8), Training(act_bytes=4))
-    eight = estimate(f, h, Layout(1, 1, 1, 8, 1), Training(act_bytes=4))
+    one = estimate(f, h, Candidate(1, 1, 1, 1, 8), Training(act_bytes=4))
+    eight = estimate(f, h, Candidate(1, 1, 1, 8, 1), Training(act_bytes=4))
     assert one.compute > eight.compute  # the same FLOPs in micro-batches of 32 rows, not 256
 
 
@@ -744,5 +744,5 @@ def test_ddp_after_the_backward_hides_nothing():
     fast = hw(intra=Link(1e-5, 1e13))
     grad = (500 + 4 * 10**7 + 300) * 4
     buckets = math.ceil(grad / (25 * 2**20))
-    after = estimate(f, fast, Layout(1, 4, 1, 1, 1), Training(act_bytes=2, ddp_overlap=False))
+    after = estimate(f, fast, Candidate(1, 4, 1, 1, 1), Training(act_bytes=2, ddp_overlap=False))
     assert after.dp_comm == pytest.approx(buckets * (1e-5 + 2 * 3 / 4 * grad / buckets / 1e13) + 2 * grad * 2 / 1e11)

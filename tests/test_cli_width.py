@@ -217,7 +217,7 @@ def test_fit_table_folds_only_a_word_wider_than_the_console() -> None:
 def test_profile_tables_at_80() -> None:
     """``autotp profile``'s tables, from a profile made up here: a column per message size, split to fit."""
     from autotp.cli.profile import render
-    from autotp.layout.hardware import Hardware, Link, Measured
+    from autotp.search.hardware import Hardware, Link, Measured
 
     link = Link(35e-6, 12e9)
     sizes = [2 ** e for e in range(10, 28, 2)]

@@ -82,7 +82,7 @@ def test_one_rank_on_the_fake_group_runs_a_training_step(fake_tp: int):
 
 
 def test_facts_of_a_model_of_blocks_alone():
-    from autotp.layout.facts import capture_facts
+    from autotp.search.facts import capture_facts
     from gpu_check_compute import Stack
     from llama_shaped import Config
 

@@ -219,7 +219,7 @@ def test_autotp_profile_hands_its_ranks_the_job(tmp_path: Path, monkeypatch) -> 
     import signal
 
     from autotp.errors import LaunchInterrupted
-    from autotp.layout.profile import ProfileJob, profile_worker
+    from autotp.search.profile import ProfileJob, profile_worker
 
     launched = {}
 
@@ -237,6 +237,6 @@ def test_autotp_profile_hands_its_ranks_the_job(tmp_path: Path, monkeypatch) -> 
     assert isinstance(ranks, RankJob) and ranks == launched["spec"].job() and type(ranks.layout.tp) is int
     assert (ranks.layout.tp, ranks.layout.world_size) == (2, 2)
     assert list(inspect.signature(profile_worker).parameters)[:2] == ["ranks", "job"]
-    import autotp.layout.profile as profile_module
+    import autotp.search.profile as profile_module
 
     assert "init_from_env" not in vars(profile_module) and "environ" not in inspect.getsource(profile_worker)

@@ -171,7 +171,7 @@ def test_attention_dropout_on_the_rows_draws_from_the_chunks_stream():
     """Dropout on the probabilities of a keys-gathered attention runs on the chunk's rows: listed with the
     random ops, so each cp rank draws its own masks (not the same masks for different rows); the layout
     search leaves such a model's cp unpriced, naming the attention."""
-    from autotp.layout.facts import context_facts
+    from autotp.search.facts import context_facts
 
     torch.manual_seed(0)
     ids = torch.randint(0, 64, (2, 16))

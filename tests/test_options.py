@@ -135,8 +135,8 @@ def test_fsdp_over_dp_times_cp_is_one_answer_for_every_caller(tmp_path, monkeypa
     from autotp.combinations import refused
     from autotp.distributed.launch import LaunchSpec
     from autotp.errors import LaunchError
-    from autotp.layout.auto import supported
-    from autotp.layout.cost import Layout
+    from autotp.search.auto import supported
+    from autotp.search.cost import Candidate
     from autotp.parallel import planning
 
     reason = refused(fsdp=True, dp=dp, context_parallel=cp)
@@ -152,7 +152,7 @@ def test_fsdp_over_dp_times_cp_is_one_answer_for_every_caller(tmp_path, monkeypa
         assert reason is not None and str(exc).startswith(reason.message), exc
     assert launched == runs
     # the layout search
-    assert supported(Layout(1, dp, 1, 1, 1, fsdp=True, cp=cp)) == runs
+    assert supported(Candidate(1, dp, 1, 1, 1, fsdp=True, cp=cp)) == runs
     # autotp plan: past every check of the options, the capture is where it would go next
     class Reached(Exception):
         pass

@@ -10,8 +10,8 @@ from typer.testing import CliRunner
 
 from autotp.cli.main import app
 from autotp.cli.profile import model_shapes
-from autotp.layout.profile import MAX_BANDWIDTH, ProfileJob, fit_link, message_sizes, wire_bytes
-from autotp.layout.hardware import PROFILE_VERSION, Hardware, Link, Measured, load, save
+from autotp.search.profile import MAX_BANDWIDTH, ProfileJob, fit_link, message_sizes, wire_bytes
+from autotp.search.hardware import PROFILE_VERSION, Hardware, Link, Measured, load, save
 from ranks import ROOT
 
 runner = CliRunner()
@@ -122,7 +122,7 @@ def test_buffer_copies_count_every_byte_read_and_written() -> None:
     call (timed here by a stand-in for the ranks' clock: no processes)."""
     import torch
 
-    from autotp.layout.profile import _buffer_copies, block_sizes
+    from autotp.search.profile import _buffer_copies, block_sizes
 
     class Clock:
         job = ProfileJob.make("cpu", "fp32")
@@ -192,6 +192,6 @@ def test_profile_two_cpu_ranks(tmp_path) -> None:
 def test_the_dtypes_checked_before_torch_are_the_profilers() -> None:
     """``autotp profile --dtype`` is checked before torch is imported, against names kept beside the command."""
     from autotp.cli.profile import DTYPE_NAMES
-    from autotp.layout.profile import DTYPES
+    from autotp.search.profile import DTYPES
 
     assert DTYPE_NAMES == tuple(DTYPES)

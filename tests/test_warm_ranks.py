@@ -32,7 +32,7 @@ def test_only_commands_that_launch_autotp_functions_warm_ranks(argv, want):
 
 def test_the_shard_ranks_preload_the_module_of_the_function_they_run():
     from autotp.cli.shard_worker import shard_worker
-    from autotp.layout.profile import profile_worker
+    from autotp.search.profile import profile_worker
 
     assert RANK_MODULES["shard"][0] == shard_worker.__module__
     assert RANK_MODULES["profile"][0] == profile_worker.__module__

@@ -22,7 +22,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 # loaded once, in the fork server, not once per rank (tests/support/rank_preload.py)
 # (and the modules of the functions the command's ranks run: `autotp shard` called in-process forks its ranks
 # from this server too, as the console script forks them from its own; autotp.cli.entry.RANK_MODULES)
-_PRELOAD = ["rank_preload", "autotp.cli.shard_worker", "autotp.layout.profile"]
+_PRELOAD = ["rank_preload", "autotp.cli.shard_worker", "autotp.search.profile"]
 # where the ranks' functions and models live
 PATHS = [os.path.join(ROOT, "examples"), os.path.join(ROOT, "tests", "support"), os.path.join(ROOT, "tests", "scripts")]
 

@@ -1,5 +1,5 @@
 """The predicted step time and memory of one layout: an analytic model over :class:`ModelFacts` and a
-:class:`~autotp.layout.hardware.Hardware` profile.
+:class:`~autotp.search.hardware.Hardware` profile.
 
 A layout is tp × cp × dp × pp ranks (Megatron's order, tp innermost), ``v`` stages per pipeline rank,
 micro-batches of ``micro_batch`` samples, ``microbatches`` of them per step on each data-parallel replica
@@ -50,15 +50,15 @@ blocks gathered; pipelined, the stage's weights gathered and its gradients unsha
 layer input per layer with recomputation, plus one layer's worth being recomputed) and the last stage's
 logits in fp32 (and under autocast the 16-bit copies of the weights autocast caches, which FSDP's mixed
 precision does not make: its gathered weights are already 16-bit), against 90% of
-the device's memory. Nothing here is measured; :mod:`autotp.layout.auto` enumerates layouts and ranks them.
+the device's memory. Nothing here is measured; :mod:`autotp.search.auto` enumerates layouts and ranks them.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
 
-from autotp.layout.facts import BLOCKS, FIRST, LAST, ModelFacts
-from autotp.layout.hardware import Hardware
+from autotp.search.facts import BLOCKS, FIRST, LAST, ModelFacts
+from autotp.search.hardware import Hardware
 from autotp.plan.pipeline_report import in_flight, layer_activation_bytes
 
 RESERVED = 0.1  # of the device's memory: the CUDA context, communication buffers, the allocator's fragmentation
@@ -71,7 +71,9 @@ DDP_BUCKET = 25 * 2**20  # torch DDP's default bucket: the last one cannot overl
 
 
 @dataclass(frozen=True)
-class Layout:
+class Candidate:
+    """One layout the search prices: its sizes (tp × cp × dp × pp), micro-batching and the options it runs with."""
+
     tp: int
     dp: int
     pp: int
@@ -155,7 +157,7 @@ class Memory:
 
 @dataclass(frozen=True)
 class Estimate:
-    layout: Layout
+    candidate: Candidate
     compute: float  # seconds per step: the busiest rank's compute, bubble excluded
     tp_comm: float
     pp_bubble: float
@@ -174,11 +176,11 @@ class Estimate:
 
     @property
     def tokens_per_device(self) -> float:
-        return self.tokens / self.step / self.layout.world
+        return self.tokens / self.step / self.candidate.world
 
     @property
     def flops_per_device(self) -> float:
-        return self.model_flops / self.step / self.layout.world
+        return self.model_flops / self.step / self.candidate.world
 
     TERMS = ("compute", "tp comm", "cp comm", "pp bubble", "pp comm", "dp comm", "optimizer")
 
@@ -189,7 +191,8 @@ class Estimate:
         return dict(zip(self.TERMS, values))
 
     def to_dict(self) -> dict:
-        return {"layout": asdict(self.layout), "label": self.layout.label(), "step_s": self.step, **{
+        # "layout": the key the JSON of `autotp plan --auto` has always carried
+        return {"layout": asdict(self.candidate), "label": self.candidate.label(), "step_s": self.step, **{
             k.replace(" ", "_") + "_s": v for k, v in self.terms().items()},
             "memory": {**asdict(self.memory), "total": self.memory.total, "fits": self.memory.fits},
             "tokens_per_s_per_device": self.tokens_per_device, "flops_per_device": self.flops_per_device}
@@ -200,7 +203,7 @@ def _per_node(ranks: int, stride: int, gpus_per_node: int) -> int:
     return max(1, min(ranks, gpus_per_node // stride)) if stride < gpus_per_node else 1
 
 
-def _comm_time(hw: Hardware, facts: ModelFacts, lay: Layout, part: str, samples: float, share: float,
+def _comm_time(hw: Hardware, facts: ModelFacts, lay: Candidate, part: str, samples: float, share: float,
                act_bytes: int, recompute: bool) -> float:
     """The part's tp collectives for ``samples`` samples and ``share`` of its layers."""
     if lay.tp == 1:
@@ -217,7 +220,7 @@ def _comm_time(hw: Hardware, facts: ModelFacts, lay: Layout, part: str, samples:
     return total
 
 
-def estimate(facts: ModelFacts, hw: Hardware, lay: Layout, training: Training = Training()) -> Estimate:
+def estimate(facts: ModelFacts, hw: Hardware, lay: Candidate, training: Training = Training()) -> Estimate:
     """Price ``lay`` for ``facts`` on ``hw``."""
     t, c, d, p, v, b, m = lay.tp, lay.cp, lay.dp, lay.pp, lay.v, lay.micro_batch, lay.microbatches
     tf = facts.tp(t)
@@ -357,13 +360,13 @@ def kv_bytes(facts: ModelFacts, b: int, s: int, t: int, act: int) -> float:
     return b * s * width * act / (t if heads % t == 0 else 1)
 
 
-def _gather_bytes(facts: ModelFacts, lay: Layout, act: int) -> int:
+def _gather_bytes(facts: ModelFacts, lay: Candidate, act: int) -> int:
     """Bytes per parameter element FSDP's all-gathers carry: the mixed-precision dtype's (the activations'),
     else the model's own."""
     return act if lay.fsdp and lay.fsdp_dtype else facts.param_bytes
 
 
-def _local_params(facts: ModelFacts, lay: Layout) -> float:
+def _local_params(facts: ModelFacts, lay: Candidate) -> float:
     """Parameters one rank holds before FSDP: its stage's blocks, and the embeddings / head on the end stages
     (the larger end for the busiest rank)."""
     params = facts.tp(lay.tp).params
@@ -373,7 +376,7 @@ def _local_params(facts: ModelFacts, lay: Layout) -> float:
     return blocks + max(params[FIRST], params[LAST])
 
 
-def _memory(facts: ModelFacts, hw: Hardware, lay: Layout, layer_bytes: float, s: int, act: int) -> Memory:
+def _memory(facts: ModelFacts, hw: Hardware, lay: Candidate, layer_bytes: float, s: int, act: int) -> Memory:
     t, d, p, v, b, m = lay.tp, lay.dp, lay.pp, lay.v, lay.micro_batch, lay.microbatches
     local = _local_params(facts, lay)
     state = STATE_BYTES * local / (d * lay.cp if lay.fsdp else 1)

@@ -11,7 +11,7 @@ waits for its slowest rank.
 Collectives run in every group size ``n`` that divides the world, on groups of adjacent ranks ([0..n-1],
 [n..2n-1], ...), all groups at once, as tensor-parallel groups are placed; point-to-point is a ping-pong
 between ranks 2i and 2i+1 (half a round trip per message). Each (kind, n) is fitted to the cost model of
-:mod:`autotp.layout.hardware` (``latency + wire(S, n) / bandwidth``, its wire convention exactly), so
+:mod:`autotp.search.hardware` (``latency + wire(S, n) / bandwidth``, its wire convention exactly), so
 ``Hardware.collective`` reproduces the measured times. Rank 0 assembles the :class:`Hardware`.
 """
 from __future__ import annotations
@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from autotp.distributed.job import RankJob
 from autotp.distributed.launch import init_job
-from autotp.layout.hardware import Hardware, Link, Measured, wire
+from autotp.search.hardware import Hardware, Link, Measured, wire
 
 __all__ = ["DTYPES", "ProfileJob", "block_sizes", "default_shapes", "fit_link", "message_sizes", "profile_worker",
            "wire_bytes"]

@@ -1,6 +1,6 @@
 """Which terms of a priced step rest on numbers not measured on the device they price: said "assumed".
 
-A preset (:data:`autotp.layout.hardware.PRESETS`) is datasheet numbers and fitted curves: every term it
+A preset (:data:`autotp.search.hardware.PRESETS`) is datasheet numbers and fitted curves: every term it
 prices is assumed. A profile ``autotp profile`` wrote measured one node: its matmuls, memory bandwidth and
 op overhead (the compute term), its AdamW step (the optimizer term), the copies into and out of a flat
 buffer (``copy_bandwidth``; profiles written before it have none) and each collective per group size of
@@ -9,8 +9,8 @@ adjacent ranks on that node. A collective over a group the profile did not time,
 """
 from __future__ import annotations
 
-from autotp.layout.cost import Estimate, Layout, Training
-from autotp.layout.hardware import Hardware
+from autotp.search.cost import Candidate, Estimate, Training
+from autotp.search.hardware import Hardware
 
 
 def _timed(hw: Hardware, kinds: tuple[str, ...], ranks: int, spans_nodes: bool) -> bool:
@@ -22,7 +22,7 @@ def _timed(hw: Hardware, kinds: tuple[str, ...], ranks: int, spans_nodes: bool) 
 def assumed_terms(hw: Hardware, est: Estimate, training: Training = Training()) -> dict[str, str]:
     """The non-zero terms of ``est`` (:attr:`Estimate.TERMS` names) that rest on a number not measured on
     ``hw``'s device, each with what was not measured."""
-    lay: Layout = est.layout
+    lay: Candidate = est.candidate
     values = est.terms()
     if not hw.matmuls:  # no profile: datasheet numbers and the presets' curves
         return {k: "datasheet numbers and assumed rates, not measured" for k, v in values.items() if v}

@@ -9,7 +9,7 @@ given) and so the micro-batches
 per step ``m`` (at least ``p`` with a pipeline); ``v`` stages per pipeline rank (the interleaved schedule:
 L divisible by p·v, m by p); FSDP over dp, sequence parallelism over tp, full activation recomputation.
 Candidates are ranked by predicted tokens per second per device (for a fixed global batch: by step time).
-Each candidate is priced by :func:`autotp.layout.cost.estimate`; one that needs more memory than the device
+Each candidate is priced by :func:`autotp.search.cost.estimate`; one that needs more memory than the device
 has is rejected with the amount it is over by. Only layouts autotp runs are priced (:func:`supported`: the
 rule :func:`autotp.combinations.refused` that parallelize applies). ``runnable`` keeps to what ``autotp shard`` runs today
 (a pipeline with plain tensor and data parallelism; no recomputation knob).
@@ -20,9 +20,9 @@ from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from autotp.layout.cost import Estimate, Layout, Memory, Training, estimate
-from autotp.layout.facts import ModelFacts
-from autotp.layout.hardware import Hardware
+from autotp.search.cost import Candidate, Estimate, Memory, Training, estimate
+from autotp.search.facts import ModelFacts
+from autotp.search.hardware import Hardware
 from autotp.combinations import refused
 
 GiB = 2**30
@@ -56,13 +56,13 @@ class Space:
 
 @dataclass(frozen=True)
 class Rejected:
-    layout: Layout
+    candidate: Candidate
     reason: str
     over: float = 0.0  # bytes over the device's memory
     estimate: Estimate | None = None  # its price: the step it would take, the memory terms that reject it
 
     def to_dict(self) -> dict:
-        return {"label": self.layout.label(), "reason": self.reason, "over_bytes": self.over,
+        return {"label": self.candidate.label(), "reason": self.reason, "over_bytes": self.over,
                 **({"estimate": self.estimate.to_dict()} if self.estimate is not None else {})}
 
 
@@ -101,7 +101,7 @@ def cp_sizes(facts: ModelFacts, space: Space, rest: int, seq: int) -> list[int]:
     return [c for c in divisors(rest) if c == 1 or seq % (2 * c) == 0]
 
 
-def layouts(facts: ModelFacts, space: Space, seq: int | None = None, mixed: str | None = None) -> Iterator[Layout]:
+def candidates(facts: ModelFacts, space: Space, seq: int | None = None, mixed: str | None = None) -> Iterator[Candidate]:
     """Every layout the sizes allow (``seq``: the sequence trained on, default the captured one; ``mixed``: the
     16-bit dtype FSDP may gather in, where the activations are narrower than the parameters)."""
     L = facts.layers
@@ -120,7 +120,7 @@ def layouts(facts: ModelFacts, space: Space, seq: int | None = None, mixed: str 
 
 
 def _within(facts: ModelFacts, space: Space, t: int, c: int, d: int, p: int, share: int,
-            mixed: str | None) -> Iterator[Layout]:
+            mixed: str | None) -> Iterator[Candidate]:
     """The layouts of one (tp, cp, dp, pp) mesh: micro-batches, stages per rank, FSDP, sp, recomputation."""
     L = facts.layers
     for b in divisors(share):
@@ -137,14 +137,14 @@ def _within(facts: ModelFacts, space: Space, t: int, c: int, d: int, p: int, sha
                     for keep in keeps:
                         for sp in space.sp if t > 1 else (False,):
                             for rc in space.recompute:
-                                lay = Layout(t, d, p, b, m, v, fsdp, sp, rc, c, dtype, keep)
+                                lay = Candidate(t, d, p, b, m, v, fsdp, sp, rc, c, dtype, keep)
                                 # priced only where autotp runs it (autotp.combinations.refused)
                                 if not supported(lay) or space.runnable and not runnable(lay):
                                     continue
                                 yield lay
 
 
-def supported(lay: Layout) -> bool:
+def supported(lay: Candidate) -> bool:
     """Whether autotp shards this layout today (:func:`autotp.combinations.refused`, the rule parallelize applies).
     Recomputation and gradient accumulation are the training script's (activation checkpointing in the
     model, several backwards per step). A model's checkpointed layers recompute in every layout this admits
@@ -154,7 +154,7 @@ def supported(lay: Layout) -> bool:
                    context_parallel=lay.cp, dp=lay.dp) is None
 
 
-def runnable(lay: Layout) -> bool:
+def runnable(lay: Candidate) -> bool:
     """What ``autotp shard`` runs by itself: a supported layout, one micro-batch per step without a pipeline,
     and no recomputation (its training loop has neither knob)."""
     return supported(lay) and not lay.recompute and not lay.keep and (lay.pp > 1 or lay.microbatches == 1)
@@ -163,7 +163,7 @@ def runnable(lay: Layout) -> bool:
 def search(facts: ModelFacts, hw: Hardware, space: Space, training: Training = Training()) -> Search:
     ranked, rejected, n = [], [], 0
     mixed = training.act_dtype if training.act_bytes < facts.param_bytes else None
-    for lay in layouts(facts, space, training.seq, mixed):
+    for lay in candidates(facts, space, training.seq, mixed):
         n += 1
         est = estimate(facts, hw, lay, training)
         if est.memory.fits:
@@ -171,11 +171,11 @@ def search(facts: ModelFacts, hw: Hardware, space: Space, training: Training = T
         else:
             rejected.append(Rejected(lay, memory_reason(est.memory), est.memory.over, est))
     # tokens per second per device: the step time when the global batch is fixed, and fair when it is not
-    ranked.sort(key=lambda e: (-e.tokens_per_device, e.layout.microbatches, e.memory.total))
+    ranked.sort(key=lambda e: (-e.tokens_per_device, e.candidate.microbatches, e.memory.total))
     notes = []
     if not ranked and n:
         closest = min(rejected, key=lambda r: r.over)
-        notes.append(f"no layout fits: the closest, {closest.layout.label()}, {closest.reason}")
+        notes.append(f"no layout fits: the closest, {closest.candidate.label()}, {closest.reason}")
     if not n:
         notes.append(f"no layout: world {space.world}, {space.gpus_per_node} per node, global batch {space.batch}, "
                      f"{facts.layers} blocks, heads {facts.heads}: no tp ≤ {space.gpus_per_node} dividing world "
@@ -196,11 +196,11 @@ def memory_reason(mem: Memory) -> str:
             + (f": {said} GiB" if said else ""))
 
 
-def _mesh(lay: Layout) -> tuple[int, int, int]:
+def _mesh(lay: Candidate) -> tuple[int, int, int]:
     return lay.tp, lay.cp, lay.pp
 
 
-def mesh_name(lay: Layout) -> str:
+def mesh_name(lay: Candidate) -> str:
     """``tp 2 × pp 2``, with ``× cp c`` where there is context parallelism."""
     return f"tp {lay.tp}" + (f" × cp {lay.cp}" if lay.cp > 1 else "") + f" × pp {lay.pp}"
 
@@ -209,7 +209,7 @@ def best_per_mesh(result: Search) -> list[Estimate]:
     """The fastest layout of each (tp, cp, pp), fastest first."""
     seen, out = set(), []
     for e in result.ranked:
-        key = _mesh(e.layout)
+        key = _mesh(e.candidate)
         if key not in seen:
             seen.add(key)
             out.append(e)
@@ -224,27 +224,27 @@ def explain(result: Search) -> list[str]:
     if best is None:
         return list(result.notes)
     meshes = best_per_mesh(result)
-    lay = best.layout
+    lay = best.candidate
     if len(meshes) > 1:
         other = meshes[1]
         diffs = sorted(((other.terms()[k] - v, k) for k, v in best.terms().items()), key=lambda x: -abs(x[0]))
         said = [f"{k} {abs(dv):.3g} s {'less' if dv > 0 else 'more'}" for dv, k in diffs[:3] if abs(dv) > 1e-9]
-        if best.layout.batch == other.layout.batch:  # one global batch: the step times compare
-            lines.append(f"{mesh_name(lay)} beats the best {mesh_name(other.layout)} layout "
-                         f"({other.layout.label()}): {_secs(best.step)} per step against {_secs(other.step)} "
+        if best.candidate.batch == other.candidate.batch:  # one global batch: the step times compare
+            lines.append(f"{mesh_name(lay)} beats the best {mesh_name(other.candidate)} layout "
+                         f"({other.candidate.label()}): {_secs(best.step)} per step against {_secs(other.step)} "
                          f"({best.tokens_per_device / other.tokens_per_device - 1:.1%} more tokens/s per device): "
                          f"{', '.join(said)}")
         else:  # per-replica batches (autotp shard --auto): the steps train different batches
-            lines.append(f"{mesh_name(lay)} beats the best {mesh_name(other.layout)} layout "
-                         f"({other.layout.label()}) by {best.tokens_per_device / other.tokens_per_device - 1:.1%} "
-                         f"tokens/s per device (its step trains {best.layout.batch} sequences, the other's "
-                         f"{other.layout.batch}: the terms are not compared)")
-    same = [e for e in result.ranked[1:] if _mesh(e.layout) == _mesh(lay)]
+            lines.append(f"{mesh_name(lay)} beats the best {mesh_name(other.candidate)} layout "
+                         f"({other.candidate.label()}) by {best.tokens_per_device / other.tokens_per_device - 1:.1%} "
+                         f"tokens/s per device (its step trains {best.candidate.batch} sequences, the other's "
+                         f"{other.candidate.batch}: the terms are not compared)")
+    same = [e for e in result.ranked[1:] if _mesh(e.candidate) == _mesh(lay)]
     if same:
-        lines.append(f"within {mesh_name(lay)}, the next option ({same[0].layout.label()}) is "
+        lines.append(f"within {mesh_name(lay)}, the next option ({same[0].candidate.label()}) is "
                      f"{best.tokens_per_device / same[0].tokens_per_device - 1:.1%} slower")
     if result.rejected:
-        by_mesh = Counter(_mesh(r.layout) for r in result.rejected)
+        by_mesh = Counter(_mesh(r.candidate) for r in result.rejected)
         lines.append(f"memory ruled out {len(result.rejected)} of {result.considered} layouts "
                      f"({len(by_mesh)} meshes had some)")
         fastest = result.fastest_rejected()
@@ -253,7 +253,7 @@ def explain(result: Search) -> list[str]:
             gain = e.tokens_per_device / best.tokens_per_device - 1
             than = f"{gain:.1%} faster than the best" if gain > 5e-4 else \
                 "no faster than the best" if gain > -5e-4 else f"{-gain:.1%} slower than the best"
-            lines.append(f"the fastest layout ruled out, {fastest.layout.label()} ({_secs(e.step)} per step, "
+            lines.append(f"the fastest layout ruled out, {fastest.candidate.label()} ({_secs(e.step)} per step, "
                          f"{than}), {fastest.reason}")
     return lines + list(result.notes)
 

@@ -1,6 +1,6 @@
 """What the layout search needs from a model, read once from its captured graph and its plans.
 
-The search (:mod:`autotp.layout.auto`) prices hundreds of layouts; it cannot capture the model for each. It
+The search (:mod:`autotp.search.auto`) prices hundreds of layouts; it cannot capture the model for each. It
 reads a :class:`ModelFacts` instead: per sample and per forward, the FLOPs of the blocks, of the code
 before them (embeddings) and after them (final norm, LM head, loss), and the ops each dispatches; and, for
 each tensor-parallel size the plan was made for, the parameters one rank holds in the blocks and at either
