@@ -28,10 +28,10 @@ CASES = [
     "nanogpt:argskw:train_eval_generate_train:user",
     "nanogpt:tuple:generate_first:user",
 ]
-# a second spelling of a sequence another case runs, and the example forms and call shapes beyond one each: in
-# the extended run only
-EXTENDED = ["nanogpt:tuple:train_eval_generate_train:eager", "llama:none:generate_first:eager",
-            "nanogpt:tuple:generate_first:user", "nanogpt:dict:train_eval_generate_train:eager",
+# a second spelling of a sequence another case runs, the example forms and call shapes beyond one each, and the
+# compiled sequences (CI compiles in tests/test_compile.py): in the extended run only
+EXTENDED = ["nanogpt:argskw:train_eval_generate_train:compile", "nanogpt:tuple:train_eval_generate_train:eager",
+            "llama:none:generate_first:eager", "nanogpt:tuple:generate_first:user", "nanogpt:dict:train_eval_generate_train:eager",
             "nanogpt:tuple:shapes:eager", "nanogpt:argskw:train_eval_generate_train:user"]
 
 

@@ -24,8 +24,10 @@ SP = ["nanogpt_example", "hf_llama"]  # cp 2 × tp 2 with sequence parallelism: 
 KEYED = {2: ["alibi", "softcap", *context_models.KEYED, "hf_gemma2", "hf_llama_padded"],
          4: ["window", "hf_llama_padded"]}
 KEYED_TP2 = ["softcap_where", "hf_llama_padded"]
-# the 4-rank jobs of the extended run (the default 4-rank launch: cp2_tp2, cp2_tp2_sp, experts, fsdp_tp2)
-AT_4_EXTENDED = ("graph", "parallelize", "keyed", "keyed_tp2", "dropout", "fsdp", "hsdp", "cp2_tp2_sp", "experts")
+# the 4-rank jobs of the extended run (the default 4-rank launch: FSDP over cp 2 × tp 2, which composes all three;
+# `autotp shard --tp 2 --cp 2` of tests/test_context_cli.py runs cp 2 × tp 2 by the command line)
+AT_4_EXTENDED = ("graph", "parallelize", "keyed", "keyed_tp2", "dropout", "fsdp", "hsdp", "cp2_tp2_sp", "experts",
+                 "cp2_tp2")
 # at cp 2: the keyed spellings and the sampling loop in the extended run too
 AT_2_EXTENDED = ("keyed", "sampling")
 KEYED_REST = {(4, 1): ["alibi_abs", "softcap_where", "shared_window", "sdpa_window"], (2, 2): ["alibi", "sdpa_window"]}
@@ -147,6 +149,7 @@ def test_parallelize_context_parallel_trains_every_causal_spelling_exactly(runs,
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_context_parallel_composes_with_tensor_parallelism(runs):
     """cp 2 × tp 2 on a (cp, tp) mesh: heads split over tp, the sequence over cp; the loss and the logits
     (gathered over both groups when read) of 3 AdamW steps within 1e-5 of one device; the vocab-parallel loss

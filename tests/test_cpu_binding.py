@@ -73,7 +73,7 @@ def _affinity_worker() -> dict:
 
 @pytest.mark.slow
 @needs_affinity
-@pytest.mark.parametrize("bind", [True, False])
+@pytest.mark.parametrize("bind", [True, pytest.param(False, marks=pytest.mark.extended)])
 def test_launched_cpu_ranks_are_bound(bind: bool):
     allowed = sorted(os.sched_getaffinity(0))
     results = launch(LaunchSpec(tp=2, device="cpu", bind_cores=bind), _affinity_worker)

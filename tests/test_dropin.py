@@ -172,7 +172,8 @@ def test_hf_generate_and_save_pretrained(runs, world: int, use_cache: bool):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("dtype", [pytest.param("bfloat16", marks=pytest.mark.extended), "float16"])
+@pytest.mark.extended  # autocast and GradScaler on the ranks: tests/test_amp.py; the script: here, extended
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_autocast_training_script_under_autotp_run(tmp_path: Path, dtype: str):
     """nanoGPT's GPU recipe — ``ctx = torch.autocast(...)``, a GradScaler for float16, unscale, clip, step,
     then the model's own generate() under ctx — with one added line, under ``autotp run --tp 2``: the

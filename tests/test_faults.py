@@ -184,6 +184,7 @@ def test_the_launcher_killed_loses_nothing(ref) -> None:
     _nothing_lost(ref, out, ["step-000001"], "step-000001")
 
 
+@pytest.mark.extended  # a third launch of this module: the killed rank above is the default run's
 def test_a_restart_is_said(ref) -> None:
     """--max-restarts 1: which rank died, its pid, how, where; which restart; from where; what is redone."""
     out = ref["tmp"] / "restart"

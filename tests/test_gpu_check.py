@@ -95,6 +95,7 @@ def test_facts_of_a_model_of_blocks_alone():
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # the whole GPU check on CPU ranks: run before a GPU session, not in CI
 def test_gpu_check_cpu_mode(tmp_path):
     """The whole script in its CPU mode: every exactness row passes, every section has rows, and the table
     has the GPU run's columns."""

@@ -151,6 +151,7 @@ def _saved_activation_bytes(style: str, recompute: bool) -> int:
 
 
 @pytest.mark.slow  # two compilations (no processes)
+@pytest.mark.extended  # CI runs few compile tests: test_compile.py's
 def test_compiled_regions_are_recomputed(fake_tp2):
     """compile=True: torch.compile traces each region's checkpoint (its higher-order op) and its partitioner
     recomputes the region in the backward, so the compiled forward saves less."""
