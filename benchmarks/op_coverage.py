@@ -94,7 +94,7 @@ ALWAYS = ("gpt2", "llama", "qwen2", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe"
 WHOLE_BY_DESIGN = ("router kept whole", "gate kept whole", "down-projection kept whole", "head transform kept whole",
                    "indexer kept whole", "latent kept whole", "scale kept whole",
                    "position embedding", "bias of the row-parallel", "not read by this call's graph",
-                   "read by nothing")
+                   "read by nothing", "head-shared weight kept whole", "filter kept whole")
 
 # tiny sizes, by every attribute name a config may use for them
 _TINY = {
@@ -104,6 +104,9 @@ _TINY = {
     **dict.fromkeys(("num_attention_heads", "n_head", "n_heads", "num_heads", "decoder_attention_heads",
                      "encoder_attention_heads"), 4),
     **dict.fromkeys(("head_dim", "kv_channels"), 16),
+    # a partial rotary part's width (CodeGen, GPT-J: 64 of a 256 head dim): half the tiny head dim, so the
+    # rotated and passed-through parts both stay (left at 64 it is wider than the head and does not broadcast)
+    "rotary_dim": 8,
     **dict.fromkeys(("intermediate_size", "n_inner", "ffn_dim", "d_ff", "d_inner", "decoder_ffn_dim",
                      "encoder_ffn_dim", "ffn_hidden_size"), 128),
     "vocab_size": 128,
