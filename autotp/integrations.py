@@ -57,7 +57,7 @@ def data_parallel_layout(model: nn.Module) -> tuple[int, int, list[int]]:
     from autotp.distributed.launch import current_job
 
     job = current_job()
-    pp = 1 if job is None else job.layout.pp
+    pp = 1 if job is None else job.grid.pp
     if (reason := refused(pipeline=pp, trainer=True)) is not None:
         raise ShardingError(reason.message, hint=reason.hint)
     start = rank // tp * tp

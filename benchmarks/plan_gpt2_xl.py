@@ -26,7 +26,7 @@ from transformers import GPT2Config, GPT2LMHeadModel  # noqa: E402
 
 from autotp.capture.tracer import capture  # noqa: E402
 from autotp.cli.plan import render  # noqa: E402
-from autotp.distributed.layout import RankLayout  # noqa: E402
+from autotp.distributed.rank_grid import RankGrid  # noqa: E402
 from autotp.plan.planner import make_plan  # noqa: E402
 from autotp.plan.report import build_report  # noqa: E402
 from autotp.plan.symbols import size_ranges  # noqa: E402
@@ -78,7 +78,7 @@ def main() -> None:
                                                   opts.batch, opts.seq))
     ranges = size_ranges(gm)
     names = [n for n, _ in model.named_parameters(remove_duplicate=False)]
-    layout = RankLayout.build(opts.tp, opts.tp)
+    layout = RankGrid.build(opts.tp, opts.tp)
 
     def draw():
         console = Console(file=io.StringIO(), width=160, record=True)

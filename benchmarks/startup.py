@@ -108,7 +108,7 @@ def worker(kind: str, layers: int, tp: int) -> dict:
 
         from autotp.cli.plan import render
         from autotp.parallel.planning import check_sizes
-        from autotp.distributed.layout import RankLayout
+        from autotp.distributed.rank_grid import RankGrid
         from autotp.plan.report import build_report
         from autotp.plan.symbols import size_ranges
 
@@ -121,7 +121,7 @@ def worker(kind: str, layers: int, tp: int) -> dict:
         check_sizes(report, size_ranges(gm))
         names = [n for n, _ in net.named_parameters(remove_duplicate=False)]
         lap("report")
-        layout = RankLayout.build(tp, tp)
+        layout = RankGrid.build(tp, tp)
         render(Console(file=io.StringIO(), width=160), MODEL_FILE, plan, report, layout, names, "")
         lap("render")
     else:

@@ -10,7 +10,7 @@ Two panels, written as plain SVG text (rects, lines and text; no dependency):
   Consecutive blocks that are the same but for their number are drawn once (``transformer.h.0–11 ×12``).
 
 What a test or script looks for carries a class and ``data-`` attributes (``rank``, ``node``, ``layer``,
-``collective``). Reads a Plan, its Report and the RankLayout and imports no torch: the command has loaded
+``collective``). Reads a Plan, its Report and the RankGrid and imports no torch: the command has loaded
 it already, and ``autotp plan --help`` must not.
 """
 from __future__ import annotations
@@ -24,7 +24,7 @@ from xml.sax.saxutils import escape, quoteattr
 from autotp.cli.plan_format import DIRECTION, data_parallel_name, fmt_kind
 
 if TYPE_CHECKING:
-    from autotp.distributed.layout import RankLayout
+    from autotp.distributed.rank_grid import RankGrid
     from autotp.plan.pipeline_report import PipelineReport
     from autotp.plan.plan import Plan
     from autotp.plan.report import Report
@@ -215,14 +215,14 @@ def _width(s: str, size: int = 12) -> float:
     return len(s) * size * _CW
 
 
-def _grid(svg: _Svg, layout: RankLayout, pipe: PipelineReport | None, x0: float, y0: float) -> tuple[float, float]:
+def _grid(svg: _Svg, grid: RankGrid, pipe: PipelineReport | None, x0: float, y0: float) -> tuple[float, float]:
     """The rank grid at (x0, y0): one box per pipeline rank, a row of cells per tp group; its size."""
     cw, ch, gap, pad, head = 74, 38, 6, 10, 22
-    tps, dps = _pick(layout.tp, 16), _pick(layout.dp, 12)
+    tps, dps = _pick(grid.tp, 16), _pick(grid.dp, 12)
     left = x0 + 44  # room for the "dp d" labels
     col_x = {t: left + pad + i * (cw + gap) for i, t in enumerate(tps)}
-    shown = _pick(layout.pp, 8)
-    titles = {p: _stage_title(p, layout, pipe) for p in shown if p is not None}
+    shown = _pick(grid.pp, 8)
+    titles = {p: _stage_title(p, grid, pipe) for p in shown if p is not None}
     # a box is as wide as its cells or its title, whichever is wider
     inner = max([len(tps) * (cw + gap) - gap] + [_width(t, 11) + 4 for t in titles.values()])
     for t, x in col_x.items():
@@ -251,8 +251,8 @@ def _grid(svg: _Svg, layout: RankLayout, pipe: PipelineReport | None, x0: float,
                 if t is None:
                     svg.text(cx + cw / 2, ry + ch / 2 + 4, "…", 12, text_anchor="middle")
                     continue
-                r = layout.rank(t, d, p)
-                node = layout.coords(r).get("node")
+                r = grid.rank(t, d, p)
+                node = grid.coords(r).get("node")
                 svg.open("g", f"rank {r}: tp {t}, dp {d}, pp {p}" + (f", node {node}" if node is not None else ""),
                          class_="rank", data_rank=r, data_tp=t, data_dp=d, data_pp=p)
                 svg.add("rect", x=cx, y=ry, width=cw, height=ch, rx=4, fill="#dde8f3", stroke="#4c78a8")
@@ -263,23 +263,23 @@ def _grid(svg: _Svg, layout: RankLayout, pipe: PipelineReport | None, x0: float,
         y += h + gap + 4
     right = left + inner + 2 * pad
     cells = len(tps) * (cw + gap) - gap
-    if layout.gpus_per_node is not None:  # TP groups never straddle a node, so a node is whole rows of cells
-        g = layout.gpus_per_node
+    if grid.gpus_per_node is not None:  # TP groups never straddle a node, so a node is whole rows of cells
+        g = grid.gpus_per_node
 
         def first(pd: tuple[int, int]) -> int:  # the rank of a row's tp 0
-            return layout.rank(0, pd[1], pd[0])
+            return grid.rank(0, pd[1], pd[0])
 
         spans: dict[int, list[list[float]]] = {}  # node -> [top, top of last row] of each run of rows drawn
         prev = None
         for pd in sorted(row_y, key=first):
             k = first(pd) // g
-            if prev is not None and prev == (k, first(pd) - layout.tp):  # the next rank's row: the same run
+            if prev is not None and prev == (k, first(pd) - grid.tp):  # the next rank's row: the same run
                 spans[k][-1][1] = row_y[pd]
             else:  # a new node, or rows left out between (a large grid): another box
                 spans.setdefault(k, []).append([row_y[pd], row_y[pd]])
             prev = (k, first(pd))
         for k, runs in spans.items():
-            svg.open("g", f"node {k}: ranks {k * g}–{min((k + 1) * g, layout.world_size) - 1}", class_="node",
+            svg.open("g", f"node {k}: ranks {k * g}–{min((k + 1) * g, grid.world_size) - 1}", class_="node",
                      data_node=k)
             for top, last in runs:
                 svg.add("rect", x=left + pad - 4, y=top - 2, width=cells + 8, height=last + ch - top + 4, rx=5,
@@ -290,9 +290,9 @@ def _grid(svg: _Svg, layout: RankLayout, pipe: PipelineReport | None, x0: float,
     return right - x0, y - y0
 
 
-def _stage_title(p: int, layout: RankLayout, pipe: PipelineReport | None) -> str:
+def _stage_title(p: int, grid: RankGrid, pipe: PipelineReport | None) -> str:
     if pipe is None:
-        return f"pp {p}" + (": every layer" if layout.pp == 1 else "")
+        return f"pp {p}" + (": every layer" if grid.pp == 1 else "")
     parts = []
     for i in pipe.ranks[p].stages:
         s = pipe.stages[i]
@@ -302,37 +302,37 @@ def _stage_title(p: int, layout: RankLayout, pipe: PipelineReport | None) -> str
     return f"pp {p} · " + "; ".join(parts)
 
 
-def draw(title: str, plan: Plan, report: Report, layout: RankLayout, names: Sequence[str],
+def draw(title: str, plan: Plan, report: Report, grid: RankGrid, names: Sequence[str],
          pipe: PipelineReport | None = None, fsdp: bool = False) -> Drawing:
-    """The diagram of ``plan`` on ``layout``: ``title`` heads it; ``names`` are the model's parameter names
+    """The diagram of ``plan`` on ``grid``: ``title`` heads it; ``names`` are the model's parameter names
     in its order, every alias (``named_parameters(remove_duplicate=False)``)."""
     sections, count = _sections(plan, report, names)
     svg, m = _Svg(), 16
     sp = plan.sequence is not None and bool(plan.sequence.leaves)
     svg.text(m, 24, title, 15, font_weight="bold")
-    what = [f"world {layout.world_size} = tp {layout.tp} × dp {layout.dp} × pp {layout.pp}"]
-    if layout.gpus_per_node is not None:
-        what.append(f"{layout.num_nodes} node(s) of {layout.gpus_per_node} GPUs")
-    kind = data_parallel_name(layout.dp, int(fsdp))  # DDP, or FSDP, over the dp ranks ('' at dp 1)
-    what += ["sequence parallel"] * sp + [f"{kind} over dp {layout.dp}"] * bool(kind)
+    what = [f"world {grid.world_size} = tp {grid.tp} × dp {grid.dp} × pp {grid.pp}"]
+    if grid.gpus_per_node is not None:
+        what.append(f"{grid.num_nodes} node(s) of {grid.gpus_per_node} GPUs")
+    kind = data_parallel_name(grid.dp, int(fsdp))  # DDP, or FSDP, over the dp ranks ('' at dp 1)
+    what += ["sequence parallel"] * sp + [f"{kind} over dp {grid.dp}"] * bool(kind)
     what.append(f"{len(plan.pairs)} column→row pairs, {len(report.collectives)} collectives per step "
                 f"(b={report.batch}, s={report.seq})")
     svg.text(m, 44, "; ".join(what), 12, fill="#333")
     svg.text(m, 74, "ranks: cell rN (tp, dp, pp); a row of cells is a tp group, a column in a box a dp group",
              12, font_weight="bold")
-    gw, gh = _grid(svg, layout, pipe, m, 84)
+    gw, gh = _grid(svg, grid, pipe, m, 84)
     legend_x = m + gw + 40
     rows = [r for sec in sections for r in sec.rows]
     _legend(svg, legend_x, 84, {p.role for r in rows for p in r.params},
-            {c.kind for r in rows for c in (*r.ins, *r.outs)}, layout.gpus_per_node is not None)
+            {c.kind for r in rows for c in (*r.ins, *r.outs)}, grid.gpus_per_node is not None)
     y = max(84 + gh, svg.bottom) + 30
-    svg.text(m, y, f"layers, in the model's order: each weight cut into tp {layout.tp} bands (rank 0's filled), "
+    svg.text(m, y, f"layers, in the model's order: each weight cut into tp {grid.tp} bands (rank 0's filled), "
              "its shape per rank, and where the collectives run", 12, font_weight="bold")
     if fsdp:
         unit = "each stage one unit" if plan.stages else "a unit: each block, the embeddings, the final norm and head"
-        svg.text(m, y + 18, f"FSDP2 over dp {layout.dp}, {unit}; all-gathered before its forward and its backward, "
+        svg.text(m, y + 18, f"FSDP2 over dp {grid.dp}, {unit}; all-gathered before its forward and its backward, "
                  "its gradients reduce-scattered:", 11, fill="#333")
-        svg.text(m, y + 33, f"each dp rank holds 1/{layout.dp} (along dim 0) of every shape below", 11, fill="#333")
+        svg.text(m, y + 33, f"each dp rank holds 1/{grid.dp} (along dim 0) of every shape below", 11, fill="#333")
         y += 33
     _layers(svg, sections, report.tp, m, y + 14)
     total_w, y = svg.right + m, svg.bottom
@@ -340,7 +340,7 @@ def draw(title: str, plan: Plan, report: Report, layout: RankLayout, names: Sequ
     head = (f'<svg xmlns="http://www.w3.org/2000/svg" width="{round(total_w)}" height="{round(y + m)}" '
             f'viewBox="0 0 {round(total_w)} {round(y + m)}" font-family={quoteattr(_FONT)}>\n'
             f'<rect width="100%" height="100%" fill="white"/>\n')
-    return Drawing(head + body + "\n</svg>\n", layout.world_size, count)
+    return Drawing(head + body + "\n</svg>\n", grid.world_size, count)
 
 
 def _layers(svg: _Svg, sections: list[_Section], tp: int, x0: float, y0: float) -> None:

@@ -1,6 +1,6 @@
 """The ``autotp`` command (``autotp.cli.main:app``), a typer app with five commands:
 
-- ``layout``: which ranks form the tp, dp, pp, model and embedding groups (defined here);
+- ``layout``: the rank grid, which ranks form the tp, cp, dp, pp, model and embedding groups (defined here);
 - ``plan``: the sharding plan of a model file, its collectives and memory (:mod:`autotp.cli.plan`);
 - ``shard``: shard a model file over ranks, check it against the unsharded model, train, checkpoint
   (:mod:`autotp.cli.shard`);
@@ -26,7 +26,7 @@ from rich.table import Table
 
 from autotp.cli import plan as _plan, profile as _profile, run as _run, shard as _shard
 from autotp.cli.common import Startup, fail
-from autotp.distributed.layout import GROUP_KINDS, RankLayout
+from autotp.distributed.rank_grid import GROUP_KINDS, RankGrid
 
 app = typer.Typer(
     name="autotp",
@@ -70,18 +70,18 @@ def _members(groups: list[list[int]]) -> str:
     return " ".join("[" + ",".join(str(r) for r in g) + "]" for g in groups)
 
 
-def groups_table(layout: RankLayout) -> Table:
+def groups_table(grid: RankGrid) -> Table:
     """One row per group kind."""
     from autotp.cli.fit import FitTable
 
-    cp = f" × cp {layout.cp}" if layout.cp > 1 else ""
-    title = f"world {layout.world_size}: tp {layout.tp}{cp} × dp {layout.dp} × pp {layout.pp}"
+    cp = f" × cp {grid.cp}" if grid.cp > 1 else ""
+    title = f"world {grid.world_size}: tp {grid.tp}{cp} × dp {grid.dp} × pp {grid.pp}"
     table = FitTable(title=title)
     table.add_column("group", style="bold")
     table.add_column("count", justify="right", no_wrap=True)
     table.add_column("size", justify="right", no_wrap=True)
     table.add_column("members")
-    for kind, groups in layout.groups().items():
+    for kind, groups in grid.groups().items():
         size = len(groups[0]) if groups else 0
         title = _GROUP_TITLES[kind]
         name = title if title == kind else f"{title} ({kind})"
@@ -89,20 +89,20 @@ def groups_table(layout: RankLayout) -> Table:
     return table
 
 
-def rank_grid(layout: RankLayout) -> Table:
+def rank_grid(grid: RankGrid) -> Table:
     """One row per rank with its coordinates."""
     from autotp.cli.fit import FitTable
 
-    with_node = layout.gpus_per_node is not None
+    with_node = grid.gpus_per_node is not None
     table = FitTable(title="ranks")
     table.add_column("rank", justify="right", style="bold", no_wrap=True)
-    dims = ("tp", "cp", "dp", "pp") if layout.cp > 1 else ("tp", "dp", "pp")
+    dims = ("tp", "cp", "dp", "pp") if grid.cp > 1 else ("tp", "dp", "pp")
     for dim in dims:
         table.add_column(dim, justify="right", no_wrap=True)
     if with_node:
         table.add_column("node", justify="right", no_wrap=True)
-    for rank in range(layout.world_size):
-        c = layout.coords(rank)
+    for rank in range(grid.world_size):
+        c = grid.coords(rank)
         row = [str(rank), *(str(c[dim]) for dim in dims)]
         if with_node:
             row.append(str(c["node"]))
@@ -110,9 +110,11 @@ def rank_grid(layout: RankLayout) -> Table:
     return table
 
 
-@app.command(short_help="Which ranks form the tp, cp, dp, pp groups.")
+@app.command(short_help="The rank grid: which ranks form the tp, cp, dp, pp groups.")
 def layout(
-    world_size: int = typer.Option(..., "--world-size", "-w", help="Total number of ranks."),
+    world_size: int | None = typer.Option(
+        None, "--world-size", "-w", help="Total number of ranks; default tp × cp × dp × pp when --dp is given."
+    ),
     tp: int = typer.Option(1, "--tp", help="Tensor-parallel size (innermost, adjacent ranks)."),
     pp: int = typer.Option(1, "--pp", help="Pipeline-parallel size (outermost)."),
     cp: int = typer.Option(1, "--cp", help="Context-parallel size (between tp and dp): ranks sharing a sequence."),
@@ -124,19 +126,26 @@ def layout(
     ),
     as_json: bool = typer.Option(False, "--json", help="Print the groups as one JSON object."),
 ) -> None:
-    """Show which ranks form the tp, (cp,) dp, pp, model and embedding groups."""
+    """Show the rank grid: which ranks form the tp, (cp,) dp, pp, model and embedding groups."""
+    if world_size is None:
+        if dp is None:
+            fail("give --world-size, or --dp (the world is then tp × cp × dp × pp)")
+        small = [f"{k} ({v})" for k, v in (("tp", tp), ("cp", cp), ("dp", dp), ("pp", pp)) if v < 1]
+        if small:
+            fail(f"{', '.join(small)} must be >= 1")
+        world_size = tp * cp * dp * pp
     try:
-        rank_layout = RankLayout.build(world_size, tp, pp=pp, dp=dp, gpus_per_node=gpus_per_node, cp=cp)
+        grid = RankGrid.build(world_size, tp, pp=pp, dp=dp, gpus_per_node=gpus_per_node, cp=cp)
     except (ValueError, TypeError) as exc:
         fail(str(exc))
-    groups = rank_layout.groups()
+    groups = grid.groups()
     if as_json:
         # Plain print: no rich markup or wrapping may touch machine-readable output.
         print(json.dumps({kind: groups[kind] for kind in GROUP_KINDS if kind in groups}))
         return
     console = Console()
-    console.print(groups_table(rank_layout))
-    console.print(rank_grid(rank_layout))
+    console.print(groups_table(grid))
+    console.print(rank_grid(grid))
 
 
 for _command in (_run, _shard, _plan, _profile):

@@ -23,7 +23,7 @@ from autotp.cli.common import (EXPERT_PARALLEL, FSDP_PARAM_DTYPE, MICROBATCHES, 
                                VIRTUAL_STAGES, check_layout_options, fsdp_param_dtype, staged_flags)
 from autotp.cli.plan_format import fmt_size
 from autotp.cli.run import DEBUG, abort
-from autotp.distributed.layout import RankLayout
+from autotp.distributed.rank_grid import RankGrid
 from autotp.errors import AutotpError, PipelineError
 
 # for annotations only: these modules import torch and the capture stack, which the command imports when it
@@ -108,7 +108,7 @@ def plan(
             abort(f"{name} must be >= 1, got {value}", debug, code=USAGE_ERROR)
     try:
         world = world_size if world_size is not None else tp * cp * (dp or 1) * pp
-        layout = RankLayout.build(world, tp, pp=pp, dp=dp, gpus_per_node=gpus_per_node, cp=cp)
+        grid = RankGrid.build(world, tp, pp=pp, dp=dp, gpus_per_node=gpus_per_node, cp=cp)
     except (ValueError, TypeError) as exc:
         abort(str(exc), debug, code=USAGE_ERROR)
     try:
@@ -117,7 +117,7 @@ def plan(
         abort(str(exc), debug, code=USAGE_ERROR)
     # what runs together: the rule autotp shard, its launcher and the library ask (FSDP over dp × cp ranks)
     check_layout_options(pp=pp, fsdp=fsdp, sequence_parallel=sequence_parallel, expert_parallel=expert_parallel,
-                         compile_=False, schedule=schedule, cp=cp, dp=layout.dp, fsdp_dtype=fsdp_dtype,
+                         compile_=False, schedule=schedule, cp=cp, dp=grid.dp, fsdp_dtype=fsdp_dtype,
                          staged=staged_flags(schedule=schedule, virtual_stages=virtual_stages,
                                              microbatches=microbatches, split_points=split_points))
     from autotp.parallel.planning import AUTOCAST, plan_file
@@ -130,7 +130,7 @@ def plan(
         # with --cp the context plan and its report come from the same capture
         the_plan, report, names, batch_note, pipe, cached, context = plan_file(
             model, tp, batch, seq, vocab_multiple, sequence_parallel, autocast, expert_parallel, spec, cache, fsdp,
-            layout.dp, cp)
+            grid.dp, cp)
     except PipelineError as exc:  # micro-batches the batch does not divide, more stages than blocks, split points
         abort(_as_flags(str(exc)), debug, code=USAGE_ERROR)
     except (AutotpError, ValueError) as exc:  # a ValueError of the plan names the sizes (experts tp does not divide)  # model file, capture and sharding problems: the user's to fix
@@ -140,17 +140,17 @@ def plan(
     if fsdp and spec is None:  # with pipeline stages each stage is one unit: the per-block tables do not apply
         # with --fsdp-param-dtype the gathers (and the units held gathered) in that dtype, the reduce-scatters in
         # float32, as autotp shard's FSDPConfig sets FSDP2's MixedPrecisionPolicy
-        fsdp_info = fsdp_from_rows(the_plan, report.params, layout.dp, param_dtype,
-                                   "float32" if param_dtype is not None else None, cp=layout.cp)
+        fsdp_info = fsdp_from_rows(the_plan, report.params, grid.dp, param_dtype,
+                                   "float32" if param_dtype is not None else None, cp=grid.cp)
 
     console = _console()
-    render(console, model, the_plan, report, layout, names, batch_note, fsdp_info, pipe, fsdp)
+    render(console, model, the_plan, report, grid, names, batch_note, fsdp_info, pipe, fsdp)
     if context is not None:
         from autotp.cli.plan_tables import context_table
 
         console.print(context_table(context, tp_collectives=tp > 1, fsdp=fsdp))
     if fsdp and spec is not None:
-        console.print(f"fsdp with pipeline stages: each of a rank's stages is one FSDP2 unit over dp {layout.dp}; "
+        console.print(f"fsdp with pipeline stages: each of a rank's stages is one FSDP2 unit over dp {grid.dp}; "
                       "per step one all-gather of each stage before its first micro-batch (kept gathered to the "
                       "last one's backward, as torchtitan pipelines) and one reduce-scatter after the last",
                       soft_wrap=True)
@@ -164,8 +164,8 @@ def plan(
         Console(stderr=True).print(f"[dim]plan cache: {escape(str(cached))} (--no-cache plans again)[/dim]",
                                    soft_wrap=True)
     if json_out is not None:
-        data = {"plan": the_plan.to_dict(), "layout": layout.groups(),
-                "world": {k: v for k, v in layout.to_dict().items() if k != "groups"},
+        data = {"plan": the_plan.to_dict(), "layout": grid.groups(),
+                "world": {k: v for k, v in grid.to_dict().items() if k != "groups"},
                 "report": report.to_dict()}
         if fsdp_info is not None:
             data["fsdp"] = fsdp_info.to_dict()
@@ -179,7 +179,7 @@ def plan(
     if svg is not None:
         from autotp.cli.diagram import draw
 
-        drawn = draw(f"autotp plan {model}", the_plan, report, layout, names, pipe, fsdp)
+        drawn = draw(f"autotp plan {model}", the_plan, report, grid, names, pipe, fsdp)
         _write(svg, drawn.svg, "--svg", debug)
         console.print(f"wrote diagram {escape(str(svg))} ({drawn.ranks} ranks, {drawn.layers} modules)",
                       soft_wrap=True)
@@ -187,7 +187,7 @@ def plan(
         # drawn again, off screen and at least 160 columns wide, so a file does not inherit a narrow
         # (or absent, under a pipe) terminal's wrapping
         pic = Console(record=True, file=io.StringIO(), width=max(console.width, 160), force_terminal=True)
-        render(pic, model, the_plan, report, layout, names, batch_note, fsdp_info, pipe, fsdp)
+        render(pic, model, the_plan, report, grid, names, batch_note, fsdp_info, pipe, fsdp)
         _write(html, pic.export_html(), "--html", debug)
         console.print(f"wrote tables {escape(str(html))}", soft_wrap=True)
 
@@ -299,7 +299,7 @@ def _console() -> Console:
     return Console()
 
 
-def render(console: Console, model: str, the_plan, report: Report, layout: RankLayout, names: list[str],
+def render(console: Console, model: str, the_plan, report: Report, grid: RankGrid, names: list[str],
            batch_note: str = "", fsdp: FSDPReport | None = None, pipe: PipelineReport | None = None,
            sharded_dp: bool = False) -> None:
     from autotp.cli.plan_tables import (fsdp_memory_table, fsdp_traffic_table, fsdp_units_table, p2p_table,
@@ -307,14 +307,14 @@ def render(console: Console, model: str, the_plan, report: Report, layout: RankL
     from autotp.cli.tp_tables import (comm_table, experts_table, layer_table, not_sharded_table, rank_grid,
                                       replicated_table, sequence_table, totals_table, world_line)
 
-    if report.tp == 1 and layout.cp > 1:  # no weight is cut: the per-layer and tp tables would say nothing
-        return _render_context_only(console, model, report, layout, batch_note, fsdp, sharded_dp)
+    if report.tp == 1 and grid.cp > 1:  # no weight is cut: the per-layer and tp tables would say nothing
+        return _render_context_only(console, model, report, grid, batch_note, fsdp, sharded_dp)
     sp = ", sequence parallel" if the_plan.sequence is not None and the_plan.sequence.leaves else ""
     console.print(f"[bold]{escape(model)}[/bold]: tp {report.tp}{sp}, {len(the_plan.pairs)} column→row pairs, "
-                  f"{len(the_plan.collectives)} collectives per step; {world_line(layout, int(sharded_dp))}")
+                  f"{len(the_plan.collectives)} collectives per step; {world_line(grid, int(sharded_dp))}")
     if batch_note:
         console.print(f"[yellow]note:[/yellow] {escape(batch_note)}")
-    console.print(rank_grid(layout))
+    console.print(rank_grid(grid))
     console.print(layer_table(report, names, {w.name: w.reason for w in the_plan.whole}))
     console.print(replicated_table(report, the_plan.replicated))
     if the_plan.whole:
@@ -327,7 +327,7 @@ def render(console: Console, model: str, the_plan, report: Report, layout: RankL
     experts = experts_table(the_plan, report)
     if experts is not None:
         console.print(experts)
-    console.print(totals_table(report, layout, ddp=fsdp is None, staged=pipe is not None))
+    console.print(totals_table(report, grid, ddp=fsdp is None, staged=pipe is not None))
     console.print(comm_table(report))
     if fsdp is not None:
         console.print(fsdp_units_table(fsdp))
@@ -343,20 +343,20 @@ def render(console: Console, model: str, the_plan, report: Report, layout: RankL
         console.print(f"[yellow]note:[/yellow] {escape(note)}")
 
 
-def _render_context_only(console: Console, model: str, report: Report, layout: RankLayout, batch_note: str,
+def _render_context_only(console: Console, model: str, report: Report, grid: RankGrid, batch_note: str,
                          fsdp: FSDPReport | None, sharded_dp: bool) -> None:
     """tp 1 with cp: every weight whole on every rank, each rank 1/cp of every sequence. The header, the rank
     grid and what a rank holds; the context-parallelism table (printed after this) says what cp does."""
     from autotp.cli.plan_tables import context_totals_table, fsdp_memory_table, fsdp_traffic_table, fsdp_units_table
     from autotp.cli.tp_tables import rank_grid, world_line
 
-    console.print(f"[bold]{escape(model)}[/bold]: cp {layout.cp}, tp 1: no weight is cut (every rank holds the "
-                  f"whole model) and each rank runs 1/{layout.cp} of every sequence; "
-                  f"{world_line(layout, int(sharded_dp))}", soft_wrap=True)
+    console.print(f"[bold]{escape(model)}[/bold]: cp {grid.cp}, tp 1: no weight is cut (every rank holds the "
+                  f"whole model) and each rank runs 1/{grid.cp} of every sequence; "
+                  f"{world_line(grid, int(sharded_dp))}", soft_wrap=True)
     if batch_note:
         console.print(f"[yellow]note:[/yellow] {escape(batch_note)}")
-    console.print(rank_grid(layout))
-    console.print(context_totals_table(report, layout, ddp=fsdp is None))
+    console.print(rank_grid(grid))
+    console.print(context_totals_table(report, grid, ddp=fsdp is None))
     if fsdp is not None:
         console.print(fsdp_units_table(fsdp))
         console.print(fsdp_memory_table(fsdp))

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from autotp.distributed.layout import RankLayout
+from autotp.distributed.rank_grid import RankGrid
 from autotp.search.auto import Space
 from autotp.search.cost import Candidate
 
@@ -29,7 +29,7 @@ def command(model: str, lay: Candidate, space: Space, example_rows: int | None =
     nnodes = space.world // per_node if space.world % per_node == 0 else 1
     notes = []
     try:  # the ranks autotp shard would start: tp groups inside a node, sizes that multiply to the world
-        RankLayout.build(space.world, lay.tp, pp=lay.pp, dp=lay.dp, gpus_per_node=space.world // nnodes, cp=lay.cp)
+        RankGrid.build(space.world, lay.tp, pp=lay.pp, dp=lay.dp, gpus_per_node=space.world // nnodes, cp=lay.cp)
     except ValueError as exc:
         return Command(None, (f"autotp shard cannot lay it out on {nnodes} nodes of {space.world // nnodes}: {exc}",))
     per_node_dp = lay.dp % nnodes == 0  # the per-node spelling, where the nodes take equal shares of the replicas

@@ -10,7 +10,7 @@ from rich.markup import escape
 from autotp.cli.fit import FitTable
 from autotp.plan.context_report import ContextReport
 from autotp.plan.pipeline_report import PipelineReport
-from autotp.distributed.layout import RankLayout
+from autotp.distributed.rank_grid import RankGrid
 from autotp.plan.report import FSDPReport, FSDPUnitRow, Report
 from autotp.cli.plan_format import DIRECTION, fmt_count, fmt_kind, fmt_ratio, fmt_shape, fmt_size
 
@@ -136,25 +136,25 @@ def context_table(c: ContextReport, tp_collectives: bool = True, fsdp: bool = Fa
     return table
 
 
-def context_totals_table(report: Report, layout: RankLayout, ddp: bool = True) -> Table:
+def context_totals_table(report: Report, grid: RankGrid, ddp: bool = True) -> Table:
     """What each rank holds at tp 1 with cp: the whole model (cp cuts the sequence, not the weights), and the
     gradients' sum over the cp group each step."""
     m = report.memory
-    table = FitTable(title=f"per rank (tp 1 × cp {layout.cp}: every weight whole)", show_header=False)
+    table = FitTable(title=f"per rank (tp 1 × cp {grid.cp}: every weight whole)", show_header=False)
     table.add_column(style="bold")
     table.add_column(justify="right", no_wrap=True)
     table.add_column()
     table.add_row("parameters", fmt_count(m.params), f"{fmt_size(m.bytes_full)}, as on one device")
     if not ddp:  # FSDP over dp × cp: its tables (below) say what a rank holds and sends
         table.add_row("training memory (16 B/param)", fmt_size(m.train_bytes_full), "without fsdp, as on one "
-                      f"device; fsdp shards it over dp {layout.dp} × cp {layout.cp} (below); the activations are "
+                      f"device; fsdp shards it over dp {grid.dp} × cp {grid.cp} (below); the activations are "
                       "1/cp (below)")
         return table
     table.add_row("training memory (16 B/param)", fmt_size(m.train_bytes_full), "weights, gradients and AdamW "
                   "state, as on one device; the activations are 1/cp (below)")
-    over = f" then over dp {layout.dp}" if layout.dp > 1 else ""
+    over = f" then over dp {grid.dp}" if grid.dp > 1 else ""
     table.add_row("gradient all-reduce / step", fmt_count(m.params),
-                  f"elements over cp {layout.cp}{over} ({fmt_size(m.bytes_full)}: the parameters' dtype)")
+                  f"elements over cp {grid.cp}{over} ({fmt_size(m.bytes_full)}: the parameters' dtype)")
     return table
 
 

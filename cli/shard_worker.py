@@ -41,7 +41,7 @@ from autotp.parallel.writeback import state_difference
 from autotp.plan.report import build_report
 from autotp.distributed.job import RankJob
 from autotp.distributed.launch import RankContext, init_job
-from autotp.distributed.layout import RankLayout
+from autotp.distributed.rank_grid import RankGrid
 from autotp.distributed.restarts import last_failure, note_progress
 from autotp.cli.grad_parity import compare_grads
 from autotp.cli.progress import Phases
@@ -221,7 +221,7 @@ def _eval_loss(tpm, args: tuple, kwargs: dict) -> float | None:
 def data_parallel(tpm: autotp.TPModule, ctx: RankContext) -> torch.nn.Module:
     """``tpm`` under DDP over this rank's DP group when dp > 1 (each TP shard's gradients are averaged
     across the replicas holding the same shard), else (or when FSDP shards it already) ``tpm`` itself."""
-    if ctx.layout.dp == 1 or autotp.tp_state(tpm).options.fsdp is not None:
+    if ctx.grid.dp == 1 or autotp.tp_state(tpm).options.fsdp is not None:
         return tpm
     return torch.nn.parallel.DistributedDataParallel(
         tpm, process_group=ctx.dp_group(), device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
@@ -287,9 +287,9 @@ def _train(step_fn, args: tuple, kwargs: dict, job: ShardJob, ctx: RankContext, 
     progress = Progress(TextColumn("[bold]training"), BarColumn(), MofNCompleteColumn(),
                         TextColumn("loss {task.fields[loss]} {task.fields[rate]}"), TimeElapsedColumn(),
                         console=console) if live else contextlib.nullcontext()
-    tokens = batch_tokens(args, kwargs) * ctx.layout.dp
-    world = ctx.layout.world_size
-    per_rank_flops = rank_flops(job.flops, ctx.layout)
+    tokens = batch_tokens(args, kwargs) * ctx.grid.dp
+    world = ctx.grid.world_size
+    per_rank_flops = rank_flops(job.flops, ctx.grid)
     with progress:
         task = progress.add_task("train", total=job.steps, completed=start, loss="-", rate="") if live else None
         for step in range(start, job.steps):
@@ -412,13 +412,13 @@ def _tp_batch(make, ctx: RankContext) -> tuple[tuple, dict]:
 
     Only one rank of the replica calls ``make``: a batch drawn without a seed (or read from a stream) would
     otherwise differ across it, which the model refuses (``InputMismatchError``)."""
-    cp = ctx.layout.cp
-    if ctx.layout.tp == 1 and cp == 1:
+    cp = ctx.grid.cp
+    if ctx.grid.tp == 1 and cp == 1:
         return to_device(make(), ctx.device)
     batch = make() if ctx.coords["tp"] == 0 and ctx.coords.get("cp", 0) == 0 else None
     if cp > 1:  # to tp rank 0 of each cp rank first, then over each tp group
         batch = autotp.broadcast_batch(batch, group=ctx.cp_group())
-    if ctx.layout.tp > 1:
+    if ctx.grid.tp > 1:
         batch = autotp.broadcast_batch(batch, group=ctx.tp_group())
     return to_device(batch, ctx.device)
 
@@ -456,7 +456,7 @@ def _build(mf: ModelFile, job: ShardJob, ctx: RankContext, batch: tuple[tuple, d
     tpm = parallelize_state(model, example_inputs=batch, compile=job.compile,
                             sequence_parallel=job.sequence_parallel, expert_parallel=job.expert_parallel,
                             device=None if job.weights is None else ctx.device, plan_cache=job.plans,
-                            context_parallel=ctx.layout.cp, **fsdp)
+                            context_parallel=ctx.grid.cp, **fsdp)
     if job.weights is not None:
         note = _load(tpm, job.weights)
     if batch is None:
@@ -493,7 +493,7 @@ def _shard(job: ShardJob, ctx: RankContext) -> ShardReport | None:
     # (on TP rank 0 only) is forgotten: the ranks of a group keep equal generators, which replicated dropout needs
     batch = _tp_batch(mf.example_batch, ctx) if mf.batch_fn is not None else None
     phases = Phases(job.started or None, quiet=ctx.rank != 0)
-    if ctx.layout.pp > 1:
+    if ctx.grid.pp > 1:
         return _shard_pipeline(job, ctx, mf, batch, phases)
     phases.say("parallelize", "building the model on every rank, capturing it and sharding it"
                + (" (with FSDP)" if ctx.job.fsdp else ""))
@@ -535,21 +535,21 @@ def _shard(job: ShardJob, ctx: RankContext) -> ShardReport | None:
                      peak_memory=peak_memory(ctx.device.type), cp_rank=ctx.coords.get("cp", 0),
                      grad_bytes=grads[0], state_bytes=held_state(opt).bytes,
                      plan_cached=autotp.tp_state(tpm).cached_from)
-    everyone: list[RankStats | None] = [None] * ctx.layout.world_size
+    everyone: list[RankStats | None] = [None] * ctx.grid.world_size
     dist.all_gather_object(everyone, mine)
     if ctx.rank != 0:
         return None
     counts = Counter((c.direction, c.kind, c.op) for c in autotp.tp_state(tpm).plan.collectives)
     report = ShardReport(
-        model=job.model, tp=ctx.layout.tp, dp=ctx.layout.dp, cp=ctx.layout.cp, backend=ctx.backend,
+        model=job.model, tp=ctx.grid.tp, dp=ctx.grid.dp, cp=ctx.grid.cp, backend=ctx.backend,
         unsharded_bytes=unsharded_bytes,
         ranks=tuple(everyone), collectives=tuple((*key, n) for key, n in sorted(counts.items())),
         parity=parity, losses=tuple(losses), final_loss=final_loss,
         plan_path=str(plan_path), checkpoint_path=str(ckpt_path or ""), start_step=start, resumed_from=resumed_from,
         resharded=resharded, restarted=restarted, weights=weights,
         # the formula is a training step's (with the loss's backward); untrained, there was none
-        comm=() if skipped else _comm_vs_formula(tpm, args, kwargs, ctx.layout.cp),
-        batch=_describe_batch(mf, tpm, args, kwargs, ctx.layout.tp), training_skipped=skipped,
+        comm=() if skipped else _comm_vs_formula(tpm, args, kwargs, ctx.grid.cp),
+        batch=_describe_batch(mf, tpm, args, kwargs, ctx.grid.tp), training_skipped=skipped,
         fsdp=ctx.job.fsdp or 0, fsdp_units=autotp.tp_state(tpm).units or (), **_throughput(job, ctx, args, kwargs, times, log),
     )
     (out / "summary.json").write_text(json.dumps(report.to_dict(), indent=2))
@@ -564,7 +564,7 @@ def _fsdp_config(job: ShardJob, ctx: RankContext) -> FSDPConfig:
     return FSDPConfig(replicas=ctx.job.fsdp, param_dtype=getattr(torch, job.fsdp_param_dtype), reduce_dtype=torch.float32)
 
 
-def rank_flops(flops: float | None, layout: RankLayout) -> float | None:
+def rank_flops(flops: float | None, layout: RankGrid) -> float | None:
     """One rank's share of a data-parallel replica's FLOPs per step (None: not counted). A replica spans
     tp · cp · pp ranks: each holds 1/tp of the heads and widths, 1/cp of the sequence (causal attention's work
     balanced by the chunk pairs), 1/pp of the blocks."""
@@ -574,9 +574,9 @@ def rank_flops(flops: float | None, layout: RankLayout) -> float | None:
 def _throughput(job: ShardJob, ctx: RankContext, args: tuple, kwargs: dict, times: list[float],
                 log: TrainLog | None) -> dict:
     """The report's throughput fields: tokens per step, the metrics files, the median step's MFU."""
-    per_rank = rank_flops(job.flops, ctx.layout)
+    per_rank = rank_flops(job.flops, ctx.grid)
     median = statistics.median(times) if times else 0.0  # the summary's median step
-    return dict(tokens_per_step=batch_tokens(args, kwargs) * ctx.layout.dp,
+    return dict(tokens_per_step=batch_tokens(args, kwargs) * ctx.grid.dp,
                 metrics_path=str(log.path) if log is not None and log.active and log.path else "",
                 tensorboard=str(log.tensorboard) if log is not None and log.tensorboard else "",
                 mfu=mfu(per_rank, median, job.peak_flops), step_flops=job.flops)
@@ -625,8 +625,8 @@ def _shard_pipeline(job: ShardJob, ctx: RankContext, mf: ModelFile, batch: tuple
             autotp.load_weights(reference, job.weights, device=ctx.device)
     unsharded_bytes = _param_bytes(model)
     phases.say("parallelize", f"building the model on every rank, capturing it and cutting it into "
-               f"{job.schedule} stages over {ctx.layout.pp} pipeline ranks, each stage sharded")
-    pipe = autotp.pipeline(model, example_inputs=(args, kwargs), microbatches=job.microbatches or ctx.layout.pp,
+               f"{job.schedule} stages over {ctx.grid.pp} pipeline ranks, each stage sharded")
+    pipe = autotp.pipeline(model, example_inputs=(args, kwargs), microbatches=job.microbatches or ctx.grid.pp,
                            schedule=job.schedule, virtual_stages=ctx.job.virtual_stages, mesh=ctx.mesh,
                            device=None if job.weights is None else ctx.device, compile=job.compile,
                            sequence_parallel=job.sequence_parallel, expert_parallel=job.expert_parallel,
@@ -677,18 +677,18 @@ def _shard_pipeline(job: ShardJob, ctx: RankContext, mf: ModelFile, batch: tuple
     mine = RankStats(ctx.rank, ctx.coords["tp"], ctx.coords["dp"], held_params(pipe.parameters()).bytes,
                      tuple(times), ctx.coords["pp"], peak_memory(ctx.device.type), grad_bytes=grads[0],
                      state_bytes=held_state(opt).bytes)
-    everyone: list[RankStats | None] = [None] * ctx.layout.world_size
+    everyone: list[RankStats | None] = [None] * ctx.grid.world_size
     dist.all_gather_object(everyone, mine)
     if ctx.rank != 0:
         return None
     counts = Counter((c.direction, c.kind, c.op) for c in st.plan.collectives)
     report = ShardReport(
-        model=job.model, tp=ctx.layout.tp, dp=ctx.layout.dp, cp=ctx.layout.cp, backend=ctx.backend,
+        model=job.model, tp=ctx.grid.tp, dp=ctx.grid.dp, cp=ctx.grid.cp, backend=ctx.backend,
         unsharded_bytes=unsharded_bytes,
         ranks=tuple(everyone), collectives=tuple((*key, n) for key, n in sorted(counts.items())),
         parity=parity, losses=tuple(losses), final_loss=final_loss, plan_path=str(plan_path),
         checkpoint_path=str(ckpt_path or ""), start_step=start, resumed_from=resumed_from, resharded=resharded,
-        restarted=restarted, weights=weights, batch=_describe_batch(mf, model, args, kwargs, ctx.layout.tp), pp=ctx.layout.pp,
+        restarted=restarted, weights=weights, batch=_describe_batch(mf, model, args, kwargs, ctx.grid.tp), pp=ctx.grid.pp,
         pipeline=f"{pipe.schedule_name}, {pipe.microbatches} micro-batches, {pipe.virtual_stages} stage(s) per rank",
         stages=tuple(s.blocks for s in st.plan.stages), fsdp=(ctx.job.fsdp or 0) if pipe.fsdp else 0,
         fsdp_units=st.units or () if pipe.fsdp else (), **_throughput(job, ctx, args, kwargs, times, log),

@@ -11,55 +11,55 @@ from rich.table import Table
 
 from autotp.cli.fit import FitTable
 from autotp.cli.plan_format import DIRECTION, data_parallel_name, fmt_count, fmt_kind, fmt_ratio, fmt_shape, fmt_size
-from autotp.distributed.layout import RankLayout
+from autotp.distributed.rank_grid import RankGrid
 from autotp.plan.report import Report
 
 # the first numbered path component (``transformer.h.3``) names a layer; tables draw a line between layers
 _LAYER = re.compile(r"^(.*?\.\d+)(\.|$)")
 
 
-def rank_grid(layout: RankLayout) -> Table:
+def rank_grid(grid: RankGrid) -> Table:
     """One row per TP group (a (pp, dp) coordinate): the global ranks of its tp coordinates, and its node.
 
-    TP groups never straddle a node (RankLayout checks), so a line between rows marks a node boundary.
+    TP groups never straddle a node (RankGrid checks), so a line between rows marks a node boundary.
     """
-    nodes = layout.gpus_per_node is not None
-    table = FitTable(title="ranks (one row per tp group)", keys=3 if layout.cp > 1 else 2)
+    nodes = grid.gpus_per_node is not None
+    table = FitTable(title="ranks (one row per tp group)", keys=3 if grid.cp > 1 else 2)
     table.add_column("pp", justify="right", no_wrap=True)
     table.add_column("dp", justify="right", no_wrap=True)
-    if layout.cp > 1:
+    if grid.cp > 1:
         table.add_column("cp", justify="right", no_wrap=True)
-    wide = layout.tp <= 8
-    for t in range(layout.tp) if wide else ():
+    wide = grid.tp <= 8
+    for t in range(grid.tp) if wide else ():
         table.add_column(f"tp {t}", justify="right", no_wrap=True)
     if not wide:
-        table.add_column(f"tp 0..{layout.tp - 1}", justify="right", no_wrap=True)
+        table.add_column(f"tp 0..{grid.tp - 1}", justify="right", no_wrap=True)
     if nodes:
         table.add_column("node", justify="right", no_wrap=True)
-    groups = [(p, d, c) for p in range(layout.pp) for d in range(layout.dp) for c in range(layout.cp)]
+    groups = [(p, d, c) for p in range(grid.pp) for d in range(grid.dp) for c in range(grid.cp)]
     for i, (p, d, c) in enumerate(groups):
-        ranks = [layout.rank(t, d, p, c) for t in range(layout.tp)]
+        ranks = [grid.rank(t, d, p, c) for t in range(grid.tp)]
         cells = [str(r) for r in ranks] if wide else [f"{ranks[0]}–{ranks[-1]}"]
-        node = layout.coords(ranks[0]).get("node")
+        node = grid.coords(ranks[0]).get("node")
         if i + 1 < len(groups):
             p2, d2, c2 = groups[i + 1]
-            nxt = layout.coords(layout.rank(0, d2, p2, c2)).get("node")
+            nxt = grid.coords(grid.rank(0, d2, p2, c2)).get("node")
         else:
             nxt = node
-        table.add_row(str(p), str(d), *([str(c)] if layout.cp > 1 else []), *cells,
+        table.add_row(str(p), str(d), *([str(c)] if grid.cp > 1 else []), *cells,
                       *([str(node)] if nodes else []), end_section=nxt != node)
     return table
 
 
-def world_line(layout: RankLayout, fsdp: int = 0) -> str:
-    """``world 4 = tp 2 × dp 2 · DDP × pp 1``: the layout, with the data parallelism its dp runs (``fsdp``:
+def world_line(grid: RankGrid, fsdp: int = 0) -> str:
+    """``world 4 = tp 2 × dp 2 · DDP × pp 1``: the grid, with the data parallelism its dp runs (``fsdp``:
     FSDP replica groups, 0 without FSDP)."""
-    cp = f" × cp {layout.cp}" if layout.cp > 1 else ""
-    kind = data_parallel_name(layout.dp, fsdp)
-    dp = f" × dp {layout.dp}" + (f" · {kind}" if kind else "")
-    line = f"world {layout.world_size} = tp {layout.tp}{cp}{dp} × pp {layout.pp}"
-    if layout.gpus_per_node is not None:
-        line += f", {layout.num_nodes} node(s) of {layout.gpus_per_node} GPUs (a line in the grid is a node boundary)"
+    cp = f" × cp {grid.cp}" if grid.cp > 1 else ""
+    kind = data_parallel_name(grid.dp, fsdp)
+    dp = f" × dp {grid.dp}" + (f" · {kind}" if kind else "")
+    line = f"world {grid.world_size} = tp {grid.tp}{cp}{dp} × pp {grid.pp}"
+    if grid.gpus_per_node is not None:
+        line += f", {grid.num_nodes} node(s) of {grid.gpus_per_node} GPUs (a line in the grid is a node boundary)"
     return line
 
 
@@ -191,7 +191,7 @@ def not_sharded_table(report: Report, whole) -> Table:
     return table
 
 
-def totals_table(report: Report, layout: RankLayout, ddp: bool = True, staged: bool = False) -> Table:
+def totals_table(report: Report, grid: RankGrid, ddp: bool = True, staged: bool = False) -> Table:
     """``ddp``: data parallelism all-reduces the gradients (False with --fsdp: its own tables say what moves);
     ``staged``: the pipeline's stages are shown (--pp), each holding its share of these totals."""
     m = report.memory
@@ -204,14 +204,14 @@ def totals_table(report: Report, layout: RankLayout, ddp: bool = True, staged: b
     table.add_row("training memory (16 B/param)", fmt_size(m.train_bytes_per_rank), f"of {fmt_size(m.train_bytes_full)}")
     table.add_row("  formula 16·P_sharded/t + 16·P_replicated", fmt_size(m.formula_bytes), f"ratio {fmt_ratio(m.formula_ratio)}")
     table.add_row("  ideal 16·P/t", fmt_size(m.ideal_bytes), f"ratio {fmt_ratio(m.ideal_ratio)}")
-    if layout.dp > 1 and ddp:
+    if grid.dp > 1 and ddp:
         table.add_row("dp gradient all-reduce / step", fmt_count(m.local),
-                      f"elements over dp {layout.dp} ({fmt_size(m.local * report.act_bytes)})")
-    if layout.pp > 1 and staged:
-        table.add_row("pipeline", f"pp {layout.pp}", "these are the whole model's; each pipeline rank holds its "
+                      f"elements over dp {grid.dp} ({fmt_size(m.local * report.act_bytes)})")
+    if grid.pp > 1 and staged:
+        table.add_row("pipeline", f"pp {grid.pp}", "these are the whole model's; each pipeline rank holds its "
                       "stages' share (pipeline stages below)")
-    elif layout.pp > 1:
-        table.add_row("pipeline", "not planned", f"numbers assume every stage holds the whole model (pp {layout.pp})")
+    elif grid.pp > 1:
+        table.add_row("pipeline", "not planned", f"numbers assume every stage holds the whole model (pp {grid.pp})")
     return table
 
 

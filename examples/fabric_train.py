@@ -42,8 +42,8 @@ from nanogpt import GPT, GPTConfig  # noqa: E402
 
 parser = argparse.ArgumentParser()
 _job = job_from_env()  # under `autotp run`: its sizes are the defaults
-parser.add_argument("--tp", type=int, default=2 if _job is None else _job.layout.tp)
-parser.add_argument("--dp", type=int, default=1 if _job is None else _job.layout.dp)
+parser.add_argument("--tp", type=int, default=2 if _job is None else _job.grid.tp)
+parser.add_argument("--dp", type=int, default=1 if _job is None else _job.grid.dp)
 parser.add_argument("--steps", type=int, default=4)
 parser.add_argument("--batch", type=int, default=4, help="sequences per step per data-parallel replica")
 parser.add_argument("--lr", type=float, default=1e-3)

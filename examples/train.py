@@ -3,7 +3,7 @@
     autotp run examples/train.py --tp 2 -- --steps 5              # 2 ranks, tensor parallel
     autotp run examples/train.py --tp 2 --dp 2 --fsdp -- --lr 3e-4 # 4 ranks: TP inside, FSDP2 across
 
-Under ``autotp run`` the process group and the rank layout are already set up; ``autotp.parallelize`` reads
+Under ``autotp run`` the process group and the rank grid are already set up; ``autotp.parallelize`` reads
 them (with ``--fsdp`` it also shards over the data-parallel ranks). Each data-parallel replica draws its own
 batches; the ranks of one tensor-parallel group draw the same ones.
 """

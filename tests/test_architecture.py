@@ -15,7 +15,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("autotp.errors", "autotp.shard_spec"),  # the vocabulary: typed errors, how a tensor is cut
     ("autotp.combinations",),  # which sizes and options run together: the one rule every caller asks
     ("autotp.plan.plan", "autotp.plan.context"),  # the Plan's types: the contract analysis writes, passes read
-    ("autotp.distributed",),  # rank layout, process groups, the launcher
+    ("autotp.distributed",),  # the rank grid, process groups, the launcher
     ("autotp.operators",),  # operators the rewritten graph runs; they know no graph, plan or model
     ("autotp.capture",),  # the user's call as an exported graph
     ("autotp.analysis",),  # facts found in the graph

@@ -122,7 +122,7 @@ def test_world_size_makes_dp_count_every_nodes_replicas(script: Path, monkeypatc
         assert result.exit_code == 0, result.output
     across, per_node = specs
     assert (across.world_size, across.nproc_per_node, across.data_parallel) == (8, 2, 1)
-    assert across.layout.pp_groups == [[0, 2, 4, 6], [1, 3, 5, 7]]  # each stage on its own node
+    assert across.grid.pp_groups == [[0, 2, 4, 6], [1, 3, 5, 7]]  # each stage on its own node
     assert (per_node.world_size, per_node.nproc_per_node, per_node.data_parallel) == (32, 8, 4)
     bad = runner.invoke(app, ["run", str(script), "--tp", "2", "--dp", "3", "--world-size", "4"],
                         env={"COLUMNS": "500"})

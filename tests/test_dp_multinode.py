@@ -1,4 +1,4 @@
-"""Data parallelism over tensor-parallel replicas (tp 2 × dp 2 on gloo), the rank layout inside the running job,
+"""Data parallelism over tensor-parallel replicas (tp 2 × dp 2 on gloo), the rank grid inside the running job,
 and ``autotp shard`` as a two-node job on loopback."""
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from autotp.distributed.launch import LaunchSpec, launch
-from autotp.distributed.layout import RankLayout
+from autotp.distributed.rank_grid import RankGrid
 from ranks import ROOT
 
 NANOGPT = os.path.join(ROOT, "examples", "nanogpt.py")
@@ -120,7 +120,7 @@ def test_dp_tp_training_matches_unsharded_on_concatenated_batches(dp_tp_run) -> 
 @pytest.mark.slow
 def test_rank_groups_in_running_job_follow_layout(dp_tp_run) -> None:
     results, _ = dp_tp_run
-    layout = RankLayout.build(TP * DP, TP)
+    layout = RankGrid.build(TP * DP, TP)
     for rank, r in results.items():
         assert r["rank"] == rank and r["world"] == TP * DP
         assert r["coords"] == layout.coords(rank)
@@ -204,6 +204,7 @@ def _assert_checkpoint_loads_unsharded(out: Path, summary: dict) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # two launchers of two ranks each; tp × dp parity on one launcher: above
 def test_shard_two_nodes_on_loopback(tmp_path: Path) -> None:
     # four ranks and two launchers on 2 cores: a rank that polled a tensor-parallel all-reduce without end
     # took the core its peer needed to finish capturing, and a run stalled past a minute about one in ten

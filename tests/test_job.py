@@ -18,7 +18,7 @@ from autotp.cli.main import app
 from autotp.distributed import launch as launch_module
 from autotp.distributed.job import ENV_JOB, JOB_VERSION, RankJob, job_from_env
 from autotp.distributed.launch import LaunchSpec, current_tp_group, init_job
-from autotp.distributed.layout import MESH_TP, RankLayout
+from autotp.distributed.rank_grid import MESH_TP, RankGrid
 from autotp.errors import LaunchError, ProcessGroupError
 
 runner = CliRunner()
@@ -41,7 +41,7 @@ def test_the_job_is_one_versioned_json_value_of_ints() -> None:
         {"world_size": 16, "tp": 2, "cp": 2, "dp": 2, "pp": 2, "fsdp": 2, "virtual_stages": 2}
     job = job_from_env(env)
     assert job == spec.job() and (job.backend, job.timeout) == ("gloo", 30.0)
-    assert all(type(getattr(job.layout, k)) is int for k in ("tp", "cp", "dp", "pp", "world_size"))
+    assert all(type(getattr(job.grid, k)) is int for k in ("tp", "cp", "dp", "pp", "world_size"))
     assert job_from_env({}) is None
 
 
@@ -55,7 +55,7 @@ def test_the_job_is_one_versioned_json_value_of_ints() -> None:
     ({"timeout": -1}, "timeout must be > 0 seconds, got -1"),
 ])
 def test_a_bad_job_is_refused_naming_every_number(change: dict, message: str) -> None:
-    data = {**RankJob(RankLayout.build(4, 2)).to_dict(), **change}
+    data = {**RankJob(RankGrid.build(4, 2)).to_dict(), **change}
     with pytest.raises(LaunchError) as info:
         RankJob.from_json(json.dumps(data))
     assert isinstance(info.value, ValueError) and message in str(info.value)
@@ -83,12 +83,12 @@ def test_tp_is_an_int_from_autotp_shard_to_the_collective(tmp_path: Path, monkey
     ranks, job = launched["args"]
     assert launched["entrypoint"].__name__ == "shard_worker"
     assert isinstance(ranks, RankJob) and ranks == launched["spec"].job()
-    assert type(ranks.layout.tp) is int and (ranks.layout.tp, ranks.layout.dp, ranks.layout.world_size) == (2, 2, 4)
+    assert type(ranks.grid.tp) is int and (ranks.grid.tp, ranks.grid.dp, ranks.grid.world_size) == (2, 2, 4)
     assert not hasattr(job, "tp") and not hasattr(job, "fsdp")  # the sizes travel once, in the RankJob
-    _fake_world(ranks.layout.world_size)
+    _fake_world(ranks.grid.world_size)
     try:
         ctx = init_job(ranks)  # what shard_worker does first with its argument
-        assert dist.get_world_size(ctx.tp_group()) == ranks.layout.tp == 2
+        assert dist.get_world_size(ctx.tp_group()) == ranks.grid.tp == 2
         assert dist.get_process_group_ranks(ctx.tp_group()) == [0, 1]
         assert dist.get_world_size(ctx.dp_group()) == 2 and ctx.mesh.mesh_dim_names[-1] == MESH_TP
     finally:
@@ -111,8 +111,8 @@ def test_tp_is_an_int_from_autotp_run_to_the_group_parallelize_takes(tmp_path: P
     assert result.exit_code == 0, result.output
     assert not any(k in launched["env"] for k in ("AUTOTP_TP", "AUTOTP_DP", "AUTOTP_PP", "AUTOTP_CP"))
     job = job_from_env(launched["env"])
-    assert type(job.layout.tp) is int and (job.layout.tp, job.layout.dp) == (2, 2)
-    _fake_world(job.layout.world_size)
+    assert type(job.grid.tp) is int and (job.grid.tp, job.grid.dp) == (2, 2)
+    _fake_world(job.grid.world_size)
     try:
         ctx = init_job(job)  # the script's init_from_env()
         found = current_tp_group(launched["env"])  # parallelize's default: the mesh's group, not a new one
@@ -158,7 +158,7 @@ def test_parallelize_takes_tp_from_the_job_not_from_torchs_group_registry(no_reg
     from autotp.distributed.launch import current_dp_group, current_mesh
 
     monkeypatch.setenv("AUTOTP_PLAN_CACHE", "0")
-    job = RankJob(RankLayout.build(4, 2, dp=2))
+    job = RankJob(RankGrid.build(4, 2, dp=2))
     monkeypatch.setenv(ENV_JOB, job.to_json())
     _fake_world(4)
     try:
@@ -166,7 +166,7 @@ def test_parallelize_takes_tp_from_the_job_not_from_torchs_group_registry(no_reg
         assert init_job(job) is ctx and current_mesh() is ctx.mesh and current_dp_group() is ctx.dp_group()
         with pytest.raises(LaunchError, match=r"set up for the job tp 2 × cp 1 × dp 2 × pp 1 = world 4, and were "
                                               r"handed another: tp 4 × cp 1 × dp 1"):
-            init_job(RankJob(RankLayout.build(4, 4)))
+            init_job(RankJob(RankGrid.build(4, 4)))
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8))
         tpm = autotp.parallelize(model, example_inputs=(torch.randn(2, 8),))
@@ -191,7 +191,7 @@ def test_a_script_without_init_from_env_gets_the_jobs_cp_and_groups_once(no_regi
     from autotp.distributed.context import context_mesh
     from autotp.distributed.launch import cp_from_env, current_context, current_cp_group
 
-    job = RankJob(RankLayout.build(2, 1, cp=2))
+    job = RankJob(RankGrid.build(2, 1, cp=2))
     monkeypatch.setenv(ENV_JOB, job.to_json())
     _fake_world(2)
     try:
@@ -234,8 +234,8 @@ def test_autotp_profile_hands_its_ranks_the_job(tmp_path: Path, monkeypatch) -> 
     assert result.exit_code == 130, result.output
     ranks, job = launched["args"][:2]
     assert launched["entrypoint"] is profile_worker and isinstance(job, ProfileJob)
-    assert isinstance(ranks, RankJob) and ranks == launched["spec"].job() and type(ranks.layout.tp) is int
-    assert (ranks.layout.tp, ranks.layout.world_size) == (2, 2)
+    assert isinstance(ranks, RankJob) and ranks == launched["spec"].job() and type(ranks.grid.tp) is int
+    assert (ranks.grid.tp, ranks.grid.world_size) == (2, 2)
     assert list(inspect.signature(profile_worker).parameters)[:2] == ["ranks", "job"]
     import autotp.search.profile as profile_module
 

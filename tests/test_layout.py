@@ -1,4 +1,4 @@
-"""Unit tests for autotp.distributed.layout and the ``autotp layout`` command."""
+"""Tests of autotp.distributed.rank_grid and the ``autotp layout`` command."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ import pytest
 from typer.testing import CliRunner
 
 from autotp.cli.main import app
-from autotp.distributed.layout import RankLayout
+from autotp.distributed.rank_grid import RankGrid
 
-# Megatron's rank order (README, "Rank layout"): world 16, tp 2, pp 4 (dp 2).
+# Megatron's rank order (README, "Rank grid"): world 16, tp 2, pp 4 (dp 2).
 TABLE_16 = {
     "tp": [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9], [10, 11], [12, 13], [14, 15]],
     "dp": [[0, 2], [1, 3], [4, 6], [5, 7], [8, 10], [9, 11], [12, 14], [13, 15]],
@@ -25,50 +25,50 @@ TABLE_16 = {
 
 
 def test_design_table_16_ranks() -> None:
-    layout = RankLayout.build(16, tp=2, pp=4)
-    assert layout.groups() == TABLE_16
-    assert list(layout.groups()) == ["tp", "dp", "pp", "mp", "embedding"]
-    assert layout.tp_groups == TABLE_16["tp"]
-    assert layout.dp_groups == TABLE_16["dp"]
-    assert layout.pp_groups == TABLE_16["pp"]
-    assert layout.mp_groups == TABLE_16["mp"]
-    assert layout.embedding_groups == TABLE_16["embedding"]
+    grid = RankGrid.build(16, tp=2, pp=4)
+    assert grid.groups() == TABLE_16
+    assert list(grid.groups()) == ["tp", "dp", "pp", "mp", "embedding"]
+    assert grid.tp_groups == TABLE_16["tp"]
+    assert grid.dp_groups == TABLE_16["dp"]
+    assert grid.pp_groups == TABLE_16["pp"]
+    assert grid.mp_groups == TABLE_16["mp"]
+    assert grid.embedding_groups == TABLE_16["embedding"]
 
 
 def test_dp_derived_and_explicit_agree() -> None:
-    derived = RankLayout.build(16, tp=2, pp=4)
+    derived = RankGrid.build(16, tp=2, pp=4)
     assert derived.dp == 2
-    assert RankLayout.build(16, tp=2, pp=4, dp=2) == derived
-    assert RankLayout.build(8, tp=8).dp == 1
-    assert RankLayout.build(12, tp=2, pp=3).dp == 2
+    assert RankGrid.build(16, tp=2, pp=4, dp=2) == derived
+    assert RankGrid.build(8, tp=8).dp == 1
+    assert RankGrid.build(12, tp=2, pp=3).dp == 2
 
 
 def test_every_group_kind_partitions_the_world() -> None:
-    layout = RankLayout.build(24, tp=2, pp=3, gpus_per_node=4)
+    grid = RankGrid.build(24, tp=2, pp=3, gpus_per_node=4)
     for kind in ("tp", "dp", "pp", "mp"):
-        flat = sorted(r for g in layout.groups()[kind] for r in g)
+        flat = sorted(r for g in grid.groups()[kind] for r in g)
         assert flat == list(range(24)), kind
 
 
 def test_coords() -> None:
-    layout = RankLayout.build(16, tp=2, pp=4, gpus_per_node=8)
-    assert layout.coords(0) == {"tp": 0, "dp": 0, "pp": 0, "node": 0}
-    assert layout.coords(3) == {"tp": 1, "dp": 1, "pp": 0, "node": 0}
-    assert layout.coords(13) == {"tp": 1, "dp": 0, "pp": 3, "node": 1}
+    grid = RankGrid.build(16, tp=2, pp=4, gpus_per_node=8)
+    assert grid.coords(0) == {"tp": 0, "dp": 0, "pp": 0, "node": 0}
+    assert grid.coords(3) == {"tp": 1, "dp": 1, "pp": 0, "node": 0}
+    assert grid.coords(13) == {"tp": 1, "dp": 0, "pp": 3, "node": 1}
     for r in range(16):
-        c = layout.coords(r)
-        assert layout.rank(c["tp"], c["dp"], c["pp"]) == r
-    assert "node" not in RankLayout.build(16, tp=2, pp=4).coords(5)
+        c = grid.coords(r)
+        assert grid.rank(c["tp"], c["dp"], c["pp"]) == r
+    assert "node" not in RankGrid.build(16, tp=2, pp=4).coords(5)
     with pytest.raises(ValueError, match="16"):
-        layout.coords(16)
+        grid.coords(16)
 
 
 def test_pp1_embedding_is_single_stage() -> None:
-    layout = RankLayout.build(4, tp=2)
-    assert layout.dp == 2
-    assert layout.pp_groups == [[0], [1], [2], [3]]
-    assert layout.embedding_groups == [[0], [1], [2], [3]]
-    assert layout.mp_groups == [[0, 1], [2, 3]]
+    grid = RankGrid.build(4, tp=2)
+    assert grid.dp == 2
+    assert grid.pp_groups == [[0], [1], [2], [3]]
+    assert grid.embedding_groups == [[0], [1], [2], [3]]
+    assert grid.mp_groups == [[0, 1], [2, 3]]
 
 
 @pytest.mark.parametrize(
@@ -87,7 +87,7 @@ def test_pp1_embedding_is_single_stage() -> None:
 )
 def test_invalid_combinations_raise_with_numbers(kwargs: dict, numbers: list[str]) -> None:
     with pytest.raises(ValueError) as info:
-        RankLayout.build(**kwargs)
+        RankGrid.build(**kwargs)
     message = str(info.value)
     for n in numbers:
         assert n in message, (n, message)
@@ -95,13 +95,13 @@ def test_invalid_combinations_raise_with_numbers(kwargs: dict, numbers: list[str
 
 def test_direct_construction_is_validated_too() -> None:
     with pytest.raises(ValueError, match="≠ world size 16"):
-        RankLayout(world_size=16, tp=2, pp=2, dp=2)
+        RankGrid(world_size=16, tp=2, pp=2, dp=2)
 
 
 def test_to_dict_and_json_round_trip() -> None:
-    layout = RankLayout.build(16, tp=2, pp=4, gpus_per_node=8)
-    data = json.loads(layout.to_json())
-    assert data == layout.to_dict()
+    grid = RankGrid.build(16, tp=2, pp=4, gpus_per_node=8)
+    data = json.loads(grid.to_json())
+    assert data == grid.to_dict()
     assert data["groups"] == TABLE_16
     assert (data["world_size"], data["tp"], data["dp"], data["pp"]) == (16, 2, 2, 4)
 
@@ -114,6 +114,14 @@ def test_cli_json_matches_table() -> None:
     result = runner.invoke(app, args)
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout) == TABLE_16
+
+
+def test_cli_world_from_dp() -> None:
+    """Without --world-size the world is tp × cp × dp × pp: ``autotp layout --tp 2 --dp 2`` is world 4."""
+    result = runner.invoke(app, ["layout", "--tp", "2", "--dp", "2", "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["tp"] == [[0, 1], [2, 3]] and json.loads(result.stdout)["dp"] == [[0, 2], [1, 3]]
+    assert "rank grid" in runner.invoke(app, ["--help"]).stdout
 
 
 def test_cli_table_output() -> None:
@@ -130,6 +138,8 @@ def test_cli_table_output() -> None:
         (["--world-size", "12", "--tp", "2", "--pp", "4"], ["12", "8"]),
         (["--world-size", "16", "--tp", "0"], ["0"]),
         (["--world-size", "32", "--tp", "16", "--gpus-per-node", "8"], ["16", "8"]),
+        (["--tp", "2"], ["--world-size", "--dp"]),  # no world and no dp to derive it from
+        (["--tp", "0", "--dp", "2"], ["tp (0)"]),
     ],
 )
 def test_cli_invalid_exits_2_without_traceback(args: list[str], numbers: list[str]) -> None:
@@ -161,8 +171,8 @@ def _mesh_worker(rank: int, world_size: int, init_file: str, out_dir: str) -> No
         timeout=timedelta(seconds=30),
     )
     try:
-        layout = RankLayout.build(world_size, tp=2, dp=2)
-        mesh = layout.device_mesh("cpu")
+        grid = RankGrid.build(world_size, tp=2, dp=2)
+        mesh = grid.device_mesh("cpu")
         got = {
             kind: dist.get_process_group_ranks(mesh.get_group(kind)) for kind in ("tp", "dp")
         }
@@ -185,13 +195,13 @@ def test_device_mesh_matches_layout_gloo(tmp_path: Path) -> None:
         nprocs=world_size,
         join=True,
     )
-    layout = RankLayout.build(world_size, tp=2, dp=2)
+    grid = RankGrid.build(world_size, tp=2, dp=2)
     for rank in range(world_size):
         got = json.loads((tmp_path / f"rank{rank}.json").read_text())
-        assert got["tp"] == next(g for g in layout.tp_groups if rank in g)
-        assert got["dp"] == next(g for g in layout.dp_groups if rank in g)
-    assert layout.tp_groups == [[0, 1], [2, 3]]
-    assert layout.dp_groups == [[0, 2], [1, 3]]
+        assert got["tp"] == next(g for g in grid.tp_groups if rank in g)
+        assert got["dp"] == next(g for g in grid.dp_groups if rank in g)
+    assert grid.tp_groups == [[0, 1], [2, 3]]
+    assert grid.dp_groups == [[0, 2], [1, 3]]
 
 
 def test_device_mesh_needs_process_group() -> None:
@@ -199,7 +209,7 @@ def test_device_mesh_needs_process_group() -> None:
     if dist.is_available() and dist.is_initialized():
         pytest.skip("a process group is already initialised")
     with pytest.raises(RuntimeError, match="init_process_group"):
-        RankLayout.build(2, tp=2).device_mesh("cpu")
+        RankGrid.build(2, tp=2).device_mesh("cpu")
 
 
 def test_console_script_runs_the_app_and_keeps_its_exit_code(monkeypatch, capsys) -> None:

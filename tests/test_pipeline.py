@@ -219,6 +219,7 @@ def _check_two_ranks(results: dict, configs: list) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # seven pairings in one 4-rank launch; the default run: the README's tp 2 × pp 2 line below
 def test_pipeline_with_tensor_parallelism_matches_one_device():
     """(tp 2, pp 2): each stage TP-sharded by autotp's plan; (tp 1, dp 2, pp 2) with FSDP (1F1B and
     Interleaved1F1B: each of a rank's stages one FSDP unit); with sequence parallelism (the hidden state
@@ -359,6 +360,31 @@ def test_pipeline_checkpoint_resumes_at_other_pipeline_sizes(tmp_path):
 
 
 # -- the command line ------------------------------------------------------------------------------------
+README_PIPELINE = "autotp shard examples/llama.py --tp 2 --pp 2 --virtual-stages 2 --schedule Interleaved1F1B --microbatches 4 --out llama"  # noqa: E501
+
+
+@pytest.mark.slow
+def test_readme_pipeline_line_runs_exactly(tmp_path):
+    """The README's pipeline command as written: Llama at tp 2 × pp 2 on 4 ranks, two virtual stages per rank under
+    Interleaved1F1B with 4 micro-batches: the check passes (the loss through the pipeline within 1e-5 of the
+    unsharded model's), each of the 4 blocks is a stage of its own, placed in Megatron's order (tp inside pp),
+    every stage cut by tp (a rank holds about a quarter of the parameters), and 3 steps train and checkpoint."""
+    import json
+
+    from readme import readme_folder, run_readme
+
+    done = run_readme(README_PIPELINE, readme_folder(tmp_path))
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    summary = json.loads((tmp_path / "llama" / "summary.json").read_text())
+    assert summary["parity"]["ok"] and summary["parity"]["loss_diff"] <= 1e-5, summary["parity"]
+    assert (summary["tp"], summary["pp"], summary["dp"]) == (2, 2, 1)
+    assert summary["pipeline"] == "Interleaved1F1B, 4 micro-batches, 2 stage(s) per rank"
+    assert summary["stages"] == [[f"model.layers.{i}"] for i in range(4)]
+    assert [(r["pp_rank"], r["tp_rank"]) for r in summary["ranks"]] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert all(r["param_bytes"] < summary["unsharded_bytes"] / 3 for r in summary["ranks"])
+    assert len(summary["losses"]) == 3 and (tmp_path / "llama" / "checkpoints" / "step-000003").is_dir()
+
+
 def _shard(*flags: str):
     import os
 

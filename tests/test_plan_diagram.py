@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 
 from autotp.cli.diagram import draw
 from autotp.cli.main import app
-from autotp.distributed.layout import RankLayout
+from autotp.distributed.rank_grid import RankGrid
 from ranks import ROOT
 
 NANOGPT = os.path.join(ROOT, "examples", "nanogpt.py")
@@ -91,7 +91,7 @@ def test_every_pair_is_cut_column_then_row_with_its_all_reduces(staged) -> None:
 
 
 def test_identical_blocks_fold(nanogpt) -> None:
-    layout = RankLayout.build(2, 2)
+    layout = RankGrid.build(2, 2)
     root = ET.fromstring(draw("autotp plan <a & b>", nanogpt.plan, nanogpt.report, layout, nanogpt.names).svg)
     assert "autotp plan <a & b>" in _texts(root)  # escaped in the file, the same text once parsed
     headers = [t.text for t in root.iter(f"{SVG}text") if t.get("class") == "block"]
@@ -104,7 +104,7 @@ def test_identical_blocks_fold(nanogpt) -> None:
 
 @pytest.mark.parametrize("tp,dp,pp,gpus", [(2, 2, 2, 4), (2, 4, 1, 2), (2, 3, 1, 4), (1, 4, 2, 8)])
 def test_grid_cells_and_nodes(nanogpt, tp, dp, pp, gpus) -> None:
-    layout = RankLayout.build(tp * dp * pp, tp, pp=pp, dp=dp, gpus_per_node=gpus)
+    layout = RankGrid.build(tp * dp * pp, tp, pp=pp, dp=dp, gpus_per_node=gpus)
     drawn = draw("t", nanogpt.plan, nanogpt.report, layout, nanogpt.names)
     root = ET.fromstring(drawn.svg)
     assert drawn.ranks == layout.world_size == len(_all(root, "rank"))
@@ -113,7 +113,7 @@ def test_grid_cells_and_nodes(nanogpt, tp, dp, pp, gpus) -> None:
 
 
 def test_a_large_grid_is_elided(nanogpt) -> None:
-    layout = RankLayout.build(2 * 40, 2, dp=40)
+    layout = RankGrid.build(2 * 40, 2, dp=40)
     root = ET.fromstring(draw("t", nanogpt.plan, nanogpt.report, layout, nanogpt.names).svg)
     cells = [int(c.get("data-rank")) for c in _all(root, "rank")]
     assert 0 < len(cells) < 40 and 0 in cells and 79 in cells
@@ -124,7 +124,7 @@ def test_sequence_parallel_markers() -> None:
     from autotp.parallel.planning import plan_file
 
     planned = plan_file(NANOGPT, 2, sequence_parallel=True, cache=False)
-    root = ET.fromstring(draw("t", planned.plan, planned.report, RankLayout.build(2, 2), planned.names).svg)
+    root = ET.fromstring(draw("t", planned.plan, planned.report, RankGrid.build(2, 2), planned.names).svg)
     layers = _layers(root)
     # the columns' input is all-gathered along the sequence, the rows' output reduce-scattered
     assert ("all_gather", "forward", "in") in _colls(layers["transformer.h.0–1.attn.c_attn"])

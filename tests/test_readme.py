@@ -23,6 +23,8 @@ CLAIMED = {
     "autotp run examples/hf_trainer.py --tp 2 --dp 2": "tests/test_integrations.py",
     "python examples/hf_trainer.py --unsharded --batch 8": "tests/test_integrations.py",
     "autotp shard examples/nanogpt.py --tp 2 --dp 2 --fsdp --out fsdp": "tests/test_fsdp.py",
+    "autotp shard examples/llama.py --tp 2 --pp 2 --virtual-stages 2 --schedule Interleaved1F1B --microbatches 4 "
+    "--out llama": "tests/test_pipeline.py",
     "autotp shard examples/nanogpt.py --tp 2 --steps 3 --out run": "tests/test_reliability.py",
     "autotp shard examples/nanogpt.py --tp 4 --steps 6 --out run --resume": "tests/test_reliability.py",
     "autotp shard examples/nanogpt.py --tp 1 --cp 2 --steps 2 --out cp": "tests/test_context_cli.py",

@@ -19,7 +19,7 @@ from autotp.cli.main import app
 from autotp.io.ckpt_io import checkpoint_info, latest_checkpoint
 from autotp.distributed.job import ENV_JOB, RankJob, job_from_env
 from autotp.distributed.launch import LaunchSpec, launch
-from autotp.distributed.layout import RankLayout
+from autotp.distributed.rank_grid import RankGrid
 from ranks import ROOT
 from readme import readme_folder, run_readme
 from torch.distributed.elastic.utils.distributed import get_free_port
@@ -334,7 +334,7 @@ def test_group_made_for_the_script_is_destroyed_at_exit(tmp_path: Path) -> None:
     )
     env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
            "MASTER_PORT": str(get_free_port()),
-           ENV_JOB: RankJob(RankLayout.build(1, 1)).to_json()}
+           ENV_JOB: RankJob(RankGrid.build(1, 1)).to_json()}
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "INITIALIZED AT EXIT False" in proc.stdout

@@ -187,9 +187,9 @@ def test_mfu_counts_a_ranks_share_of_its_replica(tp: int, cp: int, pp: int, dp: 
     """A replica's FLOPs per step are shared by its tp · cp · pp ranks (1/cp of the sequence each under context
     parallelism: at cp 2 the summary once gave each rank the FLOPs of two), never by the dp replicas."""
     from autotp.cli.shard_worker import rank_flops
-    from autotp.distributed.layout import RankLayout
+    from autotp.distributed.rank_grid import RankGrid
 
-    layout = RankLayout.build(tp * cp * pp * dp, tp=tp, pp=pp, cp=cp)
+    layout = RankGrid.build(tp * cp * pp * dp, tp=tp, pp=pp, cp=cp)
     assert layout.dp == dp
     assert rank_flops(8e9, layout) == 8e9 / (tp * cp * pp)
     assert rank_flops(None, layout) is None

@@ -72,11 +72,11 @@ def test_with_world_dp_counts_every_nodes_replicas_and_stages_sit_on_different_n
     Megatron's order; the per-node spelling (no world) multiplies dp by the nodes, as before."""
     spec = LaunchSpec(tp=4, dp=4, pp=4, world=64, nnodes=8, master_addr="h", master_port=1, fsdp=True)
     assert (spec.nproc_per_node, spec.world_size, spec.data_parallel) == (8, 64, 4)
-    assert spec.job("gloo").layout.dp == 4 and spec.layout.gpus_per_node == 8
-    stage0 = next(g for g in spec.layout.pp_groups if 0 in g)
+    assert spec.job("gloo").grid.dp == 4 and spec.grid.gpus_per_node == 8
+    stage0 = next(g for g in spec.grid.pp_groups if 0 in g)
     assert stage0 == [0, 16, 32, 48]  # stage p on nodes 2p and 2p + 1
-    assert [spec.layout.coords(r)["node"] for r in stage0] == [0, 2, 4, 6]
-    assert spec.layout.tp_groups[:2] == [[0, 1, 2, 3], [4, 5, 6, 7]]  # each inside a node
+    assert [spec.grid.coords(r)["node"] for r in stage0] == [0, 2, 4, 6]
+    assert spec.grid.tp_groups[:2] == [[0, 1, 2, 3], [4, 5, 6, 7]]  # each inside a node
     per_node = LaunchSpec(tp=2, dp=1, pp=2, nnodes=2, master_addr="h", master_port=1)
     assert (per_node.nproc_per_node, per_node.world_size, per_node.data_parallel) == (4, 8, 2)
     # HSDP's shard groups inside a node: allowed either way

@@ -1,1 +1,1 @@
-"""Distributed: the rank layout (TP x DP x PP) and the launcher."""
+"""Distributed: the rank grid (TP x CP x DP x PP) and the launcher."""

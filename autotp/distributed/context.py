@@ -41,9 +41,9 @@ def context_mesh(mesh: DeviceMesh | None, tp_group: dist.ProcessGroup | None, cp
             raise ProcessGroupError(f"context_parallel={cp}, and the mesh's cp dim has {size} ranks")
         tp = mesh.get_group("tp") if "tp" in names else None
         return ContextGroups(tp if tp is not None else _alone(), mesh.get_group("cp"))
-    if ctx is not None and ctx.layout.cp > 1:  # under `autotp run --cp`: the job's mesh
-        if ctx.layout.cp != cp:
-            raise ProcessGroupError(f"context_parallel={cp}, and `--cp {ctx.layout.cp}` laid out the ranks "
+    if ctx is not None and ctx.grid.cp > 1:  # under `autotp run --cp`: the job's mesh
+        if ctx.grid.cp != cp:
+            raise ProcessGroupError(f"context_parallel={cp}, and `--cp {ctx.grid.cp}` laid out the ranks "
                                     f"({ctx.job.sizes})",
                                     hint="pass no context_parallel (the launcher's), or the same number")
         return ContextGroups(tp_group or ctx.tp_group(), ctx.cp_group())

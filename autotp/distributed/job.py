@@ -4,7 +4,7 @@
 launch.LaunchSpec`), and hand this frozen value to the ranks once: ``autotp shard``'s ranks run a Python function
 and get it as the function's argument; ``autotp run``'s run the user's script, a process of its own, and find it
 in one environment variable, ``AUTOTP_JOB``, holding the whole value as versioned JSON. A rank builds its
-:class:`~autotp.distributed.layout.RankLayout` and its one ``DeviceMesh`` from it
+:class:`~autotp.distributed.rank_grid.RankGrid` and its one ``DeviceMesh`` from it
 (:mod:`autotp.distributed.rank_context`); every size stays an int from the command line to the collective.
 """
 from __future__ import annotations
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from autotp.combinations import refused
-from autotp.distributed.layout import RankLayout
+from autotp.distributed.rank_grid import RankGrid
 from autotp.errors import LaunchError
 
 __all__ = ["BACKENDS", "ENV_JOB", "JOB_VERSION", "RankJob", "choose_backend", "job_from_env"]
@@ -37,22 +37,22 @@ def choose_backend(nproc_per_node: int) -> str:
 
 @dataclass(frozen=True)
 class RankJob:
-    """A job's ranks: ``layout`` (tp × cp × dp × pp = world; dp counts every node's replicas, Megatron's order),
+    """A job's ranks: ``grid`` (tp × cp × dp × pp = world; dp counts every node's replicas, Megatron's order),
     the process group's ``backend``, the collective ``timeout`` in seconds (None: torch's), ``fsdp`` the FSDP
     replica groups (1: FSDP over every data-parallel rank, R > 1: HSDP in R groups; None: no FSDP), and the
     pipeline's ``virtual_stages`` per rank (None: the schedule's default). Validated on construction: a
     ValueError (:class:`LaunchError`) naming every size."""
 
-    layout: RankLayout
+    grid: RankGrid
     backend: str = "gloo"
     timeout: float | None = None
     fsdp: int | None = None
     virtual_stages: int | None = None
 
     def __post_init__(self) -> None:
-        lay = self.layout
-        if not isinstance(lay, RankLayout):
-            raise LaunchError(f"layout must be a RankLayout, got {type(lay).__name__}", fields=("layout",))
+        lay = self.grid
+        if not isinstance(lay, RankGrid):
+            raise LaunchError(f"grid must be a RankGrid, got {type(lay).__name__}", fields=("grid",))
         if self.backend not in BACKENDS:
             raise LaunchError(f"backend must be gloo or nccl, got {self.backend!r}", fields=("backend",))
         if self.timeout is not None and (isinstance(self.timeout, bool) or not isinstance(self.timeout, (int, float))
@@ -71,7 +71,7 @@ class RankJob:
     @property
     def sizes(self) -> str:
         """Every size, for messages: ``tp 2 × cp 1 × dp 2 × pp 1 = world 4``."""
-        lay = self.layout
+        lay = self.grid
         return f"tp {lay.tp} × cp {lay.cp} × dp {lay.dp} × pp {lay.pp} = world {lay.world_size}"
 
     @property
@@ -79,7 +79,7 @@ class RankJob:
         return "cuda" if self.backend == "nccl" else "cpu"
 
     def to_dict(self) -> dict[str, Any]:
-        lay = self.layout
+        lay = self.grid
         return {"version": JOB_VERSION, "world_size": lay.world_size, "tp": lay.tp, "cp": lay.cp, "dp": lay.dp,
                 "pp": lay.pp, "backend": self.backend, "timeout": self.timeout,
                 "fsdp": self.fsdp, "virtual_stages": self.virtual_stages}
@@ -94,11 +94,11 @@ class RankJob:
                               "launcher and the ranks run different autotp versions", fields=("version",))
         sizes = {k: data.get(k) for k in ("world_size", "tp", "cp", "dp", "pp")}
         try:
-            layout = RankLayout(**sizes)
+            grid = RankGrid(**sizes)
         except (TypeError, ValueError) as exc:
             every = ", ".join(f"{k} {v!r}" for k, v in sizes.items())
             raise LaunchError(f"{exc} (the job's sizes: {every})") from None
-        return cls(layout, data.get("backend"), data.get("timeout"), data.get("fsdp"), data.get("virtual_stages"))
+        return cls(grid, data.get("backend"), data.get("timeout"), data.get("fsdp"), data.get("virtual_stages"))
 
     @classmethod
     def from_json(cls, text: str) -> RankJob:

@@ -9,7 +9,7 @@ which is a process of its own). With a
 ``--tee``, ``--local-ranks-filter`` and ``--log-dir``), each line prefixed with its rank.
 
 Worker side (:mod:`autotp.distributed.rank_context`, its names importable from here too): :func:`init_job` and
-:func:`init_from_env` initialise the default process group if needed and return a :class:`RankContext` (layout,
+:func:`init_from_env` initialise the default process group if needed and return a :class:`RankContext` (grid,
 the one DeviceMesh, ``tp_group()``, ``dp_group()``); :func:`current_tp_group` returns its TP group, so
 ``autotp.parallelize(model)`` can default to it.
 """
@@ -34,7 +34,7 @@ from autotp.combinations import refused
 from autotp.errors import LaunchError, LaunchInterrupted, RankFailedError
 from autotp.distributed.cpu_binding import ENV_BIND
 from autotp.distributed.job import ENV_JOB, RankJob, choose_backend
-from autotp.distributed.layout import RankLayout
+from autotp.distributed.rank_grid import RankGrid
 from autotp.distributed.rank_context import (RankContext, cp_from_env, current_context, current_cp_group,
                                              current_dp_group, current_job, current_mesh, current_tp_group,
                                              fsdp_from_env, init_distributed, init_from_env, init_job)
@@ -117,7 +117,7 @@ class LaunchSpec:
             raise LaunchError(f"nnodes {self.nnodes} needs master_addr and master_port "
                               "(node 0's address and a free port, the same on every node)",
                               fields=("nnodes", "master_addr", "master_port"))
-        self.layout  # validates tp × dp × pp against the world size now, not inside the workers
+        self.grid  # validates tp × dp × pp against the world size now, not inside the workers
         self._check_fsdp()
         self.job("gloo")  # and what the ranks are told (the backend is chosen at launch)
 
@@ -184,7 +184,7 @@ class LaunchSpec:
         holds ranks of two nodes."""
         per = self.nproc_per_node
         return any(g[k] // per != g[k + shard - 1] // per
-                   for g in self.layout.dp_groups for k in range(0, len(g), shard))
+                   for g in self.grid.dp_groups for k in range(0, len(g), shard))
 
     @property
     def nproc_per_node(self) -> int:
@@ -197,9 +197,9 @@ class LaunchSpec:
         return self.nproc_per_node * self.nnodes
 
     @property
-    def layout(self) -> RankLayout:
+    def grid(self) -> RankGrid:
         try:
-            return RankLayout.build(self.world_size, self.tp, pp=self.pp, dp=self.data_parallel,
+            return RankGrid.build(self.world_size, self.tp, pp=self.pp, dp=self.data_parallel,
                                     gpus_per_node=self.nproc_per_node, cp=self.cp)
         except (TypeError, ValueError) as exc:
             raise LaunchError(str(exc)) from exc
@@ -212,9 +212,9 @@ class LaunchSpec:
     def job(self, backend: str | None = None) -> RankJob:
         """What every rank is told, as one value: the whole job's sizes (dp counting every node's replicas),
         the backend (default :attr:`backend`), the timeout, FSDP's replica groups and the virtual stages."""
-        # the ranks' layout as they have always seen it: coordinates without the launcher's nodes
-        layout = RankLayout(self.world_size, self.tp, self.pp, self.data_parallel, cp=self.cp)
-        return RankJob(layout, self.backend if backend is None else backend,
+        # the ranks' grid as they have always seen it: coordinates without the launcher's nodes
+        grid = RankGrid(self.world_size, self.tp, self.pp, self.data_parallel, cp=self.cp)
+        return RankJob(grid, self.backend if backend is None else backend,
                        None if self.timeout is None else float(self.timeout),
                        self.replica_groups if self.fsdp else None, self.virtual_stages)
 

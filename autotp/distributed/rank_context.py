@@ -2,7 +2,7 @@
 process group, its one ``DeviceMesh`` and the groups that come from it.
 
 :func:`init_job` is where a rank starts: it initialises the default process group (the job's backend and
-timeout) if the script has not, builds the job's :class:`~autotp.distributed.layout.RankLayout` mesh once, and
+timeout) if the script has not, builds the job's :class:`~autotp.distributed.rank_grid.RankGrid` mesh once, and
 keeps the :class:`RankContext` as this process's own, so that ``autotp.parallelize(model)`` without a group,
 ``autotp.pipeline``, ``broadcast_batch`` and the integrations find the same groups (:func:`current_context`
 and its kin): the tp group's size is the job's tp, never parsed again, and no group is looked up in torch's
@@ -25,7 +25,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from autotp.distributed.cpu_binding import bind_from_env
 from autotp.distributed.job import ENV_JOB, RankJob, choose_backend, job_from_env
-from autotp.distributed.layout import MESH_CP, MESH_DP, MESH_PP, MESH_TP, RankLayout
+from autotp.distributed.rank_grid import MESH_CP, MESH_DP, MESH_PP, MESH_TP, RankGrid
 from autotp.errors import LaunchError, ProcessGroupError
 
 __all__ = ["RankContext", "cp_from_env", "current_context", "current_cp_group", "current_dp_group", "current_job",
@@ -46,12 +46,12 @@ class RankContext:
     world: dist.ProcessGroup | None = field(default=None, repr=False, compare=False)
 
     @property
-    def layout(self) -> RankLayout:
-        return self.job.layout
+    def grid(self) -> RankGrid:
+        return self.job.grid
 
     @property
     def coords(self) -> dict[str, int]:
-        return self.layout.coords(self.rank)
+        return self.grid.coords(self.rank)
 
     @property
     def live(self) -> bool:
@@ -67,7 +67,7 @@ class RankContext:
 
     def cp_group(self) -> dist.ProcessGroup | None:
         """The context-parallel group; None without context parallelism."""
-        return self.mesh.get_group(MESH_CP) if self.layout.cp > 1 else None
+        return self.mesh.get_group(MESH_CP) if self.grid.cp > 1 else None
 
     def pp_group(self) -> dist.ProcessGroup:
         return self.mesh.get_group(MESH_PP)
@@ -77,7 +77,7 @@ class RankContext:
         than tp): sharded over ``parts`` blocks, replicated over their copies. Made once per job and kept here,
         since making one creates process groups on every rank."""
         if parts not in self.meshes:
-            lay = self.layout
+            lay = self.grid
             cp = ((lay.cp,), (MESH_CP,)) if lay.cp > 1 else ((), ())
             self.meshes[parts] = init_device_mesh(self.device.type, (lay.pp, lay.dp, *cp[0], parts, lay.tp // parts),
                                                   mesh_dim_names=(MESH_PP, MESH_DP, *cp[1], "tp_block", "tp_copy"))
@@ -151,11 +151,11 @@ def _make_context(job: RankJob) -> RankContext:
     backend = dist.get_backend()
     bind_from_env(backend)  # before the mesh's groups: their gloo threads inherit the binding (once per process)
     world = dist.get_world_size()
-    if world != job.layout.world_size:
+    if world != job.grid.world_size:
         raise LaunchError(f"the process group has {world} ranks, and the job {job.sizes} expects "
-                          f"{job.layout.world_size}", fields=("world_size",))
+                          f"{job.grid.world_size}", fields=("world_size",))
     device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
-    return RankContext(job=job, mesh=job.layout.device_mesh(device.type), rank=dist.get_rank(), backend=backend,
+    return RankContext(job=job, mesh=job.grid.device_mesh(device.type), rank=dist.get_rank(), backend=backend,
                        device=device, world=dist.group.WORLD)
 
 
@@ -172,11 +172,11 @@ def init_distributed(tp: int, dp: int | None = None, pp: int = 1, backend: str |
         launched = job_from_env()  # a launched function's ranks keep the launcher's --timeout
         _init_process_group(backend or choose_backend(local_world), None if launched is None else launched.timeout)
     try:
-        layout = RankLayout.build(dist.get_world_size(), tp, pp=pp, dp=dp, cp=cp)
+        grid = RankGrid.build(dist.get_world_size(), tp, pp=pp, dp=dp, cp=cp)
     except (TypeError, ValueError) as exc:
         raise LaunchError(str(exc)) from exc
     # the job's backend names the device its mesh lives on (a script's own group may be "cpu:gloo,cuda:nccl")
-    return _make_context(RankJob(layout, "nccl" if "nccl" in dist.get_backend() else "gloo"))
+    return _make_context(RankJob(grid, "nccl" if "nccl" in dist.get_backend() else "gloo"))
 
 
 def init_from_env(environ: Mapping[str, str] | None = None) -> RankContext:
@@ -217,7 +217,7 @@ def current_tp_group(environ: Mapping[str, str] | None = None) -> dist.ProcessGr
 def cp_from_env(environ: Mapping[str, str] | None = None) -> int:
     """The context-parallel size of the job (``--cp``); 1 without one or outside a job."""
     job = current_job(environ)
-    return 1 if job is None else job.layout.cp
+    return 1 if job is None else job.grid.cp
 
 
 def current_cp_group(environ: Mapping[str, str] | None = None) -> dist.ProcessGroup | None:
@@ -232,7 +232,7 @@ def current_dp_group(environ: Mapping[str, str] | None = None) -> dist.ProcessGr
     """The job's data-parallel group; None outside a job, before any process group, or when dp is 1.
     Collective when the job's mesh is not made yet: every rank must reach this call."""
     job = current_job(environ)
-    if job is None or not dist.is_initialized() or job.layout.dp == 1:
+    if job is None or not dist.is_initialized() or job.grid.dp == 1:
         return None
     ctx = current_context(environ)
     return None if ctx is None else ctx.dp_group()

@@ -1,6 +1,6 @@
 """Data parallelism by default: the gradients of a parallelized model averaged over its data-parallel group.
 
-A rank layout with dp > 1 holds dp replicas of every tensor-parallel shard, each training on its own batches.
+A rank grid with dp > 1 holds dp replicas of every tensor-parallel shard, each training on its own batches.
 Where FSDP shards over those ranks (its reduce-scatter averages) or pipeline stages run under their own DDP,
 that is done already; everywhere else :func:`autotp.parallelize` gives the model a :class:`Replicas` running
 torch's ``DistributedDataParallel`` over the data-parallel group alone. It is driven from the model's own

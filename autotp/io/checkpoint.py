@@ -225,7 +225,7 @@ def _group_views(name: str, piece: torch.Tensor, shard: ParamShard, seg: Segment
     """A grouped segment (G groups of [q | k | v]) as one key per inner segment, each of global shape
     ``[G, inner size, ...]``: sharded over the groups, and over the ranks sharing a group where its heads are
     split (q), replicated there where they are not (k, v)."""
-    d, copies = shard.dim, ctx.layout.tp // seg.parts
+    d, copies = shard.dim, ctx.grid.tp // seg.parts
     grouped = piece.unflatten(d, (seg.groups // seg.parts, -1))  # (groups here, one group's local width, ...)
     out, start = {}, 0
     for i, sub in enumerate(seg.inner):
@@ -241,7 +241,7 @@ def _group_views(name: str, piece: torch.Tensor, shard: ParamShard, seg: Segment
 def _mesh(ctx: RankContext, parts: int) -> DeviceMesh:
     """The tp mesh, or for kv blocks held by tp/parts ranks each one that shards over the blocks and
     replicates over the copies."""
-    return ctx.mesh if parts == ctx.layout.tp else ctx.block_mesh(parts)
+    return ctx.mesh if parts == ctx.grid.tp else ctx.block_mesh(parts)
 
 
 def _dtensor(local: torch.Tensor, mesh, dim: int, shape: tuple[int, ...], within: Shard | Replicate | None = None) -> DTensor:

@@ -294,7 +294,7 @@ def _publish(root: Path, tmp: Path, step: int, run: str | None = None, keep: int
 def _replica(ctx: RankContext) -> str:
     """The generators' key prefix: the dp replica, and with pipeline stages the pipeline rank (each stage draws
     its own stream)."""
-    return f"pp{ctx.coords['pp']}.dp{ctx.coords['dp']}" if ctx.layout.pp > 1 else f"dp{ctx.coords['dp']}"
+    return f"pp{ctx.coords['pp']}.dp{ctx.coords['dp']}" if ctx.grid.pp > 1 else f"dp{ctx.coords['dp']}"
 
 
 def _rng_state(tpm: torch.nn.Module, ctx: RankContext) -> dict[str, torch.Tensor]:
@@ -346,15 +346,15 @@ def save_training_state(run_dir: Path | str, step: int, tpm: torch.nn.Module,
     dist.barrier()
     state: dict = {"model": sharded_state_dict(tpm, ctx), "train": {"step": torch.tensor(step, dtype=torch.int64)},
                    "rng": _rng_state(tpm, ctx)}
-    info = {"format": FORMAT, "step": step, "tp": ctx.layout.tp, "dp": ctx.layout.dp, "pp": ctx.layout.pp,
-            "world_size": ctx.layout.world_size, "optimizer": None, "run": run}
-    if ctx.layout.cp > 1:  # context-parallel ranks hold the same parameters: a layout like dp's
-        info["cp"] = ctx.layout.cp
+    info = {"format": FORMAT, "step": step, "tp": ctx.grid.tp, "dp": ctx.grid.dp, "pp": ctx.grid.pp,
+            "world_size": ctx.grid.world_size, "optimizer": None, "run": run}
+    if ctx.grid.cp > 1:  # context-parallel ranks hold the same parameters: a layout like dp's
+        info["cp"] = ctx.grid.cp
     if optimizer is not None:
         ostate = optimizer_state(tpm, optimizer, ctx)
         state["optim"] = {"state": ostate.tensors}
         info["optimizer"] = plain_data(ostate)
-        if ctx.layout.pp > 1:  # each stage's optimizer holds its own parameters: the manifest names them all
+        if ctx.grid.pp > 1:  # each stage's optimizer holds its own parameters: the manifest names them all
             parts: list = [None] * dist.get_world_size(ctx.pp_group())
             dist.all_gather_object(parts, info["optimizer"], group=ctx.pp_group())
             info["optimizer"] = merge_plain_data(parts)
@@ -415,8 +415,8 @@ def load_training_state(path: Path | str, tpm: torch.nn.Module, optimizer: torch
            if f"rng.{key}" in meta.state_dict_metadata and (".region" not in key or
                                                             (info["tp"], info["dp"], info.get("pp", 1),
                                                              info.get("cp", 1)) ==
-                                                            (ctx.layout.tp, ctx.layout.dp, ctx.layout.pp,
-                                                             ctx.layout.cp))}
+                                                            (ctx.grid.tp, ctx.grid.dp, ctx.grid.pp,
+                                                             ctx.grid.cp))}
     if rng:
         state["rng"] = rng
     safe_load(state, path, metadata=meta)
@@ -427,7 +427,7 @@ def load_training_state(path: Path | str, tpm: torch.nn.Module, optimizer: torch
     copies.apply()
     mark_loaded(tpm)
     if ostate is not None:
-        restore(tpm, optimizer, ostate, info["optimizer"], str(path / INFO), stage=ctx.layout.pp > 1)
+        restore(tpm, optimizer, ostate, info["optimizer"], str(path / INFO), stage=ctx.grid.pp > 1)
     _set_rng_state(tpm, ctx, rng)
-    return Resumed(path, int(state["train"]["step"]), info["tp"], info["dp"], ctx.layout.tp, ctx.layout.dp,
-                   optimizer is not None, int(info.get("pp", 1)), ctx.layout.pp)
+    return Resumed(path, int(state["train"]["step"]), info["tp"], info["dp"], ctx.grid.tp, ctx.grid.dp,
+                   optimizer is not None, int(info.get("pp", 1)), ctx.grid.pp)

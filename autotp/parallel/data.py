@@ -121,7 +121,7 @@ def _layout():
     from autotp.distributed.launch import current_job
 
     job = current_job()  # None: not under `autotp run`: parallelize's default group is the whole job
-    return None if job is None else job.layout
+    return None if job is None else job.grid
 
 
 def dp_size() -> int:

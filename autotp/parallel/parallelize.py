@@ -50,7 +50,7 @@ from autotp.options import Options, PipelineOptions
 from autotp.plan.context_planner import ContextRefused, check_chunks
 from autotp.distributed.context import context_mesh
 from autotp.distributed.job import RankJob
-from autotp.distributed.layout import MESH_TP
+from autotp.distributed.rank_grid import MESH_TP
 from autotp.distributed.rank_context import RankContext, current_context, current_job
 from autotp.state import Captured, RankIdentity, TPState, attach_state, find_tp_state, tp_state
 
@@ -84,7 +84,7 @@ def _tensor_parallel(mesh: DeviceMesh | None, tp_group: dist.ProcessGroup | None
     if tp_group is not None:
         return tp_group, dist.get_world_size(tp_group), dist.get_rank(tp_group)
     if ctx is not None:
-        return ctx.tp_group(), ctx.layout.tp, ctx.coords[MESH_TP]
+        return ctx.tp_group(), ctx.grid.tp, ctx.coords[MESH_TP]
     if not (dist.is_available() and dist.is_initialized()):
         raise ProcessGroupError(
             "autotp.parallelize needs a process group, and none is initialised",
@@ -453,7 +453,7 @@ def parallelize_state(model: nn.Module, *, tp_group: dist.ProcessGroup | None = 
     job = current_job()
     config = _fsdp_config(fsdp, job)
     if context_parallel is None:  # under `--cp`: the launcher's choice
-        context_parallel = 1 if job is None else job.layout.cp
+        context_parallel = 1 if job is None else job.grid.cp
     options = Options(vocab_multiple, compile, check_inputs, sequence_parallel, expert_parallel, config, pipeline,
                       schedule, whole_kv_copies=config is not None or stage_fsdp, stage_fsdp=stage_fsdp,
                       context_parallel=context_parallel, data_parallel=data_parallel).validate()
@@ -508,7 +508,7 @@ def _replicas(options: Options, mesh: DeviceMesh | None, tp_group: dist.ProcessG
     if mesh is not None:
         dp = mesh["dp"].get_group() if "dp" in (mesh.mesh_dim_names or ()) else None
     elif tp_group is None:
-        dp = ctx.dp_group() if ctx is not None and ctx.layout.dp > 1 else context_dp
+        dp = ctx.dp_group() if ctx is not None and ctx.grid.dp > 1 else context_dp
     else:
         dp = None
     if dp is None or dist.get_world_size(dp) == 1:

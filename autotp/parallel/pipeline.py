@@ -9,7 +9,7 @@ and rotary tables are made again where they are read); a schedule by name (GPipe
 LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble) runs the micro-batches. ``eval_step`` runs the graph
 captured in eval mode, cut into the same stages.
 
-Megatron's layout (:mod:`autotp.distributed.layout`): TP inside a node, then DP, then PP. With dp > 1 each
+Megatron's layout (:mod:`autotp.distributed.rank_grid`): TP inside a node, then DP, then PP. With dp > 1 each
 stage is wrapped in DDP over its data-parallel group (``PipelineStage`` defers its gradient all-reduce to
 the last micro-batch). A parameter read by stages on several pipeline ranks (an LM head tied to the token
 embedding: Megatron's embedding group) has its gradient summed over those ranks after each step, so its
@@ -486,7 +486,7 @@ def _context_size(mesh: DeviceMesh, asked: int | None) -> int:
         from autotp.distributed.rank_context import current_job
 
         job = current_job()  # under autotp's launchers: the job's --cp
-        return 1 if job is None else job.layout.cp
+        return 1 if job is None else job.grid.cp
     if "cp" in names and mesh.size(names.index("cp")) != asked:
         raise ProcessGroupError(f"context_parallel={asked}, and the mesh's cp dim has "
                                 f"{mesh.size(names.index('cp'))} ranks")

@@ -329,7 +329,7 @@ def profile_worker(ranks: RankJob, job: ProfileJob, say: Say | None = None) -> d
     what it measures next (the whole run takes tens of seconds)."""
     ctx = init_job(ranks)
     try:
-        return _profile(job, _Ctx(ctx.device, job), ctx.rank, ranks.layout.world_size,
+        return _profile(job, _Ctx(ctx.device, job), ctx.rank, ranks.grid.world_size,
                         say if say is not None and ctx.rank == 0 else _silent)
     finally:
         dist.destroy_process_group()

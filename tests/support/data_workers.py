@@ -60,9 +60,9 @@ def mismatch_and_broadcast() -> dict:
 def dp_sampling() -> dict:
     """tp 2 × dp 2 under the layout ``autotp run`` sets up."""
     from autotp.distributed.job import RankJob
-    from autotp.distributed.layout import RankLayout
+    from autotp.distributed.rank_grid import RankGrid
 
-    os.environ.update(RankJob(RankLayout.build(4, 2, dp=2)).env())
+    os.environ.update(RankJob(RankGrid.build(4, 2, dp=2)).env())
     from autotp.distributed.launch import current_tp_group
 
     group = current_tp_group()

@@ -1,4 +1,4 @@
-"""Rank layout: which global rank holds which (tp, cp, dp, pp) coordinate.
+"""The rank grid: which global rank holds which (tp, cp, dp, pp) coordinate.
 
 Megatron's order: TP innermost (adjacent ranks), then CP (context parallelism), then DP, then PP. A rank ``r``
 sits at ``tp = r % tp``, ``cp = (r // tp) % cp``, ``dp = (r // (tp * cp)) % dp``, ``pp = r // (tp * cp * dp)``.
@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["GROUP_KINDS", "MESH_CP", "MESH_DP", "MESH_PP", "MESH_TP", "RankLayout"]
+__all__ = ["GROUP_KINDS", "MESH_CP", "MESH_DP", "MESH_PP", "MESH_TP", "RankGrid"]
 
 # the DeviceMesh's dim names, outermost first (Megatron's order: tp innermost); cp only with context parallelism
 MESH_PP, MESH_DP, MESH_CP, MESH_TP = "pp", "dp", "cp", "tp"
@@ -30,7 +30,7 @@ def _check_int(name: str, value: object) -> None:
 
 
 @dataclass(frozen=True)
-class RankLayout:
+class RankGrid:
     """A tp × cp × dp × pp decomposition of ``world_size`` ranks, validated on construction."""
 
     world_size: int
@@ -49,8 +49,8 @@ class RankLayout:
         dp: int | None = None,
         gpus_per_node: int | None = None,
         cp: int = 1,
-    ) -> RankLayout:
-        """Build a layout, deriving ``dp = world_size / (tp * cp * pp)`` when not given."""
+    ) -> RankGrid:
+        """Build a grid, deriving ``dp = world_size / (tp * cp * pp)`` when not given."""
         if dp is None:
             for name, value in (("world_size", world_size), ("tp", tp), ("cp", cp), ("pp", pp)):
                 _check_int(name, value)
@@ -195,7 +195,7 @@ class RankLayout:
         return json.dumps(self.to_dict(), indent=indent)
 
     def device_mesh(self, device_type: str) -> DeviceMesh:
-        """Build the ("pp", "dp", "tp") DeviceMesh for this layout (("pp", "dp", "cp", "tp") with context
+        """Build the ("pp", "dp", "tp") DeviceMesh for this grid (("pp", "dp", "cp", "tp") with context
         parallelism).
 
         Needs an initialised default process group of exactly ``world_size``
@@ -207,13 +207,13 @@ class RankLayout:
 
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
-                "RankLayout.device_mesh needs an initialised process group; "
+                "RankGrid.device_mesh needs an initialised process group; "
                 "call torch.distributed.init_process_group first"
             )
         actual = dist.get_world_size()
         if actual != self.world_size:
             raise RuntimeError(
-                f"process group has {actual} ranks but the layout expects {self.world_size}"
+                f"process group has {actual} ranks but the rank grid expects {self.world_size}"
             )
         sizes = self._sizes
         mesh = init_device_mesh(device_type, tuple(sizes.values()), mesh_dim_names=tuple(sizes))
@@ -225,7 +225,7 @@ class RankLayout:
             got = dist.get_process_group_ranks(mesh.get_group(kind))
             if sorted(got) != expected:
                 raise RuntimeError(
-                    f"DeviceMesh {kind} group for rank {rank} is {got}, layout expects {expected}"
+                    f"DeviceMesh {kind} group for rank {rank} is {got}, the rank grid expects {expected}"
                 )
         return mesh
 
