@@ -164,13 +164,13 @@ def predicted_memory(c: Config, t: int, layers: int, b: int, s: int, sp: bool, r
     """What ``autotp plan`` predicts for one rank: the layout's memory from the model's facts (captured on
     meta), bf16 activations, fp32 weights with AdamW."""
     from autotp.search.cost import Candidate, Training, estimate
-    from autotp.search.facts import capture_facts
+    from autotp.search.model_costs import capture_costs
     from autotp.search.hardware import H100
 
     with torch.device("meta"):
         net = Stack(c, layers)
     x = torch.zeros(b, s, c.hidden_size, device="meta")
-    facts = capture_facts(net, (x,), {}, [t], b, s)
+    facts = capture_costs(net, (x,), {}, [t], b, s)
     hw = dataclasses.replace(H100, memory_bytes=capacity)
     lay = Candidate(tp=t, dp=1, pp=1, micro_batch=b, microbatches=1, sp=sp, recompute=recompute)
     mem = estimate(facts, hw, lay, Training(act_bytes=2, seq=s)).memory

@@ -27,7 +27,7 @@ sys.path[:0] = [p for p in (str(ROOT), str(ROOT / "benchmarks")) if p not in sys
 from layout_gpt import GPTConfig, build_model, example_batch  # noqa: E402
 
 from autotp.search.cost import Candidate, Training, estimate  # noqa: E402
-from autotp.search.facts import capture_facts  # noqa: E402
+from autotp.search.model_costs import capture_costs  # noqa: E402
 from autotp.search.hardware import load  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
@@ -70,7 +70,7 @@ def main() -> None:
     with torch.device("meta"):
         net = build_model(cfg)
     idx, targets = example_batch(cfg, measured["batch"])
-    facts = capture_facts(net, (idx, targets), {}, [1, 2, 4], measured["batch"], measured["seq"])
+    facts = capture_costs(net, (idx, targets), {}, [1, 2, 4], measured["batch"], measured["seq"])
     training = Training(act_bytes=4, seq=measured["seq"])
     rows = []
     for r in measured["layouts"]:

@@ -45,7 +45,7 @@ from rich.table import Table
 
 from autotp.search.auto import Space, best_per_mesh, explain, search, tp_sizes
 from autotp.search.cost import Candidate, Training, estimate
-from autotp.search.facts import ModelFacts, capture_facts
+from autotp.search.model_costs import ModelCosts, capture_costs
 from autotp.search.hardware import A100, H100
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -158,7 +158,7 @@ def paper_measure(row: Row, est) -> float:
     return paper_flops(row) * passes / est.step / row.gpus / 1e12
 
 
-def cached_facts(cache: Path | None, key: str, build) -> ModelFacts:
+def cached_facts(cache: Path | None, key: str, build) -> ModelCosts:
     """``build()``'s facts, kept as JSON-free pickles under ``cache`` (the benchmark's own files) by ``key``."""
     import pickle
 
@@ -173,11 +173,11 @@ def cached_facts(cache: Path | None, key: str, build) -> ModelFacts:
 
 
 def run_row(row: Row, script: Script, every_knob: bool, cache: Path | None = None) -> dict:
-    def build() -> ModelFacts:
+    def build() -> ModelCosts:
         with torch.device("meta"):
             net = GPT(row)
         ids = torch.zeros(1, SEQ, dtype=torch.long)
-        return capture_facts(net, (ids, ids), {}, tp_sizes(row.gpus, GPUS_PER_NODE, row.heads), 1, SEQ)
+        return capture_costs(net, (ids, ids), {}, tp_sizes(row.gpus, GPUS_PER_NODE, row.heads), 1, SEQ)
 
     start = time.perf_counter()
     facts = cached_facts(cache, f"megatron-{row.params_b:g}b", build)
@@ -230,11 +230,11 @@ def torchtitan_row(cache: Path | None = None) -> dict:
     bf16 weights (param_dtype bf16, reduce_dtype fp32), one micro-batch of 16 sequences, every block recomputed."""
     seq = TORCHTITAN.max_position_embeddings
 
-    def build() -> ModelFacts:
+    def build() -> ModelCosts:
         with torch.device("meta"):
             net = LlamaShaped(TORCHTITAN)
         ids = torch.zeros(1, seq, dtype=torch.long)
-        return capture_facts(net, (ids, ids), {}, (8,), 1, seq)
+        return capture_costs(net, (ids, ids), {}, (8,), 1, seq)
 
     facts = cached_facts(cache, "torchtitan-70b", build)
     lay = Candidate(tp=8, dp=32, pp=1, micro_batch=16, microbatches=1, fsdp=True, sp=True, recompute=True,

@@ -21,7 +21,7 @@ from autotp.cli.plan_format import fmt_size
 from autotp.search.assumed import assumed_terms
 from autotp.search.auto import Rejected, Search, Space, best_per_mesh, explain, mesh_name, search, tp_sizes
 from autotp.search.cost import RESERVED, Estimate, Training
-from autotp.search.facts import ModelFacts, capture_facts
+from autotp.search.model_costs import ModelCosts, capture_costs
 from autotp.search.hardware import PRESETS, Hardware, resolve
 
 DEFAULT_PROFILE = Path("autotp-profile.json")
@@ -29,7 +29,7 @@ _DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "bfloat16": 2, "float16": 2, "f
 
 
 class Auto(NamedTuple):
-    facts: ModelFacts
+    costs: ModelCosts
     hardware: Hardware
     space: Space
     training: Training
@@ -71,7 +71,7 @@ def run_search(model: str, world: int, gpus_per_node: int | None, hw: Hardware, 
     args, kwargs, b, s, _ = planning_batch(mf, net, batch, seq)
     g = gpus_per_node or min(world, hw.gpus_per_node)
     # every size a node allows: the heads are read from the graph, and the search keeps the sizes they allow
-    facts = capture_facts(net, args, kwargs, tp_sizes(world, g, None), b, s)
+    costs = capture_costs(net, args, kwargs, tp_sizes(world, g, None), b, s)
     per_replica = per_replica and global_batch is None
     # autotp shard --auto runs what it chose and verifies it against the model's own dtype: no FSDP gathering
     # in a narrower one
@@ -80,7 +80,7 @@ def run_search(model: str, world: int, gpus_per_node: int | None, hw: Hardware, 
     act = act_bytes(hw, autocast)
     name = autocast or str(hw.extra.get("dtype", "bf16"))
     training = Training(act_bytes=act, seq=s, act_dtype={"bfloat16": "bf16", "float16": "fp16"}.get(name, name))
-    return Auto(facts, hw, space, training, search(facts, hw, space, training), model,
+    return Auto(costs, hw, space, training, search(costs, hw, space, training), model,
                 not per_replica and global_batch is None, b if batch is None else None)
 
 
@@ -196,7 +196,7 @@ def why(auto: Auto) -> list[str]:
 
 
 def render(console: Console, model: str, auto: Auto, top: int) -> None:
-    f = auto.facts
+    f = auto.costs
     console.print(f"[bold]{escape(model)}[/bold]: {f.params:,} parameters, {f.layers} blocks, hidden {f.hidden}, "
                   f"heads {f.heads}, vocab {f.vocab}; planned at tp {', '.join(map(str, sorted(f.tps)))}; "
                   f"{auto.result.considered} layouts considered", soft_wrap=True)

@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 from autotp.cli.main import app
 from autotp.search.auto import Space, candidates, explain, runnable, search, supported, tp_sizes
 from autotp.search.cost import STATE_BYTES, Candidate, Training, estimate
-from autotp.search.facts import BLOCKS, FIRST, LAST, Comm, ModelFacts, TpFacts
+from autotp.search.model_costs import BLOCKS, FIRST, LAST, Comm, ModelCosts, TpCosts
 from autotp.search.hardware import A100, H100, Hardware, Link, Measured, load, resolve, save
 from autotp.plan.pipeline_report import layer_activation_bytes
 from ranks import ROOT
@@ -27,14 +27,14 @@ def hw(**kw) -> Hardware:
     return Hardware(**{**base, **kw})
 
 
-def facts(layers=4, h=64, s=32, heads=4, vocab=256, comm=True, fused=True, per_layer=1000) -> ModelFacts:
+def facts(layers=4, h=64, s=32, heads=4, vocab=256, comm=True, fused=True, per_layer=1000) -> ModelCosts:
     """A made-up GPT: per sample 1e9 FLOPs in the blocks, 1e8 after them; 1000 block parameters per layer."""
     def tpf(t):
         blocks = () if t == 1 or not comm else (Comm("all_reduce", "forward", 2 * layers, 2 * layers * s * h),
                                                 Comm("all_reduce", "backward", 2 * layers, 2 * layers * s * h))
-        return TpFacts(t, {FIRST: 500 // t, BLOCKS: per_layer * layers // t, LAST: 300 // t},
+        return TpCosts(t, {FIRST: 500 // t, BLOCKS: per_layer * layers // t, LAST: 300 // t},
                        {FIRST: (), BLOCKS: blocks, LAST: ()}, 1.0)
-    return ModelFacts(layers, s, h, heads, vocab, {FIRST: 0.0, BLOCKS: 1e9, LAST: 1e8},
+    return ModelCosts(layers, s, h, heads, vocab, {FIRST: 0.0, BLOCKS: 1e9, LAST: 1e8},
                       {FIRST: 5, BLOCKS: 10 * layers, LAST: 6}, per_layer * layers + 800, 4,
                       fused, False, {t: tpf(t) for t in (1, 2, 4)})
 
@@ -469,14 +469,14 @@ def test_facts_of_the_example_gpt():
     import torch
 
     from autotp.capture.modelfile import load_model_file
-    from autotp.search.facts import capture_facts
+    from autotp.search.model_costs import capture_costs
 
     mf = load_model_file("examples/nanogpt.py")
     with torch.device("meta"):
         net = mf.build()
     args, kwargs = mf.example_batch()
     b, s = args[0].shape
-    f = capture_facts(net, args, kwargs, [1, 2, 4], b, s)
+    f = capture_costs(net, args, kwargs, [1, 2, 4], b, s)
     h, L = f.hidden, f.layers
     assert (L, h, f.heads, f.vocab, f.seq) == (2, 64, 4, 256, 32)
     # per sample: 24·s·h² of linears and 4·s²·h of attention per block; the LM head 2·s·h·V

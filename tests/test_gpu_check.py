@@ -81,8 +81,8 @@ def test_one_rank_on_the_fake_group_runs_a_training_step(fake_tp: int):
     assert x.grad.shape == x.shape
 
 
-def test_facts_of_a_model_of_blocks_alone():
-    from autotp.search.facts import capture_facts
+def test_costs_of_a_model_of_blocks_alone():
+    from autotp.search.model_costs import capture_costs
     from gpu_check_compute import Stack
     from llama_shaped import Config
 
@@ -90,8 +90,8 @@ def test_facts_of_a_model_of_blocks_alone():
                max_position_embeddings=16)
     with torch.device("meta"):
         net = Stack(c, 2)
-    facts = capture_facts(net, (torch.zeros(1, 16, 64, device="meta"),), {}, [8], 1, 16)
-    assert (facts.layers, facts.hidden, facts.heads, facts.vocab) == (2, 64, 16, None)  # not the rotary's 4
+    costs = capture_costs(net, (torch.zeros(1, 16, 64, device="meta"),), {}, [8], 1, 16)
+    assert (costs.layers, costs.hidden, costs.heads, costs.vocab) == (2, 64, 16, None)  # not the rotary's 4
 
 
 @pytest.mark.slow

@@ -171,7 +171,7 @@ def test_attention_dropout_on_the_rows_draws_from_the_chunks_stream():
     """Dropout on the probabilities of a keys-gathered attention runs on the chunk's rows: listed with the
     random ops, so each cp rank draws its own masks (not the same masks for different rows); the layout
     search leaves such a model's cp unpriced, naming the attention."""
-    from autotp.search.facts import context_facts
+    from autotp.search.model_costs import context_costs
 
     torch.manual_seed(0)
     ids = torch.randint(0, 64, (2, 16))
@@ -180,5 +180,5 @@ def test_attention_dropout_on_the_rows_draws_from_the_chunks_stream():
     assert f.runs and f.attention[0].keyed is not None, f.blockers
     assert [n for n in f.random if n in f.attention[0].keyed.region] == [n for n in f.random], f.random
     assert len(f.random) == 1
-    why, width, heads = context_facts(gm)
+    why, width, heads = context_costs(gm)
     assert "keys gathered" in why and width is None

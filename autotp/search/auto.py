@@ -2,7 +2,7 @@
 
 The knobs (Narayanan et al. 2021; the README's layout search): tp ``t`` dividing the GPUs per node, the world and the attention heads; pp ``p``
 dividing the blocks, ``t·p`` dividing the world; cp ``c`` dividing what is left, with the sequence in 2·c
-equal chunks, where the model's attention runs as a ring (:attr:`ModelFacts.cp_refused`); dp =
+equal chunks, where the model's attention runs as a ring (:attr:`ModelCosts.cp_refused`); dp =
 world/(t·c·p), dividing the global batch; the
 micro-batch size (a divisor of each replica's share, at most ``max_micro_batch``, or the one ``micro_batch``
 given) and so the micro-batches
@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from autotp.search.cost import Candidate, Estimate, Memory, Training, estimate
-from autotp.search.facts import ModelFacts
+from autotp.search.model_costs import ModelCosts
 from autotp.search.hardware import Hardware
 from autotp.combinations import refused
 
@@ -93,36 +93,36 @@ def tp_sizes(world: int, gpus_per_node: int, heads: int | None) -> list[int]:
     return [t for t in divisors(world) if gpus_per_node % t == 0 and (heads is None or heads % t == 0)]
 
 
-def cp_sizes(facts: ModelFacts, space: Space, rest: int, seq: int) -> list[int]:
+def cp_sizes(costs: ModelCosts, space: Space, rest: int, seq: int) -> list[int]:
     """The context-parallel sizes worth planning in ``rest`` ranks: 1, and where the model's attention runs as a
     ring, each divisor whose 2·cp chunks divide the sequence."""
-    if not space.context or facts.cp_refused is not None:
+    if not space.context or costs.cp_refused is not None:
         return [1]
     return [c for c in divisors(rest) if c == 1 or seq % (2 * c) == 0]
 
 
-def candidates(facts: ModelFacts, space: Space, seq: int | None = None, mixed: str | None = None) -> Iterator[Candidate]:
+def candidates(costs: ModelCosts, space: Space, seq: int | None = None, mixed: str | None = None) -> Iterator[Candidate]:
     """Every layout the sizes allow (``seq``: the sequence trained on, default the captured one; ``mixed``: the
     16-bit dtype FSDP may gather in, where the activations are narrower than the parameters)."""
-    L = facts.layers
-    for t in tp_sizes(space.world, space.gpus_per_node, facts.heads):
-        if t not in facts.tps:
+    L = costs.layers
+    for t in tp_sizes(space.world, space.gpus_per_node, costs.heads):
+        if t not in costs.tps:
             continue
         for p in divisors(L):
             if space.world % (t * p):
                 continue
-            for c in cp_sizes(facts, space, space.world // (t * p), seq or facts.seq):
+            for c in cp_sizes(costs, space, space.world // (t * p), seq or costs.seq):
                 d = space.world // (t * p * c)
                 if not space.per_replica and space.batch % d:
                     continue
                 share = space.batch if space.per_replica else space.batch // d
-                yield from _within(facts, space, t, c, d, p, share, mixed)
+                yield from _within(costs, space, t, c, d, p, share, mixed)
 
 
-def _within(facts: ModelFacts, space: Space, t: int, c: int, d: int, p: int, share: int,
+def _within(costs: ModelCosts, space: Space, t: int, c: int, d: int, p: int, share: int,
             mixed: str | None) -> Iterator[Candidate]:
     """The layouts of one (tp, cp, dp, pp) mesh: micro-batches, stages per rank, FSDP, sp, recomputation."""
-    L = facts.layers
+    L = costs.layers
     for b in divisors(share):
         m = share // b
         if b > space.max_micro_batch or space.micro_batch not in (None, b) or p > 1 and m < p:
@@ -160,12 +160,12 @@ def runnable(lay: Candidate) -> bool:
     return supported(lay) and not lay.recompute and not lay.keep and (lay.pp > 1 or lay.microbatches == 1)
 
 
-def search(facts: ModelFacts, hw: Hardware, space: Space, training: Training = Training()) -> Search:
+def search(costs: ModelCosts, hw: Hardware, space: Space, training: Training = Training()) -> Search:
     ranked, rejected, n = [], [], 0
-    mixed = training.act_dtype if training.act_bytes < facts.param_bytes else None
-    for lay in candidates(facts, space, training.seq, mixed):
+    mixed = training.act_dtype if training.act_bytes < costs.param_bytes else None
+    for lay in candidates(costs, space, training.seq, mixed):
         n += 1
-        est = estimate(facts, hw, lay, training)
+        est = estimate(costs, hw, lay, training)
         if est.memory.fits:
             ranked.append(est)
         else:
@@ -178,10 +178,10 @@ def search(facts: ModelFacts, hw: Hardware, space: Space, training: Training = T
         notes.append(f"no layout fits: the closest, {closest.candidate.label()}, {closest.reason}")
     if not n:
         notes.append(f"no layout: world {space.world}, {space.gpus_per_node} per node, global batch {space.batch}, "
-                     f"{facts.layers} blocks, heads {facts.heads}: no tp ≤ {space.gpus_per_node} dividing world "
+                     f"{costs.layers} blocks, heads {costs.heads}: no tp ≤ {space.gpus_per_node} dividing world "
                      "and heads, pp dividing the blocks and dp the batch")
-    if space.context and facts.cp_refused is not None and space.world > 1:
-        notes.append(f"context parallelism not considered: {facts.cp_refused}")
+    if space.context and costs.cp_refused is not None and space.world > 1:
+        notes.append(f"context parallelism not considered: {costs.cp_refused}")
     return Search(tuple(ranked), tuple(rejected), n, tuple(notes))
 
 

@@ -1,4 +1,4 @@
-"""The predicted step time and memory of one layout: an analytic model over :class:`ModelFacts` and a
+"""The predicted step time and memory of one layout: an analytic model over :class:`ModelCosts` and a
 :class:`~autotp.search.hardware.Hardware` profile.
 
 A layout is tp × cp × dp × pp ranks (Megatron's order, tp innermost), ``v`` stages per pipeline rank,
@@ -57,7 +57,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
-from autotp.search.facts import BLOCKS, FIRST, LAST, ModelFacts
+from autotp.search.model_costs import BLOCKS, FIRST, LAST, ModelCosts
 from autotp.search.hardware import Hardware
 from autotp.plan.pipeline_report import in_flight, layer_activation_bytes
 
@@ -203,14 +203,14 @@ def _per_node(ranks: int, stride: int, gpus_per_node: int) -> int:
     return max(1, min(ranks, gpus_per_node // stride)) if stride < gpus_per_node else 1
 
 
-def _comm_time(hw: Hardware, facts: ModelFacts, lay: Candidate, part: str, samples: float, share: float,
+def _comm_time(hw: Hardware, costs: ModelCosts, lay: Candidate, part: str, samples: float, share: float,
                act_bytes: int, recompute: bool) -> float:
     """The part's tp collectives for ``samples`` samples and ``share`` of its layers."""
     if lay.tp == 1:
         return 0.0
     per_node = _per_node(lay.tp, 1, hw.gpus_per_node)
     total = 0.0
-    for c in facts.tp(lay.tp).comm.get(part, ()):
+    for c in costs.tp(lay.tp).comm.get(part, ()):
         count = c.count * share
         if count <= 0:
             continue
@@ -220,19 +220,19 @@ def _comm_time(hw: Hardware, facts: ModelFacts, lay: Candidate, part: str, sampl
     return total
 
 
-def estimate(facts: ModelFacts, hw: Hardware, lay: Candidate, training: Training = Training()) -> Estimate:
-    """Price ``lay`` for ``facts`` on ``hw``."""
+def estimate(costs: ModelCosts, hw: Hardware, lay: Candidate, training: Training = Training()) -> Estimate:
+    """Price ``lay`` for ``costs`` on ``hw``."""
     t, c, d, p, v, b, m = lay.tp, lay.cp, lay.dp, lay.pp, lay.v, lay.micro_batch, lay.microbatches
-    tf = facts.tp(t)
+    tf = costs.tp(t)
     act = training.act_bytes
-    s = training.seq or facts.seq
-    scale = s / facts.seq  # FLOPs and collectives are taken at the captured length; attention grows faster
-    L = facts.layers
+    s = training.seq or costs.seq
+    scale = s / costs.seq  # FLOPs and collectives are taken at the captured length; attention grows faster
+    L = costs.layers
     ls = L / p  # layers on one pipeline rank (v chunks of L/(p·v))
     passes = 4 if lay.recompute else 3  # forward, backward (2×), recomputed forward
     tokens = b * scale / c  # samples' worth of tokens one rank computes per micro-batch
 
-    rate = hw.matmul_rate(b * s / c, facts.hidden)  # a micro-batch's tokens on one rank: its matmuls' rows
+    rate = hw.matmul_rate(b * s / c, costs.hidden)  # a micro-batch's tokens on one rank: its matmuls' rows
 
     def flops_time(fwd_flops: float) -> float:
         split = tf.flops_split
@@ -242,23 +242,23 @@ def estimate(facts: ModelFacts, hw: Hardware, lay: Candidate, training: Training
     # -- compute per micro-batch: the blocks on this rank, plus the first or last part's extra ------------
     # with sequence parallelism norms, dropouts and residuals are split over t too; with cp every term is
     # the rank's 1/cp of the tokens, and the attention runs fused (ring attention is SDPA's)
-    layer_bytes = layer_activation_bytes(b, s, facts.hidden, facts.heads, t, act, facts.dropout,
-                                         facts.fused_attention or c > 1, lay.sp and t > 1) / c
+    layer_bytes = layer_activation_bytes(b, s, costs.hidden, costs.heads, t, act, costs.dropout,
+                                         costs.fused_attention or c > 1, lay.sp and t > 1) / c
     launch = passes * hw.overhead  # per op of the forward: the backward dispatches about twice as many
     ring_ops = 2 * c if c > 1 else 0  # per layer: an attention call and a merge of its output per ring step
     # each byte a layer keeps is written by the op that makes it and read by the one that uses it, in every pass
     # (the backward reads it and writes its gradient): twice per pass at the memory bandwidth
-    blocks_time = ls * (flops_time(facts.block_flops * tokens) + passes * TRAFFIC * layer_bytes / hw.memory_bandwidth
-                        + launch * (facts.ops[BLOCKS] / L + ring_ops))
+    blocks_time = ls * (flops_time(costs.block_flops * tokens) + passes * TRAFFIC * layer_bytes / hw.memory_bandwidth
+                        + launch * (costs.ops[BLOCKS] / L + ring_ops))
     # the ends (embeddings; final norm, head and loss) run forward and backward once: what recomputes is the
     # checkpointed blocks (the paper's equation 3 counts the head's 2·s·h·V three times, not four)
     ends = 3 / passes
-    first = ends * (flops_time(facts.flops[FIRST] * tokens) + launch * facts.ops[FIRST])
-    last = ends * (flops_time(facts.flops[LAST] * tokens) + launch * facts.ops[LAST])
+    first = ends * (flops_time(costs.flops[FIRST] * tokens) + launch * costs.ops[FIRST])
+    last = ends * (flops_time(costs.flops[LAST] * tokens) + launch * costs.ops[LAST])
     share = 1 / p
-    comm_blocks = _comm_time(hw, facts, lay, BLOCKS, tokens, share, act, lay.recompute)
-    comm_first = _comm_time(hw, facts, lay, FIRST, tokens, 1, act, False)
-    comm_last = _comm_time(hw, facts, lay, LAST, tokens, 1, act, False)
+    comm_blocks = _comm_time(hw, costs, lay, BLOCKS, tokens, share, act, lay.recompute)
+    comm_first = _comm_time(hw, costs, lay, FIRST, tokens, 1, act, False)
+    comm_last = _comm_time(hw, costs, lay, LAST, tokens, 1, act, False)
     if p == 1:
         compute_mb, comm_mb = blocks_time + first + last, comm_blocks + comm_first + comm_last
     else:  # the busier end stage sets the pace
@@ -267,15 +267,15 @@ def estimate(facts: ModelFacts, hw: Hardware, lay: Candidate, training: Training
 
     # -- context parallel: K and V gathered per layer, forward (again when recomputing) and backward, and dK
     # and dV handed back; the group's ranks are tp apart
-    local = _local_params(facts, lay)
-    grad_bytes = local * facts.param_bytes  # gradients travel in the model's dtype (FSDP's reduce_dtype: fp32)
-    gather_elem = _gather_bytes(facts, lay, act)  # FSDP's all-gathers: in the mixed-precision dtype
+    local = _local_params(costs, lay)
+    grad_bytes = local * costs.param_bytes  # gradients travel in the model's dtype (FSDP's reduce_dtype: fp32)
+    gather_elem = _gather_bytes(costs, lay, act)  # FSDP's all-gathers: in the mixed-precision dtype
     gather_bytes = local * gather_elem
     copy = 2 / hw.copy_rate  # bytes copied in and out of communication buffers: read and written
     cp_mb = cp_step = 0.0
     if c > 1:
         cp_node = _per_node(c, t, hw.gpus_per_node)
-        kv = kv_bytes(facts, b, s, t, act)
+        kv = kv_bytes(costs, b, s, t, act)
         gathers = 3 if lay.recompute else 2
         cp_mb = ls * (gathers * hw.collective("all_gather", kv, c, cp_node)
                       + hw.collective("reduce_scatter", kv, c, cp_node))
@@ -289,7 +289,7 @@ def estimate(facts: ModelFacts, hw: Hardware, lay: Candidate, training: Training
     p2p = 0.0
     if p > 1:
         per_node = 2 if t * c * d < hw.gpus_per_node else 1
-        hidden = b * s * facts.hidden * act / c  # the hidden state crossing a cut, (b, s/cp, h)
+        hidden = b * s * costs.hidden * act / c  # the hidden state crossing a cut, (b, s/cp, h)
         # with sequence parallelism each tp rank holds (and sends) its s/t positions; with Megatron's
         # scatter/gather 1/t of the replicated state, all-gathered inside the receiving tp group
         split = t if lay.sp or training.scatter_gather else 1
@@ -317,7 +317,7 @@ def estimate(facts: ModelFacts, hw: Hardware, lay: Candidate, training: Training
         # the last; pipelined, neither hidden (the stage has nothing else to run), else the first forward and
         # the last backward hide them but for one block's worth
         gather = hw.collective("all_gather", local * gather_elem, f, dp_node)
-        scatter = hw.collective("reduce_scatter", local * facts.param_bytes, f, dp_node)
+        scatter = hw.collective("reduce_scatter", local * costs.param_bytes, f, dp_node)
         copies = (gather_bytes + grad_bytes) * copy  # into and out of the flat buffers once each
         if p > 1:
             dp_exposed = gather + scatter + copies
@@ -345,67 +345,67 @@ def estimate(facts: ModelFacts, hw: Hardware, lay: Candidate, training: Training
     # ranks taking turns on a device (stages dealt round the cores) hand their idle time to each other
     absorbed = min(1.0, (hw.share - 1) / (p - 1)) if p > 1 else 0.0
     pp_bubble = bubble * (1 - absorbed) * (compute + tp_comm + cp_comm + m * p2p)
-    memory = _memory(facts, hw, lay, layer_bytes, s, act)
+    memory = _memory(costs, hw, lay, layer_bytes, s, act)
     tokens_step = lay.batch * s
-    model_flops = 3 * (facts.flops[FIRST] + facts.flops[BLOCKS] + facts.flops[LAST]) * scale * lay.batch
+    model_flops = 3 * (costs.flops[FIRST] + costs.flops[BLOCKS] + costs.flops[LAST]) * scale * lay.batch
     return Estimate(lay, compute, tp_comm, pp_bubble, m * p2p, dp_exposed, optimizer, memory, tokens_step,
                     model_flops, cp_comm)
 
 
-def kv_bytes(facts: ModelFacts, b: int, s: int, t: int, act: int) -> float:
+def kv_bytes(costs: ModelCosts, b: int, s: int, t: int, act: int) -> float:
     """One layer's K and V over the whole sequence on one tp rank: what ring attention gathers (its kv heads
     split over t, or whole where they are fewer than t)."""
-    width = facts.kv_width or 2 * facts.hidden
-    heads = facts.kv_heads or facts.heads or t
+    width = costs.kv_width or 2 * costs.hidden
+    heads = costs.kv_heads or costs.heads or t
     return b * s * width * act / (t if heads % t == 0 else 1)
 
 
-def _gather_bytes(facts: ModelFacts, lay: Candidate, act: int) -> int:
+def _gather_bytes(costs: ModelCosts, lay: Candidate, act: int) -> int:
     """Bytes per parameter element FSDP's all-gathers carry: the mixed-precision dtype's (the activations'),
     else the model's own."""
-    return act if lay.fsdp and lay.fsdp_dtype else facts.param_bytes
+    return act if lay.fsdp and lay.fsdp_dtype else costs.param_bytes
 
 
-def _local_params(facts: ModelFacts, lay: Candidate) -> float:
+def _local_params(costs: ModelCosts, lay: Candidate) -> float:
     """Parameters one rank holds before FSDP: its stage's blocks, and the embeddings / head on the end stages
     (the larger end for the busiest rank)."""
-    params = facts.tp(lay.tp).params
+    params = costs.tp(lay.tp).params
     blocks = params[BLOCKS] / lay.pp
     if lay.pp == 1:
         return blocks + params[FIRST] + params[LAST]
     return blocks + max(params[FIRST], params[LAST])
 
 
-def _memory(facts: ModelFacts, hw: Hardware, lay: Candidate, layer_bytes: float, s: int, act: int) -> Memory:
+def _memory(costs: ModelCosts, hw: Hardware, lay: Candidate, layer_bytes: float, s: int, act: int) -> Memory:
     t, d, p, v, b, m = lay.tp, lay.dp, lay.pp, lay.v, lay.micro_batch, lay.microbatches
-    local = _local_params(facts, lay)
+    local = _local_params(costs, lay)
     state = STATE_BYTES * local / (d * lay.cp if lay.fsdp else 1)
-    ls = facts.layers / p
+    ls = costs.layers / p
     if p == 1:
         flight = 1  # micro-batches run one after another (gradient accumulation)
     else:  # the first pipeline rank holds the most; in_flight counts (stage, micro-batch) pairs of L/(p·v) layers
         sched = lay.schedule or "1F1B"
         flight = in_flight(sched, p, v, m, 0) / v
     if lay.recompute:  # each layer's input, plus one layer being recomputed
-        layer_input = b * s * facts.hidden * act / (t if lay.sp else 1) / lay.cp
+        layer_input = b * s * costs.hidden * act / (t if lay.sp else 1) / lay.cp
         activations = flight * ls * layer_input + layer_bytes
     else:
         activations = flight * ls * layer_bytes
     parts: list[tuple[str, float]] = []
     if lay.cp > 1:  # one layer's K and V gathered from the group while it runs
-        parts.append(("K/V gathered", kv_bytes(facts, b, s, t, act)))
-    gather = _gather_bytes(facts, lay, act)
+        parts.append(("K/V gathered", kv_bytes(costs, b, s, t, act)))
+    gather = _gather_bytes(costs, lay, act)
     sharded = lay.fsdp and d * lay.cp > 1
-    if act < facts.param_bytes and not (lay.fsdp and lay.fsdp_dtype):  # autocast's 16-bit copies of the
+    if act < costs.param_bytes and not (lay.fsdp and lay.fsdp_dtype):  # autocast's 16-bit copies of the
         # weights, cached for the step (of the gathered weights under FSDP too); with FSDP's mixed precision the
         # gathered 16-bit weights are what the compute reads, and nothing is cast
         parts.append(("autocast weight copies", act * local))
-    if facts.vocab:  # the last stage's logits: its vocab slice, the loss in fp32
-        parts.append(("logits", b * s * facts.vocab / t / lay.cp * (act + 4)))
+    if costs.vocab:  # the last stage's logits: its vocab slice, the loss in fp32
+        parts.append(("logits", b * s * costs.vocab / t / lay.cp * (act + 4)))
     if sharded and (p > 1 or lay.keep):  # the stage (or model) gathered through the step, its gradients
         # unsharded until the one reduce-scatter after the last micro-batch
-        parts.append(("gathered weights and unsharded gradients", local * (gather + facts.param_bytes)))
+        parts.append(("gathered weights and unsharded gradients", local * (gather + costs.param_bytes)))
     elif sharded:  # two blocks gathered at once (one computing, one prefetched)
-        parts.append(("gathered blocks", 2 * facts.tp(t).params[BLOCKS] / facts.layers * gather))
+        parts.append(("gathered blocks", 2 * costs.tp(t).params[BLOCKS] / costs.layers * gather))
     other = sum(v for _, v in parts)
     return Memory(state, activations, other, (1 - RESERVED) * hw.memory_bytes, tuple(parts))

@@ -1,7 +1,7 @@
-"""What the layout search needs from a model, read once from its captured graph and its plans.
+"""What a model costs, as the layout search needs it, read once from its captured graph and its plans.
 
 The search (:mod:`autotp.search.auto`) prices hundreds of layouts; it cannot capture the model for each. It
-reads a :class:`ModelFacts` instead: per sample and per forward, the FLOPs of the blocks, of the code
+reads a :class:`ModelCosts` instead: per sample and per forward, the FLOPs of the blocks, of the code
 before them (embeddings) and after them (final norm, LM head, loss), and the ops each dispatches; and, for
 each tensor-parallel size the plan was made for, the parameters one rank holds in the blocks and at either
 end, and the collectives a sample's forward and backward run in the blocks and at either end. Every number comes from the graph's
@@ -37,7 +37,7 @@ class Comm:
 
 
 @dataclass(frozen=True)
-class TpFacts:
+class TpCosts:
     tp: int
     params: Mapping[str, int]  # part -> parameters one tp rank holds (elements; vocab padding included)
     comm: Mapping[str, tuple[Comm, ...]]  # part -> its collectives
@@ -45,7 +45,7 @@ class TpFacts:
 
 
 @dataclass(frozen=True)
-class ModelFacts:
+class ModelCosts:
     layers: int  # repeated blocks
     seq: int
     hidden: int
@@ -57,7 +57,7 @@ class ModelFacts:
     param_bytes: int  # bytes per parameter element (the model's dtype)
     fused_attention: bool  # scaled_dot_product_attention: no s×s scores kept
     dropout: bool
-    tps: Mapping[int, TpFacts]
+    tps: Mapping[int, TpCosts]
     # context parallelism: why it cannot run on this model (None: it can, every attention as a ring), and what
     # a ring gathers per layer: K's and V's elements per token together, and their heads
     cp_refused: str | None = None
@@ -69,7 +69,7 @@ class ModelFacts:
         """Forward FLOPs of one block for one sample."""
         return self.flops[BLOCKS] / self.layers
 
-    def tp(self, t: int) -> TpFacts:
+    def tp(self, t: int) -> TpCosts:
         return self.tps[t]
 
 
@@ -105,8 +105,8 @@ def _hidden_and_vocab(gm: fx.GraphModule, parts: dict[fx.Node, str]) -> tuple[in
     return hidden, vocab
 
 
-def tp_facts(plan: Plan, report: Report, gm: fx.GraphModule, parts: dict[fx.Node, str],
-             owners: dict[str, set[str]]) -> TpFacts:
+def tp_costs(plan: Plan, report: Report, gm: fx.GraphModule, parts: dict[fx.Node, str],
+             owners: dict[str, set[str]]) -> TpCosts:
     """One tensor-parallel size's parameters and collectives per part, per sample."""
     params = {FIRST: 0, BLOCKS: 0, LAST: 0}
     for row in report.params:
@@ -125,7 +125,7 @@ def tp_facts(plan: Plan, report: Report, gm: fx.GraphModule, parts: dict[fx.Node
     comm = {p: tuple(Comm(k, d, n, e // b) for (q, k, d), (n, e) in sorted(counts.items()) if q == p)
             for p in (FIRST, BLOCKS, LAST)}
     split = _split_share(plan, gm) if plan.tp > 1 else 1.0
-    return TpFacts(plan.tp, params, comm, split)
+    return TpCosts(plan.tp, params, comm, split)
 
 
 def _split_share(plan: Plan, gm: fx.GraphModule) -> float:
@@ -146,7 +146,7 @@ def _split_share(plan: Plan, gm: fx.GraphModule) -> float:
     return 1 - whole / total if total else 1.0
 
 
-def context_facts(gm: fx.GraphModule) -> tuple[str | None, int | None, int | None]:
+def context_costs(gm: fx.GraphModule) -> tuple[str | None, int | None, int | None]:
     """(why context parallelism cannot run, K's and V's width per token, their heads) from the context plan
     the ranks would make (:mod:`autotp.plan.context_planner`): the ring's operands' (b, heads, s, d) shapes."""
     from autotp.errors import AutotpError
@@ -172,8 +172,8 @@ def context_facts(gm: fx.GraphModule) -> tuple[str | None, int | None, int | Non
     return None, k[1] * k[3] + v[1] * v[3], k[1]
 
 
-def model_facts(gm: fx.GraphModule, plans: Iterable[tuple[Plan, Report]], batch: int) -> ModelFacts:
-    """The facts of ``gm`` (captured at ``batch`` samples) from its plans at several tensor-parallel sizes."""
+def model_costs(gm: fx.GraphModule, plans: Iterable[tuple[Plan, Report]], batch: int) -> ModelCosts:
+    """The costs of ``gm`` (captured at ``batch`` samples) from its plans at several tensor-parallel sizes."""
     plans = list(plans)
     first_plan = plans[0][0]
     blocks = [u.module for u in first_plan.units if u.kind == "block"]
@@ -197,14 +197,14 @@ def model_facts(gm: fx.GraphModule, plans: Iterable[tuple[Plan, Report]], batch:
     total = sum(p.numel() for p in seen.values())
     elem = max((p.element_size() for p in seen.values()), default=4)
     seq = plans[0][1].seq
-    tps = {plan.tp: tp_facts(plan, report, gm, parts, owners) for plan, report in plans}
-    cp_refused, kv_width, kv_heads = context_facts(gm)
-    return ModelFacts(len(blocks), seq, hidden, heads, vocab, flops, ops, total, elem, fused, dropout, tps,
+    tps = {plan.tp: tp_costs(plan, report, gm, parts, owners) for plan, report in plans}
+    cp_refused, kv_width, kv_heads = context_costs(gm)
+    return ModelCosts(len(blocks), seq, hidden, heads, vocab, flops, ops, total, elem, fused, dropout, tps,
                       cp_refused, kv_width, kv_heads)
 
 
-def capture_facts(net: torch.nn.Module, args: tuple, kwargs: dict, tps: Iterable[int], batch: int,
-                  seq: int) -> ModelFacts:
+def capture_costs(net: torch.nn.Module, args: tuple, kwargs: dict, tps: Iterable[int], batch: int,
+                  seq: int) -> ModelCosts:
     """Capture ``net`` once on ``(args, kwargs)`` (``batch`` samples of ``seq`` tokens) and plan it at each
     tensor-parallel size in ``tps``; a size the planner refuses is left out (the search skips it)."""
     from autotp.parallel.planning import How, PlanJob, capture_and_plan
@@ -214,4 +214,4 @@ def capture_facts(net: torch.nn.Module, args: tuple, kwargs: dict, tps: Iterable
                                tps=set(tps) | {1}, skip_refused=True)
     named = list(net.named_parameters(remove_duplicate=False))
     plans = [(plan, build_report(plan, named, batch, seq)) for _, plan in sorted(planned.plans.items())]
-    return model_facts(planned.gm, plans, batch)
+    return model_costs(planned.gm, plans, batch)
