@@ -16,13 +16,13 @@ propagation (:func:`~autotp.analysis.propagate.propagate` with ``reduces``) chec
 """
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch.fx as fx
 
 from autotp.analysis.matmuls import ParamMatmul
 from autotp.analysis.ops import Unshardable, reaches
-from autotp.analysis.region import Region
+from autotp.analysis.region import Entering, Region
 
 
 class ChannelForm(NamedTuple):
@@ -72,17 +72,58 @@ def channel_form(found: frozenset[fx.Node], feed: dict[fx.Node, frozenset[fx.Nod
 
 def check_columns_inside(form: ChannelForm, region: Region) -> None:
     """A column fed by a reduction reads a replicated value whose gradient the reduction's backward all-reduce
-    sums: it must be computed from the reductions' outputs alone (no parameter outside them, which would need a
-    gradient of its own), and never from a channel-cut value directly."""
+    sums: never a channel-cut value directly; a parameter it is also computed from enters through its own f
+    (:func:`beside_reductions`)."""
     sources = {c.node for c in form.columns if not _fed_inside(c, region)}
     for c in form.columns:
         if c.node in sources:
             continue
         if c.x in region.specs:
             raise Unshardable(c.node, f"column {c.module} reads a channel-cut value")
-        if reaches(c.x, lambda n: n.op == "get_attr", lambda n: n in region.stats):
-            raise Unshardable(c.node, f"column {c.module} reads a replicated value computed from a parameter "
-                                      "outside the reducing projections")
+        # a parameter on the way (Jamba's RMSNorm weights of Δ after x_proj) has a partial gradient on each
+        # rank: it enters through its own f, the reductions' all-reduce completing the rest
+        for e in beside_reductions(region, c.x, lambda n: reaches(n, _is_parameter, lambda m: m in region.stats)):
+            if e not in region.entering:
+                region.entering.append(e)
+
+
+def beside_reductions(region: Region, x: fx.Node, learned: Callable[[fx.Node], bool]) -> list[Entering]:
+    """Where a replicated ``x`` computed from reducing projections' outputs meets sharded values (or a column):
+    each rank's gradient for it is partial. Along the way back to the reductions that gradient stays linear
+    and the reductions' backward all-reduce completes it, so nothing enters there; each operand on the way
+    that does not come from a reduction but is ``learned`` (a norm's weight over Δ, B or C: Jamba's
+    ``b_layernorm.weight * rms(B)``, ``(n,)``) needs its own f, (reader, operand). Empty where ``x`` reads
+    no reduction."""
+    out: list[Entering] = []
+    seen, todo = set(), [x]
+    while todo:
+        n = todo.pop()
+        if n in seen or n in region.reduced or n in region.specs:
+            continue
+        seen.add(n)
+        for a in n.all_input_nodes:
+            if after_reduction(region, a):
+                todo.append(a)
+            elif learned(a) and Entering(n, a) not in out:
+                out.append(Entering(n, a))
+    return out
+
+
+def after_reduction(region: Region, x: fx.Node) -> bool:
+    """Whether ``x`` is computed (replicated) from one of the region's reducing projections."""
+    return bool(region.reduced) and reaches(x, lambda n: n in region.reduced, lambda n: n in region.specs)
+
+
+def _is_parameter(n: fx.Node) -> bool:
+    """A module parameter's get_attr (a buffer needs no gradient), looked up in its own module."""
+    gm = n.graph.owning_module if n.op == "get_attr" else None
+    if gm is None:
+        return False
+    path, _, leaf = n.target.rpartition(".")
+    try:
+        return leaf in (gm.get_submodule(path) if path else gm)._parameters
+    except AttributeError:
+        return False
 
 
 def summed_inputs(form: ChannelForm, region: Region) -> set[fx.Node]:

@@ -14,6 +14,7 @@ import math
 import torch
 import torch.fx as fx
 
+from autotp.analysis.channels import after_reduction, beside_reductions
 from autotp.analysis.einsum_rules import EinsumRules
 from autotp.analysis.op_rules import OP_RULES, OpRule, handler, kind_of, op_rule
 from autotp.analysis.ops import Unshardable, held_whole, is_guard, is_random, ndim_of, reaches, unseen_write
@@ -239,9 +240,14 @@ class Propagator(ShapeRules, ValueRules, EinsumRules):
 
     def _enter_if_learned(self, node: fx.Node, x: fx.Node) -> None:
         """A per-head norm's weight (or any value computed from parameters) meets sharded heads: each rank's
-        gradient for it covers only its heads, so it enters through f and its gradient is summed."""
-        if self._learned(x) and (node, x) not in self.region.entering:
-            self.region.entering.append(Entering(node, x))
+        gradient for it covers only its heads, so it enters through f and its gradient is summed. A value
+        computed from a mixer's reducing projection (Jamba's normed B read by the scan) has its gradient summed
+        by the reduction's all-reduce: only the parameters beside it on the way enter."""
+        if not self._learned(x):
+            return
+        found = beside_reductions(self.region, x, self._learned) if after_reduction(self.region, x) \
+            else [Entering(node, x)]
+        self.region.entering += [e for e in found if e not in self.region.entering]
 
     def _local_operand(self, node: fx.Node, x: fx.Node, xd: int, s: Sharding) -> None:
         """A replicated operand that spans the sharded dim becomes this rank's slice (Replicate -> Shard, no
