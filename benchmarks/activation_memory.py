@@ -160,7 +160,7 @@ class ActivationPeak:
     """The peak, over the ops run inside it, of the bytes live in storages that ops of an autotp graph
     allocated: every op run inside a rewritten graph (an ``fx.GraphModule``: the whole graph, an FSDP unit's
     or a pipeline stage's piece, a checkpointed region recomputed in the backward) and the operators it
-    calls, but not directly in a piece's call (:class:`~autotp.operators.units.PieceCall`), where FSDP
+    calls, but not directly in a piece's call (:class:`~autotp.operators.pieces.PieceCall`), where FSDP
     gathers the unit's parameters. A storage counts once, from the op that allocated it (an output aliasing
     none of the op's inputs: views, in-place ops and a parameter's local shard allocate nothing) until it is
     freed. Parameters, FSDP's gathered parameters, the pipeline's receive buffers and the backward's
@@ -179,7 +179,7 @@ class ActivationPeak:
         from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
         from torch.utils._python_dispatch import TorchDispatchMode
 
-        from autotp.operators.units import PieceCall
+        from autotp.operators.pieces import PieceCall
 
         tracker = self
 

@@ -33,7 +33,7 @@ import torch.nn as nn
 
 from autotp.operators.recompute import KEY, Recompute, region_of
 from autotp.operators.rng import RegionRandom
-from autotp.operators.units import PieceCall
+from autotp.operators.pieces import PieceCall
 from autotp.passes.regions import outline, regions
 
 
@@ -45,7 +45,7 @@ def _make(region: fx.GraphModule, owners: dict[str, nn.Module], tag: Hashable) -
 
 def outline_recompute(gm: fx.GraphModule) -> int:
     """Replace each checkpointed region of ``gm``, and of every piece ``gm`` was split into (FSDP units,
-    pipeline stages: each :class:`~autotp.operators.units.PieceCall`'s graph), by a
+    pipeline stages: each :class:`~autotp.operators.pieces.PieceCall`'s graph), by a
     :class:`~autotp.operators.recompute.Recompute` call; the number replaced. Its random ops' streams are
     those they were bound to (:func:`~autotp.operators.rng.bind_rng`).
 

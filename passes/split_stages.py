@@ -1,12 +1,12 @@
 """Pass: split the graph into pipeline stages, one piece per stage (``plan.stages``).
 
-Each computing node belongs to the stage of its block (:func:`~autotp.plan.pieces.unit_keys`); root-level
+Each computing node belongs to the stage of its block (:func:`~autotp.plan.pieces.piece_keys`); root-level
 code between two blocks runs with the block after it, the code before the first block in the first stage
 and the code after the last block in the last. A value made from the graph's inputs and buffers alone
 (an attention mask, rotary tables: :func:`~autotp.plan.pieces.recomputable`) is computed again in each
 stage that reads it, so only what the blocks compute (the hidden state) crosses a cut. ``torch.fx``'s ``split_module`` cuts the graph there: each
 piece takes the graph inputs it reads and the values earlier pieces computed, and is replaced by a
-:class:`~autotp.operators.units.PieceCall` that reads its parameters from the model when it runs (a rank
+:class:`~autotp.operators.pieces.PieceCall` that reads its parameters from the model when it runs (a rank
 holds only its own stages' parameters). :mod:`autotp.operators.stages` turns the top graph into the modules
 ``torch.distributed.pipelining`` runs.
 
@@ -28,7 +28,7 @@ import torch
 import torch.fx as fx
 
 from autotp.passes.split_units import split_into_pieces
-from autotp.plan.pieces import recomputable, unit_keys
+from autotp.plan.pieces import recomputable, piece_keys
 from autotp.plan.plan import Plan
 from autotp.plan.stages import stage_of_key
 from autotp.operators.stages import STAGE_PREFIX
@@ -36,7 +36,7 @@ from autotp.operators.stages import STAGE_PREFIX
 
 def split_stages(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
     blocks, stage = stage_of_key(plan.stages)
-    keys = unit_keys(gm, blocks)
+    keys = piece_keys(gm, blocks)
     of = {n: stage[min(k // 2, len(blocks) - 1)] for n, k in keys.items()}
     _recompute_in_stages(gm, of)
     top = split_into_pieces(gm, lambda n: of[n], lambda key, _: (f"{STAGE_PREFIX}{key}", None))

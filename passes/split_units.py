@@ -6,7 +6,7 @@ everything else is root-level code, grouped by where it runs between the blocks:
 block runs as the "first" unit (the embeddings), the code after the last as the "last" (final norm, LM
 head), where the plan has them. ``torch.fx``'s
 ``split_module`` cuts the graph there, and each piece is replaced by a
-:class:`~autotp.operators.units.PieceCall` that reads the piece's parameters from the model when it runs (a
+:class:`~autotp.operators.pieces.PieceCall` that reads the piece's parameters from the model when it runs (a
 unit's piece through the unit's FSDP forward method), so the top graph keeps no parameter.
 
 Before::
@@ -33,14 +33,14 @@ from collections.abc import Callable
 import torch.fx as fx
 from torch.fx.passes.split_module import split_module
 
-from autotp.plan.pieces import unit_keys
+from autotp.plan.pieces import piece_keys
 from autotp.plan.plan import Plan
-from autotp.operators.units import PieceCall
+from autotp.operators.pieces import PieceCall
 
 
 def split_units(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
     # with no units: one piece, which still reads its parameters when it runs
-    keys = unit_keys(gm, [u.module for u in plan.units if u.kind == "block"])
+    keys = piece_keys(gm, [u.module for u in plan.units if u.kind == "block"])
     owner = {p: u.module for u in plan.units for p in u.params}
     blocks = [u.module for u in plan.units if u.kind == "block"]
     # root-level code before the first block and after the last runs as the edge units, where there are any

@@ -22,7 +22,7 @@ from autotp.plan.stages import StageRequest
 from autotp.operators.autocast import Autocast, region_of
 from autotp.passes.regions import regions
 from autotp.operators.stages import StageModule, input_name, wire_stages
-from autotp.operators.units import bind_pieces
+from autotp.operators.pieces import bind_pieces
 from autocast_models import KINDS, build, rotate_plain
 from pattern_models import HD, NH, H, V, RMSNorm, SwiGLU, build_with
 

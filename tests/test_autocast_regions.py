@@ -12,7 +12,7 @@ import torch
 from autotp.capture.structure import flatten, unflatten
 from autotp.capture.tracer import capture
 from autotp.passes.split_units import split_units
-from autotp.operators.units import PieceCall, bind_pieces
+from autotp.operators.pieces import PieceCall, bind_pieces
 from autotp.passes import outline_autocast, run_passes
 from autotp.plan.planner import make_plan
 from autotp.operators.autocast import Autocast, AutocastRegion, region_of

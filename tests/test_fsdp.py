@@ -21,7 +21,7 @@ from autotp.passes import run_passes
 from autotp.passes.split_units import split_units
 from autotp.plan.plan import Plan
 from autotp.plan.planner import cut_copies_in_graph, make_plan
-from autotp.operators.units import PieceCall, bind_pieces
+from autotp.operators.pieces import PieceCall, bind_pieces
 from ranks import Launches
 from fsdp_models import KINDS, build
 from fsdp_workers import fsdp_load_weights, fsdp_parity, fsdp_parity_many, fsdp_resume_matrix
@@ -107,7 +107,7 @@ def test_pieces_make_each_parameter_local_just_before_its_first_reader():
     before the first node that reads it. Autograd runs the ready node made last first, so a ``to_local`` of
     every parameter made before the piece ran would run its backward after the piece's whole backward,
     holding every gradient of the unit at once (a pipeline stage's: 1.19× the memory formula)."""
-    from autotp.operators.units import _local
+    from autotp.operators.pieces import _local
 
     model, args, kwargs, gm, plan, spec = _captured("nanogpt")
     top = run_passes(run_passes(gm, plan), plan, (split_units,))

@@ -107,7 +107,7 @@ def test_regions_are_outlined_inside_pieces():
     each becomes a Recompute there, and the piece's forward keeps only the region's input for backward."""
     from autotp.operators.recompute import Recompute
     from autotp.passes import outline_recompute
-    from autotp.operators.units import PieceCall
+    from autotp.operators.pieces import PieceCall
 
     g = fx.Graph()
     g.output(g.call_module("autotp_unit_1", (g.placeholder("x"), g.placeholder("w"))))

@@ -18,7 +18,7 @@ import torch.utils._pytree as pytree
 
 from autotp.operators.collectives import define_ops
 from autotp.operators.gathered import local_outputs
-from autotp.operators.units import PieceCall
+from autotp.operators.pieces import PieceCall
 
 
 # The vocab-parallel cross-entropy's backward picks the target column of the rows this rank owns with
@@ -70,7 +70,7 @@ def compile_graph(gm: fx.GraphModule, **options) -> nn.Module:
 
 
 def compile_pieces(module: nn.Module, **options) -> None:
-    """Each :class:`~autotp.operators.units.PieceCall` in ``module`` (a graph split at FSDP's units or at
+    """Each :class:`~autotp.operators.pieces.PieceCall` in ``module`` (a graph split at FSDP's units or at
     pipeline stages, or one piece) runs its piece compiled (:func:`compile_graph`); the top graph, which only
     calls the pieces (through FSDP's hooks), stays eager, as torchtitan compiles each block or stage and
     leaves FSDP's hooks around it."""

@@ -106,7 +106,7 @@ class IslandCall(nn.Module):
         block, group = self.__dict__["block"], self.group
         own = dict(block.named_parameters())
         # inside an FSDP unit the block holds FSDP's DTensors (gathered over dp, this rank's TP shards): it
-        # runs on their local tensors, as the graph's pieces do (autotp.operators.units)
+        # runs on their local tensors, as the graph's pieces do (autotp.operators.pieces)
         params = {n: p.to_local() if isinstance(p, DTensor) else p for n, p in own.items()}
         swapped = {n: t for n, t in params.items() if t is not own[n]}
         if group is not None and torch.is_grad_enabled():

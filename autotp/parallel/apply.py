@@ -54,7 +54,7 @@ from autotp.errors import PipelineError, ShardingError
 from autotp.operators.collectives import bind_collectives as bind_collectives_to, define_ops
 from autotp.operators.gathered import bind_outputs, local_outputs
 from autotp.operators.rng import bind_rng
-from autotp.operators.units import bind_pieces
+from autotp.operators.pieces import bind_pieces
 from autotp.operators.vocab_ops import bind_vocab as bind_vocab_to
 from autotp.parallel.fsdp import apply_fsdp, fsdp_hooks_off
 from autotp.parallel.islands import bind_islands, plan_islands as plan_island_blocks

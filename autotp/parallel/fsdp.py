@@ -34,7 +34,7 @@ from autotp.errors import ShardingError
 from autotp.io.checkpoint import reshard
 from autotp.io.empty import swap_tensors
 from autotp.plan.plan import Plan
-from autotp.operators.units import UNIT_METHOD, PieceCall, run_unit
+from autotp.operators.pieces import UNIT_METHOD, PieceCall, run_unit
 from autotp.state import TPState
 
 

@@ -14,20 +14,21 @@ import torch.fx as fx
 _SKIP = ("placeholder", "get_attr", "output")
 
 
-def _unit_of(node: fx.Node, units: dict[str, int]) -> int | None:
+def _block_of(node: fx.Node, index: dict[str, int]) -> int | None:
+    """The index of the block whose code ``node`` is (export's module stack names it), or None: root-level."""
     for value in (node.meta.get("nn_module_stack") or {}).values():
-        if isinstance(value, tuple) and value and value[0] in units:
-            return units[value[0]]
+        if isinstance(value, tuple) and value and value[0] in index:
+            return index[value[0]]
     return None
 
 
-def unit_keys(gm: fx.GraphModule, blocks: list[str]) -> dict[fx.Node, int]:
+def piece_keys(gm: fx.GraphModule, blocks: list[str]) -> dict[fx.Node, int]:
     """Each computing node's piece: ``2·i + 1`` for block i, ``2·i`` for root-level code after block i − 1
     (0 before the first block). Non-decreasing in graph order, so the pieces run one after another."""
-    units = {b: i for i, b in enumerate(blocks)}
+    index = {b: i for i, b in enumerate(blocks)}
     nodes = [n for n in gm.graph.nodes if n.op not in _SKIP]
-    tags = [_unit_of(n, units) for n in nodes]
-    after: list[int | None] = [None] * len(nodes)  # the next tagged node's unit
+    tags = [_block_of(n, index) for n in nodes]
+    after: list[int | None] = [None] * len(nodes)  # the next tagged node's block
     nxt = None
     for i in range(len(nodes) - 1, -1, -1):
         after[i] = nxt
@@ -39,8 +40,8 @@ def unit_keys(gm: fx.GraphModule, blocks: list[str]) -> dict[fx.Node, int]:
         if key < top:
             earlier = blocks[last] if last >= 0 else "root-level code"
             raise ValueError(f"{node.name} ({blocks[tag] if tag is not None else 'root-level code'}) "
-                             f"runs after {earlier}: the units' code is interleaved, so the graph cannot be "
-                             f"cut into one piece per unit")
+                             f"runs after {earlier}: the blocks' code is interleaved, so the graph cannot be "
+                             f"cut into one piece per block")
         keys[node], top = key, max(top, key)
         if tags[i] is not None:
             before, last = tags[i], tags[i]

@@ -23,7 +23,7 @@ import torch.fx as fx
 
 from autotp.analysis.flops import node_flops, shape_of
 from autotp.errors import PipelineError
-from autotp.plan.pieces import recomputable, unit_keys
+from autotp.plan.pieces import recomputable, piece_keys
 from autotp.plan.plan import Plan
 from autotp.plan.report import TRAIN_BYTES_PER_PARAM, Report
 from autotp.plan.stages import stage_of_key
@@ -331,7 +331,7 @@ def _keys_and_stages(gm: fx.GraphModule, plan: Plan) -> tuple[dict[fx.Node, int]
     """Each computing node's piece key (odd: inside a block) and its stage: key k runs in the stage of block
     min(k // 2, blocks − 1), as ``autotp.passes.split_stages`` cuts the graph."""
     blocks, block_stage = stage_of_key(plan.stages)
-    keys = unit_keys(gm, blocks)
+    keys = piece_keys(gm, blocks)
     return keys, {n: block_stage[min(k // 2, len(blocks) - 1)] for n, k in keys.items()}
 
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch.fx as fx
 
 from autotp.analysis.flops import node_flops
-from autotp.plan.pieces import unit_keys
+from autotp.plan.pieces import piece_keys
 from autotp.errors import PipelineError
 from autotp.plan.plan import Stage, Unit
 
@@ -100,7 +100,7 @@ def plan_stages(gm: fx.GraphModule, units: tuple[Unit, ...], request: StageReque
         raise PipelineError(f"{count} pipeline stages (pp × virtual stages) need a block each, and the graph has "
                             f"{found}", hint=f"use at most {len(blocks)} stages" if blocks else
                             "a pipeline cuts between repeated transformer blocks; this model has none to cut at")
-    keys = unit_keys(gm, blocks)
+    keys = piece_keys(gm, blocks)
     flops, reads = _per_key(gm, keys)
     sizes = {n: p.numel() * p.element_size() for n, p in gm.named_parameters(remove_duplicate=False)}
     sizes.update(tp_bytes or {})
@@ -124,7 +124,7 @@ def plan_stages(gm: fx.GraphModule, units: tuple[Unit, ...], request: StageReque
 
 
 def stage_of_key(stages: tuple[Stage, ...]) -> tuple[list[str], list[int]]:
-    """The blocks in order and each one's stage: a piece key k (:func:`~autotp.plan.pieces.unit_keys`)
+    """The blocks in order and each one's stage: a piece key k (:func:`~autotp.plan.pieces.piece_keys`)
     runs in the stage of block ``min(k // 2, blocks - 1)``."""
     blocks = [b for st in stages for b in st.blocks]
     return blocks, [s for s, st in enumerate(stages) for _ in st.blocks]

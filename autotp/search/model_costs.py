@@ -18,7 +18,7 @@ import torch
 import torch.fx as fx
 
 from autotp.analysis.flops import node_flops, shape_of
-from autotp.plan.pieces import unit_keys
+from autotp.plan.pieces import piece_keys
 from autotp.plan.pipeline_report import block_facts
 from autotp.plan.plan import Plan
 from autotp.plan.report import Report, itemsize
@@ -74,7 +74,7 @@ class ModelCosts:
 
 
 def _parts(gm: fx.GraphModule, blocks: list[str]) -> dict[fx.Node, str]:
-    keys = unit_keys(gm, blocks)
+    keys = piece_keys(gm, blocks)
     last = 2 * len(blocks)
     return {n: FIRST if k == 0 else LAST if k == last else BLOCKS for n, k in keys.items()}
 

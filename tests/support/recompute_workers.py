@@ -59,7 +59,7 @@ def _regions(model) -> list:
     pieces included, compiled ones through their graph module)."""
     from autotp.operators.compile import uncompiled
     from autotp.operators.recompute import Recompute
-    from autotp.operators.units import PieceCall
+    from autotp.operators.pieces import PieceCall
 
     found = []
     for c in autotp.tp_state(model).graphs.values():

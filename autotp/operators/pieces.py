@@ -1,4 +1,4 @@
-"""Pieces of a graph split at unit boundaries, each run as its unit's forward.
+"""Pieces of a split graph, each run as one call: an FSDP unit's piece through the unit's forward.
 
 FSDP gathers a ``fully_shard``-ed module's parameters when that module's forward runs, and from the
 forward's inputs and outputs it knows when the module's backward starts and ends. A rewritten graph calls no
