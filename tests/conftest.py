@@ -81,8 +81,8 @@ def pytest_collection_modifyitems(config, items):
         if item.get_closest_marker("slow") is not None:
             module = item.module.__name__.rsplit(".", 1)[-1]
             item.add_marker(pytest.mark.xdist_group("ranks-timed" if module in TIMED else f"ranks-{module}"))
-    # the rank-launching groups first, the unit tests (a fraction of a second each) after them: whichever
-    # worker finishes its groups first takes the unit tests, so neither waits on the other at the end
+    # the rank-launching groups first, the fast tier (a fraction of a second a test) after them: whichever
+    # worker finishes its groups first takes the fast tier, so neither waits on the other at the end
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)
 
 

@@ -1,5 +1,5 @@
 """One options value, validated once: the pipeline's schedule, micro-batches and stages per rank beside the
-other dimensions, refused in one place with every number in the message (unit tests, no torch needed)."""
+other dimensions, refused in one place with every number in the message (fast tier, no torch needed)."""
 from __future__ import annotations
 
 import subprocess

@@ -1,4 +1,4 @@
-"""Tiny GPTs whose blocks are stacked in the ways people write them, for the FSDP unit tests.
+"""Tiny GPTs whose blocks are stacked in the ways people write them, for the FSDP tests.
 
 - ``modulelist``: ``self.layers = nn.ModuleList(...)`` run in a loop, LM head tied to the embedding;
 - ``sequential``: ``self.blocks = nn.Sequential(...)`` called once;

@@ -1,4 +1,5 @@
-"""Pure unit tests: shard slicing, view grouping, Megatron's head-count rules, the Plan as data."""
+"""The fast tier's core rules (no process): shard slicing, view grouping, Megatron's head-count rules, the Plan
+as data."""
 from __future__ import annotations
 
 import dataclasses
