@@ -3,7 +3,7 @@
 The runner owns ``lint()`` and ``recompile()`` and, when a pass fails, says which passes ran before it.
 Passes never read the rank or call torch.distributed.
 
-Three more rewrites put the model's own regions back, as runtime modules, into the graph once it is bound to
+Three more rewrites put the model's own tagged regions back, as runtime modules, into the graph once it is bound to
 the model (its pieces bound, its random ops to their streams): ``outline_functions``, ``outline_autocast``,
 ``outline_recompute`` (``gm -> count``, each lints and recompiles the graphs it changes). Where they run
 among the steps after planning is :data:`autotp.parallel.apply.APPLY_ORDER`.

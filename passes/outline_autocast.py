@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch.fx as fx
 
 from autotp.operators.autocast import KEY, Autocast, region_of
-from autotp.passes.regions import outline, regions
+from autotp.passes.tagged_regions import outline, tagged_regions
 
 
 def outline_autocast(gm: fx.GraphModule) -> int:
@@ -35,7 +35,7 @@ def outline_autocast(gm: fx.GraphModule) -> int:
     pieces = [m for m in gm.modules() if isinstance(m, fx.GraphModule) and m is not gm]
     n = 0
     for g in (gm, *pieces):
-        found = regions(g, region_of)
+        found = tagged_regions(g, region_of)
         for k, nodes in enumerate(found):
             outline(g, nodes, f"autotp_autocast_{k}", lambda region, owners, settings: Autocast(region, settings),
                     KEY)

@@ -26,7 +26,7 @@ import torch.fx as fx
 
 from autotp.errors import CaptureError
 from autotp.operators.functions import ARG, KEY, OUT, CustomFunction, FunctionCall, call_of
-from autotp.passes.regions import outline, regions
+from autotp.passes.tagged_regions import outline, tagged_regions
 
 
 def _function_module(call: FunctionCall, region: fx.GraphModule) -> CustomFunction:
@@ -79,7 +79,7 @@ def outline_functions(gm: fx.GraphModule) -> int:
     pieces = [m for m in gm.modules() if isinstance(m, fx.GraphModule) and m is not gm]
     n = 0
     for g in (gm, *pieces):
-        found = regions(g, _spans(g))
+        found = tagged_regions(g, _spans(g))
         for k, nodes in enumerate(found):
             outline(g, nodes, f"autotp_function_{k}", lambda region, owners, call: _function_module(call, region), KEY)
         if found:

@@ -34,7 +34,7 @@ import torch.nn as nn
 from autotp.operators.recompute import KEY, Recompute, region_of
 from autotp.operators.rng import RegionRandom
 from autotp.operators.pieces import PieceCall
-from autotp.passes.regions import outline, regions
+from autotp.passes.tagged_regions import outline, tagged_regions
 
 
 def _make(region: fx.GraphModule, owners: dict[str, nn.Module], tag: Hashable) -> nn.Module:
@@ -57,7 +57,7 @@ def outline_recompute(gm: fx.GraphModule) -> int:
     pieces = [m for m in gm.modules() if isinstance(m, PieceCall) and isinstance(m.piece, fx.GraphModule)]
     n = 0
     for g in (gm, *(m.piece for m in pieces)):
-        found = regions(g, region_of)
+        found = tagged_regions(g, region_of)
         for k, nodes in enumerate(found):
             outline(g, nodes, f"autotp_recompute_{k}", _make, KEY)
         if found:

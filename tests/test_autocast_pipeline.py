@@ -20,7 +20,7 @@ from autotp.passes import outline_autocast, run_passes, split_stages
 from autotp.plan.planner import make_plan
 from autotp.plan.stages import StageRequest
 from autotp.operators.autocast import Autocast, region_of
-from autotp.passes.regions import regions
+from autotp.passes.tagged_regions import tagged_regions
 from autotp.operators.stages import StageModule, input_name, wire_stages
 from autotp.operators.pieces import bind_pieces
 from autocast_models import KINDS, build, rotate_plain
@@ -99,7 +99,7 @@ def _stages(model: nn.Module, args: tuple, outline: bool = True):
     plan = make_plan(gm, 1, stages=StageRequest(2))
     top = run_passes(run_passes(gm, plan), plan, (split_stages,))
     pieces = [top.get_submodule(w.piece).piece for w in wire_stages(top, LOSS)]
-    runs = tuple(len(regions(p, region_of)) for p in pieces)
+    runs = tuple(len(tagged_regions(p, region_of)) for p in pieces)
     if outline:
         assert outline_autocast(top) == sum(runs)  # the regions of every stage's piece
     bind_pieces(top, model)

@@ -4,11 +4,12 @@ autograd Functions (:mod:`autotp.passes.outline_functions`), its autocast region
 (:mod:`autotp.passes.outline_recompute`), which the capture inlined and tagged so that analysis and the
 passes see plain ops. The modules the outlined calls run are the runtime's (:mod:`autotp.operators`).
 
-A region is a maximal run of computing nodes with one tag; a node the passes inserted (a collective, a
-sharded operator) carries no tag, and between two nodes of one region it belongs to that region. The
-outlined call takes the region's own inputs (activations, parameters, sizes), so its parameters stay the
-graph's attributes and later rebinding finds them, and it carries the tags of the region's nodes under other
-keys, so an enclosing region of another kind still contains it.
+A tagged region (so called to tell it from analysis's pair regions, a column→row pair's span) is a maximal run
+of computing nodes with one tag; a node the passes inserted (a collective, a sharded operator) carries no tag,
+and between two nodes of one region it belongs to that region. The outlined call takes the region's own inputs
+(activations, parameters, sizes), so its parameters stay the graph's attributes and later rebinding finds
+them, and it carries the tags of the region's nodes under other keys, so an enclosing region of another kind
+still contains it.
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ def tag(node: fx.Node, key: str) -> Hashable | None:
     return custom.get(key) if isinstance(custom, dict) else None
 
 
-def regions(gm: fx.GraphModule, tag_of: Callable[[fx.Node], Hashable | None]) -> list[list[fx.Node]]:
+def tagged_regions(gm: fx.GraphModule, tag_of: Callable[[fx.Node], Hashable | None]) -> list[list[fx.Node]]:
     """Maximal runs of computing nodes of one tag; an untagged node between two nodes of one tag is in it."""
     compute = [n for n in gm.graph.nodes if n.op in ("call_function", "call_module", "call_method")]
     tags = [tag_of(n) for n in compute]
@@ -67,7 +68,7 @@ def outline(gm: fx.GraphModule, nodes: list[fx.Node], name: str,
             owners[n.target] = gm.get_submodule(n.target)
         env[n] = sub.node_copy(n, lambda a: env[a])
     sub.output(tuple(env[o] for o in outputs))
-    region = fx.GraphModule(owners, sub, class_name="Region")
+    region = fx.GraphModule(owners, sub, class_name="TaggedRegion")
     gm.add_submodule(name, make(region, owners, tag(nodes[0], key) if key else None))
     with gm.graph.inserting_after(nodes[-1]):
         call = gm.graph.call_module(name, tuple(inputs))
