@@ -272,8 +272,23 @@ class Propagator(ShapeRules, ValueRules, EinsumRules):
             self._set_view_size(x, list(x.args[0]), xd, sum(g.size for g in s.segments), s.local_size, arg=0)
             return
         if self._learned(x):
-            raise Unshardable(node, f"replicated operand {x.name} spans the sharded dim and depends on a parameter")
+            self._summed_slice(node, x)
         self.region.slices.append(OperandSlice(node, x, xd, s))
+
+    def _summed_slice(self, node: fx.Node, x: fx.Node) -> None:
+        """``x``, learned, is sliced at ``node``: exact where its gradient is summed over the ranks. So it is when
+        ``x`` is computed from reducing projections' outputs, read only on the way to ``node`` (Doge's per-kv-head
+        gate ``exp(A * softplus(dt_proj(v)))``, ``(b, s, n_kv)``, expanded to a ``(b, heads, s, s)`` mask): each
+        rank's gradient covers its own heads, the reductions' backward all-reduce sums it, and a parameter on the
+        way (``A``, ``(n_kv,)``) enters through its own f. Otherwise Unshardable: its gradient would be partial."""
+        chain = _between(self.region, x)
+        if chain and all(u in chain or u is node or kind_of(u.target) == "sym_size" for n in chain for u in n.users):
+            found = [Entering(n, a) for n in chain for a in n.all_input_nodes
+                     if a not in chain and a not in self.region.reduced and self._learned(a)]
+            self.region.entering += [e for e in found if e not in self.region.entering]
+            return
+        raise Unshardable(node, f"replicated operand {x.name} spans the sharded dim and depends on a parameter")
+
 
     def elementwise_parameter(self, x: fx.Node, s: Sharding) -> bool:
         """A value computed from one parameter by elementwise ops alone and read only here (a gated linear
@@ -442,6 +457,25 @@ def _row_input(p: Propagator, row: fx.Node, x: fx.Node, x_dim: int, fp: Fingerpr
     return rs
 
 
+def _between(region: Region, x: fx.Node) -> set[fx.Node]:
+    """The replicated values ``x`` is computed from after the region's reducing projections (``x`` included; empty
+    where it reads none of them)."""
+    seen, todo = set(), [x]
+    while todo and region.reduced:  # what x is computed from, up to the reductions; shapes and masks carry nothing
+        n = todo.pop()
+        if n in seen or n in region.specs or _discrete(n) or not isinstance(n.meta.get("val"), torch.Tensor):
+            continue
+        seen.add(n)
+        if n not in region.reduced:
+            todo += n.all_input_nodes
+    index = {n: i for i, n in enumerate(x.graph.nodes)}
+    after: set[fx.Node] = set()
+    for n in sorted(seen, key=index.__getitem__):
+        if n not in region.reduced and any(a in region.reduced or a in after for a in n.all_input_nodes):
+            after.add(n)
+    return after
+
+
 def _discrete(node: fx.Node) -> bool:
     val = node.meta.get("val")
     return isinstance(val, torch.Tensor) and not (val.dtype.is_floating_point or val.dtype.is_complex)
@@ -487,7 +521,12 @@ def propagate(columns: dict[fx.Node, Sharding], row: fx.Node, row_x: fx.Node, fp
             s = p.spec(x)
             if s is None or s.dim != d % ndim_of(x) or s.inner or s.outer or s.group:
                 raise Unshardable(node, "the reducing projection's input is not sharded on its contracted dim")
-            p.region.stats[node] = StatFact("sum", 1.0)
+            copies = {r.copies for r in local_runs(s.segments, tp)}
+            if len(copies) != 1:
+                raise Unshardable(node, "the reducing projection's input has blocks held by different numbers of ranks")
+            # kv heads fewer than tp (Doge's gate of 2 kv heads at tp 4): each block's partial sum is on
+            # ``copies`` ranks, counted once; its weight's copies have their gradients summed
+            p.region.stats[node] = StatFact("sum", 1.0 / copies.pop())
             p.region.reduced[node] = s
             continue
         if any(isinstance(a, fx.Node) and a in p.region.specs for a in node.all_input_nodes):

@@ -415,7 +415,8 @@ def analyze_vocab(gm: fx.GraphModule, a: Analysis, tp: int, multiple: int = 1) -
     if tp == 1:
         return facts
     fp = Fingerprinter(gm)
-    paired = {m.node for p in a.pairs for m in [*p.columns, p.row, *p.sides]}
+    # a mixer's reducing projections are row-parallel inside their pair's region
+    paired = {m.node for p in a.pairs for m in [*p.columns, p.row, *p.sides, *p.reduces]}
     params = dict(gm.named_parameters(remove_duplicate=False))
     uses: dict[str, list[fx.Node]] = {}
     for node in gm.graph.nodes:

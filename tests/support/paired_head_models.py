@@ -1,0 +1,112 @@
+"""Attention whose heads are not read one by one, in a small LM (width 64, vocab 96, 4 query heads of 16, 2 or 4
+kv heads, sequence 12), and the Hugging Face families that write it, built tiny. Every hand-written model is
+``(idx, targets) -> (logits, loss)``.
+
+Dynamic mask attention (Doge): a linear of the whole ``v`` (``(b, s, n_kv·d) -> (b, s, n_kv)``) gives one gate
+per kv head, added to every score of that head as a mask. Cut by heads, the linear is row-parallel inside
+attention's region: one all-reduce of its ``b·s·n_kv`` outputs forward and backward, each rank's heads reading
+their gates from the whole result.
+
+- ``gate_linear``: ``F.linear(v.transpose(1, 2).reshape(b, s, -1), W)``, ``exp(A * softplus(.))`` as Doge
+  writes it, expanded over the queries and repeated to the query heads by ``repeat_interleave``, SDPA;
+- ``gate_matmul``: ``(v_flat @ W.t())`` of kv heads kept ``(b, s, n_kv, d)``, ``sigmoid(. + bias)``, the scores
+  written out (``q @ k.transpose(-2, -1)``) with the gate added, softmax, ``@ v``; 4 kv heads;
+- ``doge``: Hugging Face's Doge (2 layers, 4 heads, 2 kv heads) on ``input_ids`` and ``labels``.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from pattern_models import HD, NH, H, S, V, RMSNorm
+
+
+class GatedAttention(nn.Module):
+    def __init__(self, kind: str):
+        super().__init__()
+        self.kind = kind
+        self.nkv = 2 if kind == "gate_linear" else 4
+        self.q = nn.Linear(H, NH * HD, bias=False)
+        self.k = nn.Linear(H, self.nkv * HD, bias=False)
+        self.v = nn.Linear(H, self.nkv * HD, bias=False)
+        self.dt = nn.Linear(self.nkv * HD, self.nkv, bias=False)
+        self.A = nn.Parameter(torch.randn(self.nkv) * 0.5)
+        self.o = nn.Linear(NH * HD, H, bias=False)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q = self.q(x).view(b, s, NH, HD).transpose(1, 2)
+        k = self.k(x).view(b, s, self.nkv, HD).transpose(1, 2)
+        causal = torch.ones(s, s, dtype=torch.bool).tril()
+        if self.kind == "gate_linear":
+            v = self.v(x).view(b, s, self.nkv, HD).transpose(1, 2)
+            dt = F.linear(v.transpose(1, 2).reshape(b, s, -1), self.dt.weight)
+            gate = torch.exp(self.A * F.softplus(dt)).transpose(-1, -2)  # (b, n_kv, s)
+            mask = gate[:, :, None, :].expand(-1, -1, s, -1).masked_fill(~causal, float("-inf"))
+            rep = NH // self.nkv
+            y = F.scaled_dot_product_attention(q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1),
+                                               attn_mask=mask.repeat_interleave(rep, 1))
+        else:
+            v4 = self.v(x).view(b, s, self.nkv, HD)
+            gate = torch.sigmoid(v4.reshape(b, s, -1) @ self.dt.weight.t() + self.A)  # (b, s, n_kv)
+            scores = q @ k.transpose(-2, -1) / math.sqrt(HD) + gate.transpose(1, 2).unsqueeze(2)
+            att = scores.masked_fill(~causal, float("-inf")).softmax(-1)
+            y = att @ v4.transpose(1, 2)
+        return self.o(y.transpose(1, 2).reshape(b, s, NH * HD))
+
+
+class Block(nn.Module):
+    def __init__(self, kind: str):
+        super().__init__()
+        self.n1, self.n2 = RMSNorm(H), RMSNorm(H)
+        self.attn = GatedAttention(kind)
+        self.fc, self.proj = nn.Linear(H, 128, bias=False), nn.Linear(128, H, bias=False)
+
+    def forward(self, x):
+        x = x + self.attn(self.n1(x))
+        return x + self.proj(F.gelu(self.fc(self.n2(x))))
+
+
+class LM(nn.Module):
+    def __init__(self, kind: str):
+        super().__init__()
+        self.emb = nn.Embedding(V, H)
+        self.blocks = nn.ModuleList([Block(kind) for _ in range(2)])
+        self.norm = RMSNorm(H)
+        self.head = nn.Linear(H, V, bias=False)
+
+    def forward(self, idx, targets):
+        x = self.emb(idx)
+        for blk in self.blocks:
+            x = blk(x)
+        logits = self.head(self.norm(x))
+        return logits, F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+HAND = ("gate_linear", "gate_matmul")
+KINDS = (*HAND, "doge")
+
+
+def _hf(family: str):
+    """The family as benchmarks/op_coverage.py builds it: width 64, 2 layers, 4 heads of 16, 2 kv heads."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.for_model(family, vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64,
+                               bos_token_id=0, eos_token_id=0, use_cache=False)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg)
+    ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(1))
+    return model, (), {"input_ids": ids, "labels": ids}
+
+
+def build(kind: str):
+    if kind not in HAND:
+        return _hf(kind)
+    torch.manual_seed(0)
+    model = LM(kind)
+    g = torch.Generator().manual_seed(1)
+    return model, (torch.randint(0, V, (2, S), generator=g), torch.randint(0, V, (2, S), generator=g)), {}
