@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import networkx as nx
@@ -256,3 +257,43 @@ def test_combinations_are_refused_in_one_place() -> None:
     where = [f"{m}: {t!r}" for m, text in texts.items() if m != "autotp.combinations"
              for t in _COMBINATION_REFUSALS if t in text]
     assert not where, where
+
+
+def _layout_items() -> list[str]:
+    """The README's "How the code is laid out": one text per numbered stage."""
+    text = (ROOT / "README.md").read_text()
+    section = text[text.index("## How the code is laid out"):]
+    section = section[:section.index("\nTests come in tiers")]
+    return re.split(r"\n(?=\d+\. )", section)[1:]
+
+
+def _readme_mismatch(items: list[str], tree: set[str], root: Path | None = ROOT) -> tuple[list[str], list[str]]:
+    """Modules of ``tree`` (paths from the repository root) the items never name, and names they give that
+    ``tree`` lacks. A bare ``x.py`` names a module of the packages its item names (``autotp/io/``, ``cli/``); a
+    path names itself (or a file under ``root``: a test the text points to). A package's ``__init__.py`` is
+    its item's heading, not a module to name."""
+    named: set[str] = set()
+    absent: list[str] = []
+    for item in items:
+        folders = re.findall(r"`((?:autotp/\w+|passes|cli)/)`", item)
+        for name in re.findall(r"`([\w/]+\.py)`", item):
+            found = {name} if "/" in name else {f + name for f in folders}
+            hits = found & tree
+            named |= hits
+            if not hits and not ("/" in name and root is not None and (root / name).is_file()):
+                absent.append(name)
+    unnamed = sorted(m for m in tree - named
+                     if not (m.endswith("/__init__.py") and m != "autotp/__init__.py"))
+    return unnamed, absent
+
+
+def test_readme_layout_matches_the_tree() -> None:
+    tree = {path.relative_to(ROOT).as_posix() for path in _modules().values()}
+    unnamed, absent = _readme_mismatch(_layout_items(), tree)
+    assert (unnamed, absent) == ([], []), f"not in the README's code layout: {unnamed}; named, not in the tree: {absent}"
+
+
+def test_readme_check_sees_a_mismatch() -> None:
+    items = ["1. `autotp/io/`: weights (`weights.py`), gone (`old.py`); `autotp/errors.py`"]
+    tree = {"autotp/io/weights.py", "autotp/io/export.py", "autotp/io/__init__.py", "autotp/errors.py"}
+    assert _readme_mismatch(items, tree, root=None) == (["autotp/io/export.py"], ["old.py"])
