@@ -78,11 +78,11 @@ def main() -> None:
                                                   opts.batch, opts.seq))
     ranges = size_ranges(gm)
     names = [n for n, _ in model.named_parameters(remove_duplicate=False)]
-    layout = RankGrid.build(opts.tp, opts.tp)
+    grid = RankGrid.build(opts.tp, opts.tp)
 
     def draw():
         console = Console(file=io.StringIO(), width=160, record=True)
-        render(console, "gpt2-xl (meta)", plan, report, layout, names)
+        render(console, "gpt2-xl (meta)", plan, report, grid, names)
         return console.export_text()
 
     text = timed("render", draw)

@@ -121,8 +121,8 @@ def worker(kind: str, layers: int, tp: int) -> dict:
         check_sizes(report, size_ranges(gm))
         names = [n for n, _ in net.named_parameters(remove_duplicate=False)]
         lap("report")
-        layout = RankGrid.build(tp, tp)
-        render(Console(file=io.StringIO(), width=160), MODEL_FILE, plan, report, layout, names, "")
+        grid = RankGrid.build(tp, tp)
+        render(Console(file=io.StringIO(), width=160), MODEL_FILE, plan, report, grid, names, "")
         lap("render")
     else:
         from autotp.passes import run_passes

@@ -564,11 +564,11 @@ def _fsdp_config(job: ShardJob, ctx: RankContext) -> FSDPConfig:
     return FSDPConfig(replicas=ctx.job.fsdp, param_dtype=getattr(torch, job.fsdp_param_dtype), reduce_dtype=torch.float32)
 
 
-def rank_flops(flops: float | None, layout: RankGrid) -> float | None:
+def rank_flops(flops: float | None, grid: RankGrid) -> float | None:
     """One rank's share of a data-parallel replica's FLOPs per step (None: not counted). A replica spans
     tp · cp · pp ranks: each holds 1/tp of the heads and widths, 1/cp of the sequence (causal attention's work
     balanced by the chunk pairs), 1/pp of the blocks."""
-    return flops / (layout.tp * layout.cp * layout.pp) if flops else None
+    return flops / (grid.tp * grid.cp * grid.pp) if flops else None
 
 
 def _throughput(job: ShardJob, ctx: RankContext, args: tuple, kwargs: dict, times: list[float],

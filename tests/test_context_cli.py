@@ -27,10 +27,10 @@ def _shard(*args: str):
 
 def test_layout_puts_cp_between_tp_and_dp() -> None:
     """Megatron's order tp, cp, dp, pp: a cp group's ranks are tp apart, a dp group's tp·cp apart."""
-    lay = RankGrid.build(16, 2, pp=2, cp=2)
-    assert lay.dp == 2 and lay.coords(5) == {"tp": 1, "cp": 0, "dp": 1, "pp": 0}
-    assert lay.cp_groups[:2] == [[0, 2], [1, 3]] and lay.dp_groups[:2] == [[0, 4], [1, 5]]
-    assert lay.pp_groups[0] == [0, 8] and lay.tp_groups[0] == [0, 1]
+    grid = RankGrid.build(16, 2, pp=2, cp=2)
+    assert grid.dp == 2 and grid.coords(5) == {"tp": 1, "cp": 0, "dp": 1, "pp": 0}
+    assert grid.cp_groups[:2] == [[0, 2], [1, 3]] and grid.dp_groups[:2] == [[0, 4], [1, 5]]
+    assert grid.pp_groups[0] == [0, 8] and grid.tp_groups[0] == [0, 1]
     assert "cp" not in RankGrid.build(8, 2).groups()  # without cp, as before
     result = runner.invoke(app, ["layout", "-w", "8", "--tp", "2", "--cp", "2", "--json"])
     assert result.exit_code == 0 and json.loads(result.stdout)["cp"] == [[0, 2], [1, 3], [4, 6], [5, 7]]

@@ -120,14 +120,14 @@ def test_dp_tp_training_matches_unsharded_on_concatenated_batches(dp_tp_run) -> 
 @pytest.mark.slow
 def test_rank_groups_in_running_job_follow_layout(dp_tp_run) -> None:
     results, _ = dp_tp_run
-    layout = RankGrid.build(TP * DP, TP)
+    grid = RankGrid.build(TP * DP, TP)
     for rank, r in results.items():
         assert r["rank"] == rank and r["world"] == TP * DP
-        assert r["coords"] == layout.coords(rank)
-        assert r["groups"]["tp"] == next(g for g in layout.tp_groups if rank in g)
-        assert r["groups"]["dp"] == next(g for g in layout.dp_groups if rank in g)
+        assert r["coords"] == grid.coords(rank)
+        assert r["groups"]["tp"] == next(g for g in grid.tp_groups if rank in g)
+        assert r["groups"]["dp"] == next(g for g in grid.dp_groups if rank in g)
         assert r["groups"]["ddp"] == r["groups"]["dp"], "DDP does not average over the DP group"
-    assert layout.tp_groups == [[0, 1], [2, 3]] and layout.dp_groups == [[0, 2], [1, 3]]
+    assert grid.tp_groups == [[0, 1], [2, 3]] and grid.dp_groups == [[0, 2], [1, 3]]
 
 
 def _kill(proc: subprocess.Popen) -> None:

@@ -91,8 +91,8 @@ def test_every_pair_is_cut_column_then_row_with_its_all_reduces(staged) -> None:
 
 
 def test_identical_blocks_fold(nanogpt) -> None:
-    layout = RankGrid.build(2, 2)
-    root = ET.fromstring(draw("autotp plan <a & b>", nanogpt.plan, nanogpt.report, layout, nanogpt.names).svg)
+    grid = RankGrid.build(2, 2)
+    root = ET.fromstring(draw("autotp plan <a & b>", nanogpt.plan, nanogpt.report, grid, nanogpt.names).svg)
     assert "autotp plan <a & b>" in _texts(root)  # escaped in the file, the same text once parsed
     headers = [t.text for t in root.iter(f"{SVG}text") if t.get("class") == "block"]
     assert headers == ["transformer.h.0–1  ×2 (the same shards and collectives)"]
@@ -104,17 +104,17 @@ def test_identical_blocks_fold(nanogpt) -> None:
 
 @pytest.mark.parametrize("tp,dp,pp,gpus", [(2, 2, 2, 4), (2, 4, 1, 2), (2, 3, 1, 4), (1, 4, 2, 8)])
 def test_grid_cells_and_nodes(nanogpt, tp, dp, pp, gpus) -> None:
-    layout = RankGrid.build(tp * dp * pp, tp, pp=pp, dp=dp, gpus_per_node=gpus)
-    drawn = draw("t", nanogpt.plan, nanogpt.report, layout, nanogpt.names)
+    grid = RankGrid.build(tp * dp * pp, tp, pp=pp, dp=dp, gpus_per_node=gpus)
+    drawn = draw("t", nanogpt.plan, nanogpt.report, grid, nanogpt.names)
     root = ET.fromstring(drawn.svg)
-    assert drawn.ranks == layout.world_size == len(_all(root, "rank"))
-    assert sorted(int(c.get("data-rank")) for c in _all(root, "rank")) == list(range(layout.world_size))
-    assert len(_all(root, "node")) == layout.num_nodes == -(-layout.world_size // gpus)
+    assert drawn.ranks == grid.world_size == len(_all(root, "rank"))
+    assert sorted(int(c.get("data-rank")) for c in _all(root, "rank")) == list(range(grid.world_size))
+    assert len(_all(root, "node")) == grid.num_nodes == -(-grid.world_size // gpus)
 
 
 def test_a_large_grid_is_elided(nanogpt) -> None:
-    layout = RankGrid.build(2 * 40, 2, dp=40)
-    root = ET.fromstring(draw("t", nanogpt.plan, nanogpt.report, layout, nanogpt.names).svg)
+    grid = RankGrid.build(2 * 40, 2, dp=40)
+    root = ET.fromstring(draw("t", nanogpt.plan, nanogpt.report, grid, nanogpt.names).svg)
     cells = [int(c.get("data-rank")) for c in _all(root, "rank")]
     assert 0 < len(cells) < 40 and 0 in cells and 79 in cells
     assert any(t.startswith("⋮ dp") for t in _texts(root))

@@ -189,7 +189,7 @@ def test_mfu_counts_a_ranks_share_of_its_replica(tp: int, cp: int, pp: int, dp: 
     from autotp.cli.shard_worker import rank_flops
     from autotp.distributed.rank_grid import RankGrid
 
-    layout = RankGrid.build(tp * cp * pp * dp, tp=tp, pp=pp, cp=cp)
-    assert layout.dp == dp
-    assert rank_flops(8e9, layout) == 8e9 / (tp * cp * pp)
-    assert rank_flops(None, layout) is None
+    grid = RankGrid.build(tp * cp * pp * dp, tp=tp, pp=pp, cp=cp)
+    assert grid.dp == dp
+    assert rank_flops(8e9, grid) == 8e9 / (tp * cp * pp)
+    assert rank_flops(None, grid) is None

@@ -117,7 +117,7 @@ def broadcast_batch(batch: object, group: dist.ProcessGroup | None = None, src: 
     return unflatten(out, spec)
 
 
-def _layout():
+def _grid():
     from autotp.distributed.launch import current_job
 
     job = current_job()  # None: not under `autotp run`: parallelize's default group is the whole job
@@ -126,14 +126,14 @@ def _layout():
 
 def dp_size() -> int:
     """The data-parallel size of this job (1 outside ``autotp run``: the whole job is one TP group)."""
-    layout = _layout()
-    return 1 if layout is None else layout.dp
+    grid = _grid()
+    return 1 if grid is None else grid.dp
 
 
 def dp_rank() -> int:
     """This process's data-parallel rank: the same on every rank of its tensor-parallel group."""
-    layout = _layout()
-    return 0 if layout is None else layout.coords(dist.get_rank())["dp"]
+    grid = _grid()
+    return 0 if grid is None else grid.coords(dist.get_rank())["dp"]
 
 
 def dp_sampler(dataset, shuffle: bool = True, seed: int = 0, drop_last: bool = False):
