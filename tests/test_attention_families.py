@@ -19,8 +19,9 @@ from tiers import core_first
 BY_DESIGN = ("position embedding", "head transform kept whole")  # what Megatron keeps whole too
 # spellings whose plan must leave the attention replicated, with the reason
 SEEN = {"fill_inplace_stale": "writes into its input", "head_scale_stray": "is also read where it is not cut alike"}
-HF_WHOLE = {"dory": ["lm_head"]}  # a per-token logit scale on the LM head keeps it whole (vocab-parallel heads
-# do not cut a parameter spanning the vocab)
+# Hugging Face families that keep a block whole, with the blocks (none: Dory's per-vocab-entry logit scale is cut
+# along the vocab with its LM head's rows)
+HF_WHOLE: dict[str, list[str]] = {}
 RUN_KINDS = [*KINDS, *SEEN, *HF_KINDS]
 RUNS = Launches({}, extended={w: {"families": (pattern_parity, RUN_KINDS, 3, False, "attention_family_models")}
                               for w in (2, 4)})

@@ -29,6 +29,7 @@ from autotp.analysis.matmuls import ParamMatmul, module_path, where
 from autotp.analysis.op_rules import OpRule, kind_of, op_rule
 from autotp.analysis.ops import Unshardable, arg_of, from_inputs, ndim_of, slice_range
 from autotp.analysis.propagate import Propagator
+from autotp.analysis.region import ParamCut
 from autotp.analysis.shapes import Fingerprinter, is_static, normalize_dim
 from autotp.shard_spec import Segment, Sharding, VocabRows
 
@@ -61,6 +62,7 @@ class HeadFact:
     outputs: list[tuple[fx.Node, int]] = field(default_factory=list)  # returned node, vocab dim
     specs: dict[fx.Node, Sharding] = field(default_factory=dict)
     rewrites: list = field(default_factory=list)
+    params: list[ParamCut] = field(default_factory=list)  # parameters cut along the vocab with the logits
 
 
 @dataclass
@@ -360,6 +362,26 @@ def _kept_whole(m: ParamMatmul, why: str, latent_of: str | None = None) -> str:
             f"(its output is read by {reads})")
 
 
+def _check_vocab_param(cut: ParamCut, p: _VocabPropagator, layout: VocabRows) -> None:
+    """A parameter the logits meet along their vocab dim (a learned scale per vocab entry multiplied into them,
+    Dory's ``logits * (logit_scale.float() * c)``, logit_scale ``(V,)``) is cut along the vocab like the head's
+    rows: each rank's slice meets its own logits, so forward and backward stay local (the gradient of entry v
+    comes from column v of the logits alone). Unshardable when it is a buffer, spans another size, or is also read
+    where the logits are not (that read would see a shard)."""
+    x = cut.node
+    gm = x.graph.owning_module
+    params = dict(gm.named_parameters(remove_duplicate=False))
+    if x.op != "get_attr" or x.target not in params or params[x.target].shape[cut.dim] != layout.size:
+        raise Unshardable(x, f"{x.name} spans the vocab dim of the logits")
+    same = {n for n in x.graph.nodes if n.op == "get_attr" and params.get(n.target) is params[x.target]}
+    stray = [u for n in same for u in n.users
+             if u not in p.region.specs and kind_of(u.target) not in ("no_output", "sym_size")]
+    if stray or same != {x}:
+        at = stray[0] if stray else next(iter(same - {x}))
+        raise Unshardable(at, f"{x.target} spans the vocab dim of the logits and is also read by {at.name}, "
+                              "where the logits are not: cut with them, that read would see a shard")
+
+
 def _propagate_head(m: ParamMatmul, layout: VocabRows, fp: Fingerprinter, tp: int) -> HeadFact:
     p = _VocabPropagator(fp, tp, m.module)
     spec = Sharding(ndim_of(m.node) - 1, (Segment(layout.padded(tp), tp),))
@@ -382,13 +404,16 @@ def _propagate_head(m: ParamMatmul, layout: VocabRows, fp: Fingerprinter, tp: in
     if p.region.slices:
         x = p.region.slices[0]
         raise Unshardable(x.consumer, f"{x.operand.name} spans the vocab dim of the logits")
-    if p.region.params:
-        x = p.region.params[0]
-        raise Unshardable(x.node, f"{x.node.name} spans the vocab dim of the logits")
+    for cut in p.region.params:
+        _check_vocab_param(cut, p, layout)
+    if p.region.entering:  # a learned temperature (1,) dividing the logits: no f is planned for a head's operands
+        at, x = p.region.entering[0]
+        raise Unshardable(at, f"{x.name}, learned and whole on every rank, meets the vocab-sharded logits: each "
+                              "rank's gradient of it would cover only its own vocab slice")
     if p.classes is not None:
         layout = replace(layout, classes=p.classes)
     head = HeadFact(m, layout, p.losses, specs={n: s for n, s in p.region.specs.items() if isinstance(s, Sharding)},
-                    rewrites=p.region.rewrites)
+                    rewrites=p.region.rewrites, params=list(p.region.params))
     loss_nodes = {x.node for x in p.losses}
     for n, s in p.region.specs.items():
         for u in n.users:

@@ -201,6 +201,9 @@ def _vocab_plan(gm: fx.GraphModule, v: VocabFacts, tp: int, acc: _Planned, names
         acc.params[m.weight] = _vocab_shard(m.module, _weight_shape(gm, m), m.out_dim, h.layout, tp)
         if m.bias is not None:
             acc.params[m.bias] = _vocab_shard(m.module, tuple(gm.get_parameter(m.bias).shape), 0, h.layout, tp)
+        for x in h.params:  # a per-vocab-entry scale of the logits (V,): cut with the head's rows
+            w = x.node.target
+            acc.params[w] = _vocab_shard(w.rpartition(".")[0], tuple(gm.get_parameter(w).shape), x.dim, h.layout, tp)
         acc.collectives.append(Collective("all_reduce", "sum", "backward", m.module, m.x.name, _shape(m.x),
                                           _compute_dtype(m.x, [m.node])))
         acc.rewrites.extend(h.rewrites)
