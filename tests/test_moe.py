@@ -229,6 +229,8 @@ class _BiasedRouterMoE(torch.nn.Module):
         self.emb, self.head = torch.nn.Embedding(V, H), torch.nn.Linear(H, V, bias=False)
         self.router = torch.nn.Linear(H, E, bias=False)
         self.register_buffer("bias", torch.linspace(-0.1, 0.1, E))
+        # Ernie-4.5-MoE's spelling: a (1, E) parameter with no gradient, squeezed and added to the softmax scores
+        self.stats = torch.nn.Parameter(torch.linspace(-0.1, 0.1, E).view(1, E), requires_grad=False)
         self.experts = torch.nn.ModuleList(Expert() for _ in range(E))
 
     def forward(self, idx):
@@ -236,6 +238,8 @@ class _BiasedRouterMoE(torch.nn.Module):
         logits = self.router(x)  # (T, E)
         if self.spelling == "topk":
             sel = torch.topk(logits + self.bias, 2, dim=-1)[1]
+        elif self.spelling == "stats_param":
+            sel = torch.topk(logits.softmax(-1) + self.stats.squeeze(), 2, dim=-1)[1]
         else:
             sel = torch.argsort(logits + self.bias, dim=-1, descending=True)[:, :2]
         w = logits.gather(1, sel).sigmoid()  # (T, 2)
@@ -244,15 +248,20 @@ class _BiasedRouterMoE(torch.nn.Module):
         return self.head(x).view(*idx.shape, -1)
 
 
-@pytest.mark.parametrize("spelling", ["topk", "argsort"])
+@pytest.mark.parametrize("spelling", ["topk", "argsort", pytest.param("stats_param", marks=pytest.mark.extended)])
 def test_a_router_chosen_among_through_a_bias_is_kept_whole_by_design(spelling: str):
     """Its 64→4 linear is read by an add (the bias) and a gather, not by an activation: still a router, kept
-    whole by design (Megatron's), with its experts cut and nothing left replicated."""
+    whole by design (Megatron's), with its experts cut and nothing left replicated. A bias held as a (1, 4)
+    parameter (Ernie-4.5-MoE's) reaches the loss only through topk's indices: whole by design with the router."""
     torch.manual_seed(0)
     gm = capture(_BiasedRouterMoE(spelling), (torch.randint(0, 96, (2, S)),), {})[0]
     for tp in (2, 4):
         plan = make_plan(gm, tp)
         assert plan.replicated == (), plan.replicated
         whole = {w.name: w.reason for w in plan.whole}
-        assert whole["router.weight"].startswith("router kept whole: its 64→4 linear is read by add, gather"), whole
+        reads = "gather, softmax then add" if spelling == "stats_param" else "add, gather"
+        assert whole["router.weight"].startswith(f"router kept whole: its 64→4 linear is read by {reads}"), whole
+        assert spelling != "stats_param" or whole["stats"].startswith(
+            "router kept whole: its 1×4 values reach the loss and the outputs only through the integer or boolean "
+            "values of topk"), whole
         assert plan.param("experts.0.w1.weight").role == "column" and plan.param("experts.0.w2.weight").role == "row"

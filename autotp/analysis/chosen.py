@@ -21,7 +21,7 @@ import torch.fx as fx
 
 from autotp.analysis.matmuls import ParamMatmul
 
-__all__ = ["chooses_only", "indexer_reason"]
+__all__ = ["chooses_only", "indexer_reason", "maker_of"]
 
 
 def _discrete(val: object) -> bool:
@@ -77,7 +77,7 @@ def _returned(ends: list[fx.Node]) -> bool:
     return False
 
 
-def _maker(n: fx.Node) -> str:
+def maker_of(n: fx.Node) -> str:
     """The op that made the discrete value ``n`` (``topk`` for ``getitem(topk(...), 1)``)."""
     src = n.args[0] if n.target is operator.getitem and isinstance(n.args[0], fx.Node) else n
     return getattr(src.target, "__name__", str(src.target)).split(".")[0].lstrip("_")
@@ -88,7 +88,7 @@ def indexer_reason(m: ParamMatmul) -> str | None:
     ends = chooses_only(m.node)
     if ends is None:
         return None
-    ops = ", ".join(sorted({_maker(n) for n in ends}))
+    ops = ", ".join(sorted({maker_of(n) for n in ends}))
     return (f"indexer kept whole: its {m.in_features}→{m.out_features} linear reaches the loss and the outputs "
             f"only through the integer or boolean values of {ops} (no gradient flows back to it); every rank "
             f"computes the whole choice as one device does, with no communication (cut by heads, its summed "

@@ -17,6 +17,7 @@ from typing import NamedTuple
 import torch
 import torch.fx as fx
 
+from autotp.analysis.chosen import chooses_only, maker_of
 from autotp.analysis.matmuls import ParamMatmul, module_path
 from autotp.analysis.op_rules import inserts_dim, is_cast, kind_of, permutes
 from autotp.analysis.ops import from_inputs, reaches
@@ -160,6 +161,13 @@ def _whole(names: list[str], nodes: dict[str, fx.Node], matmuls: dict[str, Param
         reason = (f"scale kept whole: its {rows} rows of {width} are picked per token by {first.name} and multiply "
                   "a replicated activation elementwise (as a per-expert norm's weight does after the experts' "
                   "all-reduce): every rank needs whole rows, as Megatron keeps a norm's weight whole")
+    elif all(chooses_only(node) is not None for node in read):
+        shape = "×".join(map(str, read[0].graph.owning_module.get_parameter(name).shape))
+        ops = ", ".join(sorted({maker_of(n) for node in read for n in chooses_only(node)}))
+        reason = (f"router kept whole: its {shape} values reach the loss and the outputs only through the integer "
+                  f"or boolean values of {ops} (it only shifts which entries are chosen, as a router's correction bias "
+                  "does; no gradient reaches it): every rank holds it whole and makes the one device's choice, with no "
+                  "communication")
     else:
         op = str(getattr(first.target, "__name__", first.target))
         known = _replicated_reason(module, a)
