@@ -244,7 +244,7 @@ def sequence_table(the_plan, report: Report) -> Table | None:
     seq = the_plan.sequence
     if seq is None:
         return None
-    table = FitTable(title="sequence parallelism: regions between the pairs hold s/t positions per rank")
+    table = FitTable(title="sequence parallelism: the code between the pairs holds s/t positions per rank")
     table.add_column("what")
     table.add_column("where")
     table.add_column("note")

@@ -1,7 +1,7 @@
 """Sequence parallelism: which values between the column→row pairs can hold a slice of the sequence.
 
-Tensor parallelism leaves everything outside the column→row regions replicated: the residual stream, the
-norms, dropout, the embedding sums. With sequence parallelism (Korthikanti et al. 2022) each rank holds
+Tensor parallelism leaves everything outside the pair regions (a column→row pair's span) replicated: the
+residual stream, the norms, dropout, the embedding sums. With sequence parallelism (Korthikanti et al. 2022) each rank holds
 ``s/t`` of the sequence there instead:
 
 - the sequence dim is the one attention mixes: the size of a softmax's or matmul's contracted dim, or the
@@ -149,7 +149,7 @@ class _Sequence:
         self.gm, self.seq, self.facts, self.tp = gm, seq, SeqFacts(), a.tp
         self.fp = Fingerprinter(gm)
         self.params = {n for n, _ in gm.named_parameters(remove_duplicate=False)}
-        self.inside: dict[fx.Node, str] = {}  # nodes of the tensor-parallel regions -> their module
+        self.inside: dict[fx.Node, str] = {}  # nodes of the pair regions -> their module
         self.sinks: dict[fx.Node, tuple[str, list[fx.Node]]] = {}  # column / head input -> module, matmuls
         self.matmul_x: dict[fx.Node, tuple[str, fx.Node]] = {}  # column / head matmul -> module, input
         for p in a.pairs:
@@ -232,7 +232,7 @@ class _Sequence:
             if self.sink(n):
                 continue
             if n in self.inside:
-                self.gather(n, f"read inside the tensor-parallel region of {self.inside[n]}")
+                self.gather(n, f"read inside the pair region of {self.inside[n]}")
                 continue
             f = self.facts
             marks = [len(x) for x in (f.slices, f.grads, f.enter_grads, f.sizes, f.random_nodes)]

@@ -1,7 +1,7 @@
 """Megatron's sequence-parallel operators as autograd functions over c10d (eager) and torch's functional
 collectives (under ``torch.compile``).
 
-With sequence parallelism the regions between column→row pairs (norms, dropout, residual adds) hold each
+With sequence parallelism the code between column→row pairs (norms, dropout, residual adds) holds each
 rank's ``s/t`` slice of the sequence:
 
 - :class:`ReduceScatterSeq` replaces ``g`` after a row-parallel matmul (and after a vocab-parallel

@@ -373,7 +373,7 @@ def parallelize(model: nn.Module, *, tp_group: dist.ProcessGroup | None = None, 
     vocab rows up (e.g. 64 for tensor-core-friendly GEMMs on GPUs); the default pads only to ``ceil(V / tp)``.
     ``compile=True`` runs each rewritten graph under ``torch.compile`` (see :mod:`autotp.operators.compile`);
     a dict instead of True is passed to ``torch.compile`` as its options (``{"backend": "aot_eager"}``).
-    ``sequence_parallel=True`` splits the regions between the column→row pairs (norms, dropout, residual
+    ``sequence_parallel=True`` splits the code between the column→row pairs (norms, dropout, residual
     adds) along the sequence (Megatron-SP): reduce-scatter and all-gather in place of the all-reduces, the
     activations there 1/tp the size; a call whose sequence length tp does not divide runs without it.
     ``expert_parallel=True`` places E/tp whole experts of each mixture-of-experts layer on every rank, instead

@@ -355,8 +355,8 @@ def pipeline_report(gm: fx.GraphModule, plan: Plan, report: Report, spec: Pipeli
     for node, s in of.items():
         flops[s] += node_flops(node, sizes)
     split = plan.sequence is not None and bool(plan.sequence.leaves)
-    # with sequence parallelism the hidden state between blocks lies in the sequence-split region: each tp rank
-    # sends its s/t positions
+    # with sequence parallelism the hidden state between blocks lies in the code between the pairs, split along
+    # the sequence: each tp rank sends its s/t positions
     cuts = crossing(gm, of, count, micro_sizes(gm, report.symbols, b, report.seq // plan.tp) if split else sizes)
 
     heads, dropout, fused = block_facts(gm, in_blocks)

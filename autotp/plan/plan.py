@@ -284,7 +284,7 @@ class SeqSlice:
 
 @dataclass(frozen=True)
 class SequencePlan:
-    """Sequence parallelism (Megatron-SP, Korthikanti et al. 2022) over the regions between the pairs.
+    """Sequence parallelism (Megatron-SP, Korthikanti et al. 2022) over the code between the pairs.
 
     ``length``: the graph input and dim that carry the sequence length (a call whose length tp does not
     divide runs a plan without sequence parallelism). ``grads``: (consumer, parameter node) uses of

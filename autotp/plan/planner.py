@@ -481,7 +481,7 @@ def make_plan(gm: fx.GraphModule, tp: int, vocab_multiple: int = 1, sequence_par
     """Analyze ``gm`` and plan its sharding for ``tp`` ranks (tp = 1 gives an empty plan).
 
     ``vocab_multiple``: round each rank's vocab rows up to this multiple (e.g. 64 on GPUs).
-    ``sequence_parallel``: split the regions between the pairs along the sequence (Megatron-SP).
+    ``sequence_parallel``: split the code between the pairs along the sequence (Megatron-SP).
     ``expert_parallel``: E/tp whole experts per rank instead of 1/tp of every expert.
     ``stages``: cut the blocks into this many pipeline stages (:mod:`autotp.plan.stages`).
     """
