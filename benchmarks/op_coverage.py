@@ -15,12 +15,13 @@ Models:
 - Hugging Face causal-LM families of the installed transformers (``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``),
   each from its config class with tiny sizes wherever the config has the attribute (width 64, 2 layers,
   4 heads, 2 kv heads (4 where 2 does not build, and for latent attention), head dim 16, intermediate 128,
-  vocab 128, 64 positions, 4 experts of 32 features with top-2 routing, a Mamba-2 mixer's 8 heads of 16 in 4
-  groups of 16 states, special token ids 0; sub-configs
+  vocab 128, 64 positions, 4 experts of 32 features with top-2 routing in 1 group, a Mamba-2 mixer's 8 heads of
+  16 in 4 groups of 16 states, a partial rotary part of 8, special token ids 0; sub-configs
   such as ``text_config`` get the same sizes; a per-layer list keeps 2 entries, its first and the first of
   another kind, so a hybrid keeps both kinds of layer), ``torch.manual_seed(0)``,
   ``AutoModelForCausalLM.from_config``, called on ``input_ids`` of shape (2, 8) with ``labels=input_ids`` so
-  the loss is in the graph, and ``config.use_cache = False`` (a training step's call: no KV cache).
+  the loss is in the graph, and ``config.use_cache = False`` (a training step's call: no KV cache); what a
+  family's call cannot do without besides (X-MOD's default language, GIT's image) is given too.
   Two captures per family, train/fp32 and eval/bf16-autocast: four would double a run that these
   captures dominate. By default a deterministic subset (every fifth family in the mapping's order, plus
   the families the tests build); ``--all`` runs all of them.
@@ -98,7 +99,9 @@ WHOLE_BY_DESIGN = ("router kept whole", "gate kept whole", "down-projection kept
 
 # tiny sizes, by every attribute name a config may use for them
 _TINY = {
-    **dict.fromkeys(("hidden_size", "n_embd", "n_embed", "d_model", "embed_dim", "embedding_size"), 64),
+    **dict.fromkeys(("hidden_size", "n_embd", "n_embed", "d_model", "embed_dim", "embedding_size",
+                     "hidden_size_global"), 64),  # BLT's local encoder and decoder name the global width too
+    "encoder_hash_byte_group_vocab": 128,  # BLT's hashed n-gram tables (500002 rows each by default)
     **dict.fromkeys(("num_hidden_layers", "n_layer", "n_layers", "num_layers", "decoder_layers", "encoder_layers",
                      "num_decoder_layers"), 2),
     **dict.fromkeys(("num_attention_heads", "n_head", "n_heads", "num_heads", "decoder_attention_heads",
@@ -112,9 +115,12 @@ _TINY = {
     "vocab_size": 128,
     **dict.fromkeys(("max_position_embeddings", "n_positions", "n_ctx", "max_seq_len", "max_sequence_length"), 64),
     **dict.fromkeys(("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts"), 4),
-    **dict.fromkeys(("num_experts_per_tok", "moe_topk", "moe_k"), 2),
-    **dict.fromkeys(("moe_intermediate_size", "shared_expert_intermediate_size"), 32),
-    **dict.fromkeys(("n_group", "topk_group", "first_k_dense_replace"), 1),
+    **dict.fromkeys(("num_experts_per_tok", "num_experts_per_token", "moe_topk", "moe_k"), 2),
+    **dict.fromkeys(("moe_intermediate_size", "shared_expert_intermediate_size", "expert_ffn_hidden_size"), 32),
+    **dict.fromkeys(("n_group", "num_expert_group", "topk_group", "first_k_dense_replace"), 1),
+    "zero_expert_num": 2,  # LongCat-Flash's identity experts, routed beside the 4
+    # Kimi Delta Attention (Kimi-Linear, Bailing-Hybrid): 4 heads of 16, as attention's
+    "linear_num_heads": 4, "linear_head_dim": 16,
     "attn_layer_period": 2, "attn_layer_offset": 1,  # a hybrid's attention layer within the 2 layers
     # a Mamba-2 mixer: 8 SSM heads of 16 (d_inner 128) in 4 groups of 16 B/C states. Left alone, the defaults
     # give 128 heads of 1 in 1 group (a group's gated norm spans every head: no exact cut at tp > 1, as in
@@ -135,8 +141,10 @@ def _tiny_kwargs(default, kv: int) -> dict:
     have = default.to_dict()
     out = {k: v for k, v in _TINY.items() if k in have}
     out.update({k: v for k, v in _LATENT.items() if have.get(k) is not None})
-    if "qk_rope_head_dim" in have:  # there head_dim is the rotary part's, derived from it
+    if "qk_rope_head_dim" in have:  # there head_dim is the rotary part's: derived from it, or set to it (LongCat)
         out.pop("head_dim", None)
+        if have.get("head_dim") == have["qk_rope_head_dim"] and "qk_rope_head_dim" in out:
+            out["head_dim"] = out["qk_rope_head_dim"]
     # latent attention shares one rotary key across heads and has no kv groups: as many kv heads as heads
     out.update({k: 4 if "kv_lora_rank" in have else kv for k in _KV_HEADS if k in have})
     out.update({k: 0 for k in _TOKEN_IDS if have.get(k) is not None})  # ids past the tiny vocab would not embed
@@ -182,8 +190,24 @@ def _build_hf(family: str, kv: int | None):
         # object: for some cache classes that alone takes longer than the time limit)
         model.config.use_cache = False
         ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(1))
-        return model, (), {"input_ids": ids, "labels": ids}, n
+        return model, (), {"input_ids": ids, "labels": ids, **_needed_inputs(model, cfg)}, n
     raise err
+
+
+def _needed_inputs(model, cfg) -> dict:
+    """What a family's training call cannot do without besides the tokens. X-MOD routes every layer through
+    one language's adapter: the default language is set to the config's first (the model asks for it).
+    GIT captions an image: its loss skips the image's tokens, which come first, so it is given one (2 images
+    of the vision config's size)."""
+    import torch
+
+    if getattr(cfg, "languages", None) and hasattr(model, "set_default_language"):
+        model.set_default_language(cfg.languages[0])
+    vision = getattr(cfg, "vision_config", None)
+    if getattr(cfg, "model_type", None) == "git" and vision is not None:
+        g = torch.Generator().manual_seed(2)
+        return {"pixel_values": torch.randn(2, vision.num_channels, vision.image_size, vision.image_size, generator=g)}
+    return {}
 
 
 def _ops_of(gm) -> tuple[list[str], dict[str, str]]:

@@ -136,7 +136,7 @@ class ShapeRules:
                 return self._view_split(node, s, shape_arg, dst, gj_real)
             if len(gj_real) == 1:  # dims merge into the sharded one: [.., a, b, ..] -> [.., a*b, ..]
                 return self._view_merge(node, s, shape_arg, src, dst, gi_real, gj_real[0])
-            raise Unshardable(node, "view regroups the sharded dim with others")
+            return self._view_regroup(node, s, shape_arg, dst, gi_real, gj_real)
         raise Unshardable(node, "sharded dim lost in view")
 
     def _set_view_size(self, node, shape_arg, j, full, local, arg: int = 1) -> None:
@@ -190,6 +190,16 @@ class ShapeRules:
             self._set_view_size(node, shape_arg, gj[-1], full * n2, local * n2)
             return Sharding(gj[-1], tuple(Segment(g.size * n2, g.parts) for g in s.segments))
         raise Unshardable(node, "view regroups heads folded under the batch")
+
+    def _view_regroup(self, node, s, shape_arg, dst, gi, gj) -> Sharding:
+        """``[.., n, d] -> [.., m, e]`` with ``n·d == m·e``, the sharded dim outermost (CodeGen's fused projection
+        read as 4 chunks of q | v | k, the q of the chunks ``(b, s, 4, 256)`` viewed as 16 heads of 64): a rank's
+        chunks are one run of the flattened group, the same run as its ``m / tp`` heads where tp divides ``m``."""
+        seg, m = s.single(), dst[gj[0]]
+        if seg is None or seg.inner or s.inner or gi[0] != s.dim or not is_static(m) or m % seg.parts:
+            raise Unshardable(node, "view regroups the sharded dim with others")
+        self._set_view_size(node, shape_arg, gj[0], m, m // seg.parts)
+        return Sharding(gj[0], (Segment(m, seg.parts),))
 
     def _view_split(self, node, s, shape_arg, dst, gj) -> Sharding:
         n1 = dst[gj[0]]

@@ -1,7 +1,7 @@
 """Rewrite a captured graph into the canonical spellings analysis reads, each computing the same values
 with the same gradients: index lists of consecutive positions as slices, ``view_as``/``reshape_as`` as views
-to the other tensor's sizes, an einsum that is a linear map of its last dim by a matrix as the matmul it is,
-and no identity nodes (views, casts and copies whose output is their input)."""
+to the other tensor's sizes, ``unflatten`` as the view it is, an einsum that is a linear map of its last dim
+by a matrix as the matmul it is, and no identity nodes (views, casts and copies whose output is their input)."""
 from __future__ import annotations
 
 import operator
@@ -23,7 +23,7 @@ def canonicalize(gm: fx.GraphModule) -> None:
     """All the rewrites of this module, in place; the graph is recompiled where one changed it. First the
     bodies of autocast regions are inlined (:mod:`autotp.capture.autocast`), so the rest rewrite them too."""
     changed = [inline_autocast(gm), index_lists_as_slices(gm), row_reads_as_embeddings(gm), views_as_views(gm),
-               einsums_as_matmuls(gm), einsums_as_batched_matmuls(gm), drop_identities(gm),
+               unflattens_as_views(gm), einsums_as_matmuls(gm), einsums_as_batched_matmuls(gm), drop_identities(gm),
                drop_dtype_asserts(gm), detach_no_grad_regions(gm)]
     if any(changed):
         gm.recompile()
@@ -63,6 +63,38 @@ def views_as_views(gm: fx.GraphModule) -> bool:
                 sizes.append(size)
             view = gm.graph.call_function(aten.view.default if node.target is aten.view_as.default
                                           else aten.reshape.default, (x, sizes))
+        view.meta = dict(node.meta)
+        node.replace_all_uses_with(view)
+        gm.graph.erase_node(node)
+        changed = True
+    return changed
+
+
+def unflattens_as_views(gm: fx.GraphModule) -> bool:
+    """``x.unflatten(d, sizes)`` as the ``x.view(sizes of x with d replaced by sizes)`` ATen computes it by
+    (``[b, s, 3·h] -> [b, s, 4, 3, h/4]``, a fused projection read as chunks): the view rule cuts it and rewrites
+    its sizes. The other dims' sizes as captured, ``sym_size`` reads of ``x`` for the symbolic ones."""
+    changed = False
+    for node in list(gm.graph.nodes):
+        if node.target is not aten.unflatten.int or len(node.args) != 3 or node.kwargs:
+            continue
+        x, dim, sizes = node.args
+        val = x.meta.get("val") if isinstance(x, fx.Node) else None
+        if not isinstance(val, torch.Tensor) or not isinstance(dim, int) or not isinstance(sizes, (list, tuple)):
+            continue
+        dim %= val.dim()
+        with gm.graph.inserting_before(node):
+            shape = []
+            for d, n in enumerate(val.shape):
+                if d == dim:
+                    shape.extend(sizes)
+                elif isinstance(n, int):
+                    shape.append(n)
+                else:
+                    size = gm.graph.call_function(aten.sym_size.int, (x, d))
+                    size.meta["val"] = n
+                    shape.append(size)
+            view = gm.graph.call_function(aten.view.default, (x, shape))
         view.meta = dict(node.meta)
         node.replace_all_uses_with(view)
         gm.graph.erase_node(node)
