@@ -18,16 +18,19 @@ from autotp.plan.context import ContextPlan
 from autotp.plan.context_planner import context_plan
 from autotp.plan.context_report import context_report
 from autotp.passes.context_parallel import context_parallel
+from shared_graphs import SHARED, copy_graph, spelling
 
 SPELLINGS = [(pattern_models, "alibi"), (pattern_models, "softcap"),
              *((context_models, kind) for kind in context_models.KEYED if kind != "sdpa_window")]
 
 
 def _captured(module, kind: str):
-    model, args, kwargs = module.build(kind)
-    return model, args, capture(model, args, kwargs)[0]
+    """The model, inputs and shared capture (tests/support/shared_graphs.py: read here, rewritten as a copy)."""
+    model, args, _, gm = spelling(module.__name__, kind)
+    return model, args, gm
 
 
+@SHARED
 @pytest.mark.parametrize("module, kind", SPELLINGS, ids=[k for _, k in SPELLINGS])
 def test_scores_no_ring_computes_run_with_their_keys_gathered(module, kind):
     """Each layer's attention: kᵀ and v gathered (their sequence dims 3 and 2), the ops between the two
@@ -46,6 +49,7 @@ def test_scores_no_ring_computes_run_with_their_keys_gathered(module, kind):
     assert not f.positions  # an arange only the scores read is theirs: computed whole, not the chunk's
 
 
+@SHARED
 def test_the_rewrite_inserts_the_gathers_and_rows_and_computes_the_same_unbound():
     """Unbound (no process group) the operators are the identity, and at cp 1 the lengths are the whole's:
     the rewritten graph computes the model's numbers; per layer two key gathers, one row cut per mask or
@@ -55,7 +59,7 @@ def test_the_rewrite_inserts_the_gathers_and_rows_and_computes_the_same_unbound(
     assert len(plan.keyed) == 2 and not plan.attention
     assert ContextPlan.from_dict(json.loads(json.dumps(asdict(plan)))) == plan  # the plan's JSON round trip
     want = model(*args)[1]
-    gm = context_parallel(gm, SimpleNamespace(context=plan))
+    gm = context_parallel(copy_graph(gm), SimpleNamespace(context=plan))
     gm.graph.lint()
     gm.recompile()
     mods = [n.target for n in gm.graph.nodes if n.op == "call_module"]
@@ -67,6 +71,7 @@ def test_the_rewrite_inserts_the_gathers_and_rows_and_computes_the_same_unbound(
     torch.testing.assert_close(gm(*args)[1], want, rtol=0, atol=0)
 
 
+@SHARED
 def test_the_plan_reports_the_gathered_keys():
     """``autotp plan --cp``: the attentions with keys gathered counted, K and V bytes per layer priced as a
     ring's, the scores and the gathered K and V kept for backward in the activation bytes."""
@@ -80,6 +85,7 @@ def test_the_plan_reports_the_gathered_keys():
     assert r.activation_bytes == r.activation_unsharded // 2 + 2 * (2 * b * s * h * d * 4 // 2)
 
 
+@SHARED
 def test_probabilities_read_elsewhere_and_folded_heads_are_still_named():
     """Probabilities the model also returns, and ALiBi over heads folded into the batch (BLOOM's baddbmm):
     named with their line, not run."""
