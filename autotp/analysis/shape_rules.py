@@ -415,6 +415,12 @@ class ShapeRules:
         if (d == s.dim and held_whole(s) and len(s.segments) == 1
                 and all(self.spec(x) is not None for x in tensors)):  # rotate_half's halves of one whole head
             return Sharding(d, (Segment(self.fp.shape(node)[d], 1),))
+        if d == s.dim and not (s.inner or s.outer or s.group) and len(set(tensors)) == len(tensors) > 1 \
+                and all(self.spec(x) is not None for x in tensors):
+            # distinct values cut alike joined along their cut dim (Kimi's q, k and v projections, (b, s, h·d)
+            # each by heads, joined for one convolution): rank r's pieces joined are its block of each, in order,
+            # the segments of a fused projection (one value repeated is the case below)
+            return Sharding(d, tuple(g for x in tensors for g in self.spec(x).segments))
         if d == s.dim and not s.inner and s.group is None and len({self.fp.shape(x)[d] for x in tensors}) == 1 \
                 and all(self.spec(x) is not None for x in tensors):
             # pieces cut alike joined along their cut dim (``torch.cat([k] * n_rep, dim=1)``: kv heads repeated
