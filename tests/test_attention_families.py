@@ -14,6 +14,7 @@ from parity_checks import assert_exact, assert_fully_sharded, assert_megatron_st
 from parity_workers import pattern_parity
 from pattern_models import HD, H, S
 from ranks import Launches
+from shared_graphs import spelling
 from tiers import core_first
 
 BY_DESIGN = ("position embedding", "head transform kept whole")  # what Megatron keeps whole too
@@ -28,8 +29,8 @@ RUNS = Launches({}, extended={w: {"families": (pattern_parity, RUN_KINDS, 3, Fal
 
 
 def _plan(kind: str, tp: int):
-    model, args, kwargs = build(kind)
-    return make_plan(capture(model, args, kwargs)[0], tp)
+    """The spelling's plan at ``tp``, of its one capture (tests/support/shared_graphs.py)."""
+    return make_plan(spelling("attention_family_models", kind)[3], tp)
 
 
 @pytest.mark.parametrize("kind", core_first(KINDS, ["fill_inplace", "head_scale_looped"]))

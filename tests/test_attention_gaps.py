@@ -10,10 +10,11 @@ import torch
 
 from autotp.capture.tracer import capture
 from autotp.plan.planner import make_plan
-from attention_gap_models import FF, FOLDS, KINDS, NKV, PARALLEL, FoldedGQA, build
+from attention_gap_models import FF, FOLDS, KINDS, NKV, PARALLEL, FoldedGQA
 from parity_workers import pattern_parity
 from pattern_models import HD, H, S, LMWith, build_with
 from ranks import Launches
+from shared_graphs import SHARED, spelling
 
 RUNS = Launches({2: {"attention gaps": (pattern_parity, list(KINDS), 3, False, "attention_gap_models")}},
                 extended={4: {"attention gaps": (pattern_parity, list(KINDS), 3, False, "attention_gap_models"),
@@ -23,10 +24,11 @@ RUNS = Launches({2: {"attention gaps": (pattern_parity, list(KINDS), 3, False, "
 
 
 def _plan(kind: str, tp: int):
-    model, args, kwargs = build(kind)
-    return make_plan(capture(model, args, kwargs)[0], tp)
+    """The spelling's plan at ``tp``, of its one capture (tests/support/shared_graphs.py)."""
+    return make_plan(spelling("attention_gap_models", kind)[3], tp)
 
 
+@SHARED
 @pytest.mark.parametrize("tp", [2, 4])
 @pytest.mark.parametrize("kind", KINDS)
 def test_each_spelling_is_cut_by_heads(kind: str, tp: int):
@@ -45,6 +47,7 @@ def test_each_spelling_is_cut_by_heads(kind: str, tp: int):
         assert reps == (set() if tp == 2 else {1}), plan.rewrites
 
 
+@SHARED
 @pytest.mark.parametrize("tp", [2, 4])
 @pytest.mark.parametrize("kind", PARALLEL)
 def test_a_parallel_blocks_fused_projection_is_read_in_its_unequal_segments(kind: str, tp: int):
@@ -56,8 +59,7 @@ def test_a_parallel_blocks_fused_projection_is_read_in_its_unequal_segments(kind
     from autotp.analysis.column_layout import column_segments
     from autotp.analysis.shapes import Fingerprinter
 
-    model, args, kwargs = build(kind)
-    gm = capture(model, args, kwargs)[0]
+    gm = spelling("attention_gap_models", kind)[3]
     fused = [n for n in gm.graph.nodes if n.target is torch.ops.aten.linear.default
              and n.args[1].target == "blocks.0.attn.fused.weight"]
     segments = column_segments(fused[0], Fingerprinter(gm), tp, "fused")

@@ -2,6 +2,7 @@
 others are stopped (op, module, source line). Structural: captured graphs, no process group."""
 from __future__ import annotations
 
+import functools
 import importlib.util
 import sys
 from pathlib import Path
@@ -11,6 +12,7 @@ import torch
 
 from autotp.analysis.context import find_context
 from autotp.capture.tracer import capture
+from shared_graphs import SHARED, spelling
 
 
 def _facts(model, *args, **kwargs):
@@ -19,6 +21,11 @@ def _facts(model, *args, **kwargs):
 
 def _built(model, args, kwargs):
     return _facts(model, *args, **kwargs)
+
+
+def _shared(module: str, kind: str):
+    """The facts of a test model's shared capture (tests/support/shared_graphs.py; the analysis only reads it)."""
+    return find_context(spelling(module, kind)[3])
 
 
 def _nanogpt(**config):
@@ -33,10 +40,16 @@ def _nanogpt(**config):
     return module.GPT(module.GPTConfig(n_layer=2, **config))
 
 
+@functools.cache
+def _nanogpt_facts():
+    """The facts of nanoGPT called with ids and targets of (2, 8), read by two tests (one capture)."""
+    idx = torch.randint(0, 128, (2, 8))
+    return _facts(_nanogpt(), idx, idx)
+
+
 def test_nanogpt_runs_on_a_chunk():
     """SDPA (causal) per layer as ring attention, the position embedding's arange, the loss's token mean."""
-    idx = torch.randint(0, 128, (2, 8))
-    f = _facts(_nanogpt(), idx, idx)
+    f = _nanogpt_facts()
     assert f.runs and not f.blockers
     assert [a.detail for a in f.attention] == ["causal", "causal"]
     assert [a.where.split(", ")[1] for a in f.attention] == ["transformer.h.0.attn", "transformer.h.1.attn"]
@@ -46,20 +59,22 @@ def test_nanogpt_runs_on_a_chunk():
     assert [d for _, d in f.inputs] == [1, 1]  # ids and targets, (b, s)
 
 
+@SHARED
 def test_heads_folded_into_the_batch_run_as_sdpa():
     """GPT-2 / BLOOM's spelling: q, k and v reshaped to (b·h, s, d), ``baddbmm(zeros, q, kᵀ, beta=0, alpha=c)``,
     a masked softmax and ``bmm(p, v)``: the (b, h, s, d) q, k and v are found behind the folds, the output
     folded back; with an ALiBi bias (beta=1) it is not SDPA's computation, and is named."""
     import pattern_models
 
-    f = _built(*pattern_models.build("baddbmm"))
+    f = _shared("pattern_models", "baddbmm")
     assert f.runs and [a.detail for a in f.attention] == ["causal", "causal"]
     assert all(a.written.folded and a.scale == pattern_models.HD ** -0.5 for a in f.attention)
     assert all(a.written.q.startswith("transpose") for a in f.attention)  # (b, h, s, d), before the fold
-    alibi = _built(*pattern_models.build("baddbmm_alibi"))
+    alibi = _shared("pattern_models", "baddbmm_alibi")
     assert not alibi.runs and len(alibi.blockers) == 2
 
 
+@SHARED
 def test_dropout_on_the_chunks_is_listed_for_a_stream_of_its_own():
     """Dropout on the embeddings and the residual branches reads values carrying the sequence: each rank draws
     its chunk's masks from its own stream; at p = 0 nothing is random."""
@@ -68,7 +83,7 @@ def test_dropout_on_the_chunks_is_listed_for_a_stream_of_its_own():
     model, args, _ = context_models.build("bool_sdpa_mask", dropout=0.1)
     f = _built(model, args, {})
     assert f.runs and len(f.random) == 3 and all("dropout" in name for name in f.random)
-    assert _built(*context_models.build("bool_sdpa_mask")).random == ()
+    assert _shared("context_models", "bool_sdpa_mask").random == ()
 
 
 def test_the_last_tokens_logits_and_attention_dropout_are_named():
@@ -81,28 +96,26 @@ def test_the_last_tokens_logits_and_attention_dropout_are_named():
     assert {b.detail for b in f.blockers} == {"attention dropout: not run as ring attention"}
 
 
+@SHARED
 @pytest.mark.parametrize("kind, op", [("cumsum_fn", "aten.cumsum"), ("cumsum_method", "aten.cumsum"),
                                       ("roll_shift", "aten.roll"), ("pad_shift", "aten.pad")])
 def test_ops_that_mix_positions_are_named_with_their_line(kind, op):
     """A running sum, a roll or a pad along the sequence: torch's rule would gather the sequence, so the op
     is refused, named with its module and line (each layer)."""
-    import torch_rule_models
-
-    model, args, kwargs = torch_rule_models.build(kind)
-    f = _facts(model, *args, **kwargs)
+    f = _shared("torch_rule_models", kind)
     mixing = [b for b in f.blockers if op in b.detail]
     assert len(mixing) == 2 and not f.runs, f.blockers
     assert all("torch_rule_models.py:" in b.where and ".attn" in b.where for b in mixing)
 
 
+@SHARED
 @pytest.mark.parametrize("kind", ["plain", "rope_interleaved", "rope_complex"])
 def test_hand_written_causal_attention_runs_as_sdpa(kind):
     """softmax(q·kᵀ/√d masked by tril)·v written out: each layer's chain is SDPA's (causal, scale 1/√d), its
     q, k and v those the matmuls read; the rotary tables read up to the length are read by position."""
     import pattern_models
 
-    model, args, kwargs = pattern_models.build(kind)
-    f = _facts(model, *args, **kwargs)
+    f = _shared("pattern_models", kind)
     assert f.runs, f.blockers
     assert [a.detail for a in f.attention] == ["causal", "causal"]
     assert all(a.written is not None and a.scale == pytest.approx(pattern_models.HD ** -0.5) for a in f.attention)
@@ -110,35 +123,34 @@ def test_hand_written_causal_attention_runs_as_sdpa(kind):
     assert len(f.tables) == (4 if kind == "rope_interleaved" else 2 if kind == "rope_complex" else 0), f.tables
 
 
+@SHARED
 def test_a_written_attention_left_whole_is_named_once_per_layer():
     """An ALiBi bias over heads folded into the batch (BLOOM's baddbmm spelling) is neither SDPA's scores nor
     run with its keys gathered yet: one reason per attention, where its scores are made."""
-    import pattern_models
-
-    f = _built(*pattern_models.build("baddbmm_alibi"))
+    f = _shared("pattern_models", "baddbmm_alibi")
     assert [b.where.split(", ")[1] for b in f.blockers] == ["blocks.0.attn", "blocks.1.attn"], f.blockers
     assert all("hand-written attention" in b.detail for b in f.blockers)
 
 
+@SHARED
 @pytest.mark.parametrize("kind", ["buffer_mask", "where_mask", "additive_min", "einsum_rope", "bool_sdpa_mask"])
 def test_masks_proven_causal_in_every_spelling(kind):
     """A mask read from a buffer sliced to the length, made by ``where``, added as finfo.min, by einsum, or a
     boolean mask from positions passed to SDPA: computed at several lengths, the lower triangle each time."""
-    import context_models
-
-    f = _built(*context_models.build(kind))
+    f = _shared("context_models", kind)
     assert f.runs, f.blockers
     assert [a.detail for a in f.attention] == ["causal", "causal"]
     assert all((a.written is None) == (kind == "bool_sdpa_mask") for a in f.attention)
 
 
+@SHARED
 @pytest.mark.parametrize("kind", ["probs_out", "offset_table"])
 def test_what_is_not_causal_attention_is_named(kind):
     """Probabilities the model also returns, a rotary table read from an offset: each named, with the
     model's line (a sliding window runs with its keys gathered: tests/test_keyed_attention.py)."""
     import context_models
 
-    f = _built(*context_models.build(kind))
+    f = _shared("context_models", kind)
     assert not f.runs
     assert any(context_models.NAMED[kind] in b.detail and "context_models.py:" in b.where for b in f.blockers), \
         f.blockers
@@ -209,8 +221,7 @@ def test_an_arange_not_one_per_token_is_named():
 
 def test_outputs_carrying_the_sequence_are_found_by_symbol():
     """The logits (b, s, V) are gathered back, the scalar loss is not."""
-    idx = torch.randint(0, 128, (2, 8))
-    assert _facts(_nanogpt(), idx, idx).outputs == ((0, 1),)
+    assert _nanogpt_facts().outputs == ((0, 1),)
 
 
 def test_a_tied_weight_enters_the_cp_gradient_sum_once():

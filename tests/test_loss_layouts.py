@@ -4,27 +4,27 @@ from __future__ import annotations
 
 import pytest
 
-from autotp.capture.tracer import capture
 from autotp.passes import run_passes
 from autotp.plan.planner import make_plan
 from autotp.operators.vocab_ops import VocabCrossEntropy
 from spelling_runs import SpellingRuns
-from loss_layout_models import KINDS, build
+from shared_graphs import SHARED, copy_graph, spelling
+from loss_layout_models import KINDS
 from parity_checks import assert_patterns_train_exactly
 from pattern_models import H, S
 
 
+@SHARED
 @pytest.mark.parametrize("kind", KINDS)
 def test_loss_over_class_dim_one_is_vocab_parallel(kind: str):
-    model, args, kwargs = build(kind)
-    gm = capture(model, args, kwargs)[0]
+    gm = spelling("loss_layout_models", kind)[3]
     for tp in (2, 4):
         plan = make_plan(gm, tp)
         assert plan.replicated == (), plan.replicated
         assert plan.param("head.weight").role == "vocab" and plan.param("emb.weight").role == "vocab"
         (loss,) = plan.vocab.losses
         assert (loss.log_softmax is not None) == kind.startswith("nll")
-    sharded = run_passes(capture(*build(kind)[:2], {})[0], make_plan(gm, 2))
+    sharded = run_passes(copy_graph(gm), make_plan(gm, 2))
     assert sum(n.op == "call_module" and isinstance(sharded.get_submodule(n.target), VocabCrossEntropy)
                for n in sharded.graph.nodes) == 1
     assert not any("log_softmax" in str(n.target) for n in sharded.graph.nodes)  # folded into the loss
