@@ -19,7 +19,7 @@ import torch.fx as fx
 
 from autotp.analysis.chosen import chooses_only, maker_of
 from autotp.analysis.matmuls import ParamMatmul, module_path
-from autotp.analysis.op_rules import inserts_dim, is_cast, kind_of, permutes
+from autotp.analysis.op_rules import drops_dim, inserts_dim, is_cast, kind_of, permutes
 from autotp.analysis.ops import from_inputs, reaches
 from autotp.analysis.pairs import Analysis
 from autotp.plan.plan import WholeParam
@@ -103,6 +103,35 @@ def _scales_per_row(reader: fx.Node) -> bool:
     return bool(uses) and all(u.target is aten.mul.Tensor and len(u.all_input_nodes) == 2 for u in uses)
 
 
+def _entering_region(read: list[fx.Node], readers: list[fx.Node], a: Analysis) -> str | None:
+    """The pair whose region every reader of the parameter (``read``: its get_attrs; ``readers``: what reads them
+    through casts and transposes) takes it in through f, whole (a weight every head applies to its own heads:
+    :func:`~autotp.analysis.pairs.head_shared`); None where a reader is not such a use."""
+    chain, todo = set(), list(read)
+    while todo:
+        n = todo.pop()
+        chain.add(n)
+        todo.extend(u for u in n.users if _passes_through(u.target) and u.args[0] is n)
+    found = None
+    for r in readers:
+        found = next((p.name for p in a.pairs for e in p.region.entering if e.consumer is r and e.operand in chain),
+                     None)
+        if found is None:
+            return None
+    return found
+
+
+def _depthwise_whole(reader: fx.Node) -> fx.Node | None:
+    """The depthwise ``conv1d`` (one filter per channel, ``groups`` = channels) of a value no pair cuts that
+    ``reader`` is, through squeezes and unsqueezes of the filters' size-1 dim; None where it is none."""
+    n = reader
+    while (inserts_dim(n.target) or drops_dim(n.target)) and len(n.users) == 1:
+        n = next(iter(n.users))
+    if kind_of(n.target) != "conv" or len(n.args) <= 6 or not isinstance(n.args[0], fx.Node):
+        return None
+    return n if n.args[6] == n.args[0].meta["val"].shape[1] and "autotp" not in n.meta else None
+
+
 class WholeCandidate(NamedTuple):
     """A parameter of two or more dims under all its (tied) names, with the reason it is whole if nothing cuts it."""
 
@@ -168,6 +197,16 @@ def _whole(names: list[str], nodes: dict[str, fx.Node], matmuls: dict[str, Param
                   f"or boolean values of {ops} (it only shifts which entries are chosen, as a router's correction bias "
                   "does; no gradient reaches it): every rank holds it whole and makes the one device's choice, with no "
                   "communication")
+    elif (region := _entering_region(read, readers, a)) is not None:
+        shape = "×".join(map(str, read[0].graph.owning_module.get_parameter(name).shape))
+        reason = (f"head-shared weight kept whole: each rank applies its whole {shape} to its own heads in "
+                  f"{region}'s region (at {first.name}); its gradient, partial per rank, is summed over the group, "
+                  "as Megatron sums a q/k norm's weight")
+    elif _replicated_reason(module, a) is None and all(convs := [_depthwise_whole(r) for r in readers]):
+        shape = "×".join(map(str, read[0].graph.owning_module.get_parameter(name).shape))
+        reason = (f"filter kept whole: its {shape} filters convolve each channel of a replicated activation on its "
+                  f"own (the depthwise {convs[0].name} over its full width): every rank holds it whole, as Megatron "
+                  "keeps a norm's weight whole")
     else:
         op = str(getattr(first.target, "__name__", first.target))
         known = _replicated_reason(module, a)

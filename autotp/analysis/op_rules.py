@@ -181,6 +181,12 @@ def inserts_dim(target: object) -> bool:
     return rule is not None and rule.kind == "move" and rule.form == "insert"
 
 
+def drops_dim(target: object) -> bool:
+    """Does ``target`` only drop size-1 dims (``squeeze``)?"""
+    rule = op_rule(target)
+    return rule is not None and rule.kind == "move" and rule.form in ("drop", "drop_ones")
+
+
 def is_cast(target: object) -> bool:
     """Does ``target`` keep its input's values (up to rounding) and shape (``W.to(dtype)``, ``W.contiguous()``)?"""
     rule = op_rule(target)

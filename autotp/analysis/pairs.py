@@ -154,10 +154,14 @@ def _cut_unlike(result: Analysis, weight_uses: dict[tuple[str, int | None], int]
 
 def _analyze(gm: fx.GraphModule, tp: int, matmuls: list[ParamMatmul], embeddings: dict[fx.Node, ParamMatmul],
              weight_uses: dict[tuple[str, int | None], int], banned: set[tuple[str, int | None]]) -> Analysis:
+    g = dataflow_graph(gm)
+    feed = feeders(g, {m.node for m in matmuls} | set(embeddings))
+    shared = head_shared(matmuls, feed)
+    if shared:  # read through, as any matmul of a replicated operand: the feeders are found again without them
+        matmuls = [m for m in matmuls if m.node not in shared]
+        feed = feeders(g, {m.node for m in matmuls} | set(embeddings))
     result = Analysis(tp, matmuls)
     by_node = {m.node: m for m in matmuls}
-    g = dataflow_graph(gm)
-    feed = feeders(g, set(by_node) | set(embeddings))
     fp = Fingerprinter(gm)
     assigned: set[fx.Node] = set()
     failed: set[fx.Node] = set()
@@ -196,13 +200,14 @@ def _analyze(gm: fx.GraphModule, tp: int, matmuls: list[ParamMatmul], embeddings
             try:
                 specs, region = _cut(columns, row, fp, tp, name)
             except Unshardable as first:
-                kept = [c for c in columns if c.kind != "embedding"]
-                try:  # the embedding read whole: a table every head reads alike (RoFormer's sin | cos by position)
-                    if len(kept) == len(columns):
-                        raise first
-                    specs, region = _cut(kept, row, fp, tp, name)
-                    columns, cols = kept, frozenset(c.node for c in kept)
-                except Unshardable:
+                for kept in _fewer_columns(columns, first, g):
+                    try:
+                        specs, region = _cut(kept, row, fp, tp, name)
+                        columns, cols = kept, frozenset(c.node for c in kept)
+                        break
+                    except Unshardable:
+                        continue
+                else:
                     sides = _side_rows(first, cols, row, by_node, feed, assigned | failed)
                     if not sides:
                         raise first from None
@@ -248,6 +253,24 @@ def _analyze(gm: fx.GraphModule, tp: int, matmuls: list[ParamMatmul], embeddings
     d = deferred([m.node for p in result.pairs for m in (p.row, *p.sides) if m.bias is None], params)
     result.leave_at, result.partial_enter = d.leave_at, d.enter
     return result
+
+
+def _fewer_columns(columns: list[ParamMatmul], first: Unshardable, g: nx.DiGraph) -> list[list[ParamMatmul]]:
+    """The columns to try again where cutting all of them failed at ``first``, each with a column read whole:
+    without the embeddings (a table every head reads alike: RoFormer's sin | cos by position), then without the
+    columns the failing op reads (Inkling's router, whose logits its top-k reads whole and whose shared-expert
+    weights scale the shared experts' hidden features before their down projection). Propagation checks that
+    what is read whole meets the cut values exactly (broadcast over them, its gradient summed by f)."""
+    import networkx as nx
+
+    out = []
+    kept = [c for c in columns if c.kind != "embedding"]
+    if kept and len(kept) < len(columns):
+        out.append(kept)
+    clear = [c for c in columns if first.node in g and not nx.has_path(g, c.node, first.node)]
+    if clear and len(clear) < len(columns) and clear not in out:
+        out.append(clear)
+    return out
 
 
 def _refuse_banned(region: Region, banned: set[tuple[str, int | None]]) -> None:
@@ -299,6 +322,29 @@ def _cut(columns: list[ParamMatmul], row: ParamMatmul, fp: Fingerprinter, tp: in
             except Unshardable:
                 continue  # not the query projection: the first attempt's reason stands
         raise
+
+
+def head_shared(matmuls: list[ParamMatmul], feed: dict[fx.Node, frozenset[fx.Node]]) -> set[fx.Node]:
+    """Matmuls by one 2-D parameter shared by every head: the input is a column's output viewed into heads,
+    ``(.., n, .., d)`` with ``n·d`` the column's features (or a segment's: q of a fused q | k | v), and only ``d``
+    is contracted (Inkling's relative logits, ``r_proj(x).view(b, s, n, d_rel) @ proj [d_rel, extent]``; relative
+    logits of the queries, ``q @ rel.t()``). The heads are a batch dim of the matmul, so it is no column and no
+    row of a pair: cut with the heads, each rank applies the whole weight to its own heads, and the weight's
+    gradient, partial per rank, is summed (it enters through f, as a per-head norm's weight does). The heads are a
+    dim of their own, of a static size, neither the first (the batch, static where captured so) nor a sequence
+    (symbolic): the input has 4 dims or more."""
+    by_node = {m.node: m for m in matmuls}
+    out = set()
+    for m in matmuls:
+        val = m.x.meta.get("val")
+        if m.expert is not None or m.kind == "embedding" or not isinstance(val, torch.Tensor) or val.dim() < 4:
+            continue
+        xd = m.x_dim % val.dim()
+        widths = {by_node[c].out_features for c in feed[m.x] if c in by_node}
+        if any(isinstance(n, int) and n > 1 and any(w % (n * m.in_features) == 0 for w in widths)
+               for d, n in enumerate(val.shape) if d not in (0, xd)):
+            out.add(m.node)
+    return out
 
 
 def _per_head(gm: fx.GraphModule, by_node: dict[fx.Node, ParamMatmul]) -> set[fx.Node]:
