@@ -1,10 +1,13 @@
 """Grouped-query attention whose kv heads are repeated head-minor (tests/support/strided_gqa_models.py): query
 head h reads kv head h % n_kv, so the query projection is cut with that stride — each rank holds, in every one
 of the n_rep groups of query heads, those of its own kv heads — and the output projection's rows alike. The
-repeat, the cat and the expand keep their counts; each rank tiles its own kv heads. Structural tests (no
+repeat, the tile, the cat and the expand keep their counts; each rank tiles its own kv heads. Structural tests (no
 processes) at tp 2 and 4, the reason where kv heads are fewer than tp, and the training parity with Megatron's
 collectives (gloo ranks, extended: tp 2 and 4)."""
 from __future__ import annotations
+
+import functools
+import math
 
 import pytest
 
@@ -15,45 +18,55 @@ from parity_workers import pattern_parity
 from pattern_models import H, S
 from ranks import Launches
 from strided_gqa_models import HD, KINDS, NKV, NQ, build
+from tiers import core_first
 
 RUNS = Launches({}, extended={w: {"strided gqa": (pattern_parity, list(KINDS), 3, False, "strided_gqa_models")}
                               for w in (2, 4)})
 
 
-@pytest.fixture(scope="module")
-def graphs():
-    return {kind: capture(*build(kind))[0] for kind in KINDS}
+@functools.cache
+def _graph(kind: str):
+    """One capture per spelling, planned by each test (planning leaves the graph as it is)."""
+    return capture(*build(kind))[0]
 
 
+# the default run plans the spellings of a repeat, an expand and a cat; the extended run also the interleaved
+# rotary pairs tiled by torch.tile (one einsum capture more)
+CASES = core_first(KINDS, ["minor_repeat", "minor_expand", "minor_cat"])
+
+
+@pytest.mark.parametrize("kind", CASES)
 @pytest.mark.parametrize("tp", [2, 4])
-def test_query_heads_are_cut_with_the_kv_heads_stride(graphs, tp: int):
-    for kind, gm in graphs.items():
-        plan = make_plan(gm, tp)
-        assert plan.replicated == () and plan.whole == (), (kind, plan.replicated)
-        params = dict(plan.params)
-        strided = (Segment(NQ * HD, 1, (Segment(NKV * HD, tp),)),)
-        for i in range(2):
-            q, k, o = (params[f"blocks.{i}.attn.{p}.weight"] for p in "qko")
-            assert (q.role, q.local_shape, q.segments) == ("column", (NQ * HD // tp, H), strided), (kind, q)
-            assert (o.role, o.local_shape, o.segments) == ("row", (H, NQ * HD // tp), strided), (kind, o)
-            assert (k.local_shape, k.segments) == ((NKV * HD // tp, H), (Segment(NKV * HD, tp),)), (kind, k)
-        for rank in range(tp):
-            # each query head this rank holds reads a kv head this rank holds (h % n_kv), every head once overall
-            q_heads = {int(i) // HD for i in local_indices(params["blocks.0.attn.q.weight"].segments, tp, rank)}
-            kv_heads = {int(i) // HD for i in local_indices(params["blocks.0.attn.k.weight"].segments, tp, rank)}
-            assert len(q_heads) == NQ // tp and {h % NKV for h in q_heads} == kv_heads, (kind, rank, q_heads)
-        # the tiling counts stay n_rep on every rank: only head counts of views and expands change
-        assert not [r for r in plan.rewrites if r.node.startswith(("repeat", "cat"))], (kind, plan.rewrites)
+def test_query_heads_are_cut_with_the_kv_heads_stride(kind: str, tp: int):
+    plan = make_plan(_graph(kind), tp)
+    assert plan.replicated == () and plan.whole == (), (kind, plan.replicated)
+    params = dict(plan.params)
+    strided = (Segment(NQ * HD, 1, (Segment(NKV * HD, tp),)),)
+    for i in range(2):
+        q, k, o = (params[f"blocks.{i}.attn.{p}.weight"] for p in "qko")
+        assert (q.role, q.local_shape, q.segments) == ("column", (NQ * HD // tp, H), strided), (kind, q)
+        assert (o.role, o.local_shape, o.segments) == ("row", (H, NQ * HD // tp), strided), (kind, o)
+        assert (k.local_shape, k.segments) == ((NKV * HD // tp, H), (Segment(NKV * HD, tp),)), (kind, k)
+    for rank in range(tp):
+        # each query head this rank holds reads a kv head this rank holds (h % n_kv), every head once overall
+        q_heads = {int(i) // HD for i in local_indices(params["blocks.0.attn.q.weight"].segments, tp, rank)}
+        kv_heads = {int(i) // HD for i in local_indices(params["blocks.0.attn.k.weight"].segments, tp, rank)}
+        assert len(q_heads) == NQ // tp and {h % NKV for h in q_heads} == kv_heads, (kind, rank, q_heads)
+    # the tiling counts stay n_rep on every rank: only head counts of views and expands change
+    assert not [r for r in plan.rewrites if r.node.startswith(("repeat", "cat", "tile"))], (kind, plan.rewrites)
+    model = build(kind)[0]
+    held = sum(math.prod(params[n].local_shape) if n in params else p.numel() for n, p in model.named_parameters())
+    assert held / sum(p.numel() for p in model.parameters()) <= 1 / tp + 0.12, (kind, tp)
 
 
-def test_kv_heads_fewer_than_tp_stay_whole_with_the_reason(graphs):
+@pytest.mark.parametrize("kind", CASES)
+def test_kv_heads_fewer_than_tp_stay_whole_with_the_reason(kind: str):
     """At tp 8 each of the 4 kv heads is held by 2 adjacent ranks, whose query heads (h and h + 4) a stride
     cannot give both: attention stays whole, exact, saying why."""
-    for kind, gm in graphs.items():
-        plan = make_plan(gm, 8)
-        assert [m for m, _ in plan.replicated] == ["blocks.0.attn", "blocks.1.attn"], (kind, plan.replicated)
-        assert all(f"{NKV} kv heads repeated head-minor (query head h reads kv head h % {NKV}) are fewer than tp=8"
-                   in why for _, why in plan.replicated), (kind, plan.replicated)
+    plan = make_plan(_graph(kind), 8)
+    assert [m for m, _ in plan.replicated] == ["blocks.0.attn", "blocks.1.attn"], (kind, plan.replicated)
+    assert all(f"{NKV} kv heads repeated head-minor (query head h reads kv head h % {NKV}) are fewer than tp=8"
+               in why for _, why in plan.replicated), (kind, plan.replicated)
 
 
 @pytest.mark.slow

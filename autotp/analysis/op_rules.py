@@ -88,6 +88,8 @@ OP_RULES: MappingProxyType[object, OpRule] = MappingProxyType({
     aten.expand.default: _EXPAND, aten.broadcast_to.default: _EXPAND,
     aten.expand_as.default: OpRule("expand_as", broadcasts=True),
     aten.repeat.default: OpRule("repeat", broadcasts=True),
+    # ``torch.tile(k, (1, 1, n_rep, 1))``: repeat's counts, ones prepended where fewer than the dims
+    aten.tile.default: OpRule("repeat", broadcasts=True),
     aten.repeat_interleave.self_int: OpRule("repeat_interleave"),
     aten.transpose.int: _move("pair"), aten.swapaxes.default: _move("pair"), aten.swapdims.default: _move("pair"),
     aten.t.default: _move("t"), aten.numpy_T.default: _move("reverse"),

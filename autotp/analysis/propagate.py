@@ -193,7 +193,11 @@ class Propagator(ShapeRules, ValueRules, EinsumRules):
         sharded), any other that is learned gets its gradient summed."""
         sharded = {x: s for x in node.all_input_nodes if (s := self.spec(x)) is not None}
         first = next(iter(sharded.values()))
-        if any(s.inner or s.outer or s.group or s.segments != first.segments for s in sharded.values()):
+        # heads folded under the batch (``outer``: ``[b, heads]`` flattened, a rank's heads not one block of
+        # the dim) are read as torch reads a block only by an op that keeps the dim and slices nothing else
+        # (``cumsum`` over time of ``(b·h, s)`` gates): each row of the dim is computed from itself alone
+        if any(s.inner or s.group or s.segments != first.segments or s.outer != first.outer
+               for s in sharded.values()):
             raise Unshardable(node, f"{node.target} reads a sharded value laid out in a way torch's rules do not "
                                     "describe")
         # a dim whose blocks are fewer than the ranks (2 key heads at tp 4: each held by 2 ranks) is cut as
@@ -204,6 +208,9 @@ class Propagator(ShapeRules, ValueRules, EinsumRules):
             answer = ask_torch(node, {x: s.dim for x, s in sharded.items()}, blocks, op=_rule_target(node))
         except TorchRefused as e:
             raise Unshardable(node, str(e)) from None
+        if first.outer and (answer.slices or any(d not in (None, first.dim) for d in answer.outputs)
+                            or any(s.dim != first.dim for s in sharded.values())):
+            raise Unshardable(node, f"{node.target} reads heads folded under the batch other than row by row")
         outs = tuple(None if d is None else first.moved(d) for d in answer.outputs)
         out = next((o for o in outs if o is not None), None)
         if out is None:

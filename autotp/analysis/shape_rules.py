@@ -344,6 +344,8 @@ class ShapeRules:
         reps = list(node.args[1])
         in_shape = self.fp.shape(node.args[0])
         off = len(reps) - len(in_shape)
+        if off < 0:  # torch.tile's counts of the last dims only; as repeat's, they are read from the left
+            raise Unshardable(node, f"{node.target} with fewer counts than its input's dims")
         tiled = [j for j, n in enumerate(reps) if not (is_static(n) and n == 1) and j >= off and in_shape[j - off] != 1]
         grown = None if tiled else self._grown(node, s, in_shape, reps, off)
         if grown is not None:

@@ -166,8 +166,12 @@ class ValueRules:
         s, size = self.spec(node.args[0]), list(node.args[1])
         full = sum(g.size for g in s.segments)
         d = s.dim + len(size) - ndim_of(node.args[0])  # dims aligned from the right, as broadcasting aligns them:
-        # mamba_simple's state ``A.new_zeros((b, d_inner, n))`` of the per-channel ``A (d_inner, n)``
-        if s.inner or s.outer or d < 0 or not is_static(size[d]) or size[d] != self.fp.shape(node.args[0])[s.dim]:
+        # mamba_simple's state ``A.new_zeros((b, d_inner, n))`` of the per-channel ``A (d_inner, n)``; a
+        # linear-attention state ``q.new_zeros(b·h, d_k, d_v)`` of q's heads folded under the batch (``outer``,
+        # the size ``b·h`` computed at run time: :meth:`_set_view_size` scales its ``h``)
+        width = None if d < 0 else size[d] if is_static(size[d]) else \
+            self.fp.size(size[d].meta["val"]) if isinstance(size[d], fx.Node) and s.outer else None
+        if s.inner or width is None or width != self.fp.shape(node.args[0])[s.dim]:
             raise Unshardable(node, "a new tensor whose sharded dim is not its input's")
         self._set_view_size(node, size, d, full, s.local_size)
         return s.moved(d)

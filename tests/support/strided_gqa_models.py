@@ -10,7 +10,11 @@ tests/test_strided_gqa.py runs them.
   ``scaled_dot_product_attention``;
 - ``minor_expand``: ``(b, heads, s, d)``, the kv heads expanded under a new leading repeat dim and merged,
   scores by matmul and a causal mask;
-- ``minor_cat``: ``torch.cat([k] * n_rep, dim=1)`` of ``(b, kv heads, s, d)``, rotary by ``rotate_half``.
+- ``minor_cat``: ``torch.cat([k] * n_rep, dim=1)`` of ``(b, kv heads, s, d)``, rotary by ``rotate_half``;
+- ``minor_tile``: another helper library's layout, flash-attn's ``apply_rotary_emb(..., interleaved=True)``
+  on ``(b, s, heads, d)``: rotary on interleaved pairs (``t[..., ::2]``, ``t[..., 1::2]``, ``stack`` and
+  ``flatten``), the kv heads tiled by ``torch.tile`` in that layout, the scores and output by ``einsum`` over
+  ``(b, s, heads, d)`` with a causal ``masked_fill``.
 """
 from __future__ import annotations
 
@@ -40,6 +44,8 @@ class MinorGQA(nn.Module):
         cos, sin = rope_tables(HD)  # (s, d / 2)
         self.register_buffer("cos", torch.cat((cos, cos), -1), persistent=False)
         self.register_buffer("sin", torch.cat((sin, sin), -1), persistent=False)
+        self.register_buffer("cos_pairs", cos, persistent=False)  # one angle per interleaved pair
+        self.register_buffer("sin_pairs", sin, persistent=False)
 
     def forward(self, x):
         b, s, _ = x.shape
@@ -52,6 +58,14 @@ class MinorGQA(nn.Module):
             y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                                is_causal=True)
             return self.o(y.transpose(1, 2).reshape(b, s, NQ * HD))
+        if self.kind == "minor_tile":  # (b, s, heads, d) throughout
+            q, k = _rotate_pairs(q, self.cos_pairs[:s], self.sin_pairs[:s]), \
+                _rotate_pairs(k, self.cos_pairs[:s], self.sin_pairs[:s])
+            k, v = torch.tile(k, (1, 1, N_REP, 1)), torch.tile(v, (1, 1, N_REP, 1))  # head h reads kv head h % n_kv
+            att = torch.einsum("bqhd,bkhd->bhqk", q, k) * HD ** -0.5
+            future = torch.ones(s, s, dtype=torch.bool, device=x.device).triu(1)
+            y = torch.einsum("bhqk,bkhd->bqhd", att.masked_fill(future, float("-inf")).softmax(-1), v)
+            return self.o(y.reshape(b, s, NQ * HD))
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (b, heads, s, d)
         cos, sin = self.cos[:s], self.sin[:s]
         q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
@@ -65,7 +79,14 @@ class MinorGQA(nn.Module):
         return self.o(y.transpose(1, 2).reshape(b, s, NQ * HD))
 
 
-KINDS = ("minor_repeat", "minor_expand", "minor_cat")
+def _rotate_pairs(t, cos, sin):
+    """Rotary on interleaved pairs ``(t[2i], t[2i+1])`` of ``t (b, s, heads, d)``; ``cos``, ``sin`` ``(s, d / 2)``."""
+    cos, sin = cos[:, None], sin[:, None]  # over the heads
+    even, odd = t[..., ::2], t[..., 1::2]
+    return torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1).flatten(-2)
+
+
+KINDS = ("minor_repeat", "minor_expand", "minor_cat", "minor_tile")
 
 
 def build(kind: str):
