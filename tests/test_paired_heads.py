@@ -1,16 +1,22 @@
-"""Attention whose heads are not read one by one (tests/support/paired_head_models.py): a dynamic mask computed
-from the whole ``v`` by a ``(n_kv·d) -> n_kv`` linear (Doge's, and two hand-written spellings). Cut by heads, that
-linear is row-parallel inside attention's region: one all-reduce of its ``b·s·n_kv`` gates forward and one
-backward, each rank slicing its own heads' gates; ``A`` read on the way enters through its own f. It was left
-replicated at tp 2 and raised at tp 4 (2 kv heads, fewer than tp: each block's partial sum is now counted once).
-Extended run (captures of seconds each)."""
+"""Attention whose heads are not read one by one (tests/support/paired_head_models.py).
+
+A dynamic mask computed from the whole ``v`` by a ``(n_kv·d) -> n_kv`` linear (Doge's, and two hand-written
+spellings): cut by heads, that linear is row-parallel inside attention's region, one all-reduce of its
+``b·s·n_kv`` gates forward and one backward, each rank slicing its own heads' gates; ``A`` read on the way enters
+through its own f. It was left replicated at tp 2 and raised at tp 4 (2 kv heads, fewer than tp: each block's
+partial sum is now counted once).
+
+Differential attention (DiffLlama's, and two hand-written spellings): head ``i`` paired with head ``i + n/2`` by a
+chunk or split of the heads after attention; q, k and v are cut per half so that a pair stays on one rank. It was
+left replicated (v cut inside a head, then the chunk of a contiguous cut). Extended run (captures of seconds
+each)."""
 from __future__ import annotations
 
 import pytest
 
 from autotp.capture.tracer import capture
 from autotp.plan.planner import make_plan
-from paired_head_models import HAND, build
+from paired_head_models import GATES, PAIRS, PD, PH, build
 from parity_checks import assert_exact, assert_fully_sharded
 from parity_workers import pattern_parity
 from pattern_models import H, HD, S
@@ -20,7 +26,7 @@ NKV = {"gate_linear": 2, "gate_matmul": 4}
 
 
 @pytest.mark.extended
-@pytest.mark.parametrize("kind", [*HAND, "doge"])
+@pytest.mark.parametrize("kind", [*GATES, "doge"])
 def test_gate_of_all_heads_is_row_parallel_inside_attention(kind: str):
     model, args, kwargs = build(kind)
     gm = capture(model, args, kwargs)[0]
@@ -41,7 +47,45 @@ def test_gate_of_all_heads_is_row_parallel_inside_attention(kind: str):
                                ("backward", str(nkv)), ("backward", str(nkv)), *norms]), (tp, sums)
 
 
-RUNS = [*HAND, "doge"]
+@pytest.mark.extended
+@pytest.mark.parametrize("kind", PAIRS)
+def test_paired_heads_are_cut_per_half(kind: str):
+    model, args, kwargs = build(kind)
+    gm = capture(model, args, kwargs)[0]
+    rows = PH * PD // (2 if kind == "diff_chunk" else 1)
+    for tp in (2, 4):
+        plan = make_plan(gm, tp)
+        assert plan.replicated == () and plan.whole == (), (tp, plan.replicated, plan.whole)
+        params = dict(plan.params)
+        for w in "qkv":  # rank r holds the r-th slice of each half: heads i and i + n/2 together
+            cut = params[f"blocks.0.attn.{w}.weight"]
+            assert [(g.size, g.parts) for g in cut.segments] == [(PH * PD // 2, tp)] * 2, (tp, w, cut)
+        o = params["blocks.0.attn.o.weight"]
+        assert (o.role, [(g.size, g.parts) for g in o.segments]) == ("row", [(rows, tp)]), (tp, o)
+        sums = sorted((c.direction, c.shape) for c in plan.collectives if c.module == "blocks.0.attn")
+        # Megatron's two all-reduces of b·s·h, and λ's f (a scalar read by every head)
+        assert [d for d, _ in sums] == ["backward", "backward", "forward"] and sums[0][1] == (), (tp, sums)
+
+
+@pytest.mark.extended
+def test_diffllama_pairs_heads_and_names_tp_4():
+    model, args, kwargs = build("diffllama")
+    gm = capture(model, args, kwargs)[0]
+    plan = make_plan(gm, 2)
+    assert plan.replicated == () and plan.whole == (), (plan.replicated, plan.whole)
+    params = dict(plan.params)
+    attn = "model.layers.0.self_attn"
+    assert [(g.size, g.parts) for g in params[f"{attn}.q_proj.weight"].segments] == [(32, 2)] * 2
+    # one kv head per half: each half's head on both ranks (Megatron's kv copies), never cut inside the head
+    for w in ("k_proj", "v_proj"):
+        assert [(g.size, g.parts) for g in params[f"{attn}.{w}.weight"].segments] == [(HD, 1)] * 2, w
+    # 4 heads are 2 pairs: fewer than 4 ranks, no exact cut; attention is left whole with the reason
+    plan = make_plan(gm, 4)
+    assert sorted(m for m, _ in plan.replicated) == [attn, "model.layers.1.self_attn"], plan.replicated
+    assert all("tp=4" in why for _, why in plan.replicated), plan.replicated
+
+
+RUNS = [*GATES, "doge", *PAIRS, "diffllama"]
 PARITY = Launches({}, extended={w: {"paired": (pattern_parity, RUNS, 3, False, "paired_head_models")}
                                 for w in (2, 4)})
 
@@ -58,8 +102,16 @@ def test_gated_attention_trains_exactly(world: int):
         assert list(by_kind) == RUNS, (rank, list(by_kind))
         for kind, r in by_kind.items():
             assert_exact(r, (rank, kind))
+            if kind == "diffllama" and world == 4:  # 2 pairs of heads, fewer than 4 ranks: attention whole
+                assert sorted(m for m, _ in r["replicated"]) == [f"model.layers.{i}.self_attn" for i in (0, 1)], r
+                continue
             assert_fully_sharded(r, world, (rank, kind))
-            if kind == "doge":
+            if kind in PAIRS:  # Megatron's step, and λ's f per layer (one element)
+                assert sorted(r["forward"]) == sorted([("all_reduce", "sum", bsh)] * 5 + [("all_reduce", "max", bs)]
+                                                      + [("all_reduce", "sum", bs)] * 2), (rank, kind, r["forward"])
+                assert sorted(r["backward"]) == sorted([("all_reduce", "sum", bsh)] * 5
+                                                       + [("all_reduce", "sum", 1)] * 2), (rank, kind, r["backward"])
+            if kind not in GATES:
                 continue
             gates, nkv = bs * NKV[kind], NKV[kind]
             assert sorted(r["forward"]) == sorted([("all_reduce", "sum", bsh)] * 5 + [("all_reduce", "sum", gates)] * 2

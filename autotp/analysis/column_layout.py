@@ -13,26 +13,30 @@ import torch.fx as fx
 
 from autotp.errors import ShardingError
 from autotp.analysis.op_rules import kind_of, op_rule, permutes
-from autotp.analysis.ops import (arg_named, arg_of, moved_dim, ndim_of, parts_for, permutation, slice_range, split_dims,
-                                 squeezed_dims, unflattened_sequence_of_one)
+from autotp.analysis.ops import (Unshardable, arg_named, arg_of, moved_dim, ndim_of, parts_for, permutation, slice_range,
+                                 split_dims, squeezed_dims, unflattened_sequence_of_one)
 from autotp.analysis.shapes import Fingerprinter, normalize_dim, view_groups
 from autotp.analysis.torch_rules import TorchRefused, ask_torch
 from autotp.shard_spec import Segment
 
 
-def column_segments(col: fx.Node, fp: Fingerprinter, tp: int, where: str, dim: int | None = None
-                    ) -> tuple[Segment, ...]:
+def column_segments(col: fx.Node, fp: Fingerprinter, tp: int, where: str, dim: int | None = None,
+                    pieces: int = 1) -> tuple[Segment, ...]:
     """Decide how a column matmul's output is cut: plain, fused (segments), and heads per segment.
 
     Looks ahead along the output: a split/chunk of the feature dim gives the segments of a fused
     projection; the first view that splits each segment into [heads, head_dim] gives the unit of sharding.
+    ``pieces``: the heads are read later in that many equal pieces (:class:`~autotp.analysis.ops.Pieces`), each
+    a segment of its own, cut by its heads.
     """
     nd = ndim_of(col)
     dim = nd - 1 if dim is None else dim  # the output features (last, but a batched matmul's may be another)
     n = fp.shape(col)[dim]
-    found = _probe(col, dim, n, fp, tp, where, 0)
+    found = _probe(col, dim, n, fp, tp, where, 0, pieces)
     if found is not None:
         return found
+    if pieces > 1:
+        raise Unshardable(col, f"{where}: no view into heads to cut in {pieces} pieces")
     return (Segment(n, parts_for(n, n, tp, f"{where}: output features")),)
 
 
@@ -80,6 +84,10 @@ def _per_head_dim(node: fx.Node, dim: int, fp: Fingerprinter, depth: int) -> boo
             moved = _moved(node, u, dim, fp)
         elif kind == "slice":
             moved = dim if normalize_dim(arg_of(u, 1, "dim", 0), nd) != dim else None
+        elif kind == "split" and rule.form != "unbind" and normalize_dim(arg_named(u, "dim", 0), nd) != dim:
+            # pieces of another dim keep this one (DiffLlama's v chunked into its two halves of kv heads)
+            if any(kind_of(g.target) == "getitem" and _per_head_dim(g, dim, fp, depth + 1) for g in u.users):
+                return True
         elif kind == "view":
             src, dst = fp.shape(node), fp.shape(u)
             kept = [[j for j in gj if dst[j] != 1] for gi, gj in view_groups(src, dst)
@@ -99,7 +107,8 @@ def _moved(node: fx.Node, u: fx.Node, dim: int, fp: Fingerprinter) -> int | None
     return None if dim in squeezed_dims(u, shape) else moved_dim(u, dim, shape)
 
 
-def _probe(node: fx.Node, dim: int, size: int, fp, tp, where, depth) -> tuple[Segment, ...] | None:
+def _probe(node: fx.Node, dim: int, size: int, fp, tp, where, depth, pieces: int = 1
+           ) -> tuple[Segment, ...] | None:
     if depth > 12:
         return None
     nd = ndim_of(node)
@@ -130,7 +139,7 @@ def _probe(node: fx.Node, dim: int, size: int, fp, tp, where, depth) -> tuple[Se
             for gi, gj in view_groups(src, dst):
                 gj_real = split_dims(gj, dst)
                 if dim in gi and unflattened_sequence_of_one(gj_real, dst, size):
-                    return _probe(u, gj_real[1], size, fp, tp, where, depth + 1)
+                    return _probe(u, gj_real[1], size, fp, tp, where, depth + 1, pieces)
                 if dim in gi and len([i for i in gi if src[i] != 1]) == 1 and len(gj_real) == 2:
                     n1, n2 = dst[gj_real[0]], dst[gj_real[1]]
                     tiles = _tiling(_dim_reads(u, gj_real[0], n1, 0), n1)
@@ -150,13 +159,17 @@ def _probe(node: fx.Node, dim: int, size: int, fp, tp, where, depth) -> tuple[Se
                         n2 = dst[gj_real[1]]
                         p = parts_for(n2, size // n1, tp, f"{where}: heads")
                         return tuple(Segment(size // n1, p) for _ in range(n1))
+                    if pieces > 1 and n1 % pieces == 0:  # heads read in equal pieces: each a segment
+                        return tuple(Segment(size // pieces, parts_for(n1 // pieces, size // pieces, tp,
+                                                                       f"{where}: heads of each of {pieces} pieces"))
+                                     for _ in range(pieces))
                     return (Segment(size, parts_for(n1, size, tp, f"{where}: heads")),)
                 if dim in gi and len(gj_real) == 1:
-                    return _probe(u, gj_real[0], size, fp, tp, where, depth + 1)
+                    return _probe(u, gj_real[0], size, fp, tp, where, depth + 1, pieces)
             continue
         if kind == "move":
             nd2 = _moved(node, u, dim, fp)
-            r = _probe(u, nd2, size, fp, tp, where, depth + 1) if nd2 is not None else None
+            r = _probe(u, nd2, size, fp, tp, where, depth + 1, pieces) if nd2 is not None else None
             if r is not None:
                 return r
         elif (kind == "conv" and u.args[0] is node and dim == 1) or \
@@ -164,7 +177,7 @@ def _probe(node: fx.Node, dim: int, size: int, fp, tp, where, depth) -> tuple[Se
                 (kind == "torch" and u.args[0] is node and _torch_keeps(u, node, dim, fp, tp)):
             # a depthwise convolution keeps each channel where it was; a slice of another dim keeps this one, and
             # so does an op torch's rule keeps on it (a pad over time)
-            r = _probe(u, dim, size, fp, tp, where, depth + 1)
+            r = _probe(u, dim, size, fp, tp, where, depth + 1, pieces)
             if r is not None:
                 return r
         elif kind in ("same_shape", "pointwise"):
@@ -173,7 +186,7 @@ def _probe(node: fx.Node, dim: int, size: int, fp, tp, where, depth) -> tuple[Se
             if nd_u is None or rule is not None and rule.dtype_arg is not None and u.args[rule.dtype_arg] is node \
                     and u.args[0] is not node:  # ``W.type_as(x)`` reads only x's dtype: x's layout ends here
                 continue
-            r = _probe(u, dim + nd_u - ndim_of(node), size, fp, tp, where, depth + 1)
+            r = _probe(u, dim + nd_u - ndim_of(node), size, fp, tp, where, depth + 1, pieces)
             if r is not None:
                 return r
     return None
@@ -227,11 +240,14 @@ def _dim_reads(node: fx.Node, dim: int, size: int, depth: int) -> list[tuple[int
         if kind == "select" and normalize_dim(u.args[1], nd) == dim:
             i = u.args[2]
             out.append((i % size, i % size + 1) if isinstance(i, int) else None)
-        elif kind == "split" and rule.form in ("size", "sizes") and normalize_dim(arg_named(u, "dim", 0), nd) == dim:
+        elif kind == "split" and rule.form in ("size", "sizes", "chunks") \
+                and normalize_dim(arg_named(u, "dim", 0), nd) == dim:
             start = 0  # pieces of sizes given (a chunk's follow from its count)
             for o in u.meta["val"]:
                 out.append((start, start + o.shape[dim]) if isinstance(o.shape[dim], int) else None)
                 start += o.shape[dim]
+        if permutes(u.target):  # read apart after a transpose: ``v.view(b, s, n, d).transpose(1, 2).chunk(2, 1)``
+            out += _dim_reads(u, permutation(u).index(dim), size, depth + 1)
         if kind != "slice":
             continue
         d = normalize_dim(arg_of(u, 1, "dim", 0), nd)

@@ -77,6 +77,18 @@ class Strided(Unshardable):
         self.blocks = blocks
 
 
+class Pieces(Unshardable):
+    """Heads cut in order are chunked into ``blocks`` equal pieces that are read apart (DiffLlama's differential
+    attention pairs head ``i`` with head ``i + n/2``: ``attn.chunk(2, dim=heads)``): each rank's heads would fall in
+    one piece. The pair may still be cut if its columns are cut per piece (each rank the r-th slice of every
+    piece, :func:`autotp.analysis.column_layout.column_segments` with ``pieces``), so that a piece never mixes
+    ranks and the pieces a rank holds meet one another."""
+
+    def __init__(self, node: fx.Node, reason: str, blocks: int):
+        super().__init__(node, reason)
+        self.blocks = blocks
+
+
 def held_whole(s: object) -> bool:
     """Every rank holds all of ``s``: each segment is one block (a single kv head, replicated Megatron's way),
     so its size is the same on every rank and no dim of it is cut, whichever dim ``s`` names."""

@@ -21,13 +21,14 @@ import torch.fx as fx
 from autotp.analysis.matmuls import ParamMatmul, find_param_embeddings, find_param_matmuls, where
 from autotp.analysis.channels import ChannelForm, channel_form, check_columns_inside, summed_inputs
 from autotp.analysis.column_layout import column_segments
-from autotp.analysis.ops import Strided, Unshardable
+from autotp.analysis.ops import Pieces, Strided, Unshardable
 from autotp.analysis.partial import deferred
 
 if TYPE_CHECKING:
     import networkx as nx
 from autotp.analysis.propagate import Region, propagate
 from autotp.analysis.shapes import Fingerprinter
+from autotp.errors import ShardingError
 from autotp.shard_spec import Segment, Sharding, strided
 
 aten = torch.ops.aten
@@ -322,6 +323,30 @@ def _cut(columns: list[ParamMatmul], row: ParamMatmul, fp: Fingerprinter, tp: in
             except Unshardable:
                 continue  # not the query projection: the first attempt's reason stands
         raise
+    except Pieces as e:
+        return _cut_in_pieces(columns, specs, e, row, fp, tp, name, others)
+
+
+def _cut_in_pieces(columns: list[ParamMatmul], specs: dict[fx.Node, Sharding], e: Pieces, row: ParamMatmul,
+                   fp: Fingerprinter, tp: int, name: str, others: dict[fx.Node, tuple[fx.Node, int]]
+                   ) -> tuple[dict[fx.Node, Sharding], Region]:
+    """The pair propagated again with every column cut in order cut per piece instead (:class:`Pieces`): heads
+    read in ``e.blocks`` equal pieces (DiffLlama's head ``i`` paired with head ``i + n/2``, 4 query heads of 16 at
+    tp 2: q ``[(32, 2), (32, 2)]``, rank 0 heads 0 and 2), so that a rank's heads of one piece meet its heads of
+    the others. Pieces with fewer heads than ranks cannot be cut so: Unshardable, naming them."""
+    tried = dict(specs)
+    for c in columns:
+        s = specs[c.node]
+        if s.single() is None or s.single().inner or s.outer or s.inner:
+            continue  # already cut per piece (v read apart by its halves of kv heads)
+        where = f"{c.module} (out_features={c.out_features})"
+        tried[c.node] = Sharding(s.dim, column_segments(c.node, fp, tp, where, s.dim, pieces=e.blocks))
+    try:
+        return tried, propagate(tried, row.node, row.x, fp, tp, name, row.x_dim, sides=others)
+    except ShardingError as why:  # a piece's heads fewer than tp reach the row: no exact Megatron cut
+        raise Unshardable(e.node, f"heads read in {e.blocks} equal pieces and paired across them (each rank needs "
+                                  f"its heads of every piece): {str(why).splitlines()[0].removeprefix(name + ': ')}"
+                          ) from None
 
 
 def head_shared(matmuls: list[ParamMatmul], feed: dict[fx.Node, frozenset[fx.Node]]) -> set[fx.Node]:

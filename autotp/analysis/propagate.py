@@ -65,6 +65,7 @@ class Propagator(ShapeRules, ValueRules, EinsumRules):
         self._broadcast: frozenset[fx.Node] = frozenset()  # operands of the node being visited read as replicated
         self._checked: set[FunctionCall] = set()  # the model's autograd Functions checked to run on shards
         self._entered: dict[FunctionCall, fx.Node] = {}  # each Function entered: its first node visited
+        self._copies: set[fx.Node] = set()  # values whose heads are copies of one head every rank holds
 
     # -- public interface ------------------------------------------------------------------------
     def spec(self, x: object) -> Sharding | None:
@@ -87,10 +88,28 @@ class Propagator(ShapeRules, ValueRules, EinsumRules):
         self._broadcast = self.broadcast_whole(node)
         try:
             self._dispatch(node, rule)
+            self._note_copies(node, rule)
         finally:
             self._broadcast = frozenset()
         if call is not None:
             self._inside_function(node, call, marks)
+
+    def copies_of_one_head(self, x: fx.Node) -> bool:
+        return x in self._copies
+
+    def _note_copies(self, node: fx.Node, rule: OpRule | None) -> None:
+        """One head every rank holds, expanded or repeated to several (DiffLlama's half of v, one kv head,
+        ``.repeat(1, 2, 1, 1)``), and the shape ops after it: whichever rank holds which of them, it holds copies
+        of that head (:meth:`_meets_as`)."""
+        out = self.region.specs.get(node)
+        ins = [x for x in node.all_input_nodes if self.spec(x) is not None]
+        if rule is None or rule.kind not in ("expand", "repeat", "view", "move") or not isinstance(out, Sharding) \
+                or len(ins) != 1:
+            return
+        x, s = ins[0], self.spec(ins[0])
+        if x in self._copies or (rule.kind in ("expand", "repeat") and held_whole(s) and not held_whole(out)
+                                 and self.fp.shape(x)[s.dim] == 1):
+            self._copies.add(node)
 
     def check_functions(self) -> None:
         """Check every model's own autograd Function the propagation entered whose results it did not reach: a

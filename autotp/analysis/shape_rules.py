@@ -11,7 +11,7 @@ import operator
 import torch.fx as fx
 
 from autotp.analysis.op_rules import OpRule, kind_of, op_rule
-from autotp.analysis.ops import (Unshardable, arg_named, arg_of, held_whole, is_guard, legacy_empty, moved_dim,
+from autotp.analysis.ops import (Pieces, Unshardable, arg_named, arg_of, held_whole, is_guard, legacy_empty, moved_dim,
                                  ndim_of, slice_range, split_dims, unflattened_sequence_of_one)
 from autotp.analysis.shapes import is_static, normalize_dim, view_groups
 from autotp.plan.plan import Rewrite
@@ -390,9 +390,9 @@ class ShapeRules:
         if held_whole(s):  # one head every rank holds (rotate_half's halves of a multi-query key): cut alike
             pieces = tuple((Segment(n, 1),) for n in sizes)
         else:
-            if form == "chunks" and len(s.segments) == 1:
-                # equal chunks of a contiguous shard would mix ranks' blocks; segments must follow the chunks
-                raise Unshardable(node, "chunk of a contiguously sharded dim")
+            if len(s.segments) == 1 and len(sizes) > 1 and len(set(sizes)) == 1:
+                # equal pieces of a contiguous shard would mix ranks' blocks; segments must follow the pieces
+                raise Pieces(node, f"{len(sizes)} equal pieces of a contiguously sharded dim", len(sizes))
             pieces = _grouped_segments(sizes, s.segments)
         if pieces is None:
             raise Unshardable(node, f"split sizes {sizes} do not follow the segments {[g.size for g in s.segments]}")

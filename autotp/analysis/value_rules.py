@@ -6,13 +6,14 @@ node stays unrecorded); :class:`~autotp.analysis.propagate.Propagator` mixes the
 """
 from __future__ import annotations
 
+import torch
 import torch.fx as fx
 
 from autotp.analysis.op_rules import OpRule, op_rule
 from autotp.analysis.ops import Strided, Unshardable, arg_of, ndim_of, reduction_args
 from autotp.analysis.region import ParamCut, StatFact
 from autotp.analysis.shapes import is_static, normalize_dim
-from autotp.shard_spec import Sharding
+from autotp.shard_spec import Sharding, shard_tensor
 
 
 class ValueRules:
@@ -291,6 +292,28 @@ class ValueRules:
         shift = lambda x: x - sum(d < x for d in dims)  # noqa: E731
         return s.moved(shift(s.dim), None if not s.inner else shift(s.inner[0]))
 
+    def copies_of_one_head(self, x: fx.Node) -> bool:
+        """Whether ``x``'s heads are copies of one head every rank holds (the propagator tracks them)."""
+        return False
+
+    def _meets_as(self, x: fx.Node, s: Sharding, sq: Sharding) -> bool:
+        """Does ``x`` (k or v of attention), cut as ``s``, give each rank the heads its query heads (cut as ``sq``)
+        read? So it does where both cuts hold the same heads on every rank, however spelled (kv heads held whole
+        and repeated to their query heads, ``[n_kv whole, repeats cut]``, against query heads cut per piece,
+        DiffLlama's ``[(2, 2), (2, 2)]``), and where ``x``'s heads are copies of one head every rank holds
+        (DiffLlama's half of v, one kv head, repeated) in as many local heads."""
+        full = self.fp.shape(x)[s.dim]
+        width = [sum(g.size for g in c.segments) for c in (s, sq)]
+        if s.dim != sq.dim or s.inner or sq.inner or s.group or sq.group or not is_static(full) \
+                or any(full % w if c.outer else full != w for c, w in zip((s, sq), width)):
+            return False
+        # the heads each rank holds under either cut (``outer``: [full / width whole, segments])
+        held = [[shard_tensor(torch.arange(full), 0, c.segments, self.tp, r, c.outer) for c in (s, sq)]
+                for r in range(self.tp)]
+        if self.copies_of_one_head(x):
+            return all(a.numel() == b.numel() for a, b in held)
+        return all(torch.equal(a, b) for a, b in held)
+
     def head_minor(self, node: fx.Node, a: Sharding, b: Sharding) -> None:
         """Raise :class:`Strided` where heads cut in order (``a`` or ``b``) meet on the same dim heads repeated
         head-minor, ``[n_rep whole, kv heads cut]`` (an ``outer`` sharding): query head h reads kv head
@@ -353,6 +376,7 @@ class ValueRules:
         nd = ndim_of(q)
         if sq is None:
             raise Unshardable(node, "attention with replicated q")
+        sk, sv = (sq if s is not None and s != sq and self._meets_as(x, s, sq) else s for x, s in ((k, sk), (v, sv)))
         broadcast = [x for x, s in ((k, sk), (v, sv)) if s is None]
         if any(self.fp.shape(x)[nd - 3] != 1 for x in broadcast):
             raise Unshardable(node, "attention with replicated k or v of several heads")

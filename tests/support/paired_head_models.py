@@ -12,6 +12,17 @@ their gates from the whole result.
 - ``gate_matmul``: ``(v_flat @ W.t())`` of kv heads kept ``(b, s, n_kv, d)``, ``sigmoid(. + bias)``, the scores
   written out (``q @ k.transpose(-2, -1)``) with the gate added, softmax, ``@ v``; 4 kv heads;
 - ``doge``: Hugging Face's Doge (2 layers, 4 heads, 2 kv heads) on ``input_ids`` and ``labels``.
+
+Differential attention (DiffLlama; by hand 8 heads of 8, 4 pairs): query head ``i`` is paired with head ``i + n/2``, read apart by a chunk of
+the heads after attention. Megatron-style, a pair is never split across ranks: q, k and v are cut per half
+(rank r the r-th slice of each half), the output projection by rows.
+
+- ``diff_chunk``: ``sdpa(q, k, v).chunk(2, dim=1)``, ``y1 - λ·y2`` with ``λ`` from four ``(d,)`` parameters,
+  a per-head RMS norm, ``o`` of ``n/2·d`` rows;
+- ``diff_split``: ``torch.split(sdpa(..).transpose(1, 2), n/2, dim=2)``, the pairs concatenated
+  ``(b, s, n/2, 2d)`` and normalised over ``2d`` (a written RMS norm), ``o`` of ``n·d`` rows;
+- ``diffllama``: Hugging Face's DiffLlama (2 layers, 4 heads, 2 kv heads: v read by its two halves of kv heads,
+  each repeated to the kv heads); at tp 4 its 2 pairs are fewer than the ranks: attention is left replicated.
 """
 from __future__ import annotations
 
@@ -58,11 +69,37 @@ class GatedAttention(nn.Module):
         return self.o(y.transpose(1, 2).reshape(b, s, NH * HD))
 
 
+PH, PD = 8, 8  # differential attention's heads: 4 pairs, cut at tp 2 and 4
+
+
+class DiffAttention(nn.Module):
+    def __init__(self, kind: str):
+        super().__init__()
+        self.kind = kind
+        self.q, self.k, self.v = (nn.Linear(H, PH * PD, bias=False) for _ in range(3))
+        self.lq1, self.lk1, self.lq2, self.lk2 = (nn.Parameter(torch.randn(PD) * 0.1) for _ in range(4))
+        self.o = nn.Linear(PH * PD // (2 if kind == "diff_chunk" else 1), H, bias=False)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q, k, v = (m(x).view(b, s, PH, PD).transpose(1, 2) for m in (self.q, self.k, self.v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (b, n, s, d)
+        lam = torch.exp((self.lq1 * self.lk1).sum()) - torch.exp((self.lq2 * self.lk2).sum()) + 0.8
+        if self.kind == "diff_chunk":
+            y1, y2 = y.chunk(2, dim=1)  # heads i and i + n/2
+            z = F.rms_norm(y1 - lam * y2, (PD,)) * 0.2
+            return self.o(z.transpose(1, 2).reshape(b, s, -1))
+        y1, y2 = torch.split(y.transpose(1, 2), PH // 2, dim=2)
+        z = torch.cat([y1, lam * y2], dim=-1)  # (b, s, n/2, 2d): each pair's two heads side by side
+        z = z * torch.rsqrt(z.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return self.o(z.reshape(b, s, PH * PD))
+
+
 class Block(nn.Module):
     def __init__(self, kind: str):
         super().__init__()
         self.n1, self.n2 = RMSNorm(H), RMSNorm(H)
-        self.attn = GatedAttention(kind)
+        self.attn = DiffAttention(kind) if kind.startswith("diff_") else GatedAttention(kind)
         self.fc, self.proj = nn.Linear(H, 128, bias=False), nn.Linear(128, H, bias=False)
 
     def forward(self, x):
@@ -86,8 +123,10 @@ class LM(nn.Module):
         return logits, F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
-HAND = ("gate_linear", "gate_matmul")
-KINDS = (*HAND, "doge")
+GATES = ("gate_linear", "gate_matmul")
+PAIRS = ("diff_chunk", "diff_split")
+HAND = (*GATES, *PAIRS)
+KINDS = (*GATES, "doge", *PAIRS, "diffllama")
 
 
 def _hf(family: str):
