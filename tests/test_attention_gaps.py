@@ -5,6 +5,8 @@ a single shared k and v head (segments of unequal sizes, the one-head segments w
 processes) and trains exactly with Megatron's collectives (gloo ranks: tp 2 by default, tp 4 extended)."""
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -28,12 +30,20 @@ def _plan(kind: str, tp: int):
     return make_plan(spelling("attention_gap_models", kind)[3], tp)
 
 
+def _held(kind: str, plan) -> float:
+    """The share of the spelling's parameters one rank holds under ``plan``."""
+    shards, model = dict(plan.params), spelling("attention_gap_models", kind)[0]
+    held = sum(math.prod(shards[n].local_shape) if n in shards else p.numel() for n, p in model.named_parameters())
+    return held / sum(p.numel() for p in model.parameters())
+
+
 @SHARED
 @pytest.mark.parametrize("tp", [2, 4])
 @pytest.mark.parametrize("kind", KINDS)
 def test_each_spelling_is_cut_by_heads(kind: str, tp: int):
     plan = _plan(kind, tp)
     assert plan.replicated == () and plan.whole == (), (plan.replicated, plan.whole)
+    assert _held(kind, plan) <= 1 / tp + 0.12, _held(kind, plan)
     params = dict(plan.params)
     for i in range(2):
         q, o = params[f"blocks.{i}.attn.q.weight"], params[f"blocks.{i}.attn.o.weight"]
@@ -67,6 +77,7 @@ def test_a_parallel_blocks_fused_projection_is_read_in_its_unequal_segments(kind
     assert [(g.size, g.parts) for g in segments] == [(H, tp), (HD, 1), (HD, 1), *ff], segments
     plan = make_plan(gm, tp)
     assert plan.replicated == () and plan.whole == (), (plan.replicated, plan.whole)
+    assert _held(kind, plan) <= 1 / tp + 0.12, _held(kind, plan)
     params = dict(plan.params)
     for i in range(2):
         attn_out, ff_out = params[f"blocks.{i}.attn.attn_out.weight"], params[f"blocks.{i}.attn.ff_out.weight"]
