@@ -18,6 +18,7 @@ from autotp.plan.planner import make_plan
 from autotp.operators.autocast import Autocast, AutocastRegion, region_of
 from autocast_models import KINDS, WIDTH_NORM, build
 from spelling_runs import SpellingRuns
+from shared_graphs import SHARED, spelling
 from parity_workers import dense_step_collectives
 from pattern_models import H, S
 
@@ -33,10 +34,10 @@ def _hops(gm) -> list:
     return [n for n in gm.graph.nodes if "wrap_with_autocast" in str(n.target)]
 
 
+@SHARED
 @pytest.mark.parametrize("kind", KINDS)
 def test_autocast_bodies_are_analysed_and_sharded(kind: str):
-    model, args, kwargs = build(kind)
-    gm = capture(model, args, kwargs)[0]
+    gm = spelling("autocast_models", kind)[3]
     fresh = _copy(gm)  # the capture as it was, for the passes (a graph planned stays unrewritten)
     assert _hops(gm) == []  # inlined
     tagged = [region_of(n) for n in gm.graph.nodes if region_of(n) is not None]

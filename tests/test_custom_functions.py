@@ -16,6 +16,7 @@ from autotp.plan.planner import make_plan
 from autotp.operators.functions import CustomFunction
 from autotp.passes import outline_functions
 from spelling_runs import SpellingRuns
+from shared_graphs import SHARED, spelling
 import helper_models
 from function_models import KINDS, GradNorm, RoundSTE, build
 from parity_checks import assert_patterns_train_exactly
@@ -51,19 +52,19 @@ def test_the_graph_calls_the_models_function_again_and_keeps_its_backward(kind: 
         assert torch.equal(got[name], g), name
 
 
+@SHARED
 @pytest.mark.parametrize("kind", ["ste", "custom_fwd", "outside"])
 def test_a_function_local_to_a_shard_is_sharded_through(kind: str):
-    model, args, _ = build(kind)
-    gm = capture(model, args, {})[0]
+    gm = spelling("function_models", kind)[3]
     for tp in (2, 4):
         plan = make_plan(gm, tp)
         assert plan.replicated == () and not plan.whole, (plan.replicated, plan.whole)
         assert plan.param("blocks.0.attn.qkv.weight").role == "column"
 
 
+@SHARED
 def test_a_function_whose_backward_needs_the_whole_tensor_leaves_its_region_whole_with_its_name():
-    model, args, _ = build("grad_norm")
-    gm = capture(model, args, {})[0]
+    gm = spelling("function_models", "grad_norm")[3]
     for tp in (2, 4):
         reasons = dict(make_plan(gm, tp).replicated)
         assert set(reasons) == {"blocks.0.attn", "blocks.1.attn"}, reasons

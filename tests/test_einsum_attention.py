@@ -9,17 +9,18 @@ import torch.nn as nn
 from autotp.capture.tracer import capture
 from autotp.plan.planner import make_plan
 from spelling_runs import SpellingRuns
-from einsum_models import KINDS, build
+from shared_graphs import SHARED, spelling
+from einsum_models import KINDS
 from parity_checks import assert_megatron_step, assert_patterns_train_exactly
 from pattern_models import HD, H, S
 
 aten = torch.ops.aten
 
 
+@SHARED
 @pytest.mark.parametrize("kind", KINDS)
 def test_einsum_attention_is_captured_as_matmuls_and_planned_by_heads(kind: str):
-    model, args, _ = build(kind)
-    gm = capture(model, args, {})[0]
+    model, args, _, gm = spelling("einsum_models", kind)
     targets = [n.target for n in gm.graph.nodes]
     assert aten.einsum.default not in targets and targets.count(aten.matmul.default) == 4  # 2 per layer
     with torch.no_grad():

@@ -9,6 +9,7 @@ import pytest
 from autotp.capture.tracer import capture
 from autotp.plan.planner import make_plan
 from spelling_runs import SpellingRuns
+from shared_graphs import SHARED, spelling
 from gap_models import CASTS, VALUES, build
 from pattern_models import HD, NH, H, S, V
 
@@ -45,12 +46,12 @@ def test_cast_weights_and_value_residuals_shard_exactly(world: int, part: str):
             assert sorted(r["backward"]) == backward, (kind, r["backward"])
 
 
+@SHARED
 @pytest.mark.parametrize("kind", KINDS)
 def test_every_weight_is_cut_or_listed_with_its_reason(kind: str):
     """The plan's completeness check: a cast between W and its matmul no longer hides the linear, and a value
     embedding is cut by its feature columns like v (no all-reduce of its output), not by vocab rows."""
-    model, args, kwargs = build(kind)
-    gm, _ = capture(model, args, kwargs)
+    model, _, _, gm = spelling("gap_models", kind)
     plan = make_plan(gm, 2)
     params = dict(plan.params)
     assert plan.whole == () and plan.replicated == ()

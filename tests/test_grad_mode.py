@@ -9,32 +9,30 @@ from __future__ import annotations
 import pytest
 import torch
 
-from autotp.capture.tracer import capture
-from grad_mode_models import APPLIED, KINDS, build
+from grad_mode_models import APPLIED, KINDS
 from parity_checks import assert_exact, assert_fully_sharded
 from parity_workers import dense_step_collectives
 from pattern_models import H, S
 from spelling_runs import SpellingRuns
+from shared_graphs import SHARED, spelling
 
 aten = torch.ops.aten
 RUNS = SpellingRuns("grad_mode", "grad_mode_models", KINDS, ["truncated"])
 
 
+@SHARED
 @pytest.mark.parametrize("kind", KINDS)
 def test_each_region_ends_in_a_detach_where_its_value_leaves_it(kind: str):
-    model, args, kwargs = build(kind)
-    gm = capture(model, args, kwargs)[0]
+    gm = spelling("grad_mode_models", kind)[3]
     detaches = [n for n in gm.graph.nodes if n.target is aten.detach.default]
     assert len(detaches) == {"truncated": 1, "decorated": 1, "set_grad": 1, "enable_inside": 1}[kind], detaches
 
 
+@SHARED
 def test_torchs_own_no_grad_inside_the_trace_is_not_the_models():
     """A block whose forward has no region of its own captures without a detach: torch's no-grad blocks inside
     export and autotp's own are not tagged."""
-    import pattern_models
-
-    model, args, kwargs = pattern_models.build("plain")
-    gm = capture(model, args, kwargs)[0]
+    gm = spelling("pattern_models", "plain")[3]
     assert not [n for n in gm.graph.nodes if n.target is aten.detach.default]
 
 

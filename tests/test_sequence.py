@@ -15,6 +15,7 @@ from autotp.plan.planner import make_plan
 from autotp.operators.seq_ops import AllGatherSeq, GatherSeq, ReduceScatterSeq, SeqColumnGroup, SliceSeq, SumGrads
 from ranks import launch
 from small_models import MODELS
+from shared_graphs import SHARED, copy_graph, spelling
 from pattern_models import KINDS, S
 
 # model -> (b, s, h, layers, parameters applied to sequence slices: norms and row biases)
@@ -22,15 +23,16 @@ SHAPES = {"nanogpt": (4, 32, 64, 2, (5 * 2 + 4) * 64), "gpt2": (4, 16, 64, 2, (5
           "llama": (4, 16, 64, 2, 5 * 64)}
 
 
-def _graph(name: str, *args) -> fx.GraphModule:
-    model, a, kw = MODELS[name]()
-    return capture(model, args or a, {} if args else kw)[0]
+def _graph(name: str) -> fx.GraphModule:
+    """The shared capture (tests/support/shared_graphs.py): planned here, rewritten only as a copy."""
+    return spelling("small_models", name)[3]
 
 
 def _calls(gm: fx.GraphModule, kind: type) -> list[fx.Node]:
     return [n for n in gm.graph.nodes if n.op == "call_module" and isinstance(gm.get_submodule(n.target), kind)]
 
 
+@SHARED
 @pytest.mark.parametrize("name", list(SHAPES))
 def test_plan_and_graph(name: str):
     gm = _graph(name)
@@ -51,7 +53,7 @@ def test_plan_and_graph(name: str):
     (grads,) = [c for c in plan.collectives if c.module == SEQ_PARAMS]
     assert grads.shape == (str(SHAPES[name][4]),)
 
-    gm = run_passes(gm, plan)
+    gm = run_passes(copy_graph(gm), plan)
     fused = _calls(gm, SeqColumnGroup)
     assert len(fused) == 2 * layers + 1 and not _calls(gm, ColumnGroup) and not _calls(gm, AllGatherSeq)
     assert len(_calls(gm, ReduceScatterSeq)) == 2 * layers + 1
@@ -72,14 +74,15 @@ def test_plan_and_graph(name: str):
         assert cut.args[0].target is torch.ops.aten.embedding.default or cut.args[0].target.__name__.startswith("to")
 
 
+@SHARED
 @pytest.mark.parametrize("name", list(SHAPES))
 def test_collectives_match_the_formula_count_for_count(name: str):
     """The report's Megatron-SP formula counts every collective the plan runs, learned position tables
     included: their s/t slice's gradient is one all-gather of s·h backward (was reported as 11 against 10)."""
     from autotp.plan.report import build_report
 
-    model, a, kw = MODELS[name]()
-    plan = make_plan(capture(model, a, kw)[0], 2, sequence_parallel=True)
+    model, _, _, gm = spelling("small_models", name)
+    plan = make_plan(gm, 2, sequence_parallel=True)
     b, s, h = SHAPES[name][:3]
     report = build_report(plan, model.named_parameters(remove_duplicate=False), b, s)
     for line in report.comm:
@@ -90,12 +93,10 @@ def test_collectives_match_the_formula_count_for_count(name: str):
     assert gathers.elements == 2 * (2 * 2 + 1) * b * s * h + positions * s * h
 
 
+@SHARED
 @pytest.mark.parametrize("kind", KINDS)
 def test_attention_spellings_find_the_sequence(kind: str):
-    from pattern_models import build
-
-    model, args, _ = build(kind)
-    plan = make_plan(capture(model, args, {})[0], 2, sequence_parallel=True)
+    plan = make_plan(spelling("pattern_models", kind)[3], 2, sequence_parallel=True)
     seq = plan.sequence
     assert not seq.notes and not seq.gathers, (seq.notes, seq.gathers)
     assert len(seq.leaves) == len(plan.pairs) + 1  # every pair's output and the embedding reduce-scatter
@@ -104,6 +105,7 @@ def test_attention_spellings_find_the_sequence(kind: str):
     assert {d for x in seq.leaves for d in [x.dim]} == {1}
 
 
+@SHARED
 def test_without_sequence_parallel_the_plan_is_unchanged():
     gm = _graph("nanogpt")
     assert make_plan(gm, 2).sequence is None

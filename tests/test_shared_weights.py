@@ -7,20 +7,20 @@ from __future__ import annotations
 
 import pytest
 
-from autotp.capture.tracer import capture
 from autotp.plan.planner import make_plan
 from parity_checks import assert_patterns_train_exactly
 from pattern_models import H, S
-from shared_weight_models import KINDS, LAYERS, build
+from shared_weight_models import KINDS, LAYERS
 from spelling_runs import SpellingRuns
+from shared_graphs import SHARED, spelling
 
 RUNS = SpellingRuns("shared", "shared_weight_models", KINDS, ["looped", "unlike"])
 
 
+@SHARED
 @pytest.mark.parametrize("kind", [k for k in KINDS if k != "unlike"])
 def test_each_use_of_a_shared_weight_is_a_pair_of_its_own(kind: str):
-    model, args, kwargs = build(kind)
-    gm = capture(model, args, kwargs)[0]
+    gm = spelling("shared_weight_models", kind)[3]
     for tp in (2, 4):
         plan = make_plan(gm, tp)
         assert plan.replicated == () and plan.whole == (), (tp, plan.replicated)
@@ -29,9 +29,9 @@ def test_each_use_of_a_shared_weight_is_a_pair_of_its_own(kind: str):
         assert len(rows) == 2 * LAYERS[kind], rows  # attention's and the MLP's, per application of a block
 
 
+@SHARED
 def test_a_weight_cut_unlike_in_its_uses_is_left_whole_with_its_pairs():
-    model, args, kwargs = build("unlike")
-    gm = capture(model, args, kwargs)[0]
+    gm = spelling("shared_weight_models", "unlike")[3]
     plan = make_plan(gm, 2)
     shards = dict(plan.params)
     assert "blocks.0.attn.q.weight" not in shards and "blocks.1.attn.o.weight" not in shards

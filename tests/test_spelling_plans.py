@@ -2,7 +2,8 @@
 every weight of two or more dims cut or listed with its reason, and each rank's share of the parameters about
 1/tp. The parity tests train each module's representative spellings at tp 2 by default and every spelling at
 tp 2 and 4 in the extended run (tests/support/spelling_runs.py); this is what holds the plans of the others
-between extended runs."""
+between extended runs. Each capture is shared with the family's own structural tests
+(tests/support/shared_graphs.py)."""
 from __future__ import annotations
 
 import importlib
@@ -10,8 +11,8 @@ import math
 
 import pytest
 
-from autotp.capture.tracer import capture
 from autotp.plan.planner import make_plan
+from shared_graphs import SHARED, spelling
 
 # module -> its spellings that keep a block whole by design (only exact, not 1/tp; the reason in the plan);
 # pattern_models' are those whose kv heads several ranks hold (tests/test_patterns.py)
@@ -34,10 +35,10 @@ def _cases() -> list:
     return cases
 
 
+@SHARED
 @pytest.mark.parametrize("module,kind,partial", _cases())
 def test_every_spelling_plans_fully_at_tp_2_and_4(module: str, kind: str, partial: bool):
-    model, args, kwargs = importlib.import_module(module).build(kind)
-    gm = capture(model, args, kwargs)[0]
+    model, _, _, gm = spelling(module, kind)
     params = dict(model.named_parameters())
     total = sum(p.numel() for p in params.values())
     # a parameter several modules hold (a block listed twice, tied weights): the plan names it once, by any name

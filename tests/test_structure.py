@@ -14,28 +14,29 @@ from autotp.errors import ShardingError
 from autotp.passes import run_passes
 from autotp.plan.planner import make_plan
 from autotp.operators.vocab_ops import VocabCrossEntropy, VocabEmbedding, VocabOutput
+from shared_graphs import SHARED, copy_graph, spelling
 from small_models import MODELS
-from toy_models import toy
 
 aten = torch.ops.aten
 MATMULS = {aten.linear.default, aten.addmm.default, aten.mm.default, aten.matmul.default}
 
 
 def _graph(name: str) -> fx.GraphModule:
-    model, args, kwargs = MODELS[name]() if name in MODELS else toy(name)
-    return capture(model, args, kwargs)[0]
+    """The shared capture (tests/support/shared_graphs.py): planned here, rewritten only as a copy."""
+    return spelling("small_models" if name in MODELS else "toy_models", name)[3]
 
 
 def _calls(gm: fx.GraphModule, kind: type) -> list[fx.Node]:
     return [n for n in gm.graph.nodes if n.op == "call_module" and isinstance(gm.get_submodule(n.target), kind)]
 
 
+@SHARED
 @pytest.mark.parametrize("name", ["nanogpt", "gpt2", "llama"])
 @pytest.mark.parametrize("tp", [2, 4])
 def test_two_collectives_per_layer_around_the_pairs(name: str, tp: int):
     gm = _graph(name)
     plan = make_plan(gm, tp)
-    gm = run_passes(gm, plan)
+    gm = run_passes(copy_graph(gm), plan)
     layers = 2
     enters, leaves = _calls(gm, EnterTP), _calls(gm, LeaveTP)
     # one f per layer half, plus the LM head's; one g per layer half, plus the vocab-parallel embedding's
@@ -68,6 +69,7 @@ def test_two_collectives_per_layer_around_the_pairs(name: str, tp: int):
     assert directions.count(("backward", "sum")) == 2 * layers + 1
 
 
+@SHARED
 def test_head_counts_and_split_sizes_are_rewritten():
     gm = _graph("nanogpt")
     plan = make_plan(gm, 2)
@@ -75,11 +77,12 @@ def test_head_counts_and_split_sizes_are_rewritten():
     assert ("split", 64, 32) in changed  # q|k|v split of the fused c_attn: 64 -> 32 per segment
     assert ("view", 4, 2) in changed  # 4 heads -> 2 per rank
     assert ("view_3", 64, 32) in changed  # (b, s, h) -> (b, s, h/t) before c_proj
-    gm = run_passes(gm, plan)
+    gm = run_passes(copy_graph(gm), plan)
     views = [n.args[1] for n in gm.graph.nodes if n.target is aten.view.default and len(n.args[1]) == 4]
     assert views and all(v[2] == 2 for v in views)
 
 
+@SHARED
 def test_fused_qkv_is_cut_per_segment():
     plan = make_plan(_graph("gpt2"), 2)
     shard = plan.param("transformer.h.0.attn.c_attn.weight")
@@ -90,6 +93,7 @@ def test_fused_qkv_is_cut_per_segment():
     assert plan.param("transformer.h.0.attn.c_proj.bias") is None  # row bias stays whole
 
 
+@SHARED
 def test_kv_heads_replicate_when_tp_exceeds_them():
     gm = _graph("llama")
     plan = make_plan(gm, 4)
@@ -97,7 +101,7 @@ def test_kv_heads_replicate_when_tp_exceeds_them():
     q = plan.param("model.layers.0.self_attn.q_proj.weight")
     assert [(s.size, s.parts) for s in k.segments] == [(32, 2)]  # 2 kv heads, each on 2 ranks
     assert [(s.size, s.parts) for s in q.segments] == [(64, 4)]
-    gm = run_passes(gm, plan)
+    gm = run_passes(copy_graph(gm), plan)
     expands = [n.args[1] for n in gm.graph.nodes if n.target is aten.expand.default and len(n.args[1]) == 5]
     assert expands and all(e[1:3] == [1, 1] for e in expands)  # 1 local kv head, repeated once
 
@@ -140,6 +144,7 @@ def test_one_kv_head_broadcast_over_query_heads_is_replicated_on_every_rank():
             "attn.0.kv_cache.k_cache": (2, 1, 16, 16), "attn.0.kv_cache.v_cache": (2, 1, 16, 16)}
 
 
+@SHARED
 @pytest.mark.parametrize("name,segments", [
     ("interleaved", [(192, 2)]),  # [heads, 3, d] per head: a contiguous cut is already right
     ("fused_gqa", [(64, 2), (32, 2), (32, 2)]),
@@ -153,17 +158,19 @@ def test_unseen_layouts(name: str, segments):
     assert [(s.size, s.parts) for s in shard.segments] == segments
 
 
+@SHARED
 def test_unshardable_region_is_replicated_with_the_reason():
     gm = _graph("head_mixing")
     plan = make_plan(gm, 2)
     assert plan.pairs == () and not [n for n, _ in plan.params if n.startswith("block.")]
     # the mean over heads is all-reduced fine, but then o's input is whole: no column→row pair
     assert any("not sharded on its contracted dim" in reason and module == "block" for module, reason in plan.replicated)
-    gm = run_passes(gm, plan)
+    gm = run_passes(copy_graph(gm), plan)
     # only the vocab-parallel embedding's g and the LM head's f remain
     assert len(_calls(gm, EnterTP)) == 1 and len(_calls(gm, LeaveTP)) == 1
 
 
+@SHARED
 def test_tp_one_plans_nothing():
     plan = make_plan(_graph("nanogpt"), 1)
     assert plan.pairs == () and plan.collectives == ()
@@ -187,6 +194,7 @@ def test_heads_not_divisible_name_module_sizes_and_tp():
         make_plan(capture(model, args, kwargs)[0], 8)
 
 
+@SHARED
 def test_gpt2_vocab_is_padded_to_equal_shards():
     plan = make_plan(_graph("gpt2_50257"), 2)
     shard = plan.param("lm_head.weight")
@@ -236,6 +244,7 @@ def test_logits_read_whole_keep_the_head_replicated():
     assert any(m == "head" and "argmax" in reason for m, reason in plan.replicated)
 
 
+@SHARED
 def test_statistics_folded_heads_and_cache_buffers_are_planned_and_inserted():
     """A whole-width q/k norm gets one statistics all-reduce per norm and its weight sharded; heads folded
     under the batch get their own local ``b * heads`` size; a cache buffer written with sharded keys is
@@ -244,27 +253,24 @@ def test_statistics_folded_heads_and_cache_buffers_are_planned_and_inserted():
 
     from autotp.operators.collectives import ShardedNorm
     from cache_models import build as build_cached
-    from pattern_models import build
 
-    model, args, kwargs = build("qk_rmsnorm_width")
-    gm = capture(model, args, kwargs)[0]
+    gm = spelling("pattern_models", "qk_rmsnorm_width")[3]
     plan = make_plan(gm, 2)
     assert not plan.replicated and [s.kind for s in plan.stats] == ["rms_norm"] * 4
     assert plan.param("blocks.0.attn.q_norm.weight").local_shape == (32,)
-    gm = run_passes(gm, plan)
+    gm = run_passes(copy_graph(gm), plan)
     assert len(_calls(gm, ShardedNorm)) == 4 and not [n for n in gm.graph.nodes if n.target is aten.rms_norm.default
                                                       and n.args[1] == [64]]
 
-    model, args, kwargs = build("qk_norm_width")  # hand-written: x.pow(2).mean(-1) over the width
-    plan = make_plan(capture(model, args, kwargs)[0], 4)
+    # hand-written: x.pow(2).mean(-1) over the width
+    plan = make_plan(spelling("pattern_models", "qk_norm_width")[3], 4)
     assert [(s.kind, s.scale) for s in plan.stats] == [("mean", 0.25)] * 4
 
-    model, args, kwargs = build("baddbmm")
-    gm = capture(model, args, kwargs)[0]
+    gm = spelling("pattern_models", "baddbmm")[3]
     plan = make_plan(gm, 2)
     folded = [r for r in plan.rewrites if r.factor_of]
     assert not plan.replicated and folded and all((r.old, r.new) == (4, 2) for r in folded)
-    gm = run_passes(gm, plan)
+    gm = run_passes(copy_graph(gm), plan)
     assert any(n.target is operator.mul and n.args[1] == 2 for n in gm.graph.nodes)
 
     with torch.no_grad():
@@ -275,11 +281,11 @@ def test_statistics_folded_heads_and_cache_buffers_are_planned_and_inserted():
     assert len([c for c in plan.collectives if c.direction == "forward"]) == 5  # embedding + 2 per layer
 
 
+@SHARED
 def test_index_lists_read_as_slices_and_width_reductions_become_statistics():
     """``f[..., [-2], :]`` (consecutive positions) is captured as the slice it equals, a scattered list stays an
     index; var and p-norms over the whole projection width become one statistics all-reduce each."""
     from autotp.operators.collectives import ShardedReduction
-    from pattern_models import build
 
     class Pick(torch.nn.Module):
         def __init__(self):
@@ -296,32 +302,30 @@ def test_index_lists_read_as_slices_and_width_reductions_become_statistics():
     assert [n.target for n in picks].count(aten.index.Tensor) == 1
 
     for kind, stats in (("qk_varnorm_width", ["mean", "var"] * 4), ("qk_l2norm_width", ["norm"] * 4)):
-        model, args, kwargs = build(kind)
-        gm = capture(model, args, kwargs)[0]
+        gm = spelling("pattern_models", kind)[3]
         plan = make_plan(gm, 2)
         assert not plan.replicated and [s.kind for s in plan.stats] == stats, kind
         # the reductions' arguments travel in the plan: over the last (sharded) dim, kept; a var's correction 0,
         # a norm's order 2
         assert {(s.dims, s.keepdim, s.param) for s in plan.stats if s.kind != "mean"} == {
             ((-1,), True, 0.0 if "var" in stats else 2.0)}, kind
-        gm = run_passes(gm, plan)
+        gm = run_passes(copy_graph(gm), plan)
         reductions = [gm.get_submodule(n.target) for n in _calls(gm, ShardedReduction)]
         assert len(reductions) == stats.count("var") + stats.count("norm")
         assert all((m.dims, m.keepdim) == ([-1], True) for m in reductions)
 
 
+@SHARED
 @pytest.mark.parametrize("kind", ["grouped_index", "falcon_select", "mqa_unsqueeze", "offset_slices"])
 def test_fused_segments_named_at_tp1_are_those_cut_at_tp2_and_4(kind: str):
     """A checkpoint names a fused projection's segments at every tp, so a tp-1 run must see the segments
     tp 2 and 4 cut: a group of kv heads and a single kv head look alike at tp 1 (one block each)."""
-    from pattern_models import build
-
     from autotp.plan.planner import fused_segments
 
     def layout(seg):
         return seg.size, tuple(layout(i) for i in seg.inner)
 
-    gm, _ = capture(*build(kind)[:2], {})
+    gm = spelling("pattern_models", kind)[3]
     at_1 = fused_segments(gm)
     assert at_1 and all(s.parts == 1 and all(i.parts == 1 for i in s.inner)
                         for shard in at_1.values() for s in shard.segments)

@@ -6,18 +6,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-from autotp.capture.tracer import capture
 from autotp.plan.planner import make_plan
 from spelling_runs import SpellingRuns
+from shared_graphs import SHARED, spelling
 from parity_checks import assert_patterns_train_exactly
 from pattern_models import H, S
-from tied_head_models import KINDS, V, build
+from tied_head_models import KINDS, V
 
 
+@SHARED
 @pytest.mark.parametrize("kind", KINDS)
 def test_matmul_tied_head_is_vocab_parallel(kind: str):
-    model, args, kwargs = build(kind)
-    gm = capture(model, args, kwargs)[0]
+    model, args, _, gm = spelling("tied_head_models", kind)
     assert torch.equal(gm(*args)[1], model(*args)[1])  # an einsum read as the matmul it is: the same values
     for tp in (2, 4):
         plan = make_plan(gm, tp)

@@ -14,10 +14,11 @@ from autotp.analysis.torch_rules import TorchRefused, ask_torch, torch_rule_sour
 from autotp.capture.tracer import capture
 from autotp.plan.planner import make_plan
 from spelling_runs import SpellingRuns
+from shared_graphs import SHARED, spelling
 from parity_checks import assert_patterns_train_exactly
 from pattern_models import H, S, LMWith, build_with
 from test_op_rules import _graph, _out, _refuses, _s, _x
-from torch_rule_models import KINDS, Attention, build
+from torch_rule_models import KINDS, Attention
 
 aten = torch.ops.aten
 
@@ -92,10 +93,10 @@ def test_asking_torch_needs_no_process_group():
     assert not dist.is_initialized()
 
 
+@SHARED
 @pytest.mark.parametrize("kind", KINDS)
 def test_attention_through_torchs_rules_is_planned_by_heads(kind: str):
-    model, args, _ = build(kind)
-    gm = capture(model, args, {})[0]
+    gm = spelling("torch_rule_models", kind)[3]
     assert any(op_rule(n.target) is TORCH and n.target not in (aten.linear.default, aten.embedding.default)
                for n in gm.graph.nodes)
     for tp in (2, 4):

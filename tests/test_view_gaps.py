@@ -14,7 +14,8 @@ from autotp.analysis.ops import TRANSPOSES, permutation
 from autotp.capture.tracer import capture
 from autotp.plan.planner import make_plan
 from spelling_runs import SpellingRuns
-from view_gap_models import KINDS, NH, HD, S, build
+from shared_graphs import SHARED, spelling
+from view_gap_models import KINDS, NH, HD, S
 
 aten = torch.ops.aten
 RUNS = SpellingRuns("views", "view_gap_models", KINDS, ["mT_softcap", "swapaxes"])
@@ -39,11 +40,11 @@ def test_view_gaps_shard_exactly_with_megatron_collectives(world: int, part: str
             assert r["backward"] == [("all_reduce", "sum", bsh)] * (2 * layers + 1), (kind, r["backward"])
 
 
+@SHARED
 def test_transpose_family_in_the_sequence_parallel_regions():
     """A residual stream kept as (s, b, h), moved there by ``movedim`` and back by ``swapaxes``, stays split
     along the sequence (dim 0 inside the blocks) with nothing gathered."""
-    model, args, _ = build("seq_first")
-    plan = make_plan(capture(model, args, {})[0], 2, sequence_parallel=True)
+    plan = make_plan(spelling("view_gap_models", "seq_first")[3], 2, sequence_parallel=True)
     seq = plan.sequence
     assert not plan.replicated and not seq.notes and not seq.gathers, (plan.replicated, seq.notes, seq.gathers)
     assert len(seq.leaves) == len(plan.pairs) + 1 == 5  # every row output and the embedding reduce-scatter
