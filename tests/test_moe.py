@@ -28,7 +28,7 @@ FUSED["shared_sigmoid"] = FUSED["top1_aux"] = FUSED["capacity"] = FUSED["mla_cat
 MLA = {"q_down": None, "kv_down": None, "q_up": (0, "column"), "kv_up": (0, "column"), "o": (1, "row")}
 
 
-HF = ["mixtral", "mixtral:batched_mm", "qwen2_moe", "deepseek_v3", "gpt_oss"]
+HF = ["mixtral", "mixtral:batched_mm", "qwen2_moe", "deepseek_v3", "gpt_oss", "ernie4_5_moe"]
 # (at tp 4 one Hugging Face model per expert form: grouped GEMM, grouped with latent attention, grouped with biases)
 # (the extended run adds the others' forms at tp 4: grouped GEMM, grouped with biases)
 HF_AT = {2: ["mixtral", "deepseek_v3"], 4: ["deepseek_v3"]}
@@ -36,7 +36,8 @@ HF_AT = {2: ["mixtral", "deepseek_v3"], 4: ["deepseek_v3"]}
 # and latent attention; the extended run adds one of each other routing at tp 4 and the other spellings at tp 2
 # (each spelling's plan at tp 2 and 4 is checked below)
 KINDS_AT = {2: ["fused_loop_t", "gathered_einsum", "mla_cat"], 4: ["fused_loop_t", "gathered_einsum", "mla_cat"]}
-REST = {"spellings rest": ["list_dense", "shared_sigmoid", "capacity"], "hugging face rest": ["mixtral", "gpt_oss"]}
+REST = {"spellings rest": ["list_dense", "shared_sigmoid", "capacity"],
+        "hugging face rest": ["mixtral", "gpt_oss", "ernie4_5_moe"]}
 OTHERS_AT_2 = {"spellings others": [k for k in KINDS if k not in KINDS_AT[2]],
                "hugging face others": [k for k in HF if k not in HF_AT[2]]}
 
@@ -157,7 +158,8 @@ def test_hugging_face_moe_models_shard_their_fused_experts(runs, world: int, par
     shared-expert gate, b·s), and for DeepSeek attention's f on its latents (b·s·24, b·s·16) and on the rotary
     key head (b·s·8). GPT-OSS (experts with biases, gate and up interleaved; attention sinks): its experts'
     bias is added per (token, k) slot before the routing weights, so their all-reduce is of b·s·k·h, after the
-    down-projection, where the bias is added once."""
+    down-projection, where the bias is added once. Ernie-4.5-MoE (a dense first layer; a (1, E) correction bias
+    added to the softmax scores topk chooses by, whole by design with its router; a shared expert)."""
     results = runs(world, part)
     assert all(list(by_kind) == {**REST, **OTHERS_AT_2}.get(part, HF_AT[world]) for by_kind in results.values())
     bsh, rows = 2 * 8 * 64, 2 * 8
@@ -179,6 +181,14 @@ def test_hugging_face_moe_models_shard_their_fused_experts(runs, world: int, par
                 latent = [("all_reduce", "sum", rows * n) for n in (24, 16, 8)] * LAYERS
                 assert small == sorted(latent + [("all_reduce", "sum", rows * 2)]), (kind, small)
                 assert entering == LAYERS + 1, (kind, r["backward"])
+                continue
+            if kind == "ernie4_5_moe":
+                # one MoE layer (the first is dense): its routing weights' b·s·k; b·s·h entering attention twice,
+                # the dense MLP, the LM head, and the MoE layer twice: its routed experts read the tokens through
+                # the fp32 cast the router reads too (its replicated gradient must not be summed), so they enter
+                # apart from the shared expert; at tp 4 the 2 kv heads' k and v weight blocks (16·64 each)
+                assert small == [("all_reduce", "sum", rows * 2)], (kind, small)
+                assert entering == 2 * LAYERS + 2 + (2 * LAYERS if world > 2 else 0), (kind, r["backward"])
                 continue
             gate = [("all_reduce", "sum", rows)] * LAYERS if kind == "qwen2_moe" else []
             # (Qwen2's and GPT-OSS's k and v biases held by 2 ranks each at tp 4: gradients summed, 16 elements each)

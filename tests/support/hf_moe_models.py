@@ -37,6 +37,10 @@ def _config(name: str):
         return T.GptOssForCausalLM, T.GptOssConfig(**COMMON, **moe, num_local_experts=4, num_key_value_heads=2,
                                                    head_dim=16, sliding_window=4,
                                                    layer_types=["sliding_attention", "full_attention"])
+    if name == "ernie4_5_moe":  # a dense first layer; a (1, E) correction bias steering topk; 2 shared experts
+        return T.Ernie4_5_MoeForCausalLM, T.Ernie4_5_MoeConfig(
+            **COMMON, intermediate_size=32, moe_intermediate_size=32, moe_k=2, moe_num_experts=4,
+            moe_num_shared_experts=1, moe_layer_start_index=1, num_key_value_heads=2)
     raise ValueError(name)
 
 
