@@ -9,6 +9,8 @@ column-parallel, the shifted-window convolution (windows left-padded with zeros 
 block-diagonal gates by heads and ``a_param`` by channels, the recurrence local, the output row-parallel."""
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from autotp.capture.tracer import capture
@@ -32,6 +34,13 @@ PARTS = {"mixers": CLOSED, "mixers with loops": LOOPS, "mixers at tp 4": [k for 
 RUNS = Launches({2: {"mixers": _job(CLOSED)}},
                 extended={2: {"mixers with loops": _job(LOOPS), "left weights": _job(LEFT)},
                           4: {"mixers at tp 4": _job(PARTS["mixers at tp 4"]), "left weights at tp 4": _job(LEFT)}})
+
+
+def _held(model, plan) -> float:
+    """The share of ``model``'s parameters one rank holds under ``plan``."""
+    shards = dict(plan.params)
+    held = sum(math.prod(shards[n].local_shape) if n in shards else p.numel() for n, p in model.named_parameters())
+    return held / sum(p.numel() for p in model.parameters())
 
 
 def _megatron(kind: str, layers: int = 2) -> tuple[list, list]:
@@ -77,6 +86,7 @@ def test_mamba_is_planned_by_channels(kind: str):
     for tp in (2, 4):
         plan = make_plan(gm, tp)
         assert plan.replicated == () and plan.whole == (), (tp, plan.replicated, plan.whole)
+        assert _held(model, plan) <= 1 / tp + 0.12, (tp, _held(model, plan))
         params = dict(plan.params)
         m = "blocks.0.mixer."
         cut = {n[len(m):]: (s.role, s.dim, s.local_shape) for n, s in params.items() if n.startswith(m)}
@@ -103,6 +113,7 @@ def test_recurrent_block_is_planned_by_channels(kind: str):
     for tp in (2, 4):
         plan = make_plan(gm, tp)
         assert plan.replicated == () and plan.whole == (), (tp, plan.replicated, plan.whole)
+        assert _held(model, plan) <= 1 / tp + 0.12, (tp, _held(model, plan))
         m, c, heads = "blocks.0.mixer.", D_INNER // tp, LRU_HEADS // tp
         cut = {n[len(m):]: (s.role, s.dim, s.local_shape) for n, s in plan.params if n.startswith(m)}
         assert cut == {
