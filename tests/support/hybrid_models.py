@@ -1,5 +1,6 @@
-"""Hybrid state-space mixers written by hand, in a small LM (width 64, vocab 96, sequence 8), and the Hugging Face
-families that use them, built tiny. Every hand-written model is ``(idx, targets) -> (logits, loss)``.
+"""Hybrid state-space and linear-attention mixers written by hand, in a small LM (width 64, vocab 96, sequence
+8), and the Hugging Face families that use them, built tiny. Every hand-written model is
+``(idx, targets) -> (logits, loss)``.
 
 A Mamba-1 mixer whose Δ, B and C are normalized after the reducing projection (Jamba's): ``x_proj`` gives
 ``(b, l, r + 2n)``, split into Δ, B, C, each RMS-normalized over its own width with a weight, then Δ
@@ -15,6 +16,23 @@ rank's channels giving a part), ``dt_proj`` column-parallel.
   a Python loop over time;
 - ``jamba``: Hugging Face's Jamba (a Mamba layer then an attention layer with 4 experts) on ``input_ids`` and
   ``labels``.
+
+Linear-attention mixers whose heads are regrouped under the batch (``(b, s, h·d) -> (b·h, s, d)``), 4 heads
+(key dim 16, value dim 32), cut by heads as Megatron cuts Qwen3.5's gated-delta-net: the input projections
+column-parallel (per segment where fused), the convolution and the per-head decay parameters by heads, the
+recurrence local, the output projection row-parallel; the gated norm's weight ``(d_v,)`` is read by every head
+(whole, its gradient summed over the ranks).
+
+- ``delta_loop``: a gated delta rule as Qwen3.5 / fla's recurrent reference writes it, from one fused input
+  projection ``split`` into segments of unequal sizes ``q | k | v | z | β | a`` (64, 64, 128, 128, 4, 4), a
+  depthwise ``F.conv1d`` over ``q | k | v`` left-padded by ``F.pad``, q and k L2-normalized, the decay
+  ``-exp(A_log)·softplus(a + dt_bias)``, the state ``(b·h, d_k, d_v)`` stepped by ``bmm`` in a Python loop over
+  time, the gated RMS norm on ``(b·s·h, d_v)`` then ``(b, s, h·d_v)``;
+- ``linear_closed``: gated linear attention in closed form, one ``nn.Linear`` per input (q, k, v, the output
+  gate, the per-head forget gate), the heads folded by ``permute`` and ``flatten(0, 1)``, q and k divided by
+  their norms, the decays as differences of a ``cumsum`` over time of ``logsigmoid`` gates on ``(b·h, s)``,
+  the scores and output by ``torch.bmm``, the per-head RMS norm by ``F.rms_norm`` on ``(b, s, h, d_v)`` gated
+  by ``sigmoid``.
 """
 from __future__ import annotations
 
@@ -86,11 +104,81 @@ class NormedMamba(nn.Module):
         return self.out_proj(y.transpose(1, 2))
 
 
+NL, DK, DV = 4, 16, 32  # the linear-attention mixers' heads, key and value dims
+
+
+class DeltaNet(nn.Module):
+    """``delta_loop``: a gated delta rule over heads folded under the batch (see the module's doc)."""
+
+    def __init__(self):
+        super().__init__()
+        self.sizes = [NL * DK, NL * DK, NL * DV, NL * DV, NL, NL]  # q | k | v | z | β | a
+        self.in_proj = nn.Linear(H, sum(self.sizes), bias=False)
+        conv = 2 * NL * DK + NL * DV
+        self.conv1d = nn.Conv1d(conv, conv, D_CONV, groups=conv, bias=False)
+        self.A_log = nn.Parameter(torch.log(torch.arange(1, NL + 1, dtype=torch.float32)))
+        self.dt_bias = nn.Parameter(0.1 * torch.randn(NL))
+        self.norm_weight = nn.Parameter(1.0 + 0.2 * torch.randn(DV))  # away from 1, so a wrong gradient shows
+        self.out_proj = nn.Linear(NL * DV, H, bias=False)
+
+    def forward(self, hidden):
+        b, l, _ = hidden.shape
+        q, k, v, z, beta, a = torch.split(self.in_proj(hidden), self.sizes, dim=-1)
+        qkv = F.conv1d(F.pad(torch.cat([q, k, v], -1).transpose(1, 2), (D_CONV - 1, 0)), self.conv1d.weight,
+                       groups=self.conv1d.in_channels)
+        q, k, v = torch.split(F.silu(qkv.transpose(1, 2)), [NL * DK, NL * DK, NL * DV], dim=-1)
+        # heads regrouped under the batch: (b, l, h·d) -> (b·h, l, d)
+        q, k = (F.normalize(t.view(b, l, NL, DK), dim=-1).transpose(1, 2).reshape(b * NL, l, DK) for t in (q, k))
+        v = v.view(b, l, NL, DV).transpose(1, 2).reshape(b * NL, l, DV)
+        g = -self.A_log.exp() * F.softplus(a + self.dt_bias)  # (b, l, h)
+        g, beta = (t.transpose(1, 2).reshape(b * NL, l) for t in (g, beta.sigmoid()))
+        q = q * DK ** -0.5
+        state, ys = q.new_zeros(b * NL, DK, DV), []
+        for t in range(l):
+            state = state * g[:, t].exp()[:, None, None]
+            kv_mem = torch.bmm(k[:, t, None], state)[:, 0]  # (b·h, d_v)
+            delta = (v[:, t] - kv_mem) * beta[:, t, None]
+            state = state + torch.bmm(k[:, t, :, None], delta[:, None])
+            ys.append(torch.bmm(q[:, t, None], state)[:, 0])
+        y = torch.stack(ys, 1).view(b, NL, l, DV).transpose(1, 2).reshape(b * l * NL, DV)  # (b·l·h, d_v)
+        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + 1e-6) * self.norm_weight
+        y = y * F.silu(z.unflatten(-1, (NL, DV)).flatten(0, 2))
+        return self.out_proj(y.reshape(b, l, NL * DV))
+
+
+class GatedLinearAttention(nn.Module):
+    """``linear_closed``: gated linear attention in closed form over heads folded under the batch."""
+
+    def __init__(self):
+        super().__init__()
+        self.q_proj, self.k_proj = nn.Linear(H, NL * DK, bias=False), nn.Linear(H, NL * DK, bias=False)
+        self.v_proj, self.g_proj = nn.Linear(H, NL * DV, bias=False), nn.Linear(H, NL * DV, bias=False)
+        self.gk_proj = nn.Linear(H, NL, bias=True)  # one forget gate per head and position
+        self.norm_weight = nn.Parameter(1.0 + 0.2 * torch.randn(DV))
+        self.o_proj = nn.Linear(NL * DV, H, bias=False)
+
+    def forward(self, x):
+        b, l, _ = x.shape
+        q, k = (p(x).view(b, l, NL, DK).permute(0, 2, 1, 3).flatten(0, 1) for p in (self.q_proj, self.k_proj))
+        q, k = q / q.norm(dim=-1, keepdim=True), k / k.norm(dim=-1, keepdim=True)  # unit rows: the scores bounded by 1
+        v = self.v_proj(x).view(b, l, NL, DV).permute(0, 2, 1, 3).flatten(0, 1)  # (b·h, l, d_v)
+        cum = F.logsigmoid(self.gk_proj(x)).permute(0, 2, 1).flatten(0, 1).cumsum(-1)  # (b·h, l)
+        # the decay from position s to t: exp(cum_t - cum_s) for s <= t
+        causal = torch.ones(l, l, dtype=torch.bool, device=x.device).tril()
+        decay = (cum[:, :, None] - cum[:, None, :]).masked_fill(~causal, float("-inf")).exp()  # (b·h, t, s)
+        scores = torch.bmm(q, k.transpose(1, 2)) * DK ** -0.5 * decay
+        y = torch.bmm(scores, v).unflatten(0, (b, NL)).permute(0, 2, 1, 3)  # (b, l, h, d_v)
+        y = F.rms_norm(y, (DV,), self.norm_weight, 1e-5)  # eps 1e-5: rows near 0 at the first positions
+        y = y * torch.sigmoid(self.g_proj(x)).view(b, l, NL, DV)
+        return self.o_proj(y.flatten(2))
+
+
 class Block(nn.Module):
     def __init__(self, kind: str):
         super().__init__()
         self.norm = RMSNorm(H)
-        self.mixer = NormedMamba(kind)
+        self.mixer = DeltaNet() if kind == "delta_loop" else GatedLinearAttention() if kind == "linear_closed" \
+            else NormedMamba(kind)
 
     def forward(self, x):
         return x + self.mixer(self.norm(x))
@@ -113,8 +201,9 @@ class LM(nn.Module):
 
 
 NORMED = ("normed_cumsum", "normed_simple")
+LINEAR = ("delta_loop", "linear_closed")
 HF = ("jamba",)
-KINDS = (*NORMED, *HF)
+KINDS = (*NORMED, *LINEAR, *HF)
 
 
 def _jamba():
