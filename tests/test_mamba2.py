@@ -7,6 +7,8 @@ causal convolution's input left-padded by ``F.pad``) and Hugging Face's Bamba. E
 of seconds on a loaded 2-core host: extended run."""
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from autotp.capture.tracer import capture
@@ -31,6 +33,9 @@ def test_mamba2_is_planned_by_groups(kind: str):
     for tp in (2, 4):
         plan = make_plan(gm, tp)
         assert plan.replicated == () and plan.whole == (), (tp, plan.replicated, plan.whole)
+        shards = dict(plan.params)
+        held = sum(math.prod(shards[n].local_shape) if n in shards else p.numel() for n, p in model.named_parameters())
+        assert held / sum(p.numel() for p in model.parameters()) <= 1 / tp + 0.12, tp
         cut = {n[len(m) + 1:]: (s.role, s.dim, [g.size for g in s.segments], s.local_shape)
                for n, s in plan.params if n.startswith(m)}
         conv = D_INNER + 2 * GN
