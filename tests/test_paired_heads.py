@@ -83,9 +83,16 @@ def test_diffllama_pairs_heads_and_names_tp_4():
     plan = make_plan(gm, 4)
     assert sorted(m for m, _ in plan.replicated) == [attn, "model.layers.1.self_attn"], plan.replicated
     assert all("tp=4" in why for _, why in plan.replicated), plan.replicated
+    # 2 kv heads in each half of v, tiled head-minor by its repeat: q, k and v cut per half at tp 2
+    model, args, kwargs = build("diffllama_8")
+    plan = make_plan(capture(model, args, kwargs)[0], 2)
+    assert plan.replicated == () and plan.whole == (), (plan.replicated, plan.whole)
+    params = dict(plan.params)
+    for w, n in (("q_proj", 64), ("k_proj", 32), ("v_proj", 32)):
+        assert [(g.size, g.parts) for g in params[f"{attn}.{w}.weight"].segments] == [(n, 2)] * 2, w
 
 
-RUNS = [*GATES, "doge", *PAIRS, "diffllama"]
+RUNS = [*GATES, "doge", *PAIRS, "diffllama", "diffllama_8"]
 PARITY = Launches({}, extended={w: {"paired": (pattern_parity, RUNS, 3, False, "paired_head_models")}
                                 for w in (2, 4)})
 
@@ -102,7 +109,7 @@ def test_gated_attention_trains_exactly(world: int):
         assert list(by_kind) == RUNS, (rank, list(by_kind))
         for kind, r in by_kind.items():
             assert_exact(r, (rank, kind))
-            if kind == "diffllama" and world == 4:  # 2 pairs of heads, fewer than 4 ranks: attention whole
+            if kind.startswith("diffllama") and world == 4:  # 2 pairs (2 kv heads per half) for 4 ranks: whole
                 assert sorted(m for m, _ in r["replicated"]) == [f"model.layers.{i}.self_attn" for i in (0, 1)], r
                 continue
             assert_fully_sharded(r, world, (rank, kind))

@@ -6,6 +6,7 @@ and repeats. Each rule gives the output's :class:`Sharding` and records the inte
 """
 from __future__ import annotations
 
+import math
 import operator
 
 import torch.fx as fx
@@ -299,6 +300,15 @@ class ShapeRules:
             if shape_arg is not None:
                 self._set_view_size(node, shape_arg, j, seg.size if seg else sum(g.size for g in s.segments), s.local_size)
             return Sharding(j, s.segments, outer=True)
+        rest = [src[i] for i in gi[1:]]
+        if seg is None and gi[0] == s.dim and not s.inner and all(is_static(n) for n in rest) \
+                and not any(g.inner for g in s.segments):
+            # several segments merged with whole dims after them (kv heads cut per piece and their repeats,
+            # ``(b, n_kv, n_rep, s, d) -> (b, n_kv·n_rep, s, d)``): each segment's heads keep their repeats
+            segs = tuple(Segment(g.size * math.prod(rest), g.parts) for g in s.segments)
+            if shape_arg is not None:
+                self._set_view_size(node, shape_arg, j, dst[j], sum(g.local() for g in segs))
+            return Sharding(j, segs)
         if seg is None or gi[0] != s.dim:
             raise Unshardable(node, "view merges the sharded dim under another dim")
         parts = seg.parts
@@ -311,12 +321,23 @@ class ShapeRules:
             self._set_view_size(node, shape_arg, j, merged, merged // parts)
         return Sharding(j, (Segment(merged, parts),))
 
+    def _unfolded(self, x: fx.Node, s: Sharding) -> Sharding | None:
+        """An ``outer`` cut ``[k whole, segments]`` of a static ``k`` as the segments listed k times, which hold the
+        same heads on every rank (a half of DiffLlama's kv heads tiled by ``repeat(1, 2, 1, 1)``, ``[2 whole,
+        (n/2, tp)]``, before repeat_kv expands it); None where ``k`` is not static (heads under the batch)."""
+        full, width = self.fp.shape(x)[s.dim], sum(g.size for g in s.segments)
+        if s.inner or s.group or not is_static(full) or full % width or any(g.inner for g in s.segments):
+            return None
+        return Sharding(s.dim, s.segments * (full // width))
+
     def _on_expand(self, node: fx.Node, rule: OpRule) -> Sharding:
         s = self.spec(node.args[0])
         if s is None:  # a replicated value broadcast to a sharded one's shape (``broadcast_to``)
             return self.pointwise(node)
         if s.outer:
-            raise Unshardable(node, "expand of heads folded under the batch")
+            s = self._unfolded(node.args[0], s)
+            if s is None:
+                raise Unshardable(node, "expand of heads folded under the batch")
         sizes = list(node.args[1])
         off = len(sizes) - ndim_of(node.args[0])
         in_shape = self.fp.shape(node.args[0])

@@ -10,7 +10,7 @@ import torch
 import torch.fx as fx
 
 from autotp.analysis.op_rules import OpRule, op_rule
-from autotp.analysis.ops import Strided, Unshardable, arg_of, ndim_of, reduction_args
+from autotp.analysis.ops import Pieces, Strided, Unshardable, arg_of, ndim_of, reduction_args
 from autotp.analysis.region import ParamCut, StatFact
 from autotp.analysis.shapes import is_static, normalize_dim
 from autotp.shard_spec import Sharding, shard_tensor
@@ -377,6 +377,12 @@ class ValueRules:
         if sq is None:
             raise Unshardable(node, "attention with replicated q")
         sk, sv = (sq if s is not None and s != sq and self._meets_as(x, s, sq) else s for x, s in ((k, sk), (v, sv)))
+        for s in (sk, sv):  # v read by its halves of kv heads (DiffLlama) against q cut in order: cut q per piece
+            if s is not None and len(s.segments) > 1 and len(set(s.segments)) == 1 and s.dim == sq.dim \
+                    and not (s.inner or s.outer or s.group or sq.inner or sq.outer or sq.group) \
+                    and sq.single() is not None and not sq.single().inner:
+                raise Pieces(node, f"k or v cut in {len(s.segments)} equal pieces meets query heads cut in order",
+                             len(s.segments))
         broadcast = [x for x, s in ((k, sk), (v, sv)) if s is None]
         if any(self.fp.shape(x)[nd - 3] != 1 for x in broadcast):
             raise Unshardable(node, "attention with replicated k or v of several heads")

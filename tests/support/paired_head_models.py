@@ -22,7 +22,9 @@ the heads after attention. Megatron-style, a pair is never split across ranks: q
 - ``diff_split``: ``torch.split(sdpa(..).transpose(1, 2), n/2, dim=2)``, the pairs concatenated
   ``(b, s, n/2, 2d)`` and normalised over ``2d`` (a written RMS norm), ``o`` of ``n·d`` rows;
 - ``diffllama``: Hugging Face's DiffLlama (2 layers, 4 heads, 2 kv heads: v read by its two halves of kv heads,
-  each repeated to the kv heads); at tp 4 its 2 pairs are fewer than the ranks: attention is left replicated.
+  each repeated to the kv heads); at tp 4 its 2 pairs are fewer than the ranks: attention is left replicated;
+- ``diffllama_8``: the same with 8 heads and 4 kv heads (width 128): each half of v is 2 kv heads, tiled
+  head-minor by the repeat; cut at tp 2, left replicated at tp 4 (2 kv heads per half, fewer than tp).
 """
 from __future__ import annotations
 
@@ -126,15 +128,18 @@ class LM(nn.Module):
 GATES = ("gate_linear", "gate_matmul")
 PAIRS = ("diff_chunk", "diff_split")
 HAND = (*GATES, *PAIRS)
-KINDS = (*GATES, "doge", *PAIRS, "diffllama")
+KINDS = (*GATES, "doge", *PAIRS, "diffllama", "diffllama_8")
 
 
 def _hf(family: str):
-    """The family as benchmarks/op_coverage.py builds it: width 64, 2 layers, 4 heads of 16, 2 kv heads."""
+    """The family as benchmarks/op_coverage.py builds it: width 64, 2 layers, 4 heads of 16, 2 kv heads
+    (``diffllama_8``: width 128, 8 heads of 16, 4 kv heads, 2 kv heads in each half of v)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    cfg = AutoConfig.for_model(family, vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                               num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64,
+    wide = family.endswith("_8")
+    cfg = AutoConfig.for_model(family.removesuffix("_8"), vocab_size=128, hidden_size=128 if wide else 64,
+                               intermediate_size=128, num_hidden_layers=2, num_attention_heads=8 if wide else 4,
+                               num_key_value_heads=4 if wide else 2, head_dim=16, max_position_embeddings=64,
                                bos_token_id=0, eos_token_id=0, use_cache=False)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg)
