@@ -294,8 +294,10 @@ class Propagator(ShapeRules, ValueRules, EinsumRules):
         if self.viewed_parameter(x, s.moved(xd)) or self.elementwise_parameter(x, s.moved(xd)) \
                 or self.picked_parameter(x, s.moved(xd)):
             return
-        if kind_of(x.target) == "factory" and len(x.users) == 1:
-            self._set_view_size(x, list(x.args[0]), xd, sum(g.size for g in s.segments), s.local_size, arg=0)
+        if kind_of(x.target) in ("factory", "new_like") and len(x.users) == 1:
+            # zeros made in the forward (a recurrent state ``x.new_zeros(b, heads, dk, dv)``: x gives its dtype only)
+            at = 0 if kind_of(x.target) == "factory" else 1
+            self._set_view_size(x, list(x.args[at]), xd, sum(g.size for g in s.segments), s.local_size, arg=at)
             return
         if self._learned(x):
             self._summed_slice(node, x)

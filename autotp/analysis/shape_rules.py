@@ -121,6 +121,8 @@ class ShapeRules:
             gj_real = split_dims(gj, dst)
             if s.outer:
                 return self._view_outer(node, s, shape_arg, src, dst, gi_real, gj_real)
+            if len(gi_real) > 1 and len(gj_real) == 2 and gi_real[-1] == s.dim and not s.inner:
+                return self._view_fold(node, s, shape_arg, dst, gj_real)
             if len(gi_real) == 1 and unflattened_sequence_of_one(gj_real, dst, src[s.dim]):
                 gj_real = gj_real[1:]
             if len(gi_real) == 1 and len(gj_real) == 1:  # the sharded dim passes through
@@ -168,9 +170,9 @@ class ShapeRules:
         if len(gi) == 1 and len(gj) == 1:
             self._set_view_size(node, shape_arg, gj[0], full, local)
             return s.moved(gj[0])
-        if len(gi) == 1 and len(gj) == 2 and dst[gj[1]] == full:  # [b·h, ..] -> [b, h, ..]
-            self._set_view_size(node, shape_arg, gj[1], full, local)
-            return Sharding(gj[1], s.segments)
+        if len(gi) == 1 and len(gj) >= 2 and dst[gj[-1]] == full:  # [b·h, ..] -> [b, h, ..], [b·s·h] -> [b, s, h]
+            self._set_view_size(node, shape_arg, gj[-1], full, local)
+            return Sharding(gj[-1], s.segments)
         if len(gi) == 1 and len(gj) == 2 and gi[0] == s.dim and is_static(dst[gj[1]]):
             # [k·W] -> [k·W/d, d]: a strided projection's features into heads, the k blocks still whole
             n2 = dst[gj[1]]
@@ -201,6 +203,17 @@ class ShapeRules:
             raise Unshardable(node, "view regroups the sharded dim with others")
         self._set_view_size(node, shape_arg, gj[0], m, m // seg.parts)
         return Sharding(gj[0], (Segment(m, seg.parts),))
+
+    def _view_fold(self, node, s, shape_arg, dst, gj) -> Sharding:
+        """``[b, s, h·d] -> [b·s·h, d]``: heads folded under the batch with their head dim split off (a gated norm
+        over each head, OLMo-Hybrid's ``g_proj(x).reshape(-1, d)``): each rank's rows are its own heads of every
+        token, ``outer`` over the leading dims."""
+        d = dst[gj[1]]
+        if not is_static(d) or any(g.inner or g.size % d or (g.size // d) % g.parts for g in s.segments):
+            raise Unshardable(node, "view folds the sharded dim under the batch across its heads")
+        out = Sharding(gj[0], tuple(Segment(g.size // d, g.parts) for g in s.segments), outer=True)
+        self._set_view_size(node, shape_arg, gj[0], sum(g.size for g in out.segments), out.local_size)
+        return out
 
     def _view_split(self, node, s, shape_arg, dst, gj) -> Sharding:
         n1 = dst[gj[0]]
@@ -432,6 +445,13 @@ class ShapeRules:
         tensors = [x for x in node.args[0] if not legacy_empty(x)]
         d = normalize_dim(arg_of(node, 1, "dim", 0), ndim_of(node))
         specs = {self.spec(x) for x in tensors} - {None}
+        pieces = [self.spec(x) for x in tensors]
+        if len(specs) > 1 and all(p is not None and p.dim == d and not (p.inner or p.outer or p.group)
+                                  for p in pieces):
+            # pieces each cut on the cat dim, unlike (a gated delta net's q, k (b, s, nk·dk) and v (b, s, nv·dv),
+            # each cut by key-head groups, joined for its convolution): rank r's pieces joined are its block of
+            # each, in order: the segments of a fused projection
+            return Sharding(d, tuple(g for p in pieces for g in p.segments))
         if len(specs) != 1:
             raise Unshardable(node, "cat of tensors sharded differently")
         s = specs.pop()
