@@ -140,7 +140,8 @@ class WholeCandidate(NamedTuple):
 
 
 def whole_candidates(gm: fx.GraphModule, a: Analysis) -> tuple[WholeCandidate, ...]:
-    """Every parameter of two or more dims of ``gm``, each with the reason it would be left whole; tied names
+    """Every parameter of two or more dims larger than 1 of ``gm`` (RWKV's time-mixing scales ``(1, 1, h)`` are
+    vectors, whole as a norm's weight is), each with the reason it would be left whole; tied names
     count once (the first one names it). The planner keeps those it does not cut (:func:`whole_params`)."""
     if a.tp == 1:
         return ()
@@ -148,7 +149,7 @@ def whole_candidates(gm: fx.GraphModule, a: Analysis) -> tuple[WholeCandidate, .
     nodes = {n.target: n for n in gm.graph.nodes if n.op == "get_attr"}
     groups: dict[int, list[str]] = {}
     for name, p in gm.named_parameters(remove_duplicate=False):
-        if p.dim() >= 2:
+        if sum(size > 1 for size in p.shape) >= 2:  # a (1, 1, h) scale is a vector, as a norm's weight is
             groups.setdefault(id(p), []).append(name)
     return tuple(WholeCandidate(tuple(names), _whole(names, nodes, matmuls, a)) for names in groups.values())
 

@@ -72,7 +72,42 @@ def dataflow_graph(gm: fx.GraphModule) -> nx.DiGraph:
         g.add_node(node)
         for inp in node.all_input_nodes:
             g.add_edge(inp, node)
+    for write, reader in _written_then_read(gm):
+        g.add_edge(write, reader)
     return g
+
+
+def _written_then_read(gm: fx.GraphModule) -> list[tuple[fx.Node, fx.Node]]:
+    """(write, reader) for each in-place write into a tensor (or a view of it) and each later read of that tensor
+    or its views: the written value flows on to what reads the tensor after it, though no graph edge says so
+    (RWKV's WKV loop writes each step into ``output[:, t]`` of ``output = zeros_like(key)``, and the output
+    projection reads ``output`` after the loop: the values, through those writes, are its input)."""
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    out = []
+    for node in gm.graph.nodes:
+        op = node.target
+        if node.op != "call_function" or not isinstance(op, torch._ops.OpOverload) or not op._schema.is_mutable \
+                or not node.args or not isinstance(node.args[0], fx.Node):
+            continue
+        base = node.args[0]
+        while _is_view(base) and isinstance(base.args[0], fx.Node):
+            base = base.args[0]
+        views, todo = set(), [base]
+        while todo:  # the tensor and every view of it, wherever made
+            n = todo.pop()
+            views.add(n)
+            todo.extend(u for u in n.users if _is_view(u) and u.args[0] is n and u not in views)
+        out += [(node, r) for v in views for r in v.users if order[r] > order[node]]
+    return out
+
+
+def _is_view(node: fx.Node) -> bool:
+    """Does ``node`` return a view of its first argument (its schema says the result aliases it, unwritten)?"""
+    op = node.target
+    if node.op != "call_function" or not isinstance(op, torch._ops.OpOverload) or op._schema.is_mutable:
+        return False
+    returns = op._schema.returns
+    return bool(returns) and returns[0].alias_info is not None
 
 
 def feeders(g: nx.DiGraph, matmul_nodes: set[fx.Node]) -> dict[fx.Node, frozenset[fx.Node]]:

@@ -332,8 +332,11 @@ class Propagator(ShapeRules, ValueRules, EinsumRules):
             # beside this read, x may give its dtype to new tensors (``A.new_zeros((b, d, n))``, cut alike)
             others = [u for u in node.users if not (node is x and kind_of(u.target) == "new_like" and u.args[0] is x)]
             dead = self._unread(node)
+            # x itself may have other readers (RWKV's decay ``-exp(time_decay)``, read at every step of its loop):
+            # it is cut for all of them, and one outside the region is refused as a sharded value escaping it
             if rule is None or not (rule.kind == "pointwise" or rule.cast) or len(ins) != 1 \
-                    or len([u for u in others if u not in dead]) != 1 or self.fp.shape(ins[0]) != self.fp.shape(node):
+                    or (node is not x and len([u for u in others if u not in dead]) != 1) \
+                    or self.fp.shape(ins[0]) != self.fp.shape(node):
                 return False
             chain.append(node)
             unread += dead

@@ -1,0 +1,109 @@
+"""RWKV-4's time mixing in a small LM (width 64, vocab 96, sequence 12), and Hugging Face's RWKV built tiny.
+Each block mixes the current and the previous token per channel (``x * mix + shift(x) * (1 - mix)``, ``mix``
+``(h,)``; Hugging Face's ``(1, 1, h)``) into key, value and receptance projections, runs the WKV recurrence per channel (a Python loop
+over time, with the decay ``-exp(time_decay)`` read at every step) and projects ``sigmoid(r) * wkv`` out.
+Megatron's channel cut: key, value and receptance column-parallel, the recurrence on each rank's channels (the
+decay and ``time_first`` cut with them), the output projection row-parallel; the mixing scales read the whole
+input and stay whole. Every hand-written model is ``(idx, targets) -> (logits, loss)``.
+
+- ``written``: the recurrence writes each step into ``out[:, t]`` of ``out = torch.zeros_like(k)`` (Hugging
+  Face's CPU path);
+- ``stacked``: the steps are collected in a list and ``torch.stack``-ed, the decay spelled
+  ``self.decay.exp().neg()``;
+- ``rwkv``: Hugging Face's RWKV (2 layers) on ``input_ids`` and ``labels``.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from pattern_models import H, S, V, RMSNorm
+
+
+class TimeMix(nn.Module):
+    def __init__(self, kind: str):
+        super().__init__()
+        self.kind = kind
+        g = torch.Generator().manual_seed(3)
+        self.decay = nn.Parameter(torch.randn(H, generator=g) * 0.5)
+        self.first = nn.Parameter(torch.randn(H, generator=g) * 0.5)
+        self.mix_k, self.mix_v, self.mix_r = (nn.Parameter(torch.rand(H, generator=g)) for _ in range(3))
+        self.key, self.value, self.receptance = (nn.Linear(H, H, bias=False) for _ in range(3))
+        self.output = nn.Linear(H, H, bias=False)
+
+    def forward(self, x):
+        shifted = F.pad(x, (0, 0, 1, -1))  # the previous token, zeros before the first
+        k = self.key(x * self.mix_k + shifted * (1 - self.mix_k))
+        v = self.value(x * self.mix_v + shifted * (1 - self.mix_v))
+        r = torch.sigmoid(self.receptance(x * self.mix_r + shifted * (1 - self.mix_r)))
+        w = -torch.exp(self.decay) if self.kind == "written" else self.decay.exp().neg()
+        num, den = torch.zeros_like(k[:, 0]), torch.zeros_like(k[:, 0])
+        top = torch.zeros_like(k[:, 0]) - 1e38
+        out, steps = torch.zeros_like(k), []
+        for t in range(k.shape[1]):
+            kt, vt = k[:, t], v[:, t]
+            m = torch.maximum(top, kt + self.first)
+            e1, e2 = torch.exp(top - m), torch.exp(kt + self.first - m)
+            y = (e1 * num + e2 * vt) / (e1 * den + e2)
+            if self.kind == "written":
+                out[:, t] = y
+            else:
+                steps.append(y)
+            m = torch.maximum(top + w, kt)
+            e1, e2 = torch.exp(top + w - m), torch.exp(kt - m)
+            num, den, top = e1 * num + e2 * vt, e1 * den + e2, m
+        if self.kind != "written":
+            out = torch.stack(steps, dim=1)
+        return self.output(r * out)
+
+
+class Block(nn.Module):
+    def __init__(self, kind: str):
+        super().__init__()
+        self.n1, self.n2 = RMSNorm(H), RMSNorm(H)
+        self.mix = TimeMix(kind)
+        self.fc1, self.fc2 = nn.Linear(H, 4 * H, bias=False), nn.Linear(4 * H, H, bias=False)
+
+    def forward(self, x):
+        x = x + self.mix(self.n1(x))
+        return x + self.fc2(torch.square(torch.relu(self.fc1(self.n2(x)))))
+
+
+class LM(nn.Module):
+    def __init__(self, kind: str):
+        super().__init__()
+        self.emb = nn.Embedding(V, H)
+        self.blocks = nn.ModuleList([Block(kind) for _ in range(2)])
+        self.norm = RMSNorm(H)
+        self.head = nn.Linear(H, V, bias=False)
+
+    def forward(self, idx, targets):
+        x = self.emb(idx)
+        for blk in self.blocks:
+            x = blk(x)
+        logits = self.head(self.norm(x))
+        return logits, F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+KINDS = ("written", "stacked", "rwkv")
+
+
+def _rwkv():
+    from transformers import AutoModelForCausalLM, RwkvConfig
+
+    cfg = RwkvConfig(vocab_size=128, hidden_size=64, num_hidden_layers=2, attention_hidden_size=64,
+                     intermediate_size=128, context_length=64, use_cache=False, bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg)
+    ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(1))
+    return model, (), {"input_ids": ids, "labels": ids}
+
+
+def build(kind: str):
+    if kind == "rwkv":
+        return _rwkv()
+    torch.manual_seed(0)
+    model = LM(kind)
+    g = torch.Generator().manual_seed(1)
+    return model, (torch.randint(0, V, (2, S), generator=g), torch.randint(0, V, (2, S), generator=g)), {}
