@@ -140,6 +140,14 @@ def _repeat(op, rule: OpRule) -> None:
              [1, 1, 2])
 
 
+def _tile(op, rule: OpRule) -> None:
+    # ``torch.tile(k, (1, 1, 2))``: repeat's counts; kv heads tiled head-minor, [2 whole copies, this rank's heads]
+    assert _out(op, {0: _s(2, 8)}, _x(2, 3, 8), [1, 1, 2]) == Sharding(2, (Segment(8, TP),), outer=True)
+    assert _out(op, {0: _s(2, 8)}, _x(2, 3, 8), [2, 1, 1]) == _s(2, 8)
+    # counts for the last dims only (ones prepended by torch): refused, named
+    _refuses(op, "fewer counts than its input's dims", {0: _s(2, 8)}, _x(2, 3, 8), [1, 2])
+
+
 def _repeat_interleave(op, rule: OpRule) -> None:
     assert _out(op, {0: _s(1, 4)}, _x(2, 4, 3), 2, 0) == _s(1, 4)
     assert _out(op, {0: _s(1, 4)}, _x(2, 4, 3), 2, 1) == _s(1, 8)  # each rank repeats its own kv heads
@@ -265,9 +273,19 @@ def _conv(op, rule: OpRule) -> None:
 
 def _cat(op, rule: OpRule) -> None:
     assert _out(op, {0: _s(2, 8), 1: _s(2, 8)}, [_x(2, 3, 8), _x(2, 3, 8)], 0) == _s(2, 8)
-    # pieces cut alike joined along their cut dim: [2 whole pieces, this rank's part of each]
-    assert _out(op, {0: _s(2, 8), 1: _s(2, 8)}, [_x(2, 3, 8), _x(2, 3, 8)], 2) == Sharding(2, (Segment(8, TP),),
-                                                                                         outer=True)
+    # distinct values cut alike joined along their cut dim (q, k and v projections joined for one convolution):
+    # this rank's block of each, in order: the segments of a fused projection
+    assert _out(op, {0: _s(2, 8), 1: _s(2, 8)}, [_x(2, 3, 8), _x(2, 3, 8)], 2) == _s(2, 8, 8)
+    # one value repeated (``torch.cat([k] * 2, dim=2)``): [2 whole copies, this rank's part of each]
+    g, x = fx.Graph(), _x(2, 3, 8)
+    k = g.placeholder("k")
+    k.meta["val"] = x
+    node = g.call_function(op, ([k, k], 2))
+    node.meta["val"] = op([x, x], 2)
+    p = Propagator(Fingerprinter(), TP, "test")
+    p.region.specs[k] = _s(2, 8)
+    p.visit(node)
+    assert p.region.specs[node] == Sharding(2, (Segment(8, TP),), outer=True)
     _refuses(op, "cat along the sharded dim", {0: _s(2, 8)}, [_x(2, 3, 8), _x(2, 3, 8)], 2)
 
 
@@ -479,7 +497,7 @@ CHECKS = {
     **{op: (lambda args: lambda op, r: _move(op, r, *args))(args) for op, args in _MOVE_ARGS.items()},
     **dict.fromkeys((aten.view.default, aten.reshape.default, aten._unsafe_view.default), _view),
     aten.flatten.using_ints: _flatten, aten.expand.default: _expand, aten.broadcast_to.default: _expand,
-    aten.expand_as.default: _expand_as, aten.repeat.default: _repeat,
+    aten.expand_as.default: _expand_as, aten.repeat.default: _repeat, aten.tile.default: _tile,
     aten.repeat_interleave.self_int: _repeat_interleave,
     aten.view_as_complex.default: _complex_view, aten.view_as_real.default: _complex_view,
     aten.slice.Tensor: _slice, aten.narrow.default: _narrow, aten.select.int: _select, aten.index.Tensor: _index,
