@@ -75,3 +75,21 @@ def test_a_tied_weight_is_reported_whole_once_and_a_tied_cut_weight_never():
     whole = {w.name: w.reason for w in plan.whole}
     assert set(whole) == {"mix"}, whole
     assert "tanh" in whole["mix"], whole  # read under its other name
+
+
+def test_an_analysis_reads_no_facts_left_on_the_graph_by_another():
+    """One capture planned at several tp sizes (``autotp plan --auto``): each analysis writes its own facts on
+    the nodes and reads none an earlier one left. Facts planted on every node (as an analysis at another tp
+    would leave them where this one cuts nothing) are gone: only the nodes of this analysis's pairs carry
+    one, and each is the sharding its pair found."""
+    from autotp.analysis.pairs import analyze
+    from autotp.shard_spec import Segment, Sharding
+
+    gm = _graph()
+    planted = Sharding(0, (Segment(7, 2),))
+    for n in gm.graph.nodes:
+        n.meta["autotp"] = planted
+    result = analyze(gm, 2)
+    cut = {n: s for p in result.pairs for n, s in p.region.specs.items()}
+    assert cut and {n for n in gm.graph.nodes if "autotp" in n.meta} == set(cut)
+    assert all(n.meta["autotp"] == s != planted for n, s in cut.items())

@@ -22,7 +22,7 @@ import torch.fx as fx
 
 from autotp.analysis.matmuls import ParamMatmul
 from autotp.analysis.ops import Unshardable, reaches
-from autotp.analysis.region import Entering, Region
+from autotp.analysis.pair_region import Entering, PairRegion
 
 
 class ChannelForm(NamedTuple):
@@ -70,7 +70,7 @@ def channel_form(found: frozenset[fx.Node], feed: dict[fx.Node, frozenset[fx.Nod
     return ChannelForm(columns, reduces)
 
 
-def check_columns_inside(form: ChannelForm, region: Region) -> None:
+def check_columns_inside(form: ChannelForm, region: PairRegion) -> None:
     """A column fed by a reduction reads a replicated value whose gradient the reduction's backward all-reduce
     sums: never a channel-cut value directly; a parameter it is also computed from enters through its own f
     (:func:`beside_reductions`)."""
@@ -87,7 +87,7 @@ def check_columns_inside(form: ChannelForm, region: Region) -> None:
                 region.entering.append(e)
 
 
-def beside_reductions(region: Region, x: fx.Node, learned: Callable[[fx.Node], bool]) -> list[Entering]:
+def beside_reductions(region: PairRegion, x: fx.Node, learned: Callable[[fx.Node], bool]) -> list[Entering]:
     """Where a replicated ``x`` computed from reducing projections' outputs meets sharded values (or a column):
     each rank's gradient for it is partial. Along the way back to the reductions that gradient stays linear
     and the reductions' backward all-reduce completes it, so nothing enters there; each operand on the way
@@ -109,7 +109,7 @@ def beside_reductions(region: Region, x: fx.Node, learned: Callable[[fx.Node], b
     return out
 
 
-def after_reduction(region: Region, x: fx.Node) -> bool:
+def after_reduction(region: PairRegion, x: fx.Node) -> bool:
     """Whether ``x`` is computed (replicated) from one of the region's reducing projections."""
     return bool(region.reduced) and reaches(x, lambda n: n in region.reduced, lambda n: n in region.specs)
 
@@ -126,11 +126,11 @@ def _is_parameter(n: fx.Node) -> bool:
         return False
 
 
-def summed_inputs(form: ChannelForm, region: Region) -> set[fx.Node]:
+def summed_inputs(form: ChannelForm, region: PairRegion) -> set[fx.Node]:
     """The inputs of columns fed by reductions: their gradient is summed by the reductions' all-reduce, so they
     enter through no f of their own."""
     return {c.x for c in form.columns if _fed_inside(c, region)}
 
 
-def _fed_inside(c: ParamMatmul, region: Region) -> bool:
+def _fed_inside(c: ParamMatmul, region: PairRegion) -> bool:
     return reaches(c.x, lambda n: n in region.reduced)

@@ -16,7 +16,7 @@ import torch.fx as fx
 
 from autotp.analysis.op_rules import OpRule, kind_of
 from autotp.analysis.ops import Unshardable, ndim_of
-from autotp.analysis.region import OperandSlice, ParamCut
+from autotp.analysis.pair_region import OperandSlice, ParamCut
 from autotp.shard_spec import Sharding
 
 

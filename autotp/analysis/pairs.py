@@ -26,7 +26,7 @@ from autotp.analysis.partial import deferred
 
 if TYPE_CHECKING:
     import networkx as nx
-from autotp.analysis.propagate import Region, propagate
+from autotp.analysis.propagate import PairRegion, propagate
 from autotp.analysis.shapes import Fingerprinter
 from autotp.errors import ShardingError
 from autotp.shard_spec import Segment, Sharding, strided
@@ -40,7 +40,7 @@ class PairFacts:
     columns: list[ParamMatmul]
     row: ParamMatmul
     column_specs: dict[str, Sharding]  # column node name -> output sharding
-    region: Region
+    region: PairRegion
     # a channel-parallel mixer's reducing projections (row-parallel inside the region, autotp.analysis.channels)
     reduces: list[ParamMatmul] = field(default_factory=list)
     summed: frozenset[fx.Node] = frozenset()  # column inputs whose gradient the reductions' all-reduce sums
@@ -155,12 +155,14 @@ def analyze(gm: fx.GraphModule, tp: int) -> Analysis:
         weight_uses[m.key] = weight_uses.get(m.key, 0) + 1
     banned: set[tuple[str, int | None]] = set()
     while True:
+        # each attempt writes its own facts: none left by an earlier attempt, or by an analysis of this graph at
+        # another tp (``autotp plan --auto`` plans one capture at every tp), may be read as this one's
+        for node in gm.graph.nodes:
+            node.meta.pop("autotp", None)
         result = _analyze(gm, tp, matmuls, embeddings, weight_uses, banned)
         unlike = _cut_unlike(result, weight_uses) - banned
         if not unlike:
             return result
-        for node in gm.graph.nodes:  # the next attempt writes its own facts
-            node.meta.pop("autotp", None)
         banned |= unlike
 
 
@@ -309,7 +311,7 @@ def _fewer_columns(columns: list[ParamMatmul], first: Unshardable, g: nx.DiGraph
     return out
 
 
-def _refuse_banned(region: Region, banned: set[tuple[str, int | None]]) -> None:
+def _refuse_banned(region: PairRegion, banned: set[tuple[str, int | None]]) -> None:
     """Unshardable where ``region`` cuts a parameter that another reader does not read cut alike (found by the
     last attempt's :func:`_cut_unlike`)."""
     for x in region.params:
@@ -332,7 +334,7 @@ def _side_rows(e: Unshardable, cols: frozenset[fx.Node], row: ParamMatmul, by_no
 
 
 def _cut(columns: list[ParamMatmul], row: ParamMatmul, fp: Fingerprinter, tp: int, name: str,
-         sides: list[ParamMatmul] = ()) -> tuple[dict[fx.Node, Sharding], Region]:
+         sides: list[ParamMatmul] = ()) -> tuple[dict[fx.Node, Sharding], PairRegion]:
     """The columns' cuts (:func:`column_segments`, each on its output features) and the region they give.
 
     Where attention's query heads, cut in order, meet kv heads repeated head-minor (:class:`Strided`), the
@@ -364,7 +366,7 @@ def _cut(columns: list[ParamMatmul], row: ParamMatmul, fp: Fingerprinter, tp: in
 
 def _cut_in_pieces(columns: list[ParamMatmul], specs: dict[fx.Node, Sharding], e: Pieces, row: ParamMatmul,
                    fp: Fingerprinter, tp: int, name: str, others: dict[fx.Node, tuple[fx.Node, int]]
-                   ) -> tuple[dict[fx.Node, Sharding], Region]:
+                   ) -> tuple[dict[fx.Node, Sharding], PairRegion]:
     """The pair propagated again with every column cut in order cut per piece instead (:class:`Pieces`): heads
     read in ``e.blocks`` equal pieces (DiffLlama's head ``i`` paired with head ``i + n/2``, 4 query heads of 16 at
     tp 2: q ``[(32, 2), (32, 2)]``, rank 0 heads 0 and 2), so that a rank's heads of one piece meet its heads of

@@ -18,7 +18,7 @@ from autotp.analysis.channels import after_reduction, beside_reductions
 from autotp.analysis.einsum_rules import EinsumRules
 from autotp.analysis.op_rules import OP_RULES, OpRule, handler, kind_of, op_rule
 from autotp.analysis.ops import Unshardable, held_whole, is_guard, is_random, ndim_of, reaches, unseen_write
-from autotp.analysis.region import Entering, OperandSlice, ParamCut, Region, StatFact
+from autotp.analysis.pair_region import Entering, OperandSlice, ParamCut, PairRegion, StatFact
 from autotp.analysis.shape_rules import ShapeRules
 from autotp.analysis.shapes import Fingerprinter, is_static, normalize_dim, view_groups
 from autotp.analysis.torch_rules import TorchRefused, ask_torch
@@ -29,7 +29,7 @@ from autotp.operators.functions import FunctionCall, arg_index, call_of, is_resu
 from autotp.errors import ShardingError
 from autotp.shard_spec import Segment, Sharding, local_runs, strided
 
-__all__ = ["Propagator", "Region", "propagate"]
+__all__ = ["Propagator", "PairRegion", "propagate"]
 
 
 def _param_view(target: object) -> bool:
@@ -61,7 +61,7 @@ class Propagator(ShapeRules, ValueRules, EinsumRules):
         self.fp = fp
         self.tp = tp
         self.where = where  # the region's name, for errors
-        self.region = Region()
+        self.region = PairRegion()
         self._broadcast: frozenset[fx.Node] = frozenset()  # operands of the node being visited read as replicated
         self._checked: set[FunctionCall] = set()  # the model's autograd Functions checked to run on shards
         self._entered: dict[FunctionCall, fx.Node] = {}  # each Function entered: its first node visited
@@ -317,7 +317,6 @@ class Propagator(ShapeRules, ValueRules, EinsumRules):
             return
         raise Unshardable(node, f"replicated operand {x.name} spans the sharded dim and depends on a parameter")
 
-
     def elementwise_parameter(self, x: fx.Node, s: Sharding) -> bool:
         """A value computed from one parameter by elementwise ops alone and read only here (a gated linear
         attention's per-head decay ``-A_log.float().exp()``): the parameter is sharded with the heads, and
@@ -488,7 +487,7 @@ def _row_input(p: Propagator, row: fx.Node, x: fx.Node, x_dim: int, fp: Fingerpr
     return rs
 
 
-def _between(region: Region, x: fx.Node) -> set[fx.Node]:
+def _between(region: PairRegion, x: fx.Node) -> set[fx.Node]:
     """The replicated values ``x`` is computed from after the region's reducing projections (``x`` included; empty
     where it reads none of them)."""
     seen, todo = set(), [x]
@@ -520,7 +519,7 @@ def _operand(node: fx.Node, s: Sharding | None) -> Operand:
 
 def propagate(columns: dict[fx.Node, Sharding], row: fx.Node, row_x: fx.Node, fp: Fingerprinter, tp: int,
               where: str, x_dim: int = -1, reduces: dict[fx.Node, tuple[fx.Node, int]] | None = None,
-              sides: dict[fx.Node, tuple[fx.Node, int]] | None = None) -> Region:
+              sides: dict[fx.Node, tuple[fx.Node, int]] | None = None) -> PairRegion:
     """Propagate the column shardings to ``row`` (which contracts ``x_dim`` of ``row_x``); raise
     :class:`Unshardable` if the region leaks. ``reduces``: parameter matmuls inside the region (node -> its
     input and the dim it contracts) that reduce a channel-cut value, as Mamba's Δ/B/C projection does: each
@@ -528,7 +527,7 @@ def propagate(columns: dict[fx.Node, Sharding], row: fx.Node, row_x: fx.Node, fp
     read whole after it, also by the columns its output feeds (``dt_proj``). ``sides``: other parameter
     matmuls (node -> input, contracted dim) where sharded values end as they do at ``row``: a parallel
     block's feed-forward output projection reading the ``ff`` segment of the one fused ``q | k | v | ff``
-    column; each is row-parallel, its partial output completed by g (``Region.sides``)."""
+    column; each is row-parallel, its partial output completed by g (``PairRegion.sides``)."""
     reduces, sides = reduces or {}, sides or {}
     p = Propagator(fp, tp, where)
     p.region.specs.update(columns)

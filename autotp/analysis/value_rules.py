@@ -11,7 +11,7 @@ import torch.fx as fx
 
 from autotp.analysis.op_rules import OpRule, op_rule
 from autotp.analysis.ops import Pieces, Strided, Unshardable, arg_of, ndim_of, reduction_args
-from autotp.analysis.region import ParamCut, StatFact
+from autotp.analysis.pair_region import ParamCut, StatFact
 from autotp.analysis.shapes import is_static, normalize_dim
 from autotp.shard_spec import Sharding, shard_tensor
 

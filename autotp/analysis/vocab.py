@@ -29,7 +29,7 @@ from autotp.analysis.matmuls import ParamMatmul, module_path, where
 from autotp.analysis.op_rules import OpRule, kind_of, op_rule
 from autotp.analysis.ops import Unshardable, arg_of, from_inputs, ndim_of, slice_range
 from autotp.analysis.propagate import Propagator
-from autotp.analysis.region import ParamCut
+from autotp.analysis.pair_region import ParamCut
 from autotp.analysis.shapes import Fingerprinter, is_static, normalize_dim
 from autotp.shard_spec import Segment, Sharding, VocabRows
 

@@ -1,4 +1,5 @@
-"""What tensor-parallel propagation finds in one column→row region (:class:`Region`), and its facts.
+"""What tensor-parallel propagation finds in one pair region, the span of a column→row pair
+(:class:`PairRegion`), and its facts.
 
 Each fact is a NamedTuple: read by name, or unpacked in field order.
 """
@@ -49,7 +50,7 @@ class ParamCut(NamedTuple):
 
 
 @dataclass
-class Region:
+class PairRegion:
     specs: dict[fx.Node, Sharding | tuple[Sharding | None, ...]] = field(default_factory=dict)
     rewrites: list[Rewrite] = field(default_factory=list)
     random_nodes: list[fx.Node] = field(default_factory=list)
