@@ -149,7 +149,9 @@ def whole_candidates(gm: fx.GraphModule, a: Analysis) -> tuple[WholeCandidate, .
     nodes = {n.target: n for n in gm.graph.nodes if n.op == "get_attr"}
     groups: dict[int, list[str]] = {}
     for name, p in gm.named_parameters(remove_duplicate=False):
-        if sum(size > 1 for size in p.shape) >= 2:  # a (1, 1, h) scale is a vector, as a norm's weight is
+        # a (1, 1, h) scale is a vector, as a norm's weight is; a 2-D weight is a matrix even of one row (a
+        # shared expert's h -> 1 gate)
+        if p.dim() == 2 or sum(size > 1 for size in p.shape) >= 2:
             groups.setdefault(id(p), []).append(name)
     return tuple(WholeCandidate(tuple(names), _whole(names, nodes, matmuls, a)) for names in groups.values())
 
