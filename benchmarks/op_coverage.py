@@ -48,7 +48,7 @@ does not read. Any other whole weight (an attention or MLP projection, a token e
 vocab-parallel, a weight read by an op with no rule) is a gap.
 
 Measured: op classes and plans only. Parity of the sharded families against the unsharded model is not
-run here (tests/test_parity.py and benchmarks/parity_report.py measure it for the models they cover).
+run here (tests/runtime/test_parity.py and benchmarks/parity_report.py measure it for the models they cover).
 """
 from __future__ import annotations
 

@@ -4,7 +4,7 @@
 
 For each spelling and tp: max |Δ| of loss and gradients against the unsharded model, max |Δ| of the
 parameters after 3 AdamW steps (fp32), the all-reduces of one training step (forward, backward) and the
-blocks left replicated (none expected). The same workers as ``tests/test_patterns.py``.
+blocks left replicated (none expected). The same workers as ``tests/analysis/test_patterns.py``.
 """
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ over ``torch.distributed._functional_collectives`` (traceable: dynamo puts ``_c1
 the vocab-parallel loss as an autograd function, and the vocab-parallel logits as a
 :class:`~autotp.operators.gathered.GatheredOnUse` made outside the compiled region. :func:`compile_graph`
 compiles with ``fullgraph=False`` so a construct dynamo cannot trace degrades to a graph break instead of an
-error; :func:`graph_breaks` counts them (see ``tests/test_compile.py``).
+error; :func:`graph_breaks` counts them (see ``tests/runtime/test_compile.py``).
 """
 from __future__ import annotations
 

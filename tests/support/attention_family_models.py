@@ -1,5 +1,5 @@
 """Attention spellings of encoder-style and unusual Hugging Face families, and hand-written spellings of the same
-patterns, for tests/test_attention_families.py. The Hugging Face models are built tiny from their configs (width
+patterns, for tests/analysis/test_attention_families.py. The Hugging Face models are built tiny from their configs (width
 64, 4 heads of 16, 2 layers, vocab 128, no dropout) and called as a training step calls them,
 ``model(input_ids=ids, labels=ids)``; the hand-written ones are tests/support/pattern_models.py's small LM
 (``(idx, targets) -> (logits, loss)``) with their own attention.

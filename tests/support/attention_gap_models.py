@@ -1,6 +1,6 @@
 """Attention spellings from public single-device files that used to stay whole, in small LMs like
 tests/support/pattern_models.py's (width 64, 4 query heads of 16, vocab 96, 2 layers, SwiGLU MLPs); every model
-is ``(idx, targets) -> (logits, loss)``; tests/test_attention_gaps.py runs them.
+is ``(idx, targets) -> (logits, loss)``; tests/analysis/test_attention_gaps.py runs them.
 
 - ``where_other``, ``where_self``: the causal mask applied by ``torch.where`` with a Python scalar,
   ``torch.where(mask, scores, -inf)`` (``where.ScalarOther``) and ``torch.where(~mask, finfo.min, scores)``

@@ -1,6 +1,6 @@
 """Decoders that keep their KV cache in module buffers written in place, the way gpt-fast and torchtune
 write them: a prefill call and one-token decode calls, both ``(idx, input_pos) -> logits`` under
-``torch.no_grad()``. The pattern suite's KV-cache rows (tests/test_patterns.py). Kind ``mqa``: one kv head
+``torch.no_grad()``. The pattern suite's KV-cache rows (tests/analysis/test_patterns.py). Kind ``mqa``: one kv head
 (multi-query) in the fused projection, cached gpt-fast's way and broadcast over the query heads by attention."""
 from __future__ import annotations
 

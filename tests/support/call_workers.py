@@ -1,4 +1,4 @@
-"""Rank functions of tests/test_call_matrix.py: how training scripts really call a model, each call sequence run
+"""Rank functions of tests/capture/test_call_matrix.py: how training scripts really call a model, each call sequence run
 on a parallelized model and on the unsharded one, every loss and every generated token compared.
 
 A case is ``model:example:sequence:mode``:
@@ -9,7 +9,7 @@ A case is ``model:example:sequence:mode``:
 - mode: ``eager``, ``compile`` (``parallelize(compile=...)``) or ``user`` (the user's own
   ``torch.compile(model)`` after parallelize, every call through it). Both compile with aot_eager: dynamo and
   AOTAutograd over autotp's graphs, which is where a call sequence can break (guards, recompiles, graph breaks);
-  Inductor's code generation is tests/test_compile.py's (a cold C++ build per graph costs seconds on 2 cores).
+  Inductor's code generation is tests/runtime/test_compile.py's (a cold C++ build per graph costs seconds on 2 cores).
 """
 from __future__ import annotations
 

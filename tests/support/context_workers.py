@@ -1,4 +1,4 @@
-"""Rank functions for tests/test_context_parallel.py: a captured forward run on each rank's sequence chunk
+"""Rank functions for tests/runtime/test_context_parallel.py: a captured forward run on each rank's sequence chunk
 against the whole model on one device."""
 from __future__ import annotations
 

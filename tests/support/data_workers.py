@@ -1,4 +1,4 @@
-"""Ranks of one TP group must see the same batch: workers for tests/test_data.py."""
+"""Ranks of one TP group must see the same batch: workers for tests/runtime/test_data.py."""
 from __future__ import annotations
 
 import copy

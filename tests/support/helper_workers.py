@@ -1,4 +1,4 @@
-"""Rank-side code for tests/test_custom_functions.py: the command line's gradient parity check."""
+"""Rank-side code for tests/capture/test_custom_functions.py: the command line's gradient parity check."""
 from __future__ import annotations
 
 import torch

@@ -1,4 +1,4 @@
-"""Rank functions of tests/test_island_backward.py: what an island's backward communicates, and whether a
+"""Rank functions of tests/runtime/test_island_backward.py: what an island's backward communicates, and whether a
 mixture-of-experts loop trains exactly with dropout inside its experts."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Ranks of tests/test_later_signatures.py: a later call signature rewrites the exported blocks once and copies
+"""Ranks of tests/capture/test_later_signatures.py: a later call signature rewrites the exported blocks once and copies
 them; it must compute, bit for bit and collective for collective, what rewriting the whole graph computes."""
 from __future__ import annotations
 

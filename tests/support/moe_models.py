@@ -1,5 +1,5 @@
 """Mixture-of-experts spellings from public model code, each in a small LM of its own (width 64, 4 heads,
-4 experts of 32 features, vocab 96): the expert suite of tests/test_moe.py. Every model is
+4 experts of 32 features, vocab 96): the expert suite of tests/runtime/test_moe.py. Every model is
 ``(idx, targets) -> (logits, loss)``; the loss adds the router's load-balancing loss where the kind has one.
 
 - ``list_dense``: a ModuleList of SwiGLU experts, every expert on every token, weighted by a dense routing matrix;

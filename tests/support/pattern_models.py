@@ -1,5 +1,5 @@
 """Attention and MLP spellings from public model code, each in a small LM of its own (width 64, 4 query
-heads of 16, vocab 96): the pattern suite of tests/test_patterns.py. Every model is
+heads of 16, vocab 96): the pattern suite of tests/analysis/test_patterns.py. Every model is
 ``(idx, targets) -> (logits, loss)``."""
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The README's shell commands, for the tests that run them as written.
 
-``tests/test_readme.py`` runs every command of the README's ``bash`` blocks; a test that checks more than
+``tests/e2e/test_readme.py`` runs every command of the README's ``bash`` blocks; a test that checks more than
 the exit status of one of them (its numbers, its files) runs it itself, through :func:`run_readme`, and
 claims it there, so the command runs once and the README cannot drift from what that test checks.
 """

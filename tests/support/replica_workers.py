@@ -1,4 +1,4 @@
-"""Ranks of the data-parallel tests (tests/test_replicas.py): tp 2 × dp 2 on a (dp, tp) mesh, each replica on
+"""Ranks of the data-parallel tests (tests/runtime/test_replicas.py): tp 2 × dp 2 on a (dp, tp) mesh, each replica on
 its own half of every global batch, against the unsharded model trained on the whole batch."""
 from __future__ import annotations
 

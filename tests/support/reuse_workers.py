@@ -1,4 +1,4 @@
-"""Ranks of tests/test_plan_cache.py's restart test: a job parallelizes a model (capturing, storing its plan),
+"""Ranks of tests/plan/test_plan_cache.py's restart test: a job parallelizes a model (capturing, storing its plan),
 then a restarted job builds it on meta, shards it from the cached plan without capturing, loads its
 weights mapped, and must compute what the first job and the unsharded model compute."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Rank functions for tests/test_ring_attention.py: ring attention against one device's SDPA."""
+"""Rank functions for tests/runtime/test_ring_attention.py: ring attention against one device's SDPA."""
 from __future__ import annotations
 
 import torch

@@ -1,4 +1,4 @@
-"""Sampling loops that feed a model's own tokens back, run inside each gloo rank of tests/test_sampling.py.
+"""Sampling loops that feed a model's own tokens back, run inside each gloo rank of tests/runtime/test_sampling.py.
 
 Two model spellings whose causal mask is a registered buffer sliced to the sequence, as nanoGPT's
 non-flash path (``bias[:, :, :T, :T]`` of a (1, 1, block, block) buffer) and the "GPT from scratch"

@@ -1,5 +1,5 @@
-"""One capture per test model, shared by the structural tests that plan it: tests/test_spelling_plans.py and
-each family's own module plan the same spellings, and tests/test_structure.py and tests/test_sequence.py the
+"""One capture per test model, shared by the structural tests that plan it: tests/analysis/test_spelling_plans.py and
+each family's own module plan the same spellings, and tests/passes/test_structure.py and tests/passes/test_sequence.py the
 same small models; torch.export of a tiny model costs seconds where planning it or copying its graph costs a
 fraction of one. The tests that share them are in one xdist group (:data:`SHARED`), so that one worker
 captures each model once."""

@@ -2,7 +2,7 @@
 module's representative spellings (those whose sharding changes with tp, and one of each other family) at tp 2;
 the ``extended`` run (tests/conftest.py) trains the rest at tp 2 and every spelling at tp 4. Each spelling's
 plan is checked at tp 2 and 4 without a process group by its module's structural tests; the default run trains
-at tp 4 the headline models (tests/test_parity.py), FSDP, pipelines with recompute and context parallelism's
+at tp 4 the headline models (tests/runtime/test_parity.py), FSDP, pipelines with recompute and context parallelism's
 pairings."""
 from __future__ import annotations
 

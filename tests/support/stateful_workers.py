@@ -1,4 +1,4 @@
-"""Rank functions of tests/test_capture_safety.py: each stateful spelling (tests/support/stateful_models.py) parallelized,
+"""Rank functions of tests/capture/test_capture_safety.py: each stateful spelling (tests/support/stateful_models.py) parallelized,
 checked untouched, trained and sampled against the unsharded model; and a parallelize made to fail."""
 from __future__ import annotations
 

@@ -3,7 +3,7 @@ tests/support/pattern_models.py's (width 64, vocab 96, 2 layers, SwiGLU MLPs): 8
 heads, each kv head repeated *after* the others (``k.repeat(1, 1, n_rep, 1)``, ``torch.cat([k] * n_rep)``,
 ``k[:, None].expand(b, n_rep, n_kv, s, d)``), so query head ``h`` reads kv head ``h % n_kv`` rather than
 ``h // n_rep`` (Hugging Face's ``repeat_kv``). Every model is ``(idx, targets) -> (logits, loss)``;
-tests/test_strided_gqa.py runs them.
+tests/analysis/test_strided_gqa.py runs them.
 
 - ``minor_repeat``: rotary applied in a helper library's ``(b, s, heads, d)`` layout (flash-attn's
   ``apply_rotary_emb`` takes it so), the kv heads tiled by ``repeat`` in that layout, then

@@ -1,4 +1,4 @@
-"""Rank functions of tests/test_value_checks.py and tests/test_moe_islands.py: each spelling of a model file in
+"""Rank functions of tests/runtime/test_value_checks.py and tests/analysis/test_moe_islands.py: each spelling of a model file in
 tests/support (``build(style) -> (model, (x, y))``, the model returning ``(logits, loss)``) parallelized next to
 the unsharded model, trained 3 AdamW steps, sampled, and its whole ``__dict__`` state compared after each."""
 from __future__ import annotations

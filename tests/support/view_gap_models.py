@@ -2,7 +2,7 @@
 of 16, vocab 96, 2 layers): the transpose family in attention (``k.mT`` with tanh soft-capping, ``swapaxes``,
 ``movedim``, ``permute`` and ``transpose`` with negative dims, ``adjoint``, ``mH``) and identity views, no-op
 casts and copies in front of every input projection (each projection reads its own such node of the normed
-activations), and positions folded in groups of 4 around the MLP's activation (``view(b, s // 4, 4, f)``). Every model is ``(idx, targets) -> (logits, loss)``; tests/test_view_gaps.py runs them."""
+activations), and positions folded in groups of 4 around the MLP's activation (``view(b, s // 4, 4, f)``). Every model is ``(idx, targets) -> (logits, loss)``; tests/analysis/test_view_gaps.py runs them."""
 from __future__ import annotations
 
 import math

@@ -1,6 +1,6 @@
 """LM heads padded past the vocabulary and cropped in the model, and small gates and routers that are not LM
 heads, in small LMs like tests/support/pattern_models.py's (width 64, 4 heads of 16, seq 12, 2 layers). Every model
-is ``(idx, targets) -> (logits, loss)``; tests/test_vocab_gaps.py runs them.
+is ``(idx, targets) -> (logits, loss)``; tests/analysis/test_vocab_gaps.py runs them.
 
 Crops (nanoGPT-style heads padded to a multiple of 64, as modded-nanogpt and Megatron pad them):
 

@@ -1,4 +1,4 @@
-"""What a rank of tests/test_warm_ranks.py reports about how it started."""
+"""What a rank of tests/cli/test_warm_ranks.py reports about how it started."""
 from __future__ import annotations
 
 import os

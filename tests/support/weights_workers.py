@@ -1,4 +1,4 @@
-"""Ranks of tests/test_weights.py: models built on meta, parallelized, loaded straight into their shards
+"""Ranks of tests/io/test_weights.py: models built on meta, parallelized, loaded straight into their shards
 from each checkpoint format, checked against the unsharded model loaded the ordinary way."""
 from __future__ import annotations
 

@@ -152,7 +152,7 @@ class GPT(nn.Module):
 
 
 STYLES = ["complex_root", "complex_sub", "lazy_caches", "dict_cache", "counter"]
-# a pipeline's micro-batches: per-sample values and inputs kept on the model (tests/test_written_state.py)
+# a pipeline's micro-batches: per-sample values and inputs kept on the model (tests/runtime/test_written_state.py)
 PIPELINE_STYLES = [*STYLES, "kept_outputs"]
 
 

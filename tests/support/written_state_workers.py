@@ -1,4 +1,4 @@
-"""Rank functions of tests/test_written_state.py: each spelling of tests/support/written_state_models.py parallelized,
+"""Rank functions of tests/runtime/test_written_state.py: each spelling of tests/support/written_state_models.py parallelized,
 trained with the loss the forward keeps on the model, sampled, and its whole ``__dict__`` state compared with the
 unsharded model's after each phase."""
 from __future__ import annotations

@@ -228,7 +228,7 @@ def test_pipeline_with_tensor_parallelism_matches_one_device():
     the one kv head of multi-query attention on both tp ranks (held whole, cut in the graph, its gradient
     summed once per step); and with each stage's piece compiled as well (torchtitan compiles per stage),
     with no graph break, exact against the unsharded eager model (AOTAutograd's graphs run eagerly: Inductor is
-    tests/test_compile.py's and tests/test_fsdp.py's, and costs minutes on these CPUs)."""
+    tests/runtime/test_compile.py's and tests/runtime/test_fsdp.py's, and costs minutes on these CPUs)."""
     configs = [("nanogpt", 2, 2, "1F1B", 2, None), ("llama", 2, 2, "1F1B", 4, None, 3, 0.05, False, True),
                ("nanogpt", 2, 2, "GPipe", 2, None, 3, 0.05, {"backend": "aot_eager"}, True),
                ("moe", 2, 2, "1F1B", 2, None, 3, 0.05, False, False, True),
@@ -403,7 +403,7 @@ def test_autotp_shard_every_dimension_runs_as_is_and_resumes_without_them(tmp_pa
     parity, training, checkpoints (steps 3 and 4); then `--tp 4 --dp 2` resumed from step 3 gives step 4's loss
     exactly (each run's dp replica 0 trains on the same half of the batch). Compiled with aot_eager: dynamo and
     AOTAutograd over every stage's graphs without generating code (Inductor's C++ builds on 8 ranks of 2 cores
-    cost about 90 s; Inductor is tests/test_compile.py's)."""
+    cost about 90 s; Inductor is tests/runtime/test_compile.py's)."""
     import json
 
     out = tmp_path / "out"

@@ -12,7 +12,7 @@ import pytest
 
 from autotp.errors import own_bug
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SOURCES = {"autotp": ROOT / "autotp", "autotp.passes": ROOT / "passes", "autotp.cli": ROOT / "cli"}
 
 

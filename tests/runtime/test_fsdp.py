@@ -296,7 +296,7 @@ def runs(tmp_path_factory) -> Launches:
     rest["spellings"] = (fsdp_parity_many, SPELLINGS, 2)
     rest["kv llama"] = (fsdp_parity, "llama", 4)  # 2 kv heads, each on two of the 4 tp ranks (dp 1)
     rest["kv spellings"] = (fsdp_parity_many, MQA, 2)  # one kv head on both tp ranks, dp 2
-    # AOTAutograd's graphs run eagerly: Inductor over FSDP is the 8-rank command test's (tests/test_pipeline.py)
+    # AOTAutograd's graphs run eagerly: Inductor over FSDP is the 8-rank command test's (tests/runtime/test_pipeline.py)
     rest["sp compile nanogpt"] = (partial(fsdp_parity, sequence_parallel=True, compile={"backend": "aot_eager"}),
                                   "nanogpt", 2)
     rest.update({f"{name} rest": (fsdp_parity_many, kinds, 2) for name, kinds in REST.items()})
@@ -344,7 +344,7 @@ def test_fsdp_with_sequence_parallelism_and_compile(runs, job: str):
     model = job.split()[-1]
     results = runs(4, job)
     units, layers = len(_all_units(model)), len(UNITS[model])
-    sp = 2 * layers + 1  # per layer attention and MLP, and the embedding / LM head (tests/test_sequence.py)
+    sp = 2 * layers + 1  # per layer attention and MLP, and the embedding / LM head (tests/passes/test_sequence.py)
     for rank, r in results.items():
         for got, want in [(r["losses"], r["ref_losses"]), (r["norms"], r["ref_norms"])]:
             assert max(abs(a - b) for a, b in zip(got, want)) <= 1e-5, (rank, got, want)

@@ -25,7 +25,7 @@ KEYED = {2: ["alibi", "softcap", *context_models.KEYED, "hf_gemma2", "hf_llama_p
          4: ["window", "hf_llama_padded"]}
 KEYED_TP2 = ["softcap_where", "hf_llama_padded"]
 # the 4-rank jobs of the extended run (the default 4-rank launch: FSDP over cp 2 × tp 2, which composes all three;
-# `autotp shard --tp 2 --cp 2` of tests/test_context_cli.py runs cp 2 × tp 2 by the command line)
+# `autotp shard --tp 2 --cp 2` of tests/cli/test_context_cli.py runs cp 2 × tp 2 by the command line)
 AT_4_EXTENDED = ("graph", "parallelize", "keyed", "keyed_tp2", "dropout", "fsdp", "hsdp", "cp2_tp2_sp", "experts",
                  "cp2_tp2")
 # at cp 2: the keyed spellings and the sampling loop in the extended run too

@@ -1,5 +1,5 @@
 """What a restart says (autotp.distributed.restarts): the failed rank, its pid, how it ended, where it was,
-which restart, and what is redone. Pure: no ranks (tests/test_faults.py restarts a real job)."""
+which restart, and what is redone. Pure: no ranks (tests/e2e/test_faults.py restarts a real job)."""
 from __future__ import annotations
 
 import json

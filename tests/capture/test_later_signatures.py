@@ -12,7 +12,7 @@ def test_later_signatures_rewrite_the_exported_blocks_and_copy_them():
     from ranks import launch, run_jobs
     from later_workers import MODELS, later_signatures
 
-    # alternating kinds are compared with the whole rewrite structurally (tests/test_rewrite_copies.py)
+    # alternating kinds are compared with the whole rewrite structurally (tests/capture/test_rewrite_copies.py)
     jobs = {name: (later_signatures, name) for name in MODELS if name != "alternating"}
     for rank, by_name in launch(run_jobs, 2, jobs).items():
         for name, r in by_name.items():

@@ -1,6 +1,6 @@
 """Attention written out with scores no ring computes (ALiBi, a sliding window, tanh soft-capping), run on a
 sequence chunk with its keys and values gathered (autotp.analysis.keyed_attention). Structural: captured
-graphs, no process group; the parity at cp 2 and 4 is tests/test_context_parallel.py's."""
+graphs, no process group; the parity at cp 2 and 4 is tests/runtime/test_context_parallel.py's."""
 from __future__ import annotations
 
 import json

@@ -172,12 +172,12 @@ def test_hf_generate_and_save_pretrained(runs, world: int, use_cache: bool):
 
 
 @pytest.mark.slow
-@pytest.mark.extended  # autocast and GradScaler on the ranks: tests/test_amp.py; the script: here, extended
+@pytest.mark.extended  # autocast and GradScaler on the ranks: tests/runtime/test_amp.py; the script: here, extended
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_autocast_training_script_under_autotp_run(tmp_path: Path, dtype: str):
     """nanoGPT's GPU recipe — ``ctx = torch.autocast(...)``, a GradScaler for float16, unscale, clip, step,
     then the model's own generate() under ctx — with one added line, under ``autotp run --tp 2``: the
-    single-device run's losses (within 4·eps of the dtype, see tests/test_amp.py), scales and tokens."""
+    single-device run's losses (within 4·eps of the dtype, see tests/runtime/test_amp.py), scales and tokens."""
     want, got = _single_and_under_autotp_run("train_amp.py", tmp_path, {"AMP_DTYPE": dtype})
     tol = 4 * torch.finfo(getattr(torch, dtype)).eps
     for r in got:

@@ -106,7 +106,7 @@ def saved(tmp_path_factory):
 def _copy(saved, name: str) -> Path:
     """A copy of the good checkpoint without its checksums (as one written before them, or whose manifest was
     rewritten too), so that the checks behind them are what refuses the tampering below
-    (tests/test_ckpt_digest.py tests the checksums)."""
+    (tests/io/test_ckpt_digest.py tests the checksums)."""
     run, good, *_ = saved
     dest = run / name
     shutil.copytree(good, dest)

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 COMMANDS = ("layout", "plan", "profile", "run", "shard")
 
 _TORCH = "sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.'))"

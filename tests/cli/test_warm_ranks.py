@@ -12,7 +12,7 @@ import pytest
 
 from autotp.cli.entry import RANK_MODULES, rank_modules
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SUPPORT = os.path.join(ROOT, "tests", "support")
 
 

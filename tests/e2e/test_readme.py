@@ -20,15 +20,15 @@ from readme import README, bash_blocks, readme_folder, run_readme
 CI = Path(ROOT, ".ci", "run")
 # commands a test checks beyond their exit status (numbers, files) run there, once: command -> that test file
 CLAIMED = {
-    "autotp run examples/hf_trainer.py --tp 2 --dp 2": "tests/test_integrations.py",
-    "python examples/hf_trainer.py --unsharded --batch 8": "tests/test_integrations.py",
-    "autotp shard examples/nanogpt.py --tp 2 --dp 2 --fsdp --out fsdp": "tests/test_fsdp.py",
+    "autotp run examples/hf_trainer.py --tp 2 --dp 2": "tests/e2e/test_integrations.py",
+    "python examples/hf_trainer.py --unsharded --batch 8": "tests/e2e/test_integrations.py",
+    "autotp shard examples/nanogpt.py --tp 2 --dp 2 --fsdp --out fsdp": "tests/runtime/test_fsdp.py",
     "autotp shard examples/llama.py --tp 2 --pp 2 --virtual-stages 2 --schedule Interleaved1F1B --microbatches 4 "
-    "--out llama": "tests/test_pipeline.py",
-    "autotp shard examples/nanogpt.py --tp 2 --steps 3 --out run": "tests/test_reliability.py",
-    "autotp shard examples/nanogpt.py --tp 4 --steps 6 --out run --resume": "tests/test_reliability.py",
-    "autotp shard examples/nanogpt.py --tp 1 --cp 2 --steps 2 --out cp": "tests/test_context_cli.py",
-    "autotp shard examples/nanogpt.py --tp 2 --cp 2 --steps 4 --out cp --resume": "tests/test_context_cli.py",
+    "--out llama": "tests/runtime/test_pipeline.py",
+    "autotp shard examples/nanogpt.py --tp 2 --steps 3 --out run": "tests/e2e/test_reliability.py",
+    "autotp shard examples/nanogpt.py --tp 4 --steps 6 --out run --resume": "tests/e2e/test_reliability.py",
+    "autotp shard examples/nanogpt.py --tp 1 --cp 2 --steps 2 --out cp": "tests/cli/test_context_cli.py",
+    "autotp shard examples/nanogpt.py --tp 2 --cp 2 --steps 4 --out cp --resume": "tests/cli/test_context_cli.py",
 }
 
 

@@ -30,7 +30,7 @@ RUN_TIMEOUT_S = 240
 TOL = 1e-6
 runner = CliRunner()
 
-# nanoGPT behind a wrapper that can crash rank 1 (tests/test_ckpt_retention.py's restarts) in the middle of its CRASH_AT_SAVE-th checkpoint save (first
+# nanoGPT behind a wrapper that can crash rank 1 (tests/io/test_ckpt_retention.py's restarts) in the middle of its CRASH_AT_SAVE-th checkpoint save (first
 # attempt of the job only): its data files are written, the checkpoint's metadata is not (DCP's coordinator,
 # rank 0, writes it after every rank finished)
 CRASHY = f"""
@@ -140,7 +140,7 @@ def _params(out: Path, checkpoint: str | Path) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in model.state_dict().items()}
 
 
-# -- 1 and 2: resume (a crash at each point of a save: tests/test_faults.py) --------------------------------
+# -- 1 and 2: resume (a crash at each point of a save: tests/e2e/test_faults.py) --------------------------------
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
     tmp = tmp_path_factory.mktemp("reliability")

@@ -23,7 +23,7 @@ from autotp.shard_spec import Segment, Sharding
 
 aten = torch.ops.aten
 TP = 2
-ANALYSIS = pathlib.Path(__file__).resolve().parents[1] / "autotp" / "analysis"
+ANALYSIS = pathlib.Path(__file__).resolve().parents[2] / "autotp" / "analysis"
 
 
 def _s(dim: int, *sizes: int) -> Sharding:

@@ -275,7 +275,7 @@ def test_plan_fsdp_needs_dp(args) -> None:
 
 
 def test_plan_fsdp_with_sequence_parallelism() -> None:
-    """FSDP × sequence parallelism plans (parallelize runs it: tests/test_fsdp.py)."""
+    """FSDP × sequence parallelism plans (parallelize runs it: tests/runtime/test_fsdp.py)."""
     result = runner.invoke(app, ["plan", NANOGPT, "--tp", "2", "--dp", "2", "--fsdp", "--sequence-parallel"],
                            env=WIDE)
     assert result.exit_code == 0, result.output

@@ -21,7 +21,7 @@ from autotp.capture.structure import flatten
 from autotp.capture.tracer import capture, retarget_device
 from small_models import MODELS
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 COLUMNS = ["section", "check", "measured", "bound / reference", "result", "note"]

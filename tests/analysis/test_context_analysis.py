@@ -32,7 +32,7 @@ def _nanogpt(**config):
     """nanoGPT with its flash path (``F.scaled_dot_product_attention(..., is_causal=True)``): tests/scripts."""
     module = sys.modules.get("nanogpt_model")
     if module is None:
-        path = Path(__file__).parent / "scripts" / "nanogpt_model.py"
+        path = Path(__file__).resolve().parents[1] / "scripts" / "nanogpt_model.py"
         spec = importlib.util.spec_from_file_location("nanogpt_model", path)
         module = sys.modules["nanogpt_model"] = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
@@ -147,7 +147,7 @@ def test_masks_proven_causal_in_every_spelling(kind):
 @pytest.mark.parametrize("kind", ["probs_out", "offset_table"])
 def test_what_is_not_causal_attention_is_named(kind):
     """Probabilities the model also returns, a rotary table read from an offset: each named, with the
-    model's line (a sliding window runs with its keys gathered: tests/test_keyed_attention.py)."""
+    model's line (a sliding window runs with its keys gathered: tests/analysis/test_keyed_attention.py)."""
     import context_models
 
     f = _shared("context_models", kind)

@@ -218,7 +218,7 @@ def test_console_script_runs_the_app_and_keeps_its_exit_code(monkeypatch, capsys
 
     from autotp.cli.entry import run
 
-    with open(Path(__file__).resolve().parent.parent / "pyproject.toml", "rb") as f:
+    with open(Path(__file__).resolve().parents[2] / "pyproject.toml", "rb") as f:
         assert tomllib.load(f)["project"]["scripts"]["autotp"] == "autotp.cli.entry:run"
     for args, code in ((["--world-size", "4", "--tp", "2", "--json"], 0), (["--world-size", "3", "--tp", "2"], 2)):
         monkeypatch.setattr(sys, "argv", ["autotp", "layout", *args])

@@ -76,7 +76,7 @@ def test_grouped_delta_nets_train_exactly_with_megatron_collectives(world: int):
         assert list(by_kind) == RUNS[world], (rank, list(by_kind))
         for kind, r in by_kind.items():  # every kind's numbers first
             # the families' gradients agree within 2e-7; AdamW's step normalizes near-zero ones, so a reordered sum
-            # moves their parameters by up to ~1.5e-5 after 3 steps (OLMo-Hybrid), as for tests/test_hf_families.py
+            # moves their parameters by up to ~1.5e-5 after 3 steps (OLMo-Hybrid), as for tests/analysis/test_hf_families.py
             assert_exact(r, (rank, kind), param_tol=1e-4 if kind in HF else 1e-5)
         for kind, r in by_kind.items():
             if kind in HF:

@@ -33,7 +33,7 @@ CACHES = ["index_put", "index_copy", "mqa"]
 # one of each way the sharding changes with tp (kv heads fewer than 4 in a fused split, by offsets, by groups,
 # broadcast with a bias; width statistics; a parallel block) at tp 2 by default and at tp 4 in the extended run,
 # which trains the other spellings at tp 2 and 4 too (each spelling's plan at tp 2 and 4 is
-# tests/test_structure.py's)
+# tests/passes/test_structure.py's)
 CORE = ["plain", "qk_norm_width", "parallel", "offset_slices", "grouped_view", "falcon_mqa", "mqa_bcast_bias"]
 AT = {2: CORE, 4: CORE}
 OTHERS_AT_2 = [k for k in SHARDED if k not in CORE]

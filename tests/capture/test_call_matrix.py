@@ -29,7 +29,7 @@ CASES = [
     "nanogpt:tuple:generate_first:user",
 ]
 # a second spelling of a sequence another case runs, the example forms and call shapes beyond one each, and the
-# compiled sequences (CI compiles in tests/test_compile.py): in the extended run only
+# compiled sequences (CI compiles in tests/runtime/test_compile.py): in the extended run only
 EXTENDED = ["nanogpt:argskw:train_eval_generate_train:compile", "nanogpt:tuple:train_eval_generate_train:eager",
             "llama:none:generate_first:eager", "nanogpt:tuple:generate_first:user", "nanogpt:dict:train_eval_generate_train:eager",
             "nanogpt:tuple:shapes:eager", "nanogpt:argskw:train_eval_generate_train:user"]

@@ -8,7 +8,7 @@ from pathlib import Path
 import networkx as nx
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SOURCES = {"autotp": ROOT / "autotp", "autotp.passes": ROOT / "passes", "autotp.cli": ROOT / "cli"}
 
 # Lowest first: a module may import its own layer and the layers before it, never a later one.

@@ -15,7 +15,7 @@ from autotp.plan.planner import make_plan
 from shared_graphs import SHARED, spelling
 
 # module -> its spellings that keep a block whole by design (only exact, not 1/tp; the reason in the plan);
-# pattern_models' are those whose kv heads several ranks hold (tests/test_patterns.py)
+# pattern_models' are those whose kv heads several ranks hold (tests/analysis/test_patterns.py)
 MODULES = {
     "pattern_models": (), "autocast_models": (), "einsum_models": ("mqa",), "function_models": ("grad_norm",),
     "loss_layout_models": (), "tied_head_models": (), "torch_rule_models": (), "gap_models": (),

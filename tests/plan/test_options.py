@@ -49,8 +49,8 @@ def test_options_validate_the_schedule_with_the_other_dimensions() -> None:
 
 def test_context_parallelism_runs_with_pipeline_stages_and_expert_parallelism() -> None:
     """cp with pipeline stages and with expert parallelism is one rule's answer, the same for every caller: they
-    run (exact at cp 2 × pp 2, tests/test_pipeline.py; cp 2 × tp 2 with whole experts per rank,
-    tests/test_context_parallel.py); FSDP over the stages with cp stays refused, naming it."""
+    run (exact at cp 2 × pp 2, tests/runtime/test_pipeline.py; cp 2 × tp 2 with whole experts per rank,
+    tests/runtime/test_context_parallel.py); FSDP over the stages with cp stays refused, naming it."""
     from autotp.options import refused
 
     assert refused(pipeline=2, context_parallel=2) is None
@@ -99,7 +99,7 @@ def test_each_rule_refuses_naming_every_number(asked: dict, says: str, numbers: 
 
 
 @pytest.mark.parametrize("asked", [
-    dict(fsdp=True, dp=1, context_parallel=2),  # FSDP over the cp ranks (tests/test_context_parallel.py fsdp_tp2)
+    dict(fsdp=True, dp=1, context_parallel=2),  # FSDP over the cp ranks (tests/runtime/test_context_parallel.py fsdp_tp2)
     dict(fsdp=True, dp=2), dict(fsdp=True),  # dp not known (the library before its mesh): not judged
     dict(fsdp=True, dp=4, hsdp=2, context_parallel=2), dict(hsdp=1),
     dict(pipeline=2, staged=("schedule",), schedule="GPipe", fsdp=True, dp=2),
