@@ -21,6 +21,7 @@ import torch.fx as fx
 from autotp.analysis.matmuls import ParamMatmul, find_param_embeddings, find_param_matmuls, where
 from autotp.analysis.channels import ChannelForm, channel_form, check_columns_inside, summed_inputs
 from autotp.analysis.column_layout import column_segments
+from autotp.analysis.low_rank import low_rank_branches
 from autotp.analysis.ops import Pieces, Strided, Unshardable
 from autotp.analysis.partial import deferred
 
@@ -210,7 +211,9 @@ def _analyze(gm: fx.GraphModule, tp: int, matmuls: list[ParamMatmul], embeddings
     attention = _after_attention(gm, by_node.keys() | embeddings.keys())
     inside: set[fx.Node] | None = None  # per-head matmuls a channel-parallel region computes through
     read_whole: set[fx.Node] = set()  # matmuls feeding a paired column's input: their output stays whole
-    for row in sorted(matmuls, key=lambda m: not attention[m.x]):
+    # a low-rank branch's second matmul last: the row of the projection it is added to takes it as a column first
+    late = low_rank_branches(matmuls, feed)
+    for row in sorted(matmuls, key=lambda m: (not attention[m.x], m.node in late)):
         cols = feed[row.x] | ({row.x} if row.x in by_node else frozenset())
         # a matmul that feeds another candidate's input is no column of this pair (a column's input is whole):
         # DeepSeek's kv down-projection feeds the kv up-projection, and its rotary key part reaches attention

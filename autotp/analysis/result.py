@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch.fx as fx
 
+from autotp.analysis.after_rows import name_after_rows
 from autotp.analysis.coverage import WholeCandidate, whole_candidates
 from autotp.analysis.experts import ExpertFacts, analyze_experts
 from autotp.analysis.pairs import Analysis, analyze
@@ -51,6 +52,7 @@ def analyze_graph(gm: fx.GraphModule, tp: int, *, vocab_multiple: int = 1, seque
     if pairs_only:
         return GraphFacts(tp, units, a)
     v = analyze_vocab(gm, a, tp, vocab_multiple)
+    name_after_rows(a)  # once the LM heads are known: a matmul not made one is named
     return GraphFacts(
         tp, units, a, v,
         experts=analyze_experts(gm, a) if expert_parallel else None,
