@@ -172,6 +172,12 @@ def _probe(node: fx.Node, dim: int, size: int, fp, tp, where, depth, pieces: int
             r = _probe(u, nd2, size, fp, tp, where, depth + 1, pieces) if nd2 is not None else None
             if r is not None:
                 return r
+        elif kind == "cat" and normalize_dim(arg_of(u, 1, "dim", 0), ndim_of(u)) != dim:
+            # joined along another dim (each expert's rows, tokens split by expert counts and joined again: the
+            # features of every piece are laid out alike, (T_e, 2·I) -> (ΣT_e, 2·I)): read on after the join
+            r = _probe(u, dim, size, fp, tp, where, depth + 1, pieces)
+            if r is not None:
+                return r
         elif (kind == "conv" and u.args[0] is node and dim == 1) or \
                 (kind == "slice" and normalize_dim(arg_of(u, 1, "dim", 0), nd) != dim) or \
                 (kind == "torch" and u.args[0] is node and _torch_keeps(u, node, dim, fp, tp)):

@@ -329,9 +329,13 @@ def _side_rows(e: Unshardable, cols: frozenset[fx.Node], row: ParamMatmul, by_no
     (PaLM's and Falcon's parallel block: the feed-forward's output projection reads the ``ff`` segment of the
     one fused ``q | k | v | ff`` projection whose ``q | k | v`` attention's output projection reads): every such
     matmul, to be row-parallel beside ``row``. It cannot feed ``row`` (the columns are all ``row``'s feeders);
-    a matmul whose weight is 3-D (an expert's) is not one. Empty where the escape is not into one of them."""
+    a matmul whose weight is 3-D (an expert's) is one only as another expert of ``row``'s weight: tokens split
+    by the experts' counts and joined again (JetMoE's ``ParallelExperts``: ``x.split(counts)``, one ``W[e]`` per
+    piece, ``cat`` over the rows) give every expert's up-projection output to every down-projection's input, so
+    the experts' down-projections are the rows of one pair. Empty where the escape is not into one of them."""
     found = [m for n, m in by_node.items() if n is not row.node and n not in taken and n not in cols
-             and m.expert is None and m.kind != "embedding" and m.x.meta["val"].dim() >= 2
+             and (m.expert is None or (row.expert is not None and m.weight == row.weight))
+             and m.kind != "embedding" and m.x.meta["val"].dim() >= 2
              and (feed[m.x] | ({m.x} if m.x in by_node else frozenset())) <= cols and feed[m.x]]
     return found if any(e.node is m.node for m in found) else []
 

@@ -41,6 +41,12 @@ def _linear_in(u: fx.Node, partial: set[fx.Node]) -> bool:
     if is_cast(u.target) and u.args[0] in partial and len(mine) == 1:
         # a cast to the dtype the value has (as captured; kept for autocast): Σ a_r stays Σ a_r
         return _dtype(u.args[0]) is not None and _dtype(u.args[0]) == _dtype(u)
+    if kind_of(u.target) == "cat":  # every piece partial (each expert's rows of its tokens, joined)
+        return all(isinstance(a, fx.Node) and a in partial for a in u.args[0])
+    if u.target is aten.index_add.default:
+        # rows added into zeros at replicated indices (each token's k slots summed back, (b·s·k, h) -> (b·s, h)):
+        # Σ_r of each rank's rows added is the sum of the rows
+        return u.args[3] in partial and len(mine) == 1 and _zero(u.args[0]) and u.kwargs.get("alpha", 1) == 1
     if u.target is aten.einsum.default:  # a contraction with replicated operands: (Σ a_r)·w = Σ a_r·w
         return sum(a in partial for a in u.args[1]) == 1
     if u.target is aten.mul.Tensor or u.target is aten.div.Tensor:

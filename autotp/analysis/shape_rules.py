@@ -97,6 +97,20 @@ class ShapeRules:
             offset, local = offset + seg.size, local + seg.local()
         raise Unshardable(node, "select on the sharded dim")
 
+    def _on_index(self, node: fx.Node, rule: OpRule) -> Sharding | tuple[Sharding | None, ...]:
+        """``x[ids]``: rows of a sharded value gathered by replicated indices of the leading dims, none of them
+        the sharded dim (attention's output per token slot regrouped by expert, ``(b·s·k, n·d)[order]``): each
+        rank gathers the same rows of its own columns; the sharded dim keeps its place after the indexed dims,
+        which become the indices' dims. Any other index is torch's rule's to answer."""
+        x, indices = node.args[0], node.args[1]
+        s = self.spec(x)
+        tensors = [i for i in indices if isinstance(i, fx.Node)]
+        if s is None or not tensors or len(tensors) != len(indices) or any(self.spec(i) is not None for i in tensors) \
+                or s.dim < len(indices) or (s.inner and s.inner[0] < len(indices)):
+            return self._on_torch(node, rule)
+        shift = max(ndim_of(i) for i in tensors) - len(indices)  # the indexed dims, replaced by the indices' dims
+        return s.moved(s.dim + shift, None if not s.inner else s.inner[0] + shift)
+
     def _on_flatten(self, node: fx.Node, rule: OpRule) -> Sharding:
         s = self.spec(node.args[0])
         nd = ndim_of(node.args[0])

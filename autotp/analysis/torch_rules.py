@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import sympy
 import torch
 import torch.fx as fx
 from torch.utils._pytree import tree_flatten, tree_map
@@ -76,16 +77,53 @@ def _mesh(tp: int):
     return DeviceMesh("cpu", list(range(tp)), _init_backend=False, _rank=0)
 
 
-def _size(s: int | torch.SymInt) -> int | None:
+def _hint(s: int | torch.SymInt) -> int | None:
     """A size as the example inputs gave it (symbolic sizes by their hint; None where there is none)."""
     return s if isinstance(s, int) else s.node.hint
 
 
-def _shape(x: fx.Node) -> list[int]:
-    shape = [_size(s) for s in x.meta["val"].shape]
-    if any(s is None for s in shape):
-        raise TorchRefused(f"{x.name} has a size known only at run time")
-    return shape
+def _size(s: int | torch.SymInt) -> int:
+    """A size as the example inputs gave it, or, for one known only at run time, its stand-in
+    (:func:`_stand_in`)."""
+    hint = _hint(s)
+    return hint if hint is not None else _stand_in(s)
+
+
+def _stand_in(s: torch.SymInt) -> int:
+    """A size known only at run time (a count of tokens per expert read by ``.tolist()``, and the sizes made of
+    such counts) for the question put to torch and its check: each count is the share it would have were the
+    tokens spread evenly over the counts the graph asserts to add up to a size it knows (JetMoE's
+    ``u0 + u1 + u2 + u3 == 2·b·s``, the pieces of a split by expert counts joined again), else 2. The same
+    count gets the same value wherever it is read, so operands of one op agree on their shapes. Asked only of
+    dims no operand is cut on (:func:`_shape`): what torch's rule says of the cut dim does not depend on it."""
+    env = s.node.shape_env
+    known = {sym: int(v) for sym, v in env.backed_var_to_val.items()}
+    values: dict[sympy.Symbol, int] = {}
+    for asserts in env.deferred_runtime_asserts.values():
+        for ra in asserts:
+            e = ra.expr
+            if not isinstance(e, sympy.Eq):
+                continue
+            for lhs, rhs in ((e.lhs, e.rhs), (e.rhs, e.lhs)):
+                free = lhs.free_symbols
+                total = rhs.xreplace(known)
+                if not free or free & known.keys() or lhs != sympy.Add(*free) or not total.is_Integer:
+                    continue
+                n, k = int(total), len(free)
+                for i, sym in enumerate(sorted(free, key=str)):  # the remainder to the first counts
+                    values.setdefault(sym, n // k + (i < n % k))
+    expr = s.node.expr
+    value = expr.xreplace(known | values | {sym: 2 for sym in expr.free_symbols - known.keys() - values.keys()})
+    return int(value)
+
+
+def _shape(x: fx.Node, cut: int | None = None) -> list[int]:
+    """``x``'s sizes as the example gave them; a size known only at run time is refused on the dim ``x`` is cut
+    on (``cut``), and elsewhere is its stand-in: a dim no operand is cut on may vary at run time."""
+    sizes = x.meta["val"].shape
+    if cut is not None and _hint(sizes[cut]) is None:
+        raise TorchRefused(f"{x.name} has a size known only at run time on its sharded dim {cut}")
+    return [_size(s) for s in sizes]
 
 
 def ask_torch(node: fx.Node, sharded: dict[fx.Node, int], tp: int, op: object = None) -> TorchAnswer:
@@ -109,7 +147,7 @@ def ask_torch(node: fx.Node, sharded: dict[fx.Node, int], tp: int, op: object = 
         raise TorchRefused(f"{name} takes the global shape as an argument")
     mesh = _mesh(tp)
     # the example's sizes: symbolic ones by their hint (torch's rules place shapes, fake tensors of them are made)
-    sizes = {_shape(x)[d] for x, d in sharded.items()}
+    sizes = {_shape(x, d)[d] for x, d in sharded.items()}
     if len(sizes) != 1:
         raise TorchRefused(f"{name} reads operands sharded on dims of different sizes")
     (full,) = sizes

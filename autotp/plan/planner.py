@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import operator
 
 import torch
 import torch.fx as fx
@@ -96,6 +97,13 @@ def _scaled(node: fx.Node) -> tuple[fx.Node, fx.Node] | None:
     return None
 
 
+def _piece_of_split(node: fx.Node) -> bool:
+    """Is ``node`` one piece of a split whose every reader picks a piece (a ``getitem`` of the split's tuple)?"""
+    split = node.args[0] if node.target is operator.getitem and node.args else None
+    return isinstance(split, fx.Node) and kind_of(split.target) == "split" and isinstance(split.args[0], fx.Node) \
+        and all(u.target is operator.getitem for u in split.users)
+
+
 def _entering_via(xs: list[fx.Node], columns: set[fx.Node]) \
         -> tuple[dict[fx.Node, tuple[fx.Node, fx.Node]], list[tuple[fx.Node, fx.Node]]]:
     """Column inputs derived from another column input ``root`` of the pair (a gate of ``x[..., :12]`` beside
@@ -126,6 +134,11 @@ def _entering_via(xs: list[fx.Node], columns: set[fx.Node]) \
         while node.op == "call_function" and node.args and isinstance(node.args[0], fx.Node):
             if node.target in _DERIVE | _GATHER:
                 gathered |= node.target in _GATHER
+                nxt = node.args[0]
+            elif _piece_of_split(node):
+                # one expert's piece of tokens split by the routing's counts: the pieces together are the split
+                # value, read by the split alone (JetMoE's ``x[tokens].split(counts)``, one piece per expert)
+                node = node.args[0]
                 nxt = node.args[0]
             elif (step := _scaled(node)) is not None and not gathered:
                 nxt = step[0]
@@ -272,7 +285,8 @@ def plan_from_analysis(gm: fx.GraphModule, a: Analysis, v: VocabFacts | None = N
         xs = list(dict.fromkeys(c.x for c in matmuls))
         via, factors = _entering_via(xs, {c.node for c in matmuls}) if fold else ({}, [])
         xs = [x for x in xs if x not in via]
-        xs += [root for _, root in via.values() if root not in xs]  # tokens gathered for the experts
+        # tokens gathered for the experts, once for all the columns that read them (every expert's piece)
+        xs += list(dict.fromkeys(root for _, root in via.values() if root not in xs))
         # an input another pair already enters (experts of one MoE layer reading the same tokens) shares its f:
         # one all-reduce of the summed input gradient
         joined = [x for x in xs if x in owner] if fold else []

@@ -199,8 +199,13 @@ def _select(op, rule: OpRule) -> None:
     _refuses(op, "select on the sharded dim", {0: _s(2, 8)}, _x(2, 3, 8), 2, 0)
 
 
-def _index(op, rule: OpRule) -> None:  # only read as a parameter's rows picked per token (expert biases)
-    _refuses(op, "torch's sharding rule for aten.index.Tensor failed", {0: _s(1, 8)}, _x(3, 8), [torch.tensor([0, 2])])
+def _index(op, rule: OpRule) -> None:
+    # rows gathered by replicated indices of the leading dims: the sharded dim follows the indices' dims
+    assert _out(op, {0: _s(1, 8)}, _x(3, 8), [torch.tensor([0, 2, 2])]) == _s(1, 8)
+    assert _out(op, {0: _s(2, 8)}, _x(3, 4, 8), [torch.tensor([[0, 2], [1, 1]])]) == _s(3, 8)
+    assert _out(op, {0: _s(2, 8)}, _x(3, 4, 8), [torch.tensor([0, 2]), torch.tensor([1, 3])]) == _s(1, 8)
+    # an index of the sharded dim itself is torch's rule's to answer, which refuses it
+    _refuses(op, "torch's sharding rule for aten.index.Tensor failed", {0: _s(0, 8)}, _x(8, 3), [torch.tensor([0, 2])])
 
 
 _SPLIT_ARGS = {"size": (4, 2), "sizes": ([4, 4], 2), "chunks": (2, 2)}

@@ -88,6 +88,29 @@ def test_torchs_answer_is_checked_on_random_shards(monkeypatch):
         _ask(aten.cumsum.default, {0: 2}, _x(2, 4, 6), -1)
 
 
+class _RowsByCount(torch.nn.Module):
+    """Rows split by counts read at run time and joined again, then added back to their rows: the token dim's
+    sizes are known only at run time (``u0``, ``u1``, ``u0 + u1``), the features' are not."""
+
+    def forward(self, x, ids):
+        counts = torch.nn.functional.one_hot(ids, 2).sum(0).tolist()
+        a, b = x.split(counts)
+        return torch.zeros(x.shape[0], 8).index_add(0, ids, torch.cat([a * 2, b * 3]))
+
+
+def test_a_size_known_only_at_run_time_is_refused_only_on_the_sharded_dim():
+    ep = torch.export.export(_RowsByCount(), (_x(6, 8), torch.tensor([0, 1, 0, 1, 1, 0])), strict=False)
+    node = next(n for n in ep.graph.nodes if n.target is aten.index_add.default)
+    zeros, _, ids, rows = node.args
+    assert rows.meta["val"].shape[0].node.hint is None  # u0 + u1
+    # cut on the features: torch's answer, checked on operands of stand-in sizes (u0 + u1 == 6, as the graph
+    # asserts), and the zeros made this rank's
+    answer = ask_torch(node, {rows: 1}, 2)
+    assert answer.outputs == (1,) and answer.slices == ((zeros, 1),)
+    with pytest.raises(TorchRefused, match="known only at run time on its sharded dim 0"):
+        ask_torch(node, {rows: 0}, 2)
+
+
 def test_asking_torch_needs_no_process_group():
     _ask(aten.cumsum.default, {0: 1}, _x(2, 4, 6, 3), -2, tp=4)
     assert not dist.is_initialized()
