@@ -223,8 +223,12 @@ class ShapeRules:
         over each head, OLMo-Hybrid's ``g_proj(x).reshape(-1, d)``): each rank's rows are its own heads of every
         token, ``outer`` over the leading dims."""
         d = dst[gj[1]]
-        if not is_static(d) or any(g.inner or g.size % d or (g.size // d) % g.parts for g in s.segments):
+        if not is_static(d) or any(g.inner or g.size % d for g in s.segments):
             raise Unshardable(node, "view folds the sharded dim under the batch across its heads")
+        few = next((g for g in s.segments if (g.size // d) % g.parts), None)
+        if few is not None:  # JetMoE's 2 kv heads of each query slot at tp 4: a rank would hold half a head
+            raise Unshardable(node, f"view splits the sharded dim into heads of {d}: {few.size // d} heads are not "
+                                    f"divisible by tp={few.parts}")
         out = Sharding(gj[0], tuple(Segment(g.size // d, g.parts) for g in s.segments), outer=True)
         self._set_view_size(node, shape_arg, gj[0], sum(g.size for g in out.segments), out.local_size)
         return out
