@@ -369,6 +369,43 @@ def _cut(columns: list[ParamMatmul], row: ParamMatmul, fp: Fingerprinter, tp: in
         raise
     except Pieces as e:
         return _cut_in_pieces(columns, specs, e, row, fp, tp, name, others)
+    except Unshardable as e:
+        blocks = _read_in_pieces(specs, tp)
+        if blocks is None:
+            raise
+        # a column already cut per piece (DiffLlama's v by its halves of kv heads): the pieces were not met before
+        # the cut failed, so cut the others per piece too; where a piece has fewer heads than ranks, that is the
+        # reason (no exact cut keeps a pair on one rank), else where that fails too, the first reason stands
+        for c in columns:
+            s = specs[c.node]
+            if s.single() is None or s.single().inner or s.outer or s.inner:
+                continue
+            try:
+                segs = column_segments(c.node, fp, tp, f"{c.module} (out_features={c.out_features})", s.dim,
+                                       pieces=blocks)
+            except (ShardingError, Unshardable):
+                raise e from None
+            if segs[0].parts < tp:  # fewer heads in a piece than ranks: each piece's heads are held by several
+                pairs = "pairs" if blocks == 2 else f"groups of {blocks}"
+                raise Pieces(e.node, f"heads read in {blocks} equal pieces and paired across them (each rank needs "
+                                     f"its heads of every piece): {c.module}'s {segs[0].parts} {pairs} of heads (head "
+                                     f"i with head i + {segs[0].parts}) are fewer than tp={tp}, and a pair is never "
+                                     "cut", blocks) from None
+        try:
+            return _cut_in_pieces(columns, specs, Pieces(e.node, e.reason, blocks), row, fp, tp, name, others)
+        except Pieces:  # its pieces' heads, fewer than tp, reached the row
+            raise
+        except Unshardable:
+            raise e from None
+
+
+def _read_in_pieces(specs: dict[fx.Node, Sharding], tp: int) -> int | None:
+    """The number of equal pieces one column is cut in, each held by several ranks (v read apart by its halves of
+    kv heads, fewer than tp), beside a column cut in order (one segment); None where there is none."""
+    plain = [s for s in specs.values() if s.single() is not None and not (s.single().inner or s.outer or s.inner)]
+    pieces = [len(s.segments) for s in specs.values() if len(s.segments) > 1 and len(set(s.segments)) == 1
+              and s.segments[0].parts < tp and not (s.inner or s.outer or s.group)]
+    return pieces[0] if plain and pieces else None
 
 
 def _cut_in_pieces(columns: list[ParamMatmul], specs: dict[fx.Node, Sharding], e: Pieces, row: ParamMatmul,
@@ -388,9 +425,9 @@ def _cut_in_pieces(columns: list[ParamMatmul], specs: dict[fx.Node, Sharding], e
     try:
         return tried, propagate(tried, row.node, row.x, fp, tp, name, row.x_dim, sides=others)
     except ShardingError as why:  # a piece's heads fewer than tp reach the row: no exact Megatron cut
-        raise Unshardable(e.node, f"heads read in {e.blocks} equal pieces and paired across them (each rank needs "
-                                  f"its heads of every piece): {str(why).splitlines()[0].removeprefix(name + ': ')}"
-                          ) from None
+        raise Pieces(e.node, f"heads read in {e.blocks} equal pieces and paired across them (each rank needs its "
+                             f"heads of every piece): {str(why).splitlines()[0].removeprefix(name + ': ')}", e.blocks
+                     ) from None
 
 
 def head_shared(matmuls: list[ParamMatmul], feed: dict[fx.Node, frozenset[fx.Node]]) -> set[fx.Node]:

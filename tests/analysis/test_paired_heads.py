@@ -21,6 +21,7 @@ from parity_checks import assert_exact, assert_fully_sharded
 from parity_workers import pattern_parity
 from pattern_models import H, HD, S
 from ranks import Launches
+from shared_graphs import SHARED, spelling
 
 NKV = {"gate_linear": 2, "gate_matmul": 4}
 
@@ -90,6 +91,22 @@ def test_diffllama_pairs_heads_and_names_tp_4():
     params = dict(plan.params)
     for w, n in (("q_proj", 64), ("k_proj", 32), ("v_proj", 32)):
         assert [(g.size, g.parts) for g in params[f"{attn}.{w}.weight"].segments] == [(n, 2)] * 2, w
+
+
+@SHARED
+def test_diffllama_at_tp_4_names_its_pairs_of_heads():
+    """DiffLlama of 4 heads (2 kv heads) at tp 4: its heads are 2 pairs (head i with head i + 2, read by a chunk of
+    the heads after attention), fewer than the ranks, and a pair never leaves its rank: attention stays whole with
+    that reason, where it said only that 2 heads are not divisible by tp=4 (the repeat of one kv head per half of v
+    failed before the chunk was met). At tp 2 the pairs are cut."""
+    _, _, _, gm = spelling("paired_head_models", "diffllama")
+    assert make_plan(gm, 2).replicated == ()
+    plan = make_plan(gm, 4)
+    attn = [f"model.layers.{i}.self_attn" for i in range(2)]
+    assert [m for m, _ in plan.replicated] == attn, plan.replicated
+    for m, why in plan.replicated:
+        assert why.startswith("heads read in 2 equal pieces and paired across them") and \
+            f"{m}.q_proj's 2 pairs of heads (head i with head i + 2) are fewer than tp=4" in why, why
 
 
 RUNS = [*GATES, "doge", *PAIRS, "diffllama", "diffllama_8"]
