@@ -231,7 +231,7 @@ def fabric_parallelize_fn(fsdp: bool = True, **options: Any) -> Callable[[nn.Mod
     :func:`autotp.parallelize` on the model with the strategy's device mesh.
 
     Fabric's mesh has dims ("data_parallel", "tensor_parallel"), tensor parallel innermost as in autotp's
-    layout. The model is sharded over the "tensor_parallel" dim; with more than one data-parallel rank it is
+    rank grid. The model is sharded over the "tensor_parallel" dim; with more than one data-parallel rank it is
     also sharded over "data_parallel" with FSDP2 (``fsdp=True``, what the strategy expects a
     ``parallelize_fn`` to do, and what its sharded checkpoints assume) or wrapped in DDP over it
     (``fsdp=False``). ``options`` go to :func:`autotp.parallelize` (``sequence_parallel``, ``compile``, ...).

@@ -23,7 +23,7 @@ if TYPE_CHECKING:  # torch-free: the command line imports this module before tor
     from autotp.plan.stages import StageRequest
 
 
-# DistributedDataParallel's arguments autotp sets itself (the layout's or mesh's data-parallel group, the device)
+# DistributedDataParallel's arguments autotp sets itself (the rank grid's or mesh's data-parallel group, the device)
 _DDP_OWN = ("module", "process_group", "device_mesh", "device_ids", "output_device")
 
 
@@ -38,7 +38,7 @@ def _check_data_parallel(value: object) -> None:
     own = [k for k in value if k in _DDP_OWN]
     if own:
         raise ShardingError(f"data_parallel sets {', '.join(own)}, which autotp sets itself (the data-parallel "
-                            "group of the layout or mesh, and the device)",
+                            "group of the rank grid or mesh, and the device)",
                             hint="pass a mesh with a 'dp' dim, or run under `autotp run --dp D`")
 
 

@@ -208,18 +208,18 @@ class VocabRows:
         return self.local * tp
 
     def logits(self) -> VocabRows:
-        """The layout of the logits' classes: the same rows per rank, with the cropped rows as padding.
+        """The rows of the logits' classes: the same rows per rank, with the cropped rows as padding.
         (size 128 cropped to 100 at tp 2: rank 0 owns classes [0, 64), rank 1 [64, 100) and 28 padding.)"""
         return self if self.classes is None else VocabRows(self.classes, self.per_rank, self.local)
 
 
-def vocab_shard(full: torch.Tensor, dim: int, layout: VocabRows, rank: int) -> torch.Tensor:
-    """Rank ``rank``'s rows of a vocab-parallel tensor, zero-padded to ``layout.local``."""
-    owned = full.narrow(dim, layout.start(rank), layout.owned(rank))
+def vocab_shard(full: torch.Tensor, dim: int, rows: VocabRows, rank: int) -> torch.Tensor:
+    """Rank ``rank``'s rows of a vocab-parallel tensor, zero-padded to ``rows.local``."""
+    owned = full.narrow(dim, rows.start(rank), rows.owned(rank))
     pad = list(full.shape)
-    pad[dim] = layout.local - layout.owned(rank)
+    pad[dim] = rows.local - rows.owned(rank)
     return torch.cat([owned, full.new_zeros(pad)], dim=dim)
 
 
-def vocab_unshard(shards: list[torch.Tensor], dim: int, layout: VocabRows) -> torch.Tensor:
-    return torch.cat([s.narrow(dim, 0, layout.owned(r)) for r, s in enumerate(shards)], dim=dim)
+def vocab_unshard(shards: list[torch.Tensor], dim: int, rows: VocabRows) -> torch.Tensor:
+    return torch.cat([s.narrow(dim, 0, rows.owned(r)) for r, s in enumerate(shards)], dim=dim)

@@ -12,12 +12,12 @@ and timeout: one :class:`~autotp.distributed.job.RankJob`) in ``AUTOTP_JOB``. In
     tpm = autotp.parallelize(model, tp_group=ctx.tp_group())
     # data parallelism: DistributedDataParallel(tpm, process_group=ctx.dp_group())
 
-A plain ``autotp.parallelize(model)`` (no ``tp_group``) takes the layout's groups, and with ``--dp D`` averages
-the gradients over the data-parallel ranks itself (torch's DDP, driven from the model's forward; a DDP the
-script wraps over ``ctx.dp_group()`` is found at its first call and averages alone). With ``--fsdp``
-(``--hsdp GROUPS``) it shards over the layout's mesh with FSDP2 instead; build the optimizer after it. With ``--pp P``,
-``pipe = autotp.pipeline(model, example_inputs=batch, microbatches=M)`` cuts it into stages over the layout's
-pipeline ranks (``pipe.step(x, y)`` trains, ``pipe.parameters()`` for the optimizer).
+A plain ``autotp.parallelize(model)`` (no ``tp_group``) takes the rank grid's groups, and with ``--dp D``
+averages the gradients over the data-parallel ranks itself (torch's DDP, driven from the model's forward; a DDP
+the script wraps over ``ctx.dp_group()`` is found at its first call and averages alone). With ``--fsdp``
+(``--hsdp GROUPS``) it shards over the rank grid's mesh with FSDP2 instead; build the optimizer after it. With
+``--pp P``, ``pipe = autotp.pipeline(model, example_inputs=batch, microbatches=M)`` cuts it into stages over the
+rank grid's pipeline ranks (``pipe.step(x, y)`` trains, ``pipe.parameters()`` for the optimizer).
 
 With more than one rank, the ranks' output reaches this terminal as torchrun's ``--tee`` shows it: through
 files the launcher tails, each line prefixed with the global rank that printed it (``[rank1]:``) and shown once

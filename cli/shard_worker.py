@@ -426,7 +426,7 @@ def _tp_batch(make, ctx: RankContext) -> tuple[tuple, dict]:
 def _token_vocab(tpm: autotp.TPModule) -> int | None:
     """The smallest vocabulary of the embeddings the plan found indexed by the inputs' ids (position tables
     index an ``arange`` and are not among them); None when none is vocab-parallel."""
-    sizes = [layout.size for _, layout in autotp.tp_state(tpm).plan.vocab.embeddings]
+    sizes = [rows.size for _, rows in autotp.tp_state(tpm).plan.vocab.embeddings]
     return min(sizes) if sizes else None
 
 

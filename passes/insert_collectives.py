@@ -171,14 +171,14 @@ def _enter(gm: fx.GraphModule, x: fx.Node, users: list[fx.Node], where: str) -> 
         c.replace_input_with(x, f)
 
 
-_Form = tuple[str, fx.Node, fx.Node | None]  # (layout, weight node, bias node) of a plain column matmul
+_Form = tuple[str, fx.Node, fx.Node | None]  # (orientation, weight node, bias node) of a plain column matmul
 
 
 def _form(plan: Plan, nodes: dict, c: fx.Node, x: fx.Node) -> _Form | None:
     """Column matmul ``c`` reading ``x`` in its plain form, as the plan records it; None: a group cannot
     fuse it."""
     f = plan.column_form(c.name, x.name)
-    return None if f is None else (f.layout, nodes[f.weight], None if f.bias is None else nodes[f.bias])
+    return None if f is None else (f.orientation, nodes[f.weight], None if f.bias is None else nodes[f.bias])
 
 
 def _fuse(gm: fx.GraphModule, prefix: str, module: nn.Module, x: fx.Node, columns: list[fx.Node],

@@ -47,9 +47,9 @@ def split_units(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
     edges = {0: next((u.module for u in plan.units if u.kind == "first"), None),
              2 * len(blocks): next((u.module for u in plan.units if u.kind == "last"), None)}
 
-    def unit(key: int, layout: tuple[int | str, ...]) -> tuple[str, str | None]:
+    def unit(key: int, inputs: tuple[int | str, ...]) -> tuple[str, str | None]:
         unit = blocks[(key - 1) // 2] if key % 2 else edges.get(key)
-        foreign = [n for n in layout if isinstance(n, str) and owner.get(n, unit) != unit]
+        foreign = [n for n in inputs if isinstance(n, str) and owner.get(n, unit) != unit]
         if foreign:  # FSDP gathers a unit's parameters only while that unit runs
             raise ValueError(f"{foreign[0]} (of {owner[foreign[0]]}) is read outside its block, by "
                              f"{unit or 'root-level code'}: the graph cannot be cut into one piece per block")
@@ -61,7 +61,7 @@ def split_units(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
 def split_into_pieces(gm: fx.GraphModule, part: Callable[[fx.Node], int],
                       name: Callable[[int, tuple[int | str, ...]], tuple[str, str | None]]) -> fx.GraphModule:
     """``split_module`` of ``gm`` by ``part`` (each computing node's piece key), every piece replaced by a
-    :class:`PieceCall` that reads its parameters from the model when it runs; ``name(key, layout)`` gives the
+    :class:`PieceCall` that reads its parameters from the model when it runs; ``name(key, inputs)`` gives the
     piece's attribute name and its unit (or raises when the piece cannot be one). The top graph keeps no
     parameter."""
     top = split_module(gm, gm, part)
@@ -70,16 +70,16 @@ def split_into_pieces(gm: fx.GraphModule, part: Callable[[fx.Node], int],
         if node.op != "call_module" or not str(node.target).startswith("submod_"):
             continue
         key = int(str(node.target).removeprefix("submod_"))
-        layout: list[int | str] = []
+        inputs: list[int | str] = []  # each of the piece's inputs: an index into ``kept``, or a parameter's name
         kept = []
         for arg in node.args:
             if isinstance(arg, fx.Node) and arg.op == "get_attr" and arg.target in params:
-                layout.append(arg.target)
+                inputs.append(arg.target)
             else:
-                layout.append(len(kept))
+                inputs.append(len(kept))
                 kept.append(arg)
-        attr, unit = name(key, tuple(layout))
-        top.add_submodule(attr, PieceCall(top.get_submodule(node.target), unit, tuple(layout)))
+        attr, unit = name(key, tuple(inputs))
+        top.add_submodule(attr, PieceCall(top.get_submodule(node.target), unit, tuple(inputs)))
         top.delete_submodule(node.target)
         node.target, node.args = attr, tuple(kept)
     for node in list(top.graph.nodes):

@@ -25,10 +25,10 @@ def vocab_embedding(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
         return gm
     ensure_collective_modules(gm)
     nodes = {n.name: n for n in gm.graph.nodes}
-    for name, layout in plan.vocab.embeddings:
+    for name, rows in plan.vocab.embeddings:
         node = nodes[name]
         target = f"autotp_vocab_embedding_{name}"
-        gm.add_submodule(target, VocabEmbedding(layout))
+        gm.add_submodule(target, VocabEmbedding(rows))
         node.op, node.target = "call_module", target
         leave = plan.sequence.leave(name) if plan.sequence is not None else None
         if leave is not None:  # sequence parallelism: reduce-scatter along the sequence

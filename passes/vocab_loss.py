@@ -17,7 +17,7 @@ After::
 N-d logits with the classes on dim 1 (``cross_entropy(logits.transpose(1, 2), targets)``: (b, V/t, s) here) go
 to the same loss, which reads them as (b·s, V/t) rows and gives ``reduction="none"`` the targets' shape.
 
-Logits of a padded head cropped in the model (``lm_head(x)[..., :V]``): the loss's layout knows the V classes and
+Logits of a padded head cropped in the model (``lm_head(x)[..., :V]``): the loss's rows know the V classes and
 leaves each rank's columns at class ids >= V out of the row max, the exp-sum and the target term.
 """
 from __future__ import annotations
@@ -37,7 +37,7 @@ def vocab_loss(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
             lsm.replace_all_uses_with(lsm.args[0])
             gm.graph.erase_node(lsm)
         target = f"autotp_vocab_ce_{loss.node}"
-        gm.add_submodule(target, VocabCrossEntropy(loss.layout, loss.reduction, loss.ignore_index,
+        gm.add_submodule(target, VocabCrossEntropy(loss.rows, loss.reduction, loss.ignore_index,
                                                    loss.label_smoothing))
         node.op, node.target = "call_module", target
         node.args, node.kwargs = node.args[:2], {}

@@ -26,10 +26,10 @@ def vocab_output(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
         return gm
     nodes = {n.name: n for n in gm.graph.nodes}
     output = next(n for n in gm.graph.nodes if n.op == "output")
-    for name, dim, layout in plan.vocab.outputs:
+    for name, dim, rows in plan.vocab.outputs:
         node = nodes[name]
         target = f"autotp_vocab_output_{name}"
-        gm.add_submodule(target, VocabOutput(layout, dim))
+        gm.add_submodule(target, VocabOutput(rows, dim))
         with gm.graph.inserting_before(output):
             wrapped = gm.graph.call_module(target, (node,))
         wrapped.meta = dict(node.meta)

@@ -7,7 +7,7 @@ reads it in the graph, through casts and transposes:
 - the weight of a matmul: the reason its module was left replicated (analysis recorded it), else what its
   output feeds;
 - the table of an embedding: indexed by positions (Megatron keeps position embeddings whole), or the
-  reason its vocab-parallel layout was refused;
+  reason its vocab-parallel rows were refused;
 - anything else: the op that reads it, which no sharding rule reads as a weight.
 """
 from __future__ import annotations

@@ -388,16 +388,16 @@ def _einsum_matmul(gm: fx.GraphModule, node: fx.Node, params: set[str]) -> Param
 
 
 def column_form(gm: fx.GraphModule, c: fx.Node, x: fx.Node, params: set[str]) -> tuple[str, fx.Node, object] | None:
-    """(layout, weight node, bias node) of a column matmul reading ``x`` once in a plain form that a fused
+    """(orientation, weight node, bias node) of a column matmul reading ``x`` once in a plain form that a fused
     column group computes itself (``linear``, ``addmm``, ``mm``/``matmul`` by a parameter, its transpose or
-    its cast); layout ``"out_in"`` for a weight read as [out, in], ``"in_out"`` for [in, out]. A lone
+    its cast); orientation ``"out_in"`` for a weight read as [out, in], ``"in_out"`` for [in, out]. A lone
     transpose of W is undone (the group reads W itself); a cast stays in the graph, the group reads it."""
     pm = match_param_matmul(gm, c, params)
     if pm is None or pm.x is not x or c.kwargs or sum(a is x for a in c.args) != 1 or pm.y_dim != -1:
         return None  # (a weight on the left, ``W @ x``, is computed by the graph itself)
     operand = c.args[2 if pm.kind == "addmm" else 1]
-    layout = "out_in" if pm.kind == "linear" else "in_out"
+    orientation = "out_in" if pm.kind == "linear" else "in_out"
     if len(pm.chain) == 1 and permutes(pm.chain[0].target):
-        operand, layout = pm.chain[0].args[0], "out_in" if pm.out_dim == 0 else "in_out"
+        operand, orientation = pm.chain[0].args[0], "out_in" if pm.out_dim == 0 else "in_out"
     bias = c.args[0] if pm.kind == "addmm" else c.args[2] if pm.kind == "linear" and len(c.args) > 2 else None
-    return layout, operand, bias
+    return orientation, operand, bias

@@ -6,10 +6,10 @@
   vocab-sharded value, ends only in cross-entropy losses (``cross_entropy``, ``log_softmax`` + ``nll_loss``)
   or in the graph's outputs. Anything else that reads the logits (an argmax, a sampling step) keeps the
   head replicated, with the reason.
-- A weight used by an embedding and a head (tied, found by identity) gets one layout for both.
+- A weight used by an embedding and a head (tied, found by identity) gets one ``VocabRows`` for both.
 - A head padded past the vocabulary and cropped in the model (``lm_head(x)[..., :vocab_size]``, ``narrow``)
   keeps all its rows vocab-parallel: the crop is the vocab padding already there, so it becomes the identity on
-  each rank's logits and the layout records the classes (``VocabRows.classes``) that the loss and the
+  each rank's logits and the rows record the classes (``VocabRows.classes``) that the loss and the
   returned logits keep.
 - An unpaired matmul that is not an LM head is reported as what its dataflow says it is: a gate (a few
   features read by sigmoid, softmax or a multiply), a router (read by topk), else a linear outside every pair.
@@ -57,7 +57,7 @@ class LossFact:
 @dataclass
 class HeadFact:
     matmul: ParamMatmul
-    layout: VocabRows
+    rows: VocabRows  # the vocabulary's rows per rank
     losses: list[LossFact] = field(default_factory=list)
     outputs: list[tuple[fx.Node, int]] = field(default_factory=list)  # returned node, vocab dim
     specs: dict[fx.Node, Sharding] = field(default_factory=dict)
@@ -67,7 +67,7 @@ class HeadFact:
 
 @dataclass
 class VocabFacts:
-    embeddings: list[tuple[fx.Node, str, VocabRows]] = field(default_factory=list)  # node, weight, layout
+    embeddings: list[tuple[fx.Node, str, VocabRows]] = field(default_factory=list)  # node, weight, rows per rank
     heads: list[HeadFact] = field(default_factory=list)
 
 
@@ -362,7 +362,7 @@ def _kept_whole(m: ParamMatmul, why: str, latent_of: str | None = None) -> str:
             f"(its output is read by {reads})")
 
 
-def _check_vocab_param(cut: ParamCut, p: _VocabPropagator, layout: VocabRows) -> None:
+def _check_vocab_param(cut: ParamCut, p: _VocabPropagator, rows: VocabRows) -> None:
     """A parameter the logits meet along their vocab dim (a learned scale per vocab entry multiplied into them,
     Dory's ``logits * (logit_scale.float() * c)``, logit_scale ``(V,)``) is cut along the vocab like the head's
     rows: each rank's slice meets its own logits, so forward and backward stay local (the gradient of entry v
@@ -371,7 +371,7 @@ def _check_vocab_param(cut: ParamCut, p: _VocabPropagator, layout: VocabRows) ->
     x = cut.node
     gm = x.graph.owning_module
     params = dict(gm.named_parameters(remove_duplicate=False))
-    if x.op != "get_attr" or x.target not in params or params[x.target].shape[cut.dim] != layout.size:
+    if x.op != "get_attr" or x.target not in params or params[x.target].shape[cut.dim] != rows.size:
         raise Unshardable(x, f"{x.name} spans the vocab dim of the logits")
     same = {n for n in x.graph.nodes if n.op == "get_attr" and params.get(n.target) is params[x.target]}
     stray = [u for n in same for u in n.users
@@ -382,9 +382,9 @@ def _check_vocab_param(cut: ParamCut, p: _VocabPropagator, layout: VocabRows) ->
                               "where the logits are not: cut with them, that read would see a shard")
 
 
-def _propagate_head(m: ParamMatmul, layout: VocabRows, fp: Fingerprinter, tp: int) -> HeadFact:
+def _propagate_head(m: ParamMatmul, rows: VocabRows, fp: Fingerprinter, tp: int) -> HeadFact:
     p = _VocabPropagator(fp, tp, m.module)
-    spec = Sharding(ndim_of(m.node) - 1, (Segment(layout.padded(tp), tp),))
+    spec = Sharding(ndim_of(m.node) - 1, (Segment(rows.padded(tp), tp),))
     p.region.specs[m.node] = spec
     started = False
     output = None
@@ -405,14 +405,14 @@ def _propagate_head(m: ParamMatmul, layout: VocabRows, fp: Fingerprinter, tp: in
         x = p.region.slices[0]
         raise Unshardable(x.consumer, f"{x.operand.name} spans the vocab dim of the logits")
     for cut in p.region.params:
-        _check_vocab_param(cut, p, layout)
+        _check_vocab_param(cut, p, rows)
     if p.region.entering:  # a learned temperature (1,) dividing the logits: no f is planned for a head's operands
         at, x = p.region.entering[0]
         raise Unshardable(at, f"{x.name}, learned and whole on every rank, meets the vocab-sharded logits: each "
                               "rank's gradient of it would cover only its own vocab slice")
     if p.classes is not None:
-        layout = replace(layout, classes=p.classes)
-    head = HeadFact(m, layout, p.losses, specs={n: s for n, s in p.region.specs.items() if isinstance(s, Sharding)},
+        rows = replace(rows, classes=p.classes)
+    head = HeadFact(m, rows, p.losses, specs={n: s for n, s in p.region.specs.items() if isinstance(s, Sharding)},
                     rewrites=p.region.rewrites, params=list(p.region.params))
     loss_nodes = {x.node for x in p.losses}
     for n, s in p.region.specs.items():
@@ -430,7 +430,7 @@ def _propagate_head(m: ParamMatmul, layout: VocabRows, fp: Fingerprinter, tp: in
                 [(n, f"the graph returns {n.name} with") for n, _ in head.outputs if n not in p.cropped]
         if whole:
             raise Unshardable(whole[0][0], f"the logits are cropped to {p.classes} classes at {p.crop.name}, but "
-                                           f"{whole[0][1]} all {layout.size} rows")
+                                           f"{whole[0][1]} all {rows.size} rows")
     return head
 
 
@@ -447,7 +447,7 @@ def analyze_vocab(gm: fx.GraphModule, a: Analysis, tp: int, multiple: int = 1) -
     for node in gm.graph.nodes:
         if node.op == "get_attr" and node.target in params:
             uses.setdefault(node.target, []).extend(node.users)
-    layouts: dict[str, VocabRows] = {}
+    rows_of: dict[str, VocabRows] = {}  # weight -> its rows per rank, one for a tied embedding and head
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     unheaded: list[tuple[ParamMatmul, str]] = []  # unpaired matmuls that are no LM head, and why
     for m in a.matmuls:
@@ -457,9 +457,9 @@ def analyze_vocab(gm: fx.GraphModule, a: Analysis, tp: int, multiple: int = 1) -
         if why is not None:  # its output only chooses (a sparse-attention indexer): whole by design, no head
             a.by_design.append((m.module, why))
             continue
-        layout = VocabRows.make(m.out_features, tp, multiple)
+        rows = VocabRows.make(m.out_features, tp, multiple)
         try:
-            head = _propagate_head(m, layout, fp, tp)
+            head = _propagate_head(m, rows, fp, tp)
         except (Unshardable, ShardingError) as e:
             unheaded.append((m, f"{e.reason} (at {where(e.node)})" if isinstance(e, Unshardable) else str(e)))
             continue
@@ -471,7 +471,7 @@ def analyze_vocab(gm: fx.GraphModule, a: Analysis, tp: int, multiple: int = 1) -
             a.replicated.append((m.module, f"LM head kept whole: its weight is also used by {others[0].name}"))
             continue
         facts.heads.append(head)
-        layouts[m.weight] = layout
+        rows_of[m.weight] = rows
     head_nodes = {h.matmul.node for h in facts.heads}
     # named once the heads are known: a head's dense + norm transform is whole by design
     named = [(m, _head_transform(m, facts.heads, a, order) or _kept_whole(m, why, _latent_of(m, a, order)))
@@ -501,6 +501,6 @@ def analyze_vocab(gm: fx.GraphModule, a: Analysis, tp: int, multiple: int = 1) -
             a.replicated.append((module_path(node) or w,
                                  f"embedding kept whole: its weight is also used by {others[0].name}"))
             continue
-        layout = layouts.setdefault(w, VocabRows.make(params[w].shape[0], tp, multiple))
-        facts.embeddings.append((node, w, layout))
+        rows = rows_of.setdefault(w, VocabRows.make(params[w].shape[0], tp, multiple))
+        facts.embeddings.append((node, w, rows))
     return facts

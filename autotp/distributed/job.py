@@ -50,9 +50,9 @@ class RankJob:
     virtual_stages: int | None = None
 
     def __post_init__(self) -> None:
-        lay = self.grid
-        if not isinstance(lay, RankGrid):
-            raise LaunchError(f"grid must be a RankGrid, got {type(lay).__name__}", fields=("grid",))
+        g = self.grid
+        if not isinstance(g, RankGrid):
+            raise LaunchError(f"grid must be a RankGrid, got {type(g).__name__}", fields=("grid",))
         if self.backend not in BACKENDS:
             raise LaunchError(f"backend must be gloo or nccl, got {self.backend!r}", fields=("backend",))
         if self.timeout is not None and (isinstance(self.timeout, bool) or not isinstance(self.timeout, (int, float))
@@ -64,24 +64,24 @@ class RankJob:
                 raise LaunchError(f"{name} must be an integer >= 1 or None, got {value!r} ({self.sizes})",
                                   fields=(name,))
         if self.fsdp is not None:  # the rule LaunchSpec asked (autotp.combinations); a job read back asks it again
-            reason = refused(fsdp=True, dp=lay.dp, context_parallel=lay.cp, hsdp=self.fsdp)
+            reason = refused(fsdp=True, dp=g.dp, context_parallel=g.cp, hsdp=self.fsdp)
             if reason is not None:
                 raise LaunchError(f"{reason.message} ({self.sizes})", hint=reason.hint, fields=reason.fields)
 
     @property
     def sizes(self) -> str:
         """Every size, for messages: ``tp 2 × cp 1 × dp 2 × pp 1 = world 4``."""
-        lay = self.grid
-        return f"tp {lay.tp} × cp {lay.cp} × dp {lay.dp} × pp {lay.pp} = world {lay.world_size}"
+        g = self.grid
+        return f"tp {g.tp} × cp {g.cp} × dp {g.dp} × pp {g.pp} = world {g.world_size}"
 
     @property
     def device_type(self) -> str:
         return "cuda" if self.backend == "nccl" else "cpu"
 
     def to_dict(self) -> dict[str, Any]:
-        lay = self.grid
-        return {"version": JOB_VERSION, "world_size": lay.world_size, "tp": lay.tp, "cp": lay.cp, "dp": lay.dp,
-                "pp": lay.pp, "backend": self.backend, "timeout": self.timeout,
+        g = self.grid
+        return {"version": JOB_VERSION, "world_size": g.world_size, "tp": g.tp, "cp": g.cp, "dp": g.dp,
+                "pp": g.pp, "backend": self.backend, "timeout": self.timeout,
                 "fsdp": self.fsdp, "virtual_stages": self.virtual_stages}
 
     def to_json(self) -> str:

@@ -77,9 +77,9 @@ class RankContext:
         than tp): sharded over ``parts`` blocks, replicated over their copies. Made once per job and kept here,
         since making one creates process groups on every rank."""
         if parts not in self.meshes:
-            lay = self.grid
-            cp = ((lay.cp,), (MESH_CP,)) if lay.cp > 1 else ((), ())
-            self.meshes[parts] = init_device_mesh(self.device.type, (lay.pp, lay.dp, *cp[0], parts, lay.tp // parts),
+            g = self.grid
+            cp = ((g.cp,), (MESH_CP,)) if g.cp > 1 else ((), ())
+            self.meshes[parts] = init_device_mesh(self.device.type, (g.pp, g.dp, *cp[0], parts, g.tp // parts),
                                                   mesh_dim_names=(MESH_PP, MESH_DP, *cp[1], "tp_block", "tp_copy"))
         return self.meshes[parts]
 

@@ -168,31 +168,31 @@ class LeaveTP(_Collective):
         return x if self.group is None else _Leave.apply(x, self.group)
 
 
-def _column(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, layout: str) -> torch.Tensor:
+def _column(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, orientation: str) -> torch.Tensor:
     """One column matmul as the graph wrote it: ``linear`` for W stored [out, in], ``addmm``/``matmul`` for
     W stored [in, out] (GPT-2's Conv1D)."""
-    if layout == "out_in":
+    if orientation == "out_in":
         return F.linear(x, w, b)
     return torch.addmm(b, x, w) if b is not None else torch.matmul(x, w)
 
 
-def column_input_grad(grads, ws, layouts: tuple[str, ...]) -> torch.Tensor:
+def column_input_grad(grads, ws, orientations: tuple[str, ...]) -> torch.Tensor:
     """dX = Σ dYᵢ·Wᵢ over the column matmuls that read X."""
     dx = None
-    for g, w, lay in zip(grads, ws, layouts):
-        part = g @ (w if lay == "out_in" else w.t())  # (.., out) @ (out, in)
+    for g, w, o in zip(grads, ws, orientations):
+        part = g @ (w if o == "out_in" else w.t())  # (.., out) @ (out, in)
         dx = part if dx is None else dx.add_(part)
     return dx
 
 
-def column_param_grads(x: torch.Tensor, grads, layouts: tuple[str, ...], bias: list[bool],
+def column_param_grads(x: torch.Tensor, grads, orientations: tuple[str, ...], bias: list[bool],
                        needs: tuple[bool, ...]) -> list[torch.Tensor | None]:
     """(dWᵢ, dbᵢ) of each column matmul, flat; ``needs``: needs_input_grad of (W₀, b₀, W₁, b₁, ..)."""
     x2 = x.reshape(-1, x.shape[-1])  # (b·s, in)
     out: list[torch.Tensor | None] = []
-    for i, (g, lay) in enumerate(zip(grads, layouts)):
+    for i, (g, o) in enumerate(zip(grads, orientations)):
         g2 = g.reshape(-1, g.shape[-1])  # (b·s, out)
-        out.append((g2.t() @ x2 if lay == "out_in" else x2.t() @ g2) if needs[2 * i] else None)
+        out.append((g2.t() @ x2 if o == "out_in" else x2.t() @ g2) if needs[2 * i] else None)
         out.append(g2.sum(0) if bias[i] and needs[2 * i + 1] else None)
     return out
 
@@ -204,11 +204,11 @@ class _Columns(torch.autograd.Function):
 
     @staticmethod
     @amp_fwd(cast="low")
-    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup, layouts: tuple[str, ...], *wb: torch.Tensor):
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup, orientations: tuple[str, ...], *wb: torch.Tensor):
         ws, bs = wb[0::2], wb[1::2]
-        ctx.group, ctx.layouts, ctx.bias = group, layouts, [b is not None for b in bs]
+        ctx.group, ctx.orientations, ctx.bias = group, orientations, [b is not None for b in bs]
         ctx.save_for_backward(x, *ws)
-        return tuple(_column(x, w, b, lay) for w, b, lay in zip(ws, bs, layouts))
+        return tuple(_column(x, w, b, o) for w, b, o in zip(ws, bs, orientations))
 
     @staticmethod
     @amp_bwd
@@ -216,9 +216,9 @@ class _Columns(torch.autograd.Function):
         x, *ws = ctx.saved_tensors
         dx = work = None
         if ctx.needs_input_grad[0]:
-            dx = column_input_grad(grads, ws, ctx.layouts)
+            dx = column_input_grad(grads, ws, ctx.orientations)
             work = dist.all_reduce(dx, group=ctx.group, async_op=True)
-        out = column_param_grads(x, grads, ctx.layouts, ctx.bias, ctx.needs_input_grad[3:])
+        out = column_param_grads(x, grads, ctx.orientations, ctx.bias, ctx.needs_input_grad[3:])
         finish(work, dx, ctx.group)
         return (dx, None, None, *out)
 
@@ -228,16 +228,16 @@ class ColumnGroup(EnterTP):
     ..)``. Eager, the input gradient's all-reduce overlaps the weight gradients; under torch.compile it
     is f then the matmuls, for Inductor to schedule."""
 
-    def __init__(self, layouts: tuple[str, ...]) -> None:
+    def __init__(self, orientations: tuple[str, ...]) -> None:
         super().__init__()
-        self.layouts = tuple(layouts)
+        self.orientations = tuple(orientations)
 
     def forward(self, x: torch.Tensor, *wb: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
         if self.group is not None and not torch.compiler.is_compiling():
-            return _Columns.apply(x, self.group, self.layouts, *wb)
+            return _Columns.apply(x, self.group, self.orientations, *wb)
         if self.group is not None:
             x = _Enter.apply(matmul_input(x), self.group)
-        return tuple(_column(x, w, b, lay) for w, b, lay in zip(wb[0::2], wb[1::2], self.layouts))
+        return tuple(_column(x, w, b, o) for w, b, o in zip(wb[0::2], wb[1::2], self.orientations))
 
 
 class StatAllReduce(_Collective):

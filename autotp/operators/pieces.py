@@ -35,20 +35,20 @@ def _local(p: torch.Tensor) -> torch.Tensor:
 
 
 class PieceCall(nn.Module):
-    """One piece of a split graph. ``layout`` says what each of the piece's inputs is: an index into this
-    call's arguments, or the name of a parameter read from the bound model when the piece runs."""
+    """One piece of a split graph. ``inputs`` says what each of the piece's inputs is, in order: an index into
+    this call's arguments, or the name of a parameter read from the bound model when the piece runs."""
 
-    def __init__(self, piece: fx.GraphModule, unit: str | None, layout: tuple[int | str, ...]):
+    def __init__(self, piece: fx.GraphModule, unit: str | None, inputs: tuple[int | str, ...]):
         super().__init__()
         self.piece = piece
         self.unit = unit  # the unit's module path; None for root-level code
-        self.layout = layout
+        self.inputs = inputs
         # (the unit module or None, each parameter's (owner module, attribute)); not registered as submodules
         self.__dict__["_bound"] = None
 
     def bind(self, model: nn.Module) -> None:
         owners = {}
-        for name in self.layout:
+        for name in self.inputs:
             if isinstance(name, str):
                 path, _, leaf = name.rpartition(".")
                 owners[name] = (model.get_submodule(path), leaf)
@@ -69,11 +69,11 @@ class PieceCall(nn.Module):
     def _run(self, *args):
         owners = self._bound[1]
         if isinstance(self.piece, fx.GraphModule):  # eager: each parameter made local where it is first read
-            inputs = [args[x] if isinstance(x, int) else owners[x][0]._parameters[owners[x][1]] for x in self.layout]
-            return self._lazy_locals()(*inputs)
-        inputs = [args[x] if isinstance(x, int) else _local(owners[x][0]._parameters[owners[x][1]])
-                  for x in self.layout]
-        return self.piece(*inputs)
+            values = [args[x] if isinstance(x, int) else owners[x][0]._parameters[owners[x][1]] for x in self.inputs]
+            return self._lazy_locals()(*values)
+        values = [args[x] if isinstance(x, int) else _local(owners[x][0]._parameters[owners[x][1]])
+                  for x in self.inputs]
+        return self.piece(*values)
 
     def _lazy_locals(self) -> fx.GraphModule:
         """The piece taking the parameters themselves, each made its local shard just before its first reader.
@@ -84,17 +84,17 @@ class PieceCall(nn.Module):
         before its reader, each gradient is accumulated as soon as it is computed."""
         lazy = self.__dict__.get("_lazy")
         if lazy is None or lazy[0] is not self.piece:
-            lazy = (self.piece, _with_lazy_locals(self.piece, self.layout))
+            lazy = (self.piece, _with_lazy_locals(self.piece, self.inputs))
             self.__dict__["_lazy"] = lazy
         return lazy[1]
 
 
-def _with_lazy_locals(piece: fx.GraphModule, layout: tuple[int | str, ...]) -> fx.GraphModule:
-    """A copy of ``piece`` whose parameter inputs (``layout``'s names) may be DTensors: each is made its local
+def _with_lazy_locals(piece: fx.GraphModule, inputs: tuple[int | str, ...]) -> fx.GraphModule:
+    """A copy of ``piece`` whose parameter inputs (``inputs``' names) may be DTensors: each is made its local
     tensor right before the first node that reads it."""
     gm = fx.GraphModule(piece, copy_graph(piece.graph))
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    for node, what in zip(placeholders, layout):
+    for node, what in zip(placeholders, inputs):
         if not isinstance(what, str) or not node.users:
             continue
         order = {n: i for i, n in enumerate(gm.graph.nodes)}

@@ -160,29 +160,29 @@ class _SeqColumns(torch.autograd.Function):
 
     @staticmethod
     @amp_fwd(cast="low")
-    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup, dim: int, flatten: bool, layouts: tuple[str, ...],
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup, dim: int, flatten: bool, orientations: tuple[str, ...],
                 *wb: torch.Tensor):
         ws, bs = wb[0::2], wb[1::2]
-        ctx.group, ctx.dim, ctx.flatten, ctx.layouts = group, dim, flatten, layouts
+        ctx.group, ctx.dim, ctx.flatten, ctx.orientations = group, dim, flatten, orientations
         ctx.bias = [b is not None for b in bs]
         ctx.save_for_backward(x, *ws)
         full = gather(x, dim, group)  # (b, s, h)
         xin = full.reshape(-1, full.shape[-1]) if flatten else full  # (b·s, h) when the columns read it flat
-        return tuple(_column(xin, w, b, lay) for w, b, lay in zip(ws, bs, layouts))
+        return tuple(_column(xin, w, b, o) for w, b, o in zip(ws, bs, orientations))
 
     @staticmethod
     @amp_bwd
     def backward(ctx, *grads: torch.Tensor):
         x, *ws = ctx.saved_tensors
         full, gathering = gather(x, ctx.dim, ctx.group, async_op=True)
-        dx = column_input_grad(grads, ws, ctx.layouts) if ctx.needs_input_grad[0] else None
+        dx = column_input_grad(grads, ws, ctx.orientations) if ctx.needs_input_grad[0] else None
         finish(gathering, full, ctx.group)
         local = work = None
         if dx is not None:
             shape = list(x.shape)
             shape[ctx.dim] *= dist.get_world_size(ctx.group)
             local, work = reduce_scatter(dx.reshape(shape), ctx.dim, ctx.group, async_op=True)
-        out = column_param_grads(full, grads, ctx.layouts, ctx.bias, ctx.needs_input_grad[5:])
+        out = column_param_grads(full, grads, ctx.orientations, ctx.bias, ctx.needs_input_grad[5:])
         if work is not None:
             work.wait()
             local = local.contiguous()
@@ -194,18 +194,18 @@ class SeqColumnGroup(_Collective):
     with x this rank's sequence slice. ``flatten``: the columns read the gathered input as (b·s, h) (GPT-2's
     Conv1D). Under torch.compile: the all-gather then the matmuls, for Inductor to schedule."""
 
-    def __init__(self, layouts: tuple[str, ...], dim: int, flatten: bool) -> None:
+    def __init__(self, orientations: tuple[str, ...], dim: int, flatten: bool) -> None:
         super().__init__()
-        self.layouts, self.dim, self.flatten = tuple(layouts), dim, flatten
+        self.orientations, self.dim, self.flatten = tuple(orientations), dim, flatten
 
     def forward(self, x: torch.Tensor, *wb: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
         if self.group is not None and not torch.compiler.is_compiling():
-            return _SeqColumns.apply(x, self.group, self.dim, self.flatten, self.layouts, *wb)
+            return _SeqColumns.apply(x, self.group, self.dim, self.flatten, self.orientations, *wb)
         if self.group is not None:
             x = _AllGather.apply(matmul_input(x), self.dim, self.group)
         if self.flatten:
             x = x.reshape(-1, x.shape[-1])
-        return tuple(_column(x, w, b, lay) for w, b, lay in zip(wb[0::2], wb[1::2], self.layouts))
+        return tuple(_column(x, w, b, o) for w, b, o in zip(wb[0::2], wb[1::2], self.orientations))
 
     def extra_repr(self) -> str:
         return f"dim={self.dim}, flatten={self.flatten}"

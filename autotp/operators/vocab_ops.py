@@ -17,9 +17,9 @@ from autotp.shard_spec import VocabRows, vocab_shard, vocab_unshard
 
 
 class _VocabModule(nn.Module):
-    def __init__(self, layout: VocabRows):
+    def __init__(self, rows: VocabRows):
         super().__init__()
-        self.layout = layout
+        self.rows = rows  # the vocabulary's rows per rank
         self.group: dist.ProcessGroup | None = None
         self.rank = 0
 
@@ -29,11 +29,11 @@ class _VocabModule(nn.Module):
 
     @property
     def start(self) -> int:
-        return self.layout.start(self.rank)
+        return self.rows.start(self.rank)
 
     @property
     def owned(self) -> int:
-        return self.layout.owned(self.rank)
+        return self.rows.owned(self.rank)
 
 
 class VocabEmbedding(_VocabModule):
@@ -114,8 +114,8 @@ class VocabCrossEntropy(_VocabModule):
     global targets (n,) or (b, s, ...); never gathers logits.
     Only the classes count: rows of a head cropped in the model (``classes``) are padding, as the crop made them."""
 
-    def __init__(self, layout: VocabRows, reduction: int, ignore_index: int, label_smoothing: float):
-        super().__init__(layout.logits())
+    def __init__(self, rows: VocabRows, reduction: int, ignore_index: int, label_smoothing: float):
+        super().__init__(rows.logits())
         self.reduction = reduction
         self.ignore_index = ignore_index
         self.label_smoothing = label_smoothing
@@ -129,7 +129,7 @@ class VocabCrossEntropy(_VocabModule):
         if logits.dim() > 2:  # (b, V/t, s, ...), classes on dim 1 as torch's N-d losses take them: (b·s·…, V/t)
             logits = logits.movedim(1, -1).reshape(-1, logits.shape[1])
             target = target.reshape(-1)
-        loss = _VocabCE.apply(logits, target, self.group, self.start, self.owned, self.layout.size,
+        loss = _VocabCE.apply(logits, target, self.group, self.start, self.owned, self.rows.size,
                               self.reduction, self.ignore_index, self.label_smoothing)
         return loss.view(shape) if self.reduction == 0 else loss  # reduction="none": one loss per target
 
@@ -138,14 +138,14 @@ class VocabOutput(GatherOutput):
     """This rank's logits, handed back as the full (b, s, V) tensor that is gathered only when read
     (:class:`~autotp.operators.gathered.GatheredOnUse`): a training step that only uses the loss moves no b·s·V data.
     Padding rows never reach the user: each rank contributes its owned classes only, so a head cropped in the
-    model (``layout.classes``) gives ``classes`` of them, as the unsharded model's crop does."""
+    model (``rows.classes``) gives ``classes`` of them, as the unsharded model's crop does."""
 
-    def __init__(self, layout: VocabRows, dim: int):
-        classes = layout.logits()
+    def __init__(self, rows: VocabRows, dim: int):
+        classes = rows.logits()
         super().__init__(dim, classes.size,
                          lambda shards, tp: vocab_unshard(shards, dim, classes),
                          lambda grad, rank: vocab_shard(grad, dim, classes, rank))
-        self.layout = layout
+        self.rows = rows
 
 
 def bind_vocab(module: nn.Module, group: dist.ProcessGroup | None, rank: int) -> None:

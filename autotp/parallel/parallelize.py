@@ -363,7 +363,7 @@ def parallelize(model: nn.Module, *, tp_group: dist.ProcessGroup | None = None, 
 
     The model keeps its class (a subclass of it is swapped in), attributes and methods; its parameters
     become this rank's shards under their original names, and its ``forward`` runs the rewritten graph.
-    ``tp_group``: default the layout's tensor-parallel group under ``autotp run``, else the whole default
+    ``tp_group``: default the rank grid's tensor-parallel group under ``autotp run``, else the whole default
     process group. ``example_inputs``: positional args as a tuple, keyword args as a dict, or
     ``(args, kwargs)``; only shapes and dtypes matter (capture computes nothing). Default: a (2, 8) batch
     of token ids. Other call structures are captured and rewritten on first use and share the parameters.
@@ -394,7 +394,7 @@ def parallelize(model: nn.Module, *, tp_group: dist.ProcessGroup | None = None, 
     gradients reduce-scattered when its backward ends. The parameters
     become DTensors over the mesh (``clip_grad_norm_`` gives the full model's norm); build the optimizer
     after this call. Default: what ``autotp run --fsdp [--hsdp GROUPS]`` asked for, else no FSDP. ``mesh``: a
-    device mesh with ``dp`` and ``tp`` dims (tp innermost), default the layout's under ``autotp run``; its
+    device mesh with ``dp`` and ``tp`` dims (tp innermost), default the rank grid's under ``autotp run``; its
     ``tp`` dim is the tensor-parallel group.
 
     Without FSDP, where the ranks hold data-parallel replicas (``autotp run --dp D`` with no ``tp_group``
@@ -417,7 +417,7 @@ def parallelize(model: nn.Module, *, tp_group: dist.ProcessGroup | None = None, 
     over the dp and cp dims together and its reduce-scatter sums them, averaging over dp only). Dropout on a
     chunk draws from the chunk's own stream. A forward that mixes
     positions other than in attention (a cumulative sum, a causal convolution) is refused naming the op.
-    The groups: ``mesh``'s ``cp`` dim when it has one, else the layout's under ``autotp run --cp`` (also the
+    The groups: ``mesh``'s ``cp`` dim when it has one, else the rank grid's under ``autotp run --cp`` (also the
     default cp there), else the world cut into groups of cp consecutive ranks (the other ranks
     data-parallel). Every sequence length must be a multiple of 2·cp.
 

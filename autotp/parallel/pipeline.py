@@ -9,7 +9,7 @@ and rotary tables are made again where they are read); a schedule by name (GPipe
 LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble) runs the micro-batches. ``eval_step`` runs the graph
 captured in eval mode, cut into the same stages.
 
-Megatron's layout (:mod:`autotp.distributed.rank_grid`): TP inside a node, then DP, then PP. With dp > 1 each
+Megatron's rank grid (:mod:`autotp.distributed.rank_grid`): TP inside a node, then DP, then PP. With dp > 1 each
 stage is wrapped in DDP over its data-parallel group (``PipelineStage`` defers its gradient all-reduce to
 the last micro-batch). A parameter read by stages on several pipeline ranks (an LM head tied to the token
 embedding: Megatron's embedding group) has its gradient summed over those ranks after each step, so its
@@ -122,7 +122,7 @@ def _resolve_mesh(mesh: DeviceMesh | None, pp: int | None, tp: int | None) -> De
     if mesh is None:
         from autotp.distributed.launch import current_mesh, init_distributed
 
-        mesh = current_mesh()  # under `autotp run`: the layout's (pp, dp, tp) mesh
+        mesh = current_mesh()  # under `autotp run`: the rank grid's (pp, dp, tp) mesh
         if mesh is None:
             if pp is None:
                 raise ProcessGroupError("autotp.pipeline needs the pipeline size: pass pp=... (and tp=...), a "
@@ -409,7 +409,7 @@ def pipeline(model: nn.Module, *, example_inputs: object, microbatches: int, sch
     shapes. ``schedule``: GPipe, 1F1B, Interleaved1F1B, LoopedBFS, InterleavedZeroBubble or ZBVZeroBubble;
     ``virtual_stages`` default 1 (2 for the interleaved and V schedules). ``split_points``: the blocks that
     start stages 1, 2, ... (default: balanced by FLOPs). ``mesh``: a (pp, dp, tp) device mesh, default the
-    layout's under ``autotp run``, else one made from ``pp`` and ``tp`` (dp the rest of the world).
+    rank grid's under ``autotp run``, else one made from ``pp`` and ``tp`` (dp the rest of the world).
     ``scaler``: fp16 training's ``torch.amp.GradScaler``: each step's backward starts from the scaled loss;
     the script's ``scaler.unscale_``, ``scaler.step`` and ``scaler.update`` stay as they are. ``compile``: each
     stage's piece runs under ``torch.compile`` (a dict: its options), as torchtitan compiles per stage.
@@ -418,7 +418,7 @@ def pipeline(model: nn.Module, *, example_inputs: object, microbatches: int, sch
     each stage is one FSDP2 unit over its data-parallel ranks instead of DDP. ``context_parallel``: every stage
     runs 1/cp of the sequence, as :func:`autotp.parallelize` runs it (the hidden state crossing a cut is the
     rank's chunk, b/m × s/cp × h); the ranks come from the mesh's ``cp`` dim (a (pp, dp, cp, tp) mesh), else
-    the layout's under ``autotp run --cp``; default: the mesh's cp dim, else the launcher's. Each step sums
+    the rank grid's under ``autotp run --cp``; default: the mesh's cp dim, else the launcher's. Each step sums
     the gradients of this rank's stages over the cp group once, after the schedule, in one all-reduce.
 
     The model keeps its class and names; its parameters become this rank's TP shards of its own stages
@@ -583,7 +583,7 @@ def _reshard(modules: list[StageModule]) -> None:
 
 def _reads(top: nn.Module, stage: int) -> list[str]:
     """The parameters stage ``stage``'s piece of the split graph ``top`` reads (names as the graph reads them)."""
-    return [x for x in top.get_submodule(f"{STAGE_PREFIX}{stage}").layout if isinstance(x, str)]
+    return [x for x in top.get_submodule(f"{STAGE_PREFIX}{stage}").inputs if isinstance(x, str)]
 
 
 def _check_v_ties(by_name: dict[str, nn.Parameter], reads: list[list[str]], ranks: list[int], schedule: str) -> None:

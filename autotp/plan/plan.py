@@ -19,12 +19,12 @@ from autotp.plan.context import ContextPlan
 from autotp.shard_spec import (Segment, VocabRows, local_runs, shard_tensor, unshard_tensor, vocab_shard,
                                vocab_unshard)
 
-PLAN_VERSION = 13
-_READS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13)  # 1: no gathered outputs or sharded inputs, 2: no statistics, 3: no sequence
-# parallelism or grouped segments, 4: no collective dtypes, 5: no list of the weights left whole, 6: no expert
-# parallelism, 7: no column forms or reduction arguments of statistics (read only for their shards), 8: no units,
-# 9: no pipeline stages, 10: no parameters cut in the graph, 11: no context parallelism, 12: no random ops on
-# sequence chunks
+PLAN_VERSION = 14
+_READS = tuple(range(1, PLAN_VERSION + 1))  # 1: no gathered outputs or sharded inputs, 2: no statistics, 3: no
+# sequence parallelism or grouped segments, 4: no collective dtypes, 5: no list of the weights left whole, 6: no
+# expert parallelism, 7: no column forms or reduction arguments of statistics (read only for their shards), 8: no
+# units, 9: no pipeline stages, 10: no parameters cut in the graph, 11: no context parallelism, 12: no random ops
+# on sequence chunks, 13: a column form's orientation and a loss's rows under the key "layout"
 # the module the one gradient all-reduce of parameters applied to sequence slices is reported under
 SEQ_PARAMS = "(sequence-parallel parameters)"
 
@@ -129,12 +129,12 @@ class PairPlan:
 class ColumnForm:
     """A column matmul or LM head ``node`` in a plain form that a fused column group computes itself
     (:class:`~autotp.operators.collectives.ColumnGroup`): it reads ``x`` once, by ``weight`` (the parameter's
-    node, its cast, or the parameter itself where the matmul reads its lone transpose) laid out as
-    ``layout`` ("out_in": [out, in], "in_out": [in, out]), plus ``bias`` (a node, or None)."""
+    node, its cast, or the parameter itself where the matmul reads its lone transpose) read in the
+    ``orientation`` "out_in" ([out, in]) or "in_out" ([in, out]), plus ``bias`` (a node, or None)."""
 
     node: str
     x: str
-    layout: str
+    orientation: str
     weight: str
     bias: str | None = None
 
@@ -149,17 +149,17 @@ class VocabLoss:
     reduction: int  # 0 none, 1 mean, 2 sum (aten's enum)
     ignore_index: int
     label_smoothing: float
-    layout: VocabRows
+    rows: VocabRows  # the vocabulary's rows per rank
 
 
 @dataclass(frozen=True)
 class VocabPlan:
     """Vocab-parallel embeddings, LM heads, losses and the logits handed back to the user."""
 
-    embeddings: tuple[tuple[str, VocabRows], ...] = ()  # embedding node -> layout
+    embeddings: tuple[tuple[str, VocabRows], ...] = ()  # embedding node -> its rows per rank
     heads: tuple[tuple[str, str], ...] = ()  # head matmul node -> its input (gets f)
     losses: tuple[VocabLoss, ...] = ()
-    outputs: tuple[tuple[str, int, VocabRows], ...] = ()  # returned sharded node, vocab dim, layout
+    outputs: tuple[tuple[str, int, VocabRows], ...] = ()  # returned sharded node, vocab dim, rows per rank
 
 
 @dataclass(frozen=True)
@@ -463,23 +463,31 @@ class Plan:
         def seg(xs):
             return tuple(Segment.from_dict(s) for s in xs)
 
-        def layout(x):
+        def rows(x):
             return None if x is None else VocabRows(**x)
+
+        def renamed(x: dict, new: str) -> dict:
+            # plans before version 14 spelled ``new`` (a form's "orientation", a loss's "rows") "layout"
+            return {(new if k == "layout" else k): v for k, v in x.items()} if d["version"] < 14 else x
+
+        def loss(x: dict) -> VocabLoss:
+            x = renamed(x, "rows")
+            return VocabLoss(**{**x, "rows": rows(x["rows"])})
 
         def shards(entries: dict) -> tuple[tuple[str, ParamShard], ...]:
             return tuple(
                 (name, ParamShard(p["role"], p["module"], p["dim"], seg(p["segments"]), tuple(p["full_shape"]),
-                                  tuple(p["local_shape"]), layout(p.get("vocab"))))
+                                  tuple(p["local_shape"]), rows(p.get("vocab"))))
                 for name, p in entries.items()
             )
 
         params = shards(d["params"])
         v = d.get("vocab", {})
         vocab = VocabPlan(
-            embeddings=tuple((n, layout(lay)) for n, lay in v.get("embeddings", ())),
+            embeddings=tuple((n, rows(r)) for n, r in v.get("embeddings", ())),
             heads=tuple(tuple(h) for h in v.get("heads", ())),
-            losses=tuple(VocabLoss(**{**x, "layout": layout(x["layout"])}) for x in v.get("losses", ())),
-            outputs=tuple((n, dim, layout(lay)) for n, dim, lay in v.get("outputs", ())),
+            losses=tuple(map(loss, v.get("losses", ()))),
+            outputs=tuple((n, dim, rows(r)) for n, dim, r in v.get("outputs", ())),
         )
         pairs = tuple(PairPlan(**{k: tuple(tuple(x) if isinstance(x, list) else x for x in v) if isinstance(v, list)
                                   else v for k, v in p.items()}) for p in d["pairs"])
@@ -498,7 +506,7 @@ class Plan:
                    shards(d.get("buffers", {})), sequence, tuple(WholeParam(**w) for w in d.get("whole", ())),
                    tuple(ExpertLayer.from_dict(x) for x in d.get("experts", ())),
                    tuple(tuple(x) for x in d.get("experts_kept", ())),
-                   tuple(ColumnForm(**x) for x in d.get("column_forms", ())),
+                   tuple(ColumnForm(**renamed(x, "orientation")) for x in d.get("column_forms", ())),
                    tuple(Unit(u["module"], tuple(u["params"]), u.get("kind", "block"), tuple(u.get("modules", ())))
                          for u in d.get("units", ())),
                    tuple(Stage(tuple(x["blocks"]), tuple(x.get("params", ())), x.get("flops", 0),

@@ -47,8 +47,8 @@ class _Planned:
         """Record the plain form of column matmul ``m`` (the insert_collectives pass fuses such columns)."""
         form = column_form(gm, m.node, m.x, names)
         if form is not None:
-            layout, weight, bias = form
-            self.column_forms.append(ColumnForm(m.node.name, m.x.name, layout, weight.name,
+            orientation, weight, bias = form
+            self.column_forms.append(ColumnForm(m.node.name, m.x.name, orientation, weight.name,
                                                 None if bias is None else bias.name))
 
 
@@ -196,41 +196,41 @@ def _weight_shape(gm: fx.GraphModule, m: ParamMatmul) -> tuple[int, ...]:
     return tuple(gm.get_parameter(m.weight).shape)
 
 
-def _vocab_shard(module: str, full: tuple[int, ...], dim: int, layout: VocabRows, tp: int) -> ParamShard:
+def _vocab_shard(module: str, full: tuple[int, ...], dim: int, rows: VocabRows, tp: int) -> ParamShard:
     local = list(full)
-    local[dim] = layout.local
-    return ParamShard("vocab", module, dim, (Segment(layout.padded(tp), tp),), tuple(full), tuple(local), layout)
+    local[dim] = rows.local
+    return ParamShard("vocab", module, dim, (Segment(rows.padded(tp), tp),), tuple(full), tuple(local), rows)
 
 
 def _vocab_plan(gm: fx.GraphModule, v: VocabFacts, tp: int, acc: _Planned, names: set[str]) -> VocabPlan:
     """``names``: the graph's parameter names."""
-    for node, w, layout in v.embeddings:
-        acc.params[w] = _vocab_shard(module_path(node) or w, tuple(gm.get_parameter(w).shape), 0, layout, tp)
+    for node, w, rows in v.embeddings:
+        acc.params[w] = _vocab_shard(module_path(node) or w, tuple(gm.get_parameter(w).shape), 0, rows, tp)
         acc.collectives.append(Collective("all_reduce", "sum", "forward", acc.params[w].module, node.name,
                                           _shape(node), _dtype(node)))
     losses, outputs = [], []
     for h in v.heads:
         m = h.matmul
-        acc.params[m.weight] = _vocab_shard(m.module, _weight_shape(gm, m), m.out_dim, h.layout, tp)
+        acc.params[m.weight] = _vocab_shard(m.module, _weight_shape(gm, m), m.out_dim, h.rows, tp)
         if m.bias is not None:
-            acc.params[m.bias] = _vocab_shard(m.module, tuple(gm.get_parameter(m.bias).shape), 0, h.layout, tp)
+            acc.params[m.bias] = _vocab_shard(m.module, tuple(gm.get_parameter(m.bias).shape), 0, h.rows, tp)
         for x in h.params:  # a per-vocab-entry scale of the logits (V,): cut with the head's rows
             w = x.node.target
-            acc.params[w] = _vocab_shard(w.rpartition(".")[0], tuple(gm.get_parameter(w).shape), x.dim, h.layout, tp)
+            acc.params[w] = _vocab_shard(w.rpartition(".")[0], tuple(gm.get_parameter(w).shape), x.dim, h.rows, tp)
         acc.collectives.append(Collective("all_reduce", "sum", "backward", m.module, m.x.name, _shape(m.x),
                                           _compute_dtype(m.x, [m.node])))
         acc.rewrites.extend(h.rewrites)
         acc.add_form(gm, m, names)
         for x in h.losses:
             losses.append(VocabLoss(x.node.name, x.logits.name, x.log_softmax.name if x.log_softmax else None,
-                                    x.reduction, x.ignore_index, float(x.label_smoothing), h.layout))
-            rows = _shape(x.logits)[:1]
+                                    x.reduction, x.ignore_index, float(x.label_smoothing), h.rows))
+            tokens = _shape(x.logits)[:1]  # (n,): one value per token each all-reduce
             target = "float64" if x.label_smoothing else _LOSS_FLOAT
-            acc.collectives += [Collective("all_reduce", op, "forward", m.module, x.node.name, rows, dtype)
+            acc.collectives += [Collective("all_reduce", op, "forward", m.module, x.node.name, tokens, dtype)
                                 for op, dtype in (("max", _LOSS_FLOAT), ("sum", target), ("sum", _LOSS_FLOAT))]
-        outputs += [(n.name, dim, h.layout) for n, dim in h.outputs]
+        outputs += [(n.name, dim, h.rows) for n, dim in h.outputs]
     return VocabPlan(
-        embeddings=tuple((n.name, layout) for n, _, layout in v.embeddings),
+        embeddings=tuple((n.name, rows) for n, _, rows in v.embeddings),
         heads=tuple((h.matmul.node.name, h.matmul.x.name) for h in v.heads),
         losses=tuple(losses),
         outputs=tuple(outputs),

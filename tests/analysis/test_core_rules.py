@@ -3,6 +3,7 @@ as data."""
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 import torch
@@ -96,7 +97,7 @@ def test_plan_is_immutable_json_data():
                                units=(Unit("h.0", ("h.0.attn.c_attn.weight",)), Unit("h.1", ("h.1.attn.qkv.weight",))))
     again = Plan.from_json(plan.to_json())
     assert again == plan
-    assert again.to_dict()["version"] == 13
+    assert again.to_dict()["version"] == 14
     assert Plan.from_dict({k: v for k, v in plan.to_dict().items() if k != "graph_cuts"}).graph_cuts == ()  # 10
     v8 = {k: v for k, v in plan.to_dict().items() if k != "units"}  # before FSDP units
     assert Plan.from_dict({**v8, "version": 8}).units == ()
@@ -119,6 +120,36 @@ def test_plan_is_immutable_json_data():
         plan.tp = 4  # frozen
     with pytest.raises(ValueError, match="version"):
         Plan.from_dict({**plan.to_dict(), "version": 99})
+
+
+def test_plan_written_before_version_14_reads_its_layout_keys():
+    """A column form's orientation and a vocab loss's rows were written under the key "layout" up to version 13
+    (saved plans, plan cache entries): read back, they give the same Plan as the new keys."""
+    from autotp.plan.plan import ColumnForm, ParamShard, VocabLoss, VocabPlan
+    from autotp.shard_spec import VocabRows
+
+    rows = VocabRows.make(100, 2)  # 50 rows per rank
+    cropped = VocabRows(128, 64, 64, classes=100)  # a head padded to 128 rows, its logits cropped to 100
+    plan = Plan(tp=2, params=(("wte.weight", ParamShard("vocab", "wte", 0, (Segment(100, 2),), (100, 16), (50, 16),
+                                                        rows)),),
+                vocab=VocabPlan(embeddings=(("embedding", rows),), heads=(("linear_4", "ln_f"),),
+                                losses=(VocabLoss("cross_entropy", "linear_4", None, 1, -100, 0.0, cropped),),
+                                outputs=(("linear_4", 2, cropped),)),
+                column_forms=(ColumnForm("linear", "ln", "out_in", "h_0_attn_c_attn_weight", None),
+                              ColumnForm("addmm", "view_1", "in_out", "h_0_mlp_c_fc_weight", "h_0_mlp_c_fc_bias")))
+    new = plan.to_dict()
+    assert "layout" not in plan.to_json()
+    assert [f["orientation"] for f in new["column_forms"]] == ["out_in", "in_out"]
+    assert new["vocab"]["losses"][0]["rows"]["classes"] == 100
+    old = {**new, "version": 13,
+           "column_forms": [{("layout" if k == "orientation" else k): v for k, v in f.items()}
+                            for f in new["column_forms"]],
+           "vocab": {**new["vocab"], "losses": [{("layout" if k == "rows" else k): v for k, v in x.items()}
+                                                for x in new["vocab"]["losses"]]}}
+    assert "orientation" not in json.dumps(old) and '"rows"' not in json.dumps(old)
+    again = Plan.from_json(json.dumps(old))
+    assert again == plan and again.column_forms[1].orientation == "in_out"
+    assert again.vocab.losses[0].rows == cropped and again.to_dict() == new  # written back under the new keys
 
 
 def test_grouped_segments_cut_whole_groups_or_split_one_group_among_its_ranks():

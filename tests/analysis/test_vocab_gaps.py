@@ -62,18 +62,18 @@ def test_plan_folds_the_crop_into_the_vocab_padding(kind: str):
         assert head.role == "vocab" and head.full_shape == (PADDED, H) and head.local_shape == (local, H)
         assert head.vocab.classes == CLASSES[kind] and head.vocab.size == PADDED
         (loss,) = plan.vocab.losses
-        assert loss.layout.classes == CLASSES[kind]
-        assert [lay.classes for _, _, lay in plan.vocab.outputs] == [CLASSES[kind]]
+        assert loss.rows.classes == CLASSES[kind]
+        assert [rows.classes for _, _, rows in plan.vocab.outputs] == [CLASSES[kind]]
         crop = [r for r in plan.rewrites if r.old == CLASSES[kind] and r.new == local]
         assert crop and crop[0].arg == 3, plan.rewrites  # slice's end / narrow's length -> the local width
         assert Plan.from_json(plan.to_json()) == plan
         d = json.loads(plan.to_json())
-        d["vocab"]["losses"][0]["layout"].pop("classes")
-        assert Plan.from_dict(d).vocab.losses[0].layout.classes is None
+        d["vocab"]["losses"][0]["rows"].pop("classes")
+        assert Plan.from_dict(d).vocab.losses[0].rows.classes is None
     sharded = run_passes(copy_graph(gm), make_plan(gm, 2))  # the one capture, copied for the passes
     (ce,) = _calls(sharded, VocabCrossEntropy)
     (out,) = _calls(sharded, VocabOutput)
-    assert ce.layout.size == out.size == CLASSES[kind]
+    assert ce.rows.size == out.size == CLASSES[kind]
 
 
 @pytest.mark.parametrize("kind", list(NOT_CROPS))

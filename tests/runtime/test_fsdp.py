@@ -116,7 +116,7 @@ def test_pieces_make_each_parameter_local_just_before_its_first_reader():
     for piece in (m for m in top.modules() if isinstance(m, PieceCall)):
         nodes = list(piece._lazy_locals().graph.nodes)
         placeholders = [n for n in nodes if n.op == "placeholder"]
-        for node, what in zip(placeholders, piece.layout):
+        for node, what in zip(placeholders, piece.inputs):
             if not isinstance(what, str) or not node.users:
                 continue
             (local,) = node.users
