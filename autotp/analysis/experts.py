@@ -65,7 +65,7 @@ class ExpertFacts:
 
 
 def _expert_weights(gm: fx.GraphModule, p: PairFacts) -> set[str]:
-    return {m.weight for m in (*p.columns, p.row) if gm.get_parameter(m.weight).dim() == 3}
+    return {m.weight for m in (*p.columns, p.row, *p.sides) if gm.get_parameter(m.weight).dim() == 3}
 
 
 def _layers(gm: fx.GraphModule, a: Analysis) -> list[list[PairFacts]]:
@@ -173,8 +173,14 @@ def _layer(gm: fx.GraphModule, pairs: list[PairFacts], module: str, getattrs: di
     if len(set(counts.values())) != 1:
         return None, f"expert weights disagree on the number of experts: {counts}"
     count = next(iter(counts.values()))
+    beside = [m for p in pairs for m in (*p.columns, p.row, *p.sides) if m.weight not in counts]
+    if beside:
+        # JetMoE's attention experts: their queries meet the keys of one projection every expert's heads read,
+        # cut by heads; a rank's whole experts would give whole query heads against its own kv heads
+        return None, (f"its experts share a column→row pair with {beside[0].weight}, not an expert's weight, which "
+                      "is cut by columns or rows")
     layer = ExpertLayerFacts(module, count, pairs, list(weights))
-    matmuls = [m for p in pairs for m in (*p.columns, p.row) if m.weight in counts]
+    matmuls = [m for p in pairs for m in (*p.columns, p.row, *p.sides) if m.weight in counts]
     reads: set[fx.Node] = set()
     for m in matmuls:
         r = _read(m)

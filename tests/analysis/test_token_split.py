@@ -59,6 +59,11 @@ def test_token_split_experts_are_cut_per_expert(kind: str):
         # forward the combine's all-reduce (b·s, h); backward the tokens' (b·s, h) and the routing weights' (b·s·k)
         assert _moe_collectives(plan, "blocks.0.moe") == sorted(
             [("backward", "2*s85*s95"), ("backward", str(H)), ("forward", str(H))]), (tp, plan.collectives)
+        # expert parallelism: E/tp whole experts per rank, every expert's down-projection a row of the one pair
+        ep = make_plan(gm, tp, expert_parallel=True)
+        assert ep.experts_kept == () and ep.replicated == (), (tp, ep.experts_kept, ep.replicated)
+        assert {n: (s.role, s.local_shape[0]) for n, s in ep.params if n.startswith("blocks.0.moe.")} == \
+            {n: ("experts", E // tp) for n in params}, (tp, ep.params)
         local = sum(_numel(s.local_shape) for _, s in plan.params)
         full = sum(p.numel() for p in build(kind)[0].parameters())
         replicated = full - sum(_numel(s.full_shape) for _, s in plan.params)
@@ -88,6 +93,13 @@ def test_jetmoe_is_cut_by_kv_heads_and_experts():
             assert params[f"{a}.experts.input_linear.weight"] == ("column", (E, 16, 64)), params
             assert params[f"{a}.experts.output_linear.weight"] == ("row", (E, 64, 16)), params
             assert params[f"{a}.kv_proj.weight"] == ("column", (32, 64)), params
+            # with expert parallelism the MLP's experts are whole per rank; attention's share their pair with kv_proj,
+            # cut by heads: they keep expert tensor parallelism, with the reason
+            ep = make_plan(gm, tp, expert_parallel=True)
+            assert dict(ep.experts_kept) == {f"model.layers.{i}.self_attention": (
+                f"its experts share a column→row pair with model.layers.{i}.self_attention.kv_proj.weight, not an "
+                "expert's weight, which is cut by columns or rows") for i in range(2)}, ep.experts_kept
+            assert ep.param("model.layers.0.mlp.input_linear.weight").role == "experts"
         else:
             assert [m for m, _ in plan.replicated] == [f"model.layers.{i}.self_attention" for i in range(2)]
             assert all("2 heads are not divisible by tp=4" in why for _, why in plan.replicated), plan.replicated
@@ -107,8 +119,11 @@ def test_jetmoe_with_4_kv_heads_is_fully_sharded():
 
 
 RUNS = {2: [*SPELLINGS, *HF], 4: [*SPELLINGS, "jetmoe_kv4"]}
+EP = [*SPELLINGS, "jetmoe"]
 PARITY = Launches({2: {"default": (pattern_parity, ["fused"], 3, False, "token_split_models")}},
-                  extended={w: {"all": (pattern_parity, RUNS[w], 3, False, "token_split_models")} for w in (2, 4)})
+                  extended={2: {"all": (pattern_parity, RUNS[2], 3, False, "token_split_models"),
+                                "ep": (pattern_parity, EP, 3, False, "token_split_models", True)},
+                            4: {"all": (pattern_parity, RUNS[4], 3, False, "token_split_models")}})
 
 
 def _check(r: dict, world: int, kind: str, rank: int) -> None:
@@ -145,3 +160,16 @@ def test_token_split_experts_and_jetmoe_train_exactly(world: int):
         assert list(by_kind) == RUNS[world], (rank, list(by_kind))
         for kind, r in by_kind.items():
             _check(r, world, kind, rank)
+
+
+@pytest.mark.slow
+@pytest.mark.extended
+def test_token_split_experts_train_exactly_with_whole_experts_per_rank():
+    """``expert_parallel=True`` at world 2: each rank holds 2 whole experts of each MLP (JetMoE's attention keeps
+    expert tensor parallelism); 3 AdamW steps exact, the same all-reduces as expert tensor parallelism."""
+    for rank, by_kind in PARITY(2, "ep").items():
+        assert list(by_kind) == EP, (rank, list(by_kind))
+        for kind, r in by_kind.items():
+            _check(r, 2, kind, rank)
+            moe = {n for n in r["experts"]}
+            assert moe and all(".mlp." in n or ".moe." in n for n in moe), (rank, kind, r["experts"])
