@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import operator
 
+import torch
 import torch.fx as fx
 
 from autotp.analysis.op_rules import OpRule, kind_of, op_rule
@@ -105,7 +106,11 @@ class ShapeRules:
         x, indices = node.args[0], node.args[1]
         s = self.spec(x)
         tensors = [i for i in indices if isinstance(i, fx.Node)]
-        if s is None or not tensors or len(tensors) != len(indices) or any(self.spec(i) is not None for i in tensors) \
+        # integer indices, one per leading dim (a boolean mask reads several dims as one: torch's rule's to answer)
+        vals = [i.meta.get("val") for i in tensors]
+        ints = all(isinstance(v, torch.Tensor) and not v.dtype.is_floating_point and v.dtype != torch.bool for v in vals)
+        if s is None or not tensors or len(tensors) != len(indices) or not ints \
+                or any(self.spec(i) is not None for i in tensors) \
                 or s.dim < len(indices) or (s.inner and s.inner[0] < len(indices)):
             return self._on_torch(node, rule)
         shift = max(ndim_of(i) for i in tensors) - len(indices)  # the indexed dims, replaced by the indices' dims

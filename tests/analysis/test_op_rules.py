@@ -204,7 +204,9 @@ def _index(op, rule: OpRule) -> None:
     assert _out(op, {0: _s(1, 8)}, _x(3, 8), [torch.tensor([0, 2, 2])]) == _s(1, 8)
     assert _out(op, {0: _s(2, 8)}, _x(3, 4, 8), [torch.tensor([[0, 2], [1, 1]])]) == _s(3, 8)
     assert _out(op, {0: _s(2, 8)}, _x(3, 4, 8), [torch.tensor([0, 2]), torch.tensor([1, 3])]) == _s(1, 8)
-    # an index of the sharded dim itself is torch's rule's to answer, which refuses it
+    # a boolean mask reads its dims as one: torch's rule's to answer, as is an index of the sharded dim itself
+    _refuses(op, "torch's sharding rule for aten.index.Tensor failed", {0: _s(2, 8)}, _x(3, 4, 8),
+             [torch.rand(3, 4) < 0.5])
     _refuses(op, "torch's sharding rule for aten.index.Tensor failed", {0: _s(0, 8)}, _x(8, 3), [torch.tensor([0, 2])])
 
 
