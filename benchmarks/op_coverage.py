@@ -95,7 +95,7 @@ ALWAYS = ("gpt2", "llama", "qwen2", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe"
 WHOLE_BY_DESIGN = ("router kept whole", "gate kept whole", "down-projection kept whole", "head transform kept whole",
                    "indexer kept whole", "latent kept whole", "scale kept whole",
                    "position embedding", "bias of the row-parallel", "not read by this call's graph",
-                   "read by nothing", "head-shared weight kept whole", "filter kept whole",
+                   "read by nothing", "head-shared weight kept whole", "filter kept whole", "input kept whole",
                    "post-row linear kept whole")
 
 # tiny sizes, by every attribute name a config may use for them

@@ -43,6 +43,7 @@ class OpRule:
     dtype_arg: int | None = None  # the operand read only for its dtype (``W.type_as(x)``: x)
     log: bool = False  # softmax: gives log-probabilities
     broadcasts: bool = False  # broadcasts its first operand to more or larger dims, aligned from the right
+    scales: bool = False  # pointwise: multiplies its operands, so a whole one scales the cut one elementwise
 
 
 POINTWISE = OpRule("pointwise")  # the rule of every op tagged pointwise that the table does not list
@@ -80,6 +81,8 @@ OP_RULES: MappingProxyType[object, OpRule] = MappingProxyType({
     # ``torch.where(mask, scores, -inf)``: a Python scalar on either side is not tagged pointwise, but torch
     # decomposes each overload into ``where.self`` (pointwise) with the scalar as a 0-d tensor
     **dict.fromkeys((aten.where.ScalarOther, aten.where.ScalarSelf, aten.where.Scalar), POINTWISE),
+    # a product: a learned operand whole on every rank may enter through f and be read as this rank's slice
+    aten.mul.Tensor: OpRule("pointwise", scales=True),
     aten.softmax.int: _SOFTMAX, aten._softmax.default: _SOFTMAX,
     aten.log_softmax.int: _LOG_SOFTMAX, aten._log_softmax.default: _LOG_SOFTMAX,
     # dims regrouped, moved, broadcast or repeated

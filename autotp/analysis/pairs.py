@@ -242,9 +242,13 @@ def _analyze(gm: fx.GraphModule, tp: int, matmuls: list[ParamMatmul], embeddings
                 specs, region = _cut(columns, row, fp, tp, name)
             except Unshardable as first:
                 for kept in _fewer_columns(columns, first, g):
+                    # the pair is the module that holds what it cuts: a layer's gate and projection, not the
+                    # model that also holds the per-layer projection read whole
+                    narrow = common_module([c.module for c in kept if c.kind != "embedding"] + [row.module]) \
+                        or row.module or "<root>"
                     try:
-                        specs, region = _cut(kept, row, fp, tp, name)
-                        columns, cols = kept, frozenset(c.node for c in kept)
+                        specs, region = _cut(kept, row, fp, tp, narrow)
+                        columns, cols, name = kept, frozenset(c.node for c in kept), narrow
                         break
                     except Unshardable:
                         continue

@@ -300,20 +300,34 @@ class Propagator(ShapeRules, ValueRules, EinsumRules):
             self._set_view_size(x, list(x.args[at]), xd, sum(g.size for g in s.segments), s.local_size, arg=at)
             return
         if self._learned(x):
-            self._summed_slice(node, x)
+            self._summed_slice(node, x, s)
         self.region.slices.append(OperandSlice(node, x, xd, s))
 
-    def _summed_slice(self, node: fx.Node, x: fx.Node) -> None:
+    def _summed_slice(self, node: fx.Node, x: fx.Node, s: Sharding) -> None:
         """``x``, learned, is sliced at ``node``: exact where its gradient is summed over the ranks. So it is when
         ``x`` is computed from reducing projections' outputs, read only on the way to ``node`` (Doge's per-kv-head
         gate ``exp(A * softplus(dt_proj(v)))``, ``(b, s, n_kv)``, expanded to a ``(b, heads, s, s)`` mask): each
         rank's gradient covers its own heads, the reductions' backward all-reduce sums it, and a parameter on the
-        way (``A``, ``(n_kv,)``) enters through its own f. Otherwise Unshardable: its gradient would be partial."""
+        way (``A``, ``(n_kv,)``) enters through its own f. Otherwise, where ``x`` multiplies the sharded value and
+        every rank holds a block of its own (no block on several ranks, whose gradients would be counted once per
+        rank), ``x`` enters through f whole and is sliced after it: Gemma's per-layer input ``(b, s, d_pl)``
+        scaling the gate's output ``(b, s, d_pl/t)`` elementwise. Its gradient on each rank is its own slice's,
+        zero elsewhere, and f's all-reduce puts the pieces together: one all-reduce of ``x``'s size backward,
+        where cutting the whole value's producers instead would cut them on the same features (a norm over them:
+        statistics all-reduced forward too). A value added to the cut features is not taken so: it is the
+        residual stream, which would then run through the region to the next matmul that reads it (an LM head
+        made a row, its logits all-reduced), where Megatron ends the pair before the add."""
         chain = _between(self.region, x)
         if chain and all(u in chain or u is node or kind_of(u.target) == "sym_size" for n in chain for u in n.users):
             found = [Entering(n, a) for n in chain for a in n.all_input_nodes
                      if a not in chain and a not in self.region.reduced and self._learned(a)]
             self.region.entering += [e for e in found if e not in self.region.entering]
+            return
+        rule = op_rule(_rule_target(node))  # an in-place product nothing else sees is read as its functional form
+        if rule is not None and rule.scales and not (s.inner or s.outer or s.group) \
+                and all(g.parts == self.tp and not g.inner for g in s.segments):
+            if Entering(node, x) not in self.region.entering:
+                self.region.entering.append(Entering(node, x))
             return
         raise Unshardable(node, f"replicated operand {x.name} spans the sharded dim and depends on a parameter")
 

@@ -250,7 +250,7 @@ def _op_name(n: fx.Node) -> str:
 
 
 _BY_DESIGN = ("router kept whole", "gate kept whole", "down-projection kept whole", "head transform kept whole",
-              "indexer kept whole", "latent kept whole")
+              "indexer kept whole", "latent kept whole", "input kept whole")
 _CHOICES = frozenset({aten.topk.default, aten.sort.default, aten.argmax.default, aten.argsort.default})
 
 
@@ -288,6 +288,36 @@ def _read_alone_by(m: ParamMatmul, readers: dict[fx.Node, str], a, order: dict[f
             for u in n.users:
                 heapq.heappush(todo, (order[u], u))
     return None
+
+
+def _entering_input(m: ParamMatmul, a) -> str | None:
+    """Why ``m`` stays whole when everything computed from its output reaches the pairs only as values their
+    regions read whole through f, each rank slicing its own part where they meet the cut values (Gemma's
+    per-layer inputs: ``per_layer_model_projection`` h -> L·d_pl, viewed ``(b, s, L, d_pl)``, normed over d_pl,
+    added to the per-layer embedding, layer l's ``(b, s, d_pl)`` multiplying its gate's ``(b, s, d_pl/t)``). The
+    value is whole on every rank already, and f sums its gradient; None where a path from ``m`` reaches another
+    matmul, the loss or the output first."""
+    entering = {e.operand: p.name for p in a.pairs for e in p.region.entering}
+    matmuls = {x.node for x in a.matmuls}
+    found: dict[str, None] = {}
+    todo, seen = list(m.node.users), set()
+    while todo:
+        n = todo.pop()
+        if n in seen or kind_of(n.target) in ("no_output", "sym_size"):
+            continue
+        seen.add(n)
+        if n in entering:
+            found[entering[n]] = None
+            continue
+        if n in matmuls or n.op == "output" or _is_loss(n.target):
+            return None
+        todo.extend(n.users)
+    if not found:
+        return None
+    return (f"input kept whole: its {m.in_features}→{m.out_features} linear computes a value that the regions of "
+            f"{', '.join(sorted(found))} read whole through f, each rank its own slice of it: every rank computes "
+            f"it whole with no collective of its own, and f sums its gradient (cut, it would be gathered before the "
+            f"ops that read all of it)")
 
 
 def _head_transform(m: ParamMatmul, heads: list[HeadFact], a, order: dict[fx.Node, int]) -> str | None:
@@ -434,6 +464,23 @@ def _propagate_head(m: ParamMatmul, rows: VocabRows, fp: Fingerprinter, tp: int)
     return head
 
 
+def _unread(node: fx.Node) -> bool:
+    """Does nothing computed from ``node`` reach the graph's output or a write? Gemma 4's pad row of the tied
+    token table, ``E[pad]`` ``(h,)``, is put by ``torch.where`` into embeddings that its per-layer inputs do not
+    read when given the ids: the where's result has no reader. Cut by the vocab, the table's read there sees
+    this rank's rows, and no value depends on it."""
+    seen, todo = set(), [node]
+    while todo:
+        n = todo.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n.op == "output" or (isinstance(n.target, torch._ops.OpOverload) and n.target._schema.is_mutable):
+            return False
+        todo.extend(n.users)
+    return True
+
+
 def analyze_vocab(gm: fx.GraphModule, a: Analysis, tp: int, multiple: int = 1) -> VocabFacts:
     """Vocab-parallel embeddings and heads of ``gm``; what cannot be sharded is added to ``a.replicated``."""
     facts = VocabFacts()
@@ -446,7 +493,7 @@ def analyze_vocab(gm: fx.GraphModule, a: Analysis, tp: int, multiple: int = 1) -
     uses: dict[str, list[fx.Node]] = {}
     for node in gm.graph.nodes:
         if node.op == "get_attr" and node.target in params:
-            uses.setdefault(node.target, []).extend(node.users)
+            uses.setdefault(node.target, []).extend(u for u in node.users if not _unread(u))
     rows_of: dict[str, VocabRows] = {}  # weight -> its rows per rank, one for a tied embedding and head
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     unheaded: list[tuple[ParamMatmul, str]] = []  # unpaired matmuls that are no LM head, and why
@@ -474,7 +521,8 @@ def analyze_vocab(gm: fx.GraphModule, a: Analysis, tp: int, multiple: int = 1) -
         rows_of[m.weight] = rows
     head_nodes = {h.matmul.node for h in facts.heads}
     # named once the heads are known: a head's dense + norm transform is whole by design
-    named = [(m, _head_transform(m, facts.heads, a, order) or _kept_whole(m, why, _latent_of(m, a, order)))
+    named = [(m, _head_transform(m, facts.heads, a, order) or _entering_input(m, a)
+              or _kept_whole(m, why, _latent_of(m, a, order)))
              for m, why in unheaded]
     # a failed pair whose row is an LM head after all (a gate of the last block tried as its column, BERT's
     # dense tried as the column of its decoder), or is a latent whose up-projections, paired, read it whole, or a

@@ -232,6 +232,37 @@ def _triangle(op, rule: OpRule) -> None:
     _refuses(op, "of the sharded dim", {0: _s(2, 4)}, _x(2, 3, 4, 4))
 
 
+def _product(op, rule: OpRule) -> None:
+    """``x * v``: ``v`` learned and whole on every rank (a parameter plus an input, ``(2, 3, 8)``) multiplies the
+    cut ``x``: it enters through f and each rank reads its slice (Gemma's per-layer input scaling the gate).
+    Added instead it is the residual stream, and stays refused."""
+    assert rule.kind == "pointwise" and rule.scales and torch.Tag.pointwise in op.tags
+    for combine in (op, aten.add.Tensor):
+        root = torch.nn.Module()
+        root.w = torch.nn.Parameter(_x(2, 3, 8))
+        g = fx.Graph()
+        x, z = g.placeholder("x"), g.placeholder("z")
+        x.meta["val"], z.meta["val"] = _x(2, 3, 8), _x(2, 3, 8)
+        w = g.get_attr("w")
+        w.meta["val"] = root.w.detach()
+        v = g.call_function(aten.add.Tensor, (w, z))
+        v.meta["val"] = w.meta["val"] + z.meta["val"]
+        y = g.call_function(combine, (x, v))
+        y.meta["val"] = combine(x.meta["val"], v.meta["val"])
+        g.output(y)
+        fx.GraphModule(root, g)  # owns the graph: w is read as the module's parameter
+        p = Propagator(Fingerprinter(), TP, "test")
+        p.region.specs[x] = _s(2, 8)
+        if combine is aten.add.Tensor:
+            with pytest.raises(Unshardable, match="depends on a parameter"):
+                p.visit(y)
+            continue
+        p.visit(y)
+        assert p.region.specs[y] == _s(2, 8)
+        assert [(e.consumer, e.operand) for e in p.region.entering] == [(y, v)], p.region.entering
+        assert [(c.operand, c.dim) for c in p.region.slices] == [(v, 2)], p.region.slices
+
+
 def _where_scalar(op, rule: OpRule) -> None:
     """``torch.where(mask, scores, -inf)``: torch decomposes each scalar overload into ``where.self`` (tagged
     pointwise), so the scores keep their heads and the mask (s, s) broadcasts over them."""
@@ -497,6 +528,7 @@ CHECKS = {
     aten._to_copy.default: lambda op, r: _same_shape(op, r, dtype=torch.float64),
     aten.type_as.default: _type_as,
     **dict.fromkeys((aten.where.ScalarOther, aten.where.ScalarSelf, aten.where.Scalar), _where_scalar),
+    aten.mul.Tensor: _product,
     **dict.fromkeys((aten.dropout.default, aten.feature_dropout.default, aten.alpha_dropout.default), _dropout),
     aten.softmax.int: _softmax, aten.log_softmax.int: _softmax,
     aten._softmax.default: lambda op, r: _softmax(op, r, False),
