@@ -5,7 +5,9 @@ Zamba2's hybrid layer projects its shared transformer's output, ``linear(down_pr
 residual stream, where a norm reads it before the next pair. Once ``down_proj`` is the row of the MLP's pair, the
 linear's input is that row's all-reduced output, whole on every rank: it cannot be a row itself (its input is not
 cut by features) and, its output joining the replicated stream, it is no column of a later pair. So it stays
-whole, named as such, not reported as a block left replicated."""
+whole, named as such, not reported as a block left replicated. So does the B of a low-rank adapter added to a row
+projection (``o(y) + B(A(y))``): A reads the row's sharded input, row-parallel beside it, and B its all-reduced
+``(b, s, r)`` output."""
 from __future__ import annotations
 
 import torch
@@ -31,18 +33,19 @@ def name_after_rows(a: Analysis) -> None:
         if row is None or entry is None:
             continue
         a.replicated.remove(entry)
-        shape = f"{m.in_features}→{m.out_features}"
+        shape, source = f"{m.in_features}→{m.out_features}", row.weight.removesuffix(".weight")
         a.by_design.append((m.module, (
             f"post-row linear kept whole: its {shape} linear reads the all-reduced output of the row-parallel "
-            f"{row.module} whole (at {m.node.name}), and no row-parallel matmul reads its output: every rank computes "
-            f"it whole, as Megatron computes what runs between a row's all-reduce and the next column (cutting it "
-            f"would add a gather of its {m.out_features} features)")))
+            f"{source} whole (at {m.node.name}), and no row-parallel matmul reads its output: every rank computes it "
+            f"whole, as Megatron computes what runs between a row's all-reduce and the next column (cutting it would "
+            f"add a gather of its {m.out_features} features)")))
 
 
 def row_read(m: ParamMatmul, a: Analysis) -> ParamMatmul | None:
-    """The paired row whose output ``m`` reads through views, dim moves and casts of it alone; None where ``m``'s
-    input is computed from anything else."""
-    rows = {p.row.node: p.row for p in a.pairs}
+    """The paired row (or a row-parallel matmul beside it: a low-rank adapter's A on the same sharded input) whose
+    output ``m`` reads through views, dim moves and casts of it alone; None where ``m``'s input is computed from
+    anything else."""
+    rows = {m.node: m for p in a.pairs for m in (p.row, *p.sides)}
     n = m.x
     while n not in rows:
         inputs = [x for x in n.all_input_nodes if isinstance(x.meta.get("val"), torch.Tensor)]

@@ -21,8 +21,8 @@ from pattern_models import H, S
 from ranks import Launches
 from shared_graphs import SHARED, spelling
 
-# why a weight of these models is whole: an adapter's A (r < h here), or Zamba2's per-layer linear reading the
-# shared block's all-reduced output
+# why a weight of these models is whole: a column adapter's A (r < h here), a row adapter's B, or Zamba2's per-layer
+# linear, both reading a row's all-reduced output
 BY_DESIGN = ("down-projection kept whole", "post-row linear kept whole")
 
 # spelling -> {projection weight: its adapter's (A, B) weights}, block 0 (the shared block's first application)
@@ -61,7 +61,7 @@ def _check_plan(model, gm, tp: int) -> dict:
 
 
 @SHARED
-@pytest.mark.parametrize("kind", WRITTEN)
+@pytest.mark.parametrize("kind", list(ADAPTERS))
 def test_adapter_is_cut_with_its_projection(kind: str):
     model, _, _, gm = spelling("adapter_models", kind)
     for tp in (2, 4):
@@ -81,6 +81,26 @@ def test_adapter_is_cut_with_its_projection(kind: str):
             sums = sorted((c.op, c.direction, c.shape[-1]) for c in found["plan"].collectives if c.module == m)
             assert sums == sorted([("sum", "backward", str(H))] * bwd + [("sum", "backward", str(R))] * adapters
                                   + [("sum", "forward", str(H))] * fwd), (tp, m, sums)
+
+@SHARED
+def test_adapter_of_a_row_is_row_parallel_beside_it():
+    """Adapters on the row projections (attention's o, the MLP's proj): A reads the row's sharded input, so it is
+    row-parallel beside the row, its rows cut alike (one more all-reduce forward, of b·s·r); B reads A's all-reduced
+    output whole, and stays whole on every rank, named."""
+    model, _, _, gm = spelling("adapter_models", "lora_rows")
+    for tp in (2, 4):
+        found = _check_plan(model, gm, tp)
+        shards, whole = found["shards"], found["whole"]
+        for row, a, b, m in (("attn.o.weight", "attn.oa", "attn.ob", "attn"),
+                             ("mlp.proj.weight", "mlp.a", "mlp.b", "mlp")):
+            cut, down = shards[f"blocks.0.{row}"], shards[f"blocks.0.{a}"]
+            assert (down.role, down.dim, down.segments) == ("row", 1, cut.segments), (tp, a, down, cut)
+            assert whole[f"blocks.0.{b}"].startswith("post-row linear kept whole"), (tp, b, whole)
+            sums = sorted((c.op, c.direction, c.shape[-1]) for c in found["plan"].collectives
+                          if c.module == f"blocks.0.{m}")
+            expected = [("sum", "backward", str(H)), ("sum", "forward", str(R)), ("sum", "forward", str(H))]
+            assert sums == sorted(expected), (tp, m, sums)
+
 
 def test_zamba2_shared_block_is_cut_with_its_adapters():
     """Hugging Face's Zamba2, 2 hybrid layers sharing one transformer block, adapters on q, k, v and gate_up_proj:
@@ -106,11 +126,13 @@ def test_zamba2_shared_block_is_cut_with_its_adapters():
 
 
 PARITY = Launches({2: {"adapters": (pattern_parity, ["lora_linear"], 3, False, "adapter_models")}},
-                  extended={2: {"adapters_more": (pattern_parity, ["lora_matmul", "lora_module", *HF], 3, False,
-                                                  "adapter_models")},
+                  extended={2: {"adapters_more": (pattern_parity, ["lora_matmul", "lora_module", "lora_rows", *HF], 3,
+                                                  False, "adapter_models")},
                             4: {"adapters_more": (pattern_parity, [*WRITTEN, *HF], 3, False, "adapter_models")}})
-# spelling -> (forward all-reduces of b·s·h, backward f's of b·s·h, backward f's of A's b·s·r)
-STEPS = {"lora_matmul": (5, 5, 2), "lora_linear": (5, 5, 6), "lora_module": (7, 7, 8)}
+# spelling -> all-reduces of a step: forward b·s·h (the rows') and b·s·r (a row adapter's A), backward b·s·h (f of
+# each pair's input, the head's) and b·s·r (f of a column adapter's A output)
+STEPS = {"lora_matmul": (5, 0, 5, 2), "lora_linear": (5, 0, 5, 6), "lora_module": (7, 0, 7, 8),
+         "lora_rows": (5, 4, 5, 0)}
 
 
 def _check_run(by_rank: dict, kinds: list[str], world: int) -> None:
@@ -123,10 +145,11 @@ def _check_run(by_rank: dict, kinds: list[str], world: int) -> None:
             assert_fully_sharded(r, world, (rank, kind))
             if kind in HF:
                 continue
-            fwd, bwd, adapters = STEPS[kind]
-            assert sorted(r["forward"]) == sorted([("all_reduce", "sum", bsh)] * fwd + [("all_reduce", "max", bs)]
-                                                  + [("all_reduce", "sum", bs)] * 2), (rank, kind, r["forward"])
-            backward = [("all_reduce", "sum", bsh)] * bwd + [("all_reduce", "sum", bsr)] * adapters
+            fwd, fwd_r, bwd, bwd_r = STEPS[kind]
+            forward = [("all_reduce", "sum", bsh)] * fwd + [("all_reduce", "sum", bsr)] * fwd_r + \
+                [("all_reduce", "max", bs)] + [("all_reduce", "sum", bs)] * 2
+            assert sorted(r["forward"]) == sorted(forward), (rank, kind, r["forward"])
+            backward = [("all_reduce", "sum", bsh)] * bwd + [("all_reduce", "sum", bsr)] * bwd_r
             assert sorted(r["backward"]) == sorted(backward), (rank, kind, r["backward"])
 
 
@@ -144,6 +167,7 @@ def test_adapters_train_exactly_with_megatron_collectives():
 @pytest.mark.parametrize("world", [2, 4])
 def test_every_adapter_spelling_trains_exactly(world: int):
     """The other spellings and Zamba2 at world 2, every one at world 4: exact, fully sharded, and for the
-    hand-written ones Megatron's all-reduces plus one f of b·s·r per adapter."""
-    kinds = ["lora_matmul", "lora_module", *HF] if world == 2 else [*WRITTEN, *HF]
+    hand-written ones Megatron's all-reduces plus one f of b·s·r per column adapter and one all-reduce of b·s·r
+    forward per row adapter."""
+    kinds = ["lora_matmul", "lora_module", "lora_rows", *HF] if world == 2 else [*WRITTEN, *HF]
     _check_run(PARITY(world, "adapters_more"), kinds, world)

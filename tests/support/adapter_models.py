@@ -12,6 +12,9 @@ gradients are complete; the sum feeds the row-parallel projection as ``W x`` alo
   ``A`` and ``B`` plain parameters; attention without adapters;
 - ``lora_linear``: ``F.linear(F.linear(x, A), B)`` added to the q and v projections of attention, and to a fused
   gate | up projection (SwiGLU, split by ``chunk``);
+- ``lora_rows``: adapters on the row projections, attention's o (``F.linear``) and the MLP's proj
+  (``h @ A.T @ B.T * scale``): ``A`` reads the row's sharded input, so it is row-parallel beside it (one all-reduce
+  of its ``(b, s, r)`` output), and ``B`` reads that output whole: whole on every rank;
 - ``lora_module``: Zamba2's layout written out: one shared block (attention, SwiGLU MLP) applied at both layers,
   each application with its own ``nn.Module`` adapters (``nn.Sequential`` of two ``nn.Linear``, a scale) from a
   ``ModuleList`` indexed by the layer, on q, k, v and the fused gate | up; each layer's own linear of the
@@ -62,13 +65,18 @@ class Attention(nn.Module):
         if kind == "lora_linear":
             self.qa, self.qb = _adapter(H, g)
             self.va, self.vb = _adapter(H, g)
+        if kind == "lora_rows":
+            self.oa, self.ob = _adapter(H, g)
 
     def forward(self, x):
         q, k, v = self.q(x), self.k(x), self.v(x)
         if self.kind == "lora_linear":
             q = q + F.linear(F.linear(x, self.qa), self.qb)
             v = v + F.linear(F.linear(x, self.va), self.vb)
-        return self.o(_attend(q, k, v))
+        y = _attend(q, k, v)
+        if self.kind == "lora_rows":
+            return self.o(y) + F.linear(F.linear(y, self.oa), self.ob)
+        return self.o(y)
 
 
 class MLP(nn.Module):
@@ -78,6 +86,10 @@ class MLP(nn.Module):
         if kind == "lora_matmul":
             self.fc, self.proj = nn.Linear(H, FF), nn.Linear(FF, H)
             self.a, self.b = _adapter(FF, g)
+        elif kind == "lora_rows":
+            self.fc, self.proj = nn.Linear(H, FF), nn.Linear(FF, H)
+            self.a, self.b = nn.Parameter(torch.randn(R, FF, generator=g) / FF ** 0.5), \
+                nn.Parameter(torch.randn(H, R, generator=g) / R ** 0.5)
         else:
             self.gate_up, self.down = nn.Linear(H, 2 * FF, bias=False), nn.Linear(FF, H, bias=False)
             self.a, self.b = _adapter(2 * FF, g)
@@ -85,6 +97,9 @@ class MLP(nn.Module):
     def forward(self, x):
         if self.kind == "lora_matmul":
             return self.proj(F.gelu(self.fc(x) + x @ self.a.T @ self.b.T * 0.5))
+        if self.kind == "lora_rows":
+            h = F.gelu(self.fc(x))
+            return self.proj(h) + h @ self.a.T @ self.b.T * 0.5
         gate, up = (self.gate_up(x) + F.linear(F.linear(x, self.a), self.b)).chunk(2, dim=-1)
         return self.down(F.silu(gate) * up)
 
@@ -155,7 +170,7 @@ class LM(nn.Module):
         return logits, F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
-WRITTEN = ("lora_matmul", "lora_linear", "lora_module")
+WRITTEN = ("lora_matmul", "lora_linear", "lora_module", "lora_rows")
 HF = ("zamba2",)
 KINDS = (*WRITTEN, *HF)
 
