@@ -14,8 +14,10 @@ Reported: the run's wall time and pytest's own total; per file the seconds of it
 teardown, from ``--durations=0``); the number of exports and their CPU seconds (summed over processes, so
 against the run's core-seconds: wall × cores); the share of export time spent exporting a module of the
 same class, on inputs of the same shapes, that the same process had exported already (a rank running
-several jobs that each build their own model: what reusing a capture across models would save); and per
-rank job its CPU seconds summed over its ranks, and the exports inside it.
+several jobs that each build their own model), and the part of it that exported the very graph (the same ops
+in the same order) the process had exported already: the re-export share, what reusing a capture across equal
+models (``tests/support/capture_reuse.py``) would still save; and per rank job its CPU seconds summed over its
+ranks, and the exports inside it.
 Writes ``OUT/suite_profile.json`` and ``OUT/suite_profile.md``.
 """
 from __future__ import annotations
@@ -35,7 +37,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # imported by every Python process of the run: waits for torch.export, then times each export
 HOOK = r'''
-import importlib.abc, importlib.util, os, sys, time
+import hashlib, importlib.abc, importlib.util, os, sys, time
 
 _LOG = os.environ.get("AUTOTP_SUITE_PROFILE_LOG")
 
@@ -45,13 +47,18 @@ def _wrap(module):
 
     def export(mod, args, *rest, **kwargs):
         t0 = time.thread_time()
+        ep = None
         try:
-            return real(mod, args, *rest, **kwargs)
+            ep = real(mod, args, *rest, **kwargs)
+            return ep
         finally:
+            secs = time.thread_time() - t0
             name = type(mod).__qualname__
             shapes = [tuple(a.shape) for a in args if hasattr(a, "shape")] if isinstance(args, tuple) else []
+            # the graph itself (ops, their order and arguments): equal for equal models, whatever their weights
+            graph = hashlib.sha1(str(ep.graph).encode()).hexdigest()[:16] if ep is not None else "failed"
             with open(_LOG, "a") as f:
-                f.write(f"{os.getpid()}\t{time.thread_time() - t0:.4f}\t{name}\t{shapes}\t{time.time():.3f}\n")
+                f.write(f"{os.getpid()}\t{secs:.4f}\t{name}\t{shapes}\t{time.time():.3f}\t{graph}\n")
 
     module.export = export
 
@@ -96,13 +103,17 @@ def _exports(log: Path) -> dict:
     rows = [line.split("\t") for line in log.read_text().splitlines()] if log.exists() else []
     total = sum(float(r[1]) for r in rows)
     again, seen = 0.0, set()
-    for pid, secs, name, shapes, _ in rows:
+    same, graphs = 0.0, set()
+    for pid, secs, name, shapes, _, graph in rows:
         if (pid, name, shapes) in seen:
             again += float(secs)
         seen.add((pid, name, shapes))
+        if graph != "failed" and (pid, name, shapes, graph) in graphs:
+            same += float(secs)
+        graphs.add((pid, name, shapes, graph))
     names = collections.Counter(r[2] for r in rows)
-    return {"count": len(rows), "cpu_s": total, "again_s": again, "processes": len({r[0] for r in rows}),
-            "by_forward": names.most_common(10)}
+    return {"count": len(rows), "cpu_s": total, "again_s": again, "same_graph_s": same,
+            "processes": len({r[0] for r in rows}), "by_forward": names.most_common(10)}
 
 
 def _jobs(log: Path, exports: Path) -> dict:
@@ -174,7 +185,9 @@ def _markdown(r: dict) -> str:
              f"- `torch.export.export` calls: {e['count']} in {e['processes']} processes, {e['cpu_s']:.0f} s "
              f"({e['cpu_s'] / core_s:.0%} of the core-seconds).",
              f"- Exports of a module (class and input shapes) the same process had exported already: "
-             f"{e['again_s']:.0f} s ({e['again_s'] / max(e['cpu_s'], 1e-9):.0%} of export time).",
+             f"{e['again_s']:.0f} s ({e['again_s'] / max(e['cpu_s'], 1e-9):.0%} of export time); of those, the "
+             f"same graph again (the re-export share: what reusing a capture would have saved): "
+             f"{e.get('same_graph_s', 0):.0f} s ({e.get('same_graph_s', 0) / max(e['cpu_s'], 1e-9):.0%}).",
              "", "| file | s |", "|---|---|"]
     lines += [f"| {f} | {s:.1f} |" for f, s in sorted(r["per_file"].items(), key=lambda x: -x[1])]
     lines += ["", "Classes exported most often: " + ", ".join(f"{n} ×{c}" for n, c in e["by_forward"])]

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from autotp.errors import AutotpError, CheckpointError
-from ranks import launch
+from ranks import launch, reusing
 from resume_workers import MODELS, SAVE_TP, resume_only, save_then_resume
 
 TOL = 1e-5
@@ -21,8 +21,8 @@ TOL = 1e-5
 
 def _resumed(out: Path, names: tuple[str, ...]) -> dict:
     # two launches: the save (and the resumes a world of 2 holds), then the resumes that need 4 ranks
-    results = launch(save_then_resume, 2, str(out), (2, 1), names)[0]
-    for name, got in launch(resume_only, 4, str(out), (4, 2), names)[0].items():
+    results = launch(reusing(save_then_resume), 2, str(out), (2, 1), names)[0]
+    for name, got in launch(reusing(resume_only), 4, str(out), (4, 2), names)[0].items():
         results[name].update(got)
     return results
 

@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file, save_model
 
 import autotp
 from autotp.errors import CheckpointError
-from ranks import launch
+from ranks import launch, reusing
 from small_models import gpt2
 from weights_workers import HF, MODELS, TOL, build, load_formats, reload_exports
 
@@ -40,7 +40,7 @@ def root(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def at_tp4(root) -> dict:
-    return launch(load_formats, 4, root)
+    return launch(reusing(load_formats), 4, root)
 
 
 @pytest.mark.slow
@@ -94,7 +94,7 @@ def test_exports_are_the_full_trained_model(root, at_tp4) -> None:
 @pytest.mark.slow
 @pytest.mark.extended
 def test_checkpoint_and_exports_reload_at_tp2_and_tp1(root, at_tp4) -> None:
-    for rank, results in launch(reload_exports, 2, root).items():
+    for rank, results in launch(reusing(reload_exports), 2, root).items():
         assert {tp for _, tp, _ in results} == {1, 2}
         for (name, tp, fmt), r in results.items():
             assert r["kind"] == {"autotp": "dcp", "export": "safetensors", "export.pt": "torch"}[fmt]

@@ -181,7 +181,7 @@ def _jobs(table: dict) -> dict:
                     for style, tp, options in rows} for world, rows in table.items()}
 
 
-PIECE_RUNS = Launches(_jobs(PIECES), _jobs(EXTENDED))
+PIECE_RUNS = Launches(_jobs(PIECES), _jobs(EXTENDED), reuse_captures=True)
 
 
 @pytest.mark.slow

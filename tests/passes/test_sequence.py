@@ -13,7 +13,7 @@ from autotp.passes import run_passes
 from autotp.plan.plan import SEQ_PARAMS
 from autotp.plan.planner import make_plan
 from autotp.operators.seq_ops import AllGatherSeq, GatherSeq, ReduceScatterSeq, SeqColumnGroup, SliceSeq, SumGrads
-from ranks import launch
+from ranks import launch, reusing
 from small_models import MODELS
 from shared_graphs import SHARED, copy_graph, spelling
 from pattern_models import KINDS, S
@@ -141,7 +141,7 @@ AT = {(2, False): list(SHAPES), (4, False): ["llama"], (4, True): ["nanogpt", "g
                                         pytest.param(4, True, marks=pytest.mark.extended)])
 def test_sequence_parallel_parity(world: int, rest: bool):
     # the other calls and dropout streams at tp 2 only: they are about plans, not the group's size
-    results = launch(__import__("parity_workers").sequence_parallel_parity, world, AT[world, rest], world == 2)
+    results = launch(reusing(__import__("parity_workers").sequence_parallel_parity), world, AT[world, rest], world == 2)
     for rank, r in results.items():
         for name, (b, s, h, layers, sp_params) in ((n, SHAPES[n]) for n in AT[world, rest]):
             m = r[name]

@@ -44,7 +44,7 @@ REST[2] = {name: JOBS[2].pop(name) for name in [f"moe {m} {ep}" for m, ep in MOE
 
 @pytest.fixture(scope="module")
 def runs() -> Launches:
-    return Launches(JOBS, extended=REST)
+    return Launches(JOBS, extended=REST, reuse_captures=True)
 
 
 def _check_close(r: dict, dtype: str, rank: int) -> None:

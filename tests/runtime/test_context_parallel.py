@@ -68,7 +68,7 @@ def runs() -> Launches:
     # HSDP and the sampling loop run in the extended run
     rest.update({name: jobs[4].pop(name) for name in AT_4_EXTENDED})
     rest2.update({name: jobs[2].pop(name) for name in AT_2_EXTENDED})
-    return Launches(jobs, extended={4: rest, 2: rest2})
+    return Launches(jobs, extended={4: rest, 2: rest2}, reuse_captures=True)
 
 
 @pytest.mark.slow

@@ -41,7 +41,7 @@ def runs() -> Launches:
     jobs = {world: {"spellings": (pattern_parity, KINDS[world], 3, False, "moe_models", True),
                     "hugging face": (pattern_parity, HF_KINDS[world], 3, False, "hf_moe_models", True)}
             for world in (2, 4)}
-    return Launches({2: jobs[2]}, extended={4: jobs[4]})  # tp 4 in the extended run
+    return Launches({2: jobs[2]}, extended={4: jobs[4]}, reuse_captures=True)  # tp 4 in the extended run
 
 
 def _rewritten(model, args, kwargs, tp: int):

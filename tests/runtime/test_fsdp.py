@@ -300,7 +300,7 @@ def runs(tmp_path_factory) -> Launches:
     rest["sp compile nanogpt"] = (partial(fsdp_parity, sequence_parallel=True, compile={"backend": "aot_eager"}),
                                   "nanogpt", 2)
     rest.update({f"{name} rest": (fsdp_parity_many, kinds, 2) for name, kinds in REST.items()})
-    return Launches({4: jobs}, extended={4: rest})
+    return Launches({4: jobs}, extended={4: rest}, reuse_captures=True)
 
 
 @pytest.mark.slow

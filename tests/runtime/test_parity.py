@@ -50,7 +50,7 @@ for _model, _world in ROUND_TRIPS.items():  # Llama's at tp 4 by default, the ot
 
 @pytest.fixture(scope="module")
 def runs() -> Launches:
-    return Launches(JOBS, extended=REST)
+    return Launches(JOBS, extended=REST, reuse_captures=True)
 
 
 @pytest.mark.slow

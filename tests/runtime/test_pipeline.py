@@ -17,7 +17,7 @@ from autotp.passes import run_passes, split_stages
 from autotp.plan.planner import make_plan
 from autotp.plan.stages import StageRequest, _split
 from autotp.operators.stages import wire_stages
-from ranks import launch
+from ranks import launch, reusing
 from pipeline_models import MODELS
 
 
@@ -184,7 +184,7 @@ def test_pipeline_two_ranks_matches_one_device():
                ("nanogpt_dropout", 1, 2, "1F1B", 2, None, 0)]
     from pipeline_workers import pipeline_parity_many
 
-    results = launch(pipeline_parity_many, 2, configs, [("nanogpt", 1, 2, "ZBVZeroBubble", 2, 2)])
+    results = launch(reusing(pipeline_parity_many), 2, configs, [("nanogpt", 1, 2, "ZBVZeroBubble", 2, 2)])
     _check_two_ranks(results, configs)
     nano = _by_rank(results, 0)
     # the tied embedding / LM head: the same weights on the first and the last stage after 3 steps
@@ -203,7 +203,7 @@ def test_pipeline_two_ranks_other_schedules_and_inputs():
                ("llama_positions", 1, 2, "1F1B", 2, None)]
     from pipeline_workers import pipeline_parity_many
 
-    _check_two_ranks(launch(pipeline_parity_many, 2, configs), configs)
+    _check_two_ranks(launch(reusing(pipeline_parity_many), 2, configs), configs)
 
 
 def _check_two_ranks(results: dict, configs: list) -> None:
@@ -238,7 +238,7 @@ def test_pipeline_with_tensor_parallelism_matches_one_device():
                ("llama_mqa", 2, 2, "1F1B", 2, None, 3, 0.05, False, False, False, True)]
     from pipeline_workers import pipeline_parity_many
 
-    results = launch(pipeline_parity_many, 4, configs)
+    results = launch(reusing(pipeline_parity_many), 4, configs)
     for i, config in enumerate(configs):
         _check(_by_rank(results, i), [config] * 4)
     for i in (0, 1, 2):  # the first stage's ranks send (micro-batch, s/t with sequence parallelism, h)
@@ -289,7 +289,7 @@ def test_context_parallel_pipeline_matches_one_device(rest):
     configs = CONTEXT[rest]
     from pipeline_workers import pipeline_parity_many
 
-    results = launch(pipeline_parity_many, 4, configs)
+    results = launch(reusing(pipeline_parity_many), 4, configs)
     for i, config in enumerate(configs):
         per_rank = _by_rank(results, i)
         _check(per_rank, [config] * 4)
@@ -313,7 +313,7 @@ def test_pipeline_tensor_and_data_parallel_eight_ranks():
                ("nanogpt", 2, 2, "1F1B", 2, None, 3, 0.05, False, True, False, True)]  # FSDP, sequence parallel
     from pipeline_workers import pipeline_parity_many
 
-    results = launch(pipeline_parity_many, 8, configs)
+    results = launch(reusing(pipeline_parity_many), 8, configs)
     for i, config in enumerate(configs):
         per_rank = _by_rank(results, i)
         for r in per_rank:
@@ -329,7 +329,7 @@ def test_checkpoint_resumes_with_every_dimension_changed(tmp_path):
     at tp 1 × dp 2 × pp 2 (DDP) and at tp 4: weights and optimizer state as if uninterrupted."""
     from pipeline_workers import layouts_resume_matrix
 
-    results = launch(layouts_resume_matrix, 4, str(tmp_path), "llama")[0]
+    results = launch(reusing(layouts_resume_matrix), 4, str(tmp_path), "llama")[0]
     reference = results.pop("reference")
     assert set(results) == {(2, 2, True), (1, 2, False), (4, 1, False)}
     for layout, run in results.items():
@@ -346,7 +346,7 @@ def test_pipeline_checkpoint_resumes_at_other_pipeline_sizes(tmp_path):
     from pipeline_workers import pipeline_resume_matrix
 
     for name in ("nanogpt", "llama"):
-        results = launch(pipeline_resume_matrix, 4, str(tmp_path), name)[0]
+        results = launch(reusing(pipeline_resume_matrix), 4, str(tmp_path), name)[0]
         reference = results.pop("reference")
         assert set(results) == {(4, 1), (1, 4)}
         for layout, run in results.items():
@@ -525,7 +525,7 @@ def test_pipeline_of_a_model_built_on_meta_loads_only_its_stages(tmp_path):
     model, _, _ = MODELS["llama"]()
     path = tmp_path / "llama.pt"
     torch.save(model.state_dict(), path)
-    results = launch(pipeline_from_meta, 4, str(path), "llama", 2, 2)
+    results = launch(reusing(pipeline_from_meta), 4, str(path), "llama", 2, 2)
     for r in results.values():
         assert r["allocated"] == r["held"] < sum(p.numel() for p in model.parameters()) // 3
         assert max(abs(a - b) for a, b in zip(r["losses"], r["ref_losses"])) <= 1e-5, r

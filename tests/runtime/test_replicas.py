@@ -41,7 +41,8 @@ def runs() -> Launches:
     return Launches({2: {"compile": (train, "compile", 1)},
                      4: {"default": (train, "default"), "off": (train, "off"), "world": (refused_over_the_world,)}},
                     extended={4: {"script": (train, "script"), "context": (train, "context"),
-                                  "context, no mesh": (train, "context, no mesh"), "compile": (train, "compile")}})
+                                  "context, no mesh": (train, "context, no mesh"), "compile": (train, "compile")}},
+                    reuse_captures=True)
 
 
 @pytest.mark.slow

@@ -1,6 +1,8 @@
 """Helpers for multi-process tests: launch a function on N gloo ranks, count collectives."""
 from __future__ import annotations
 
+import contextlib
+import functools
 import multiprocessing
 import multiprocessing.forkserver
 import os
@@ -104,11 +106,28 @@ class CollectiveLog(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def run_jobs(jobs: dict[str, tuple]) -> dict[str, object]:
+def run_jobs(jobs: dict[str, tuple], reuse_captures: bool = False) -> dict[str, object]:
     """Inside each rank: every job ``name -> (function, *args)`` in turn; name -> what the function returned.
     The ranks run the same jobs in the same order, so their collectives (and random streams) stay in step.
-    Each job is timed where the suite is profiled (:func:`_timed`)."""
-    return {name: _timed(name, fn, *args) for name, (fn, *args) in jobs.items()}
+    Each job is timed where the suite is profiled (:func:`_timed`). ``reuse_captures``: a model exported by
+    one job is not exported again by the next that builds an equal one (:mod:`capture_reuse`)."""
+    from capture_reuse import captures_reused
+
+    with captures_reused() if reuse_captures else contextlib.nullcontext():
+        return {name: _timed(name, fn, *args) for name, (fn, *args) in jobs.items()}
+
+
+def reusing(fn: Callable) -> Callable:
+    """``fn`` for :func:`launch`, run with the captures of equal models made once in each rank
+    (:mod:`capture_reuse`): for a job that parallelizes one model several times."""
+    return functools.partial(_reusing, fn)
+
+
+def _reusing(fn: Callable, *args) -> object:
+    from capture_reuse import captures_reused
+
+    with captures_reused():
+        return fn(*args)
 
 
 def _timed(job: str, fn: Callable, *args) -> object:
@@ -121,6 +140,8 @@ def _timed(job: str, fn: Callable, *args) -> object:
     finally:
         if log:
             with open(log, "a") as f:
+                if getattr(fn, "func", None) is _reusing:
+                    fn = fn.args[0]
                 name = getattr(getattr(fn, "func", fn), "__qualname__", repr(fn))  # a partial by its function's name
                 f.write(f"{os.getpid()}\t{os.environ.get('RANK', '?')}\t{name}\t{job}\t"
                         f"{start:.3f}\t{time.time():.3f}\t{time.process_time() - cpu:.3f}\n")
@@ -132,12 +153,15 @@ class Launches:
     ``launches(world, name)``: rank -> what job ``name`` returned. Each job builds its own model and state.
     ``extended``: jobs only ``extended`` tests ask for (tests/conftest.py), launched apart, when one of them
     first asks, so the default run never pays for them. A launch that failed fails every test of its batch
-    with the same error, without launching again."""
+    with the same error, without launching again. ``reuse_captures``: the jobs of a launch that build equal
+    models export them once (:mod:`capture_reuse`); not for the tests of capture itself."""
 
-    def __init__(self, jobs: dict[int, dict[str, tuple]], extended: dict[int, dict[str, tuple]] | None = None):
+    def __init__(self, jobs: dict[int, dict[str, tuple]], extended: dict[int, dict[str, tuple]] | None = None,
+                 reuse_captures: bool = False):
         self.batches = {**{(world, False): batch for world, batch in jobs.items()},
                         **{(world, True): batch for world, batch in (extended or {}).items()}}
         self.done, self.failed = {}, {}
+        self.reuse_captures = reuse_captures
 
     def __call__(self, world: int, name: str) -> dict[int, object]:
         key = (world, name in self.batches.get((world, True), {}))
@@ -145,7 +169,7 @@ class Launches:
             raise RuntimeError(f"the launch of this module's {world}-rank jobs failed") from self.failed[key]
         if key not in self.done:
             try:
-                self.done[key] = launch(run_jobs, world, self.batches[key])
+                self.done[key] = launch(run_jobs, world, self.batches[key], self.reuse_captures)
             except Exception as exc:
                 self.failed[key] = exc
                 raise
