@@ -134,7 +134,7 @@ def _jobs(log: Path, exports: Path) -> dict:
             if any(p == pid and j and a <= a2 and b2 <= b for p, _, j, a2, b2, _ in spans):
                 continue  # a launch of named jobs: its time is theirs
             per[key][0] += cpu
-        for epid, secs, _, _, at in done:
+        for epid, secs, _, _, at, *_ in done:
             if epid == pid and a <= float(at) <= b:
                 per[key][1] += float(secs)
                 per[key][2] += 1
