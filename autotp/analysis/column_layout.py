@@ -155,7 +155,9 @@ def _probe(node: fx.Node, dim: int, size: int, fp, tp, where, depth, pieces: int
                         if len(gj_real) > 2 and _is_segment_dim(u, gj_real[1], 0) else None
                     if grouped is not None:  # Falcon's [n_kv, group + 2, d]: each kv group's q heads, k and v
                         return (grouped,)
-                    if _is_segment_dim(u, gj_real[0], 0):
+                    # the outer dim taken apart (q | k | v), or read whole (E relative distances gathered along, of
+                    # each of the heads after it, ``(b, s, E·n) -> (b, s, E, n)``): the inner dim is the heads
+                    if _is_segment_dim(u, gj_real[0], 0) or _read_whole(u, gj_real[0], fp, tp, 0):
                         n2 = dst[gj_real[1]]
                         p = parts_for(n2, size // n1, tp, f"{where}: heads")
                         return tuple(Segment(size // n1, p) for _ in range(n1))
@@ -273,6 +275,35 @@ def _tiling(reads: list[tuple[int, int] | None], size: int) -> list[tuple[int, i
             or any(a[1] != b[0] for a, b in zip(ranges, ranges[1:])):
         return None
     return ranges
+
+
+def _read_whole(node: fx.Node, dim: int, fp: Fingerprinter, tp: int, depth: int) -> bool:
+    """Does an op read ``dim`` of ``node`` whole: one that autotp's table does not list, whose torch rule will not
+    keep it cut (``gather`` along it: each row picks from the whole dim)? Followed through dim moves, elementwise
+    ops and views that keep it a dim of its own. ProphetNet's relative logits ``(b, s, buckets, heads)`` are
+    gathered along the buckets, so its heads are the dim to cut."""
+    if depth > 8:
+        return False
+    nd = ndim_of(node)
+    for u in node.users:
+        kind = kind_of(u.target)
+        if kind == "torch" and u.args[0] is node:
+            try:
+                ask_torch(u, {node: dim}, tp)
+            except TorchRefused:
+                return True
+            continue
+        moved = None
+        if permutes(u.target):
+            moved = permutation(u).index(dim)
+        elif kind in ("same_shape", "pointwise") and ndim_of(u) == nd:
+            moved = dim
+        elif kind == "view":
+            kept = [gj for gi, gj in view_groups(fp.shape(node), fp.shape(u)) if gi == [dim] and len(gj) == 1]
+            moved = kept[0][0] if kept else None
+        if moved is not None and _read_whole(u, moved, fp, tp, depth + 1):
+            return True
+    return False
 
 
 def _is_segment_dim(node: fx.Node, dim: int, depth: int) -> bool:

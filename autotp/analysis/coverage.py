@@ -47,6 +47,11 @@ def _readers(node: fx.Node) -> list[fx.Node]:
     return out
 
 
+def _constant_row(reader: fx.Node) -> bool:
+    """Does ``reader`` pick one row of a table by a constant index (``E[2]``: ``select(E, 0, 2)``)?"""
+    return kind_of(reader.target) == "select" and reader.args[1] == 0 and isinstance(reader.args[2], int)
+
+
 def _replicated_reason(module: str, a: Analysis) -> str | None:
     for where, reason in [*a.by_design, *a.replicated]:
         if where == "<root>" or module == where or module.startswith(where + "."):
@@ -185,6 +190,10 @@ def _whole(names: list[str], nodes: dict[str, fx.Node], matmuls: dict[str, Param
             reason = "embedding of token ids not made vocab-parallel"
     elif first is None:
         reason = "read by nothing in this call's graph"
+    elif _replicated_reason(module, a) is None and all(_constant_row(r) for r in readers):
+        # ProphetNet's n-gram embeddings: ``E[i]`` for each predicting stream i, added to the position embeddings
+        reason = (f"position embedding: its rows are picked by constant indices (at {first.name}), not by token "
+                  "ids; every rank reads them whole (Megatron keeps it whole)")
     elif (row := _row_bias_of(first, a)) is not None:
         reason = (f"bias of the row-parallel {row.module} (picked per token by {first.name}): added once, after "
                   "the all-reduce of its partial sums, on every rank (as Megatron adds a row-parallel bias)")

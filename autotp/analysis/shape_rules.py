@@ -345,6 +345,14 @@ class ShapeRules:
             if shape_arg is not None:
                 self._set_view_size(node, shape_arg, j, dst[j], sum(g.local() for g in segs))
             return Sharding(j, segs)
+        if gi[0] != s.dim and not s.inner:
+            # ``(b, n, s, E) -> (b·n·s, E)``: a rank's heads would be rows lying apart, s of them at a time, which
+            # no cut of one dim describes (heads folded under the batch have nothing after them)
+            at, sizes = gi.index(s.dim), node.args[0].meta["val"].shape  # as captured: symbolic sizes by name
+            before, after = ("·".join(str(sizes[i]) for i in part) for part in (gi[:at], gi[at + 1:]))
+            raise Unshardable(node, f"view folds the sharded dim (of {src[s.dim]}) into one dim with {before} "
+                                    f"before it and {after} after it: each rank's rows would lie apart, {after} at a "
+                                    "time, which no cut describes")
         if seg is None or gi[0] != s.dim:
             raise Unshardable(node, "view merges the sharded dim under another dim")
         parts = seg.parts
