@@ -293,7 +293,7 @@ def recompute_formulas(b: int, s: int, h: int, a: int, t: int, layers: int, pp: 
     busiest rank, pipeline rank 0; here for pipeline rank ``rank``, in fp32 without dropout): each layer's
     input per micro-batch in flight plus one layer recomputed, and without recomputation every layer's
     activations per micro-batch in flight."""
-    from autotp.plan.pipeline_report import in_flight
+    from autotp.reports.pipeline import in_flight
 
     sbh, asb, sb = s * b * h, a * s * b, s * b
     layer = 16 * sbh + 48 * sbh / t + 4 * asb / t + 16 * sb  # formulas()'s sdpa/tp less its dropout noise

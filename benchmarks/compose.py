@@ -18,7 +18,7 @@ Every supported pair, and every dimension at once as far as this machine's ranks
                       block's forward ones once more in the backward, all but its output's reduction, which
                       torch's recomputation stops before); over dp DDP's all-reduces carry each
                       gradient element once, FSDP's all-gathers and reduce-scatters are
-                      autotp.plan.report.fsdp_report's (one of each per stage and step through a pipeline);
+                      autotp.reports.sharding.fsdp_report's (one of each per stage and step through a pipeline);
                       over cp one all-reduce of the gradients (without FSDP), the loss's sum and count (one
                       element each), and each ring attention's K and V,
                       2·b·s·h_kv elements gathered forward and again backward; over pp each micro-batch's
@@ -171,7 +171,7 @@ def row_job(spec: dict) -> dict:
     from activation_memory import ActivationPeak
     from autotp.distributed.data_parallel import FSDPConfig
     from autotp.parallel.held import held_grads, held_params, held_state
-    from autotp.plan.report import fsdp_report
+    from autotp.reports.sharding import fsdp_report
     from recompute_workers import _expected, _full_or_local
 
     row = Row(**spec)

@@ -64,7 +64,7 @@ def gpt2_small_bytes() -> dict[int, int]:
 
     from autotp.capture.tracer import capture
     from autotp.plan.planner import make_plan
-    from autotp.plan.report import build_report
+    from autotp.reports.sharding import build_report
 
     with torch.device("meta"):
         model = GPT2LMHeadModel(GPT2Config())

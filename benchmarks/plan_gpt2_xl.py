@@ -28,8 +28,8 @@ from autotp.capture.tracer import capture  # noqa: E402
 from autotp.cli.plan import render  # noqa: E402
 from autotp.distributed.rank_grid import RankGrid  # noqa: E402
 from autotp.plan.planner import make_plan  # noqa: E402
-from autotp.plan.report import build_report  # noqa: E402
-from autotp.plan.symbols import size_ranges  # noqa: E402
+from autotp.reports.sharding import build_report  # noqa: E402
+from autotp.reports.symbols import size_ranges  # noqa: E402
 
 IMPORT_S = time.perf_counter() - T0
 RESULTS = Path(__file__).resolve().parent / "results" / "plan_gpt2_xl.json"

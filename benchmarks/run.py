@@ -8,7 +8,7 @@ a) training-step time (forward + backward + AdamW), median over ``--steps`` afte
    model, on torch's test Transformer (4 layers, dim 256, vocab 8192, batch 4 × 128), tp = 2 on CPU.
    On a CUDA machine the same comparison also runs with tp = 1 on the GPU (skipped, and said so, on CPU).
 b) communication: collectives and elements of one autotp training step, measured with a TorchDispatchMode,
-   against Megatron's formula (README, "What a step costs") (``autotp.plan.report``), as ratios.
+   against Megatron's formula (README, "What a step costs") (``autotp.reports.sharding``), as ratios.
 c) memory: per-rank parameter + gradient + AdamW-state bytes against 16·P_sharded/t + 16·P_replicated,
    and the peak RSS of each rank (which holds all three variants).
 d) capture + plan + rewrite time of a GPT-2-shaped nanoGPT (n_embd 768, 12 heads, vocab 50257) with 12, 24
@@ -107,7 +107,7 @@ def _peak_rss_mb() -> float:
 
 def step_worker(opts: dict) -> dict:
     import autotp
-    from autotp.plan.report import build_report
+    from autotp.reports.sharding import build_report
     from torch.distributed.device_mesh import DeviceMesh
 
     torch.set_num_threads(1)

@@ -109,8 +109,8 @@ def worker(kind: str, layers: int, tp: int) -> dict:
         from autotp.cli.plan import render
         from autotp.parallel.planning import check_sizes
         from autotp.distributed.rank_grid import RankGrid
-        from autotp.plan.report import build_report
-        from autotp.plan.symbols import size_ranges
+        from autotp.reports.sharding import build_report
+        from autotp.reports.symbols import size_ranges
 
         mark = time.perf_counter()
         gm, _ = capture(net, (ids,), {}, params=None, device=cpu)

@@ -25,9 +25,9 @@ from autotp.cli.plan_format import DIRECTION, data_parallel_name, fmt_kind
 
 if TYPE_CHECKING:
     from autotp.distributed.rank_grid import RankGrid
-    from autotp.plan.pipeline_report import PipelineReport
+    from autotp.reports.pipeline import PipelineReport
     from autotp.plan.plan import Plan
-    from autotp.plan.report import Report
+    from autotp.reports.sharding import Report
 
 _LAYER = re.compile(r"^(.*?\.(\d+))(\.|$)")  # the first numbered component names a block: transformer.h.3
 _FONT = "ui-monospace, SFMono-Regular, Menlo, Consolas, 'DejaVu Sans Mono', monospace"

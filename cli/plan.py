@@ -1,7 +1,7 @@
 """``autotp plan MODEL_PY --tp N``: show what autotp would do to a model, without devices or process groups.
 
 The model is built on the meta device (nothing is materialised) and captured on meta tensors in this one
-process; the plan, the rank grid and the numbers of :mod:`autotp.plan.report` are printed. A file without
+process; the plan, the rank grid and the numbers of :mod:`autotp.reports.sharding` are printed. A file without
 ``example_batch()`` is planned on ``autotp.parallelize``'s default batch of token ids (sizes from ``--batch``
 and ``--seq`` when given), and the output says so. ``--json`` writes them as data, ``--svg`` draws the rank
 grid and each layer's sharding as a diagram (:mod:`autotp.cli.diagram`), ``--html`` the tables the terminal
@@ -29,8 +29,8 @@ from autotp.errors import AutotpError, PipelineError
 # for annotations only: these modules import torch and the capture stack, which the command imports when it
 # runs, so that `autotp plan --help` does not
 if TYPE_CHECKING:
-    from autotp.plan.pipeline_report import PipelineReport, PipelineSpec
-    from autotp.plan.report import FSDPReport, Report
+    from autotp.reports.pipeline import PipelineReport, PipelineSpec
+    from autotp.reports.sharding import FSDPReport, Report
 
 
 def plan(
@@ -121,7 +121,7 @@ def plan(
                          staged=staged_flags(schedule=schedule, virtual_stages=virtual_stages,
                                              microbatches=microbatches, split_points=split_points))
     from autotp.parallel.planning import AUTOCAST, plan_file
-    from autotp.plan.report import fsdp_from_rows
+    from autotp.reports.sharding import fsdp_from_rows
 
     if autocast is not None and autocast not in AUTOCAST:
         abort(f"--autocast must be one of {', '.join(AUTOCAST)}, got {autocast}", debug, code=USAGE_ERROR)
@@ -267,7 +267,7 @@ def _pipeline_spec(pp: int, schedule: str | None, virtual_stages: int | None, mi
     if pp == 1:
         return None
     from autotp.parallel.pipeline import SCHEDULES, check_pipeline, stage_ranks  # torch.distributed.pipelining
-    from autotp.plan.pipeline_report import PipelineSpec
+    from autotp.reports.pipeline import PipelineSpec
 
     m = microbatches if microbatches is not None else pp
     try:

@@ -1,6 +1,6 @@
 """The tables of ``autotp plan`` for data-parallel sharding (FSDP units, memory, traffic) and pipeline stages
-(stages, ranks, point-to-point traffic, schedule): rendering only, of :mod:`autotp.plan.report` and
-:mod:`autotp.plan.pipeline_report`'s numbers."""
+(stages, ranks, point-to-point traffic, schedule): rendering only, of :mod:`autotp.reports.sharding` and
+:mod:`autotp.reports.pipeline`'s numbers."""
 from __future__ import annotations
 
 
@@ -8,10 +8,10 @@ from rich.table import Table
 from rich.markup import escape
 
 from autotp.cli.fit import FitTable
-from autotp.plan.context_report import ContextReport
-from autotp.plan.pipeline_report import PipelineReport
+from autotp.reports.context import ContextReport
+from autotp.reports.pipeline import PipelineReport
 from autotp.distributed.rank_grid import RankGrid
-from autotp.plan.report import FSDPReport, FSDPUnitRow, Report
+from autotp.reports.sharding import FSDPReport, FSDPUnitRow, Report
 from autotp.cli.plan_format import DIRECTION, fmt_count, fmt_kind, fmt_ratio, fmt_shape, fmt_size
 
 
@@ -174,7 +174,7 @@ def _flops(n: int) -> str:
 
 
 def _in_flight_rule(pipe: PipelineReport) -> str:
-    """The micro-batches a rank keeps, in words, for the caption (autotp.plan.pipeline_report.in_flight)."""
+    """The micro-batches a rank keeps, in words, for the caption (autotp.reports.pipeline.in_flight)."""
     p, v, m = pipe.pp, pipe.virtual_stages, pipe.microbatches
     return {
         "GPipe": f"GPipe keeps every micro-batch: m = {m}",

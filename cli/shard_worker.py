@@ -38,7 +38,7 @@ from autotp.io.ckpt_io import (checkpoint_info, latest_checkpoint, load_training
 from autotp.parallel.held import held_grads, held_params, held_state
 from autotp.parallel.parallelize import parallelize_state
 from autotp.parallel.writeback import state_difference
-from autotp.plan.report import build_report
+from autotp.reports.sharding import build_report
 from autotp.distributed.job import RankJob
 from autotp.distributed.launch import RankContext, init_job
 from autotp.distributed.rank_grid import RankGrid

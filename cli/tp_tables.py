@@ -12,7 +12,7 @@ from rich.table import Table
 from autotp.cli.fit import FitTable
 from autotp.cli.plan_format import DIRECTION, data_parallel_name, fmt_count, fmt_kind, fmt_ratio, fmt_shape, fmt_size
 from autotp.distributed.rank_grid import RankGrid
-from autotp.plan.report import Report
+from autotp.reports.sharding import Report
 
 # the first numbered path component (``transformer.h.3``) names a layer; tables draw a line between layers
 _LAYER = re.compile(r"^(.*?\.\d+)(\.|$)")

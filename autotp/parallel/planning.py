@@ -37,13 +37,13 @@ from autotp.options import Options
 from autotp.plan import cache as plan_cache
 from autotp.plan.context import ContextPlan
 from autotp.plan.context_planner import check_chunks, context_plan
-from autotp.plan.context_report import ContextReport, context_report
-from autotp.plan.pipeline_report import PipelineReport, PipelineSpec, check_microbatches, pipeline_report
+from autotp.reports.context import ContextReport, context_report
+from autotp.reports.pipeline import PipelineReport, PipelineSpec, check_microbatches, pipeline_report
 from autotp.plan.plan import ParamShard, Plan, Stage
 from autotp.plan.planner import cut_copies_in_graph, fused_segments, group_seq_grads, make_plan
-from autotp.plan.report import Report, build_report
+from autotp.reports.sharding import Report, build_report
 from autotp.plan.stages import StageRequest
-from autotp.plan.symbols import size_ranges
+from autotp.reports.symbols import size_ranges
 
 AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
 

@@ -11,7 +11,7 @@ Per micro-batch on the busiest pipeline rank (the terms of :class:`Estimate`):
 - compute: the rank's matmul FLOPs (forward 1×, backward 2×, recomputation another forward of the
   blocks: the embeddings, head and loss are not checkpointed) at the
   profile's sustained matmul rate, plus the memory-bound work: the activations a layer keeps (Korthikanti
-  et al. 2022's bytes per layer, :func:`~autotp.plan.pipeline_report.layer_activation_bytes`) are written
+  et al. 2022's bytes per layer, :func:`~autotp.reports.pipeline.layer_activation_bytes`) are written
   and read once per pass (:data:`TRAFFIC`: the forward's ops write what they keep and the next op reads it,
   the backward reads it and writes its gradient), at the memory bandwidth; and the profile's fixed cost per
   op (a launch, a dispatch) for each op of the graph, per pass;
@@ -59,7 +59,7 @@ from dataclasses import asdict, dataclass
 
 from autotp.search.model_costs import BLOCKS, FIRST, LAST, ModelCosts
 from autotp.search.hardware import Hardware
-from autotp.plan.pipeline_report import in_flight, layer_activation_bytes
+from autotp.reports.pipeline import in_flight, layer_activation_bytes
 
 RESERVED = 0.1  # of the device's memory: the CUDA context, communication buffers, the allocator's fragmentation
 STATE_BYTES = 16  # weights + gradients + Adam moments (+ fp32 master weights for 16-bit weights) per parameter

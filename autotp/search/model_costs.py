@@ -5,7 +5,7 @@ reads a :class:`ModelCosts` instead: per sample and per forward, the FLOPs of th
 before them (embeddings) and after them (final norm, LM head, loss), and the ops each dispatches; and, for
 each tensor-parallel size the plan was made for, the parameters one rank holds in the blocks and at either
 end, and the collectives a sample's forward and backward run in the blocks and at either end. Every number comes from the graph's
-shapes (:mod:`autotp.analysis.flops`) and from the plan (:mod:`autotp.plan.report`); nothing from names.
+shapes (:mod:`autotp.analysis.flops`) and from the plan (:mod:`autotp.reports.sharding`); nothing from names.
 
 FLOPs and collective sizes are linear in the batch: they are taken at the captured batch and divided by it.
 """
@@ -19,9 +19,9 @@ import torch.fx as fx
 
 from autotp.analysis.flops import node_flops, shape_of
 from autotp.plan.pieces import piece_keys
-from autotp.plan.pipeline_report import block_facts
+from autotp.reports.pipeline import block_facts
 from autotp.plan.plan import Plan
-from autotp.plan.report import Report, itemsize
+from autotp.reports.sharding import Report, itemsize
 
 FIRST, BLOCKS, LAST = "first", "blocks", "last"
 
@@ -208,7 +208,7 @@ def capture_costs(net: torch.nn.Module, args: tuple, kwargs: dict, tps: Iterable
     """Capture ``net`` once on ``(args, kwargs)`` (``batch`` samples of ``seq`` tokens) and plan it at each
     tensor-parallel size in ``tps``; a size the planner refuses is left out (the search skips it)."""
     from autotp.parallel.planning import How, PlanJob, capture_and_plan
-    from autotp.plan.report import build_report
+    from autotp.reports.sharding import build_report
 
     planned = capture_and_plan(net, args, kwargs, PlanJob(1), how=How(device=torch.device("cpu")),
                                tps=set(tps) | {1}, skip_refused=True)

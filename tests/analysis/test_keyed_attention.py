@@ -16,7 +16,7 @@ from autotp.analysis.context import find_context
 from autotp.capture.tracer import capture
 from autotp.plan.context import ContextPlan
 from autotp.plan.context_planner import context_plan
-from autotp.plan.context_report import context_report
+from autotp.reports.context import context_report
 from autotp.passes.context_parallel import context_parallel
 from shared_graphs import SHARED, copy_graph, spelling
 

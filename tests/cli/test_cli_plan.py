@@ -12,8 +12,8 @@ from typer.testing import CliRunner
 from autotp.capture.tracer import capture
 from autotp.cli.main import app
 from autotp.plan.planner import make_plan
-from autotp.plan.report import build_report
-from autotp.plan.symbols import display, symbol_roles
+from autotp.reports.sharding import build_report
+from autotp.reports.symbols import display, symbol_roles
 from ranks import ROOT
 
 NANOGPT = os.path.join(ROOT, "examples", "nanogpt.py")
@@ -37,7 +37,7 @@ def test_plan_nanogpt_tp2(planned) -> None:
     out, result = planned
     assert result.exit_code == 0, result.output
     data = json.loads((out / "out.json").read_text())
-    assert data["plan"]["version"] == 13 and data["plan"]["tp"] == 2
+    assert data["plan"]["version"] == 14 and data["plan"]["tp"] == 2
     # the completeness check: the one weight every rank holds whole is the position embedding, with why
     assert [w["name"] for w in data["plan"]["whole"]] == ["transformer.wpe.weight"]
     assert "not sharded: 1 weight(s) every rank holds whole" in result.stdout
@@ -285,7 +285,7 @@ def test_plan_fsdp_with_sequence_parallelism() -> None:
 def test_fsdp_report_pads_uneven_rows() -> None:
     """FSDP2 cuts dim 0 of a tp shard into d chunks of ceil(n/d) rows: a 3-row tensor over dp 2 keeps 2 rows."""
     from autotp.plan.plan import Plan, Unit
-    from autotp.plan.report import fsdp_report
+    from autotp.reports.sharding import fsdp_report
 
     embed, block, head = torch.nn.Embedding(7, 4), torch.nn.Linear(4, 3), torch.nn.Linear(3, 5, bias=False)
     norm = torch.nn.LayerNorm(3)
@@ -320,7 +320,7 @@ def test_fsdp_report_over_the_context_ranks() -> None:
 
     from autotp.cli.plan_tables import fsdp_memory_table, fsdp_traffic_table, fsdp_units_table
     from autotp.plan.plan import Plan, Unit
-    from autotp.plan.report import fsdp_from_rows, param_rows
+    from autotp.reports.sharding import fsdp_from_rows, param_rows
 
     block = torch.nn.Linear(4, 3)
     plan = Plan(tp=1, units=(Unit("block", ("block.weight", "block.bias")),))
@@ -348,7 +348,7 @@ def test_fsdp_report_in_the_gather_dtype() -> None:
 
     from autotp.cli.plan_tables import fsdp_traffic_table
     from autotp.plan.plan import Plan, Unit
-    from autotp.plan.report import fsdp_report
+    from autotp.reports.sharding import fsdp_report
 
     block, norm = torch.nn.Linear(4, 4), torch.nn.LayerNorm(4)
     named = [("block.weight", block.weight), ("block.bias", block.bias), ("norm.weight", norm.weight),
@@ -507,7 +507,7 @@ def test_plan_pp_bubble_interleaved(tmp_path, gpt4) -> None:
 
 
 def test_pipeline_schedule_numbers() -> None:
-    from autotp.plan.pipeline_report import bubble, in_flight, layer_activation_bytes
+    from autotp.reports.pipeline import bubble, in_flight, layer_activation_bytes
 
     p, v = 4, 2
     assert [in_flight("1F1B", p, 1, 8, r) for r in range(p)] == [4, 3, 2, 1]
@@ -626,7 +626,7 @@ def test_crossing_is_what_the_pipeline_sends(name, loss) -> None:
     from pipeline_models import MODELS
 
     from autotp.passes.split_stages import split_stages
-    from autotp.plan.pipeline_report import crossing, node_stages
+    from autotp.reports.pipeline import crossing, node_stages
     from autotp.plan.stages import StageRequest
     from autotp.operators.stages import wire_stages
 

@@ -35,7 +35,7 @@ def _per_tp_rank(out: Path, cp: int = 1):
     traffic of one step, from plan.json and the model built on meta."""
     from autotp.capture.modelfile import load_model_file
     from autotp.plan.plan import Plan
-    from autotp.plan.report import build_report
+    from autotp.reports.sharding import build_report
 
     plan = Plan.from_json((out / "plan.json").read_text())
     with torch.device("meta"):

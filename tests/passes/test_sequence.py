@@ -79,7 +79,7 @@ def test_plan_and_graph(name: str):
 def test_collectives_match_the_formula_count_for_count(name: str):
     """The report's Megatron-SP formula counts every collective the plan runs, learned position tables
     included: their s/t slice's gradient is one all-gather of s·h backward (was reported as 11 against 10)."""
-    from autotp.plan.report import build_report
+    from autotp.reports.sharding import build_report
 
     model, _, _, gm = spelling("small_models", name)
     plan = make_plan(gm, 2, sequence_parallel=True)

@@ -15,7 +15,7 @@ from autotp.search.auto import Space, candidates, explain, runnable, search, sup
 from autotp.search.cost import STATE_BYTES, Candidate, Training, estimate
 from autotp.search.model_costs import BLOCKS, FIRST, LAST, Comm, ModelCosts, TpCosts
 from autotp.search.hardware import A100, H100, Hardware, Link, Measured, load, resolve, save
-from autotp.plan.pipeline_report import layer_activation_bytes
+from autotp.reports.pipeline import layer_activation_bytes
 from ranks import ROOT
 
 GB = 10**9

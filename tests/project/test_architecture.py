@@ -21,6 +21,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("autotp.capture",),  # the user's call as an exported graph
     ("autotp.analysis",),  # facts found in the graph
     ("autotp.plan",),  # the Plan (the contract) and the planner that writes it from the facts
+    ("autotp.reports",),  # what a plan costs each rank for a batch: memory, communication, time
     ("autotp.options",),  # what parallelize is asked for, validated once
     ("autotp.passes",),  # graph rewrites that execute a Plan
     ("autotp.state",),  # what a parallelized model carries (TPState), and its one accessor

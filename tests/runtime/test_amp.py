@@ -146,7 +146,7 @@ def test_plan_gives_bytes_in_the_dtype_that_travels(dtype):
     from autotp.capture.tracer import capture
     from autotp.plan.plan import Plan
     from autotp.plan.planner import make_plan
-    from autotp.plan.report import build_report
+    from autotp.reports.sharding import build_report
     from small_models import MODELS
 
     model, args, kwargs = MODELS["nanogpt"]()

@@ -3,7 +3,7 @@
 Pure functions over a Plan, the model's named parameters (shapes and dtypes only, meta tensors are fine)
 and a batch size ``b`` and sequence length ``s``. Nothing here prints; the CLI renders the result.
 
-Collective shapes in a Plan are strings of symbolic sizes, read for the batch by :mod:`autotp.plan.symbols`;
+Collective shapes in a Plan are strings of symbolic sizes, read for the batch by :mod:`autotp.reports.symbols`;
 a symbol that is neither the batch nor the sequence leaves the element count of the collectives that use
 it unknown (``None``) and is listed in ``notes``.
 """
@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from autotp.plan.plan import SEQ_PARAMS, Plan
-from autotp.plan.symbols import captured, display, elements, evaluate, parse, symbol_roles
+from autotp.reports.symbols import captured, display, elements, evaluate, parse, symbol_roles
 
 # Megatron's accounting (README, "What a step costs"): weights + gradients + Adam moments in mixed precision (or fp32 Adam) ≈ 16 bytes/param.
 TRAIN_BYTES_PER_PARAM = 16

@@ -1,7 +1,7 @@
 """The numbers behind ``autotp plan --pp P``: what a plan's pipeline stages cost for one concrete batch.
 
 Pure functions over the captured graph, a :class:`~autotp.plan.plan.Plan` with its ``stages`` and the
-:class:`~autotp.plan.report.Report` of the same batch; nothing here prints. Per stage: its blocks, its
+:class:`~autotp.reports.sharding.Report` of the same batch; nothing here prints. Per stage: its blocks, its
 parameters per tp rank, its forward FLOPs and the activations it keeps for backward per micro-batch
 (Korthikanti et al. 2022, README "What a step costs"); per pipeline rank: the micro-batches its
 schedule keeps in flight; per cut between two stages: the values that cross it (the point-to-point traffic);
@@ -25,7 +25,7 @@ from autotp.analysis.flops import node_flops, shape_of
 from autotp.errors import PipelineError
 from autotp.plan.pieces import recomputable, piece_keys
 from autotp.plan.plan import Plan
-from autotp.plan.report import TRAIN_BYTES_PER_PARAM, Report
+from autotp.reports.sharding import TRAIN_BYTES_PER_PARAM, Report
 from autotp.plan.stages import stage_of_key
 
 aten = torch.ops.aten
