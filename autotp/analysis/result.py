@@ -21,6 +21,7 @@ from autotp.analysis.after_rows import name_after_rows
 from autotp.analysis.coverage import WholeCandidate, whole_candidates
 from autotp.analysis.experts import ExpertFacts, analyze_experts
 from autotp.analysis.pairs import Analysis, analyze
+from autotp.analysis.row_gates import name_row_gates
 from autotp.analysis.sequence import SeqFacts, analyze_sequence
 from autotp.analysis.units import UnitFacts, find_units
 from autotp.analysis.vocab import VocabFacts, analyze_vocab
@@ -53,6 +54,7 @@ def analyze_graph(gm: fx.GraphModule, tp: int, *, vocab_multiple: int = 1, seque
         return GraphFacts(tp, units, a)
     v = analyze_vocab(gm, a, tp, vocab_multiple)
     name_after_rows(a)  # once the LM heads are known: a matmul not made one is named
+    name_row_gates(a)
     return GraphFacts(
         tp, units, a, v,
         experts=analyze_experts(gm, a) if expert_parallel else None,

@@ -10,6 +10,12 @@ input and stay whole. Every hand-written model is ``(idx, targets) -> (logits, l
   Face's CPU path);
 - ``stacked``: the steps are collected in a list and ``torch.stack``-ed, the decay spelled
   ``self.decay.exp().neg()``;
+- ``gated``: the ``written`` mixer with RWKV's feed-forward (its channel mixing) written as one expression,
+  ``sigmoid(r(x)) * v(relu(k(x)) ** 2)``: key (h -> 4h) column-parallel, value (4h -> h) row-parallel, the
+  receptance whole on every rank, its sigmoid gating the value's all-reduced output;
+- ``shifted``: the ``stacked`` mixer with the feed-forward as a module that mixes the current and the previous
+  token (``nn.ZeroPad2d`` time shift, ``(1, 1, h)`` scales) into the key's and the receptance's inputs, the gate
+  multiplied on the right (``v * sigmoid(r)``);
 - ``rwkv``: Hugging Face's RWKV (2 layers) on ``input_ids`` and ``labels``.
 """
 from __future__ import annotations
@@ -58,15 +64,47 @@ class TimeMix(nn.Module):
         return self.output(r * out)
 
 
+class ChannelMix(nn.Module):
+    """RWKV's feed-forward: ``sigmoid(receptance) * value(relu(key) ** 2)``, with (``shifted``) or without the
+    mix of the previous token into the key's and the receptance's inputs."""
+
+    def __init__(self, shifted: bool):
+        super().__init__()
+        self.shifted = shifted
+        self.key, self.value = nn.Linear(H, 4 * H, bias=False), nn.Linear(4 * H, H, bias=False)
+        self.receptance = nn.Linear(H, H, bias=False)
+        if shifted:
+            self.time_shift = nn.ZeroPad2d((0, 0, 1, -1))  # (b, s, h): the previous token, zeros before the first
+            g = torch.Generator().manual_seed(4)
+            self.mix_k, self.mix_r = (nn.Parameter(torch.rand(1, 1, H, generator=g)) for _ in range(2))
+
+    def forward(self, x):
+        if not self.shifted:
+            return torch.sigmoid(self.receptance(x)) * self.value(torch.relu(self.key(x)) ** 2)
+        shifted = self.time_shift(x)
+        k = x * self.mix_k + shifted * (1 - self.mix_k)
+        r = x * self.mix_r + shifted * (1 - self.mix_r)
+        return self.value(torch.square(torch.relu(self.key(k)))) * torch.sigmoid(self.receptance(r))
+
+
+# the feed-forward spellings, each over one of the mixers
+_FFN_MIXER = {"gated": "written", "shifted": "stacked"}
+
+
 class Block(nn.Module):
     def __init__(self, kind: str):
         super().__init__()
         self.n1, self.n2 = RMSNorm(H), RMSNorm(H)
-        self.mix = TimeMix(kind)
-        self.fc1, self.fc2 = nn.Linear(H, 4 * H, bias=False), nn.Linear(4 * H, H, bias=False)
+        self.mix = TimeMix(_FFN_MIXER.get(kind, kind))
+        if kind in _FFN_MIXER:
+            self.ffn = ChannelMix(kind == "shifted")
+        else:
+            self.fc1, self.fc2 = nn.Linear(H, 4 * H, bias=False), nn.Linear(4 * H, H, bias=False)
 
     def forward(self, x):
         x = x + self.mix(self.n1(x))
+        if hasattr(self, "ffn"):
+            return x + self.ffn(self.n2(x))
         return x + self.fc2(torch.square(torch.relu(self.fc1(self.n2(x)))))
 
 
@@ -86,7 +124,7 @@ class LM(nn.Module):
         return logits, F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
-KINDS = ("written", "stacked", "rwkv")
+KINDS = ("written", "stacked", "gated", "shifted", "rwkv")
 
 
 def _rwkv():
