@@ -49,6 +49,18 @@ class ParamCut(NamedTuple):
     sharding: Sharding
 
 
+class SharedValues(NamedTuple):
+    """One embedding of the ids whose values several pairs' regions read (CPM-Ant's position bias
+    ``embedding(buckets, table).permute(0, 3, 1, 2)``, ``(b, heads, s, s)``, added to the scores of every layer):
+    a column of the first pair that reads it, cut by heads, each later region reading the values it left cut.
+    ``seeds``: the values earlier regions cut that this one may read; ``embeddings``: the embedding columns whose
+    values this region may leave cut for later regions (every reader is checked to be in one once all the pairs
+    are found)."""
+
+    seeds: dict[fx.Node, Sharding]
+    embeddings: frozenset[fx.Node]
+
+
 @dataclass
 class PairRegion:
     specs: dict[fx.Node, Sharding | tuple[Sharding | None, ...]] = field(default_factory=dict)
@@ -66,3 +78,22 @@ class PairRegion:
     # other row-parallel matmuls of the same columns (a parallel block's feed-forward output beside attention's)
     # -> their input's cut; each output is a partial sum, completed by g like the row's
     sides: dict[fx.Node, Sharding] = field(default_factory=dict)
+    # values computed from the region's embedding columns alone that later regions read too -> their cut
+    shared: dict[fx.Node, Sharding] = field(default_factory=dict)
+
+
+def from_alone(n: fx.Node, roots: frozenset[fx.Node], specs: dict[fx.Node, object]) -> bool:
+    """Is ``n``, cut in a region with ``specs``, computed from the cut values of ``roots`` alone (the others whole)?"""
+    todo, seen = [n], set()
+    while todo:
+        x = todo.pop()
+        if x in seen:
+            continue
+        seen.add(x)
+        if x in roots:
+            continue
+        cut = [a for a in x.all_input_nodes if a in specs]
+        if not cut:
+            return False
+        todo += cut
+    return True

@@ -22,11 +22,13 @@ from autotp.analysis.matmuls import ParamMatmul, find_param_embeddings, find_par
 from autotp.analysis.channels import ChannelForm, channel_form, check_columns_inside, summed_inputs
 from autotp.analysis.column_layout import column_segments
 from autotp.analysis.low_rank import low_rank_branches
+from autotp.analysis.op_rules import kind_of
 from autotp.analysis.ops import Pieces, Strided, Unshardable
 from autotp.analysis.partial import deferred
 
 if TYPE_CHECKING:
     import networkx as nx
+from autotp.analysis.pair_region import SharedValues
 from autotp.analysis.propagate import PairRegion, propagate
 from autotp.analysis.shapes import Fingerprinter
 from autotp.errors import ShardingError
@@ -155,16 +157,30 @@ def analyze(gm: fx.GraphModule, tp: int) -> Analysis:
     for m in [*matmuls, *embeddings.values()]:
         weight_uses[m.key] = weight_uses.get(m.key, 0) + 1
     banned: set[tuple[str, int | None]] = set()
+    unshared: set[fx.Node] = set()  # embedding columns whose values another region may not read cut
     while True:
         # each attempt writes its own facts: none left by an earlier attempt, or by an analysis of this graph at
         # another tp (``autotp plan --auto`` plans one capture at every tp), may be read as this one's
         for node in gm.graph.nodes:
             node.meta.pop("autotp", None)
-        result = _analyze(gm, tp, matmuls, embeddings, weight_uses, banned)
+        result = _analyze(gm, tp, matmuls, embeddings, weight_uses, banned, frozenset(unshared))
         unlike = _cut_unlike(result, weight_uses) - banned
-        if not unlike:
+        stray = _stray_shared(result)
+        if not unlike and not stray:
             return result
         banned |= unlike
+        unshared |= stray
+
+
+def _stray_shared(result: Analysis) -> set[fx.Node]:
+    """The embedding columns whose values a region left cut for later regions where a reader is in none, or in
+    one that reads them as whole (slices them, or lets them enter through f): found again, each is cut only where
+    all its readers are in its own region."""
+    inside = {n for p in result.pairs for n in (*p.region.specs, *p.region.stats)}
+    whole = {x.operand for p in result.pairs for x in (*p.region.slices, *p.region.entering)}
+    return {c.node for p in result.pairs if p.region.shared for c in p.columns if c.kind == "embedding"
+            if any(n in whole or any(u not in inside and kind_of(u.target) not in ("no_output", "sym_size")
+                                     for u in n.users) for n in p.region.shared)}
 
 
 def _cut_unlike(result: Analysis, weight_uses: dict[tuple[str, int | None], int]) -> set[tuple[str, int | None]]:
@@ -192,7 +208,8 @@ def _cut_unlike(result: Analysis, weight_uses: dict[tuple[str, int | None], int]
 
 
 def _analyze(gm: fx.GraphModule, tp: int, matmuls: list[ParamMatmul], embeddings: dict[fx.Node, ParamMatmul],
-             weight_uses: dict[tuple[str, int | None], int], banned: set[tuple[str, int | None]]) -> Analysis:
+             weight_uses: dict[tuple[str, int | None], int], banned: set[tuple[str, int | None]],
+             unshared: frozenset[fx.Node] = frozenset()) -> Analysis:
     g = dataflow_graph(gm)
     feed = feeders(g, {m.node for m in matmuls} | set(embeddings))
     shared = head_shared(matmuls, feed)
@@ -213,8 +230,13 @@ def _analyze(gm: fx.GraphModule, tp: int, matmuls: list[ParamMatmul], embeddings
     read_whole: set[fx.Node] = set()  # matmuls feeding a paired column's input: their output stays whole
     # a low-rank branch's second matmul last: the row of the projection it is added to takes it as a column first
     late = low_rank_branches(matmuls, feed)
+    # values of an embedding column that later regions read cut (CPM-Ant's position bias, every layer's)
+    seeds: dict[fx.Node, Sharding] = {}
+    sharing: set[fx.Node] = set()  # the embeddings that left them
+    shareable = frozenset(embeddings) - unshared
     for row in sorted(matmuls, key=lambda m: (not attention[m.x], m.node in late)):
-        cols = feed[row.x] | ({row.x} if row.x in by_node else frozenset())
+        # an embedding an earlier pair cut is no column here: its values are read as that pair left them
+        cols = (feed[row.x] | ({row.x} if row.x in by_node else frozenset())) - sharing
         # a matmul that feeds another candidate's input is no column of this pair (a column's input is whole):
         # DeepSeek's kv down-projection feeds the kv up-projection, and its rotary key part reaches attention
         inner = set().union(*(feed[by_node[d].x] for d in cols if d in by_node))  # once per row: a row reading
@@ -236,10 +258,10 @@ def _analyze(gm: fx.GraphModule, tp: int, matmuls: list[ParamMatmul], embeddings
                                              "cannot all be cut alike"))
             failed |= set(cols) | {row.node}
             continue
-        sides = []
+        sides, shared = [], SharedValues(seeds, shareable)
         try:
             try:
-                specs, region = _cut(columns, row, fp, tp, name)
+                specs, region = _cut(columns, row, fp, tp, name, shared=shared)
             except Unshardable as first:
                 for kept in _fewer_columns(columns, first, g):
                     # the pair is the module that holds what it cuts: a layer's gate and projection, not the
@@ -247,7 +269,7 @@ def _analyze(gm: fx.GraphModule, tp: int, matmuls: list[ParamMatmul], embeddings
                     narrow = common_module([c.module for c in kept if c.kind != "embedding"] + [row.module]) \
                         or row.module or "<root>"
                     try:
-                        specs, region = _cut(kept, row, fp, tp, narrow)
+                        specs, region = _cut(kept, row, fp, tp, narrow, shared=shared)
                         columns, cols, name = kept, frozenset(c.node for c in kept), narrow
                         break
                     except Unshardable:
@@ -256,7 +278,7 @@ def _analyze(gm: fx.GraphModule, tp: int, matmuls: list[ParamMatmul], embeddings
                     sides = _side_rows(first, cols, row, by_node, feed, assigned | failed)
                     if not sides:
                         raise first from None
-                    specs, region = _cut(columns, row, fp, tp, name, sides)
+                    specs, region = _cut(columns, row, fp, tp, name, sides, shared)
             _refuse_banned(region, banned)
         except Unshardable as e:
             if inside is None:  # once: the matmuls a mixer's region computes through, and the feeders without them
@@ -286,6 +308,9 @@ def _analyze(gm: fx.GraphModule, tp: int, matmuls: list[ParamMatmul], embeddings
         result.pairs.append(PairFacts(name, columns, row, {c.name: strided(s, fp.shape(c)[s.dim])
                                                            for c, s in specs.items()}, region, sides=sides))
         assigned |= set(cols) | {row.node} | {m.node for m in sides}
+        if region.shared:
+            seeds.update(region.shared)
+            sharing.update(c.node for c in columns if c.kind == "embedding")
         read_whole.update(*(feed[c.x] for c in columns if c.kind != "embedding"))
     _whole_experts(result, matmuls, assigned)
     order = _order(gm)
@@ -345,7 +370,8 @@ def _side_rows(e: Unshardable, cols: frozenset[fx.Node], row: ParamMatmul, by_no
 
 
 def _cut(columns: list[ParamMatmul], row: ParamMatmul, fp: Fingerprinter, tp: int, name: str,
-         sides: list[ParamMatmul] = ()) -> tuple[dict[fx.Node, Sharding], PairRegion]:
+         sides: list[ParamMatmul] = (), shared: SharedValues | None = None
+         ) -> tuple[dict[fx.Node, Sharding], PairRegion]:
     """The columns' cuts (:func:`column_segments`, each on its output features) and the region they give.
 
     Where attention's query heads, cut in order, meet kv heads repeated head-minor (:class:`Strided`), the
@@ -359,7 +385,7 @@ def _cut(columns: list[ParamMatmul], row: ParamMatmul, fp: Fingerprinter, tp: in
         specs[c.node] = Sharding(c.y_dim % nd, segs)
     others = {m.node: (m.x, m.x_dim) for m in sides}
     try:
-        return specs, propagate(specs, row.node, row.x, fp, tp, name, row.x_dim, sides=others)
+        return specs, propagate(specs, row.node, row.x, fp, tp, name, row.x_dim, sides=others, shared=shared)
     except Strided as e:
         for c, s in specs.items():
             seg = s.single()
@@ -367,7 +393,8 @@ def _cut(columns: list[ParamMatmul], row: ParamMatmul, fp: Fingerprinter, tp: in
                 continue
             tried = {**specs, c: Sharding(s.dim, (Segment(seg.size // e.blocks, tp),), outer=True)}
             try:
-                return tried, propagate(tried, row.node, row.x, fp, tp, name, row.x_dim, sides=others)
+                return tried, propagate(tried, row.node, row.x, fp, tp, name, row.x_dim, sides=others,
+                                        shared=shared)
             except Unshardable:
                 continue  # not the query projection: the first attempt's reason stands
         raise

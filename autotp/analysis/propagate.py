@@ -18,7 +18,8 @@ from autotp.analysis.channels import after_reduction, beside_reductions
 from autotp.analysis.einsum_rules import EinsumRules
 from autotp.analysis.op_rules import OP_RULES, OpRule, handler, kind_of, op_rule
 from autotp.analysis.ops import Unshardable, held_whole, is_guard, is_random, ndim_of, reaches, unseen_write
-from autotp.analysis.pair_region import Entering, OperandSlice, ParamCut, PairRegion, StatFact
+from autotp.analysis.pair_region import (Entering, OperandSlice, ParamCut, PairRegion, SharedValues, StatFact,
+                                         from_alone)
 from autotp.analysis.shape_rules import ShapeRules
 from autotp.analysis.shapes import Fingerprinter, is_static, normalize_dim, view_groups
 from autotp.analysis.torch_rules import TorchRefused, ask_torch
@@ -533,7 +534,8 @@ def _operand(node: fx.Node, s: Sharding | None) -> Operand:
 
 def propagate(columns: dict[fx.Node, Sharding], row: fx.Node, row_x: fx.Node, fp: Fingerprinter, tp: int,
               where: str, x_dim: int = -1, reduces: dict[fx.Node, tuple[fx.Node, int]] | None = None,
-              sides: dict[fx.Node, tuple[fx.Node, int]] | None = None) -> PairRegion:
+              sides: dict[fx.Node, tuple[fx.Node, int]] | None = None, shared: SharedValues | None = None
+              ) -> PairRegion:
     """Propagate the column shardings to ``row`` (which contracts ``x_dim`` of ``row_x``); raise
     :class:`Unshardable` if the region leaks. ``reduces``: parameter matmuls inside the region (node -> its
     input and the dim it contracts) that reduce a channel-cut value, as Mamba's Δ/B/C projection does: each
@@ -541,10 +543,15 @@ def propagate(columns: dict[fx.Node, Sharding], row: fx.Node, row_x: fx.Node, fp
     read whole after it, also by the columns its output feeds (``dt_proj``). ``sides``: other parameter
     matmuls (node -> input, contracted dim) where sharded values end as they do at ``row``: a parallel
     block's feed-forward output projection reading the ``ff`` segment of the one fused ``q | k | v | ff``
-    column; each is row-parallel, its partial output completed by g (``PairRegion.sides``)."""
+    column; each is row-parallel, its partial output completed by g (``PairRegion.sides``). ``shared``: values
+    earlier regions cut that this one reads cut, and the embedding columns whose values may leave the region cut
+    (``PairRegion.shared``)."""
     reduces, sides = reduces or {}, sides or {}
+    shared = shared or SharedValues({}, frozenset())
     p = Propagator(fp, tp, where)
     p.region.specs.update(columns)
+    seeds = {n: s for n, s in shared.seeds.items() if n not in columns}
+    p.region.specs.update(seeds)  # read as they were cut; each one's other readers are their own regions'
     started = False
     for node in row.graph.nodes:
         if node in columns:
@@ -583,7 +590,10 @@ def propagate(columns: dict[fx.Node, Sharding], row: fx.Node, row_x: fx.Node, fp
         if p._parameter(x.node) is None and any(u not in p.region.specs and u not in p.region.stats
                                                 for u in x.node.users):
             raise Unshardable(x.node, f"{x.node.target} spans the sharded dim and is also used outside {where}")
+    mine = frozenset(c for c in columns if c in shared.embeddings)
     for n in list(p.region.specs):
+        if n in seeds:
+            continue
         for u in n.users:
             rule = op_rule(u.target)
             kind = rule.kind if rule is not None else None
@@ -601,5 +611,10 @@ def propagate(columns: dict[fx.Node, Sharding], row: fx.Node, row_x: fx.Node, fp
                 if n not in p.region.outputs:
                     p.region.outputs.append(n)
                 continue
+            if mine and isinstance(spec, Sharding) and from_alone(n, mine, p.region.specs):
+                p.region.shared[n] = spec  # read by a later region, cut alike (checked once all pairs are found)
+                continue
             raise Unshardable(u, f"sharded value {n.name} escapes the region")
+    for n in seeds:
+        del p.region.specs[n]
     return p.region
