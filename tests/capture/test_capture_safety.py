@@ -199,10 +199,13 @@ def test_error_names_a_model_from_an_installed_package():
         pkg.rmdir()
 
 
-# every style at tp 2; at tp 4 a sharded cache and state shared across modules, and in the extended run
-# the other styles whose state is sharded or shared
-STYLES_AT = {2: STYLES, 4: ["plain_cache", "shared_alibi"]}
+# at tp 2 one style of each kind of state (a mask made on first use, a table grown in forward, a cache, a module
+# shared by the blocks, a tied head); at tp 4 a sharded cache and state shared across modules; in the extended run
+# the other styles, at tp 2 and at tp 4 (every style trains in one run or the other; the fast tier captures each)
+STYLES_AT = {2: ["lazy_mask", "grown_rotary", "plain_cache", "shared_rotary", "tied_module"],
+             4: ["plain_cache", "shared_alibi"]}
 REST = ["lazy_mask_grow", "dict_cache", "tied_forward"]
+REST_AT_2 = [s for s in STYLES if s not in STYLES_AT[2]]
 
 
 # -- multi-process: exact, fully sharded, untouched ---------------------------------------------------------
@@ -210,15 +213,18 @@ REST = ["lazy_mask_grow", "dict_cache", "tied_forward"]
 def runs() -> Launches:
     # tp 4 in the extended run (four ranks on CI's two cores cost the most of any launch)
     return Launches({2: {"stateful": (stateful_parity, STYLES_AT[2])}},
-                    extended={4: {"stateful": (stateful_parity, STYLES_AT[4]), "rest": (stateful_parity, REST)}})
+                    extended={2: {"rest": (stateful_parity, REST_AT_2)},
+                              4: {"stateful": (stateful_parity, STYLES_AT[4]), "rest": (stateful_parity, REST)}})
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world,part", [(2, "stateful"), pytest.param(4, "stateful", marks=pytest.mark.extended),
+@pytest.mark.parametrize("world,part", [(2, "stateful"), pytest.param(2, "rest", marks=pytest.mark.extended),
+                                        pytest.param(4, "stateful", marks=pytest.mark.extended),
                                         pytest.param(4, "rest", marks=pytest.mark.extended)])
 def test_stateful_spellings_train_and_sample_exactly(runs, world: int, part: str):
     for rank, by_style in runs(world, part).items():
-        assert list(by_style) == (REST if part == "rest" else STYLES_AT[world])
+        want = {(2, "rest"): REST_AT_2, (4, "rest"): REST}.get((world, part), STYLES_AT[world])
+        assert list(by_style) == want
         for style, r in by_style.items():
             assert r["changed"] == [] and r["same_names"], (style, r["changed"])
             assert r["loss_diff"] <= 1e-5 and r["param_diff"] <= 1e-5, (rank, style, r)
