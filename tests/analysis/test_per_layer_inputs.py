@@ -16,7 +16,7 @@ from autotp.capture.tracer import capture
 from autotp.plan.planner import make_plan
 from parity_checks import assert_exact, assert_fully_sharded
 from parity_workers import pattern_parity
-from pattern_models import H, S
+from pattern_models import H, S, V
 from per_layer_input_models import DPL, HF, L, SPELLINGS, build
 from ranks import Launches
 
@@ -44,18 +44,26 @@ def test_per_layer_inputs_enter_each_layer_through_f(kind: str):
             gate, proj = params[f"blocks.{i}.gate.weight"], params[f"blocks.{i}.proj.weight"]
             assert (gate.role, gate.local_shape) == ("column", (DPL // tp, H)), (tp, gate)
             assert (proj.role, proj.local_shape) == ("row", (H, DPL // tp)), (tp, proj)
-        assert params["emb_pl.weight"].role == "vocab", (tp, params["emb_pl.weight"])
+        if kind == "embedded":  # normed over d_pl after the projection is added: looked up whole, vocab-parallel
+            assert params["emb_pl.weight"].role == "vocab", (tp, params["emb_pl.weight"])
+        else:  # split per layer and read by nothing across d_pl: cut with the gates, each rank its d_pl/tp of
+            # every layer's block (a table the layers' pairs share), so it needs no collective of its own
+            emb = params["emb_pl.weight"]
+            assert (emb.role, emb.dim, emb.local_shape) == ("column", 1, (V, L * DPL // tp)), (tp, emb)
         if kind == "table":  # its row l scales layer l's gate: cut with the gate's features
             assert (params["table"].dim, params["table"].local_shape) == (1, (L, DPL // tp)), (tp, params["table"])
         assert _fraction(model, plan) <= 1 / tp + 0.12, (tp, _fraction(model, plan))
+        whole_input = kind == "embedded"
         for i in range(L):  # per layer: the MLP's and the per-layer pair's all-reduce forward; backward their
-            # inputs' f and the per-layer input's (b·s·d_pl)
+            # inputs' f and, where the per-layer input is whole, its own (b·s·d_pl)
             block = sorted((c.direction, c.shape[-1]) for c in plan.collectives if c.module == f"blocks.{i}")
-            assert block == [("backward", str(DPL)), ("backward", str(H)), ("backward", str(H)),
-                             ("forward", str(H)), ("forward", str(H))], (tp, i, block)
+            assert block == [("backward", str(DPL))] * whole_input + [("backward", str(H)), ("backward", str(H)),
+                                                                     ("forward", str(H)), ("forward", str(H))], \
+                (tp, i, block)
         embeddings = sorted((c.module, c.direction, c.shape[-1]) for c in plan.collectives
                             if c.module.startswith("emb"))
-        assert embeddings == [("emb", "forward", str(H)), ("emb_pl", "forward", str(L * DPL))], (tp, embeddings)
+        assert embeddings == [("emb", "forward", str(H))] + [("emb_pl", "forward", str(L * DPL))] * whole_input, \
+            (tp, embeddings)
 
 
 def _hf_plans(family: str) -> None:
@@ -113,10 +121,11 @@ def _check(r: dict, kind: str, world: int, where: tuple) -> None:
     if kind in HF:
         return
     bsh, bs = 2 * S * H, 2 * S
-    forward = [("all_reduce", "sum", bsh)] * (2 * L + 1) + [("all_reduce", "sum", bs * L * DPL)] \
+    whole_input = kind == "embedded"  # "table": the per-layer embedding is cut with the gates, no collective
+    forward = [("all_reduce", "sum", bsh)] * (2 * L + 1) + [("all_reduce", "sum", bs * L * DPL)] * whole_input \
         + [("all_reduce", "max", bs)] + [("all_reduce", "sum", bs)] * 2
     assert sorted(r["forward"]) == sorted(forward), (*where, r["forward"])
-    backward = [("all_reduce", "sum", bsh)] * (2 * L + 1) + [("all_reduce", "sum", bs * DPL)] * L
+    backward = [("all_reduce", "sum", bsh)] * (2 * L + 1) + [("all_reduce", "sum", bs * DPL)] * L * whole_input
     assert sorted(r["backward"]) == sorted(backward), (*where, r["backward"])
 
 
