@@ -29,6 +29,7 @@ CLAIMED = {
     "autotp shard examples/nanogpt.py --tp 4 --steps 6 --out run --resume": "tests/e2e/test_reliability.py",
     "autotp shard examples/nanogpt.py --tp 1 --cp 2 --steps 2 --out cp": "tests/cli/test_context_cli.py",
     "autotp shard examples/nanogpt.py --tp 2 --cp 2 --steps 4 --out cp --resume": "tests/cli/test_context_cli.py",
+    "autotp shard examples/nanogpt.py --auto --world-size 4": "tests/plan/test_auto_layout.py",
 }
 
 

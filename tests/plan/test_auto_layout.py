@@ -535,12 +535,11 @@ def test_plan_auto_bad_flags(argv, message):
 @pytest.mark.slow
 def test_shard_auto_runs_the_layout_it_chose(tmp_path):
     """`autotp shard --auto`: the chosen layout is printed before the ranks start, then run and verified."""
-    import subprocess
-    import sys
+    from readme import readme_folder, run_readme
 
-    r = subprocess.run([sys.executable, "-m", "autotp.cli", "shard", "examples/nanogpt.py", "--auto",
-                        "--world-size", "2", "--gpu", "a100", "--steps", "1", "--out", str(tmp_path / "out")],
-                       capture_output=True, text=True, timeout=300)
+    # the README's command as written there (claimed: tests/e2e/test_readme.py runs it here only), one step
+    r = run_readme("autotp shard examples/nanogpt.py --auto --world-size 4", readme_folder(tmp_path / "readme"),
+                   "--gpu", "a100", "--steps", "1", "--out", str(tmp_path / "out"))
     assert r.returncode == 0, r.stdout + r.stderr
     assert "--auto: tp" in r.stderr and "predicted" in r.stderr
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
