@@ -88,6 +88,35 @@ def test_torchs_answer_is_checked_on_random_shards(monkeypatch):
         _ask(aten.cumsum.default, {0: 2}, _x(2, 4, 6), -1)
 
 
+def test_torchs_cache_answers_only_questions_it_keys_in_full():
+    """torch's sharding cache keys a question by its tensor specs and only the arguments its op registers as
+    static: cumsum's dim is keyed, so its questions are answered from the cache; diff registers none, so two
+    diffs of one shard that differ only in their dim are each asked afresh and get answers of their own."""
+    from torch.distributed.tensor._op_schema import OpSchema
+
+    sp = torch_rules._propagator()
+    cumsum, (x,) = _graph(aten.cumsum.default, _x(2, 4, 6), 2)
+    diff, _ = _graph(aten.diff.default, _x(2, 4, 6), 1, 2)
+    for node, keyed in ((cumsum, True), (diff, False)):
+        info = sp.op_to_schema_info.get(node.target)
+        schema = OpSchema(node.target, (_spec(x), *node.args[1:]), {}, schema_info=info)
+        assert torch_rules._keyed_in_full(schema) is keyed, node.target
+    assert _ask(aten.diff.default, {0: 1}, _x(2, 4, 6), 1, 2)[0].outputs == (1,)  # along the whole last dim
+    with pytest.raises(TorchRefused, match="not sharded on dim 1"):  # the same question but the dim: not cached
+        _ask(aten.diff.default, {0: 1}, _x(2, 4, 6), 1, 1)
+    assert _ask(aten.cumsum.default, {0: 1}, _x(2, 4, 6), 2)[0].outputs == (1,)
+    with pytest.raises(TorchRefused, match="not sharded on dim 1"):
+        _ask(aten.cumsum.default, {0: 1}, _x(2, 4, 6), 1)
+
+
+def _spec(x):
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+    from torch.distributed.tensor.placement_types import Shard
+
+    val = x.meta["val"]
+    return DTensorSpec(torch_rules._mesh(2), (Shard(1),), TensorMeta(val.shape, val.stride(), val.dtype))
+
+
 class _RowsByCount(torch.nn.Module):
     """Rows split by counts read at run time and joined again, then added back to their rows: the token dim's
     sizes are known only at run time (``u0``, ``u1``, ``u0 + u1``), the features' are not."""
