@@ -25,8 +25,8 @@ CLAIMED = {
     "autotp shard examples/nanogpt.py --tp 2 --dp 2 --fsdp --out fsdp": "tests/runtime/test_fsdp.py",
     "autotp shard examples/llama.py --tp 2 --pp 2 --virtual-stages 2 --schedule Interleaved1F1B --microbatches 4 "
     "--out llama": "tests/runtime/test_pipeline.py",
-    "autotp shard examples/nanogpt.py --tp 2 --steps 3 --out run": "tests/e2e/test_reliability.py",
-    "autotp shard examples/nanogpt.py --tp 4 --steps 6 --out run --resume": "tests/e2e/test_reliability.py",
+    "autotp shard examples/nanogpt.py --tp 2 --steps 3 --out autotp-out": "tests/e2e/test_reliability.py",
+    "autotp shard examples/nanogpt.py --tp 4 --steps 6 --out autotp-out --resume": "tests/e2e/test_reliability.py",
     "autotp shard examples/nanogpt.py --tp 1 --cp 2 --steps 2 --out cp": "tests/cli/test_context_cli.py",
     "autotp shard examples/nanogpt.py --tp 2 --cp 2 --steps 4 --out cp --resume": "tests/cli/test_context_cli.py",
     "autotp shard examples/nanogpt.py --auto --world-size 4": "tests/plan/test_auto_layout.py",

@@ -148,11 +148,11 @@ def runs(tmp_path_factory) -> dict:
     res["full"] = _shard(NANOGPT, tmp / "full", "--steps", "6", "--save-every", "3", "--no-verify")
     # the README's: three steps at tp 2, then resumed at tp 4 up to step 6 (weights and AdamW state resharded)
     here = readme_folder(tmp / "readme")
-    res["saved"] = run_readme("autotp shard examples/nanogpt.py --tp 2 --steps 3 --out run", here)
+    res["saved"] = run_readme("autotp shard examples/nanogpt.py --tp 2 --steps 3 --out autotp-out", here)
     # wide: the summary's table would otherwise wrap its cells by the length of the temporary folder's path
-    res["resumed"] = run_readme("autotp shard examples/nanogpt.py --tp 4 --steps 6 --out run --resume", here,
+    res["resumed"] = run_readme("autotp shard examples/nanogpt.py --tp 4 --steps 6 --out autotp-out --resume", here,
                                 columns=250)
-    res["out"] = here / "run"
+    res["out"] = here / "autotp-out"
     return res
 
 
