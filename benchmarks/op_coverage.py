@@ -96,7 +96,7 @@ WHOLE_BY_DESIGN = ("router kept whole", "gate kept whole", "down-projection kept
                    "indexer kept whole", "latent kept whole", "scale kept whole",
                    "position embedding", "bias of the row-parallel", "not read by this call's graph",
                    "read by nothing", "head-shared weight kept whole", "filter kept whole", "input kept whole",
-                   "post-row linear kept whole")
+                   "post-row linear kept whole", "input stem kept whole")
 
 # tiny sizes, by every attribute name a config may use for them
 _TINY = {

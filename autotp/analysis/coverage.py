@@ -8,6 +8,8 @@ reads it in the graph, through casts and transposes:
   output feeds;
 - the table of an embedding: indexed by positions (Megatron keeps position embeddings whole), or the
   reason its vocab-parallel rows were refused;
+- the filters of a convolution of the call's own input (a vision tower's patch embedding): the input stem,
+  whole as Megatron's ViT keeps it;
 - anything else: the op that reads it, which no sharding rule reads as a weight.
 """
 from __future__ import annotations
@@ -25,6 +27,10 @@ from autotp.analysis.pairs import Analysis
 from autotp.plan.plan import WholeParam
 
 aten = torch.ops.aten
+
+# the convolutions an input stem is (input, weight, bias, stride, padding, dilation, groups)
+_CONVS = frozenset({aten.conv1d.default, aten.conv1d.padding, aten.conv2d.default, aten.conv2d.padding,
+                    aten.conv3d.default, aten.conv3d.padding})
 
 
 def _passes_through(target: object) -> bool:
@@ -137,6 +143,20 @@ def _depthwise_whole(reader: fx.Node) -> fx.Node | None:
     return n if n.args[6] == n.args[0].meta["val"].shape[1] and "autotp" not in n.meta else None
 
 
+def _input_stem(reader: fx.Node) -> fx.Node | None:
+    """The call's input (an image's pixels) that ``reader`` convolves, through casts alone, when ``reader`` is a
+    convolution of ``groups`` 1 (every output channel reads every input channel): the stem that makes the first
+    activations; None otherwise."""
+    if reader.target not in _CONVS or not isinstance(reader.args[0], fx.Node):
+        return None
+    if (reader.args[6] if len(reader.args) > 6 else 1) != 1:
+        return None
+    x = reader.args[0]
+    while x.op == "call_function" and is_cast(x.target) and isinstance(x.args[0], fx.Node):
+        x = x.args[0]
+    return x if x.op == "placeholder" else None
+
+
 class WholeCandidate(NamedTuple):
     """A parameter of two or more dims under all its (tied) names, with the reason it is whole if nothing cuts it."""
 
@@ -219,6 +239,14 @@ def _whole(names: list[str], nodes: dict[str, fx.Node], matmuls: dict[str, Param
         reason = (f"filter kept whole: its {shape} filters convolve each channel of a replicated activation on its "
                   f"own (the depthwise {convs[0].name} over its full width): every rank holds it whole, as Megatron "
                   "keeps a norm's weight whole")
+    elif _replicated_reason(module, a) is None and all(_input_stem(r) is not None for r in readers):
+        shape = "×".join(map(str, read[0].graph.owning_module.get_parameter(name).shape))
+        channels = read[0].graph.owning_module.get_parameter(name).shape[0]
+        reason = (f"input stem kept whole: its {shape} filters convolve the call's input (at {first.name}) into the "
+                  f"{channels} channels the stream starts from, as an embedding's lookup does: every rank computes "
+                  "them whole, as Megatron's ViT keeps its patch embedding (conv1) whole beside the position "
+                  "embedding (cut by output channels, they would be gathered before the norm that reads all of "
+                  "them)")
     else:
         op = str(getattr(first.target, "__name__", first.target))
         known = _replicated_reason(module, a)

@@ -53,7 +53,7 @@ def analyze_graph(gm: fx.GraphModule, tp: int, *, vocab_multiple: int = 1, seque
     if pairs_only:
         return GraphFacts(tp, units, a)
     v = analyze_vocab(gm, a, tp, vocab_multiple)
-    name_after_rows(a)  # once the LM heads are known: a matmul not made one is named
+    name_after_rows(a, frozenset(h.matmul.node for h in v.heads))  # once the LM heads are known
     name_row_gates(a)
     return GraphFacts(
         tp, units, a, v,
