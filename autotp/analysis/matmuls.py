@@ -8,6 +8,9 @@ Between the parameter and the matmul the weight may pass through casts and layou
 (``W.to(x.dtype)``, ``W.type_as(x)``, ``W.contiguous()``: mixed-precision ``Linear`` subclasses do this) and
 2-D transposes (``W.t()``, ``W.T``, ``W.mT``, ``W.transpose(0, 1)``), each read by nothing else; the bias
 may be cast too. A cast of a shard is the shard of the cast: the parameter is cut and the chain runs on it.
+A parameter of 3 or more dims flattened to a matrix (``W.flatten(1, 2)`` of XLNet's ``(d_model, n_head,
+d_head)``, as capture writes an einsum by it) is a matmul too: the matrix dim that merges several of its dims
+is cut on the outermost of them (``fold``), a rank's slice of W flattening to its slice of the matrix.
 
 Experts stored as one 3-D parameter ``W [E, a, b]`` are matmuls of that parameter too:
 
@@ -19,6 +22,7 @@ Experts stored as one 3-D parameter ``W [E, a, b]`` are matmuls of that paramete
 """
 from __future__ import annotations
 
+import math
 import os
 import re
 from dataclasses import dataclass
@@ -49,6 +53,8 @@ class ParamMatmul:
     expert: int | None = None  # ``W[expert]`` of a 3-D parameter read one expert at a time
     x_dim: int = -1  # dim of ``x`` that is contracted
     y_dim: int = -1  # dim of the output that indexes output features
+    # W flattened to a matrix: (its dim that a merged matrix dim is cut on, elements of the dims merged after it)
+    fold: tuple[int, int] | None = None
 
     @property
     def in_dim(self) -> int:
@@ -95,6 +101,10 @@ class WeightSource:
     chain: tuple[fx.Node, ...]  # W's side first
     flips: int  # transposes on the way
     expert: int | None = None  # the chain starts with ``W[expert]`` of a 3-D parameter W
+    # W of 3 or more dims flattened to a matrix: for each matrix dim, the dim of W it is cut on; and the
+    # (dim, elements after it) of the one matrix dim that merges several
+    dims: tuple[int, int] | None = None
+    fold: tuple[int, int] | None = None
 
 
 def _is_2d_transpose(node: fx.Node) -> bool:
@@ -122,7 +132,7 @@ def _chain(node: object, flip, stop) -> tuple[fx.Node, tuple[fx.Node, ...], int]
             return None
         if permutes(node.target) and flip(node):
             flips += 1
-        elif not is_cast(node.target):
+        elif not is_cast(node.target) and _matrix_of(node) is None:
             return None
         chain.insert(0, node)
         node = node.args[0]
@@ -138,8 +148,31 @@ def weight_source(gm: fx.GraphModule, node: object, params: set[str]) -> WeightS
         return None
     top, chain, flips = found
     if top.op == "get_attr":
-        return WeightSource(str(top.target), chain, flips)
+        flat = [n for n in chain if _matrix_of(n) is not None]
+        if len(flat) > 1 or flat and any(permutes(n.target) for n in chain[:chain.index(flat[0])]):
+            return None  # (a transpose before the flatten: the merged dims would not be W's own)
+        return WeightSource(str(top.target), chain, flips, None, *(_matrix_of(flat[0]) if flat else (None, None)))
     return WeightSource(str(top.args[0].target), (top, *chain), flips, _expert_of(top, params))
+
+
+def _matrix_of(node: fx.Node) -> tuple[tuple[int, int], tuple[int, int]] | None:
+    """For ``flatten(W, s, e)`` of a tensor of 3 or more dims to a matrix, merging its leading or its trailing
+    dims: (the dim of W each matrix dim is cut on, (that dim for the merged one, the elements of the dims
+    merged after it)). ``(h, n, d).flatten(1, 2)`` is ((0, 1), (1, d)); ``(n, d, h).flatten(0, 1)`` is ((0, 2),
+    (0, d))."""
+    if node.target is not aten.flatten.using_ints or node.kwargs:
+        return None
+    nd = ndim_of(node.args[0])
+    if nd is None or nd < 3:
+        return None
+    shape = node.args[0].meta["val"].shape
+    s = normalize_dim(node.args[1] if len(node.args) > 1 else 0, nd)
+    e = normalize_dim(node.args[2] if len(node.args) > 2 else -1, nd)
+    if (s, e) == (0, nd - 2):
+        return (0, nd - 1), (0, int(math.prod(shape[1:nd - 1])))
+    if (s, e) == (1, nd - 1):
+        return (0, 1), (1, int(math.prod(shape[2:])))
+    return None
 
 
 def _param_node(node: object, params: set[str], ndim: int) -> bool:
@@ -178,7 +211,7 @@ def find_param_embeddings(gm: fx.GraphModule) -> list[ParamMatmul]:
         if node.target is not aten.embedding.default or not isinstance(node.args[1], fx.Node):
             continue
         src = weight_source(gm, node.args[0], params)
-        if src is None or src.flips or (src.chain and only_user(src.chain[-1]) is not node):
+        if src is None or src.flips or src.dims is not None or (src.chain and only_user(src.chain[-1]) is not node):
             continue
         w = gm.get_parameter(src.param)
         if w.dim() == 2:
@@ -217,9 +250,14 @@ def match_param_matmul(gm: fx.GraphModule, node: fx.Node, params: set[str]) -> P
             return None
         bias = bsrc.param
     weight = gm.get_parameter(src.param)
+    out_dim ^= src.flips % 2
+    if src.dims is not None:  # W flattened to a matrix: the features are the matrix's, cut on W's dims
+        flat = next(n for n in src.chain if _matrix_of(n) is not None)
+        size = [int(n) for n in flat.meta["val"].shape]  # the matrix before any transpose, as out_dim counts
+        return ParamMatmul(node, kind, x, src.param, src.dims[out_dim], size[1 - out_dim], size[out_dim], bias,
+                           src.chain, src.dims[1 - out_dim], fold=src.fold)
     if weight.dim() != (2 if src.expert is None else 3):
         return None
-    out_dim ^= src.flips % 2
     lead = weight.dim() - 2  # the expert dim of W [E, a, b]
     return ParamMatmul(node, kind, x, src.param, out_dim + lead, weight.shape[lead + 1 - out_dim],
                        weight.shape[lead + out_dim], bias, src.chain, lead + 1 - out_dim if lead else None, src.expert)
@@ -232,7 +270,8 @@ def _left_matmul(gm: fx.GraphModule, node: fx.Node, kind: str, params: set[str])
     if not isinstance(x, fx.Node) or not isinstance(wn, fx.Node) or ndim_of(x) is None or ndim_of(x) < 2:
         return None
     src = weight_source(gm, wn, params)
-    if src is None or src.expert is not None or (src.chain and only_user(src.chain[-1]) is not node):
+    if src is None or src.expert is not None or src.dims is not None \
+            or (src.chain and only_user(src.chain[-1]) is not node):
         return None
     weight = gm.get_parameter(src.param)
     if weight.dim() != 2:

@@ -277,8 +277,14 @@ def _analyze(gm: fx.GraphModule, tp: int, matmuls: list[ParamMatmul], embeddings
                 else:
                     sides = _side_rows(first, cols, row, by_node, feed, assigned | failed)
                     if not sides:
-                        raise first from None
-                    specs, region = _cut(columns, row, fp, tp, name, sides, shared)
+                        sides, more = _joined_rows(first, cols, row, by_node, feed, assigned | failed, g)
+                        if not sides:
+                            raise first from None
+                        joined = sorted(cols | more, key=order)
+                        specs, region = _cut([by_node[c] for c in joined], row, fp, tp, name, sides, shared)
+                        columns, cols = [by_node[c] for c in joined], frozenset(joined)
+                    else:
+                        specs, region = _cut(columns, row, fp, tp, name, sides, shared)
             _refuse_banned(region, banned)
         except Unshardable as e:
             if inside is None:  # once: the matmuls a mixer's region computes through, and the feeders without them
@@ -367,6 +373,36 @@ def _side_rows(e: Unshardable, cols: frozenset[fx.Node], row: ParamMatmul, by_no
              and m.kind != "embedding" and m.x.meta["val"].dim() >= 2
              and (feed[m.x] | ({m.x} if m.x in by_node else frozenset())) <= cols and feed[m.x]]
     return found if any(e.node is m.node for m in found) else []
+
+
+def _joined_rows(e: Unshardable, cols: frozenset[fx.Node], row: ParamMatmul, by_node: dict[fx.Node, ParamMatmul],
+                 feed: dict[fx.Node, frozenset[fx.Node]], taken: set[fx.Node], g: nx.DiGraph
+                 ) -> tuple[list[ParamMatmul], frozenset[fx.Node]]:
+    """Where the pair's columns are also read beside columns of another row's (XLNet's two streams: k and v of
+    the content stream are read by the query stream's attention too, whose query is the same weight applied to
+    the other stream, and its output projection is the same weight again): those rows, row-parallel beside
+    ``row``, and their columns that the pair lacks, closed over every row that reads any of the columns. The
+    failure must lie on the way to an added row (a replicated query meeting the cut keys, a cut key escaping
+    into the other stream's attention), else the first reason stands. Empty where no such row is found."""
+    import networkx as nx
+
+    have, rows = set(cols), []
+    grew = True
+    while grew:
+        grew = False
+        for n, m in by_node.items():
+            if n is row.node or n in taken or n in have or m in rows or m.expert is not None \
+                    or m.kind == "embedding" or m.x.meta["val"].dim() < 2:
+                continue
+            f = feed[m.x] | ({m.x} if m.x in by_node else frozenset())
+            if f & have and not f & taken and all(c in by_node for c in f):
+                rows.append(m)
+                have |= f
+                grew = True
+    more = frozenset(have - cols)
+    if not more or e.node not in g or not any(nx.has_path(g, e.node, m.node) for m in rows):
+        return [], frozenset()
+    return rows, more
 
 
 def _cut(columns: list[ParamMatmul], row: ParamMatmul, fp: Fingerprinter, tp: int, name: str,

@@ -1,7 +1,8 @@
 """Rewrite a captured graph into the canonical spellings analysis reads, each computing the same values
 with the same gradients: index lists of consecutive positions as slices, ``view_as``/``reshape_as`` as views
 to the other tensor's sizes, ``unflatten`` as the view it is, an einsum that is a linear map of its last dim
-by a matrix as the matmul it is, and no identity nodes (views, casts and copies whose output is their input)."""
+by a matrix as the matmul it is (and one by a parameter whose matrix dims are several letters, in
+``weight_matrices.py``), and no identity nodes (views, casts and copies whose output is their input)."""
 from __future__ import annotations
 
 import operator
@@ -15,6 +16,7 @@ from autotp.capture.grad_mode import detach_no_grad_regions
 from autotp.operators.functions import is_marker
 from autotp.capture.einsum import einsums_as_batched_matmuls
 from autotp.capture.lookups import row_reads_as_embeddings
+from autotp.capture.weight_matrices import weight_matrices_as_linears
 
 aten = torch.ops.aten
 
@@ -23,8 +25,8 @@ def canonicalize(gm: fx.GraphModule) -> None:
     """All the rewrites of this module, in place; the graph is recompiled where one changed it. First the
     bodies of autocast regions are inlined (:mod:`autotp.capture.autocast`), so the rest rewrite them too."""
     changed = [inline_autocast(gm), index_lists_as_slices(gm), row_reads_as_embeddings(gm), views_as_views(gm),
-               unflattens_as_views(gm), einsums_as_matmuls(gm), einsums_as_batched_matmuls(gm), drop_identities(gm),
-               drop_dtype_asserts(gm), detach_no_grad_regions(gm)]
+               unflattens_as_views(gm), weight_matrices_as_linears(gm), einsums_as_matmuls(gm),
+               einsums_as_batched_matmuls(gm), drop_identities(gm), drop_dtype_asserts(gm), detach_no_grad_regions(gm)]
     if any(changed):
         gm.recompile()
 

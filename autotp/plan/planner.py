@@ -175,6 +175,29 @@ def _entering_via(xs: list[fx.Node], columns: set[fx.Node]) \
     return out, factors
 
 
+def _takes_gradient(x: fx.Node) -> bool:
+    """Can a gradient reach ``x``: does it depend on a parameter or on a floating input (which a caller may
+    give requires_grad)? Sizes read off a tensor carry none (``arange(s)`` of the ids' length)."""
+    gm = x.graph.owning_module
+    params = {n for n, _ in gm.named_parameters(remove_duplicate=False)}
+    seen, todo = set(), [x]
+    while todo:
+        n = todo.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n.op == "get_attr" and n.target in params:
+            return True
+        val = n.meta.get("val")
+        if n.op == "placeholder" and (not isinstance(val, torch.Tensor) or val.dtype.is_floating_point):
+            return True
+        if n.op == "call_function" and kind_of(n.target) != "sym_size":
+            todo.extend(n.all_input_nodes)
+        elif n.op not in ("call_function", "get_attr", "placeholder"):
+            return True  # a call of a submodule (an island): what it reads is its own
+    return False
+
+
 def _compute_dtype(x: fx.Node, matmuls: list[fx.Node]) -> str:
     """What the gradient entering column matmuls at ``x`` carries: their compute dtype (the input is cast to it
     first, as autocast casts a matmul's inputs), else ``x``'s own."""
@@ -194,6 +217,22 @@ def _shard(role: str, module: str, full: tuple[int, ...], dim: int, segs: tuple[
 
 def _weight_shape(gm: fx.GraphModule, m: ParamMatmul) -> tuple[int, ...]:
     return tuple(gm.get_parameter(m.weight).shape)
+
+
+def _matmul_shard(gm: fx.GraphModule, role: str, m: ParamMatmul, dim: int, segs: tuple[Segment, ...]) -> ParamShard:
+    """The cut of ``m``'s parameter on ``dim`` for ``segs`` of its matrix dim: for a weight flattened to a matrix
+    (XLNet's (h, n, d) read as (h, n·d)) the segments count the merged dim's elements, so they are scaled to
+    the outermost dim's units (n·d/t elements per rank are n/t heads of d)."""
+    if m.fold is not None and m.fold[0] == dim:
+        segs = tuple(_unfolded(s, m.fold[1], m) for s in segs)
+    return _shard(role, m.module, _weight_shape(gm, m), dim, segs)
+
+
+def _unfolded(s: Segment, fold: int, m: ParamMatmul) -> Segment:
+    if s.size % fold or s.local() % fold:
+        raise ShardingError(f"{m.weight}: a block of {s.local()} of its {s.size} flattened features is not whole "
+                            f"rows of {fold} (its dim {m.fold[0]})")
+    return Segment(s.size // fold, s.parts, tuple(_unfolded(i, fold, m) for i in s.inner))
 
 
 def _vocab_shard(module: str, full: tuple[int, ...], dim: int, rows: VocabRows, tp: int) -> ParamShard:
@@ -271,17 +310,17 @@ def plan_from_analysis(gm: fx.GraphModule, a: Analysis, v: VocabFacts | None = N
         ep = any(m.weight in whole_experts for m in (*p.columns, p.row))
         for c in p.columns:
             segs = p.column_specs[c.node.name].segments
-            acc.params[c.weight] = _shard("column", c.module, _weight_shape(gm, c), c.out_dim, segs)
+            acc.params[c.weight] = _matmul_shard(gm, "column", c, c.out_dim, segs)
             if c.bias is not None:
                 acc.params[c.bias] = _shard("column", c.module, tuple(gm.get_parameter(c.bias).shape), 0, segs)
             acc.add_form(gm, c, names)
         row_segs = p.region.row_input.segments
-        acc.params[p.row.weight] = _shard("row", p.row.module, _weight_shape(gm, p.row), p.row.in_dim, row_segs)
+        acc.params[p.row.weight] = _matmul_shard(gm, "row", p.row, p.row.in_dim, row_segs)
         for r in p.reduces:  # a mixer's reducing projection: row-parallel, its sum a statistic of the region
-            acc.params[r.weight] = _shard("row", r.module, _weight_shape(gm, r), r.in_dim,
-                                          p.region.reduced[r.node].segments)
-        # an embedding's ids need no gradient; a column fed by a reduction has its input's gradient summed by it
-        matmuls = [c for c in p.columns if c.kind != "embedding" and c.x not in p.summed]
+            acc.params[r.weight] = _matmul_shard(gm, "row", r, r.in_dim, p.region.reduced[r.node].segments)
+        # an embedding's ids need no gradient; a column fed by a reduction has its input's gradient summed by it;
+        # an input made from no parameter and no floating input (XLNet's sinusoidal position encoding) has none
+        matmuls = [c for c in p.columns if c.kind != "embedding" and c.x not in p.summed and _takes_gradient(c.x)]
         xs = list(dict.fromkeys(c.x for c in matmuls))
         via, factors = _entering_via(xs, {c.node for c in matmuls}) if fold else ({}, [])
         xs = [x for x in xs if x not in via]
@@ -320,8 +359,7 @@ def plan_from_analysis(gm: fx.GraphModule, a: Analysis, v: VocabFacts | None = N
                                               _compute_dtype(x, [c.node for c in matmuls if c.x is x])))
         for m in p.sides:  # another row of the same columns (a parallel block's feed-forward output): its own g,
             # or the one all-reduce of its partial sum added to the row's (attention's output + feed-forward's)
-            acc.params[m.weight] = _shard("row", m.module, _weight_shape(gm, m), m.in_dim,
-                                          p.region.sides[m.node].segments)
+            acc.params[m.weight] = _matmul_shard(gm, "row", m, m.in_dim, p.region.sides[m.node].segments)
             at = a.leave_at.get(m.node) if fold else None
             acc.pairs.append(PairPlan(p.name, (), (), (), m.node.name, m.weight, m.bias,
                                       leave_at=at.name if at is not None else None))
