@@ -121,6 +121,8 @@ OP_RULES: MappingProxyType[object, OpRule] = MappingProxyType({
     aten.layer_norm.default: OpRule("norm", stat="layer_norm", weights=(2, 3)),
     # the lower or upper triangle of the last two dims (torch's rule replicates them whatever the sharded dim)
     aten.tril.default: OpRule("triangle"), aten.triu.default: OpRule("triangle"),
+    # sliding windows of one dim, ``x.unfold(d, k, step)``: (.., n, ..) -> (.., windows, .., k), other dims kept
+    aten.unfold.default: OpRule("unfold"),
     # convolutions over the sequence: depthwise ones (one filter per channel) stay local to sharded channels
     aten.conv1d.default: OpRule("conv"), aten.conv1d.padding: OpRule("conv"),
     # einsum of any number of operands, read per letter (DTensor's einsum strategy places two at most)

@@ -16,8 +16,9 @@ import torch.fx as fx
 
 from autotp.analysis.channels import after_reduction, beside_reductions
 from autotp.analysis.einsum_rules import EinsumRules
-from autotp.analysis.op_rules import OP_RULES, OpRule, handler, kind_of, op_rule
-from autotp.analysis.ops import Unshardable, held_whole, is_guard, is_random, ndim_of, reaches, unseen_write
+from autotp.analysis.op_rules import OP_RULES, OpRule, handler, kind_of, op_rule, permutes
+from autotp.analysis.ops import (Unshardable, held_whole, is_guard, is_random, ndim_of, permutation, reaches,
+                                 unseen_write)
 from autotp.analysis.pair_region import (Entering, OperandSlice, ParamCut, PairRegion, SharedValues, StatFact,
                                          from_alone)
 from autotp.analysis.shape_rules import ShapeRules
@@ -406,18 +407,22 @@ class Propagator(ShapeRules, ValueRules, EinsumRules):
     def viewed_parameter(self, x: object, s: Sharding) -> bool:
         """A parameter with one entry per head, reshaped and expanded to meet the heads on dim ``s.dim`` of
         ``x`` (GPT-OSS's attention sinks: ``sinks.reshape(1, -1, 1, 1).expand(b, -1, s, -1)`` concatenated
-        to the scores): the parameter is sharded with the heads, and the sizes on the way become local."""
+        to the scores): the parameter is sharded with the heads, and the sizes on the way become local. Its dims
+        may be reordered on the way (a short convolution's static taps ``w (k, C)`` read per head as
+        ``w.T.view(n, C/n, k)``): the parameter is cut on the dim the heads come from."""
         if not isinstance(x, fx.Node) or s.inner or s.outer:
             return False
         chain, node, d, segs = [], x, s.dim, s.segments
-        while node.op == "call_function" and _param_view(node.target) and len(node.users) == 1:
+        while node.op == "call_function" and (_param_view(node.target) or permutes(node.target)) \
+                and len(node.users) == 1:
             src, full = node.args[0], sum(g.size for g in segs)
             if not isinstance(src, fx.Node) or self.fp.shape(node)[d] != full:
                 return False
-            at = [i for i, n in enumerate(self.fp.shape(src)) if n == full]
-            scale = 1
-            if len(at) != 1:  # a flat per-head parameter split into heads: (n·d,) -> (n, 1, d), heads outermost
-                at, scale = self._split_from(node, src, d)
+            # a view names the dim it keeps or splits by its grouping, not by a size that may repeat (4 heads
+            # viewed from (C, 4) taps); a flat per-head parameter split into heads: (n·d,) -> (n, 1, d)
+            at, scale = ([permutation(node)[d]], 1) if permutes(node.target) else self._split_from(node, src, d)
+            if not at:
+                at = [i for i, n in enumerate(self.fp.shape(src)) if n == full]
             if len(at) != 1:
                 return False
             chain.append((node, d, segs))
@@ -433,7 +438,9 @@ class Propagator(ShapeRules, ValueRules, EinsumRules):
         else:
             self.region.params.append(ParamCut(node, d, Sharding(d, segs)))
         for n, dim, at_segs in chain:
-            size = list(n.args[1]) if len(n.args) > 1 and isinstance(n.args[1], (list, tuple)) else None
+            # a permute's list is its dims' order, not sizes
+            size = list(n.args[1]) if len(n.args) > 1 and isinstance(n.args[1], (list, tuple)) \
+                and not permutes(n.target) else None
             full = sum(g.size for g in at_segs)
             if size is not None and is_static(size[dim]) and size[dim] != -1:
                 self._set_view_size(n, size, dim, full, Sharding(dim, at_segs).local_size)

@@ -79,6 +79,16 @@ class ValueRules:
             raise Unshardable(node, f"{node.target} of the sharded dim")
         return s
 
+    def _on_unfold(self, node: fx.Node, rule: OpRule) -> Sharding:
+        """``x.unfold(d, k, step)`` (a short convolution's windows over the sequence, ``(b, C, s + k - 1) ->
+        (b, C, s, k)``): the windows of dim ``d`` are in place of it and their ``k`` taps a new last dim, so a
+        tensor sharded on any other dim (the channels) keeps its sharding: each rank's windows are its own."""
+        s = self.spec(node.args[0])
+        d = normalize_dim(arg_of(node, 1, "dimension"), ndim_of(node.args[0]))
+        if s.dim == d or (s.inner and s.inner[0] == d):
+            raise Unshardable(node, f"{node.target} of the sharded dim: its windows would span ranks")
+        return s
+
     def _on_conv(self, node: fx.Node, rule: OpRule) -> Sharding:
         """A depthwise convolution over the sequence (``groups`` = channels, one filter per channel: the short
         convolution of Mamba and of gated linear attention) of channels sharded on dim 1: each rank convolves

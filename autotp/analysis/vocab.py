@@ -351,11 +351,25 @@ def _chooses(node: fx.Node, depth: int = 8) -> bool:
     return False
 
 
+def _past_constant_divisions(readers: list[fx.Node]) -> list[fx.Node]:
+    """``readers`` with each division by a Python number (scores scaled by ``1 / sqrt(h)``) replaced by what
+    reads its quotient: such a division is the multiply a gate's scores may pass through."""
+    out, todo = [], list(readers)
+    while todo:
+        u = todo.pop()
+        if u.target is aten.div.Tensor and isinstance(u.args[1], (int, float)):
+            todo += _readers(u)
+        else:
+            out.append(u)
+    return out
+
+
 def _kept_whole(m: ParamMatmul, why: str, latent_of: str | None = None) -> str:
     """Why an unpaired matmul that could not be made vocab-parallel stays whole, named by what it is: its
     dataflow and shapes decide (a loss or the output reads an LM head; a gate maps to fewer features than it
-    reads, and they are read by an activation, a multiply or topk; a router's are chosen among by topk)."""
-    readers = _readers(m.node)
+    reads, and they are read by an activation, a multiply or topk, past a division by a constant; a router's are
+    chosen among by topk)."""
+    readers = _past_constant_divisions(_readers(m.node))
     shape = f"{m.in_features}→{m.out_features}"
     if any(u.op == "output" or _is_loss(u.target) for u in readers):
         return f"LM head kept whole: {why}"

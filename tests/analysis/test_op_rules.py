@@ -232,6 +232,14 @@ def _triangle(op, rule: OpRule) -> None:
     _refuses(op, "of the sharded dim", {0: _s(2, 4)}, _x(2, 3, 4, 4))
 
 
+def _unfold(op, rule: OpRule) -> None:
+    """``x.unfold(d, k, step)``: channels sharded on dim 1 keep their cut in the windows of the sequence (dim 2,
+    also named -1), ``(b, C, n) -> (b, C, windows, k)``; windows of the sharded dim would span ranks."""
+    assert _out(op, {0: _s(1, 8)}, _x(2, 8, 7), -1, 4, 1) == _s(1, 8)
+    assert _out(op, {0: _s(1, 8)}, _x(2, 8, 7), 2, 3, 2) == _s(1, 8)
+    _refuses(op, "of the sharded dim", {0: _s(1, 8)}, _x(2, 8, 7), 1, 4, 1)
+
+
 def _product(op, rule: OpRule) -> None:
     """``x * v``: ``v`` learned and whole on every rank (a parameter plus an input, ``(2, 3, 8)``) multiplies the
     cut ``x``: it enters through f and each rank reads its slice (Gemma's per-layer input scaling the gate).
@@ -542,7 +550,7 @@ CHECKS = {
     aten.slice.Tensor: _slice, aten.narrow.default: _narrow, aten.select.int: _select, aten.index.Tensor: _index,
     **{op: _split for op, r in OP_RULES.items() if r.kind == "split"},
     **{op: _cat for op, r in OP_RULES.items() if r.kind == "cat"}, aten.stack.default: _stack,
-    **{op: _triangle for op, r in OP_RULES.items() if r.kind == "triangle"},
+    **{op: _triangle for op, r in OP_RULES.items() if r.kind == "triangle"}, aten.unfold.default: _unfold,
     **{op: _conv for op, r in OP_RULES.items() if r.kind == "conv"},
     **{op: _reduction for op, r in OP_RULES.items() if r.kind == "reduction"},
     aten.max.dim: _max_min, aten.min.dim: _max_min, aten.rms_norm.default: _norm, aten.layer_norm.default: _norm,
