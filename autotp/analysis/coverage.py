@@ -75,6 +75,15 @@ def _matmul_reason(m: ParamMatmul, a: Analysis) -> str:
             f"{', '.join(readers) or 'nothing'}: no row-parallel matmul or loss consumes it sharded")
 
 
+def _added_table(reader: fx.Node, a: Analysis, shape: torch.Size) -> bool:
+    """Is ``reader`` the add of a learned table ``(1, n, h)`` (``shape``: one row per position, broadcast over the
+    batch; a ViT's ``pos_embed``) to an activation outside every pair's region, whole on every rank?"""
+    if reader.target not in (aten.add.Tensor, aten.add_.Tensor) or len(shape) < 3 or any(d != 1 for d in shape[:-2]):
+        return False
+    cut = {n for p in a.pairs for n in p.region.specs}
+    return reader not in cut and len(reader.all_input_nodes) == 2 and not cut.intersection(reader.all_input_nodes)
+
+
 def _row_bias_of(reader: fx.Node, a: Analysis) -> ParamMatmul | None:
     """The row matmul whose output ``reader`` (``bias[ids]``: an expert's bias per token slot) is added to."""
     rows = {p.row.node: p.row for p in a.pairs}
@@ -157,30 +166,6 @@ def _input_stem(reader: fx.Node) -> fx.Node | None:
     return x if x.op == "placeholder" else None
 
 
-def _depth_scores(reader: fx.Node, shape: torch.Size) -> fx.Node | None:
-    """The softmax that weighs ``reader``'s scores, where ``reader`` (through views, expands and unsqueezes of a
-    few learned queries ``shape = (n, h)``, fewer than their width, each read whole: one head) is the left operand
-    of a matmul that no pair cuts, whose output reaches that softmax through elementwise ops alone (a scale, a
-    mask): a block attention residual's queries scoring the layer outputs stacked over depth, ``(b, s, n, h) @
-    (b, s, h, L)``. None where it is not so."""
-    if len(shape) != 2 or shape[0] >= shape[1]:
-        return None
-    n, last = reader, reader
-    while (kind_of(n.target) in ("view", "expand") or inserts_dim(n.target) or is_cast(n.target)) \
-            and len(n.users) == 1:
-        n, last = next(iter(n.users)), n
-    if kind_of(n.target) != "matmul" or "autotp" in n.meta or n.args[0] is not last \
-            or last.meta["val"].shape[-1] != shape[1]:
-        return None
-    while len(n.users) == 1:
-        n = next(iter(n.users))
-        if kind_of(n.target) == "softmax":
-            return None if "autotp" in n.meta else n
-        if kind_of(n.target) not in ("pointwise", "same_shape"):
-            return None
-    return None
-
-
 class WholeCandidate(NamedTuple):
     """A parameter of two or more dims under all its (tied) names, with the reason it is whole if nothing cuts it."""
 
@@ -238,6 +223,11 @@ def _whole(names: list[str], nodes: dict[str, fx.Node], matmuls: dict[str, Param
         # ProphetNet's n-gram embeddings: ``E[i]`` for each predicting stream i, added to the position embeddings
         reason = (f"position embedding: its rows are picked by constant indices (at {first.name}), not by token "
                   "ids; every rank reads them whole (Megatron keeps it whole)")
+    elif _replicated_reason(module, a) is None and all(
+            _added_table(r, a, shape := read[0].graph.owning_module.get_parameter(name).shape) for r in readers):
+        reason = (f"position embedding: its {'×'.join(map(str, shape))} table is added to every sequence of an "
+                  f"activation no pair cuts (at {first.name}), one row per position, not looked up by token ids; "
+                  "every rank reads it whole (Megatron keeps it whole)")
     elif (row := _row_bias_of(first, a)) is not None:
         reason = (f"bias of the row-parallel {row.module} (picked per token by {first.name}): added once, after "
                   "the all-reduce of its partial sums, on every rank (as Megatron adds a row-parallel bias)")
@@ -271,12 +261,6 @@ def _whole(names: list[str], nodes: dict[str, fx.Node], matmuls: dict[str, Param
                   "them whole, as Megatron's ViT keeps its patch embedding (conv1) whole beside the position "
                   "embedding (cut by output channels, they would be gathered before the norm that reads all of "
                   "them)")
-    elif _replicated_reason(module, a) is None and all(
-            weighs := [_depth_scores(r, read[0].graph.owning_module.get_parameter(name).shape) for r in readers]):
-        shape = "×".join(map(str, read[0].graph.owning_module.get_parameter(name).shape))
-        reason = (f"gate kept whole: its {shape} queries score the entries of an activation no pair cuts, weighed by "
-                  f"{weighs[0].name} over them (a block attention residual over the whole layer outputs): every "
-                  "rank computes the few mixing weights whole, as Megatron keeps a router's gate whole")
     else:
         op = str(getattr(first.target, "__name__", first.target))
         known = _replicated_reason(module, a)

@@ -27,7 +27,8 @@ _GIT = "git.image_encoder.vision_model"
 
 # name -> (parameter names of the stem, the patch positions' table, the projection, a vision block, a text block)
 _NAMES = {
-    "hand": ("vision.patch.weight", "vision.pos.weight", "proj", "vision.blocks.{i}", "blocks.{i}"),
+    "prepended": ("vision.patch.weight", "vision.pos.weight", "proj", "vision.blocks.{i}", "blocks.{i}"),
+    "appended": ("vision.patch.weight", "vision.pos_embed", "proj", "vision.blocks.{i}", "blocks.{i}"),
     "pooled": ("vision.patch_w", "vision.pos_table", "proj", "vision.blocks.{i}", "blocks.{i}"),
     "git": (f"{_GIT}.embeddings.patch_embedding.weight", f"{_GIT}.embeddings.position_embedding.weight",
             "git.visual_projection.visual_projection.0", f"{_GIT}.encoder.layers.{{i}}", "git.encoder.layer.{i}"),
@@ -45,7 +46,7 @@ def _check_plan(kind: str, model, gm) -> None:
     its reason; the vision blocks' q, k, v by heads and their output projections by rows; at most 1/tp + 0.12 of
     the parameters per rank; per vision and text layer one all-reduce forward and one backward for attention and
     for the MLP."""
-    stem, pos, proj, vision, text = _NAMES["git" if kind == "git" else "pooled" if kind == "pooled" else "hand"]
+    stem, pos, proj, vision, text = _NAMES[kind]
     attn, mlp = (("self_attn.{}_proj", "mlp.fc{}") if kind == "git" else ("attn.{}", "fc{}"))
     for tp in (2, 4):
         plan = make_plan(gm, tp)
@@ -107,7 +108,7 @@ def _check_hand_written(kind: str, r: dict, world: int, where: tuple) -> None:
     vision, text, tokens = b * P * H, b * seq * H, b * S * H
     assert_exact(r, where)
     assert_fully_sharded(r, world, where)
-    assert sorted(r["whole"]) == sorted(_NAMES["pooled" if kind == "pooled" else "hand"][:2] + ("proj.weight",)), \
+    assert sorted(r["whole"]) == sorted(_NAMES[kind][:2] + ("proj.weight",)), \
         (*where, r["whole"])
     assert sorted(r["forward"]) == sorted([("all_reduce", "sum", vision)] * 4 + [("all_reduce", "sum", text)] * 4
                                           + [("all_reduce", "sum", tokens), ("all_reduce", "max", b * S)]

@@ -9,7 +9,8 @@ whole between the vision tower's last all-reduce and the text tower's first colu
 - ``prepended``: GIT's way: ``nn.Conv2d`` patches ``flatten(2).transpose(1, 2)``, an ``nn.Embedding`` of the patch
   positions, the projection ``Linear`` + ``LayerNorm``, the image tokens joined before the token embeddings by
   ``torch.cat`` along the sequence;
-- ``appended``: the same tower, the image tokens joined after the tokens, the loss read from the first tokens;
+- ``appended``: the same stem, its positions a learned ``(1, P, h)`` parameter added to the patches (a ViT's
+  ``pos_embed``), the image tokens joined after the tokens, the loss read from the first tokens;
 - ``pooled``: the stem ``F.conv2d`` of raw parameters, ``reshape(b, h, -1).permute(0, 2, 1)``, the positions a
   raw table read by ``table[arange]``, the patches mean-pooled and projected (no norm), the image vector added to
   every token embedding;
@@ -66,7 +67,10 @@ class Vision(nn.Module):
             self.pos_table = nn.Parameter(torch.randn(P, H, generator=g) * 0.02)
         else:
             self.patch = nn.Conv2d(CH, H, PATCH, stride=PATCH)
-            self.pos = nn.Embedding(P, H)
+            if kind == "appended":
+                self.pos_embed = nn.Parameter(torch.randn(1, P, H, generator=g) * 0.02)
+            else:
+                self.pos = nn.Embedding(P, H)
         self.blocks = nn.ModuleList([Block(causal=False) for _ in range(2)])
         self.norm = nn.LayerNorm(H)
 
@@ -77,7 +81,8 @@ class Vision(nn.Module):
             x = F.conv2d(image, self.patch_w, self.patch_b, stride=PATCH).reshape(b, H, -1).permute(0, 2, 1)
             x = x + self.pos_table[positions]
         else:
-            x = self.patch(image).flatten(2).transpose(1, 2) + self.pos(positions)  # (b, P, h)
+            pos = self.pos_embed if self.kind == "appended" else self.pos(positions)  # (1, P, h) or (P, h)
+            x = self.patch(image).flatten(2).transpose(1, 2) + pos  # (b, P, h)
         for blk in self.blocks:
             x = blk(x)
         return self.norm(x)
