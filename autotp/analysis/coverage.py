@@ -166,6 +166,30 @@ def _input_stem(reader: fx.Node) -> fx.Node | None:
     return x if x.op == "placeholder" else None
 
 
+def _depth_scores(reader: fx.Node, shape: torch.Size) -> fx.Node | None:
+    """The softmax that weighs ``reader``'s scores, where ``reader`` (through views, expands and unsqueezes of a
+    few learned queries ``shape = (n, h)``, fewer than their width, each read whole: one head) is the left operand
+    of a matmul that no pair cuts, whose output reaches that softmax through elementwise ops alone (a scale, a
+    mask): a block attention residual's queries scoring the layer outputs stacked over depth, ``(b, s, n, h) @
+    (b, s, h, L)``. None where it is not so."""
+    if len(shape) != 2 or shape[0] >= shape[1]:
+        return None
+    n, last = reader, reader
+    while (kind_of(n.target) in ("view", "expand") or inserts_dim(n.target) or is_cast(n.target)) \
+            and len(n.users) == 1:
+        n, last = next(iter(n.users)), n
+    if kind_of(n.target) != "matmul" or "autotp" in n.meta or n.args[0] is not last \
+            or last.meta["val"].shape[-1] != shape[1]:
+        return None
+    while len(n.users) == 1:
+        n = next(iter(n.users))
+        if kind_of(n.target) == "softmax":
+            return None if "autotp" in n.meta else n
+        if kind_of(n.target) not in ("pointwise", "same_shape"):
+            return None
+    return None
+
+
 class WholeCandidate(NamedTuple):
     """A parameter of two or more dims under all its (tied) names, with the reason it is whole if nothing cuts it."""
 
@@ -261,6 +285,12 @@ def _whole(names: list[str], nodes: dict[str, fx.Node], matmuls: dict[str, Param
                   "them whole, as Megatron's ViT keeps its patch embedding (conv1) whole beside the position "
                   "embedding (cut by output channels, they would be gathered before the norm that reads all of "
                   "them)")
+    elif _replicated_reason(module, a) is None and all(
+            weighs := [_depth_scores(r, read[0].graph.owning_module.get_parameter(name).shape) for r in readers]):
+        shape = "×".join(map(str, read[0].graph.owning_module.get_parameter(name).shape))
+        reason = (f"gate kept whole: its {shape} queries score the entries of an activation no pair cuts, weighed by "
+                  f"{weighs[0].name} over them (a block attention residual over the whole layer outputs): every "
+                  "rank computes the few mixing weights whole, as Megatron keeps a router's gate whole")
     else:
         op = str(getattr(first.target, "__name__", first.target))
         known = _replicated_reason(module, a)
