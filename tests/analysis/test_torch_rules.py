@@ -89,24 +89,24 @@ def test_torchs_answer_is_checked_on_random_shards(monkeypatch):
 
 
 def test_torchs_cache_answers_only_questions_it_keys_in_full():
-    """torch's sharding cache keys a question by its tensor specs and only the arguments its op registers as
-    static: cumsum's dim is keyed, so its questions are answered from the cache; diff registers none, so two
-    diffs of one shard that differ only in their dim are each asked afresh and get answers of their own."""
-    from torch.distributed.tensor._op_schema import OpSchema
+    """torch's sharding cache keys a question by its tensor specs and only the arguments from the op's
+    registered ``static_argnum`` on: a schema without that info (an op whose rule torch derives from its
+    decomposition, until it first derives it) or with a size before that index is asked afresh; questions that
+    differ only in a dim get answers of their own either way."""
+    from torch.distributed.tensor._op_schema import OpSchema, RuntimeSchemaInfo
 
-    sp = torch_rules._propagator()
     cumsum, (x,) = _graph(aten.cumsum.default, _x(2, 4, 6), 2)
-    diff, _ = _graph(aten.diff.default, _x(2, 4, 6), 1, 2)
-    for node, keyed in ((cumsum, True), (diff, False)):
-        info = sp.op_to_schema_info.get(node.target)
-        schema = OpSchema(node.target, (_spec(x), *node.args[1:]), {}, schema_info=info)
-        assert torch_rules._keyed_in_full(schema) is keyed, node.target
-    assert _ask(aten.diff.default, {0: 1}, _x(2, 4, 6), 1, 2)[0].outputs == (1,)  # along the whole last dim
-    with pytest.raises(TorchRefused, match="not sharded on dim 1"):  # the same question but the dim: not cached
-        _ask(aten.diff.default, {0: 1}, _x(2, 4, 6), 1, 1)
-    assert _ask(aten.cumsum.default, {0: 1}, _x(2, 4, 6), 2)[0].outputs == (1,)
-    with pytest.raises(TorchRefused, match="not sharded on dim 1"):
-        _ask(aten.cumsum.default, {0: 1}, _x(2, 4, 6), 1)
+    args = (_spec(x), *cumsum.args[1:])
+    keyed = torch_rules._keyed_in_full
+    assert keyed(OpSchema(cumsum.target, args, {}, schema_info=RuntimeSchemaInfo(1)))
+    assert not keyed(OpSchema(cumsum.target, args, {}, schema_info=None))  # the dim would not be keyed
+    assert not keyed(OpSchema(cumsum.target, args, {}, schema_info=RuntimeSchemaInfo(2)))
+    assert not keyed(OpSchema(cumsum.target, args, {"dtype": torch.float32}, schema_info=RuntimeSchemaInfo(1)))
+    for op, args in ((aten.diff.default, (1,)), (aten.cumsum.default, ())):
+        for _ in range(2):  # asked again: from the cache where torch keys it, each answer still its own
+            assert _ask(op, {0: 1}, _x(2, 4, 6), *args, 2)[0].outputs == (1,)  # along the whole last dim
+            with pytest.raises(TorchRefused, match="not sharded on dim 1"):  # the same question but the dim
+                _ask(op, {0: 1}, _x(2, 4, 6), *args, 1)
 
 
 def _spec(x):
