@@ -1,12 +1,13 @@
 """Attention whose weights are raw ``(d_model, n_head, d_head)`` parameters read by einsum (XLNet's), cut by heads as
-Megatron would (tests/support/xlnet_models.py: three hand-written spellings and Hugging Face's XLNet, plainly and
-with its two streams). Capture writes an einsum, ``tensordot`` or reshape by such a weight as the matmul of a
-flattened weight (autotp/capture/weight_matrices.py); the weight is cut on its outermost merged dim, the heads
-(autotp/analysis/matmuls.py's ``fold``): q, k, v and the relative-position key r column-parallel, the per-head
-biases with them, the output ``(d_model, n_head, d_head)`` row-parallel over (heads, d_head). Where the query
-weight is read by two streams and the keys and values by both streams' attention, the other stream's row joins
-the pair beside its own (autotp/analysis/pairs.py's ``_joined_rows``): one all-reduce per stream through the
-output projection. The position encoding, made from sizes alone, takes no gradient: no f of its own.
+Megatron would (tests/support/xlnet_models.py: three hand-written spellings and Hugging Face's XLNet, plainly,
+with its two streams and with two segments). Capture writes an einsum, ``tensordot`` or reshape by such a weight
+as the matmul of a flattened weight (autotp/capture/weight_matrices.py); the weight is cut on its outermost merged
+dim, the heads (autotp/analysis/matmuls.py's ``fold``): q, k, v and the relative-position key r column-parallel,
+the per-head biases (and, given token_type_ids, the segment embeddings ``(2, n_head, d_head)``) with them, the
+output ``(d_model, n_head, d_head)`` row-parallel over (heads, d_head). Where the query weight is read by two
+streams and the keys and values by both streams' attention, the other stream's row joins the pair beside its own
+(autotp/analysis/pairs.py's ``_joined_rows``): one all-reduce per stream through the output projection. The
+position encoding, made from sizes alone, takes no gradient: no f of its own.
 
 Before: XLNet kept 14 weights whole ("a 64→16 matmul outside every column→row pair whose output is read by
 permute.default", the output "read by einsum.default, which no sharding rule reads as a weight").
@@ -29,8 +30,8 @@ from ranks import Launches
 from xlnet_models import KINDS, build
 
 HAND = ["einsum", "matmul", "two_stream"]
-HF = ["xlnet", "xlnet_two_stream"]
-# XLNet's weights of a stream's query that this call's graph does not read (no token_type_ids)
+HF = ["xlnet", "xlnet_two_stream", "xlnet_segments"]
+# XLNet's segment weights, which a call without token_type_ids does not read
 UNREAD = ("r_s_bias", "seg_embed")
 
 
@@ -47,7 +48,13 @@ def _plan_checks(kind: str, tps=(2, 4)) -> None:
         gaps = [(w.name, w.reason) for w in plan.whole if not w.name.endswith(UNREAD)]
         assert gaps == [], (kind, tp, gaps)
         assert all(w.reason.startswith("read by nothing") for w in plan.whole), (kind, tp, plan.whole)
+        assert bool(plan.whole) == (kind.startswith("xlnet") and kind != "xlnet_segments"), (kind, tp, plan.whole)
         params = dict(plan.params)
+        if kind == "xlnet_segments":  # the segment score's per-head weights, cut with the heads
+            for i in range(2):
+                a = attn.format(i)
+                assert params[f"{a}.seg_embed"].local_shape == (2, NH // tp, HD), (tp, params[f"{a}.seg_embed"])
+                assert params[f"{a}.r_s_bias"].local_shape == (NH // tp, HD), (tp, params[f"{a}.r_s_bias"])
         for i in range(2):
             a = attn.format(i)
             for w in heads:  # by heads: (h, n, d) -> (h, n/t, d)
@@ -76,10 +83,12 @@ def test_einsum_weights_are_cut_by_heads(kind: str):
 
 
 @pytest.mark.extended
-def test_xlnet_two_streams_are_cut_alike():
-    """Hugging Face's XLNet with ``perm_mask`` and ``target_mapping``: both streams, the query weight read by
-    each, the output projection row-parallel once per stream."""
-    _plan_checks("xlnet_two_stream")
+@pytest.mark.parametrize("kind", ["xlnet_two_stream", "xlnet_segments"])
+def test_xlnet_calls_are_cut_by_heads(kind: str):
+    """Hugging Face's XLNet with ``perm_mask`` and ``target_mapping`` (both streams, the query weight read by
+    each, the output projection row-parallel once per stream), and with ``token_type_ids`` (``r_s_bias`` and
+    ``seg_embed`` read per head, cut with the heads: nothing whole)."""
+    _plan_checks(kind)
 
 
 def test_plain_xlnet_call_computes_no_query_stream():

@@ -19,7 +19,9 @@ cut with them, the output projection row-parallel over its (heads, d_head) dims.
 - ``xlnet``: Hugging Face's XLNetLMHeadModel (2 layers, as benchmarks/op_coverage.py builds it) on
   ``input_ids`` and ``labels``: its plain training call computes the content stream alone;
 - ``xlnet_two_stream``: the same model called with ``perm_mask`` and ``target_mapping`` (the last 2 positions
-  predicted, hidden from every position): both streams, the query stream's output read by the LM head.
+  predicted, hidden from every position): both streams, the query stream's output read by the LM head;
+- ``xlnet_segments``: the plain call with ``token_type_ids`` (two segments): the segment score reads
+  ``r_s_bias`` (n, d) and ``seg_embed`` (2, n, d) per head (``einsum("ibnd,snd->ibns", ..)``), cut with the heads.
 """
 from __future__ import annotations
 
@@ -33,7 +35,7 @@ import torch.nn.functional as F
 
 from pattern_models import H, HD, NH, S, V
 
-KINDS = ("einsum", "matmul", "two_stream", "xlnet", "xlnet_two_stream")
+KINDS = ("einsum", "matmul", "two_stream", "xlnet", "xlnet_two_stream", "xlnet_segments")
 
 
 def _heads(g: torch.Generator) -> nn.Parameter:
@@ -169,14 +171,18 @@ class LM(nn.Module):
         return logits, F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
-def _xlnet(two_stream: bool):
+def _xlnet(kind: str):
     bench = str(Path(__file__).resolve().parents[2] / "benchmarks")
     if bench not in sys.path:
         sys.path.insert(0, bench)
     from op_coverage import _build_hf
 
     model, args, kwargs, _ = _build_hf("xlnet", None)
-    if two_stream:  # the last 2 positions predicted: hidden from every position's content, one target each
+    if kind == "xlnet_segments":  # the last half of each sequence a second segment
+        types = torch.zeros_like(kwargs["input_ids"])
+        types[:, types.shape[1] // 2:] = 1
+        kwargs = {**kwargs, "token_type_ids": types}
+    if kind == "xlnet_two_stream":  # the last 2 positions predicted: hidden from every position's content
         ids = kwargs["input_ids"]
         b, s = ids.shape
         perm = torch.zeros(b, s, s)
@@ -189,7 +195,7 @@ def _xlnet(two_stream: bool):
 
 def build(kind: str):
     if kind.startswith("xlnet"):
-        model, args, kwargs = _xlnet(kind == "xlnet_two_stream")
+        model, args, kwargs = _xlnet(kind)
         for m in model.modules():  # the single-device run is the reference: no random masks (config's 0.1)
             if isinstance(m, nn.Dropout):
                 m.p = 0.0
