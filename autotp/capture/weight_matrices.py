@@ -125,10 +125,17 @@ def _tensordot_terms(node: fx.Node) -> tuple[str, str, str] | None:
     return "".join(xs), "".join(ws), "".join(out)
 
 
+# what reads a weight as a matrix: a matmul, or a transpose before one
+_MATRIX_READS = (aten.matmul.default, aten.mm.default, aten.linear.default, aten.t.default, aten.transpose.int,
+                 aten.permute.default)
+
+
 def _reshape_as_flatten(gm: fx.GraphModule, node: fx.Node) -> bool:
-    """``W.reshape(sizes)`` of a parameter to a matrix merging its leading or trailing dims, as a flatten."""
+    """``W.reshape(sizes)`` of a parameter to a matrix merging its leading or trailing dims, read as a matrix, as a
+    flatten (a reshape read otherwise, a depthwise filter's, is left as the model wrote it)."""
     w, val = node.args[0], node.meta.get("val")
-    if not _parameter(gm, w) or not isinstance(val, torch.Tensor) or val.dim() != 2:
+    if not _parameter(gm, w) or not isinstance(val, torch.Tensor) or val.dim() != 2 \
+            or not node.users or any(u.target not in _MATRIX_READS for u in node.users):
         return False
     shape = [int(n) for n in w.meta["val"].shape]
     if list(val.shape) == [shape[0], math.prod(shape[1:])]:
