@@ -35,6 +35,11 @@ def column_segments(col: fx.Node, fp: Fingerprinter, tp: int, where: str, dim: i
     found = _probe(col, dim, n, fp, tp, where, 0, pieces)
     if found is not None:
         return found
+    if pieces == 1 and _per_head_dim(col, dim, fp, 0):
+        # no view into heads, and attention reads the features as its per-head dim: one head every rank holds
+        # (a multi-query key head projected (b, s, d) and pooled over windows of the sequence, DeepSeek-V4's
+        # compressed keys (b, 1, s/m, d), read beside the query heads)
+        return (Segment(n, 1),)
     if pieces > 1:
         raise Unshardable(col, f"{where}: no view into heads to cut in {pieces} pieces")
     return (Segment(n, parts_for(n, n, tp, f"{where}: output features")),)
@@ -50,6 +55,11 @@ def _fused(found: list[tuple[tuple[Segment, ...] | None, fx.Node | None, int, st
     ones included ([64, 16, 16, 128, 128]); a one-head segment split again (``rotate_half``'s halves of the
     one k head) stays one whole segment."""
     beside_heads = any(heads and len(heads) == 1 for heads, _, _, _ in found)
+    if not beside_heads and all(heads is None and reader is not None and kind_of(reader.target) == "slice"
+                                and _per_head_dim(reader, dim, fp, 0) for heads, reader, _, _ in found):
+        # slices of one head's features, each read by attention as its per-head dim (a multi-query key kept
+        # (b, 1, s, d) and rotated on its last features, ``k[..., :-r] | rotate(k[..., -r:])``): one head
+        return (Segment(sum(n for _, _, n, _ in found), 1),)
     out = []
     for heads, reader, n, what in found:
         if heads and len(heads) == 1:
@@ -63,13 +73,20 @@ def _fused(found: list[tuple[tuple[Segment, ...] | None, fx.Node | None, int, st
     return tuple(out)
 
 
-def _per_head_dim(node: fx.Node, dim: int, fp: Fingerprinter, depth: int) -> bool:
+def _per_head_dim(node: fx.Node, dim: int, fp: Fingerprinter, depth: int,
+                  seen: set[tuple[fx.Node, int]] | None = None) -> bool:
     """Is ``dim`` of ``node`` the per-head dim of attention: the last dim of scaled_dot_product_attention's
     q, k or v, or a matrix dim of a batched matmul of activations (``q @ k.transpose(-2, -1)``, ``att @ v``;
-    a parameter's matmul has a 2-D operand)? Followed through transposes, unsqueezes, slices of other dims,
-    views that keep it, broadcasts and elementwise ops (repeat_kv's ``k[:, :, None].expand(..).reshape(..)``)."""
-    if depth > 12:
+    a parameter's matmul has a 2-D operand)? Followed through transposes, unsqueezes, slices (of it: a head's
+    rotary part), views that keep it, broadcasts and elementwise ops (repeat_kv's
+    ``k[:, :, None].expand(..).reshape(..)``), joins, softmaxes and sums over other dims and buffers made from it
+    (keys pooled over windows of the sequence and joined to the others)."""
+    # deep enough for a key pooled over windows, normed, rotated and joined to the keys before attention
+    # (DeepSeek-V4's compressed keys: some 20 ops); each (node, dim) is looked at once
+    seen = set() if seen is None else seen
+    if depth > 24 or (node, dim) in seen:
         return False
+    seen.add((node, dim))
     nd = ndim_of(node)
     for u in node.users:
         rule = op_rule(u.target)
@@ -83,10 +100,11 @@ def _per_head_dim(node: fx.Node, dim: int, fp: Fingerprinter, depth: int) -> boo
         if kind == "move":
             moved = _moved(node, u, dim, fp)
         elif kind == "slice":
-            moved = dim if normalize_dim(arg_of(u, 1, "dim", 0), nd) != dim else None
+            # a slice of another dim keeps this one; so does one of this dim itself (a head's rotary part)
+            moved = dim
         elif kind == "split" and rule.form != "unbind" and normalize_dim(arg_named(u, "dim", 0), nd) != dim:
             # pieces of another dim keep this one (DiffLlama's v chunked into its two halves of kv heads)
-            if any(kind_of(g.target) == "getitem" and _per_head_dim(g, dim, fp, depth + 1) for g in u.users):
+            if any(kind_of(g.target) == "getitem" and _per_head_dim(g, dim, fp, depth + 1, seen) for g in u.users):
                 return True
         elif kind == "view":
             src, dst = fp.shape(node), fp.shape(u)
@@ -95,9 +113,30 @@ def _per_head_dim(node: fx.Node, dim: int, fp: Fingerprinter, depth: int) -> boo
             moved = kept[0][0] if kept and len(kept[0]) == 1 and dst[kept[0][0]] == src[dim] else None
         elif kind in ("same_shape", "pointwise") or (rule is not None and rule.broadcasts and u.args[0] is node):
             moved = dim + ndim_of(u) - nd if ndim_of(u) is not None else None
-        if moved is not None and _per_head_dim(u, moved, fp, depth + 1):
+        elif kind == "cat" or (kind == "softmax" and normalize_dim(arg_of(u, 1, "dim", -1), nd) != dim):
+            # joined along any dim (keys joined along the sequence, or a head's rotary part joined back to the
+            # rest), or a softmax over another dim (over a window of positions): the dim stays where it was
+            moved = dim if ndim_of(u) == nd else None
+        elif kind == "reduction" and ndim_of(u) is not None:
+            moved = _reduced(u, node, dim, nd)
+        elif kind == "new_like" and u.args[0] is node and ndim_of(u) is not None:
+            # a buffer made from it, dims aligned from the right, filled with its parts (DeepSeek-V4's pooled keys)
+            moved = dim + ndim_of(u) - nd if dim + ndim_of(u) - nd >= 0 else None
+        if moved is not None and _per_head_dim(u, moved, fp, depth + 1, seen):
             return True
     return False
+
+
+def _reduced(u: fx.Node, node: fx.Node, dim: int, nd: int) -> int | None:
+    """The dim of ``u`` (a sum or mean of ``node`` over other dims: a window of positions pooled) that ``dim``
+    becomes; None when ``u`` reduces ``dim`` itself (a norm's statistics) or every dim."""
+    dims = arg_of(u, 1, "dim", None)
+    if not isinstance(dims, (list, tuple)) or not dims:
+        return None
+    gone = {normalize_dim(d, nd) for d in dims}
+    if dim in gone:
+        return None
+    return dim if ndim_of(u) == nd else dim - sum(d < dim for d in gone)
 
 
 def _moved(node: fx.Node, u: fx.Node, dim: int, fp: Fingerprinter) -> int | None:

@@ -135,8 +135,9 @@ OP_RULES: MappingProxyType[object, OpRule] = MappingProxyType({
     aten.index_copy_.default: OpRule("index_copy"), aten.index_copy.default: OpRule("index_copy"),
     aten.copy_.default: OpRule("copy"),
     # new tensors: shaped like an input (its values unread), or from sizes alone
-    **dict.fromkeys((aten.new_empty.default, aten.new_zeros.default, aten.new_ones.default), OpRule("new_like")),
-    **dict.fromkeys((aten.new_full.default, aten.zeros_like.default, aten.ones_like.default, aten.empty_like.default,
+    **dict.fromkeys((aten.new_empty.default, aten.new_zeros.default, aten.new_ones.default, aten.new_full.default),
+                    OpRule("new_like")),
+    **dict.fromkeys((aten.zeros_like.default, aten.ones_like.default, aten.empty_like.default,
                      aten.full_like.default), OpRule("like")),
     **dict.fromkeys((aten.zeros.default, aten.ones.default, aten.full.default, aten.empty.memory_format),
                     OpRule("factory")),

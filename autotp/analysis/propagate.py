@@ -214,6 +214,15 @@ class Propagator(ShapeRules, ValueRules, EinsumRules):
         sharded), any other that is learned gets its gradient summed."""
         sharded = {x: s for x in node.all_input_nodes if (s := self.spec(x)) is not None}
         first = next(iter(sharded.values()))
+        if all(held_whole(s) and len(s.segments) == 1 for s in sharded.values()) and node.args \
+                and node.args[0] in sharded and list(self.fp.shape(node)) == list(self.fp.shape(node.args[0])):
+            # every sharded operand is one head every rank holds whole: each rank computes the op whole, as one
+            # device does (DeepSeek-V4's mask of the pooled keys each query chose, scattered in place), and holds
+            # its output whole alike
+            for x in node.all_input_nodes:
+                if x not in sharded and ndim_of(x) is not None:
+                    self._enter_if_learned(node, x)
+            return sharded[node.args[0]]
         # heads folded under the batch (``outer``: ``[b, heads]`` flattened, a rank's heads not one block of
         # the dim) are read as torch reads a block only by an op that keeps the dim and slices nothing else
         # (``cumsum`` over time of ``(b·h, s)`` gates): each row of the dim is computed from itself alone

@@ -47,6 +47,9 @@ class ShapeRules:
     def _on_slice(self, node: fx.Node, rule: OpRule) -> Sharding:
         s = self.spec(node.args[0])
         d = normalize_dim(arg_of(node, 1, "dim", 0), ndim_of(node.args[0]))
+        if d == s.dim and held_whole(s) and len(s.segments) == 1 and is_static(self.fp.shape(node)[d]):
+            # any slice of one head every rank holds (a multi-query key's rotary part) is held whole alike
+            return Sharding(d, (Segment(self.fp.shape(node)[d], 1),))
         if d == s.dim or (s.inner and d == s.inner[0]):
             full = self.fp.shape(node.args[0])[d]
             step = arg_of(node, 4, "step", 1)
@@ -477,18 +480,35 @@ class ShapeRules:
         d = normalize_dim(arg_of(node, 1, "dim", 0), ndim_of(node))
         specs = {self.spec(x) for x in tensors} - {None}
         pieces = [self.spec(x) for x in tensors]
+        if len(specs) > 1 and all(held_whole(p) and p.dim == d for p in pieces) and is_static(self.fp.shape(node)[d]):
+            # parts of one head every rank holds whole, joined back (its rotary part after the rest): one head
+            return Sharding(d, (Segment(self.fp.shape(node)[d], 1),))
         if len(specs) > 1 and all(p is not None and p.dim == d and not (p.inner or p.outer or p.group)
                                   for p in pieces):
             # pieces each cut on the cat dim, unlike (a gated delta net's q, k (b, s, nk·dk) and v (b, s, nv·dv),
             # each cut by key-head groups, joined for its convolution): rank r's pieces joined are its block of
             # each, in order: the segments of a fused projection
             return Sharding(d, tuple(g for p in pieces for g in p.segments))
+        if len(specs) > 1 and all(held_whole(p) for p in specs) and None not in pieces:
+            # values every rank holds whole, each naming another dim (one key head (b, 1, s, d) by its head dim,
+            # the keys pooled from it (b, 1, s/m, d) by their features): the join is whole on every rank too,
+            # named by the head dim of size 1 where one names it (each rank expands it to its own heads)
+            out = self.fp.shape(node)
+            return next((p for p in pieces if p.dim != d and out[p.dim] == 1), pieces[0])
         if len(specs) != 1:
             raise Unshardable(node, "cat of tensors sharded differently")
         s = specs.pop()
         if (d == s.dim and held_whole(s) and len(s.segments) == 1
                 and all(self.spec(x) is not None for x in tensors)):  # rotate_half's halves of one whole head
             return Sharding(d, (Segment(self.fp.shape(node)[d], 1),))
+        if held_whole(s) and len(s.segments) == 1 and d != s.dim and not any(
+                self.spec(x) is None and isinstance(x, fx.Node) and x.op == "placeholder" for x in tensors):
+            # one head every rank holds whole joined with replicated values along another dim (DeepSeek-V4's
+            # attention mask and the mask of its pooled keys, along the keys): whole on every rank
+            for x in tensors:
+                if self.spec(x) is None:
+                    self._enter_if_learned(node, x)
+            return s
         if d == s.dim and not (s.inner or s.outer or s.group) and len(set(tensors)) == len(tensors) > 1 \
                 and all(self.spec(x) is not None for x in tensors):
             # distinct values cut alike joined along their cut dim (Kimi's q, k and v projections, (b, s, h·d)

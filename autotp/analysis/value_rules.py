@@ -10,10 +10,10 @@ import torch
 import torch.fx as fx
 
 from autotp.analysis.op_rules import OpRule, op_rule
-from autotp.analysis.ops import Pieces, Strided, Unshardable, arg_of, ndim_of, reduction_args
+from autotp.analysis.ops import Pieces, Strided, Unshardable, arg_of, held_whole, ndim_of, reduction_args
 from autotp.analysis.pair_region import ParamCut, StatFact
 from autotp.analysis.shapes import is_static, normalize_dim
-from autotp.shard_spec import Sharding, shard_tensor
+from autotp.shard_spec import Segment, Sharding, shard_tensor
 
 
 class ValueRules:
@@ -180,6 +180,14 @@ class ValueRules:
         # mamba_simple's state ``A.new_zeros((b, d_inner, n))`` of the per-channel ``A (d_inner, n)``; a
         # linear-attention state ``q.new_zeros(b·h, d_k, d_v)`` of q's heads folded under the batch (``outer``,
         # the size ``b·h`` computed at run time: :meth:`_set_view_size` scales its ``h``)
+        if held_whole(s) and len(s.segments) == 1:
+            # of one head every rank holds whole (DeepSeek-V4's buffer of pooled keys, (b, w, 2m, d) of the key
+            # projection's (b, w, m, 2d), or its mask (b, 1, s, w + 1)): whole on every rank too, whatever its
+            # sizes, named by a dim of static size (the aligned one where it is static)
+            at = next((j for j in [d, *range(len(size))] if 0 <= j < len(size) and is_static(size[j])
+                       and isinstance(size[j], int) and size[j] >= 0), None)
+            if at is not None:
+                return Sharding(at, (Segment(size[at], 1),))
         width = None if d < 0 else size[d] if is_static(size[d]) else \
             self.fp.size(size[d].meta["val"]) if isinstance(size[d], fx.Node) and s.outer else None
         if s.inner or width is None or width != self.fp.shape(node.args[0])[s.dim]:
@@ -215,6 +223,19 @@ class ValueRules:
                 s = self.spec(x)
                 if s is not None:
                     aligned = s.moved(s.dim + off, None if not s.inner else s.inner[0] + off)
+                    if result is not None and aligned != result and aligned.dim == result.dim \
+                            and self._broadcast_whole(node, result, aligned):
+                        # a value every rank holds whole, of size 1 on the dim the other is cut on (a mask of one
+                        # head's keys added to the scores of every head): broadcast to this rank's part of it
+                        result = result if held_whole(aligned) else aligned
+                        continue
+                    if result is not None and aligned != result and held_whole(result) and held_whole(aligned):
+                        # values every rank holds whole (a key head (b, s, d) and its statistics (b, s, 1)): so is
+                        # their result, named as the one that spans the output's dim (not broadcast to it)
+                        out = self.fp.shape(node)
+                        result = next((t for t in (result, aligned)
+                                       if out[t.dim] == sum(g.size for g in t.segments)), result)
+                        continue
                     if result is not None and aligned != result:
                         raise Unshardable(node, f"operands sharded differently: {result} vs {aligned}")
                     result = aligned
@@ -290,6 +311,10 @@ class ValueRules:
         nd = ndim_of(node.args[0])
         r = reduction_args(node)
         dims = [normalize_dim(d, nd) for d in (range(nd) if r.dims is None else r.dims)]
+        if s.dim in dims and held_whole(s) and len(s.segments) == 1 and r.keepdim:
+            # statistics over one head every rank holds whole (a multi-query key head's norm): each rank computes
+            # them whole, with no all-reduce, held whole alike (b, s, 1)
+            return Sharding(s.dim, (Segment(1, 1),))
         if s.dim in dims or (s.inner and s.inner[0] in dims):
             kind = rule.stat
             finite = isinstance(r.param, (int, float)) and 0 < r.param < float("inf")
@@ -301,6 +326,12 @@ class ValueRules:
             return s
         shift = lambda x: x - sum(d < x for d in dims)  # noqa: E731
         return s.moved(shift(s.dim), None if not s.inner else shift(s.inner[0]))
+
+    def _broadcast_whole(self, node: fx.Node, a: Sharding, b: Sharding) -> bool:
+        """Is one of ``a``, ``b`` (on the same dim of ``node``'s output) held whole with size 1 there, broadcast
+        against the other?"""
+        return any(held_whole(x) and [g.size for g in x.segments] == [1] and not held_whole(y)
+                   and self.fp.shape(node)[y.dim] == sum(g.size for g in y.segments) for x, y in ((a, b), (b, a)))
 
     def copies_of_one_head(self, x: fx.Node) -> bool:
         """Whether ``x``'s heads are copies of one head every rank holds (the propagator tracks them)."""

@@ -191,12 +191,13 @@ class _VocabPropagator:
         return None
 
 
-# what a matmul's output passes through before it is read: layout and casts (logits.float()[..., :V])
-_THROUGH_KINDS = _LAYOUT_KINDS | {"narrow", "select", "expand", "getitem"}
+# what a matmul's output passes through before it is read: layout and casts (logits.float()[..., :V]), and the
+# pieces of a split (hyper-connections' pre | post | comb mixing weights, read apart as slices would read them)
+_THROUGH_KINDS = _LAYOUT_KINDS | {"narrow", "select", "expand", "getitem", "split"}
 # ops that read only their input's shape (``zeros_like(router_logits)``)
 _SHAPE_KINDS = frozenset({"no_output", "sym_size", "new_like", "like"})
 # what reads a gate's few outputs: an activation (these, or a softmax), a weighting of other values, a choice
-_ACTIVATIONS = frozenset({aten.sigmoid.default, aten.tanh.default, aten.silu.default})
+_ACTIVATIONS = frozenset({aten.sigmoid.default, aten.tanh.default, aten.silu.default, aten.softplus.default})
 _WEIGHINGS = frozenset({aten.mul.Tensor, aten.topk.default})
 
 
@@ -540,10 +541,12 @@ def analyze_vocab(gm: fx.GraphModule, a: Analysis, tp: int, multiple: int = 1) -
              for m, why in unheaded]
     # a failed pair whose row is an LM head after all (a gate of the last block tried as its column, BERT's
     # dense tried as the column of its decoder), or is a latent whose up-projections, paired, read it whole, or a
-    # router (tried as the row of a hyper-connection's mixing linear: HY-V4's attn_hc.fn -> q_a_proj, ffn_hc.fn ->
-    # mlp.gate): its columns are named each on their own below
+    # router or a gate (tried as the row of a hyper-connection's mixing linear: HY-V4's attn_hc.fn -> q_a_proj,
+    # ffn_hc.fn -> mlp.gate; DeepSeek-V4's hash-routed layer, whose gate is read by softplus and chooses nothing):
+    # its columns are named each on their own below
     latents = {m.node for m, why in named
-               if why.startswith(("down-projection kept whole", "latent kept whole", "router kept whole"))}
+               if why.startswith(("down-projection kept whole", "latent kept whole", "router kept whole",
+                                  "gate kept whole"))}
     a.replicated[:] = [e for e in a.replicated if a.failed_rows.get(e) not in head_nodes | latents]
     blocks = [r for r, _ in a.replicated]
     for m, why in named:

@@ -177,9 +177,11 @@ def _column(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, orientatio
 
 
 def column_input_grad(grads, ws, orientations: tuple[str, ...]) -> torch.Tensor:
-    """dX = Σ dYᵢ·Wᵢ over the column matmuls that read X."""
+    """dX = Σ dYᵢ·Wᵢ over the column matmuls that read X (those whose output took a gradient)."""
     dx = None
     for g, w, o in zip(grads, ws, orientations):
+        if g is None:
+            continue
         part = g @ (w if o == "out_in" else w.t())  # (.., out) @ (out, in)
         dx = part if dx is None else dx.add_(part)
     return dx
@@ -191,6 +193,9 @@ def column_param_grads(x: torch.Tensor, grads, orientations: tuple[str, ...], bi
     x2 = x.reshape(-1, x.shape[-1])  # (b·s, in)
     out: list[torch.Tensor | None] = []
     for i, (g, o) in enumerate(zip(grads, orientations)):
+        if g is None:  # an output no gradient reached: its weight gets none, as unfused it would
+            out += [None, None]
+            continue
         g2 = g.reshape(-1, g.shape[-1])  # (b·s, out)
         out.append((g2.t() @ x2 if o == "out_in" else x2.t() @ g2) if needs[2 * i] else None)
         out.append(g2.sum(0) if bias[i] and needs[2 * i + 1] else None)
@@ -207,6 +212,10 @@ class _Columns(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup, orientations: tuple[str, ...], *wb: torch.Tensor):
         ws, bs = wb[0::2], wb[1::2]
         ctx.group, ctx.orientations, ctx.bias = group, orientations, [b is not None for b in bs]
+        # an output no gradient reaches stays None in backward (DeepSeek-V4's pooled keys, whose projection a
+        # sequence shorter than one window reads only for its dtype): its weight's gradient is None, not zeros
+        # that an optimizer would step on
+        ctx.set_materialize_grads(False)
         ctx.save_for_backward(x, *ws)
         return tuple(_column(x, w, b, o) for w, b, o in zip(ws, bs, orientations))
 
@@ -215,7 +224,7 @@ class _Columns(torch.autograd.Function):
     def backward(ctx, *grads: torch.Tensor):
         x, *ws = ctx.saved_tensors
         dx = work = None
-        if ctx.needs_input_grad[0]:
+        if ctx.needs_input_grad[0] and any(g is not None for g in grads):
             dx = column_input_grad(grads, ws, ctx.orientations)
             work = dist.all_reduce(dx, group=ctx.group, async_op=True)
         out = column_param_grads(x, grads, ctx.orientations, ctx.bias, ctx.needs_input_grad[3:])

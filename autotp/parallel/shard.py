@@ -129,7 +129,9 @@ def _sum_replicated_grads(st: TPState, param: nn.Parameter, shard: ParamShard) -
             pieces.append((p.start, p.length, dist.new_group(members, use_local_synchronization=True)))
     dim = shard.dim
 
-    def hook(grad: torch.Tensor) -> torch.Tensor:
+    def hook(grad: torch.Tensor | None) -> torch.Tensor | None:
+        if grad is None:  # no gradient reached the weight on any rank (its output unread): nothing to sum
+            return None
         grad = grad.clone()
         for start, length, sub in pieces:
             part = grad.narrow(dim, start, length)

@@ -435,20 +435,18 @@ def _copy(op, rule: OpRule) -> None:
 
 
 def _new_like(op, rule: OpRule) -> None:
-    p, node = _propagate(op, {0: _s(1, 4)}, _x(2, 4, 3), [2, 4, 3])
+    extra = (1.0,) if op is aten.new_full.default else ()  # new_full's fill value, after the sizes
+    p, node = _propagate(op, {0: _s(1, 4)}, _x(2, 4, 3), [2, 4, 3], *extra)
     assert p.region.specs[node] == _s(1, 4)
     assert [(r.arg, r.index, r.old, r.new) for r in p.region.rewrites] == [(1, 1, 4, 2)]  # this rank's heads
 
 
 def _like(op, rule: OpRule) -> None:  # reads no values of its input
-    extra = {aten.new_full.default: ([2, 4, 3], 1.0), aten.full_like.default: (1.0,)}.get(op, ())
+    extra = (1.0,) if op is aten.full_like.default else ()
     x = _x(2, 4, 3)
     a, b = op(x, *extra), op(x * 2, *extra)
     assert a.shape == b.shape and (op is aten.empty_like.default or torch.equal(a, b))
-    if op is aten.new_full.default:  # its size is the global one: torch's rule would rewrite it
-        _refuses(op, "takes the global shape as an argument", {0: _s(1, 4)}, x, *extra)
-    else:  # torch's rule: shaped like this rank's shard
-        assert _out(op, {0: _s(1, 4)}, x, *extra) == _s(1, 4)
+    assert _out(op, {0: _s(1, 4)}, x, *extra) == _s(1, 4)  # torch's rule: shaped like this rank's shard
 
 
 def _factory(op, rule: OpRule) -> None:
