@@ -175,11 +175,10 @@ def _entering_via(xs: list[fx.Node], columns: set[fx.Node]) \
     return out, factors
 
 
-def _takes_gradient(x: fx.Node) -> bool:
-    """Can a gradient reach ``x``: does it depend on a parameter or on a floating input (which a caller may
-    give requires_grad)? Sizes read off a tensor carry none (``arange(s)`` of the ids' length)."""
-    gm = x.graph.owning_module
-    params = {n for n, _ in gm.named_parameters(remove_duplicate=False)}
+def _takes_gradient(x: fx.Node, params: set[str]) -> bool:
+    """Can a gradient reach ``x``: does it depend on a parameter (named in ``params``) or on a floating input
+    (which a caller may give requires_grad)? Sizes read off a tensor carry none (``arange(s)`` of the ids'
+    length)."""
     seen, todo = set(), [x]
     while todo:
         n = todo.pop()
@@ -320,7 +319,8 @@ def plan_from_analysis(gm: fx.GraphModule, a: Analysis, v: VocabFacts | None = N
             acc.params[r.weight] = _matmul_shard(gm, "row", r, r.in_dim, p.region.reduced[r.node].segments)
         # an embedding's ids need no gradient; a column fed by a reduction has its input's gradient summed by it;
         # an input made from no parameter and no floating input (XLNet's sinusoidal position encoding) has none
-        matmuls = [c for c in p.columns if c.kind != "embedding" and c.x not in p.summed and _takes_gradient(c.x)]
+        matmuls = [c for c in p.columns
+                   if c.kind != "embedding" and c.x not in p.summed and _takes_gradient(c.x, names)]
         xs = list(dict.fromkeys(c.x for c in matmuls))
         via, factors = _entering_via(xs, {c.node for c in matmuls}) if fold else ({}, [])
         xs = [x for x in xs if x not in via]
