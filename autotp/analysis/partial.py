@@ -153,6 +153,10 @@ def _order(nodes):
 
 
 def _region(rows: list[fx.Node]) -> set[fx.Node]:
+    """The values partial on every rank: the rows' outputs and what ops linear in them compute. A partial value
+    that something else also reads is reduced there, so what is computed from it after is whole, not partial
+    (Inkling 2's experts' combined output is read by a short convolution and added to its output: one all-reduce
+    of b·s·h where the value branches, not one of the b·s·k·h rows before the combine)."""
     partial: set[fx.Node] = set(rows)
     grown = True
     while grown:
@@ -162,7 +166,21 @@ def _region(rows: list[fx.Node]) -> set[fx.Node]:
                 if u not in partial and u.op == "call_function" and _linear_in(u, partial):
                     partial.add(u)
                     grown = True
+    for n in sorted(partial, key=_order(partial)):  # graph order: an earlier branch point cuts what follows it
+        if n in partial and any(u not in partial and u.target not in NO_OUTPUT and not is_guard(u) for u in n.users):
+            partial -= _after(n, partial)
     return partial
+
+
+def _after(n: fx.Node, partial: set[fx.Node]) -> set[fx.Node]:
+    """The nodes of ``partial`` computed from ``n`` (``n`` not included)."""
+    out, todo = set(), [u for u in n.users if u in partial]
+    while todo:
+        u = todo.pop()
+        if u not in out:
+            out.add(u)
+            todo.extend(v for v in u.users if v in partial)
+    return out
 
 
 def deferred_leave(rows: list[fx.Node]) -> dict[fx.Node, fx.Node]:

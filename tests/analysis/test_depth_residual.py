@@ -104,6 +104,10 @@ def test_inkling2_is_fully_sharded(kind: str):
         for conv in ("k_proj", "v_proj"):
             taps = params[f"model.layers.1.self_attn.{conv}.sconv.static_weight"]
             assert taps.role == "column" and taps.local_shape[0] == 4, (tp, conv, taps)
+        for i in range(2):  # the experts' one all-reduce forward, of (b, s, h) once their k slots are combined
+            fwd = [c.shape for c in plan.collectives if c.module == f"model.layers.{i}.mlp.experts"
+                   and c.direction == "forward"]
+            assert len(fwd) == 1 and len(fwd[0]) == 3 and fwd[0][-1] == "64", (tp, i, fwd)
 
 
 # the one default launch: the stacked spelling at world 2; every other run extended
@@ -143,8 +147,12 @@ def test_depth_residuals_train_exactly(world: int):
     for rank, by_kind in PARITY(world, "all").items():
         assert list(by_kind) == (list(KINDS) if world == 4 else ["listed", *HF]), (rank, list(by_kind))
         for kind, r in by_kind.items():
-            if kind in HF:
+            if kind in HF:  # b·s·h = 2·8·64: per layer attention's and the experts' all-reduce, the experts'
+                # after they are combined (not of the b·s·k·h rows before), and backward the b·s·k routing weights
                 assert_exact(r, (rank, kind))
                 assert_fully_sharded(r, world, (rank, kind))
+                assert sorted(r["forward"]) == sorted([("all_reduce", "sum", 1024)] * 5 + [("all_reduce", "max", 16)]
+                                                      + [("all_reduce", "sum", 16)] * 2), (rank, kind, r["forward"])
+                assert r["backward"].count(("all_reduce", "sum", 32)) == 2, (rank, kind, r["backward"])
                 continue
             _check_hand_written(r, kind, world, (rank, kind))
