@@ -221,6 +221,12 @@ class ShapeRules:
         read as 4 chunks of q | v | k, the q of the chunks ``(b, s, 4, 256)`` viewed as 16 heads of 64): a rank's
         chunks are one run of the flattened group, the same run as its ``m / tp`` heads where tp divides ``m``."""
         seg, m = s.single(), dst[gj[0]]
+        if seg is not None and not (seg.inner or s.inner) and gi[0] == s.dim and is_static(m) and m % seg.parts:
+            # heads regrouped into fewer groups than ranks (DeepSeek-V4's grouped output projection, 2 groups of
+            # 2 heads at tp 4): what reads each group whole would need the parts of it other ranks hold
+            raise Unshardable(node, f"view regroups the sharded dim (of {seg.size}, cut in {seg.parts}) with the "
+                                    f"dims after it into {m} groups of {dst[gj[1]]}: {m} groups are not divisible "
+                                    f"by tp={seg.parts}, so a group would span ranks")
         if seg is None or seg.inner or s.inner or gi[0] != s.dim or not is_static(m) or m % seg.parts:
             raise Unshardable(node, "view regroups the sharded dim with others")
         self._set_view_size(node, shape_arg, gj[0], m, m // seg.parts)

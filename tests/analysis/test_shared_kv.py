@@ -47,7 +47,8 @@ def test_shared_kv_attention_is_cut_by_heads_and_its_grouped_output_by_groups(wr
         for i in range(LAYERS):
             a = f"blocks.{i}.attn"
             for hc in ("attn_hc", "ffn_hc"):
-                assert why[f"blocks.{i}.{hc}.fn"].startswith(f"gate kept whole: its {N * H}→{(2 + N) * N} linear"), (tp, why)
+                gate = f"gate kept whole: its {N * H}→{(2 + N) * N} linear"
+                assert why[f"blocks.{i}.{hc}.fn"].startswith(gate), (tp, why)
             assert why[f"{a}.q_a.weight"].startswith("down-projection kept whole"), (tp, why)
             cut = {n[len(a) + 1:]: (s.role, s.local_shape) for n, s in plan.params if n.startswith(a + ".")}
             expect = {
@@ -69,6 +70,16 @@ def test_shared_kv_attention_is_cut_by_heads_and_its_grouped_output_by_groups(wr
             # the block input (the key head's and pooled keys' projections read it)
             mine = sorted((c.direction, c.shape[-1]) for c in plan.collectives if c.module == a)
             assert mine == sorted([("backward", str(H)), ("backward", str(Q_LAT)), ("forward", str(H))]), (tp, i, mine)
+
+
+def test_groups_fewer_than_ranks_keep_attention_whole_with_the_reason(written):
+    """2 groups of 2 heads each: cut by groups at tp 2; at tp 4 a rank's one head is half a group, whose o_a block
+    reads the whole group (a partial sum no Megatron cut has), so attention stays whole, saying so."""
+    gm = written("grouped_pairs")
+    assert make_plan(gm, 2).replicated == ()
+    why = dict(make_plan(gm, 4).replicated)["blocks.0.attn"]
+    assert why.startswith("view regroups the sharded dim (of 4, cut in 4) with the dims after it into 2 groups of "
+                          "32: 2 groups are not divisible by tp=4, so a group would span ranks"), why
 
 
 @pytest.mark.extended

@@ -23,7 +23,8 @@ linears, whole on every rank, stay a small part of the parameters), ``(idx, targ
   ``(G, O, NH·HD/G)``;
 - ``grouped_einsum``: the mixing linear's output read by slices, the key head kept ``(b, s, d)`` and unsqueezed to
   ``(b, 1, s, d)`` (broadcast by the matmuls), the sink as an extra ``logsumexp`` term, 4 groups of one head
-  each, ``o_a`` as ``einsum('bsgi,goi->bsgo')``.
+  each, ``o_a`` as ``einsum('bsgi,goi->bsgo')``;
+- ``grouped_pairs``: ``grouped_bmm`` with 2 groups of 2 heads: at tp 4 a group would span ranks (no exact cut).
 """
 from __future__ import annotations
 
@@ -39,9 +40,10 @@ V, H, NH, HD, S, R, N = 96, 64, 4, 16, 8, 8, 2  # vocab, width, heads, head dim,
 Q_LAT, O, WIN = 24, 6, 4  # q latent, o_a's outputs per group, the compressor's window
 
 WRITTEN = ("grouped_bmm", "grouped_einsum")
+FEW_GROUPS = ("grouped_pairs",)
 HF_KINDS = ("deepseek_v4",)
-KINDS = WRITTEN + HF_KINDS
-GROUPS = {"grouped_bmm": 8, "grouped_einsum": 4}
+KINDS = WRITTEN + FEW_GROUPS + HF_KINDS
+GROUPS = {"grouped_bmm": 8, "grouped_einsum": 4, "grouped_pairs": 2}
 
 
 class RMSNorm(nn.Module):
@@ -76,7 +78,7 @@ class HyperConnection(nn.Module):
     def forward(self, streams):
         b, s = streams.shape[:2]
         mixes = F.linear(self.norm(streams.reshape(b, s, N * H)), self.fn)
-        if self.kind == "grouped_bmm":
+        if self.kind != "grouped_einsum":
             pre, post, comb = mixes.split([N, N, N * N], dim=-1)
             pre_b, post_b, comb_b = self.base.split([N, N, N * N])
         else:
@@ -118,7 +120,7 @@ class SharedKVAttention(nn.Module):
         self.o_a = nn.Linear(NH * HD // self.groups, self.groups * O, bias=False)
         self.o_b = nn.Linear(self.groups * O, H, bias=False)
         self.sinks = nn.Parameter(0.5 * torch.randn(NH))
-        self.compressor = Compressor() if kind == "grouped_bmm" else None
+        self.compressor = Compressor() if kind != "grouped_einsum" else None
         inv = 1.0 / (10000 ** (torch.arange(0, R, 2).float() / R))
         freqs = torch.arange(S).float()[:, None] * inv
         self.register_buffer("cos", freqs.cos().repeat_interleave(2, -1), persistent=False)
@@ -130,7 +132,7 @@ class SharedKVAttention(nn.Module):
         q = self.q_b(self.q_norm(self.q_a(x))).view(b, s, NH, HD).transpose(1, 2)
         q = _rotate(q, cos, sin)
         causal = torch.ones(s, s, dtype=torch.bool, device=x.device).tril()
-        if self.kind == "grouped_bmm":
+        if self.kind != "grouped_einsum":
             kv = _rotate(self.kv_norm(self.kv_proj(x)).view(b, s, 1, HD).transpose(1, 2), cos, sin)
             # window w's entry is seen by queries after its last token
             seen = (torch.arange(s, device=x.device)[:, None] + 1) // WIN > torch.arange(s // WIN, device=x.device)
@@ -152,7 +154,7 @@ class SharedKVAttention(nn.Module):
         y = _rotate(y, cos, -sin).transpose(1, 2)  # (b, s, NH, HD), the rotary undone
         g = self.groups
         grouped = y.reshape(b, s, g, NH * HD // g)
-        if self.kind == "grouped_bmm":
+        if self.kind != "grouped_einsum":
             w = self.o_a.weight.view(g, O, -1).transpose(1, 2)  # (g, NH·HD/g, O)
             out = torch.bmm(grouped.reshape(b * s, g, -1).transpose(0, 1), w).transpose(0, 1)
         else:
