@@ -22,7 +22,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from pattern_models import H, S, V, Attention, RMSNorm, SwiGLU
+from pattern_models import H, Attention, SwiGLU
+from tiny_lm import Residual, TinyLM, hf_build, lm_build
 
 E, I = 4, 32  # experts, expert features
 KINDS = ("bmm_chunk", "matmul_split", "bmm_transposed")
@@ -75,52 +76,19 @@ class BatchedExperts(nn.Module):
         return out.view(b, s, h)
 
 
-class Block(nn.Module):
-    def __init__(self, kind: str):
-        super().__init__()
-        self.n1, self.n2 = RMSNorm(H), RMSNorm(H)
-        self.attn = Attention("plain")
-        self.moe = BatchedExperts(kind)
-
-    def forward(self, x):
-        x = x + self.attn(self.n1(x))
-        return x + self.moe(self.n2(x))
-
-
-class LM(nn.Module):
-    def __init__(self, kind: str):
-        super().__init__()
-        self.emb = nn.Embedding(V, H)
-        self.blocks = nn.ModuleList([Block(kind) for _ in range(2)])
-        self.norm = RMSNorm(H)
-        self.head = nn.Linear(H, V, bias=False)
-
-    def forward(self, idx, targets):
-        x = self.emb(idx)
-        for blk in self.blocks:
-            x = blk(x)
-        logits = self.head(self.norm(x))
-        return logits, F.cross_entropy(logits.flatten(0, 1), targets.flatten())
-
-
 def _hf(kind: str):
-    from transformers import AutoModelForCausalLM, Llama4TextConfig
+    from transformers import Llama4TextConfig
 
     ids = {"pad_token_id": 0, "bos_token_id": 0, "eos_token_id": 0, "use_cache": False}
     cfg = {"llama4_text": lambda: Llama4TextConfig(
         vocab_size=128, hidden_size=64, intermediate_size=32, intermediate_size_mlp=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64,
         num_local_experts=E, num_experts_per_tok=1, **ids)}[kind]()
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cfg)
-    ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(1))
-    return model, (), {"input_ids": ids, "labels": ids}
+    return hf_build(cfg)
 
 
 def build(kind: str):
     if kind in HF_KINDS:
         return _hf(kind)
-    torch.manual_seed(0)
-    model = LM(kind)
-    g = torch.Generator().manual_seed(1)
-    return model, (torch.randint(0, V, (2, S), generator=g), torch.randint(0, V, (2, S), generator=g)), {}
+    # two blocks of plain attention then the experts
+    return lm_build(lambda: TinyLM(lambda: Residual(attn=lambda: Attention("plain"), moe=lambda: BatchedExperts(kind))))

@@ -23,7 +23,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from pattern_models import H, V, RMSNorm
+from pattern_models import H
+from tiny_lm import Residual, TinyLM, hf_build, lm_build
 
 S, D_CONV = 8, 4
 
@@ -91,30 +92,9 @@ class GatedDeltaNet(nn.Module):
 
 
 
-class Block(nn.Module):
-    def __init__(self, kind: str):
-        super().__init__()
-        self.norm = RMSNorm(H)
-        self.mixer = GatedDeltaNet(kind)
-
-    def forward(self, x):
-        return x + self.mixer(self.norm(x))
-
-
-class LM(nn.Module):
-    def __init__(self, kind: str):
-        super().__init__()
-        self.emb = nn.Embedding(V, H)
-        self.blocks = nn.ModuleList([Block(kind) for _ in range(2)])
-        self.norm = RMSNorm(H)
-        self.head = nn.Linear(H, V, bias=False)
-
-    def forward(self, idx, targets):
-        x = self.emb(idx)
-        for blk in self.blocks:
-            x = blk(x)
-        logits = self.head(self.norm(x))
-        return logits, F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+def _lm(kind: str) -> TinyLM:
+    """Two blocks of the gated delta net alone."""
+    return TinyLM(lambda: Residual(mixer=lambda: GatedDeltaNet(kind)))
 
 
 GDN = ("gdn_split", "gdn_sliced")
@@ -126,7 +106,7 @@ LINEAR = {"linear_num_key_heads": NK, "linear_num_value_heads": NV, "linear_key_
 
 
 def _hf(family: str):
-    from transformers import CONFIG_MAPPING, AutoModelForCausalLM
+    from transformers import CONFIG_MAPPING
 
     cls = CONFIG_MAPPING[family]
     have = cls().to_dict()
@@ -138,20 +118,15 @@ def _hf(family: str):
     kwargs = {k: v for k, v in sizes.items() if k in have}
     if isinstance(have.get("layer_types"), list):  # a linear-attention layer, then a full-attention one
         kwargs["layer_types"] = ["linear_attention", "full_attention"]
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cls(**kwargs))
+    model, args, kwargs = hf_build(cls(**kwargs))
     with torch.no_grad():  # the gated norms' weights away from 1, so a wrong gradient shows
         for name, p in model.named_parameters():
             if "linear_attn.norm" in name:
                 p.normal_(1.0, 0.2)
-    ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(1))
-    return model, (), {"input_ids": ids, "labels": ids}
+    return model, args, kwargs
 
 
 def build(kind: str):
     if kind in HF:
         return _hf(kind)
-    torch.manual_seed(0)
-    model = LM(kind)
-    g = torch.Generator().manual_seed(1)
-    return model, (torch.randint(0, V, (2, S), generator=g), torch.randint(0, V, (2, S), generator=g)), {}
+    return lm_build(lambda: _lm(kind), s=S)

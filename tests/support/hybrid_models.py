@@ -40,7 +40,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from pattern_models import H, V, RMSNorm
+from pattern_models import H, RMSNorm
+from tiny_lm import Residual, TinyLM, hf_build, lm_build
 
 S = 8
 D_INNER, D_STATE, D_CONV, DT_RANK = 2 * H, 8, 4, 4
@@ -173,31 +174,15 @@ class GatedLinearAttention(nn.Module):
         return self.o_proj(y.flatten(2))
 
 
-class Block(nn.Module):
-    def __init__(self, kind: str):
-        super().__init__()
-        self.norm = RMSNorm(H)
-        self.mixer = DeltaNet() if kind == "delta_loop" else GatedLinearAttention() if kind == "linear_closed" \
-            else NormedMamba(kind)
-
-    def forward(self, x):
-        return x + self.mixer(self.norm(x))
+def _mixer(kind: str) -> nn.Module:
+    if kind == "delta_loop":
+        return DeltaNet()
+    return GatedLinearAttention() if kind == "linear_closed" else NormedMamba(kind)
 
 
-class LM(nn.Module):
-    def __init__(self, kind: str):
-        super().__init__()
-        self.emb = nn.Embedding(V, H)
-        self.blocks = nn.ModuleList([Block(kind) for _ in range(2)])
-        self.norm = RMSNorm(H)
-        self.head = nn.Linear(H, V, bias=False)
-
-    def forward(self, idx, targets):
-        x = self.emb(idx)
-        for blk in self.blocks:
-            x = blk(x)
-        logits = self.head(self.norm(x))
-        return logits, F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+def _lm(kind: str) -> TinyLM:
+    """Two blocks of the mixer alone."""
+    return TinyLM(lambda: Residual(mixer=lambda: _mixer(kind)))
 
 
 NORMED = ("normed_cumsum", "normed_simple")
@@ -207,27 +192,22 @@ KINDS = (*NORMED, *LINEAR, *HF)
 
 
 def _jamba():
-    from transformers import AutoModelForCausalLM, JambaConfig
+    from transformers import JambaConfig
 
     cfg = JambaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, num_experts=4,
                       num_experts_per_tok=2, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2,
                       expert_layer_offset=1, mamba_d_state=16, mamba_d_conv=4, mamba_expand=2, mamba_dt_rank=4,
                       pad_token_id=0, bos_token_id=0, eos_token_id=0, use_cache=False)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cfg)
+    model, args, kwargs = hf_build(cfg)
     with torch.no_grad():  # the norms' weights away from 1, so a wrong gradient shows
         for name, p in model.named_parameters():
             if "layernorm" in name and ".mamba." in name:
                 p.normal_(1.0, 0.2)
-    ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(1))
-    return model, (), {"input_ids": ids, "labels": ids}
+    return model, args, kwargs
 
 
 def build(kind: str):
     if kind == "jamba":
         return _jamba()
-    torch.manual_seed(0)
-    model = LM(kind)
-    g = torch.Generator().manual_seed(1)
-    return model, (torch.randint(0, V, (2, S), generator=g), torch.randint(0, V, (2, S), generator=g)), {}
+    return lm_build(lambda: _lm(kind), s=S)

@@ -26,7 +26,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from pattern_models import H, V, RMSNorm
+from pattern_models import H
+from tiny_lm import Residual, TinyLM, lm_build
 
 S = 8  # the scan is a Python loop over time: each step is captured, so the sequence stays short
 
@@ -211,30 +212,9 @@ class Recurrent(nn.Module):
         return self.linear_out(x * y)
 
 
-class Block(nn.Module):
-    def __init__(self, kind: str):
-        super().__init__()
-        self.norm = RMSNorm(H)
-        self.mixer = Mamba(kind) if kind in MAMBA else Recurrent(kind)
-
-    def forward(self, x):
-        return x + self.mixer(self.norm(x))
-
-
-class LM(nn.Module):
-    def __init__(self, kind: str):
-        super().__init__()
-        self.emb = nn.Embedding(V, H)
-        self.blocks = nn.ModuleList([Block(kind) for _ in range(2)])
-        self.norm = RMSNorm(H)
-        self.head = nn.Linear(H, V, bias=False)
-
-    def forward(self, idx, targets):
-        x = self.emb(idx)
-        for blk in self.blocks:
-            x = blk(x)
-        logits = self.head(self.norm(x))
-        return logits, F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+def _lm(kind: str) -> TinyLM:
+    """Two blocks of the mixer alone."""
+    return TinyLM(lambda: Residual(mixer=lambda: Mamba(kind) if kind in MAMBA else Recurrent(kind)))
 
 
 MAMBA = ("mamba_einsum", "mamba_cumsum", "mamba_simple", "mamba_cumprod")
@@ -243,7 +223,4 @@ KINDS = (*MAMBA, *RECURRENT)
 
 
 def build(kind: str):
-    torch.manual_seed(0)
-    model = LM(kind)
-    g = torch.Generator().manual_seed(1)
-    return model, (torch.randint(0, V, (2, S), generator=g), torch.randint(0, V, (2, S), generator=g)), {}
+    return lm_build(lambda: _lm(kind), s=S)

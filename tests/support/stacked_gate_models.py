@@ -15,7 +15,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from pattern_models import HD, NH, H, S, V, RMSNorm
+from pattern_models import HD, NH, H
+from tiny_lm import Residual, TinyLM, hf_build, lm_build
 
 FF = 96  # each of gate and up
 
@@ -52,51 +53,23 @@ class Attention(nn.Module):
         return self.proj(y.transpose(1, 2).reshape(b, s, H))
 
 
-class Block(nn.Module):
-    def __init__(self, kind: str):
-        super().__init__()
-        self.n1, self.n2 = RMSNorm(H), RMSNorm(H)
-        self.attn, self.mlp = Attention(), StackedGateMLP(kind)
-
-    def forward(self, x):
-        x = x + self.attn(self.n1(x))
-        return x + self.mlp(self.n2(x))
-
-
-class LM(nn.Module):
-    def __init__(self, kind: str):
-        super().__init__()
-        self.emb = nn.Embedding(V, H)
-        self.blocks = nn.ModuleList([Block(kind) for _ in range(2)])
-        self.norm = RMSNorm(H)
-        self.head = nn.Linear(H, V, bias=False)
-
-    def forward(self, idx, targets):
-        x = self.emb(idx)
-        for blk in self.blocks:
-            x = blk(x)
-        logits = self.head(self.norm(x))
-        return logits, F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+def _lm(kind: str) -> TinyLM:
+    """Two blocks of attention then the stacked-gate MLP."""
+    return TinyLM(lambda: Residual(attn=Attention, mlp=lambda: StackedGateMLP(kind)))
 
 
 KINDS = ("view_select", "view_unbind", "reshape_index", "moshi")
 
 
 def _moshi():
-    from transformers import AutoModelForCausalLM, MoshiConfig
+    from transformers import MoshiConfig
 
     cfg = MoshiConfig(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                       num_key_value_heads=2, head_dim=16, ffn_dim=128, max_position_embeddings=64, use_cache=False)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cfg)
-    ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(1))
-    return model, (), {"input_ids": ids, "labels": ids}
+    return hf_build(cfg)
 
 
 def build(kind: str):
     if kind == "moshi":
         return _moshi()
-    torch.manual_seed(0)
-    model = LM(kind)
-    g = torch.Generator().manual_seed(1)
-    return model, (torch.randint(0, V, (2, S), generator=g), torch.randint(0, V, (2, S), generator=g)), {}
+    return lm_build(lambda: _lm(kind))

@@ -27,7 +27,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from pattern_models import H, V, Attention, RMSNorm, S
+from pattern_models import H, Attention
+from tiny_lm import Residual, TinyLM, hf_build, lm_build
 
 E, K, I = 4, 2, 32  # experts, experts per token, each expert's hidden features
 
@@ -76,31 +77,9 @@ class TokenSplitMoE(nn.Module):
         return y.view(b, s, h)
 
 
-class Block(nn.Module):
-    def __init__(self, kind: str):
-        super().__init__()
-        self.n1, self.n2 = RMSNorm(H), RMSNorm(H)
-        self.attn, self.moe = Attention("plain"), TokenSplitMoE(kind)
-
-    def forward(self, x):
-        x = x + self.attn(self.n1(x))
-        return x + self.moe(self.n2(x))
-
-
-class LM(nn.Module):
-    def __init__(self, kind: str):
-        super().__init__()
-        self.emb = nn.Embedding(V, H)
-        self.blocks = nn.ModuleList([Block(kind) for _ in range(2)])
-        self.norm = RMSNorm(H)
-        self.head = nn.Linear(H, V, bias=False)
-
-    def forward(self, idx, targets):
-        x = self.emb(idx)
-        for blk in self.blocks:
-            x = blk(x)
-        logits = self.head(self.norm(x))
-        return logits, F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+def _lm(kind: str) -> TinyLM:
+    """Two blocks of plain attention then the token-split experts."""
+    return TinyLM(lambda: Residual(attn=lambda: Attention("plain"), moe=lambda: TokenSplitMoE(kind)))
 
 
 SPELLINGS = ("fused", "separate")
@@ -109,22 +88,16 @@ KINDS = SPELLINGS + HF
 
 
 def _jetmoe(kv: int):
-    from transformers import AutoModelForCausalLM, JetMoeConfig
+    from transformers import JetMoeConfig
 
     cfg = JetMoeConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, kv_channels=16,
                        num_key_value_heads=kv, num_attention_heads=K * kv, num_local_experts=E,
                        num_experts_per_tok=K, max_position_embeddings=64, use_cache=False, bos_token_id=0,
                        eos_token_id=0, initializer_range=0.02)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cfg)
-    ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(1))
-    return model, (), {"input_ids": ids, "labels": ids}
+    return hf_build(cfg)
 
 
 def build(kind: str):
     if kind in HF:
         return _jetmoe(4 if kind == "jetmoe_kv4" else 2)
-    torch.manual_seed(0)
-    model = LM(kind)
-    g = torch.Generator().manual_seed(1)
-    return model, (torch.randint(0, V, (2, S), generator=g), torch.randint(0, V, (2, S), generator=g)), {}
+    return lm_build(lambda: _lm(kind))
