@@ -31,6 +31,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from tiny_lm import hf_build, lm_build
+
 V, H, NH, HD, S = 96, 64, 4, 16, 12
 Q_LAT, KV_LAT, IH, ID, TOP = 24, 16, 2, 8, 4
 
@@ -154,13 +156,6 @@ def _hf_config(kind: str):
 
 
 def build(kind: str):
-    torch.manual_seed(0)
     if kind in HF_KINDS:
-        from transformers import AutoModelForCausalLM
-
-        model = AutoModelForCausalLM.from_config(_hf_config(kind))
-        ids = torch.randint(0, V, (2, 8), generator=torch.Generator().manual_seed(1))
-        return model, (), {"input_ids": ids, "labels": ids}
-    model = WrittenLM(kind)
-    g = torch.Generator().manual_seed(1)
-    return model, (torch.randint(0, V, (2, S), generator=g), torch.randint(0, V, (2, S), generator=g)), {}
+        return hf_build(_hf_config(kind), vocab=V)
+    return lm_build(lambda: WrittenLM(kind), s=S, vocab=V)

@@ -24,7 +24,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from pattern_models import H, V, RMSNorm
+from pattern_models import H
+from tiny_lm import Residual, TinyLM, hf_build, lm_build
 
 S = 8
 D_INNER, HEADS, GROUPS, D_STATE, D_CONV = 2 * H, 8, 4, 8, 4
@@ -95,52 +96,26 @@ class Mamba2(nn.Module):
         return torch.einsum("btsh,bshp->bthp", scores, x)
 
 
-class Block(nn.Module):
-    def __init__(self, kind: str, groups: int):
-        super().__init__()
-        self.norm = RMSNorm(H)
-        self.mixer = Mamba2(kind, groups)
-
-    def forward(self, x):
-        return x + self.mixer(self.norm(x))
-
-
-class LM(nn.Module):
-    def __init__(self, kind: str, groups: int = GROUPS):
-        super().__init__()
-        self.emb = nn.Embedding(V, H)
-        self.blocks = nn.ModuleList([Block(kind, groups) for _ in range(2)])
-        self.norm = RMSNorm(H)
-        self.head = nn.Linear(H, V, bias=False)
-
-    def forward(self, idx, targets):
-        x = self.emb(idx)
-        for blk in self.blocks:
-            x = blk(x)
-        logits = self.head(self.norm(x))
-        return logits, F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+def _lm(kind: str, groups: int = GROUPS) -> TinyLM:
+    """Two blocks of the Mamba-2 mixer alone."""
+    return TinyLM(lambda: Residual(mixer=lambda: Mamba2(kind, groups)))
 
 
 KINDS = ("ssd_loop", "ssd_closed", "ssd_one_group", "bamba")
 
 
 def _bamba():
-    from transformers import AutoModelForCausalLM, BambaConfig
+    from transformers import BambaConfig
 
     cfg = BambaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                       attn_layer_indices=[1], mamba_n_heads=8, mamba_d_head=16, mamba_n_groups=4, mamba_d_state=16,
                       mamba_chunk_size=4, pad_token_id=0, bos_token_id=0, eos_token_id=0, use_cache=False)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cfg)
-    ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(1))
-    return model, (), {"input_ids": ids, "labels": ids}
+    return hf_build(cfg)
 
 
 def build(kind: str):
     if kind == "bamba":
         return _bamba()
-    torch.manual_seed(0)
-    model = LM("ssd_loop" if kind == "ssd_one_group" else kind, 1 if kind == "ssd_one_group" else GROUPS)
-    g = torch.Generator().manual_seed(1)
-    return model, (torch.randint(0, V, (2, S), generator=g), torch.randint(0, V, (2, S), generator=g)), {}
+    one = kind == "ssd_one_group"  # the loop with a single group of B/C
+    return lm_build(lambda: _lm("ssd_loop" if one else kind, 1 if one else GROUPS), s=S)

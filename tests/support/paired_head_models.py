@@ -34,7 +34,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from pattern_models import HD, NH, H, S, V, RMSNorm
+from pattern_models import HD, NH, H, RMSNorm
+from tiny_lm import TinyLM, hf_build, lm_build
 
 
 class GatedAttention(nn.Module):
@@ -109,20 +110,9 @@ class Block(nn.Module):
         return x + self.proj(F.gelu(self.fc(self.n2(x))))
 
 
-class LM(nn.Module):
-    def __init__(self, kind: str):
-        super().__init__()
-        self.emb = nn.Embedding(V, H)
-        self.blocks = nn.ModuleList([Block(kind) for _ in range(2)])
-        self.norm = RMSNorm(H)
-        self.head = nn.Linear(H, V, bias=False)
-
-    def forward(self, idx, targets):
-        x = self.emb(idx)
-        for blk in self.blocks:
-            x = blk(x)
-        logits = self.head(self.norm(x))
-        return logits, F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+def _lm(kind: str) -> TinyLM:
+    """Two blocks of the attention then a GELU MLP."""
+    return TinyLM(lambda: Block(kind))
 
 
 GATES = ("gate_linear", "gate_matmul")
@@ -134,23 +124,17 @@ KINDS = (*GATES, "doge", *PAIRS, "diffllama", "diffllama_8")
 def _hf(family: str):
     """The family as benchmarks/op_coverage.py builds it: width 64, 2 layers, 4 heads of 16, 2 kv heads
     (``diffllama_8``: width 128, 8 heads of 16, 4 kv heads, 2 kv heads in each half of v)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     wide = family.endswith("_8")
     cfg = AutoConfig.for_model(family.removesuffix("_8"), vocab_size=128, hidden_size=128 if wide else 64,
                                intermediate_size=128, num_hidden_layers=2, num_attention_heads=8 if wide else 4,
                                num_key_value_heads=4 if wide else 2, head_dim=16, max_position_embeddings=64,
                                bos_token_id=0, eos_token_id=0, use_cache=False)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cfg)
-    ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(1))
-    return model, (), {"input_ids": ids, "labels": ids}
+    return hf_build(cfg)
 
 
 def build(kind: str):
     if kind not in HAND:
         return _hf(kind)
-    torch.manual_seed(0)
-    model = LM(kind)
-    g = torch.Generator().manual_seed(1)
-    return model, (torch.randint(0, V, (2, S), generator=g), torch.randint(0, V, (2, S), generator=g)), {}
+    return lm_build(lambda: _lm(kind))

@@ -20,7 +20,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from pattern_models import HD, NH, H, S, V, RMSNorm
+from pattern_models import HD, NH, H, S, RMSNorm
+from tiny_lm import TinyLM, hf_build, lm_build
 
 BUCKETS = 2 * S - 1  # every distance j - i of a sequence of S
 
@@ -56,18 +57,18 @@ class Block(nn.Module):
         return x + self.fc2(F.gelu(self.fc1(self.n2(x))))
 
 
-class LM(nn.Module):
+class LM(TinyLM):
+    """Two blocks of the attention then a GELU MLP, every block given the same position bias."""
+
     def __init__(self, kind: str):
-        super().__init__()
+        super().__init__(lambda: Block(kind), inputs=lambda: self._tables(kind))
+
+    def _tables(self, kind: str):
         self.kind = kind
-        self.emb = nn.Embedding(V, H)
         if kind == "table":
             self.rel = nn.Embedding(BUCKETS, NH)
         else:
             self.table = nn.Parameter(torch.randn(BUCKETS, NH))
-        self.blocks = nn.ModuleList([Block(kind) for _ in range(2)])
-        self.norm = RMSNorm(H)
-        self.head = nn.Linear(H, V, bias=False)
 
     def position_bias(self, idx):
         b, s = idx.shape
@@ -77,34 +78,24 @@ class LM(nn.Module):
             return self.rel(bucket).permute(2, 0, 1).unsqueeze(0)  # (1, nh, s, s)
         return F.embedding(bucket.expand(b, s, s), self.table).permute(0, 3, 1, 2).contiguous()  # (b, nh, s, s)
 
-    def forward(self, idx, targets):
-        x, bias = self.emb(idx), self.position_bias(idx)
-        for blk in self.blocks:
-            x = blk(x, bias)
-        logits = self.head(self.norm(x))
-        return logits, F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+    def block_inputs(self, idx) -> tuple[torch.Tensor]:
+        return (self.position_bias(idx),)
 
 
 KINDS = ("table", "raw", "cpmant")
 
 
 def _cpmant():
-    from transformers import AutoModelForCausalLM, CpmAntConfig
+    from transformers import CpmAntConfig
 
     cfg = CpmAntConfig(vocab_size=128, hidden_size=64, num_attention_heads=4, dim_head=16, dim_ff=128,
                        num_hidden_layers=2, prompt_length=4, prompt_types=3, segment_types=4,
                        position_bias_num_buckets=32, position_bias_max_distance=64, dropout_p=0.0, init_std=0.02,
                        use_cache=False)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cfg)
-    ids = torch.randint(1, 128, (2, 8), generator=torch.Generator().manual_seed(1))
-    return model, (), {"input_ids": ids, "labels": ids}
+    return hf_build(cfg, low=1)
 
 
 def build(kind: str):
     if kind == "cpmant":
         return _cpmant()
-    torch.manual_seed(0)
-    model = LM(kind)
-    g = torch.Generator().manual_seed(1)
-    return model, (torch.randint(0, V, (2, S), generator=g), torch.randint(0, V, (2, S), generator=g)), {}
+    return lm_build(lambda: LM(kind))

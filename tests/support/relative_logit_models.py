@@ -30,7 +30,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from pattern_models import HD, NH, H, S, V, RMSNorm
+from pattern_models import HD, NH, H, S, RMSNorm
+from tiny_lm import TinyLM, lm_build
 
 E, DR = 8, 8  # relative distances kept, features per head of the hidden-state relative states
 
@@ -106,20 +107,9 @@ class Block(nn.Module):
         return x + self.fc2(F.gelu(self.fc1(self.n2(x))))
 
 
-class LM(nn.Module):
-    def __init__(self, kind: str):
-        super().__init__()
-        self.emb = nn.Embedding(V, H)
-        self.blocks = nn.ModuleList([Block(kind) for _ in range(2)])
-        self.norm = RMSNorm(H)
-        self.head = nn.Linear(H, V, bias=False)
-
-    def forward(self, idx, targets):
-        x = self.emb(idx)
-        for blk in self.blocks:
-            x = blk(x)
-        logits = self.head(self.norm(x))
-        return logits, F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+def _lm(kind: str) -> TinyLM:
+    """Two blocks of the attention then a GELU MLP."""
+    return TinyLM(lambda: Block(kind))
 
 
 KINDS = ("hidden_relative", "query_relative", "einsum_relative", "buckets_heads_last", "buckets_unflatten",
@@ -145,7 +135,4 @@ def _hf(family: str):
 def build(kind: str):
     if kind in HF:
         return _hf(HF[kind])
-    torch.manual_seed(0)
-    model = LM(kind)
-    g = torch.Generator().manual_seed(1)
-    return model, (torch.randint(0, V, (2, S), generator=g), torch.randint(0, V, (2, S), generator=g)), {}
+    return lm_build(lambda: _lm(kind))

@@ -53,17 +53,24 @@ class Residual(nn.Module):
 class TinyLM(nn.Module):
     """``emb -> blocks -> norm -> head`` and the mean cross-entropy over every position."""
 
-    def __init__(self, block: Callable[[], nn.Module], layers: int = 2, vocab: int = V, width: int = H):
+    def __init__(self, block: Callable[[], nn.Module], layers: int = 2, vocab: int = V, width: int = H,
+                 inputs: Callable[[], None] | None = None):
         super().__init__()
         self.emb = nn.Embedding(vocab, width)
+        if inputs is not None:  # what a subclass makes between the embedding and the blocks (a position-bias table)
+            inputs()
         self.blocks = nn.ModuleList([block() for _ in range(layers)])
         self.norm = RMSNorm(width)
         self.head = nn.Linear(width, vocab, bias=False)
 
+    def block_inputs(self, idx) -> tuple[torch.Tensor, ...]:
+        """What every block takes after ``x``, made once from ``idx`` (a subclass's position bias); none here."""
+        return ()
+
     def forward(self, idx, targets):
-        x = self.emb(idx)  # (b, s, h)
+        x, extra = self.emb(idx), self.block_inputs(idx)  # (b, s, h)
         for blk in self.blocks:
-            x = blk(x)
+            x = blk(x, *extra)
         logits = self.head(self.norm(x))  # (b, s, vocab)
         return logits, F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 

@@ -24,7 +24,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from pattern_models import H, S, V, RMSNorm
+from pattern_models import H, RMSNorm
+from tiny_lm import TinyLM, hf_build, lm_build
 
 
 class TimeMix(nn.Module):
@@ -108,40 +109,23 @@ class Block(nn.Module):
         return x + self.fc2(torch.square(torch.relu(self.fc1(self.n2(x)))))
 
 
-class LM(nn.Module):
-    def __init__(self, kind: str):
-        super().__init__()
-        self.emb = nn.Embedding(V, H)
-        self.blocks = nn.ModuleList([Block(kind) for _ in range(2)])
-        self.norm = RMSNorm(H)
-        self.head = nn.Linear(H, V, bias=False)
-
-    def forward(self, idx, targets):
-        x = self.emb(idx)
-        for blk in self.blocks:
-            x = blk(x)
-        logits = self.head(self.norm(x))
-        return logits, F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+def _lm(kind: str) -> TinyLM:
+    """Two blocks of the time mix then the channel mix."""
+    return TinyLM(lambda: Block(kind))
 
 
 KINDS = ("written", "stacked", "gated", "shifted", "rwkv")
 
 
 def _rwkv():
-    from transformers import AutoModelForCausalLM, RwkvConfig
+    from transformers import RwkvConfig
 
     cfg = RwkvConfig(vocab_size=128, hidden_size=64, num_hidden_layers=2, attention_hidden_size=64,
                      intermediate_size=128, context_length=64, use_cache=False, bos_token_id=0, eos_token_id=0)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cfg)
-    ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(1))
-    return model, (), {"input_ids": ids, "labels": ids}
+    return hf_build(cfg)
 
 
 def build(kind: str):
     if kind == "rwkv":
         return _rwkv()
-    torch.manual_seed(0)
-    model = LM(kind)
-    g = torch.Generator().manual_seed(1)
-    return model, (torch.randint(0, V, (2, S), generator=g), torch.randint(0, V, (2, S), generator=g)), {}
+    return lm_build(lambda: _lm(kind))
