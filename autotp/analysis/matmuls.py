@@ -33,6 +33,7 @@ import torch.fx as fx
 from autotp.analysis.op_rules import inserts_dim, is_cast, kind_of, permutes
 from autotp.analysis.ops import ndim_of, permutation
 from autotp.analysis.shapes import normalize_dim
+from autotp.shard_spec import Segment
 
 aten = torch.ops.aten
 
@@ -440,3 +441,29 @@ def column_form(gm: fx.GraphModule, c: fx.Node, x: fx.Node, params: set[str]) ->
         operand, orientation = pm.chain[0].args[0], "out_in" if pm.out_dim == 0 else "in_out"
     bias = c.args[0] if pm.kind == "addmm" else c.args[2] if pm.kind == "linear" and len(c.args) > 2 else None
     return orientation, operand, bias
+
+
+def folded_refusal(m: ParamMatmul, dim: int, tp: int, row: bool, segments: tuple[Segment, ...] = ()) -> str | None:
+    """Why ``m``'s weight, flattened to a matrix whose merged dim the pair cuts (``dim``, on the stored weight),
+    cannot be cut so; None where it can. A rank's slice of the matrix is the flatten of a slice of the weight's
+    outermost merged dim (``fold``), so that dim, the heads of XLNet's ``(h, n, d)``, must split among the ranks:
+    ``n`` divisible by tp, or for a column ``n`` dividing tp (kv heads fewer than ranks, each held by tp/n; a row
+    holding copies would add each of them), and every block of ``segments`` (the matrix's cut, in features) must
+    be whole rows of ``d``."""
+    if m.fold is None or m.fold[0] != dim:
+        return None
+    shape = tuple(int(n) for n in m.node.graph.owning_module.get_parameter(m.weight).shape)
+    n, rows = shape[dim], m.fold[1]
+    what = f"{m.weight} {shape}, read as a matrix whose {n * rows} features are cut on its dim {dim}"
+    if n % tp and (row or tp % n):
+        return f"{what}: {n} heads are not divisible by tp={tp}"
+    blocks = [b for s in segments for b in _blocks(s)]
+    bad = next(((size, local) for size, local in blocks if size % rows or local % rows), None)
+    if bad is not None:
+        return f"{what}: a rank's {bad[1]} of {bad[0]} features are not whole heads of {rows} (tp={tp})"
+    return None
+
+
+def _blocks(s: Segment) -> list[tuple[int, int]]:
+    """(size, local size) of ``s`` and of each segment inside it."""
+    return [(s.size, s.local()), *(b for i in s.inner for b in _blocks(i))]

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.fx as fx
 
-from autotp.analysis.matmuls import ParamMatmul, find_param_embeddings, find_param_matmuls, where
+from autotp.analysis.matmuls import ParamMatmul, find_param_embeddings, find_param_matmuls, folded_refusal, where
 from autotp.analysis.channels import ChannelForm, channel_form, check_columns_inside, summed_inputs
 from autotp.analysis.column_layout import column_segments
 from autotp.analysis.low_rank import low_rank_branches
@@ -414,6 +414,7 @@ def _cut(columns: list[ParamMatmul], row: ParamMatmul, fp: Fingerprinter, tp: in
     pair is propagated again with one column cut with that stride, ``[n_rep whole, width / n_rep cut]``, so
     that each rank's query heads are those of its own kv heads; the first column for which the region then
     holds is the query projection (the keys' or values' column cut so meets the others in order again)."""
+    _refuse_folded(columns, row, sides, tp)
     specs = {}
     for c in columns:
         nd = c.node.meta["val"].dim()
@@ -421,7 +422,9 @@ def _cut(columns: list[ParamMatmul], row: ParamMatmul, fp: Fingerprinter, tp: in
         specs[c.node] = Sharding(c.y_dim % nd, segs)
     others = {m.node: (m.x, m.x_dim) for m in sides}
     try:
-        return specs, propagate(specs, row.node, row.x, fp, tp, name, row.x_dim, sides=others, shared=shared)
+        region = propagate(specs, row.node, row.x, fp, tp, name, row.x_dim, sides=others, shared=shared)
+        _refuse_folded(columns, row, sides, tp, specs, region)
+        return specs, region
     except Strided as e:
         for c, s in specs.items():
             seg = s.single()
@@ -464,6 +467,21 @@ def _cut(columns: list[ParamMatmul], row: ParamMatmul, fp: Fingerprinter, tp: in
             raise
         except Unshardable:
             raise e from None
+
+
+def _refuse_folded(columns: list[ParamMatmul], row: ParamMatmul, sides: list[ParamMatmul], tp: int,
+                   specs: dict[fx.Node, Sharding] | None = None, region: PairRegion | None = None) -> None:
+    """Unshardable where a weight flattened to a matrix (XLNet's ``(h, n, d)`` read as ``(h, n·d)``) cannot be cut
+    on its heads: before the cut, where ``n`` does not split among the ranks (3 heads at tp 2; a row's 2 heads at
+    tp 4), so the block is left whole with that reason rather than the plan stopping on a ShardingError; with the
+    cut (``specs``, ``region``), where a rank's block of the matrix is not whole heads of ``d``."""
+    mats = [(c, c.out_dim, False, specs[c.node].segments if specs else ()) for c in columns if c.kind != "embedding"]
+    mats.append((row, row.in_dim, True, region.row_input.segments if region else ()))
+    mats += [(m, m.in_dim, True, region.sides[m.node].segments if region else ()) for m in sides]
+    for m, dim, is_row, segs in mats:
+        why = folded_refusal(m, dim, tp, is_row, segs)
+        if why is not None:
+            raise Unshardable(m.node, why)
 
 
 def _read_in_pieces(specs: dict[fx.Node, Sharding], tp: int) -> int | None:

@@ -27,7 +27,7 @@ from parity_checks import assert_exact, assert_fully_sharded, assert_megatron_st
 from parity_workers import pattern_parity
 from pattern_models import H, HD, NH, S
 from ranks import Launches
-from xlnet_models import KINDS, build
+from xlnet_models import INDIVISIBLE, KINDS, build
 
 HAND = ["einsum", "matmul", "two_stream"]
 HF = ["xlnet", "xlnet_two_stream", "xlnet_segments"]
@@ -101,9 +101,30 @@ def test_plain_xlnet_call_computes_no_query_stream():
         assert [len(n.users) for n in reads] == [1], (w, reads)
 
 
-# the default launch: the einsum spelling and Hugging Face's XLNet at world 2; every other run extended
-PARITY = Launches({2: {"xlnet": (pattern_parity, ["einsum", "xlnet"], 3, False, "xlnet_models")}},
-                  extended={w: {"all": (pattern_parity, list(KINDS), 3, False, "xlnet_models")} for w in (2, 4)})
+# the default launch: the einsum spelling, Hugging Face's XLNet and the einsum spelling with 3 heads at world 2;
+# every other run extended (each indivisible spelling at the world that does not split its heads)
+PARITY = Launches({2: {"xlnet": (pattern_parity, ["einsum", "xlnet", "einsum:3"], 3, False, "xlnet_models")}},
+                  extended={w: {"all": (pattern_parity, list(KINDS), 3, False, "xlnet_models"),
+                                "indivisible": (pattern_parity, [k for k, t in INDIVISIBLE.items() if t == w], 3,
+                                                False, "xlnet_models")} for w in (2, 4)})
+
+
+def _check_whole_attention(r: dict, kind: str, world: int, where: tuple) -> None:
+    """Heads ``world`` does not split: exact, each layer's attention replicated with the reason, and the
+    collectives of a dense LM whose attention every rank computes whole: forward the embedding's, each
+    feed-forward's (per stream) and the loss's, backward an f per feed-forward and stream (but the last layer's
+    content stream's, which reaches no loss where the loss reads the query stream) and the head's."""
+    assert_exact(r, where)
+    n = int(kind.split(":")[1])
+    assert len(r["replicated"]) == 2 and all(f"{n} heads are not divisible by tp={world}" in why
+                                             for _, why in r["replicated"]), (*where, r["replicated"])
+    b, s = 2, (8 if kind.startswith("xlnet") else S)
+    bsh = b * s * (16 * n if kind.startswith("xlnet") else H)
+    streams = 2 if "two_stream" in kind else 1
+    forward = [("all_reduce", "sum", bsh)] * (1 + 2 * streams) + [
+        ("all_reduce", "max", b * s), ("all_reduce", "sum", b * s), ("all_reduce", "sum", b * s)]
+    assert sorted(r["forward"]) == sorted(forward), (*where, r["forward"])
+    assert sorted(r["backward"]) == [("all_reduce", "sum", bsh)] * (2 + streams), (*where, r["backward"])
 
 
 def _check(r: dict, kind: str, world: int, where: tuple) -> None:
@@ -134,11 +155,24 @@ def _check(r: dict, kind: str, world: int, where: tuple) -> None:
 @pytest.mark.slow
 def test_xlnet_trains_exactly_at_world_2():
     """3 AdamW steps at world 2, the einsum spelling and Hugging Face's XLNet: loss, gradients and parameters
-    within 1e-5 of one device, every read weight cut, Megatron's collectives."""
+    within 1e-5 of one device, every read weight cut, Megatron's collectives; the einsum spelling with 3 heads
+    exact with its attention whole on every rank and its feed-forwards cut."""
     for rank, by_kind in PARITY(2, "xlnet").items():
-        assert list(by_kind) == ["einsum", "xlnet"], (rank, list(by_kind))
+        assert list(by_kind) == ["einsum", "xlnet", "einsum:3"], (rank, list(by_kind))
         for kind, r in by_kind.items():
-            _check(r, kind, 2, (rank, kind))
+            (_check_whole_attention if ":" in kind else _check)(r, kind, 2, (rank, kind))
+
+
+@pytest.mark.slow
+@pytest.mark.extended
+@pytest.mark.parametrize("world", [2, 4])
+def test_heads_tp_does_not_split_train_exactly(world: int):
+    """Every spelling with heads ``world`` does not split (3 at world 2, 2 at world 4): exact, attention whole."""
+    kinds = [k for k, t in INDIVISIBLE.items() if t == world]
+    for rank, by_kind in PARITY(world, "indivisible").items():
+        assert list(by_kind) == kinds, (rank, list(by_kind))
+        for kind, r in by_kind.items():
+            _check_whole_attention(r, kind, world, (rank, kind))
 
 
 @pytest.mark.slow
@@ -149,3 +183,36 @@ def test_every_spelling_trains_exactly(world: int):
         assert list(by_kind) == list(KINDS), (rank, list(by_kind))
         for kind, r in by_kind.items():
             _check(r, kind, world, (rank, kind))
+
+
+@pytest.mark.parametrize("kind", sorted(INDIVISIBLE))
+def test_heads_tp_does_not_split_leave_attention_whole(kind: str):
+    """3 heads at tp 2, 2 at tp 4 (the output projection's heads fewer than tp): each layer's attention is left
+    replicated with the reason (the weight, its sizes, the heads and tp), every weight it reads whole with it (the
+    per-head biases, and Hugging Face's segment weights ``r_s_bias`` and ``seg_embed``), the feed-forwards still
+    cut; the plan is made, where the planner used to stop on a cut of the flattened weight that is not whole
+    heads."""
+    tp, n = INDIVISIBLE[kind], int(kind.split(":")[1])
+    model, args, kwargs = build(kind)
+    gm = capture(model, args, kwargs)[0]
+    plan = make_plan(gm, tp)
+    hf = kind.startswith("xlnet")
+    attn = "transformer.layer.{}.rel_attn" if hf else "blocks.{}.attn"
+    width = 16 * n if hf else H
+    assert [m for m, _ in plan.replicated] == [attn.format(i) for i in range(2)], (kind, plan.replicated)
+    for m, why in plan.replicated:
+        assert f"{m}." in why and f"({width}, {n}, {HD})" in why and f"{n} heads are not divisible by tp={tp}" in why, \
+            (kind, why)
+    params = dict(plan.params)
+    whole = {w.name: w.reason for w in plan.whole}
+    for i in range(2):
+        a = attn.format(i)
+        mine = [name for name, p in model.named_parameters() if name.startswith(a + ".") and p.dim() >= 2]
+        assert mine and all(name not in params and f"{n} heads are not divisible by tp={tp}" in whole[name]
+                            for name in mine), (kind, i, mine, whole)
+        if hf:
+            assert {f"{a}.r_s_bias", f"{a}.seg_embed"} <= set(mine), mine
+        ffn = attn.format(i).rsplit(".", 1)[0] + (".ff.layer_1.weight" if hf else ".ffn.fc1.weight")
+        assert params[ffn].role == "column" and params[ffn].local_shape[0] * tp == model.get_parameter(ffn).shape[0], \
+            (kind, ffn, params.get(ffn))
+        assert [c.direction for c in plan.collectives if c.module == a] == [], (kind, a)

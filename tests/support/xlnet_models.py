@@ -36,10 +36,15 @@ import torch.nn.functional as F
 from pattern_models import H, HD, NH, S, V
 
 KINDS = ("einsum", "matmul", "two_stream", "xlnet", "xlnet_two_stream", "xlnet_segments")
+# the same attention with heads the tp of the test does not split (``kind:heads``; tp 2 for 3 heads, tp 4 for 2):
+# the hand-written spellings (heads of 16, so the width stays 64 and its (h, n, d) weights (64, n, 16)), and
+# Hugging Face's XLNet with two segments (d_model 16·n: r_s_bias (n, 16) and seg_embed (2, n, 16) read per head)
+INDIVISIBLE = {"einsum:3": 2, "matmul:3": 2, "two_stream:3": 2, "xlnet_segments:3": 2,
+               "einsum:2": 4, "matmul:2": 4, "two_stream:2": 4, "xlnet_segments:2": 4}
 
 
-def _heads(g: torch.Generator) -> nn.Parameter:
-    return nn.Parameter(torch.randn(H, NH, HD, generator=g) * 0.08)
+def _heads(g: torch.Generator, n: int) -> nn.Parameter:
+    return nn.Parameter(torch.randn(H, n, HD, generator=g) * 0.08)
 
 
 def _positions(s: int) -> torch.Tensor:
@@ -54,19 +59,19 @@ def _causal(s: int) -> torch.Tensor:
 
 
 class EinsumAttention(nn.Module):
-    def __init__(self, kind: str):
+    def __init__(self, kind: str, n: int = NH):
         super().__init__()
-        self.kind = kind
+        self.kind, self.n = kind, n
         g = torch.Generator().manual_seed(3)
-        self.q, self.k, self.v, self.o, self.r = (_heads(g) for _ in range(5))
-        self.r_w_bias = nn.Parameter(torch.randn(NH, HD, generator=g) * 0.1)
-        self.r_r_bias = nn.Parameter(torch.randn(NH, HD, generator=g) * 0.1)
+        self.q, self.k, self.v, self.o, self.r = (_heads(g, n) for _ in range(5))
+        self.r_w_bias = nn.Parameter(torch.randn(n, HD, generator=g) * 0.1)
+        self.r_r_bias = nn.Parameter(torch.randn(n, HD, generator=g) * 0.1)
 
     def _project(self, x, w):  # (b, s, h) -> (b, s, n, d)
         if self.kind == "einsum":
             return torch.einsum("bsh,hnd->bsnd", x, w)
         b, s, _ = x.shape
-        return (x @ w.reshape(H, -1)).view(b, s, NH, HD)
+        return (x @ w.reshape(H, -1)).view(b, s, self.n, HD)
 
     def forward(self, x):
         b, s, _ = x.shape
@@ -94,9 +99,9 @@ class FeedForward(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, kind: str):
+    def __init__(self, kind: str, n: int = NH):
         super().__init__()
-        self.attn, self.n1, self.ffn = EinsumAttention(kind), nn.LayerNorm(H), FeedForward()
+        self.attn, self.n1, self.ffn = EinsumAttention(kind, n), nn.LayerNorm(H), FeedForward()
 
     def forward(self, x):
         return self.ffn(self.n1(x + self.attn(x)))
@@ -106,11 +111,11 @@ class TwoStreamAttention(nn.Module):
     """XLNet's two streams: h attends to the content of every earlier position and its own, g (the query
     stream) to the content of every earlier position but not its own; q reads both streams."""
 
-    def __init__(self):
+    def __init__(self, n: int = NH):
         super().__init__()
         g = torch.Generator().manual_seed(4)
-        self.q, self.k, self.v, self.o = (_heads(g) for _ in range(4))
-        self.r_w_bias = nn.Parameter(torch.randn(NH, HD, generator=g) * 0.1)
+        self.q, self.k, self.v, self.o = (_heads(g, n) for _ in range(4))
+        self.r_w_bias = nn.Parameter(torch.randn(n, HD, generator=g) * 0.1)
         self.norm = nn.LayerNorm(H)
 
     def _core(self, q, k, v, mask):
@@ -134,9 +139,9 @@ class TwoStreamAttention(nn.Module):
 
 
 class TwoStreamBlock(nn.Module):
-    def __init__(self):
+    def __init__(self, n: int = NH):
         super().__init__()
-        self.attn, self.ffn = TwoStreamAttention(), FeedForward()
+        self.attn, self.ffn = TwoStreamAttention(n), FeedForward()
 
     def forward(self, h, g):
         h, g = self.attn(h, g)
@@ -144,15 +149,15 @@ class TwoStreamBlock(nn.Module):
 
 
 class LM(nn.Module):
-    def __init__(self, kind: str):
+    def __init__(self, kind: str, n: int = NH):
         super().__init__()
         self.kind = kind
         self.emb = nn.Embedding(V, H)
         if kind == "two_stream":
             self.mask_emb = nn.Parameter(torch.randn(1, 1, H) * 0.02)  # the query stream's input, XLNet's
-            self.blocks = nn.ModuleList([TwoStreamBlock() for _ in range(2)])
+            self.blocks = nn.ModuleList([TwoStreamBlock(n) for _ in range(2)])
         else:
-            self.blocks = nn.ModuleList([Block(kind) for _ in range(2)])
+            self.blocks = nn.ModuleList([Block(kind, n) for _ in range(2)])
         self.norm = nn.LayerNorm(H)
         self.head = nn.Linear(H, V, bias=False)
 
@@ -171,13 +176,21 @@ class LM(nn.Module):
         return logits, F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
-def _xlnet(kind: str):
+def _xlnet(kind: str, n: int | None = None):
     bench = str(Path(__file__).resolve().parents[2] / "benchmarks")
     if bench not in sys.path:
         sys.path.insert(0, bench)
-    from op_coverage import _build_hf
+    from op_coverage import _build_hf, hf_config
 
     model, args, kwargs, _ = _build_hf("xlnet", None)
+    if n is not None:  # n heads of 16: d_model 16·n
+        from transformers import XLNetLMHeadModel
+
+        cfg = hf_config("xlnet", 2)
+        cfg.n_head, cfg.d_head, cfg.d_model = n, 16, 16 * n
+        torch.manual_seed(0)
+        model = XLNetLMHeadModel(cfg)
+        model.config.use_cache = False
     if kind == "xlnet_segments":  # the last half of each sequence a second segment
         types = torch.zeros_like(kwargs["input_ids"])
         types[:, types.shape[1] // 2:] = 1
@@ -194,13 +207,15 @@ def _xlnet(kind: str):
 
 
 def build(kind: str):
+    kind, _, heads = kind.partition(":")
+    n = int(heads) if heads else None
     if kind.startswith("xlnet"):
-        model, args, kwargs = _xlnet(kind)
+        model, args, kwargs = _xlnet(kind, n)
         for m in model.modules():  # the single-device run is the reference: no random masks (config's 0.1)
             if isinstance(m, nn.Dropout):
                 m.p = 0.0
         return model, args, kwargs
     torch.manual_seed(0)
-    model = LM(kind)
+    model = LM(kind, n or NH)
     g = torch.Generator().manual_seed(1)
     return model, (torch.randint(0, V, (2, S), generator=g), torch.randint(0, V, (2, S), generator=g)), {}
