@@ -12,6 +12,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from pattern_models import HD, NH, S, V, H, RMSNorm
+from tiny_lm import Residual, lm_build
 
 # spellings, by name: (b, s, nh, hd) -> (b, nh, s, hd), the scores' k^T (b, nh, hd, s), and
 # (b, nh, s, hd) -> (b, s, nh, hd)
@@ -107,15 +108,9 @@ class MLP(nn.Module):
         return self.down(F.silu(self.gate(g)) * self.up(u))
 
 
-class Block(nn.Module):
-    def __init__(self, kind: str, spelling: str):
-        super().__init__()
-        self.n1, self.n2 = RMSNorm(H), RMSNorm(H)
-        self.attn, self.mlp = Attention(kind, spelling), MLP(spelling)
-
-    def forward(self, x):
-        x = x + self.attn(self.n1(x))
-        return x + self.mlp(self.n2(x))
+def Block(kind: str, spelling: str) -> Residual:
+    """The attention then the MLP, each on a pre-norm residual branch."""
+    return Residual(attn=lambda: Attention(kind, spelling), mlp=lambda: MLP(spelling))
 
 
 class LM(nn.Module):
@@ -141,7 +136,4 @@ class LM(nn.Module):
 
 
 def build(kind: str):
-    torch.manual_seed(0)
-    model = LM(kind)
-    g = torch.Generator().manual_seed(1)
-    return model, (torch.randint(0, V, (2, S), generator=g), torch.randint(0, V, (2, S), generator=g)), {}
+    return lm_build(lambda: LM(kind))

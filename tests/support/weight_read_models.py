@@ -22,7 +22,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from pattern_models import H, S, V, Attention, RMSNorm, SwiGLU
+from pattern_models import H, V, Attention, RMSNorm, SwiGLU
+from tiny_lm import Residual, lm_build
 
 F_ = 128  # the MLP's width
 STACKED = ("stacked_einsum", "stacked_einsum_unbind", "stacked_index", "stacked_index_linear")
@@ -53,16 +54,9 @@ class StackedMLP(nn.Module):
         return self.down(F.silu(g) * u)
 
 
-class Block(nn.Module):
-    def __init__(self, kind: str):
-        super().__init__()
-        self.n1, self.n2 = RMSNorm(H), RMSNorm(H)
-        self.attn = Attention("plain")
-        self.mlp = StackedMLP(kind) if kind in STACKED else SwiGLU()
-
-    def forward(self, x):
-        x = x + self.attn(self.n1(x))
-        return x + self.mlp(self.n2(x))
+def Block(kind: str) -> Residual:
+    """Plain attention then the MLP (stacked weights, or a SwiGLU), each on a pre-norm residual branch."""
+    return Residual(attn=lambda: Attention("plain"), mlp=lambda: StackedMLP(kind) if kind in STACKED else SwiGLU())
 
 
 class LM(nn.Module):
@@ -112,7 +106,4 @@ class LM(nn.Module):
 
 
 def build(kind: str):
-    torch.manual_seed(0)
-    model = LM(kind)
-    g = torch.Generator().manual_seed(1)
-    return model, (torch.randint(0, V, (2, S), generator=g), torch.randint(0, V, (2, S), generator=g)), {}
+    return lm_build(lambda: LM(kind))
