@@ -29,7 +29,7 @@ from pattern_models import H, HD, NH, S
 from ranks import Launches
 from xlnet_models import INDIVISIBLE, KINDS, build
 
-HAND = ["einsum", "matmul", "two_stream"]
+HAND = ["einsum", "matmul", "stored_nd", "two_stream"]
 HF = ["xlnet", "xlnet_two_stream", "xlnet_segments"]
 # XLNet's segment weights, which a call without token_type_ids does not read
 UNREAD = ("r_s_bias", "seg_embed")
@@ -185,6 +185,21 @@ def test_every_spelling_trains_exactly(world: int):
             _check(r, kind, world, (rank, kind))
 
 
+def test_weights_stored_heads_first_are_cut_on_their_heads():
+    """Weights stored ``(n, d, h)`` (the merged dims leading, flattened ``(n·d, h)``): cut on dim 0, the heads,
+    at tp 2 and 4; nothing replicated, nothing whole."""
+    model, args, kwargs = build("stored_nd")
+    gm = capture(model, args, kwargs)[0]
+    for tp in (2, 4):
+        plan = make_plan(gm, tp)
+        assert plan.replicated == () and plan.whole == (), (tp, plan.replicated, plan.whole)
+        params = dict(plan.params)
+        for i in range(2):
+            for w, role in (("q", "column"), ("k", "column"), ("v", "column"), ("r", "column"), ("o", "row")):
+                p = params[f"blocks.{i}.attn.{w}"]
+                assert (p.role, p.dim, p.local_shape) == (role, 0, (NH // tp, HD, H)), (tp, w, p)
+
+
 @pytest.mark.parametrize("kind", sorted(INDIVISIBLE))
 def test_heads_tp_does_not_split_leave_attention_whole(kind: str):
     """3 heads at tp 2, 2 at tp 4 (the output projection's heads fewer than tp): each layer's attention is left
@@ -200,9 +215,9 @@ def test_heads_tp_does_not_split_leave_attention_whole(kind: str):
     attn = "transformer.layer.{}.rel_attn" if hf else "blocks.{}.attn"
     width = 16 * n if hf else H
     assert [m for m, _ in plan.replicated] == [attn.format(i) for i in range(2)], (kind, plan.replicated)
+    shape = (n, HD, width) if kind.startswith("stored_nd") else (width, n, HD)
     for m, why in plan.replicated:
-        assert f"{m}." in why and f"({width}, {n}, {HD})" in why and f"{n} heads are not divisible by tp={tp}" in why, \
-            (kind, why)
+        assert f"{m}." in why and str(shape) in why and f"{n} heads are not divisible by tp={tp}" in why, (kind, why)
     params = dict(plan.params)
     whole = {w.name: w.reason for w in plan.whole}
     for i in range(2):

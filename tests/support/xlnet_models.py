@@ -10,6 +10,8 @@ cut with them, the output projection row-parallel over its (heads, d_head) dims.
   ``einsum("bsnd,hnd->bsh", a, O)`` contracting two dims;
 - ``matmul``: the same weights read as matrices, ``(x @ W.reshape(h, -1)).view(b, s, n, d)`` for q, k, v and
   ``a.flatten(2) @ O.flatten(1).t()`` for the output, and one column by ``torch.tensordot(x, W, dims=1)``;
+- ``stored_nd``: the einsum spelling with each weight stored ``(n_head, d_head, d_model)``
+  (``einsum("bsh,ndh->bsnd", x, W)``, ``einsum("bsnd,ndh->bsh", a, O)``): the merged dims lead, cut on the first;
 - ``two_stream``: XLNet's two-stream attention: the content stream h and the query stream g (a learned
   embedding per position), the query weight read by both (k and v by h alone), each stream's attention
   (g's blind to its own position's content) projected by the one output weight and normed; the feed-forward,
@@ -35,12 +37,12 @@ import torch.nn.functional as F
 
 from pattern_models import H, HD, NH, S, V
 
-KINDS = ("einsum", "matmul", "two_stream", "xlnet", "xlnet_two_stream", "xlnet_segments")
+KINDS = ("einsum", "matmul", "stored_nd", "two_stream", "xlnet", "xlnet_two_stream", "xlnet_segments")
 # the same attention with heads the tp of the test does not split (``kind:heads``; tp 2 for 3 heads, tp 4 for 2):
 # the hand-written spellings (heads of 16, so the width stays 64 and its (h, n, d) weights (64, n, 16)), and
 # Hugging Face's XLNet with two segments (d_model 16·n: r_s_bias (n, 16) and seg_embed (2, n, 16) read per head)
-INDIVISIBLE = {"einsum:3": 2, "matmul:3": 2, "two_stream:3": 2, "xlnet_segments:3": 2,
-               "einsum:2": 4, "matmul:2": 4, "two_stream:2": 4, "xlnet_segments:2": 4}
+INDIVISIBLE = {"einsum:3": 2, "matmul:3": 2, "stored_nd:3": 2, "two_stream:3": 2, "xlnet_segments:3": 2,
+               "einsum:2": 4, "matmul:2": 4, "stored_nd:2": 4, "two_stream:2": 4, "xlnet_segments:2": 4}
 
 
 def _heads(g: torch.Generator, n: int) -> nn.Parameter:
@@ -64,12 +66,17 @@ class EinsumAttention(nn.Module):
         self.kind, self.n = kind, n
         g = torch.Generator().manual_seed(3)
         self.q, self.k, self.v, self.o, self.r = (_heads(g, n) for _ in range(5))
+        if kind == "stored_nd":  # each weight stored (n, d, h): its merged dims lead, the heads outermost
+            self.q, self.k, self.v, self.o, self.r = (nn.Parameter(w.detach().permute(1, 2, 0).contiguous())
+                                                      for w in (self.q, self.k, self.v, self.o, self.r))
         self.r_w_bias = nn.Parameter(torch.randn(n, HD, generator=g) * 0.1)
         self.r_r_bias = nn.Parameter(torch.randn(n, HD, generator=g) * 0.1)
 
     def _project(self, x, w):  # (b, s, h) -> (b, s, n, d)
         if self.kind == "einsum":
             return torch.einsum("bsh,hnd->bsnd", x, w)
+        if self.kind == "stored_nd":
+            return torch.einsum("bsh,ndh->bsnd", x, w)
         b, s, _ = x.shape
         return (x @ w.reshape(H, -1)).view(b, s, self.n, HD)
 
@@ -78,13 +85,16 @@ class EinsumAttention(nn.Module):
         q, k = self._project(x, self.q), self._project(x, self.k)
         v = torch.tensordot(x, self.v, dims=1) if self.kind == "matmul" else self._project(x, self.v)
         pos = _positions(s).to(x.dtype)
-        kr = torch.einsum("jh,hnd->jnd", pos, self.r)  # (s, n, d): the key of each distance
+        # (s, n, d): the key of each distance
+        kr = torch.einsum("jh,ndh->jnd" if self.kind == "stored_nd" else "jh,hnd->jnd", pos, self.r)
         ac = torch.einsum("bind,bjnd->bnij", q + self.r_w_bias, k)
         bd = torch.einsum("bind,jnd->bnij", q + self.r_r_bias, kr)
         att = ((ac + bd) / math.sqrt(HD)).masked_fill(_causal(s), float("-inf")).softmax(-1)
         a = torch.einsum("bnij,bjnd->bind", att, v)  # (b, s, n, d)
         if self.kind == "einsum":
             return torch.einsum("bsnd,hnd->bsh", a, self.o)
+        if self.kind == "stored_nd":
+            return torch.einsum("bsnd,ndh->bsh", a, self.o)
         return a.flatten(2) @ self.o.flatten(1).t()
 
 
