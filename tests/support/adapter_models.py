@@ -28,7 +28,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from pattern_models import HD, NH, H, S, V, RMSNorm
+from pattern_models import HD, NH, H, V, RMSNorm
+from tiny_lm import lm_build
 
 R, FF = 8, 128  # the adapters' rank; the MLP's hidden width
 
@@ -194,7 +195,4 @@ def _zamba2():
 def build(kind: str):
     if kind in HF:
         return _zamba2()
-    torch.manual_seed(0)
-    model = LM(kind)
-    g = torch.Generator().manual_seed(1)
-    return model, (torch.randint(0, V, (2, S), generator=g), torch.randint(0, V, (2, S), generator=g)), {}
+    return lm_build(lambda: LM(kind))

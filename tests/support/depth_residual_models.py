@@ -29,6 +29,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from pattern_models import H, HD, NH, S, V, RMSNorm
+from tiny_lm import lm_build
 
 K, E, I, TOP, L = 4, 4, 32, 2, 2  # taps, experts, expert width, experts per token, layers
 
@@ -201,7 +202,4 @@ def _hf(family: str):
 def build(kind: str):
     if kind.startswith("inkling2"):
         return _hf(kind)
-    torch.manual_seed(0)
-    model = LM(kind)
-    g = torch.Generator().manual_seed(1)
-    return model, (torch.randint(0, V, (2, S), generator=g), torch.randint(0, V, (2, S), generator=g)), {}
+    return lm_build(lambda: LM(kind))

@@ -8,7 +8,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from pattern_models import HD, NH, H, S, V, RMSNorm, SwiGLU
+from pattern_models import HD, NH, H, V, RMSNorm, SwiGLU
+from tiny_lm import lm_build
 
 
 class CastedLinear(nn.Linear):
@@ -104,7 +105,4 @@ KINDS = (*CASTS, *VALUES)
 
 
 def build(kind: str):
-    torch.manual_seed(0)
-    model = LM(kind)
-    g = torch.Generator().manual_seed(1)
-    return model, (torch.randint(0, V, (2, S), generator=g), torch.randint(0, V, (2, S), generator=g)), {}
+    return lm_build(lambda: LM(kind))

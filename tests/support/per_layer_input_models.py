@@ -22,7 +22,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from pattern_models import H, S, V, RMSNorm
+from pattern_models import H, V, RMSNorm
+from tiny_lm import lm_build
 
 L, DPL = 2, 16  # layers, per-layer width
 
@@ -110,7 +111,4 @@ def _gemma4(kind: str):
 def build(kind: str):
     if kind in ("gemma4_text", "gemma4"):
         return _gemma4(kind)
-    torch.manual_seed(0)
-    model = LM(kind)
-    g = torch.Generator().manual_seed(1)
-    return model, (torch.randint(0, V, (2, S), generator=g), torch.randint(0, V, (2, S), generator=g)), {}
+    return lm_build(lambda: LM(kind))

@@ -36,6 +36,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from tiny_lm import lm_build
+
 V, H, NH, HD, S, R, N = 96, 64, 4, 16, 8, 8, 2  # vocab, width, heads, head dim, tokens, rotary dims, streams
 Q_LAT, O, WIN = 24, 6, 4  # q latent, o_a's outputs per group, the compressor's window
 
@@ -212,7 +214,4 @@ def _hf(family: str):
 def build(kind: str):
     if kind in HF_KINDS:
         return _hf(kind)
-    torch.manual_seed(0)
-    model = WrittenLM(kind)
-    g = torch.Generator().manual_seed(1)
-    return model, (torch.randint(0, V, (2, S), generator=g), torch.randint(0, V, (2, S), generator=g)), {}
+    return lm_build(lambda: WrittenLM(kind), s=S, vocab=V)

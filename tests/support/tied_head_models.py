@@ -15,6 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from pattern_models import H, S, Block, RMSNorm
+from tiny_lm import lm_build
 
 V = 96
 KINDS = ("t_method", "T_property", "einsum", "linear", "matmul_transpose")
@@ -49,7 +50,4 @@ class TiedLM(nn.Module):
 
 
 def build(kind: str):
-    torch.manual_seed(0)
-    model = TiedLM(kind)
-    g = torch.Generator().manual_seed(1)
-    return model, (torch.randint(0, V, (2, S), generator=g), torch.randint(0, V, (2, S), generator=g)), {}
+    return lm_build(lambda: TiedLM(kind), s=S, vocab=V)
