@@ -29,7 +29,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from pattern_models import HD, NH, H, V, RMSNorm
-from tiny_lm import lm_build
+from tiny_lm import hf_build, lm_build
 
 R, FF = 8, 128  # the adapters' rank; the MLP's hidden width
 
@@ -179,17 +179,14 @@ KINDS = (*WRITTEN, *HF)
 def _zamba2():
     """Zamba2 with 2 hybrid layers (Mamba-2 mixers each followed by the one shared transformer block) and the
     adapters on attention's q, k, v as well as the MLP's gate_up_proj."""
-    from transformers import AutoModelForCausalLM, Zamba2Config
+    from transformers import Zamba2Config
 
     cfg = Zamba2Config(vocab_size=128, hidden_size=64, num_hidden_layers=2, layers_block_type=["hybrid", "hybrid"],
                        num_attention_heads=4, num_key_value_heads=4, intermediate_size=128, mamba_d_state=16,
                        mamba_ngroups=4, n_mamba_heads=8, adapter_rank=R, num_mem_blocks=1,
                        use_shared_attention_adapter=True, use_mem_rope=False, pad_token_id=0, bos_token_id=0,
                        eos_token_id=0, use_cache=False, max_position_embeddings=64)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cfg)
-    ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(1))
-    return model, (), {"input_ids": ids, "labels": ids}
+    return hf_build(cfg)
 
 
 def build(kind: str):

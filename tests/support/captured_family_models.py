@@ -20,6 +20,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from tiny_lm import hf_build
+
 KINDS = ("joined_conv", "kimi_linear", "longcat_flash", "xmod")
 V, H, NH, S, K = 128, 64, 4, 8, 4  # vocab, width, heads, sequence, the convolution's window
 IDS = {"pad_token_id": 0, "bos_token_id": 0, "eos_token_id": 0, "use_cache": False}
@@ -81,16 +83,12 @@ class JoinedConvLM(nn.Module):
 
 
 def build(kind: str):
-    from transformers import AutoModelForCausalLM
-
     if kind == "joined_conv":
         torch.manual_seed(0)
         g = torch.Generator().manual_seed(1)
         return JoinedConvLM(), (torch.randint(0, V, (2, S), generator=g), torch.randint(0, V, (2, S), generator=g)), {}
     cfg = _config(kind)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cfg)
+    model, args, kwargs = hf_build(cfg)
     if kind == "xmod":  # every layer's adapter is picked by language; the config lists one
         model.set_default_language(cfg.languages[0])
-    ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(1))
-    return model, (), {"input_ids": ids, "labels": ids}
+    return model, args, kwargs

@@ -28,7 +28,7 @@ logits.
 """
 from __future__ import annotations
 
-import torch
+from tiny_lm import hf_build
 
 KINDS = ("xlstm", "lfm3", "hrm_text")
 MIXER_KINDS = ("nemotron_h", "nemotron_h_2_groups", "qwen3_5", "qwen3_5_moe", "qwen3_5_2_key_heads", "mamba")
@@ -57,7 +57,7 @@ def _nemotron_h(groups: int, ids: dict):
 
 
 def build(kind: str):
-    from transformers import AutoModelForCausalLM, HrmTextConfig, Lfm3Config, MambaConfig, xLSTMConfig
+    from transformers import HrmTextConfig, Lfm3Config, MambaConfig, xLSTMConfig
 
     ids = {"pad_token_id": 0, "bos_token_id": 0, "eos_token_id": 0, "use_cache": False}
     cfg = {"xlstm": lambda: xLSTMConfig(hidden_size=64, num_hidden_layers=2, num_heads=4, vocab_size=128, **ids),
@@ -75,7 +75,4 @@ def build(kind: str):
            "mamba": lambda: MambaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, state_size=16,
                                         time_step_rank=4, num_hidden_layers=2, **ids),
            }[kind]()
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cfg)
-    ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(1))
-    return model, (), {"input_ids": ids, "labels": ids}
+    return hf_build(cfg)

@@ -23,7 +23,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from pattern_models import H, V, RMSNorm
-from tiny_lm import lm_build
+from tiny_lm import hf_build, lm_build
 
 L, DPL = 2, 16  # layers, per-layer width
 
@@ -91,7 +91,7 @@ def _text_sizes() -> dict:
 
 
 def _gemma4(kind: str):
-    from transformers import AutoModelForCausalLM, Gemma4Config, Gemma4TextConfig
+    from transformers import Gemma4Config, Gemma4TextConfig
 
     text = Gemma4TextConfig(**_text_sizes())
     if kind == "gemma4_text":
@@ -101,11 +101,9 @@ def _gemma4(kind: str):
                                                                           num_hidden_layers=1, num_attention_heads=4,
                                                                           num_key_value_heads=4, head_dim=16),
                            audio_config=None)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cfg)
+    model, args, kwargs = hf_build(cfg, low=1)
     model.config.use_cache = False
-    ids = torch.randint(1, 128, (2, 8), generator=torch.Generator().manual_seed(1))
-    return model, (), {"input_ids": ids, "labels": ids}
+    return model, args, kwargs
 
 
 def build(kind: str):
