@@ -40,25 +40,18 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from mixer_models import D_CONV, D_INNER, D_STATE, DT_RANK, Mamba  # the same sizes as mixer_models' Mamba
 from pattern_models import H, RMSNorm
 from tiny_lm import Residual, TinyLM, hf_build, lm_build
 
 S = 8
-D_INNER, D_STATE, D_CONV, DT_RANK = 2 * H, 8, 4, 4
 
 
-class NormedMamba(nn.Module):
+class NormedMamba(Mamba):
+    """tests/support/mixer_models.py's Mamba (its parameters, made in its order) with RMS norms on dt, B and C."""
+
     def __init__(self, kind: str):
-        super().__init__()
-        self.kind = kind
-        self.in_proj = nn.Linear(H, 2 * D_INNER, bias=False)
-        self.conv1d = nn.Conv1d(D_INNER, D_INNER, D_CONV, groups=D_INNER, padding=D_CONV - 1, bias=True)
-        self.x_proj = nn.Linear(D_INNER, DT_RANK + 2 * D_STATE, bias=False)
-        self.dt_proj = nn.Linear(DT_RANK, D_INNER, bias=True)
-        a = torch.arange(1, D_STATE + 1, dtype=torch.float32).repeat(D_INNER, 1)  # (d_inner, n)
-        self.A_log = nn.Parameter(torch.log(a) + 0.1 * torch.randn(D_INNER, D_STATE))
-        self.D = nn.Parameter(torch.ones(D_INNER) + 0.1 * torch.randn(D_INNER))
-        self.out_proj = nn.Linear(D_INNER, H, bias=False)
+        super().__init__(kind)
         self.dt_norm, self.b_norm, self.c_norm = RMSNorm(DT_RANK), RMSNorm(D_STATE), RMSNorm(D_STATE)
         for norm in (self.dt_norm, self.b_norm, self.c_norm):  # weights away from 1, so a wrong gradient shows
             nn.init.normal_(norm.weight, 1.0, 0.2)
