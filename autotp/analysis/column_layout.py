@@ -21,13 +21,15 @@ from autotp.shard_spec import Segment
 
 
 def column_segments(col: fx.Node, fp: Fingerprinter, tp: int, where: str, dim: int | None = None,
-                    pieces: int = 1) -> tuple[Segment, ...]:
+                    pieces: int = 1, one_head: bool = True) -> tuple[Segment, ...]:
     """Decide how a column matmul's output is cut: plain, fused (segments), and heads per segment.
 
     Looks ahead along the output: a split/chunk of the feature dim gives the segments of a fused
     projection; the first view that splits each segment into [heads, head_dim] gives the unit of sharding.
     ``pieces``: the heads are read later in that many equal pieces (:class:`~autotp.analysis.ops.Pieces`), each
-    a segment of its own, cut by its heads.
+    a segment of its own, cut by its heads. ``one_head``: features no view splits into heads but that attention
+    reads as its per-head dim are one head every rank holds (False: plain features, the guess a pair falls back
+    to where that one head meets features cut by channels).
     """
     nd = ndim_of(col)
     dim = nd - 1 if dim is None else dim  # the output features (last, but a batched matmul's may be another)
@@ -35,7 +37,7 @@ def column_segments(col: fx.Node, fp: Fingerprinter, tp: int, where: str, dim: i
     found = _probe(col, dim, n, fp, tp, where, 0, pieces)
     if found is not None:
         return found
-    if pieces == 1 and _per_head_dim(col, dim, fp, 0):
+    if pieces == 1 and one_head and _per_head_dim(col, dim, fp, 0):
         # no view into heads, and attention reads the features as its per-head dim: one head every rank holds
         # (a multi-query key head projected (b, s, d) and pooled over windows of the sequence, DeepSeek-V4's
         # compressed keys (b, 1, s/m, d), read beside the query heads)

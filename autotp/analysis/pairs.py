@@ -415,11 +415,38 @@ def _cut(columns: list[ParamMatmul], row: ParamMatmul, fp: Fingerprinter, tp: in
     that each rank's query heads are those of its own kv heads; the first column for which the region then
     holds is the query projection (the keys' or values' column cut so meets the others in order again)."""
     _refuse_folded(columns, row, sides, tp)
+    try:
+        return _cut_as(columns, row, fp, tp, name, sides, shared, one_head=True)
+    except (Unshardable, ShardingError) as e:
+        # a column no view splits into heads whose features some batched matmul reads as a per-head dim was
+        # taken for one head every rank holds (a multi-query key head); where the pair then fails, read it as
+        # plain features (a scan's channels, cut like the features they multiply), else the first reason stands
+        plain = _column_specs(columns, fp, tp, one_head=False)
+        if plain == _column_specs(columns, fp, tp, one_head=True):
+            raise
+        try:
+            return _cut_as(columns, row, fp, tp, name, sides, shared, one_head=False)
+        except (Unshardable, ShardingError):
+            raise e from None
+
+
+def _column_specs(columns: list[ParamMatmul], fp: Fingerprinter, tp: int, one_head: bool) -> dict[fx.Node, Sharding]:
+    """Each column's cut on its output features (:func:`column_segments`)."""
     specs = {}
     for c in columns:
         nd = c.node.meta["val"].dim()
-        segs = column_segments(c.node, fp, tp, f"{c.module} (out_features={c.out_features})", c.y_dim % nd)
+        segs = column_segments(c.node, fp, tp, f"{c.module} (out_features={c.out_features})", c.y_dim % nd,
+                               one_head=one_head)
         specs[c.node] = Sharding(c.y_dim % nd, segs)
+    return specs
+
+
+def _cut_as(columns: list[ParamMatmul], row: ParamMatmul, fp: Fingerprinter, tp: int, name: str,
+            sides: list[ParamMatmul], shared: SharedValues | None, one_head: bool
+            ) -> tuple[dict[fx.Node, Sharding], PairRegion]:
+    """:func:`_cut` with the columns' features read as one head where attention reads them so (``one_head``) or
+    as plain features."""
+    specs = _column_specs(columns, fp, tp, one_head)
     others = {m.node: (m.x, m.x_dim) for m in sides}
     try:
         region = propagate(specs, row.node, row.x, fp, tp, name, row.x_dim, sides=others, shared=shared)
@@ -554,11 +581,8 @@ def _channel_pair(form: ChannelForm, row: ParamMatmul, fp: Fingerprinter, tp: in
     """The region of a channel-parallel mixer (:mod:`autotp.analysis.channels`): its columns cut per segment,
     its reductions row-parallel inside it; raises Unshardable where the cut does not stay local."""
     name = common_module([m.module for m in [*form.columns, *form.reduces, row]]) or row.module
-    specs = {}
-    for c in form.columns:
-        nd = c.node.meta["val"].dim()
-        segs = column_segments(c.node, fp, tp, f"{c.module} (out_features={c.out_features})", c.y_dim % nd)
-        specs[c.node] = Sharding(c.y_dim % nd, segs)
+    # cut by channels: a column's features are never one head, whatever batched matmul of the scan reads them
+    specs = _column_specs(form.columns, fp, tp, one_head=False)
     region = propagate(specs, row.node, row.x, fp, tp, name, row.x_dim,
                        reduces={m.node: (m.x, m.x_dim) for m in form.reduces})
     check_columns_inside(form, region)
