@@ -22,7 +22,7 @@ import torch.fx as fx
 from autotp.analysis.chosen import chooses_only, maker_of
 from autotp.analysis.matmuls import ParamMatmul, module_path
 from autotp.analysis.op_rules import drops_dim, inserts_dim, is_cast, kind_of, permutes
-from autotp.analysis.ops import from_inputs, reaches
+from autotp.analysis.ops import from_inputs, reaches, unread
 from autotp.analysis.pairs import Analysis
 from autotp.plan.plan import WholeParam
 
@@ -65,27 +65,13 @@ def _replicated_reason(module: str, a: Analysis) -> str | None:
     return None
 
 
-def _dead(node: fx.Node) -> bool:
-    """Does nothing computed from ``node`` reach the graph's output or a write?"""
-    seen, todo = set(), [node]
-    while todo:
-        n = todo.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        if n.op == "output" or (isinstance(n.target, torch._ops.OpOverload) and n.target._schema.is_mutable):
-            return False
-        todo.extend(n.users)
-    return True
-
-
 def _matmul_reason(m: ParamMatmul, a: Analysis) -> str:
     known = _replicated_reason(m.module, a)
     if known is not None:
         return known
     readers = sorted({str(getattr(u.target, "__name__", u.target)) for u in m.node.users
                       if kind_of(u.target) != "no_output"})
-    if _dead(m.node):
+    if unread(m.node):
         # computed and then dropped at this call's sizes (DeepSeek-V4's compressor gate over windows of 128
         # tokens, sliced to none of a shorter sequence's): nothing to cut
         return (f"read by nothing in this call's graph: its {m.in_features}→{m.out_features} output (read by "

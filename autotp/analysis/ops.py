@@ -172,6 +172,22 @@ def reaches(node: fx.Node, hit, skip=lambda n: False) -> bool:
     return False
 
 
+def unread(node: fx.Node) -> bool:
+    """Does nothing computed from ``node`` reach the graph's output or a write (a value whose result no one
+    reads: Gemma 4's pad row put by ``torch.where`` into embeddings its per-layer inputs do not read, a gate
+    pooling windows longer than the call's sequence)?"""
+    seen, todo = set(), [node]
+    while todo:
+        n = todo.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n.op == "output" or (isinstance(n.target, torch._ops.OpOverload) and n.target._schema.is_mutable):
+            return False
+        todo.extend(n.users)
+    return True
+
+
 def from_inputs(ids: fx.Node) -> bool:
     """Do ``ids`` come from the call's inputs (token ids), not only from shapes (positions)?"""
     return reaches(ids, lambda n: n.op == "placeholder", lambda n: kind_of(n.target) == "sym_size")

@@ -27,7 +27,7 @@ from autotp.analysis.pairs import Analysis
 from autotp.analysis.chosen import indexer_reason
 from autotp.analysis.matmuls import ParamMatmul, module_path, where
 from autotp.analysis.op_rules import OpRule, kind_of, op_rule
-from autotp.analysis.ops import Unshardable, arg_of, from_inputs, ndim_of, slice_range
+from autotp.analysis.ops import Unshardable, arg_of, from_inputs, ndim_of, slice_range, unread
 from autotp.analysis.propagate import Propagator
 from autotp.analysis.pair_region import ParamCut
 from autotp.analysis.shapes import Fingerprinter, is_static, normalize_dim
@@ -479,23 +479,6 @@ def _propagate_head(m: ParamMatmul, rows: VocabRows, fp: Fingerprinter, tp: int)
     return head
 
 
-def _unread(node: fx.Node) -> bool:
-    """Does nothing computed from ``node`` reach the graph's output or a write? Gemma 4's pad row of the tied
-    token table, ``E[pad]`` ``(h,)``, is put by ``torch.where`` into embeddings that its per-layer inputs do not
-    read when given the ids: the where's result has no reader. Cut by the vocab, the table's read there sees
-    this rank's rows, and no value depends on it."""
-    seen, todo = set(), [node]
-    while todo:
-        n = todo.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        if n.op == "output" or (isinstance(n.target, torch._ops.OpOverload) and n.target._schema.is_mutable):
-            return False
-        todo.extend(n.users)
-    return True
-
-
 def analyze_vocab(gm: fx.GraphModule, a: Analysis, tp: int, multiple: int = 1) -> VocabFacts:
     """Vocab-parallel embeddings and heads of ``gm``; what cannot be sharded is added to ``a.replicated``."""
     facts = VocabFacts()
@@ -506,9 +489,10 @@ def analyze_vocab(gm: fx.GraphModule, a: Analysis, tp: int, multiple: int = 1) -
     paired = {m.node for p in a.pairs for m in [*p.columns, p.row, *p.sides, *p.reduces]}
     params = dict(gm.named_parameters(remove_duplicate=False))
     uses: dict[str, list[fx.Node]] = {}
-    for node in gm.graph.nodes:
+    for node in gm.graph.nodes:  # a read no value depends on (a tied table's pad row put where no one reads it,
+        # Gemma 4's) sees this rank's rows harmlessly: it does not count as a use
         if node.op == "get_attr" and node.target in params:
-            uses.setdefault(node.target, []).extend(u for u in node.users if not _unread(u))
+            uses.setdefault(node.target, []).extend(u for u in node.users if not unread(u))
     rows_of: dict[str, VocabRows] = {}  # weight -> its rows per rank, one for a tied embedding and head
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     unheaded: list[tuple[ParamMatmul, str]] = []  # unpaired matmuls that are no LM head, and why

@@ -15,7 +15,7 @@ from autotp.analysis.result import GraphFacts, analyze_graph
 from autotp.errors import ShardingError, own_bug
 from autotp.analysis.matmuls import ParamMatmul, column_form, module_path
 from autotp.analysis.op_rules import kind_of
-from autotp.analysis.ops import STAT_KINDS, reduction_args
+from autotp.analysis.ops import STAT_KINDS, reaches, reduction_args
 from autotp.plan.plan import (SEQ_PARAMS, Collective, ColumnForm, ExpertLayer, ExpertSlot, GatheredOutput, GraphCut,
                               LocalSlice, PairPlan, ParamShard, Plan, Rewrite, SeqEnter, SeqGather, SeqLeave, SeqSlice,
                               SequencePlan, ShardedInput, Stat, Unit, VocabLoss, VocabPlan, WholeParam)
@@ -179,22 +179,16 @@ def _takes_gradient(x: fx.Node, params: set[str]) -> bool:
     """Can a gradient reach ``x``: does it depend on a parameter (named in ``params``) or on a floating input
     (which a caller may give requires_grad)? Sizes read off a tensor carry none (``arange(s)`` of the ids'
     length)."""
-    seen, todo = set(), [x]
-    while todo:
-        n = todo.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        if n.op == "get_attr" and n.target in params:
-            return True
-        val = n.meta.get("val")
-        if n.op == "placeholder" and (not isinstance(val, torch.Tensor) or val.dtype.is_floating_point):
-            return True
-        if n.op == "call_function" and kind_of(n.target) != "sym_size":
-            todo.extend(n.all_input_nodes)
-        elif n.op not in ("call_function", "get_attr", "placeholder"):
-            return True  # a call of a submodule (an island): what it reads is its own
-    return False
+
+    def carries(n: fx.Node) -> bool:
+        if n.op == "get_attr":
+            return n.target in params
+        if n.op == "placeholder":
+            val = n.meta.get("val")
+            return not isinstance(val, torch.Tensor) or val.dtype.is_floating_point
+        return n.op != "call_function"  # a call of a submodule (an island): what it reads is its own
+
+    return reaches(x, carries, lambda n: n.op == "call_function" and kind_of(n.target) == "sym_size")
 
 
 def _compute_dtype(x: fx.Node, matmuls: list[fx.Node]) -> str:
